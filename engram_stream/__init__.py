@@ -1,0 +1,24 @@
+"""engram_stream: a streaming inference engine for Engram (DeepSeek's conditional n-gram memory).
+
+Where things are:
+  config.py     EngramConfig                     plan.py      HashPlan (geometry + hash oracle)
+  reference.py  the numpy batch forward (oracle) model.py     EngramModel (weights, paths)
+  _hash.pyx     nogil batch hashing              _engine.pyx  StreamEngine (the streaming engine)
+  include/      the C kernels both share (engram_hash.h integers, engram_step.h floats)
+"""
+import os as _os
+
+from .compression import build_compression
+from .config import EngramConfig
+from .model import EngramModel
+from .plan import HashPlan
+from ._engine import EngineSnapshot, StreamEngine
+
+__all__ = ["EngramConfig", "HashPlan", "EngramModel", "StreamEngine", "EngineSnapshot",
+           "build_compression", "get_include"]
+__version__ = "0.1.0"
+
+
+def get_include() -> str:
+    """Folder of the C headers the extensions share (engram_hash.h, engram_step.h)."""
+    return _os.path.join(_os.path.dirname(__file__), "include")

@@ -1,0 +1,83 @@
+# cython: language_level=3
+"""Fast (nogil) hashing: compression and n-gram rows for whole [B, T] id arrays.
+
+The numpy oracle is engram_stream.plan.HashPlan.hash_numpy; tests pin the two bit-equal.
+"""
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint64_t
+
+cnp.import_array()
+
+cdef enum:
+    MAX_NGRAM = 64  # size of the stack window below
+
+
+def compress(const int64_t[:, ::1] ids, const int64_t[::1] lookup, int64_t vocab_size):
+    """Compressed copy of ids (lookup may be None: identity). Raises ValueError on id >= vocab."""
+    cdef Py_ssize_t B = ids.shape[0], T = ids.shape[1], b, t
+    out = np.empty((B, T), dtype=np.int64)
+    cdef int64_t[:, ::1] o = out
+    cdef const int64_t *lk = &lookup[0] if lookup is not None else NULL
+    cdef int64_t bad = -1, v
+    with nogil:
+        for b in range(B):
+            for t in range(T):
+                v = ids[b, t]
+                if v >= vocab_size:
+                    bad = v
+                    break
+                o[b, t] = es_compress(v, lk)
+            if bad >= 0:
+                break
+    if bad >= 0:
+        raise ValueError(f"token id {bad} out of range: ids must be < vocab_size={vocab_size}")
+    return out
+
+
+def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
+                    const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None):
+    """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad)."""
+    cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b, t
+    cdef int k
+    if not 2 <= max_ngram <= MAX_NGRAM:
+        raise ValueError(f"max_ngram_size must be in [2, {MAX_NGRAM}]")
+    if mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:
+        raise ValueError("hash_compressed: multipliers/primes do not match the geometry")
+    if out is None:
+        out = np.empty((B, T, H), dtype=np.int64)
+    if B == 0 or T == 0:
+        return out
+    cdef int64_t[:, :, ::1] o = out
+    cdef int64_t win[MAX_NGRAM]
+    with nogil:
+        for b in range(B):
+            for t in range(T):
+                for k in range(max_ngram):
+                    win[k] = cids[b, t - k] if t - k >= 0 else pad
+                es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], &o[b, t, 0])
+    return out
+
+
+# The mods alone, for tests and for bench/bench_hash.py ------------------------
+
+def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=False):
+    """int64[N, P]: floored x[i] % primes[j], by hardware division or by the reciprocal kernel."""
+    out = np.empty((x.shape[0], primes.shape[0]), dtype=np.int64)
+    cdef int64_t[:, ::1] o = out
+    cdef Py_ssize_t i, j, P = primes.shape[0]
+    cdef es_modulus mods[256]
+    if P > 256 or (P and min(primes) < 1):
+        raise ValueError("floormod: at most 256 positive primes")
+    for j in range(P):
+        mods[j] = es_modulus_make(<uint64_t>primes[j])
+    with nogil:
+        if reciprocal:
+            for i in range(x.shape[0]):
+                for j in range(P):
+                    o[i, j] = es_floormod_fast(x[i], &mods[j])
+        else:
+            for i in range(x.shape[0]):
+                for j in range(P):
+                    o[i, j] = es_floormod(x[i], primes[j])
+    return out

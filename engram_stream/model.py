@@ -1,0 +1,273 @@
+"""EngramModel: the weights of every Engram layer, the batch path, and engines.
+
+A layer's projection weights are stored fused, [Wk_0; ...; Wk_{G-1}; Wv] as one
+[(G+1)*D, E] matrix: the reference names (key_w, value_w, ...) are views of it,
+and a streaming step does all G+1 projections in one pass over the weights.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import reference
+from .config import EngramConfig
+from .plan import HashPlan, as_ids
+
+TABLE_DTYPES = ("float32", "float16", "int8")
+
+
+def reference_shapes(cfg: EngramConfig, plan: HashPlan, layer: int) -> dict:
+    """The reference module's state_dict names and shapes for one layer."""
+    G, D, E, K = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim, cfg.kernel_size
+    shapes = {
+        "multi_head_embedding.embedding.weight": (plan.table_rows[layer], cfg.head_dim),
+        "multi_head_embedding.offsets": (cfg.n_heads,),
+        "value_proj.weight": (D, E),
+        "value_proj.bias": (D,),
+        "short_conv.conv.weight": (G * D, 1, K),
+    }
+    for g in range(G):
+        shapes[f"key_projs.{g}.weight"] = (D, E)
+        shapes[f"key_projs.{g}.bias"] = (D,)
+        shapes[f"norm1.{g}.weight"] = (D,)
+        shapes[f"norm2.{g}.weight"] = (D,)
+        shapes[f"short_conv.norms.{g}.weight"] = (D,)
+    return shapes
+
+
+class LayerWeights:
+    """One layer's parameters. table: [rows, head_dim] float32, float16, or int8 with a
+    float32 scale per row (table_scale); everything else float32."""
+
+    def __init__(self, cfg, offsets, table, proj_w, proj_b, norm1, norm2, conv_norm, conv_w,
+                 table_scale=None):
+        G, D, E = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim
+        self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
+        self.table = table
+        self.table_scale = table_scale
+        self.proj_w = np.ascontiguousarray(proj_w, dtype=np.float32)    # [(G+1)*D, E]
+        self.proj_b = np.ascontiguousarray(proj_b, dtype=np.float32)    # [(G+1)*D]
+        self.key_w = self.proj_w[:G * D].reshape(G, D, E)
+        self.key_b = self.proj_b[:G * D].reshape(G, D)
+        self.value_w = self.proj_w[G * D:]
+        self.value_b = self.proj_b[G * D:]
+        self.norm1 = np.ascontiguousarray(norm1, dtype=np.float32)      # [G, D] keys
+        self.norm2 = np.ascontiguousarray(norm2, dtype=np.float32)      # [G, D] hidden
+        self.conv_norm = np.ascontiguousarray(conv_norm, dtype=np.float32)  # [G, D]
+        self.conv_w = np.ascontiguousarray(conv_w, dtype=np.float32)    # [G*D, K]
+        self._packed = None
+
+    @property
+    def table_dtype(self) -> str:
+        return self.table.dtype.name
+
+    def table_f32(self, rows) -> np.ndarray:
+        """Rows of the table as float32 (dequantized for int8 tables)."""
+        t = self.table[rows]
+        if self.table_scale is not None:
+            return (t.astype(np.float32) * self.table_scale[rows][..., None]).astype(np.float32)
+        return t.astype(np.float32, copy=False)
+
+    def packed(self):
+        """Weights in the engine's layout, built once and shared by every engine:
+        projection panels [ceil(M/16), E, 16], padded bias, conv taps [K, G*D]."""
+        if self._packed is None:
+            M, E = self.proj_w.shape
+            P = -(-M // 16)
+            w = np.zeros((P * 16, E), dtype=np.float32)
+            w[:M] = self.proj_w
+            wp = np.ascontiguousarray(w.reshape(P, 16, E).transpose(0, 2, 1))
+            bp = np.zeros(P * 16, dtype=np.float32)
+            bp[:M] = self.proj_b
+            self._packed = (wp, bp, np.ascontiguousarray(self.conv_w.T))
+        return self._packed
+
+    def state_dict(self, cfg) -> dict:
+        """The reference module's state_dict (numpy arrays; float32 table)."""
+        G = cfg.hc_mult
+        sd = {"multi_head_embedding.embedding.weight": self.table_f32(slice(None)),
+              "multi_head_embedding.offsets": self.offsets.copy(),
+              "value_proj.weight": self.value_w, "value_proj.bias": self.value_b,
+              "short_conv.conv.weight": self.conv_w[:, None, :]}
+        for g in range(G):
+            sd[f"key_projs.{g}.weight"] = self.key_w[g]
+            sd[f"key_projs.{g}.bias"] = self.key_b[g]
+            sd[f"norm1.{g}.weight"] = self.norm1[g]
+            sd[f"norm2.{g}.weight"] = self.norm2[g]
+            sd[f"short_conv.norms.{g}.weight"] = self.conv_norm[g]
+        return sd
+
+
+class EngramModel:
+    """All Engram layers of a model: config, hash plan and weights.
+
+    forward() is the numpy batch path (the oracle); stream() gives the Cython
+    streaming engine of one layer; decoder() drives every layer per token.
+    """
+
+    def __init__(self, cfg: EngramConfig, plan: HashPlan, layers: dict):
+        if not isinstance(cfg, EngramConfig):
+            raise TypeError(f"EngramModel needs an EngramConfig, got {type(cfg).__name__}")
+        if not isinstance(plan, HashPlan) or plan.cfg != cfg:
+            raise ValueError("EngramModel: plan must be a HashPlan of the same config")
+        if sorted(layers) != sorted(cfg.layer_ids):
+            raise ValueError(f"EngramModel: layers {sorted(layers)} != config layer_ids {cfg.layer_ids}")
+        for L, w in layers.items():
+            _validate_layer(cfg, plan, L, w)
+        self.cfg, self.plan, self.layers = cfg, plan, dict(layers)
+
+    def __repr__(self):
+        c = self.cfg
+        return (f"EngramModel(layers={c.layer_ids}, D={c.hidden_size}, G={c.hc_mult}, "
+                f"H={c.n_heads}x{c.head_dim}, table_rows={[self.plan.table_rows[L] for L in c.layer_ids]}, "
+                f"table_dtype={self.layers[c.layer_ids[0]].table_dtype})")
+
+    # Construction ----------------------------------------------------------------------
+    @classmethod
+    def from_reference(cls, cfg: EngramConfig, state_dicts: dict, compression=None, multipliers=None):
+        """Build from the reference module's per-layer state_dicts ({layer: {name: array}}).
+        Every key and shape is checked; tensors are taken as numpy arrays (torch CPU tensors
+        convert through numpy)."""
+        plan = HashPlan(cfg, compression=compression, multipliers=multipliers)
+        if not isinstance(state_dicts, dict):
+            raise TypeError(f"state_dicts must be a dict {{layer: state_dict}}, got {type(state_dicts).__name__}")
+        if sorted(state_dicts) != sorted(cfg.layer_ids):
+            raise ValueError(f"state_dicts must have exactly the layers {cfg.layer_ids}, got {sorted(state_dicts)}")
+        layers = {}
+        G, D = cfg.hc_mult, cfg.hidden_size
+        for L in cfg.layer_ids:
+            sd, want = state_dicts[L], reference_shapes(cfg, plan, L)
+            missing = sorted(set(want) - set(sd))
+            unexpected = sorted(set(sd) - set(want))
+            if missing or unexpected:
+                raise ValueError(f"layer {L} state_dict: missing keys {missing}, unexpected keys {unexpected}")
+            arr = {}
+            for k, shape in want.items():
+                a = _to_numpy(sd[k], f"layer {L} {k}")
+                if a.shape != shape:
+                    raise ValueError(f"layer {L} {k}: expected shape {shape}, got {a.shape}")
+                arr[k] = a
+            if not np.array_equal(arr["multi_head_embedding.offsets"], plan.offsets[L]):
+                raise ValueError(f"layer {L} multi_head_embedding.offsets disagree with the config's prime "
+                                 f"chain: {arr['multi_head_embedding.offsets'][:4]}... vs {plan.offsets[L][:4]}...")
+            f32 = lambda k: np.asarray(arr[k], dtype=np.float32)  # noqa: E731
+            proj_w = np.concatenate([f32(f"key_projs.{g}.weight") for g in range(G)] + [f32("value_proj.weight")])
+            proj_b = np.concatenate([f32(f"key_projs.{g}.bias") for g in range(G)] + [f32("value_proj.bias")])
+            layers[L] = LayerWeights(
+                cfg, plan.offsets[L],
+                table=np.ascontiguousarray(f32("multi_head_embedding.embedding.weight")),
+                proj_w=proj_w, proj_b=proj_b,
+                norm1=np.stack([f32(f"norm1.{g}.weight") for g in range(G)]),
+                norm2=np.stack([f32(f"norm2.{g}.weight") for g in range(G)]),
+                conv_norm=np.stack([f32(f"short_conv.norms.{g}.weight") for g in range(G)]),
+                conv_w=f32("short_conv.conv.weight").reshape(G * D, cfg.kernel_size))
+        return cls(cfg, plan, layers)
+
+    @classmethod
+    def init(cls, cfg: EngramConfig, seed: int = 0, graft_zero_init: bool = False, compression=None,
+             multipliers=None):
+        """Random weights with torch's default initializations (tables N(0,1), Linear and Conv1d
+        uniform(+-1/sqrt(fan_in)), norms 1). graft_zero_init zeroes the value projection, so
+        the module's output is exactly 0: adding it to a frozen model changes nothing at step 0."""
+        plan = HashPlan(cfg, compression=compression, multipliers=multipliers)
+        rng = np.random.default_rng(seed)
+        G, D, E, K = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim, cfg.kernel_size
+        layers = {}
+        for L in cfg.layer_ids:
+            bound = 1 / math.sqrt(E)
+            proj_w = rng.uniform(-bound, bound, ((G + 1) * D, E)).astype(np.float32)
+            proj_b = rng.uniform(-bound, bound, (G + 1) * D).astype(np.float32)
+            if graft_zero_init:
+                proj_w[G * D:] = 0
+                proj_b[G * D:] = 0
+            layers[L] = LayerWeights(
+                cfg, plan.offsets[L],
+                table=rng.standard_normal((plan.table_rows[L], cfg.head_dim), dtype=np.float32),
+                proj_w=proj_w, proj_b=proj_b,
+                norm1=np.ones((G, D), np.float32), norm2=np.ones((G, D), np.float32),
+                conv_norm=np.ones((G, D), np.float32),
+                conv_w=rng.uniform(-1 / math.sqrt(K), 1 / math.sqrt(K), (G * D, K)).astype(np.float32))
+        return cls(cfg, plan, layers)
+
+    # Paths -------------------------------------------------------------------------------
+    def layer(self, layer) -> LayerWeights:
+        return self.layers[self.plan.check_layer(layer)]
+
+    def state_dict(self, layer) -> dict:
+        """The reference module's state_dict of one layer (numpy arrays)."""
+        return self.layer(layer).state_dict(self.cfg)
+
+    def forward(self, layer, ids, hidden) -> np.ndarray:
+        """The numpy batch path: ids int[B, T], hidden float[B, T, G, D] -> float32[B, T, G, D].
+        float64 hidden is computed in float32 (the reference's precision)."""
+        w = self.layer(layer)
+        a = as_ids(ids, 2)
+        h = check_hidden(hidden, a.shape + (self.cfg.hc_mult, self.cfg.hidden_size), "hidden")
+        rows = self.plan.hash_numpy(a, layers=[layer])[layer]
+        return reference.forward(self.cfg, rows, w, h)
+
+    def stream(self, layer, n_streams: int = 1):
+        """The streaming engine of one layer (see engram_stream.StreamEngine)."""
+        from ._engine import StreamEngine
+        return StreamEngine(self, layer, n_streams)
+
+    def decoder(self, n_streams: int = 1):
+        """Every layer's engine behind one per-token driver (see engram_stream.Decoder)."""
+        from .decoder import Decoder
+        return Decoder(self, n_streams)
+
+    # Files ---------------------------------------------------------------------------------
+    def save(self, path, table_dtype=None, progress=None):
+        from . import checkpoint
+        return checkpoint.save(self, path, table_dtype=table_dtype, progress=progress)
+
+    @classmethod
+    def load(cls, path, mmap: bool = True):
+        from . import checkpoint
+        return checkpoint.load(path, mmap=mmap)
+
+
+def _validate_layer(cfg, plan, L, w):
+    """Shapes and dtypes the engine's raw-pointer code relies on."""
+    if not isinstance(w, LayerWeights):
+        raise TypeError(f"layer {L}: expected LayerWeights, got {type(w).__name__}")
+    G, D, E, K = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim, cfg.kernel_size
+    want = {"table": (plan.table_rows[L], cfg.head_dim), "offsets": (cfg.n_heads,),
+            "proj_w": ((G + 1) * D, E), "proj_b": ((G + 1) * D,), "norm1": (G, D), "norm2": (G, D),
+            "conv_norm": (G, D), "conv_w": (G * D, K)}
+    for name, shape in want.items():
+        a = getattr(w, name)
+        if not isinstance(a, np.ndarray) or a.shape != shape:
+            raise ValueError(f"layer {L} {name}: expected shape {shape}, got {getattr(a, 'shape', type(a).__name__)}")
+    if w.table.dtype.name not in TABLE_DTYPES:
+        raise ValueError(f"layer {L} table: dtype must be one of {TABLE_DTYPES}, got {w.table.dtype}")
+    if (w.table.dtype == np.int8) != (w.table_scale is not None):
+        raise ValueError(f"layer {L} table: int8 tables need a per-row float32 table_scale (and only they)")
+    if w.table_scale is not None and np.shape(w.table_scale) != (plan.table_rows[L],):
+        raise ValueError(f"layer {L} table_scale: expected shape ({plan.table_rows[L]},)")
+    if not w.table.flags.c_contiguous:
+        raise ValueError(f"layer {L} table must be C-contiguous")
+    if not np.array_equal(w.offsets, plan.offsets[L]):
+        raise ValueError(f"layer {L} offsets disagree with the config's prime chain")
+
+
+def _to_numpy(x, what):
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.dtype == object or not (np.issubdtype(a.dtype, np.number)):
+        raise TypeError(f"{what}: expected a numeric array, got dtype {a.dtype}")
+    return a
+
+
+def check_hidden(hidden, shape, what="hidden") -> np.ndarray:
+    """hidden as C-contiguous float32 of exactly `shape` (float64/float16 and strided
+    arrays are converted; integer or other dtypes are refused)."""
+    if not isinstance(hidden, np.ndarray):
+        hidden = np.asarray(hidden)
+    if not np.issubdtype(hidden.dtype, np.floating):
+        raise TypeError(f"{what} must be a float array, got dtype {hidden.dtype}")
+    if hidden.shape != tuple(shape):
+        raise ValueError(f"{what} must have shape {tuple(shape)}, got {hidden.shape}")
+    return np.ascontiguousarray(hidden, dtype=np.float32)

@@ -1,0 +1,207 @@
+"""HashPlan: the integer geometry of every Engram layer, and the n-gram hash.
+
+Two hash paths, pinned bit-equal by the tests:
+  hash_numpy  the oracle: the reference's numpy expression, nothing clever;
+  hash        the fast path: compression and hashing in nogil Cython (_hash.pyx)
+              with the C kernels the streaming engine shares.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _hash
+from .config import EngramConfig
+
+PRIME_1 = 10007  # layer seed stride of the reference
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin, exact for every n < 3.3e24."""
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def prime_chain(cfg: EngramConfig) -> dict:
+    """{layer: [[prime]*n_head for each order 2..max_ngram]}, one seen-set across everything."""
+    seen, out = set(), {}
+    for layer in cfg.layer_ids:
+        orders = []
+        for n in range(2, cfg.max_ngram_size + 1):
+            start, heads = cfg.engram_vocab_size[n - 2] - 1, []
+            for _ in range(cfg.n_head_per_ngram):
+                c = start + 1
+                while c in seen or not is_prime(c):
+                    c += 1
+                seen.add(c)
+                heads.append(c)
+                start = c
+            orders.append(heads)
+        out[layer] = orders
+    return out
+
+
+def as_ids(ids, ndim: int, what: str = "ids") -> np.ndarray:
+    """Integer ids as a C-contiguous int64 array of the given ndim (TypeError/ValueError otherwise)."""
+    a = np.asarray(ids)
+    if a.dtype == object or not (np.issubdtype(a.dtype, np.integer) or a.size == 0):
+        raise TypeError(f"{what} must be integers, got dtype {a.dtype}")
+    if a.ndim != ndim:
+        raise ValueError(f"{what} must be {ndim}-d, got shape {a.shape}")
+    if a.dtype == np.uint64 and a.size and a.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{what} holds values past int64")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+class HashPlan:
+    """Geometry and hashing for all layers of a config.
+
+    compression: int64[vocab_size] lookup (the tokenizer normalization, see
+    build_compression) or None for identity. multipliers: {layer: int64[max_ngram]}
+    to inject (any int64, even values that wrap), else drawn as the reference does.
+    """
+
+    def __init__(self, cfg: EngramConfig, compression=None, multipliers=None):
+        if not isinstance(cfg, EngramConfig):
+            raise TypeError(f"HashPlan needs an EngramConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.lookup = None if compression is None else validate_compression(compression, cfg.vocab_size)
+        self.compressed_vocab = cfg.vocab_size if self.lookup is None else int(self.lookup.max()) + 1
+        self.pad_id = cfg.pad_id if self.lookup is None else int(self.lookup[cfg.pad_id])
+        if multipliers is None:
+            self.multipliers = draw_multipliers(cfg, self.compressed_vocab)
+        else:
+            self.multipliers = validate_multipliers(cfg, multipliers)
+        self.primes = prime_chain(cfg)
+        self.head_primes = {L: np.array([p for order in self.primes[L] for p in order], dtype=np.int64)
+                            for L in cfg.layer_ids}
+        self.offsets = {L: np.concatenate([[0], np.cumsum(p)[:-1]]).astype(np.int64)
+                        for L, p in self.head_primes.items()}
+        self.table_rows = {L: int(p.sum()) for L, p in self.head_primes.items()}
+
+    def __repr__(self):
+        return (f"HashPlan(layers={self.cfg.layer_ids}, heads={self.cfg.n_heads}, "
+                f"compressed_vocab={self.compressed_vocab}, pad_id={self.pad_id})")
+
+    def check_layer(self, layer) -> int:
+        if layer not in self.head_primes:
+            raise KeyError(f"layer {layer!r} is not an Engram layer (layer_ids={self.cfg.layer_ids})")
+        return layer
+
+    def compress(self, ids) -> np.ndarray:
+        """Compressed ids (same shape). ids >= vocab_size raise; negative ids pass through."""
+        a = as_ids(ids, np.ndim(ids))
+        flat = a.reshape(1, -1)
+        return _hash.compress(flat, self.lookup, self.cfg.vocab_size).reshape(a.shape)
+
+    def hash(self, ids, layers=None, out=None) -> dict:
+        """{layer: int64[B, T, H]} head-local rows for raw ids[B, T] (fast path).
+
+        out: optional {layer: int64[B, T, H]} buffers to fill (saves the page faults
+        of fresh multi-MB arrays when hashing batch after batch)."""
+        a = as_ids(ids, 2)
+        c = _hash.compress(a, self.lookup, self.cfg.vocab_size)
+        n, h = self.cfg.max_ngram_size, self.cfg.n_head_per_ngram
+        res = {}
+        for L in (self.cfg.layer_ids if layers is None else layers):
+            buf = None if out is None else out.get(L)
+            if buf is not None and not (isinstance(buf, np.ndarray) and buf.dtype == np.int64
+                                        and buf.shape == a.shape + (self.cfg.n_heads,)
+                                        and buf.flags.c_contiguous and buf.flags.writeable):
+                raise ValueError(f"out[{L}] must be a writeable C-contiguous int64 array of shape "
+                                 f"{a.shape + (self.cfg.n_heads,)}")
+            res[L] = _hash.hash_compressed(c, self.multipliers[L], self.head_primes[self.check_layer(L)],
+                                           n, h, self.pad_id, buf)
+        return res
+
+    def hash_numpy(self, ids, layers=None) -> dict:
+        """The oracle: the reference's numpy expression, step by step."""
+        a = as_ids(ids, 2)
+        if a.size and a.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token id {a.max()} out of range: ids must be < vocab_size={self.cfg.vocab_size}")
+        x = a.copy()
+        if self.lookup is not None:
+            pos = x >= 0
+            x[pos] = self.lookup[x[pos]]
+        B, T = x.shape
+        n_max = self.cfg.max_ngram_size
+        shifted = [np.pad(x, ((0, 0), (k, 0)), constant_values=self.pad_id)[:, :T] for k in range(n_max)]
+        out = {}
+        with np.errstate(over="ignore"):
+            for L in (self.cfg.layer_ids if layers is None else layers):
+                mult, heads = self.multipliers[self.check_layer(L)], []
+                for n in range(2, n_max + 1):
+                    mix = shifted[0] * mult[0]
+                    for k in range(1, n):
+                        mix = np.bitwise_xor(mix, shifted[k] * mult[k])
+                    heads += [mix % np.int64(p) for p in self.primes[L][n - 2]]
+                out[L] = np.stack(heads, axis=2) if heads else np.zeros((B, T, 0), np.int64)
+        return out
+
+
+def draw_multipliers(cfg: EngramConfig, compressed_vocab: int) -> dict:
+    """The reference's draw: numpy default_rng(seed + 10007*layer), odd values."""
+    half = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
+    out = {}
+    for L in cfg.layer_ids:
+        r = np.random.default_rng(int(cfg.seed + PRIME_1 * L)).integers(
+            0, half, size=(cfg.max_ngram_size,), dtype=np.int64)
+        out[L] = r * 2 + 1
+    return out
+
+
+def validate_multipliers(cfg: EngramConfig, multipliers) -> dict:
+    if not isinstance(multipliers, dict):
+        raise TypeError(f"multipliers must be a dict {{layer: int64[{cfg.max_ngram_size}]}}, "
+                        f"got {type(multipliers).__name__}")
+    if sorted(multipliers) != sorted(cfg.layer_ids):
+        raise ValueError(f"multipliers must have exactly the layers {cfg.layer_ids}, got {sorted(multipliers)}")
+    out = {}
+    for L in cfg.layer_ids:
+        m = np.asarray(multipliers[L])
+        if not np.issubdtype(m.dtype, np.integer):
+            raise TypeError(f"multipliers[{L}] must be integers, got dtype {m.dtype}")
+        if m.shape != (cfg.max_ngram_size,):
+            raise ValueError(f"multipliers[{L}] must have shape ({cfg.max_ngram_size},), got {m.shape}")
+        if m.dtype == np.uint64:
+            m = m.view(np.int64)  # same bits: injected values may wrap
+        out[L] = np.ascontiguousarray(m, dtype=np.int64)
+    return out
+
+
+def validate_compression(lookup, vocab_size: int) -> np.ndarray:
+    """A dense compression table: int64[vocab_size], values >= 0 covering 0..max without gaps."""
+    a = np.asarray(lookup)
+    if not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"compression table must be integers, got dtype {a.dtype}")
+    if a.ndim != 1 or a.shape[0] != vocab_size:
+        raise ValueError(f"compression table must have shape ({vocab_size},) (vocab_size), got {a.shape}")
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    if a.min() < 0:
+        raise ValueError(f"compression table has negative entries (min {a.min()})")
+    if a.max() >= vocab_size:  # V entries cover at most V distinct ids
+        raise ValueError(f"compression table has gaps: max id {a.max()} >= its length {vocab_size}")
+    used = np.zeros(int(a.max()) + 1, dtype=bool)
+    used[a] = True
+    if not used.all():
+        gap = int(np.flatnonzero(~used)[0])
+        raise ValueError(f"compression table has gaps: compressed id {gap} is never used "
+                         f"(values must cover 0..{a.max()})")
+    return a

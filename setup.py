@@ -1,0 +1,53 @@
+"""Build the Cython extensions.
+
+Compiler directives live here, in one place. Environment switches:
+  ENGRAM_STREAM_DEBUG=1  bounds/wraparound checks on, -O0 -g (for debugging and sanitizers)
+  ENGRAM_STREAM_ASAN=1   also compile and link with -fsanitize=address (implies DEBUG)
+"""
+import os
+
+import numpy
+import scipy  # noqa: F401  (cython_blas.pxd comes from scipy; fail early if absent)
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+MOD_NAMES = ["engram_stream._hash", "engram_stream._engine"]
+
+ASAN = os.environ.get("ENGRAM_STREAM_ASAN") == "1"
+DEBUG = ASAN or os.environ.get("ENGRAM_STREAM_DEBUG") == "1"
+
+DIRECTIVES = {
+    "language_level": 3,
+    "boundscheck": DEBUG,
+    "wraparound": DEBUG,
+    "initializedcheck": DEBUG,
+    "cdivision": True,
+    "embedsignature": True,
+}
+CFLAGS = ["-O0", "-g", "-UNDEBUG"] if DEBUG else ["-O3"]
+LDFLAGS = []
+if ASAN:
+    CFLAGS += ["-fsanitize=address", "-fno-omit-frame-pointer"]
+    LDFLAGS += ["-fsanitize=address"]
+
+INCLUDE = [numpy.get_include(), os.path.join("engram_stream", "include")]
+
+
+def extension(name):
+    return Extension(
+        name,
+        [name.replace(".", "/") + ".pyx"],
+        include_dirs=INCLUDE,
+        extra_compile_args=CFLAGS,
+        extra_link_args=LDFLAGS,
+        define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+    )
+
+
+setup(
+    ext_modules=cythonize(
+        [extension(m) for m in MOD_NAMES],
+        compiler_directives=DIRECTIVES,
+        include_path=["engram_stream"],
+    ),
+)
