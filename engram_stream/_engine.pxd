@@ -10,7 +10,7 @@ cdef extern from "engram_step.h" nogil:
         const float *n2
         const float *n3
         const float *cw
-    void es_gemm_packed(const float *X, int64_t B, int E, const float *Wp, const float *biasp,
+    void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const float *Wp, const float *biasp,
                         int M, float *Y) noexcept
     void es_tail(const es_tail_params *P, const float *proj, const float *hid, float *ring,
                  int64_t pos, float *out) noexcept
@@ -29,6 +29,7 @@ cdef class StreamEngine:
 
     # geometry
     cdef int G, D, E, M, H, hd, n, nh, K, conv_len
+    cdef int64_t ldx              # ebuf row stride: E + 16 (see es_gemm_packed)
     cdef int64_t vocab, pad, C
     cdef int table_kind            # 0 float32, 1 float16, 2 int8 + per-row scale
 
@@ -52,7 +53,7 @@ cdef class StreamEngine:
     # owned scratch
     cdef int64_t cap               # rows the scratch holds (n_streams, grown for prefill)
     cdef int64_t *rbuf             # [cap, H] absolute table rows
-    cdef float *ebuf               # [cap, E] gathered rows
+    cdef float *ebuf               # [cap, ldx] gathered rows
     cdef float *ybuf               # [cap, M] projections
     cdef bint pending              # feed() done, compute() not yet
     cdef bint busy                 # a call is running (one owner at a time)

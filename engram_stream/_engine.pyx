@@ -85,6 +85,7 @@ cdef class StreamEngine:
         self.G, self.D, self.E = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim
         self.C = <int64_t> self.G * self.D
         self.M = (self.G + 1) * self.D
+        self.ldx = self.E + 16
         self.H, self.hd = cfg.n_heads, cfg.head_dim
         self.n, self.nh, self.K = cfg.max_ngram_size, cfg.n_head_per_ngram, cfg.kernel_size
         self.conv_len = cfg.conv_len
@@ -149,7 +150,7 @@ cdef class StreamEngine:
         if r == NULL:
             raise MemoryError("StreamEngine: scratch allocation failed")
         self.rbuf = <int64_t *> r
-        r = realloc(self.ebuf, cap * self.E * sizeof(float))
+        r = realloc(self.ebuf, cap * self.ldx * sizeof(float))
         if r == NULL:
             raise MemoryError("StreamEngine: scratch allocation failed")
         self.ebuf = <float *> r
@@ -274,8 +275,8 @@ cdef class StreamEngine:
     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:
         cdef int64_t b, S = self.n_streams
         for b in range(S):
-            self._gather(self.rbuf + b * self.H, self.ebuf + b * self.E)
-        es_gemm_packed(self.ebuf, S, self.E, self.wp, self.bp, self.M, self.ybuf)
+            self._gather(self.rbuf + b * self.H, self.ebuf + b * self.ldx)
+        es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf)
         for b in range(S):
             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
 
@@ -356,8 +357,8 @@ cdef class StreamEngine:
                         nb = min(chunk, T - t0)
                         for i in range(nb):
                             self._hash_one(stream, pid[t0 + i], self.rbuf + i * self.H)
-                            self._gather(self.rbuf + i * self.H, self.ebuf + i * self.E)
-                        es_gemm_packed(self.ebuf, nb, self.E, self.wp, self.bp, self.M, self.ybuf)
+                            self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)
+                        es_gemm_packed(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf)
                         for i in range(nb):
                             self._tail(stream, self.ybuf + i * self.M, ph + (t0 + i) * self.C,
                                        po + (t0 + i) * self.C)

@@ -43,6 +43,13 @@ def _load(path):
     return cfg, d.get("compression"), d
 
 
+def _multipliers(cfg, d):
+    """Injected multipliers ({layer: int64[max_ngram]}) for configs that carry them, else None."""
+    if "multipliers_injected" not in d:
+        return None
+    return {L: d[f"L{L}.multipliers"] for L in cfg.layer_ids}
+
+
 def _state_dicts(cfg, d):
     out = {}
     for L in cfg.layer_ids:
@@ -57,7 +64,7 @@ def _state_dicts(cfg, d):
 @golden
 def test_plan_geometry(path):
     cfg, comp, d = _load(path)
-    plan = HashPlan(cfg, compression=comp)
+    plan = HashPlan(cfg, compression=comp, multipliers=_multipliers(cfg, d))
     want_pad = cfg.pad_id if comp is None else int(comp[cfg.pad_id])
     assert plan.pad_id == want_pad
     for L in cfg.layer_ids:
@@ -78,7 +85,7 @@ def test_plan_geometry(path):
 @pytest.mark.parametrize("method", ["hash", "hash_numpy"])
 def test_plan_hash(path, method):
     cfg, comp, d = _load(path)
-    plan = HashPlan(cfg, compression=comp)
+    plan = HashPlan(cfg, compression=comp, multipliers=_multipliers(cfg, d))
     got = getattr(plan, method)(d["ids"])
     assert sorted(got) == sorted(cfg.layer_ids)
     for L in cfg.layer_ids:
@@ -95,7 +102,8 @@ def test_model_forward(path):
     if not hasattr(engram_stream, "EngramModel"):
         pytest.fail("engram_stream.EngramModel is missing")
     cfg, comp, d = _load(path)
-    model = engram_stream.EngramModel.from_reference(cfg, _state_dicts(cfg, d), compression=comp)
+    model = engram_stream.EngramModel.from_reference(cfg, _state_dicts(cfg, d), compression=comp,
+                                                     multipliers=_multipliers(cfg, d))
     for L in cfg.layer_ids:
         y = np.asarray(model.forward(L, d["ids"], d["hidden"]))
         want = d[f"L{L}.output"]
@@ -138,8 +146,9 @@ def test_generator_reproduces_committed_file(path, tmp_path):
         got = fresh[k]
         assert got.dtype == want.dtype and got.shape == want.shape, k
         if k.endswith(".output"):
-            # the forward depends on torch's float kernels: close, not bit-equal
-            np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6, err_msg=k)
+            # the forward depends on torch's float32 kernels (SIMD width, reduction order
+            # differ between machines): close, not bit-equal
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5, err_msg=k)
         else:
             # integers, config, and the numpy-drawn hidden states and weights: bit-equal
             np.testing.assert_array_equal(got, want, err_msg=k)

@@ -35,6 +35,8 @@ Each npz holds
   compression            int64[vocab]           (only when a table is used)
   ids                    int64[B, T]            (raw ids, some negative)
   hidden                 float32[B, T, G, D]
+  multipliers_injected   bool scalar            (only when multipliers are injected: pass
+                                                 L{L}.multipliers as HashPlan(multipliers=))
   L{L}.multipliers       int64[max_ngram]
   L{L}.primes            int64[H]               (order-major, flat)
   L{L}.offsets           int64[H]
@@ -74,6 +76,7 @@ _MASK64 = (1 << 64) - 1
 #   comp_classes: None -> identity, else draw a dense table with that many labels
 #   negatives:    raw ids written over some positions of the random ids
 #   data_seed:    seeds every random draw of this config
+#   inject_multipliers: optional {layer: [int64]*max_ngram} used instead of the draw
 # Kernel sizes 2..5, max_ngram 2..4, hc_mult 1/2/4; every config has
 # T > (K-1)*max_ngram so the conv reaches back through its whole window.
 # ---------------------------------------------------------------------------
@@ -102,6 +105,14 @@ CONFIGS = [
          engram_vocab_size=[53], max_ngram_size=2, n_embed_per_ngram=16, n_head_per_ngram=4,
          layer_ids=[1, 3], pad_id=30, seed=123, kernel_size=5, hidden_size=32, hc_mult=2,
          vocab_size=90, comp_classes=40, B=2, T=18, negatives=[], data_seed=505),
+    # injected multipliers (any int64: even, negative, near the limits) so products wrap;
+    # the npz then carries `multipliers_injected` and the consumer passes them in.
+    dict(name="hc2_n3_k3_injected",
+         engram_vocab_size=[43, 47], max_ngram_size=3, n_embed_per_ngram=8, n_head_per_ngram=2,
+         layer_ids=[4, 1], pad_id=3, seed=9, kernel_size=3, hidden_size=12, hc_mult=2,
+         vocab_size=70, comp_classes=30, B=2, T=15, negatives=[(0, 6, -1)], data_seed=606,
+         inject_multipliers={4: [INT64_MAX, -3, (1 << 62) + 12345],
+                             1: [-(1 << 63), 0x5DEECE66D << 20, -987654321987654321]}),
 ]
 
 CONFIG_FIELDS = ("engram_vocab_size", "max_ngram_size", "n_embed_per_ngram", "n_head_per_ngram",
@@ -323,13 +334,19 @@ def generate(spec) -> dict:
     hidden = rng.standard_normal((B, T, G, D)).astype(np.float32)
 
     cids = compress_ids(ids, table)
-    mults = layer_multipliers(spec, compressed_vocab)
+    injected = spec.get("inject_multipliers")
+    if injected is None:
+        mults = layer_multipliers(spec, compressed_vocab)
+    else:
+        mults = {L: np.array(injected[L], dtype=np.int64) for L in spec["layer_ids"]}
     chain = head_primes(spec)
 
     out = {"config_json": np.array(json.dumps({k: spec[k] for k in CONFIG_FIELDS}, sort_keys=True)),
            "ids": ids, "hidden": hidden}
     if table is not None:
         out["compression"] = table
+    if injected is not None:
+        out["multipliers_injected"] = np.array(True)
 
     torch.manual_seed(spec["data_seed"])   # module init is overwritten below; seed for tidiness
     for layer in spec["layer_ids"]:

@@ -38,19 +38,25 @@ typedef int32_t es_v8i __attribute__((vector_size(32), aligned(4)));
 /* Packed layout: panel p holds columns [16p, 16p+16) of W^T as Wp[p][k][16]
  * (zero padded past M); biasp is padded to a multiple of 16 the same way. */
 
+/* pf: the next panel, prefetched line by line while this one computes (NULL: none):
+ * a second memory stream in flight, as the GEMV gets from its four panels. */
 ES_INLINE void es_tile(const float *X, int64_t ldx, const float *w, int E, const float *bias,
-                       float *Y, int64_t ldy, int ncols, const int mr) {
+                       float *Y, int64_t ldy, int ncols, const int mr, const float *pf) {
     es_v8 acc[ES_MR][2];
     es_v8 b0 = *(const es_v8 *)bias, b1 = *(const es_v8 *)(bias + 8);
+#pragma GCC unroll 6
     for (int r = 0; r < mr; r++) { acc[r][0] = b0; acc[r][1] = b1; }
     for (int k = 0; k < E; k++) {
         es_v8 w0 = *(const es_v8 *)(w + 16 * (int64_t)k), w1 = *(const es_v8 *)(w + 16 * (int64_t)k + 8);
+        if (pf) __builtin_prefetch(pf + 16 * (int64_t)k);
+#pragma GCC unroll 6
         for (int r = 0; r < mr; r++) {
             float x = X[r * ldx + k];
             acc[r][0] += x * w0;
             acc[r][1] += x * w1;
         }
     }
+#pragma GCC unroll 6
     for (int r = 0; r < mr; r++) {
         if (ncols == ES_PANEL) {
             *(es_v8 *)(Y + r * ldy) = acc[r][0];
@@ -92,22 +98,57 @@ ES_INLINE void es_tile1(const float *x, const float *w, int E, const float *bias
     memcpy(y, tmp, sizeof(float) * ncols);
 }
 
-ES_CLONES static void es_gemm_packed(const float *X, int64_t B, int E, const float *Wp,
+/* A GEMV over four panels at once: four concurrent sequential streams keep more
+ * memory requests in flight than one (measured: ~1.8x the bandwidth of one). */
+ES_INLINE void es_gemv4(const float *x, int E, const float *w, const float *bias, float *y) {
+    const int64_t PS = (int64_t)E * ES_PANEL; /* floats per panel */
+    es_v8 a0 = *(const es_v8 *)(bias), a1 = *(const es_v8 *)(bias + 8);
+    es_v8 b0 = *(const es_v8 *)(bias + 16), b1 = *(const es_v8 *)(bias + 24);
+    es_v8 c0 = *(const es_v8 *)(bias + 32), c1 = *(const es_v8 *)(bias + 40);
+    es_v8 d0 = *(const es_v8 *)(bias + 48), d1 = *(const es_v8 *)(bias + 56);
+    for (int k = 0; k < E; k++) {
+        const float xk = x[k];
+        const float *wk = w + 16 * (int64_t)k;
+        a0 += xk * *(const es_v8 *)(wk);
+        a1 += xk * *(const es_v8 *)(wk + 8);
+        b0 += xk * *(const es_v8 *)(wk + PS);
+        b1 += xk * *(const es_v8 *)(wk + PS + 8);
+        c0 += xk * *(const es_v8 *)(wk + 2 * PS);
+        c1 += xk * *(const es_v8 *)(wk + 2 * PS + 8);
+        d0 += xk * *(const es_v8 *)(wk + 3 * PS);
+        d1 += xk * *(const es_v8 *)(wk + 3 * PS + 8);
+    }
+    *(es_v8 *)(y) = a0; *(es_v8 *)(y + 8) = a1;
+    *(es_v8 *)(y + 16) = b0; *(es_v8 *)(y + 24) = b1;
+    *(es_v8 *)(y + 32) = c0; *(es_v8 *)(y + 40) = c1;
+    *(es_v8 *)(y + 48) = d0; *(es_v8 *)(y + 56) = d1;
+}
+
+/* X rows are ldx floats apart: keep ldx*4 off multiples of 4 KiB (the engine pads
+ * rows by 16 floats), else the rows of a tile alias one L1 set (measured 1.3-1.6x). */
+ES_CLONES static void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const float *Wp,
                                      const float *biasp, int M, float *Y) {
-    int np = (M + ES_PANEL - 1) / ES_PANEL;
-    for (int p = 0; p < np; p++) {
+    const int np = (M + ES_PANEL - 1) / ES_PANEL;
+    int p = 0;
+    if (B == 1) { /* one row: stream the weights four panels at a time */
+        for (; p + 4 <= M / ES_PANEL; p += 4)
+            es_gemv4(X, E, Wp + (int64_t)p * E * ES_PANEL, biasp + p * ES_PANEL, Y + p * ES_PANEL);
+    }
+    for (; p < np; p++) { /* each panel is read from memory once; its rows tiles reuse it from cache */
         const float *w = Wp + (int64_t)p * E * ES_PANEL;
         const float *bias = biasp + p * ES_PANEL;
         int ncols = M - p * ES_PANEL < ES_PANEL ? M - p * ES_PANEL : ES_PANEL;
         float *Yp = Y + p * ES_PANEL;
+        const float *pf = p + 1 < np ? w + (int64_t)E * ES_PANEL : 0;
         int64_t b = 0;
-        for (; b + ES_MR <= B; b += ES_MR) es_tile(X + b * E, E, w, E, bias, Yp + b * M, M, ncols, ES_MR);
+        for (; b + ES_MR <= B; b += ES_MR, pf = 0)
+            es_tile(X + b * ldx, ldx, w, E, bias, Yp + b * M, M, ncols, ES_MR, pf);
         switch (B - b) {
-            case 5: es_tile(X + b * E, E, w, E, bias, Yp + b * M, M, ncols, 5); break;
-            case 4: es_tile(X + b * E, E, w, E, bias, Yp + b * M, M, ncols, 4); break;
-            case 3: es_tile(X + b * E, E, w, E, bias, Yp + b * M, M, ncols, 3); break;
-            case 2: es_tile(X + b * E, E, w, E, bias, Yp + b * M, M, ncols, 2); break;
-            case 1: es_tile1(X + b * E, w, E, bias, Yp + b * M, ncols); break;
+            case 5: es_tile(X + b * ldx, ldx, w, E, bias, Yp + b * M, M, ncols, 5, pf); break;
+            case 4: es_tile(X + b * ldx, ldx, w, E, bias, Yp + b * M, M, ncols, 4, pf); break;
+            case 3: es_tile(X + b * ldx, ldx, w, E, bias, Yp + b * M, M, ncols, 3, pf); break;
+            case 2: es_tile(X + b * ldx, ldx, w, E, bias, Yp + b * M, M, ncols, 2, pf); break;
+            case 1: es_tile1(X + b * ldx, w, E, bias, Yp + b * M, ncols); break;
             default: break;
         }
     }
