@@ -1,6 +1,6 @@
 # The streaming engine's C state. Kernels: include/engram_hash.h (integers) and
 # include/engram_step.h (floats); this class owns the buffers and the rules.
-from libc.stdint cimport int64_t, int8_t, uint16_t
+from libc.stdint cimport int64_t, int8_t, uint8_t, uint16_t
 
 cdef extern from "engram_step.h" nogil:
     ctypedef struct es_tail_params:
@@ -16,6 +16,13 @@ cdef extern from "engram_step.h" nogil:
                  int64_t pos, float *out) noexcept
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_f16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
+    void es_prefetch_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n) noexcept
+    int64_t es_advise_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n,
+                           int advice) noexcept
+    void es_mark_rows(uint8_t *bitmap, const int64_t *rows, int64_t n) noexcept
+    int MADV_WILLNEED
+    int MADV_RANDOM
+    int MADV_NORMAL
     void es_gather_i8(const int8_t *table, const float *scale, int hd, const int64_t *rows, int H,
                       float *e) noexcept
 
@@ -40,6 +47,9 @@ cdef class StreamEngine:
     cdef const int64_t *offsets
     cdef const char *table
     cdef const float *table_scale
+    cdef int64_t rowbytes          # bytes of one table row
+    cdef uint8_t *touched          # optional rows-touched bitmap (track_rows), borrowed
+    cdef object _touched_ref
     cdef const float *wp           # packed projection panels
     cdef const float *bp           # padded bias
     cdef es_tail_params tp

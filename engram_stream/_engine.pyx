@@ -13,7 +13,7 @@ import hashlib
 
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int64_t, int8_t, uint16_t
+from libc.stdint cimport int64_t, int8_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 from libc.math cimport sqrt
@@ -118,6 +118,7 @@ cdef class StreamEngine:
         self.primes = <const int64_t *> _data(primes)
         self.offsets = <const int64_t *> _data(offsets)
         self.table = _data(table)
+        self.rowbytes = self.hd * table.dtype.itemsize
         self.wp = <const float *> _data(wp)
         self.bp = <const float *> _data(bp)
         self.tp.G, self.tp.D, self.tp.K = self.G, self.D, self.K
@@ -184,6 +185,8 @@ cdef class StreamEngine:
         es_hash_window(win, self.mult, self.n, self.nh, self.primes, rows)
         for j in range(self.H):
             rows[j] += self.offsets[j]
+        if self.touched != NULL:
+            es_mark_rows(self.touched, rows, self.H)
         for k in range(self.n - 2, 0, -1):
             h[k] = h[k - 1]
         h[0] = win[0]
@@ -271,6 +274,7 @@ cdef class StreamEngine:
         cdef int64_t b
         for b in range(self.n_streams):
             self._hash_one(b, ids[b], self.rbuf + b * self.H)
+        es_prefetch_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H)
 
     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:
         cdef int64_t b, S = self.n_streams
@@ -326,6 +330,30 @@ cdef class StreamEngine:
         cdef cnp.ndarray r = np.empty((self.n_streams, self.H), dtype=np.int64)
         memcpy(cnp.PyArray_DATA(r), self.rbuf, self.n_streams * self.H * sizeof(int64_t))
         return r
+
+    def prefetch(self):
+        """After feed(): madvise(WILLNEED) the pages of the fed rows, so a file-backed table
+        starts reading them now (while earlier layers compute). Returns failed madvise calls."""
+        if not self.pending:
+            raise RuntimeError("prefetch() needs feed(token_ids) first")
+        cdef int64_t failed
+        with nogil:
+            failed = es_advise_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H,
+                                    MADV_WILLNEED)
+        return int(failed)
+
+    def track_rows(self, bitmap):
+        """Record every row this engine reads in `bitmap` (uint8[ceil(table_rows/8)], bit r =
+        row r), or stop recording with None. The array is borrowed: keep it alive."""
+        cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
+        if bitmap is None:
+            self.touched, self._touched_ref = NULL, None
+            return
+        if not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8 and bitmap.flags.c_contiguous
+                and bitmap.flags.writeable and bitmap.shape == (need,)):
+            raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
+        self._touched_ref = bitmap
+        self.touched = <uint8_t *> cnp.PyArray_DATA(bitmap)
 
     @property
     def pending_compute(self):
@@ -430,8 +458,8 @@ cdef class StreamEngine:
         memcpy(cnp.PyArray_DATA(seen), self.seen, seen.nbytes)
         return EngineSnapshot(self._fingerprint, hist, ring, pos, seen)
 
-    def restore(self, snapshot):
-        """Put back a snapshot of this engine, or of one with the same layer, config and streams."""
+    def _check_snapshot(self, snapshot):
+        """Raise unless `snapshot` can be restored here (changes nothing)."""
         if not isinstance(snapshot, EngineSnapshot):
             raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")
         fp = snapshot.fingerprint
@@ -441,24 +469,24 @@ cdef class StreamEngine:
                    "stream count" if fp[2] != self._fingerprint[2] else "hash plan")
             raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")
         cdef int64_t S = self.n_streams
-        shapes = {"hist": (S, self.n - 1), "ring": (S, self.conv_len, self.C), "pos": (S,), "seen": (S,)}
-        for name, shape in shapes.items():
-            a = getattr(snapshot, name)
-            if not (isinstance(a, np.ndarray) and a.shape == shape and a.flags.c_contiguous):
-                raise ValueError(f"snapshot.{name} is damaged: expected shape {shape}")
-        pos = np.asarray(snapshot.pos)
-        if self.conv_len and (pos.min() < 0 or pos.max() >= self.conv_len):
+        shapes = {"hist": ((S, self.n - 1), np.int64), "ring": ((S, self.conv_len, self.C), np.float32),
+                  "pos": ((S,), np.int64), "seen": ((S,), np.int64)}
+        for name, (shape, dtype) in shapes.items():
+            a = getattr(snapshot, name, None)
+            if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
+                raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
+        if self.conv_len and (snapshot.pos.min() < 0 or snapshot.pos.max() >= self.conv_len):
             raise ValueError("snapshot.pos is damaged: ring positions out of range")
-        hist = np.ascontiguousarray(snapshot.hist, dtype=np.int64)
-        ring = np.ascontiguousarray(snapshot.ring, dtype=np.float32)
-        seen = np.ascontiguousarray(snapshot.seen, dtype=np.int64)
-        pos = np.ascontiguousarray(pos, dtype=np.int64)
+
+    def restore(self, snapshot):
+        """Put back a snapshot of this engine, or of one with the same layer, config and streams."""
+        self._check_snapshot(snapshot)
         self._enter()
         try:
-            memcpy(self.hist, cnp.PyArray_DATA(hist), hist.nbytes)
-            memcpy(self.ring, cnp.PyArray_DATA(ring), ring.nbytes)
-            memcpy(self.pos, cnp.PyArray_DATA(pos), pos.nbytes)
-            memcpy(self.seen, cnp.PyArray_DATA(seen), seen.nbytes)
+            memcpy(self.hist, cnp.PyArray_DATA(snapshot.hist), snapshot.hist.nbytes)
+            memcpy(self.ring, cnp.PyArray_DATA(snapshot.ring), snapshot.ring.nbytes)
+            memcpy(self.pos, cnp.PyArray_DATA(snapshot.pos), snapshot.pos.nbytes)
+            memcpy(self.seen, cnp.PyArray_DATA(snapshot.seen), snapshot.seen.nbytes)
             self.pending = False
         finally:
             self.busy = False

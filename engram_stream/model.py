@@ -212,10 +212,10 @@ class EngramModel:
         from ._engine import StreamEngine
         return StreamEngine(self, layer, n_streams)
 
-    def decoder(self, n_streams: int = 1):
-        """Every layer's engine behind one per-token driver (see engram_stream.Decoder)."""
+    def decoder(self, n_streams: int = 1, prefetch="auto"):
+        """Every layer's engine behind one per-token driver (see engram_stream.decoder)."""
         from .decoder import Decoder
-        return Decoder(self, n_streams)
+        return Decoder(self, n_streams, prefetch=prefetch)
 
     # Files ---------------------------------------------------------------------------------
     def save(self, path, table_dtype=None, progress=None):

@@ -17,6 +17,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ES_NO_CLONES)
 #define ES_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -305,6 +307,35 @@ ES_CLONES static void es_gather_i8(const int8_t *table, const float *scale, int 
         float *dst = e + (int64_t)j * hd;
         for (int d = 0; d < hd; d++) dst[d] = (float)src[d] * s;
     }
+}
+
+/* ---- knowing rows early ------------------------------------------------------------ */
+
+/* Pull rows into the CPU cache ahead of the gather (in-RAM tables). */
+static inline void es_prefetch_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n) {
+    for (int64_t j = 0; j < n; j++) {
+        const char *r = table + rows[j] * rowbytes;
+        for (int64_t b = 0; b < rowbytes; b += 64) __builtin_prefetch(r + b);
+    }
+}
+
+/* madvise(advice) on the pages holding each row (file-backed tables: WILLNEED starts
+ * the reads now, while earlier layers compute). Returns how many calls failed. */
+static inline int64_t es_advise_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n,
+                                     int advice) {
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    int64_t failed = 0;
+    for (int64_t j = 0; j < n; j++) {
+        uintptr_t a = (uintptr_t)(table + rows[j] * rowbytes);
+        uintptr_t lo = a & ~(page - 1), hi = (a + rowbytes + page - 1) & ~(page - 1);
+        failed += madvise((void *)lo, hi - lo, advice) != 0;
+    }
+    return failed;
+}
+
+/* Mark rows in a bitmap (rows-touched accounting for residency reports). */
+static inline void es_mark_rows(uint8_t *bitmap, const int64_t *rows, int64_t n) {
+    for (int64_t j = 0; j < n; j++) bitmap[rows[j] >> 3] |= (uint8_t)(1u << (rows[j] & 7));
 }
 
 #endif /* ENGRAM_STEP_H */

@@ -1,0 +1,100 @@
+"""Decoder: every Engram layer of a model, driven one token at a time.
+
+A token's table rows depend only on the tokens, so when a token arrives the
+decoder hashes every layer at once (begin), before any layer runs; each layer's
+call (layer) then only gathers, projects and convolves. Between the two, a
+file-backed table has its rows' pages requested (prefetch), so the reads overlap
+the compute of the layers in between.
+
+    dec = model.decoder(n_streams=1)
+    for tok in tokens:
+        dec.begin(tok)                     # hash all layers, prefetch their rows
+        for i, block in enumerate(blocks):
+            if i in dec.layers:
+                h = h + dec.layer(i, h)    # Engram output, caller adds the residual
+            h = block(h)
+"""
+from __future__ import annotations
+
+
+class Decoder:
+    """Per-layer StreamEngines behind one token clock.
+
+    prefetch: "auto" (madvise WILLNEED of the rows' pages when a table is not in
+    anonymous memory, i.e. an mmap checkpoint), True (always), False (never)."""
+
+    def __init__(self, model, n_streams: int = 1, prefetch="auto"):
+        if prefetch not in ("auto", True, False):
+            raise ValueError(f"prefetch must be 'auto', True or False, got {prefetch!r}")
+        self.model = model
+        self.n_streams = n_streams
+        self.engines = {L: model.stream(L, n_streams) for L in model.cfg.layer_ids}
+        self.prefetch = {L: (prefetch is True) or (prefetch == "auto" and _file_backed(model.layer(L).table))
+                         for L in self.engines}
+
+    @property
+    def layers(self):
+        return tuple(self.engines)
+
+    def pending(self):
+        """Layers that still have to run for the current token."""
+        return [L for L, e in self.engines.items() if e.pending_compute]
+
+    def begin(self, token_ids):
+        """A new token (per stream): hash every layer now; prefetch rows of file-backed tables."""
+        left = self.pending()
+        if left:
+            raise RuntimeError(f"layers {left} have not run for the previous token: call layer() for them first")
+        for L, e in self.engines.items():
+            e.feed(token_ids)  # all engines share vocab and validation: the first one raises or none does
+            if self.prefetch[L]:
+                e.prefetch()
+
+    def layer(self, layer, hidden, out=None):
+        """Layer `layer`'s Engram output for the current token (hidden [G, D] or [S, G, D])."""
+        e = self.engines.get(layer)
+        if e is None:
+            raise KeyError(f"layer {layer!r} is not an Engram layer (layers={self.layers})")
+        return e.compute(hidden, out=out)
+
+    def step(self, token_ids, hiddens: dict) -> dict:
+        """begin() then every layer in order: {layer: hidden} -> {layer: output}.
+        (A real model feeds each layer the hidden state its earlier layers produced.)"""
+        if sorted(hiddens) != sorted(self.engines):
+            raise ValueError(f"hiddens must have exactly the layers {list(self.engines)}")
+        self.begin(token_ids)
+        return {L: self.layer(L, hiddens[L]) for L in self.engines}
+
+    def prefill(self, ids, hiddens: dict, stream: int = 0) -> dict:
+        """A prompt on one stream for every layer: {layer: hidden[T, G, D]} -> {layer: out}."""
+        if sorted(hiddens) != sorted(self.engines):
+            raise ValueError(f"hiddens must have exactly the layers {list(self.engines)}")
+        if self.pending():
+            raise RuntimeError(f"layers {self.pending()} have not run for the current token")
+        return {L: e.prefill(ids, hiddens[L], stream=stream) for L, e in self.engines.items()}
+
+    def reset(self, stream=None):
+        for e in self.engines.values():
+            e.reset(stream)
+
+    def snapshot(self) -> dict:
+        return {L: e.snapshot() for L, e in self.engines.items()}
+
+    def restore(self, snapshot: dict):
+        if not isinstance(snapshot, dict) or sorted(snapshot) != sorted(self.engines):
+            raise ValueError("snapshot must be a Decoder.snapshot() of a decoder with the same layers")
+        for L, e in self.engines.items():  # check all before changing any
+            e._check_snapshot(snapshot[L])
+        for L, e in self.engines.items():
+            e.restore(snapshot[L])
+
+
+def _file_backed(table) -> bool:
+    """True when the table's memory comes from a file mapping (mmap checkpoint)."""
+    import mmap
+    import numpy as np
+
+    base = table
+    while isinstance(base, np.ndarray) and base.base is not None:
+        base = base.base
+    return isinstance(base, (mmap.mmap, np.memmap)) or type(base).__name__ == "mmap"
