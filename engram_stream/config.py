@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass, field
 
 INT64_MAX = (1 << 63) - 1
+MAX_NGRAM = 64  # the C kernels keep a window of at most this many ids on the stack
 
 
 def _int(name, value, lo=None):
@@ -48,6 +49,8 @@ class EngramConfig:
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         put("max_ngram_size", _int("max_ngram_size", self.max_ngram_size, 2))
+        if self.max_ngram_size > MAX_NGRAM:
+            raise ValueError(f"EngramConfig.max_ngram_size must be <= {MAX_NGRAM}, got {self.max_ngram_size}")
         for name in ("n_embed_per_ngram", "n_head_per_ngram", "kernel_size", "hidden_size",
                      "hc_mult", "vocab_size"):
             put(name, _int(name, getattr(self, name), 1))

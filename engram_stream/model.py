@@ -252,9 +252,17 @@ def _validate_layer(cfg, plan, L, w):
         raise ValueError(f"layer {L} offsets disagree with the config's prime chain")
 
 
+def _NUMPY_TORCH_FLOATS():
+    import torch
+    return (torch.float16, torch.float32, torch.float64)
+
+
 def _to_numpy(x, what):
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
-        x = x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        if x.is_floating_point() and x.dtype not in _NUMPY_TORCH_FLOATS():
+            x = x.float()  # bfloat16 (numpy has no such dtype): exact in float32
+        x = x.numpy()
     a = np.asarray(x)
     if a.dtype == object or not (np.issubdtype(a.dtype, np.number)):
         raise TypeError(f"{what}: expected a numeric array, got dtype {a.dtype}")

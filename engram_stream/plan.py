@@ -117,6 +117,8 @@ class HashPlan:
         out: optional {layer: int64[B, T, H]} buffers to fill (saves the page faults
         of fresh multi-MB arrays when hashing batch after batch)."""
         a = as_ids(ids, 2)
+        if out is not None and not isinstance(out, dict):
+            raise TypeError(f"out must be a dict {{layer: int64[B, T, H]}}, got {type(out).__name__}")
         c = _hash.compress(a, self.lookup, self.cfg.vocab_size)
         n, h = self.cfg.max_ngram_size, self.cfg.n_head_per_ngram
         res = {}
@@ -193,7 +195,7 @@ def validate_compression(lookup, vocab_size: int) -> np.ndarray:
         raise TypeError(f"compression table must be integers, got dtype {a.dtype}")
     if a.ndim != 1 or a.shape[0] != vocab_size:
         raise ValueError(f"compression table must have shape ({vocab_size},) (vocab_size), got {a.shape}")
-    a = np.ascontiguousarray(a, dtype=np.int64)
+    a = np.array(a, dtype=np.int64, order="C")  # a private copy: the plan must not change under us
     if a.min() < 0:
         raise ValueError(f"compression table has negative entries (min {a.min()})")
     if a.max() >= vocab_size:  # V entries cover at most V distinct ids
