@@ -12,6 +12,8 @@ cdef extern from "engram_step.h" nogil:
         const float *cw
     void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const float *Wp, const float *biasp,
                         int M, float *Y) noexcept
+    void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const float *Wp,
+                           const float *biasp, int M, float *Y, int nthreads) noexcept
     void es_tail(const es_tail_params *P, const float *proj, const float *hid, float *ring,
                  int64_t pos, float *out) noexcept
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
@@ -67,6 +69,7 @@ cdef class StreamEngine:
     cdef float *ybuf               # [cap, M] projections
     cdef bint pending              # feed() done, compute() not yet
     cdef bint busy                 # a call is running (one owner at a time)
+    cdef public int prefill_threads  # threads for prefill's GEMMs (default: the machine's cores)
 
     cdef int _grow(self, int64_t cap) except -1
     cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil

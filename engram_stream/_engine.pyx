@@ -10,6 +10,7 @@ check happens before any state changes, so a rejected call leaves the engine as
 it was. The oracle it is tested against token by token: EngramModel.forward.
 """
 import hashlib
+import os
 
 import numpy as np
 cimport numpy as cnp
@@ -128,6 +129,7 @@ cdef class StreamEngine:
         self.tp.n2 = <const float *> _data(w.norm2)
         self.tp.n3 = <const float *> _data(w.conv_norm)
         self.tp.cw = <const float *> _data(cw)
+        self.prefill_threads = max(1, min(8, os.cpu_count() or 1))
         self._fingerprint = (layer, cfg.to_json(), n_streams, mult.tobytes(),
                              None if lookup is None else hashlib.sha1(lookup.tobytes()).hexdigest())
 
@@ -361,7 +363,8 @@ cdef class StreamEngine:
 
     def prefill(self, ids, hidden, int64_t stream=0, out=None):
         """A prompt on one stream: ids[T], hidden[T, G, D] -> float32[T, G, D], equal to T
-        steps and leaving the same state; projections run as [<=128, E] x [E, M] GEMMs."""
+        steps and leaving the same state; projections run as [<=128, E] x [E, M] GEMMs split
+        over `engine.prefill_threads` threads (default: the machine's cores, at most 8)."""
         a = as_ids(ids, 1, "ids")
         cdef int64_t T = a.shape[0]
         h = self._hidden(hidden, (T, self.G, self.D))
@@ -386,7 +389,8 @@ cdef class StreamEngine:
                         for i in range(nb):
                             self._hash_one(stream, pid[t0 + i], self.rbuf + i * self.H)
                             self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)
-                        es_gemm_packed(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf)
+                        es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf,
+                                          self.prefill_threads if nb >= 32 else 1)
                         for i in range(nb):
                             self._tail(stream, self.ybuf + i * self.M, ph + (t0 + i) * self.C,
                                        po + (t0 + i) * self.C)
