@@ -7,7 +7,6 @@ Compiler directives live here, in one place. Environment switches:
 import os
 
 import numpy
-import scipy  # noqa: F401  (cython_blas.pxd comes from scipy; fail early if absent)
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 

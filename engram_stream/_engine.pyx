@@ -219,6 +219,8 @@ cdef class StreamEngine:
         if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, (bool, np.bool_)):
             if self.n_streams != 1:
                 raise ValueError(f"this engine has {self.n_streams} streams: pass token_ids[{self.n_streams}]")
+            if not -(1 << 63) <= token_ids < self.vocab:
+                raise ValueError(f"token id {token_ids} out of range: ids must be < vocab_size={self.vocab}")
             return np.array([token_ids], dtype=np.int64), True
         ids = as_ids(token_ids, 1, "token_ids")
         if ids.shape[0] != self.n_streams:
@@ -253,14 +255,14 @@ cdef class StreamEngine:
             shape = (self.G, self.D)
         h = self._hidden(hidden, shape)
         o = self._out(out, shape)
-        if self.pending:
-            raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
         cdef const int64_t *pid = <const int64_t *> _data(ids)
         cdef const float *ph = <const float *> _data(h)
         cdef float *po = <float *> _data(o)
         cdef int64_t bad
         self._enter()
         try:
+            if self.pending:
+                raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
             with nogil:
                 bad = self._first_bad_id(pid, self.n_streams)
                 if bad < 0:
@@ -290,26 +292,24 @@ cdef class StreamEngine:
         """First half of a step: compress and hash the new token(s), advance the hash windows.
         The rows (`.rows`) are then known before the layer runs; compute() finishes the step."""
         ids, _ = self._ids(token_ids)
-        if self.pending:
-            raise RuntimeError("feed() was already called for this token: call compute(hidden) first")
         cdef const int64_t *pid = <const int64_t *> _data(ids)
         cdef int64_t bad
         self._enter()
         try:
+            if self.pending:
+                raise RuntimeError("feed() was already called for this token: call compute(hidden) first")
             with nogil:
                 bad = self._first_bad_id(pid, self.n_streams)
                 if bad < 0:
                     self._feed_nogil(pid)
+            self.pending = bad < 0
         finally:
             self.busy = False
         if bad >= 0:
             raise self._bad_id(ids, bad)
-        self.pending = True
 
     def compute(self, hidden, out=None):
         """Second half of a step, after feed(): gather, project, gate, conv. Shapes as step()."""
-        if not self.pending:
-            raise RuntimeError("compute() needs feed(token_ids) first")
         cdef object shape = (self.n_streams, self.G, self.D)
         if self.n_streams == 1 and np.ndim(hidden) == 2:
             shape = (self.G, self.D)
@@ -319,6 +319,8 @@ cdef class StreamEngine:
         cdef float *po = <float *> _data(o)
         self._enter()
         try:
+            if not self.pending:
+                raise RuntimeError("compute() needs feed(token_ids) first")
             with nogil:
                 self._compute_nogil(ph, po)
             self.pending = False
@@ -361,7 +363,7 @@ cdef class StreamEngine:
     def pending_compute(self):
         return bool(self.pending)
 
-    def prefill(self, ids, hidden, int64_t stream=0, out=None):
+    def prefill(self, ids, hidden, stream=0, out=None):
         """A prompt on one stream: ids[T], hidden[T, G, D] -> float32[T, G, D], equal to T
         steps and leaving the same state; projections run as [<=128, E] x [E, M] GEMMs split
         over `engine.prefill_threads` threads (default: the machine's cores, at most 8)."""
@@ -370,16 +372,17 @@ cdef class StreamEngine:
         h = self._hidden(hidden, (T, self.G, self.D))
         o = self._out(out, (T, self.G, self.D))
         self._check_stream(stream)
-        if self.pending:
-            raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
+        cdef int64_t s = stream
         cdef int64_t chunk = min(T, PREFILL_CHUNK)
-        self._grow(chunk)
         cdef const int64_t *pid = <const int64_t *> _data(a)
         cdef const float *ph = <const float *> _data(h)
         cdef float *po = <float *> _data(o)
-        cdef int64_t bad, t0, i, nb
+        cdef int64_t bad = -1, t0, i, nb
         self._enter()
         try:
+            if self.pending:
+                raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
+            self._grow(chunk)  # under the guard: the scratch is shared with step()
             with nogil:
                 bad = self._first_bad_id(pid, T)
                 if bad < 0:
@@ -387,12 +390,12 @@ cdef class StreamEngine:
                     while t0 < T:
                         nb = min(chunk, T - t0)
                         for i in range(nb):
-                            self._hash_one(stream, pid[t0 + i], self.rbuf + i * self.H)
+                            self._hash_one(s, pid[t0 + i], self.rbuf + i * self.H)
                             self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)
                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf,
                                           self.prefill_threads if nb >= 32 else 1)
                         for i in range(nb):
-                            self._tail(stream, self.ybuf + i * self.M, ph + (t0 + i) * self.C,
+                            self._tail(s, self.ybuf + i * self.M, ph + (t0 + i) * self.C,
                                        po + (t0 + i) * self.C)
                         t0 += nb
         finally:
@@ -429,9 +432,11 @@ cdef class StreamEngine:
         try:
             if stream is None:
                 self._reset_all()
+            elif self.pending:
+                raise RuntimeError("feed() was called for every stream: compute(hidden) first, "
+                                   "or reset() all streams")
             else:
                 self._reset_stream(stream)
-                self.pending = False
         finally:
             self.busy = False
 
@@ -449,17 +454,21 @@ cdef class StreamEngine:
 
     def snapshot(self):
         """A copy of every stream's state, for restore() (speculative decoding rollback)."""
-        if self.pending:
-            raise RuntimeError("cannot snapshot between feed() and compute()")
         cdef int64_t S = self.n_streams
         hist = np.empty((S, self.n - 1), dtype=np.int64)
         ring = np.empty((S, self.conv_len, self.C), dtype=np.float32)
         pos = np.empty(S, dtype=np.int64)
         seen = np.empty(S, dtype=np.int64)
-        memcpy(cnp.PyArray_DATA(hist), self.hist, hist.nbytes)
-        memcpy(cnp.PyArray_DATA(ring), self.ring, ring.nbytes)
-        memcpy(cnp.PyArray_DATA(pos), self.pos, pos.nbytes)
-        memcpy(cnp.PyArray_DATA(seen), self.seen, seen.nbytes)
+        self._enter()
+        try:
+            if self.pending:
+                raise RuntimeError("cannot snapshot between feed() and compute()")
+            memcpy(cnp.PyArray_DATA(hist), self.hist, hist.nbytes)
+            memcpy(cnp.PyArray_DATA(ring), self.ring, ring.nbytes)
+            memcpy(cnp.PyArray_DATA(pos), self.pos, pos.nbytes)
+            memcpy(cnp.PyArray_DATA(seen), self.seen, seen.nbytes)
+        finally:
+            self.busy = False
         return EngineSnapshot(self._fingerprint, hist, ring, pos, seen)
 
     def _check_snapshot(self, snapshot):
