@@ -338,26 +338,35 @@ cdef class StreamEngine:
     def prefetch(self):
         """After feed(): madvise(WILLNEED) the pages of the fed rows, so a file-backed table
         starts reading them now (while earlier layers compute). Returns failed madvise calls."""
-        if not self.pending:
-            raise RuntimeError("prefetch() needs feed(token_ids) first")
         cdef int64_t failed
-        with nogil:
-            failed = es_advise_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H,
-                                    MADV_WILLNEED)
+        self._enter()
+        try:
+            if not self.pending:
+                raise RuntimeError("prefetch() needs feed(token_ids) first")
+            with nogil:
+                failed = es_advise_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H,
+                                        MADV_WILLNEED)
+        finally:
+            self.busy = False
         return int(failed)
 
     def track_rows(self, bitmap):
         """Record every row this engine reads in `bitmap` (uint8[ceil(table_rows/8)], bit r =
         row r), or stop recording with None. The array is borrowed: keep it alive."""
         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
-        if bitmap is None:
-            self.touched, self._touched_ref = NULL, None
-            return
-        if not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8 and bitmap.flags.c_contiguous
-                and bitmap.flags.writeable and bitmap.shape == (need,)):
+        if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
+                                       and bitmap.flags.c_contiguous and bitmap.flags.writeable
+                                       and bitmap.shape == (need,)):
             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
-        self._touched_ref = bitmap
-        self.touched = <uint8_t *> cnp.PyArray_DATA(bitmap)
+        self._enter()
+        try:
+            if bitmap is None:
+                self.touched, self._touched_ref = NULL, None
+            else:
+                self._touched_ref = bitmap
+                self.touched = <uint8_t *> cnp.PyArray_DATA(bitmap)
+        finally:
+            self.busy = False
 
     @property
     def pending_compute(self):
