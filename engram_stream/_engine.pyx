@@ -346,6 +346,9 @@ cdef class StreamEngine:
             with nogil:
                 failed = es_advise_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H,
                                         MADV_WILLNEED)
+                if self.table_kind == 2:  # int8 rows: their scales live on other pages
+                    failed += es_advise_rows(<const char *> self.table_scale, 4, self.rbuf,
+                                             self.n_streams * self.H, MADV_WILLNEED)
         finally:
             self.busy = False
         return int(failed)

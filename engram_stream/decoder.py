@@ -16,6 +16,8 @@ the compute of the layers in between.
 """
 from __future__ import annotations
 
+from .store import is_file_backed
+
 
 class Decoder:
     """Per-layer StreamEngines behind one token clock.
@@ -29,7 +31,7 @@ class Decoder:
         self.model = model
         self.n_streams = n_streams
         self.engines = {L: model.stream(L, n_streams) for L in model.cfg.layer_ids}
-        self.prefetch = {L: (prefetch is True) or (prefetch == "auto" and _file_backed(model.layer(L).table))
+        self.prefetch = {L: (prefetch is True) or (prefetch == "auto" and is_file_backed(model.layer(L).table))
                          for L in self.engines}
 
     @property
@@ -88,13 +90,3 @@ class Decoder:
         for L, e in self.engines.items():
             e.restore(snapshot[L])
 
-
-def _file_backed(table) -> bool:
-    """True when the table's memory comes from a file mapping (mmap checkpoint)."""
-    import mmap
-    import numpy as np
-
-    base = table
-    while isinstance(base, np.ndarray) and base.base is not None:
-        base = base.base
-    return isinstance(base, (mmap.mmap, np.memmap)) or type(base).__name__ == "mmap"

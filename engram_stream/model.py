@@ -75,9 +75,10 @@ class LayerWeights:
         if self._packed is None:
             M, E = self.proj_w.shape
             P = -(-M // 16)
-            w = np.zeros((P * 16, E), dtype=np.float32)
-            w[:M] = self.proj_w
-            wp = np.ascontiguousarray(w.reshape(P, 16, E).transpose(0, 2, 1))
+            wp = np.zeros((P, E, 16), dtype=np.float32)
+            for p in range(P):  # panel by panel: no padded or transposed full copy on the way
+                cols = self.proj_w[p * 16:(p + 1) * 16]
+                wp[p, :, :cols.shape[0]] = cols.T
             bp = np.zeros(P * 16, dtype=np.float32)
             bp[:M] = self.proj_b
             self._packed = (wp, bp, np.ascontiguousarray(self.conv_w.T))
