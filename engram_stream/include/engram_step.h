@@ -247,32 +247,44 @@ ES_INLINE float es_hsum(es_v8 v) {
     return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
 }
 
-/* sum k^2, sum h^2 and sum (k*w1)*(h*w2) in one pass. */
-ES_INLINE void es_gate_sums(const float *k, const float *h, const float *w1, const float *w2, int D,
-                            float *sk, float *sh, float *dot) {
-    es_v8 a = {0}, b = {0}, c = {0};
+/* sum k^2 and sum h^2 in one pass. */
+ES_INLINE void es_sumsq2(const float *k, const float *h, int D, float *sk, float *sh) {
+    es_v8 a = {0}, b = {0};
     int d = 0;
     for (; d + 8 <= D; d += 8) {
         es_v8 kv = *(const es_v8 *)(k + d), hv = *(const es_v8 *)(h + d);
         a += kv * kv;
         b += hv * hv;
-        c += (kv * *(const es_v8 *)(w1 + d)) * (hv * *(const es_v8 *)(w2 + d));
     }
-    float fa = es_hsum(a), fb = es_hsum(b), fc = es_hsum(c);
+    float fa = es_hsum(a), fb = es_hsum(b);
     for (; d < D; d++) {
         fa += k[d] * k[d];
         fb += h[d] * h[d];
-        fc += (k[d] * w1[d]) * (h[d] * w2[d]);
     }
-    *sk = fa; *sh = fb; *dot = fc;
+    *sk = fa; *sh = fb;
 }
 
-ES_INLINE float es_sumsq(const float *v, int D) {
+/* sum (k*rk*w1) * (h*rh*w2): the dot of the normalized vectors, normalized first as the
+ * reference does, so huge-but-finite inputs do not overflow where the reference does not. */
+ES_INLINE float es_normdot(const float *k, const float *h, const float *w1, const float *w2, float rk,
+                           float rh, int D) {
     es_v8 a = {0};
     int d = 0;
-    for (; d + 8 <= D; d += 8) { es_v8 x = *(const es_v8 *)(v + d); a += x * x; }
+    for (; d + 8 <= D; d += 8)
+        a += (*(const es_v8 *)(k + d) * rk * *(const es_v8 *)(w1 + d)) *
+             (*(const es_v8 *)(h + d) * rh * *(const es_v8 *)(w2 + d));
+    float f = es_hsum(a);
+    for (; d < D; d++) f += (k[d] * rk * w1[d]) * (h[d] * rh * w2[d]);
+    return f;
+}
+
+/* sum (g*v)^2 */
+ES_INLINE float es_sumsq_scaled(const float *v, float g, int D) {
+    es_v8 a = {0};
+    int d = 0;
+    for (; d + 8 <= D; d += 8) { es_v8 x = g * *(const es_v8 *)(v + d); a += x * x; }
     float s = es_hsum(a);
-    for (; d < D; d++) s += v[d] * v[d];
+    for (; d < D; d++) s += (g * v[d]) * (g * v[d]);
     return s;
 }
 
@@ -288,19 +300,19 @@ ES_CLONES static void es_tail(const es_tail_params *P, const float *proj, const 
     const int G = P->G, D = P->D, K = P->K, L = P->conv_len;
     const int64_t C = (int64_t)G * D;
     const float *v = proj + C;
-    const float sv = es_sumsq(v, D);
     int64_t slot[K > 1 ? K - 1 : 1]; /* ring slot read by tap i < K-1 */
     for (int i = 0; i < K - 1; i++) slot[i] = (pos + L - (int64_t)(K - 1 - i) * P->dil) % L;
     const float *wlast = P->cw + (int64_t)(K - 1) * C; /* the tap on x(t) itself */
     for (int g = 0; g < G; g++) {
-        float sk, sh, dot;
-        es_gate_sums(proj + (int64_t)g * D, hid + (int64_t)g * D, P->n1 + (int64_t)g * D,
-                     P->n2 + (int64_t)g * D, D, &sk, &sh, &dot);
-        float s = dot / sqrtf(sk / D + ES_EPS_KEY) / sqrtf(sh / D + ES_EPS_KEY) * P->inv_sqrt_d;
+        const float *k = proj + (int64_t)g * D, *h = hid + (int64_t)g * D;
+        float sk, sh;
+        es_sumsq2(k, h, D, &sk, &sh);
+        const float rk = 1.0f / sqrtf(sk / D + ES_EPS_KEY), rh = 1.0f / sqrtf(sh / D + ES_EPS_KEY);
+        float s = es_normdot(k, h, P->n1 + (int64_t)g * D, P->n2 + (int64_t)g * D, rk, rh, D) * P->inv_sqrt_d;
         /* sign(s) * sqrt(max(|s|, 1e-6)); s == 0 stays 0 and NaN stays NaN */
         s = s > 0 ? sqrtf(fmaxf(s, 1e-6f)) : (s < 0 ? -sqrtf(fmaxf(-s, 1e-6f)) : s);
         const float gate = 1.0f / (1.0f + expf(-s));
-        const float r3 = 1.0f / sqrtf(gate * gate * sv / D + ES_EPS_CONV);
+        const float r3 = 1.0f / sqrtf(es_sumsq_scaled(v, gate, D) / D + ES_EPS_CONV);
         const float *w3 = P->n3 + (int64_t)g * D;
         float *o = out + (int64_t)g * D;
         const int64_t c0 = (int64_t)g * D;
