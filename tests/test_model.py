@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from engram_stream import EngramConfig, EngramModel, HashPlan
+from pyref import py_rows
 
 EPS32 = 1.1920928955078125e-07  # float32 machine epsilon (2**-23), torch RMSNorm's default eps
 EPS_CONV = 1e-5                 # ShortConv's RMSNorm eps
@@ -78,32 +79,6 @@ def random_state_dict(cfg, plan, L, rng):
 
 
 # --- the independent implementation -----------------------------------------------------------
-
-def _signed(u):
-    u &= (1 << 64) - 1
-    return u - (1 << 64) if u >= (1 << 63) else u
-
-
-def py_rows(ids, lookup, pad, mult, primes_by_order):
-    mult = [_signed(int(m)) for m in mult]
-    n_max = len(mult)
-    comp = lambda i: i if (i < 0 or lookup is None) else int(lookup[i])  # noqa: E731
-    out = []
-    for row in ids:
-        c = [comp(int(i)) for i in row]
-        rr = []
-        for t in range(len(c)):
-            w = [c[t - k] if t - k >= 0 else pad for k in range(n_max)]
-            heads = []
-            for n in range(2, n_max + 1):
-                mix = 0
-                for k in range(n):
-                    mix ^= _signed(w[k] * mult[k])
-                heads += [_signed(mix) % int(p) for p in primes_by_order[n - 2]]
-            rr.append(heads)
-        out.append(rr)
-    return out
-
 
 def loop_forward(cfg, plan, L, sd, ids, hidden, lookup=None):
     """DESIGN.md 1.5-1.9 token by token in float64. Returns float64[B, T, G, D]."""
