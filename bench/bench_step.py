@@ -1,0 +1,520 @@
+#!/usr/bin/env python
+"""Streaming step, streams, threads and prefill: the engine beside torch and the BLAS floor.
+
+    python bench/bench_step.py                 # full run (builds one 2.6 GB demo table, ~15 s)
+    python bench/bench_step.py --quick         # demo geometry with a small table, fewer repetitions
+    python bench/bench_step.py --json out.json # also save every number
+
+Every comparison is measured side by side in one run: the contenders of a group take
+turns (the order rotates every repetition), each turn a block of calls sized to ~30 ms;
+the table shows the median per-call time over the repetitions and the ratios of medians.
+The machine is shared and noisy: ratios are the result, absolute times only indicative.
+
+Sections
+  check     the torch peers and the engine == model.forward, token by token (small configs)
+  small     one step at hidden 256, hc 4, 2 orders x 4 heads x 32, K 4, tables [100003]*2
+  demo      one step at the demo dims (EngramConfig() with layer_ids=[1]: 2.6 GB table)
+            and 16 streams per step; floor = one numpy GEMV/GEMM of the fused weight
+  threads   two engines on two threads vs one engine (same model), N steps each; the CPUs
+            the threads got, and (diagnostic) the same with two forked processes
+  prefill   eng.prefill on 2048 tokens vs the torch batch forward of the reference module
+"""
+import os
+
+os.environ["OPENBLAS_NUM_THREADS"] = "1"  # before numpy: the floor is a single-thread GEMV
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import multiprocessing  # noqa: E402
+import platform  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engram_stream import EngramConfig, EngramModel  # noqa: E402
+
+try:
+    import torch  # noqa: E402
+    import torch_peer  # noqa: E402
+    HAVE_TORCH = True
+except ImportError:  # the engine rows still run
+    torch = torch_peer = None
+    HAVE_TORCH = False
+
+SMALL = dict(engram_vocab_size=[100003, 100003], max_ngram_size=3, n_embed_per_ngram=128, n_head_per_ngram=4,
+             layer_ids=[1], kernel_size=4, hidden_size=256, hc_mult=4)
+DEMO = dict(layer_ids=[1])                                   # EngramConfig() defaults otherwise
+DEMO_QUICK = dict(layer_ids=[1], engram_vocab_size=[20011, 20011])  # same geometry, small table
+LAYER = 1
+
+
+# ---------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------
+def calibrate(run, target):
+    """Calls per block so one block takes about `target` seconds."""
+    run(1)
+    n = 1
+    while True:
+        t = time.perf_counter()
+        run(n)
+        dt = time.perf_counter() - t
+        if dt >= target / 4 or n >= 1 << 16:
+            return max(1, int(n * target / max(dt, 1e-9)))
+        n *= 4
+
+
+def interleaved(contenders, reps, target):
+    """contenders: {name: run(n)} -> {name: [seconds per call, one per repetition]}.
+    Blocks of the contenders alternate; the order rotates every repetition."""
+    names = list(contenders)
+    ns = {k: calibrate(contenders[k], target) for k in names}
+    times = {k: [] for k in names}
+    for r in range(reps):
+        for j in range(len(names)):
+            k = names[(r + j) % len(names)]
+            t = time.perf_counter()
+            contenders[k](ns[k])
+            times[k].append((time.perf_counter() - t) / ns[k])
+    return times
+
+
+def med(xs):
+    return float(np.median(xs))
+
+
+def paired(a, b):
+    """Median over repetitions of a[r] / b[r]."""
+    return float(np.median(np.asarray(a) / np.asarray(b)))
+
+
+def fmt_t(s):
+    if s < 1e-3:
+        return f"{s * 1e6:8.1f} us"
+    if s < 1:
+        return f"{s * 1e3:8.2f} ms"
+    return f"{s:8.3f} s "
+
+
+class Report:
+    def __init__(self):
+        self.rows, self.data = [], {}
+
+    def section(self, title):
+        self.rows.append(("section", title))
+        print(f"\n== {title}", flush=True)
+
+    def time(self, key, what, times, note=""):
+        m = med(times)
+        self.data[key] = {"median_s": m, "min_s": float(np.min(times)), "samples_s": [float(x) for x in times]}
+        line = f"  {what:<52s} {fmt_t(m)}   (min {fmt_t(float(np.min(times))).strip()}, n={len(times)}) {note}"
+        self.rows.append(("time", line))
+        print(line, flush=True)
+        return m
+
+    def ratio(self, key, what, value, goal=None, ok=None, paired=None):
+        """value: the ratio of the medians; paired: the median of the per-repetition ratios
+        (blocks measured next to each other), a check that drifting load did not make it."""
+        self.data[key] = {"ratio": value, "paired_ratio": paired, "goal": goal, "met": ok}
+        verdict = "" if ok is None else ("  MET" if ok else "  NOT MET")
+        pr = f"(paired {paired:5.2f}x)" if paired is not None else " " * 16
+        line = f"  {what:<52s} {value:8.2f}x {pr}  " + (f"goal {goal}" if goal else "") + verdict
+        self.rows.append(("ratio", line))
+        print(line, flush=True)
+
+    def note(self, text):
+        self.rows.append(("note", text))
+        print(f"  {text}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# contenders
+# ---------------------------------------------------------------------------------------
+def make_inputs(cfg, n_tok=4096, n_hid=16, S=1, seed=0):
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, cfg.vocab_size, size=(n_tok, S)).astype(np.int64)
+    hid = rng.standard_normal((n_hid, S, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
+    if S == 1:
+        return toks[:, 0].tolist(), [np.ascontiguousarray(h[0]) for h in hid]
+    return [np.ascontiguousarray(t) for t in toks], [np.ascontiguousarray(h) for h in hid]
+
+
+def engine_runner(model, S=1):
+    eng = model.stream(LAYER, n_streams=S)
+    toks, hid = make_inputs(model.cfg, S=S, seed=S)
+    out = np.empty(hid[0].shape, np.float32)
+    nt, nh = len(toks), len(hid)
+    state = [0]
+
+    def run(n):
+        i, step = state[0], eng.step
+        for j in range(i, i + n):
+            step(toks[j % nt], hid[j % nh], out=out)
+        state[0] = i + n
+    return run
+
+
+def torch_runner(model, S=1, hash_mode=None):
+    with torch.inference_mode():
+        peer = torch_peer.TorchStep(model, LAYER, n_streams=S, hash_mode=hash_mode)
+    toks, hid = make_inputs(model.cfg, S=S, seed=S)
+    hid = [torch.from_numpy(h) for h in hid]
+    if S > 1:
+        toks = [torch.from_numpy(t) for t in toks]
+    nt, nh = len(toks), len(hid)
+    state = [0]
+
+    def run(n):
+        i, step = state[0], peer.step
+        with torch.inference_mode():
+            for j in range(i, i + n):
+                step(toks[j % nt], hid[j % nh])
+        state[0] = i + n
+    return run
+
+
+def floor_runners(model, S=1):
+    """The fused projection alone, one numpy BLAS call per step, both weight layouts."""
+    w = model.layer(LAYER)
+    W = w.proj_w                               # [(G+1)*D, E] row-major
+    WT = np.ascontiguousarray(W.T)             # [E, (G+1)*D]
+    rng = np.random.default_rng(5)
+    E, M = W.shape[1], W.shape[0]
+    if S == 1:
+        e = rng.standard_normal(E).astype(np.float32)
+        y = np.empty(M, np.float32)
+
+        def run_w(n):
+            for _ in range(n):
+                np.matmul(W, e, out=y)
+
+        def run_wt(n):
+            for _ in range(n):
+                np.matmul(e, WT, out=y)
+    else:
+        e = rng.standard_normal((S, E)).astype(np.float32)
+        y = np.empty((S, M), np.float32)
+
+        def run_w(n):
+            Wt = W.T
+            for _ in range(n):
+                np.matmul(e, Wt, out=y)
+
+        def run_wt(n):
+            for _ in range(n):
+                np.matmul(e, WT, out=y)
+    return run_w, run_wt
+
+
+# ---------------------------------------------------------------------------------------
+# sections
+# ---------------------------------------------------------------------------------------
+def check_engine_only():
+    """Without torch: the engine == model.forward on one small config."""
+    cfg = EngramConfig(engram_vocab_size=[211, 199], n_embed_per_ngram=32, n_head_per_ngram=4, layer_ids=[1],
+                       kernel_size=4, hidden_size=40, hc_mult=4, vocab_size=600)
+    model = EngramModel.init(cfg, seed=1)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, size=(1, 40))
+    hidden = rng.standard_normal((1, 40, 4, 40)).astype(np.float32)
+    ref = model.forward(1, ids, hidden)
+    eng = model.stream(1)
+    for t in range(40):
+        np.testing.assert_allclose(eng.step(int(ids[0, t]), hidden[0, t]), ref[0, t], rtol=2e-4, atol=2e-5)
+    return 40
+
+
+def step_section(rep, key, model, reps, target, streams16=False):
+    cfg = model.cfg
+    M, E = (cfg.hc_mult + 1) * cfg.hidden_size, cfg.engram_dim
+    runs = {"engine": engine_runner(model)}
+    if HAVE_TORCH:
+        runs["torch"] = torch_runner(model)
+    fw, fwt = floor_runners(model)
+    runs["floor_W@e"], runs["floor_e@WT"] = fw, fwt
+    if streams16:
+        runs["engine16"] = engine_runner(model, S=16)
+        if HAVE_TORCH:
+            runs["torch16"] = torch_runner(model, S=16)
+        fw16, fwt16 = floor_runners(model, S=16)
+        runs["floor16_e@W.T"], runs["floor16_e@WT"] = fw16, fwt16
+    t = interleaved(runs, reps, target)
+    rep.time(f"{key}.engine", "engine step  eng.step(tok, hidden, out=out)", t["engine"])
+    if HAVE_TORCH:
+        rep.time(f"{key}.torch", "torch incremental step (1 thread, inference_mode)", t["torch"])
+    a = rep.time(f"{key}.floor_W@e", f"floor: numpy W[{M},{E}] @ e", t["floor_W@e"])
+    b = rep.time(f"{key}.floor_e@WT", f"floor: numpy e @ WT[{E},{M}] (W.T contiguous)", t["floor_e@WT"])
+    t["floor"] = t["floor_W@e"] if a <= b else t["floor_e@WT"]   # the faster layout is the floor
+    rep.data[f"{key}.floor"] = {"median_s": min(a, b), "layout": "W@e" if a <= b else "e@WT"}
+    if streams16:
+        rep.time(f"{key}.engine16", "engine, 16 streams: one step of 16 tokens", t["engine16"])
+        rep.time(f"{key}.engine16_per_token", "engine, 16 streams: per token (step / 16)",
+                 [x / 16 for x in t["engine16"]])
+        if HAVE_TORCH:
+            rep.time(f"{key}.torch16", "torch incremental, 16 streams: one step", t["torch16"])
+        a = rep.time(f"{key}.floor16_e@W.T", f"floor: numpy e[16,{E}] @ W.T (view)", t["floor16_e@W.T"])
+        b = rep.time(f"{key}.floor16_e@WT", f"floor: numpy e[16,{E}] @ WT (contiguous)", t["floor16_e@WT"])
+        t["floor16"] = t["floor16_e@W.T"] if a <= b else t["floor16_e@WT"]
+    return t
+
+
+def thread_section(rep, key, model, reps, n_steps):
+    """One engine doing n steps (on a worker thread) vs two engines on two threads, n each.
+    Also the CPUs the threads actually got (sum of thread CPU time / wall): on a shared
+    machine a second thread may have no free core to run on."""
+    engines = [engine_runner(model), engine_runner(model)]
+    for r in engines:
+        r(n_steps // 10 + 1)  # warm
+
+    def wall(k):
+        barrier = threading.Barrier(k + 1)
+        cpu = [0.0] * k
+
+        def work(i):
+            barrier.wait()
+            c = time.thread_time()
+            engines[i](n_steps)
+            cpu[i] = time.thread_time() - c
+        ths = [threading.Thread(target=work, args=(i,)) for i in range(k)]
+        for th in ths:
+            th.start()
+        barrier.wait()
+        t = time.perf_counter()
+        for th in ths:
+            th.join()
+        w = time.perf_counter() - t
+        return w, sum(cpu) / w
+
+    def wall_proc():
+        """Diagnostic: the same with two forked processes (no GIL between them; the model's
+        pages are shared copy-on-write)."""
+        ctx = multiprocessing.get_context("fork")
+        barrier = ctx.Barrier(3)
+
+        def work(i):
+            engines[i](n_steps // 10 + 1)  # absorb the copy-on-write faults before the clock
+            barrier.wait()
+            engines[i](n_steps)
+        ps = [ctx.Process(target=work, args=(i,)) for i in range(2)]
+        for p in ps:
+            p.start()
+        barrier.wait()
+        t = time.perf_counter()
+        for p in ps:
+            p.join()
+        return time.perf_counter() - t
+
+    one, two, c1, c2, procs = [], [], [], [], []
+    for i in range(reps):
+        for k in ((1, 2, 0) if i % 2 == 0 else (0, 2, 1)):
+            if k == 0:
+                procs.append(wall_proc())
+                continue
+            w, c = wall(k)
+            (one if k == 1 else two).append(w)
+            (c1 if k == 1 else c2).append(c)
+    t1 = rep.time(f"{key}.one_thread_wall", f"1 engine x {n_steps} steps, wall", one,
+                  f"[{med(c1):.2f} CPUs busy]")
+    t2 = rep.time(f"{key}.two_threads_wall", f"2 engines on 2 threads x {n_steps} steps each, wall", two,
+                  f"[{med(c2):.2f} CPUs busy]")
+    t3 = rep.time(f"{key}.two_procs_wall", f"  diagnostic: 2 forked processes x {n_steps} steps each", procs)
+    rep.data[f"{key}.cpus_busy"] = {"one": med(c1), "two": med(c2), "two_samples": c2}
+    rep.ratio(f"{key}.procs_ratio", "  diagnostic: throughput 2 processes / 1 thread", 2 * t1 / t3, None, None,
+              paired(2 * np.asarray(one), procs))
+    return 2 * t1 / t2, paired(2 * np.asarray(one), two), med(c2)
+
+
+def prefill_section(rep, key, model, reps, T):
+    cfg = model.cfg
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, cfg.vocab_size, size=T).astype(np.int64)
+    hidden = rng.standard_normal((T, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
+    eng = model.stream(LAYER)
+    out = np.empty_like(hidden)
+    eng.prefill(ids, hidden, out=out)  # warm (scratch, page cache of the rows)
+    runs = {}
+
+    def run_engine(n):
+        for _ in range(n):
+            eng.reset()
+            eng.prefill(ids, hidden, out=out)
+    runs["engine"] = run_engine
+    default_threads = None
+    if HAVE_TORCH:
+        default_threads = DEFAULT_TORCH_THREADS
+        tb = torch_peer.TorchBatch(model, LAYER)
+        ids2, hid_t = ids[None], torch.from_numpy(hidden)[None]
+        ref = tb.forward(ids2, hid_t).numpy()[0]
+        np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-5, err_msg="prefill: engine != torch batch")
+
+        def torch_run(threads):
+            def run(n):
+                torch.set_num_threads(threads)
+                try:
+                    for _ in range(n):
+                        tb.forward(ids2, hid_t)
+                finally:
+                    torch.set_num_threads(1)
+            return run
+        runs["torch_default"] = torch_run(default_threads)
+        runs["torch_1"] = torch_run(1)
+        # the numpy hash inside the torch forward, for reference
+        runs["hash_numpy"] = lambda n: [model.plan.hash_numpy(ids2, layers=[LAYER]) for _ in range(n)]
+    t = {k: [] for k in runs}
+    for k in runs:  # warm-up
+        runs[k](1)
+    for r in range(reps):
+        names = list(runs)
+        for j in range(len(names)):
+            k = names[(r + j) % len(names)]
+            s = time.perf_counter()
+            runs[k](1)
+            t[k].append(time.perf_counter() - s)
+    rep.time(f"{key}.engine", f"engine prefill, {T} tokens (1 thread)", t["engine"])
+    if HAVE_TORCH:
+        rep.time(f"{key}.torch_default", f"torch batch forward, default threads ({default_threads})",
+                 t["torch_default"])
+        rep.time(f"{key}.torch_1", "torch batch forward, 1 thread", t["torch_1"])
+        rep.time(f"{key}.hash_numpy", "  of which: numpy hash of the ids (reference expression)",
+                 t["hash_numpy"])
+    return t
+
+
+DEFAULT_TORCH_THREADS = None
+
+
+def main(argv=None):
+    global DEFAULT_TORCH_THREADS
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small-table demo geometry, fewer repetitions")
+    ap.add_argument("--json", metavar="PATH", help="write every number here")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per group (default 15, quick 5)")
+    ap.add_argument("--skip", action="append", default=[],
+                    choices=["small", "demo", "threads", "prefill"], help="skip a section (repeatable)")
+    args = ap.parse_args(argv)
+    reps = args.reps or (5 if args.quick else 15)
+    target = 0.01 if args.quick else 0.03
+    rep = Report()
+    if HAVE_TORCH:
+        DEFAULT_TORCH_THREADS = torch.get_num_threads()
+        torch.set_num_threads(1)  # single-thread comparisons; prefill switches to the default
+    load0 = os.getloadavg()
+    meta = {"argv": sys.argv, "quick": args.quick, "reps": reps, "cpus": os.cpu_count(),
+            "machine": platform.processor() or platform.machine(), "numpy": np.__version__,
+            "torch": torch.__version__ if HAVE_TORCH else None, "torch_default_threads": DEFAULT_TORCH_THREADS,
+            "loadavg_start": load0, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS")}
+    print(f"bench_step: {'quick' if args.quick else 'full'} run, {reps} interleaved repetitions per group; "
+          f"{os.cpu_count()} CPUs, load average {load0[0]:.2f}; torch "
+          f"{meta['torch'] or 'not installed'} (default threads {DEFAULT_TORCH_THREADS})")
+
+    rep.section("check: peers and engine == model.forward, token by token (rtol 2e-4, atol 2e-5)")
+    t0 = time.perf_counter()
+    if HAVE_TORCH:
+        if args.quick:
+            saved = torch_peer.CHECK_CONFIGS
+            torch_peer.CHECK_CONFIGS = saved[:1]
+            n = torch_peer.check(verbose=False)
+            torch_peer.CHECK_CONFIGS = saved
+        else:
+            n = torch_peer.check(verbose=False)
+        rep.note(f"OK: {n} torch-peer tokens (S=1 and S=3, both hash modes), TorchBatch, engine step/prefill "
+                 f"({time.perf_counter() - t0:.1f} s)")
+    else:
+        n = check_engine_only()
+        rep.note(f"OK: engine, {n} tokens (torch not installed: torch rows skipped)")
+
+    summary = []
+
+    def ratio(key, what, a, b, goal=None, test=None, scale=1.0, summ=None):
+        """ratio of medians of a/b (times scale), and the paired per-repetition ratio."""
+        r = scale * med(a) / med(b)
+        pr = scale * paired(a, b)
+        ok = None if test is None else bool(test(r))
+        rep.ratio(key, what, r, goal, ok, pr)
+        if summ:
+            summary.append((summ, r, pr, goal or "-", ok))
+        return r
+
+    if "small" not in args.skip:
+        cfg = EngramConfig(**SMALL)
+        model = EngramModel.init(cfg, seed=0)
+        rep.section(f"small dims: D={cfg.hidden_size} G={cfg.hc_mult} E={cfg.engram_dim} "
+                    f"({cfg.max_ngram_size - 1} orders x {cfg.n_head_per_ngram} heads x {cfg.head_dim}) "
+                    f"K={cfg.kernel_size}, tables {cfg.engram_vocab_size}; single thread")
+        t = step_section(rep, "small", model, reps, target)
+        if HAVE_TORCH:
+            ratio("small.torch_over_engine", "torch step / engine step", t["torch"], t["engine"],
+                  ">= 10x", lambda r: r >= 10, summ="small: torch step / engine step")
+        ratio("small.engine_over_floor", "engine step / GEMV floor", t["engine"], t["floor"],
+              summ="small: engine step / GEMV floor")
+        if "threads" not in args.skip:
+            rep.section("threads at small dims: 1 vs 2 engines (own engine per thread, same model)")
+            r, pr, cpus = thread_section(rep, "threads_small", model, max(5, reps // 2),
+                                         2000 if not args.quick else 500)
+            rep.ratio("threads_small.throughput_ratio", "throughput 2 threads / 1 thread", r, ">= 1.6x", r >= 1.6, pr)
+            summary.append((f"small: 2-thread throughput ({cpus:.2f} CPUs got)", r, pr, ">= 1.6x", r >= 1.6))
+        del model
+
+    if not ({"demo", "threads", "prefill"} <= set(args.skip)):
+        kw = DEMO_QUICK if args.quick else DEMO
+        t0 = time.perf_counter()
+        cfg = EngramConfig(**kw)
+        model = EngramModel.init(cfg, seed=0)
+        built = time.perf_counter() - t0
+        tab_gb = model.layer(LAYER).table.nbytes / 1e9
+        print(f"\n(built the demo-dims model: table {tab_gb:.2f} GB in {built:.1f} s)")
+        if "demo" not in args.skip:
+            rep.section(f"demo dims: D={cfg.hidden_size} G={cfg.hc_mult} E={cfg.engram_dim} "
+                        f"({cfg.max_ngram_size - 1} orders x {cfg.n_head_per_ngram} heads x {cfg.head_dim}) "
+                        f"K={cfg.kernel_size}, table {tab_gb:.2f} GB; single thread")
+            t = step_section(rep, "demo", model, reps, target, streams16=True)
+            ratio("demo.engine_over_floor", "engine step / GEMV floor", t["engine"], t["floor"],
+                  "<= 1.15x", lambda r: r <= 1.15, summ="demo: engine step / GEMV floor")
+            if HAVE_TORCH:
+                ratio("demo.torch_over_engine", "torch step / engine step", t["torch"], t["engine"],
+                      summ="demo: torch step / engine step")
+            ratio("demo.per_token16_over_one", "16 streams per token / 1 stream step", t["engine16"], t["engine"],
+                  "<= 0.333x", lambda r: r <= 1 / 3, scale=1 / 16, summ="demo: 16-stream per token / 1-stream")
+            ratio("demo.engine16_over_floor16", "engine 16-stream step / GEMM[16] floor", t["engine16"],
+                  t["floor16"], summ="demo: engine 16-stream / GEMM[16] floor")
+            if HAVE_TORCH:
+                ratio("demo.torch16_over_engine16", "torch 16-stream step / engine 16-stream step",
+                      t["torch16"], t["engine16"], summ="demo: torch 16-stream / engine 16-stream")
+        if "threads" not in args.skip:
+            rep.section("threads at demo dims: 1 vs 2 engines (own engine per thread, same model)")
+            r, pr, cpus = thread_section(rep, "threads_demo", model, max(5, reps // 2), 300 if not args.quick else 60)
+            rep.ratio("threads_demo.throughput_ratio", "throughput 2 threads / 1 thread", r, ">= 1.6x", r >= 1.6, pr)
+            summary.append((f"demo: 2-thread throughput ({cpus:.2f} CPUs got)", r, pr, ">= 1.6x", r >= 1.6))
+        if "prefill" not in args.skip:
+            T = 2048
+            rep.section(f"prefill of {T} tokens at demo dims (engine: 1 thread; torch: default threads and 1)")
+            t = prefill_section(rep, "prefill", model, max(5, reps // 2), T)
+            if HAVE_TORCH:
+                n = DEFAULT_TORCH_THREADS
+                ratio("prefill.torch_default_over_engine", f"torch ({n} threads) / engine", t["torch_default"],
+                      t["engine"], ">= 3x", lambda r: r >= 3, summ=f"prefill {T}: torch ({n} threads) / engine")
+                ratio("prefill.torch_1_over_engine", "torch (1 thread) / engine", t["torch_1"], t["engine"],
+                      ">= 3x", lambda r: r >= 3, summ=f"prefill {T}: torch (1 thread) / engine")
+        del model
+
+    load1 = os.getloadavg()
+    meta["loadavg_end"] = load1
+    print("\n== summary (ratios of medians; the machine is shared: absolute times are indicative)")
+    print(f"  {'comparison':<46s} {'ratio':>8s} {'paired':>8s}  {'goal':<10s} verdict")
+    for what, r, pr, goal, ok in summary:
+        v = "" if ok is None else ("met" if ok else "NOT MET")
+        print(f"  {what:<46s} {r:7.2f}x {pr:7.2f}x  {goal:<10s} {v}")
+    print(f"  load average: {load0[0]:.2f} at start, {load1[0]:.2f} at end ({os.cpu_count()} CPUs)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": rep.data,
+                       "summary": [dict(what=w, ratio=r, paired_ratio=p, goal=g, met=o) for w, r, p, g, o in summary]}, f, indent=1)
+        print(f"  wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
