@@ -609,3 +609,24 @@ def test_max_ngram_above_fast_path_limit_is_consistent():
 def test_hashplan_requires_config():
     with pytest.raises(TypeError):
         HashPlan({"vocab_size": 10})
+
+
+# --- the two mod paths of the C hash: double-precision (p < 2^21) and division --------------
+
+@pytest.mark.parametrize("vocab, n_head, fp", [
+    ([97, 2003], 6, True),                   # 4 lanes + 2 scalar tail heads
+    ([(1 << 21) - 20, 50021], 5, False),     # the prime chain crosses 2^21: division path
+    ([(1 << 40) + 15, 3], 4, False),         # huge primes
+])
+def test_fp_and_division_mod_paths(vocab, n_head, fp):
+    cfg = EngramConfig(engram_vocab_size=vocab, max_ngram_size=3, n_embed_per_ngram=n_head, n_head_per_ngram=n_head,
+                       layer_ids=[0, 1], pad_id=3, vocab_size=1 << 20, hidden_size=2, hc_mult=1, kernel_size=2)
+    mult = {0: np.array([I64_MAX, -3, I64_MIN + 7], np.int64), 1: np.array([-1, 2**62 + 1, 5], np.int64)}
+    for m in (None, mult):
+        plan = HashPlan(cfg, multipliers=m)
+        assert (plan.head_fp[0] is not None) == fp
+        ids = np.random.default_rng(1).integers(-(1 << 40), 1 << 20, (2, 300))
+        got, ref = plan.hash(ids), plan.hash_numpy(ids)
+        for L in cfg.layer_ids:
+            np.testing.assert_array_equal(got[L], ref[L])
+            assert got[L][:, :5].tolist() == py_rows(ids[:, :5], None, 3, plan.multipliers[L], plan.primes[L])

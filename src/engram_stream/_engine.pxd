@@ -46,6 +46,7 @@ cdef class StreamEngine:
     cdef const int64_t *lookup     # NULL: identity compression
     cdef const int64_t *mult
     cdef const int64_t *primes
+    cdef const double *fp          # division-free mod constants (NULL: divide)
     cdef const int64_t *offsets
     cdef const char *table
     cdef const float *table_scale

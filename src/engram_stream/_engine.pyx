@@ -112,8 +112,10 @@ cdef class StreamEngine:
             raise ValueError(f"layer {layer}: unsupported table dtype {table.dtype}")
         lookup = plan.lookup
         mult, primes, offsets = plan.multipliers[layer], plan.head_primes[layer], w.offsets
+        fp = plan.head_fp[layer]
         self._keep = (wp, bp, cw, table, scale, lookup, mult, primes, offsets,
-                      w.norm1, w.norm2, w.conv_norm)
+                      w.norm1, w.norm2, w.conv_norm, fp)
+        self.fp = NULL if fp is None else <const double *> _data(fp)
         self.lookup = NULL if lookup is None else <const int64_t *> _data(lookup)
         self.mult = <const int64_t *> _data(mult)
         self.primes = <const int64_t *> _data(primes)
@@ -184,7 +186,7 @@ cdef class StreamEngine:
         win[0] = es_compress(token, self.lookup)
         for k in range(1, self.n):
             win[k] = h[k - 1]
-        es_hash_window(win, self.mult, self.n, self.nh, self.primes, rows)
+        es_hash_window(win, self.mult, self.n, self.nh, self.primes, self.fp, rows)
         for j in range(self.H):
             rows[j] += self.offsets[j]
         if self.touched != NULL:

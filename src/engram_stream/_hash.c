@@ -1994,6 +1994,7 @@ static CYTHON_INLINE __pyx_t_long_double_complex __pyx_t_long_double_complex_fro
 /* #### Code section: type_declarations ### */
 
 /*--- Type declarations ---*/
+struct __pyx_defaults;
 struct __pyx_array_obj;
 struct __pyx_MemviewEnum_obj;
 struct __pyx_memoryview_obj;
@@ -2009,6 +2010,19 @@ struct __pyx_memoryviewslice_obj;
 enum  {
   __pyx_e_13engram_stream_5_hash_MAX_NGRAM = 64
 };
+
+/* "engram_stream/_hash.pyx":50
+ * 
+ * 
+ * def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,             # <<<<<<<<<<<<<<
+ *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,
+ *                     const double[::1] fp=None):
+*/
+struct __pyx_defaults {
+  PyObject_HEAD
+  __Pyx_memviewslice arg0;
+};
+
 
 /* "View.MemoryView":128
  * 
@@ -3001,6 +3015,20 @@ CYTHON_UNUSED static int __Pyx_CheckVectorcallKwarg(PyObject **kwnames, Py_ssize
 static CYTHON_INLINE PyObject* __Pyx_uchar___Pyx_PyUnicode_From_int64_t(int64_t value, Py_ssize_t width, char padding_char);
 static CYTHON_INLINE PyObject* __Pyx____Pyx_PyUnicode_From_int64_t(int64_t value, Py_ssize_t width, char padding_char, char format_char);
 
+/* PyObjectCompare.proto */
+static CYTHON_INLINE int __Pyx_PyObject_CompareBoolGe_object_int(PyObject *op1, PyObject *op2, int pyop);
+
+/* PyObjectCompare.proto */
+static CYTHON_INLINE int __Pyx_PyObject_CompareBoolLt_object_int(PyObject *op1, PyObject *op2, int pyop);
+
+/* PyFloatBinop.proto */
+#if !CYTHON_COMPILING_IN_PYPY
+static PyObject* __Pyx_PyFloat_TrueDivideCObj(PyObject *op1, PyObject *op2, double floatval, int inplace, int zerodivision_check);
+#else
+#define __Pyx_PyFloat_TrueDivideCObj(op1, op2, floatval, inplace, zerodivision_check)\
+    (inplace ? PyNumber_InPlaceTrueDivide(op1, op2) : PyNumber_TrueDivide(op1, op2))
+#endif
+
 /* CIntToPyUnicode.proto */
 #define __Pyx_PyUnicode_From___pyx_anon_enum(value, width, padding_char, format_char) (\
     ((format_char) == ('c')) ?\
@@ -3009,9 +3037,6 @@ static CYTHON_INLINE PyObject* __Pyx____Pyx_PyUnicode_From_int64_t(int64_t value
     )
 static CYTHON_INLINE PyObject* __Pyx_uchar___Pyx_PyUnicode_From___pyx_anon_enum(int value, Py_ssize_t width, char padding_char);
 static CYTHON_INLINE PyObject* __Pyx____Pyx_PyUnicode_From___pyx_anon_enum(int value, Py_ssize_t width, char padding_char, char format_char);
-
-/* PyObjectCompare.proto */
-static CYTHON_INLINE int __Pyx_PyObject_CompareBoolLt_object_int(PyObject *op1, PyObject *op2, int pyop);
 
 /* AllocateExtensionType.proto */
 static PyObject *__Pyx_AllocateExtensionType(PyTypeObject *t, int is_final);
@@ -3054,13 +3079,6 @@ static int __Pyx_CallTpinitAsVectorcall(__Pyx_tpinitvectorcallfunc f, PyObject* 
 static int __Pyx_call_type_traverse(PyObject *o, int always_call, visitproc visit, void *arg);
 #endif
 
-/* ApplySequenceOrMappingFlag.proto */
-#if CYTHON_COMPILING_IN_LIMITED_API || CYTHON_COMPILING_IN_PYPY
-int __Pyx_ApplySequenceOrMappingFlag(PyTypeObject *tp, int is_sequence);
-#else
-#define __Pyx_ApplySequenceOrMappingFlag(tp, is_sequence) (0)
-#endif
-
 /* PyObjectCallMethod0.proto (used by PyType_Ready) */
 static CYTHON_INLINE PyObject* __Pyx_PyObject_CallMethod0(PyObject* obj, PyObject* method_name);
 
@@ -3076,6 +3094,13 @@ static int __Pyx_validate_bases_tuple(const char *type_name, int has_dictoffset,
 
 /* PyType_Ready.export */
 CYTHON_UNUSED static int __Pyx_PyType_Ready(PyTypeObject *t);
+
+/* ApplySequenceOrMappingFlag.proto */
+#if CYTHON_COMPILING_IN_LIMITED_API || CYTHON_COMPILING_IN_PYPY
+int __Pyx_ApplySequenceOrMappingFlag(PyTypeObject *tp, int is_sequence);
+#else
+#define __Pyx_ApplySequenceOrMappingFlag(tp, is_sequence) (0)
+#endif
 
 /* GetVTable.proto (used by MergeVTables) */
 static int __Pyx_GetVtable(PyTypeObject *type, void** table);
@@ -3387,6 +3412,12 @@ static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_d_dc_n
 static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(PyObject *, int writable_flag);
 
 /* ObjectToMemviewSlice.proto */
+static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(PyObject *, int writable_flag);
+
+/* MemviewDtypeToObject.proto */
+static CYTHON_INLINE PyObject *__pyx_memview_get_double__const__(const char *itemp);
+
+/* ObjectToMemviewSlice.proto */
 static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_int64_t(PyObject *, int writable_flag);
 
 /* ObjectToMemviewSlice.proto */
@@ -3541,15 +3572,18 @@ __pyx_memoryview_copy_new_contig(const __Pyx_memviewslice *from_mvs,
 /* CIntFromPy.proto */
 static CYTHON_INLINE int64_t __Pyx_PyLong_As_int64_t(PyObject *);
 
-/* CIntFromPy.proto */
-static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *);
-
 /* PyObjectVectorcallMethodKwds.proto (used by CIntToPy) */
 #if CYTHON_VECTORCALL
 #define __Pyx_Object_VectorcallMethodKwds PyObject_VectorcallMethod
 #else
 static PyObject *__Pyx_Object_VectorcallMethodKwds(PyObject *name, PyObject *const *args, size_t nargsf, PyObject *kwnames);
 #endif
+
+/* CIntToPy.proto */
+static CYTHON_INLINE PyObject* __Pyx_PyLong_From_unsigned_int(unsigned int value);
+
+/* CIntFromPy.proto */
+static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *);
 
 /* CIntToPy.proto */
 static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int(int value);
@@ -3770,6 +3804,7 @@ static void __pyx_memoryview__slice_assign_scalar(char *, Py_ssize_t *, Py_ssize
 static PyObject *__pyx_unpickle_Enum__set_state(struct __pyx_MemviewEnum_obj *, PyObject *); /*proto*/
 /* #### Code section: typeinfo ### */
 static const __Pyx_TypeInfo __Pyx_TypeInfo_nn_int64_t__const__ = { "const int64_t", NULL, sizeof(int64_t const ), { 0 }, 0, __PYX_IS_UNSIGNED(int64_t const ) ? 'U' : 'I', __PYX_IS_UNSIGNED(int64_t const ), 0 };
+static const __Pyx_TypeInfo __Pyx_TypeInfo_double__const__ = { "const double", NULL, sizeof(double const ), { 0 }, 0, 'R', 0, 0 };
 static const __Pyx_TypeInfo __Pyx_TypeInfo_nn_int64_t = { "int64_t", NULL, sizeof(int64_t), { 0 }, 0, __PYX_IS_UNSIGNED(int64_t) ? 'U' : 'I', __PYX_IS_UNSIGNED(int64_t), 0 };
 /* #### Code section: before_global_var ### */
 #define __Pyx_MODULE_NAME "engram_stream._hash"
@@ -3778,6 +3813,7 @@ int __pyx_module_is_main_engram_stream___hash = 0;
 
 /* Implementation of "engram_stream._hash" */
 /* #### Code section: global_var ### */
+static PyObject *__pyx_builtin_max;
 static PyObject *__pyx_builtin_min;
 static PyObject *__pyx_builtin___import__;
 static PyObject *__pyx_builtin_enumerate;
@@ -3843,8 +3879,33 @@ static PyObject *__pyx_pf___pyx_memoryviewslice___reduce_cython__(CYTHON_UNUSED 
 static PyObject *__pyx_pf___pyx_memoryviewslice_2__setstate_cython__(CYTHON_UNUSED struct __pyx_memoryviewslice_obj *__pyx_v_self, CYTHON_UNUSED PyObject *__pyx_v___pyx_state); /* proto */
 static PyObject *__pyx_pf_15View_dot_MemoryView___pyx_unpickle_Enum(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v___pyx_type, long __pyx_v___pyx_checksum, PyObject *__pyx_v___pyx_state); /* proto */
 static PyObject *__pyx_pf_13engram_stream_5_hash_compress(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_ids, __Pyx_memviewslice __pyx_v_lookup, int64_t __pyx_v_vocab_size); /* proto */
-static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_cids, __Pyx_memviewslice __pyx_v_mult, __Pyx_memviewslice __pyx_v_primes, int __pyx_v_max_ngram, int __pyx_v_n_head, int64_t __pyx_v_pad, PyObject *__pyx_v_out); /* proto */
-static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_x, __Pyx_memviewslice __pyx_v_primes, int __pyx_v_reciprocal); /* proto */
+static PyObject *__pyx_pf_13engram_stream_5_hash_2fp_moduli(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_primes); /* proto */
+static PyObject *__pyx_pf_13engram_stream_5_hash_8__defaults__(CYTHON_UNUSED PyObject *__pyx_self); /* proto */
+static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_cids, __Pyx_memviewslice __pyx_v_mult, __Pyx_memviewslice __pyx_v_primes, int __pyx_v_max_ngram, int __pyx_v_n_head, int64_t __pyx_v_pad, PyObject *__pyx_v_out, __Pyx_memviewslice __pyx_v_fp); /* proto */
+static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_x, __Pyx_memviewslice __pyx_v_primes, int __pyx_v_reciprocal); /* proto */
+static PyObject *__pyx_tp_new__initialisation_13engram_stream_5_hash___pyx_defaults(PyObject *o, 
+#if CYTHON_VECTORCALL_TPNEW
+    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
+#else
+    PyObject *a, PyObject *k
+#endif
+); /*proto*/
+static PyObject *__pyx_tp_new_vectorcall_13engram_stream_5_hash___pyx_defaults(PyTypeObject *t, 
+#if CYTHON_VECTORCALL_TPNEW
+    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
+#else
+    PyObject *a, PyObject *k
+#endif
+); /*proto*/
+#if CYTHON_VECTORCALL_TPNEW
+static PyObject *__pyx_tp_new_13engram_stream_5_hash___pyx_defaults(PyTypeObject *t, PyObject *a, PyObject *k); /*proto*/
+#endif
+#if !CYTHON_VECTORCALL_TPNEW
+#define __pyx_tp_new_13engram_stream_5_hash___pyx_defaults __pyx_tp_new_vectorcall_13engram_stream_5_hash___pyx_defaults
+#endif
+#if CYTHON_VECTORCALL_TPNEW
+static PyObject *__pyx_tp_vectorcall_13engram_stream_5_hash___pyx_defaults(PyObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames); /*proto*/
+#endif
 static PyObject *__pyx_tp_new__initialisation_array(PyObject *o, 
 #if CYTHON_VECTORCALL_TPNEW
     PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
@@ -3982,10 +4043,12 @@ namespace {
     PyTypeObject *__pyx_ptype_5numpy_flexible;
     PyTypeObject *__pyx_ptype_5numpy_character;
     PyTypeObject *__pyx_ptype_5numpy_ufunc;
+    PyObject *__pyx_type_13engram_stream_5_hash___pyx_defaults;
     PyObject *__pyx_type___pyx_array;
     PyObject *__pyx_type___pyx_MemviewEnum;
     PyObject *__pyx_type___pyx_memoryview;
     PyObject *__pyx_type___pyx_memoryviewslice;
+    PyTypeObject *__pyx_ptype_13engram_stream_5_hash___pyx_defaults;
     PyTypeObject *__pyx_array_type;
     PyTypeObject *__pyx_MemviewEnum_type;
     PyTypeObject *__pyx_memoryview_type;
@@ -3994,10 +4057,10 @@ namespace {
     __Pyx_CachedCFunction __pyx_umethod_PyDict_Type_pop;
     __Pyx_CachedCFunction __pyx_umethod_PyDict_Type_values;
     PyObject *__pyx_slice[1];
-    PyObject *__pyx_tuple[4];
-    PyObject *__pyx_codeobj_tab[3];
-    PyObject *__pyx_string_tab[141];
-    PyObject *__pyx_number_tab[4];
+    PyObject *__pyx_tuple[3];
+    PyObject *__pyx_codeobj_tab[4];
+    PyObject *__pyx_string_tab[151];
+    PyObject *__pyx_number_tab[6];
 /* #### Code section: module_state_contents ### */
 /* PyFrozenDict.module_state_decls */
 #if CYTHON_COMPILING_IN_LIMITED_API
@@ -4069,128 +4132,140 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_kp_u_disable __pyx_string_tab[20]
 #define __pyx_kp_u_enable __pyx_string_tab[21]
 #define __pyx_kp_u_floormod_at_most_256_positive_pr __pyx_string_tab[22]
-#define __pyx_kp_u_gc __pyx_string_tab[23]
-#define __pyx_kp_u_hash_compressed_multipliers_prim __pyx_string_tab[24]
-#define __pyx_kp_u_isenabled __pyx_string_tab[25]
-#define __pyx_kp_u_max_ngram_size_must_be_in_2 __pyx_string_tab[26]
-#define __pyx_kp_u_no_default___reduce___due_to_non __pyx_string_tab[27]
-#define __pyx_kp_u_numpy__core_multiarray_failed_to __pyx_string_tab[28]
-#define __pyx_kp_u_numpy__core_umath_failed_to_impo __pyx_string_tab[29]
-#define __pyx_kp_u_src_engram_stream__hash_pyx __pyx_string_tab[30]
-#define __pyx_kp_u_token_id __pyx_string_tab[31]
-#define __pyx_kp_u_unable_to_allocate_array_data __pyx_string_tab[32]
-#define __pyx_kp_u_unable_to_allocate_shape_and_str __pyx_string_tab[33]
-#define __pyx_n_u_ASCII __pyx_string_tab[34]
-#define __pyx_n_u_B __pyx_string_tab[35]
-#define __pyx_n_u_Ellipsis __pyx_string_tab[36]
-#define __pyx_n_u_H __pyx_string_tab[37]
-#define __pyx_n_u_P __pyx_string_tab[38]
-#define __pyx_n_u_Sequence __pyx_string_tab[39]
-#define __pyx_n_u_T __pyx_string_tab[40]
-#define __pyx_n_u_View_MemoryView __pyx_string_tab[41]
-#define __pyx_n_u_Pyx_PyDict_NextRef __pyx_string_tab[42]
-#define __pyx_n_u_annotate __pyx_string_tab[43]
-#define __pyx_n_u_class __pyx_string_tab[44]
-#define __pyx_n_u_class_getitem __pyx_string_tab[45]
-#define __pyx_n_u_dict __pyx_string_tab[46]
-#define __pyx_n_u_func __pyx_string_tab[47]
-#define __pyx_n_u_getstate __pyx_string_tab[48]
-#define __pyx_n_u_import __pyx_string_tab[49]
-#define __pyx_n_u_main __pyx_string_tab[50]
-#define __pyx_n_u_module __pyx_string_tab[51]
-#define __pyx_n_u_name_2 __pyx_string_tab[52]
-#define __pyx_n_u_new __pyx_string_tab[53]
-#define __pyx_n_u_pyx_checksum __pyx_string_tab[54]
-#define __pyx_n_u_pyx_state __pyx_string_tab[55]
-#define __pyx_n_u_pyx_type __pyx_string_tab[56]
-#define __pyx_n_u_pyx_unpickle_Enum __pyx_string_tab[57]
-#define __pyx_n_u_pyx_vtable __pyx_string_tab[58]
-#define __pyx_n_u_qualname __pyx_string_tab[59]
-#define __pyx_n_u_reduce __pyx_string_tab[60]
-#define __pyx_n_u_reduce_cython __pyx_string_tab[61]
-#define __pyx_n_u_reduce_ex __pyx_string_tab[62]
-#define __pyx_n_u_set_name __pyx_string_tab[63]
-#define __pyx_n_u_setstate __pyx_string_tab[64]
-#define __pyx_n_u_setstate_cython __pyx_string_tab[65]
-#define __pyx_n_u_test __pyx_string_tab[66]
-#define __pyx_n_u_is_coroutine __pyx_string_tab[67]
-#define __pyx_n_u_abc __pyx_string_tab[68]
-#define __pyx_n_u_allocate_buffer __pyx_string_tab[69]
-#define __pyx_n_u_asyncio_coroutines __pyx_string_tab[70]
-#define __pyx_n_u_b __pyx_string_tab[71]
-#define __pyx_n_u_bad __pyx_string_tab[72]
-#define __pyx_n_u_base __pyx_string_tab[73]
-#define __pyx_n_u_c __pyx_string_tab[74]
-#define __pyx_n_u_cids __pyx_string_tab[75]
-#define __pyx_n_u_cline_in_traceback __pyx_string_tab[76]
-#define __pyx_n_u_compress __pyx_string_tab[77]
-#define __pyx_n_u_count __pyx_string_tab[78]
-#define __pyx_n_u_dtype __pyx_string_tab[79]
-#define __pyx_n_u_dtype_is_object __pyx_string_tab[80]
-#define __pyx_n_u_empty __pyx_string_tab[81]
-#define __pyx_n_u_encode __pyx_string_tab[82]
-#define __pyx_n_u_engram_stream__hash __pyx_string_tab[83]
-#define __pyx_n_u_enumerate __pyx_string_tab[84]
-#define __pyx_n_u_error __pyx_string_tab[85]
-#define __pyx_n_u_flags __pyx_string_tab[86]
-#define __pyx_n_u_floormod __pyx_string_tab[87]
-#define __pyx_n_u_format __pyx_string_tab[88]
-#define __pyx_n_u_fortran __pyx_string_tab[89]
-#define __pyx_n_u_hash_compressed __pyx_string_tab[90]
-#define __pyx_n_u_i __pyx_string_tab[91]
-#define __pyx_n_u_id __pyx_string_tab[92]
-#define __pyx_n_u_ids __pyx_string_tab[93]
-#define __pyx_n_u_index __pyx_string_tab[94]
-#define __pyx_n_u_int64 __pyx_string_tab[95]
-#define __pyx_n_u_items __pyx_string_tab[96]
-#define __pyx_n_u_itemsize __pyx_string_tab[97]
-#define __pyx_n_u_j __pyx_string_tab[98]
-#define __pyx_n_u_k __pyx_string_tab[99]
-#define __pyx_n_u_lk __pyx_string_tab[100]
-#define __pyx_n_u_lookup __pyx_string_tab[101]
-#define __pyx_n_u_max_ngram __pyx_string_tab[102]
-#define __pyx_n_u_memview __pyx_string_tab[103]
-#define __pyx_n_u_min __pyx_string_tab[104]
-#define __pyx_n_u_mode __pyx_string_tab[105]
-#define __pyx_n_u_mods __pyx_string_tab[106]
-#define __pyx_n_u_mult __pyx_string_tab[107]
-#define __pyx_n_u_n_head __pyx_string_tab[108]
-#define __pyx_n_u_name __pyx_string_tab[109]
-#define __pyx_n_u_ndim __pyx_string_tab[110]
-#define __pyx_n_u_np __pyx_string_tab[111]
-#define __pyx_n_u_numpy __pyx_string_tab[112]
-#define __pyx_n_u_o __pyx_string_tab[113]
-#define __pyx_n_u_obj __pyx_string_tab[114]
-#define __pyx_n_u_out __pyx_string_tab[115]
-#define __pyx_n_u_pack __pyx_string_tab[116]
-#define __pyx_n_u_pad __pyx_string_tab[117]
-#define __pyx_n_u_pop __pyx_string_tab[118]
-#define __pyx_n_u_primes __pyx_string_tab[119]
-#define __pyx_n_u_reciprocal __pyx_string_tab[120]
-#define __pyx_n_u_register __pyx_string_tab[121]
-#define __pyx_n_u_setdefault __pyx_string_tab[122]
-#define __pyx_n_u_shape __pyx_string_tab[123]
-#define __pyx_n_u_size __pyx_string_tab[124]
-#define __pyx_n_u_start __pyx_string_tab[125]
-#define __pyx_n_u_step __pyx_string_tab[126]
-#define __pyx_n_u_stop __pyx_string_tab[127]
-#define __pyx_n_u_struct __pyx_string_tab[128]
-#define __pyx_n_u_t __pyx_string_tab[129]
-#define __pyx_n_u_unpack __pyx_string_tab[130]
-#define __pyx_n_u_update __pyx_string_tab[131]
-#define __pyx_n_u_v __pyx_string_tab[132]
-#define __pyx_n_u_values __pyx_string_tab[133]
-#define __pyx_n_u_vocab_size __pyx_string_tab[134]
-#define __pyx_n_u_win __pyx_string_tab[135]
-#define __pyx_n_u_x __pyx_string_tab[136]
-#define __pyx_n_b_O __pyx_string_tab[137]
-#define __pyx_kp_b_iso88591_WX_F_84vQhfF_1_t2S_Q_j_9_t6_S_R __pyx_string_tab[138]
-#define __pyx_kp_b_iso88591_6_V1A_F_Ct6_1_Q_QfAV7_1_E_aq_U __pyx_string_tab[139]
-#define __pyx_kp_b_iso88591_a_F_AV1D_fAU_Q_fF_1_r_4t2T_AXRq __pyx_string_tab[140]
-#define __pyx_int_0 __pyx_number_tab[0]
-#define __pyx_int_neg_1 __pyx_number_tab[1]
-#define __pyx_int_1 __pyx_number_tab[2]
-#define __pyx_int_136983863 __pyx_number_tab[3]
+#define __pyx_kp_u_fp_must_be_fp_moduli_primes __pyx_string_tab[23]
+#define __pyx_kp_u_gc __pyx_string_tab[24]
+#define __pyx_kp_u_hash_compressed_multipliers_prim __pyx_string_tab[25]
+#define __pyx_kp_u_isenabled __pyx_string_tab[26]
+#define __pyx_kp_u_max_ngram_size_must_be_in_2 __pyx_string_tab[27]
+#define __pyx_kp_u_no_default___reduce___due_to_non __pyx_string_tab[28]
+#define __pyx_kp_u_numpy__core_multiarray_failed_to __pyx_string_tab[29]
+#define __pyx_kp_u_numpy__core_umath_failed_to_impo __pyx_string_tab[30]
+#define __pyx_kp_u_src_engram_stream__hash_pyx __pyx_string_tab[31]
+#define __pyx_kp_u_token_id __pyx_string_tab[32]
+#define __pyx_kp_u_unable_to_allocate_array_data __pyx_string_tab[33]
+#define __pyx_kp_u_unable_to_allocate_shape_and_str __pyx_string_tab[34]
+#define __pyx_n_u_ASCII __pyx_string_tab[35]
+#define __pyx_n_u_B __pyx_string_tab[36]
+#define __pyx_n_u_Ellipsis __pyx_string_tab[37]
+#define __pyx_n_u_FP_PRIME_MAX __pyx_string_tab[38]
+#define __pyx_n_u_H __pyx_string_tab[39]
+#define __pyx_n_u_P __pyx_string_tab[40]
+#define __pyx_n_u_Sequence __pyx_string_tab[41]
+#define __pyx_n_u_T __pyx_string_tab[42]
+#define __pyx_n_u_View_MemoryView __pyx_string_tab[43]
+#define __pyx_n_u_Pyx_PyDict_NextRef __pyx_string_tab[44]
+#define __pyx_n_u_annotate __pyx_string_tab[45]
+#define __pyx_n_u_class __pyx_string_tab[46]
+#define __pyx_n_u_class_getitem __pyx_string_tab[47]
+#define __pyx_n_u_dict __pyx_string_tab[48]
+#define __pyx_n_u_func __pyx_string_tab[49]
+#define __pyx_n_u_getstate __pyx_string_tab[50]
+#define __pyx_n_u_import __pyx_string_tab[51]
+#define __pyx_n_u_main __pyx_string_tab[52]
+#define __pyx_n_u_module __pyx_string_tab[53]
+#define __pyx_n_u_name_2 __pyx_string_tab[54]
+#define __pyx_n_u_new __pyx_string_tab[55]
+#define __pyx_n_u_pyx_checksum __pyx_string_tab[56]
+#define __pyx_n_u_pyx_state __pyx_string_tab[57]
+#define __pyx_n_u_pyx_type __pyx_string_tab[58]
+#define __pyx_n_u_pyx_unpickle_Enum __pyx_string_tab[59]
+#define __pyx_n_u_pyx_vtable __pyx_string_tab[60]
+#define __pyx_n_u_qualname __pyx_string_tab[61]
+#define __pyx_n_u_reduce __pyx_string_tab[62]
+#define __pyx_n_u_reduce_cython __pyx_string_tab[63]
+#define __pyx_n_u_reduce_ex __pyx_string_tab[64]
+#define __pyx_n_u_set_name __pyx_string_tab[65]
+#define __pyx_n_u_setstate __pyx_string_tab[66]
+#define __pyx_n_u_setstate_cython __pyx_string_tab[67]
+#define __pyx_n_u_test __pyx_string_tab[68]
+#define __pyx_n_u_is_coroutine __pyx_string_tab[69]
+#define __pyx_n_u_abc __pyx_string_tab[70]
+#define __pyx_n_u_allocate_buffer __pyx_string_tab[71]
+#define __pyx_n_u_array __pyx_string_tab[72]
+#define __pyx_n_u_asyncio_coroutines __pyx_string_tab[73]
+#define __pyx_n_u_b __pyx_string_tab[74]
+#define __pyx_n_u_bad __pyx_string_tab[75]
+#define __pyx_n_u_base __pyx_string_tab[76]
+#define __pyx_n_u_c __pyx_string_tab[77]
+#define __pyx_n_u_cids __pyx_string_tab[78]
+#define __pyx_n_u_cline_in_traceback __pyx_string_tab[79]
+#define __pyx_n_u_compress __pyx_string_tab[80]
+#define __pyx_n_u_count __pyx_string_tab[81]
+#define __pyx_n_u_dtype __pyx_string_tab[82]
+#define __pyx_n_u_dtype_is_object __pyx_string_tab[83]
+#define __pyx_n_u_empty __pyx_string_tab[84]
+#define __pyx_n_u_encode __pyx_string_tab[85]
+#define __pyx_n_u_engram_stream__hash __pyx_string_tab[86]
+#define __pyx_n_u_enumerate __pyx_string_tab[87]
+#define __pyx_n_u_error __pyx_string_tab[88]
+#define __pyx_n_u_flags __pyx_string_tab[89]
+#define __pyx_n_u_float64 __pyx_string_tab[90]
+#define __pyx_n_u_floormod __pyx_string_tab[91]
+#define __pyx_n_u_format __pyx_string_tab[92]
+#define __pyx_n_u_fortran __pyx_string_tab[93]
+#define __pyx_n_u_fp __pyx_string_tab[94]
+#define __pyx_n_u_fp_moduli __pyx_string_tab[95]
+#define __pyx_n_u_hash_compressed __pyx_string_tab[96]
+#define __pyx_n_u_i __pyx_string_tab[97]
+#define __pyx_n_u_id __pyx_string_tab[98]
+#define __pyx_n_u_ids __pyx_string_tab[99]
+#define __pyx_n_u_index __pyx_string_tab[100]
+#define __pyx_n_u_int64 __pyx_string_tab[101]
+#define __pyx_n_u_items __pyx_string_tab[102]
+#define __pyx_n_u_itemsize __pyx_string_tab[103]
+#define __pyx_n_u_j __pyx_string_tab[104]
+#define __pyx_n_u_k __pyx_string_tab[105]
+#define __pyx_n_u_lk __pyx_string_tab[106]
+#define __pyx_n_u_lookup __pyx_string_tab[107]
+#define __pyx_n_u_max __pyx_string_tab[108]
+#define __pyx_n_u_max_ngram __pyx_string_tab[109]
+#define __pyx_n_u_memview __pyx_string_tab[110]
+#define __pyx_n_u_min __pyx_string_tab[111]
+#define __pyx_n_u_mode __pyx_string_tab[112]
+#define __pyx_n_u_mods __pyx_string_tab[113]
+#define __pyx_n_u_mult __pyx_string_tab[114]
+#define __pyx_n_u_n_head __pyx_string_tab[115]
+#define __pyx_n_u_name __pyx_string_tab[116]
+#define __pyx_n_u_ndim __pyx_string_tab[117]
+#define __pyx_n_u_np __pyx_string_tab[118]
+#define __pyx_n_u_numpy __pyx_string_tab[119]
+#define __pyx_n_u_o __pyx_string_tab[120]
+#define __pyx_n_u_obj __pyx_string_tab[121]
+#define __pyx_n_u_out __pyx_string_tab[122]
+#define __pyx_n_u_p __pyx_string_tab[123]
+#define __pyx_n_u_pack __pyx_string_tab[124]
+#define __pyx_n_u_pad __pyx_string_tab[125]
+#define __pyx_n_u_pfp __pyx_string_tab[126]
+#define __pyx_n_u_pop __pyx_string_tab[127]
+#define __pyx_n_u_primes __pyx_string_tab[128]
+#define __pyx_n_u_reciprocal __pyx_string_tab[129]
+#define __pyx_n_u_register __pyx_string_tab[130]
+#define __pyx_n_u_setdefault __pyx_string_tab[131]
+#define __pyx_n_u_shape __pyx_string_tab[132]
+#define __pyx_n_u_size __pyx_string_tab[133]
+#define __pyx_n_u_start __pyx_string_tab[134]
+#define __pyx_n_u_step __pyx_string_tab[135]
+#define __pyx_n_u_stop __pyx_string_tab[136]
+#define __pyx_n_u_struct __pyx_string_tab[137]
+#define __pyx_n_u_t __pyx_string_tab[138]
+#define __pyx_n_u_unpack __pyx_string_tab[139]
+#define __pyx_n_u_update __pyx_string_tab[140]
+#define __pyx_n_u_v __pyx_string_tab[141]
+#define __pyx_n_u_values __pyx_string_tab[142]
+#define __pyx_n_u_vocab_size __pyx_string_tab[143]
+#define __pyx_n_u_win __pyx_string_tab[144]
+#define __pyx_n_u_x __pyx_string_tab[145]
+#define __pyx_n_b_O __pyx_string_tab[146]
+#define __pyx_kp_b_iso88591_WX_F_84vQhfF_1_t2S_Q_j_9_t6_S_R __pyx_string_tab[147]
+#define __pyx_kp_b_iso88591_6_V1A_F_Ct6_1_Q_QfAV7_1_E_aq_U __pyx_string_tab[148]
+#define __pyx_kp_b_iso88591_AS_E_t2S_1Cs_S_Ba_q_2V1Bb_Rr_U __pyx_string_tab[149]
+#define __pyx_kp_b_iso88591_a_F_AV1D_fAU_Q_fF_1_r_4t2T_AXRq __pyx_string_tab[150]
+#define __pyx_float_1_0 __pyx_number_tab[0]
+#define __pyx_int_0 __pyx_number_tab[1]
+#define __pyx_int_neg_1 __pyx_number_tab[2]
+#define __pyx_int_1 __pyx_number_tab[3]
+#define __pyx_int_136983863 __pyx_number_tab[4]
+#define __pyx_int_4294967296 __pyx_number_tab[5]
 /* #### Code section: module_state_clear ### */
 #if CYTHON_USE_MODULE_STATE
 static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
@@ -4221,6 +4296,8 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   Py_CLEAR(clear_module_state->__pyx_ptype_5numpy_flexible);
   Py_CLEAR(clear_module_state->__pyx_ptype_5numpy_character);
   Py_CLEAR(clear_module_state->__pyx_ptype_5numpy_ufunc);
+  Py_CLEAR(clear_module_state->__pyx_ptype_13engram_stream_5_hash___pyx_defaults);
+  Py_CLEAR(clear_module_state->__pyx_type_13engram_stream_5_hash___pyx_defaults);
   Py_CLEAR(clear_module_state->__pyx_array_type);
   Py_CLEAR(clear_module_state->__pyx_type___pyx_array);
   Py_CLEAR(clear_module_state->__pyx_MemviewEnum_type);
@@ -4233,10 +4310,10 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   Py_CLEAR(clear_module_state->__pyx_umethod_PyDict_Type_pop.method);
   Py_CLEAR(clear_module_state->__pyx_umethod_PyDict_Type_values.method);
   for (int i=0; i<1; ++i) { Py_CLEAR(clear_module_state->__pyx_slice[i]); }
-  for (int i=0; i<4; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
-  for (int i=0; i<3; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<141; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
-  for (int i=0; i<4; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
+  for (int i=0; i<3; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
+  for (int i=0; i<4; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
+  for (int i=0; i<151; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<6; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_clear_contents ### */
 /* CommonTypesMetaclass.module_state_clear */
 Py_CLEAR(clear_module_state->__pyx_CommonTypesMetaclassType);
@@ -4275,6 +4352,8 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   Py_VISIT(traverse_module_state->__pyx_ptype_5numpy_flexible);
   Py_VISIT(traverse_module_state->__pyx_ptype_5numpy_character);
   Py_VISIT(traverse_module_state->__pyx_ptype_5numpy_ufunc);
+  Py_VISIT(traverse_module_state->__pyx_ptype_13engram_stream_5_hash___pyx_defaults);
+  Py_VISIT(traverse_module_state->__pyx_type_13engram_stream_5_hash___pyx_defaults);
   Py_VISIT(traverse_module_state->__pyx_array_type);
   Py_VISIT(traverse_module_state->__pyx_type___pyx_array);
   Py_VISIT(traverse_module_state->__pyx_MemviewEnum_type);
@@ -4287,10 +4366,10 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   Py_VISIT(traverse_module_state->__pyx_umethod_PyDict_Type_pop.method);
   Py_VISIT(traverse_module_state->__pyx_umethod_PyDict_Type_values.method);
   for (int i=0; i<1; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_slice[i]); }
-  for (int i=0; i<4; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
-  for (int i=0; i<3; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<141; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
-  for (int i=0; i<4; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
+  for (int i=0; i<3; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
+  for (int i=0; i<4; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
+  for (int i=0; i<151; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<6; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_traverse_contents ### */
 /* CommonTypesMetaclass.module_state_traverse */
 Py_VISIT(traverse_module_state->__pyx_CommonTypesMetaclassType);
@@ -20897,25 +20976,548 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_compress(CYTHON_UNUSED PyObject
   return __pyx_r;
 }
 
-/* "engram_stream/_hash.pyx":38
+/* "engram_stream/_hash.pyx":41
  * 
  * 
- * def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,             # <<<<<<<<<<<<<<
- *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None):
- *     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad)."""
+ * def fp_moduli(primes):             # <<<<<<<<<<<<<<
+ *     """float64[3*H] = {p, 1/p, 2^32 mod p} for the double-precision mod, or None when a
+ *     prime is too large for it (then the hash divides)."""
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_13engram_stream_5_hash_3hash_compressed(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_13engram_stream_5_hash_3fp_moduli(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_13engram_stream_5_hash_2hash_compressed, "hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult, const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None)\n\nint64[B, T, H] head-local rows of compressed ids (positions before 0 read pad).");
-static PyMethodDef __pyx_mdef_13engram_stream_5_hash_3hash_compressed = {"hash_compressed", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_13engram_stream_5_hash_3hash_compressed, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_13engram_stream_5_hash_2hash_compressed};
-static PyObject *__pyx_pw_13engram_stream_5_hash_3hash_compressed(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_13engram_stream_5_hash_2fp_moduli, "fp_moduli(primes)\n\nfloat64[3*H] = {p, 1/p, 2^32 mod p} for the double-precision mod, or None when a\nprime is too large for it (then the hash divides).");
+static PyMethodDef __pyx_mdef_13engram_stream_5_hash_3fp_moduli = {"fp_moduli", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_13engram_stream_5_hash_3fp_moduli, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_13engram_stream_5_hash_2fp_moduli};
+static PyObject *__pyx_pw_13engram_stream_5_hash_3fp_moduli(PyObject *__pyx_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+) {
+  PyObject *__pyx_v_primes = 0;
+  #if !CYTHON_VECTORCALL
+  CYTHON_UNUSED Py_ssize_t __pyx_nargs;
+  #endif
+  CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
+  PyObject* values[1] = {0};
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  PyObject *__pyx_r = 0;
+  __Pyx_RefNannyDeclarations
+  __Pyx_RefNannySetupContext("fp_moduli (wrapper)", 0);
+  #if !CYTHON_VECTORCALL
+  #if CYTHON_ASSUME_SAFE_SIZE
+  __pyx_nargs = PyTuple_GET_SIZE(__pyx_args);
+  #else
+  __pyx_nargs = PyTuple_Size(__pyx_args); if (unlikely(__pyx_nargs < 0)) return NULL;
+  #endif
+  #endif
+  __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
+  {
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_primes,0};
+    const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 41, __pyx_L3_error)
+    if (__pyx_kwds_len > 0) {
+      switch (__pyx_nargs) {
+        case  1:
+        values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 41, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
+        case  0: break;
+        default: goto __pyx_L5_argtuple_error;
+      }
+      const Py_ssize_t kwd_pos_args = __pyx_nargs;
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "fp_moduli", 0) < (0)) __PYX_ERR(0, 41, __pyx_L3_error)
+      for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("fp_moduli", 1, 1, 1, i); __PYX_ERR(0, 41, __pyx_L3_error) }
+      }
+    } else if (unlikely(__pyx_nargs != 1)) {
+      goto __pyx_L5_argtuple_error;
+    } else {
+      values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 41, __pyx_L3_error)
+    }
+    __pyx_v_primes = values[0];
+  }
+  goto __pyx_L6_skip;
+  __pyx_L5_argtuple_error:;
+  __Pyx_RaiseArgtupleInvalid("fp_moduli", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 41, __pyx_L3_error)
+  __pyx_L6_skip:;
+  goto __pyx_L4_argument_unpacking_done;
+  __pyx_L3_error:;
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_AddTraceback("engram_stream._hash.fp_moduli", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __Pyx_RefNannyFinishContext();
+  return NULL;
+  __pyx_L4_argument_unpacking_done:;
+  __pyx_r = __pyx_pf_13engram_stream_5_hash_2fp_moduli(__pyx_self, __pyx_v_primes);
+
+  /* function exit code */
+  for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
+    Py_XDECREF(values[__pyx_temp]);
+  }
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+static PyObject *__pyx_pf_13engram_stream_5_hash_2fp_moduli(CYTHON_UNUSED PyObject *__pyx_self, PyObject *__pyx_v_primes) {
+  PyObject *__pyx_v_p = NULL;
+  PyObject *__pyx_7genexpr__pyx_v_x = NULL;
+  PyObject *__pyx_8genexpr1__pyx_v_x = NULL;
+  PyObject *__pyx_8genexpr2__pyx_v_x = NULL;
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  PyObject *__pyx_t_2 = NULL;
+  Py_ssize_t __pyx_t_3;
+  PyObject *(*__pyx_t_4)(PyObject *);
+  PyObject *__pyx_t_5 = NULL;
+  int __pyx_t_6;
+  int __pyx_t_7;
+  int __pyx_t_8;
+  size_t __pyx_t_9;
+  PyObject *__pyx_t_10 = NULL;
+  PyObject *__pyx_t_11 = NULL;
+  PyObject *__pyx_t_12 = NULL;
+  PyObject *__pyx_t_13 = NULL;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("fp_moduli", 0);
+
+  /* "engram_stream/_hash.pyx":44
+ *     """float64[3*H] = {p, 1/p, 2^32 mod p} for the double-precision mod, or None when a
+ *     prime is too large for it (then the hash divides)."""
+ *     p = [int(x) for x in primes]             # <<<<<<<<<<<<<<
+ *     if not p or max(p) >= ES_FP_PRIME_MAX or min(p) < 1:
+ *         return None
+*/
+  { /* enter inner scope */
+    __pyx_t_1 = PyList_New(0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 44, __pyx_L5_error)
+    __Pyx_GOTREF(__pyx_t_1);
+    if (likely(PyList_CheckExact(__pyx_v_primes)) || PyTuple_CheckExact(__pyx_v_primes)) {
+      __pyx_t_2 = __pyx_v_primes; __Pyx_INCREF(__pyx_t_2);
+      __pyx_t_3 = 0;
+      __pyx_t_4 = NULL;
+    } else {
+      __pyx_t_3 = -1; __pyx_t_2 = PyObject_GetIter(__pyx_v_primes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 44, __pyx_L5_error)
+      __Pyx_GOTREF(__pyx_t_2);
+      __pyx_t_4 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 44, __pyx_L5_error)
+    }
+    for (;;) {
+      if (likely(!__pyx_t_4)) {
+        if (likely(PyList_CheckExact(__pyx_t_2))) {
+          {
+            Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_2);
+            #if !CYTHON_ASSUME_SAFE_SIZE
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 44, __pyx_L5_error)
+            #endif
+            if (__pyx_t_3 >= __pyx_temp) break;
+          }
+          __pyx_t_5 = __Pyx_PyList_GET_ITEM_REF(__pyx_t_2, __pyx_t_3, __Pyx_ReferenceSharing_OwnStrongReference);
+          ++__pyx_t_3;
+        } else {
+          {
+            Py_ssize_t __pyx_temp = __Pyx_PyTuple_GET_SIZE(__pyx_t_2);
+            #if !CYTHON_ASSUME_SAFE_SIZE
+            if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 44, __pyx_L5_error)
+            #endif
+            if (__pyx_t_3 >= __pyx_temp) break;
+          }
+          #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
+          __pyx_t_5 = __Pyx_NewRef(PyTuple_GET_ITEM(__pyx_t_2, __pyx_t_3));
+          #else
+          __pyx_t_5 = __Pyx_PySequence_ITEM(__pyx_t_2, __pyx_t_3);
+          #endif
+          ++__pyx_t_3;
+        }
+        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 44, __pyx_L5_error)
+      } else {
+        __pyx_t_5 = __pyx_t_4(__pyx_t_2);
+        if (unlikely(!__pyx_t_5)) {
+          PyObject* exc_type = PyErr_Occurred();
+          if (exc_type) {
+            if (unlikely(!__Pyx_PyErr_GivenExceptionMatches(exc_type, PyExc_StopIteration))) __PYX_ERR(0, 44, __pyx_L5_error)
+            PyErr_Clear();
+          }
+          break;
+        }
+      }
+      __Pyx_GOTREF(__pyx_t_5);
+      __Pyx_XDECREF_SET(__pyx_7genexpr__pyx_v_x, __pyx_t_5);
+      __pyx_t_5 = 0;
+      __pyx_t_5 = __Pyx_PyNumber_Int(__pyx_7genexpr__pyx_v_x); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 44, __pyx_L5_error)
+      __Pyx_GOTREF(__pyx_t_5);
+      __Pyx_GIVEREF(__pyx_t_5);
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_1, __pyx_t_5))) __PYX_ERR(0, 44, __pyx_L5_error)
+      __pyx_t_5 = 0;
+    }
+    __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
+    __Pyx_XDECREF(__pyx_7genexpr__pyx_v_x); __pyx_7genexpr__pyx_v_x = 0;
+    goto __pyx_L9_exit_scope;
+    __pyx_L5_error:;
+    __Pyx_XDECREF(__pyx_7genexpr__pyx_v_x); __pyx_7genexpr__pyx_v_x = 0;
+    goto __pyx_L1_error;
+    __pyx_L9_exit_scope:;
+  } /* exit inner scope */
+  __pyx_v_p = ((PyObject*)__pyx_t_1);
+  __pyx_t_1 = 0;
+
+  /* "engram_stream/_hash.pyx":45
+ *     prime is too large for it (then the hash divides)."""
+ *     p = [int(x) for x in primes]
+ *     if not p or max(p) >= ES_FP_PRIME_MAX or min(p) < 1:             # <<<<<<<<<<<<<<
+ *         return None
+ *     return np.array(p + [1.0 / x for x in p] + [(1 << 32) % x for x in p], dtype=np.float64)
+*/
+  {
+    Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_v_p);
+    if (unlikely(((!CYTHON_ASSUME_SAFE_SIZE) && __pyx_temp < 0))) __PYX_ERR(0, 45, __pyx_L1_error)
+    __pyx_t_7 = (__pyx_temp != 0);
+  }
+
+  __pyx_t_8 = (!__pyx_t_7);
+
+
+  if (!__pyx_t_8) {
+
+  } else {
+
+    __pyx_t_6 = __pyx_t_8;
+
+    goto __pyx_L11_bool_binop_done;
+  }
+  __pyx_t_2 = NULL;
+  __pyx_t_9 = 1;
+  {
+    PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_v_p};
+    __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_max, __pyx_callargs+__pyx_t_9, (2-__pyx_t_9) | (__pyx_t_9*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+    __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 45, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_1);
+  }
+  __pyx_t_2 = __Pyx_PyLong_From_unsigned_int(ES_FP_PRIME_MAX); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 45, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_2);
+  __pyx_t_8 = __Pyx_PyObject_CompareBoolGe_object_int(__pyx_t_1, __pyx_t_2, Py_GE); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 45, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
+  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
+  if (!__pyx_t_8) {
+
+  } else {
+
+    __pyx_t_6 = __pyx_t_8;
+
+    goto __pyx_L11_bool_binop_done;
+  }
+  __pyx_t_1 = NULL;
+  __pyx_t_9 = 1;
+  {
+    PyObject *__pyx_callargs[2] = {__pyx_t_1, __pyx_v_p};
+    __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_min, __pyx_callargs+__pyx_t_9, (2-__pyx_t_9) | (__pyx_t_9*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+    __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 45, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_2);
+  }
+  __pyx_t_8 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_2, __pyx_mstate_global->__pyx_int_1, Py_LT); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 45, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
+
+  __pyx_t_6 = __pyx_t_8;
+
+  __pyx_L11_bool_binop_done:;
+  if (__pyx_t_6) {
+
+
+    /* "engram_stream/_hash.pyx":46
+ *     p = [int(x) for x in primes]
+ *     if not p or max(p) >= ES_FP_PRIME_MAX or min(p) < 1:
+ *         return None             # <<<<<<<<<<<<<<
+ *     return np.array(p + [1.0 / x for x in p] + [(1 << 32) % x for x in p], dtype=np.float64)
+ * 
+*/
+    {
+      PyObject *__pyx_temp;
+      {
+        __pyx_temp = __pyx_r;
+        __pyx_r = Py_None; __Pyx_INCREF(Py_None);
+      }
+      __Pyx_XDECREF(__pyx_temp);
+    }
+    goto __pyx_L0;
+
+    /* "engram_stream/_hash.pyx":45
+ *     prime is too large for it (then the hash divides)."""
+ *     p = [int(x) for x in primes]
+ *     if not p or max(p) >= ES_FP_PRIME_MAX or min(p) < 1:             # <<<<<<<<<<<<<<
+ *         return None
+ *     return np.array(p + [1.0 / x for x in p] + [(1 << 32) % x for x in p], dtype=np.float64)
+*/
+  }
+
+  /* "engram_stream/_hash.pyx":47
+ *     if not p or max(p) >= ES_FP_PRIME_MAX or min(p) < 1:
+ *         return None
+ *     return np.array(p + [1.0 / x for x in p] + [(1 << 32) % x for x in p], dtype=np.float64)             # <<<<<<<<<<<<<<
+ * 
+ * 
+*/
+  __pyx_t_1 = NULL;
+  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 47, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_5);
+  __pyx_t_10 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_array); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 47, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_10);
+  __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
+  { /* enter inner scope */
+    __pyx_t_5 = PyList_New(0); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 47, __pyx_L16_error)
+    __Pyx_GOTREF(__pyx_t_5);
+    __pyx_t_11 = __pyx_v_p; __Pyx_INCREF(__pyx_t_11);
+    __pyx_t_3 = 0;
+    for (;;) {
+      {
+        Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_11);
+        #if !CYTHON_ASSUME_SAFE_SIZE
+        if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 47, __pyx_L16_error)
+        #endif
+        if (__pyx_t_3 >= __pyx_temp) break;
+      }
+      __pyx_t_12 = __Pyx_PyList_GET_ITEM_REF(__pyx_t_11, __pyx_t_3, __Pyx_ReferenceSharing_OwnStrongReference);
+      ++__pyx_t_3;
+      if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 47, __pyx_L16_error)
+      __Pyx_GOTREF(__pyx_t_12);
+      __Pyx_XDECREF_SET(__pyx_8genexpr1__pyx_v_x, __pyx_t_12);
+      __pyx_t_12 = 0;
+      __pyx_t_12 = __Pyx_PyFloat_TrueDivideCObj(__pyx_mstate_global->__pyx_float_1_0, __pyx_8genexpr1__pyx_v_x, 1.0, 0, 1); if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 47, __pyx_L16_error)
+      __Pyx_GOTREF(__pyx_t_12);
+      __Pyx_GIVEREF(__pyx_t_12);
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_5, __pyx_t_12))) __PYX_ERR(0, 47, __pyx_L16_error)
+      __pyx_t_12 = 0;
+    }
+    __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
+    __Pyx_XDECREF(__pyx_8genexpr1__pyx_v_x); __pyx_8genexpr1__pyx_v_x = 0;
+    goto __pyx_L20_exit_scope;
+    __pyx_L16_error:;
+    __Pyx_XDECREF(__pyx_8genexpr1__pyx_v_x); __pyx_8genexpr1__pyx_v_x = 0;
+    goto __pyx_L1_error;
+    __pyx_L20_exit_scope:;
+  } /* exit inner scope */
+  __pyx_t_11 = PyNumber_Add(__pyx_v_p, __pyx_t_5); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 47, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_11);
+  __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
+  { /* enter inner scope */
+    __pyx_t_5 = PyList_New(0); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 47, __pyx_L23_error)
+    __Pyx_GOTREF(__pyx_t_5);
+    __pyx_t_12 = __pyx_v_p; __Pyx_INCREF(__pyx_t_12);
+    __pyx_t_3 = 0;
+    for (;;) {
+      {
+        Py_ssize_t __pyx_temp = __Pyx_PyList_GET_SIZE(__pyx_t_12);
+        #if !CYTHON_ASSUME_SAFE_SIZE
+        if (unlikely((__pyx_temp < 0))) __PYX_ERR(0, 47, __pyx_L23_error)
+        #endif
+        if (__pyx_t_3 >= __pyx_temp) break;
+      }
+      __pyx_t_13 = __Pyx_PyList_GET_ITEM_REF(__pyx_t_12, __pyx_t_3, __Pyx_ReferenceSharing_OwnStrongReference);
+      ++__pyx_t_3;
+      if (unlikely(!__pyx_t_13)) __PYX_ERR(0, 47, __pyx_L23_error)
+      __Pyx_GOTREF(__pyx_t_13);
+      __Pyx_XDECREF_SET(__pyx_8genexpr2__pyx_v_x, __pyx_t_13);
+      __pyx_t_13 = 0;
+      __pyx_t_13 = PyNumber_Remainder(__pyx_mstate_global->__pyx_int_4294967296, __pyx_8genexpr2__pyx_v_x); if (unlikely(!__pyx_t_13)) __PYX_ERR(0, 47, __pyx_L23_error)
+      __Pyx_GOTREF(__pyx_t_13);
+      __Pyx_GIVEREF(__pyx_t_13);
+      if (unlikely(__Pyx_ListComp_AppendAndDecref(__pyx_t_5, __pyx_t_13))) __PYX_ERR(0, 47, __pyx_L23_error)
+      __pyx_t_13 = 0;
+    }
+    __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
+    __Pyx_XDECREF(__pyx_8genexpr2__pyx_v_x); __pyx_8genexpr2__pyx_v_x = 0;
+    goto __pyx_L27_exit_scope;
+    __pyx_L23_error:;
+    __Pyx_XDECREF(__pyx_8genexpr2__pyx_v_x); __pyx_8genexpr2__pyx_v_x = 0;
+    goto __pyx_L1_error;
+    __pyx_L27_exit_scope:;
+  } /* exit inner scope */
+  __pyx_t_12 = PyNumber_Add(__pyx_t_11, __pyx_t_5); if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 47, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_12);
+  __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
+  __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
+  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 47, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_5);
+  __pyx_t_11 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_float64); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 47, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_11);
+  __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
+  #if CYTHON_VECTORCALL
+  #endif
+  __pyx_t_9 = 1;
+  #if CYTHON_UNPACK_METHODS
+  if (unlikely(PyMethod_Check(__pyx_t_10))) {
+    __pyx_t_1 = PyMethod_GET_SELF(__pyx_t_10);
+    assert(__pyx_t_1);
+    PyObject* __pyx__function = PyMethod_GET_FUNCTION(__pyx_t_10);
+    __Pyx_INCREF(__pyx_t_1);
+    __Pyx_INCREF(__pyx__function);
+    __Pyx_DECREF_SET(__pyx_t_10, __pyx__function);
+    __pyx_t_9 = 0;
+  }
+  #endif
+  {
+    PyObject *__pyx_callargs[3] = {__pyx_t_1, __pyx_t_12, __pyx_t_11};
+    #if CYTHON_VECTORCALL
+    __pyx_t_5 = __pyx_mstate_global->__pyx_tuple[2];
+    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 47, __pyx_L1_error)
+    __Pyx_INCREF(__pyx_t_5);
+    #else
+    {
+      PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
+      __pyx_t_5 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 47, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_5);
+    }
+    #endif
+    __pyx_t_2 = __Pyx_Object_VectorcallKwds((PyObject*)__pyx_t_10, __pyx_callargs+__pyx_t_9, (2-__pyx_t_9) | (__pyx_t_9*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET), __pyx_t_5);
+    __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
+    __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
+    #if CYTHON_VECTORCALL
+    #endif
+    __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
+    __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
+    __Pyx_DECREF(__pyx_t_10); __pyx_t_10 = 0;
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 47, __pyx_L1_error)
+    __Pyx_GOTREF(__pyx_t_2);
+  }
+  {
+    PyObject *__pyx_temp;
+    {
+      __pyx_temp = __pyx_r;
+      __pyx_r = __pyx_t_2;
+    }
+    __Pyx_XDECREF(__pyx_temp);
+  }
+  __pyx_t_2 = 0;
+  goto __pyx_L0;
+
+  /* "engram_stream/_hash.pyx":41
+ * 
+ * 
+ * def fp_moduli(primes):             # <<<<<<<<<<<<<<
+ *     """float64[3*H] = {p, 1/p, 2^32 mod p} for the double-precision mod, or None when a
+ *     prime is too large for it (then the hash divides)."""
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
+  __Pyx_XDECREF(__pyx_t_2);
+  __Pyx_XDECREF(__pyx_t_5);
+  __Pyx_XDECREF(__pyx_t_10);
+  __Pyx_XDECREF(__pyx_t_11);
+  __Pyx_XDECREF(__pyx_t_12);
+  __Pyx_XDECREF(__pyx_t_13);
+  __Pyx_AddTraceback("engram_stream._hash.fp_moduli", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __Pyx_XDECREF(__pyx_v_p);
+  __Pyx_XDECREF(__pyx_7genexpr__pyx_v_x);
+  __Pyx_XDECREF(__pyx_8genexpr1__pyx_v_x);
+  __Pyx_XDECREF(__pyx_8genexpr2__pyx_v_x);
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* "engram_stream/_hash.pyx":50
+ * 
+ * 
+ * def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,             # <<<<<<<<<<<<<<
+ *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,
+ *                     const double[::1] fp=None):
+*/
+
+static PyObject *__pyx_pf_13engram_stream_5_hash_8__defaults__(CYTHON_UNUSED PyObject *__pyx_self) {
+  PyObject *__pyx_r = NULL;
+  __Pyx_RefNannyDeclarations
+  PyObject *__pyx_t_1 = NULL;
+  PyObject *__pyx_t_2 = NULL;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  __Pyx_RefNannySetupContext("__defaults__", 0);
+
+  /* "engram_stream/_hash.pyx":51
+ * 
+ * def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
+ *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,             # <<<<<<<<<<<<<<
+ *                     const double[::1] fp=None):
+ *     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad).
+*/
+  __pyx_t_1 = __pyx_memoryview_fromslice(__Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_self)->arg0, 1, (PyObject *(*)(char *)) __pyx_memview_get_double__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 50, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_1);
+
+  /* "engram_stream/_hash.pyx":50
+ * 
+ * 
+ * def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,             # <<<<<<<<<<<<<<
+ *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,
+ *                     const double[::1] fp=None):
+*/
+  __pyx_t_2 = PyTuple_New(2); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 50, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_2);
+  __Pyx_INCREF(Py_None);
+  __Pyx_GIVEREF(Py_None);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, Py_None) != (0)) __PYX_ERR(0, 50, __pyx_L1_error);
+  __Pyx_GIVEREF(__pyx_t_1);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, __pyx_t_1) != (0)) __PYX_ERR(0, 50, __pyx_L1_error);
+  __pyx_t_1 = 0;
+  __pyx_t_1 = PyTuple_New(2); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 50, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_1);
+  __Pyx_GIVEREF(__pyx_t_2);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 50, __pyx_L1_error);
+  __Pyx_INCREF(Py_None);
+  __Pyx_GIVEREF(Py_None);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 1, Py_None) != (0)) __PYX_ERR(0, 50, __pyx_L1_error);
+  __pyx_t_2 = 0;
+  {
+    PyObject *__pyx_temp;
+    {
+      __pyx_temp = __pyx_r;
+      __pyx_r = __pyx_t_1;
+    }
+    __Pyx_XDECREF(__pyx_temp);
+  }
+  __pyx_t_1 = 0;
+  goto __pyx_L0;
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_XDECREF(__pyx_t_1);
+  __Pyx_XDECREF(__pyx_t_2);
+  __Pyx_AddTraceback("engram_stream._hash.__defaults__", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = NULL;
+  __pyx_L0:;
+  __Pyx_XGIVEREF(__pyx_r);
+  __Pyx_RefNannyFinishContext();
+  return __pyx_r;
+}
+
+/* Python wrapper */
+static PyObject *__pyx_pw_13engram_stream_5_hash_5hash_compressed(PyObject *__pyx_self, 
+#if CYTHON_VECTORCALL
+PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
+#else
+PyObject *__pyx_args, PyObject *__pyx_kwds
+#endif
+); /*proto*/
+PyDoc_STRVAR(__pyx_doc_13engram_stream_5_hash_4hash_compressed, "hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult, const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None, const double[::1] fp=None)\n\nint64[B, T, H] head-local rows of compressed ids (positions before 0 read pad).\nfp: fp_moduli(primes) for the division-free path, or None.");
+static PyMethodDef __pyx_mdef_13engram_stream_5_hash_5hash_compressed = {"hash_compressed", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_13engram_stream_5_hash_5hash_compressed, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_13engram_stream_5_hash_4hash_compressed};
+static PyObject *__pyx_pw_13engram_stream_5_hash_5hash_compressed(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -20929,11 +21531,12 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   int __pyx_v_n_head;
   int64_t __pyx_v_pad;
   PyObject *__pyx_v_out = 0;
+  __Pyx_memviewslice __pyx_v_fp = { 0, 0, { 0 }, { 0 }, { 0 } };
   #if !CYTHON_VECTORCALL
   CYTHON_UNUSED Py_ssize_t __pyx_nargs;
   #endif
   CYTHON_UNUSED PyObject *const *__pyx_kwvalues;
-  PyObject* values[7] = {0,0,0,0,0,0,0};
+  PyObject* values[8] = {0,0,0,0,0,0,0,0};
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
@@ -20949,91 +21552,106 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   #endif
   __pyx_kwvalues = __Pyx_KwValues_FASTCALL(__pyx_args, __pyx_nargs);
   {
-    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_cids,&__pyx_mstate_global->__pyx_n_u_mult,&__pyx_mstate_global->__pyx_n_u_primes,&__pyx_mstate_global->__pyx_n_u_max_ngram,&__pyx_mstate_global->__pyx_n_u_n_head,&__pyx_mstate_global->__pyx_n_u_pad,&__pyx_mstate_global->__pyx_n_u_out,0};
+    PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_cids,&__pyx_mstate_global->__pyx_n_u_mult,&__pyx_mstate_global->__pyx_n_u_primes,&__pyx_mstate_global->__pyx_n_u_max_ngram,&__pyx_mstate_global->__pyx_n_u_n_head,&__pyx_mstate_global->__pyx_n_u_pad,&__pyx_mstate_global->__pyx_n_u_out,&__pyx_mstate_global->__pyx_n_u_fp,0};
+    struct __pyx_defaults *__pyx_dynamic_args = __Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_self);
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 38, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 50, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
+        case  8:
+        values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 50, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 50, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 50, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  5:
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 50, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 50, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 50, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 50, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 50, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "hash_compressed", 0) < (0)) __PYX_ERR(0, 38, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "hash_compressed", 0) < (0)) __PYX_ERR(0, 50, __pyx_L3_error)
 
-      /* "engram_stream/_hash.pyx":39
+      /* "engram_stream/_hash.pyx":51
  * 
  * def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
- *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None):             # <<<<<<<<<<<<<<
- *     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad)."""
- *     cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b, t
+ *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,             # <<<<<<<<<<<<<<
+ *                     const double[::1] fp=None):
+ *     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad).
 */
       if (!values[6]) values[6] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 6; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("hash_compressed", 0, 6, 7, i); __PYX_ERR(0, 38, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("hash_compressed", 0, 6, 8, i); __PYX_ERR(0, 50, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
+        case  8:
+        values[7] = __Pyx_ArgRef_FASTCALL(__pyx_args, 7);
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[7])) __PYX_ERR(0, 50, __pyx_L3_error)
+        CYTHON_FALLTHROUGH;
         case  7:
         values[6] = __Pyx_ArgRef_FASTCALL(__pyx_args, 6);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[6])) __PYX_ERR(0, 50, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  6:
         values[5] = __Pyx_ArgRef_FASTCALL(__pyx_args, 5);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[5])) __PYX_ERR(0, 50, __pyx_L3_error)
         values[4] = __Pyx_ArgRef_FASTCALL(__pyx_args, 4);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[4])) __PYX_ERR(0, 50, __pyx_L3_error)
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 50, __pyx_L3_error)
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 50, __pyx_L3_error)
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 50, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 38, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 50, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
       if (!values[6]) values[6] = __Pyx_NewRef(((PyObject *)Py_None));
     }
-    __pyx_v_cids = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_int64_t__const__(values[0], 0); if (unlikely(!__pyx_v_cids.memview)) __PYX_ERR(0, 38, __pyx_L3_error)
-    __pyx_v_mult = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_mult.memview)) __PYX_ERR(0, 38, __pyx_L3_error)
-    __pyx_v_primes = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[2], 0); if (unlikely(!__pyx_v_primes.memview)) __PYX_ERR(0, 39, __pyx_L3_error)
-    __pyx_v_max_ngram = __Pyx_PyLong_As_int(values[3]); if (unlikely((__pyx_v_max_ngram == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 39, __pyx_L3_error)
-    __pyx_v_n_head = __Pyx_PyLong_As_int(values[4]); if (unlikely((__pyx_v_n_head == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 39, __pyx_L3_error)
-    __pyx_v_pad = __Pyx_PyLong_As_int64_t(values[5]); if (unlikely((__pyx_v_pad == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 39, __pyx_L3_error)
+    __pyx_v_cids = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_int64_t__const__(values[0], 0); if (unlikely(!__pyx_v_cids.memview)) __PYX_ERR(0, 50, __pyx_L3_error)
+    __pyx_v_mult = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_mult.memview)) __PYX_ERR(0, 50, __pyx_L3_error)
+    __pyx_v_primes = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[2], 0); if (unlikely(!__pyx_v_primes.memview)) __PYX_ERR(0, 51, __pyx_L3_error)
+    __pyx_v_max_ngram = __Pyx_PyLong_As_int(values[3]); if (unlikely((__pyx_v_max_ngram == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 51, __pyx_L3_error)
+    __pyx_v_n_head = __Pyx_PyLong_As_int(values[4]); if (unlikely((__pyx_v_n_head == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 51, __pyx_L3_error)
+    __pyx_v_pad = __Pyx_PyLong_As_int64_t(values[5]); if (unlikely((__pyx_v_pad == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 51, __pyx_L3_error)
     __pyx_v_out = values[6];
+    if (values[7]) {
+      __pyx_v_fp = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(values[7], 0); if (unlikely(!__pyx_v_fp.memview)) __PYX_ERR(0, 52, __pyx_L3_error)
+    } else {
+      __pyx_v_fp = __pyx_dynamic_args->arg0;
+      __PYX_INC_MEMVIEW(&__pyx_v_fp, 1);
+    }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("hash_compressed", 0, 6, 7, __pyx_nargs); __PYX_ERR(0, 38, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("hash_compressed", 0, 6, 8, __pyx_nargs); __PYX_ERR(0, 50, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -21043,18 +21661,19 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_cids, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_mult, 1);
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_primes, 1);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_fp, 1);
   __Pyx_AddTraceback("engram_stream._hash.hash_compressed", __pyx_clineno, __pyx_lineno, __pyx_filename);
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_13engram_stream_5_hash_2hash_compressed(__pyx_self, __pyx_v_cids, __pyx_v_mult, __pyx_v_primes, __pyx_v_max_ngram, __pyx_v_n_head, __pyx_v_pad, __pyx_v_out);
+  __pyx_r = __pyx_pf_13engram_stream_5_hash_4hash_compressed(__pyx_self, __pyx_v_cids, __pyx_v_mult, __pyx_v_primes, __pyx_v_max_ngram, __pyx_v_n_head, __pyx_v_pad, __pyx_v_out, __pyx_v_fp);
 
-  /* "engram_stream/_hash.pyx":38
+  /* "engram_stream/_hash.pyx":50
  * 
  * 
  * def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,             # <<<<<<<<<<<<<<
- *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None):
- *     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad)."""
+ *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,
+ *                     const double[::1] fp=None):
 */
 
   /* function exit code */
@@ -21067,11 +21686,12 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 
 
 
+  __PYX_XCLEAR_MEMVIEW(&__pyx_v_fp, 1);
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_cids, __Pyx_memviewslice __pyx_v_mult, __Pyx_memviewslice __pyx_v_primes, int __pyx_v_max_ngram, int __pyx_v_n_head, int64_t __pyx_v_pad, PyObject *__pyx_v_out) {
+static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_cids, __Pyx_memviewslice __pyx_v_mult, __Pyx_memviewslice __pyx_v_primes, int __pyx_v_max_ngram, int __pyx_v_n_head, int64_t __pyx_v_pad, PyObject *__pyx_v_out, __Pyx_memviewslice __pyx_v_fp) {
   Py_ssize_t __pyx_v_B;
   Py_ssize_t __pyx_v_T;
   Py_ssize_t __pyx_v_H;
@@ -21080,6 +21700,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
   int __pyx_v_k;
   __Pyx_memviewslice __pyx_v_o = { 0, 0, { 0 }, { 0 }, { 0 } };
   int64_t __pyx_v_win[__pyx_e_13engram_stream_5_hash_MAX_NGRAM];
+  double const *__pyx_v_pfp;
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
   int __pyx_t_1;
@@ -21101,10 +21722,10 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
   Py_ssize_t __pyx_t_17;
   Py_ssize_t __pyx_t_18;
   Py_ssize_t __pyx_t_19;
-  int __pyx_t_20;
+  Py_ssize_t __pyx_t_20;
   int __pyx_t_21;
-  int64_t __pyx_t_22;
-  Py_ssize_t __pyx_t_23;
+  int __pyx_t_22;
+  int64_t __pyx_t_23;
   Py_ssize_t __pyx_t_24;
   Py_ssize_t __pyx_t_25;
   Py_ssize_t __pyx_t_26;
@@ -21115,9 +21736,9 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
   __Pyx_RefNannySetupContext("hash_compressed", 0);
   __Pyx_INCREF(__pyx_v_out);
 
-  /* "engram_stream/_hash.pyx":41
- *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None):
- *     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad)."""
+  /* "engram_stream/_hash.pyx":55
+ *     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad).
+ *     fp: fp_moduli(primes) for the division-free path, or None."""
  *     cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b, t             # <<<<<<<<<<<<<<
  *     cdef int k
  *     if not 2 <= max_ngram <= MAX_NGRAM:
@@ -21126,7 +21747,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
   __pyx_v_T = (__pyx_v_cids.shape[1]);
   __pyx_v_H = (__pyx_v_primes.shape[0]);
 
-  /* "engram_stream/_hash.pyx":43
+  /* "engram_stream/_hash.pyx":57
  *     cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b, t
  *     cdef int k
  *     if not 2 <= max_ngram <= MAX_NGRAM:             # <<<<<<<<<<<<<<
@@ -21143,7 +21764,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "engram_stream/_hash.pyx":44
+    /* "engram_stream/_hash.pyx":58
  *     cdef int k
  *     if not 2 <= max_ngram <= MAX_NGRAM:
  *         raise ValueError(f"max_ngram_size must be in [2, {MAX_NGRAM}]")             # <<<<<<<<<<<<<<
@@ -21151,7 +21772,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
  *         raise ValueError("hash_compressed: multipliers/primes do not match the geometry")
 */
     __pyx_t_4 = NULL;
-    __pyx_t_5 = __Pyx_PyUnicode_From___pyx_anon_enum(__pyx_e_13engram_stream_5_hash_MAX_NGRAM, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 44, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyUnicode_From___pyx_anon_enum(__pyx_e_13engram_stream_5_hash_MAX_NGRAM, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 58, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __pyx_t_6[0] = __pyx_mstate_global->__pyx_kp_u_max_ngram_size_must_be_in_2;
     __pyx_t_6[1] = __pyx_t_5;
@@ -21162,7 +21783,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
     #endif
     __pyx_t_8 = 0;
     __pyx_t_9 = __Pyx_PyUnicode_Join(__pyx_t_6, 3, __pyx_t_7, __pyx_t_8);
-    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 44, __pyx_L1_error)
+    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 58, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_9);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __pyx_t_10 = 1;
@@ -21171,14 +21792,14 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_10, (2-__pyx_t_10) | (__pyx_t_10*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 44, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 58, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 44, __pyx_L1_error)
+    __PYX_ERR(0, 58, __pyx_L1_error)
 
-    /* "engram_stream/_hash.pyx":43
+    /* "engram_stream/_hash.pyx":57
  *     cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b, t
  *     cdef int k
  *     if not 2 <= max_ngram <= MAX_NGRAM:             # <<<<<<<<<<<<<<
@@ -21187,7 +21808,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
 */
   }
 
-  /* "engram_stream/_hash.pyx":45
+  /* "engram_stream/_hash.pyx":59
  *     if not 2 <= max_ngram <= MAX_NGRAM:
  *         raise ValueError(f"max_ngram_size must be in [2, {MAX_NGRAM}]")
  *     if mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:             # <<<<<<<<<<<<<<
@@ -21213,7 +21834,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "engram_stream/_hash.pyx":46
+    /* "engram_stream/_hash.pyx":60
  *         raise ValueError(f"max_ngram_size must be in [2, {MAX_NGRAM}]")
  *     if mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:
  *         raise ValueError("hash_compressed: multipliers/primes do not match the geometry")             # <<<<<<<<<<<<<<
@@ -21226,14 +21847,14 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
       PyObject *__pyx_callargs[2] = {__pyx_t_9, __pyx_mstate_global->__pyx_kp_u_hash_compressed_multipliers_prim};
       __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_10, (2-__pyx_t_10) | (__pyx_t_10*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_9); __pyx_t_9 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 46, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 60, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_Raise(__pyx_t_3, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    __PYX_ERR(0, 46, __pyx_L1_error)
+    __PYX_ERR(0, 60, __pyx_L1_error)
 
-    /* "engram_stream/_hash.pyx":45
+    /* "engram_stream/_hash.pyx":59
  *     if not 2 <= max_ngram <= MAX_NGRAM:
  *         raise ValueError(f"max_ngram_size must be in [2, {MAX_NGRAM}]")
  *     if mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:             # <<<<<<<<<<<<<<
@@ -21242,7 +21863,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
 */
   }
 
-  /* "engram_stream/_hash.pyx":47
+  /* "engram_stream/_hash.pyx":61
  *     if mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:
  *         raise ValueError("hash_compressed: multipliers/primes do not match the geometry")
  *     if out is None:             # <<<<<<<<<<<<<<
@@ -21253,7 +21874,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
   if (__pyx_t_2) {
 
 
-    /* "engram_stream/_hash.pyx":48
+    /* "engram_stream/_hash.pyx":62
  *         raise ValueError("hash_compressed: multipliers/primes do not match the geometry")
  *     if out is None:
  *         out = np.empty((B, T, H), dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -21261,31 +21882,31 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
  *         return out
 */
     __pyx_t_9 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 48, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 62, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 48, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 62, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __pyx_t_4 = PyLong_FromSsize_t(__pyx_v_B); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 48, __pyx_L1_error)
+    __pyx_t_4 = PyLong_FromSsize_t(__pyx_v_B); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 62, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_11 = PyLong_FromSsize_t(__pyx_v_T); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 48, __pyx_L1_error)
+    __pyx_t_11 = PyLong_FromSsize_t(__pyx_v_T); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 62, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
-    __pyx_t_12 = PyLong_FromSsize_t(__pyx_v_H); if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 48, __pyx_L1_error)
+    __pyx_t_12 = PyLong_FromSsize_t(__pyx_v_H); if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 62, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_12);
-    __pyx_t_13 = PyTuple_New(3); if (unlikely(!__pyx_t_13)) __PYX_ERR(0, 48, __pyx_L1_error)
+    __pyx_t_13 = PyTuple_New(3); if (unlikely(!__pyx_t_13)) __PYX_ERR(0, 62, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_13);
     __Pyx_GIVEREF(__pyx_t_4);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_13, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 48, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_13, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 62, __pyx_L1_error);
     __Pyx_GIVEREF(__pyx_t_11);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_13, 1, __pyx_t_11) != (0)) __PYX_ERR(0, 48, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_13, 1, __pyx_t_11) != (0)) __PYX_ERR(0, 62, __pyx_L1_error);
     __Pyx_GIVEREF(__pyx_t_12);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_13, 2, __pyx_t_12) != (0)) __PYX_ERR(0, 48, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_13, 2, __pyx_t_12) != (0)) __PYX_ERR(0, 62, __pyx_L1_error);
     __pyx_t_4 = 0;
     __pyx_t_11 = 0;
     __pyx_t_12 = 0;
-    __Pyx_GetModuleGlobalName(__pyx_t_12, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 48, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_12, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 62, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_12);
-    __pyx_t_11 = __Pyx_PyObject_GetAttrStr(__pyx_t_12, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 48, __pyx_L1_error)
+    __pyx_t_11 = __Pyx_PyObject_GetAttrStr(__pyx_t_12, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 62, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
     #if CYTHON_VECTORCALL
@@ -21306,13 +21927,13 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
       PyObject *__pyx_callargs[3] = {__pyx_t_9, __pyx_t_13, __pyx_t_11};
       #if CYTHON_VECTORCALL
       __pyx_t_12 = __pyx_mstate_global->__pyx_tuple[2];
-      if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 48, __pyx_L1_error)
+      if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 62, __pyx_L1_error)
       __Pyx_INCREF(__pyx_t_12);
       #else
       {
         PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
         __pyx_t_12 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-        if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 48, __pyx_L1_error)
+        if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 62, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_12);
       }
       #endif
@@ -21324,13 +21945,13 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
       __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 48, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 62, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     __Pyx_DECREF_SET(__pyx_v_out, __pyx_t_3);
     __pyx_t_3 = 0;
 
-    /* "engram_stream/_hash.pyx":47
+    /* "engram_stream/_hash.pyx":61
  *     if mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:
  *         raise ValueError("hash_compressed: multipliers/primes do not match the geometry")
  *     if out is None:             # <<<<<<<<<<<<<<
@@ -21339,7 +21960,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
 */
   }
 
-  /* "engram_stream/_hash.pyx":49
+  /* "engram_stream/_hash.pyx":63
  *     if out is None:
  *         out = np.empty((B, T, H), dtype=np.int64)
  *     if B == 0 or T == 0:             # <<<<<<<<<<<<<<
@@ -21365,7 +21986,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
   if (__pyx_t_2) {
 
 
-    /* "engram_stream/_hash.pyx":50
+    /* "engram_stream/_hash.pyx":64
  *         out = np.empty((B, T, H), dtype=np.int64)
  *     if B == 0 or T == 0:
  *         return out             # <<<<<<<<<<<<<<
@@ -21383,7 +22004,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
     }
     goto __pyx_L0;
 
-    /* "engram_stream/_hash.pyx":49
+    /* "engram_stream/_hash.pyx":63
  *     if out is None:
  *         out = np.empty((B, T, H), dtype=np.int64)
  *     if B == 0 or T == 0:             # <<<<<<<<<<<<<<
@@ -21392,21 +22013,102 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
 */
   }
 
-  /* "engram_stream/_hash.pyx":51
+  /* "engram_stream/_hash.pyx":65
  *     if B == 0 or T == 0:
  *         return out
  *     cdef int64_t[:, :, ::1] o = out             # <<<<<<<<<<<<<<
  *     cdef int64_t win[MAX_NGRAM]
- *     with nogil:
+ *     cdef const double *pfp = NULL
 */
-  __pyx_t_14 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_nn_int64_t(__pyx_v_out, PyBUF_WRITABLE); if (unlikely(!__pyx_t_14.memview)) __PYX_ERR(0, 51, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_nn_int64_t(__pyx_v_out, PyBUF_WRITABLE); if (unlikely(!__pyx_t_14.memview)) __PYX_ERR(0, 65, __pyx_L1_error)
   __pyx_v_o = __pyx_t_14;
   __pyx_t_14.memview = NULL;
   __pyx_t_14.data = NULL;
 
-  /* "engram_stream/_hash.pyx":53
+  /* "engram_stream/_hash.pyx":67
  *     cdef int64_t[:, :, ::1] o = out
  *     cdef int64_t win[MAX_NGRAM]
+ *     cdef const double *pfp = NULL             # <<<<<<<<<<<<<<
+ *     if fp is not None:
+ *         if fp.shape[0] != 3 * H:
+*/
+  __pyx_v_pfp = NULL;
+
+  /* "engram_stream/_hash.pyx":68
+ *     cdef int64_t win[MAX_NGRAM]
+ *     cdef const double *pfp = NULL
+ *     if fp is not None:             # <<<<<<<<<<<<<<
+ *         if fp.shape[0] != 3 * H:
+ *             raise ValueError("fp must be fp_moduli(primes)")
+*/
+  __pyx_t_2 = (((PyObject *) __pyx_v_fp.memview) != Py_None);
+
+  if (__pyx_t_2) {
+
+
+    /* "engram_stream/_hash.pyx":69
+ *     cdef const double *pfp = NULL
+ *     if fp is not None:
+ *         if fp.shape[0] != 3 * H:             # <<<<<<<<<<<<<<
+ *             raise ValueError("fp must be fp_moduli(primes)")
+ *         pfp = &fp[0]
+*/
+    __pyx_t_2 = ((__pyx_v_fp.shape[0]) != (3 * __pyx_v_H));
+
+    if (unlikely(__pyx_t_2)) {
+
+
+      /* "engram_stream/_hash.pyx":70
+ *     if fp is not None:
+ *         if fp.shape[0] != 3 * H:
+ *             raise ValueError("fp must be fp_moduli(primes)")             # <<<<<<<<<<<<<<
+ *         pfp = &fp[0]
+ *     with nogil:
+*/
+      __pyx_t_5 = NULL;
+      __pyx_t_10 = 1;
+      {
+        PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_fp_must_be_fp_moduli_primes};
+        __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_10, (2-__pyx_t_10) | (__pyx_t_10*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+        __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
+        if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 70, __pyx_L1_error)
+        __Pyx_GOTREF(__pyx_t_3);
+      }
+      __Pyx_Raise(__pyx_t_3, 0, 0, 0);
+      __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
+      __PYX_ERR(0, 70, __pyx_L1_error)
+
+      /* "engram_stream/_hash.pyx":69
+ *     cdef const double *pfp = NULL
+ *     if fp is not None:
+ *         if fp.shape[0] != 3 * H:             # <<<<<<<<<<<<<<
+ *             raise ValueError("fp must be fp_moduli(primes)")
+ *         pfp = &fp[0]
+*/
+    }
+
+    /* "engram_stream/_hash.pyx":71
+ *         if fp.shape[0] != 3 * H:
+ *             raise ValueError("fp must be fp_moduli(primes)")
+ *         pfp = &fp[0]             # <<<<<<<<<<<<<<
+ *     with nogil:
+ *         for b in range(B):
+*/
+    __pyx_t_15 = 0;
+    __pyx_v_pfp = (&(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_fp.data) + __pyx_t_15)) ))));
+
+    /* "engram_stream/_hash.pyx":68
+ *     cdef int64_t win[MAX_NGRAM]
+ *     cdef const double *pfp = NULL
+ *     if fp is not None:             # <<<<<<<<<<<<<<
+ *         if fp.shape[0] != 3 * H:
+ *             raise ValueError("fp must be fp_moduli(primes)")
+*/
+  }
+
+  /* "engram_stream/_hash.pyx":72
+ *             raise ValueError("fp must be fp_moduli(primes)")
+ *         pfp = &fp[0]
  *     with nogil:             # <<<<<<<<<<<<<<
  *         for b in range(B):
  *             for t in range(T):
@@ -21417,8 +22119,8 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "engram_stream/_hash.pyx":54
- *     cdef int64_t win[MAX_NGRAM]
+        /* "engram_stream/_hash.pyx":73
+ *         pfp = &fp[0]
  *     with nogil:
  *         for b in range(B):             # <<<<<<<<<<<<<<
  *             for t in range(T):
@@ -21426,12 +22128,12 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
 */
 
         __pyx_t_7 = __pyx_v_B;
-        __pyx_t_15 = __pyx_t_7;
+        __pyx_t_16 = __pyx_t_7;
 
-        for (__pyx_t_16 = 0; __pyx_t_16 < __pyx_t_15; __pyx_t_16+=1) {
-          __pyx_v_b = __pyx_t_16;
+        for (__pyx_t_17 = 0; __pyx_t_17 < __pyx_t_16; __pyx_t_17+=1) {
+          __pyx_v_b = __pyx_t_17;
 
-          /* "engram_stream/_hash.pyx":55
+          /* "engram_stream/_hash.pyx":74
  *     with nogil:
  *         for b in range(B):
  *             for t in range(T):             # <<<<<<<<<<<<<<
@@ -21439,72 +22141,72 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
  *                     win[k] = cids[b, t - k] if t - k >= 0 else pad
 */
 
-          __pyx_t_17 = __pyx_v_T;
-          __pyx_t_18 = __pyx_t_17;
+          __pyx_t_18 = __pyx_v_T;
+          __pyx_t_19 = __pyx_t_18;
 
-          for (__pyx_t_19 = 0; __pyx_t_19 < __pyx_t_18; __pyx_t_19+=1) {
-            __pyx_v_t = __pyx_t_19;
+          for (__pyx_t_20 = 0; __pyx_t_20 < __pyx_t_19; __pyx_t_20+=1) {
+            __pyx_v_t = __pyx_t_20;
 
-            /* "engram_stream/_hash.pyx":56
+            /* "engram_stream/_hash.pyx":75
  *         for b in range(B):
  *             for t in range(T):
  *                 for k in range(max_ngram):             # <<<<<<<<<<<<<<
  *                     win[k] = cids[b, t - k] if t - k >= 0 else pad
- *                 es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], &o[b, t, 0])
+ *                 es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, t, 0])
 */
 
             __pyx_t_8 = __pyx_v_max_ngram;
-            __pyx_t_20 = __pyx_t_8;
+            __pyx_t_21 = __pyx_t_8;
 
-            for (__pyx_t_21 = 0; __pyx_t_21 < __pyx_t_20; __pyx_t_21+=1) {
-              __pyx_v_k = __pyx_t_21;
+            for (__pyx_t_22 = 0; __pyx_t_22 < __pyx_t_21; __pyx_t_22+=1) {
+              __pyx_v_k = __pyx_t_22;
 
-              /* "engram_stream/_hash.pyx":57
+              /* "engram_stream/_hash.pyx":76
  *             for t in range(T):
  *                 for k in range(max_ngram):
  *                     win[k] = cids[b, t - k] if t - k >= 0 else pad             # <<<<<<<<<<<<<<
- *                 es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], &o[b, t, 0])
+ *                 es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, t, 0])
  *     return out
 */
               __pyx_t_2 = ((__pyx_v_t - __pyx_v_k) >= 0);
 
               if (__pyx_t_2) {
-                __pyx_t_23 = __pyx_v_b;
+                __pyx_t_15 = __pyx_v_b;
                 __pyx_t_24 = (__pyx_v_t - __pyx_v_k);
 
-                __pyx_t_22 = (*((int64_t const  *) ( /* dim=1 */ ((char *) (((int64_t const  *) ( /* dim=0 */ (__pyx_v_cids.data + __pyx_t_23 * __pyx_v_cids.strides[0]) )) + __pyx_t_24)) )));
+                __pyx_t_23 = (*((int64_t const  *) ( /* dim=1 */ ((char *) (((int64_t const  *) ( /* dim=0 */ (__pyx_v_cids.data + __pyx_t_15 * __pyx_v_cids.strides[0]) )) + __pyx_t_24)) )));
               } else {
 
-                __pyx_t_22 = __pyx_v_pad;
+                __pyx_t_23 = __pyx_v_pad;
               }
 
-              (__pyx_v_win[__pyx_v_k]) = __pyx_t_22;
+              (__pyx_v_win[__pyx_v_k]) = __pyx_t_23;
 
             }
 
 
-            /* "engram_stream/_hash.pyx":58
+            /* "engram_stream/_hash.pyx":77
  *                 for k in range(max_ngram):
  *                     win[k] = cids[b, t - k] if t - k >= 0 else pad
- *                 es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], &o[b, t, 0])             # <<<<<<<<<<<<<<
+ *                 es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, t, 0])             # <<<<<<<<<<<<<<
  *     return out
  * 
 */
             __pyx_t_24 = 0;
-            __pyx_t_23 = 0;
+            __pyx_t_15 = 0;
             __pyx_t_25 = __pyx_v_b;
             __pyx_t_26 = __pyx_v_t;
             __pyx_t_27 = 0;
-            es_hash_window(__pyx_v_win, (&(*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_mult.data) + __pyx_t_24)) )))), __pyx_v_max_ngram, __pyx_v_n_head, (&(*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_primes.data) + __pyx_t_23)) )))), (&(*((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_o.data + __pyx_t_25 * __pyx_v_o.strides[0]) ) + __pyx_t_26 * __pyx_v_o.strides[1]) )) + __pyx_t_27)) )))));
+            es_hash_window(__pyx_v_win, (&(*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_mult.data) + __pyx_t_24)) )))), __pyx_v_max_ngram, __pyx_v_n_head, (&(*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_primes.data) + __pyx_t_15)) )))), __pyx_v_pfp, (&(*((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_o.data + __pyx_t_25 * __pyx_v_o.strides[0]) ) + __pyx_t_26 * __pyx_v_o.strides[1]) )) + __pyx_t_27)) )))));
           }
 
         }
 
       }
 
-      /* "engram_stream/_hash.pyx":53
- *     cdef int64_t[:, :, ::1] o = out
- *     cdef int64_t win[MAX_NGRAM]
+      /* "engram_stream/_hash.pyx":72
+ *             raise ValueError("fp must be fp_moduli(primes)")
+ *         pfp = &fp[0]
  *     with nogil:             # <<<<<<<<<<<<<<
  *         for b in range(B):
  *             for t in range(T):
@@ -21513,15 +22215,15 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
         /*normal exit:*/{
           __Pyx_FastGIL_Forget();
           PyEval_RestoreThread(_save);
-          goto __pyx_L13;
+          goto __pyx_L15;
         }
-        __pyx_L13:;
+        __pyx_L15:;
       }
   }
 
-  /* "engram_stream/_hash.pyx":59
+  /* "engram_stream/_hash.pyx":78
  *                     win[k] = cids[b, t - k] if t - k >= 0 else pad
- *                 es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], &o[b, t, 0])
+ *                 es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, t, 0])
  *     return out             # <<<<<<<<<<<<<<
  * 
  * 
@@ -21537,12 +22239,12 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_hash.pyx":38
+  /* "engram_stream/_hash.pyx":50
  * 
  * 
  * def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,             # <<<<<<<<<<<<<<
- *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None):
- *     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad)."""
+ *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,
+ *                     const double[::1] fp=None):
 */
 
   /* function exit code */
@@ -21566,13 +22268,14 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
 
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_o, 1);
 
+
   __Pyx_XDECREF(__pyx_v_out);
   __Pyx_XGIVEREF(__pyx_r);
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-/* "engram_stream/_hash.pyx":64
+/* "engram_stream/_hash.pyx":83
  * # The mods alone, for tests and for bench/bench_hash.py ------------------------
  * 
  * def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=False):             # <<<<<<<<<<<<<<
@@ -21581,16 +22284,16 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_2hash_compressed(CYTHON_UNUSED 
 */
 
 /* Python wrapper */
-static PyObject *__pyx_pw_13engram_stream_5_hash_5floormod(PyObject *__pyx_self, 
+static PyObject *__pyx_pw_13engram_stream_5_hash_7floormod(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
 PyObject *__pyx_args, PyObject *__pyx_kwds
 #endif
 ); /*proto*/
-PyDoc_STRVAR(__pyx_doc_13engram_stream_5_hash_4floormod, "floormod(const int64_t[::1] x, const int64_t[::1] primes, bool reciprocal=False)\n\nint64[N, P]: floored x[i] % primes[j], by hardware division or by the reciprocal kernel.");
-static PyMethodDef __pyx_mdef_13engram_stream_5_hash_5floormod = {"floormod", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_13engram_stream_5_hash_5floormod, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_13engram_stream_5_hash_4floormod};
-static PyObject *__pyx_pw_13engram_stream_5_hash_5floormod(PyObject *__pyx_self, 
+PyDoc_STRVAR(__pyx_doc_13engram_stream_5_hash_6floormod, "floormod(const int64_t[::1] x, const int64_t[::1] primes, bool reciprocal=False)\n\nint64[N, P]: floored x[i] % primes[j], by hardware division or by the reciprocal kernel.");
+static PyMethodDef __pyx_mdef_13engram_stream_5_hash_7floormod = {"floormod", (PyCFunction)(void(*)(void))(__Pyx_PyCFunction_FastCallWithKeywords)__pyx_pw_13engram_stream_5_hash_7floormod, __Pyx_METH_FASTCALL|METH_KEYWORDS, __pyx_doc_13engram_stream_5_hash_6floormod};
+static PyObject *__pyx_pw_13engram_stream_5_hash_7floormod(PyObject *__pyx_self, 
 #if CYTHON_VECTORCALL
 PyObject *const *__pyx_args, Py_ssize_t __pyx_nargs, PyObject *__pyx_kwds
 #else
@@ -21622,55 +22325,55 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_x,&__pyx_mstate_global->__pyx_n_u_primes,&__pyx_mstate_global->__pyx_n_u_reciprocal,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 64, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 83, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 64, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 83, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 64, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 83, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 64, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 83, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "floormod", 0) < (0)) __PYX_ERR(0, 64, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "floormod", 0) < (0)) __PYX_ERR(0, 83, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("floormod", 0, 2, 3, i); __PYX_ERR(0, 64, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("floormod", 0, 2, 3, i); __PYX_ERR(0, 83, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 64, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 83, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 64, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 83, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 64, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 83, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
     }
-    __pyx_v_x = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[0], 0); if (unlikely(!__pyx_v_x.memview)) __PYX_ERR(0, 64, __pyx_L3_error)
-    __pyx_v_primes = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_primes.memview)) __PYX_ERR(0, 64, __pyx_L3_error)
+    __pyx_v_x = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[0], 0); if (unlikely(!__pyx_v_x.memview)) __PYX_ERR(0, 83, __pyx_L3_error)
+    __pyx_v_primes = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_primes.memview)) __PYX_ERR(0, 83, __pyx_L3_error)
     if (values[2]) {
-      __pyx_v_reciprocal = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_reciprocal == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 64, __pyx_L3_error)
+      __pyx_v_reciprocal = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_reciprocal == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 83, __pyx_L3_error)
     } else {
       __pyx_v_reciprocal = ((int)((int)0));
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("floormod", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 64, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("floormod", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 83, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -21683,7 +22386,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  __pyx_r = __pyx_pf_13engram_stream_5_hash_4floormod(__pyx_self, __pyx_v_x, __pyx_v_primes, __pyx_v_reciprocal);
+  __pyx_r = __pyx_pf_13engram_stream_5_hash_6floormod(__pyx_self, __pyx_v_x, __pyx_v_primes, __pyx_v_reciprocal);
 
   /* function exit code */
   for (Py_ssize_t __pyx_temp=0; __pyx_temp < (Py_ssize_t)(sizeof(values)/sizeof(values[0])); ++__pyx_temp) {
@@ -21696,7 +22399,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   return __pyx_r;
 }
 
-static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_x, __Pyx_memviewslice __pyx_v_primes, int __pyx_v_reciprocal) {
+static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObject *__pyx_self, __Pyx_memviewslice __pyx_v_x, __Pyx_memviewslice __pyx_v_primes, int __pyx_v_reciprocal) {
   PyObject *__pyx_v_out = NULL;
   __Pyx_memviewslice __pyx_v_o = { 0, 0, { 0 }, { 0 }, { 0 } };
   Py_ssize_t __pyx_v_i;
@@ -21730,7 +22433,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("floormod", 0);
 
-  /* "engram_stream/_hash.pyx":66
+  /* "engram_stream/_hash.pyx":85
  * def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=False):
  *     """int64[N, P]: floored x[i] % primes[j], by hardware division or by the reciprocal kernel."""
  *     out = np.empty((x.shape[0], primes.shape[0]), dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -21738,26 +22441,26 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
  *     cdef Py_ssize_t i, j, P = primes.shape[0]
 */
   __pyx_t_2 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 66, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 85, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 66, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 85, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_3 = PyLong_FromSsize_t((__pyx_v_x.shape[0])); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 66, __pyx_L1_error)
+  __pyx_t_3 = PyLong_FromSsize_t((__pyx_v_x.shape[0])); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 85, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_5 = PyLong_FromSsize_t((__pyx_v_primes.shape[0])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 66, __pyx_L1_error)
+  __pyx_t_5 = PyLong_FromSsize_t((__pyx_v_primes.shape[0])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 85, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 66, __pyx_L1_error)
+  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 85, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 66, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 85, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_5);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 66, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 85, __pyx_L1_error);
   __pyx_t_3 = 0;
   __pyx_t_5 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 66, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 85, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 66, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 85, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   #if CYTHON_VECTORCALL
@@ -21778,13 +22481,13 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
     PyObject *__pyx_callargs[3] = {__pyx_t_2, __pyx_t_6, __pyx_t_3};
     #if CYTHON_VECTORCALL
     __pyx_t_5 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 66, __pyx_L1_error)
+    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 85, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_5);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_5 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 66, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 85, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
     }
     #endif
@@ -21796,25 +22499,25 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 66, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 85, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __pyx_v_out = __pyx_t_1;
   __pyx_t_1 = 0;
 
-  /* "engram_stream/_hash.pyx":67
+  /* "engram_stream/_hash.pyx":86
  *     """int64[N, P]: floored x[i] % primes[j], by hardware division or by the reciprocal kernel."""
  *     out = np.empty((x.shape[0], primes.shape[0]), dtype=np.int64)
  *     cdef int64_t[:, ::1] o = out             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t i, j, P = primes.shape[0]
  *     cdef es_modulus mods[256]
 */
-  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_int64_t(__pyx_v_out, PyBUF_WRITABLE); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 67, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_int64_t(__pyx_v_out, PyBUF_WRITABLE); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 86, __pyx_L1_error)
   __pyx_v_o = __pyx_t_8;
   __pyx_t_8.memview = NULL;
   __pyx_t_8.data = NULL;
 
-  /* "engram_stream/_hash.pyx":68
+  /* "engram_stream/_hash.pyx":87
  *     out = np.empty((x.shape[0], primes.shape[0]), dtype=np.int64)
  *     cdef int64_t[:, ::1] o = out
  *     cdef Py_ssize_t i, j, P = primes.shape[0]             # <<<<<<<<<<<<<<
@@ -21823,7 +22526,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
 */
   __pyx_v_P = (__pyx_v_primes.shape[0]);
 
-  /* "engram_stream/_hash.pyx":70
+  /* "engram_stream/_hash.pyx":89
  *     cdef Py_ssize_t i, j, P = primes.shape[0]
  *     cdef es_modulus mods[256]
  *     if P > 256 or (P and min(primes) < 1):             # <<<<<<<<<<<<<<
@@ -21851,7 +22554,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
     goto __pyx_L4_bool_binop_done;
   }
   __pyx_t_4 = NULL;
-  __pyx_t_5 = __pyx_memoryview_fromslice(__pyx_v_primes, 1, (PyObject *(*)(char *)) __pyx_memview_get_nn_int64_t__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 70, __pyx_L1_error)
+  __pyx_t_5 = __pyx_memoryview_fromslice(__pyx_v_primes, 1, (PyObject *(*)(char *)) __pyx_memview_get_nn_int64_t__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 89, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_7 = 1;
   {
@@ -21859,10 +22562,10 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
     __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_min, __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 70, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 89, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  __pyx_t_10 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_1, __pyx_mstate_global->__pyx_int_1, Py_LT); if (unlikely((__pyx_t_10 < 0))) __PYX_ERR(0, 70, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_1, __pyx_mstate_global->__pyx_int_1, Py_LT); if (unlikely((__pyx_t_10 < 0))) __PYX_ERR(0, 89, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
   __pyx_t_9 = __pyx_t_10;
@@ -21871,7 +22574,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
   if (unlikely(__pyx_t_9)) {
 
 
-    /* "engram_stream/_hash.pyx":71
+    /* "engram_stream/_hash.pyx":90
  *     cdef es_modulus mods[256]
  *     if P > 256 or (P and min(primes) < 1):
  *         raise ValueError("floormod: at most 256 positive primes")             # <<<<<<<<<<<<<<
@@ -21884,14 +22587,14 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
       PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_floormod_at_most_256_positive_pr};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 71, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 90, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 71, __pyx_L1_error)
+    __PYX_ERR(0, 90, __pyx_L1_error)
 
-    /* "engram_stream/_hash.pyx":70
+    /* "engram_stream/_hash.pyx":89
  *     cdef Py_ssize_t i, j, P = primes.shape[0]
  *     cdef es_modulus mods[256]
  *     if P > 256 or (P and min(primes) < 1):             # <<<<<<<<<<<<<<
@@ -21900,7 +22603,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
 */
   }
 
-  /* "engram_stream/_hash.pyx":72
+  /* "engram_stream/_hash.pyx":91
  *     if P > 256 or (P and min(primes) < 1):
  *         raise ValueError("floormod: at most 256 positive primes")
  *     for j in range(P):             # <<<<<<<<<<<<<<
@@ -21914,7 +22617,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
   for (__pyx_t_13 = 0; __pyx_t_13 < __pyx_t_12; __pyx_t_13+=1) {
     __pyx_v_j = __pyx_t_13;
 
-    /* "engram_stream/_hash.pyx":73
+    /* "engram_stream/_hash.pyx":92
  *         raise ValueError("floormod: at most 256 positive primes")
  *     for j in range(P):
  *         mods[j] = es_modulus_make(<uint64_t>primes[j])             # <<<<<<<<<<<<<<
@@ -21926,7 +22629,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
   }
 
 
-  /* "engram_stream/_hash.pyx":74
+  /* "engram_stream/_hash.pyx":93
  *     for j in range(P):
  *         mods[j] = es_modulus_make(<uint64_t>primes[j])
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -21939,7 +22642,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "engram_stream/_hash.pyx":75
+        /* "engram_stream/_hash.pyx":94
  *         mods[j] = es_modulus_make(<uint64_t>primes[j])
  *     with nogil:
  *         if reciprocal:             # <<<<<<<<<<<<<<
@@ -21948,7 +22651,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
 */
         if (__pyx_v_reciprocal) {
 
-          /* "engram_stream/_hash.pyx":76
+          /* "engram_stream/_hash.pyx":95
  *     with nogil:
  *         if reciprocal:
  *             for i in range(x.shape[0]):             # <<<<<<<<<<<<<<
@@ -21962,7 +22665,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
           for (__pyx_t_13 = 0; __pyx_t_13 < __pyx_t_12; __pyx_t_13+=1) {
             __pyx_v_i = __pyx_t_13;
 
-            /* "engram_stream/_hash.pyx":77
+            /* "engram_stream/_hash.pyx":96
  *         if reciprocal:
  *             for i in range(x.shape[0]):
  *                 for j in range(P):             # <<<<<<<<<<<<<<
@@ -21976,7 +22679,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
             for (__pyx_t_17 = 0; __pyx_t_17 < __pyx_t_16; __pyx_t_17+=1) {
               __pyx_v_j = __pyx_t_17;
 
-              /* "engram_stream/_hash.pyx":78
+              /* "engram_stream/_hash.pyx":97
  *             for i in range(x.shape[0]):
  *                 for j in range(P):
  *                     o[i, j] = es_floormod_fast(x[i], &mods[j])             # <<<<<<<<<<<<<<
@@ -21992,7 +22695,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
           }
 
 
-          /* "engram_stream/_hash.pyx":75
+          /* "engram_stream/_hash.pyx":94
  *         mods[j] = es_modulus_make(<uint64_t>primes[j])
  *     with nogil:
  *         if reciprocal:             # <<<<<<<<<<<<<<
@@ -22002,7 +22705,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
           goto __pyx_L12;
         }
 
-        /* "engram_stream/_hash.pyx":80
+        /* "engram_stream/_hash.pyx":99
  *                     o[i, j] = es_floormod_fast(x[i], &mods[j])
  *         else:
  *             for i in range(x.shape[0]):             # <<<<<<<<<<<<<<
@@ -22017,7 +22720,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
           for (__pyx_t_13 = 0; __pyx_t_13 < __pyx_t_12; __pyx_t_13+=1) {
             __pyx_v_i = __pyx_t_13;
 
-            /* "engram_stream/_hash.pyx":81
+            /* "engram_stream/_hash.pyx":100
  *         else:
  *             for i in range(x.shape[0]):
  *                 for j in range(P):             # <<<<<<<<<<<<<<
@@ -22031,7 +22734,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
             for (__pyx_t_17 = 0; __pyx_t_17 < __pyx_t_16; __pyx_t_17+=1) {
               __pyx_v_j = __pyx_t_17;
 
-              /* "engram_stream/_hash.pyx":82
+              /* "engram_stream/_hash.pyx":101
  *             for i in range(x.shape[0]):
  *                 for j in range(P):
  *                     o[i, j] = es_floormod(x[i], primes[j])             # <<<<<<<<<<<<<<
@@ -22050,7 +22753,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
         __pyx_L12:;
       }
 
-      /* "engram_stream/_hash.pyx":74
+      /* "engram_stream/_hash.pyx":93
  *     for j in range(P):
  *         mods[j] = es_modulus_make(<uint64_t>primes[j])
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -22067,7 +22770,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
       }
   }
 
-  /* "engram_stream/_hash.pyx":83
+  /* "engram_stream/_hash.pyx":102
  *                 for j in range(P):
  *                     o[i, j] = es_floormod(x[i], primes[j])
  *     return out             # <<<<<<<<<<<<<<
@@ -22083,7 +22786,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_hash.pyx":64
+  /* "engram_stream/_hash.pyx":83
  * # The mods alone, for tests and for bench/bench_hash.py ------------------------
  * 
  * def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=False):             # <<<<<<<<<<<<<<
@@ -22114,6 +22817,175 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4floormod(CYTHON_UNUSED PyObjec
   return __pyx_r;
 }
 /* #### Code section: module_exttypes ### */
+
+static PyObject *__pyx_tp_new__initialisation_13engram_stream_5_hash___pyx_defaults(PyObject *o, 
+#if CYTHON_VECTORCALL_TPNEW
+    CYTHON_UNUSED PyObject *const *args, CYTHON_UNUSED Py_ssize_t nargs, CYTHON_UNUSED PyObject *kwnames
+#else
+    CYTHON_UNUSED PyObject *a, CYTHON_UNUSED PyObject *k
+#endif
+) {
+  struct __pyx_defaults *p = ((struct __pyx_defaults *)o);
+  p->arg0.data = NULL;
+  p->arg0.memview = NULL;
+  return o;
+}
+
+static PyObject *__pyx_tp_new_vectorcall_13engram_stream_5_hash___pyx_defaults(PyTypeObject *t, 
+#if CYTHON_VECTORCALL_TPNEW
+    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames
+#else
+    PyObject *a, PyObject *k
+#endif
+) {
+  PyObject *o;
+  o = __Pyx_AllocateExtensionType(t, 1);
+  if (unlikely(!o)) return 0;
+  return __pyx_tp_new__initialisation_13engram_stream_5_hash___pyx_defaults(o, 
+#if CYTHON_VECTORCALL_TPNEW
+    args, nargs, kwnames
+#else
+    a, k
+#endif
+);
+}
+
+#if CYTHON_VECTORCALL_TPNEW
+static PyObject *__pyx_tp_new_13engram_stream_5_hash___pyx_defaults(PyTypeObject *t, PyObject *a, PyObject *k) {
+  return __Pyx_CallTpnewAsVectorcall(__pyx_tp_new_vectorcall_13engram_stream_5_hash___pyx_defaults, t, a, k);
+}
+#endif
+
+#if CYTHON_VECTORCALL_TPNEW
+static PyObject *__pyx_tp_vectorcall_13engram_stream_5_hash___pyx_defaults(PyObject *t, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+  if (unlikely((PyTypeObject*)t != __pyx_mstate_global->__pyx_ptype_13engram_stream_5_hash___pyx_defaults || __Pyx_PyType_HasFeature((PyTypeObject*)t, Py_TPFLAGS_IS_ABSTRACT))) {
+    return __Pyx_CallNewInitFromVectorcall((PyTypeObject*)t, args, nargsf, kwnames);
+  }
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+  PyObject *o = __pyx_tp_new_vectorcall_13engram_stream_5_hash___pyx_defaults((PyTypeObject*)t, args, nargs, kwnames);
+  return o;
+}
+#endif
+
+static void __pyx_tp_dealloc_13engram_stream_5_hash___pyx_defaults(PyObject *o) {
+  struct __pyx_defaults *p = (struct __pyx_defaults *)o;
+  #if CYTHON_USE_TP_FINALIZE
+  if (unlikely(__Pyx_PyObject_GetSlot(o, tp_finalize, destructor)) && (!PyType_IS_GC(Py_TYPE(o)) || !__Pyx_PyObject_GC_IsFinalized(o))) {
+    if (__Pyx_PyObject_GetSlot(o, tp_dealloc, destructor) == __pyx_tp_dealloc_13engram_stream_5_hash___pyx_defaults) {
+      if (PyObject_CallFinalizerFromDealloc(o)) return;
+    }
+  }
+  #endif
+  __PYX_XCLEAR_MEMVIEW(&p->arg0, 1);; p->arg0.memview = NULL; p->arg0.data = NULL;
+  PyTypeObject *tp = Py_TYPE(o);
+  #if CYTHON_USE_TYPE_SLOTS
+  (*tp->tp_free)(o);
+  #else
+  {
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    if (tp_free) tp_free(o);
+  }
+  #endif
+  #if CYTHON_USE_TYPE_SPECS
+  Py_DECREF(tp);
+  #endif
+}
+#if CYTHON_USE_TYPE_SPECS
+static PyType_Slot __pyx_type_13engram_stream_5_hash___pyx_defaults_slots[] = {
+  {Py_tp_dealloc, (void *)__pyx_tp_dealloc_13engram_stream_5_hash___pyx_defaults},
+  {Py_tp_new, (void *)__pyx_tp_new_13engram_stream_5_hash___pyx_defaults},
+  #if (!CYTHON_COMPILING_IN_PYPY || PYPY_VERSION_NUM >= 0x07030800) && (!CYTHON_COMPILING_IN_LIMITED_API || __PYX_LIMITED_VERSION_HEX >= 0x030E0000)
+  #if CYTHON_VECTORCALL_TPNEW
+  {Py_tp_vectorcall, (void *)__pyx_tp_vectorcall_13engram_stream_5_hash___pyx_defaults},
+  #endif
+  #endif
+  {0, 0},
+};
+static PyType_Spec __pyx_type_13engram_stream_5_hash___pyx_defaults_spec = {
+  "engram_stream._hash.__pyx_defaults",
+  sizeof(struct __pyx_defaults),
+  0,
+  Py_TPFLAGS_DEFAULT|Py_TPFLAGS_HAVE_VERSION_TAG,
+  __pyx_type_13engram_stream_5_hash___pyx_defaults_slots,
+};
+#else
+
+static PyTypeObject __pyx_type_13engram_stream_5_hash___pyx_defaults = {
+  PyVarObject_HEAD_INIT(0, 0)
+  "engram_stream._hash.""__pyx_defaults", /*tp_name*/
+  sizeof(struct __pyx_defaults), /*tp_basicsize*/
+  0, /*tp_itemsize*/
+  __pyx_tp_dealloc_13engram_stream_5_hash___pyx_defaults, /*tp_dealloc*/
+  0, /*tp_vectorcall_offset*/
+  0, /*tp_getattr*/
+  0, /*tp_setattr*/
+  0, /*tp_as_async*/
+  0, /*tp_repr*/
+  0, /*tp_as_number*/
+  0, /*tp_as_sequence*/
+  0, /*tp_as_mapping*/
+  0, /*tp_hash*/
+  0, /*tp_call*/
+  0, /*tp_str*/
+  0, /*tp_getattro*/
+  0, /*tp_setattro*/
+  0, /*tp_as_buffer*/
+  Py_TPFLAGS_DEFAULT|Py_TPFLAGS_HAVE_VERSION_TAG, /*tp_flags*/
+  0, /*tp_doc*/
+  0, /*tp_traverse*/
+  0, /*tp_clear*/
+  0, /*tp_richcompare*/
+  0, /*tp_weaklistoffset*/
+  0, /*tp_iter*/
+  0, /*tp_iternext*/
+  0, /*tp_methods*/
+  0, /*tp_members*/
+  0, /*tp_getset*/
+  0, /*tp_base*/
+  0, /*tp_dict*/
+  0, /*tp_descr_get*/
+  0, /*tp_descr_set*/
+  #if !CYTHON_USE_TYPE_SPECS
+  0, /*tp_dictoffset*/
+  #endif
+  0, /*tp_init*/
+  0, /*tp_alloc*/
+  __pyx_tp_new_13engram_stream_5_hash___pyx_defaults, /*tp_new*/
+  0, /*tp_free*/
+  0, /*tp_is_gc*/
+  0, /*tp_bases*/
+  0, /*tp_mro*/
+  0, /*tp_cache*/
+  0, /*tp_subclasses*/
+  0, /*tp_weaklist*/
+  0, /*tp_del*/
+  0, /*tp_version_tag*/
+  #if CYTHON_USE_TP_FINALIZE
+  0, /*tp_finalize*/
+  #else
+  NULL, /*tp_finalize*/
+  #endif
+  #if (!CYTHON_COMPILING_IN_PYPY || PYPY_VERSION_NUM >= 0x07030800) && (!CYTHON_COMPILING_IN_LIMITED_API || __PYX_LIMITED_VERSION_HEX >= 0x030E0000)
+  #if CYTHON_VECTORCALL_TPNEW
+  __pyx_tp_vectorcall_13engram_stream_5_hash___pyx_defaults, /*tp_vectorcall*/
+  #else
+  NULL, /*tp_vectorcall*/
+  #endif
+  #endif
+  #if __PYX_NEED_TP_PRINT_SLOT == 1
+  0, /*tp_print*/
+  #endif
+  #if PY_VERSION_HEX >= 0x030C0000
+  0, /*tp_watched*/
+  #endif
+  #if PY_VERSION_HEX >= 0x030d00A4
+  0, /*tp_versions_used*/
+  #endif
+  #if CYTHON_COMPILING_IN_PYPY && PY_VERSION_HEX < 0x030a0000
+  0, /*tp_pypy_flags*/
+  #endif
+};
+#endif
 static struct __pyx_vtabstruct_array __pyx_vtable_array;
 
 static PyObject *__pyx_tp_new__initialisation_array(PyObject *o, 
@@ -23225,6 +24097,7 @@ static CYTHON_SMALL_CODE int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate)
 static CYTHON_SMALL_CODE int __Pyx_modinit_Global_init_code(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Variable_export_code(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Function_export_code(__pyx_mstatetype *__pyx_mstate); /*proto*/
+static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_defaults(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_array_obj(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_MemviewEnum_obj(__pyx_mstatetype *__pyx_mstate); /*proto*/
 static CYTHON_SMALL_CODE int __Pyx_modinit_Exttype___pyx_memoryview_obj(__pyx_mstatetype *__pyx_mstate); /*proto*/
@@ -23266,6 +24139,39 @@ static int __Pyx_modinit_Function_export_code(__pyx_mstatetype *__pyx_mstate) {
   /*--- Function export code ---*/
   __Pyx_RefNannyFinishContext();
   return 0;
+}
+
+static int __Pyx_modinit_Exttype___pyx_defaults(__pyx_mstatetype *__pyx_mstate) {
+  __Pyx_RefNannyDeclarations
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+  CYTHON_UNUSED_VAR(__pyx_mstate);
+  __Pyx_RefNannySetupContext("__Pyx_modinit_Exttype___pyx_defaults", 0);
+  /*--- Exttype __pyx_defaults ---*/
+  #if CYTHON_USE_TYPE_SPECS
+  __pyx_mstate->__pyx_ptype_13engram_stream_5_hash___pyx_defaults = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_13engram_stream_5_hash___pyx_defaults_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_13engram_stream_5_hash___pyx_defaults)) __PYX_ERR(0, 50, __pyx_L1_error)
+  #else
+  __pyx_mstate->__pyx_ptype_13engram_stream_5_hash___pyx_defaults = &__pyx_type_13engram_stream_5_hash___pyx_defaults;
+  #endif
+  #if !CYTHON_COMPILING_IN_LIMITED_API
+  #endif
+  #if !CYTHON_USE_TYPE_SPECS
+  if (__Pyx_PyType_Ready(__pyx_mstate->__pyx_ptype_13engram_stream_5_hash___pyx_defaults) < (0)) __PYX_ERR(0, 50, __pyx_L1_error)
+  #endif
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount((PyObject*)__pyx_mstate->__pyx_ptype_13engram_stream_5_hash___pyx_defaults);
+  #endif
+  #if !CYTHON_COMPILING_IN_LIMITED_API
+  if ((CYTHON_USE_TYPE_SLOTS && CYTHON_USE_PYTYPE_LOOKUP) && likely(!__pyx_mstate->__pyx_ptype_13engram_stream_5_hash___pyx_defaults->tp_dictoffset && __pyx_mstate->__pyx_ptype_13engram_stream_5_hash___pyx_defaults->tp_getattro == PyObject_GenericGetAttr)) {
+    __pyx_mstate->__pyx_ptype_13engram_stream_5_hash___pyx_defaults->tp_getattro = PyObject_GenericGetAttr;
+  }
+  #endif
+  __Pyx_RefNannyFinishContext();
+  return 0;
+  __pyx_L1_error:;
+  __Pyx_RefNannyFinishContext();
+  return -1;
 }
 
 static int __Pyx_modinit_Exttype___pyx_array_obj(__pyx_mstatetype *__pyx_mstate) {
@@ -23835,6 +24741,7 @@ static CYTHON_SMALL_CODE int __pyx_pymod_exec__hash(PyObject *__pyx_pyinit_modul
   static PyThread_type_lock __pyx_t_7[8];
   int __pyx_t_8;
   int __pyx_t_9;
+  __Pyx_memviewslice __pyx_t_10 = { 0, 0, { 0 }, { 0 }, { 0 } };
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
@@ -23918,6 +24825,7 @@ __Pyx_RefNannySetupContext("PyInit__hash", 0);
   (void)__Pyx_modinit_Variable_export_code(__pyx_mstate);
   (void)__Pyx_modinit_Function_export_code(__pyx_mstate);
   /*--- Type init code ---*/
+  if (unlikely((__Pyx_modinit_Exttype___pyx_defaults(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
   if (unlikely((__Pyx_modinit_Exttype___pyx_array_obj(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
   if (unlikely((__Pyx_modinit_Exttype___pyx_MemviewEnum_obj(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
   if (unlikely((__Pyx_modinit_Exttype___pyx_memoryview_obj(__pyx_mstate) < 0))) __PYX_ERR(0, 1, __pyx_L1_error)
@@ -24461,42 +25369,83 @@ __Pyx_RefNannySetupContext("PyInit__hash", 0);
   /* "engram_stream/_hash.pyx":38
  * 
  * 
- * def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,             # <<<<<<<<<<<<<<
- *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None):
- *     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad)."""
+ * FP_PRIME_MAX = ES_FP_PRIME_MAX             # <<<<<<<<<<<<<<
+ * 
+ * 
 */
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_5_hash_3hash_compressed, 0, __pyx_mstate_global->__pyx_n_u_hash_compressed, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__hash, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[1])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 38, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyLong_From_unsigned_int(ES_FP_PRIME_MAX); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 38, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_FP_PRIME_MAX, __pyx_t_4) < (0)) __PYX_ERR(0, 38, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+
+  /* "engram_stream/_hash.pyx":41
+ * 
+ * 
+ * def fp_moduli(primes):             # <<<<<<<<<<<<<<
+ *     """float64[3*H] = {p, 1/p, 2^32 mod p} for the double-precision mod, or None when a
+ *     prime is too large for it (then the hash divides)."""
+*/
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_5_hash_3fp_moduli, 0, __pyx_mstate_global->__pyx_n_u_fp_moduli, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__hash, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[1])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 41, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
-  __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_4, __pyx_mstate_global->__pyx_tuple[3]);
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_hash_compressed, __pyx_t_4) < (0)) __PYX_ERR(0, 38, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_fp_moduli, __pyx_t_4) < (0)) __PYX_ERR(0, 41, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "engram_stream/_hash.pyx":64
+  /* "engram_stream/_hash.pyx":50
+ * 
+ * 
+ * def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,             # <<<<<<<<<<<<<<
+ *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,
+ *                     const double[::1] fp=None):
+*/
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_5_hash_5hash_compressed, 0, __pyx_mstate_global->__pyx_n_u_hash_compressed, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__hash, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[2])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 50, __pyx_L1_error)
+  __Pyx_GOTREF(__pyx_t_4);
+  #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
+  PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
+  #endif
+  if (!__Pyx_CyFunction_InitDefaults(__pyx_t_4, __pyx_mstate_global->__pyx_ptype_13engram_stream_5_hash___pyx_defaults)) __PYX_ERR(0, 50, __pyx_L1_error)
+
+  /* "engram_stream/_hash.pyx":52
+ * def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
+ *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,
+ *                     const double[::1] fp=None):             # <<<<<<<<<<<<<<
+ *     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad).
+ *     fp: fp_moduli(primes) for the division-free path, or None."""
+*/
+  __pyx_t_10 = __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(Py_None, 0); if (unlikely(!__pyx_t_10.memview)) __PYX_ERR(0, 52, __pyx_L1_error)
+  __Pyx_CyFunction_Defaults(struct __pyx_defaults, __pyx_t_4)->arg0 = __pyx_t_10;
+
+  __pyx_t_10.memview = NULL;
+  __pyx_t_10.data = NULL;
+  __Pyx_CyFunction_SetDefaultsGetter(__pyx_t_4, __pyx_pf_13engram_stream_5_hash_8__defaults__);
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_hash_compressed, __pyx_t_4) < (0)) __PYX_ERR(0, 50, __pyx_L1_error)
+  __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
+
+  /* "engram_stream/_hash.pyx":83
  * # The mods alone, for tests and for bench/bench_hash.py ------------------------
  * 
  * def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=False):             # <<<<<<<<<<<<<<
  *     """int64[N, P]: floored x[i] % primes[j], by hardware division or by the reciprocal kernel."""
  *     out = np.empty((x.shape[0], primes.shape[0]), dtype=np.int64)
 */
-  __pyx_t_4 = __Pyx_PyBool_FromLong(((int)0)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 64, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyBool_FromLong(((int)0)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 83, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   {
     PyObject* __pyx_temp[1] = {__pyx_t_4};
-    __pyx_t_5 = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 64, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 83, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
   }
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_5_hash_5floormod, 0, __pyx_mstate_global->__pyx_n_u_floormod, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__hash, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[2])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 64, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_5_hash_7floormod, 0, __pyx_mstate_global->__pyx_n_u_floormod, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__hash, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[3])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 83, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_4, __pyx_t_5);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_floormod, __pyx_t_4) < (0)) __PYX_ERR(0, 64, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_floormod, __pyx_t_4) < (0)) __PYX_ERR(0, 83, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   /* "engram_stream/_hash.pyx":1
@@ -24515,6 +25464,7 @@ __Pyx_RefNannySetupContext("PyInit__hash", 0);
   __pyx_L1_error:;
   __Pyx_XDECREF(__pyx_t_4);
   __Pyx_XDECREF(__pyx_t_5);
+  __PYX_XCLEAR_MEMVIEW(&__pyx_t_10, 1);
   if (__pyx_m) {
     if (__pyx_mstate->__pyx_d && stringtab_initialized) {
       __Pyx_AddTraceback("init engram_stream._hash", __pyx_clineno, __pyx_lineno, __pyx_filename);
@@ -24549,7 +25499,8 @@ static int __Pyx_InitCachedBuiltins(__pyx_mstatetype *__pyx_mstate) {
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
-  __pyx_builtin_min = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_min); if (!__pyx_builtin_min) __PYX_ERR(0, 70, __pyx_L1_error)
+  __pyx_builtin_max = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_max); if (!__pyx_builtin_max) __PYX_ERR(0, 45, __pyx_L1_error)
+  __pyx_builtin_min = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_min); if (!__pyx_builtin_min) __PYX_ERR(0, 45, __pyx_L1_error)
   __pyx_builtin___import__ = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_import); if (!__pyx_builtin___import__) __PYX_ERR(1, 119, __pyx_L1_error)
   __pyx_builtin_enumerate = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_enumerate); if (!__pyx_builtin_enumerate) __PYX_ERR(1, 175, __pyx_L1_error)
   __pyx_builtin_Ellipsis = __Pyx_GetBuiltinName(__pyx_mstate->__pyx_n_u_Ellipsis); if (!__pyx_builtin_Ellipsis) __PYX_ERR(1, 436, __pyx_L1_error)
@@ -24628,24 +25579,10 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[2]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[2]);
-
-  /* "engram_stream/_hash.pyx":38
- * 
- * 
- * def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,             # <<<<<<<<<<<<<<
- *                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None):
- *     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad)."""
-*/
-  {
-    PyObject* __pyx_temp[1] = {Py_None};
-    __pyx_mstate_global->__pyx_tuple[3] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[3])) __PYX_ERR(0, 38, __pyx_L1_error)
-    __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[3]);
-  }
-  __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[3]);
   #if CYTHON_IMMORTAL_CONSTANTS
   {
     PyObject **table = __pyx_mstate->__pyx_tuple;
-    for (Py_ssize_t i=0; i<4; ++i) {
+    for (Py_ssize_t i=0; i<3; ++i) {
       #if PY_VERSION_HEX >= 0x030F0000
       PyUnstable_SetImmortal(table[i]);
       #elif CYTHON_COMPILING_IN_CPYTHON_FREETHREADING
@@ -24702,41 +25639,41 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
-    const struct { const unsigned int length: 8; } str_length_index[] = {{6},{8},{40},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{179},{1},{8},{15},{7},{6},{37},{2},{61},{9},{30},{50},{39},{34},{27},{9},{30},{37},{5},{1},{8},{1},{1},{8},{1},{15},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{15},{18},{1},{3},{4},{1},{4},{18},{8},{5},{5},{15},{5},{6},{19},{9},{5},{5},{8},{6},{7},{15},{1},{2},{3},{5},{5},{5},{8},{1},{1},{2},{6},{9},{7},{3},{4},{4},{4},{6},{4},{4},{2},{5},{1},{3},{3},{4},{3},{3},{6},{10},{8},{10},{5},{4},{5},{4},{4},{6},{1},{6},{6},{1},{6},{10},{3},{1}};
-    const struct { const unsigned int length: 9; } bytes_length_index[] = {{1},{270},{185},{238}};
+    const struct { const unsigned int length: 8; } str_length_index[] = {{6},{8},{40},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{179},{1},{8},{15},{7},{6},{37},{28},{2},{61},{9},{30},{50},{39},{34},{27},{9},{30},{37},{5},{1},{8},{12},{1},{1},{8},{1},{15},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{15},{5},{18},{1},{3},{4},{1},{4},{18},{8},{5},{5},{15},{5},{6},{19},{9},{5},{5},{7},{8},{6},{7},{2},{9},{15},{1},{2},{3},{5},{5},{5},{8},{1},{1},{2},{6},{3},{9},{7},{3},{4},{4},{4},{6},{4},{4},{2},{5},{1},{3},{3},{1},{4},{3},{3},{3},{6},{10},{8},{10},{5},{4},{5},{4},{4},{6},{1},{6},{6},{1},{6},{10},{3},{1}};
+    const struct { const unsigned int length: 9; } bytes_length_index[] = {{1},{333},{185},{109},{238}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (1402 bytes) */
-static const char cstring[] = "x\332\215U\317o\3336\024\236\333\364\307\272n\215\323d\353:\254\240\333\255\031\266\326\231\323,\353\202\256\203\233&X\016\353\2228I\013\014\203@Q\264\315Z\"e\222r\355\236z\324QG\035u\324QG\037s\314\321G\035\363\247\354Q\216\235\244\033\212\005\220D\223\357=~\357{\337{AX\243\037\373H\330\257)\321O\221\0104\022M$1o\3215\304\034\205\274@idS\364\004\365\004\301\266\245\330[\372ku\r=\371\203zB\016\016\030}c<\236\020\3015k\005\"P\010s\0079L\232\200\357o3>9PZ2\207:g\214\221\220\037<?\2777\265|\372\333:\346\\h\204\225b-\216\264@\222b\347\241\340\356\000y\005\310\036\200\334\342=\3542\007y\302\241\017\020\355\373\340\013\241\026\311\242\271w\261)\244\206\254\027\037\240\026\204\232\030\2536\366)\\\205p\237)\364Bh\212t\033\030[\037\350\266\340\010\366\034\3522\233J\254)\334f\360ATi\2148\332\336\330~\270\362x\245@+\251\341W!\025\330\304\005\240T\031\322\354\200\271\032\242\353\201OU\025m5\321@\004\210S\300\005Y\370`w\326A\267)G\212j\263@\213E\316X3\301-pg\274\265xB\023\353Q\343\275\211]E\253\177c\307\261\300\220\022\341\272\346PpU\3056q\230\302\266K)7\357\246+\204\004^\326\020\244\346\t\250\367\362O\253\310\027\212\025\301|\311<\252Z\244\215U\333\"\302\363%\005<`\355\005\200\336w\031\225jil\204\034\201L)<\254I\273\300\331\242\302\243Z\016\230\032\337\345x\270o\361\226\304^\241\244\251\274\200\205\277\226\037\20030\332\304\020\030Y\226\244N@\250e!\047(R\342\202?\004\206{\014\273pJ\030g\332\262x\340\371\203*\340\222\264Z\000\302R\342\001jb\346\216id\236\017\265=k\026\000\274\366\277,\224$K\364\004\231\006\005yK\226\311\270\352\017\372Zt\200z\320CP\344`|\260\353B;\200\036\306\3279X\343\352\177\234\216\005d\0240\326\256\252\326\033\353[[\3176\\\227\371\212\251\337\267\033\264\033PN\350\236\351\244\352iSY\326\366\240\017\317sP\224\365\202\366\365.mZ\326I\325\201\024 \300\350\342t\321\242\232i\352\231\r\307\370\300_3\340\304|\341HM\274\306\311\232\225\207\031/\276\302\t\334\342\214co\3745\327[\026dn\2216%\035\025x\343_\047Q\314\322hv\274\n\270\317H\007\"l\360\211]O\033&L\214n\200""\335I\330I=\247+R\264\321\231\r\3327?@\343S(\352\014\364\351\372\324OSera\312T\026\206\027\343\024\324=\241\337\262\203f\023\232S\r8a\242:5Q\266\215\035\033+J\010\2148\342\302\226\005\\\300\000 \324\306\2443\0219\021\001\327\216\311\264x\231k\306\203\222z\276\036@\325`\226\234\223L\265\220\014\005\036\212\221@\245\024\262\351\342\226\232\264\030\214\031\020\337\311\260y\257\241\030s\000\r\3145\332g\\\257\256\230j\252\361\353-}\335q;\020\243\023\370\323\006\202\331f\006\233\307\270\231i\360(\243\177n\265a\372\031\372`@z\334/\204/\0006\244\356Cn>v|\341\217\333\025\306\005\363%P\345J\332b\n&\027P|\322\177\205r\315\315@94\207\246\276\322\002\036\031\020\255\241\344\020*\360A\366\264\007\2432\240\352\364\277\303\033\306\373\177\276+\345/_\035\317\334\212g\342\315\244\222<NW\322^\266\223\265\207\315\303\315\243\312Q\355x\346\312;\035.\207\215\350\323x\047\277\372Y\370:.\215\276\374eX\036V\362\342h5*G\367\242F|-\271\227\354&:]\313v35\274;\254\237\030\307\345\261\335\243\020\233\035;\272\034\331\361\305\370Q\354$\367\323\013i\021E\2067\303g!\211\346\242G\021X\335\010\273\371\014JJ\307\037_\313\257^\0177\242\205\010G\335\374\372lt)\332\217+q-\237\235\2176\342\205\030\307\335|\376\213\250\033_\212\367\222r\001@\246\237\2472\233\313\226\263\306\360\312\260\233\317\336\001\253 \251\047{i9\375&\355\014o\035\226\017\357\037\225\216\346\217v\216\360Qw\264\335\0305\016F\007/\363\231O\302\332\273\222\241\342b\274\n\321\276K\357\245\007Y-\253\3473\327\302\273\341ft7Z\2174\034\315%\265|\346k`\303\274\342&\304>H\177\316\026\207\267\017a\377V\\\312?\004{\035\320^4\313\233\3212\260V\312\347o\307\225|~!\237-\027D\356\307?$;\tI\313\371\365\033\241.\370\230=\317\240\341\364\253\244>\372vg\264\263;\332m\024\300G\037=\035\342\343)\320zt\020\327\342\347\311\345\244\231\326\323\375\354\376\360\202\251W\001\372\016@\336L+iQZ\031\316\205+p\317r\264\027\337\214\353\361+\240\260{\246rW\303K\341~T\211j&\243:,\227\200\231\357\323\315\254\222\325\212<\341\3563\031\026\032:_\236\205h\047\"\361\302\350N""5\305i7+e\363 /gX\031\326\216\377\217_\334\201\272\001\330\364yv9\303Y\267\310\366\037\\h\210r";
-    PyObject *data = __Pyx_DecompressString(cstring, 1402, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (1556 bytes) */
+static const char cstring[] = "x\332\215U\315s\323F\024\307%|\323\022\347\243\005:e\326P\010\244`\352\220\006\312P:NH\2469@\363\335\314\320\216f-\255\354\305\322\256\274\273\n6\047\216:\352\250\243\216:\352\350c\2169\372\250#\177B\377\204\276\225l\047\320\016\323\314HZ\357\276\367\366\367~\277\367^\020V\350\307.\342\2157\304T\317\021\367\025\3426\022\2305\311SD-\211\\_*\324 \350\031:\340&n\030\222\276#\277T\237\242g/\211\313Eo\217\222\267\332\343\231\311\231\242M\237\373\022af!\213\n\035\360\323m\312F\007R\tj\021\353\2041\342\342\263\347\037\357\215-\237\377\272\202\031\343\na)i\223!\305\221 \330z\300\231\323Cn\016\362\000@\256\263\003\354P\013\271\334\"\367\021\351z\340\013\241\346\3149}\357\234\315\205\202\254\347\356\243&\204\032\031\313\026\366\010\\\205p\227J\364\212+\202T\013\030[\351\251\026g\010\366,\342\320\006\021X\021\270M\343\203\250B\0331\264\261\272\361`\361\311b\216V\020\315\257D\322o\230\016\000%R\223\326\360\251\243 \272\352yDV\321\272\215z\334G\214\000.\310\302\003\273\223\016\252E\030\222D\351\005\232\313s\306\212rf\200;e\315\271!M\364\200h\3575\354HR\375\013[\226\001\206\304\344\216\243\0179\223U\3340-*q\303!\204\351\267\355p.\200\227\247\010Rs9\350\275\360\323\022\362\270\244y0OP\227H\333\033\227\202\355\031`\355;\364nqt\257i\266\260l\031&w=A\000+Dr}\310\314s(\021\362aa\205,\216\264L.Vf+\317\241I\270K\224\350QY\340\260\\\3345XS`7\257\262\361}\300\320\353\205\373\340\014l\333\030\002#\303\020\304\362Mb\030\310\362\363t\031g\017\200\375\003\212\03585)\243\3120\230\357z\275*\340\022\244\232\003\302B\340\036\2621u\n\212\251\353\201\356\047\315|\200\327\372\227\205\024\346C2D\246\240\272\334\207\206\316\270\352\365\272\212\267A\026\250\025?\317A\373`\307\201V\201Z)\256\263\260\302\325\3778-\212KWGQ\327\262Z\337^Y__^u\034\352I*\3276\214\215\255\365\227\253\306\313\372\376o\033\333\244\343\023f\222\035\335q\325\343\3463\214\215^\027\236\027Py\306+\322U[\3046\214au\000A@\206\256\237\343E\223(\252\210\2537,\355\003\177\266\317L\375\205#9\362*\022\327+\027S\226\177\265\346\371\031\303n""\361\325\327\033\006\260`\230-b\266\245\357\026\277\206Q\364R\327v\261\362\231G\3156DXe#\273\003\245Y\3211:>vFaG\332\216Wf\336n\0476HW\377\200^\030C\221\047\240\217\327\307~\212H\235\013\225Ze\030r\224\021\350\202\221\024F\303\267mhb-\027\226=fR^\035\333\311F\003[\r,\211i\302<4\035\3302\200\020\230\026&i`\263=\252z\223\373LY:\335\374\245\357*\246*q=\325\003\351`\360|TC\325\274\206\010\220\221\317\017\"\004\027\266\203\233\022\372\021\253\245\305Q[\302h\202\242\034\016(\333\033w\337\047=G\251\005\370`,\222.e\340\256E\226\305\353\035y\323v\332\020\256\355{\320c\3436\203\351\250G\243K\231\236\212\360H\335%\314h\301\374\324\304\302\210u\231\227\267\007\207\\\200\017\317\203\214=l\001\n\217{Ec\303\320\241\236\000\"\035A\232T\302\374\003\001\206\235\232\327\270\006\000\202@\033)\342I\305\341\021\276\251\024\024\004D\363=h\020r\000\003\327\047\362\370\177\314[\312\272\277\277/e\177\354g\367\346\377>{\352\314\265h\"Z\213+\361\223d19H7\323V\337>\\;\252\034\325>L\234{\257\202\205`;\3742\332\314\316\177\025\274\211J\203k?\367\313\375J\226\037-\205\345\360V\270\035]\214o\305[\261J\236\246[\251\354\337\354\327\207\306Q\271\260{\024`\275\323\010\317\206\215\350t\364(\262\342;\311\027I\036E\004\323\301r`\206S\341\243\020\254\256\004\235l\002\305\245\017\023\337\301\235p.\203\271\260\234\235\277\0048\366\302Z\270\022\312\350f\264\034\341\354\362T8\037\325\013`8\020\000\245\222]\270\230\235\277\034\254\206\263!\016;\331\345\311\360L\270\033U\242Z69\023\256F\263\021\216:\331\3147a\047:\023\355\304\345\034\265H\276ND:\225.\244\333\375s\375N6y\003\254\374\270\036\357$\345\344\373\244\335\277zX>\274sT:\2329\332\035lm\017\266w\006;\273\203\335\375\301\376\353\301\353?\263\211KA\355=\240\275\ny-A\310\273\311\255d/\255\245\365l\342bp3X\013o\002d\005GSq-+r\202Wd\303\005{\311\343t\256\177\375\020\366\257F\245\317b_\001\310\247\365r:\\\000\276K\331\314\365\250\222\315\314f\223\345\\\202\335\350\207x36\223rv\371J\240r&\047?\346^\253\361m\\\037\334\336\034lnA\036C\340Z\377\013A\t4\250\203\314""\023@\322\320M\253~\272\340{p}\036\222\332NK\351t\272\234\2164\032\t\262\014\222\226\242\231h+\022\361L\274\013\226[\211J\037C\025,\367\255\303\333\207\352hi\260\231\323v\352y\037\177\030\263R\017\367\242Z\364\">\033\333I=\331M\357\364\277\320e\2253t\003\370YK*I^\201\"\230\n\026!\251\205p\047\232\006\301\367A\264\316\211\002;\037\234\tv\303JX\323\364\325a\371\020d\230O\326\322JZ\313I\205DO\320\231\227\372\307\0051\033n\206f4;\270QMp\322\201<g\240\013\254~\245_\373\360\177\374\2426T\n\200M^\244gS\234\346\334\324\376\001Aw\3469";
+    PyObject *data = __Pyx_DecompressString(cstring, 1556, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (1814 bytes) */
-static const char cstring[] = "\377 at 0x o\377bject> o\377ut of ra\377nge: ids\377 must be\377 < vocab\377_size=.:\377 <Memory\357View.\001<co\377ntiguous\377 and dir\354M\001\007\rin\021\005str\357ided\"\010 or\315 \004\031><(\tA\006>?\377Cannot a\377ssign to\377 read-on\257ly m\240\002v\242\000I\377nvalid m\377ode, exp\334\355\000|\000\047c\047t\001\047f\367ort\363\000\047, g|H\000%\005shape\222\000\377 axis No\337te th\257 Cy\337thon \021\000de\377liberate\274k\000\320\001cter!\001n\377 PEP-484\366\212\"re\334!s su\267bcl\246\000es\343!b\337uilti\260\000yp\377es. If y\237ou ne\224 \303\000p\374\316\000%\tthen s\273et\200\000e \047\357\002a\377tion_typoing\047\355$iv\242\000\377o False.\337]add_\232 ec\347oll\337@,\000s.a\377bcdisabl\367een\002\001floo\265r\225 :\211amo\355@2\37756 posit\376I\001primesg\377chash_co\377mpressed\371:\230`\273\000plier{s/\037\003 do \207A\337match\243\002ge\377ometryis\376f\003dmax_ng\307ram\305b\326f\203 [2\375,:\000 defau\377lt __red\377uce__ du\336\316\002non-\263`vi\373al\033\000cinit\377__numpy.\336\225\000re.m5\000ia\377rray fai\235l\301#imp\331@\033\tu\372\234\000h\021\016src/e\272\223\004t\277`m/_\356\001.?pyxtok\370 \272`\371u\253\"\337aalloc\372\363@ i\003data.\360\013\020\273c\215\205\001\352\204\003s.AS\377CIIBElli\377psisHPSe\177quenceT\306\205\001}.\313\205\007__Pyx\001\000\377Dict_Nex?tRef__\357D\222 \333__\304b__\001\005ge_titem\r\001d0\001\236\027\000func\035\001\030\000s\307tat1\002\211#3\001ma{in\003\002odulM\0027nam\002\003ewT\001\367\000\377_checksu\200T\000\n\001?\004\025\001\362`\230@\037\001u\337npick?\000En\346 \005vt\332a\230\001qua\021lO\005\310E\321Fc\302\205\002\277\001\344D{ex\314\001set_\203\005\307set\262\006\003\006.\007te\335s\201`_is\375Aou\177tineabc\225E\377_buffera\377syncio.c\373or\035\003sbbad\377baseccid\327scl3\000_\211 tr\177aceback\335\204\005?countd\346\001\000\002|c\001\243\211\003empty\263@\327ode\246j.\256ben\373um\216\207\002error\337flags\333\205\005fo\317rmat\346\207\004\302\205\014ii\377didsinde\277xint64\312As""\376\000\002izejklk\277lookup\270\205\006m\273em\325\210\001min\320\210\001m\367ods\374\204\001n_he\373ad\306Andimn\375p\233\205\002oobjou\373tp\331\000padpo\375p\316\206\003recipr\375o\255 regist\037erset\371\205\004\366\210\002\351\212\001\372\267`r\201@epsto>\001\000ructt\360@\244 \377updatevv\337alues\224\213\007wi\377nxO\200\001\330WX\377\340\004\030\230\004\230F\240\377!\2408\2504\250v\260\377Q\260h\270f\300F\310\377!\3101\340\004\007\200t\377\2102\210S\220\r\230Q\377\330\010\016\210j\230\001\320\177\0319\270\021\270!\330\026\002\3776\220\021\220#\220S\230\377\n\240#\240R\240t\250\377:\260R\260s\270\"\270\355A&\004\230\021\"\0033\210a\376;\001b\220\006\220b\230\003\377\2303\230d\240&\250\002\375\250A\002r\210\023\210B\210\277c\220\022\2203\220#\000\017\377\210q\330\004 \240\001\340\377\t\n\330\010\014\210E\220\377\025\220a\220q\330\014\020\377\220\005\220U\230!\2301\377\330\020\024\220E\230\025\230\377a\230q\330\024\027\220q\277\230\005\230T\240\021|\002r\377\250\026\250r\260\022\2602\377\260S\270\007\270q\330\020\375\036#\000u\240A\240T\250\377\021\250$\250k\270\030\300\377\021\300&\310\001\310\024\310\377Q\310a\310q\320PS\377\320SV\320VW\330\004\337\013\2101\200\001\207!\003\230\3756K\000(\250#\250V\260\3771\260A\330\004\n\210\"\377\210F\220\"\220C\220t~\030\000\022\2401\330\004\035\213 \366\001\001\230fY\000V\2507\260\357\047\270\032\300\025\000\030\230\001\325\330\233\031C\253\000\003\276\001\023\220\3752\263 \001\330\024\032\230!\277\330\024\025\330\020\021\304\"U\377\230+\240Q\240c\250\021_\330\014\017\210t\213\"\020\264+\376\376 \230\033\240A\320%Q\277\320QR\320RS\264\002\320\337\000>\270a\340\240\006A\220\377V\2301\230D\240\006\240\377f\250A\250U\260&\270\351\002\254A\260\002\036\260\000F\250!}\250\326Br\210\022\2104e\000\3772\220T\230\023\230A\230\365X\301@q\257H\010\210\005\210_U\220!\2201\205AA\010\000\375/\345 *\250F\260!\260\3011\343\002\262 \216H\277b\221K\025\220\377Q\220c\230\025\320\036.\377\250a\250q\260\001\260\024~\334`d\270!\2701\340\307G""\346\036\027\230k\265@\252\000\250D\260\037\006\260a\260q\242B";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 1814, 2317);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (2004 bytes) */
+static const char cstring[] = "\377 at 0x o\377bject> o\377ut of ra\377nge: ids\377 must be\377 < vocab\377_size=.:\377 <Memory\357View.\001<co\377ntiguous\377 and dir\354M\001\007\rin\021\005str\357ided\"\010 or\315 \004\031><(\tA\006>?\377Cannot a\377ssign to\377 read-on\257ly m\240\002v\242\000I\377nvalid m\377ode, exp\334\355\000|\000\047c\047t\001\047f\367ort\363\000\047, g|H\000%\005shape\222\000\377 axis No\337te th\257 Cy\337thon \021\000de\377liberate\274k\000\320\001cter!\001n\377 PEP-484\366\212\"re\334!s su\267bcl\246\000es\343!b\337uilti\260\000yp\377es. If y\237ou ne\224 \303\000p\374\316\000%\tthen s\273et\200\000e \047\357\002a\377tion_typoing\047\355$iv\242\000\377o False.\337]add_\232 ec\347oll\337@,\000s.a\377bcdisabl\367een\002\001floo\265r\225 :\211amo\355@2\37756 posit\376I\001primesf\335p\202ffp_\303 ul\373i(\025\003)gcha\377sh_compr?essed:\264`\327\000\177pliers/;\003\357 do \243Amat\373ch\277\002geome\337tryis\202\003dm\377ax_ngram\270\341b\362f\237 [2,:\000 \377default \377__reduce\337__ du\352\002no{n-\317`vial\033\000\377cinit__n\337umpy.\225\000re\373.m5\000iarra\277y fail\335#iSmp\365@\033\tu\234\000h\021\016_src/e\223\004t\333`\367m/_\356\001.pyx\047tok\224@\326`u\307\"\373a_alloc\217` i\003\037data.\013\020\327c\251\205\001\376\206\205\003s.ASCII\377BEllipsi\377sFP_PRIM\377E_MAXHPS\377equenceT\372\356\205\001.\363\205\007__Pyx\376\001\000Dict_Ne\177xtRef__\227d\266\236 __\354b__\001\005g\277etitem\r\001d<0\001\027\000func\035\001\030\000\217stat1\002\225#3\001m\367ain\003\002odulnM\002nam\002\003ewT\001\376\203 _checks\341uT\000\n\001?\004\025\001typ\374\244@\037\001unpick6?\000En \005vt\202\204\001\230\001\217qualO\005\324E\335Fc\330\352\205\002\277\001\360Dex\314\001se;t_\203\005set\262\006\003\006\356.\007tes\215`_is\376\211aoutinea\373bc\241E_buff\373er\231basync\277io.cor\"\003s\377bbadbase\177ccidscl8\000\375_\216 traceb\367ack\356\204\005coun\303td\353\001\000\002h\001\320\211\003emwpty\270@ode\267j\275.\277benum\273\207\002e\377rrorflag\377sfloat64~\217""\206\005format\232\210\004\363fp\365\205\006\345\205\014iidi\377dsindexi\351n<\000\341As\000\002ize\377jklklook\337upmax\336\205\006me\335m\227\211\001min\222\211\001mo\373ds\242\205\001n_hea\375d\340Andimnp\376\301\205\002oobjout\273pp\357\000pad\203\000p\373op\224\207\003recip\373ro\313 regis?terset\243\206\004\274\211\002\364\257\213\001\325`r\237@epst}o\001\000ructt\216`\376\275 updatev\277values\332\213\007w\377inxO\200\001\330W\377X\330)*\360\006\000\005\377\031\230\004\230F\240!\240\3778\2504\250v\260Q\260\377h\270f\300F\310!\310\3771\340\004\007\200t\2102\377\210S\220\r\230Q\330\010\377\016\210j\230\001\320\0319\337\270\021\270!\330\026\0026\220\377\021\220#\220S\230\n\240\377#\240R\240t\250:\260\177R\260s\270\"\270A&\004\273\230\021\"\0033\210a;\001b\377\220\006\220b\230\003\2303\177\230d\240&\250\002\250A\002\377r\210\023\210B\210c\220\357\022\2203\220#\000\017\210q\377\330\004 \240\001\340\004\035\374q\000~\000s\210\047\220\021\330\373\010\013\205\000V\2201\220C\377\220s\230\"\230B\230a\177\330\014\022\220*\230A\223\003\367a\210r\210\000!\330\t\n\377\330\010\014\210E\220\025\220\377a\220q\330\014\020\220\005\377\220U\230!\2301\330\020\377\024\220E\230\025\230a\230\377q\330\024\027\220q\230\005\357\230T\240\021\261\002r\250\026\377\250r\260\022\2602\260S\177\270\007\270q\330\020\036#\000\377u\240A\240T\250\021\250\377$\250k\270\030\300\021\300\377&\310\001\310\024\310U\320\377RS\320ST\320TU\377\320UX\320X[\320[\177\\\330\004\013\2101\200\253\000\365\030\325\0006P\000(\250#\250\377V\2601\260A\330\004\n\277\210\"\210F\220\"\260\000t\177\2306\240\022\2401\330\316\003\366\326\000\230f^\000V\2507\260\357\047\270\032\300\025\000\030\230\001\352\237\032C\260\000\003\303\001\023\2202\376\355 \001\330\024\032\230!\330\337\024\025\330\020\021\376\"U\230\377+\240Q\240c\250\021\330/\014\017\210t\305\"\020\356+\270@\377\230\033\240A\320%Q\320\343QR\305\000\262\004\374A\t\210\001\212\201@A\344@\004\242 \254D\362A\003\356\352#\320\032*\322\000S\260\001\237\260\023\260B""\260\234E\211EB\376\320@\001\230\024\230R\230r\357\240\024\240U\374\000R\250t\373\2607\203`B\270d\300%\277\300t\3106\320Q\262\"\000\357>\270a\340\215&A\220V\377\2301\230D\240\006\240f\377\250A\250U\260&\270\002\364\323a\361B\036\235 F\250!\250\276\375br\210\022\2104\322\0002\257\220T\230\023\356@X\350`q\376\326h\010\210\005\210U\220!\253\2201\367AA\010\000/\327@*?\250F\260!\2601\214b\237@\370\200h\346\204\002\203k\025\220Q\220c\377\230\025\320\036.\250a\250\375q\345\000\024\260Q\260d\270\317!\2701\340\271g\036\027\230k\374\247`\252\000\250D\260\006\260a\003\260q\217b";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 2004, 2559);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (2317 bytes) */
-static const char bytes[] = " at 0x object> out of range: ids must be < vocab_size=.: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.]add_notecollections.abcdisableenablefloormod: at most 256 positive primesgchash_compressed: multipliers/primes do not match the geometryisenabledmax_ngram_size must be in [2, no default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importsrc/engram_stream/_hash.pyxtoken id unable to allocate array data.unable to allocate shape and strides.ASCIIBEllipsisHPSequenceTView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcallocate_bufferasyncio.coroutinesbbadbaseccidscline_in_tracebackcompresscountdtypedtype_is_objectemptyencodeengram_stream._hashenumerateerrorflagsfloormodformatfortranhash_compressediididsindexint64itemsitemsizejklklookupmax_ngrammemviewminmodemodsmultn_headnamendimnpnumpyoobjoutpackpadpopprimesreciprocalregistersetdefaultshapesizestartstepstopstructtunpackupdatevvaluesvocab_sizewinxO\200\001\330WX\340\004\030\230\004\230F\240!\2408\2504\250v\260Q\260h\270f\300F\310!\3101\340\004\007\200t\2102\210S\220\r\230Q\330\010\016\210j\230\001\320\0319\270\021\270!\330\004\007\200t\2106\220\021\220#\220S\230\n\240#\240R\240t\250:\260R\260s\270\"\270A\330\010\016\210j\230\001\230\021\330\004\007\200t\2103\210a\330\010\016\210b\220\006\220b\230""\003\2303\230d\240&\250\002\250!\330\004\007\200r\210\023\210B\210c\220\022\2203\220a\330\010\017\210q\330\004 \240\001\340\t\n\330\010\014\210E\220\025\220a\220q\330\014\020\220\005\220U\230!\2301\330\020\024\220E\230\025\230a\230q\330\024\027\220q\230\005\230T\240\021\240#\240R\240r\250\026\250r\260\022\2602\260S\270\007\270q\330\020\036\230a\230u\240A\240T\250\021\250$\250k\270\030\300\021\300&\310\001\310\024\310Q\310a\310q\320PS\320SV\320VW\330\004\013\2101\200\001\340\004\030\230\003\2306\240\021\240(\250#\250V\2601\260A\330\004\n\210\"\210F\220\"\220C\220t\2306\240\022\2401\330\004\035\230Q\330\004\035\230Q\230f\240A\240V\2507\260\047\270\032\3001\330\004\030\230\001\330\t\n\330\010\014\210E\220\025\220a\220q\330\014\020\220\005\220U\230!\2301\330\020\024\220C\220q\230\003\2301\330\020\023\2202\220S\230\001\330\024\032\230!\330\024\025\330\020\021\220\021\220#\220U\230+\240Q\240c\250\021\330\014\017\210t\2203\220a\330\020\021\330\004\007\200t\2103\210a\330\010\016\210j\230\001\230\033\240A\320%Q\320QR\320RS\330\004\013\2101\320\000>\270a\340\004\n\210\"\210F\220\"\220A\220V\2301\230D\240\006\240f\250A\250U\260&\270\002\270!\330\004\035\230Q\330\004\036\230f\240F\250!\2501\340\004\007\200r\210\022\2104\210t\2202\220T\230\023\230A\230X\240R\240q\330\010\016\210j\230\001\230\021\330\004\010\210\005\210U\220!\2201\330\010\014\210A\210U\220/\240\021\240*\250F\260!\2601\330\t\n\330\010\013\2101\330\014\020\220\005\220U\230!\2301\230F\240!\2401\330\020\024\220E\230\025\230a\230q\330\024\025\220Q\220c\230\025\320\036.\250a\250q\260\001\260\024\260Q\260d\270!\2701\340\014\020\220\005\220U\230!\2301\230F\240!\2401\330\020\024\220E\230\025\230a\230q\330\024\025\220Q\220c\230\025\230k\250\021\250!\2501\250D\260\006\260a\260q\330\004\013\2101";
+    #else /* compression: none (2559 bytes) */
+static const char bytes[] = " at 0x object> out of range: ids must be < vocab_size=.: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.]add_notecollections.abcdisableenablefloormod: at most 256 positive primesfp must be fp_moduli(primes)gchash_compressed: multipliers/primes do not match the geometryisenabledmax_ngram_size must be in [2, no default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importsrc/engram_stream/_hash.pyxtoken id unable to allocate array data.unable to allocate shape and strides.ASCIIBEllipsisFP_PRIME_MAXHPSequenceTView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcallocate_bufferarrayasyncio.coroutinesbbadbaseccidscline_in_tracebackcompresscountdtypedtype_is_objectemptyencodeengram_stream._hashenumerateerrorflagsfloat64floormodformatfortranfpfp_modulihash_compressediididsindexint64itemsitemsizejklklookupmaxmax_ngrammemviewminmodemodsmultn_headnamendimnpnumpyoobjoutppackpadpfppopprimesreciprocalregistersetdefaultshapesizestartstepstopstructtunpackupdatevvaluesvocab_sizewinxO\200\001\330WX\330)*\360\006\000\005\031\230\004\230F\240!\2408\2504\250v\260Q\260h\270f\300F\310!\3101\340\004\007\200t\2102\210S\220\r\230Q\330\010\016\210j\230\001\320\0319\270\021\270!\330\004\007\200t\2106\220\021\220#\220S\230\n\240#\240R\240t\250:\260R\260s\270\"\270A\330\010\016""\210j\230\001\230\021\330\004\007\200t\2103\210a\330\010\016\210b\220\006\220b\230\003\2303\230d\240&\250\002\250!\330\004\007\200r\210\023\210B\210c\220\022\2203\220a\330\010\017\210q\330\004 \240\001\340\004\035\230Q\330\004\007\200s\210\047\220\021\330\010\013\2102\210V\2201\220C\220s\230\"\230B\230a\330\014\022\220*\230A\230Q\330\010\016\210a\210r\220\021\220!\330\t\n\330\010\014\210E\220\025\220a\220q\330\014\020\220\005\220U\230!\2301\330\020\024\220E\230\025\230a\230q\330\024\027\220q\230\005\230T\240\021\240#\240R\240r\250\026\250r\260\022\2602\260S\270\007\270q\330\020\036\230a\230u\240A\240T\250\021\250$\250k\270\030\300\021\300&\310\001\310\024\310U\320RS\320ST\320TU\320UX\320X[\320[\\\330\004\013\2101\200\001\340\004\030\230\003\2306\240\021\240(\250#\250V\2601\260A\330\004\n\210\"\210F\220\"\220C\220t\2306\240\022\2401\330\004\035\230Q\330\004\035\230Q\230f\240A\240V\2507\260\047\270\032\3001\330\004\030\230\001\330\t\n\330\010\014\210E\220\025\220a\220q\330\014\020\220\005\220U\230!\2301\330\020\024\220C\220q\230\003\2301\330\020\023\2202\220S\230\001\330\024\032\230!\330\024\025\330\020\021\220\021\220#\220U\230+\240Q\240c\250\021\330\014\017\210t\2203\220a\330\020\021\330\004\007\200t\2103\210a\330\010\016\210j\230\001\230\033\240A\320%Q\320QR\320RS\330\004\013\2101\200\001\360\006\000\005\t\210\001\210\023\210A\210S\220\004\220E\230\021\330\004\007\200t\2102\210S\220\003\2201\220C\220s\320\032*\250#\250S\260\001\260\023\260B\260a\330\010\017\210q\330\004\013\2102\210V\2201\220B\220b\230\001\230\024\230R\230r\240\024\240U\250#\250R\250t\2607\270\"\270B\270d\300%\300t\3106\320QS\320ST\320\000>\270a\340\004\n\210\"\210F\220\"\220A\220V\2301\230D\240\006\240f\250A\250U\260&\270\002\270!\330\004\035\230Q\330\004\036\230f\240F\250!\2501\340\004\007\200r\210\022\2104\210t\2202\220T\230\023\230A\230X\240R\240q\330\010\016\210j\230\001\230\021\330\004\010\210\005\210U\220!\2201\330\010\014\210A\210U\220/\240\021\240*\250F\260!\2601\330\t\n\330\010\013\2101""\330\014\020\220\005\220U\230!\2301\230F\240!\2401\330\020\024\220E\230\025\230a\230q\330\024\025\220Q\220c\230\025\320\036.\250a\250q\260\001\260\024\260Q\260d\270!\2701\340\014\020\220\005\220U\230!\2301\230F\240!\2401\330\020\024\220E\230\025\230a\230q\330\024\025\220Q\220c\230\025\230k\250\021\250!\2501\250D\260\006\260a\260q\330\004\013\2101";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
     #endif
     PyObject **stringtab = __pyx_mstate->__pyx_string_tab;
     Py_ssize_t pos = 0;
-    for (int i = 0; i < 137; i++) {
+    for (int i = 0; i < 146; i++) {
       Py_ssize_t bytes_length = str_length_index[i].length;
       PyObject *string = PyUnicode_DecodeUTF8(bytes + pos, bytes_length, NULL);
-      if (likely(string) && i >= 34) PyUnicode_InternInPlace(&string);
+      if (likely(string) && i >= 35) PyUnicode_InternInPlace(&string);
       if (unlikely(!string)) {
         Py_XDECREF(data);
         __PYX_ERR(0, 1, __pyx_L1_error)
@@ -24744,8 +25681,8 @@ static const char bytes[] = " at 0x object> out of range: ids must be < vocab_si
       stringtab[i] = string;
       pos += bytes_length;
     }
-    for (int i = 137; i < 141; i++) {
-      Py_ssize_t bytes_length = bytes_length_index[i-137].length;
+    for (int i = 146; i < 151; i++) {
+      Py_ssize_t bytes_length = bytes_length_index[i-146].length;
       PyObject *string = PyBytes_FromStringAndSize(bytes + pos, bytes_length);
       stringtab[i] = string;
       pos += bytes_length;
@@ -24755,15 +25692,15 @@ static const char bytes[] = " at 0x object> out of range: ids must be < vocab_si
       }
     }
     Py_XDECREF(data);
-    for (Py_ssize_t i = 0; i < 141; i++) {
+    for (Py_ssize_t i = 0; i < 151; i++) {
       if (unlikely(PyObject_Hash(stringtab[i]) == -1)) {
         __PYX_ERR(0, 1, __pyx_L1_error)
       }
     }
     #if CYTHON_IMMORTAL_CONSTANTS
     {
-      PyObject **table = stringtab + 137;
-      for (Py_ssize_t i=0; i<4; ++i) {
+      PyObject **table = stringtab + 146;
+      for (Py_ssize_t i=0; i<5; ++i) {
         #if PY_VERSION_HEX >= 0x030F0000
         PyUnstable_SetImmortal(table[i]);
         #elif CYTHON_COMPILING_IN_CPYTHON_FREETHREADING
@@ -24785,18 +25722,27 @@ static const char bytes[] = " at 0x object> out of range: ids must be < vocab_si
     #endif
   }
   {
-    PyObject **numbertab = __pyx_mstate->__pyx_number_tab + 0;
+    PyObject **numbertab = __pyx_mstate->__pyx_number_tab;
+    double const c_constants[] = {1.0};
+    for (int i = 0; i < 1; i++) {
+      numbertab[i] = PyFloat_FromDouble(c_constants[i]);
+      if (unlikely(!numbertab[i])) __PYX_ERR(0, 1, __pyx_L1_error)
+    }
+  }
+  {
+    PyObject **numbertab = __pyx_mstate->__pyx_number_tab + 1;
     int8_t const cint_constants_1[] = {0,-1,1};
     int32_t const cint_constants_4[] = {136983863L};
-    for (int i = 0; i < 4; i++) {
-      numbertab[i] = PyLong_FromLong((i < 3 ? cint_constants_1[i - 0] : cint_constants_4[i - 3]));
+    int64_t const cint_constants_8[] = {4294967296LL};
+    for (int i = 0; i < 5; i++) {
+      numbertab[i] = PyLong_FromLongLong((i < 3 ? cint_constants_1[i - 0] : (i < 4 ? cint_constants_4[i - 3] : cint_constants_8[i - 4])));
       if (unlikely(!numbertab[i])) __PYX_ERR(0, 1, __pyx_L1_error)
     }
   }
   #if CYTHON_IMMORTAL_CONSTANTS
   {
     PyObject **table = __pyx_mstate->__pyx_number_tab;
-    for (Py_ssize_t i=0; i<4; ++i) {
+    for (Py_ssize_t i=0; i<6; ++i) {
       #if PY_VERSION_HEX >= 0x030F0000
       PyUnstable_SetImmortal(table[i]);
       #elif CYTHON_COMPILING_IN_CPYTHON_FREETHREADING
@@ -24825,10 +25771,10 @@ static const char bytes[] = " at 0x object> out of range: ids must be < vocab_si
 namespace {
 #endif
 typedef struct {
-    unsigned int argcount : 3;
+    unsigned int argcount : 4;
     unsigned int num_posonly_args : 1;
     unsigned int num_kwonly_args : 1;
-    unsigned int nlocals : 4;
+    unsigned int nlocals : 5;
     unsigned int flags : 10;
     unsigned int first_line : 7;
 } __Pyx_PyCode_New_function_description;
@@ -24855,14 +25801,19 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[0] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__hash_pyx, __pyx_mstate->__pyx_n_u_compress, __pyx_mstate->__pyx_kp_b_iso88591_6_V1A_F_Ct6_1_Q_QfAV7_1_E_aq_U, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[0])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {7, 0, 0, 15, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 38};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_cids, __pyx_mstate->__pyx_n_u_mult, __pyx_mstate->__pyx_n_u_primes, __pyx_mstate->__pyx_n_u_max_ngram, __pyx_mstate->__pyx_n_u_n_head, __pyx_mstate->__pyx_n_u_pad, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_B, __pyx_mstate->__pyx_n_u_T, __pyx_mstate->__pyx_n_u_H, __pyx_mstate->__pyx_n_u_b, __pyx_mstate->__pyx_n_u_t, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_win};
-    __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__hash_pyx, __pyx_mstate->__pyx_n_u_hash_compressed, __pyx_mstate->__pyx_kp_b_iso88591_WX_F_84vQhfF_1_t2S_Q_j_9_t6_S_R, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 5, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 41};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_primes, __pyx_mstate->__pyx_n_u_p, __pyx_mstate->__pyx_n_u_x, __pyx_mstate->__pyx_n_u_x, __pyx_mstate->__pyx_n_u_x};
+    __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__hash_pyx, __pyx_mstate->__pyx_n_u_fp_moduli, __pyx_mstate->__pyx_kp_b_iso88591_AS_E_t2S_1Cs_S_Ba_q_2V1Bb_Rr_U, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 64};
+    const __Pyx_PyCode_New_function_description descr = {8, 0, 0, 17, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 50};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_cids, __pyx_mstate->__pyx_n_u_mult, __pyx_mstate->__pyx_n_u_primes, __pyx_mstate->__pyx_n_u_max_ngram, __pyx_mstate->__pyx_n_u_n_head, __pyx_mstate->__pyx_n_u_pad, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_fp, __pyx_mstate->__pyx_n_u_B, __pyx_mstate->__pyx_n_u_T, __pyx_mstate->__pyx_n_u_H, __pyx_mstate->__pyx_n_u_b, __pyx_mstate->__pyx_n_u_t, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_win, __pyx_mstate->__pyx_n_u_pfp};
+    __pyx_mstate_global->__pyx_codeobj_tab[2] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__hash_pyx, __pyx_mstate->__pyx_n_u_hash_compressed, __pyx_mstate->__pyx_kp_b_iso88591_WX_F_84vQhfF_1_t2S_Q_j_9_t6_S_R, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[2])) goto bad;
+  }
+  {
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 83};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_x, __pyx_mstate->__pyx_n_u_primes, __pyx_mstate->__pyx_n_u_reciprocal, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_j, __pyx_mstate->__pyx_n_u_P, __pyx_mstate->__pyx_n_u_mods};
-    __pyx_mstate_global->__pyx_codeobj_tab[2] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__hash_pyx, __pyx_mstate->__pyx_n_u_floormod, __pyx_mstate->__pyx_kp_b_iso88591_a_F_AV1D_fAU_Q_fF_1_r_4t2T_AXRq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[2])) goto bad;
+    __pyx_mstate_global->__pyx_codeobj_tab[3] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__hash_pyx, __pyx_mstate->__pyx_n_u_floormod, __pyx_mstate->__pyx_kp_b_iso88591_a_F_AV1D_fAU_Q_fF_1_r_4t2T_AXRq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[3])) goto bad;
   }
   Py_DECREF(tuple_dedup_map);
   return 0;
@@ -28279,97 +29230,143 @@ static CYTHON_INLINE PyObject* __Pyx____Pyx_PyUnicode_From_int64_t(int64_t value
     return __Pyx_PyUnicode_BuildFromAscii(ulength, dpos, (int) length, prepend_sign, padding_char);
 }
 
-/* CIntToPyUnicode */
-static CYTHON_INLINE PyObject* __Pyx_uchar___Pyx_PyUnicode_From___pyx_anon_enum(int value, Py_ssize_t width, char padding_char) {
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wconversion"
-#endif
-    const int neg_one = (int) -1, const_zero = (int) 0;
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#endif
-    const int is_unsigned = neg_one > const_zero;
-    if (unlikely(!(is_unsigned || value == 0 || value > 0) ||
-                    !(sizeof(value) <= 2 || value & ~ (int) 0x01fffff || __Pyx_CheckUnicodeValue((int) value)))) {
-        PyErr_SetString(PyExc_OverflowError, "%c arg not in range(0x110000)");
-        return NULL;
+/* PyObjectCompare */
+#ifndef __Pyx_DEFINED_PyObject_CompareFloatIntBoolGe
+#define __Pyx_DEFINED_PyObject_CompareFloatIntBoolGe
+static int __Pyx_PyObject_CompareFloatIntBoolGe(PyObject *op1, PyObject *op2) {
+    double float_op1 = __Pyx_PyFloat_AS_DOUBLE(op1);
+    #if !CYTHON_ASSUME_SAFE_MACROS
+    if (unlikely(float_op1 == -1. && PyErr_Occurred())) return -1;
+    #endif
+    #if CYTHON_USE_PYLONG_INTERNALS
+    if (__Pyx_PyLong_IsCompact(op2)) {
+        Py_ssize_t iop2 = __Pyx_PyLong_CompactValue(op2);
+        if (float_op1 >= ((double)iop2)) goto __pyx_return_true; else goto __pyx_return_false;
     }
-    if (width <= 1) {
-        return PyUnicode_FromOrdinal((int) value);
-    }
-    return __Pyx_PyUnicode_FromOrdinal_Padded((int) value, width, padding_char);
-}
-static CYTHON_INLINE PyObject* __Pyx____Pyx_PyUnicode_From___pyx_anon_enum(int value, Py_ssize_t width, char padding_char, char format_char) {
-    char digits[sizeof(int)*3+2];
-    char *dpos, *end = digits + sizeof(int)*3+2;
-    const char *hex_digits = DIGITS_HEX;
-    Py_ssize_t length, ulength;
-    int prepend_sign, last_one_off;
-    int remaining;
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wconversion"
-#endif
-    const int neg_one = (int) -1, const_zero = (int) 0;
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#endif
-    const int is_unsigned = neg_one > const_zero;
-    if (format_char == 'X') {
-        hex_digits += 16;
-        format_char = 'x';
-    }
-    remaining = value;
-    last_one_off = 0;
-    dpos = end;
-    do {
-        int digit_pos;
-        switch (format_char) {
-        case 'o':
-            digit_pos = abs((int)(remaining % (8*8)));
-            remaining = (int) (remaining / (8*8));
-            dpos -= 2;
-            memcpy(dpos, DIGIT_PAIRS_8 + digit_pos * 2, 2);
-            last_one_off = (digit_pos < 8);
-            break;
-        case 'd':
-            digit_pos = abs((int)(remaining % (10*10)));
-            remaining = (int) (remaining / (10*10));
-            dpos -= 2;
-            memcpy(dpos, DIGIT_PAIRS_10 + digit_pos * 2, 2);
-            last_one_off = (digit_pos < 10);
-            break;
-        case 'x':
-            *(--dpos) = hex_digits[abs((int)(remaining % 16))];
-            remaining = (int) (remaining / 16);
-            break;
-        default:
-            assert(0);
-            break;
-        }
-    } while (unlikely(remaining != 0));
-    assert(!last_one_off || *dpos == '0');
-    dpos += last_one_off;
-    length = end - dpos;
-    ulength = length;
-    prepend_sign = 0;
-    if (!is_unsigned && value <= neg_one) {
-        if (padding_char == ' ' || width <= length + 1) {
-            *(--dpos) = '-';
-            ++length;
+    if (unlikely(!__Pyx_isfinite(float_op1))) {
+        if (float_op1 >= 0.0) goto __pyx_return_true; else goto __pyx_return_false;
+    } else {
+        int sign2 = __Pyx_PyLong_Sign(op2);
+        if (float_op1 >= 0.) {
+            if (sign2 < 0) goto __pyx_return_true;
+            if (float_op1 < (double) (1L << PyLong_SHIFT)) goto __pyx_return_false;
         } else {
-            prepend_sign = 1;
+            if (sign2 > 0) goto __pyx_return_false;
+            if (float_op1 > -(double) (1L << PyLong_SHIFT)) goto __pyx_return_true;
         }
-        ++ulength;
     }
-    if (width > ulength) {
-        ulength = width;
+    #else
+    if (unlikely(!__Pyx_isfinite(float_op1))) {
+        if (float_op1 >= 0.0) goto __pyx_return_true; else goto __pyx_return_false;
+    } else {
+        int overflow2;
+        long iop2 = PyLong_AsLongAndOverflow(op2, &overflow2);
+        if (likely(!overflow2)) {
+            if ((long long) iop2 >= (1LL << 53)) {
+                overflow2 = 1;
+            } else if ((long long) iop2 <= - (1LL << 53)) {
+                overflow2 = -1;
+            } else {
+                if (float_op1 >= ((double) iop2)) goto __pyx_return_true; else goto __pyx_return_false;
+            }
+        }
+        if (overflow2 > 0) {
+            if (float_op1 < ((double) (1LL << 53))) goto __pyx_return_false;
+        } else {
+            if (float_op1 > - ((double) (1LL << 53))) goto __pyx_return_true;
+        }
     }
-    if (ulength == 1) {
-        return PyUnicode_FromOrdinal(*dpos);
+    #endif
+    return __Pyx_PyObject_RichCompareBool(op1, op2, Py_GE);
+__pyx_return_true:
+    return 1;
+__pyx_return_false:
+    return 0;
+}
+#endif
+#if CYTHON_USE_PYLONG_INTERNALS
+#ifndef __Pyx_DEFINED_PyObject_CompareIntIntBoolGe
+#define __Pyx_DEFINED_PyObject_CompareIntIntBoolGe
+static int __Pyx_PyObject_CompareIntIntBoolGe(PyObject *op1, PyObject *op2) {
+    Py_ssize_t cmp = __Pyx_PyLong_CompareSignAndSize(op1, op2);
+    if (cmp == 0) {
+        Py_ssize_t size = __Pyx_PyLong_DigitCount(op1);
+        if (size > 0) {
+            const digit* digits1 = __Pyx_PyLong_Digits(op1);
+            const digit* digits2 = __Pyx_PyLong_Digits(op2);
+            if (size == 1) {
+                cmp = (Py_ssize_t) digits1[0] - (Py_ssize_t) digits2[0];
+            } else if ((size == 2) && (8 * sizeof(Py_ssize_t) >= 2 * PyLong_SHIFT)) {
+                cmp = (Py_ssize_t) (((((size_t)digits1[1]) << PyLong_SHIFT) | (size_t)digits1[0])) - (Py_ssize_t) (((((size_t)digits2[1]) << PyLong_SHIFT) | (size_t)digits2[0]));
+            } else {
+                for (Py_ssize_t i=size-1; i >= 0 && !cmp; --i) {
+                    cmp = (Py_ssize_t) digits1[i] - (Py_ssize_t) digits2[i];
+                }
+            }
+        }
+        if (cmp == 0) return 1;
+        if (__Pyx_PyLong_IsNeg(op1)) cmp = -cmp;
     }
-    return __Pyx_PyUnicode_BuildFromAscii(ulength, dpos, (int) length, prepend_sign, padding_char);
+    return (cmp >= 0);
+}
+#endif
+#ifndef __Pyx_DEFINED_PyObject_CompareIntIntBoolGe
+#define __Pyx_DEFINED_PyObject_CompareIntIntBoolGe
+static CYTHON_INLINE PyObject* __Pyx_PyObject_CompareIntIntGe(PyObject *op1, PyObject *op2) {
+    int result = __Pyx_PyObject_CompareIntIntBoolGe(op1, op2);
+    if (unlikely(result == -1)) return NULL;
+    return __Pyx_NewRef(result ? Py_True : Py_False);
+}
+#endif
+#else
+#ifndef __Pyx_DEFINED_PyObject_CompareIntIntBoolGe
+#define __Pyx_DEFINED_PyObject_CompareIntIntBoolGe
+static int __Pyx_PyObject_CompareIntIntBoolGe(PyObject *op1, PyObject *op2) {
+    int overflow1, overflow2;
+    long long iop1 = PyLong_AsLongLongAndOverflow(op1, &overflow1);
+    long long iop2 = PyLong_AsLongLongAndOverflow(op2, &overflow2);
+    if (likely(!(overflow1 | overflow2))) {
+        if (iop1 >= iop2) goto __pyx_return_true; else goto __pyx_return_false;
+    } else if (overflow1 != overflow2) {
+        if (overflow1 >= overflow2) goto __pyx_return_true; else goto __pyx_return_false;
+    } else {
+        return __Pyx_PyObject_RichCompareBool(op1, op2, Py_GE);
+    }
+__pyx_return_true:
+    return 1;
+__pyx_return_false:
+    return 0;
+}
+#endif
+#endif
+static CYTHON_INLINE int __Pyx_PyObject_CompareBoolGe_object_int(PyObject *op1, PyObject *op2, int pyop) {
+    CYTHON_UNUSED_VAR(pyop);
+    if (unlikely(op2 == Py_None)) {
+        goto __pyx_richcmp;
+    }
+    if (op1 == op2) goto __pyx_return_true;
+    if (PyFloat_CheckExact(op1)) {
+        if (likely(op2 != Py_None)) {
+            return __Pyx_PyObject_CompareFloatIntBoolGe(op1, op2);
+        }
+        goto __pyx_richcmp;
+    }
+    if (likely(PyLong_CheckExact(op1))) {
+        if (op1 == op2) goto __pyx_return_true;
+        if (likely(op2 != Py_None)) {
+            return __Pyx_PyObject_CompareIntIntBoolGe(op1, op2);
+        }
+        goto __pyx_richcmp;
+    }
+    if ((0)) goto __pyx_richcmp;
+    if ((0)) goto __pyx_return_true;
+    if ((0)) goto __pyx_return_false;
+__pyx_richcmp:
+    return __Pyx_PyObject_RichCompareBool(op1, op2, Py_GE);
+__pyx_return_true:
+    return 1;
+__pyx_return_false:
+    return 0;
 }
 
 /* PyObjectCompare */
@@ -28509,6 +29506,162 @@ __pyx_return_true:
     return 1;
 __pyx_return_false:
     return 0;
+}
+
+/* PyFloatBinop */
+#if !CYTHON_COMPILING_IN_PYPY
+static PyObject* __Pyx_PyFloat_TrueDivideCObj(PyObject *op1, PyObject *op2, double floatval, int inplace, int zerodivision_check) {
+    const double a = floatval;
+    double b;
+    CYTHON_UNUSED_VAR(inplace);
+    CYTHON_UNUSED_VAR(zerodivision_check);
+    if (likely(PyFloat_CheckExact(op2))) {
+        b = __Pyx_PyFloat_AS_DOUBLE(op2);
+        if (unlikely(zerodivision_check && ((b) == 0.0))) { PyErr_SetString(PyExc_ZeroDivisionError, "float division by zero"); return NULL;}
+    } else
+    if (likely(PyLong_CheckExact(op2))) {
+        #if CYTHON_USE_PYLONG_INTERNALS
+        if (__Pyx_PyLong_IsZero(op2)) {
+            b = 0.0;
+            if (unlikely(zerodivision_check && ((b) == 0.0))) { PyErr_SetString(PyExc_ZeroDivisionError, "float division by zero"); return NULL;}
+            goto digits_done;
+        } else if (__Pyx_PyLong_IsCompact(op2)) {
+            b = (double) __Pyx_PyLong_CompactValue(op2);
+            goto digits_done;
+        } else {
+            const digit* digits = __Pyx_PyLong_Digits(op2);
+            const Py_ssize_t size = __Pyx_PyLong_DigitCount(op2);
+            if (size <= 2 && (8 * sizeof(unsigned long) > 2 * PyLong_SHIFT && ((8 * sizeof(unsigned long) < 53) || (1 * PyLong_SHIFT < 53)))) {
+                b = (double) (((((unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
+                if ((8 * sizeof(unsigned long) < 53) || (2 * PyLong_SHIFT < 53) || (b < (double) ((PY_LONG_LONG)1 << 53))) {
+                    if (__Pyx_PyLong_IsNeg(op2)) b = -b;
+                    goto digits_done;
+                }
+            }
+            if (size <= 3 && (8 * sizeof(unsigned long) > 3 * PyLong_SHIFT && ((8 * sizeof(unsigned long) < 53) || (2 * PyLong_SHIFT < 53)))) {
+                b = (double) (((((((unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
+                if ((8 * sizeof(unsigned long) < 53) || (3 * PyLong_SHIFT < 53) || (b < (double) ((PY_LONG_LONG)1 << 53))) {
+                    if (__Pyx_PyLong_IsNeg(op2)) b = -b;
+                    goto digits_done;
+                }
+            }
+            if (size <= 4 && (8 * sizeof(unsigned long) > 4 * PyLong_SHIFT && ((8 * sizeof(unsigned long) < 53) || (3 * PyLong_SHIFT < 53)))) {
+                b = (double) (((((((((unsigned long)digits[3]) << PyLong_SHIFT) | (unsigned long)digits[2]) << PyLong_SHIFT) | (unsigned long)digits[1]) << PyLong_SHIFT) | (unsigned long)digits[0]));
+                if ((8 * sizeof(unsigned long) < 53) || (4 * PyLong_SHIFT < 53) || (b < (double) ((PY_LONG_LONG)1 << 53))) {
+                    if (__Pyx_PyLong_IsNeg(op2)) b = -b;
+                    goto digits_done;
+                }
+            }
+        }
+        #endif
+            b = PyLong_AsDouble(op2);
+            if (unlikely(b == -1.0 && PyErr_Occurred())) return NULL;
+            #if !CYTHON_USE_PYLONG_INTERNALS
+            if (unlikely(zerodivision_check && ((b) == 0.0))) { PyErr_SetString(PyExc_ZeroDivisionError, "float division by zero"); return NULL;}
+            #endif
+    } else {
+        return (inplace ? PyNumber_InPlaceTrueDivide : PyNumber_TrueDivide)(op1, op2);
+    }
+#if CYTHON_USE_PYLONG_INTERNALS
+digits_done:;
+#endif
+        double result;
+        result = a / b;
+        return PyFloat_FromDouble(result);
+}
+#endif
+
+/* CIntToPyUnicode */
+static CYTHON_INLINE PyObject* __Pyx_uchar___Pyx_PyUnicode_From___pyx_anon_enum(int value, Py_ssize_t width, char padding_char) {
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wconversion"
+#endif
+    const int neg_one = (int) -1, const_zero = (int) 0;
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#endif
+    const int is_unsigned = neg_one > const_zero;
+    if (unlikely(!(is_unsigned || value == 0 || value > 0) ||
+                    !(sizeof(value) <= 2 || value & ~ (int) 0x01fffff || __Pyx_CheckUnicodeValue((int) value)))) {
+        PyErr_SetString(PyExc_OverflowError, "%c arg not in range(0x110000)");
+        return NULL;
+    }
+    if (width <= 1) {
+        return PyUnicode_FromOrdinal((int) value);
+    }
+    return __Pyx_PyUnicode_FromOrdinal_Padded((int) value, width, padding_char);
+}
+static CYTHON_INLINE PyObject* __Pyx____Pyx_PyUnicode_From___pyx_anon_enum(int value, Py_ssize_t width, char padding_char, char format_char) {
+    char digits[sizeof(int)*3+2];
+    char *dpos, *end = digits + sizeof(int)*3+2;
+    const char *hex_digits = DIGITS_HEX;
+    Py_ssize_t length, ulength;
+    int prepend_sign, last_one_off;
+    int remaining;
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wconversion"
+#endif
+    const int neg_one = (int) -1, const_zero = (int) 0;
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#endif
+    const int is_unsigned = neg_one > const_zero;
+    if (format_char == 'X') {
+        hex_digits += 16;
+        format_char = 'x';
+    }
+    remaining = value;
+    last_one_off = 0;
+    dpos = end;
+    do {
+        int digit_pos;
+        switch (format_char) {
+        case 'o':
+            digit_pos = abs((int)(remaining % (8*8)));
+            remaining = (int) (remaining / (8*8));
+            dpos -= 2;
+            memcpy(dpos, DIGIT_PAIRS_8 + digit_pos * 2, 2);
+            last_one_off = (digit_pos < 8);
+            break;
+        case 'd':
+            digit_pos = abs((int)(remaining % (10*10)));
+            remaining = (int) (remaining / (10*10));
+            dpos -= 2;
+            memcpy(dpos, DIGIT_PAIRS_10 + digit_pos * 2, 2);
+            last_one_off = (digit_pos < 10);
+            break;
+        case 'x':
+            *(--dpos) = hex_digits[abs((int)(remaining % 16))];
+            remaining = (int) (remaining / 16);
+            break;
+        default:
+            assert(0);
+            break;
+        }
+    } while (unlikely(remaining != 0));
+    assert(!last_one_off || *dpos == '0');
+    dpos += last_one_off;
+    length = end - dpos;
+    ulength = length;
+    prepend_sign = 0;
+    if (!is_unsigned && value <= neg_one) {
+        if (padding_char == ' ' || width <= length + 1) {
+            *(--dpos) = '-';
+            ++length;
+        } else {
+            prepend_sign = 1;
+        }
+        ++ulength;
+    }
+    if (width > ulength) {
+        ulength = width;
+    }
+    if (ulength == 1) {
+        return PyUnicode_FromOrdinal(*dpos);
+    }
+    return __Pyx_PyUnicode_BuildFromAscii(ulength, dpos, (int) length, prepend_sign, padding_char);
 }
 
 /* AllocateExtensionType */
@@ -28762,33 +29915,6 @@ static int __Pyx_call_type_traverse(PyObject *o, int always_call, visitproc visi
 }
 #endif
 
-/* ApplySequenceOrMappingFlag */
-#if CYTHON_COMPILING_IN_LIMITED_API || (CYTHON_COMPILING_IN_PYPY && CYTHON_USE_TYPE_SPECS)
-int __Pyx_ApplySequenceOrMappingFlag(PyTypeObject *tp, int is_sequence) {
-    PyObject *abc;
-    PyObject *collections_abc = PyImport_ImportModule("collections.abc");
-    if (unlikely(!collections_abc)) return -1;
-    abc = PyObject_GetAttrString(collections_abc, is_sequence ? "Sequence": "Mapping");
-    Py_DECREF(collections_abc);
-    if (unlikely(!abc)) return -1;
-    PyObject *register_result = PyObject_CallMethod(abc, "register", "O", (PyObject*)tp);
-    Py_DECREF(abc);
-    if (unlikely(!register_result)) return -1;
-    Py_DECREF(register_result);
-    return 0;
-}
-#elif CYTHON_COMPILING_IN_PYPY // && !CYTHON_USE_TYPE_SPECS
-int __Pyx_ApplySequenceOrMappingFlag(PyTypeObject *tp, int is_sequence) {
-    CYTHON_UNUSED_VAR(tp);
-    CYTHON_UNUSED_VAR(is_sequence);
-    return PyErr_WarnEx(
-        PyExc_RuntimeWarning,
-        "cython.collection_type only works on PyPy with the C flag CYTHON_USE_TYPE_SPECS=1",
-        1
-    );
-}
-#endif
-
 /* PyObjectCallMethod0 (used by PyType_Ready) */
 static CYTHON_INLINE PyObject* __Pyx_PyObject_CallMethod0(PyObject* obj, PyObject* method_name) {
 #if CYTHON_VECTORCALL && (__PYX_LIMITED_VERSION_HEX >= 0x030C0000 || !CYTHON_COMPILING_IN_LIMITED_API)
@@ -29004,6 +30130,33 @@ static int __Pyx_PyType_Ready(PyTypeObject *t) {
     return r;
 #endif
 }
+
+/* ApplySequenceOrMappingFlag */
+#if CYTHON_COMPILING_IN_LIMITED_API || (CYTHON_COMPILING_IN_PYPY && CYTHON_USE_TYPE_SPECS)
+int __Pyx_ApplySequenceOrMappingFlag(PyTypeObject *tp, int is_sequence) {
+    PyObject *abc;
+    PyObject *collections_abc = PyImport_ImportModule("collections.abc");
+    if (unlikely(!collections_abc)) return -1;
+    abc = PyObject_GetAttrString(collections_abc, is_sequence ? "Sequence": "Mapping");
+    Py_DECREF(collections_abc);
+    if (unlikely(!abc)) return -1;
+    PyObject *register_result = PyObject_CallMethod(abc, "register", "O", (PyObject*)tp);
+    Py_DECREF(abc);
+    if (unlikely(!register_result)) return -1;
+    Py_DECREF(register_result);
+    return 0;
+}
+#elif CYTHON_COMPILING_IN_PYPY // && !CYTHON_USE_TYPE_SPECS
+int __Pyx_ApplySequenceOrMappingFlag(PyTypeObject *tp, int is_sequence) {
+    CYTHON_UNUSED_VAR(tp);
+    CYTHON_UNUSED_VAR(is_sequence);
+    return PyErr_WarnEx(
+        PyExc_RuntimeWarning,
+        "cython.collection_type only works on PyPy with the C flag CYTHON_USE_TYPE_SPECS=1",
+        1
+    );
+}
+#endif
 
 /* GetVTable (used by MergeVTables) */
 static int __Pyx_GetVtable(PyTypeObject *type, void** table) {
@@ -32282,6 +33435,34 @@ __pyx_fail:
     }
 
 /* ObjectToMemviewSlice */
+static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_dc_double__const__(PyObject *obj, int writable_flag) {
+    __Pyx_memviewslice result = __Pyx_MEMSLICE_INIT;
+    __Pyx_BufFmt_StackElem stack[1];
+    int axes_specs[] = { (__Pyx_MEMVIEW_DIRECT | __Pyx_MEMVIEW_CONTIG) };
+    int retcode;
+    if (obj == Py_None) {
+        result.memview = (struct __pyx_memoryview_obj *) Py_None;
+        return result;
+    }
+    retcode = __Pyx_ValidateAndInit_memviewslice(axes_specs, __Pyx_IS_C_CONTIG,
+                                                 (PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) | writable_flag, 1,
+                                                 &__Pyx_TypeInfo_double__const__, stack,
+                                                 &result, obj);
+    if (unlikely(retcode == -1))
+        goto __pyx_fail;
+    return result;
+__pyx_fail:
+    result.memview = NULL;
+    result.data = NULL;
+    return result;
+}
+
+/* MemviewDtypeToObject */
+static CYTHON_INLINE PyObject *__pyx_memview_get_double__const__(const char *itemp) {
+    return (PyObject *) PyFloat_FromDouble(*(double const   *) itemp);
+}
+
+/* ObjectToMemviewSlice */
 static CYTHON_INLINE __Pyx_memviewslice __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_int64_t(PyObject *obj, int writable_flag) {
     __Pyx_memviewslice result = __Pyx_MEMSLICE_INIT;
     __Pyx_BufFmt_StackElem stack[1];
@@ -33165,6 +34346,98 @@ static CYTHON_INLINE int64_t __Pyx_PyLong_As_int64_t(PyObject *x) {
     }
 }
 
+/* PyObjectVectorcallMethodKwds (used by CIntToPy) */
+#if !CYTHON_VECTORCALL
+static PyObject *__Pyx_Object_VectorcallMethodKwds(PyObject *name, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PyObject *result;
+    PyObject *obj = PyObject_GetAttr(args[0], name);
+    if (unlikely(!obj))
+        return NULL;
+    result = __Pyx_Object_VectorcallKwds(obj, args+1, nargsf-1, kwnames);
+    Py_DECREF(obj);
+    return result;
+}
+#endif
+
+/* CIntToPy */
+static CYTHON_INLINE PyObject* __Pyx_PyLong_From_unsigned_int(unsigned int value) {
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wconversion"
+#endif
+    const unsigned int neg_one = (unsigned int) -1, const_zero = (unsigned int) 0;
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#endif
+    const int is_unsigned = neg_one > const_zero;
+    if (is_unsigned) {
+        if (sizeof(unsigned int) < sizeof(long)) {
+            return PyLong_FromLong((long) value);
+        } else if (sizeof(unsigned int) <= sizeof(unsigned long)) {
+            return PyLong_FromUnsignedLong((unsigned long) value);
+#if !CYTHON_COMPILING_IN_PYPY
+        } else if (sizeof(unsigned int) <= sizeof(unsigned PY_LONG_LONG)) {
+            return PyLong_FromUnsignedLongLong((unsigned PY_LONG_LONG) value);
+#endif
+        }
+    } else {
+        if (sizeof(unsigned int) <= sizeof(long)) {
+            return PyLong_FromLong((long) value);
+        } else if (sizeof(unsigned int) <= sizeof(PY_LONG_LONG)) {
+            return PyLong_FromLongLong((PY_LONG_LONG) value);
+        }
+    }
+    {
+        unsigned char *bytes = (unsigned char *)&value;
+#if !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX >= 0x030d00A4
+        if (is_unsigned) {
+            return PyLong_FromUnsignedNativeBytes(bytes, sizeof(value), -1);
+        } else {
+            return PyLong_FromNativeBytes(bytes, sizeof(value), -1);
+        }
+#elif !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX < 0x030d0000
+        int one = 1; int little = (int)*(unsigned char *)&one;
+        return _PyLong_FromByteArray(bytes, sizeof(unsigned int),
+                                     little, !is_unsigned);
+#else
+        int one = 1; int little = (int)*(unsigned char *)&one;
+        PyObject *result = NULL, *kwds = NULL;
+        PyObject *py_bytes = NULL, *order_str = NULL, *from_bytes_str = NULL;;
+        py_bytes = PyBytes_FromStringAndSize((char*)bytes, sizeof(unsigned int));
+        if (!py_bytes) goto limited_bad;
+        from_bytes_str = PyUnicode_FromStringAndSize("from_bytes", 10);
+        if (!from_bytes_str) goto limited_bad;
+        order_str = PyUnicode_FromString(little ? "little" : "big");
+        if (!order_str) goto limited_bad;
+        {
+            PyObject *args[] = { (PyObject*)&PyLong_Type, py_bytes, order_str, Py_True };
+            if (!is_unsigned) {
+                PyObject *signed_str = PyUnicode_FromStringAndSize("signed", 6);
+                if (!signed_str) goto limited_bad;
+#if CYTHON_VECTORCALL
+                kwds = PyTuple_Pack(1, signed_str);
+#else
+                {
+                    PyObject *keys[] = {signed_str};
+                    PyObject *values[] = {Py_True};
+                    kwds = __Pyx_MakeKwargDict(keys, values, 1);
+                }
+#endif
+                Py_DECREF(signed_str);
+                if (unlikely(!kwds)) goto limited_bad;
+            }
+            result = __Pyx_Object_VectorcallMethodKwds(from_bytes_str, args, 3 | __Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET, kwds);
+        }
+        limited_bad:
+        Py_XDECREF(kwds);
+        Py_XDECREF(order_str);
+        Py_XDECREF(py_bytes);
+        Py_XDECREF(from_bytes_str);
+        return result;
+#endif
+    }
+}
+
 /* CIntFromPy */
 static int __Pyx_LargePyLong___Pyx_PyLong_As_int(PyObject *x);
 static int __Pyx_raise_neg_overflow___Pyx_PyLong_As_int(void) {
@@ -33465,19 +34738,6 @@ static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *x) {
         return __Pyx_NonPyLong___Pyx_PyLong_As_int(x);
     }
 }
-
-/* PyObjectVectorcallMethodKwds (used by CIntToPy) */
-#if !CYTHON_VECTORCALL
-static PyObject *__Pyx_Object_VectorcallMethodKwds(PyObject *name, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    PyObject *result;
-    PyObject *obj = PyObject_GetAttr(args[0], name);
-    if (unlikely(!obj))
-        return NULL;
-    result = __Pyx_Object_VectorcallKwds(obj, args+1, nargsf-1, kwnames);
-    Py_DECREF(obj);
-    return result;
-}
-#endif
 
 /* CIntToPy */
 static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int(int value) {

@@ -11,5 +11,6 @@ cdef extern from "engram_hash.h" nogil:
     es_modulus es_modulus_make(uint64_t p) noexcept
     int64_t es_floormod_fast(int64_t x, const es_modulus *d) noexcept
     int64_t es_compress(int64_t id, const int64_t *lookup) noexcept
+    unsigned ES_FP_PRIME_MAX
     void es_hash_window(const int64_t *win, const int64_t *mult, int max_ngram, int n_head,
-                        const int64_t *primes, int64_t *rows) noexcept
+                        const int64_t *primes, const double *fp, int64_t *rows) noexcept

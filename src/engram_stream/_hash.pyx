@@ -35,9 +35,23 @@ def compress(const int64_t[:, ::1] ids, const int64_t[::1] lookup, int64_t vocab
     return out
 
 
+FP_PRIME_MAX = ES_FP_PRIME_MAX
+
+
+def fp_moduli(primes):
+    """float64[3*H] = {p, 1/p, 2^32 mod p} for the double-precision mod, or None when a
+    prime is too large for it (then the hash divides)."""
+    p = [int(x) for x in primes]
+    if not p or max(p) >= ES_FP_PRIME_MAX or min(p) < 1:
+        return None
+    return np.array(p + [1.0 / x for x in p] + [(1 << 32) % x for x in p], dtype=np.float64)
+
+
 def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
-                    const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None):
-    """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad)."""
+                    const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,
+                    const double[::1] fp=None):
+    """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad).
+    fp: fp_moduli(primes) for the division-free path, or None."""
     cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b, t
     cdef int k
     if not 2 <= max_ngram <= MAX_NGRAM:
@@ -50,12 +64,17 @@ def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
         return out
     cdef int64_t[:, :, ::1] o = out
     cdef int64_t win[MAX_NGRAM]
+    cdef const double *pfp = NULL
+    if fp is not None:
+        if fp.shape[0] != 3 * H:
+            raise ValueError("fp must be fp_moduli(primes)")
+        pfp = &fp[0]
     with nogil:
         for b in range(B):
             for t in range(T):
                 for k in range(max_ngram):
                     win[k] = cids[b, t - k] if t - k >= 0 else pad
-                es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], &o[b, t, 0])
+                es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, t, 0])
     return out
 
 

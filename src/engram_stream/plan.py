@@ -7,12 +7,29 @@ Two hash paths, pinned bit-equal by the tests:
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from . import _hash
 from .config import EngramConfig
 
 PRIME_1 = 10007  # layer seed stride of the reference
+PARALLEL_MIN_POSITIONS = 1 << 16  # below this, a thread hand-off costs more than it saves
+_POOL = None
+
+
+def _hash_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def _pool():
+    """One shared thread pool for plan.hash (the nogil kernel runs in parallel)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=_hash_workers(), thread_name_prefix="engram-hash")
+    return _POOL
 
 
 def is_prime(n: int) -> bool:
@@ -95,6 +112,8 @@ class HashPlan:
         self.offsets = {L: np.concatenate([[0], np.cumsum(p)[:-1]]).astype(np.int64)
                         for L, p in self.head_primes.items()}
         self.table_rows = {L: int(p.sum()) for L, p in self.head_primes.items()}
+        # the division-free mod's constants, when the primes are small enough (else None)
+        self.head_fp = {L: _hash.fp_moduli(p) for L, p in self.head_primes.items()}
 
     def __repr__(self):
         return (f"HashPlan(layers={self.cfg.layer_ids}, heads={self.cfg.n_heads}, "
@@ -115,22 +134,41 @@ class HashPlan:
         """{layer: int64[B, T, H]} head-local rows for raw ids[B, T] (fast path).
 
         out: optional {layer: int64[B, T, H]} buffers to fill (saves the page faults
-        of fresh multi-MB arrays when hashing batch after batch)."""
+        of fresh multi-MB arrays when hashing batch after batch). Large inputs are
+        split by layer and batch row over the machine's cores (the kernel runs nogil)."""
         a = as_ids(ids, 2)
         if out is not None and not isinstance(out, dict):
             raise TypeError(f"out must be a dict {{layer: int64[B, T, H]}}, got {type(out).__name__}")
-        c = _hash.compress(a, self.lookup, self.cfg.vocab_size)
-        n, h = self.cfg.max_ngram_size, self.cfg.n_head_per_ngram
+        layers = self.cfg.layer_ids if layers is None else [self.check_layer(L) for L in layers]
+        shape = a.shape + (self.cfg.n_heads,)
         res = {}
-        for L in (self.cfg.layer_ids if layers is None else layers):
+        block = None  # fresh outputs share one allocation: one large block is reused by malloc
+        for i, L in enumerate(layers):  # from call to call where separate ones are not (page faults)
             buf = None if out is None else out.get(L)
-            if buf is not None and not (isinstance(buf, np.ndarray) and buf.dtype == np.int64
-                                        and buf.shape == a.shape + (self.cfg.n_heads,)
-                                        and buf.flags.c_contiguous and buf.flags.writeable):
-                raise ValueError(f"out[{L}] must be a writeable C-contiguous int64 array of shape "
-                                 f"{a.shape + (self.cfg.n_heads,)}")
-            res[L] = _hash.hash_compressed(c, self.multipliers[L], self.head_primes[self.check_layer(L)],
-                                           n, h, self.pad_id, buf)
+            if buf is None:
+                if block is None:
+                    block = np.empty((len(layers),) + shape, dtype=np.int64)
+                buf = block[i]
+            elif not (isinstance(buf, np.ndarray) and buf.dtype == np.int64 and buf.shape == shape
+                      and buf.flags.c_contiguous and buf.flags.writeable):
+                raise ValueError(f"out[{L}] must be a writeable C-contiguous int64 array of shape {shape}")
+            res[L] = buf
+        c = _hash.compress(a, self.lookup, self.cfg.vocab_size)
+        n, h, B = self.cfg.max_ngram_size, self.cfg.n_head_per_ngram, a.shape[0]
+
+        def run(job):
+            L, b0, b1 = job
+            _hash.hash_compressed(c[b0:b1], self.multipliers[L], self.head_primes[L], n, h, self.pad_id,
+                                  res[L][b0:b1], self.head_fp[L])
+
+        workers = _hash_workers()
+        if workers > 1 and a.size * len(layers) >= PARALLEL_MIN_POSITIONS:
+            per = max(1, -(-B * len(layers) // workers) // len(layers)) if B > 1 else 1
+            jobs = [(L, b0, min(B, b0 + per)) for L in layers for b0 in range(0, B, per)]
+            list(_pool().map(run, jobs))
+        else:
+            for L in layers:
+                run((L, 0, B))
         return res
 
     def hash_numpy(self, ids, layers=None) -> dict:
