@@ -3586,9 +3586,6 @@ static CYTHON_INLINE PyObject* __Pyx_PyLong_From_unsigned_int(unsigned int value
 static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *);
 
 /* CIntToPy.proto */
-static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int(int value);
-
-/* CIntToPy.proto */
 static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int64_t(int64_t value);
 
 /* PyObjectCallMethod1.proto (used by UpdateUnpickledDict) */
@@ -3605,6 +3602,9 @@ static CYTHON_INLINE int __Pyx_CheckUnpickleChecksum(long checksum, long checksu
 
 /* CIntFromPy.proto */
 static CYTHON_INLINE long __Pyx_PyLong_As_long(PyObject *);
+
+/* CIntToPy.proto */
+static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int(int value);
 
 /* CIntToPy.proto */
 static CYTHON_INLINE PyObject* __Pyx_PyLong_From_long(long value);
@@ -4059,7 +4059,7 @@ namespace {
     PyObject *__pyx_slice[1];
     PyObject *__pyx_tuple[3];
     PyObject *__pyx_codeobj_tab[4];
-    PyObject *__pyx_string_tab[151];
+    PyObject *__pyx_string_tab[150];
     PyObject *__pyx_number_tab[6];
 /* #### Code section: module_state_contents ### */
 /* PyFrozenDict.module_state_decls */
@@ -4253,13 +4253,12 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_n_u_v __pyx_string_tab[141]
 #define __pyx_n_u_values __pyx_string_tab[142]
 #define __pyx_n_u_vocab_size __pyx_string_tab[143]
-#define __pyx_n_u_win __pyx_string_tab[144]
-#define __pyx_n_u_x __pyx_string_tab[145]
-#define __pyx_n_b_O __pyx_string_tab[146]
-#define __pyx_kp_b_iso88591_WX_F_84vQhfF_1_t2S_Q_j_9_t6_S_R __pyx_string_tab[147]
-#define __pyx_kp_b_iso88591_6_V1A_F_Ct6_1_Q_QfAV7_1_E_aq_U __pyx_string_tab[148]
-#define __pyx_kp_b_iso88591_AS_E_t2S_1Cs_S_Ba_q_2V1Bb_Rr_U __pyx_string_tab[149]
-#define __pyx_kp_b_iso88591_a_F_AV1D_fAU_Q_fF_1_r_4t2T_AXRq __pyx_string_tab[150]
+#define __pyx_n_u_x __pyx_string_tab[144]
+#define __pyx_n_b_O __pyx_string_tab[145]
+#define __pyx_kp_b_iso88591_WX_F_84vQhfF_1_t2S_Q_j_9_t6_S_R __pyx_string_tab[146]
+#define __pyx_kp_b_iso88591_6_V1A_F_Ct6_1_Q_QfAV7_1_E_aq_U __pyx_string_tab[147]
+#define __pyx_kp_b_iso88591_AS_E_t2S_1Cs_S_Ba_q_2V1Bb_Rr_U __pyx_string_tab[148]
+#define __pyx_kp_b_iso88591_a_F_AV1D_fAU_Q_fF_1_r_4t2T_AXRq __pyx_string_tab[149]
 #define __pyx_float_1_0 __pyx_number_tab[0]
 #define __pyx_int_0 __pyx_number_tab[1]
 #define __pyx_int_neg_1 __pyx_number_tab[2]
@@ -4312,7 +4311,7 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   for (int i=0; i<1; ++i) { Py_CLEAR(clear_module_state->__pyx_slice[i]); }
   for (int i=0; i<3; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
   for (int i=0; i<4; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<151; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<150; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<6; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_clear_contents ### */
 /* CommonTypesMetaclass.module_state_clear */
@@ -4368,7 +4367,7 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   for (int i=0; i<1; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_slice[i]); }
   for (int i=0; i<3; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
   for (int i=0; i<4; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<151; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<150; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<6; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_traverse_contents ### */
 /* CommonTypesMetaclass.module_state_traverse */
@@ -21696,10 +21695,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
   Py_ssize_t __pyx_v_T;
   Py_ssize_t __pyx_v_H;
   Py_ssize_t __pyx_v_b;
-  Py_ssize_t __pyx_v_t;
-  int __pyx_v_k;
   __Pyx_memviewslice __pyx_v_o = { 0, 0, { 0 }, { 0 }, { 0 } };
-  int64_t __pyx_v_win[__pyx_e_13engram_stream_5_hash_MAX_NGRAM];
   double const *__pyx_v_pfp;
   PyObject *__pyx_r = NULL;
   __Pyx_RefNannyDeclarations
@@ -21723,13 +21719,9 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
   Py_ssize_t __pyx_t_18;
   Py_ssize_t __pyx_t_19;
   Py_ssize_t __pyx_t_20;
-  int __pyx_t_21;
-  int __pyx_t_22;
-  int64_t __pyx_t_23;
-  Py_ssize_t __pyx_t_24;
-  Py_ssize_t __pyx_t_25;
-  Py_ssize_t __pyx_t_26;
-  Py_ssize_t __pyx_t_27;
+  Py_ssize_t __pyx_t_21;
+  Py_ssize_t __pyx_t_22;
+  Py_ssize_t __pyx_t_23;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
@@ -21991,7 +21983,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
  *     if B == 0 or T == 0:
  *         return out             # <<<<<<<<<<<<<<
  *     cdef int64_t[:, :, ::1] o = out
- *     cdef int64_t win[MAX_NGRAM]
+ *     cdef const double *pfp = NULL
 */
     {
       PyObject *__pyx_temp;
@@ -22017,25 +22009,25 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
  *     if B == 0 or T == 0:
  *         return out
  *     cdef int64_t[:, :, ::1] o = out             # <<<<<<<<<<<<<<
- *     cdef int64_t win[MAX_NGRAM]
  *     cdef const double *pfp = NULL
+ *     if fp is not None:
 */
   __pyx_t_14 = __Pyx_PyObject_to_MemoryviewSlice_d_d_dc_nn_int64_t(__pyx_v_out, PyBUF_WRITABLE); if (unlikely(!__pyx_t_14.memview)) __PYX_ERR(0, 65, __pyx_L1_error)
   __pyx_v_o = __pyx_t_14;
   __pyx_t_14.memview = NULL;
   __pyx_t_14.data = NULL;
 
-  /* "engram_stream/_hash.pyx":67
+  /* "engram_stream/_hash.pyx":66
+ *         return out
  *     cdef int64_t[:, :, ::1] o = out
- *     cdef int64_t win[MAX_NGRAM]
  *     cdef const double *pfp = NULL             # <<<<<<<<<<<<<<
  *     if fp is not None:
  *         if fp.shape[0] != 3 * H:
 */
   __pyx_v_pfp = NULL;
 
-  /* "engram_stream/_hash.pyx":68
- *     cdef int64_t win[MAX_NGRAM]
+  /* "engram_stream/_hash.pyx":67
+ *     cdef int64_t[:, :, ::1] o = out
  *     cdef const double *pfp = NULL
  *     if fp is not None:             # <<<<<<<<<<<<<<
  *         if fp.shape[0] != 3 * H:
@@ -22046,7 +22038,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
   if (__pyx_t_2) {
 
 
-    /* "engram_stream/_hash.pyx":69
+    /* "engram_stream/_hash.pyx":68
  *     cdef const double *pfp = NULL
  *     if fp is not None:
  *         if fp.shape[0] != 3 * H:             # <<<<<<<<<<<<<<
@@ -22058,7 +22050,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
     if (unlikely(__pyx_t_2)) {
 
 
-      /* "engram_stream/_hash.pyx":70
+      /* "engram_stream/_hash.pyx":69
  *     if fp is not None:
  *         if fp.shape[0] != 3 * H:
  *             raise ValueError("fp must be fp_moduli(primes)")             # <<<<<<<<<<<<<<
@@ -22071,14 +22063,14 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
         PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_fp_must_be_fp_moduli_primes};
         __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_10, (2-__pyx_t_10) | (__pyx_t_10*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-        if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 70, __pyx_L1_error)
+        if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 69, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
       }
       __Pyx_Raise(__pyx_t_3, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-      __PYX_ERR(0, 70, __pyx_L1_error)
+      __PYX_ERR(0, 69, __pyx_L1_error)
 
-      /* "engram_stream/_hash.pyx":69
+      /* "engram_stream/_hash.pyx":68
  *     cdef const double *pfp = NULL
  *     if fp is not None:
  *         if fp.shape[0] != 3 * H:             # <<<<<<<<<<<<<<
@@ -22087,7 +22079,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
 */
     }
 
-    /* "engram_stream/_hash.pyx":71
+    /* "engram_stream/_hash.pyx":70
  *         if fp.shape[0] != 3 * H:
  *             raise ValueError("fp must be fp_moduli(primes)")
  *         pfp = &fp[0]             # <<<<<<<<<<<<<<
@@ -22097,8 +22089,8 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
     __pyx_t_15 = 0;
     __pyx_v_pfp = (&(*((double const  *) ( /* dim=0 */ ((char *) (((double const  *) __pyx_v_fp.data) + __pyx_t_15)) ))));
 
-    /* "engram_stream/_hash.pyx":68
- *     cdef int64_t win[MAX_NGRAM]
+    /* "engram_stream/_hash.pyx":67
+ *     cdef int64_t[:, :, ::1] o = out
  *     cdef const double *pfp = NULL
  *     if fp is not None:             # <<<<<<<<<<<<<<
  *         if fp.shape[0] != 3 * H:
@@ -22106,12 +22098,12 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
 */
   }
 
-  /* "engram_stream/_hash.pyx":72
+  /* "engram_stream/_hash.pyx":71
  *             raise ValueError("fp must be fp_moduli(primes)")
  *         pfp = &fp[0]
  *     with nogil:             # <<<<<<<<<<<<<<
  *         for b in range(B):
- *             for t in range(T):
+ *             es_hash_sequence(&cids[b, 0], T, pad, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, 0, 0])
 */
   {
       PyThreadState * _save;
@@ -22119,12 +22111,12 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "engram_stream/_hash.pyx":73
+        /* "engram_stream/_hash.pyx":72
  *         pfp = &fp[0]
  *     with nogil:
  *         for b in range(B):             # <<<<<<<<<<<<<<
- *             for t in range(T):
- *                 for k in range(max_ngram):
+ *             es_hash_sequence(&cids[b, 0], T, pad, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, 0, 0])
+ *     return out
 */
 
         __pyx_t_7 = __pyx_v_B;
@@ -22133,83 +22125,31 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
         for (__pyx_t_17 = 0; __pyx_t_17 < __pyx_t_16; __pyx_t_17+=1) {
           __pyx_v_b = __pyx_t_17;
 
-          /* "engram_stream/_hash.pyx":74
+          /* "engram_stream/_hash.pyx":73
  *     with nogil:
  *         for b in range(B):
- *             for t in range(T):             # <<<<<<<<<<<<<<
- *                 for k in range(max_ngram):
- *                     win[k] = cids[b, t - k] if t - k >= 0 else pad
-*/
-
-          __pyx_t_18 = __pyx_v_T;
-          __pyx_t_19 = __pyx_t_18;
-
-          for (__pyx_t_20 = 0; __pyx_t_20 < __pyx_t_19; __pyx_t_20+=1) {
-            __pyx_v_t = __pyx_t_20;
-
-            /* "engram_stream/_hash.pyx":75
- *         for b in range(B):
- *             for t in range(T):
- *                 for k in range(max_ngram):             # <<<<<<<<<<<<<<
- *                     win[k] = cids[b, t - k] if t - k >= 0 else pad
- *                 es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, t, 0])
-*/
-
-            __pyx_t_8 = __pyx_v_max_ngram;
-            __pyx_t_21 = __pyx_t_8;
-
-            for (__pyx_t_22 = 0; __pyx_t_22 < __pyx_t_21; __pyx_t_22+=1) {
-              __pyx_v_k = __pyx_t_22;
-
-              /* "engram_stream/_hash.pyx":76
- *             for t in range(T):
- *                 for k in range(max_ngram):
- *                     win[k] = cids[b, t - k] if t - k >= 0 else pad             # <<<<<<<<<<<<<<
- *                 es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, t, 0])
- *     return out
-*/
-              __pyx_t_2 = ((__pyx_v_t - __pyx_v_k) >= 0);
-
-              if (__pyx_t_2) {
-                __pyx_t_15 = __pyx_v_b;
-                __pyx_t_24 = (__pyx_v_t - __pyx_v_k);
-
-                __pyx_t_23 = (*((int64_t const  *) ( /* dim=1 */ ((char *) (((int64_t const  *) ( /* dim=0 */ (__pyx_v_cids.data + __pyx_t_15 * __pyx_v_cids.strides[0]) )) + __pyx_t_24)) )));
-              } else {
-
-                __pyx_t_23 = __pyx_v_pad;
-              }
-
-              (__pyx_v_win[__pyx_v_k]) = __pyx_t_23;
-
-            }
-
-
-            /* "engram_stream/_hash.pyx":77
- *                 for k in range(max_ngram):
- *                     win[k] = cids[b, t - k] if t - k >= 0 else pad
- *                 es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, t, 0])             # <<<<<<<<<<<<<<
+ *             es_hash_sequence(&cids[b, 0], T, pad, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, 0, 0])             # <<<<<<<<<<<<<<
  *     return out
  * 
 */
-            __pyx_t_24 = 0;
-            __pyx_t_15 = 0;
-            __pyx_t_25 = __pyx_v_b;
-            __pyx_t_26 = __pyx_v_t;
-            __pyx_t_27 = 0;
-            es_hash_window(__pyx_v_win, (&(*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_mult.data) + __pyx_t_24)) )))), __pyx_v_max_ngram, __pyx_v_n_head, (&(*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_primes.data) + __pyx_t_15)) )))), __pyx_v_pfp, (&(*((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_o.data + __pyx_t_25 * __pyx_v_o.strides[0]) ) + __pyx_t_26 * __pyx_v_o.strides[1]) )) + __pyx_t_27)) )))));
-          }
-
+          __pyx_t_15 = __pyx_v_b;
+          __pyx_t_18 = 0;
+          __pyx_t_19 = 0;
+          __pyx_t_20 = 0;
+          __pyx_t_21 = __pyx_v_b;
+          __pyx_t_22 = 0;
+          __pyx_t_23 = 0;
+          es_hash_sequence((&(*((int64_t const  *) ( /* dim=1 */ ((char *) (((int64_t const  *) ( /* dim=0 */ (__pyx_v_cids.data + __pyx_t_15 * __pyx_v_cids.strides[0]) )) + __pyx_t_18)) )))), __pyx_v_T, __pyx_v_pad, (&(*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_mult.data) + __pyx_t_19)) )))), __pyx_v_max_ngram, __pyx_v_n_head, (&(*((int64_t const  *) ( /* dim=0 */ ((char *) (((int64_t const  *) __pyx_v_primes.data) + __pyx_t_20)) )))), __pyx_v_pfp, (&(*((int64_t *) ( /* dim=2 */ ((char *) (((int64_t *) ( /* dim=1 */ (( /* dim=0 */ (__pyx_v_o.data + __pyx_t_21 * __pyx_v_o.strides[0]) ) + __pyx_t_22 * __pyx_v_o.strides[1]) )) + __pyx_t_23)) )))));
         }
 
       }
 
-      /* "engram_stream/_hash.pyx":72
+      /* "engram_stream/_hash.pyx":71
  *             raise ValueError("fp must be fp_moduli(primes)")
  *         pfp = &fp[0]
  *     with nogil:             # <<<<<<<<<<<<<<
  *         for b in range(B):
- *             for t in range(T):
+ *             es_hash_sequence(&cids[b, 0], T, pad, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, 0, 0])
 */
       /*finally:*/ {
         /*normal exit:*/{
@@ -22221,9 +22161,9 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
       }
   }
 
-  /* "engram_stream/_hash.pyx":78
- *                     win[k] = cids[b, t - k] if t - k >= 0 else pad
- *                 es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, t, 0])
+  /* "engram_stream/_hash.pyx":74
+ *         for b in range(B):
+ *             es_hash_sequence(&cids[b, 0], T, pad, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, 0, 0])
  *     return out             # <<<<<<<<<<<<<<
  * 
  * 
@@ -22264,10 +22204,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
 
 
 
-
-
   __PYX_XCLEAR_MEMVIEW(&__pyx_v_o, 1);
-
 
   __Pyx_XDECREF(__pyx_v_out);
   __Pyx_XGIVEREF(__pyx_r);
@@ -22275,7 +22212,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_4hash_compressed(CYTHON_UNUSED 
   return __pyx_r;
 }
 
-/* "engram_stream/_hash.pyx":83
+/* "engram_stream/_hash.pyx":79
  * # The mods alone, for tests and for bench/bench_hash.py ------------------------
  * 
  * def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=False):             # <<<<<<<<<<<<<<
@@ -22325,55 +22262,55 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_x,&__pyx_mstate_global->__pyx_n_u_primes,&__pyx_mstate_global->__pyx_n_u_reciprocal,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 83, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 79, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 83, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 79, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 83, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 79, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 83, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 79, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "floormod", 0) < (0)) __PYX_ERR(0, 83, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "floormod", 0) < (0)) __PYX_ERR(0, 79, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("floormod", 0, 2, 3, i); __PYX_ERR(0, 83, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("floormod", 0, 2, 3, i); __PYX_ERR(0, 79, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 83, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 79, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 83, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 79, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 83, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 79, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
     }
-    __pyx_v_x = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[0], 0); if (unlikely(!__pyx_v_x.memview)) __PYX_ERR(0, 83, __pyx_L3_error)
-    __pyx_v_primes = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_primes.memview)) __PYX_ERR(0, 83, __pyx_L3_error)
+    __pyx_v_x = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[0], 0); if (unlikely(!__pyx_v_x.memview)) __PYX_ERR(0, 79, __pyx_L3_error)
+    __pyx_v_primes = __Pyx_PyObject_to_MemoryviewSlice_dc_nn_int64_t__const__(values[1], 0); if (unlikely(!__pyx_v_primes.memview)) __PYX_ERR(0, 79, __pyx_L3_error)
     if (values[2]) {
-      __pyx_v_reciprocal = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_reciprocal == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 83, __pyx_L3_error)
+      __pyx_v_reciprocal = __Pyx_PyObject_IsTrue(values[2]); if (unlikely((__pyx_v_reciprocal == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 79, __pyx_L3_error)
     } else {
       __pyx_v_reciprocal = ((int)((int)0));
     }
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("floormod", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 83, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("floormod", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 79, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -22433,7 +22370,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("floormod", 0);
 
-  /* "engram_stream/_hash.pyx":85
+  /* "engram_stream/_hash.pyx":81
  * def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=False):
  *     """int64[N, P]: floored x[i] % primes[j], by hardware division or by the reciprocal kernel."""
  *     out = np.empty((x.shape[0], primes.shape[0]), dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -22441,26 +22378,26 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
  *     cdef Py_ssize_t i, j, P = primes.shape[0]
 */
   __pyx_t_2 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 85, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 81, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 85, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 81, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_3 = PyLong_FromSsize_t((__pyx_v_x.shape[0])); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 85, __pyx_L1_error)
+  __pyx_t_3 = PyLong_FromSsize_t((__pyx_v_x.shape[0])); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 81, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_5 = PyLong_FromSsize_t((__pyx_v_primes.shape[0])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 85, __pyx_L1_error)
+  __pyx_t_5 = PyLong_FromSsize_t((__pyx_v_primes.shape[0])); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 81, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 85, __pyx_L1_error)
+  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 81, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 85, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 81, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_5);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 85, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 81, __pyx_L1_error);
   __pyx_t_3 = 0;
   __pyx_t_5 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 85, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 81, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 85, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 81, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   #if CYTHON_VECTORCALL
@@ -22481,13 +22418,13 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
     PyObject *__pyx_callargs[3] = {__pyx_t_2, __pyx_t_6, __pyx_t_3};
     #if CYTHON_VECTORCALL
     __pyx_t_5 = __pyx_mstate_global->__pyx_tuple[2];
-    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 85, __pyx_L1_error)
+    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 81, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_5);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_5 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 85, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 81, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
     }
     #endif
@@ -22499,25 +22436,25 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 85, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 81, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __pyx_v_out = __pyx_t_1;
   __pyx_t_1 = 0;
 
-  /* "engram_stream/_hash.pyx":86
+  /* "engram_stream/_hash.pyx":82
  *     """int64[N, P]: floored x[i] % primes[j], by hardware division or by the reciprocal kernel."""
  *     out = np.empty((x.shape[0], primes.shape[0]), dtype=np.int64)
  *     cdef int64_t[:, ::1] o = out             # <<<<<<<<<<<<<<
  *     cdef Py_ssize_t i, j, P = primes.shape[0]
  *     cdef es_modulus mods[256]
 */
-  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_int64_t(__pyx_v_out, PyBUF_WRITABLE); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 86, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_to_MemoryviewSlice_d_dc_nn_int64_t(__pyx_v_out, PyBUF_WRITABLE); if (unlikely(!__pyx_t_8.memview)) __PYX_ERR(0, 82, __pyx_L1_error)
   __pyx_v_o = __pyx_t_8;
   __pyx_t_8.memview = NULL;
   __pyx_t_8.data = NULL;
 
-  /* "engram_stream/_hash.pyx":87
+  /* "engram_stream/_hash.pyx":83
  *     out = np.empty((x.shape[0], primes.shape[0]), dtype=np.int64)
  *     cdef int64_t[:, ::1] o = out
  *     cdef Py_ssize_t i, j, P = primes.shape[0]             # <<<<<<<<<<<<<<
@@ -22526,7 +22463,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
 */
   __pyx_v_P = (__pyx_v_primes.shape[0]);
 
-  /* "engram_stream/_hash.pyx":89
+  /* "engram_stream/_hash.pyx":85
  *     cdef Py_ssize_t i, j, P = primes.shape[0]
  *     cdef es_modulus mods[256]
  *     if P > 256 or (P and min(primes) < 1):             # <<<<<<<<<<<<<<
@@ -22554,7 +22491,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
     goto __pyx_L4_bool_binop_done;
   }
   __pyx_t_4 = NULL;
-  __pyx_t_5 = __pyx_memoryview_fromslice(__pyx_v_primes, 1, (PyObject *(*)(char *)) __pyx_memview_get_nn_int64_t__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 89, __pyx_L1_error)
+  __pyx_t_5 = __pyx_memoryview_fromslice(__pyx_v_primes, 1, (PyObject *(*)(char *)) __pyx_memview_get_nn_int64_t__const__, (int (*)(char *, PyObject *)) NULL, 0);; if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 85, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __pyx_t_7 = 1;
   {
@@ -22562,10 +22499,10 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
     __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)__pyx_builtin_min, __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 89, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 85, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  __pyx_t_10 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_1, __pyx_mstate_global->__pyx_int_1, Py_LT); if (unlikely((__pyx_t_10 < 0))) __PYX_ERR(0, 89, __pyx_L1_error)
+  __pyx_t_10 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_1, __pyx_mstate_global->__pyx_int_1, Py_LT); if (unlikely((__pyx_t_10 < 0))) __PYX_ERR(0, 85, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
   __pyx_t_9 = __pyx_t_10;
@@ -22574,7 +22511,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
   if (unlikely(__pyx_t_9)) {
 
 
-    /* "engram_stream/_hash.pyx":90
+    /* "engram_stream/_hash.pyx":86
  *     cdef es_modulus mods[256]
  *     if P > 256 or (P and min(primes) < 1):
  *         raise ValueError("floormod: at most 256 positive primes")             # <<<<<<<<<<<<<<
@@ -22587,14 +22524,14 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
       PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_floormod_at_most_256_positive_pr};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 90, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 86, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 90, __pyx_L1_error)
+    __PYX_ERR(0, 86, __pyx_L1_error)
 
-    /* "engram_stream/_hash.pyx":89
+    /* "engram_stream/_hash.pyx":85
  *     cdef Py_ssize_t i, j, P = primes.shape[0]
  *     cdef es_modulus mods[256]
  *     if P > 256 or (P and min(primes) < 1):             # <<<<<<<<<<<<<<
@@ -22603,7 +22540,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
 */
   }
 
-  /* "engram_stream/_hash.pyx":91
+  /* "engram_stream/_hash.pyx":87
  *     if P > 256 or (P and min(primes) < 1):
  *         raise ValueError("floormod: at most 256 positive primes")
  *     for j in range(P):             # <<<<<<<<<<<<<<
@@ -22617,7 +22554,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
   for (__pyx_t_13 = 0; __pyx_t_13 < __pyx_t_12; __pyx_t_13+=1) {
     __pyx_v_j = __pyx_t_13;
 
-    /* "engram_stream/_hash.pyx":92
+    /* "engram_stream/_hash.pyx":88
  *         raise ValueError("floormod: at most 256 positive primes")
  *     for j in range(P):
  *         mods[j] = es_modulus_make(<uint64_t>primes[j])             # <<<<<<<<<<<<<<
@@ -22629,7 +22566,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
   }
 
 
-  /* "engram_stream/_hash.pyx":93
+  /* "engram_stream/_hash.pyx":89
  *     for j in range(P):
  *         mods[j] = es_modulus_make(<uint64_t>primes[j])
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -22642,7 +22579,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
       __Pyx_FastGIL_Remember();
       /*try:*/ {
 
-        /* "engram_stream/_hash.pyx":94
+        /* "engram_stream/_hash.pyx":90
  *         mods[j] = es_modulus_make(<uint64_t>primes[j])
  *     with nogil:
  *         if reciprocal:             # <<<<<<<<<<<<<<
@@ -22651,7 +22588,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
 */
         if (__pyx_v_reciprocal) {
 
-          /* "engram_stream/_hash.pyx":95
+          /* "engram_stream/_hash.pyx":91
  *     with nogil:
  *         if reciprocal:
  *             for i in range(x.shape[0]):             # <<<<<<<<<<<<<<
@@ -22665,7 +22602,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
           for (__pyx_t_13 = 0; __pyx_t_13 < __pyx_t_12; __pyx_t_13+=1) {
             __pyx_v_i = __pyx_t_13;
 
-            /* "engram_stream/_hash.pyx":96
+            /* "engram_stream/_hash.pyx":92
  *         if reciprocal:
  *             for i in range(x.shape[0]):
  *                 for j in range(P):             # <<<<<<<<<<<<<<
@@ -22679,7 +22616,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
             for (__pyx_t_17 = 0; __pyx_t_17 < __pyx_t_16; __pyx_t_17+=1) {
               __pyx_v_j = __pyx_t_17;
 
-              /* "engram_stream/_hash.pyx":97
+              /* "engram_stream/_hash.pyx":93
  *             for i in range(x.shape[0]):
  *                 for j in range(P):
  *                     o[i, j] = es_floormod_fast(x[i], &mods[j])             # <<<<<<<<<<<<<<
@@ -22695,7 +22632,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
           }
 
 
-          /* "engram_stream/_hash.pyx":94
+          /* "engram_stream/_hash.pyx":90
  *         mods[j] = es_modulus_make(<uint64_t>primes[j])
  *     with nogil:
  *         if reciprocal:             # <<<<<<<<<<<<<<
@@ -22705,7 +22642,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
           goto __pyx_L12;
         }
 
-        /* "engram_stream/_hash.pyx":99
+        /* "engram_stream/_hash.pyx":95
  *                     o[i, j] = es_floormod_fast(x[i], &mods[j])
  *         else:
  *             for i in range(x.shape[0]):             # <<<<<<<<<<<<<<
@@ -22720,7 +22657,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
           for (__pyx_t_13 = 0; __pyx_t_13 < __pyx_t_12; __pyx_t_13+=1) {
             __pyx_v_i = __pyx_t_13;
 
-            /* "engram_stream/_hash.pyx":100
+            /* "engram_stream/_hash.pyx":96
  *         else:
  *             for i in range(x.shape[0]):
  *                 for j in range(P):             # <<<<<<<<<<<<<<
@@ -22734,7 +22671,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
             for (__pyx_t_17 = 0; __pyx_t_17 < __pyx_t_16; __pyx_t_17+=1) {
               __pyx_v_j = __pyx_t_17;
 
-              /* "engram_stream/_hash.pyx":101
+              /* "engram_stream/_hash.pyx":97
  *             for i in range(x.shape[0]):
  *                 for j in range(P):
  *                     o[i, j] = es_floormod(x[i], primes[j])             # <<<<<<<<<<<<<<
@@ -22753,7 +22690,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
         __pyx_L12:;
       }
 
-      /* "engram_stream/_hash.pyx":93
+      /* "engram_stream/_hash.pyx":89
  *     for j in range(P):
  *         mods[j] = es_modulus_make(<uint64_t>primes[j])
  *     with nogil:             # <<<<<<<<<<<<<<
@@ -22770,7 +22707,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
       }
   }
 
-  /* "engram_stream/_hash.pyx":102
+  /* "engram_stream/_hash.pyx":98
  *                 for j in range(P):
  *                     o[i, j] = es_floormod(x[i], primes[j])
  *     return out             # <<<<<<<<<<<<<<
@@ -22786,7 +22723,7 @@ static PyObject *__pyx_pf_13engram_stream_5_hash_6floormod(CYTHON_UNUSED PyObjec
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_hash.pyx":83
+  /* "engram_stream/_hash.pyx":79
  * # The mods alone, for tests and for bench/bench_hash.py ------------------------
  * 
  * def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=False):             # <<<<<<<<<<<<<<
@@ -25423,29 +25360,29 @@ __Pyx_RefNannySetupContext("PyInit__hash", 0);
   if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_hash_compressed, __pyx_t_4) < (0)) __PYX_ERR(0, 50, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "engram_stream/_hash.pyx":83
+  /* "engram_stream/_hash.pyx":79
  * # The mods alone, for tests and for bench/bench_hash.py ------------------------
  * 
  * def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=False):             # <<<<<<<<<<<<<<
  *     """int64[N, P]: floored x[i] % primes[j], by hardware division or by the reciprocal kernel."""
  *     out = np.empty((x.shape[0], primes.shape[0]), dtype=np.int64)
 */
-  __pyx_t_4 = __Pyx_PyBool_FromLong(((int)0)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 83, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyBool_FromLong(((int)0)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 79, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   {
     PyObject* __pyx_temp[1] = {__pyx_t_4};
-    __pyx_t_5 = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 83, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 79, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
   }
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_5_hash_7floormod, 0, __pyx_mstate_global->__pyx_n_u_floormod, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__hash, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[3])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 83, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_5_hash_7floormod, 0, __pyx_mstate_global->__pyx_n_u_floormod, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__hash, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[3])); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 79, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_4);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_4, __pyx_t_5);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_floormod, __pyx_t_4) < (0)) __PYX_ERR(0, 83, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_mstate_global->__pyx_d, __pyx_mstate_global->__pyx_n_u_floormod, __pyx_t_4) < (0)) __PYX_ERR(0, 79, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   /* "engram_stream/_hash.pyx":1
@@ -25639,38 +25576,38 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
-    const struct { const unsigned int length: 8; } str_length_index[] = {{6},{8},{40},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{179},{1},{8},{15},{7},{6},{37},{28},{2},{61},{9},{30},{50},{39},{34},{27},{9},{30},{37},{5},{1},{8},{12},{1},{1},{8},{1},{15},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{15},{5},{18},{1},{3},{4},{1},{4},{18},{8},{5},{5},{15},{5},{6},{19},{9},{5},{5},{7},{8},{6},{7},{2},{9},{15},{1},{2},{3},{5},{5},{5},{8},{1},{1},{2},{6},{3},{9},{7},{3},{4},{4},{4},{6},{4},{4},{2},{5},{1},{3},{3},{1},{4},{3},{3},{3},{6},{10},{8},{10},{5},{4},{5},{4},{4},{6},{1},{6},{6},{1},{6},{10},{3},{1}};
-    const struct { const unsigned int length: 9; } bytes_length_index[] = {{1},{333},{185},{109},{238}};
+    const struct { const unsigned int length: 8; } str_length_index[] = {{6},{8},{40},{1},{2},{15},{23},{25},{32},{20},{22},{1},{1},{37},{45},{22},{179},{1},{8},{15},{7},{6},{37},{28},{2},{61},{9},{30},{50},{39},{34},{27},{9},{30},{37},{5},{1},{8},{12},{1},{1},{8},{1},{15},{20},{12},{9},{17},{8},{8},{12},{10},{8},{10},{8},{7},{14},{11},{10},{19},{14},{12},{10},{17},{13},{12},{12},{19},{8},{13},{3},{15},{5},{18},{1},{3},{4},{1},{4},{18},{8},{5},{5},{15},{5},{6},{19},{9},{5},{5},{7},{8},{6},{7},{2},{9},{15},{1},{2},{3},{5},{5},{5},{8},{1},{1},{2},{6},{3},{9},{7},{3},{4},{4},{4},{6},{4},{4},{2},{5},{1},{3},{3},{1},{4},{3},{3},{3},{6},{10},{8},{10},{5},{4},{5},{4},{4},{6},{1},{6},{6},{1},{6},{10},{1}};
+    const struct { const unsigned int length: 9; } bytes_length_index[] = {{1},{296},{185},{109},{238}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (1556 bytes) */
-static const char cstring[] = "x\332\215U\315s\323F\024\307%|\323\022\347\243\005:e\326P\010\244`\352\220\006\312P:NH\2469@\363\335\314\320\216f-\255\354\305\322\256\274\273\n6\047\216:\352\250\243\216:\352\350c\2169\372\250#\177B\377\204\276\225l\047\320\016\323\314HZ\357\276\367\366\367~\277\367^\020V\350\307.\342\2157\304T\317\021\367\025\3426\022\2305\311SD-\211\\_*\324 \350\031:\340&n\030\222\276#\277T\237\242g/\211\313Eo\217\222\267\332\343\231\311\231\242M\237\373\022af!\213\n\035\360\323m\312F\007R\tj\021\353\2041\342\342\263\347\037\357\215-\237\377\272\202\031\343\na)i\223!\305\221 \330z\300\231\323Cn\016\362\000@\256\263\003\354P\013\271\334\"\367\021\351z\340\013\241\346\3149}\357\234\315\205\202\254\347\356\243&\204\032\031\313\026\366\010\\\205p\227J\364\212+\202T\013\030[\351\251\026g\010\366,\342\320\006\021X\021\270M\343\203\250B\0331\264\261\272\361`\361\311b\216V\020\315\257D\322o\230\016\000%R\223\326\360\251\243 \272\352yDV\321\272\215z\334G\214\000.\310\302\003\273\223\016\252E\030\222D\351\005\232\313s\306\212rf\200;e\315\271!M\364\200h\3575\354HR\375\013[\226\001\206\304\344\216\243\0179\223U\3340-*q\303!\204\351\267\355p.\200\227\247\010Rs9\350\275\360\323\022\362\270\244y0OP\227H\333\033\227\202\355\031`\355;\364nqt\257i\266\260l\031&w=A\000+Dr}\310\314s(\021\362aa\205,\216\264L.Vf+\317\241I\270K\224\350QY\340\260\\\3345XS`7\257\262\361}\300\320\353\205\373\340\014l\333\030\002#\303\020\304\362Mb\030\310\362\363t\031g\017\200\375\003\212\03585)\243\3120\230\357z\275*\340\022\244\232\003\302B\340\036\2621u\n\212\251\353\201\356\047\315|\200\327\372\227\205\024\346C2D\246\240\272\334\207\206\316\270\352\365\272\212\267A\026\250\025?\317A\373`\307\201V\201Z)\256\263\260\302\325\3778-\212KWGQ\327\262Z\337^Y__^u\034\352I*\3276\214\215\255\365\227\253\306\313\372\376o\033\333\244\343\023f\222\035\335q\325\343\3463\214\215^\027\236\027Py\306+\322U[\3046\214au\000A@\206\256\237\343E\223(\252\210\2537,\355\003\177\266\317L\375\205#9\362*\022\327+\027S\226\177\265\346\371\031\303n""\361\325\327\033\006\260`\230-b\266\245\357\026\277\206Q\364R\327v\261\362\231G\3156DXe#\273\003\245Y\3211:>vFaG\332\216Wf\336n\0476HW\377\200^\030C\221\047\240\217\327\307~\212H\235\013\225Ze\030r\224\021\350\202\221\024F\303\267mhb-\027\226=fR^\035\333\311F\003[\r,\211i\302<4\035\3302\200\020\230\026&i`\263=\252z\223\373LY:\335\374\245\357*\246*q=\325\003\351`\360|TC\325\274\206\010\220\221\317\017\"\004\027\266\203\233\022\372\021\253\245\305Q[\302h\202\242\034\016(\333\033w\337\047=G\251\005\370`,\222.e\340\256E\226\305\353\035y\323v\332\020\256\355{\320c\3436\203\351\250G\243K\231\236\212\360H\335%\314h\301\374\324\304\302\210u\231\227\267\007\207\\\200\017\317\203\214=l\001\n\217{Ec\303\320\241\236\000\"\035A\232T\302\374\003\001\206\235\232\327\270\006\000\202@\033)\342I\305\341\021\276\251\024\024\004D\363=h\020r\000\003\327\047\362\370\177\314[\312\272\277\277/e\177\354g\367\346\377>{\352\314\265h\"Z\213+\361\223d19H7\323V\337>\\;\252\034\325>L\234{\257\202\205`;\3742\332\314\316\177\025\274\211J\203k?\367\313\375J\226\037-\205\345\360V\270\035]\214o\305[\261J\236\246[\251\354\337\354\327\207\306Q\271\260{\024`\275\323\010\317\206\215\350t\364(\262\342;\311\027I\036E\004\323\301r`\206S\341\243\020\254\256\004\235l\002\305\245\017\023\337\301\235p.\203\271\260\234\235\277\0048\366\302Z\270\022\312\350f\264\034\341\354\362T8\037\325\013`8\020\000\245\222]\270\230\235\277\034\254\206\263!\016;\331\345\311\360L\270\033U\242Z69\023\256F\263\021\216:\331\3147a\047:\023\355\304\345\034\265H\276ND:\225.\244\333\375s\375N6y\003\254\374\270\036\357$\345\344\373\244\335\277zX>\274sT:\2329\332\035lm\017\266w\006;\273\203\335\375\301\376\353\301\353?\263\211KA\355=\240\275\ny-A\310\273\311\255d/\255\245\365l\342bp3X\013o\002d\005GSq-+r\202Wd\303\005{\311\343t\256\177\375\020\366\257F\245\317b_\001\310\247\365r:\\\000\276K\331\314\365\250\222\315\314f\223\345\\\202\335\350\207x36\223rv\371J\240r&\047?\346^\253\361m\\\037\334\336\034lnA\036C\340Z\377\013A\t4\250\203\314""\023@\322\320M\253~\272\340{p}\036\222\332NK\351t\272\234\2164\032\t\262\014\222\226\242\231h+\022\361L\274\013\226[\211J\037C\025,\367\255\303\333\207\352hi\260\231\323v\352y\037\177\030\263R\017\367\242Z\364\">\033\333I=\331M\357\364\277\320e\2253t\003\370YK*I^\201\"\230\n\026!\251\205p\047\232\006\301\367A\264\316\211\002;\037\234\tv\303JX\323\364\325a\371\020d\230O\326\322JZ\313I\205DO\320\231\227\372\307\0051\033n\206f4;\270QMp\322\201<g\240\013\254~\245_\373\360\177\374\2426T\n\200M^\244gS\234\346\334\324\376\001Aw\3469";
-    PyObject *data = __Pyx_DecompressString(cstring, 1556, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (1541 bytes) */
+static const char cstring[] = "x\332\215U\317s\323F\024\306`h\370\321\202\363c\006h\313\254\303\224@\nN\035\322@\031J\307\201d\232\351@\223\230\004f\230\216XI+{\023iW\326\256R\233\023G\035u\324QG\035u\3641G\216:\352\310\237\320?\241o%\333\t\264\323if$\255\367\275}\373\275\357}\357\005a\211~\350#\256\357\023C>A\334\227\210[\310\303\254C\036!j\n\344\370B\"\235\240\307\350\220\033X\327\004}G~n<B\217\237\023\207{\203=J\376T\047\036\033\234I\332\361\271/\020f&2\251\247\002~\276M\331\330 \244GMb\236pF\334\373O\373\247{\023\317\047\277<\305\214q\211\260\020\264\303\220\344\310#\330\274\307\231=@N\001\362\020@n\262ClS\0239\334$w\021\351\273p\026B-\030\013\352\336\005\213{\022\262^\270\213:\020j\354,\272\330%p\025\302}*\320\013.\t\222]`\354\351@v9C\260g\022\233\352\304\303\222\300m\n\037D\365\224\023C[\353[\367V\036\256\024h=\242\370\025H\370\272a\003P\"\024i\272Om\t\321\345\300%\242\2016-4\340>b\004pA\026.\370\235< \273\204!A\244Z\240\205\"g,)g\032\034\247\254\2630\242\211\036\022uz\003\333\2024\376\300\246\251\201#1\270m+#g\242\201u\303\244\002\3536!L\275-\233s\017xy\204 5\207C\275\227\177\\E.\027\264\010\346z\324!\302r\047R\260\\\r\274}\233\336.Mw:F\027\213\256fp\307\365\010`\205H\216\017\231\2716%\236X*\275\220\311\221*\223\203\245\321-r\350\020\356\020\351\r\250(q\230\016\356k\254\343a\247P\331\344>`\350\315\362]8\014l[\030\002#M\363\210\351\033D\323\220\351\027\3512\316\356\001\373\207\024\333`5(\243R\323\230\357\270\203\006\340\362H\243\000\204=\017\017\220\205\251]RL\035\027\352~\322\315\007x\335\177x\010\317X\"#d\022\324\345,i*\343\206;\350K~\000e\001\255\370E\016\352\014\266mh\025\320Jy\235\211%n\374\213\265\024\227RG\251k\321h\265\237nn\256\255\3336u\005\025\033[\332\326\316\346\363u\355y\353\365\257[m\322\363\t3\310K\325q\215\343\346\323\264\255A\037\236g\240<\355\005\351\313\035bi\332H\035@\020\220\241\364s\274\350\020I%q\324\206\251\316\300\237\3453C}\301$\306\247\312\304\325\312\301\224\025_U\363\302\306\260S~\325\365\232\006,hF\227\030\007\302w\312_\243(j\251\264]\256|\346R\343\000\"\254""\263\261\337\241T\254\250\030=\037\333\343\260\343\332NVF\321n\0476H_\375\200^\230@\021\047\240O\326\307\347$\021*\027*T\225a\310QF\240\013\306\245\320t\337\262\240\211U\271\260\0300\203\362\306\304O\350:6u,\210a\300<4l\330\322\200\020\230\026\006\321\261q0V\275\301}&M\225n\361Rw\225S\2258\256\034@\351`\360|\242\241F\241!\002d\024\363\203x\036\367,\033w\004\364#\226\253+\343\266\204\321\004\242\034\r(\313\235t\337g=G\251\t\370`,\222>ep\\\025Y\224\257wd\377\300>\200p\007\276\013=6i3\230\216j4:\224\251\251\010\217P]\302\264.\314OE,\214X\207\271E{p\310\005\370p]\310\330\305&\240p\271[66\014\035\352z@\244\355\221\016\0250\377\240\000\243N-4\256\000@A\240\215$q\205\344\360x\276!%\010\002\242\371.4\0109\204\201\353\023q\374?\246\377\373\373J\376\352u~g\361\257s\247\316^\213\252\321F\\\217\037&+\311a\272\235v\207\326\321\306\207\372\207\346\307\352\027\357e\260\034\264\303/\243\355|\352\253`?\252d\327~\032\326\206\365\2740\255\206\265\360f\330\216.\3047\343\235X&\217\322\235T\014\347\207\255\221sT+\375\356\007X\355\350\341\271P\217\316D\367#3\276\225\234N\212(^0\023\254\005F8\035\336\017\301\353r\320\313\253(\256\344\325o\341N\260\213`!\254\345S\027\001\307^\330\014\237\206\"\232\217\326\"\234_\232\016\027\243V\t\014\007\036@\251\347\347/\344S\227\202\365p.\304a/\277\364\215\262\303e\365\370~l&7\223\335\264\236\256\244\275au\370\333Q\377C/\333\332\313\366^e\257\336do\336foq\206\365L72\303\312,\232\321\375\274z1h\276\257|\254^\005\310\253q-\276\r\021\366\322f\332\312\253\027\202\371`#\234\0074\022L\323qs\004\027^\221\025\267\342\275\344A\2720\274~\004\373W\243\312\347\260\256\204g\303\335\250\0365\363+\263\020\242\007\361a9\023.\003\225\225|\366zT\317g\347\362+\265\202\335\335\350\373x;6\222Z~\351r \013\222\256|J\253\"\372\353\270\225}\267\235m\357d;\355\021pU\332\363A\005\350mA\005\253\341\372\270\032\252\240gJ*\263\353\213\220T;\255\2443\351Z:\246\177\314\365\032T\253\022\315F;\221\027\317\306\273\340\271\223\310\364\001\024xmh\036}w$?\254f\333\355\254\3752;\365d\210?NXi""\205{Q3z\026\237\213\255\244\005\244\337\032\236V\212)\030\272\001\374l$\365\244\020\227\027L\007+\220\324r\3702\232\201Z\275\006\025\365Nhg*8\033\354\206\365\260\251\350k\301r\t\312\260\230l@\031\233\005\251\220\350\t:\013\025\027\244\256Gs\021\216z@c\270\035\032\321\\v\243\221\340\244\007y\316\202\300\315a}\330\374\370\177\316E\007IM\201M\236\245\347R\234\026\3344\377\006I:\330\021";
+    PyObject *data = __Pyx_DecompressString(cstring, 1541, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (2004 bytes) */
-static const char cstring[] = "\377 at 0x o\377bject> o\377ut of ra\377nge: ids\377 must be\377 < vocab\377_size=.:\377 <Memory\357View.\001<co\377ntiguous\377 and dir\354M\001\007\rin\021\005str\357ided\"\010 or\315 \004\031><(\tA\006>?\377Cannot a\377ssign to\377 read-on\257ly m\240\002v\242\000I\377nvalid m\377ode, exp\334\355\000|\000\047c\047t\001\047f\367ort\363\000\047, g|H\000%\005shape\222\000\377 axis No\337te th\257 Cy\337thon \021\000de\377liberate\274k\000\320\001cter!\001n\377 PEP-484\366\212\"re\334!s su\267bcl\246\000es\343!b\337uilti\260\000yp\377es. If y\237ou ne\224 \303\000p\374\316\000%\tthen s\273et\200\000e \047\357\002a\377tion_typoing\047\355$iv\242\000\377o False.\337]add_\232 ec\347oll\337@,\000s.a\377bcdisabl\367een\002\001floo\265r\225 :\211amo\355@2\37756 posit\376I\001primesf\335p\202ffp_\303 ul\373i(\025\003)gcha\377sh_compr?essed:\264`\327\000\177pliers/;\003\357 do \243Amat\373ch\277\002geome\337tryis\202\003dm\377ax_ngram\270\341b\362f\237 [2,:\000 \377default \377__reduce\337__ du\352\002no{n-\317`vial\033\000\377cinit__n\337umpy.\225\000re\373.m5\000iarra\277y fail\335#iSmp\365@\033\tu\234\000h\021\016_src/e\223\004t\333`\367m/_\356\001.pyx\047tok\224@\326`u\307\"\373a_alloc\217` i\003\037data.\013\020\327c\251\205\001\376\206\205\003s.ASCII\377BEllipsi\377sFP_PRIM\377E_MAXHPS\377equenceT\372\356\205\001.\363\205\007__Pyx\376\001\000Dict_Ne\177xtRef__\227d\266\236 __\354b__\001\005g\277etitem\r\001d<0\001\027\000func\035\001\030\000\217stat1\002\225#3\001m\367ain\003\002odulnM\002nam\002\003ewT\001\376\203 _checks\341uT\000\n\001?\004\025\001typ\374\244@\037\001unpick6?\000En \005vt\202\204\001\230\001\217qualO\005\324E\335Fc\330\352\205\002\277\001\360Dex\314\001se;t_\203\005set\262\006\003\006\356.\007tes\215`_is\376\211aoutinea\373bc\241E_buff\373er\231basync\277io.cor\"\003s\377bbadbase\177ccidscl8\000\375_\216 traceb\367ack\356\204\005coun\303td\353\001\000\002h\001\320\211\003emwpty\270@ode\267j\275.\277benum\273\207\002e\377rrorflag\377sfloat64~\217""\206\005format\232\210\004\363fp\365\205\006\345\205\014iidi\377dsindexi\351n<\000\341As\000\002ize\377jklklook\337upmax\336\205\006me\335m\227\211\001min\222\211\001mo\373ds\242\205\001n_hea\375d\340Andimnp\376\301\205\002oobjout\273pp\357\000pad\203\000p\373op\224\207\003recip\373ro\313 regis?terset\243\206\004\274\211\002\364\257\213\001\325`r\237@epst}o\001\000ructt\216`\376\275 updatev\277values\332\213\007w\377inxO\200\001\330W\377X\330)*\360\006\000\005\377\031\230\004\230F\240!\240\3778\2504\250v\260Q\260\377h\270f\300F\310!\310\3771\340\004\007\200t\2102\377\210S\220\r\230Q\330\010\377\016\210j\230\001\320\0319\337\270\021\270!\330\026\0026\220\377\021\220#\220S\230\n\240\377#\240R\240t\250:\260\177R\260s\270\"\270A&\004\273\230\021\"\0033\210a;\001b\377\220\006\220b\230\003\2303\177\230d\240&\250\002\250A\002\377r\210\023\210B\210c\220\357\022\2203\220#\000\017\210q\377\330\004 \240\001\340\004\035\374q\000~\000s\210\047\220\021\330\373\010\013\205\000V\2201\220C\377\220s\230\"\230B\230a\177\330\014\022\220*\230A\223\003\367a\210r\210\000!\330\t\n\377\330\010\014\210E\220\025\220\377a\220q\330\014\020\220\005\377\220U\230!\2301\330\020\377\024\220E\230\025\230a\230\377q\330\024\027\220q\230\005\357\230T\240\021\261\002r\250\026\377\250r\260\022\2602\260S\177\270\007\270q\330\020\036#\000\377u\240A\240T\250\021\250\377$\250k\270\030\300\021\300\377&\310\001\310\024\310U\320\377RS\320ST\320TU\377\320UX\320X[\320[\177\\\330\004\013\2101\200\253\000\365\030\325\0006P\000(\250#\250\377V\2601\260A\330\004\n\277\210\"\210F\220\"\260\000t\177\2306\240\022\2401\330\316\003\366\326\000\230f^\000V\2507\260\357\047\270\032\300\025\000\030\230\001\352\237\032C\260\000\003\303\001\023\2202\376\355 \001\330\024\032\230!\330\337\024\025\330\020\021\376\"U\230\377+\240Q\240c\250\021\330/\014\017\210t\305\"\020\356+\270@\377\230\033\240A\320%Q\320\343QR\305\000\262\004\374A\t\210\001\212\201@A\344@\004\242 \254D\362A\003\356\352#\320\032*\322\000S\260\001\237\260\023\260B""\260\234E\211EB\376\320@\001\230\024\230R\230r\357\240\024\240U\374\000R\250t\373\2607\203`B\270d\300%\277\300t\3106\320Q\262\"\000\357>\270a\340\215&A\220V\377\2301\230D\240\006\240f\377\250A\250U\260&\270\002\364\323a\361B\036\235 F\250!\250\276\375br\210\022\2104\322\0002\257\220T\230\023\356@X\350`q\376\326h\010\210\005\210U\220!\253\2201\367AA\010\000/\327@*?\250F\260!\2601\214b\237@\370\200h\346\204\002\203k\025\220Q\220c\377\230\025\320\036.\250a\250\375q\345\000\024\260Q\260d\270\317!\2701\340\271g\036\027\230k\374\247`\252\000\250D\260\006\260a\003\260q\217b";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 2004, 2559);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (1987 bytes) */
+static const char cstring[] = "\377 at 0x o\377bject> o\377ut of ra\377nge: ids\377 must be\377 < vocab\377_size=.:\377 <Memory\357View.\001<co\377ntiguous\377 and dir\354M\001\007\rin\021\005str\357ided\"\010 or\315 \004\031><(\tA\006>?\377Cannot a\377ssign to\377 read-on\257ly m\240\002v\242\000I\377nvalid m\377ode, exp\334\355\000|\000\047c\047t\001\047f\367ort\363\000\047, g|H\000%\005shape\222\000\377 axis No\337te th\257 Cy\337thon \021\000de\377liberate\274k\000\320\001cter!\001n\377 PEP-484\366\212\"re\334!s su\267bcl\246\000es\343!b\337uilti\260\000yp\377es. If y\237ou ne\224 \303\000p\374\316\000%\tthen s\273et\200\000e \047\357\002a\377tion_typoing\047\355$iv\242\000\377o False.\337]add_\232 ec\347oll\337@,\000s.a\377bcdisabl\367een\002\001floo\265r\225 :\211amo\355@2\37756 posit\376I\001primesf\335p\202ffp_\303 ul\373i(\025\003)gcha\377sh_compr?essed:\264`\327\000\177pliers/;\003\357 do \243Amat\373ch\277\002geome\337tryis\202\003dm\377ax_ngram\270\341b\362f\237 [2,:\000 \377default \377__reduce\337__ du\352\002no{n-\317`vial\033\000\377cinit__n\337umpy.\225\000re\373.m5\000iarra\277y fail\335#iSmp\365@\033\tu\234\000h\021\016_src/e\223\004t\333`\367m/_\356\001.pyx\047tok\224@\326`u\307\"\373a_alloc\217` i\003\037data.\013\020\327c\251\205\001\376\206\205\003s.ASCII\377BEllipsi\377sFP_PRIM\377E_MAXHPS\377equenceT\372\356\205\001.\363\205\007__Pyx\376\001\000Dict_Ne\177xtRef__\227d\266\236 __\354b__\001\005g\277etitem\r\001d<0\001\027\000func\035\001\030\000\217stat1\002\225#3\001m\367ain\003\002odulnM\002nam\002\003ewT\001\376\203 _checks\341uT\000\n\001?\004\025\001typ\374\244@\037\001unpick6?\000En \005vt\202\204\001\230\001\217qualO\005\324E\335Fc\330\352\205\002\277\001\360Dex\314\001se;t_\203\005set\262\006\003\006\356.\007tes\215`_is\376\211aoutinea\373bc\241E_buff\373er\231basync\277io.cor\"\003s\377bbadbase\177ccidscl8\000\375_\216 traceb\367ack\356\204\005coun\303td\353\001\000\002h\001\320\211\003emwpty\270@ode\267j\275.\277benum\273\207\002e\377rrorflag\377sfloat64~\217""\206\005format\232\210\004\363fp\365\205\006\345\205\014iidi\377dsindexi\351n<\000\341As\000\002ize\377jklklook\337upmax\336\205\006me\335m\227\211\001min\222\211\001mo\373ds\242\205\001n_hea\375d\340Andimnp\376\301\205\002oobjout\273pp\357\000pad\203\000p\373op\224\207\003recip\373ro\313 regis?terset\243\206\004\274\211\002\364\257\213\001\325`r\237@epst}o\001\000ructt\216`\376\275 updatev\277values\332\213\007x\377O\200\001\330WX\330)\377*\360\006\000\005\031\230\004\377\230F\240!\2408\2504\377\250v\260Q\260h\270f\377\300F\310!\3101\340\004\377\007\200t\2102\210S\220\377\r\230Q\330\010\016\210j\377\230\001\320\0319\270\021\270\373!\330\026\0026\220\021\220#\377\220S\230\n\240#\240R\377\240t\250:\260R\260so\270\"\270A&\004\230\021\"\003\3673\210a;\001b\220\006\220\377b\230\003\2303\230d\240\357&\250\002\250A\002r\210\023\377\210B\210c\220\022\2203\375\220#\000\017\210q\330\004 \237\240\001\330\004\035q\000~\000s\177\210\047\220\021\330\010\013\205\000\377V\2201\220C\220s\230\377\"\230B\230a\330\014\022\357\220*\230A\223\003a\210r\376\210\000!\330\t\n\330\010\014\377\210E\220\025\220a\220q\347\330\014\034\034\001j\000!\2403\377\240d\250#\250U\260!\377\2604\260q\270\004\270K\377\300x\310q\320PV\320\377VW\320W[\320[`\377\320`a\320ab\320b\377c\320cf\320fi\320\377ij\330\004\013\2101\200\357\001\340\004\030\260\0006\240\021\373\240(?\000V\2601\260A\377\330\004\n\210\"\210F\220\375\"\213\000t\2306\240\022\240\3711\250\004\261\000\230f\240A\240\377V\2507\260\047\270\032\300\356\025\000\030\230\001\207\r\020\220\005\377\220U\230!\2301\330\020\345\024\316\000q\220 \010\000\023\2202\376\310 \001\330\024\032\230!\330\337\024\025\330\020\021\331\"U\230\377+\240Q\240c\250\021\330/\014\017\210t\240\"\020\311+\223@\377\230\033\240A\320%Q\320\237QR\320RS\262\004\327A\t\353\210\001\334 A\277@\004\220Et\206E\315A\003\305#\320\032*\224 \377S\260\001\260\023\260B\260\364\367%\344%B\253@\001\230\024\230\177R\230r\240\024\240U\276 \337R\250t\2607\336@B\270\377d\300%\300t\3106\320\377QS""\320ST\320\000>\367\270a\340\215&A\220V\230\3771\230D\240\006\240f\250\235A\362 &\270\002\256a\314B\036\336\235 F\250!\250\330br\210\367\022\2104\322\0002\220T\230\325\023\311@X\303`q\261h\010\210\177\005\210U\220!\2201\322AuA\010\000/\204@*\250F\304@\0311\347B\237@\330\014\306&\301\204\002\320\"\177E\230\025\230a\230q\304 \377\220Q\220c\230\025\320\036\337.\250a\250q\345\000\024\260\377Q\260d\270!\2701\340\336\024!\230k\250\021\251\001\250D?\260\006\260a\260q\217b";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 1987, 2519);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (2559 bytes) */
-static const char bytes[] = " at 0x object> out of range: ids must be < vocab_size=.: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.]add_notecollections.abcdisableenablefloormod: at most 256 positive primesfp must be fp_moduli(primes)gchash_compressed: multipliers/primes do not match the geometryisenabledmax_ngram_size must be in [2, no default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importsrc/engram_stream/_hash.pyxtoken id unable to allocate array data.unable to allocate shape and strides.ASCIIBEllipsisFP_PRIME_MAXHPSequenceTView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcallocate_bufferarrayasyncio.coroutinesbbadbaseccidscline_in_tracebackcompresscountdtypedtype_is_objectemptyencodeengram_stream._hashenumerateerrorflagsfloat64floormodformatfortranfpfp_modulihash_compressediididsindexint64itemsitemsizejklklookupmaxmax_ngrammemviewminmodemodsmultn_headnamendimnpnumpyoobjoutppackpadpfppopprimesreciprocalregistersetdefaultshapesizestartstepstopstructtunpackupdatevvaluesvocab_sizewinxO\200\001\330WX\330)*\360\006\000\005\031\230\004\230F\240!\2408\2504\250v\260Q\260h\270f\300F\310!\3101\340\004\007\200t\2102\210S\220\r\230Q\330\010\016\210j\230\001\320\0319\270\021\270!\330\004\007\200t\2106\220\021\220#\220S\230\n\240#\240R\240t\250:\260R\260s\270\"\270A\330\010\016""\210j\230\001\230\021\330\004\007\200t\2103\210a\330\010\016\210b\220\006\220b\230\003\2303\230d\240&\250\002\250!\330\004\007\200r\210\023\210B\210c\220\022\2203\220a\330\010\017\210q\330\004 \240\001\340\004\035\230Q\330\004\007\200s\210\047\220\021\330\010\013\2102\210V\2201\220C\220s\230\"\230B\230a\330\014\022\220*\230A\230Q\330\010\016\210a\210r\220\021\220!\330\t\n\330\010\014\210E\220\025\220a\220q\330\014\020\220\005\220U\230!\2301\330\020\024\220E\230\025\230a\230q\330\024\027\220q\230\005\230T\240\021\240#\240R\240r\250\026\250r\260\022\2602\260S\270\007\270q\330\020\036\230a\230u\240A\240T\250\021\250$\250k\270\030\300\021\300&\310\001\310\024\310U\320RS\320ST\320TU\320UX\320X[\320[\\\330\004\013\2101\200\001\340\004\030\230\003\2306\240\021\240(\250#\250V\2601\260A\330\004\n\210\"\210F\220\"\220C\220t\2306\240\022\2401\330\004\035\230Q\330\004\035\230Q\230f\240A\240V\2507\260\047\270\032\3001\330\004\030\230\001\330\t\n\330\010\014\210E\220\025\220a\220q\330\014\020\220\005\220U\230!\2301\330\020\024\220C\220q\230\003\2301\330\020\023\2202\220S\230\001\330\024\032\230!\330\024\025\330\020\021\220\021\220#\220U\230+\240Q\240c\250\021\330\014\017\210t\2203\220a\330\020\021\330\004\007\200t\2103\210a\330\010\016\210j\230\001\230\033\240A\320%Q\320QR\320RS\330\004\013\2101\200\001\360\006\000\005\t\210\001\210\023\210A\210S\220\004\220E\230\021\330\004\007\200t\2102\210S\220\003\2201\220C\220s\320\032*\250#\250S\260\001\260\023\260B\260a\330\010\017\210q\330\004\013\2102\210V\2201\220B\220b\230\001\230\024\230R\230r\240\024\240U\250#\250R\250t\2607\270\"\270B\270d\300%\300t\3106\320QS\320ST\320\000>\270a\340\004\n\210\"\210F\220\"\220A\220V\2301\230D\240\006\240f\250A\250U\260&\270\002\270!\330\004\035\230Q\330\004\036\230f\240F\250!\2501\340\004\007\200r\210\022\2104\210t\2202\220T\230\023\230A\230X\240R\240q\330\010\016\210j\230\001\230\021\330\004\010\210\005\210U\220!\2201\330\010\014\210A\210U\220/\240\021\240*\250F\260!\2601\330\t\n\330\010\013\2101""\330\014\020\220\005\220U\230!\2301\230F\240!\2401\330\020\024\220E\230\025\230a\230q\330\024\025\220Q\220c\230\025\320\036.\250a\250q\260\001\260\024\260Q\260d\270!\2701\340\014\020\220\005\220U\230!\2301\230F\240!\2401\330\020\024\220E\230\025\230a\230q\330\024\025\220Q\220c\230\025\230k\250\021\250!\2501\250D\260\006\260a\260q\330\004\013\2101";
+    #else /* compression: none (2519 bytes) */
+static const char bytes[] = " at 0x object> out of range: ids must be < vocab_size=.: <MemoryView of <contiguous and direct><contiguous and indirect><strided and direct or indirect><strided and direct><strided and indirect>>?Cannot assign to read-only memoryviewInvalid mode, expected \047c\047 or \047fortran\047, got Invalid shape in axis Note that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.]add_notecollections.abcdisableenablefloormod: at most 256 positive primesfp must be fp_moduli(primes)gchash_compressed: multipliers/primes do not match the geometryisenabledmax_ngram_size must be in [2, no default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importsrc/engram_stream/_hash.pyxtoken id unable to allocate array data.unable to allocate shape and strides.ASCIIBEllipsisFP_PRIME_MAXHPSequenceTView.MemoryView__Pyx_PyDict_NextRef__annotate____class____class_getitem____dict____func____getstate____import____main____module____name____new____pyx_checksum__pyx_state__pyx_type__pyx_unpickle_Enum__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____set_name____setstate____setstate_cython____test___is_coroutineabcallocate_bufferarrayasyncio.coroutinesbbadbaseccidscline_in_tracebackcompresscountdtypedtype_is_objectemptyencodeengram_stream._hashenumerateerrorflagsfloat64floormodformatfortranfpfp_modulihash_compressediididsindexint64itemsitemsizejklklookupmaxmax_ngrammemviewminmodemodsmultn_headnamendimnpnumpyoobjoutppackpadpfppopprimesreciprocalregistersetdefaultshapesizestartstepstopstructtunpackupdatevvaluesvocab_sizexO\200\001\330WX\330)*\360\006\000\005\031\230\004\230F\240!\2408\2504\250v\260Q\260h\270f\300F\310!\3101\340\004\007\200t\2102\210S\220\r\230Q\330\010\016\210j\230\001\320\0319\270\021\270!\330\004\007\200t\2106\220\021\220#\220S\230\n\240#\240R\240t\250:\260R\260s\270\"\270A\330\010\016""\210j\230\001\230\021\330\004\007\200t\2103\210a\330\010\016\210b\220\006\220b\230\003\2303\230d\240&\250\002\250!\330\004\007\200r\210\023\210B\210c\220\022\2203\220a\330\010\017\210q\330\004 \240\001\330\004\035\230Q\330\004\007\200s\210\047\220\021\330\010\013\2102\210V\2201\220C\220s\230\"\230B\230a\330\014\022\220*\230A\230Q\330\010\016\210a\210r\220\021\220!\330\t\n\330\010\014\210E\220\025\220a\220q\330\014\034\230A\230Q\230d\240!\2403\240d\250#\250U\260!\2604\260q\270\004\270K\300x\310q\320PV\320VW\320W[\320[`\320`a\320ab\320bc\320cf\320fi\320ij\330\004\013\2101\200\001\340\004\030\230\003\2306\240\021\240(\250#\250V\2601\260A\330\004\n\210\"\210F\220\"\220C\220t\2306\240\022\2401\330\004\035\230Q\330\004\035\230Q\230f\240A\240V\2507\260\047\270\032\3001\330\004\030\230\001\330\t\n\330\010\014\210E\220\025\220a\220q\330\014\020\220\005\220U\230!\2301\330\020\024\220C\220q\230\003\2301\330\020\023\2202\220S\230\001\330\024\032\230!\330\024\025\330\020\021\220\021\220#\220U\230+\240Q\240c\250\021\330\014\017\210t\2203\220a\330\020\021\330\004\007\200t\2103\210a\330\010\016\210j\230\001\230\033\240A\320%Q\320QR\320RS\330\004\013\2101\200\001\360\006\000\005\t\210\001\210\023\210A\210S\220\004\220E\230\021\330\004\007\200t\2102\210S\220\003\2201\220C\220s\320\032*\250#\250S\260\001\260\023\260B\260a\330\010\017\210q\330\004\013\2102\210V\2201\220B\220b\230\001\230\024\230R\230r\240\024\240U\250#\250R\250t\2607\270\"\270B\270d\300%\300t\3106\320QS\320ST\320\000>\270a\340\004\n\210\"\210F\220\"\220A\220V\2301\230D\240\006\240f\250A\250U\260&\270\002\270!\330\004\035\230Q\330\004\036\230f\240F\250!\2501\340\004\007\200r\210\022\2104\210t\2202\220T\230\023\230A\230X\240R\240q\330\010\016\210j\230\001\230\021\330\004\010\210\005\210U\220!\2201\330\010\014\210A\210U\220/\240\021\240*\250F\260!\2601\330\t\n\330\010\013\2101\330\014\020\220\005\220U\230!\2301\230F\240!\2401\330\020\024\220E\230\025\230a\230q\330\024\025\220Q\220c\230\025\320\036.\250a\250q\260\001\260""\024\260Q\260d\270!\2701\340\014\020\220\005\220U\230!\2301\230F\240!\2401\330\020\024\220E\230\025\230a\230q\330\024\025\220Q\220c\230\025\230k\250\021\250!\2501\250D\260\006\260a\260q\330\004\013\2101";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
     #endif
     PyObject **stringtab = __pyx_mstate->__pyx_string_tab;
     Py_ssize_t pos = 0;
-    for (int i = 0; i < 146; i++) {
+    for (int i = 0; i < 145; i++) {
       Py_ssize_t bytes_length = str_length_index[i].length;
       PyObject *string = PyUnicode_DecodeUTF8(bytes + pos, bytes_length, NULL);
       if (likely(string) && i >= 35) PyUnicode_InternInPlace(&string);
@@ -25681,8 +25618,8 @@ static const char bytes[] = " at 0x object> out of range: ids must be < vocab_si
       stringtab[i] = string;
       pos += bytes_length;
     }
-    for (int i = 146; i < 151; i++) {
-      Py_ssize_t bytes_length = bytes_length_index[i-146].length;
+    for (int i = 145; i < 150; i++) {
+      Py_ssize_t bytes_length = bytes_length_index[i-145].length;
       PyObject *string = PyBytes_FromStringAndSize(bytes + pos, bytes_length);
       stringtab[i] = string;
       pos += bytes_length;
@@ -25692,14 +25629,14 @@ static const char bytes[] = " at 0x object> out of range: ids must be < vocab_si
       }
     }
     Py_XDECREF(data);
-    for (Py_ssize_t i = 0; i < 151; i++) {
+    for (Py_ssize_t i = 0; i < 150; i++) {
       if (unlikely(PyObject_Hash(stringtab[i]) == -1)) {
         __PYX_ERR(0, 1, __pyx_L1_error)
       }
     }
     #if CYTHON_IMMORTAL_CONSTANTS
     {
-      PyObject **table = stringtab + 146;
+      PyObject **table = stringtab + 145;
       for (Py_ssize_t i=0; i<5; ++i) {
         #if PY_VERSION_HEX >= 0x030F0000
         PyUnstable_SetImmortal(table[i]);
@@ -25806,12 +25743,12 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[1] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__hash_pyx, __pyx_mstate->__pyx_n_u_fp_moduli, __pyx_mstate->__pyx_kp_b_iso88591_AS_E_t2S_1Cs_S_Ba_q_2V1Bb_Rr_U, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[1])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {8, 0, 0, 17, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 50};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_cids, __pyx_mstate->__pyx_n_u_mult, __pyx_mstate->__pyx_n_u_primes, __pyx_mstate->__pyx_n_u_max_ngram, __pyx_mstate->__pyx_n_u_n_head, __pyx_mstate->__pyx_n_u_pad, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_fp, __pyx_mstate->__pyx_n_u_B, __pyx_mstate->__pyx_n_u_T, __pyx_mstate->__pyx_n_u_H, __pyx_mstate->__pyx_n_u_b, __pyx_mstate->__pyx_n_u_t, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_win, __pyx_mstate->__pyx_n_u_pfp};
+    const __Pyx_PyCode_New_function_description descr = {8, 0, 0, 16, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 50};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_cids, __pyx_mstate->__pyx_n_u_mult, __pyx_mstate->__pyx_n_u_primes, __pyx_mstate->__pyx_n_u_max_ngram, __pyx_mstate->__pyx_n_u_n_head, __pyx_mstate->__pyx_n_u_pad, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_fp, __pyx_mstate->__pyx_n_u_B, __pyx_mstate->__pyx_n_u_T, __pyx_mstate->__pyx_n_u_H, __pyx_mstate->__pyx_n_u_b, __pyx_mstate->__pyx_n_u_t, __pyx_mstate->__pyx_n_u_k, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_pfp};
     __pyx_mstate_global->__pyx_codeobj_tab[2] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__hash_pyx, __pyx_mstate->__pyx_n_u_hash_compressed, __pyx_mstate->__pyx_kp_b_iso88591_WX_F_84vQhfF_1_t2S_Q_j_9_t6_S_R, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[2])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 83};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 9, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 79};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_x, __pyx_mstate->__pyx_n_u_primes, __pyx_mstate->__pyx_n_u_reciprocal, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_j, __pyx_mstate->__pyx_n_u_P, __pyx_mstate->__pyx_n_u_mods};
     __pyx_mstate_global->__pyx_codeobj_tab[3] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__hash_pyx, __pyx_mstate->__pyx_n_u_floormod, __pyx_mstate->__pyx_kp_b_iso88591_a_F_AV1D_fAU_Q_fF_1_r_4t2T_AXRq, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[3])) goto bad;
   }
@@ -34740,85 +34677,6 @@ static CYTHON_INLINE int __Pyx_PyLong_As_int(PyObject *x) {
 }
 
 /* CIntToPy */
-static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int(int value) {
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wconversion"
-#endif
-    const int neg_one = (int) -1, const_zero = (int) 0;
-#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
-#pragma GCC diagnostic pop
-#endif
-    const int is_unsigned = neg_one > const_zero;
-    if (is_unsigned) {
-        if (sizeof(int) < sizeof(long)) {
-            return PyLong_FromLong((long) value);
-        } else if (sizeof(int) <= sizeof(unsigned long)) {
-            return PyLong_FromUnsignedLong((unsigned long) value);
-#if !CYTHON_COMPILING_IN_PYPY
-        } else if (sizeof(int) <= sizeof(unsigned PY_LONG_LONG)) {
-            return PyLong_FromUnsignedLongLong((unsigned PY_LONG_LONG) value);
-#endif
-        }
-    } else {
-        if (sizeof(int) <= sizeof(long)) {
-            return PyLong_FromLong((long) value);
-        } else if (sizeof(int) <= sizeof(PY_LONG_LONG)) {
-            return PyLong_FromLongLong((PY_LONG_LONG) value);
-        }
-    }
-    {
-        unsigned char *bytes = (unsigned char *)&value;
-#if !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX >= 0x030d00A4
-        if (is_unsigned) {
-            return PyLong_FromUnsignedNativeBytes(bytes, sizeof(value), -1);
-        } else {
-            return PyLong_FromNativeBytes(bytes, sizeof(value), -1);
-        }
-#elif !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX < 0x030d0000
-        int one = 1; int little = (int)*(unsigned char *)&one;
-        return _PyLong_FromByteArray(bytes, sizeof(int),
-                                     little, !is_unsigned);
-#else
-        int one = 1; int little = (int)*(unsigned char *)&one;
-        PyObject *result = NULL, *kwds = NULL;
-        PyObject *py_bytes = NULL, *order_str = NULL, *from_bytes_str = NULL;;
-        py_bytes = PyBytes_FromStringAndSize((char*)bytes, sizeof(int));
-        if (!py_bytes) goto limited_bad;
-        from_bytes_str = PyUnicode_FromStringAndSize("from_bytes", 10);
-        if (!from_bytes_str) goto limited_bad;
-        order_str = PyUnicode_FromString(little ? "little" : "big");
-        if (!order_str) goto limited_bad;
-        {
-            PyObject *args[] = { (PyObject*)&PyLong_Type, py_bytes, order_str, Py_True };
-            if (!is_unsigned) {
-                PyObject *signed_str = PyUnicode_FromStringAndSize("signed", 6);
-                if (!signed_str) goto limited_bad;
-#if CYTHON_VECTORCALL
-                kwds = PyTuple_Pack(1, signed_str);
-#else
-                {
-                    PyObject *keys[] = {signed_str};
-                    PyObject *values[] = {Py_True};
-                    kwds = __Pyx_MakeKwargDict(keys, values, 1);
-                }
-#endif
-                Py_DECREF(signed_str);
-                if (unlikely(!kwds)) goto limited_bad;
-            }
-            result = __Pyx_Object_VectorcallMethodKwds(from_bytes_str, args, 3 | __Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET, kwds);
-        }
-        limited_bad:
-        Py_XDECREF(kwds);
-        Py_XDECREF(order_str);
-        Py_XDECREF(py_bytes);
-        Py_XDECREF(from_bytes_str);
-        return result;
-#endif
-    }
-}
-
-/* CIntToPy */
 static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int64_t(int64_t value) {
 #ifdef __Pyx_HAS_GCC_DIAGNOSTIC
 #pragma GCC diagnostic push
@@ -35289,6 +35147,85 @@ static CYTHON_INLINE long __Pyx_PyLong_As_long(PyObject *x) {
         return __Pyx_PyLong___Pyx_PyLong_As_long(x);
     } else {
         return __Pyx_NonPyLong___Pyx_PyLong_As_long(x);
+    }
+}
+
+/* CIntToPy */
+static CYTHON_INLINE PyObject* __Pyx_PyLong_From_int(int value) {
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wconversion"
+#endif
+    const int neg_one = (int) -1, const_zero = (int) 0;
+#ifdef __Pyx_HAS_GCC_DIAGNOSTIC
+#pragma GCC diagnostic pop
+#endif
+    const int is_unsigned = neg_one > const_zero;
+    if (is_unsigned) {
+        if (sizeof(int) < sizeof(long)) {
+            return PyLong_FromLong((long) value);
+        } else if (sizeof(int) <= sizeof(unsigned long)) {
+            return PyLong_FromUnsignedLong((unsigned long) value);
+#if !CYTHON_COMPILING_IN_PYPY
+        } else if (sizeof(int) <= sizeof(unsigned PY_LONG_LONG)) {
+            return PyLong_FromUnsignedLongLong((unsigned PY_LONG_LONG) value);
+#endif
+        }
+    } else {
+        if (sizeof(int) <= sizeof(long)) {
+            return PyLong_FromLong((long) value);
+        } else if (sizeof(int) <= sizeof(PY_LONG_LONG)) {
+            return PyLong_FromLongLong((PY_LONG_LONG) value);
+        }
+    }
+    {
+        unsigned char *bytes = (unsigned char *)&value;
+#if !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX >= 0x030d00A4
+        if (is_unsigned) {
+            return PyLong_FromUnsignedNativeBytes(bytes, sizeof(value), -1);
+        } else {
+            return PyLong_FromNativeBytes(bytes, sizeof(value), -1);
+        }
+#elif !CYTHON_COMPILING_IN_LIMITED_API && PY_VERSION_HEX < 0x030d0000
+        int one = 1; int little = (int)*(unsigned char *)&one;
+        return _PyLong_FromByteArray(bytes, sizeof(int),
+                                     little, !is_unsigned);
+#else
+        int one = 1; int little = (int)*(unsigned char *)&one;
+        PyObject *result = NULL, *kwds = NULL;
+        PyObject *py_bytes = NULL, *order_str = NULL, *from_bytes_str = NULL;;
+        py_bytes = PyBytes_FromStringAndSize((char*)bytes, sizeof(int));
+        if (!py_bytes) goto limited_bad;
+        from_bytes_str = PyUnicode_FromStringAndSize("from_bytes", 10);
+        if (!from_bytes_str) goto limited_bad;
+        order_str = PyUnicode_FromString(little ? "little" : "big");
+        if (!order_str) goto limited_bad;
+        {
+            PyObject *args[] = { (PyObject*)&PyLong_Type, py_bytes, order_str, Py_True };
+            if (!is_unsigned) {
+                PyObject *signed_str = PyUnicode_FromStringAndSize("signed", 6);
+                if (!signed_str) goto limited_bad;
+#if CYTHON_VECTORCALL
+                kwds = PyTuple_Pack(1, signed_str);
+#else
+                {
+                    PyObject *keys[] = {signed_str};
+                    PyObject *values[] = {Py_True};
+                    kwds = __Pyx_MakeKwargDict(keys, values, 1);
+                }
+#endif
+                Py_DECREF(signed_str);
+                if (unlikely(!kwds)) goto limited_bad;
+            }
+            result = __Pyx_Object_VectorcallMethodKwds(from_bytes_str, args, 3 | __Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET, kwds);
+        }
+        limited_bad:
+        Py_XDECREF(kwds);
+        Py_XDECREF(order_str);
+        Py_XDECREF(py_bytes);
+        Py_XDECREF(from_bytes_str);
+        return result;
+#endif
     }
 }
 

@@ -63,7 +63,6 @@ def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
     if B == 0 or T == 0:
         return out
     cdef int64_t[:, :, ::1] o = out
-    cdef int64_t win[MAX_NGRAM]
     cdef const double *pfp = NULL
     if fp is not None:
         if fp.shape[0] != 3 * H:
@@ -71,10 +70,7 @@ def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
         pfp = &fp[0]
     with nogil:
         for b in range(B):
-            for t in range(T):
-                for k in range(max_ngram):
-                    win[k] = cids[b, t - k] if t - k >= 0 else pad
-                es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, t, 0])
+            es_hash_sequence(&cids[b, 0], T, pad, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, 0, 0])
     return out
 
 

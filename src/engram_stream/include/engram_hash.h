@@ -83,7 +83,9 @@ static inline __attribute__((always_inline)) void es_fpmod4(double hi, double lo
     es_v4d r = x - q * pv;
     r += (es_v4d)((es_v4l)(r < 0) & (es_v4l)pv);
     r -= (es_v4d)((es_v4l)(r >= pv) & (es_v4l)pv);
-    if (neg) r = (pv - 1.0) - r;
+    const es_v4l nm = (es_v4l){0, 0, 0, 0} - (int64_t)neg; /* all ones when the mix is negative: */
+    const es_v4d flipped = (pv - 1.0) - r;                  /* select, no branch (signs are random) */
+    r = (es_v4d)(((es_v4l)flipped & nm) | ((es_v4l)r & ~nm));
     *(es_v4l *)out = (es_v4l)(r + M) - (es_v4l)M; /* exact integer r < 2^52 -> int64 bits */
 }
 
@@ -92,9 +94,9 @@ static inline __attribute__((always_inline)) void es_fpmod4(double hi, double lo
  * primes[j] the divisors in head order (order-major: heads of n=2, n=3, ...).
  * fp: NULL (hardware division), or double[3*H] = {p[H], 1/p[H], (2^32 mod p)[H]} when
  * every prime is below ES_FP_PRIME_MAX (HashPlan.head_fp). */
-ES_HASH_CLONES static void es_hash_window(const int64_t *win, const int64_t *mult, int max_ngram,
-                                          int n_head, const int64_t *primes, const double *fp,
-                                          int64_t *rows) {
+static inline __attribute__((always_inline)) void es_hash_window_core(
+    const int64_t *win, const int64_t *mult, int max_ngram, int n_head, const int64_t *primes,
+    const double *fp, int64_t *rows) {
     const int H = (max_ngram - 1) * n_head;
     uint64_t h = (uint64_t)win[0] * (uint64_t)mult[0];
     for (int n = 2; n <= max_ngram; n++) {
@@ -109,6 +111,25 @@ ES_HASH_CLONES static void es_hash_window(const int64_t *win, const int64_t *mul
                 es_fpmod4(hi, lo, s != 0, fp + off + j, fp + H + off + j, fp + 2 * H + off + j, r + j);
         }
         for (; j < n_head; j++) r[j] = es_floormod((int64_t)h, primes[off + j]);
+    }
+}
+
+ES_HASH_CLONES static void es_hash_window(const int64_t *win, const int64_t *mult, int max_ngram,
+                                          int n_head, const int64_t *primes, const double *fp,
+                                          int64_t *rows) {
+    es_hash_window_core(win, mult, max_ngram, n_head, primes, fp, rows);
+}
+
+/* Rows of a whole sequence of compressed ids c[T] (positions before 0 read pad) into
+ * rows[T][H]: one call per sequence, the per-position kernel inlined. */
+ES_HASH_CLONES static void es_hash_sequence(const int64_t *c, int64_t T, int64_t pad, const int64_t *mult,
+                                            int max_ngram, int n_head, const int64_t *primes,
+                                            const double *fp, int64_t *rows) {
+    const int H = (max_ngram - 1) * n_head;
+    int64_t win[64];
+    for (int64_t t = 0; t < T; t++) {
+        for (int k = 0; k < max_ngram; k++) win[k] = t - k >= 0 ? c[t - k] : pad;
+        es_hash_window_core(win, mult, max_ngram, n_head, primes, fp, rows + t * H);
     }
 }
 
