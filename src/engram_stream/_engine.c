@@ -1992,6 +1992,7 @@ struct __pyx_obj_13engram_stream_7_engine_StreamEngine {
   int64_t *rbuf;
   float *ebuf;
   float *ybuf;
+  float *pbuf;
   int pending;
   int busy;
   int prefill_threads;
@@ -8373,7 +8374,7 @@ static int __pyx_pf_13engram_stream_7_engine_12StreamEngine___cinit__(struct __p
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
  *         free(self.hist); free(self.ring); free(self.pos); free(self.seen)
- *         free(self.rbuf); free(self.ebuf); free(self.ybuf)
+ *         free(self.rbuf); free(self.ebuf); free(self.ybuf); free(self.pbuf)
 */
 
 /* Python wrapper */
@@ -8395,7 +8396,7 @@ static void __pyx_pf_13engram_stream_7_engine_12StreamEngine_2__dealloc__(struct
  * 
  *     def __dealloc__(self):
  *         free(self.hist); free(self.ring); free(self.pos); free(self.seen)             # <<<<<<<<<<<<<<
- *         free(self.rbuf); free(self.ebuf); free(self.ybuf)
+ *         free(self.rbuf); free(self.ebuf); free(self.ybuf); free(self.pbuf)
  * 
 */
   free(__pyx_v_self->hist);
@@ -8406,20 +8407,21 @@ static void __pyx_pf_13engram_stream_7_engine_12StreamEngine_2__dealloc__(struct
   /* "engram_stream/_engine.pyx":148
  *     def __dealloc__(self):
  *         free(self.hist); free(self.ring); free(self.pos); free(self.seen)
- *         free(self.rbuf); free(self.ebuf); free(self.ybuf)             # <<<<<<<<<<<<<<
+ *         free(self.rbuf); free(self.ebuf); free(self.ybuf); free(self.pbuf)             # <<<<<<<<<<<<<<
  * 
  *     cdef int _grow(self, int64_t cap) except -1:
 */
   free(__pyx_v_self->rbuf);
   free(__pyx_v_self->ebuf);
   free(__pyx_v_self->ybuf);
+  free(__pyx_v_self->pbuf);
 
   /* "engram_stream/_engine.pyx":146
  *         self._reset_all()
  * 
  *     def __dealloc__(self):             # <<<<<<<<<<<<<<
  *         free(self.hist); free(self.ring); free(self.pos); free(self.seen)
- *         free(self.rbuf); free(self.ebuf); free(self.ybuf)
+ *         free(self.rbuf); free(self.ebuf); free(self.ybuf); free(self.pbuf)
 */
 
   /* function exit code */
@@ -8427,7 +8429,7 @@ static void __pyx_pf_13engram_stream_7_engine_12StreamEngine_2__dealloc__(struct
 }
 
 /* "engram_stream/_engine.pyx":150
- *         free(self.rbuf); free(self.ebuf); free(self.ybuf)
+ *         free(self.rbuf); free(self.ebuf); free(self.ybuf); free(self.pbuf)
  * 
  *     cdef int _grow(self, int64_t cap) except -1:             # <<<<<<<<<<<<<<
  *         """Scratch for `cap` rows; done before any state changes (a MemoryError is clean)."""
@@ -8625,7 +8627,7 @@ static int __pyx_f_13engram_stream_7_engine_12StreamEngine__grow(struct __pyx_ob
  *         if r == NULL:
  *             raise MemoryError("StreamEngine: scratch allocation failed")             # <<<<<<<<<<<<<<
  *         self.ybuf = <float *> r
- *         self.cap = cap
+ *         r = realloc(self.pbuf, cap * self.E * sizeof(float))
 */
     __pyx_t_3 = NULL;
     __pyx_t_4 = 1;
@@ -8653,22 +8655,81 @@ static int __pyx_f_13engram_stream_7_engine_12StreamEngine__grow(struct __pyx_ob
  *         if r == NULL:
  *             raise MemoryError("StreamEngine: scratch allocation failed")
  *         self.ybuf = <float *> r             # <<<<<<<<<<<<<<
- *         self.cap = cap
- *         return 0
+ *         r = realloc(self.pbuf, cap * self.E * sizeof(float))
+ *         if r == NULL:
 */
   __pyx_v_self->ybuf = ((float *)__pyx_v_r);
 
   /* "engram_stream/_engine.pyx":166
  *             raise MemoryError("StreamEngine: scratch allocation failed")
  *         self.ybuf = <float *> r
+ *         r = realloc(self.pbuf, cap * self.E * sizeof(float))             # <<<<<<<<<<<<<<
+ *         if r == NULL:
+ *             raise MemoryError("StreamEngine: scratch allocation failed")
+*/
+  __pyx_v_r = realloc(__pyx_v_self->pbuf, ((__pyx_v_cap * __pyx_v_self->E) * (sizeof(float))));
+
+  /* "engram_stream/_engine.pyx":167
+ *         self.ybuf = <float *> r
+ *         r = realloc(self.pbuf, cap * self.E * sizeof(float))
+ *         if r == NULL:             # <<<<<<<<<<<<<<
+ *             raise MemoryError("StreamEngine: scratch allocation failed")
+ *         self.pbuf = <float *> r
+*/
+  __pyx_t_1 = (__pyx_v_r == NULL);
+
+  if (unlikely(__pyx_t_1)) {
+
+
+    /* "engram_stream/_engine.pyx":168
+ *         r = realloc(self.pbuf, cap * self.E * sizeof(float))
+ *         if r == NULL:
+ *             raise MemoryError("StreamEngine: scratch allocation failed")             # <<<<<<<<<<<<<<
+ *         self.pbuf = <float *> r
+ *         self.cap = cap
+*/
+    __pyx_t_3 = NULL;
+    __pyx_t_4 = 1;
+    {
+      PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_StreamEngine_scratch_allocation};
+      __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_MemoryError)), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
+      __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 168, __pyx_L1_error)
+      __Pyx_GOTREF(__pyx_t_2);
+    }
+    __Pyx_Raise(__pyx_t_2, 0, 0, 0);
+    __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
+    __PYX_ERR(0, 168, __pyx_L1_error)
+
+    /* "engram_stream/_engine.pyx":167
+ *         self.ybuf = <float *> r
+ *         r = realloc(self.pbuf, cap * self.E * sizeof(float))
+ *         if r == NULL:             # <<<<<<<<<<<<<<
+ *             raise MemoryError("StreamEngine: scratch allocation failed")
+ *         self.pbuf = <float *> r
+*/
+  }
+
+  /* "engram_stream/_engine.pyx":169
+ *         if r == NULL:
+ *             raise MemoryError("StreamEngine: scratch allocation failed")
+ *         self.pbuf = <float *> r             # <<<<<<<<<<<<<<
+ *         self.cap = cap
+ *         return 0
+*/
+  __pyx_v_self->pbuf = ((float *)__pyx_v_r);
+
+  /* "engram_stream/_engine.pyx":170
+ *             raise MemoryError("StreamEngine: scratch allocation failed")
+ *         self.pbuf = <float *> r
  *         self.cap = cap             # <<<<<<<<<<<<<<
  *         return 0
  * 
 */
   __pyx_v_self->cap = __pyx_v_cap;
 
-  /* "engram_stream/_engine.pyx":167
- *         self.ybuf = <float *> r
+  /* "engram_stream/_engine.pyx":171
+ *         self.pbuf = <float *> r
  *         self.cap = cap
  *         return 0             # <<<<<<<<<<<<<<
  * 
@@ -8681,7 +8742,7 @@ static int __pyx_f_13engram_stream_7_engine_12StreamEngine__grow(struct __pyx_ob
   goto __pyx_L0;
 
   /* "engram_stream/_engine.pyx":150
- *         free(self.rbuf); free(self.ebuf); free(self.ybuf)
+ *         free(self.rbuf); free(self.ebuf); free(self.ybuf); free(self.pbuf)
  * 
  *     cdef int _grow(self, int64_t cap) except -1:             # <<<<<<<<<<<<<<
  *         """Scratch for `cap` rows; done before any state changes (a MemoryError is clean)."""
@@ -8701,7 +8762,7 @@ static int __pyx_f_13engram_stream_7_engine_12StreamEngine__grow(struct __pyx_ob
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":169
+/* "engram_stream/_engine.pyx":173
  *         return 0
  * 
  *     def __repr__(self):             # <<<<<<<<<<<<<<
@@ -8743,34 +8804,34 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4__repr__(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__repr__", 0);
 
-  /* "engram_stream/_engine.pyx":170
+  /* "engram_stream/_engine.pyx":174
  * 
  *     def __repr__(self):
  *         return (f"StreamEngine(layer={self.layer}, n_streams={self.n_streams}, G={self.G}, D={self.D}, "             # <<<<<<<<<<<<<<
  *                 f"H={self.H}x{self.hd}, conv_len={self.conv_len})")
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_FormatSimple(__pyx_v_self->layer, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 170, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_FormatSimple(__pyx_v_self->layer, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 174, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyUnicode_From_int(__pyx_v_self->n_streams, 0, ' ', 'd'); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 170, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyUnicode_From_int(__pyx_v_self->n_streams, 0, ' ', 'd'); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 174, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyUnicode_From_int(__pyx_v_self->G, 0, ' ', 'd'); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 170, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyUnicode_From_int(__pyx_v_self->G, 0, ' ', 'd'); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 174, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyUnicode_From_int(__pyx_v_self->D, 0, ' ', 'd'); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 170, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyUnicode_From_int(__pyx_v_self->D, 0, ' ', 'd'); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 174, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
 
-  /* "engram_stream/_engine.pyx":171
+  /* "engram_stream/_engine.pyx":175
  *     def __repr__(self):
  *         return (f"StreamEngine(layer={self.layer}, n_streams={self.n_streams}, G={self.G}, D={self.D}, "
  *                 f"H={self.H}x{self.hd}, conv_len={self.conv_len})")             # <<<<<<<<<<<<<<
  * 
  *     # ---- nogil pieces --------------------------------------------------------------------
 */
-  __pyx_t_5 = __Pyx_PyUnicode_From_int(__pyx_v_self->H, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 171, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyUnicode_From_int(__pyx_v_self->H, 0, ' ', 'd'); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 175, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_6 = __Pyx_PyUnicode_From_int(__pyx_v_self->hd, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 171, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyUnicode_From_int(__pyx_v_self->hd, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 175, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_7 = __Pyx_PyUnicode_From_int(__pyx_v_self->conv_len, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 171, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyUnicode_From_int(__pyx_v_self->conv_len, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 175, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __pyx_t_8[0] = __pyx_mstate_global->__pyx_kp_u_StreamEngine_layer;
   __pyx_t_8[1] = __pyx_t_1;
@@ -8788,7 +8849,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4__repr__(stru
   __pyx_t_8[13] = __pyx_t_7;
   __pyx_t_8[14] = __pyx_mstate_global->__pyx_kp_u__3;
 
-  /* "engram_stream/_engine.pyx":170
+  /* "engram_stream/_engine.pyx":174
  * 
  *     def __repr__(self):
  *         return (f"StreamEngine(layer={self.layer}, n_streams={self.n_streams}, G={self.G}, D={self.D}, "             # <<<<<<<<<<<<<<
@@ -8807,7 +8868,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4__repr__(stru
   __pyx_t_10 |= __Pyx_PyUnicode_KIND_04(__pyx_t_8[1]);
   #endif
   __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_8, 15, __pyx_t_9, __pyx_t_10);
-  if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 170, __pyx_L1_error)
+  if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 174, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_11);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
@@ -8827,7 +8888,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4__repr__(stru
   __pyx_t_11 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":169
+  /* "engram_stream/_engine.pyx":173
  *         return 0
  * 
  *     def __repr__(self):             # <<<<<<<<<<<<<<
@@ -8853,7 +8914,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4__repr__(stru
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":174
+/* "engram_stream/_engine.pyx":178
  * 
  *     # ---- nogil pieces --------------------------------------------------------------------
  *     cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -8869,7 +8930,7 @@ static int64_t __pyx_f_13engram_stream_7_engine_12StreamEngine__first_bad_id(str
   int64_t __pyx_t_3;
   int __pyx_t_4;
 
-  /* "engram_stream/_engine.pyx":176
+  /* "engram_stream/_engine.pyx":180
  *     cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil:
  *         cdef int64_t i
  *         for i in range(n):             # <<<<<<<<<<<<<<
@@ -8883,7 +8944,7 @@ static int64_t __pyx_f_13engram_stream_7_engine_12StreamEngine__first_bad_id(str
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_i = __pyx_t_3;
 
-    /* "engram_stream/_engine.pyx":177
+    /* "engram_stream/_engine.pyx":181
  *         cdef int64_t i
  *         for i in range(n):
  *             if ids[i] >= self.vocab:             # <<<<<<<<<<<<<<
@@ -8895,7 +8956,7 @@ static int64_t __pyx_f_13engram_stream_7_engine_12StreamEngine__first_bad_id(str
     if (__pyx_t_4) {
 
 
-      /* "engram_stream/_engine.pyx":178
+      /* "engram_stream/_engine.pyx":182
  *         for i in range(n):
  *             if ids[i] >= self.vocab:
  *                 return i             # <<<<<<<<<<<<<<
@@ -8908,7 +8969,7 @@ static int64_t __pyx_f_13engram_stream_7_engine_12StreamEngine__first_bad_id(str
       }
       goto __pyx_L0;
 
-      /* "engram_stream/_engine.pyx":177
+      /* "engram_stream/_engine.pyx":181
  *         cdef int64_t i
  *         for i in range(n):
  *             if ids[i] >= self.vocab:             # <<<<<<<<<<<<<<
@@ -8919,7 +8980,7 @@ static int64_t __pyx_f_13engram_stream_7_engine_12StreamEngine__first_bad_id(str
   }
 
 
-  /* "engram_stream/_engine.pyx":179
+  /* "engram_stream/_engine.pyx":183
  *             if ids[i] >= self.vocab:
  *                 return i
  *         return -1             # <<<<<<<<<<<<<<
@@ -8932,7 +8993,7 @@ static int64_t __pyx_f_13engram_stream_7_engine_12StreamEngine__first_bad_id(str
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":174
+  /* "engram_stream/_engine.pyx":178
  * 
  *     # ---- nogil pieces --------------------------------------------------------------------
  *     cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -8946,7 +9007,7 @@ static int64_t __pyx_f_13engram_stream_7_engine_12StreamEngine__first_bad_id(str
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":181
+/* "engram_stream/_engine.pyx":185
  *         return -1
  * 
  *     cdef void _hash_one(self, int64_t s, int64_t token, int64_t *rows) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -8965,7 +9026,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
   int __pyx_t_4;
   int __pyx_t_5;
 
-  /* "engram_stream/_engine.pyx":184
+  /* "engram_stream/_engine.pyx":188
  *         """rows[H] = absolute table rows of `token` on stream s; pushes it into the window."""
  *         cdef int64_t win[MAX_NGRAM]
  *         cdef int64_t *h = self.hist + s * (self.n - 1)             # <<<<<<<<<<<<<<
@@ -8974,7 +9035,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
 */
   __pyx_v_h = (__pyx_v_self->hist + (__pyx_v_s * (__pyx_v_self->n - 1)));
 
-  /* "engram_stream/_engine.pyx":186
+  /* "engram_stream/_engine.pyx":190
  *         cdef int64_t *h = self.hist + s * (self.n - 1)
  *         cdef int k, j
  *         win[0] = es_compress(token, self.lookup)             # <<<<<<<<<<<<<<
@@ -8983,7 +9044,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
 */
   (__pyx_v_win[0]) = es_compress(__pyx_v_token, __pyx_v_self->lookup);
 
-  /* "engram_stream/_engine.pyx":187
+  /* "engram_stream/_engine.pyx":191
  *         cdef int k, j
  *         win[0] = es_compress(token, self.lookup)
  *         for k in range(1, self.n):             # <<<<<<<<<<<<<<
@@ -8997,7 +9058,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
   for (__pyx_t_3 = 1; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_k = __pyx_t_3;
 
-    /* "engram_stream/_engine.pyx":188
+    /* "engram_stream/_engine.pyx":192
  *         win[0] = es_compress(token, self.lookup)
  *         for k in range(1, self.n):
  *             win[k] = h[k - 1]             # <<<<<<<<<<<<<<
@@ -9008,7 +9069,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
   }
 
 
-  /* "engram_stream/_engine.pyx":189
+  /* "engram_stream/_engine.pyx":193
  *         for k in range(1, self.n):
  *             win[k] = h[k - 1]
  *         es_hash_window(win, self.mult, self.n, self.nh, self.primes, self.fp, rows)             # <<<<<<<<<<<<<<
@@ -9017,7 +9078,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
 */
   es_hash_window(__pyx_v_win, __pyx_v_self->mult, __pyx_v_self->n, __pyx_v_self->nh, __pyx_v_self->primes, __pyx_v_self->fp, __pyx_v_rows);
 
-  /* "engram_stream/_engine.pyx":190
+  /* "engram_stream/_engine.pyx":194
  *             win[k] = h[k - 1]
  *         es_hash_window(win, self.mult, self.n, self.nh, self.primes, self.fp, rows)
  *         for j in range(self.H):             # <<<<<<<<<<<<<<
@@ -9031,7 +9092,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_j = __pyx_t_3;
 
-    /* "engram_stream/_engine.pyx":191
+    /* "engram_stream/_engine.pyx":195
  *         es_hash_window(win, self.mult, self.n, self.nh, self.primes, self.fp, rows)
  *         for j in range(self.H):
  *             rows[j] += self.offsets[j]             # <<<<<<<<<<<<<<
@@ -9044,7 +9105,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
   }
 
 
-  /* "engram_stream/_engine.pyx":192
+  /* "engram_stream/_engine.pyx":196
  *         for j in range(self.H):
  *             rows[j] += self.offsets[j]
  *         if self.touched != NULL:             # <<<<<<<<<<<<<<
@@ -9056,7 +9117,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
   if (__pyx_t_5) {
 
 
-    /* "engram_stream/_engine.pyx":193
+    /* "engram_stream/_engine.pyx":197
  *             rows[j] += self.offsets[j]
  *         if self.touched != NULL:
  *             es_mark_rows(self.touched, rows, self.H)             # <<<<<<<<<<<<<<
@@ -9065,7 +9126,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
 */
     es_mark_rows(__pyx_v_self->touched, __pyx_v_rows, __pyx_v_self->H);
 
-    /* "engram_stream/_engine.pyx":192
+    /* "engram_stream/_engine.pyx":196
  *         for j in range(self.H):
  *             rows[j] += self.offsets[j]
  *         if self.touched != NULL:             # <<<<<<<<<<<<<<
@@ -9074,7 +9135,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
 */
   }
 
-  /* "engram_stream/_engine.pyx":194
+  /* "engram_stream/_engine.pyx":198
  *         if self.touched != NULL:
  *             es_mark_rows(self.touched, rows, self.H)
  *         for k in range(self.n - 2, 0, -1):             # <<<<<<<<<<<<<<
@@ -9084,7 +9145,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
   for (__pyx_t_1 = (__pyx_v_self->n - 2); __pyx_t_1 > 0; __pyx_t_1-=1) {
     __pyx_v_k = __pyx_t_1;
 
-    /* "engram_stream/_engine.pyx":195
+    /* "engram_stream/_engine.pyx":199
  *             es_mark_rows(self.touched, rows, self.H)
  *         for k in range(self.n - 2, 0, -1):
  *             h[k] = h[k - 1]             # <<<<<<<<<<<<<<
@@ -9094,7 +9155,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
     (__pyx_v_h[__pyx_v_k]) = (__pyx_v_h[(__pyx_v_k - 1)]);
   }
 
-  /* "engram_stream/_engine.pyx":196
+  /* "engram_stream/_engine.pyx":200
  *         for k in range(self.n - 2, 0, -1):
  *             h[k] = h[k - 1]
  *         h[0] = win[0]             # <<<<<<<<<<<<<<
@@ -9103,7 +9164,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
 */
   (__pyx_v_h[0]) = (__pyx_v_win[0]);
 
-  /* "engram_stream/_engine.pyx":181
+  /* "engram_stream/_engine.pyx":185
  *         return -1
  * 
  *     cdef void _hash_one(self, int64_t s, int64_t token, int64_t *rows) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -9118,7 +9179,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
 
 }
 
-/* "engram_stream/_engine.pyx":198
+/* "engram_stream/_engine.pyx":202
  *         h[0] = win[0]
  * 
  *     cdef void _gather(self, const int64_t *rows, float *e) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -9128,7 +9189,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
 
 static void __pyx_f_13engram_stream_7_engine_12StreamEngine__gather(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *__pyx_v_self, int64_t const *__pyx_v_rows, float *__pyx_v_e) {
 
-  /* "engram_stream/_engine.pyx":199
+  /* "engram_stream/_engine.pyx":203
  * 
  *     cdef void _gather(self, const int64_t *rows, float *e) noexcept nogil:
  *         if self.table_kind == 0:             # <<<<<<<<<<<<<<
@@ -9138,7 +9199,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__gather(struct __pyx
   switch (__pyx_v_self->table_kind) {
     case 0:
 
-    /* "engram_stream/_engine.pyx":200
+    /* "engram_stream/_engine.pyx":204
  *     cdef void _gather(self, const int64_t *rows, float *e) noexcept nogil:
  *         if self.table_kind == 0:
  *             es_gather_f32(<const float *> self.table, self.hd, rows, self.H, e)             # <<<<<<<<<<<<<<
@@ -9147,7 +9208,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__gather(struct __pyx
 */
     es_gather_f32(((float const *)__pyx_v_self->table), __pyx_v_self->hd, __pyx_v_rows, __pyx_v_self->H, __pyx_v_e);
 
-    /* "engram_stream/_engine.pyx":199
+    /* "engram_stream/_engine.pyx":203
  * 
  *     cdef void _gather(self, const int64_t *rows, float *e) noexcept nogil:
  *         if self.table_kind == 0:             # <<<<<<<<<<<<<<
@@ -9157,7 +9218,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__gather(struct __pyx
     break;
     case 1:
 
-    /* "engram_stream/_engine.pyx":202
+    /* "engram_stream/_engine.pyx":206
  *             es_gather_f32(<const float *> self.table, self.hd, rows, self.H, e)
  *         elif self.table_kind == 1:
  *             es_gather_f16(<const uint16_t *> self.table, self.hd, rows, self.H, e)             # <<<<<<<<<<<<<<
@@ -9166,7 +9227,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__gather(struct __pyx
 */
     es_gather_f16(((uint16_t const *)__pyx_v_self->table), __pyx_v_self->hd, __pyx_v_rows, __pyx_v_self->H, __pyx_v_e);
 
-    /* "engram_stream/_engine.pyx":201
+    /* "engram_stream/_engine.pyx":205
  *         if self.table_kind == 0:
  *             es_gather_f32(<const float *> self.table, self.hd, rows, self.H, e)
  *         elif self.table_kind == 1:             # <<<<<<<<<<<<<<
@@ -9176,7 +9237,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__gather(struct __pyx
     break;
     default:
 
-    /* "engram_stream/_engine.pyx":204
+    /* "engram_stream/_engine.pyx":208
  *             es_gather_f16(<const uint16_t *> self.table, self.hd, rows, self.H, e)
  *         else:
  *             es_gather_i8(<const int8_t *> self.table, self.table_scale, self.hd, rows, self.H, e)             # <<<<<<<<<<<<<<
@@ -9187,7 +9248,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__gather(struct __pyx
     break;
   }
 
-  /* "engram_stream/_engine.pyx":198
+  /* "engram_stream/_engine.pyx":202
  *         h[0] = win[0]
  * 
  *     cdef void _gather(self, const int64_t *rows, float *e) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -9198,7 +9259,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__gather(struct __pyx
   /* function exit code */
 }
 
-/* "engram_stream/_engine.pyx":206
+/* "engram_stream/_engine.pyx":210
  *             es_gather_i8(<const int8_t *> self.table, self.table_scale, self.hd, rows, self.H, e)
  * 
  *     cdef void _tail(self, int64_t s, const float *proj, const float *hid, float *out) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -9210,7 +9271,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__tail(struct __pyx_o
   int __pyx_t_1;
   int64_t __pyx_t_2;
 
-  /* "engram_stream/_engine.pyx":207
+  /* "engram_stream/_engine.pyx":211
  * 
  *     cdef void _tail(self, int64_t s, const float *proj, const float *hid, float *out) noexcept nogil:
  *         es_tail(&self.tp, proj, hid, self.ring + s * self.conv_len * self.C, self.pos[s], out)             # <<<<<<<<<<<<<<
@@ -9219,7 +9280,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__tail(struct __pyx_o
 */
   es_tail((&__pyx_v_self->tp), __pyx_v_proj, __pyx_v_hid, (__pyx_v_self->ring + ((__pyx_v_s * __pyx_v_self->conv_len) * __pyx_v_self->C)), (__pyx_v_self->pos[__pyx_v_s]), __pyx_v_out);
 
-  /* "engram_stream/_engine.pyx":208
+  /* "engram_stream/_engine.pyx":212
  *     cdef void _tail(self, int64_t s, const float *proj, const float *hid, float *out) noexcept nogil:
  *         es_tail(&self.tp, proj, hid, self.ring + s * self.conv_len * self.C, self.pos[s], out)
  *         if self.conv_len:             # <<<<<<<<<<<<<<
@@ -9231,7 +9292,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__tail(struct __pyx_o
   if (__pyx_t_1) {
 
 
-    /* "engram_stream/_engine.pyx":209
+    /* "engram_stream/_engine.pyx":213
  *         es_tail(&self.tp, proj, hid, self.ring + s * self.conv_len * self.C, self.pos[s], out)
  *         if self.conv_len:
  *             self.pos[s] = (self.pos[s] + 1) % self.conv_len             # <<<<<<<<<<<<<<
@@ -9240,7 +9301,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__tail(struct __pyx_o
 */
     (__pyx_v_self->pos[__pyx_v_s]) = (((__pyx_v_self->pos[__pyx_v_s]) + 1) % __pyx_v_self->conv_len);
 
-    /* "engram_stream/_engine.pyx":208
+    /* "engram_stream/_engine.pyx":212
  *     cdef void _tail(self, int64_t s, const float *proj, const float *hid, float *out) noexcept nogil:
  *         es_tail(&self.tp, proj, hid, self.ring + s * self.conv_len * self.C, self.pos[s], out)
  *         if self.conv_len:             # <<<<<<<<<<<<<<
@@ -9249,7 +9310,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__tail(struct __pyx_o
 */
   }
 
-  /* "engram_stream/_engine.pyx":210
+  /* "engram_stream/_engine.pyx":214
  *         if self.conv_len:
  *             self.pos[s] = (self.pos[s] + 1) % self.conv_len
  *         self.seen[s] += 1             # <<<<<<<<<<<<<<
@@ -9260,7 +9321,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__tail(struct __pyx_o
   __pyx_t_2 = __pyx_v_s;
   (__pyx_v_self->seen[__pyx_t_2]) = ((__pyx_v_self->seen[__pyx_t_2]) + 1);
 
-  /* "engram_stream/_engine.pyx":206
+  /* "engram_stream/_engine.pyx":210
  *             es_gather_i8(<const int8_t *> self.table, self.table_scale, self.hd, rows, self.H, e)
  * 
  *     cdef void _tail(self, int64_t s, const float *proj, const float *hid, float *out) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -9271,7 +9332,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__tail(struct __pyx_o
   /* function exit code */
 }
 
-/* "engram_stream/_engine.pyx":213
+/* "engram_stream/_engine.pyx":217
  * 
  *     # ---- argument checks (all before any state changes) -------------------------------------
  *     cdef _enter(self):             # <<<<<<<<<<<<<<
@@ -9290,7 +9351,7 @@ static PyObject *__pyx_f_13engram_stream_7_engine_12StreamEngine__enter(struct _
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_enter", 0);
 
-  /* "engram_stream/_engine.pyx":214
+  /* "engram_stream/_engine.pyx":218
  *     # ---- argument checks (all before any state changes) -------------------------------------
  *     cdef _enter(self):
  *         if self.busy:             # <<<<<<<<<<<<<<
@@ -9299,7 +9360,7 @@ static PyObject *__pyx_f_13engram_stream_7_engine_12StreamEngine__enter(struct _
 */
   if (unlikely(__pyx_v_self->busy)) {
 
-    /* "engram_stream/_engine.pyx":215
+    /* "engram_stream/_engine.pyx":219
  *     cdef _enter(self):
  *         if self.busy:
  *             raise RuntimeError("StreamEngine is already running a call: one engine has one owner "             # <<<<<<<<<<<<<<
@@ -9312,14 +9373,14 @@ static PyObject *__pyx_f_13engram_stream_7_engine_12StreamEngine__enter(struct _
       PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_StreamEngine_is_already_running};
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 215, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 219, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 215, __pyx_L1_error)
+    __PYX_ERR(0, 219, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":214
+    /* "engram_stream/_engine.pyx":218
  *     # ---- argument checks (all before any state changes) -------------------------------------
  *     cdef _enter(self):
  *         if self.busy:             # <<<<<<<<<<<<<<
@@ -9328,7 +9389,7 @@ static PyObject *__pyx_f_13engram_stream_7_engine_12StreamEngine__enter(struct _
 */
   }
 
-  /* "engram_stream/_engine.pyx":217
+  /* "engram_stream/_engine.pyx":221
  *             raise RuntimeError("StreamEngine is already running a call: one engine has one owner "
  *                                "(use one engine per thread)")
  *         self.busy = True             # <<<<<<<<<<<<<<
@@ -9337,7 +9398,7 @@ static PyObject *__pyx_f_13engram_stream_7_engine_12StreamEngine__enter(struct _
 */
   __pyx_v_self->busy = 1;
 
-  /* "engram_stream/_engine.pyx":213
+  /* "engram_stream/_engine.pyx":217
  * 
  *     # ---- argument checks (all before any state changes) -------------------------------------
  *     cdef _enter(self):             # <<<<<<<<<<<<<<
@@ -9359,7 +9420,7 @@ static PyObject *__pyx_f_13engram_stream_7_engine_12StreamEngine__enter(struct _
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":219
+/* "engram_stream/_engine.pyx":223
  *         self.busy = True
  * 
  *     def _ids(self, token_ids):             # <<<<<<<<<<<<<<
@@ -9407,32 +9468,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_token_ids,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 219, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 223, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 219, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 223, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_ids", 0) < (0)) __PYX_ERR(0, 219, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_ids", 0) < (0)) __PYX_ERR(0, 223, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_ids", 1, 1, 1, i); __PYX_ERR(0, 219, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_ids", 1, 1, 1, i); __PYX_ERR(0, 223, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 219, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 223, __pyx_L3_error)
     }
     __pyx_v_token_ids = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_ids", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 219, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_ids", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 223, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -9476,16 +9537,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_ids", 0);
 
-  /* "engram_stream/_engine.pyx":221
+  /* "engram_stream/_engine.pyx":225
  *     def _ids(self, token_ids):
  *         """(int64[S] ids, single) from a scalar (n_streams == 1) or an [S] array."""
  *         if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, (bool, np.bool_)):             # <<<<<<<<<<<<<<
  *             if self.n_streams != 1:
  *                 raise ValueError(f"this engine has {self.n_streams} streams: pass token_ids[{self.n_streams}]")
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 221, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 225, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_integer); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 221, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_integer); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 225, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_5 = PyLong_Check(__pyx_v_token_ids); 
@@ -9511,9 +9572,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
 
     goto __pyx_L4_bool_binop_done;
   }
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 221, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 225, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_bool); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 221, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_bool); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 225, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_5 = PyBool_Check(__pyx_v_token_ids); 
@@ -9541,7 +9602,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
   if (__pyx_t_1) {
 
 
-    /* "engram_stream/_engine.pyx":222
+    /* "engram_stream/_engine.pyx":226
  *         """(int64[S] ids, single) from a scalar (n_streams == 1) or an [S] array."""
  *         if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, (bool, np.bool_)):
  *             if self.n_streams != 1:             # <<<<<<<<<<<<<<
@@ -9553,7 +9614,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
     if (unlikely(__pyx_t_1)) {
 
 
-      /* "engram_stream/_engine.pyx":223
+      /* "engram_stream/_engine.pyx":227
  *         if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, (bool, np.bool_)):
  *             if self.n_streams != 1:
  *                 raise ValueError(f"this engine has {self.n_streams} streams: pass token_ids[{self.n_streams}]")             # <<<<<<<<<<<<<<
@@ -9561,9 +9622,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
  *                 raise ValueError(f"token id {token_ids} out of range: ids must be < vocab_size={self.vocab}")
 */
       __pyx_t_3 = NULL;
-      __pyx_t_6 = __Pyx_PyUnicode_From_int(__pyx_v_self->n_streams, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 223, __pyx_L1_error)
+      __pyx_t_6 = __Pyx_PyUnicode_From_int(__pyx_v_self->n_streams, 0, ' ', 'd'); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 227, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
-      __pyx_t_7 = __Pyx_PyUnicode_From_int(__pyx_v_self->n_streams, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 223, __pyx_L1_error)
+      __pyx_t_7 = __Pyx_PyUnicode_From_int(__pyx_v_self->n_streams, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 227, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_7);
       __pyx_t_8[0] = __pyx_mstate_global->__pyx_kp_u_this_engine_has;
       __pyx_t_8[1] = __pyx_t_6;
@@ -9576,7 +9637,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
       #endif
       __pyx_t_10 = 0;
       __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_8, 5, __pyx_t_9, __pyx_t_10);
-      if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 223, __pyx_L1_error)
+      if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 227, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_11);
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
       __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
@@ -9586,14 +9647,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
         __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_12, (2-__pyx_t_12) | (__pyx_t_12*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
         __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 223, __pyx_L1_error)
+        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 227, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_2);
       }
       __Pyx_Raise(__pyx_t_2, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-      __PYX_ERR(0, 223, __pyx_L1_error)
+      __PYX_ERR(0, 227, __pyx_L1_error)
 
-      /* "engram_stream/_engine.pyx":222
+      /* "engram_stream/_engine.pyx":226
  *         """(int64[S] ids, single) from a scalar (n_streams == 1) or an [S] array."""
  *         if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, (bool, np.bool_)):
  *             if self.n_streams != 1:             # <<<<<<<<<<<<<<
@@ -9602,18 +9663,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
 */
     }
 
-    /* "engram_stream/_engine.pyx":224
+    /* "engram_stream/_engine.pyx":228
  *             if self.n_streams != 1:
  *                 raise ValueError(f"this engine has {self.n_streams} streams: pass token_ids[{self.n_streams}]")
  *             if not -(1 << 63) <= token_ids < self.vocab:             # <<<<<<<<<<<<<<
  *                 raise ValueError(f"token id {token_ids} out of range: ids must be < vocab_size={self.vocab}")
  *             return np.array([token_ids], dtype=np.int64), True
 */
-    __pyx_t_1 = __Pyx_PyObject_CompareBoolLe_object_object(__pyx_mstate_global->__pyx_int_neg_9223372036854775808, __pyx_v_token_ids, Py_LE); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 224, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyObject_CompareBoolLe_object_object(__pyx_mstate_global->__pyx_int_neg_9223372036854775808, __pyx_v_token_ids, Py_LE); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 228, __pyx_L1_error)
     if (__pyx_t_1) {
-      __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_self->vocab); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 224, __pyx_L1_error)
+      __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_self->vocab); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 228, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
-      __pyx_t_1 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_v_token_ids, __pyx_t_2, Py_LT); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 224, __pyx_L1_error)
+      __pyx_t_1 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_v_token_ids, __pyx_t_2, Py_LT); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 228, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     }
     __pyx_t_5 = (!__pyx_t_1);
@@ -9622,7 +9683,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
     if (unlikely(__pyx_t_5)) {
 
 
-      /* "engram_stream/_engine.pyx":225
+      /* "engram_stream/_engine.pyx":229
  *                 raise ValueError(f"this engine has {self.n_streams} streams: pass token_ids[{self.n_streams}]")
  *             if not -(1 << 63) <= token_ids < self.vocab:
  *                 raise ValueError(f"token id {token_ids} out of range: ids must be < vocab_size={self.vocab}")             # <<<<<<<<<<<<<<
@@ -9630,9 +9691,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
  *         ids = as_ids(token_ids, 1, "token_ids")
 */
       __pyx_t_11 = NULL;
-      __pyx_t_3 = __Pyx_PyObject_FormatSimple(__pyx_v_token_ids, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 225, __pyx_L1_error)
+      __pyx_t_3 = __Pyx_PyObject_FormatSimple(__pyx_v_token_ids, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 229, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
-      __pyx_t_7 = __Pyx_PyUnicode_From_int64_t(__pyx_v_self->vocab, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 225, __pyx_L1_error)
+      __pyx_t_7 = __Pyx_PyUnicode_From_int64_t(__pyx_v_self->vocab, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 229, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_7);
       __pyx_t_13[0] = __pyx_mstate_global->__pyx_kp_u_token_id;
       __pyx_t_13[1] = __pyx_t_3;
@@ -9647,7 +9708,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
       __pyx_t_10 |= __Pyx_PyUnicode_KIND_04(__pyx_t_13[1]);
       #endif
       __pyx_t_6 = __Pyx_PyUnicode_Join(__pyx_t_13, 4, __pyx_t_9, __pyx_t_10);
-      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 225, __pyx_L1_error)
+      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 229, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
@@ -9657,14 +9718,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
         __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_12, (2-__pyx_t_12) | (__pyx_t_12*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_11); __pyx_t_11 = 0;
         __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 225, __pyx_L1_error)
+        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 229, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_2);
       }
       __Pyx_Raise(__pyx_t_2, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-      __PYX_ERR(0, 225, __pyx_L1_error)
+      __PYX_ERR(0, 229, __pyx_L1_error)
 
-      /* "engram_stream/_engine.pyx":224
+      /* "engram_stream/_engine.pyx":228
  *             if self.n_streams != 1:
  *                 raise ValueError(f"this engine has {self.n_streams} streams: pass token_ids[{self.n_streams}]")
  *             if not -(1 << 63) <= token_ids < self.vocab:             # <<<<<<<<<<<<<<
@@ -9673,7 +9734,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
 */
     }
 
-    /* "engram_stream/_engine.pyx":226
+    /* "engram_stream/_engine.pyx":230
  *             if not -(1 << 63) <= token_ids < self.vocab:
  *                 raise ValueError(f"token id {token_ids} out of range: ids must be < vocab_size={self.vocab}")
  *             return np.array([token_ids], dtype=np.int64), True             # <<<<<<<<<<<<<<
@@ -9681,19 +9742,19 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
  *         if ids.shape[0] != self.n_streams:
 */
     __pyx_t_6 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_11, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 226, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_11, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 230, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
-    __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_11, __pyx_mstate_global->__pyx_n_u_array_2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 226, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_11, __pyx_mstate_global->__pyx_n_u_array_2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 230, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-    __pyx_t_11 = PyList_New(1); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 226, __pyx_L1_error)
+    __pyx_t_11 = PyList_New(1); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 230, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_INCREF(__pyx_v_token_ids);
     __Pyx_GIVEREF(__pyx_v_token_ids);
-    if (__Pyx_PyList_SET_ITEM(__pyx_t_11, 0, __pyx_v_token_ids) != (0)) __PYX_ERR(0, 226, __pyx_L1_error);
-    __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 226, __pyx_L1_error)
+    if (__Pyx_PyList_SET_ITEM(__pyx_t_11, 0, __pyx_v_token_ids) != (0)) __PYX_ERR(0, 230, __pyx_L1_error);
+    __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 230, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    __pyx_t_14 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 226, __pyx_L1_error)
+    __pyx_t_14 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 230, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_14);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     #if CYTHON_VECTORCALL
@@ -9714,13 +9775,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
       PyObject *__pyx_callargs[3] = {__pyx_t_6, __pyx_t_11, __pyx_t_14};
       #if CYTHON_VECTORCALL
       __pyx_t_3 = __pyx_mstate_global->__pyx_tuple[0];
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 226, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 230, __pyx_L1_error)
       __Pyx_INCREF(__pyx_t_3);
       #else
       {
         PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
         __pyx_t_3 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-        if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 226, __pyx_L1_error)
+        if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 230, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_3);
       }
       #endif
@@ -9732,16 +9793,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
       __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 226, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 230, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
     }
-    __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 226, __pyx_L1_error)
+    __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 230, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __Pyx_GIVEREF(__pyx_t_2);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 226, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 230, __pyx_L1_error);
     __Pyx_INCREF(Py_True);
     __Pyx_GIVEREF(Py_True);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, Py_True) != (0)) __PYX_ERR(0, 226, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, Py_True) != (0)) __PYX_ERR(0, 230, __pyx_L1_error);
     __pyx_t_2 = 0;
     {
       PyObject *__pyx_temp;
@@ -9754,7 +9815,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
     __pyx_t_7 = 0;
     goto __pyx_L0;
 
-    /* "engram_stream/_engine.pyx":221
+    /* "engram_stream/_engine.pyx":225
  *     def _ids(self, token_ids):
  *         """(int64[S] ids, single) from a scalar (n_streams == 1) or an [S] array."""
  *         if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, (bool, np.bool_)):             # <<<<<<<<<<<<<<
@@ -9763,7 +9824,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
 */
   }
 
-  /* "engram_stream/_engine.pyx":227
+  /* "engram_stream/_engine.pyx":231
  *                 raise ValueError(f"token id {token_ids} out of range: ids must be < vocab_size={self.vocab}")
  *             return np.array([token_ids], dtype=np.int64), True
  *         ids = as_ids(token_ids, 1, "token_ids")             # <<<<<<<<<<<<<<
@@ -9771,7 +9832,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
  *             raise ValueError(f"expected {self.n_streams} token ids (one per stream), got {ids.shape[0]}")
 */
   __pyx_t_2 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_as_ids); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 227, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_as_ids); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 231, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_12 = 1;
   #if CYTHON_UNPACK_METHODS
@@ -9790,33 +9851,33 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
     __pyx_t_7 = __Pyx_PyObject_FastCall((PyObject*)__pyx_t_3, __pyx_callargs+__pyx_t_12, (4-__pyx_t_12) | (__pyx_t_12*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 227, __pyx_L1_error)
+    if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 231, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
   }
   __pyx_v_ids = __pyx_t_7;
   __pyx_t_7 = 0;
 
-  /* "engram_stream/_engine.pyx":228
+  /* "engram_stream/_engine.pyx":232
  *             return np.array([token_ids], dtype=np.int64), True
  *         ids = as_ids(token_ids, 1, "token_ids")
  *         if ids.shape[0] != self.n_streams:             # <<<<<<<<<<<<<<
  *             raise ValueError(f"expected {self.n_streams} token ids (one per stream), got {ids.shape[0]}")
  *         return ids, False
 */
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_ids, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 228, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_ids, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 232, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_3 = __Pyx_GetItemInt(__pyx_t_7, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 228, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_GetItemInt(__pyx_t_7, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 232, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 228, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 232, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_5 = __Pyx_PyObject_CompareBoolNe_object_int(__pyx_t_3, __pyx_t_7, Py_NE); if (unlikely((__pyx_t_5 < 0))) __PYX_ERR(0, 228, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_CompareBoolNe_object_int(__pyx_t_3, __pyx_t_7, Py_NE); if (unlikely((__pyx_t_5 < 0))) __PYX_ERR(0, 232, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
   if (unlikely(__pyx_t_5)) {
 
 
-    /* "engram_stream/_engine.pyx":229
+    /* "engram_stream/_engine.pyx":233
  *         ids = as_ids(token_ids, 1, "token_ids")
  *         if ids.shape[0] != self.n_streams:
  *             raise ValueError(f"expected {self.n_streams} token ids (one per stream), got {ids.shape[0]}")             # <<<<<<<<<<<<<<
@@ -9824,14 +9885,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
  * 
 */
     __pyx_t_3 = NULL;
-    __pyx_t_2 = __Pyx_PyUnicode_From_int(__pyx_v_self->n_streams, 0, ' ', 'd'); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 229, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyUnicode_From_int(__pyx_v_self->n_streams, 0, ' ', 'd'); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 233, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_14 = __Pyx_PyObject_GetAttrStr(__pyx_v_ids, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 229, __pyx_L1_error)
+    __pyx_t_14 = __Pyx_PyObject_GetAttrStr(__pyx_v_ids, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 233, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_14);
-    __pyx_t_11 = __Pyx_GetItemInt(__pyx_t_14, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 229, __pyx_L1_error)
+    __pyx_t_11 = __Pyx_GetItemInt(__pyx_t_14, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 233, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
-    __pyx_t_14 = __Pyx_PyObject_FormatSimple(__pyx_t_11, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 229, __pyx_L1_error)
+    __pyx_t_14 = __Pyx_PyObject_FormatSimple(__pyx_t_11, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 233, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_14);
     __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
     __pyx_t_13[0] = __pyx_mstate_global->__pyx_kp_u_expected;
@@ -9847,7 +9908,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
     __pyx_t_10 |= __Pyx_PyUnicode_KIND_04(__pyx_t_13[3]);
     #endif
     __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_13, 4, __pyx_t_9, __pyx_t_10);
-    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 229, __pyx_L1_error)
+    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 233, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
@@ -9857,14 +9918,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
       __pyx_t_7 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_12, (2-__pyx_t_12) | (__pyx_t_12*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-      if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 229, __pyx_L1_error)
+      if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 233, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_7);
     }
     __Pyx_Raise(__pyx_t_7, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-    __PYX_ERR(0, 229, __pyx_L1_error)
+    __PYX_ERR(0, 233, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":228
+    /* "engram_stream/_engine.pyx":232
  *             return np.array([token_ids], dtype=np.int64), True
  *         ids = as_ids(token_ids, 1, "token_ids")
  *         if ids.shape[0] != self.n_streams:             # <<<<<<<<<<<<<<
@@ -9873,21 +9934,21 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
 */
   }
 
-  /* "engram_stream/_engine.pyx":230
+  /* "engram_stream/_engine.pyx":234
  *         if ids.shape[0] != self.n_streams:
  *             raise ValueError(f"expected {self.n_streams} token ids (one per stream), got {ids.shape[0]}")
  *         return ids, False             # <<<<<<<<<<<<<<
  * 
  *     def _hidden(self, hidden, shape):
 */
-  __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 230, __pyx_L1_error)
+  __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 234, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_INCREF(__pyx_v_ids);
   __Pyx_GIVEREF(__pyx_v_ids);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_v_ids) != (0)) __PYX_ERR(0, 230, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_v_ids) != (0)) __PYX_ERR(0, 234, __pyx_L1_error);
   __Pyx_INCREF(Py_False);
   __Pyx_GIVEREF(Py_False);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, Py_False) != (0)) __PYX_ERR(0, 230, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, Py_False) != (0)) __PYX_ERR(0, 234, __pyx_L1_error);
   {
     PyObject *__pyx_temp;
     {
@@ -9899,7 +9960,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
   __pyx_t_7 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":219
+  /* "engram_stream/_engine.pyx":223
  *         self.busy = True
  * 
  *     def _ids(self, token_ids):             # <<<<<<<<<<<<<<
@@ -9924,7 +9985,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":232
+/* "engram_stream/_engine.pyx":236
  *         return ids, False
  * 
  *     def _hidden(self, hidden, shape):             # <<<<<<<<<<<<<<
@@ -9973,39 +10034,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_hidden,&__pyx_mstate_global->__pyx_n_u_shape,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 232, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 236, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 232, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 236, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 232, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 236, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_hidden", 0) < (0)) __PYX_ERR(0, 232, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_hidden", 0) < (0)) __PYX_ERR(0, 236, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_hidden", 1, 2, 2, i); __PYX_ERR(0, 232, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_hidden", 1, 2, 2, i); __PYX_ERR(0, 236, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 232, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 236, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 232, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 236, __pyx_L3_error)
     }
     __pyx_v_hidden = values[0];
     __pyx_v_shape = values[1];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_hidden", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 232, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_hidden", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 236, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -10040,16 +10101,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_hidden", 0);
 
-  /* "engram_stream/_engine.pyx":233
+  /* "engram_stream/_engine.pyx":237
  * 
  *     def _hidden(self, hidden, shape):
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32             # <<<<<<<<<<<<<<
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):
  *             return hidden
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 233, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 237, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 233, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 237, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_4 = (((PyObject *)Py_TYPE(__pyx_v_hidden)) == __pyx_t_3);
@@ -10063,29 +10124,29 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":234
+  /* "engram_stream/_engine.pyx":238
  *     def _hidden(self, hidden, shape):
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):             # <<<<<<<<<<<<<<
  *             return hidden
  *         return check_hidden(hidden, shape)
 */
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_v_hidden, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 233, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_v_hidden, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 237, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
 
-  /* "engram_stream/_engine.pyx":233
+  /* "engram_stream/_engine.pyx":237
  * 
  *     def _hidden(self, hidden, shape):
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32             # <<<<<<<<<<<<<<
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):
  *             return hidden
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 233, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 237, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 233, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 237, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_4 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_3, __pyx_t_5, Py_EQ); if (unlikely((__pyx_t_4 < 0))) __PYX_ERR(0, 233, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_3, __pyx_t_5, Py_EQ); if (unlikely((__pyx_t_4 < 0))) __PYX_ERR(0, 237, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   if (__pyx_t_4) {
@@ -10097,19 +10158,19 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":234
+  /* "engram_stream/_engine.pyx":238
  *     def _hidden(self, hidden, shape):
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):             # <<<<<<<<<<<<<<
  *             return hidden
  *         return check_hidden(hidden, shape)
 */
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_hidden, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 234, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_hidden, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 238, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 234, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 238, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-  __pyx_t_4 = __Pyx_PyObject_IsTrue(__pyx_t_3); if (unlikely((__pyx_t_4 < 0))) __PYX_ERR(0, 234, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_IsTrue(__pyx_t_3); if (unlikely((__pyx_t_4 < 0))) __PYX_ERR(0, 238, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   if (__pyx_t_4) {
 
@@ -10119,16 +10180,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
 
     goto __pyx_L4_bool_binop_done;
   }
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_v_hidden, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 234, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_v_hidden, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 238, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_3, __pyx_v_shape, Py_EQ); if (unlikely((__pyx_t_4 < 0))) __PYX_ERR(0, 234, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_3, __pyx_v_shape, Py_EQ); if (unlikely((__pyx_t_4 < 0))) __PYX_ERR(0, 238, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
   __pyx_t_1 = __pyx_t_4;
 
   __pyx_L4_bool_binop_done:;
 
-  /* "engram_stream/_engine.pyx":233
+  /* "engram_stream/_engine.pyx":237
  * 
  *     def _hidden(self, hidden, shape):
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32             # <<<<<<<<<<<<<<
@@ -10138,7 +10199,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
   if (__pyx_t_1) {
 
 
-    /* "engram_stream/_engine.pyx":235
+    /* "engram_stream/_engine.pyx":239
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):
  *             return hidden             # <<<<<<<<<<<<<<
@@ -10156,7 +10217,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
     }
     goto __pyx_L0;
 
-    /* "engram_stream/_engine.pyx":233
+    /* "engram_stream/_engine.pyx":237
  * 
  *     def _hidden(self, hidden, shape):
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32             # <<<<<<<<<<<<<<
@@ -10165,7 +10226,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
 */
   }
 
-  /* "engram_stream/_engine.pyx":236
+  /* "engram_stream/_engine.pyx":240
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):
  *             return hidden
  *         return check_hidden(hidden, shape)             # <<<<<<<<<<<<<<
@@ -10173,7 +10234,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
  *     def _out(self, out, shape):
 */
   __pyx_t_5 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_check_hidden); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 236, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_check_hidden); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 240, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __pyx_t_6 = 1;
   #if CYTHON_UNPACK_METHODS
@@ -10192,7 +10253,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
     __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)__pyx_t_2, __pyx_callargs+__pyx_t_6, (3-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 236, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 240, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   {
@@ -10206,7 +10267,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
   __pyx_t_3 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":232
+  /* "engram_stream/_engine.pyx":236
  *         return ids, False
  * 
  *     def _hidden(self, hidden, shape):             # <<<<<<<<<<<<<<
@@ -10227,7 +10288,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":238
+/* "engram_stream/_engine.pyx":242
  *         return check_hidden(hidden, shape)
  * 
  *     def _out(self, out, shape):             # <<<<<<<<<<<<<<
@@ -10276,39 +10337,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_out,&__pyx_mstate_global->__pyx_n_u_shape,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 238, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 242, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 238, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 242, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 238, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 242, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_out", 0) < (0)) __PYX_ERR(0, 238, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_out", 0) < (0)) __PYX_ERR(0, 242, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_out", 1, 2, 2, i); __PYX_ERR(0, 238, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_out", 1, 2, 2, i); __PYX_ERR(0, 242, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 238, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 242, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 238, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 242, __pyx_L3_error)
     }
     __pyx_v_out = values[0];
     __pyx_v_shape = values[1];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_out", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 238, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_out", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 242, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -10350,7 +10411,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_out", 0);
 
-  /* "engram_stream/_engine.pyx":239
+  /* "engram_stream/_engine.pyx":243
  * 
  *     def _out(self, out, shape):
  *         if out is None:             # <<<<<<<<<<<<<<
@@ -10361,7 +10422,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
   if (__pyx_t_1) {
 
 
-    /* "engram_stream/_engine.pyx":240
+    /* "engram_stream/_engine.pyx":244
  *     def _out(self, out, shape):
  *         if out is None:
  *             return np.empty(shape, dtype=np.float32)             # <<<<<<<<<<<<<<
@@ -10369,14 +10430,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
  *                 and out.flags.writeable and out.shape == shape):
 */
     __pyx_t_3 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 240, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 244, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 240, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 244, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 240, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 244, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 240, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 244, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     #if CYTHON_VECTORCALL
@@ -10397,13 +10458,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
       PyObject *__pyx_callargs[3] = {__pyx_t_3, __pyx_v_shape, __pyx_t_6};
       #if CYTHON_VECTORCALL
       __pyx_t_4 = __pyx_mstate_global->__pyx_tuple[0];
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 240, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 244, __pyx_L1_error)
       __Pyx_INCREF(__pyx_t_4);
       #else
       {
         PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
         __pyx_t_4 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 240, __pyx_L1_error)
+        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 244, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_4);
       }
       #endif
@@ -10414,7 +10475,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 240, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 244, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
     }
     {
@@ -10428,7 +10489,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
     __pyx_t_2 = 0;
     goto __pyx_L0;
 
-    /* "engram_stream/_engine.pyx":239
+    /* "engram_stream/_engine.pyx":243
  * 
  *     def _out(self, out, shape):
  *         if out is None:             # <<<<<<<<<<<<<<
@@ -10437,16 +10498,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
 */
   }
 
-  /* "engram_stream/_engine.pyx":241
+  /* "engram_stream/_engine.pyx":245
  *         if out is None:
  *             return np.empty(shape, dtype=np.float32)
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous             # <<<<<<<<<<<<<<
  *                 and out.flags.writeable and out.shape == shape):
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 241, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 241, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_8 = (((PyObject *)Py_TYPE(__pyx_v_out)) == __pyx_t_5);
@@ -10459,14 +10520,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
 
     goto __pyx_L5_bool_binop_done;
   }
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 241, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 241, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 241, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_8 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_5, __pyx_t_4, Py_EQ); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 241, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_5, __pyx_t_4, Py_EQ); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   if (__pyx_t_8) {
@@ -10478,27 +10539,27 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
     goto __pyx_L5_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":242
+  /* "engram_stream/_engine.pyx":246
  *             return np.empty(shape, dtype=np.float32)
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous
  *                 and out.flags.writeable and out.shape == shape):             # <<<<<<<<<<<<<<
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
  *                              f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
 */
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 241, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
 
-  /* "engram_stream/_engine.pyx":241
+  /* "engram_stream/_engine.pyx":245
  *         if out is None:
  *             return np.empty(shape, dtype=np.float32)
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous             # <<<<<<<<<<<<<<
  *                 and out.flags.writeable and out.shape == shape):
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
 */
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 241, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_8 = __Pyx_PyObject_IsTrue(__pyx_t_5); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 241, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_IsTrue(__pyx_t_5); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   if (__pyx_t_8) {
 
@@ -10509,19 +10570,19 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
     goto __pyx_L5_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":242
+  /* "engram_stream/_engine.pyx":246
  *             return np.empty(shape, dtype=np.float32)
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous
  *                 and out.flags.writeable and out.shape == shape):             # <<<<<<<<<<<<<<
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
  *                              f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
 */
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 242, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 246, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_writeable); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 242, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_writeable); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 246, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-  __pyx_t_8 = __Pyx_PyObject_IsTrue(__pyx_t_4); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 242, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_IsTrue(__pyx_t_4); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 246, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   if (__pyx_t_8) {
 
@@ -10531,16 +10592,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
 
     goto __pyx_L5_bool_binop_done;
   }
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 242, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 246, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_8 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_4, __pyx_v_shape, Py_EQ); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 242, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_4, __pyx_v_shape, Py_EQ); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 246, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   __pyx_t_1 = __pyx_t_8;
 
   __pyx_L5_bool_binop_done:;
 
-  /* "engram_stream/_engine.pyx":241
+  /* "engram_stream/_engine.pyx":245
  *         if out is None:
  *             return np.empty(shape, dtype=np.float32)
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous             # <<<<<<<<<<<<<<
@@ -10553,7 +10614,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
   if (unlikely(__pyx_t_8)) {
 
 
-    /* "engram_stream/_engine.pyx":243
+    /* "engram_stream/_engine.pyx":247
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous
  *                 and out.flags.writeable and out.shape == shape):
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "             # <<<<<<<<<<<<<<
@@ -10561,29 +10622,29 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
  *         return out
 */
     __pyx_t_5 = NULL;
-    __pyx_t_2 = __Pyx_PyObject_FormatSimple(__pyx_v_shape, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 243, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_FormatSimple(__pyx_v_shape, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 247, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
 
-    /* "engram_stream/_engine.pyx":244
+    /* "engram_stream/_engine.pyx":248
  *                 and out.flags.writeable and out.shape == shape):
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
  *                              f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")             # <<<<<<<<<<<<<<
  *         return out
  * 
 */
-    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(((PyObject *)Py_TYPE(__pyx_v_out)), __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 244, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(((PyObject *)Py_TYPE(__pyx_v_out)), __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 248, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_3 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 244, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 248, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __pyx_t_6 = __Pyx_GetAttr3(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_dtype, __pyx_mstate_global->__pyx_kp_u__6); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 244, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_GetAttr3(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_dtype, __pyx_mstate_global->__pyx_kp_u__6); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 248, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_9 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 244, __pyx_L1_error)
+    __pyx_t_9 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 248, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_9);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __pyx_t_6 = __Pyx_GetAttr3(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_shape, __pyx_mstate_global->__pyx_kp_u__6); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 244, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_GetAttr3(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_shape, __pyx_mstate_global->__pyx_kp_u__6); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 248, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_10 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 244, __pyx_L1_error)
+    __pyx_t_10 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 248, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_10);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __pyx_t_11[0] = __pyx_mstate_global->__pyx_kp_u_out_must_be_a_writeable_C_contig;
@@ -10595,7 +10656,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
     __pyx_t_11[6] = __pyx_mstate_global->__pyx_kp_u__5;
     __pyx_t_11[7] = __pyx_t_10;
 
-    /* "engram_stream/_engine.pyx":243
+    /* "engram_stream/_engine.pyx":247
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous
  *                 and out.flags.writeable and out.shape == shape):
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "             # <<<<<<<<<<<<<<
@@ -10617,7 +10678,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
     }
     #endif
     __pyx_t_6 = __Pyx_PyUnicode_Join(__pyx_t_11, 8, __pyx_t_12, __pyx_t_13);
-    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 243, __pyx_L1_error)
+    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 247, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
@@ -10629,14 +10690,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 243, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 247, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 243, __pyx_L1_error)
+    __PYX_ERR(0, 247, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":241
+    /* "engram_stream/_engine.pyx":245
  *         if out is None:
  *             return np.empty(shape, dtype=np.float32)
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous             # <<<<<<<<<<<<<<
@@ -10645,7 +10706,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
 */
   }
 
-  /* "engram_stream/_engine.pyx":245
+  /* "engram_stream/_engine.pyx":249
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
  *                              f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
  *         return out             # <<<<<<<<<<<<<<
@@ -10663,7 +10724,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":238
+  /* "engram_stream/_engine.pyx":242
  *         return check_hidden(hidden, shape)
  * 
  *     def _out(self, out, shape):             # <<<<<<<<<<<<<<
@@ -10688,7 +10749,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":247
+/* "engram_stream/_engine.pyx":251
  *         return out
  * 
  *     def _bad_id(self, cnp.ndarray ids, int64_t i):             # <<<<<<<<<<<<<<
@@ -10737,39 +10798,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_ids,&__pyx_mstate_global->__pyx_n_u_i,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 247, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 251, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 247, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 251, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 247, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 251, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_bad_id", 0) < (0)) __PYX_ERR(0, 247, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_bad_id", 0) < (0)) __PYX_ERR(0, 251, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_bad_id", 1, 2, 2, i); __PYX_ERR(0, 247, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_bad_id", 1, 2, 2, i); __PYX_ERR(0, 251, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 247, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 251, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 247, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 251, __pyx_L3_error)
     }
     __pyx_v_ids = ((PyArrayObject *)values[0]);
-    __pyx_v_i = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_i == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 247, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_i == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 251, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_bad_id", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 247, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_bad_id", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 251, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -10780,7 +10841,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_ids), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "ids", 0))) __PYX_ERR(0, 247, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_ids), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "ids", 0))) __PYX_ERR(0, 251, __pyx_L1_error)
   __pyx_r = __pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(((struct __pyx_obj_13engram_stream_7_engine_StreamEngine *)__pyx_v_self), __pyx_v_ids, __pyx_v_i);
 
   /* function exit code */
@@ -10818,7 +10879,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_bad_id", 0);
 
-  /* "engram_stream/_engine.pyx":248
+  /* "engram_stream/_engine.pyx":252
  * 
  *     def _bad_id(self, cnp.ndarray ids, int64_t i):
  *         return ValueError(f"token id {ids[i]} out of range: ids must be < vocab_size={self.vocab}")             # <<<<<<<<<<<<<<
@@ -10826,12 +10887,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(stru
  *     # ---- the public calls ---------------------------------------------------------------------
 */
   __pyx_t_2 = NULL;
-  __pyx_t_3 = __Pyx_GetItemInt(((PyObject *)__pyx_v_ids), __pyx_v_i, int64_t, 1, __Pyx_PyLong_From_int64_t, 0, 0, 1, __Pyx_ReferenceSharing_FunctionArgument); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 248, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_GetItemInt(((PyObject *)__pyx_v_ids), __pyx_v_i, int64_t, 1, __Pyx_PyLong_From_int64_t, 0, 0, 1, __Pyx_ReferenceSharing_FunctionArgument); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 252, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_FormatSimple(__pyx_t_3, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 248, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_FormatSimple(__pyx_t_3, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 252, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_3 = __Pyx_PyUnicode_From_int64_t(__pyx_v_self->vocab, 0, ' ', 'd'); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 248, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyUnicode_From_int64_t(__pyx_v_self->vocab, 0, ' ', 'd'); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 252, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_5[0] = __pyx_mstate_global->__pyx_kp_u_token_id;
   __pyx_t_5[1] = __pyx_t_4;
@@ -10846,7 +10907,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(stru
   __pyx_t_7 |= __Pyx_PyUnicode_KIND_04(__pyx_t_5[1]);
   #endif
   __pyx_t_8 = __Pyx_PyUnicode_Join(__pyx_t_5, 4, __pyx_t_6, __pyx_t_7);
-  if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 248, __pyx_L1_error)
+  if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 252, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
@@ -10856,7 +10917,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(stru
     __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_9, (2-__pyx_t_9) | (__pyx_t_9*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 248, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 252, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -10870,7 +10931,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(stru
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":247
+  /* "engram_stream/_engine.pyx":251
  *         return out
  * 
  *     def _bad_id(self, cnp.ndarray ids, int64_t i):             # <<<<<<<<<<<<<<
@@ -10893,7 +10954,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(stru
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":251
+/* "engram_stream/_engine.pyx":255
  * 
  *     # ---- the public calls ---------------------------------------------------------------------
  *     def step(self, token_ids, hidden, out=None):             # <<<<<<<<<<<<<<
@@ -10943,41 +11004,41 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_token_ids,&__pyx_mstate_global->__pyx_n_u_hidden,&__pyx_mstate_global->__pyx_n_u_out,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 251, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 255, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 255, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 255, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 255, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "step", 0) < (0)) __PYX_ERR(0, 251, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "step", 0) < (0)) __PYX_ERR(0, 255, __pyx_L3_error)
       if (!values[2]) values[2] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("step", 0, 2, 3, i); __PYX_ERR(0, 251, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("step", 0, 2, 3, i); __PYX_ERR(0, 255, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 255, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 255, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 251, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 255, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -10989,7 +11050,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("step", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 251, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("step", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 255, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -11044,7 +11105,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("step", 0);
 
-  /* "engram_stream/_engine.pyx":254
+  /* "engram_stream/_engine.pyx":258
  *         """One token per stream: (token_id, hidden[G, D]) for one stream, or
  *         (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram output (no residual)."""
  *         ids, single = self._ids(token_ids)             # <<<<<<<<<<<<<<
@@ -11058,7 +11119,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_v_token_ids};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_ids_2, __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 254, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 258, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   if ((likely(PyTuple_CheckExact(__pyx_t_1))) || (PyList_CheckExact(__pyx_t_1))) {
@@ -11067,7 +11128,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     if (unlikely(size != 2)) {
       if (size > 2) __Pyx_RaiseTooManyValuesError(2);
       else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-      __PYX_ERR(0, 254, __pyx_L1_error)
+      __PYX_ERR(0, 258, __pyx_L1_error)
     }
     #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
     if (likely(PyTuple_CheckExact(sequence))) {
@@ -11077,22 +11138,22 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
       __Pyx_INCREF(__pyx_t_4);
     } else {
       __pyx_t_2 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 254, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 258, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_2);
       __pyx_t_4 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 254, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 258, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_4);
     }
     #else
-    __pyx_t_2 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 254, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 258, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 254, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 258, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     #endif
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   } else {
     Py_ssize_t index = -1;
-    __pyx_t_5 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 254, __pyx_L1_error)
+    __pyx_t_5 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 258, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
     __pyx_t_6 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_5);
@@ -11100,7 +11161,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     __Pyx_GOTREF(__pyx_t_2);
     index = 1; __pyx_t_4 = __pyx_t_6(__pyx_t_5); if (unlikely(!__pyx_t_4)) goto __pyx_L3_unpacking_failed;
     __Pyx_GOTREF(__pyx_t_4);
-    if (__Pyx_IternextUnpackEndCheck(__pyx_t_6(__pyx_t_5), 2) < (0)) __PYX_ERR(0, 254, __pyx_L1_error)
+    if (__Pyx_IternextUnpackEndCheck(__pyx_t_6(__pyx_t_5), 2) < (0)) __PYX_ERR(0, 258, __pyx_L1_error)
     __pyx_t_6 = NULL;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     goto __pyx_L4_unpacking_done;
@@ -11108,7 +11169,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __pyx_t_6 = NULL;
     if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-    __PYX_ERR(0, 254, __pyx_L1_error)
+    __PYX_ERR(0, 258, __pyx_L1_error)
     __pyx_L4_unpacking_done:;
   }
   __pyx_v_ids = __pyx_t_2;
@@ -11116,67 +11177,67 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   __pyx_v_single = __pyx_t_4;
   __pyx_t_4 = 0;
 
-  /* "engram_stream/_engine.pyx":255
+  /* "engram_stream/_engine.pyx":259
  *         (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram output (no residual)."""
  *         ids, single = self._ids(token_ids)
  *         cdef object shape = (self.n_streams, self.G, self.D)             # <<<<<<<<<<<<<<
  *         if single:
  *             shape = (self.G, self.D)
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 255, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 259, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_4 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 255, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 259, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 255, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 259, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_5 = PyTuple_New(3); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 255, __pyx_L1_error)
+  __pyx_t_5 = PyTuple_New(3); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 259, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_GIVEREF(__pyx_t_1);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 255, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 259, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 255, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 259, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 2, __pyx_t_2) != (0)) __PYX_ERR(0, 255, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 2, __pyx_t_2) != (0)) __PYX_ERR(0, 259, __pyx_L1_error);
   __pyx_t_1 = 0;
   __pyx_t_4 = 0;
   __pyx_t_2 = 0;
   __pyx_v_shape = __pyx_t_5;
   __pyx_t_5 = 0;
 
-  /* "engram_stream/_engine.pyx":256
+  /* "engram_stream/_engine.pyx":260
  *         ids, single = self._ids(token_ids)
  *         cdef object shape = (self.n_streams, self.G, self.D)
  *         if single:             # <<<<<<<<<<<<<<
  *             shape = (self.G, self.D)
  *         h = self._hidden(hidden, shape)
 */
-  __pyx_t_7 = __Pyx_PyObject_IsTrue(__pyx_v_single); if (unlikely((__pyx_t_7 < 0))) __PYX_ERR(0, 256, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_IsTrue(__pyx_v_single); if (unlikely((__pyx_t_7 < 0))) __PYX_ERR(0, 260, __pyx_L1_error)
   if (__pyx_t_7) {
 
 
-    /* "engram_stream/_engine.pyx":257
+    /* "engram_stream/_engine.pyx":261
  *         cdef object shape = (self.n_streams, self.G, self.D)
  *         if single:
  *             shape = (self.G, self.D)             # <<<<<<<<<<<<<<
  *         h = self._hidden(hidden, shape)
  *         o = self._out(out, shape)
 */
-    __pyx_t_5 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 257, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 261, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 257, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 261, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 257, __pyx_L1_error)
+    __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 261, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_GIVEREF(__pyx_t_5);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 257, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 261, __pyx_L1_error);
     __Pyx_GIVEREF(__pyx_t_2);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 257, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 261, __pyx_L1_error);
     __pyx_t_5 = 0;
     __pyx_t_2 = 0;
     __Pyx_DECREF_SET(__pyx_v_shape, __pyx_t_4);
     __pyx_t_4 = 0;
 
-    /* "engram_stream/_engine.pyx":256
+    /* "engram_stream/_engine.pyx":260
  *         ids, single = self._ids(token_ids)
  *         cdef object shape = (self.n_streams, self.G, self.D)
  *         if single:             # <<<<<<<<<<<<<<
@@ -11185,7 +11246,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
   }
 
-  /* "engram_stream/_engine.pyx":258
+  /* "engram_stream/_engine.pyx":262
  *         if single:
  *             shape = (self.G, self.D)
  *         h = self._hidden(hidden, shape)             # <<<<<<<<<<<<<<
@@ -11199,13 +11260,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     PyObject *__pyx_callargs[3] = {__pyx_t_2, __pyx_v_hidden, __pyx_v_shape};
     __pyx_t_4 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_hidden_2, __pyx_callargs+__pyx_t_3, (3-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 258, __pyx_L1_error)
+    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 262, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
   }
   __pyx_v_h = __pyx_t_4;
   __pyx_t_4 = 0;
 
-  /* "engram_stream/_engine.pyx":259
+  /* "engram_stream/_engine.pyx":263
  *             shape = (self.G, self.D)
  *         h = self._hidden(hidden, shape)
  *         o = self._out(out, shape)             # <<<<<<<<<<<<<<
@@ -11219,60 +11280,60 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     PyObject *__pyx_callargs[3] = {__pyx_t_2, __pyx_v_out, __pyx_v_shape};
     __pyx_t_4 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_out_2, __pyx_callargs+__pyx_t_3, (3-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 259, __pyx_L1_error)
+    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 263, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
   }
   __pyx_v_o = __pyx_t_4;
   __pyx_t_4 = 0;
 
-  /* "engram_stream/_engine.pyx":260
+  /* "engram_stream/_engine.pyx":264
  *         h = self._hidden(hidden, shape)
  *         o = self._out(out, shape)
  *         cdef const int64_t *pid = <const int64_t *> _data(ids)             # <<<<<<<<<<<<<<
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)
 */
-  if (!(likely(((__pyx_v_ids) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_ids, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 260, __pyx_L1_error)
-  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_ids)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 260, __pyx_L1_error)
+  if (!(likely(((__pyx_v_ids) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_ids, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 264, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_ids)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 264, __pyx_L1_error)
   __pyx_v_pid = ((int64_t const *)__pyx_t_8);
 
 
-  /* "engram_stream/_engine.pyx":261
+  /* "engram_stream/_engine.pyx":265
  *         o = self._out(out, shape)
  *         cdef const int64_t *pid = <const int64_t *> _data(ids)
  *         cdef const float *ph = <const float *> _data(h)             # <<<<<<<<<<<<<<
  *         cdef float *po = <float *> _data(o)
  *         cdef int64_t bad
 */
-  if (!(likely(((__pyx_v_h) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_h, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 261, __pyx_L1_error)
-  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_h)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 261, __pyx_L1_error)
+  if (!(likely(((__pyx_v_h) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_h, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 265, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_h)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 265, __pyx_L1_error)
   __pyx_v_ph = ((float const *)__pyx_t_8);
 
 
-  /* "engram_stream/_engine.pyx":262
+  /* "engram_stream/_engine.pyx":266
  *         cdef const int64_t *pid = <const int64_t *> _data(ids)
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)             # <<<<<<<<<<<<<<
  *         cdef int64_t bad
  *         self._enter()
 */
-  if (!(likely(((__pyx_v_o) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_o, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 262, __pyx_L1_error)
-  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_o)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 262, __pyx_L1_error)
+  if (!(likely(((__pyx_v_o) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_o, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 266, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_o)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 266, __pyx_L1_error)
   __pyx_v_po = ((float *)__pyx_t_8);
 
 
-  /* "engram_stream/_engine.pyx":264
+  /* "engram_stream/_engine.pyx":268
  *         cdef float *po = <float *> _data(o)
  *         cdef int64_t bad
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if self.pending:
 */
-  __pyx_t_4 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 264, __pyx_L1_error)
+  __pyx_t_4 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 268, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "engram_stream/_engine.pyx":265
+  /* "engram_stream/_engine.pyx":269
  *         cdef int64_t bad
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -11281,7 +11342,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":266
+    /* "engram_stream/_engine.pyx":270
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -11290,7 +11351,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
     if (unlikely(__pyx_v_self->pending)) {
 
-      /* "engram_stream/_engine.pyx":267
+      /* "engram_stream/_engine.pyx":271
  *         try:
  *             if self.pending:
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")             # <<<<<<<<<<<<<<
@@ -11303,14 +11364,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
         PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_feed_was_called_finish_that_toke};
         __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 267, __pyx_L7_error)
+        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 271, __pyx_L7_error)
         __Pyx_GOTREF(__pyx_t_4);
       }
       __Pyx_Raise(__pyx_t_4, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __PYX_ERR(0, 267, __pyx_L7_error)
+      __PYX_ERR(0, 271, __pyx_L7_error)
 
-      /* "engram_stream/_engine.pyx":266
+      /* "engram_stream/_engine.pyx":270
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -11319,7 +11380,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
     }
 
-    /* "engram_stream/_engine.pyx":268
+    /* "engram_stream/_engine.pyx":272
  *             if self.pending:
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -11332,7 +11393,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "engram_stream/_engine.pyx":269
+          /* "engram_stream/_engine.pyx":273
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
  *             with nogil:
  *                 bad = self._first_bad_id(pid, self.n_streams)             # <<<<<<<<<<<<<<
@@ -11341,7 +11402,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
           __pyx_v_bad = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_first_bad_id(__pyx_v_self, __pyx_v_pid, __pyx_v_self->n_streams);
 
-          /* "engram_stream/_engine.pyx":270
+          /* "engram_stream/_engine.pyx":274
  *             with nogil:
  *                 bad = self._first_bad_id(pid, self.n_streams)
  *                 if bad < 0:             # <<<<<<<<<<<<<<
@@ -11353,7 +11414,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
           if (__pyx_t_7) {
 
 
-            /* "engram_stream/_engine.pyx":271
+            /* "engram_stream/_engine.pyx":275
  *                 bad = self._first_bad_id(pid, self.n_streams)
  *                 if bad < 0:
  *                     self._feed_nogil(pid)             # <<<<<<<<<<<<<<
@@ -11362,7 +11423,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
             ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_feed_nogil(__pyx_v_self, __pyx_v_pid);
 
-            /* "engram_stream/_engine.pyx":272
+            /* "engram_stream/_engine.pyx":276
  *                 if bad < 0:
  *                     self._feed_nogil(pid)
  *                     self._compute_nogil(ph, po)             # <<<<<<<<<<<<<<
@@ -11371,7 +11432,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
             ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_compute_nogil(__pyx_v_self, __pyx_v_ph, __pyx_v_po);
 
-            /* "engram_stream/_engine.pyx":270
+            /* "engram_stream/_engine.pyx":274
  *             with nogil:
  *                 bad = self._first_bad_id(pid, self.n_streams)
  *                 if bad < 0:             # <<<<<<<<<<<<<<
@@ -11381,7 +11442,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
           }
         }
 
-        /* "engram_stream/_engine.pyx":268
+        /* "engram_stream/_engine.pyx":272
  *             if self.pending:
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -11399,7 +11460,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     }
   }
 
-  /* "engram_stream/_engine.pyx":274
+  /* "engram_stream/_engine.pyx":278
  *                     self._compute_nogil(ph, po)
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -11447,7 +11508,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     __pyx_L8:;
   }
 
-  /* "engram_stream/_engine.pyx":275
+  /* "engram_stream/_engine.pyx":279
  *         finally:
  *             self.busy = False
  *         if bad >= 0:             # <<<<<<<<<<<<<<
@@ -11459,7 +11520,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   if (unlikely(__pyx_t_7)) {
 
 
-    /* "engram_stream/_engine.pyx":276
+    /* "engram_stream/_engine.pyx":280
  *             self.busy = False
  *         if bad >= 0:
  *             raise self._bad_id(ids, bad)             # <<<<<<<<<<<<<<
@@ -11468,7 +11529,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
     __pyx_t_2 = ((PyObject *)__pyx_v_self);
     __Pyx_INCREF(__pyx_t_2);
-    __pyx_t_5 = __Pyx_PyLong_From_int64_t(__pyx_v_bad); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 276, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyLong_From_int64_t(__pyx_v_bad); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 280, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __pyx_t_3 = 0;
     {
@@ -11476,14 +11537,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
       __pyx_t_4 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_bad_id, __pyx_callargs+__pyx_t_3, (3-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 276, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 280, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 276, __pyx_L1_error)
+    __PYX_ERR(0, 280, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":275
+    /* "engram_stream/_engine.pyx":279
  *         finally:
  *             self.busy = False
  *         if bad >= 0:             # <<<<<<<<<<<<<<
@@ -11492,7 +11553,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
   }
 
-  /* "engram_stream/_engine.pyx":277
+  /* "engram_stream/_engine.pyx":281
  *         if bad >= 0:
  *             raise self._bad_id(ids, bad)
  *         return o             # <<<<<<<<<<<<<<
@@ -11510,7 +11571,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":251
+  /* "engram_stream/_engine.pyx":255
  * 
  *     # ---- the public calls ---------------------------------------------------------------------
  *     def step(self, token_ids, hidden, out=None):             # <<<<<<<<<<<<<<
@@ -11541,7 +11602,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":279
+/* "engram_stream/_engine.pyx":283
  *         return o
  * 
  *     cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -11555,7 +11616,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__feed_nogil(struct _
   int __pyx_t_2;
   int64_t __pyx_t_3;
 
-  /* "engram_stream/_engine.pyx":281
+  /* "engram_stream/_engine.pyx":285
  *     cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil:
  *         cdef int64_t b
  *         for b in range(self.n_streams):             # <<<<<<<<<<<<<<
@@ -11569,7 +11630,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__feed_nogil(struct _
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_b = __pyx_t_3;
 
-    /* "engram_stream/_engine.pyx":282
+    /* "engram_stream/_engine.pyx":286
  *         cdef int64_t b
  *         for b in range(self.n_streams):
  *             self._hash_one(b, ids[b], self.rbuf + b * self.H)             # <<<<<<<<<<<<<<
@@ -11580,7 +11641,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__feed_nogil(struct _
   }
 
 
-  /* "engram_stream/_engine.pyx":283
+  /* "engram_stream/_engine.pyx":287
  *         for b in range(self.n_streams):
  *             self._hash_one(b, ids[b], self.rbuf + b * self.H)
  *         es_prefetch_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H)             # <<<<<<<<<<<<<<
@@ -11589,7 +11650,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__feed_nogil(struct _
 */
   es_prefetch_rows(__pyx_v_self->table, __pyx_v_self->rowbytes, __pyx_v_self->rbuf, (__pyx_v_self->n_streams * __pyx_v_self->H));
 
-  /* "engram_stream/_engine.pyx":279
+  /* "engram_stream/_engine.pyx":283
  *         return o
  * 
  *     cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -11601,7 +11662,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__feed_nogil(struct _
 
 }
 
-/* "engram_stream/_engine.pyx":285
+/* "engram_stream/_engine.pyx":289
  *         es_prefetch_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H)
  * 
  *     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -11617,7 +11678,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
   int64_t __pyx_t_3;
   int64_t __pyx_t_4;
 
-  /* "engram_stream/_engine.pyx":286
+  /* "engram_stream/_engine.pyx":290
  * 
  *     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:
  *         cdef int64_t b, S = self.n_streams             # <<<<<<<<<<<<<<
@@ -11628,12 +11689,12 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
 
   __pyx_v_S = __pyx_t_1;
 
-  /* "engram_stream/_engine.pyx":287
+  /* "engram_stream/_engine.pyx":291
  *     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:
  *         cdef int64_t b, S = self.n_streams
  *         for b in range(S):             # <<<<<<<<<<<<<<
  *             self._gather(self.rbuf + b * self.H, self.ebuf + b * self.ldx)
- *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf)
+ *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf)
 */
 
   __pyx_t_2 = __pyx_v_S;
@@ -11642,29 +11703,29 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_b = __pyx_t_4;
 
-    /* "engram_stream/_engine.pyx":288
+    /* "engram_stream/_engine.pyx":292
  *         cdef int64_t b, S = self.n_streams
  *         for b in range(S):
  *             self._gather(self.rbuf + b * self.H, self.ebuf + b * self.ldx)             # <<<<<<<<<<<<<<
- *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf)
+ *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf)
  *         for b in range(S):
 */
     ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_gather(__pyx_v_self, (__pyx_v_self->rbuf + (__pyx_v_b * __pyx_v_self->H)), (__pyx_v_self->ebuf + (__pyx_v_b * __pyx_v_self->ldx)));
   }
 
 
-  /* "engram_stream/_engine.pyx":289
+  /* "engram_stream/_engine.pyx":293
  *         for b in range(S):
  *             self._gather(self.rbuf + b * self.H, self.ebuf + b * self.ldx)
- *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf)             # <<<<<<<<<<<<<<
+ *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf)             # <<<<<<<<<<<<<<
  *         for b in range(S):
  *             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
 */
-  es_gemm_packed(__pyx_v_self->ebuf, __pyx_v_self->ldx, __pyx_v_S, __pyx_v_self->E, __pyx_v_self->wp, __pyx_v_self->bp, __pyx_v_self->M, __pyx_v_self->ybuf);
+  es_gemm_packed(__pyx_v_self->ebuf, __pyx_v_self->ldx, __pyx_v_S, __pyx_v_self->E, __pyx_v_self->wp, __pyx_v_self->bp, __pyx_v_self->M, __pyx_v_self->ybuf, __pyx_v_self->pbuf);
 
-  /* "engram_stream/_engine.pyx":290
+  /* "engram_stream/_engine.pyx":294
  *             self._gather(self.rbuf + b * self.H, self.ebuf + b * self.ldx)
- *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf)
+ *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf)
  *         for b in range(S):             # <<<<<<<<<<<<<<
  *             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
  * 
@@ -11676,8 +11737,8 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_b = __pyx_t_4;
 
-    /* "engram_stream/_engine.pyx":291
- *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf)
+    /* "engram_stream/_engine.pyx":295
+ *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf)
  *         for b in range(S):
  *             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)             # <<<<<<<<<<<<<<
  * 
@@ -11687,7 +11748,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
   }
 
 
-  /* "engram_stream/_engine.pyx":285
+  /* "engram_stream/_engine.pyx":289
  *         es_prefetch_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H)
  * 
  *     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -11700,7 +11761,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
 
 }
 
-/* "engram_stream/_engine.pyx":293
+/* "engram_stream/_engine.pyx":297
  *             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
  * 
  *     def feed(self, token_ids):             # <<<<<<<<<<<<<<
@@ -11748,32 +11809,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_token_ids,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 293, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 297, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 293, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 297, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "feed", 0) < (0)) __PYX_ERR(0, 293, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "feed", 0) < (0)) __PYX_ERR(0, 297, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("feed", 1, 1, 1, i); __PYX_ERR(0, 293, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("feed", 1, 1, 1, i); __PYX_ERR(0, 297, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 293, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 297, __pyx_L3_error)
     }
     __pyx_v_token_ids = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("feed", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 293, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("feed", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 297, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -11823,7 +11884,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("feed", 0);
 
-  /* "engram_stream/_engine.pyx":296
+  /* "engram_stream/_engine.pyx":300
  *         """First half of a step: compress and hash the new token(s), advance the hash windows.
  *         The rows (`.rows`) are then known before the layer runs; compute() finishes the step."""
  *         ids, _ = self._ids(token_ids)             # <<<<<<<<<<<<<<
@@ -11837,7 +11898,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
     PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_v_token_ids};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_ids_2, __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 296, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 300, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   if ((likely(PyTuple_CheckExact(__pyx_t_1))) || (PyList_CheckExact(__pyx_t_1))) {
@@ -11846,7 +11907,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
     if (unlikely(size != 2)) {
       if (size > 2) __Pyx_RaiseTooManyValuesError(2);
       else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-      __PYX_ERR(0, 296, __pyx_L1_error)
+      __PYX_ERR(0, 300, __pyx_L1_error)
     }
     #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
     if (likely(PyTuple_CheckExact(sequence))) {
@@ -11856,22 +11917,22 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
       __Pyx_INCREF(__pyx_t_4);
     } else {
       __pyx_t_2 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 296, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 300, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_2);
       __pyx_t_4 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 296, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 300, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_4);
     }
     #else
-    __pyx_t_2 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 296, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 300, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 296, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 300, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     #endif
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   } else {
     Py_ssize_t index = -1;
-    __pyx_t_5 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 296, __pyx_L1_error)
+    __pyx_t_5 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 300, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
     __pyx_t_6 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_5);
@@ -11879,7 +11940,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
     __Pyx_GOTREF(__pyx_t_2);
     index = 1; __pyx_t_4 = __pyx_t_6(__pyx_t_5); if (unlikely(!__pyx_t_4)) goto __pyx_L3_unpacking_failed;
     __Pyx_GOTREF(__pyx_t_4);
-    if (__Pyx_IternextUnpackEndCheck(__pyx_t_6(__pyx_t_5), 2) < (0)) __PYX_ERR(0, 296, __pyx_L1_error)
+    if (__Pyx_IternextUnpackEndCheck(__pyx_t_6(__pyx_t_5), 2) < (0)) __PYX_ERR(0, 300, __pyx_L1_error)
     __pyx_t_6 = NULL;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     goto __pyx_L4_unpacking_done;
@@ -11887,7 +11948,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __pyx_t_6 = NULL;
     if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-    __PYX_ERR(0, 296, __pyx_L1_error)
+    __PYX_ERR(0, 300, __pyx_L1_error)
     __pyx_L4_unpacking_done:;
   }
   __pyx_v_ids = __pyx_t_2;
@@ -11895,30 +11956,30 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
   __pyx_v__ = __pyx_t_4;
   __pyx_t_4 = 0;
 
-  /* "engram_stream/_engine.pyx":297
+  /* "engram_stream/_engine.pyx":301
  *         The rows (`.rows`) are then known before the layer runs; compute() finishes the step."""
  *         ids, _ = self._ids(token_ids)
  *         cdef const int64_t *pid = <const int64_t *> _data(ids)             # <<<<<<<<<<<<<<
  *         cdef int64_t bad
  *         self._enter()
 */
-  if (!(likely(((__pyx_v_ids) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_ids, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 297, __pyx_L1_error)
-  __pyx_t_7 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_ids)); if (unlikely(__pyx_t_7 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 297, __pyx_L1_error)
+  if (!(likely(((__pyx_v_ids) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_ids, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 301, __pyx_L1_error)
+  __pyx_t_7 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_ids)); if (unlikely(__pyx_t_7 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 301, __pyx_L1_error)
   __pyx_v_pid = ((int64_t const *)__pyx_t_7);
 
 
-  /* "engram_stream/_engine.pyx":299
+  /* "engram_stream/_engine.pyx":303
  *         cdef const int64_t *pid = <const int64_t *> _data(ids)
  *         cdef int64_t bad
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if self.pending:
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 299, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 303, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":300
+  /* "engram_stream/_engine.pyx":304
  *         cdef int64_t bad
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -11927,7 +11988,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":301
+    /* "engram_stream/_engine.pyx":305
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -11936,7 +11997,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
     if (unlikely(__pyx_v_self->pending)) {
 
-      /* "engram_stream/_engine.pyx":302
+      /* "engram_stream/_engine.pyx":306
  *         try:
  *             if self.pending:
  *                 raise RuntimeError("feed() was already called for this token: call compute(hidden) first")             # <<<<<<<<<<<<<<
@@ -11949,14 +12010,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
         PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_feed_was_already_called_for_this};
         __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-        if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 302, __pyx_L6_error)
+        if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 306, __pyx_L6_error)
         __Pyx_GOTREF(__pyx_t_1);
       }
       __Pyx_Raise(__pyx_t_1, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-      __PYX_ERR(0, 302, __pyx_L6_error)
+      __PYX_ERR(0, 306, __pyx_L6_error)
 
-      /* "engram_stream/_engine.pyx":301
+      /* "engram_stream/_engine.pyx":305
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -11965,7 +12026,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
     }
 
-    /* "engram_stream/_engine.pyx":303
+    /* "engram_stream/_engine.pyx":307
  *             if self.pending:
  *                 raise RuntimeError("feed() was already called for this token: call compute(hidden) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -11978,7 +12039,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "engram_stream/_engine.pyx":304
+          /* "engram_stream/_engine.pyx":308
  *                 raise RuntimeError("feed() was already called for this token: call compute(hidden) first")
  *             with nogil:
  *                 bad = self._first_bad_id(pid, self.n_streams)             # <<<<<<<<<<<<<<
@@ -11987,7 +12048,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
           __pyx_v_bad = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_first_bad_id(__pyx_v_self, __pyx_v_pid, __pyx_v_self->n_streams);
 
-          /* "engram_stream/_engine.pyx":305
+          /* "engram_stream/_engine.pyx":309
  *             with nogil:
  *                 bad = self._first_bad_id(pid, self.n_streams)
  *                 if bad < 0:             # <<<<<<<<<<<<<<
@@ -11999,7 +12060,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
           if (__pyx_t_8) {
 
 
-            /* "engram_stream/_engine.pyx":306
+            /* "engram_stream/_engine.pyx":310
  *                 bad = self._first_bad_id(pid, self.n_streams)
  *                 if bad < 0:
  *                     self._feed_nogil(pid)             # <<<<<<<<<<<<<<
@@ -12008,7 +12069,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
             ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_feed_nogil(__pyx_v_self, __pyx_v_pid);
 
-            /* "engram_stream/_engine.pyx":305
+            /* "engram_stream/_engine.pyx":309
  *             with nogil:
  *                 bad = self._first_bad_id(pid, self.n_streams)
  *                 if bad < 0:             # <<<<<<<<<<<<<<
@@ -12018,7 +12079,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
           }
         }
 
-        /* "engram_stream/_engine.pyx":303
+        /* "engram_stream/_engine.pyx":307
  *             if self.pending:
  *                 raise RuntimeError("feed() was already called for this token: call compute(hidden) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -12035,7 +12096,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
         }
     }
 
-    /* "engram_stream/_engine.pyx":307
+    /* "engram_stream/_engine.pyx":311
  *                 if bad < 0:
  *                     self._feed_nogil(pid)
  *             self.pending = bad < 0             # <<<<<<<<<<<<<<
@@ -12045,7 +12106,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
     __pyx_v_self->pending = (__pyx_v_bad < 0);
   }
 
-  /* "engram_stream/_engine.pyx":309
+  /* "engram_stream/_engine.pyx":313
  *             self.pending = bad < 0
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -12093,7 +12154,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
     __pyx_L7:;
   }
 
-  /* "engram_stream/_engine.pyx":310
+  /* "engram_stream/_engine.pyx":314
  *         finally:
  *             self.busy = False
  *         if bad >= 0:             # <<<<<<<<<<<<<<
@@ -12105,7 +12166,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
   if (unlikely(__pyx_t_8)) {
 
 
-    /* "engram_stream/_engine.pyx":311
+    /* "engram_stream/_engine.pyx":315
  *             self.busy = False
  *         if bad >= 0:
  *             raise self._bad_id(ids, bad)             # <<<<<<<<<<<<<<
@@ -12114,7 +12175,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
     __pyx_t_4 = ((PyObject *)__pyx_v_self);
     __Pyx_INCREF(__pyx_t_4);
-    __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_bad); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 311, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_bad); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 315, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
     __pyx_t_3 = 0;
     {
@@ -12122,14 +12183,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
       __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_bad_id, __pyx_callargs+__pyx_t_3, (3-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 311, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 315, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 311, __pyx_L1_error)
+    __PYX_ERR(0, 315, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":310
+    /* "engram_stream/_engine.pyx":314
  *         finally:
  *             self.busy = False
  *         if bad >= 0:             # <<<<<<<<<<<<<<
@@ -12138,7 +12199,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
   }
 
-  /* "engram_stream/_engine.pyx":293
+  /* "engram_stream/_engine.pyx":297
  *             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
  * 
  *     def feed(self, token_ids):             # <<<<<<<<<<<<<<
@@ -12166,7 +12227,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":313
+/* "engram_stream/_engine.pyx":317
  *             raise self._bad_id(ids, bad)
  * 
  *     def compute(self, hidden, out=None):             # <<<<<<<<<<<<<<
@@ -12215,35 +12276,35 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_hidden,&__pyx_mstate_global->__pyx_n_u_out,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 313, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 317, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 313, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 317, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 313, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 317, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "compute", 0) < (0)) __PYX_ERR(0, 313, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "compute", 0) < (0)) __PYX_ERR(0, 317, __pyx_L3_error)
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("compute", 0, 1, 2, i); __PYX_ERR(0, 313, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("compute", 0, 1, 2, i); __PYX_ERR(0, 317, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 313, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 317, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 313, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 317, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -12254,7 +12315,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("compute", 0, 1, 2, __pyx_nargs); __PYX_ERR(0, 313, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("compute", 0, 1, 2, __pyx_nargs); __PYX_ERR(0, 317, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -12305,34 +12366,34 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("compute", 0);
 
-  /* "engram_stream/_engine.pyx":315
+  /* "engram_stream/_engine.pyx":319
  *     def compute(self, hidden, out=None):
  *         """Second half of a step, after feed(): gather, project, gate, conv. Shapes as step()."""
  *         cdef object shape = (self.n_streams, self.G, self.D)             # <<<<<<<<<<<<<<
  *         if self.n_streams == 1 and np.ndim(hidden) == 2:
  *             shape = (self.G, self.D)
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 315, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 319, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 315, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 319, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 315, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 319, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 315, __pyx_L1_error)
+  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 319, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_GIVEREF(__pyx_t_1);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 315, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 319, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 315, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 319, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_3) != (0)) __PYX_ERR(0, 315, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_3) != (0)) __PYX_ERR(0, 319, __pyx_L1_error);
   __pyx_t_1 = 0;
   __pyx_t_2 = 0;
   __pyx_t_3 = 0;
   __pyx_v_shape = __pyx_t_4;
   __pyx_t_4 = 0;
 
-  /* "engram_stream/_engine.pyx":316
+  /* "engram_stream/_engine.pyx":320
  *         """Second half of a step, after feed(): gather, project, gate, conv. Shapes as step()."""
  *         cdef object shape = (self.n_streams, self.G, self.D)
  *         if self.n_streams == 1 and np.ndim(hidden) == 2:             # <<<<<<<<<<<<<<
@@ -12350,9 +12411,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     goto __pyx_L4_bool_binop_done;
   }
   __pyx_t_3 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 316, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 320, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_ndim); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 316, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_ndim); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 320, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_7 = 1;
@@ -12372,10 +12433,10 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)__pyx_t_1, __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 316, __pyx_L1_error)
+    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 320, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
   }
-  __pyx_t_6 = (__Pyx_PyLong_BoolEqObjC(__pyx_t_4, __pyx_mstate_global->__pyx_int_2, 2, 0)); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 316, __pyx_L1_error)
+  __pyx_t_6 = (__Pyx_PyLong_BoolEqObjC(__pyx_t_4, __pyx_mstate_global->__pyx_int_2, 2, 0)); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 320, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   __pyx_t_5 = __pyx_t_6;
@@ -12384,29 +12445,29 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
   if (__pyx_t_5) {
 
 
-    /* "engram_stream/_engine.pyx":317
+    /* "engram_stream/_engine.pyx":321
  *         cdef object shape = (self.n_streams, self.G, self.D)
  *         if self.n_streams == 1 and np.ndim(hidden) == 2:
  *             shape = (self.G, self.D)             # <<<<<<<<<<<<<<
  *         h = self._hidden(hidden, shape)
  *         o = self._out(out, shape)
 */
-    __pyx_t_4 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 317, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 321, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 317, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 321, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
-    __pyx_t_3 = PyTuple_New(2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 317, __pyx_L1_error)
+    __pyx_t_3 = PyTuple_New(2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 321, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
     __Pyx_GIVEREF(__pyx_t_4);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 317, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 321, __pyx_L1_error);
     __Pyx_GIVEREF(__pyx_t_1);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_t_1) != (0)) __PYX_ERR(0, 317, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_t_1) != (0)) __PYX_ERR(0, 321, __pyx_L1_error);
     __pyx_t_4 = 0;
     __pyx_t_1 = 0;
     __Pyx_DECREF_SET(__pyx_v_shape, __pyx_t_3);
     __pyx_t_3 = 0;
 
-    /* "engram_stream/_engine.pyx":316
+    /* "engram_stream/_engine.pyx":320
  *         """Second half of a step, after feed(): gather, project, gate, conv. Shapes as step()."""
  *         cdef object shape = (self.n_streams, self.G, self.D)
  *         if self.n_streams == 1 and np.ndim(hidden) == 2:             # <<<<<<<<<<<<<<
@@ -12415,7 +12476,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
 */
   }
 
-  /* "engram_stream/_engine.pyx":318
+  /* "engram_stream/_engine.pyx":322
  *         if self.n_streams == 1 and np.ndim(hidden) == 2:
  *             shape = (self.G, self.D)
  *         h = self._hidden(hidden, shape)             # <<<<<<<<<<<<<<
@@ -12429,13 +12490,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     PyObject *__pyx_callargs[3] = {__pyx_t_1, __pyx_v_hidden, __pyx_v_shape};
     __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_hidden_2, __pyx_callargs+__pyx_t_7, (3-__pyx_t_7) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 318, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 322, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_h = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "engram_stream/_engine.pyx":319
+  /* "engram_stream/_engine.pyx":323
  *             shape = (self.G, self.D)
  *         h = self._hidden(hidden, shape)
  *         o = self._out(out, shape)             # <<<<<<<<<<<<<<
@@ -12449,48 +12510,48 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     PyObject *__pyx_callargs[3] = {__pyx_t_1, __pyx_v_out, __pyx_v_shape};
     __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_out_2, __pyx_callargs+__pyx_t_7, (3-__pyx_t_7) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 319, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 323, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_o = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "engram_stream/_engine.pyx":320
+  /* "engram_stream/_engine.pyx":324
  *         h = self._hidden(hidden, shape)
  *         o = self._out(out, shape)
  *         cdef const float *ph = <const float *> _data(h)             # <<<<<<<<<<<<<<
  *         cdef float *po = <float *> _data(o)
  *         self._enter()
 */
-  if (!(likely(((__pyx_v_h) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_h, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 320, __pyx_L1_error)
-  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_h)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 320, __pyx_L1_error)
+  if (!(likely(((__pyx_v_h) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_h, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 324, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_h)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 324, __pyx_L1_error)
   __pyx_v_ph = ((float const *)__pyx_t_8);
 
 
-  /* "engram_stream/_engine.pyx":321
+  /* "engram_stream/_engine.pyx":325
  *         o = self._out(out, shape)
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)             # <<<<<<<<<<<<<<
  *         self._enter()
  *         try:
 */
-  if (!(likely(((__pyx_v_o) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_o, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 321, __pyx_L1_error)
-  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_o)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 321, __pyx_L1_error)
+  if (!(likely(((__pyx_v_o) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_o, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 325, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_o)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 325, __pyx_L1_error)
   __pyx_v_po = ((float *)__pyx_t_8);
 
 
-  /* "engram_stream/_engine.pyx":322
+  /* "engram_stream/_engine.pyx":326
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if not self.pending:
 */
-  __pyx_t_3 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 322, __pyx_L1_error)
+  __pyx_t_3 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 326, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
-  /* "engram_stream/_engine.pyx":323
+  /* "engram_stream/_engine.pyx":327
  *         cdef float *po = <float *> _data(o)
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -12499,7 +12560,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":324
+    /* "engram_stream/_engine.pyx":328
  *         self._enter()
  *         try:
  *             if not self.pending:             # <<<<<<<<<<<<<<
@@ -12511,7 +12572,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     if (unlikely(__pyx_t_5)) {
 
 
-      /* "engram_stream/_engine.pyx":325
+      /* "engram_stream/_engine.pyx":329
  *         try:
  *             if not self.pending:
  *                 raise RuntimeError("compute() needs feed(token_ids) first")             # <<<<<<<<<<<<<<
@@ -12524,14 +12585,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
         PyObject *__pyx_callargs[2] = {__pyx_t_1, __pyx_mstate_global->__pyx_kp_u_compute_needs_feed_token_ids_fir};
         __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
-        if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 325, __pyx_L7_error)
+        if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 329, __pyx_L7_error)
         __Pyx_GOTREF(__pyx_t_3);
       }
       __Pyx_Raise(__pyx_t_3, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-      __PYX_ERR(0, 325, __pyx_L7_error)
+      __PYX_ERR(0, 329, __pyx_L7_error)
 
-      /* "engram_stream/_engine.pyx":324
+      /* "engram_stream/_engine.pyx":328
  *         self._enter()
  *         try:
  *             if not self.pending:             # <<<<<<<<<<<<<<
@@ -12540,7 +12601,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
 */
     }
 
-    /* "engram_stream/_engine.pyx":326
+    /* "engram_stream/_engine.pyx":330
  *             if not self.pending:
  *                 raise RuntimeError("compute() needs feed(token_ids) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -12553,7 +12614,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "engram_stream/_engine.pyx":327
+          /* "engram_stream/_engine.pyx":331
  *                 raise RuntimeError("compute() needs feed(token_ids) first")
  *             with nogil:
  *                 self._compute_nogil(ph, po)             # <<<<<<<<<<<<<<
@@ -12563,7 +12624,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
           ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_compute_nogil(__pyx_v_self, __pyx_v_ph, __pyx_v_po);
         }
 
-        /* "engram_stream/_engine.pyx":326
+        /* "engram_stream/_engine.pyx":330
  *             if not self.pending:
  *                 raise RuntimeError("compute() needs feed(token_ids) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -12580,7 +12641,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
         }
     }
 
-    /* "engram_stream/_engine.pyx":328
+    /* "engram_stream/_engine.pyx":332
  *             with nogil:
  *                 self._compute_nogil(ph, po)
  *             self.pending = False             # <<<<<<<<<<<<<<
@@ -12590,7 +12651,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     __pyx_v_self->pending = 0;
   }
 
-  /* "engram_stream/_engine.pyx":330
+  /* "engram_stream/_engine.pyx":334
  *             self.pending = False
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -12638,7 +12699,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     __pyx_L8:;
   }
 
-  /* "engram_stream/_engine.pyx":331
+  /* "engram_stream/_engine.pyx":335
  *         finally:
  *             self.busy = False
  *         return o             # <<<<<<<<<<<<<<
@@ -12656,7 +12717,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":313
+  /* "engram_stream/_engine.pyx":317
  *             raise self._bad_id(ids, bad)
  * 
  *     def compute(self, hidden, out=None):             # <<<<<<<<<<<<<<
@@ -12683,7 +12744,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":333
+/* "engram_stream/_engine.pyx":337
  *         return o
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -12722,7 +12783,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "engram_stream/_engine.pyx":336
+  /* "engram_stream/_engine.pyx":340
  *     def rows(self):
  *         """int64[S, H]: absolute table rows of the last fed token of every stream."""
  *         cdef cnp.ndarray r = np.empty((self.n_streams, self.H), dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -12730,26 +12791,26 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
  *         return r
 */
   __pyx_t_2 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 336, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 340, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 336, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 340, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 336, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 340, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_5 = __Pyx_PyLong_From_int(__pyx_v_self->H); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 336, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyLong_From_int(__pyx_v_self->H); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 340, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 336, __pyx_L1_error)
+  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 340, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 336, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 340, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_5);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 336, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 340, __pyx_L1_error);
   __pyx_t_3 = 0;
   __pyx_t_5 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 336, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 340, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 336, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 340, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   #if CYTHON_VECTORCALL
@@ -12770,13 +12831,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
     PyObject *__pyx_callargs[3] = {__pyx_t_2, __pyx_t_6, __pyx_t_3};
     #if CYTHON_VECTORCALL
     __pyx_t_5 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 336, __pyx_L1_error)
+    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 340, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_5);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_5 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 336, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 340, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
     }
     #endif
@@ -12788,14 +12849,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 336, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 340, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 336, __pyx_L1_error)
+  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 340, __pyx_L1_error)
   __pyx_v_r = ((PyArrayObject *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":337
+  /* "engram_stream/_engine.pyx":341
  *         """int64[S, H]: absolute table rows of the last fed token of every stream."""
  *         cdef cnp.ndarray r = np.empty((self.n_streams, self.H), dtype=np.int64)
  *         memcpy(cnp.PyArray_DATA(r), self.rbuf, self.n_streams * self.H * sizeof(int64_t))             # <<<<<<<<<<<<<<
@@ -12804,7 +12865,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
 */
   (void)(memcpy(PyArray_DATA(__pyx_v_r), __pyx_v_self->rbuf, ((__pyx_v_self->n_streams * __pyx_v_self->H) * (sizeof(int64_t)))));
 
-  /* "engram_stream/_engine.pyx":338
+  /* "engram_stream/_engine.pyx":342
  *         cdef cnp.ndarray r = np.empty((self.n_streams, self.H), dtype=np.int64)
  *         memcpy(cnp.PyArray_DATA(r), self.rbuf, self.n_streams * self.H * sizeof(int64_t))
  *         return r             # <<<<<<<<<<<<<<
@@ -12822,7 +12883,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":333
+  /* "engram_stream/_engine.pyx":337
  *         return o
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -12847,7 +12908,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":340
+/* "engram_stream/_engine.pyx":344
  *         return r
  * 
  *     def prefetch(self):             # <<<<<<<<<<<<<<
@@ -12921,18 +12982,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("prefetch", 0);
 
-  /* "engram_stream/_engine.pyx":344
+  /* "engram_stream/_engine.pyx":348
  *         starts reading them now (while earlier layers compute). Returns failed madvise calls."""
  *         cdef int64_t failed
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if not self.pending:
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 344, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 348, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":345
+  /* "engram_stream/_engine.pyx":349
  *         cdef int64_t failed
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -12941,7 +13002,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":346
+    /* "engram_stream/_engine.pyx":350
  *         self._enter()
  *         try:
  *             if not self.pending:             # <<<<<<<<<<<<<<
@@ -12953,7 +13014,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
     if (unlikely(__pyx_t_2)) {
 
 
-      /* "engram_stream/_engine.pyx":347
+      /* "engram_stream/_engine.pyx":351
  *         try:
  *             if not self.pending:
  *                 raise RuntimeError("prefetch() needs feed(token_ids) first")             # <<<<<<<<<<<<<<
@@ -12966,14 +13027,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
         PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_prefetch_needs_feed_token_ids_fi};
         __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-        if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 347, __pyx_L4_error)
+        if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 351, __pyx_L4_error)
         __Pyx_GOTREF(__pyx_t_1);
       }
       __Pyx_Raise(__pyx_t_1, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-      __PYX_ERR(0, 347, __pyx_L4_error)
+      __PYX_ERR(0, 351, __pyx_L4_error)
 
-      /* "engram_stream/_engine.pyx":346
+      /* "engram_stream/_engine.pyx":350
  *         self._enter()
  *         try:
  *             if not self.pending:             # <<<<<<<<<<<<<<
@@ -12982,7 +13043,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
 */
     }
 
-    /* "engram_stream/_engine.pyx":348
+    /* "engram_stream/_engine.pyx":352
  *             if not self.pending:
  *                 raise RuntimeError("prefetch() needs feed(token_ids) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -12995,7 +13056,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "engram_stream/_engine.pyx":349
+          /* "engram_stream/_engine.pyx":353
  *                 raise RuntimeError("prefetch() needs feed(token_ids) first")
  *             with nogil:
  *                 failed = es_advise_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H,             # <<<<<<<<<<<<<<
@@ -13004,7 +13065,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
 */
           __pyx_v_failed = es_advise_rows(__pyx_v_self->table, __pyx_v_self->rowbytes, __pyx_v_self->rbuf, (__pyx_v_self->n_streams * __pyx_v_self->H), MADV_WILLNEED);
 
-          /* "engram_stream/_engine.pyx":351
+          /* "engram_stream/_engine.pyx":355
  *                 failed = es_advise_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H,
  *                                         MADV_WILLNEED)
  *                 if self.table_kind == 2:  # int8 rows: their scales live on other pages             # <<<<<<<<<<<<<<
@@ -13016,7 +13077,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
           if (__pyx_t_2) {
 
 
-            /* "engram_stream/_engine.pyx":352
+            /* "engram_stream/_engine.pyx":356
  *                                         MADV_WILLNEED)
  *                 if self.table_kind == 2:  # int8 rows: their scales live on other pages
  *                     failed += es_advise_rows(<const char *> self.table_scale, 4, self.rbuf,             # <<<<<<<<<<<<<<
@@ -13025,7 +13086,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
 */
             __pyx_v_failed = (__pyx_v_failed + es_advise_rows(((char const *)__pyx_v_self->table_scale), 4, __pyx_v_self->rbuf, (__pyx_v_self->n_streams * __pyx_v_self->H), MADV_WILLNEED));
 
-            /* "engram_stream/_engine.pyx":351
+            /* "engram_stream/_engine.pyx":355
  *                 failed = es_advise_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H,
  *                                         MADV_WILLNEED)
  *                 if self.table_kind == 2:  # int8 rows: their scales live on other pages             # <<<<<<<<<<<<<<
@@ -13035,7 +13096,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
           }
         }
 
-        /* "engram_stream/_engine.pyx":348
+        /* "engram_stream/_engine.pyx":352
  *             if not self.pending:
  *                 raise RuntimeError("prefetch() needs feed(token_ids) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -13053,7 +13114,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
     }
   }
 
-  /* "engram_stream/_engine.pyx":355
+  /* "engram_stream/_engine.pyx":359
  *                                              self.n_streams * self.H, MADV_WILLNEED)
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -13099,7 +13160,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
     __pyx_L5:;
   }
 
-  /* "engram_stream/_engine.pyx":356
+  /* "engram_stream/_engine.pyx":360
  *         finally:
  *             self.busy = False
  *         return int(failed)             # <<<<<<<<<<<<<<
@@ -13107,7 +13168,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
  *     def track_rows(self, bitmap):
 */
   __pyx_t_3 = NULL;
-  __pyx_t_14 = __Pyx_PyLong_From_int64_t(__pyx_v_failed); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 356, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyLong_From_int64_t(__pyx_v_failed); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 360, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_14);
   __pyx_t_4 = 1;
   {
@@ -13115,7 +13176,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
     __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(&PyLong_Type), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 356, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 360, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -13129,7 +13190,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":340
+  /* "engram_stream/_engine.pyx":344
  *         return r
  * 
  *     def prefetch(self):             # <<<<<<<<<<<<<<
@@ -13151,7 +13212,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":358
+/* "engram_stream/_engine.pyx":362
  *         return int(failed)
  * 
  *     def track_rows(self, bitmap):             # <<<<<<<<<<<<<<
@@ -13199,32 +13260,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_bitmap,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 358, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 362, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 358, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 362, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "track_rows", 0) < (0)) __PYX_ERR(0, 358, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "track_rows", 0) < (0)) __PYX_ERR(0, 362, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("track_rows", 1, 1, 1, i); __PYX_ERR(0, 358, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("track_rows", 1, 1, 1, i); __PYX_ERR(0, 362, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 358, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 362, __pyx_L3_error)
     }
     __pyx_v_bitmap = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("track_rows", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 358, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("track_rows", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 362, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -13275,32 +13336,32 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("track_rows", 0);
 
-  /* "engram_stream/_engine.pyx":361
+  /* "engram_stream/_engine.pyx":365
  *         """Record every row this engine reads in `bitmap` (uint8[ceil(table_rows/8)], bit r =
  *         row r), or stop recording with None. The array is borrowed: keep it alive."""
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8             # <<<<<<<<<<<<<<
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_self->model, __pyx_mstate_global->__pyx_n_u_plan); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 361, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_self->model, __pyx_mstate_global->__pyx_n_u_plan); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 365, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_table_rows); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 361, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_table_rows); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 365, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_1 = __Pyx_PyObject_GetItem(__pyx_t_2, __pyx_v_self->layer); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 361, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetItem(__pyx_t_2, __pyx_v_self->layer); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 365, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_2 = __Pyx_PyLong_AddObjC(__pyx_t_1, __pyx_mstate_global->__pyx_int_7, 7, 0, 0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 361, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_AddObjC(__pyx_t_1, __pyx_mstate_global->__pyx_int_7, 7, 0, 0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 365, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_1 = __Pyx_PyLong_FloorDivideObjC(__pyx_t_2, __pyx_mstate_global->__pyx_int_8, 8, 0, 0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 361, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_FloorDivideObjC(__pyx_t_2, __pyx_mstate_global->__pyx_int_8, 8, 0, 0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 365, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_3 = __Pyx_PyLong_As_int64_t(__pyx_t_1); if (unlikely((__pyx_t_3 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 361, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_As_int64_t(__pyx_t_1); if (unlikely((__pyx_t_3 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 365, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_need = __pyx_t_3;
 
-  /* "engram_stream/_engine.pyx":362
+  /* "engram_stream/_engine.pyx":366
  *         row r), or stop recording with None. The array is borrowed: keep it alive."""
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8             # <<<<<<<<<<<<<<
@@ -13316,9 +13377,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
 
     goto __pyx_L4_bool_binop_done;
   }
-  __Pyx_GetModuleGlobalName(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 362, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 366, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 362, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 366, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_t_6 = (((PyObject *)Py_TYPE(__pyx_v_bitmap)) == __pyx_t_2);
@@ -13332,29 +13393,29 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     goto __pyx_L6_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":363
+  /* "engram_stream/_engine.pyx":367
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable             # <<<<<<<<<<<<<<
  *                                        and bitmap.shape == (need,)):
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 362, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 366, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
-  /* "engram_stream/_engine.pyx":362
+  /* "engram_stream/_engine.pyx":366
  *         row r), or stop recording with None. The array is borrowed: keep it alive."""
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8             # <<<<<<<<<<<<<<
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable
  *                                        and bitmap.shape == (need,)):
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 362, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 366, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_uint8); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 362, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_uint8); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 366, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_6 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_2, __pyx_t_7, Py_EQ); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 362, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_2, __pyx_t_7, Py_EQ); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 366, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
   if (__pyx_t_6) {
@@ -13366,19 +13427,19 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     goto __pyx_L6_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":363
+  /* "engram_stream/_engine.pyx":367
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable             # <<<<<<<<<<<<<<
  *                                        and bitmap.shape == (need,)):
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
 */
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 363, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 367, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 363, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 367, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-  __pyx_t_6 = __Pyx_PyObject_IsTrue(__pyx_t_2); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 363, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_IsTrue(__pyx_t_2); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 367, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   if (__pyx_t_6) {
 
@@ -13389,27 +13450,27 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     goto __pyx_L6_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":364
+  /* "engram_stream/_engine.pyx":368
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable
  *                                        and bitmap.shape == (need,)):             # <<<<<<<<<<<<<<
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
  *         self._enter()
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 363, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 367, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
-  /* "engram_stream/_engine.pyx":363
+  /* "engram_stream/_engine.pyx":367
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable             # <<<<<<<<<<<<<<
  *                                        and bitmap.shape == (need,)):
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
 */
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_writeable); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 363, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_writeable); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 367, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_6 = __Pyx_PyObject_IsTrue(__pyx_t_7); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 363, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_IsTrue(__pyx_t_7); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 367, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
   if (__pyx_t_6) {
 
@@ -13420,23 +13481,23 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     goto __pyx_L6_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":364
+  /* "engram_stream/_engine.pyx":368
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable
  *                                        and bitmap.shape == (need,)):             # <<<<<<<<<<<<<<
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
  *         self._enter()
 */
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 364, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 368, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_need); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 364, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_need); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 368, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = PyTuple_New(1); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 364, __pyx_L1_error)
+  __pyx_t_1 = PyTuple_New(1); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 368, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 364, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 368, __pyx_L1_error);
   __pyx_t_2 = 0;
-  __pyx_t_6 = __Pyx_PyObject_RichCompareBool(__pyx_t_7, __pyx_t_1, Py_EQ); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 364, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_RichCompareBool(__pyx_t_7, __pyx_t_1, Py_EQ); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 368, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
@@ -13444,7 +13505,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
 
   __pyx_L6_bool_binop_done:;
 
-  /* "engram_stream/_engine.pyx":362
+  /* "engram_stream/_engine.pyx":366
  *         row r), or stop recording with None. The array is borrowed: keep it alive."""
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8             # <<<<<<<<<<<<<<
@@ -13461,7 +13522,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
   if (unlikely(__pyx_t_4)) {
 
 
-    /* "engram_stream/_engine.pyx":365
+    /* "engram_stream/_engine.pyx":369
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable
  *                                        and bitmap.shape == (need,)):
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")             # <<<<<<<<<<<<<<
@@ -13469,7 +13530,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
  *         try:
 */
     __pyx_t_7 = NULL;
-    __pyx_t_2 = __Pyx_PyUnicode_From_int64_t(__pyx_v_need, 0, ' ', 'd'); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 365, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyUnicode_From_int64_t(__pyx_v_need, 0, ' ', 'd'); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 369, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
     __pyx_t_8[0] = __pyx_mstate_global->__pyx_kp_u_bitmap_must_be_a_writeable_C_con;
     __pyx_t_8[1] = __pyx_t_2;
@@ -13480,7 +13541,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     #endif
     __pyx_t_10 = 0;
     __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_8, 3, __pyx_t_9, __pyx_t_10);
-    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 365, __pyx_L1_error)
+    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 369, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __pyx_t_12 = 1;
@@ -13489,14 +13550,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_12, (2-__pyx_t_12) | (__pyx_t_12*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 365, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 369, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 365, __pyx_L1_error)
+    __PYX_ERR(0, 369, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":362
+    /* "engram_stream/_engine.pyx":366
  *         row r), or stop recording with None. The array is borrowed: keep it alive."""
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8             # <<<<<<<<<<<<<<
@@ -13505,18 +13566,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
 */
   }
 
-  /* "engram_stream/_engine.pyx":366
+  /* "engram_stream/_engine.pyx":370
  *                                        and bitmap.shape == (need,)):
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if bitmap is None:
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 366, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 370, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":367
+  /* "engram_stream/_engine.pyx":371
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -13525,7 +13586,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":368
+    /* "engram_stream/_engine.pyx":372
  *         self._enter()
  *         try:
  *             if bitmap is None:             # <<<<<<<<<<<<<<
@@ -13536,7 +13597,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     if (__pyx_t_4) {
 
 
-      /* "engram_stream/_engine.pyx":369
+      /* "engram_stream/_engine.pyx":373
  *         try:
  *             if bitmap is None:
  *                 self.touched, self._touched_ref = NULL, None             # <<<<<<<<<<<<<<
@@ -13553,7 +13614,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
       __Pyx_DECREF_SET(__pyx_v_self->_touched_ref, __pyx_t_1);
       __pyx_t_1 = 0;
 
-      /* "engram_stream/_engine.pyx":368
+      /* "engram_stream/_engine.pyx":372
  *         self._enter()
  *         try:
  *             if bitmap is None:             # <<<<<<<<<<<<<<
@@ -13563,7 +13624,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
       goto __pyx_L14;
     }
 
-    /* "engram_stream/_engine.pyx":371
+    /* "engram_stream/_engine.pyx":375
  *                 self.touched, self._touched_ref = NULL, None
  *             else:
  *                 self._touched_ref = bitmap             # <<<<<<<<<<<<<<
@@ -13576,20 +13637,20 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
       __Pyx_GOTREF(__pyx_v_self->_touched_ref);
       __Pyx_DECREF_SET(__pyx_v_self->_touched_ref, __pyx_v_bitmap);
 
-      /* "engram_stream/_engine.pyx":372
+      /* "engram_stream/_engine.pyx":376
  *             else:
  *                 self._touched_ref = bitmap
  *                 self.touched = <uint8_t *> cnp.PyArray_DATA(bitmap)             # <<<<<<<<<<<<<<
  *         finally:
  *             self.busy = False
 */
-      if (!(likely(((__pyx_v_bitmap) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_bitmap, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 372, __pyx_L12_error)
+      if (!(likely(((__pyx_v_bitmap) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_bitmap, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 376, __pyx_L12_error)
       __pyx_v_self->touched = ((uint8_t *)PyArray_DATA(((PyArrayObject *)__pyx_v_bitmap)));
     }
     __pyx_L14:;
   }
 
-  /* "engram_stream/_engine.pyx":374
+  /* "engram_stream/_engine.pyx":378
  *                 self.touched = <uint8_t *> cnp.PyArray_DATA(bitmap)
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -13637,7 +13698,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     __pyx_L13:;
   }
 
-  /* "engram_stream/_engine.pyx":358
+  /* "engram_stream/_engine.pyx":362
  *         return int(failed)
  * 
  *     def track_rows(self, bitmap):             # <<<<<<<<<<<<<<
@@ -13662,7 +13723,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":376
+/* "engram_stream/_engine.pyx":380
  *             self.busy = False
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -13695,7 +13756,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_15pending_comp
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "engram_stream/_engine.pyx":378
+  /* "engram_stream/_engine.pyx":382
  *     @property
  *     def pending_compute(self):
  *         return bool(self.pending)             # <<<<<<<<<<<<<<
@@ -13704,7 +13765,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_15pending_comp
 */
   __pyx_t_1 = __pyx_v_self->pending;
 
-  __pyx_t_2 = __Pyx_PyBool_FromLong((!(!__pyx_t_1))); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 378, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyBool_FromLong((!(!__pyx_t_1))); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 382, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -13718,7 +13779,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_15pending_comp
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":376
+  /* "engram_stream/_engine.pyx":380
  *             self.busy = False
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -13737,7 +13798,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_15pending_comp
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":380
+/* "engram_stream/_engine.pyx":384
  *         return bool(self.pending)
  * 
  *     def prefill(self, ids, hidden, stream=0, out=None):             # <<<<<<<<<<<<<<
@@ -13788,50 +13849,50 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_ids,&__pyx_mstate_global->__pyx_n_u_hidden,&__pyx_mstate_global->__pyx_n_u_stream,&__pyx_mstate_global->__pyx_n_u_out,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 380, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 384, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 380, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 384, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 380, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 384, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 380, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 384, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 380, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 384, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "prefill", 0) < (0)) __PYX_ERR(0, 380, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "prefill", 0) < (0)) __PYX_ERR(0, 384, __pyx_L3_error)
       if (!values[2]) values[2] = __Pyx_NewRef(((PyObject *)__pyx_mstate_global->__pyx_int_0));
       if (!values[3]) values[3] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("prefill", 0, 2, 4, i); __PYX_ERR(0, 380, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("prefill", 0, 2, 4, i); __PYX_ERR(0, 384, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 380, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 384, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 380, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 384, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 380, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 384, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 380, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 384, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -13845,7 +13906,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("prefill", 0, 2, 4, __pyx_nargs); __PYX_ERR(0, 380, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("prefill", 0, 2, 4, __pyx_nargs); __PYX_ERR(0, 384, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -13908,7 +13969,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("prefill", 0);
 
-  /* "engram_stream/_engine.pyx":384
+  /* "engram_stream/_engine.pyx":388
  *         steps and leaving the same state; projections run as [<=128, E] x [E, M] GEMMs split
  *         over `engine.prefill_threads` threads (default: the machine's cores, at most 8)."""
  *         a = as_ids(ids, 1, "ids")             # <<<<<<<<<<<<<<
@@ -13916,7 +13977,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
  *         h = self._hidden(hidden, (T, self.G, self.D))
 */
   __pyx_t_2 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_as_ids); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 384, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_as_ids); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 388, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_4 = 1;
   #if CYTHON_UNPACK_METHODS
@@ -13935,29 +13996,29 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
     __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)__pyx_t_3, __pyx_callargs+__pyx_t_4, (4-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 384, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 388, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __pyx_v_a = __pyx_t_1;
   __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":385
+  /* "engram_stream/_engine.pyx":389
  *         over `engine.prefill_threads` threads (default: the machine's cores, at most 8)."""
  *         a = as_ids(ids, 1, "ids")
  *         cdef int64_t T = a.shape[0]             # <<<<<<<<<<<<<<
  *         h = self._hidden(hidden, (T, self.G, self.D))
  *         o = self._out(out, (T, self.G, self.D))
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 385, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 389, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_GetItemInt(__pyx_t_1, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 385, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_GetItemInt(__pyx_t_1, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 389, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_t_3); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 385, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_t_3); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 389, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_v_T = __pyx_t_5;
 
-  /* "engram_stream/_engine.pyx":386
+  /* "engram_stream/_engine.pyx":390
  *         a = as_ids(ids, 1, "ids")
  *         cdef int64_t T = a.shape[0]
  *         h = self._hidden(hidden, (T, self.G, self.D))             # <<<<<<<<<<<<<<
@@ -13966,20 +14027,20 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
   __pyx_t_1 = ((PyObject *)__pyx_v_self);
   __Pyx_INCREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_T); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 386, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_T); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 390, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_6 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 386, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 390, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 386, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 390, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_8 = PyTuple_New(3); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 386, __pyx_L1_error)
+  __pyx_t_8 = PyTuple_New(3); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 390, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 386, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 390, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 1, __pyx_t_6) != (0)) __PYX_ERR(0, 386, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 1, __pyx_t_6) != (0)) __PYX_ERR(0, 390, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_7);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 2, __pyx_t_7) != (0)) __PYX_ERR(0, 386, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 2, __pyx_t_7) != (0)) __PYX_ERR(0, 390, __pyx_L1_error);
   __pyx_t_2 = 0;
   __pyx_t_6 = 0;
   __pyx_t_7 = 0;
@@ -13989,13 +14050,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
     __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_hidden_2, __pyx_callargs+__pyx_t_4, (3-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 386, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 390, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_h = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "engram_stream/_engine.pyx":387
+  /* "engram_stream/_engine.pyx":391
  *         cdef int64_t T = a.shape[0]
  *         h = self._hidden(hidden, (T, self.G, self.D))
  *         o = self._out(out, (T, self.G, self.D))             # <<<<<<<<<<<<<<
@@ -14004,20 +14065,20 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
   __pyx_t_8 = ((PyObject *)__pyx_v_self);
   __Pyx_INCREF(__pyx_t_8);
-  __pyx_t_1 = __Pyx_PyLong_From_int64_t(__pyx_v_T); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 387, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int64_t(__pyx_v_T); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 391, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 387, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 391, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_6 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 387, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 391, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_2 = PyTuple_New(3); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 387, __pyx_L1_error)
+  __pyx_t_2 = PyTuple_New(3); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 391, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_GIVEREF(__pyx_t_1);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 387, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 391, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_7);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 387, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 391, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 2, __pyx_t_6) != (0)) __PYX_ERR(0, 387, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 2, __pyx_t_6) != (0)) __PYX_ERR(0, 391, __pyx_L1_error);
   __pyx_t_1 = 0;
   __pyx_t_7 = 0;
   __pyx_t_6 = 0;
@@ -14027,13 +14088,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
     __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_out_2, __pyx_callargs+__pyx_t_4, (3-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 387, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 391, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_o = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "engram_stream/_engine.pyx":388
+  /* "engram_stream/_engine.pyx":392
  *         h = self._hidden(hidden, (T, self.G, self.D))
  *         o = self._out(out, (T, self.G, self.D))
  *         self._check_stream(stream)             # <<<<<<<<<<<<<<
@@ -14047,88 +14108,88 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
     PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_v_stream};
     __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_check_stream, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 388, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 392, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
-  /* "engram_stream/_engine.pyx":389
+  /* "engram_stream/_engine.pyx":393
  *         o = self._out(out, (T, self.G, self.D))
  *         self._check_stream(stream)
  *         cdef int64_t s = stream             # <<<<<<<<<<<<<<
  *         cdef int64_t chunk = min(T, PREFILL_CHUNK)
  *         cdef const int64_t *pid = <const int64_t *> _data(a)
 */
-  __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_v_stream); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 389, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_v_stream); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 393, __pyx_L1_error)
   __pyx_v_s = __pyx_t_5;
 
-  /* "engram_stream/_engine.pyx":390
+  /* "engram_stream/_engine.pyx":394
  *         self._check_stream(stream)
  *         cdef int64_t s = stream
  *         cdef int64_t chunk = min(T, PREFILL_CHUNK)             # <<<<<<<<<<<<<<
  *         cdef const int64_t *pid = <const int64_t *> _data(a)
  *         cdef const float *ph = <const float *> _data(h)
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_PREFILL_CHUNK); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 390, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_PREFILL_CHUNK); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 394, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
 
   __pyx_t_5 = __pyx_v_T;
-  __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_t_5); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 390, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_t_5); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 394, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_9 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_3, __pyx_t_8, Py_LT); if (unlikely((__pyx_t_9 < 0))) __PYX_ERR(0, 390, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_3, __pyx_t_8, Py_LT); if (unlikely((__pyx_t_9 < 0))) __PYX_ERR(0, 394, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
   if (__pyx_t_9) {
     __Pyx_INCREF(__pyx_t_3);
     __pyx_t_2 = __pyx_t_3;
   } else {
-    __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_t_5); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 390, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_t_5); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 394, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __pyx_t_2 = __pyx_t_8;
     __pyx_t_8 = 0;
   }
 
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_t_2); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 390, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_t_2); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 394, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_chunk = __pyx_t_5;
 
-  /* "engram_stream/_engine.pyx":391
+  /* "engram_stream/_engine.pyx":395
  *         cdef int64_t s = stream
  *         cdef int64_t chunk = min(T, PREFILL_CHUNK)
  *         cdef const int64_t *pid = <const int64_t *> _data(a)             # <<<<<<<<<<<<<<
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)
 */
-  if (!(likely(((__pyx_v_a) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_a, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 391, __pyx_L1_error)
-  __pyx_t_10 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_a)); if (unlikely(__pyx_t_10 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 391, __pyx_L1_error)
+  if (!(likely(((__pyx_v_a) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_a, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_t_10 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_a)); if (unlikely(__pyx_t_10 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 395, __pyx_L1_error)
   __pyx_v_pid = ((int64_t const *)__pyx_t_10);
 
 
-  /* "engram_stream/_engine.pyx":392
+  /* "engram_stream/_engine.pyx":396
  *         cdef int64_t chunk = min(T, PREFILL_CHUNK)
  *         cdef const int64_t *pid = <const int64_t *> _data(a)
  *         cdef const float *ph = <const float *> _data(h)             # <<<<<<<<<<<<<<
  *         cdef float *po = <float *> _data(o)
  *         cdef int64_t bad = -1, t0, i, nb
 */
-  if (!(likely(((__pyx_v_h) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_h, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 392, __pyx_L1_error)
-  __pyx_t_10 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_h)); if (unlikely(__pyx_t_10 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 392, __pyx_L1_error)
+  if (!(likely(((__pyx_v_h) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_h, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 396, __pyx_L1_error)
+  __pyx_t_10 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_h)); if (unlikely(__pyx_t_10 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 396, __pyx_L1_error)
   __pyx_v_ph = ((float const *)__pyx_t_10);
 
 
-  /* "engram_stream/_engine.pyx":393
+  /* "engram_stream/_engine.pyx":397
  *         cdef const int64_t *pid = <const int64_t *> _data(a)
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)             # <<<<<<<<<<<<<<
  *         cdef int64_t bad = -1, t0, i, nb
  *         self._enter()
 */
-  if (!(likely(((__pyx_v_o) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_o, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 393, __pyx_L1_error)
-  __pyx_t_10 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_o)); if (unlikely(__pyx_t_10 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 393, __pyx_L1_error)
+  if (!(likely(((__pyx_v_o) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_o, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 397, __pyx_L1_error)
+  __pyx_t_10 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_o)); if (unlikely(__pyx_t_10 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 397, __pyx_L1_error)
   __pyx_v_po = ((float *)__pyx_t_10);
 
 
-  /* "engram_stream/_engine.pyx":394
+  /* "engram_stream/_engine.pyx":398
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)
  *         cdef int64_t bad = -1, t0, i, nb             # <<<<<<<<<<<<<<
@@ -14137,18 +14198,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
   __pyx_v_bad = -1L;
 
-  /* "engram_stream/_engine.pyx":395
+  /* "engram_stream/_engine.pyx":399
  *         cdef float *po = <float *> _data(o)
  *         cdef int64_t bad = -1, t0, i, nb
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if self.pending:
 */
-  __pyx_t_2 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 395, __pyx_L1_error)
+  __pyx_t_2 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 399, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":396
+  /* "engram_stream/_engine.pyx":400
  *         cdef int64_t bad = -1, t0, i, nb
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -14157,7 +14218,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":397
+    /* "engram_stream/_engine.pyx":401
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -14166,7 +14227,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
     if (unlikely(__pyx_v_self->pending)) {
 
-      /* "engram_stream/_engine.pyx":398
+      /* "engram_stream/_engine.pyx":402
  *         try:
  *             if self.pending:
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")             # <<<<<<<<<<<<<<
@@ -14179,14 +14240,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
         PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_feed_was_called_finish_that_toke};
         __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 398, __pyx_L4_error)
+        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 402, __pyx_L4_error)
         __Pyx_GOTREF(__pyx_t_2);
       }
       __Pyx_Raise(__pyx_t_2, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-      __PYX_ERR(0, 398, __pyx_L4_error)
+      __PYX_ERR(0, 402, __pyx_L4_error)
 
-      /* "engram_stream/_engine.pyx":397
+      /* "engram_stream/_engine.pyx":401
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -14195,17 +14256,17 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
     }
 
-    /* "engram_stream/_engine.pyx":399
+    /* "engram_stream/_engine.pyx":403
  *             if self.pending:
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
  *             self._grow(chunk)  # under the guard: the scratch is shared with step()             # <<<<<<<<<<<<<<
  *             with nogil:
  *                 bad = self._first_bad_id(pid, T)
 */
-    __pyx_t_11 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_grow(__pyx_v_self, __pyx_v_chunk); if (unlikely(__pyx_t_11 == ((int)-1))) __PYX_ERR(0, 399, __pyx_L4_error)
+    __pyx_t_11 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_grow(__pyx_v_self, __pyx_v_chunk); if (unlikely(__pyx_t_11 == ((int)-1))) __PYX_ERR(0, 403, __pyx_L4_error)
 
 
-    /* "engram_stream/_engine.pyx":400
+    /* "engram_stream/_engine.pyx":404
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
  *             self._grow(chunk)  # under the guard: the scratch is shared with step()
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -14218,7 +14279,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "engram_stream/_engine.pyx":401
+          /* "engram_stream/_engine.pyx":405
  *             self._grow(chunk)  # under the guard: the scratch is shared with step()
  *             with nogil:
  *                 bad = self._first_bad_id(pid, T)             # <<<<<<<<<<<<<<
@@ -14227,7 +14288,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
           __pyx_v_bad = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_first_bad_id(__pyx_v_self, __pyx_v_pid, __pyx_v_T);
 
-          /* "engram_stream/_engine.pyx":402
+          /* "engram_stream/_engine.pyx":406
  *             with nogil:
  *                 bad = self._first_bad_id(pid, T)
  *                 if bad < 0:             # <<<<<<<<<<<<<<
@@ -14239,7 +14300,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
           if (__pyx_t_9) {
 
 
-            /* "engram_stream/_engine.pyx":403
+            /* "engram_stream/_engine.pyx":407
  *                 bad = self._first_bad_id(pid, T)
  *                 if bad < 0:
  *                     t0 = 0             # <<<<<<<<<<<<<<
@@ -14248,7 +14309,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
             __pyx_v_t0 = 0;
 
-            /* "engram_stream/_engine.pyx":404
+            /* "engram_stream/_engine.pyx":408
  *                 if bad < 0:
  *                     t0 = 0
  *                     while t0 < T:             # <<<<<<<<<<<<<<
@@ -14261,7 +14322,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 
               if (!__pyx_t_9) break;
 
-              /* "engram_stream/_engine.pyx":405
+              /* "engram_stream/_engine.pyx":409
  *                     t0 = 0
  *                     while t0 < T:
  *                         nb = min(chunk, T - t0)             # <<<<<<<<<<<<<<
@@ -14285,7 +14346,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               __pyx_v_nb = __pyx_t_13;
 
 
-              /* "engram_stream/_engine.pyx":406
+              /* "engram_stream/_engine.pyx":410
  *                     while t0 < T:
  *                         nb = min(chunk, T - t0)
  *                         for i in range(nb):             # <<<<<<<<<<<<<<
@@ -14299,29 +14360,29 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               for (__pyx_t_12 = 0; __pyx_t_12 < __pyx_t_5; __pyx_t_12+=1) {
                 __pyx_v_i = __pyx_t_12;
 
-                /* "engram_stream/_engine.pyx":407
+                /* "engram_stream/_engine.pyx":411
  *                         nb = min(chunk, T - t0)
  *                         for i in range(nb):
  *                             self._hash_one(s, pid[t0 + i], self.rbuf + i * self.H)             # <<<<<<<<<<<<<<
  *                             self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)
- *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf,
+ *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf,
 */
                 ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_hash_one(__pyx_v_self, __pyx_v_s, (__pyx_v_pid[(__pyx_v_t0 + __pyx_v_i)]), (__pyx_v_self->rbuf + (__pyx_v_i * __pyx_v_self->H)));
 
-                /* "engram_stream/_engine.pyx":408
+                /* "engram_stream/_engine.pyx":412
  *                         for i in range(nb):
  *                             self._hash_one(s, pid[t0 + i], self.rbuf + i * self.H)
  *                             self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)             # <<<<<<<<<<<<<<
- *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf,
+ *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf,
  *                                           self.prefill_threads if nb >= 32 else 1)
 */
                 ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_gather(__pyx_v_self, (__pyx_v_self->rbuf + (__pyx_v_i * __pyx_v_self->H)), (__pyx_v_self->ebuf + (__pyx_v_i * __pyx_v_self->ldx)));
               }
 
 
-              /* "engram_stream/_engine.pyx":410
+              /* "engram_stream/_engine.pyx":414
  *                             self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)
- *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf,
+ *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf,
  *                                           self.prefill_threads if nb >= 32 else 1)             # <<<<<<<<<<<<<<
  *                         for i in range(nb):
  *                             self._tail(s, self.ybuf + i * self.M, ph + (t0 + i) * self.C,
@@ -14337,18 +14398,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               }
 
 
-              /* "engram_stream/_engine.pyx":409
+              /* "engram_stream/_engine.pyx":413
  *                             self._hash_one(s, pid[t0 + i], self.rbuf + i * self.H)
  *                             self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)
- *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf,             # <<<<<<<<<<<<<<
+ *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf,             # <<<<<<<<<<<<<<
  *                                           self.prefill_threads if nb >= 32 else 1)
  *                         for i in range(nb):
 */
-              es_gemm_packed_mt(__pyx_v_self->ebuf, __pyx_v_self->ldx, __pyx_v_nb, __pyx_v_self->E, __pyx_v_self->wp, __pyx_v_self->bp, __pyx_v_self->M, __pyx_v_self->ybuf, __pyx_t_11);
+              es_gemm_packed_mt(__pyx_v_self->ebuf, __pyx_v_self->ldx, __pyx_v_nb, __pyx_v_self->E, __pyx_v_self->wp, __pyx_v_self->bp, __pyx_v_self->M, __pyx_v_self->ybuf, __pyx_v_self->pbuf, __pyx_t_11);
 
 
-              /* "engram_stream/_engine.pyx":411
- *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf,
+              /* "engram_stream/_engine.pyx":415
+ *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf,
  *                                           self.prefill_threads if nb >= 32 else 1)
  *                         for i in range(nb):             # <<<<<<<<<<<<<<
  *                             self._tail(s, self.ybuf + i * self.M, ph + (t0 + i) * self.C,
@@ -14361,7 +14422,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               for (__pyx_t_12 = 0; __pyx_t_12 < __pyx_t_5; __pyx_t_12+=1) {
                 __pyx_v_i = __pyx_t_12;
 
-                /* "engram_stream/_engine.pyx":412
+                /* "engram_stream/_engine.pyx":416
  *                                           self.prefill_threads if nb >= 32 else 1)
  *                         for i in range(nb):
  *                             self._tail(s, self.ybuf + i * self.M, ph + (t0 + i) * self.C,             # <<<<<<<<<<<<<<
@@ -14372,7 +14433,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               }
 
 
-              /* "engram_stream/_engine.pyx":414
+              /* "engram_stream/_engine.pyx":418
  *                             self._tail(s, self.ybuf + i * self.M, ph + (t0 + i) * self.C,
  *                                        po + (t0 + i) * self.C)
  *                         t0 += nb             # <<<<<<<<<<<<<<
@@ -14382,7 +14443,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               __pyx_v_t0 = (__pyx_v_t0 + __pyx_v_nb);
             }
 
-            /* "engram_stream/_engine.pyx":402
+            /* "engram_stream/_engine.pyx":406
  *             with nogil:
  *                 bad = self._first_bad_id(pid, T)
  *                 if bad < 0:             # <<<<<<<<<<<<<<
@@ -14392,7 +14453,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
           }
         }
 
-        /* "engram_stream/_engine.pyx":400
+        /* "engram_stream/_engine.pyx":404
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
  *             self._grow(chunk)  # under the guard: the scratch is shared with step()
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -14410,7 +14471,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
     }
   }
 
-  /* "engram_stream/_engine.pyx":416
+  /* "engram_stream/_engine.pyx":420
  *                         t0 += nb
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -14460,7 +14521,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
     __pyx_L5:;
   }
 
-  /* "engram_stream/_engine.pyx":417
+  /* "engram_stream/_engine.pyx":421
  *         finally:
  *             self.busy = False
  *         if bad >= 0:             # <<<<<<<<<<<<<<
@@ -14472,7 +14533,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
   if (unlikely(__pyx_t_9)) {
 
 
-    /* "engram_stream/_engine.pyx":418
+    /* "engram_stream/_engine.pyx":422
  *             self.busy = False
  *         if bad >= 0:
  *             raise self._bad_id(a, bad)             # <<<<<<<<<<<<<<
@@ -14481,7 +14542,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
     __pyx_t_3 = ((PyObject *)__pyx_v_self);
     __Pyx_INCREF(__pyx_t_3);
-    __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_v_bad); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 418, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_v_bad); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 422, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __pyx_t_4 = 0;
     {
@@ -14489,14 +14550,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
       __pyx_t_2 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_bad_id, __pyx_callargs+__pyx_t_4, (3-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 418, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 422, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
     }
     __Pyx_Raise(__pyx_t_2, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __PYX_ERR(0, 418, __pyx_L1_error)
+    __PYX_ERR(0, 422, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":417
+    /* "engram_stream/_engine.pyx":421
  *         finally:
  *             self.busy = False
  *         if bad >= 0:             # <<<<<<<<<<<<<<
@@ -14505,7 +14566,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
   }
 
-  /* "engram_stream/_engine.pyx":419
+  /* "engram_stream/_engine.pyx":423
  *         if bad >= 0:
  *             raise self._bad_id(a, bad)
  *         return o             # <<<<<<<<<<<<<<
@@ -14523,7 +14584,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":380
+  /* "engram_stream/_engine.pyx":384
  *         return bool(self.pending)
  * 
  *     def prefill(self, ids, hidden, stream=0, out=None):             # <<<<<<<<<<<<<<
@@ -14560,7 +14621,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":421
+/* "engram_stream/_engine.pyx":425
  *         return o
  * 
  *     def _check_stream(self, stream):             # <<<<<<<<<<<<<<
@@ -14608,32 +14669,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_stream,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 421, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 425, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 421, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 425, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_check_stream", 0) < (0)) __PYX_ERR(0, 421, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_check_stream", 0) < (0)) __PYX_ERR(0, 425, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_check_stream", 1, 1, 1, i); __PYX_ERR(0, 421, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_check_stream", 1, 1, 1, i); __PYX_ERR(0, 425, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 421, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 425, __pyx_L3_error)
     }
     __pyx_v_stream = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_check_stream", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 421, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_check_stream", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 425, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -14674,7 +14735,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_check_stream", 0);
 
-  /* "engram_stream/_engine.pyx":422
+  /* "engram_stream/_engine.pyx":426
  * 
  *     def _check_stream(self, stream):
  *         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):             # <<<<<<<<<<<<<<
@@ -14690,9 +14751,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
 
     goto __pyx_L4_bool_binop_done;
   }
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 422, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 426, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_integer); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 422, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_integer); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 426, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_5 = PyLong_Check(__pyx_v_stream); 
@@ -14720,7 +14781,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "engram_stream/_engine.pyx":423
+    /* "engram_stream/_engine.pyx":427
  *     def _check_stream(self, stream):
  *         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
  *             raise TypeError(f"stream must be an int, got {type(stream).__name__}")             # <<<<<<<<<<<<<<
@@ -14728,12 +14789,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
  *             raise IndexError(f"stream {stream} out of range for an engine with {self.n_streams} streams")
 */
     __pyx_t_3 = NULL;
-    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(((PyObject *)Py_TYPE(__pyx_v_stream)), __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 423, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(((PyObject *)Py_TYPE(__pyx_v_stream)), __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 427, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_7 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 423, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 427, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __pyx_t_6 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_stream_must_be_an_int_got, __pyx_t_7); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 423, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_stream_must_be_an_int_got, __pyx_t_7); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 427, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     __pyx_t_8 = 1;
@@ -14742,14 +14803,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_TypeError)), __pyx_callargs+__pyx_t_8, (2-__pyx_t_8) | (__pyx_t_8*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 423, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 427, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 423, __pyx_L1_error)
+    __PYX_ERR(0, 427, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":422
+    /* "engram_stream/_engine.pyx":426
  * 
  *     def _check_stream(self, stream):
  *         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):             # <<<<<<<<<<<<<<
@@ -14758,18 +14819,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
 */
   }
 
-  /* "engram_stream/_engine.pyx":424
+  /* "engram_stream/_engine.pyx":428
  *         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
  *             raise TypeError(f"stream must be an int, got {type(stream).__name__}")
  *         if not 0 <= stream < self.n_streams:             # <<<<<<<<<<<<<<
  *             raise IndexError(f"stream {stream} out of range for an engine with {self.n_streams} streams")
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_CompareBoolLe_int_object(__pyx_mstate_global->__pyx_int_0, __pyx_v_stream, Py_LE); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 424, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_CompareBoolLe_int_object(__pyx_mstate_global->__pyx_int_0, __pyx_v_stream, Py_LE); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 428, __pyx_L1_error)
   if (__pyx_t_1) {
-    __pyx_t_4 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 424, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 428, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_1 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_v_stream, __pyx_t_4, Py_LT); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 424, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_v_stream, __pyx_t_4, Py_LT); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 428, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   }
   __pyx_t_5 = (!__pyx_t_1);
@@ -14778,7 +14839,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
   if (unlikely(__pyx_t_5)) {
 
 
-    /* "engram_stream/_engine.pyx":425
+    /* "engram_stream/_engine.pyx":429
  *             raise TypeError(f"stream must be an int, got {type(stream).__name__}")
  *         if not 0 <= stream < self.n_streams:
  *             raise IndexError(f"stream {stream} out of range for an engine with {self.n_streams} streams")             # <<<<<<<<<<<<<<
@@ -14786,9 +14847,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
  *     cdef void _reset_stream(self, int64_t s) noexcept nogil:
 */
     __pyx_t_6 = NULL;
-    __pyx_t_3 = __Pyx_PyObject_FormatSimple(__pyx_v_stream, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 425, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyObject_FormatSimple(__pyx_v_stream, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 429, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    __pyx_t_7 = __Pyx_PyUnicode_From_int(__pyx_v_self->n_streams, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 425, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyUnicode_From_int(__pyx_v_self->n_streams, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 429, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_stream_2;
     __pyx_t_9[1] = __pyx_t_3;
@@ -14804,7 +14865,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
     __pyx_t_11 |= __Pyx_PyUnicode_KIND_04(__pyx_t_9[1]);
     #endif
     __pyx_t_12 = __Pyx_PyUnicode_Join(__pyx_t_9, 5, __pyx_t_10, __pyx_t_11);
-    if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 425, __pyx_L1_error)
+    if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 429, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_12);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
@@ -14814,14 +14875,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_IndexError)), __pyx_callargs+__pyx_t_8, (2-__pyx_t_8) | (__pyx_t_8*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
       __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 425, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 429, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 425, __pyx_L1_error)
+    __PYX_ERR(0, 429, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":424
+    /* "engram_stream/_engine.pyx":428
  *         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
  *             raise TypeError(f"stream must be an int, got {type(stream).__name__}")
  *         if not 0 <= stream < self.n_streams:             # <<<<<<<<<<<<<<
@@ -14830,7 +14891,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
 */
   }
 
-  /* "engram_stream/_engine.pyx":421
+  /* "engram_stream/_engine.pyx":425
  *         return o
  * 
  *     def _check_stream(self, stream):             # <<<<<<<<<<<<<<
@@ -14855,7 +14916,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":427
+/* "engram_stream/_engine.pyx":431
  *             raise IndexError(f"stream {stream} out of range for an engine with {self.n_streams} streams")
  * 
  *     cdef void _reset_stream(self, int64_t s) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -14870,7 +14931,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
   int __pyx_t_3;
   int64_t __pyx_t_4;
 
-  /* "engram_stream/_engine.pyx":429
+  /* "engram_stream/_engine.pyx":433
  *     cdef void _reset_stream(self, int64_t s) noexcept nogil:
  *         cdef int k
  *         for k in range(self.n - 1):             # <<<<<<<<<<<<<<
@@ -14884,7 +14945,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_k = __pyx_t_3;
 
-    /* "engram_stream/_engine.pyx":430
+    /* "engram_stream/_engine.pyx":434
  *         cdef int k
  *         for k in range(self.n - 1):
  *             self.hist[s * (self.n - 1) + k] = self.pad             # <<<<<<<<<<<<<<
@@ -14898,7 +14959,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
   }
 
 
-  /* "engram_stream/_engine.pyx":431
+  /* "engram_stream/_engine.pyx":435
  *         for k in range(self.n - 1):
  *             self.hist[s * (self.n - 1) + k] = self.pad
  *         memset(self.ring + s * self.conv_len * self.C, 0, self.conv_len * self.C * sizeof(float))             # <<<<<<<<<<<<<<
@@ -14907,7 +14968,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
 */
   (void)(memset((__pyx_v_self->ring + ((__pyx_v_s * __pyx_v_self->conv_len) * __pyx_v_self->C)), 0, ((__pyx_v_self->conv_len * __pyx_v_self->C) * (sizeof(float)))));
 
-  /* "engram_stream/_engine.pyx":432
+  /* "engram_stream/_engine.pyx":436
  *             self.hist[s * (self.n - 1) + k] = self.pad
  *         memset(self.ring + s * self.conv_len * self.C, 0, self.conv_len * self.C * sizeof(float))
  *         self.pos[s] = 0             # <<<<<<<<<<<<<<
@@ -14916,7 +14977,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
 */
   (__pyx_v_self->pos[__pyx_v_s]) = 0;
 
-  /* "engram_stream/_engine.pyx":433
+  /* "engram_stream/_engine.pyx":437
  *         memset(self.ring + s * self.conv_len * self.C, 0, self.conv_len * self.C * sizeof(float))
  *         self.pos[s] = 0
  *         self.seen[s] = 0             # <<<<<<<<<<<<<<
@@ -14925,7 +14986,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
 */
   (__pyx_v_self->seen[__pyx_v_s]) = 0;
 
-  /* "engram_stream/_engine.pyx":427
+  /* "engram_stream/_engine.pyx":431
  *             raise IndexError(f"stream {stream} out of range for an engine with {self.n_streams} streams")
  * 
  *     cdef void _reset_stream(self, int64_t s) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -14937,7 +14998,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
 
 }
 
-/* "engram_stream/_engine.pyx":435
+/* "engram_stream/_engine.pyx":439
  *         self.seen[s] = 0
  * 
  *     cdef void _reset_all(self) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -14951,7 +15012,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_all(struct __
   int __pyx_t_2;
   int64_t __pyx_t_3;
 
-  /* "engram_stream/_engine.pyx":437
+  /* "engram_stream/_engine.pyx":441
  *     cdef void _reset_all(self) noexcept nogil:
  *         cdef int64_t s
  *         for s in range(self.n_streams):             # <<<<<<<<<<<<<<
@@ -14965,7 +15026,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_all(struct __
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_s = __pyx_t_3;
 
-    /* "engram_stream/_engine.pyx":438
+    /* "engram_stream/_engine.pyx":442
  *         cdef int64_t s
  *         for s in range(self.n_streams):
  *             self._reset_stream(s)             # <<<<<<<<<<<<<<
@@ -14976,7 +15037,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_all(struct __
   }
 
 
-  /* "engram_stream/_engine.pyx":439
+  /* "engram_stream/_engine.pyx":443
  *         for s in range(self.n_streams):
  *             self._reset_stream(s)
  *         self.pending = False             # <<<<<<<<<<<<<<
@@ -14985,7 +15046,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_all(struct __
 */
   __pyx_v_self->pending = 0;
 
-  /* "engram_stream/_engine.pyx":435
+  /* "engram_stream/_engine.pyx":439
  *         self.seen[s] = 0
  * 
  *     cdef void _reset_all(self) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -14997,7 +15058,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_all(struct __
 
 }
 
-/* "engram_stream/_engine.pyx":441
+/* "engram_stream/_engine.pyx":445
  *         self.pending = False
  * 
  *     def reset(self, stream=None):             # <<<<<<<<<<<<<<
@@ -15045,24 +15106,24 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_stream,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 441, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 445, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 441, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 445, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "reset", 0) < (0)) __PYX_ERR(0, 441, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "reset", 0) < (0)) __PYX_ERR(0, 445, __pyx_L3_error)
       if (!values[0]) values[0] = __Pyx_NewRef(((PyObject *)Py_None));
     } else {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 441, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 445, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
@@ -15073,7 +15134,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("reset", 0, 0, 1, __pyx_nargs); __PYX_ERR(0, 441, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("reset", 0, 0, 1, __pyx_nargs); __PYX_ERR(0, 445, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -15116,7 +15177,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("reset", 0);
 
-  /* "engram_stream/_engine.pyx":443
+  /* "engram_stream/_engine.pyx":447
  *     def reset(self, stream=None):
  *         """Forget the history of one stream (or of all): back to the state before any token."""
  *         if stream is not None:             # <<<<<<<<<<<<<<
@@ -15127,7 +15188,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
   if (__pyx_t_1) {
 
 
-    /* "engram_stream/_engine.pyx":444
+    /* "engram_stream/_engine.pyx":448
  *         """Forget the history of one stream (or of all): back to the state before any token."""
  *         if stream is not None:
  *             self._check_stream(stream)             # <<<<<<<<<<<<<<
@@ -15141,12 +15202,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
       PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_v_stream};
       __pyx_t_2 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_check_stream, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 444, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 448, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
     }
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-    /* "engram_stream/_engine.pyx":443
+    /* "engram_stream/_engine.pyx":447
  *     def reset(self, stream=None):
  *         """Forget the history of one stream (or of all): back to the state before any token."""
  *         if stream is not None:             # <<<<<<<<<<<<<<
@@ -15155,18 +15216,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
 */
   }
 
-  /* "engram_stream/_engine.pyx":445
+  /* "engram_stream/_engine.pyx":449
  *         if stream is not None:
  *             self._check_stream(stream)
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if stream is None:
 */
-  __pyx_t_2 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 445, __pyx_L1_error)
+  __pyx_t_2 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 449, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":446
+  /* "engram_stream/_engine.pyx":450
  *             self._check_stream(stream)
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -15175,7 +15236,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":447
+    /* "engram_stream/_engine.pyx":451
  *         self._enter()
  *         try:
  *             if stream is None:             # <<<<<<<<<<<<<<
@@ -15186,7 +15247,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
     if (__pyx_t_1) {
 
 
-      /* "engram_stream/_engine.pyx":448
+      /* "engram_stream/_engine.pyx":452
  *         try:
  *             if stream is None:
  *                 self._reset_all()             # <<<<<<<<<<<<<<
@@ -15195,7 +15256,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
 */
       ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_reset_all(__pyx_v_self);
 
-      /* "engram_stream/_engine.pyx":447
+      /* "engram_stream/_engine.pyx":451
  *         self._enter()
  *         try:
  *             if stream is None:             # <<<<<<<<<<<<<<
@@ -15205,7 +15266,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
       goto __pyx_L7;
     }
 
-    /* "engram_stream/_engine.pyx":449
+    /* "engram_stream/_engine.pyx":453
  *             if stream is None:
  *                 self._reset_all()
  *             elif self.pending:             # <<<<<<<<<<<<<<
@@ -15214,7 +15275,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
 */
     if (unlikely(__pyx_v_self->pending)) {
 
-      /* "engram_stream/_engine.pyx":450
+      /* "engram_stream/_engine.pyx":454
  *                 self._reset_all()
  *             elif self.pending:
  *                 raise RuntimeError("feed() was called for every stream: compute(hidden) first, "             # <<<<<<<<<<<<<<
@@ -15227,14 +15288,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
         PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_feed_was_called_for_every_stream};
         __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 450, __pyx_L5_error)
+        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 454, __pyx_L5_error)
         __Pyx_GOTREF(__pyx_t_2);
       }
       __Pyx_Raise(__pyx_t_2, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-      __PYX_ERR(0, 450, __pyx_L5_error)
+      __PYX_ERR(0, 454, __pyx_L5_error)
 
-      /* "engram_stream/_engine.pyx":449
+      /* "engram_stream/_engine.pyx":453
  *             if stream is None:
  *                 self._reset_all()
  *             elif self.pending:             # <<<<<<<<<<<<<<
@@ -15243,7 +15304,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
 */
     }
 
-    /* "engram_stream/_engine.pyx":453
+    /* "engram_stream/_engine.pyx":457
  *                                    "or reset() all streams")
  *             else:
  *                 self._reset_stream(stream)             # <<<<<<<<<<<<<<
@@ -15251,14 +15312,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
  *             self.busy = False
 */
     /*else*/ {
-      __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_v_stream); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 453, __pyx_L5_error)
+      __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_v_stream); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 457, __pyx_L5_error)
       ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_reset_stream(__pyx_v_self, __pyx_t_5);
 
     }
     __pyx_L7:;
   }
 
-  /* "engram_stream/_engine.pyx":455
+  /* "engram_stream/_engine.pyx":459
  *                 self._reset_stream(stream)
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -15304,7 +15365,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
     __pyx_L6:;
   }
 
-  /* "engram_stream/_engine.pyx":441
+  /* "engram_stream/_engine.pyx":445
  *         self.pending = False
  * 
  *     def reset(self, stream=None):             # <<<<<<<<<<<<<<
@@ -15326,7 +15387,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":457
+/* "engram_stream/_engine.pyx":461
  *             self.busy = False
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -15365,7 +15426,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "engram_stream/_engine.pyx":460
+  /* "engram_stream/_engine.pyx":464
  *     def tokens_seen(self):
  *         """int64[S]: tokens processed per stream since its last reset."""
  *         cdef cnp.ndarray r = np.empty(self.n_streams, dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -15373,16 +15434,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
  *         return r
 */
   __pyx_t_2 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 460, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 464, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 460, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 464, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 460, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 464, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 460, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 464, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_6 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 460, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 464, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   #if CYTHON_VECTORCALL
@@ -15403,13 +15464,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
     PyObject *__pyx_callargs[3] = {__pyx_t_2, __pyx_t_3, __pyx_t_6};
     #if CYTHON_VECTORCALL
     __pyx_t_5 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 460, __pyx_L1_error)
+    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 464, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_5);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_5 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 460, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 464, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
     }
     #endif
@@ -15421,14 +15482,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 460, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 464, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 460, __pyx_L1_error)
+  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 464, __pyx_L1_error)
   __pyx_v_r = ((PyArrayObject *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":461
+  /* "engram_stream/_engine.pyx":465
  *         """int64[S]: tokens processed per stream since its last reset."""
  *         cdef cnp.ndarray r = np.empty(self.n_streams, dtype=np.int64)
  *         memcpy(cnp.PyArray_DATA(r), self.seen, self.n_streams * sizeof(int64_t))             # <<<<<<<<<<<<<<
@@ -15437,7 +15498,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
 */
   (void)(memcpy(PyArray_DATA(__pyx_v_r), __pyx_v_self->seen, (__pyx_v_self->n_streams * (sizeof(int64_t)))));
 
-  /* "engram_stream/_engine.pyx":462
+  /* "engram_stream/_engine.pyx":466
  *         cdef cnp.ndarray r = np.empty(self.n_streams, dtype=np.int64)
  *         memcpy(cnp.PyArray_DATA(r), self.seen, self.n_streams * sizeof(int64_t))
  *         return r             # <<<<<<<<<<<<<<
@@ -15455,7 +15516,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":457
+  /* "engram_stream/_engine.pyx":461
  *             self.busy = False
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -15480,7 +15541,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":464
+/* "engram_stream/_engine.pyx":468
  *         return r
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -15512,14 +15573,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12state_nbytes
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "engram_stream/_engine.pyx":467
+  /* "engram_stream/_engine.pyx":471
  *     def state_nbytes(self):
  *         """Bytes of per-stream state (windows, conv rings, positions)."""
  *         return self.n_streams * ((self.n - 1) * 8 + self.conv_len * self.C * 4 + 16)             # <<<<<<<<<<<<<<
  * 
  *     def snapshot(self):
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int64_t((__pyx_v_self->n_streams * ((((__pyx_v_self->n - 1) * 8) + ((__pyx_v_self->conv_len * __pyx_v_self->C) * 4)) + 16))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 467, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int64_t((__pyx_v_self->n_streams * ((((__pyx_v_self->n - 1) * 8) + ((__pyx_v_self->conv_len * __pyx_v_self->C) * 4)) + 16))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 471, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -15532,7 +15593,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12state_nbytes
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":464
+  /* "engram_stream/_engine.pyx":468
  *         return r
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -15551,7 +15612,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12state_nbytes
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":469
+/* "engram_stream/_engine.pyx":473
  *         return self.n_streams * ((self.n - 1) * 8 + self.conv_len * self.C * 4 + 16)
  * 
  *     def snapshot(self):             # <<<<<<<<<<<<<<
@@ -15632,7 +15693,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("snapshot", 0);
 
-  /* "engram_stream/_engine.pyx":471
+  /* "engram_stream/_engine.pyx":475
  *     def snapshot(self):
  *         """A copy of every stream's state, for restore() (speculative decoding rollback)."""
  *         cdef int64_t S = self.n_streams             # <<<<<<<<<<<<<<
@@ -15643,7 +15704,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
 
   __pyx_v_S = __pyx_t_1;
 
-  /* "engram_stream/_engine.pyx":472
+  /* "engram_stream/_engine.pyx":476
  *         """A copy of every stream's state, for restore() (speculative decoding rollback)."""
  *         cdef int64_t S = self.n_streams
  *         hist = np.empty((S, self.n - 1), dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -15651,26 +15712,26 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
  *         pos = np.empty(S, dtype=np.int64)
 */
   __pyx_t_3 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 472, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 476, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 472, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 476, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_4 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 472, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 476, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_6 = __Pyx_PyLong_From_long((__pyx_v_self->n - 1)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 472, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_long((__pyx_v_self->n - 1)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 476, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 472, __pyx_L1_error)
+  __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 476, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_GIVEREF(__pyx_t_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 472, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 476, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, __pyx_t_6) != (0)) __PYX_ERR(0, 472, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, __pyx_t_6) != (0)) __PYX_ERR(0, 476, __pyx_L1_error);
   __pyx_t_4 = 0;
   __pyx_t_6 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 472, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 476, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 472, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 476, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
   #if CYTHON_VECTORCALL
@@ -15691,13 +15752,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     PyObject *__pyx_callargs[3] = {__pyx_t_3, __pyx_t_7, __pyx_t_4};
     #if CYTHON_VECTORCALL
     __pyx_t_6 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 472, __pyx_L1_error)
+    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 476, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_6);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_6 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 472, __pyx_L1_error)
+      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 476, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
     }
     #endif
@@ -15709,13 +15770,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 472, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 476, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
   __pyx_v_hist = __pyx_t_2;
   __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":473
+  /* "engram_stream/_engine.pyx":477
  *         cdef int64_t S = self.n_streams
  *         hist = np.empty((S, self.n - 1), dtype=np.int64)
  *         ring = np.empty((S, self.conv_len, self.C), dtype=np.float32)             # <<<<<<<<<<<<<<
@@ -15723,31 +15784,31 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
  *         seen = np.empty(S, dtype=np.int64)
 */
   __pyx_t_5 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 473, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 477, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 473, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 477, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 473, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 477, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->conv_len); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 473, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->conv_len); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 477, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_3 = __Pyx_PyLong_From_int64_t(__pyx_v_self->C); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 473, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int64_t(__pyx_v_self->C); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 477, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_9 = PyTuple_New(3); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 473, __pyx_L1_error)
+  __pyx_t_9 = PyTuple_New(3); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 477, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 473, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 477, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_7);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 473, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 477, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 2, __pyx_t_3) != (0)) __PYX_ERR(0, 473, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 2, __pyx_t_3) != (0)) __PYX_ERR(0, 477, __pyx_L1_error);
   __pyx_t_6 = 0;
   __pyx_t_7 = 0;
   __pyx_t_3 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 473, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 477, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 473, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 477, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   #if CYTHON_VECTORCALL
@@ -15768,13 +15829,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     PyObject *__pyx_callargs[3] = {__pyx_t_5, __pyx_t_9, __pyx_t_7};
     #if CYTHON_VECTORCALL
     __pyx_t_3 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 473, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 477, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_3);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_3 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 473, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 477, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     #endif
@@ -15786,13 +15847,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 473, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 477, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
   __pyx_v_ring = __pyx_t_2;
   __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":474
+  /* "engram_stream/_engine.pyx":478
  *         hist = np.empty((S, self.n - 1), dtype=np.int64)
  *         ring = np.empty((S, self.conv_len, self.C), dtype=np.float32)
  *         pos = np.empty(S, dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -15800,16 +15861,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
  *         self._enter()
 */
   __pyx_t_4 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 474, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 478, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 474, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 478, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_3 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 474, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 478, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 474, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 478, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 474, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 478, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
   #if CYTHON_VECTORCALL
@@ -15830,13 +15891,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     PyObject *__pyx_callargs[3] = {__pyx_t_4, __pyx_t_3, __pyx_t_5};
     #if CYTHON_VECTORCALL
     __pyx_t_9 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 474, __pyx_L1_error)
+    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 478, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_9);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_9 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 474, __pyx_L1_error)
+      if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 478, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_9);
     }
     #endif
@@ -15848,13 +15909,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 474, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 478, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
   __pyx_v_pos = __pyx_t_2;
   __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":475
+  /* "engram_stream/_engine.pyx":479
  *         ring = np.empty((S, self.conv_len, self.C), dtype=np.float32)
  *         pos = np.empty(S, dtype=np.int64)
  *         seen = np.empty(S, dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -15862,16 +15923,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
  *         try:
 */
   __pyx_t_7 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 475, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 479, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 475, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 479, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
-  __pyx_t_9 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 475, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 479, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 475, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 479, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 475, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 479, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   #if CYTHON_VECTORCALL
@@ -15892,13 +15953,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     PyObject *__pyx_callargs[3] = {__pyx_t_7, __pyx_t_9, __pyx_t_4};
     #if CYTHON_VECTORCALL
     __pyx_t_3 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 475, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 479, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_3);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_3 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 475, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 479, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     #endif
@@ -15910,24 +15971,24 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 475, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 479, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
   __pyx_v_seen = __pyx_t_2;
   __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":476
+  /* "engram_stream/_engine.pyx":480
  *         pos = np.empty(S, dtype=np.int64)
  *         seen = np.empty(S, dtype=np.int64)
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if self.pending:
 */
-  __pyx_t_2 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 476, __pyx_L1_error)
+  __pyx_t_2 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 480, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":477
+  /* "engram_stream/_engine.pyx":481
  *         seen = np.empty(S, dtype=np.int64)
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -15936,7 +15997,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":478
+    /* "engram_stream/_engine.pyx":482
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -15945,7 +16006,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
 */
     if (unlikely(__pyx_v_self->pending)) {
 
-      /* "engram_stream/_engine.pyx":479
+      /* "engram_stream/_engine.pyx":483
  *         try:
  *             if self.pending:
  *                 raise RuntimeError("cannot snapshot between feed() and compute()")             # <<<<<<<<<<<<<<
@@ -15958,14 +16019,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
         PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_cannot_snapshot_between_feed_and};
         __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_8, (2-__pyx_t_8) | (__pyx_t_8*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 479, __pyx_L4_error)
+        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 483, __pyx_L4_error)
         __Pyx_GOTREF(__pyx_t_2);
       }
       __Pyx_Raise(__pyx_t_2, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-      __PYX_ERR(0, 479, __pyx_L4_error)
+      __PYX_ERR(0, 483, __pyx_L4_error)
 
-      /* "engram_stream/_engine.pyx":478
+      /* "engram_stream/_engine.pyx":482
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -15974,68 +16035,68 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
 */
     }
 
-    /* "engram_stream/_engine.pyx":480
+    /* "engram_stream/_engine.pyx":484
  *             if self.pending:
  *                 raise RuntimeError("cannot snapshot between feed() and compute()")
  *             memcpy(cnp.PyArray_DATA(hist), self.hist, hist.nbytes)             # <<<<<<<<<<<<<<
  *             memcpy(cnp.PyArray_DATA(ring), self.ring, ring.nbytes)
  *             memcpy(cnp.PyArray_DATA(pos), self.pos, pos.nbytes)
 */
-    if (!(likely(((__pyx_v_hist) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_hist, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 480, __pyx_L4_error)
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_hist, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 480, __pyx_L4_error)
+    if (!(likely(((__pyx_v_hist) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_hist, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 484, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_hist, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 484, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 480, __pyx_L4_error)
+    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 484, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     (void)(memcpy(PyArray_DATA(((PyArrayObject *)__pyx_v_hist)), __pyx_v_self->hist, __pyx_t_8));
 
 
-    /* "engram_stream/_engine.pyx":481
+    /* "engram_stream/_engine.pyx":485
  *                 raise RuntimeError("cannot snapshot between feed() and compute()")
  *             memcpy(cnp.PyArray_DATA(hist), self.hist, hist.nbytes)
  *             memcpy(cnp.PyArray_DATA(ring), self.ring, ring.nbytes)             # <<<<<<<<<<<<<<
  *             memcpy(cnp.PyArray_DATA(pos), self.pos, pos.nbytes)
  *             memcpy(cnp.PyArray_DATA(seen), self.seen, seen.nbytes)
 */
-    if (!(likely(((__pyx_v_ring) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_ring, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 481, __pyx_L4_error)
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_ring, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 481, __pyx_L4_error)
+    if (!(likely(((__pyx_v_ring) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_ring, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 485, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_ring, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 485, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 481, __pyx_L4_error)
+    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 485, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     (void)(memcpy(PyArray_DATA(((PyArrayObject *)__pyx_v_ring)), __pyx_v_self->ring, __pyx_t_8));
 
 
-    /* "engram_stream/_engine.pyx":482
+    /* "engram_stream/_engine.pyx":486
  *             memcpy(cnp.PyArray_DATA(hist), self.hist, hist.nbytes)
  *             memcpy(cnp.PyArray_DATA(ring), self.ring, ring.nbytes)
  *             memcpy(cnp.PyArray_DATA(pos), self.pos, pos.nbytes)             # <<<<<<<<<<<<<<
  *             memcpy(cnp.PyArray_DATA(seen), self.seen, seen.nbytes)
  *         finally:
 */
-    if (!(likely(((__pyx_v_pos) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_pos, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 482, __pyx_L4_error)
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_pos, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 482, __pyx_L4_error)
+    if (!(likely(((__pyx_v_pos) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_pos, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 486, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_pos, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 486, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 482, __pyx_L4_error)
+    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 486, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     (void)(memcpy(PyArray_DATA(((PyArrayObject *)__pyx_v_pos)), __pyx_v_self->pos, __pyx_t_8));
 
 
-    /* "engram_stream/_engine.pyx":483
+    /* "engram_stream/_engine.pyx":487
  *             memcpy(cnp.PyArray_DATA(ring), self.ring, ring.nbytes)
  *             memcpy(cnp.PyArray_DATA(pos), self.pos, pos.nbytes)
  *             memcpy(cnp.PyArray_DATA(seen), self.seen, seen.nbytes)             # <<<<<<<<<<<<<<
  *         finally:
  *             self.busy = False
 */
-    if (!(likely(((__pyx_v_seen) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_seen, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 483, __pyx_L4_error)
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_seen, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 483, __pyx_L4_error)
+    if (!(likely(((__pyx_v_seen) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_seen, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 487, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_seen, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 487, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 483, __pyx_L4_error)
+    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 487, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     (void)(memcpy(PyArray_DATA(((PyArrayObject *)__pyx_v_seen)), __pyx_v_self->seen, __pyx_t_8));
 
   }
 
-  /* "engram_stream/_engine.pyx":485
+  /* "engram_stream/_engine.pyx":489
  *             memcpy(cnp.PyArray_DATA(seen), self.seen, seen.nbytes)
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -16086,7 +16147,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     __pyx_L5:;
   }
 
-  /* "engram_stream/_engine.pyx":486
+  /* "engram_stream/_engine.pyx":490
  *         finally:
  *             self.busy = False
  *         return EngineSnapshot(self._fingerprint, hist, ring, pos, seen)             # <<<<<<<<<<<<<<
@@ -16094,7 +16155,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
  *     def _check_snapshot(self, snapshot):
 */
   __pyx_t_5 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_EngineSnapshot); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 486, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_EngineSnapshot); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 490, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_8 = 1;
   #if CYTHON_UNPACK_METHODS
@@ -16113,7 +16174,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_t_3, __pyx_callargs+__pyx_t_8, (6-__pyx_t_8) | (__pyx_t_8*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 486, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 490, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
   {
@@ -16127,7 +16188,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":469
+  /* "engram_stream/_engine.pyx":473
  *         return self.n_streams * ((self.n - 1) * 8 + self.conv_len * self.C * 4 + 16)
  * 
  *     def snapshot(self):             # <<<<<<<<<<<<<<
@@ -16157,7 +16218,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":488
+/* "engram_stream/_engine.pyx":492
  *         return EngineSnapshot(self._fingerprint, hist, ring, pos, seen)
  * 
  *     def _check_snapshot(self, snapshot):             # <<<<<<<<<<<<<<
@@ -16205,32 +16266,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_snapshot,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 488, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 492, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 488, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 492, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_check_snapshot", 0) < (0)) __PYX_ERR(0, 488, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_check_snapshot", 0) < (0)) __PYX_ERR(0, 492, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_check_snapshot", 1, 1, 1, i); __PYX_ERR(0, 488, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_check_snapshot", 1, 1, 1, i); __PYX_ERR(0, 492, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 488, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 492, __pyx_L3_error)
     }
     __pyx_v_snapshot = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_check_snapshot", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 488, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_check_snapshot", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 492, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -16286,16 +16347,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_check_snapshot", 0);
 
-  /* "engram_stream/_engine.pyx":490
+  /* "engram_stream/_engine.pyx":494
  *     def _check_snapshot(self, snapshot):
  *         """Raise unless `snapshot` can be restored here (changes nothing)."""
  *         if not isinstance(snapshot, EngineSnapshot):             # <<<<<<<<<<<<<<
  *             raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")
  *         fp = snapshot.fingerprint
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_EngineSnapshot); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 490, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_EngineSnapshot); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 494, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = PyObject_IsInstance(__pyx_v_snapshot, __pyx_t_1); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 490, __pyx_L1_error)
+  __pyx_t_2 = PyObject_IsInstance(__pyx_v_snapshot, __pyx_t_1); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 494, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_t_3 = (!__pyx_t_2);
 
@@ -16303,7 +16364,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
   if (unlikely(__pyx_t_3)) {
 
 
-    /* "engram_stream/_engine.pyx":491
+    /* "engram_stream/_engine.pyx":495
  *         """Raise unless `snapshot` can be restored here (changes nothing)."""
  *         if not isinstance(snapshot, EngineSnapshot):
  *             raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")             # <<<<<<<<<<<<<<
@@ -16311,12 +16372,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
  *         if fp != self._fingerprint:
 */
     __pyx_t_4 = NULL;
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(((PyObject *)Py_TYPE(__pyx_v_snapshot)), __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 491, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(((PyObject *)Py_TYPE(__pyx_v_snapshot)), __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 495, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_6 = __Pyx_PyObject_FormatSimple(__pyx_t_5, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 491, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyObject_FormatSimple(__pyx_t_5, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 495, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    __pyx_t_5 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_restore_takes_an_EngineSnapshot, __pyx_t_6); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 491, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_restore_takes_an_EngineSnapshot, __pyx_t_6); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 495, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __pyx_t_7 = 1;
@@ -16325,14 +16386,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_TypeError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 491, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 495, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 491, __pyx_L1_error)
+    __PYX_ERR(0, 495, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":490
+    /* "engram_stream/_engine.pyx":494
  *     def _check_snapshot(self, snapshot):
  *         """Raise unless `snapshot` can be restored here (changes nothing)."""
  *         if not isinstance(snapshot, EngineSnapshot):             # <<<<<<<<<<<<<<
@@ -16341,41 +16402,41 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 */
   }
 
-  /* "engram_stream/_engine.pyx":492
+  /* "engram_stream/_engine.pyx":496
  *         if not isinstance(snapshot, EngineSnapshot):
  *             raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")
  *         fp = snapshot.fingerprint             # <<<<<<<<<<<<<<
  *         if fp != self._fingerprint:
  *             why = ("layer" if fp[0] != self._fingerprint[0] else
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_fingerprint); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 492, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_fingerprint); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 496, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_v_fp = __pyx_t_1;
   __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":493
+  /* "engram_stream/_engine.pyx":497
  *             raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")
  *         fp = snapshot.fingerprint
  *         if fp != self._fingerprint:             # <<<<<<<<<<<<<<
  *             why = ("layer" if fp[0] != self._fingerprint[0] else
  *                    "config" if fp[1] != self._fingerprint[1] else
 */
-  __pyx_t_3 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_v_fp, __pyx_v_self->_fingerprint, Py_NE); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 493, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_v_fp, __pyx_v_self->_fingerprint, Py_NE); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 497, __pyx_L1_error)
   if (unlikely(__pyx_t_3)) {
 
 
-    /* "engram_stream/_engine.pyx":494
+    /* "engram_stream/_engine.pyx":498
  *         fp = snapshot.fingerprint
  *         if fp != self._fingerprint:
  *             why = ("layer" if fp[0] != self._fingerprint[0] else             # <<<<<<<<<<<<<<
  *                    "config" if fp[1] != self._fingerprint[1] else
  *                    "stream count" if fp[2] != self._fingerprint[2] else "hash plan")
 */
-    __pyx_t_5 = __Pyx_GetItemInt(__pyx_v_fp, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 494, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_GetItemInt(__pyx_v_fp, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 498, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_4 = __Pyx_GetItemInt(__pyx_v_self->_fingerprint, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_SharedReference); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 494, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_GetItemInt(__pyx_v_self->_fingerprint, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_SharedReference); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 498, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_3 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_t_5, __pyx_t_4, Py_NE); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 494, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_t_5, __pyx_t_4, Py_NE); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 498, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     if (__pyx_t_3) {
@@ -16383,18 +16444,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       __pyx_t_1 = __pyx_mstate_global->__pyx_n_u_layer;
     } else {
 
-      /* "engram_stream/_engine.pyx":495
+      /* "engram_stream/_engine.pyx":499
  *         if fp != self._fingerprint:
  *             why = ("layer" if fp[0] != self._fingerprint[0] else
  *                    "config" if fp[1] != self._fingerprint[1] else             # <<<<<<<<<<<<<<
  *                    "stream count" if fp[2] != self._fingerprint[2] else "hash plan")
  *             raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")
 */
-      __pyx_t_5 = __Pyx_GetItemInt(__pyx_v_fp, 1, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 495, __pyx_L1_error)
+      __pyx_t_5 = __Pyx_GetItemInt(__pyx_v_fp, 1, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 499, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
-      __pyx_t_6 = __Pyx_GetItemInt(__pyx_v_self->_fingerprint, 1, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_SharedReference); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 495, __pyx_L1_error)
+      __pyx_t_6 = __Pyx_GetItemInt(__pyx_v_self->_fingerprint, 1, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_SharedReference); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 499, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
-      __pyx_t_2 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_t_5, __pyx_t_6, Py_NE); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 495, __pyx_L1_error)
+      __pyx_t_2 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_t_5, __pyx_t_6, Py_NE); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 499, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
       if (__pyx_t_2) {
@@ -16402,18 +16463,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
         __pyx_t_4 = __pyx_mstate_global->__pyx_n_u_config;
       } else {
 
-        /* "engram_stream/_engine.pyx":496
+        /* "engram_stream/_engine.pyx":500
  *             why = ("layer" if fp[0] != self._fingerprint[0] else
  *                    "config" if fp[1] != self._fingerprint[1] else
  *                    "stream count" if fp[2] != self._fingerprint[2] else "hash plan")             # <<<<<<<<<<<<<<
  *             raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")
  *         cdef int64_t S = self.n_streams
 */
-        __pyx_t_5 = __Pyx_GetItemInt(__pyx_v_fp, 2, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 496, __pyx_L1_error)
+        __pyx_t_5 = __Pyx_GetItemInt(__pyx_v_fp, 2, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 500, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_5);
-        __pyx_t_8 = __Pyx_GetItemInt(__pyx_v_self->_fingerprint, 2, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_SharedReference); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 496, __pyx_L1_error)
+        __pyx_t_8 = __Pyx_GetItemInt(__pyx_v_self->_fingerprint, 2, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_SharedReference); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 500, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_8);
-        __pyx_t_9 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_t_5, __pyx_t_8, Py_NE); if (unlikely((__pyx_t_9 < 0))) __PYX_ERR(0, 496, __pyx_L1_error)
+        __pyx_t_9 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_t_5, __pyx_t_8, Py_NE); if (unlikely((__pyx_t_9 < 0))) __PYX_ERR(0, 500, __pyx_L1_error)
         __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
         __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
         if (__pyx_t_9) {
@@ -16435,7 +16496,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
     __pyx_v_why = ((PyObject*)__pyx_t_1);
     __pyx_t_1 = 0;
 
-    /* "engram_stream/_engine.pyx":497
+    /* "engram_stream/_engine.pyx":501
  *                    "config" if fp[1] != self._fingerprint[1] else
  *                    "stream count" if fp[2] != self._fingerprint[2] else "hash plan")
  *             raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")             # <<<<<<<<<<<<<<
@@ -16443,7 +16504,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
  *         shapes = {"hist": ((S, self.n - 1), np.int64), "ring": ((S, self.conv_len, self.C), np.float32),
 */
     __pyx_t_4 = NULL;
-    __pyx_t_6 = __Pyx_PyUnicode_Unicode(__pyx_v_why); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 497, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyUnicode_Unicode(__pyx_v_why); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 501, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __pyx_t_10[0] = __pyx_mstate_global->__pyx_kp_u_snapshot_is_from_another_engine;
     __pyx_t_10[1] = __pyx_t_6;
@@ -16457,7 +16518,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
     __pyx_t_12 |= __Pyx_PyUnicode_KIND_04(__pyx_t_10[1]);
     #endif
     __pyx_t_8 = __Pyx_PyUnicode_Join(__pyx_t_10, 3, __pyx_t_11, __pyx_t_12);
-    if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 497, __pyx_L1_error)
+    if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 501, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __pyx_t_7 = 1;
@@ -16466,14 +16527,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 497, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 501, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 497, __pyx_L1_error)
+    __PYX_ERR(0, 501, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":493
+    /* "engram_stream/_engine.pyx":497
  *             raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")
  *         fp = snapshot.fingerprint
  *         if fp != self._fingerprint:             # <<<<<<<<<<<<<<
@@ -16482,7 +16543,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 */
   }
 
-  /* "engram_stream/_engine.pyx":498
+  /* "engram_stream/_engine.pyx":502
  *                    "stream count" if fp[2] != self._fingerprint[2] else "hash plan")
  *             raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")
  *         cdef int64_t S = self.n_streams             # <<<<<<<<<<<<<<
@@ -16493,130 +16554,130 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 
   __pyx_v_S = __pyx_t_12;
 
-  /* "engram_stream/_engine.pyx":499
+  /* "engram_stream/_engine.pyx":503
  *             raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")
  *         cdef int64_t S = self.n_streams
  *         shapes = {"hist": ((S, self.n - 1), np.int64), "ring": ((S, self.conv_len, self.C), np.float32),             # <<<<<<<<<<<<<<
  *                   "pos": ((S,), np.int64), "seen": ((S,), np.int64)}
  *         for name, (shape, dtype) in shapes.items():
 */
-  __pyx_t_1 = __Pyx_PyDict_NewPresized(4); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyDict_NewPresized(4); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_4 = __Pyx_PyLong_From_long((__pyx_v_self->n - 1)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyLong_From_long((__pyx_v_self->n - 1)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_8) != (0)) __PYX_ERR(0, 499, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_8) != (0)) __PYX_ERR(0, 503, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 499, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 503, __pyx_L1_error);
   __pyx_t_8 = 0;
   __pyx_t_4 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 499, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 503, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 499, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 503, __pyx_L1_error);
   __pyx_t_6 = 0;
   __pyx_t_8 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_hist, __pyx_t_4) < (0)) __PYX_ERR(0, 499, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_hist, __pyx_t_4) < (0)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_4 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_8 = __Pyx_PyLong_From_int(__pyx_v_self->conv_len); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyLong_From_int(__pyx_v_self->conv_len); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_self->C); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_self->C); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_5 = PyTuple_New(3); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __pyx_t_5 = PyTuple_New(3); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_GIVEREF(__pyx_t_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 499, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 503, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 499, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 503, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 2, __pyx_t_6) != (0)) __PYX_ERR(0, 499, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 2, __pyx_t_6) != (0)) __PYX_ERR(0, 503, __pyx_L1_error);
   __pyx_t_4 = 0;
   __pyx_t_8 = 0;
   __pyx_t_6 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 499, __pyx_L1_error)
+  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_GIVEREF(__pyx_t_5);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 499, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 503, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 499, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 503, __pyx_L1_error);
   __pyx_t_5 = 0;
   __pyx_t_8 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_ring, __pyx_t_6) < (0)) __PYX_ERR(0, 499, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_ring, __pyx_t_6) < (0)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
 
-  /* "engram_stream/_engine.pyx":500
+  /* "engram_stream/_engine.pyx":504
  *         cdef int64_t S = self.n_streams
  *         shapes = {"hist": ((S, self.n - 1), np.int64), "ring": ((S, self.conv_len, self.C), np.float32),
  *                   "pos": ((S,), np.int64), "seen": ((S,), np.int64)}             # <<<<<<<<<<<<<<
  *         for name, (shape, dtype) in shapes.items():
  *             a = getattr(snapshot, name, None)
 */
-  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 500, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 504, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_8 = PyTuple_New(1); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 500, __pyx_L1_error)
+  __pyx_t_8 = PyTuple_New(1); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 504, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 500, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 504, __pyx_L1_error);
   __pyx_t_6 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 500, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 504, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 500, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 504, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 500, __pyx_L1_error)
+  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 504, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_8) != (0)) __PYX_ERR(0, 500, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_8) != (0)) __PYX_ERR(0, 504, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_5);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 500, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 504, __pyx_L1_error);
   __pyx_t_8 = 0;
   __pyx_t_5 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_pos, __pyx_t_6) < (0)) __PYX_ERR(0, 499, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_pos, __pyx_t_6) < (0)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 500, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 504, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_5 = PyTuple_New(1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 500, __pyx_L1_error)
+  __pyx_t_5 = PyTuple_New(1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 504, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 500, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 504, __pyx_L1_error);
   __pyx_t_6 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 500, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 504, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 500, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 504, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 500, __pyx_L1_error)
+  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 504, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_GIVEREF(__pyx_t_5);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 500, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 504, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 500, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 504, __pyx_L1_error);
   __pyx_t_5 = 0;
   __pyx_t_8 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seen, __pyx_t_6) < (0)) __PYX_ERR(0, 499, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seen, __pyx_t_6) < (0)) __PYX_ERR(0, 503, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
   __pyx_v_shapes = ((PyObject*)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":501
+  /* "engram_stream/_engine.pyx":505
  *         shapes = {"hist": ((S, self.n - 1), np.int64), "ring": ((S, self.conv_len, self.C), np.float32),
  *                   "pos": ((S,), np.int64), "seen": ((S,), np.int64)}
  *         for name, (shape, dtype) in shapes.items():             # <<<<<<<<<<<<<<
@@ -16624,7 +16685,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
 */
   __pyx_t_11 = 0;
-  __pyx_t_6 = __Pyx_dict_iterator(__pyx_v_shapes, 1, __pyx_mstate_global->__pyx_n_u_items, (&__pyx_t_13), (&__pyx_t_12)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 501, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_dict_iterator(__pyx_v_shapes, 1, __pyx_mstate_global->__pyx_n_u_items, (&__pyx_t_13), (&__pyx_t_12)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 505, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_XDECREF(__pyx_t_1);
   __pyx_t_1 = __pyx_t_6;
@@ -16632,7 +16693,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
   while (1) {
     __pyx_t_14 = __Pyx_dict_iter_next(__pyx_t_1, __pyx_t_13, &__pyx_t_11, &__pyx_t_6, &__pyx_t_8, NULL, __pyx_t_12);
     if (unlikely(__pyx_t_14 == 0)) break;
-    if (unlikely(__pyx_t_14 == -1)) __PYX_ERR(0, 501, __pyx_L1_error)
+    if (unlikely(__pyx_t_14 == -1)) __PYX_ERR(0, 505, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_GOTREF(__pyx_t_8);
     __Pyx_XDECREF_SET(__pyx_v_name, __pyx_t_6);
@@ -16643,7 +16704,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       if (unlikely(size != 2)) {
         if (size > 2) __Pyx_RaiseTooManyValuesError(2);
         else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-        __PYX_ERR(0, 501, __pyx_L1_error)
+        __PYX_ERR(0, 505, __pyx_L1_error)
       }
       #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
       if (likely(PyTuple_CheckExact(sequence))) {
@@ -16653,22 +16714,22 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
         __Pyx_INCREF(__pyx_t_5);
       } else {
         __pyx_t_6 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-        if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 501, __pyx_L1_error)
+        if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 505, __pyx_L1_error)
         __Pyx_XGOTREF(__pyx_t_6);
         __pyx_t_5 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 501, __pyx_L1_error)
+        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 505, __pyx_L1_error)
         __Pyx_XGOTREF(__pyx_t_5);
       }
       #else
-      __pyx_t_6 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 501, __pyx_L1_error)
+      __pyx_t_6 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 505, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
-      __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 501, __pyx_L1_error)
+      __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 505, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
       #endif
       __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
     } else {
       Py_ssize_t index = -1;
-      __pyx_t_4 = PyObject_GetIter(__pyx_t_8); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 501, __pyx_L1_error)
+      __pyx_t_4 = PyObject_GetIter(__pyx_t_8); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 505, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
       __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
       __pyx_t_15 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_4);
@@ -16676,7 +16737,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       __Pyx_GOTREF(__pyx_t_6);
       index = 1; __pyx_t_5 = __pyx_t_15(__pyx_t_4); if (unlikely(!__pyx_t_5)) goto __pyx_L7_unpacking_failed;
       __Pyx_GOTREF(__pyx_t_5);
-      if (__Pyx_IternextUnpackEndCheck(__pyx_t_15(__pyx_t_4), 2) < (0)) __PYX_ERR(0, 501, __pyx_L1_error)
+      if (__Pyx_IternextUnpackEndCheck(__pyx_t_15(__pyx_t_4), 2) < (0)) __PYX_ERR(0, 505, __pyx_L1_error)
       __pyx_t_15 = NULL;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
       goto __pyx_L8_unpacking_done;
@@ -16684,7 +16745,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
       __pyx_t_15 = NULL;
       if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-      __PYX_ERR(0, 501, __pyx_L1_error)
+      __PYX_ERR(0, 505, __pyx_L1_error)
       __pyx_L8_unpacking_done:;
     }
     __Pyx_XDECREF_SET(__pyx_v_shape, __pyx_t_6);
@@ -16692,31 +16753,31 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
     __Pyx_XDECREF_SET(__pyx_v_dtype, __pyx_t_5);
     __pyx_t_5 = 0;
 
-    /* "engram_stream/_engine.pyx":502
+    /* "engram_stream/_engine.pyx":506
  *                   "pos": ((S,), np.int64), "seen": ((S,), np.int64)}
  *         for name, (shape, dtype) in shapes.items():
  *             a = getattr(snapshot, name, None)             # <<<<<<<<<<<<<<
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
  *                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
 */
-    __pyx_t_8 = __Pyx_GetAttr3(__pyx_v_snapshot, __pyx_v_name, Py_None); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 502, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_GetAttr3(__pyx_v_snapshot, __pyx_v_name, Py_None); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 506, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __Pyx_XDECREF_SET(__pyx_v_a, __pyx_t_8);
     __pyx_t_8 = 0;
 
-    /* "engram_stream/_engine.pyx":503
+    /* "engram_stream/_engine.pyx":507
  *         for name, (shape, dtype) in shapes.items():
  *             a = getattr(snapshot, name, None)
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):             # <<<<<<<<<<<<<<
  *                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
  *         if self.conv_len and (snapshot.pos.min() < 0 or snapshot.pos.max() >= self.conv_len):
 */
-    __Pyx_GetModuleGlobalName(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 503, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 507, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 503, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 507, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    __pyx_t_2 = PyObject_IsInstance(__pyx_v_a, __pyx_t_5); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 503, __pyx_L1_error)
+    __pyx_t_2 = PyObject_IsInstance(__pyx_v_a, __pyx_t_5); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 507, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     if (__pyx_t_2) {
 
@@ -16726,9 +16787,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 
       goto __pyx_L10_bool_binop_done;
     }
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 503, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 507, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_2 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_5, __pyx_v_shape, Py_EQ); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 503, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_5, __pyx_v_shape, Py_EQ); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 507, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     if (__pyx_t_2) {
 
@@ -16738,9 +16799,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 
       goto __pyx_L10_bool_binop_done;
     }
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 503, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 507, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_2 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_5, __pyx_v_dtype, Py_EQ); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 503, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_5, __pyx_v_dtype, Py_EQ); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 507, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     if (__pyx_t_2) {
 
@@ -16750,12 +16811,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 
       goto __pyx_L10_bool_binop_done;
     }
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 503, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 507, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 503, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 507, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_8); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 503, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_8); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 507, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
 
     __pyx_t_3 = __pyx_t_2;
@@ -16767,7 +16828,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
     if (unlikely(__pyx_t_2)) {
 
 
-      /* "engram_stream/_engine.pyx":504
+      /* "engram_stream/_engine.pyx":508
  *             a = getattr(snapshot, name, None)
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
  *                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")             # <<<<<<<<<<<<<<
@@ -16775,23 +16836,23 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
  *             raise ValueError("snapshot.pos is damaged: ring positions out of range")
 */
       __pyx_t_5 = NULL;
-      __pyx_t_6 = __Pyx_PyObject_FormatSimple(__pyx_v_name, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 504, __pyx_L1_error)
+      __pyx_t_6 = __Pyx_PyObject_FormatSimple(__pyx_v_name, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 508, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 504, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 508, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_16 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 504, __pyx_L1_error)
+      __pyx_t_16 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 508, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_16);
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_4 = __Pyx_PyObject_CallOneArg(__pyx_t_16, __pyx_v_dtype); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 504, __pyx_L1_error)
+      __pyx_t_4 = __Pyx_PyObject_CallOneArg(__pyx_t_16, __pyx_v_dtype); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 508, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
       __Pyx_DECREF(__pyx_t_16); __pyx_t_16 = 0;
-      __pyx_t_16 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_name_2); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 504, __pyx_L1_error)
+      __pyx_t_16 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_name_2); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 508, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_16);
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_4 = __Pyx_PyObject_FormatSimple(__pyx_t_16, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 504, __pyx_L1_error)
+      __pyx_t_4 = __Pyx_PyObject_FormatSimple(__pyx_t_16, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 508, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
       __Pyx_DECREF(__pyx_t_16); __pyx_t_16 = 0;
-      __pyx_t_16 = __Pyx_PyObject_FormatSimple(__pyx_v_shape, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 504, __pyx_L1_error)
+      __pyx_t_16 = __Pyx_PyObject_FormatSimple(__pyx_v_shape, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 508, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_16);
       __pyx_t_17[0] = __pyx_mstate_global->__pyx_kp_u_snapshot_2;
       __pyx_t_17[1] = __pyx_t_6;
@@ -16808,7 +16869,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       __pyx_t_14 |= __Pyx_PyUnicode_KIND_04(__pyx_t_17[1]) | __Pyx_PyUnicode_KIND_04(__pyx_t_17[3]) | __Pyx_PyUnicode_KIND_04(__pyx_t_17[5]);
       #endif
       __pyx_t_19 = __Pyx_PyUnicode_Join(__pyx_t_17, 6, __pyx_t_18, __pyx_t_14);
-      if (unlikely(!__pyx_t_19)) __PYX_ERR(0, 504, __pyx_L1_error)
+      if (unlikely(!__pyx_t_19)) __PYX_ERR(0, 508, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_19);
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
@@ -16819,14 +16880,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
         __pyx_t_8 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
         __Pyx_DECREF(__pyx_t_19); __pyx_t_19 = 0;
-        if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 504, __pyx_L1_error)
+        if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 508, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_8);
       }
       __Pyx_Raise(__pyx_t_8, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-      __PYX_ERR(0, 504, __pyx_L1_error)
+      __PYX_ERR(0, 508, __pyx_L1_error)
 
-      /* "engram_stream/_engine.pyx":503
+      /* "engram_stream/_engine.pyx":507
  *         for name, (shape, dtype) in shapes.items():
  *             a = getattr(snapshot, name, None)
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):             # <<<<<<<<<<<<<<
@@ -16837,7 +16898,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":505
+  /* "engram_stream/_engine.pyx":509
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
  *                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
  *         if self.conv_len and (snapshot.pos.min() < 0 or snapshot.pos.max() >= self.conv_len):             # <<<<<<<<<<<<<<
@@ -16854,7 +16915,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 
     goto __pyx_L15_bool_binop_done;
   }
-  __pyx_t_19 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_19)) __PYX_ERR(0, 505, __pyx_L1_error)
+  __pyx_t_19 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_19)) __PYX_ERR(0, 509, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_19);
   __pyx_t_8 = __pyx_t_19;
   __Pyx_INCREF(__pyx_t_8);
@@ -16864,10 +16925,10 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_min, __pyx_callargs+__pyx_t_7, (1-__pyx_t_7) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
     __Pyx_DECREF(__pyx_t_19); __pyx_t_19 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 505, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 509, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  __pyx_t_3 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_1, __pyx_mstate_global->__pyx_int_0, Py_LT); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 505, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_1, __pyx_mstate_global->__pyx_int_0, Py_LT); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 509, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   if (!__pyx_t_3) {
 
@@ -16877,7 +16938,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 
     goto __pyx_L15_bool_binop_done;
   }
-  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 505, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 509, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __pyx_t_19 = __pyx_t_8;
   __Pyx_INCREF(__pyx_t_19);
@@ -16887,12 +16948,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_max, __pyx_callargs+__pyx_t_7, (1-__pyx_t_7) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_19); __pyx_t_19 = 0;
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 505, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 509, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  __pyx_t_8 = __Pyx_PyLong_From_int(__pyx_v_self->conv_len); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 505, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyLong_From_int(__pyx_v_self->conv_len); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 509, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_3 = __Pyx_PyObject_CompareBoolGe_object_int(__pyx_t_1, __pyx_t_8, Py_GE); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 505, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_CompareBoolGe_object_int(__pyx_t_1, __pyx_t_8, Py_GE); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 509, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
 
@@ -16902,7 +16963,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "engram_stream/_engine.pyx":506
+    /* "engram_stream/_engine.pyx":510
  *                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
  *         if self.conv_len and (snapshot.pos.min() < 0 or snapshot.pos.max() >= self.conv_len):
  *             raise ValueError("snapshot.pos is damaged: ring positions out of range")             # <<<<<<<<<<<<<<
@@ -16915,14 +16976,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       PyObject *__pyx_callargs[2] = {__pyx_t_1, __pyx_mstate_global->__pyx_kp_u_snapshot_pos_is_damaged_ring_pos};
       __pyx_t_8 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
-      if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 506, __pyx_L1_error)
+      if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 510, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_8);
     }
     __Pyx_Raise(__pyx_t_8, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    __PYX_ERR(0, 506, __pyx_L1_error)
+    __PYX_ERR(0, 510, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":505
+    /* "engram_stream/_engine.pyx":509
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
  *                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
  *         if self.conv_len and (snapshot.pos.min() < 0 or snapshot.pos.max() >= self.conv_len):             # <<<<<<<<<<<<<<
@@ -16931,7 +16992,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 */
   }
 
-  /* "engram_stream/_engine.pyx":488
+  /* "engram_stream/_engine.pyx":492
  *         return EngineSnapshot(self._fingerprint, hist, ring, pos, seen)
  * 
  *     def _check_snapshot(self, snapshot):             # <<<<<<<<<<<<<<
@@ -16966,7 +17027,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":508
+/* "engram_stream/_engine.pyx":512
  *             raise ValueError("snapshot.pos is damaged: ring positions out of range")
  * 
  *     def restore(self, snapshot):             # <<<<<<<<<<<<<<
@@ -17014,32 +17075,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_snapshot,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 508, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 512, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 508, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 512, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "restore", 0) < (0)) __PYX_ERR(0, 508, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "restore", 0) < (0)) __PYX_ERR(0, 512, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("restore", 1, 1, 1, i); __PYX_ERR(0, 508, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("restore", 1, 1, 1, i); __PYX_ERR(0, 512, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 508, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 512, __pyx_L3_error)
     }
     __pyx_v_snapshot = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("restore", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 508, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("restore", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 512, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -17081,7 +17142,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_34restore(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("restore", 0);
 
-  /* "engram_stream/_engine.pyx":510
+  /* "engram_stream/_engine.pyx":514
  *     def restore(self, snapshot):
  *         """Put back a snapshot of this engine, or of one with the same layer, config and streams."""
  *         self._check_snapshot(snapshot)             # <<<<<<<<<<<<<<
@@ -17095,23 +17156,23 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_34restore(stru
     PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_v_snapshot};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_check_snapshot, __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 510, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 514, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":511
+  /* "engram_stream/_engine.pyx":515
  *         """Put back a snapshot of this engine, or of one with the same layer, config and streams."""
  *         self._check_snapshot(snapshot)
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             memcpy(self.hist, cnp.PyArray_DATA(snapshot.hist), snapshot.hist.nbytes)
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 511, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 515, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":512
+  /* "engram_stream/_engine.pyx":516
  *         self._check_snapshot(snapshot)
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -17120,91 +17181,91 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_34restore(stru
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":513
+    /* "engram_stream/_engine.pyx":517
  *         self._enter()
  *         try:
  *             memcpy(self.hist, cnp.PyArray_DATA(snapshot.hist), snapshot.hist.nbytes)             # <<<<<<<<<<<<<<
  *             memcpy(self.ring, cnp.PyArray_DATA(snapshot.ring), snapshot.ring.nbytes)
  *             memcpy(self.pos, cnp.PyArray_DATA(snapshot.pos), snapshot.pos.nbytes)
 */
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_hist); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 513, __pyx_L4_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_hist); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 517, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_1);
-    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 513, __pyx_L4_error)
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_hist); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 513, __pyx_L4_error)
+    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 517, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_hist); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 517, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 513, __pyx_L4_error)
+    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 517, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 513, __pyx_L4_error)
+    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 517, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     (void)(memcpy(__pyx_v_self->hist, PyArray_DATA(((PyArrayObject *)__pyx_t_1)), __pyx_t_3));
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
 
-    /* "engram_stream/_engine.pyx":514
+    /* "engram_stream/_engine.pyx":518
  *         try:
  *             memcpy(self.hist, cnp.PyArray_DATA(snapshot.hist), snapshot.hist.nbytes)
  *             memcpy(self.ring, cnp.PyArray_DATA(snapshot.ring), snapshot.ring.nbytes)             # <<<<<<<<<<<<<<
  *             memcpy(self.pos, cnp.PyArray_DATA(snapshot.pos), snapshot.pos.nbytes)
  *             memcpy(self.seen, cnp.PyArray_DATA(snapshot.seen), snapshot.seen.nbytes)
 */
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_ring); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 514, __pyx_L4_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_ring); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 518, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_1);
-    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 514, __pyx_L4_error)
-    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_ring); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 514, __pyx_L4_error)
+    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 518, __pyx_L4_error)
+    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_ring); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 518, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 514, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 518, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 514, __pyx_L4_error)
+    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 518, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     (void)(memcpy(__pyx_v_self->ring, PyArray_DATA(((PyArrayObject *)__pyx_t_1)), __pyx_t_3));
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
 
-    /* "engram_stream/_engine.pyx":515
+    /* "engram_stream/_engine.pyx":519
  *             memcpy(self.hist, cnp.PyArray_DATA(snapshot.hist), snapshot.hist.nbytes)
  *             memcpy(self.ring, cnp.PyArray_DATA(snapshot.ring), snapshot.ring.nbytes)
  *             memcpy(self.pos, cnp.PyArray_DATA(snapshot.pos), snapshot.pos.nbytes)             # <<<<<<<<<<<<<<
  *             memcpy(self.seen, cnp.PyArray_DATA(snapshot.seen), snapshot.seen.nbytes)
  *             self.pending = False
 */
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 515, __pyx_L4_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 519, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_1);
-    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 515, __pyx_L4_error)
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 515, __pyx_L4_error)
+    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 519, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 519, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 515, __pyx_L4_error)
+    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 519, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 515, __pyx_L4_error)
+    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 519, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     (void)(memcpy(__pyx_v_self->pos, PyArray_DATA(((PyArrayObject *)__pyx_t_1)), __pyx_t_3));
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
 
-    /* "engram_stream/_engine.pyx":516
+    /* "engram_stream/_engine.pyx":520
  *             memcpy(self.ring, cnp.PyArray_DATA(snapshot.ring), snapshot.ring.nbytes)
  *             memcpy(self.pos, cnp.PyArray_DATA(snapshot.pos), snapshot.pos.nbytes)
  *             memcpy(self.seen, cnp.PyArray_DATA(snapshot.seen), snapshot.seen.nbytes)             # <<<<<<<<<<<<<<
  *             self.pending = False
  *         finally:
 */
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_seen); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 516, __pyx_L4_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_seen); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 520, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_1);
-    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 516, __pyx_L4_error)
-    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_seen); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 516, __pyx_L4_error)
+    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 520, __pyx_L4_error)
+    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_seen); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 520, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 516, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 520, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 516, __pyx_L4_error)
+    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 520, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     (void)(memcpy(__pyx_v_self->seen, PyArray_DATA(((PyArrayObject *)__pyx_t_1)), __pyx_t_3));
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
 
-    /* "engram_stream/_engine.pyx":517
+    /* "engram_stream/_engine.pyx":521
  *             memcpy(self.pos, cnp.PyArray_DATA(snapshot.pos), snapshot.pos.nbytes)
  *             memcpy(self.seen, cnp.PyArray_DATA(snapshot.seen), snapshot.seen.nbytes)
  *             self.pending = False             # <<<<<<<<<<<<<<
@@ -17214,7 +17275,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_34restore(stru
     __pyx_v_self->pending = 0;
   }
 
-  /* "engram_stream/_engine.pyx":519
+  /* "engram_stream/_engine.pyx":523
  *             self.pending = False
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -17259,7 +17320,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_34restore(stru
     __pyx_L5:;
   }
 
-  /* "engram_stream/_engine.pyx":508
+  /* "engram_stream/_engine.pyx":512
  *             raise ValueError("snapshot.pos is damaged: ring positions out of range")
  * 
  *     def restore(self, snapshot):             # <<<<<<<<<<<<<<
@@ -17498,7 +17559,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_9n_streams___g
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pxd":73
+/* "engram_stream/_engine.pxd":74
  *     cdef bint pending              # feed() done, compute() not yet
  *     cdef bint busy                 # a call is running (one owner at a time)
  *     cdef public int prefill_threads  # threads for prefill's GEMMs (default: the machine's cores)             # <<<<<<<<<<<<<<
@@ -17537,7 +17598,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_15prefill_thre
       __Pyx_INCREF(__pyx_t_1);
       __Pyx_PyCriticalSection_Begin(&__pyx_cs, (PyObject*)__pyx_t_1);
       /*try:*/ {
-        __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->prefill_threads); if (unlikely(!__pyx_t_2)) __PYX_ERR(2, 73, __pyx_L4_error)
+        __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->prefill_threads); if (unlikely(!__pyx_t_2)) __PYX_ERR(2, 74, __pyx_L4_error)
         __Pyx_GOTREF(__pyx_t_2);
         {
           PyObject *__pyx_temp;
@@ -17610,7 +17671,7 @@ static int __pyx_pf_13engram_stream_7_engine_12StreamEngine_15prefill_threads_2_
       __Pyx_INCREF(__pyx_t_1);
       __Pyx_PyCriticalSection_Begin(&__pyx_cs, (PyObject*)__pyx_t_1);
       /*try:*/ {
-        __pyx_t_2 = __Pyx_PyLong_As_int(__pyx_v_value); if (unlikely((__pyx_t_2 == (int)-1) && PyErr_Occurred())) __PYX_ERR(2, 73, __pyx_L4_error)
+        __pyx_t_2 = __Pyx_PyLong_As_int(__pyx_v_value); if (unlikely((__pyx_t_2 == (int)-1) && PyErr_Occurred())) __PYX_ERR(2, 74, __pyx_L4_error)
         __pyx_v_self->prefill_threads = __pyx_t_2;
       }
       /*finally:*/ {
@@ -18926,233 +18987,233 @@ __Pyx_RefNannySetupContext("PyInit__engine", 0);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":219
+  /* "engram_stream/_engine.pyx":223
  *         self.busy = True
  * 
  *     def _ids(self, token_ids):             # <<<<<<<<<<<<<<
  *         """(int64[S] ids, single) from a scalar (n_streams == 1) or an [S] array."""
  *         if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, (bool, np.bool_)):
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_7_ids, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__ids, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[3])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 219, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_7_ids, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__ids, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[3])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 223, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_ids_2, __pyx_t_2) < (0)) __PYX_ERR(0, 219, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_ids_2, __pyx_t_2) < (0)) __PYX_ERR(0, 223, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":232
+  /* "engram_stream/_engine.pyx":236
  *         return ids, False
  * 
  *     def _hidden(self, hidden, shape):             # <<<<<<<<<<<<<<
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_9_hidden, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__hidden, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[4])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 232, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_9_hidden, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__hidden, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[4])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 236, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_hidden_2, __pyx_t_2) < (0)) __PYX_ERR(0, 232, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_hidden_2, __pyx_t_2) < (0)) __PYX_ERR(0, 236, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":238
+  /* "engram_stream/_engine.pyx":242
  *         return check_hidden(hidden, shape)
  * 
  *     def _out(self, out, shape):             # <<<<<<<<<<<<<<
  *         if out is None:
  *             return np.empty(shape, dtype=np.float32)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_11_out, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__out, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 238, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_11_out, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__out, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 242, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_out_2, __pyx_t_2) < (0)) __PYX_ERR(0, 238, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_out_2, __pyx_t_2) < (0)) __PYX_ERR(0, 242, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":247
+  /* "engram_stream/_engine.pyx":251
  *         return out
  * 
  *     def _bad_id(self, cnp.ndarray ids, int64_t i):             # <<<<<<<<<<<<<<
  *         return ValueError(f"token id {ids[i]} out of range: ids must be < vocab_size={self.vocab}")
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_13_bad_id, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__bad_id, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 247, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_13_bad_id, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__bad_id, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 251, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_bad_id, __pyx_t_2) < (0)) __PYX_ERR(0, 247, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_bad_id, __pyx_t_2) < (0)) __PYX_ERR(0, 251, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":251
+  /* "engram_stream/_engine.pyx":255
  * 
  *     # ---- the public calls ---------------------------------------------------------------------
  *     def step(self, token_ids, hidden, out=None):             # <<<<<<<<<<<<<<
  *         """One token per stream: (token_id, hidden[G, D]) for one stream, or
  *         (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram output (no residual)."""
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_15step, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_step, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[7])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 251, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_15step, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_step, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[7])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 255, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[1]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_step, __pyx_t_2) < (0)) __PYX_ERR(0, 251, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_step, __pyx_t_2) < (0)) __PYX_ERR(0, 255, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":293
+  /* "engram_stream/_engine.pyx":297
  *             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
  * 
  *     def feed(self, token_ids):             # <<<<<<<<<<<<<<
  *         """First half of a step: compress and hash the new token(s), advance the hash windows.
  *         The rows (`.rows`) are then known before the layer runs; compute() finishes the step."""
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_17feed, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_feed, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 293, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_17feed, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_feed, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 297, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_feed, __pyx_t_2) < (0)) __PYX_ERR(0, 293, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_feed, __pyx_t_2) < (0)) __PYX_ERR(0, 297, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":313
+  /* "engram_stream/_engine.pyx":317
  *             raise self._bad_id(ids, bad)
  * 
  *     def compute(self, hidden, out=None):             # <<<<<<<<<<<<<<
  *         """Second half of a step, after feed(): gather, project, gate, conv. Shapes as step()."""
  *         cdef object shape = (self.n_streams, self.G, self.D)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_19compute, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_compute, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 313, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_19compute, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_compute, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 317, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[1]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_compute, __pyx_t_2) < (0)) __PYX_ERR(0, 313, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_compute, __pyx_t_2) < (0)) __PYX_ERR(0, 317, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":340
+  /* "engram_stream/_engine.pyx":344
  *         return r
  * 
  *     def prefetch(self):             # <<<<<<<<<<<<<<
  *         """After feed(): madvise(WILLNEED) the pages of the fed rows, so a file-backed table
  *         starts reading them now (while earlier layers compute). Returns failed madvise calls."""
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_21prefetch, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_prefetch, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 340, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_21prefetch, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_prefetch, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 344, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_prefetch, __pyx_t_2) < (0)) __PYX_ERR(0, 340, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_prefetch, __pyx_t_2) < (0)) __PYX_ERR(0, 344, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":358
+  /* "engram_stream/_engine.pyx":362
  *         return int(failed)
  * 
  *     def track_rows(self, bitmap):             # <<<<<<<<<<<<<<
  *         """Record every row this engine reads in `bitmap` (uint8[ceil(table_rows/8)], bit r =
  *         row r), or stop recording with None. The array is borrowed: keep it alive."""
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_23track_rows, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_track_rows, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 358, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_23track_rows, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_track_rows, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 362, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_track_rows, __pyx_t_2) < (0)) __PYX_ERR(0, 358, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_track_rows, __pyx_t_2) < (0)) __PYX_ERR(0, 362, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":380
+  /* "engram_stream/_engine.pyx":384
  *         return bool(self.pending)
  * 
  *     def prefill(self, ids, hidden, stream=0, out=None):             # <<<<<<<<<<<<<<
  *         """A prompt on one stream: ids[T], hidden[T, G, D] -> float32[T, G, D], equal to T
  *         steps and leaving the same state; projections run as [<=128, E] x [E, M] GEMMs split
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_25prefill, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_prefill, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 380, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_25prefill, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_prefill, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[2]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_prefill, __pyx_t_2) < (0)) __PYX_ERR(0, 380, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_prefill, __pyx_t_2) < (0)) __PYX_ERR(0, 384, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":421
+  /* "engram_stream/_engine.pyx":425
  *         return o
  * 
  *     def _check_stream(self, stream):             # <<<<<<<<<<<<<<
  *         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
  *             raise TypeError(f"stream must be an int, got {type(stream).__name__}")
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_27_check_stream, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__check_stream, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 421, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_27_check_stream, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__check_stream, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 425, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_check_stream, __pyx_t_2) < (0)) __PYX_ERR(0, 421, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_check_stream, __pyx_t_2) < (0)) __PYX_ERR(0, 425, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":441
+  /* "engram_stream/_engine.pyx":445
  *         self.pending = False
  * 
  *     def reset(self, stream=None):             # <<<<<<<<<<<<<<
  *         """Forget the history of one stream (or of all): back to the state before any token."""
  *         if stream is not None:
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_29reset, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_reset, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 441, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_29reset, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_reset, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 445, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[1]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_reset, __pyx_t_2) < (0)) __PYX_ERR(0, 441, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_reset, __pyx_t_2) < (0)) __PYX_ERR(0, 445, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":469
+  /* "engram_stream/_engine.pyx":473
  *         return self.n_streams * ((self.n - 1) * 8 + self.conv_len * self.C * 4 + 16)
  * 
  *     def snapshot(self):             # <<<<<<<<<<<<<<
  *         """A copy of every stream's state, for restore() (speculative decoding rollback)."""
  *         cdef int64_t S = self.n_streams
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_31snapshot, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_snapshot, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 469, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_31snapshot, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_snapshot, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 473, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_snapshot, __pyx_t_2) < (0)) __PYX_ERR(0, 469, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_snapshot, __pyx_t_2) < (0)) __PYX_ERR(0, 473, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":488
+  /* "engram_stream/_engine.pyx":492
  *         return EngineSnapshot(self._fingerprint, hist, ring, pos, seen)
  * 
  *     def _check_snapshot(self, snapshot):             # <<<<<<<<<<<<<<
  *         """Raise unless `snapshot` can be restored here (changes nothing)."""
  *         if not isinstance(snapshot, EngineSnapshot):
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_33_check_snapshot, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__check_snapshot, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 488, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_33_check_snapshot, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__check_snapshot, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 492, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_check_snapshot, __pyx_t_2) < (0)) __PYX_ERR(0, 488, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_check_snapshot, __pyx_t_2) < (0)) __PYX_ERR(0, 492, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":508
+  /* "engram_stream/_engine.pyx":512
  *             raise ValueError("snapshot.pos is damaged: ring positions out of range")
  * 
  *     def restore(self, snapshot):             # <<<<<<<<<<<<<<
  *         """Put back a snapshot of this engine, or of one with the same layer, config and streams."""
  *         self._check_snapshot(snapshot)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_35restore, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_restore, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 508, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_35restore, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_restore, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 512, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_restore, __pyx_t_2) < (0)) __PYX_ERR(0, 508, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_restore, __pyx_t_2) < (0)) __PYX_ERR(0, 512, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
   /* "(tree fragment)":1
@@ -19271,7 +19332,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[0]);
 
-  /* "engram_stream/_engine.pyx":251
+  /* "engram_stream/_engine.pyx":255
  * 
  *     # ---- the public calls ---------------------------------------------------------------------
  *     def step(self, token_ids, hidden, out=None):             # <<<<<<<<<<<<<<
@@ -19280,12 +19341,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {Py_None};
-    __pyx_mstate_global->__pyx_tuple[1] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[1])) __PYX_ERR(0, 251, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[1] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[1])) __PYX_ERR(0, 255, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[1]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[1]);
 
-  /* "engram_stream/_engine.pyx":380
+  /* "engram_stream/_engine.pyx":384
  *         return bool(self.pending)
  * 
  *     def prefill(self, ids, hidden, stream=0, out=None):             # <<<<<<<<<<<<<<
@@ -19294,7 +19355,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[2] = {__pyx_mstate_global->__pyx_int_0, Py_None};
-    __pyx_mstate_global->__pyx_tuple[2] = __Pyx_PyTuple_FromArray(__pyx_temp, 2); if (unlikely(!__pyx_mstate_global->__pyx_tuple[2])) __PYX_ERR(0, 380, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[2] = __Pyx_PyTuple_FromArray(__pyx_temp, 2); if (unlikely(!__pyx_mstate_global->__pyx_tuple[2])) __PYX_ERR(0, 384, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[2]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[2]);
@@ -19336,30 +19397,30 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
     const struct { const unsigned int length: 8; } str_length_index[] = {{0},{1},{6},{7},{22},{31},{33},{40},{8},{25},{33},{15},{1},{17},{2},{4},{4},{4},{11},{6},{12},{2},{1},{32},{26},{1},{238},{21},{4},{179},{92},{19},{33},{39},{1},{7},{8},{62},{44},{37},{7},{6},{19},{18},{9},{68},{81},{63},{2},{9},{9},{6},{17},{28},{50},{39},{34},{60},{38},{39},{43},{9},{52},{29},{7},{12},{27},{16},{9},{14},{23},{23},{21},{13},{1},{12},{30},{32},{20},{28},{26},{20},{17},{17},{20},{17},{21},{20},{18},{20},{21},{17},{23},{1},{1},{20},{12},{17},{7},{8},{12},{8},{8},{13},{10},{8},{11},{11},{14},{12},{10},{17},{13},{8},{12},{12},{19},{8},{7},{15},{13},{7},{4},{13},{4},{1},{5},{6},{17},{18},{3},{6},{5},{12},{3},{12},{5},{18},{7},{6},{8},{9},{9},{5},{5},{10},{21},{6},{4},{11},{5},{7},{7},{2},{1},{7},{7},{8},{7},{11},{9},{6},{11},{4},{1},{3},{5},{4},{7},{5},{8},{11},{5},{6},{3},{14},{3},{5},{11},{16},{7},{9},{4},{2},{6},{7},{4},{4},{5},{5},{2},{5},{1},{7},{2},{3},{6},{6},{2},{3},{4},{2},{3},{3},{8},{7},{8},{5},{7},{4},{1},{4},{4},{10},{4},{5},{6},{6},{8},{4},{6},{2},{5},{10},{11},{7},{7},{9},{10},{5},{6},{10},{3},{9},{1}};
-    const struct { const unsigned int length: 9; } bytes_length_index[] = {{9},{149},{86},{64},{58},{29},{39},{358},{200},{128},{36},{221},{131},{175},{132},{81},{166},{219},{469}};
+    const struct { const unsigned int length: 9; } bytes_length_index[] = {{9},{149},{86},{64},{58},{29},{39},{358},{200},{128},{36},{221},{131},{175},{132},{81},{166},{219},{475}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (3152 bytes) */
-static const char cstring[] = "x\332\245WKw\323\326\026n \245)o\047&\205\362R\200\222\230&\346:\t\024r\233\336e\222\000\205^\212\363\340\321\224\252\307\322\261-\220%Y\217$\346v\365v\230\241\206\032j\250\241\206\032z\350\241\206\036\362\023\372\023\356w\216d\307N\200v\255\333\256XG\373\274\366\376\366\267\277-\004\241\334\264\251\225\374\346\004\305\022dR\047U*/\010t\307\240\222Me\201Y5\335\026,\3070t\223Y\312M\301\256Q\201jUE\243\202\356\330\202^\021L\242U\251P\321M\201h\335\251m\305\256\t\003\013\026\004E\266\204\272c\331B\231\n\337\n[\272D\312\242\245\274\245\213\202e\233\224\324\255\356sA0\210e\t\266\376\206j\"vm&C~\300\224\216\323\rj\246ks\323B\025\036N\341\005.\230\244Z\247\232\235\313\345\026\004\211h\314w\223Z\266n\322iaZX^\234\026\036\340\357!\376$]\333\022U\252-&\373\247\005ML/_\234\316\345\027\004\233\224U\332\363\226\010K3\330a+UGw,asAp\264=P\222\265\262\3354\250\360\257\"\2166\232,\352\036\030\223\026sx&9\037~\023\233\nS5b\325\200\222&\353\333V\342\216`*Z\025cC\267\024[\3215+\227?zT\300\177\253<\004~\211\242\331z\177\006\024\033q\326Y\344z]\340\th\366\222S\341\013-6\255\222&5\371-\025\245\312\317$\232\234\"\010\253\243\001A\013IwTb+[\210\205J\272\014o\026\004K#\206U\323\355i\3016\233I\032\340b\nj.\277\302\357ZK\027M\361{\026\237 EOt\004i\327\210-,5\355\232\256q\202QU)S\023\341\253Mv\271\002\222\231l\221&<]y:3\177g\236\273e\322\327\240\037\310\340\224%\025<\000I\021K\331QT[\321\004\206\262\225\027\276\257\010M\335\0214\312\360\327\023\276\364m@\344\232`Q\233C0\311\231@\030\246\"\266#\256IAVL\\\302b\305\356\373D\265h~\215\303\261\222\002k\tD\305\273\334\024LG\323\260\007$\220\210\252.\010\214\200)\306H\"\177\325\2675D2\345X\264\177\326\340\321\261Cr\375g\247(\365\233\026X\022T\231\027\033\356@e\000\275\301\005\226\004\340\244Zw\032\261\010\025\242\250T~\365J \246I\232D\226E\354\247e\305\256\023\243\217\272\333\246bS\316\236\001\022;\340\322\235d+\303\327\252\021\320w*\255\232n\332q\202\275M\201e\005@O\345x~$\275n86\235\312\365\006<\rV\262\246W\2649\241\242\230\226-+\026\273\233j\311o""\325$\365\264\322\362u\035\214\0304\031*\321z\362\223\336\271M\366r\3012\300ft\206\254\222J\304\0027\367\374\252)\262L\265\364\372\2763\372\366\322-j6S\376/\274\177\3434+\047\360\234\332,l\034\237\312\303\201\003\027\260^SP\314\234\355\211Pq\365{\357\261U\211\027>\213S\261\022Pd\316\007\241Nv\304\024\013h\242\360\335\236\"\365r\371\335\242PH\364J\323QM\025\342\250\266 \212&\225\035\211\212\242 ;\234\316\232\256\315\240\272\266\024\242bV\202w\266(jN\335h\346E\te\233\257c\237\222d>\341\020\333\245\324\231\234\365/s\352\004a\354_\3014\375/\311UQub\317\315\356\247\227a\322\n\005\213?N\231T]\260\310&oP\314\320\207A\235I0\350q\024<\340\372G\300\334\032\220L\313oJV*\025j\242\037\364\226\346{\003\210\354@\317c\332\273\247\274\003\215\3132\245\233\003,\275)&7\344\215\346NO\324\367\2444\035\3670\322\230j\047.s\316\366iG\267\255\355\213o\360-/\212I\n\017\230Mj\230\007\314\032\357\350OWW\356\177\377\303\017\342\322\303\215\047\217\327\372\245\244\177\234\357\221G\342*-\212\373fA\177\336\257>0_&2\3626h\223jTz#v\201~\357\034\267\r\316$E2h\003#\006\r\310\312\200!\255\260\001\033c\324\200\241\313\271\003FEU\007l\274\330\367[\030\021\007l\357\r\314\262\2511`\260M\202@M\364\366uQ\024\2376w\360\267\214~\047>\241;\366*\255\210b\332\223P\266(Q\326\265\304*\265QKuf\220u\211=*\216\306\237\325n\026\304.\025D\261N\024\215?\251M\222\375\354E\227\035\225/\323\320\366\331\023\201\032\304L\206\360\"=\206\r\267\370g\013\233h8D\355\256\357j\311\001b\364\014t\047ya\324\343\004\351\335e\365\271y\2008\242\010V2\317\023\316\354\243\311\0003R2\260\374\213\212\305\264\010\211\007\252,\377$\351u\026\233$\326\236\342\244\346\246&)z\276\267\303\302eI?,\353\272*J\342\336\006\251RM\356L.\223j\216\366FR\331-\300\225\245\217\226\221\302\224a\311\207S\367\233\221?5\335\254K\206#\362\222\347\337~\264n\330\315T(d\245>\330\330R\311H\304\224q\024M\243JM\003\272cWTR\265\270b\026n\247\302Y1j\254O\340{\251&\211L\256kh\177\354T\376\304,{`s\235Z5\272#+P);\t$\305\216\365\020\210\215\255\000\047\\q{\236u{\374Q\\\312Xf%?o""\351\033jjT\345\353y\037Ru\375\215c\240\031\r\366\243\272\242\361v\315[\207\241*\324\26441\361\202\232\311\272\344\335\352\265-F\013\255\234\310\221&\363\004i\210\200\t?\003\257\300~f5\203w\034]\257T\030et\013\2113\000<\225\r\316\023\243f\340\007\335\322\320\361?\004\272[\316i\005\033\246\016\007\354&/\336\264^\371w\264\205\217\r\213\252\354\324\264S\242\005\025x\033J~\000KU\245]\002\262\nN\374\266\377\301\013#\251\016V\301\311\310B\267\247\266.\276\266@!\235\007\325\353[{\325\316?\252\266\210\352Pk\357\3377\333\265f\257M\356\3741\324\031>\272\373\265[\372\243\330\0319\266;\277k\271\023\235\343c\356\254\373\314+x\017\374\333\301hP`3\267\334a\267\350nxW\275U\257\031\014\007K\301v(E\243\321\335\326r\373p\373v\\Z\355\234\316\272K\356\226\267\331\233\315t\216\217\2727\274b|q3\336\3749\376\371U\347\342e\257\341\017\373E\177=8\037\026\303\347Q1\332h\345\332\267\342\247\245\270\364\"~\3612~\371K\374K5\256\326:#\247v\033\211S\013n\311\255y\025\177\311\267\203\205\260\024*\221\323\272\327\"\354\360\234W\210/\334\2152\321\265\210D\333\260\361\030Lw\314\375\336[\367\273\367{/}\022O\376\330n\304O\327\343\365\rv\352\361\335ew\310=\353\215y\367<\005\347\336\016\277\210\016G\263Q\211Eq\337\273\356\237\014\344\360z\364Yd\2658\036\005\346\317o\200\344\241_L\366\377\350\025\330\343\201;\357n{\262\177\035Q?\014\357G\327[\237\266Jlb\305\315\270\327\275#\036\365\013\235\343\047v\237\271\213\376\020\333yj\367\255\227\361\276\366K\276\024d\342\033\033\361\306\263\370\331O\361O\233|2>u\335\047\360\347\333\260\021\235j5\332\303\355\037\272\250\210\261(\305\222\374G\361\035\017\222\235r\303/\366PXi\225Zr{\242}\027\021vFN\354\276pK\014\215\271]\311\315b\210\030\376\351\225\375!\177\214\343\270\030\r!=c\227=\323\317\370W\3755x\377o\3008\321\031\373\312_\365\033\301\341`\016\000\314D\215\326H{\250\227\306G8\037Q\237\363\262\036\016\347\027{K\236\355\317\371e\034p/P\302fk\2505\006J\034\213\327\236\307\317\221s\346xg\364Ko\302\273\345\037\362s\301]\244}#\272\022\025\023\360\276A\014\367\203\353!""\3568\355~\3466\274\243@\022/\247v\035\367\221G<\313\277\342?\202\047\023\3417\321\325\350Yk\036\230|\326\266\342U\220\2051*~\3050\351\234\036w_#\266\363A1\236y\330\036j\217rF\362U\200\355\327\370\327\224\031o\2753^\315\227\203k\201\024\216\206\263\341Z4\322\032\346\014\236k\313\361\352Z\2270\245\004e\306<\325\377\3127\301\326\345h8z\324\"\255\337\3425\344\203\021\232yi\003U\tDK\034\210\047\346\302B\270\034\337I\\#1)\357-\272\020\254\207\231\001O\023\327\344X\246{%W\364~\016\306\0033<\207\\\214\234\334\255\240\3506\375\303~!\311%{]\363\016{\363^\243\353\352f0\024d\343\031\370\004\022\245x\260\023G\030\204E\026\307\361\370\370\005\026S\2028N\372\234\355\235\000q\337\372\027\003\022\354\204;\321N\313i\027\377\302\334\364O\004\245\240\026V\243\027\255\365v\346\203\253O\273\307\274\302;<F\274!v?\003\340\2267\202\364_\363ip\007\260\257GY\234\261\332\262y\345\2635)\245N\241v\307]\023e\271\214\240g!\023\014\213\314\340\304\261`>pPj\234D\047w\313\356\021\227\270\026j\366\220?\321]\331\000H\267\375Q\277\320\0374s\244\3002\240\372\023\254*G\335kn\335/\370\017p\340v(\003\361\217\231\356\2035\225p)l\274gU\032-\273\375w\257\0049\270\031\216\207[\320\266\211?\212\177\036\371\344\363\223\273\353\250\302\rT\001<\271\022_\231\017WX\265\275\373\260s\231Q6\226\275<\322{\206\025@\347\364\030\3006\275L\047{\326;\016\t-%H\317\263\022\356\335\337\223p\346b\r\005\3440\275b.\\\202 \216\373N\360\030\3122\034=\204\202J\355\2616\027\330o\334I\324\205\014\242\333A\001*\266\024\232\321\271\326\265V\245\375 ^\203:1a\356L~\r\221\034\017\177G\352\307\333[P\255\304\362\005\016+\366\004\002\374\343\005?\020\327\266+\301k\350\352#O\216\257\314BV\207\336\235\316\306\331kP/X\037{\377\r\352Q!*\366(\363\347\310\047\237\237\030\000f\336m\014Bs\316\273\004\225b\222\273\034\035\203*l\263\362\305\355\251Hv\246r\t^\277A\233H\047{\311\323\202b F\313\255\223m).1\321\355\314\024\302\363\321\275HF\240\244/\177@\317-\304\303\347A\341\024\232\014\003\372$\260l| \256\307\230\311\234\201\310v]\004\336x\177\302\206""\351\311\361\360\025\037\351\276\210$0\035\310\242\0042I\266\376\303[\252\r\262o\004\023\250\216\271\020\235\355\214\273\216\202`\035\214w*\034\340\235\355\276|\nQ\242\214G\227\343\3137Q\010\305\260\304$\371K\377\026\250\222\331\317\367\003\310e\335\037\301\334\345`h\260Py\277\215\207o\004\023\t__\202{_\241Yc\342\200\323\205\277\351\340\036\321?\340\354\377\311\177\014Nq\026\024?\312\377^h\223a&\241\326}\344\370\026\024\202\367\262\014\224c\250?\220sh\210\353A\226\313u/\240\not\363\254B\230\361IR\312\330\335\031\231@O-\376\215h;#\220\341\217\351\321i\256d\215}\261\223\276\310\331}\331/9c\032\235\263\002\374\376\"8\024\\\t\212\235\263\027\274\025\377\014\276\035\032\235\013\202\177\024T\232C\217\313\204W\303\325\320\216\346\243-\310\255\211\2768\337\346\013FX\327\010\236A\213WQ\354\331h\275\225m=k\317\266W\333fZ\036gsA\006\212WE\322\307#\033%fc\257\023\257C\014\222\326Fc\252\304\312\353\316\215|\234\277\327\272\332Zk\217@\314\3679r\004\003\213\013\347\275\260\034\035\302w\232\314\227\036\306]k\361S\264h\350\313\363\316\344\215\340j\260\026\036J\335-t\316^\362\310\207\223j%B\337\370\037\021(\216\345";
-    PyObject *data = __Pyx_DecompressString(cstring, 3152, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (3156 bytes) */
+static const char cstring[] = "x\332\245WKw\323\326\026n \245)o\047&\205\362R\200\222\230&\346:\t\024r\233\336e\222\000\205^\212\363\340\321\224\252\307\322\261\255\"K\262\036I\314\355\352e\230\241\206\032j\250\241\206\032z\350\241\206\036\362\023\372\023\356w\216d\307N\200v\255\333\256XG\373\274\366\376\366\267\277-\004\241\334\264\251\225\374\346\004\305\022dR\047U*/\010t\307\240\222Me\201Y5\335\026,\3070t\223Y\312M\301\256Q\201jUE\243\202\356\330\202^\021L\242U\251P\321M\201h\335\251m\305\256\t\003\013\026\004E\266\204\272c\331B\231\n\337\n[\272D\312\242\245\274\241\213\202e\233\224\324\255\356sA0\210e\t\266\376\232j\"vm&C~\300\224\216\323\rj\246ks\323B\025\036N\341\005.\230\244Z\247\232\235\313\345\026\004\211h\314w\223Z\266n\322iaZX^\234\026\036\340\357!\376$]\333\022U\252-&\373\247\005ML/_\234\316\345\027\004\233\224U\332\363\226\010K3\330a+UGw,asAp\264=P\222\265\262\3354\250\360\257\"\2166\232,\352\036\030\223\026sx&9\037~\023\233\nS5b\325\200\222&\353\333V\342\216`*Z\025cC\267\024[\3215+\227?zT\300\177\253<\004~\211\242\331z\177\006\024\033q\326Y\344z]\340\th\366\222S\341\013-6\255\222&5\371-\025\245\312\317$\232\234\"\010\253\243\001A\013IwTb+[\210\205J\272\014o\026\004K#\206U\323\355i\3016\233I\032\340b\nj.\277\302\357ZK\027M\361{\026\237 EOt\004i\327\210-,5\355\232\256q\202QU)S\023\341\253Mv\271\002\222\231l\221&<]y:3\177g\236\273e\322\337@?\220\301)K*x\000\222\"\226\262\243\250\266\242\t\014e+/|_\021\232\272#h\224\341\257\047|\351\333\200\3105\301\2426\207`\2223\2010LElG\\\223\202\254\230\270\204\305\212\335\367\211j\321\374\032\207c%\005\326\022\210\212w\271)\230\216\246a\017H \021U]\020\030\001S\214\221D\376\252ok\210d\312\261h\377\254\301\243c\207\344\372\317NQ\3527-\260$\2502/6\334\201\312\000z\203\013,\t\300I\265\3564b\021*DQ\251\374\352\225@L\2234\211,\213\330O\313\212]\047F\037u\267M\305\246\234=\003$v\300\245;\311V\206\257U#\240\357TZ5\335\264\343\004{\233\002\313\n\200\236\312\361\374Hz\335pl:\225\353\rx\032\254dM\257hsBE1-[V,v7\325\222\337\252I\352i\245\345\353:\0301h2T\242""\365\344\047\275s\233\354\345\202e\200\315\350\014Y%\225\210\005n\356\371USd\231j\351\365}g\364\355\245[\324l\246\374_x\377\306iVN\3409\265Y\3308>\225\207\003\007.`\275\246\240\2309\333\023\241\342\352\367\336c\253\022/|\026\247b%\240\310\234\017B\235\354\210)\026\320D\341\273=E\352\345\362\273E\241\220\350\225\246\243\232*\304QmA\024M*;\022\025EAv8\2355]\233Aum)D\305\254\004\357lQ\324\234\272\321\314\213\022\3126_\307>%\311|\302!\266K\25139\353_\346\324\t\302\330\277\202i\372_\222\253\242\352\304\236\233\335O/\303\244\025\n\026\177\2342\251\272`\221M^\243\230\241\017\203:\223`\320\343(x\300\365\217\200\2715 \231\226\337\224\254T*\324D?\350-\315\367\006\020\331\201\236\307\264wOy\007\032\227eJ7\007XzSLn\310\033\315\235\236\250\357Ii:\356a\2441\325N\\\346\234\355\323\216n[\333\027\337\340[^\024\223\024\0360\233\3240\017\2305\336\321\237\256\256\334\377\376\207\037\304\245\207\033O\036\257\365KI\3778\337#\217\304UZ\024\367\315\202\376\274_}`\276Ld\344m\320&\325\250\364Z\354\002\375\3369n\033\234I\212d\320\006F\014\032\220\225\001CZa\0036\306\250\001C\227s\007\214\212\252\016\330x\261\357\2670\"\016\330\336\033\230eSc\300`\233\004\201\232\350\355\353\242(>m\356\340o\031\375N|Bw\354UZ\021\305\264\047\241lQ\242\254k\211Uj\243\226\352\314 \353\022{T\034\215?\253\335,\210]*\210b\235(\032\177R\233$\373\331\213.;*_\246\241\355\263\047\0025\210\231\014\341Ez\014\033n\361\317\0266\321p\210\332]\337\325\222\003\304\350\031\350N\362\302\250\307\t\322\273\313\352s\363\000qD\021\254d\236\047\234\331G\223\001f\244d`\371\027\025\213i\021\022\017TY\376I\322\353,6I\254=\305I\315MMR\364|o\207\205\313\222~X\326uU\224\304\275\rR\245\232\334\231\\&\325\034\355\265\244\262[\200+K\037-#\205)\303\222\017\247\3567#\177j\272Y\227\014G\344%\317\277\375h\335\260\233\251P\310J}\260\261\245\222\221\210)\343(\232F\225\232\006t\307\256\250\244jq\305,\334N\205\263b\324X\237\300\367RM\022\231\\\327\320\376\330\251\374\211Y\366\300\346:\265jtGV\240Rv\022H\212\035\353!\020\033[\001N\270\342\366<\353""\366\370\243\270\224\261\314J~\336\320\327\324\324\250\312\327\363>\244\352\372k\307@3\032\354GuE\343\355\232\267\016CU\250iib\342\0055\223u\311\273\325k[\214\026Z9\221#M\346\t\322\020\001\023~\006^\201\375\314j\006\3578\272^\2510\312\350\026\022g\000x*\033\234\047F\315\300\017\272\245\241\343\177\010t\267\234\323\n6L\035\016\330M^\274i\275\362\357h\013\037\033\026U\331\251i\247D\013*\3606\224\374\000\226\252J\273\004d\025\234\370m\377\203\027FR\035\254\202\223\221\205nOm]\374\315\002\205t\036T\257o\355U;\377\250\332\"\252C\255\275\177\337l\327\232\2756\271\363v\2503|t\367k\267\364\266\330\0319\266;\277k\271\023\235\343c\356\254\373\314+x\017\374\333\301hP`3\267\334a\267\350nxW\275U\257\031\014\007K\301v(E\243\321\335\326r\373p\373v\\Z\355\234\316\272K\356\226\267\331\233\315t\216\217\2727\274b|q3\336\3749\376\371U\347\342e\257\341\017\373E\177=8\037\026\303\347Q1\332h\345\332\267\342\247\245\270\364\"~\3612~\371K\374K5\256\326:#\247v\033\211S\013n\311\255y\025\177\311\267\203\205\260\024*\221\323\272\327\"\354\360\234W\210/\334\2152\321\265\210D\333\260\361\030Lw\314\375\336[\367\273\367{/}\022O\376\330n\304O\327\343\365\rv\352\361\335ew\310=\353\215y\367<\005\347\336\016\277\210\016G\263Q\211Eq\337\273\356\237\014\344\360z\364Yd\2658\036\005\346\317\357\200\344\241_L\366\377\350\025\330\343\201;\357n{\262\177\035Q?\014\357G\327[\237\266Jlb\305\315\270\327\275#\036\365\013\235\343\047v\237\271\213\376\020\333yj\367\215\227\361\276\366K\276\024d\342\033\033\361\306\263\370\331O\361O\233|2>u\335\047\360\347\333\260\021\235j5\332\303\355\037\272\250\210\261(\305\222\374\266\370\216\007\311N\271\341\027{(\254\264J-\271=\321\276\213\010;#\047v_\270%\206\306\334\256\344f1D\014\377\364\312\376\220?\306q\\\214\206\220\236\261\313\236\351g\374\253\376\032\274\3777`\234\350\214}\345\257\372\215\340p0\007\000f\242Fk\244=\324K\343#\234\217\250\317yY\017\207\363\213\275%\317\366\347\3742\016\270\027(a\2635\324\032\003%\216\305k\317\343\347\3109s\2743\372\2457\341\335\362\017""\371\271\340.\322\276\021]\211\212\tx\337 \206\373\301\365\020w\234v?s\033\336Q \211\227S\273\216\373\310#\236\345_\361\037\301\223\211\360\233\350j\364\2545\017L>k[\361*\310\302\030\025\277b\230tN\217\273\277!\266\363A1\236y\330\036j\217rF\362U\200\355\327\370\327\224\031o\2743^\315\227\203k\201\024\216\206\263\341Z4\322\032\346\014\236k\313\361\352Z\2270\245\004e\306<\325\377\3127\301\326\345h8z\324\"\255\337\3435\344\203\021\232yi\003U\tDK\034\210\047\346\302B\270\034\337I\\#1)\357-\272\020\254\207\231\001O\023\327\344X\246{%W\364~\016\306\0033<\207\\\214\234\334\255\240\3506\375\303~!\311%{]\363\016{\363^\243\353\352f0\024d\343\031\370\004\022\245x\260\023G\030\204E\026\307\361\370\370\005\026S\2028N\372\234\355\235\000q\337\370\027\003\022\354\204;\321N\313i\027\377\302\334\364O\004\245\240\026V\243\027\255\365v\346\203\253O\273\307\274\302;<F\274!v?\003\340\2267\202\364_\363ip\007\260\257GY\234\261\332\262y\345\2635)\245N\241v\307]\023e\271\214\240g!\023\014\213\314\340\304\261`>pPj\234D\047w\313\356\021\227\270\026j\366\220?\321]\331\000H\267\375Q\277\320\0374s\244\3002\240\372\023\254*G\335kn\335/\370\017p\340v(\003\361\217\231\356\2035\225p)l\274gU\032-\273\375\017\257\0049\270\031\216\207[\320\266\211\267\305?\217|\362\371\311\335uT\341\006\252\000\236\\\211\257\314\207+\254\332\336}\330\271\314(\033\313^\036\351=\303\n\240sz\014`\233^\246\223=\353\035\207\204\226\022\244\347Y\t\367\356\357I8s\261\206\002r\230^1\027.A\020\307}\047x\014e\031\216\036BA\245\366X\233\013\3547\356$\352B\006\321\355\240\000\025[\n\315\350\\\353Z\253\322~\020\257A\235\2300w&\277\206H\216\207\177 \365\343\355-\250Vb\371\002\207\025{\002\001\376\361\202\037\210k\333\225\3405t\365\221\047\307Wf!\253C\357Ng\343\3545\250\027\254\217\275\377\006\365\250\020\025{\224\371s\344\223\317O\014\0003\3576\006\2419\347]\202J1\311]\216\216A\025\266Y\371\342\366T$;S\271\004\257\337\241M\244\223\275\344iA1\020\243\345\326\311\266\024\227\230\350vf\n\341\371\350^$#P\322\227?\240\347\026\342\341""\363\240p\nM\206\001}\022X6>\020\327c\314d\316@d\273.\002o\274?a\303\364\344x\370\212\217t_D\022\230\016dQ\002\231$[\377\341-\325\006\3317\202\tT\307\\\210\316v\306]GA\260\016\306;\025\016\360\316v_>\205(Q\306\243\313\361\345\233(\204bXb\222\374\245\177\013T\311\354\347\373\001\344\262\356\217`\356r04X\250\274\337\306\3037\202\211\204\257/\301\275\257\320\2541q\300\351\302\337tp\217\350\037p\366\377\344?\006\2478\013\212\037\345\177/\264\3110\223P\353>r|\013\n\301{Y\006\3121\324\037\31094\304\365 \313\345\272\027P\2057\272yV!\314\370$)e\354\356\214L\240\247\026\377F\264\235\021\310\360\307\364\3504W\262\306\276\330I_\344\354\276\354\227\2341\215\316Y\001~\177\021\034\n\256\004\305\316\331\013\336\212\177\006\337\016\215\316\005\301?\n*\315\241\307e\302\253\341jhG\363\321\026\344\326D_\234o\363\005#\254k\004\317\240\305\253(\366l\264\336\312\266\236\265g\333\253m3-\217\263\271 \003\305\253\"\351\343\221\215\022\263\261\327\211\327!\006Ik\2431Ub\305\210\r;\266\235\316\215|\234\277\327\272\332Zk\217@\322\367\271s\004\003\213\313\347\275\260\034\035\302\327\232\314\227\036\306\215k\361S4j\250\314\363\316\344\215\340j\260\026\036J\235.t\316^\362\310\207Sk%r\337\370\037\343|\222X";
+    PyObject *data = __Pyx_DecompressString(cstring, 3156, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (4213 bytes) */
-static const char cstring[] = "\177  bytes\000\003\377) is dam\377aged: ex\177pected \022\001\377not supp\373or\016\001by th\377e engine\377 out of \377range fo\357r an\023\005wit\373h \024\n: ids\377 must be\377 < vocab\377_size= s\277treams\000\005:\377 pass to/ken_3\000[\005\003<\002\273(ov\000per-\004)\227, g\237\000(>\000\200\000r\377agment))\277): can\270\001r\377estore, \177, D=, G\001\000\375H\005\000conv_l\367en=:\003, n_\376~\004=,).: t\357able\245\006a C\375-/\000tiguou\177s [: un\213\047\376&\003dtype \077\077A copy\223!\204&\227\047s \256\000-\337\003\351\000a\377te (hash\377 windows\375,1\000nv rin\375g\t\000positi\377ons).\n\n \317   R\276\002\214\002in[to\366)it\345\000m\366\001Wom \374\"y\224Ff\246B\373sa\034\000layer\356a\002figO\002and\374\357$\255\000unt (s\376\362@ulative\277 decod\213\000:\377 snapsho?t, try\214C\254\000\256\316$).E\204bS\036\004(\266c\002=N\240@No\342\000t\377hat Cyth\373on\334belibe\255r\374\000ly\357Ai\342`r\374\315`\263`PEP-48}4\276`d rej\374`\336\212`ubcl\205`es\376\341abuiltin\375 \342!s. If \377you need\364\245`\252cs\047\007then/ set\251\204\002\047\205b\327\000\347on_\242@\343 \047 d\317irec\347\002\316 Fa\037lse.S\200\204\002\314\003\214\205\001\377already orunn\227@ a\320`\017ll: \375a\372\204\004\302@\n\002\377owner (u\263se\022\t\242\204\001thA\001)\350P\t\237$c\t:\201Ald >\351\205\001alloc\237a\023\013;sc\266 ch \030\004\235`\377 failed]\377] arraya\357dd_n\363 bit\367map\260\204\010writ)e\312\204\002\270\204\nu\311`85\003\301\206\001\177shape (\257\205\004~\357E betwe\311 \355f\346 ()\233Bcom?pute()\000\006\202B\363s \037\002\254\206\006) fi\277rstdis\307\205\001e\275n\000\003gram\343\205\004.\177modelen\007\t\317plan\366\207\006m\004waks \204Ec\233 ed\347\207\002\347thi\234\207\004\350\206\001ll ~\220\005hiddenx\004|9\0101\010every\357\207\0045:#\023,\313\205\001re\301`\363\001\350\\\000\235\210\004@\016:\345\000nis\305h\305\204\001t\242\210\004\371\210\002{\022gc\254\364\206\002\344\001is\217#d\231\206\002 \357max_\205$ize\363 >\210\210\007""\254\211\006>= 1\376\352\210\003no defa\377ult __re\377duce__ d\373ue\211\205\001non-t\277rivial\033\000c\377init__nu\377mpy._cor\027e.m5\000i\260b\275d\277\205\001\363im\340\212\001\033\tumat\261h\021\016\361\212\001\276\212\005a \306tf\277loat32\317mp\177refetch\307`\360\266\206\001\234t\254\212\004\354`takeF\372@n \332\207\013\356\212\003\233\204\006i\370`\377rom anot\367her\226\214\005(dif\277ferent\275\210\006.\236\307\210\005.pos\347\214\n\370\211\001 \274\361\211\006\315\214\nsrc/\231\204\n/=_\372\214\003.pyx\314\212\006\275\214\001\370\305\211\003\341\212\004\233&n intp\241\214\003\257\204\002\261\207\010\335\214\002 id\321\014\316\310\211\013.__\275C\006\016re\257pr__\037\014n\323\216\002P\377REFILL_C\237HUNKS\317\210\t\333\210\t.\332\264fc\241\212\002__\017\014se\177tstate_\n\023\277bad_idD\013c\037heck_\260\213\005\007\022\351\216\002\270z\013\257\206\003\216\013ids\237\013o\003ut\261\n\203\210\004\305\n\245\210\001\326\n\354e\016\004\016ill\377\n\350\206\002\002\r\270\217\001\274\245*\304\022step\313*t\373ra\202 rowsT\277___Pyx\001\000D\377ict_Next_Ref__\215\214\004e\034\000\375_\342\214\002_getit\273em\r\001doc\024\001f\253un\003\002g\376%_\203e_\337_main8\001me\363ta:\003f\000modu]lN\002namV\002p\241`car\005\003\203\000\307C_p\216\000yv\336\220\002{\001qual(\005\230\304\207\005\210n\336\207\006ex\257\001\365c___set_d\005s\234\010~\250n__test\212 \"\256c_\231k\007\005\203\223\002_\274\212\003\366\222\001\367_is\257\210\001outi\177ne_outa\346\214\003\315s\223\223\001as\212\222\007\020\004yn\177cio.cor,\003\357sbad\212\215\003boo\357l_c_\273\222\007cfg\374\244\204\003\251\213\003chunkc1lb\001\325 \273Aeb\300@\345\214\004?config\254\223\005\267\223\002\377normcpu_\337count\367\222\002emwpty\310\214\004dim\313\214\013\370\254\207\004\255\216\003\311\215\001finge\377rprintfl\267ags\255\211\00216\262\211\004f\373ph\235\223\001libhc}_\253\212\001head_S\000\360\003\002\033\000\013\001:\000mesh\377exdigest\370\362\214\003\265$\324\225\001histi\377idsint64\236""\352\216\001inter\000\342as\376\000\002izekern\363el\203\226\002\241\223\002look\337upmax\202\214\013mi\371n\252\216\002\266\213\002plierwsn_\220\002per\262\214\003\262\n\003s\300\225\006\377anb\211\210\003nEd\237\220\002n\225 \257\222\001\271!1\276!\3672np\224\214\002ooff\376\350\207\001osoutpa\337ckedp\327\207\002ph\367pid\222\217\001popo\317ppos\273\213\005\307\213\001il\377lpropert\361y\245\216\002\345\226\004\303\225\002seen\347selR\001\243\215\004sha\3511\341\220\002\346\220\002s\224 gle\030\330\224\005\276\206\001\200\230\003t0\367\226\002\230\205\003\276\206\001\376\242\205\003scaleto\177_jsonto\267\231\002\370\227\230\006\344\206\007\320\221\002value\335s\326\230\007why\373\221\006x\200\377\001\330\004\n\210+\220Q\377\200A\330\010\013\2104\210\377s\220!\330\014\023\2202\377\220V\2301\230G\2406\357\250\022\2501\026\0015\220\004\377\220A\220U\230#\230R\377\230y\250\004\250C\250w\377\260c\270\022\2709\300D\377\310\003\3106\320QR\330\377\020\024\220C\220v\230[\376\025\006\021\330\014\022\220*\230\377A\320\035[\320[\\\320\377\\]\330\035\037\230q\240\377\004\240A\240T\250\033\260\377A\260W\270A\270U\300\377)\3105\320PQ\320Q\377X\320XY\320Y^\320\377^g\320gh\330\010\017\373\210q\217\003:\220Q\220h\377\230f\240C\240t\250:\377\260Q\260i\270u\300B\373\300aY\001)\2301\320\034\3779\270\021\270$\270a\270\371w\021\000\277\002r\220\023\220I\367\230T\240x\005\230Y\240a\377\320\047O\310q\320PT\367\320TU\347\001\014\210D\220\377\001\220\030\230\023\230B\230\375iU\0006\260\027\270\003\270\3672\270Q\302\001F\230&\240\377\016\250d\260&\270\007\270ss\300\213\"\201 \017\210|\220 \267H\240A:\003O\230\225 \014\377\210G\2204\220w\230d\373\240&\221 H\260F\270&\377\300\005\300Q\330\010\014\210\377E\220\021\220&\230\006\230\377e\2401\330\014\r\210V\357\220=\240\001\341!\017\210z\377\230\021\230+\240Q\240c\377\250\021\320*U\320UV\277\320VZ\320Z[\030\002\320\357\017&\240a\345\000<\260q\377\270\017\300q\310\004\310L\376\216%_\320_c\320cd\347\200A\340\244BB\001*\240A\376\375\006E\300Q\300d""\310!\373\3109\337\000\330\010\r\210X\375\220\204\000\013\2103\210c\220\371\024\010\000\321@;\230b\240\001\373\240\023\303\"=\270\001\270\021\377\330\023\037\230r\240\021\240\327#\240S\317@M\304 !\330\377\023%\240R\240q\250\003\373\2503\376\000-\270q\300\010\313\310\001\276FJ]\000\213`\031\230\333\024\230\341\000\022\220\374 \230C\277\230t\2403\240b\220`B\377\250i\260y\300\001\300\023~\220`\013\320SW\320W\361@\376\314@_\330\022\032\230!\230\1775\240\002\240)\2509\364@\317U\270\"\270\354`\271!7\230\277*\240F\250&\260a\000\020?\220\007\220q\230\n\307 n\000\377\017\210u\220J\230a\230\337s\240\"\240J\210@!\260\1777\270#\270V\3004\221 \237\007\310s\320R\252`\316a\320}]\220!\330\020\026\220j\331\000\377\033\250A\320-H\310\001\343\310\022\215\204\002!\002\264 `\320`\375a\330\204\003z\230\025\230h\240\377d\250$\250c\260\022\260\1772\260S\270\010\300\004\275\204\002\2773\310d\320RS\252\204\004\230\371Q\340#\366al\240%\240r\377\250\033\260D\270\004\270J\377\300a\300|\320SY\320\375Y\315\204\001\330\014\017\210t\220\347;\230c\346`{\003\320!3\277\2601\260D\3208\225\003a\367\320ab\033\007\034\250T\260y\021\235\n\225\003d\320de\351\205\007\377A\230\\\250\026\250r\260\377\031\270!\330\010\016\210f\177\220A\220[\240\003\240\377\205\002\3753\n\002S\230\003\2304\230\375q\243\005[\250\001\250\024\320/-Y\320Y\302`]\212#N\001\365\010\277!A\252a\014\320\014\034\363\230A\256A\253\204\0011\330\010\t\376\224\206\001!\2204\220z\240\035\377\250a\250x\260x\270x\317\300u\310A\000\024&\005y\240\377\r\250Q\250h\260g\270\337X\300T\310\021,\026\020\220\377\013\2301\340\014\020\220\010s\230\001\252\204\001\242!5\230\010\374@\337$\240e\2508\364 T\270\035\024A\000R\300t\365\206\002\316\204\001\314d\377\017\210r\220\026\220r\230w\023\230D\362\0002\240T\207\"\371\021\211\207\001\017\007\013\2504\250u\373\260F\277c\016\210b\220\006\277\220a\220s\230&\335`!z\"\005q\242 6\240\022\240\235\206\004t\357\003\253A1\250al\240!\222\206\001\377\022\220$\220m\2401\240]GN\000w\260d\357 \014\000\020z\036\005F\263`f""\260C\260\365\"\370*\014\347\004\261\210\001~\230Q\230d\377\240/\260\026\260v\270U\377\300!\200A\360\006\000\t\377\016\210T\220\024\220U\230\375!\261\207\001\"\320\"4\260Ef\352\205\001\340\010\210G\216\014\021\022\321\204\001\327d\230.\334@\025\375\204\001\330\020\367\023\2204\230 \021\330\024\030\177\230\014\240A\240Q\330\340 \035\013\210`r\240\021w\006\272\212\006\330\001\237h\230a\230u\254\210\001\177\001\036\377\230T\240\026\240u\250K\377\260q\270\004\270H\300B\337\300c\310\023\310\361\212\0027\220\377\047\230\025\230d\240%\240\337t\2501\250H\341\000r\270\377\031\300$\300f\310G\320\357SV\320V\225\212\001\330\047+\353\2506\322\000~\370@\026\310v\367\320UV\014\003\027\270\004\270\341A\337\212\006\375`\354\206\002\313\nw\220c\373\230\021\232\213\001J\230d\320\"\3772\260&\270\001\340\020\024\337\320\024$\240A\260\213\001K\230\177\177\250m\2701\270A\252f\377\360\010\000\t\r\210G\220\316\254G4\220q\256G\227!\031\230\367\036\240q\356\211\002D\270\013\300w4\300w\273\206\001]\320]\236\211\004\367\330()\252#|\2403\240\377a\330\024\036\230n\250A\377\250_\270D\300\016\310c\373\320Q\361\211\001\330-1\260\033\257\270B\270d\346\000a\265Hs\377\220!\2201\320\004\033\230\3511\344\211\001\227!\021\345!\016\230a\367\230q\330\302\023K\230q\330\217\021\025\220Q\322f\360@\r\000N\374\342a\201\205\004\320\004\"\240!\340\337\010\035\230T\240\204\207\001\024\260\327T\270\021\353\215\003{\316\215\002t\240\3772\240U\250!\2508\260\3773\260a\330\014\025\220T\353\230\024\275\214\002\010\246\214\001\010\230\001\357\230\030\240\021\323\213\001D\220\005\357\220Q\220e\371\213\001\037\320\037\377/\250u\260A\260Q\330\377\010\031\230\032\2405\250\001\333\250\021\225\013t\220\251.\024\220?O\2401\240D\250\355\211\002\237\206\007\276\353\215\002\320\004*\250!\252\204\003Y\377\220d\230%\230q\240\001e\330\243\0171z$\337\204\007\330\010\230\022^\301\204<\024\030\230\017\201bA\343\204\032\256\322\006\047\260\021\325cF\341@5\373\230\003\276\216\001\031\230\021\230&\363\240\001\325%\346!\031\240#\240GT\250""\024\252\212\002\372\"\356!f\344\214\002\3114\236\205\001\332\216\001N\305\206\003;\000\330\010\177!\240\023\240A\330\010\315\036\277\330\010\034\230A\330\331\206\027\014\221\020\305\210\002\311`\357\206\na\357\206\010l\001\024\375\032\200\222\002q\330\030 \240\001\377\240\027\250\002\250\"\250A\377\330\030\034\230E\240\025\240\377a\240q\330\034 \240\n\376\310`3\250c\260\021\260#\377\260R\260t\2704\270v\377\300R\300r\310\022\3104\365\310\034\002\010\262\213\001\250V\2602\376\034\000r\270\024\270T\300\024\377\300V\3102\310R\310r\376\230\205\004\030)\250\021\250$\250\377g\260T\270\026\270t\300\3674\300t9\000u\320TX\377\320X]\320]a\320a\377e\320ei\320ij\330\377*.\320.B\300#\300\277S\310\010\320PQz\014\006\357\240a\240s\264\211\002B\260b\277\270\002\270$\270d&\002\003\376i\000S\320PR\320RV\377\320VW\330\047*\250#\357\250S\260\002\250\0041\330\030\267\036\230a\273\210\027s\240\344\212\002q";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 4213, 6198);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (4220 bytes) */
+static const char cstring[] = "\177  bytes\000\003\377) is dam\377aged: ex\177pected \022\001\377not supp\373or\016\001by th\377e engine\377 out of \377range fo\357r an\023\005wit\373h \024\n: ids\377 must be\377 < vocab\377_size= s\277treams\000\005:\377 pass to/ken_3\000[\005\003<\002\273(ov\000per-\004)\227, g\237\000(>\000\200\000r\377agment))\277): can\270\001r\377estore, \177, D=, G\001\000\375H\005\000conv_l\367en=:\003, n_\376~\004=,).: t\357able\245\006a C\375-/\000tiguou\177s [: un\213\047\376&\003dtype \077\077A copy\223!\204&\227\047s \256\000-\337\003\351\000a\377te (hash\377 windows\375,1\000nv rin\375g\t\000positi\377ons).\n\n \317   R\276\002\214\002in[to\366)it\345\000m\366\001Wom \374\"y\224Ff\246B\373sa\034\000layer\356a\002figO\002and\374\357$\255\000unt (s\376\362@ulative\277 decod\213\000:\377 snapsho?t, try\214C\254\000\256\316$).E\204bS\036\004(\266c\002=N\240@No\342\000t\377hat Cyth\373on\334belibe\255r\374\000ly\357Ai\342`r\374\315`\263`PEP-48}4\276`d rej\374`\336\212`ubcl\205`es\376\341abuiltin\375 \342!s. If \377you need\364\245`\252cs\047\007then/ set\251\204\002\047\205b\327\000\347on_\242@\343 \047 d\317irec\347\002\316 Fa\037lse.S\200\204\002\314\003\214\205\001\377already orunn\227@ a\320`\017ll: \375a\372\204\004\302@\n\002\377owner (u\263se\022\t\242\204\001thA\001)\350P\t\237$c\t:\201Ald >\351\205\001alloc\237a\023\013;sc\266 ch \030\004\235`\377 failed]\377] arraya\357dd_n\363 bit\367map\260\204\010writ)e\312\204\002\270\204\nu\311`85\003\301\206\001\177shape (\257\205\004~\357E betwe\311 \355f\346 ()\233Bcom?pute()\000\006\202B\363s \037\002\254\206\006) fi\277rstdis\307\205\001e\275n\000\003gram\343\205\004.\177modelen\007\t\317plan\366\207\006m\004waks \204Ec\233 ed\347\207\002\347thi\234\207\004\350\206\001ll ~\220\005hiddenx\004|9\0101\010every\357\207\0045:#\023,\313\205\001re\301`\363\001\350\\\000\235\210\004@\016:\345\000nis\305h\305\204\001t\242\210\004\371\210\002{\022gc\254\364\206\002\344\001is\217#d\231\206\002 \357max_\205$ize\363 >\210\210\007""\254\211\006>= 1\376\352\210\003no defa\377ult __re\377duce__ d\373ue\211\205\001non-t\277rivial\033\000c\377init__nu\377mpy._cor\027e.m5\000i\260b\275d\277\205\001\363im\340\212\001\033\tumat\261h\021\016\361\212\001\276\212\005a \306tf\277loat32\317mp\177refetch\307`\360\266\206\001\234t\254\212\004\354`takeF\372@n \332\207\013\356\212\003\233\204\006i\370`\377rom anot\367her\226\214\005(dif\277ferent\275\210\006.\236\307\210\005.pos\347\214\n\370\211\001 \274\361\211\006\315\214\nsrc/\231\204\n/=_\372\214\003.pyx\314\212\006\275\214\001\370\305\211\003\341\212\004\233&n intp\241\214\003\257\204\002\261\207\010\335\214\002 id\321\014\316\310\211\013.__\275C\006\016re\257pr__\037\014n\323\216\002P\377REFILL_C\237HUNKS\317\210\t\333\210\t.\332\264fc\241\212\002__\017\014se\177tstate_\n\023\277bad_idD\013c\037heck_\260\213\005\007\022\351\216\002\270z\013\257\206\003\216\013ids\237\013o\003ut\261\n\203\210\004\305\n\245\210\001\326\n\354e\016\004\016ill\377\n\350\206\002\002\r\270\217\001\274\245*\304\022step\313*t\373ra\202 rowsT\277___Pyx\001\000D\377ict_Next_Ref__\215\214\004e\034\000\375_\342\214\002_getit\273em\r\001doc\024\001f\253un\003\002g\376%_\203e_\337_main8\001me\363ta:\003f\000modu]lN\002namV\002p\241`car\005\003\203\000\307C_p\216\000yv\336\220\002{\001qual(\005\230\304\207\005\210n\336\207\006ex\257\001\365c___set_d\005s\234\010~\250n__test\212 \"\256c_\231k\007\005\203\223\002_\274\212\003\366\222\001\367_is\257\210\001outi\177ne_outa\346\214\003\315s\223\223\001as\212\222\007\020\004yn\177cio.cor,\003\357sbad\212\215\003boo\357l_c_\273\222\007cfg\374\244\204\003\251\213\003chunkc1lb\001\325 \273Aeb\300@\345\214\004?config\254\223\005\267\223\002\377normcpu_\337count\367\222\002emwpty\310\214\004dim\313\214\013\370\254\207\004\255\216\003\311\215\001finge\377rprintfl\267ags\255\211\00216\262\211\004f\373ph\235\223\001libhc}_\253\212\001head_S\000\360\003\002\033\000\013\001:\000mesh\377exdigest\370\362\214\003\265$\324\225\001histi\377idsint64\236""\352\216\001inter\000\342as\376\000\002izekern\363el\203\226\002\241\223\002look\337upmax\202\214\013mi\371n\252\216\002\266\213\002plierwsn_\220\002per\262\214\003\262\n\003s\300\225\006\377anb\211\210\003nEd\237\220\002n\225 \257\222\001\271!1\276!\3672np\224\214\002ooff\376\350\207\001osoutpa\337ckedp\327\207\002ph\367pid\222\217\001popo\317ppos\273\213\005\307\213\001il\377lpropert\361y\245\216\002\345\226\004\303\225\002seen\347selR\001\243\215\004sha\3511\341\220\002\346\220\002s\224 gle\030\330\224\005\276\206\001\200\230\003t0\367\226\002\230\205\003\276\206\001\376\242\205\003scaleto\177_jsonto\267\231\002\370\227\230\006\344\206\007\320\221\002value\335s\326\230\007why\373\221\006x\200\377\001\330\004\n\210+\220Q\377\200A\330\010\013\2104\210\377s\220!\330\014\023\2202\377\220V\2301\230G\2406\357\250\022\2501\026\0015\220\004\377\220A\220U\230#\230R\377\230y\250\004\250C\250w\377\260c\270\022\2709\300D\377\310\003\3106\320QR\330\377\020\024\220C\220v\230[\376\025\006\021\330\014\022\220*\230\377A\320\035[\320[\\\320\377\\]\330\035\037\230q\240\377\004\240A\240T\250\033\260\377A\260W\270A\270U\300\377)\3105\320PQ\320Q\377X\320XY\320Y^\320\377^g\320gh\330\010\017\373\210q\217\003:\220Q\220h\377\230f\240C\240t\250:\377\260Q\260i\270u\300B\373\300aY\001)\2301\320\034\3779\270\021\270$\270a\270\371w\021\000\277\002r\220\023\220I\367\230T\240x\005\230Y\240a\377\320\047O\310q\320PT\367\320TU\347\001\014\210D\220\377\001\220\030\230\023\230B\230\375iU\0006\260\027\270\003\270\3672\270Q\302\001F\230&\240\377\016\250d\260&\270\007\270ss\300\213\"\201 \017\210|\220 \267H\240A:\003O\230\225 \014\377\210G\2204\220w\230d\373\240&\221 H\260F\270&\377\300\005\300Q\330\010\014\210\377E\220\021\220&\230\006\230\377e\2401\330\014\r\210V\357\220=\240\001\341!\017\210z\377\230\021\230+\240Q\240c\377\250\021\320*U\320UV\277\320VZ\320Z[\030\002\320\357\017&\240a\345\000<\260q\377\270\017\300q\310\004\310L\376\216%_\320_c\320cd\347\200A\340\244BB\001*\240A\376\375\006E\300Q\300d""\310!\373\3109\337\000\330\010\r\210X\375\220\204\000\013\2103\210c\220\371\024\010\000\321@;\230b\240\001\373\240\023\303\"=\270\001\270\021\377\330\023\037\230r\240\021\240\327#\240S\317@M\304 !\330\377\023%\240R\240q\250\003\373\2503\376\000-\270q\300\010\313\310\001\276FJ]\000\213`\031\230\333\024\230\341\000\022\220\374 \230C\277\230t\2403\240b\220`B\377\250i\260y\300\001\300\023~\220`\013\320SW\320W\361@\376\314@_\330\022\032\230!\230\1775\240\002\240)\2509\364@\317U\270\"\270\354`\271!7\230\277*\240F\250&\260a\000\020?\220\007\220q\230\n\307 n\000\377\017\210u\220J\230a\230\337s\240\"\240J\210@!\260\1777\270#\270V\3004\221 \237\007\310s\320R\252`\316a\320}]\220!\330\020\026\220j\331\000\377\033\250A\320-H\310\001\343\310\022\215\204\002!\002\264 `\320`\375a\330\204\003z\230\025\230h\240\377d\250$\250c\260\022\260\1772\260S\270\010\300\004\275\204\002\2773\310d\320RS\252\204\004\230\371Q\340#\366al\240%\240r\377\250\033\260D\270\004\270J\377\300a\300|\320SY\320\375Y\315\204\001\330\014\017\210t\220\347;\230c\346`{\003\320!3\277\2601\260D\3208\225\003a\367\320ab\033\007\034\250T\260y\021\235\n\225\003d\320de\351\205\007\377A\230\\\250\026\250r\260\377\031\270!\330\010\016\210f\177\220A\220[\240\003\240\377\205\002\3753\n\002S\230\003\2304\230\375q\243\005[\250\001\250\024\320/-Y\320Y\302`]\212#N\001\365\010\277!A\252a\014\320\014\034\363\230A\256A\253\204\0011\330\010\t\376\224\206\001!\2204\220z\240\035\377\250a\250x\260x\270x\317\300u\310A\000\024&\005y\240\377\r\250Q\250h\260g\270\337X\300T\310\021,\026\020\220\377\013\2301\340\014\020\220\010s\230\001\252\204\001\242!5\230\010\374@\337$\240e\2508\364 T\270\035\024A\000R\300t\365\206\002\316\204\001\314d\377\017\210r\220\026\220r\230w\023\230D\362\0002\240T\207\"\371\021\211\207\001\017\007\013\2504\250u\373\260F\277c\016\210b\220\006\277\220a\220s\230&\335`!z\"\005q\242 6\240\022\240\235\206\004t\357\003\253A1\250al\240!\222\206\001\377\022\220$\220m\2401\240]GN\000w\260d\357 \014\000\020z\036\005F\263`f""\260C\260\365\"\370*\014\347\004\261\210\001~\230Q\230d\377\240/\260\026\260v\270U\377\300!\200A\360\006\000\t\377\016\210T\220\024\220U\230\375!\261\207\001\"\320\"4\260Ef\352\205\001\340\010\210G\216\014\021\022\321\204\001\327d\230.\334@\025\375\204\001\330\020\367\023\2204\230 \021\330\024\030\177\230\014\240A\240Q\330\340 \035\013\210`r\240\021w\006\272\212\006\330\001\237h\230a\230u\254\210\001\177\001\036\377\230T\240\026\240u\250K\377\260q\270\004\270H\300B\337\300c\310\023\310\361\212\0027\220\377\047\230\025\230d\240%\240\337t\2501\250H\341\000r\270\377\031\300$\300f\310G\320\357SV\320V\225\212\001\330\047+\353\2506\322\000~\370@\026\310v\367\320UV\014\003\027\270\004\270\341A\337\212\006\375`\354\206\002\313\nw\220c\373\230\021\232\213\001J\230d\320\"\3772\260&\270\001\340\020\024\337\320\024$\240A\260\213\001K\230\177\177\250m\2701\270A\252f\377\360\010\000\t\r\210G\220\316\254G4\220q\256G\227!\031\230\367\036\240q\356\211\002D\270\013\300w4\300w\273\206\001]\320]\236\211\004\367\330()\252#|\2403\240\377a\330\024\036\230n\250A\377\250_\270D\300\016\310c\373\320Q\361\211\001\330-1\260\033\257\270B\270d\346\000a\265Hs\377\220!\2201\320\004\033\230\3511\344\211\001\227!\021\345!\016\230a\367\230q\330\302\023K\230q\330\217\021\025\220Q\322f\360@\r\000N\374\342a\201\205\004\320\004\"\240!\340\337\010\035\230T\240\204\207\001\024\260\327T\270\021\353\215\003{\316\215\002t\240\3772\240U\250!\2508\260\3773\260a\330\014\025\220T\353\230\024\275\214\002\010\246\214\001\010\230\001\357\230\030\240\021\323\213\001D\220\005\357\220Q\220e\371\213\001\037\320\037\377/\250u\260A\260Q\330\377\010\031\230\032\2405\250\001\333\250\021\225\013t\220\251.\024\220?O\2401\240D\250\355\211\002\237\206\007\276\353\215\002\320\004*\250!\252\204\003Y\377\220d\230%\230q\240\001e\330\243\0171z$\337\204\007\330\010\230\022^\301\204<\024\030\230\017\201bA\343\204\032\256\322\006\047\260\021\325cF\341@5\373\230\003\276\216\001\031\230\021\230&\363\240\001\325%\346!\031\240#\240GT\250""\024\252\212\002\372\"\356!f\344\214\002\3114\236\205\001\332\216\001N\305\206\003;\000\330\010\177!\240\023\240A\330\010\315\036\277\330\010\034\230A\330\331\206\027\014\221\020\305\210\002\311`\357\206\na\357\206\010l\001\024\375\032\200\222\002q\330\030 \240\001\377\240\027\250\002\250\"\250A\377\330\030\034\230E\240\025\240\377a\240q\330\034 \240\n\376\310`3\250c\260\021\260#\377\260R\260t\2704\270v\377\300R\300r\310\022\3104\365\310\034\002\010\262\213\001\250V\2602\376\034\000r\270\024\270T\300\024\377\300V\3102\310R\310r\376\230\205\004\030)\250\021\250$\250\377g\260T\270\026\270t\300\3674\300t9\000u\320TX\377\320X]\320]a\320a\377e\320ei\320ip\320\377pt\320tu\330*.\377\320.B\300#\300S\310\357\010\320PQ\200\014\006\240a\373\240s\272\211\002B\260b\270\002\257\270$\270d&\002\003o\000S\377\320PR\320RV\320V\377W\330\047*\250#\250S\373\260\002\256\0041\330\030\036\230-a\301\210\027s\240\352\212\002q";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 4220, 6204);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (6198 bytes) */
-static const char bytes[] = "  bytes bytes) is damaged: expected  is not supported by the engine out of range for an engine with  out of range: ids must be < vocab_size= streams streams: pass token_ids[ token ids (one per stream), got (tree fragment))): cannot restore, , D=, G=, H=, conv_len=, got , n_streams=,).: table must be a C-contiguous [: unsupported table dtype ?A copy of an engine\047s per-stream state (hash windows, conv rings, positions).\n\n    Restorable into the engine it came from or any engine of the same layer, config\n    and stream count (speculative decoding: snapshot, try tokens, restore).EngineSnapshot(layer=NoneNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.StreamEngine is already running a call: one engine has one owner (use one engine per thread)StreamEngine(layer=StreamEngine: could not allocate StreamEngine: scratch allocation failed]] arrayadd_notebitmap must be a writeable C-contiguous uint8 array of shape (cannot snapshot between feed() and compute()compute() needs feed(token_ids) firstdisableenableengram_stream.modelengram_stream.planexpected feed() was already called for this token: call compute(hidden) firstfeed() was called for every stream: compute(hidden) first, or reset() all streamsfeed() was called: finish that token with compute(hidden) firstgchash planisenabledlayer max_ngram_size > n_streams must be >= 1, got no default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importout must be a writeable C-contiguous float32 array of shape prefetch() needs feed(token_ids) firstrestore() takes an EngineSnapshot, got snapshot is from another engine (different snapshot.snapshot.pos is damaged: ring positions out of rangesrc/engram_stream/_engine.pyxstream stream countstream must be an int, got this engine has token id EngineSnapshotEngineSnapshot.__init__EngineSnapshot.__""repr__EngineSnapshot.nbytesPREFILL_CHUNKSStreamEngineStreamEngine.__reduce_cython__StreamEngine.__setstate_cython__StreamEngine._bad_idStreamEngine._check_snapshotStreamEngine._check_streamStreamEngine._hiddenStreamEngine._idsStreamEngine._outStreamEngine.computeStreamEngine.feedStreamEngine.prefetchStreamEngine.prefillStreamEngine.resetStreamEngine.restoreStreamEngine.snapshotStreamEngine.stepStreamEngine.track_rowsT___Pyx_PyDict_NextRef__annotate____class_getitem____doc____func____getstate____init____main____metaclass____module____name____prepare____pyx_state__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____repr____set_name____setstate____setstate_cython____test___bad_id_check_snapshot_check_stream_hidden_ids_is_coroutine_outaarrayas_idsascontiguousarrayasyncio.coroutinesbadbitmapbool_c_contiguouscfgcheck_hiddenchunkcline_in_tracebackcomputeconfigconv_lenconv_normcpu_countdtypeemptyengram_dimengram_stream._enginefailedfeedfingerprintflagsfloat16float32fphhashlibhc_multhead_dimhead_fphead_primeshexdigesthiddenhidden_sizehistiidsint64int8integeritemsitemsizekernel_sizelayerlookupmaxmax_ngram_sizeminmodelmultipliersn_head_per_ngramn_headsn_streamsnamenbnbytesndarrayndimneednorm1norm2npnumpyooffsetsosoutpackedpad_idphpidplanpopopposprefetchprefillpropertyresetrestoreringsseenselfsetdefaultsha1shapeshapessinglesnapshotstepstreamt0tabletable_rowstable_scaleto_jsontobytestoken_idstrack_rowsuint8valuesvocab_sizewhywriteablex\200\001\330\004\n\210+\220Q\200A\330\010\013\2104\210s\220!\330\014\023\2202\220V\2301\230G\2406\250\022\2501\330\010\013\2105\220\004\220A\220U\230#\230R\230y\250\004\250C\250w\260c\270\022\2709\300D\310\003\3106\320QR\330\020\024\220C\220v\230[\250\004\250C\250w\260c\270\021\330\014\022\220*\230A\320\035[\320[\\\320\\]\330\035\037\230q\240\004\240A\240T\250\033\260A\260W\270A\270U\300)\3105\320PQ\320QX\320XY\320Y^\320^g\320gh\330\010\017\210q\200A\330\010\013\210:\220Q\220h\230f\240C\240t\250:\260Q\260i\270u\300B\300a\330\014\022""\220)\2301\320\0349\270\021\270$\270a\270w\300a\330\010\013\2104\210r\220\023\220I\230T\240\021\330\014\022\220*\230A\230Y\240a\320\047O\310q\320PT\320TU\200A\330\010\014\210D\220\001\220\030\230\023\230B\230i\240t\2506\260\027\270\003\2702\270Q\330\020\024\220F\230&\240\016\250d\260&\270\007\270s\300!\330\014\023\2201\330\010\017\210|\2301\230H\240A\200A\330\010\014\210O\2301\330\010\014\210G\2204\220w\230d\240&\250\004\250H\260F\270&\300\005\300Q\330\010\014\210E\220\021\220&\230\006\230e\2401\330\014\r\210V\220=\240\001\200A\330\010\017\210z\230\021\230+\240Q\240c\250\021\320*U\320UV\320VZ\320Z[\200A\330\010\017\320\017&\240a\240t\250<\260q\270\017\300q\310\004\310L\320XY\320Y^\320^_\320_c\320cd\200A\340\010\013\2104\210z\230\021\230*\240A\330\014\022\220)\2301\320\034E\300Q\300d\310!\3109\320TU\330\010\r\210X\220Q\330\010\013\2103\210c\220\024\220Q\330\014\023\220;\230b\240\001\240\023\240C\240t\250=\270\001\270\021\330\023\037\230r\240\021\240#\240S\250\004\250M\270\021\270!\330\023%\240R\240q\250\003\2503\250d\260-\270q\300\010\310\001\330\014\022\220*\230A\320\035J\310!\3101\330\010\031\230\024\230Q\330\010\022\220)\2301\230C\230t\2403\240b\250\004\250B\250i\260y\300\001\300\023\300D\310\013\320SW\320W\\\320\\^\320^_\330\022\032\230!\2305\240\002\240)\2509\260A\260U\270\"\270A\330\010\014\210G\2207\230*\240F\250&\260\001\330\014\020\220\007\220q\230\n\240&\250\001\330\014\017\210u\220J\230a\230s\240\"\240J\250d\260!\2607\270#\270V\3004\300q\310\007\310s\320RX\320X\\\320\\]\320]c\320cd\330\020\026\220j\240\001\240\033\250A\320-H\310\001\310\022\3106\320QR\320RX\320X_\320_`\320`a\330\010\013\2104\210z\230\025\230h\240d\250$\250c\260\022\2602\260S\270\010\300\004\300D\310\003\3103\310d\320RS\330\014\022\220*\230A\230Q\200A\340\010\013\210:\220Q\220l\240%\240r\250\033\260D\270\004\270J\300a\300|\320SY\320Y[\320[\\\330\014\017\210t\220;\230c\240\021\330\020\026\220j\240\001\320!3\2601\260D\3208\\\320\\]\320]a\320ab\330\014\017\210t\220;\230c\240\034\250T\260\021""\330\020\026\220j\240\001\240\033\250A\320-_\320_`\320`d\320de\330\014\023\2202\220V\2301\230A\230\\\250\026\250r\260\031\270!\330\010\016\210f\220A\220[\240\003\2401\330\010\013\2103\210f\220A\220S\230\003\2304\230q\330\014\022\220*\230A\230[\250\001\250\024\320-Y\320YZ\320Z]\320]c\320cd\320de\330\010\017\210u\220A\200A\340\010\014\320\014\034\230A\230Q\330\010\014\210G\2201\330\010\t\330\014\022\220!\2204\220z\240\035\250a\250x\260x\270x\300u\310A\330\014\022\220!\2204\220z\240\035\250a\250x\260x\270x\300u\310A\330\014\022\220!\2204\220y\240\r\250Q\250h\260g\270X\300T\310\021\330\014\022\220!\2204\220z\240\035\250a\250x\260x\270x\300u\310A\330\014\020\220\013\2301\340\014\020\220\010\230\001\200A\340\010\017\210t\2205\230\010\240\002\240$\240e\2508\2602\260T\270\024\270X\300R\300t\3105\320PQ\200A\340\010\031\230\024\230Q\330\010\017\210r\220\026\220r\230\023\230D\240\003\2402\240T\250\026\250r\260\021\330\010\017\210r\220\026\220r\230\023\230D\240\013\2504\250u\260F\270\"\270A\330\010\016\210b\220\006\220a\220s\230&\240\002\240!\330\010\017\210r\220\026\220q\230\003\2306\240\022\2401\330\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\014\022\220$\220m\2401\240G\2504\250w\260d\270!\330\014\022\220$\220m\2401\240G\2504\250w\260d\270!\330\014\022\220$\220m\2401\240F\250$\250f\260C\260q\330\014\022\220$\220m\2401\240G\2504\250w\260d\270!\340\014\020\220\010\230\001\330\010\017\210~\230Q\230d\240/\260\026\260v\270U\300!\200A\360\006\000\t\016\210T\220\024\220U\230!\2301\330\010\"\320\"4\260E\270\021\270!\340\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\021\022\330\020\026\220d\230.\250\001\250\025\250d\260!\330\020\023\2204\220r\230\021\330\024\030\230\014\240A\240Q\330\014\020\220\013\2304\230r\240\021\340\014\020\220\010\230\001\330\010\013\2104\210s\220!\330\014\022\220$\220h\230a\230u\240A\200A\360\006\000\t\036\230T\240\026\240u\250K\260q\270\004\270H\300B\300c\310\023\310A\330\010\013\2107\220""\047\230\025\230d\240%\240t\2501\250H\260C\260r\270\031\300$\300f\310G\320SV\320VX\320XY\330\047+\2506\260\026\260~\300T\310\026\310v\320UV\330\047+\2506\260\027\270\004\270A\330\014\022\220*\230A\320\035]\320]^\320^_\330\010\014\210G\2201\330\010\t\330\014\017\210w\220c\230\021\330\020\024\220J\230d\320\"2\260&\270\001\340\020\024\320\024$\240A\330\020\024\220K\230\177\250m\2701\270A\340\014\020\220\010\230\001\200A\360\010\000\t\r\210G\2201\330\010\t\330\014\017\210t\2204\220q\330\020\026\220l\240!\2401\330\021\022\330\020\031\230\036\240q\250\004\250H\260D\270\013\3004\300w\310d\320R]\320]_\320_c\320cd\330()\330\020\023\2204\220|\2403\240a\330\024\036\230n\250A\250_\270D\300\016\310c\320QU\320UV\330-1\260\033\270B\270d\300$\300a\340\014\020\220\010\230\001\330\010\017\210s\220!\2201\320\004\033\2301\340\010\013\2107\220\047\230\021\330\014\020\220\016\230a\230q\330\010\014\210G\2201\330\010\t\330\014\017\210w\220c\230\021\330\020\024\220K\230q\330\021\025\220Q\330\020\026\220l\240!\2401\360\006\000\021\025\220N\240!\2401\340\014\020\220\010\230\001\320\004\"\240!\340\010\035\230T\240\034\250T\260\024\260T\270\021\330\010\013\2104\210{\230#\230R\230t\2402\240U\250!\2508\2603\260a\330\014\025\220T\230\024\230T\240\021\330\010\014\210D\220\010\230\001\230\030\240\021\330\010\014\210D\220\005\220Q\220e\2301\330\010\037\320\037/\250u\260A\260Q\330\010\031\230\032\2405\250\001\250\021\330\010\014\210G\2201\330\010\t\330\014\017\210t\2204\220q\330\020\026\220l\240!\2401\330\021\022\330\020\024\220O\2401\240D\250\001\330\014\020\220\013\2301\340\014\020\220\010\230\001\330\010\017\210q\320\004*\250!\360\006\000\t\016\210Y\220d\230%\230q\240\001\330\010\035\230T\240\034\250T\260\024\260T\270\021\330\010\013\2101\330\014\025\220T\230\024\230T\240\021\330\010\014\210D\220\010\230\001\230\030\240\021\330\010\014\210D\220\005\220Q\220e\2301\330\010\"\320\"4\260E\270\021\270!\330\010\037\320\037/\250u\260A\260Q\330\010\031\230\032\2405\250\001\250\021\340\010\014\210G\2201""\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\021\022\330\020\026\220d\230.\250\001\250\025\250d\260!\330\020\023\2204\220r\230\021\330\024\030\230\014\240A\240Q\330\024\030\230\017\240q\250\004\250A\340\014\020\220\010\230\001\330\010\013\2104\210s\220!\330\014\022\220$\220h\230a\230u\240A\330\010\017\210q\320\004*\250\047\260\021\360\010\000\t\r\210F\220!\2205\230\003\2301\330\010\031\230\021\230&\240\001\240\021\330\010\014\210D\220\010\230\001\230\031\240#\240T\250\024\250T\260\021\330\010\014\210D\220\005\220Q\220f\230C\230t\2404\240t\2501\330\010\014\210N\230!\2301\330\010\031\230\021\330\010!\240\023\240A\330\010\"\320\"4\260E\270\021\270!\330\010\037\320\037/\250u\260A\260Q\330\010\031\230\032\2405\250\001\250\021\330\010\034\230A\330\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\014\020\220\006\220a\220q\330\021\022\330\020\026\220d\230.\250\001\250\025\250a\330\020\023\2204\220r\230\021\330\024\031\230\021\330\024\032\230#\230R\230q\330\030 \240\001\240\027\250\002\250\"\250A\330\030\034\230E\240\025\240a\240q\330\034 \240\n\250!\2503\250c\260\021\260#\260R\260t\2704\270v\300R\300r\310\022\3104\310q\330\034 \240\010\250\001\250\024\250V\2602\260R\260r\270\024\270T\300\024\300V\3102\310R\310r\320QU\320UV\330\030)\250\021\250$\250g\260T\270\026\270t\3004\300t\3104\310u\320TX\320X]\320]a\320ae\320ei\320ij\330*.\320.B\300#\300S\310\010\320PQ\330\030\034\230E\240\025\240a\240q\330\034 \240\006\240a\240s\250$\250f\260B\260b\270\002\270$\270d\300#\300S\310\003\3102\310S\320PR\320RV\320VW\330\047*\250#\250S\260\002\260#\260R\260t\2701\330\030\036\230a\340\014\020\220\010\230\001\330\010\013\2104\210s\220!\330\014\022\220$\220h\230a\230s\240!\330\010\017\210q";
+    #else /* compression: none (6204 bytes) */
+static const char bytes[] = "  bytes bytes) is damaged: expected  is not supported by the engine out of range for an engine with  out of range: ids must be < vocab_size= streams streams: pass token_ids[ token ids (one per stream), got (tree fragment))): cannot restore, , D=, G=, H=, conv_len=, got , n_streams=,).: table must be a C-contiguous [: unsupported table dtype ?A copy of an engine\047s per-stream state (hash windows, conv rings, positions).\n\n    Restorable into the engine it came from or any engine of the same layer, config\n    and stream count (speculative decoding: snapshot, try tokens, restore).EngineSnapshot(layer=NoneNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.StreamEngine is already running a call: one engine has one owner (use one engine per thread)StreamEngine(layer=StreamEngine: could not allocate StreamEngine: scratch allocation failed]] arrayadd_notebitmap must be a writeable C-contiguous uint8 array of shape (cannot snapshot between feed() and compute()compute() needs feed(token_ids) firstdisableenableengram_stream.modelengram_stream.planexpected feed() was already called for this token: call compute(hidden) firstfeed() was called for every stream: compute(hidden) first, or reset() all streamsfeed() was called: finish that token with compute(hidden) firstgchash planisenabledlayer max_ngram_size > n_streams must be >= 1, got no default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importout must be a writeable C-contiguous float32 array of shape prefetch() needs feed(token_ids) firstrestore() takes an EngineSnapshot, got snapshot is from another engine (different snapshot.snapshot.pos is damaged: ring positions out of rangesrc/engram_stream/_engine.pyxstream stream countstream must be an int, got this engine has token id EngineSnapshotEngineSnapshot.__init__EngineSnapshot.__""repr__EngineSnapshot.nbytesPREFILL_CHUNKSStreamEngineStreamEngine.__reduce_cython__StreamEngine.__setstate_cython__StreamEngine._bad_idStreamEngine._check_snapshotStreamEngine._check_streamStreamEngine._hiddenStreamEngine._idsStreamEngine._outStreamEngine.computeStreamEngine.feedStreamEngine.prefetchStreamEngine.prefillStreamEngine.resetStreamEngine.restoreStreamEngine.snapshotStreamEngine.stepStreamEngine.track_rowsT___Pyx_PyDict_NextRef__annotate____class_getitem____doc____func____getstate____init____main____metaclass____module____name____prepare____pyx_state__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____repr____set_name____setstate____setstate_cython____test___bad_id_check_snapshot_check_stream_hidden_ids_is_coroutine_outaarrayas_idsascontiguousarrayasyncio.coroutinesbadbitmapbool_c_contiguouscfgcheck_hiddenchunkcline_in_tracebackcomputeconfigconv_lenconv_normcpu_countdtypeemptyengram_dimengram_stream._enginefailedfeedfingerprintflagsfloat16float32fphhashlibhc_multhead_dimhead_fphead_primeshexdigesthiddenhidden_sizehistiidsint64int8integeritemsitemsizekernel_sizelayerlookupmaxmax_ngram_sizeminmodelmultipliersn_head_per_ngramn_headsn_streamsnamenbnbytesndarrayndimneednorm1norm2npnumpyooffsetsosoutpackedpad_idphpidplanpopopposprefetchprefillpropertyresetrestoreringsseenselfsetdefaultsha1shapeshapessinglesnapshotstepstreamt0tabletable_rowstable_scaleto_jsontobytestoken_idstrack_rowsuint8valuesvocab_sizewhywriteablex\200\001\330\004\n\210+\220Q\200A\330\010\013\2104\210s\220!\330\014\023\2202\220V\2301\230G\2406\250\022\2501\330\010\013\2105\220\004\220A\220U\230#\230R\230y\250\004\250C\250w\260c\270\022\2709\300D\310\003\3106\320QR\330\020\024\220C\220v\230[\250\004\250C\250w\260c\270\021\330\014\022\220*\230A\320\035[\320[\\\320\\]\330\035\037\230q\240\004\240A\240T\250\033\260A\260W\270A\270U\300)\3105\320PQ\320QX\320XY\320Y^\320^g\320gh\330\010\017\210q\200A\330\010\013\210:\220Q\220h\230f\240C\240t\250:\260Q\260i\270u\300B\300a\330\014\022""\220)\2301\320\0349\270\021\270$\270a\270w\300a\330\010\013\2104\210r\220\023\220I\230T\240\021\330\014\022\220*\230A\230Y\240a\320\047O\310q\320PT\320TU\200A\330\010\014\210D\220\001\220\030\230\023\230B\230i\240t\2506\260\027\270\003\2702\270Q\330\020\024\220F\230&\240\016\250d\260&\270\007\270s\300!\330\014\023\2201\330\010\017\210|\2301\230H\240A\200A\330\010\014\210O\2301\330\010\014\210G\2204\220w\230d\240&\250\004\250H\260F\270&\300\005\300Q\330\010\014\210E\220\021\220&\230\006\230e\2401\330\014\r\210V\220=\240\001\200A\330\010\017\210z\230\021\230+\240Q\240c\250\021\320*U\320UV\320VZ\320Z[\200A\330\010\017\320\017&\240a\240t\250<\260q\270\017\300q\310\004\310L\320XY\320Y^\320^_\320_c\320cd\200A\340\010\013\2104\210z\230\021\230*\240A\330\014\022\220)\2301\320\034E\300Q\300d\310!\3109\320TU\330\010\r\210X\220Q\330\010\013\2103\210c\220\024\220Q\330\014\023\220;\230b\240\001\240\023\240C\240t\250=\270\001\270\021\330\023\037\230r\240\021\240#\240S\250\004\250M\270\021\270!\330\023%\240R\240q\250\003\2503\250d\260-\270q\300\010\310\001\330\014\022\220*\230A\320\035J\310!\3101\330\010\031\230\024\230Q\330\010\022\220)\2301\230C\230t\2403\240b\250\004\250B\250i\260y\300\001\300\023\300D\310\013\320SW\320W\\\320\\^\320^_\330\022\032\230!\2305\240\002\240)\2509\260A\260U\270\"\270A\330\010\014\210G\2207\230*\240F\250&\260\001\330\014\020\220\007\220q\230\n\240&\250\001\330\014\017\210u\220J\230a\230s\240\"\240J\250d\260!\2607\270#\270V\3004\300q\310\007\310s\320RX\320X\\\320\\]\320]c\320cd\330\020\026\220j\240\001\240\033\250A\320-H\310\001\310\022\3106\320QR\320RX\320X_\320_`\320`a\330\010\013\2104\210z\230\025\230h\240d\250$\250c\260\022\2602\260S\270\010\300\004\300D\310\003\3103\310d\320RS\330\014\022\220*\230A\230Q\200A\340\010\013\210:\220Q\220l\240%\240r\250\033\260D\270\004\270J\300a\300|\320SY\320Y[\320[\\\330\014\017\210t\220;\230c\240\021\330\020\026\220j\240\001\320!3\2601\260D\3208\\\320\\]\320]a\320ab\330\014\017\210t\220;\230c\240\034\250T\260\021""\330\020\026\220j\240\001\240\033\250A\320-_\320_`\320`d\320de\330\014\023\2202\220V\2301\230A\230\\\250\026\250r\260\031\270!\330\010\016\210f\220A\220[\240\003\2401\330\010\013\2103\210f\220A\220S\230\003\2304\230q\330\014\022\220*\230A\230[\250\001\250\024\320-Y\320YZ\320Z]\320]c\320cd\320de\330\010\017\210u\220A\200A\340\010\014\320\014\034\230A\230Q\330\010\014\210G\2201\330\010\t\330\014\022\220!\2204\220z\240\035\250a\250x\260x\270x\300u\310A\330\014\022\220!\2204\220z\240\035\250a\250x\260x\270x\300u\310A\330\014\022\220!\2204\220y\240\r\250Q\250h\260g\270X\300T\310\021\330\014\022\220!\2204\220z\240\035\250a\250x\260x\270x\300u\310A\330\014\020\220\013\2301\340\014\020\220\010\230\001\200A\340\010\017\210t\2205\230\010\240\002\240$\240e\2508\2602\260T\270\024\270X\300R\300t\3105\320PQ\200A\340\010\031\230\024\230Q\330\010\017\210r\220\026\220r\230\023\230D\240\003\2402\240T\250\026\250r\260\021\330\010\017\210r\220\026\220r\230\023\230D\240\013\2504\250u\260F\270\"\270A\330\010\016\210b\220\006\220a\220s\230&\240\002\240!\330\010\017\210r\220\026\220q\230\003\2306\240\022\2401\330\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\014\022\220$\220m\2401\240G\2504\250w\260d\270!\330\014\022\220$\220m\2401\240G\2504\250w\260d\270!\330\014\022\220$\220m\2401\240F\250$\250f\260C\260q\330\014\022\220$\220m\2401\240G\2504\250w\260d\270!\340\014\020\220\010\230\001\330\010\017\210~\230Q\230d\240/\260\026\260v\270U\300!\200A\360\006\000\t\016\210T\220\024\220U\230!\2301\330\010\"\320\"4\260E\270\021\270!\340\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\021\022\330\020\026\220d\230.\250\001\250\025\250d\260!\330\020\023\2204\220r\230\021\330\024\030\230\014\240A\240Q\330\014\020\220\013\2304\230r\240\021\340\014\020\220\010\230\001\330\010\013\2104\210s\220!\330\014\022\220$\220h\230a\230u\240A\200A\360\006\000\t\036\230T\240\026\240u\250K\260q\270\004\270H\300B\300c\310\023\310A\330\010\013\2107\220""\047\230\025\230d\240%\240t\2501\250H\260C\260r\270\031\300$\300f\310G\320SV\320VX\320XY\330\047+\2506\260\026\260~\300T\310\026\310v\320UV\330\047+\2506\260\027\270\004\270A\330\014\022\220*\230A\320\035]\320]^\320^_\330\010\014\210G\2201\330\010\t\330\014\017\210w\220c\230\021\330\020\024\220J\230d\320\"2\260&\270\001\340\020\024\320\024$\240A\330\020\024\220K\230\177\250m\2701\270A\340\014\020\220\010\230\001\200A\360\010\000\t\r\210G\2201\330\010\t\330\014\017\210t\2204\220q\330\020\026\220l\240!\2401\330\021\022\330\020\031\230\036\240q\250\004\250H\260D\270\013\3004\300w\310d\320R]\320]_\320_c\320cd\330()\330\020\023\2204\220|\2403\240a\330\024\036\230n\250A\250_\270D\300\016\310c\320QU\320UV\330-1\260\033\270B\270d\300$\300a\340\014\020\220\010\230\001\330\010\017\210s\220!\2201\320\004\033\2301\340\010\013\2107\220\047\230\021\330\014\020\220\016\230a\230q\330\010\014\210G\2201\330\010\t\330\014\017\210w\220c\230\021\330\020\024\220K\230q\330\021\025\220Q\330\020\026\220l\240!\2401\360\006\000\021\025\220N\240!\2401\340\014\020\220\010\230\001\320\004\"\240!\340\010\035\230T\240\034\250T\260\024\260T\270\021\330\010\013\2104\210{\230#\230R\230t\2402\240U\250!\2508\2603\260a\330\014\025\220T\230\024\230T\240\021\330\010\014\210D\220\010\230\001\230\030\240\021\330\010\014\210D\220\005\220Q\220e\2301\330\010\037\320\037/\250u\260A\260Q\330\010\031\230\032\2405\250\001\250\021\330\010\014\210G\2201\330\010\t\330\014\017\210t\2204\220q\330\020\026\220l\240!\2401\330\021\022\330\020\024\220O\2401\240D\250\001\330\014\020\220\013\2301\340\014\020\220\010\230\001\330\010\017\210q\320\004*\250!\360\006\000\t\016\210Y\220d\230%\230q\240\001\330\010\035\230T\240\034\250T\260\024\260T\270\021\330\010\013\2101\330\014\025\220T\230\024\230T\240\021\330\010\014\210D\220\010\230\001\230\030\240\021\330\010\014\210D\220\005\220Q\220e\2301\330\010\"\320\"4\260E\270\021\270!\330\010\037\320\037/\250u\260A\260Q\330\010\031\230\032\2405\250\001\250\021\340\010\014\210G\2201""\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\021\022\330\020\026\220d\230.\250\001\250\025\250d\260!\330\020\023\2204\220r\230\021\330\024\030\230\014\240A\240Q\330\024\030\230\017\240q\250\004\250A\340\014\020\220\010\230\001\330\010\013\2104\210s\220!\330\014\022\220$\220h\230a\230u\240A\330\010\017\210q\320\004*\250\047\260\021\360\010\000\t\r\210F\220!\2205\230\003\2301\330\010\031\230\021\230&\240\001\240\021\330\010\014\210D\220\010\230\001\230\031\240#\240T\250\024\250T\260\021\330\010\014\210D\220\005\220Q\220f\230C\230t\2404\240t\2501\330\010\014\210N\230!\2301\330\010\031\230\021\330\010!\240\023\240A\330\010\"\320\"4\260E\270\021\270!\330\010\037\320\037/\250u\260A\260Q\330\010\031\230\032\2405\250\001\250\021\330\010\034\230A\330\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\014\020\220\006\220a\220q\330\021\022\330\020\026\220d\230.\250\001\250\025\250a\330\020\023\2204\220r\230\021\330\024\031\230\021\330\024\032\230#\230R\230q\330\030 \240\001\240\027\250\002\250\"\250A\330\030\034\230E\240\025\240a\240q\330\034 \240\n\250!\2503\250c\260\021\260#\260R\260t\2704\270v\300R\300r\310\022\3104\310q\330\034 \240\010\250\001\250\024\250V\2602\260R\260r\270\024\270T\300\024\300V\3102\310R\310r\320QU\320UV\330\030)\250\021\250$\250g\260T\270\026\270t\3004\300t\3104\310u\320TX\320X]\320]a\320ae\320ei\320ip\320pt\320tu\330*.\320.B\300#\300S\310\010\320PQ\330\030\034\230E\240\025\240a\240q\330\034 \240\006\240a\240s\250$\250f\260B\260b\270\002\270$\270d\300#\300S\310\003\3102\310S\320PR\320RV\320VW\330\047*\250#\250S\260\002\260#\260R\260t\2701\330\030\036\230a\340\014\020\220\010\230\001\330\010\013\2104\210s\220!\330\014\022\220$\220h\230a\230s\240!\330\010\017\210q";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
@@ -19473,7 +19534,7 @@ typedef struct {
     unsigned int num_kwonly_args : 1;
     unsigned int nlocals : 5;
     unsigned int flags : 10;
-    unsigned int first_line : 9;
+    unsigned int first_line : 10;
 } __Pyx_PyCode_New_function_description;
 #ifdef __cplusplus
 } /* anonymous namespace */
@@ -19508,77 +19569,77 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[2] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_repr, __pyx_mstate->__pyx_kp_b_iso88591_A_at_q_q_LXYY___ccd, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[2])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 219};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 223};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_token_ids, __pyx_mstate->__pyx_n_u_ids};
     __pyx_mstate_global->__pyx_codeobj_tab[3] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_ids_2, __pyx_mstate->__pyx_kp_b_iso88591_A_Ql_r_D_Ja_SYY_t_c_j_31D8_aab_t, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[3])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 232};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 236};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_hidden, __pyx_mstate->__pyx_n_u_shape};
     __pyx_mstate_global->__pyx_codeobj_tab[4] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_hidden_2, __pyx_mstate->__pyx_kp_b_iso88591_A_D_Bit6_2Q_F_d_s_1_1HA, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[4])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 238};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 242};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_shape};
     __pyx_mstate_global->__pyx_codeobj_tab[5] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_out_2, __pyx_mstate->__pyx_kp_b_iso88591_A_4s_2V1G6_1_5_AU_Ry_Cwc_9D_6QR, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[5])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 247};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 251};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_ids, __pyx_mstate->__pyx_n_u_i};
     __pyx_mstate_global->__pyx_codeobj_tab[6] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_bad_id, __pyx_mstate->__pyx_kp_b_iso88591_A_z_Qc_UUVVZZ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[6])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 13, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 251};
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 13, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 255};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_token_ids, __pyx_mstate->__pyx_n_u_hidden, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_ids, __pyx_mstate->__pyx_n_u_single, __pyx_mstate->__pyx_n_u_shape, __pyx_mstate->__pyx_n_u_h, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_pid, __pyx_mstate->__pyx_n_u_ph, __pyx_mstate->__pyx_n_u_po, __pyx_mstate->__pyx_n_u_bad};
     __pyx_mstate_global->__pyx_codeobj_tab[7] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_step, __pyx_mstate->__pyx_kp_b_iso88591_Yd_q_T_T_T_1_T_T_D_D_Qe1_4E_uAQ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[7])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 6, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 293};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 6, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 297};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_token_ids, __pyx_mstate->__pyx_n_u_ids, __pyx_mstate->__pyx_n_u__9, __pyx_mstate->__pyx_n_u_pid, __pyx_mstate->__pyx_n_u_bad};
     __pyx_mstate_global->__pyx_codeobj_tab[8] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_feed, __pyx_mstate->__pyx_kp_b_iso88591_A_T_U_1_4E_G1_t1_l_1_d_d_4r_AQ_4, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[8])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 8, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 313};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 8, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 317};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_hidden, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_shape, __pyx_mstate->__pyx_n_u_h, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_ph, __pyx_mstate->__pyx_n_u_po};
     __pyx_mstate_global->__pyx_codeobj_tab[9] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_compute, __pyx_mstate->__pyx_kp_b_iso88591_T_T_T_4_Rt2U_83a_T_T_D_D_Qe1_uA, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[9])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 340};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 344};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_failed};
     __pyx_mstate_global->__pyx_codeobj_tab[10] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_prefetch, __pyx_mstate->__pyx_kp_b_iso88591_A_G1_t4q_l_1_q_HD_4wdR___ccd_4_3, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[10])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 358};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 362};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_bitmap, __pyx_mstate->__pyx_n_u_need};
     __pyx_mstate_global->__pyx_codeobj_tab[11] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_track_rows, __pyx_mstate->__pyx_kp_b_iso88591_A_T_uKq_HBc_A_7_d_t1HCr_fGSVVXXY, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[11])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 18, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 380};
+    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 18, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 384};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_ids, __pyx_mstate->__pyx_n_u_hidden, __pyx_mstate->__pyx_n_u_stream, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_a, __pyx_mstate->__pyx_n_u_T, __pyx_mstate->__pyx_n_u_h, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_chunk, __pyx_mstate->__pyx_n_u_pid, __pyx_mstate->__pyx_n_u_ph, __pyx_mstate->__pyx_n_u_po, __pyx_mstate->__pyx_n_u_bad, __pyx_mstate->__pyx_n_u_t0, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_nb};
     __pyx_mstate_global->__pyx_codeobj_tab[12] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_prefill, __pyx_mstate->__pyx_kp_b_iso88591_F_5_1_D_T_T_D_QfCt4t1_N_1_A_4E, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[12])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 421};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 425};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_stream};
     __pyx_mstate_global->__pyx_codeobj_tab[13] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_check_stream, __pyx_mstate->__pyx_kp_b_iso88591_A_QhfCt_QiuBa_1_9_awa_4r_IT_AYa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[13])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 441};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 445};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_stream};
     __pyx_mstate_global->__pyx_codeobj_tab[14] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_reset, __pyx_mstate->__pyx_kp_b_iso88591_1_7_aq_G1_wc_Kq_Q_l_1_N_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[14])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 6, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 469};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 6, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 473};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_S, __pyx_mstate->__pyx_n_u_hist, __pyx_mstate->__pyx_n_u_ring, __pyx_mstate->__pyx_n_u_pos, __pyx_mstate->__pyx_n_u_seen};
     __pyx_mstate_global->__pyx_codeobj_tab[15] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_snapshot, __pyx_mstate->__pyx_kp_b_iso88591_A_Q_r_r_D_2T_r_r_r_D_4uF_A_b_as, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[15])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 10, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 488};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 10, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 492};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_snapshot, __pyx_mstate->__pyx_n_u_fp, __pyx_mstate->__pyx_n_u_why, __pyx_mstate->__pyx_n_u_S, __pyx_mstate->__pyx_n_u_shapes, __pyx_mstate->__pyx_n_u_name_2, __pyx_mstate->__pyx_n_u_shape, __pyx_mstate->__pyx_n_u_dtype, __pyx_mstate->__pyx_n_u_a};
     __pyx_mstate_global->__pyx_codeobj_tab[16] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_check_snapshot, __pyx_mstate->__pyx_kp_b_iso88591_A_4z_A_1_EQd_9TU_XQ_3c_Q_b_Ct_r, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[16])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 508};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 512};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_snapshot};
     __pyx_mstate_global->__pyx_codeobj_tab[17] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_restore, __pyx_mstate->__pyx_kp_b_iso88591_A_AQ_G1_4z_axxxuA_4z_axxxuA_4y_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[17])) goto bad;
   }

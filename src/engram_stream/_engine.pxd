@@ -11,9 +11,9 @@ cdef extern from "engram_step.h" nogil:
         const float *n3
         const float *cw
     void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const float *Wp, const float *biasp,
-                        int M, float *Y) noexcept
+                        int M, float *Y, float *xpack) noexcept
     void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const float *Wp,
-                           const float *biasp, int M, float *Y, int nthreads) noexcept
+                           const float *biasp, int M, float *Y, float *xpack, int nthreads) noexcept
     void es_tail(const es_tail_params *P, const float *proj, const float *hid, float *ring,
                  int64_t pos, float *out) noexcept
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
@@ -68,6 +68,7 @@ cdef class StreamEngine:
     cdef int64_t *rbuf             # [cap, H] absolute table rows
     cdef float *ebuf               # [cap, ldx] gathered rows
     cdef float *ybuf               # [cap, M] projections
+    cdef float *pbuf               # [cap, E] gathered rows packed in 6-row tiles for the GEMM
     cdef bint pending              # feed() done, compute() not yet
     cdef bint busy                 # a call is running (one owner at a time)
     cdef public int prefill_threads  # threads for prefill's GEMMs (default: the machine's cores)

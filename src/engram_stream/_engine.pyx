@@ -145,7 +145,7 @@ cdef class StreamEngine:
 
     def __dealloc__(self):
         free(self.hist); free(self.ring); free(self.pos); free(self.seen)
-        free(self.rbuf); free(self.ebuf); free(self.ybuf)
+        free(self.rbuf); free(self.ebuf); free(self.ybuf); free(self.pbuf)
 
     cdef int _grow(self, int64_t cap) except -1:
         """Scratch for `cap` rows; done before any state changes (a MemoryError is clean)."""
@@ -163,6 +163,10 @@ cdef class StreamEngine:
         if r == NULL:
             raise MemoryError("StreamEngine: scratch allocation failed")
         self.ybuf = <float *> r
+        r = realloc(self.pbuf, cap * self.E * sizeof(float))
+        if r == NULL:
+            raise MemoryError("StreamEngine: scratch allocation failed")
+        self.pbuf = <float *> r
         self.cap = cap
         return 0
 
@@ -286,7 +290,7 @@ cdef class StreamEngine:
         cdef int64_t b, S = self.n_streams
         for b in range(S):
             self._gather(self.rbuf + b * self.H, self.ebuf + b * self.ldx)
-        es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf)
+        es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf)
         for b in range(S):
             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
 
@@ -406,7 +410,7 @@ cdef class StreamEngine:
                         for i in range(nb):
                             self._hash_one(s, pid[t0 + i], self.rbuf + i * self.H)
                             self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)
-                        es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf,
+                        es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf,
                                           self.prefill_threads if nb >= 32 else 1)
                         for i in range(nb):
                             self._tail(s, self.ybuf + i * self.M, ph + (t0 + i) * self.C,
