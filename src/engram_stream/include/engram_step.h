@@ -42,9 +42,12 @@ typedef int32_t es_v8i __attribute__((vector_size(32), aligned(4)));
 /* Packed layout: panel p holds columns [16p, 16p+16) of W^T as Wp[p][k][16]
  * (zero padded past M); biasp is padded to a multiple of 16 the same way. */
 
-/* pf: the next panel, prefetched line by line while this one computes (NULL: none):
+/* One micro-tile: mr rows x 16 columns over all E, row r's k-th value at X[r*xr + k*xk]
+ * (rows as they are: xr = ldx, xk = 1; packed 6-row tiles: xr = 1, xk = 6, where the six
+ * values of one k share a cache line: measured 1.3x at 126 rows).
+ * pf: the next panel, prefetched line by line while this one computes (NULL: none):
  * a second memory stream in flight, as the GEMV gets from its four panels. */
-ES_INLINE void es_tile(const float *X, int64_t ldx, const float *w, int E, const float *bias,
+ES_INLINE void es_tile(const float *X, int64_t xr, int64_t xk, const float *w, int E, const float *bias,
                        float *Y, int64_t ldy, int ncols, const int mr, const float *pf) {
     es_v8 acc[ES_MR][2];
     es_v8 b0 = *(const es_v8 *)bias, b1 = *(const es_v8 *)(bias + 8);
@@ -55,7 +58,7 @@ ES_INLINE void es_tile(const float *X, int64_t ldx, const float *w, int E, const
         if (pf) __builtin_prefetch(pf + 16 * (int64_t)k);
 #pragma GCC unroll 6
         for (int r = 0; r < mr; r++) {
-            float x = X[r * ldx + k];
+            float x = X[r * xr + k * xk];
             acc[r][0] += x * w0;
             acc[r][1] += x * w1;
         }
@@ -71,31 +74,6 @@ ES_INLINE void es_tile(const float *X, int64_t ldx, const float *w, int E, const
             *(es_v8 *)(tmp + 8) = acc[r][1];
             memcpy(Y + r * ldy, tmp, sizeof(float) * ncols);
         }
-    }
-}
-
-/* A full 6-row tile from packed rows Xp[k][6]: the six values of one k share a cache
- * line (rows ldx apart need six; measured 1.3x at 126 rows), full panels only. */
-ES_INLINE void es_tile_packed(const float *Xp, const float *w, int E, const float *bias, float *Y,
-                              int64_t ldy, const float *pf) {
-    es_v8 acc[ES_MR][2];
-    es_v8 b0 = *(const es_v8 *)bias, b1 = *(const es_v8 *)(bias + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < ES_MR; r++) { acc[r][0] = b0; acc[r][1] = b1; }
-    for (int k = 0; k < E; k++) {
-        es_v8 w0 = *(const es_v8 *)(w + 16 * (int64_t)k), w1 = *(const es_v8 *)(w + 16 * (int64_t)k + 8);
-        if (pf) __builtin_prefetch(pf + 16 * (int64_t)k);
-#pragma GCC unroll 6
-        for (int r = 0; r < ES_MR; r++) {
-            float x = Xp[ES_MR * (int64_t)k + r];
-            acc[r][0] += x * w0;
-            acc[r][1] += x * w1;
-        }
-    }
-#pragma GCC unroll 6
-    for (int r = 0; r < ES_MR; r++) {
-        *(es_v8 *)(Y + r * ldy) = acc[r][0];
-        *(es_v8 *)(Y + r * ldy + 8) = acc[r][1];
     }
 }
 
@@ -179,16 +157,16 @@ ES_CLONES static void es_gemm_range(const float *X, int64_t ldx, int64_t B, int 
         float *Yp = Y + p * ES_PANEL;
         const float *pf = p + 1 < p1 ? w + (int64_t)E * ES_PANEL : 0;
         int64_t b = 0;
-        if (Xp && ncols == ES_PANEL)
+        if (Xp)
             for (; b + ES_MR <= B; b += ES_MR, pf = 0)
-                es_tile_packed(Xp + b * E, w, E, bias, Yp + b * M, M, pf);
+                es_tile(Xp + b * E, 1, ES_MR, w, E, bias, Yp + b * M, M, ncols, ES_MR, pf);
         for (; b + ES_MR <= B; b += ES_MR, pf = 0)
-            es_tile(X + b * ldx, ldx, w, E, bias, Yp + b * M, M, ncols, ES_MR, pf);
+            es_tile(X + b * ldx, ldx, 1, w, E, bias, Yp + b * M, M, ncols, ES_MR, pf);
         switch (B - b) {
-            case 5: es_tile(X + b * ldx, ldx, w, E, bias, Yp + b * M, M, ncols, 5, pf); break;
-            case 4: es_tile(X + b * ldx, ldx, w, E, bias, Yp + b * M, M, ncols, 4, pf); break;
-            case 3: es_tile(X + b * ldx, ldx, w, E, bias, Yp + b * M, M, ncols, 3, pf); break;
-            case 2: es_tile(X + b * ldx, ldx, w, E, bias, Yp + b * M, M, ncols, 2, pf); break;
+            case 5: es_tile(X + b * ldx, ldx, 1, w, E, bias, Yp + b * M, M, ncols, 5, pf); break;
+            case 4: es_tile(X + b * ldx, ldx, 1, w, E, bias, Yp + b * M, M, ncols, 4, pf); break;
+            case 3: es_tile(X + b * ldx, ldx, 1, w, E, bias, Yp + b * M, M, ncols, 3, pf); break;
+            case 2: es_tile(X + b * ldx, ldx, 1, w, E, bias, Yp + b * M, M, ncols, 2, pf); break;
             case 1: es_tile1(X + b * ldx, w, E, bias, Yp + b * M, ncols); break;
             default: break;
         }
