@@ -337,11 +337,17 @@ def prefill_section(rep, key, model, reps, T):
     eng.prefill(ids, hidden, out=out)  # warm (scratch, page cache of the rows)
     runs = {}
 
-    def run_engine(n):
-        for _ in range(n):
-            eng.reset()
-            eng.prefill(ids, hidden, out=out)
-    runs["engine"] = run_engine
+    engine_threads = eng.prefill_threads  # the default: the machine's cores (at most 8)
+
+    def engine_run(threads):
+        def run(n):
+            eng.prefill_threads = threads
+            for _ in range(n):
+                eng.reset()
+                eng.prefill(ids, hidden, out=out)
+        return run
+    runs["engine"] = engine_run(engine_threads)
+    runs["engine_1"] = engine_run(1)
     default_threads = None
     if HAVE_TORCH:
         default_threads = DEFAULT_TORCH_THREADS
@@ -373,7 +379,8 @@ def prefill_section(rep, key, model, reps, T):
             s = time.perf_counter()
             runs[k](1)
             t[k].append(time.perf_counter() - s)
-    rep.time(f"{key}.engine", f"engine prefill, {T} tokens (1 thread)", t["engine"])
+    rep.time(f"{key}.engine", f"engine prefill, {T} tokens ({engine_threads} threads, the default)", t["engine"])
+    rep.time(f"{key}.engine_1", f"engine prefill, {T} tokens (1 thread)", t["engine_1"])
     if HAVE_TORCH:
         rep.time(f"{key}.torch_default", f"torch batch forward, default threads ({default_threads})",
                  t["torch_default"])
@@ -490,14 +497,16 @@ def main(argv=None):
             summary.append((f"demo: 2-thread throughput ({cpus:.2f} CPUs got)", r, pr, ">= 1.6x", r >= 1.6))
         if "prefill" not in args.skip:
             T = 2048
-            rep.section(f"prefill of {T} tokens at demo dims (engine: 1 thread; torch: default threads and 1)")
+            rep.section(f"prefill of {T} tokens at demo dims (engine and torch: default threads, and 1)")
             t = prefill_section(rep, "prefill", model, max(5, reps // 2), T)
             if HAVE_TORCH:
                 n = DEFAULT_TORCH_THREADS
                 ratio("prefill.torch_default_over_engine", f"torch ({n} threads) / engine", t["torch_default"],
                       t["engine"], ">= 3x", lambda r: r >= 3, summ=f"prefill {T}: torch ({n} threads) / engine")
-                ratio("prefill.torch_1_over_engine", "torch (1 thread) / engine", t["torch_1"], t["engine"],
-                      ">= 3x", lambda r: r >= 3, summ=f"prefill {T}: torch (1 thread) / engine")
+                ratio("prefill.torch_1_over_engine_1", "torch (1 thread) / engine (1 thread)", t["torch_1"],
+                      t["engine_1"], None, None, summ=f"prefill {T}: torch 1 thread / engine 1 thread")
+            ratio("prefill.engine_1_over_engine", "engine 1 thread / engine default threads", t["engine_1"],
+                  t["engine"], None, None)
         del model
 
     load1 = os.getloadavg()
