@@ -98,14 +98,19 @@ def cmd_init(args):
     model.save(args.output, table_dtype=args.table_dtype, progress=progress)
     if not args.quiet:
         print(file=sys.stderr)
-    print(f"wrote {args.output} ({os.path.getsize(args.output) / 2**20:,.1f} MiB): {model}")
+    print(f"wrote {args.output} ({os.path.getsize(args.output) / 2**20:,.1f} MiB, "
+          f"{args.table_dtype or 'float32'} tables): {model!r}".replace(
+              "table_dtype=float32", f"table_dtype={args.table_dtype or 'float32'}"))
     return 0
 
 
-def _progress_bar(done, total):
-    frac = done / total if total else 1.0
-    bar = "#" * int(40 * frac)
-    print(f"\r[{bar:<40}] {frac * 100:5.1f}% of {total / 2**20:,.0f} MiB", end="", file=sys.stderr, flush=True)
+def _progress_bar(done, total, _last=[-1]):
+    pct = int(100 * done / total) if total else 100
+    if pct == _last[0]:  # one update per percent
+        return
+    _last[0] = pct
+    bar = "#" * (40 * pct // 100)
+    print(f"\r[{bar:<40}] {pct:3d}% of {total / 2**20:,.0f} MiB", end="", file=sys.stderr, flush=True)
 
 
 def cmd_build_compression(args):

@@ -110,6 +110,18 @@ def resident_bytes(a: np.ndarray) -> int:
     return int(per_page[(vec & 1).astype(bool)].sum())
 
 
+def proc_status(pid="self") -> dict:
+    """Memory lines of /proc/PID/status in bytes: RssAnon, RssFile, VmRSS, VmHWM, ..."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                out[key] = int(parts[0]) * 1024
+    return out
+
+
 def evict_file(path):
     """Ask the kernel to drop the file's pages from the page cache (POSIX_FADV_DONTNEED).
     Pages some process still has mapped are kept: release() this process's mappings first."""
