@@ -221,13 +221,14 @@ cdef class StreamEngine:
         self.busy = True
 
     def _ids(self, token_ids):
-        """(int64[S] ids, single) from a scalar (n_streams == 1) or an [S] array."""
+        """(int64[S] ids, False) from an [S] array, or (the id as an int, True) from a scalar
+        (n_streams == 1; range-checked here, so the step makes no array for it)."""
         if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, (bool, np.bool_)):
             if self.n_streams != 1:
                 raise ValueError(f"this engine has {self.n_streams} streams: pass token_ids[{self.n_streams}]")
             if not -(1 << 63) <= token_ids < self.vocab:
                 raise ValueError(f"token id {token_ids} out of range: ids must be < vocab_size={self.vocab}")
-            return np.array([token_ids], dtype=np.int64), True
+            return int(token_ids), True
         ids = as_ids(token_ids, 1, "token_ids")
         if ids.shape[0] != self.n_streams:
             raise ValueError(f"expected {self.n_streams} token ids (one per stream), got {ids.shape[0]}")
@@ -257,11 +258,15 @@ cdef class StreamEngine:
         (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram output (no residual)."""
         ids, single = self._ids(token_ids)
         cdef object shape = (self.n_streams, self.G, self.D)
+        cdef int64_t tok = 0
+        cdef const int64_t *pid = &tok
         if single:
             shape = (self.G, self.D)
+            tok = ids
+        else:
+            pid = <const int64_t *> _data(ids)
         h = self._hidden(hidden, shape)
         o = self._out(out, shape)
-        cdef const int64_t *pid = <const int64_t *> _data(ids)
         cdef const float *ph = <const float *> _data(h)
         cdef float *po = <float *> _data(o)
         cdef int64_t bad
@@ -297,8 +302,13 @@ cdef class StreamEngine:
     def feed(self, token_ids):
         """First half of a step: compress and hash the new token(s), advance the hash windows.
         The rows (`.rows`) are then known before the layer runs; compute() finishes the step."""
-        ids, _ = self._ids(token_ids)
-        cdef const int64_t *pid = <const int64_t *> _data(ids)
+        ids, single = self._ids(token_ids)
+        cdef int64_t tok = 0
+        cdef const int64_t *pid = &tok
+        if single:
+            tok = ids
+        else:
+            pid = <const int64_t *> _data(ids)
         cdef int64_t bad
         self._enter()
         try:
