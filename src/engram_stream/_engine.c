@@ -1994,6 +1994,7 @@ struct __pyx_obj_13engram_stream_7_engine_StreamEngine {
   float *ybuf;
   float *pbuf;
   int pending;
+  int64_t tok1;
   int busy;
   int prefill_threads;
 };
@@ -2019,6 +2020,7 @@ struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine {
   void (*_reset_stream)(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *, int64_t);
   void (*_reset_all)(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *);
   PyObject *(*_enter)(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *);
+  int64_t const *(*_id_ptr)(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *, PyObject *, int);
 };
 static struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *__pyx_vtabptr_13engram_stream_7_engine_StreamEngine;
 /* #### Code section: utility_code_proto ### */
@@ -3475,6 +3477,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__hash_one(struct __p
 static void __pyx_f_13engram_stream_7_engine_12StreamEngine__gather(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *__pyx_v_self, int64_t const *__pyx_v_rows, float *__pyx_v_e); /* proto*/
 static void __pyx_f_13engram_stream_7_engine_12StreamEngine__tail(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *__pyx_v_self, int64_t __pyx_v_s, float const *__pyx_v_proj, float const *__pyx_v_hid, float *__pyx_v_out); /* proto*/
 static PyObject *__pyx_f_13engram_stream_7_engine_12StreamEngine__enter(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *__pyx_v_self); /* proto*/
+static int64_t const *__pyx_f_13engram_stream_7_engine_12StreamEngine__id_ptr(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *__pyx_v_self, PyObject *__pyx_v_ids, int __pyx_v_single); /* proto*/
 static void __pyx_f_13engram_stream_7_engine_12StreamEngine__feed_nogil(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *__pyx_v_self, int64_t const *__pyx_v_ids); /* proto*/
 static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *__pyx_v_self, float const *__pyx_v_hid, float *__pyx_v_out); /* proto*/
 static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *__pyx_v_self, int64_t __pyx_v_s); /* proto*/
@@ -3623,7 +3626,7 @@ namespace {
     __Pyx_CachedCFunction __pyx_umethod_PyDict_Type_values;
     PyObject *__pyx_tuple[3];
     PyObject *__pyx_codeobj_tab[20];
-    PyObject *__pyx_string_tab[253];
+    PyObject *__pyx_string_tab[252];
     PyObject *__pyx_number_tab[7];
 /* #### Code section: module_state_contents ### */
 /* PyFrozenDict.module_state_decls */
@@ -3898,34 +3901,33 @@ static __pyx_mstatetype * const __pyx_mstate_global = &__pyx_mstate_global_stati
 #define __pyx_n_u_table_scale __pyx_string_tab[222]
 #define __pyx_n_u_to_json __pyx_string_tab[223]
 #define __pyx_n_u_tobytes __pyx_string_tab[224]
-#define __pyx_n_u_tok __pyx_string_tab[225]
-#define __pyx_n_u_token_ids __pyx_string_tab[226]
-#define __pyx_n_u_track_rows __pyx_string_tab[227]
-#define __pyx_n_u_uint8 __pyx_string_tab[228]
-#define __pyx_n_u_values __pyx_string_tab[229]
-#define __pyx_n_u_vocab_size __pyx_string_tab[230]
-#define __pyx_n_u_why __pyx_string_tab[231]
-#define __pyx_n_u_writeable __pyx_string_tab[232]
-#define __pyx_n_u_x __pyx_string_tab[233]
-#define __pyx_kp_b_iso88591_Q __pyx_string_tab[234]
-#define __pyx_kp_b_iso88591_A_4s_2V1G6_1_5_AU_Ry_Cwc_9D_6QR __pyx_string_tab[235]
-#define __pyx_kp_b_iso88591_A_QhfCt_QiuBa_1_9_awa_4r_IT_AYa __pyx_string_tab[236]
-#define __pyx_kp_b_iso88591_A_D_Bit6_2Q_F_d_s_1_1HA __pyx_string_tab[237]
-#define __pyx_kp_b_iso88591_A_O1_G4wd_HF_Q_E_e1_V __pyx_string_tab[238]
-#define __pyx_kp_b_iso88591_A_z_Qc_UUVVZZ __pyx_string_tab[239]
-#define __pyx_kp_b_iso88591_A_at_q_q_LXYY___ccd __pyx_string_tab[240]
-#define __pyx_kp_b_iso88591_A_4z_A_1_EQd_9TU_XQ_3c_Q_b_Ct_r __pyx_string_tab[241]
-#define __pyx_kp_b_iso88591_A_AQ_G1_4z_axxxuA_4z_axxxuA_4y_Q __pyx_string_tab[242]
-#define __pyx_kp_b_iso88591_A_t5_e82T_XRt5PQ __pyx_string_tab[243]
-#define __pyx_kp_b_iso88591_A_Q_r_r_D_2T_r_r_r_D_4uF_A_b_as __pyx_string_tab[244]
-#define __pyx_kp_b_iso88591_A_Ql_r_D_Ja_SYY_t_c_j_31D8_aab_t __pyx_string_tab[245]
-#define __pyx_kp_b_iso88591_A_Yd_q_1_1_1_E_G1_t1_l_1_d_d_4r __pyx_string_tab[246]
-#define __pyx_kp_b_iso88591_A_T_uKq_HBc_A_7_d_t1HCr_fGSVVXXY __pyx_string_tab[247]
-#define __pyx_kp_b_iso88591_A_G1_t4q_l_1_q_HD_4wdR___ccd_4_3 __pyx_string_tab[248]
-#define __pyx_kp_b_iso88591_1_7_aq_G1_wc_Kq_Q_l_1_N_1 __pyx_string_tab[249]
-#define __pyx_kp_b_iso88591_T_T_T_4_Rt2U_83a_T_T_D_D_Qe1_uA __pyx_string_tab[250]
-#define __pyx_kp_b_iso88591_Yd_q_T_T_T_1_1_1_T_T_E_D_D_Qe1 __pyx_string_tab[251]
-#define __pyx_kp_b_iso88591_F_5_1_D_T_T_D_QfCt4t1_N_1_A_4E __pyx_string_tab[252]
+#define __pyx_n_u_token_ids __pyx_string_tab[225]
+#define __pyx_n_u_track_rows __pyx_string_tab[226]
+#define __pyx_n_u_uint8 __pyx_string_tab[227]
+#define __pyx_n_u_values __pyx_string_tab[228]
+#define __pyx_n_u_vocab_size __pyx_string_tab[229]
+#define __pyx_n_u_why __pyx_string_tab[230]
+#define __pyx_n_u_writeable __pyx_string_tab[231]
+#define __pyx_n_u_x __pyx_string_tab[232]
+#define __pyx_kp_b_iso88591_Q __pyx_string_tab[233]
+#define __pyx_kp_b_iso88591_A_4s_2V1G6_1_5_AU_Ry_Cwc_9D_6QR __pyx_string_tab[234]
+#define __pyx_kp_b_iso88591_A_QhfCt_QiuBa_1_9_awa_4r_IT_AYa __pyx_string_tab[235]
+#define __pyx_kp_b_iso88591_A_D_Bit6_2Q_F_d_s_1_1HA __pyx_string_tab[236]
+#define __pyx_kp_b_iso88591_A_O1_G4wd_HF_Q_E_e1_V __pyx_string_tab[237]
+#define __pyx_kp_b_iso88591_A_z_Qc_UUVVZZ __pyx_string_tab[238]
+#define __pyx_kp_b_iso88591_A_at_q_q_LXYY___ccd __pyx_string_tab[239]
+#define __pyx_kp_b_iso88591_A_4z_A_1_EQd_9TU_XQ_3c_Q_b_Ct_r __pyx_string_tab[240]
+#define __pyx_kp_b_iso88591_A_AQ_G1_4z_axxxuA_4z_axxxuA_4y_Q __pyx_string_tab[241]
+#define __pyx_kp_b_iso88591_A_t5_e82T_XRt5PQ __pyx_string_tab[242]
+#define __pyx_kp_b_iso88591_A_Q_r_r_D_2T_r_r_r_D_4uF_A_b_as __pyx_string_tab[243]
+#define __pyx_kp_b_iso88591_A_Ql_r_D_Ja_SYY_t_c_j_31D8_aab_t __pyx_string_tab[244]
+#define __pyx_kp_b_iso88591_A_Yd_q_hauA_G1_t1_l_1_d_d_4r_AQ __pyx_string_tab[245]
+#define __pyx_kp_b_iso88591_A_T_uKq_HBc_A_7_d_t1HCr_fGSVVXXY __pyx_string_tab[246]
+#define __pyx_kp_b_iso88591_A_G1_t4q_l_1_q_HD_4wdR___ccd_4_3 __pyx_string_tab[247]
+#define __pyx_kp_b_iso88591_1_7_aq_G1_wc_Kq_Q_l_1_N_1 __pyx_string_tab[248]
+#define __pyx_kp_b_iso88591_T_T_T_4_Rt2U_83a_T_T_D_D_Qe1_uA __pyx_string_tab[249]
+#define __pyx_kp_b_iso88591_Yd_q_T_T_T_1_T_T_hauA_D_D_Qe1_u __pyx_string_tab[250]
+#define __pyx_kp_b_iso88591_F_5_1_D_T_T_D_QfCt4t1_N_1_A_4E __pyx_string_tab[251]
 #define __pyx_int_0 __pyx_number_tab[0]
 #define __pyx_int_1 __pyx_number_tab[1]
 #define __pyx_int_2 __pyx_number_tab[2]
@@ -3970,7 +3972,7 @@ static CYTHON_SMALL_CODE int __pyx_m_clear(PyObject *m) {
   Py_CLEAR(clear_module_state->__pyx_umethod_PyDict_Type_values.method);
   for (int i=0; i<3; ++i) { Py_CLEAR(clear_module_state->__pyx_tuple[i]); }
   for (int i=0; i<20; ++i) { Py_CLEAR(clear_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<253; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<252; ++i) { Py_CLEAR(clear_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<7; ++i) { Py_CLEAR(clear_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_clear_contents ### */
 /* CommonTypesMetaclass.module_state_clear */
@@ -4017,7 +4019,7 @@ static CYTHON_SMALL_CODE int __pyx_m_traverse(PyObject *m, visitproc visit, void
   Py_VISIT(traverse_module_state->__pyx_umethod_PyDict_Type_values.method);
   for (int i=0; i<3; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_tuple[i]); }
   for (int i=0; i<20; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_codeobj_tab[i]); }
-  for (int i=0; i<253; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
+  for (int i=0; i<252; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_string_tab[i]); }
   for (int i=0; i<7; ++i) { __Pyx_VISIT_CONST(traverse_module_state->__pyx_number_tab[i]); }
 /* #### Code section: module_state_traverse_contents ### */
 /* CommonTypesMetaclass.module_state_traverse */
@@ -9884,7 +9886,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
  *             raise ValueError(f"expected {self.n_streams} token ids (one per stream), got {ids.shape[0]}")
  *         return ids, False             # <<<<<<<<<<<<<<
  * 
- *     def _hidden(self, hidden, shape):
+ *     cdef const int64_t *_id_ptr(self, ids, bint single):
 */
   __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 235, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
@@ -9932,6 +9934,96 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_6_ids(struct _
 /* "engram_stream/_engine.pyx":237
  *         return ids, False
  * 
+ *     cdef const int64_t *_id_ptr(self, ids, bint single):             # <<<<<<<<<<<<<<
+ *         """The ids as a C pointer: into the [S] array, or to a scalar id kept in the engine."""
+ *         if single:
+*/
+
+static int64_t const *__pyx_f_13engram_stream_7_engine_12StreamEngine__id_ptr(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *__pyx_v_self, PyObject *__pyx_v_ids, int __pyx_v_single) {
+  int64_t const *__pyx_r;
+  int64_t __pyx_t_1;
+  char const *__pyx_t_2;
+  int __pyx_lineno = 0;
+  const char *__pyx_filename = NULL;
+  int __pyx_clineno = 0;
+
+  /* "engram_stream/_engine.pyx":239
+ *     cdef const int64_t *_id_ptr(self, ids, bint single):
+ *         """The ids as a C pointer: into the [S] array, or to a scalar id kept in the engine."""
+ *         if single:             # <<<<<<<<<<<<<<
+ *             self.tok1 = ids
+ *             return &self.tok1
+*/
+  if (__pyx_v_single) {
+
+    /* "engram_stream/_engine.pyx":240
+ *         """The ids as a C pointer: into the [S] array, or to a scalar id kept in the engine."""
+ *         if single:
+ *             self.tok1 = ids             # <<<<<<<<<<<<<<
+ *             return &self.tok1
+ *         return <const int64_t *> _data(ids)
+*/
+    __pyx_t_1 = __Pyx_PyLong_As_int64_t(__pyx_v_ids); if (unlikely((__pyx_t_1 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 240, __pyx_L1_error)
+    __pyx_v_self->tok1 = __pyx_t_1;
+
+    /* "engram_stream/_engine.pyx":241
+ *         if single:
+ *             self.tok1 = ids
+ *             return &self.tok1             # <<<<<<<<<<<<<<
+ *         return <const int64_t *> _data(ids)
+ * 
+*/
+    {
+
+      __pyx_r = (&__pyx_v_self->tok1);
+    }
+    goto __pyx_L0;
+
+    /* "engram_stream/_engine.pyx":239
+ *     cdef const int64_t *_id_ptr(self, ids, bint single):
+ *         """The ids as a C pointer: into the [S] array, or to a scalar id kept in the engine."""
+ *         if single:             # <<<<<<<<<<<<<<
+ *             self.tok1 = ids
+ *             return &self.tok1
+*/
+  }
+
+  /* "engram_stream/_engine.pyx":242
+ *             self.tok1 = ids
+ *             return &self.tok1
+ *         return <const int64_t *> _data(ids)             # <<<<<<<<<<<<<<
+ * 
+ *     def _hidden(self, hidden, shape):
+*/
+  if (!(likely(((__pyx_v_ids) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_ids, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 242, __pyx_L1_error)
+  __pyx_t_2 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_ids)); if (unlikely(__pyx_t_2 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 242, __pyx_L1_error)
+  {
+
+    __pyx_r = ((int64_t const *)__pyx_t_2);
+  }
+
+  goto __pyx_L0;
+
+  /* "engram_stream/_engine.pyx":237
+ *         return ids, False
+ * 
+ *     cdef const int64_t *_id_ptr(self, ids, bint single):             # <<<<<<<<<<<<<<
+ *         """The ids as a C pointer: into the [S] array, or to a scalar id kept in the engine."""
+ *         if single:
+*/
+
+  /* function exit code */
+  __pyx_L1_error:;
+  __Pyx_AddTraceback("engram_stream._engine.StreamEngine._id_ptr", __pyx_clineno, __pyx_lineno, __pyx_filename);
+  __pyx_r = 0;
+  __pyx_L0:;
+
+  return __pyx_r;
+}
+
+/* "engram_stream/_engine.pyx":244
+ *         return <const int64_t *> _data(ids)
+ * 
  *     def _hidden(self, hidden, shape):             # <<<<<<<<<<<<<<
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):
@@ -9978,39 +10070,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_hidden,&__pyx_mstate_global->__pyx_n_u_shape,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 237, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 244, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 237, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 244, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 237, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 244, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_hidden", 0) < (0)) __PYX_ERR(0, 237, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_hidden", 0) < (0)) __PYX_ERR(0, 244, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_hidden", 1, 2, 2, i); __PYX_ERR(0, 237, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_hidden", 1, 2, 2, i); __PYX_ERR(0, 244, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 237, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 244, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 237, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 244, __pyx_L3_error)
     }
     __pyx_v_hidden = values[0];
     __pyx_v_shape = values[1];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_hidden", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 237, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_hidden", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 244, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -10045,16 +10137,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_hidden", 0);
 
-  /* "engram_stream/_engine.pyx":238
+  /* "engram_stream/_engine.pyx":245
  * 
  *     def _hidden(self, hidden, shape):
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32             # <<<<<<<<<<<<<<
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):
  *             return hidden
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 238, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 238, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_4 = (((PyObject *)Py_TYPE(__pyx_v_hidden)) == __pyx_t_3);
@@ -10068,29 +10160,29 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":239
+  /* "engram_stream/_engine.pyx":246
  *     def _hidden(self, hidden, shape):
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):             # <<<<<<<<<<<<<<
  *             return hidden
  *         return check_hidden(hidden, shape)
 */
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_v_hidden, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 238, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_v_hidden, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
 
-  /* "engram_stream/_engine.pyx":238
+  /* "engram_stream/_engine.pyx":245
  * 
  *     def _hidden(self, hidden, shape):
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32             # <<<<<<<<<<<<<<
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):
  *             return hidden
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 238, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 238, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_4 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_3, __pyx_t_5, Py_EQ); if (unlikely((__pyx_t_4 < 0))) __PYX_ERR(0, 238, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_3, __pyx_t_5, Py_EQ); if (unlikely((__pyx_t_4 < 0))) __PYX_ERR(0, 245, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   if (__pyx_t_4) {
@@ -10102,19 +10194,19 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
     goto __pyx_L4_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":239
+  /* "engram_stream/_engine.pyx":246
  *     def _hidden(self, hidden, shape):
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):             # <<<<<<<<<<<<<<
  *             return hidden
  *         return check_hidden(hidden, shape)
 */
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_hidden, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 239, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_hidden, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 246, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 239, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 246, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-  __pyx_t_4 = __Pyx_PyObject_IsTrue(__pyx_t_3); if (unlikely((__pyx_t_4 < 0))) __PYX_ERR(0, 239, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_IsTrue(__pyx_t_3); if (unlikely((__pyx_t_4 < 0))) __PYX_ERR(0, 246, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   if (__pyx_t_4) {
 
@@ -10124,16 +10216,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
 
     goto __pyx_L4_bool_binop_done;
   }
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_v_hidden, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 239, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_v_hidden, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 246, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_3, __pyx_v_shape, Py_EQ); if (unlikely((__pyx_t_4 < 0))) __PYX_ERR(0, 239, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_3, __pyx_v_shape, Py_EQ); if (unlikely((__pyx_t_4 < 0))) __PYX_ERR(0, 246, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
   __pyx_t_1 = __pyx_t_4;
 
   __pyx_L4_bool_binop_done:;
 
-  /* "engram_stream/_engine.pyx":238
+  /* "engram_stream/_engine.pyx":245
  * 
  *     def _hidden(self, hidden, shape):
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32             # <<<<<<<<<<<<<<
@@ -10143,7 +10235,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
   if (__pyx_t_1) {
 
 
-    /* "engram_stream/_engine.pyx":240
+    /* "engram_stream/_engine.pyx":247
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):
  *             return hidden             # <<<<<<<<<<<<<<
@@ -10161,7 +10253,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
     }
     goto __pyx_L0;
 
-    /* "engram_stream/_engine.pyx":238
+    /* "engram_stream/_engine.pyx":245
  * 
  *     def _hidden(self, hidden, shape):
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32             # <<<<<<<<<<<<<<
@@ -10170,7 +10262,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
 */
   }
 
-  /* "engram_stream/_engine.pyx":241
+  /* "engram_stream/_engine.pyx":248
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):
  *             return hidden
  *         return check_hidden(hidden, shape)             # <<<<<<<<<<<<<<
@@ -10178,7 +10270,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
  *     def _out(self, out, shape):
 */
   __pyx_t_5 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_check_hidden); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 241, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_check_hidden); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 248, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __pyx_t_6 = 1;
   #if CYTHON_UNPACK_METHODS
@@ -10197,7 +10289,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
     __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)__pyx_t_2, __pyx_callargs+__pyx_t_6, (3-__pyx_t_6) | (__pyx_t_6*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 241, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 248, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   {
@@ -10211,8 +10303,8 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
   __pyx_t_3 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":237
- *         return ids, False
+  /* "engram_stream/_engine.pyx":244
+ *         return <const int64_t *> _data(ids)
  * 
  *     def _hidden(self, hidden, shape):             # <<<<<<<<<<<<<<
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32
@@ -10232,7 +10324,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_8_hidden(CYTHO
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":243
+/* "engram_stream/_engine.pyx":250
  *         return check_hidden(hidden, shape)
  * 
  *     def _out(self, out, shape):             # <<<<<<<<<<<<<<
@@ -10281,39 +10373,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_out,&__pyx_mstate_global->__pyx_n_u_shape,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 243, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 250, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 243, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 250, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 243, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 250, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_out", 0) < (0)) __PYX_ERR(0, 243, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_out", 0) < (0)) __PYX_ERR(0, 250, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_out", 1, 2, 2, i); __PYX_ERR(0, 243, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_out", 1, 2, 2, i); __PYX_ERR(0, 250, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 243, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 250, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 243, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 250, __pyx_L3_error)
     }
     __pyx_v_out = values[0];
     __pyx_v_shape = values[1];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_out", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 243, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_out", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 250, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -10355,7 +10447,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_out", 0);
 
-  /* "engram_stream/_engine.pyx":244
+  /* "engram_stream/_engine.pyx":251
  * 
  *     def _out(self, out, shape):
  *         if out is None:             # <<<<<<<<<<<<<<
@@ -10366,7 +10458,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
   if (__pyx_t_1) {
 
 
-    /* "engram_stream/_engine.pyx":245
+    /* "engram_stream/_engine.pyx":252
  *     def _out(self, out, shape):
  *         if out is None:
  *             return np.empty(shape, dtype=np.float32)             # <<<<<<<<<<<<<<
@@ -10374,14 +10466,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
  *                 and out.flags.writeable and out.shape == shape):
 */
     __pyx_t_3 = NULL;
-    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 245, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 252, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 245, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 252, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 245, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 252, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 245, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 252, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     #if CYTHON_VECTORCALL
@@ -10402,13 +10494,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
       PyObject *__pyx_callargs[3] = {__pyx_t_3, __pyx_v_shape, __pyx_t_6};
       #if CYTHON_VECTORCALL
       __pyx_t_4 = __pyx_mstate_global->__pyx_tuple[0];
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 245, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 252, __pyx_L1_error)
       __Pyx_INCREF(__pyx_t_4);
       #else
       {
         PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
         __pyx_t_4 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 245, __pyx_L1_error)
+        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 252, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_4);
       }
       #endif
@@ -10419,7 +10511,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 245, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 252, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
     }
     {
@@ -10433,7 +10525,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
     __pyx_t_2 = 0;
     goto __pyx_L0;
 
-    /* "engram_stream/_engine.pyx":244
+    /* "engram_stream/_engine.pyx":251
  * 
  *     def _out(self, out, shape):
  *         if out is None:             # <<<<<<<<<<<<<<
@@ -10442,16 +10534,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
 */
   }
 
-  /* "engram_stream/_engine.pyx":246
+  /* "engram_stream/_engine.pyx":253
  *         if out is None:
  *             return np.empty(shape, dtype=np.float32)
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous             # <<<<<<<<<<<<<<
  *                 and out.flags.writeable and out.shape == shape):
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 246, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 253, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 246, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 253, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_8 = (((PyObject *)Py_TYPE(__pyx_v_out)) == __pyx_t_5);
@@ -10464,14 +10556,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
 
     goto __pyx_L5_bool_binop_done;
   }
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 246, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 253, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 246, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 253, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 246, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 253, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_8 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_5, __pyx_t_4, Py_EQ); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 246, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_5, __pyx_t_4, Py_EQ); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 253, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   if (__pyx_t_8) {
@@ -10483,27 +10575,27 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
     goto __pyx_L5_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":247
+  /* "engram_stream/_engine.pyx":254
  *             return np.empty(shape, dtype=np.float32)
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous
  *                 and out.flags.writeable and out.shape == shape):             # <<<<<<<<<<<<<<
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
  *                              f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
 */
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 246, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 253, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
 
-  /* "engram_stream/_engine.pyx":246
+  /* "engram_stream/_engine.pyx":253
  *         if out is None:
  *             return np.empty(shape, dtype=np.float32)
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous             # <<<<<<<<<<<<<<
  *                 and out.flags.writeable and out.shape == shape):
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
 */
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 246, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 253, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_8 = __Pyx_PyObject_IsTrue(__pyx_t_5); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 246, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_IsTrue(__pyx_t_5); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 253, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   if (__pyx_t_8) {
 
@@ -10514,19 +10606,19 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
     goto __pyx_L5_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":247
+  /* "engram_stream/_engine.pyx":254
  *             return np.empty(shape, dtype=np.float32)
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous
  *                 and out.flags.writeable and out.shape == shape):             # <<<<<<<<<<<<<<
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
  *                              f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
 */
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 247, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 254, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_writeable); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 247, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_writeable); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 254, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-  __pyx_t_8 = __Pyx_PyObject_IsTrue(__pyx_t_4); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 247, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_IsTrue(__pyx_t_4); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 254, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   if (__pyx_t_8) {
 
@@ -10536,16 +10628,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
 
     goto __pyx_L5_bool_binop_done;
   }
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 247, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 254, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_8 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_4, __pyx_v_shape, Py_EQ); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 247, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_4, __pyx_v_shape, Py_EQ); if (unlikely((__pyx_t_8 < 0))) __PYX_ERR(0, 254, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   __pyx_t_1 = __pyx_t_8;
 
   __pyx_L5_bool_binop_done:;
 
-  /* "engram_stream/_engine.pyx":246
+  /* "engram_stream/_engine.pyx":253
  *         if out is None:
  *             return np.empty(shape, dtype=np.float32)
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous             # <<<<<<<<<<<<<<
@@ -10558,7 +10650,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
   if (unlikely(__pyx_t_8)) {
 
 
-    /* "engram_stream/_engine.pyx":248
+    /* "engram_stream/_engine.pyx":255
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous
  *                 and out.flags.writeable and out.shape == shape):
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "             # <<<<<<<<<<<<<<
@@ -10566,29 +10658,29 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
  *         return out
 */
     __pyx_t_5 = NULL;
-    __pyx_t_2 = __Pyx_PyObject_FormatSimple(__pyx_v_shape, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 248, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_FormatSimple(__pyx_v_shape, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 255, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
 
-    /* "engram_stream/_engine.pyx":249
+    /* "engram_stream/_engine.pyx":256
  *                 and out.flags.writeable and out.shape == shape):
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
  *                              f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")             # <<<<<<<<<<<<<<
  *         return out
  * 
 */
-    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(((PyObject *)Py_TYPE(__pyx_v_out)), __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 249, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(((PyObject *)Py_TYPE(__pyx_v_out)), __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 256, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_3 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 249, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 256, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __pyx_t_6 = __Pyx_GetAttr3(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_dtype, __pyx_mstate_global->__pyx_kp_u__6); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 249, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_GetAttr3(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_dtype, __pyx_mstate_global->__pyx_kp_u__6); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 256, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_9 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 249, __pyx_L1_error)
+    __pyx_t_9 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 256, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_9);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __pyx_t_6 = __Pyx_GetAttr3(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_shape, __pyx_mstate_global->__pyx_kp_u__6); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 249, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_GetAttr3(__pyx_v_out, __pyx_mstate_global->__pyx_n_u_shape, __pyx_mstate_global->__pyx_kp_u__6); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 256, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_10 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 249, __pyx_L1_error)
+    __pyx_t_10 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_10)) __PYX_ERR(0, 256, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_10);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __pyx_t_11[0] = __pyx_mstate_global->__pyx_kp_u_out_must_be_a_writeable_C_contig;
@@ -10600,7 +10692,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
     __pyx_t_11[6] = __pyx_mstate_global->__pyx_kp_u__5;
     __pyx_t_11[7] = __pyx_t_10;
 
-    /* "engram_stream/_engine.pyx":248
+    /* "engram_stream/_engine.pyx":255
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous
  *                 and out.flags.writeable and out.shape == shape):
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "             # <<<<<<<<<<<<<<
@@ -10622,7 +10714,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
     }
     #endif
     __pyx_t_6 = __Pyx_PyUnicode_Join(__pyx_t_11, 8, __pyx_t_12, __pyx_t_13);
-    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 248, __pyx_L1_error)
+    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 255, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
@@ -10634,14 +10726,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 248, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 255, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 248, __pyx_L1_error)
+    __PYX_ERR(0, 255, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":246
+    /* "engram_stream/_engine.pyx":253
  *         if out is None:
  *             return np.empty(shape, dtype=np.float32)
  *         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous             # <<<<<<<<<<<<<<
@@ -10650,7 +10742,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
 */
   }
 
-  /* "engram_stream/_engine.pyx":250
+  /* "engram_stream/_engine.pyx":257
  *             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
  *                              f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
  *         return out             # <<<<<<<<<<<<<<
@@ -10668,7 +10760,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":243
+  /* "engram_stream/_engine.pyx":250
  *         return check_hidden(hidden, shape)
  * 
  *     def _out(self, out, shape):             # <<<<<<<<<<<<<<
@@ -10693,7 +10785,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_10_out(CYTHON_
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":252
+/* "engram_stream/_engine.pyx":259
  *         return out
  * 
  *     def _bad_id(self, cnp.ndarray ids, int64_t i):             # <<<<<<<<<<<<<<
@@ -10742,39 +10834,39 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_ids,&__pyx_mstate_global->__pyx_n_u_i,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 252, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 259, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 252, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 259, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 252, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 259, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_bad_id", 0) < (0)) __PYX_ERR(0, 252, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_bad_id", 0) < (0)) __PYX_ERR(0, 259, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_bad_id", 1, 2, 2, i); __PYX_ERR(0, 252, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_bad_id", 1, 2, 2, i); __PYX_ERR(0, 259, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 2)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 252, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 259, __pyx_L3_error)
       values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 252, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 259, __pyx_L3_error)
     }
     __pyx_v_ids = ((PyArrayObject *)values[0]);
-    __pyx_v_i = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_i == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 252, __pyx_L3_error)
+    __pyx_v_i = __Pyx_PyLong_As_int64_t(values[1]); if (unlikely((__pyx_v_i == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 259, __pyx_L3_error)
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_bad_id", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 252, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_bad_id", 1, 2, 2, __pyx_nargs); __PYX_ERR(0, 259, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -10785,7 +10877,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   __Pyx_RefNannyFinishContext();
   return NULL;
   __pyx_L4_argument_unpacking_done:;
-  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_ids), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "ids", 0))) __PYX_ERR(0, 252, __pyx_L1_error)
+  if (unlikely(!__Pyx_ArgTypeTest(((PyObject *)__pyx_v_ids), __pyx_mstate_global->__pyx_ptype_5numpy_ndarray, 1, "ids", 0))) __PYX_ERR(0, 259, __pyx_L1_error)
   __pyx_r = __pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(((struct __pyx_obj_13engram_stream_7_engine_StreamEngine *)__pyx_v_self), __pyx_v_ids, __pyx_v_i);
 
   /* function exit code */
@@ -10823,7 +10915,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_bad_id", 0);
 
-  /* "engram_stream/_engine.pyx":253
+  /* "engram_stream/_engine.pyx":260
  * 
  *     def _bad_id(self, cnp.ndarray ids, int64_t i):
  *         return ValueError(f"token id {ids[i]} out of range: ids must be < vocab_size={self.vocab}")             # <<<<<<<<<<<<<<
@@ -10831,12 +10923,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(stru
  *     # ---- the public calls ---------------------------------------------------------------------
 */
   __pyx_t_2 = NULL;
-  __pyx_t_3 = __Pyx_GetItemInt(((PyObject *)__pyx_v_ids), __pyx_v_i, int64_t, 1, __Pyx_PyLong_From_int64_t, 0, 0, 1, __Pyx_ReferenceSharing_FunctionArgument); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 253, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_GetItemInt(((PyObject *)__pyx_v_ids), __pyx_v_i, int64_t, 1, __Pyx_PyLong_From_int64_t, 0, 0, 1, __Pyx_ReferenceSharing_FunctionArgument); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 260, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_FormatSimple(__pyx_t_3, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 253, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_FormatSimple(__pyx_t_3, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 260, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_3 = __Pyx_PyUnicode_From_int64_t(__pyx_v_self->vocab, 0, ' ', 'd'); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 253, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyUnicode_From_int64_t(__pyx_v_self->vocab, 0, ' ', 'd'); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 260, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_5[0] = __pyx_mstate_global->__pyx_kp_u_token_id;
   __pyx_t_5[1] = __pyx_t_4;
@@ -10851,7 +10943,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(stru
   __pyx_t_7 |= __Pyx_PyUnicode_KIND_04(__pyx_t_5[1]);
   #endif
   __pyx_t_8 = __Pyx_PyUnicode_Join(__pyx_t_5, 4, __pyx_t_6, __pyx_t_7);
-  if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 253, __pyx_L1_error)
+  if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 260, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
@@ -10861,7 +10953,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(stru
     __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_9, (2-__pyx_t_9) | (__pyx_t_9*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 253, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 260, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -10875,7 +10967,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(stru
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":252
+  /* "engram_stream/_engine.pyx":259
  *         return out
  * 
  *     def _bad_id(self, cnp.ndarray ids, int64_t i):             # <<<<<<<<<<<<<<
@@ -10898,7 +10990,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12_bad_id(stru
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":256
+/* "engram_stream/_engine.pyx":263
  * 
  *     # ---- the public calls ---------------------------------------------------------------------
  *     def step(self, token_ids, hidden, out=None):             # <<<<<<<<<<<<<<
@@ -10948,41 +11040,41 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_token_ids,&__pyx_mstate_global->__pyx_n_u_hidden,&__pyx_mstate_global->__pyx_n_u_out,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 256, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 263, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 256, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 263, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 256, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 263, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 256, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 263, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "step", 0) < (0)) __PYX_ERR(0, 256, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "step", 0) < (0)) __PYX_ERR(0, 263, __pyx_L3_error)
       if (!values[2]) values[2] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("step", 0, 2, 3, i); __PYX_ERR(0, 256, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("step", 0, 2, 3, i); __PYX_ERR(0, 263, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 256, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 263, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 256, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 263, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 256, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 263, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -10994,7 +11086,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("step", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 256, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("step", 0, 2, 3, __pyx_nargs); __PYX_ERR(0, 263, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -11019,7 +11111,6 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   PyObject *__pyx_v_ids = NULL;
   PyObject *__pyx_v_single = NULL;
   PyObject *__pyx_v_shape = 0;
-  int64_t __pyx_v_tok;
   int64_t const *__pyx_v_pid;
   PyObject *__pyx_v_h = NULL;
   PyObject *__pyx_v_o = NULL;
@@ -11035,7 +11126,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   PyObject *__pyx_t_5 = NULL;
   PyObject *(*__pyx_t_6)(PyObject *);
   int __pyx_t_7;
-  int64_t __pyx_t_8;
+  int64_t const *__pyx_t_8;
   char const *__pyx_t_9;
   int __pyx_t_10;
   int __pyx_t_11;
@@ -11051,12 +11142,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("step", 0);
 
-  /* "engram_stream/_engine.pyx":259
+  /* "engram_stream/_engine.pyx":266
  *         """One token per stream: (token_id, hidden[G, D]) for one stream, or
  *         (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram output (no residual)."""
  *         ids, single = self._ids(token_ids)             # <<<<<<<<<<<<<<
  *         cdef object shape = (self.n_streams, self.G, self.D)
- *         cdef int64_t tok = 0
+ *         if single:
 */
   __pyx_t_2 = ((PyObject *)__pyx_v_self);
   __Pyx_INCREF(__pyx_t_2);
@@ -11065,7 +11156,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_v_token_ids};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_ids_2, __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 259, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 266, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   if ((likely(PyTuple_CheckExact(__pyx_t_1))) || (PyList_CheckExact(__pyx_t_1))) {
@@ -11074,7 +11165,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     if (unlikely(size != 2)) {
       if (size > 2) __Pyx_RaiseTooManyValuesError(2);
       else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-      __PYX_ERR(0, 259, __pyx_L1_error)
+      __PYX_ERR(0, 266, __pyx_L1_error)
     }
     #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
     if (likely(PyTuple_CheckExact(sequence))) {
@@ -11084,22 +11175,22 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
       __Pyx_INCREF(__pyx_t_4);
     } else {
       __pyx_t_2 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 259, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 266, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_2);
       __pyx_t_4 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 259, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 266, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_4);
     }
     #else
-    __pyx_t_2 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 259, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 266, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 259, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 266, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     #endif
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   } else {
     Py_ssize_t index = -1;
-    __pyx_t_5 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 259, __pyx_L1_error)
+    __pyx_t_5 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 266, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
     __pyx_t_6 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_5);
@@ -11107,7 +11198,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     __Pyx_GOTREF(__pyx_t_2);
     index = 1; __pyx_t_4 = __pyx_t_6(__pyx_t_5); if (unlikely(!__pyx_t_4)) goto __pyx_L3_unpacking_failed;
     __Pyx_GOTREF(__pyx_t_4);
-    if (__Pyx_IternextUnpackEndCheck(__pyx_t_6(__pyx_t_5), 2) < (0)) __PYX_ERR(0, 259, __pyx_L1_error)
+    if (__Pyx_IternextUnpackEndCheck(__pyx_t_6(__pyx_t_5), 2) < (0)) __PYX_ERR(0, 266, __pyx_L1_error)
     __pyx_t_6 = NULL;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     goto __pyx_L4_unpacking_done;
@@ -11115,7 +11206,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __pyx_t_6 = NULL;
     if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-    __PYX_ERR(0, 259, __pyx_L1_error)
+    __PYX_ERR(0, 266, __pyx_L1_error)
     __pyx_L4_unpacking_done:;
   }
   __pyx_v_ids = __pyx_t_2;
@@ -11123,122 +11214,90 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   __pyx_v_single = __pyx_t_4;
   __pyx_t_4 = 0;
 
-  /* "engram_stream/_engine.pyx":260
+  /* "engram_stream/_engine.pyx":267
  *         (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram output (no residual)."""
  *         ids, single = self._ids(token_ids)
  *         cdef object shape = (self.n_streams, self.G, self.D)             # <<<<<<<<<<<<<<
- *         cdef int64_t tok = 0
- *         cdef const int64_t *pid = &tok
+ *         if single:
+ *             shape = (self.G, self.D)
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 260, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 267, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_4 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 260, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 267, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 260, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 267, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_5 = PyTuple_New(3); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 260, __pyx_L1_error)
+  __pyx_t_5 = PyTuple_New(3); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 267, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_GIVEREF(__pyx_t_1);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 260, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 267, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 260, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 267, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 2, __pyx_t_2) != (0)) __PYX_ERR(0, 260, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 2, __pyx_t_2) != (0)) __PYX_ERR(0, 267, __pyx_L1_error);
   __pyx_t_1 = 0;
   __pyx_t_4 = 0;
   __pyx_t_2 = 0;
   __pyx_v_shape = __pyx_t_5;
   __pyx_t_5 = 0;
 
-  /* "engram_stream/_engine.pyx":261
+  /* "engram_stream/_engine.pyx":268
  *         ids, single = self._ids(token_ids)
  *         cdef object shape = (self.n_streams, self.G, self.D)
- *         cdef int64_t tok = 0             # <<<<<<<<<<<<<<
- *         cdef const int64_t *pid = &tok
- *         if single:
-*/
-  __pyx_v_tok = 0;
-
-  /* "engram_stream/_engine.pyx":262
- *         cdef object shape = (self.n_streams, self.G, self.D)
- *         cdef int64_t tok = 0
- *         cdef const int64_t *pid = &tok             # <<<<<<<<<<<<<<
- *         if single:
- *             shape = (self.G, self.D)
-*/
-  __pyx_v_pid = (&__pyx_v_tok);
-
-  /* "engram_stream/_engine.pyx":263
- *         cdef int64_t tok = 0
- *         cdef const int64_t *pid = &tok
  *         if single:             # <<<<<<<<<<<<<<
  *             shape = (self.G, self.D)
- *             tok = ids
+ *         cdef const int64_t *pid = self._id_ptr(ids, single)
 */
-  __pyx_t_7 = __Pyx_PyObject_IsTrue(__pyx_v_single); if (unlikely((__pyx_t_7 < 0))) __PYX_ERR(0, 263, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_IsTrue(__pyx_v_single); if (unlikely((__pyx_t_7 < 0))) __PYX_ERR(0, 268, __pyx_L1_error)
   if (__pyx_t_7) {
 
 
-    /* "engram_stream/_engine.pyx":264
- *         cdef const int64_t *pid = &tok
+    /* "engram_stream/_engine.pyx":269
+ *         cdef object shape = (self.n_streams, self.G, self.D)
  *         if single:
  *             shape = (self.G, self.D)             # <<<<<<<<<<<<<<
- *             tok = ids
- *         else:
+ *         cdef const int64_t *pid = self._id_ptr(ids, single)
+ *         h = self._hidden(hidden, shape)
 */
-    __pyx_t_5 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 264, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 269, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 264, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 269, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 264, __pyx_L1_error)
+    __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 269, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_GIVEREF(__pyx_t_5);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 264, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 269, __pyx_L1_error);
     __Pyx_GIVEREF(__pyx_t_2);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 264, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 269, __pyx_L1_error);
     __pyx_t_5 = 0;
     __pyx_t_2 = 0;
     __Pyx_DECREF_SET(__pyx_v_shape, __pyx_t_4);
     __pyx_t_4 = 0;
 
-    /* "engram_stream/_engine.pyx":265
- *         if single:
- *             shape = (self.G, self.D)
- *             tok = ids             # <<<<<<<<<<<<<<
- *         else:
- *             pid = <const int64_t *> _data(ids)
-*/
-    __pyx_t_8 = __Pyx_PyLong_As_int64_t(__pyx_v_ids); if (unlikely((__pyx_t_8 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 265, __pyx_L1_error)
-    __pyx_v_tok = __pyx_t_8;
-
-    /* "engram_stream/_engine.pyx":263
- *         cdef int64_t tok = 0
- *         cdef const int64_t *pid = &tok
+    /* "engram_stream/_engine.pyx":268
+ *         ids, single = self._ids(token_ids)
+ *         cdef object shape = (self.n_streams, self.G, self.D)
  *         if single:             # <<<<<<<<<<<<<<
  *             shape = (self.G, self.D)
- *             tok = ids
+ *         cdef const int64_t *pid = self._id_ptr(ids, single)
 */
-    goto __pyx_L5;
   }
 
-  /* "engram_stream/_engine.pyx":267
- *             tok = ids
- *         else:
- *             pid = <const int64_t *> _data(ids)             # <<<<<<<<<<<<<<
+  /* "engram_stream/_engine.pyx":270
+ *         if single:
+ *             shape = (self.G, self.D)
+ *         cdef const int64_t *pid = self._id_ptr(ids, single)             # <<<<<<<<<<<<<<
  *         h = self._hidden(hidden, shape)
  *         o = self._out(out, shape)
 */
-  /*else*/ {
-    if (!(likely(((__pyx_v_ids) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_ids, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 267, __pyx_L1_error)
-    __pyx_t_9 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_ids)); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 267, __pyx_L1_error)
-    __pyx_v_pid = ((int64_t const *)__pyx_t_9);
+  __pyx_t_7 = __Pyx_PyObject_IsTrue(__pyx_v_single); if (unlikely((__pyx_t_7 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 270, __pyx_L1_error)
+  __pyx_t_8 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_id_ptr(__pyx_v_self, __pyx_v_ids, __pyx_t_7); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 270, __pyx_L1_error)
 
-  }
-  __pyx_L5:;
+  __pyx_v_pid = __pyx_t_8;
 
-  /* "engram_stream/_engine.pyx":268
- *         else:
- *             pid = <const int64_t *> _data(ids)
+  /* "engram_stream/_engine.pyx":271
+ *             shape = (self.G, self.D)
+ *         cdef const int64_t *pid = self._id_ptr(ids, single)
  *         h = self._hidden(hidden, shape)             # <<<<<<<<<<<<<<
  *         o = self._out(out, shape)
  *         cdef const float *ph = <const float *> _data(h)
@@ -11250,14 +11309,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     PyObject *__pyx_callargs[3] = {__pyx_t_2, __pyx_v_hidden, __pyx_v_shape};
     __pyx_t_4 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_hidden_2, __pyx_callargs+__pyx_t_3, (3-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 268, __pyx_L1_error)
+    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 271, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
   }
   __pyx_v_h = __pyx_t_4;
   __pyx_t_4 = 0;
 
-  /* "engram_stream/_engine.pyx":269
- *             pid = <const int64_t *> _data(ids)
+  /* "engram_stream/_engine.pyx":272
+ *         cdef const int64_t *pid = self._id_ptr(ids, single)
  *         h = self._hidden(hidden, shape)
  *         o = self._out(out, shape)             # <<<<<<<<<<<<<<
  *         cdef const float *ph = <const float *> _data(h)
@@ -11270,48 +11329,48 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     PyObject *__pyx_callargs[3] = {__pyx_t_2, __pyx_v_out, __pyx_v_shape};
     __pyx_t_4 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_out_2, __pyx_callargs+__pyx_t_3, (3-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 269, __pyx_L1_error)
+    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 272, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
   }
   __pyx_v_o = __pyx_t_4;
   __pyx_t_4 = 0;
 
-  /* "engram_stream/_engine.pyx":270
+  /* "engram_stream/_engine.pyx":273
  *         h = self._hidden(hidden, shape)
  *         o = self._out(out, shape)
  *         cdef const float *ph = <const float *> _data(h)             # <<<<<<<<<<<<<<
  *         cdef float *po = <float *> _data(o)
  *         cdef int64_t bad
 */
-  if (!(likely(((__pyx_v_h) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_h, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 270, __pyx_L1_error)
-  __pyx_t_9 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_h)); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 270, __pyx_L1_error)
+  if (!(likely(((__pyx_v_h) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_h, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 273, __pyx_L1_error)
+  __pyx_t_9 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_h)); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 273, __pyx_L1_error)
   __pyx_v_ph = ((float const *)__pyx_t_9);
 
 
-  /* "engram_stream/_engine.pyx":271
+  /* "engram_stream/_engine.pyx":274
  *         o = self._out(out, shape)
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)             # <<<<<<<<<<<<<<
  *         cdef int64_t bad
  *         self._enter()
 */
-  if (!(likely(((__pyx_v_o) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_o, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 271, __pyx_L1_error)
-  __pyx_t_9 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_o)); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 271, __pyx_L1_error)
+  if (!(likely(((__pyx_v_o) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_o, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 274, __pyx_L1_error)
+  __pyx_t_9 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_o)); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 274, __pyx_L1_error)
   __pyx_v_po = ((float *)__pyx_t_9);
 
 
-  /* "engram_stream/_engine.pyx":273
+  /* "engram_stream/_engine.pyx":276
  *         cdef float *po = <float *> _data(o)
  *         cdef int64_t bad
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if self.pending:
 */
-  __pyx_t_4 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 273, __pyx_L1_error)
+  __pyx_t_4 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 276, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
-  /* "engram_stream/_engine.pyx":274
+  /* "engram_stream/_engine.pyx":277
  *         cdef int64_t bad
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -11320,7 +11379,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":275
+    /* "engram_stream/_engine.pyx":278
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -11329,7 +11388,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
     if (unlikely(__pyx_v_self->pending)) {
 
-      /* "engram_stream/_engine.pyx":276
+      /* "engram_stream/_engine.pyx":279
  *         try:
  *             if self.pending:
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")             # <<<<<<<<<<<<<<
@@ -11342,14 +11401,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
         PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_mstate_global->__pyx_kp_u_feed_was_called_finish_that_toke};
         __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 276, __pyx_L7_error)
+        if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 279, __pyx_L7_error)
         __Pyx_GOTREF(__pyx_t_4);
       }
       __Pyx_Raise(__pyx_t_4, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __PYX_ERR(0, 276, __pyx_L7_error)
+      __PYX_ERR(0, 279, __pyx_L7_error)
 
-      /* "engram_stream/_engine.pyx":275
+      /* "engram_stream/_engine.pyx":278
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -11358,7 +11417,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
     }
 
-    /* "engram_stream/_engine.pyx":277
+    /* "engram_stream/_engine.pyx":280
  *             if self.pending:
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -11371,7 +11430,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "engram_stream/_engine.pyx":278
+          /* "engram_stream/_engine.pyx":281
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
  *             with nogil:
  *                 bad = self._first_bad_id(pid, self.n_streams)             # <<<<<<<<<<<<<<
@@ -11380,7 +11439,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
           __pyx_v_bad = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_first_bad_id(__pyx_v_self, __pyx_v_pid, __pyx_v_self->n_streams);
 
-          /* "engram_stream/_engine.pyx":279
+          /* "engram_stream/_engine.pyx":282
  *             with nogil:
  *                 bad = self._first_bad_id(pid, self.n_streams)
  *                 if bad < 0:             # <<<<<<<<<<<<<<
@@ -11392,7 +11451,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
           if (__pyx_t_7) {
 
 
-            /* "engram_stream/_engine.pyx":280
+            /* "engram_stream/_engine.pyx":283
  *                 bad = self._first_bad_id(pid, self.n_streams)
  *                 if bad < 0:
  *                     self._feed_nogil(pid)             # <<<<<<<<<<<<<<
@@ -11401,7 +11460,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
             ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_feed_nogil(__pyx_v_self, __pyx_v_pid);
 
-            /* "engram_stream/_engine.pyx":281
+            /* "engram_stream/_engine.pyx":284
  *                 if bad < 0:
  *                     self._feed_nogil(pid)
  *                     self._compute_nogil(ph, po)             # <<<<<<<<<<<<<<
@@ -11410,7 +11469,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
             ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_compute_nogil(__pyx_v_self, __pyx_v_ph, __pyx_v_po);
 
-            /* "engram_stream/_engine.pyx":279
+            /* "engram_stream/_engine.pyx":282
  *             with nogil:
  *                 bad = self._first_bad_id(pid, self.n_streams)
  *                 if bad < 0:             # <<<<<<<<<<<<<<
@@ -11420,7 +11479,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
           }
         }
 
-        /* "engram_stream/_engine.pyx":277
+        /* "engram_stream/_engine.pyx":280
  *             if self.pending:
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -11438,7 +11497,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     }
   }
 
-  /* "engram_stream/_engine.pyx":283
+  /* "engram_stream/_engine.pyx":286
  *                     self._compute_nogil(ph, po)
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -11486,7 +11545,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
     __pyx_L8:;
   }
 
-  /* "engram_stream/_engine.pyx":284
+  /* "engram_stream/_engine.pyx":287
  *         finally:
  *             self.busy = False
  *         if bad >= 0:             # <<<<<<<<<<<<<<
@@ -11498,7 +11557,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   if (unlikely(__pyx_t_7)) {
 
 
-    /* "engram_stream/_engine.pyx":285
+    /* "engram_stream/_engine.pyx":288
  *             self.busy = False
  *         if bad >= 0:
  *             raise self._bad_id(ids, bad)             # <<<<<<<<<<<<<<
@@ -11507,7 +11566,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
     __pyx_t_2 = ((PyObject *)__pyx_v_self);
     __Pyx_INCREF(__pyx_t_2);
-    __pyx_t_5 = __Pyx_PyLong_From_int64_t(__pyx_v_bad); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 285, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyLong_From_int64_t(__pyx_v_bad); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 288, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __pyx_t_3 = 0;
     {
@@ -11515,14 +11574,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
       __pyx_t_4 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_bad_id, __pyx_callargs+__pyx_t_3, (3-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 285, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 288, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 285, __pyx_L1_error)
+    __PYX_ERR(0, 288, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":284
+    /* "engram_stream/_engine.pyx":287
  *         finally:
  *             self.busy = False
  *         if bad >= 0:             # <<<<<<<<<<<<<<
@@ -11531,7 +11590,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
 */
   }
 
-  /* "engram_stream/_engine.pyx":286
+  /* "engram_stream/_engine.pyx":289
  *         if bad >= 0:
  *             raise self._bad_id(ids, bad)
  *         return o             # <<<<<<<<<<<<<<
@@ -11549,7 +11608,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":256
+  /* "engram_stream/_engine.pyx":263
  * 
  *     # ---- the public calls ---------------------------------------------------------------------
  *     def step(self, token_ids, hidden, out=None):             # <<<<<<<<<<<<<<
@@ -11570,7 +11629,6 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   __Pyx_XDECREF(__pyx_v_single);
   __Pyx_XDECREF(__pyx_v_shape);
 
-
   __Pyx_XDECREF(__pyx_v_h);
   __Pyx_XDECREF(__pyx_v_o);
 
@@ -11581,7 +11639,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_14step(struct 
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":288
+/* "engram_stream/_engine.pyx":291
  *         return o
  * 
  *     cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -11595,7 +11653,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__feed_nogil(struct _
   int __pyx_t_2;
   int64_t __pyx_t_3;
 
-  /* "engram_stream/_engine.pyx":290
+  /* "engram_stream/_engine.pyx":293
  *     cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil:
  *         cdef int64_t b
  *         for b in range(self.n_streams):             # <<<<<<<<<<<<<<
@@ -11609,7 +11667,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__feed_nogil(struct _
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_b = __pyx_t_3;
 
-    /* "engram_stream/_engine.pyx":291
+    /* "engram_stream/_engine.pyx":294
  *         cdef int64_t b
  *         for b in range(self.n_streams):
  *             self._hash_one(b, ids[b], self.rbuf + b * self.H)             # <<<<<<<<<<<<<<
@@ -11620,7 +11678,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__feed_nogil(struct _
   }
 
 
-  /* "engram_stream/_engine.pyx":292
+  /* "engram_stream/_engine.pyx":295
  *         for b in range(self.n_streams):
  *             self._hash_one(b, ids[b], self.rbuf + b * self.H)
  *         es_prefetch_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H)             # <<<<<<<<<<<<<<
@@ -11629,7 +11687,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__feed_nogil(struct _
 */
   es_prefetch_rows(__pyx_v_self->table, __pyx_v_self->rowbytes, __pyx_v_self->rbuf, (__pyx_v_self->n_streams * __pyx_v_self->H));
 
-  /* "engram_stream/_engine.pyx":288
+  /* "engram_stream/_engine.pyx":291
  *         return o
  * 
  *     cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -11641,7 +11699,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__feed_nogil(struct _
 
 }
 
-/* "engram_stream/_engine.pyx":294
+/* "engram_stream/_engine.pyx":297
  *         es_prefetch_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H)
  * 
  *     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -11657,7 +11715,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
   int64_t __pyx_t_3;
   int64_t __pyx_t_4;
 
-  /* "engram_stream/_engine.pyx":295
+  /* "engram_stream/_engine.pyx":298
  * 
  *     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:
  *         cdef int64_t b, S = self.n_streams             # <<<<<<<<<<<<<<
@@ -11668,7 +11726,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
 
   __pyx_v_S = __pyx_t_1;
 
-  /* "engram_stream/_engine.pyx":296
+  /* "engram_stream/_engine.pyx":299
  *     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:
  *         cdef int64_t b, S = self.n_streams
  *         for b in range(S):             # <<<<<<<<<<<<<<
@@ -11682,7 +11740,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_b = __pyx_t_4;
 
-    /* "engram_stream/_engine.pyx":297
+    /* "engram_stream/_engine.pyx":300
  *         cdef int64_t b, S = self.n_streams
  *         for b in range(S):
  *             self._gather(self.rbuf + b * self.H, self.ebuf + b * self.ldx)             # <<<<<<<<<<<<<<
@@ -11693,7 +11751,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
   }
 
 
-  /* "engram_stream/_engine.pyx":298
+  /* "engram_stream/_engine.pyx":301
  *         for b in range(S):
  *             self._gather(self.rbuf + b * self.H, self.ebuf + b * self.ldx)
  *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf)             # <<<<<<<<<<<<<<
@@ -11702,7 +11760,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
 */
   es_gemm_packed(__pyx_v_self->ebuf, __pyx_v_self->ldx, __pyx_v_S, __pyx_v_self->E, __pyx_v_self->wp, __pyx_v_self->bp, __pyx_v_self->M, __pyx_v_self->ybuf, __pyx_v_self->pbuf);
 
-  /* "engram_stream/_engine.pyx":299
+  /* "engram_stream/_engine.pyx":302
  *             self._gather(self.rbuf + b * self.H, self.ebuf + b * self.ldx)
  *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf)
  *         for b in range(S):             # <<<<<<<<<<<<<<
@@ -11716,7 +11774,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
   for (__pyx_t_4 = 0; __pyx_t_4 < __pyx_t_3; __pyx_t_4+=1) {
     __pyx_v_b = __pyx_t_4;
 
-    /* "engram_stream/_engine.pyx":300
+    /* "engram_stream/_engine.pyx":303
  *         es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf)
  *         for b in range(S):
  *             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)             # <<<<<<<<<<<<<<
@@ -11727,7 +11785,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
   }
 
 
-  /* "engram_stream/_engine.pyx":294
+  /* "engram_stream/_engine.pyx":297
  *         es_prefetch_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H)
  * 
  *     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -11740,7 +11798,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__compute_nogil(struc
 
 }
 
-/* "engram_stream/_engine.pyx":302
+/* "engram_stream/_engine.pyx":305
  *             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
  * 
  *     def feed(self, token_ids):             # <<<<<<<<<<<<<<
@@ -11788,32 +11846,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_token_ids,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 302, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 305, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 302, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 305, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "feed", 0) < (0)) __PYX_ERR(0, 302, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "feed", 0) < (0)) __PYX_ERR(0, 305, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("feed", 1, 1, 1, i); __PYX_ERR(0, 302, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("feed", 1, 1, 1, i); __PYX_ERR(0, 305, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 302, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 305, __pyx_L3_error)
     }
     __pyx_v_token_ids = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("feed", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 302, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("feed", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 305, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -11837,7 +11895,6 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
 static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *__pyx_v_self, PyObject *__pyx_v_token_ids) {
   PyObject *__pyx_v_ids = NULL;
   PyObject *__pyx_v_single = NULL;
-  int64_t __pyx_v_tok;
   int64_t const *__pyx_v_pid;
   int64_t __pyx_v_bad;
   PyObject *__pyx_r = NULL;
@@ -11849,28 +11906,27 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
   PyObject *__pyx_t_5 = NULL;
   PyObject *(*__pyx_t_6)(PyObject *);
   int __pyx_t_7;
-  int64_t __pyx_t_8;
-  char const *__pyx_t_9;
+  int64_t const *__pyx_t_8;
+  int __pyx_t_9;
   int __pyx_t_10;
-  int __pyx_t_11;
-  char const *__pyx_t_12;
+  char const *__pyx_t_11;
+  PyObject *__pyx_t_12 = NULL;
   PyObject *__pyx_t_13 = NULL;
   PyObject *__pyx_t_14 = NULL;
   PyObject *__pyx_t_15 = NULL;
   PyObject *__pyx_t_16 = NULL;
   PyObject *__pyx_t_17 = NULL;
-  PyObject *__pyx_t_18 = NULL;
   int __pyx_lineno = 0;
   const char *__pyx_filename = NULL;
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("feed", 0);
 
-  /* "engram_stream/_engine.pyx":305
+  /* "engram_stream/_engine.pyx":308
  *         """First half of a step: compress and hash the new token(s), advance the hash windows.
  *         The rows (`.rows`) are then known before the layer runs; compute() finishes the step."""
  *         ids, single = self._ids(token_ids)             # <<<<<<<<<<<<<<
- *         cdef int64_t tok = 0
- *         cdef const int64_t *pid = &tok
+ *         cdef const int64_t *pid = self._id_ptr(ids, single)
+ *         cdef int64_t bad
 */
   __pyx_t_2 = ((PyObject *)__pyx_v_self);
   __Pyx_INCREF(__pyx_t_2);
@@ -11879,7 +11935,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
     PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_v_token_ids};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_ids_2, __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 305, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 308, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   if ((likely(PyTuple_CheckExact(__pyx_t_1))) || (PyList_CheckExact(__pyx_t_1))) {
@@ -11888,7 +11944,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
     if (unlikely(size != 2)) {
       if (size > 2) __Pyx_RaiseTooManyValuesError(2);
       else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-      __PYX_ERR(0, 305, __pyx_L1_error)
+      __PYX_ERR(0, 308, __pyx_L1_error)
     }
     #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
     if (likely(PyTuple_CheckExact(sequence))) {
@@ -11898,22 +11954,22 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
       __Pyx_INCREF(__pyx_t_4);
     } else {
       __pyx_t_2 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 305, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 308, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_2);
       __pyx_t_4 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 305, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 308, __pyx_L1_error)
       __Pyx_XGOTREF(__pyx_t_4);
     }
     #else
-    __pyx_t_2 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 305, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 308, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 305, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 308, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
     #endif
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   } else {
     Py_ssize_t index = -1;
-    __pyx_t_5 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 305, __pyx_L1_error)
+    __pyx_t_5 = PyObject_GetIter(__pyx_t_1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 308, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
     __pyx_t_6 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_5);
@@ -11921,7 +11977,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
     __Pyx_GOTREF(__pyx_t_2);
     index = 1; __pyx_t_4 = __pyx_t_6(__pyx_t_5); if (unlikely(!__pyx_t_4)) goto __pyx_L3_unpacking_failed;
     __Pyx_GOTREF(__pyx_t_4);
-    if (__Pyx_IternextUnpackEndCheck(__pyx_t_6(__pyx_t_5), 2) < (0)) __PYX_ERR(0, 305, __pyx_L1_error)
+    if (__Pyx_IternextUnpackEndCheck(__pyx_t_6(__pyx_t_5), 2) < (0)) __PYX_ERR(0, 308, __pyx_L1_error)
     __pyx_t_6 = NULL;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     goto __pyx_L4_unpacking_done;
@@ -11929,7 +11985,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __pyx_t_6 = NULL;
     if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-    __PYX_ERR(0, 305, __pyx_L1_error)
+    __PYX_ERR(0, 308, __pyx_L1_error)
     __pyx_L4_unpacking_done:;
   }
   __pyx_v_ids = __pyx_t_2;
@@ -11937,82 +11993,30 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
   __pyx_v_single = __pyx_t_4;
   __pyx_t_4 = 0;
 
-  /* "engram_stream/_engine.pyx":306
+  /* "engram_stream/_engine.pyx":309
  *         The rows (`.rows`) are then known before the layer runs; compute() finishes the step."""
  *         ids, single = self._ids(token_ids)
- *         cdef int64_t tok = 0             # <<<<<<<<<<<<<<
- *         cdef const int64_t *pid = &tok
- *         if single:
-*/
-  __pyx_v_tok = 0;
-
-  /* "engram_stream/_engine.pyx":307
- *         ids, single = self._ids(token_ids)
- *         cdef int64_t tok = 0
- *         cdef const int64_t *pid = &tok             # <<<<<<<<<<<<<<
- *         if single:
- *             tok = ids
-*/
-  __pyx_v_pid = (&__pyx_v_tok);
-
-  /* "engram_stream/_engine.pyx":308
- *         cdef int64_t tok = 0
- *         cdef const int64_t *pid = &tok
- *         if single:             # <<<<<<<<<<<<<<
- *             tok = ids
- *         else:
-*/
-  __pyx_t_7 = __Pyx_PyObject_IsTrue(__pyx_v_single); if (unlikely((__pyx_t_7 < 0))) __PYX_ERR(0, 308, __pyx_L1_error)
-  if (__pyx_t_7) {
-
-
-    /* "engram_stream/_engine.pyx":309
- *         cdef const int64_t *pid = &tok
- *         if single:
- *             tok = ids             # <<<<<<<<<<<<<<
- *         else:
- *             pid = <const int64_t *> _data(ids)
-*/
-    __pyx_t_8 = __Pyx_PyLong_As_int64_t(__pyx_v_ids); if (unlikely((__pyx_t_8 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 309, __pyx_L1_error)
-    __pyx_v_tok = __pyx_t_8;
-
-    /* "engram_stream/_engine.pyx":308
- *         cdef int64_t tok = 0
- *         cdef const int64_t *pid = &tok
- *         if single:             # <<<<<<<<<<<<<<
- *             tok = ids
- *         else:
-*/
-    goto __pyx_L5;
-  }
-
-  /* "engram_stream/_engine.pyx":311
- *             tok = ids
- *         else:
- *             pid = <const int64_t *> _data(ids)             # <<<<<<<<<<<<<<
+ *         cdef const int64_t *pid = self._id_ptr(ids, single)             # <<<<<<<<<<<<<<
  *         cdef int64_t bad
  *         self._enter()
 */
-  /*else*/ {
-    if (!(likely(((__pyx_v_ids) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_ids, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 311, __pyx_L1_error)
-    __pyx_t_9 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_ids)); if (unlikely(__pyx_t_9 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 311, __pyx_L1_error)
-    __pyx_v_pid = ((int64_t const *)__pyx_t_9);
+  __pyx_t_7 = __Pyx_PyObject_IsTrue(__pyx_v_single); if (unlikely((__pyx_t_7 == (int)-1) && PyErr_Occurred())) __PYX_ERR(0, 309, __pyx_L1_error)
+  __pyx_t_8 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_id_ptr(__pyx_v_self, __pyx_v_ids, __pyx_t_7); if (unlikely(PyErr_Occurred())) __PYX_ERR(0, 309, __pyx_L1_error)
 
-  }
-  __pyx_L5:;
+  __pyx_v_pid = __pyx_t_8;
 
-  /* "engram_stream/_engine.pyx":313
- *             pid = <const int64_t *> _data(ids)
+  /* "engram_stream/_engine.pyx":311
+ *         cdef const int64_t *pid = self._id_ptr(ids, single)
  *         cdef int64_t bad
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if self.pending:
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 313, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 311, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":314
+  /* "engram_stream/_engine.pyx":312
  *         cdef int64_t bad
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -12021,7 +12025,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":315
+    /* "engram_stream/_engine.pyx":313
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -12030,7 +12034,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
     if (unlikely(__pyx_v_self->pending)) {
 
-      /* "engram_stream/_engine.pyx":316
+      /* "engram_stream/_engine.pyx":314
  *         try:
  *             if self.pending:
  *                 raise RuntimeError("feed() was already called for this token: call compute(hidden) first")             # <<<<<<<<<<<<<<
@@ -12043,14 +12047,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
         PyObject *__pyx_callargs[2] = {__pyx_t_4, __pyx_mstate_global->__pyx_kp_u_feed_was_already_called_for_this};
         __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (__pyx_t_3*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
-        if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 316, __pyx_L7_error)
+        if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 314, __pyx_L6_error)
         __Pyx_GOTREF(__pyx_t_1);
       }
       __Pyx_Raise(__pyx_t_1, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-      __PYX_ERR(0, 316, __pyx_L7_error)
+      __PYX_ERR(0, 314, __pyx_L6_error)
 
-      /* "engram_stream/_engine.pyx":315
+      /* "engram_stream/_engine.pyx":313
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -12059,7 +12063,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
     }
 
-    /* "engram_stream/_engine.pyx":317
+    /* "engram_stream/_engine.pyx":315
  *             if self.pending:
  *                 raise RuntimeError("feed() was already called for this token: call compute(hidden) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -12072,7 +12076,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "engram_stream/_engine.pyx":318
+          /* "engram_stream/_engine.pyx":316
  *                 raise RuntimeError("feed() was already called for this token: call compute(hidden) first")
  *             with nogil:
  *                 bad = self._first_bad_id(pid, self.n_streams)             # <<<<<<<<<<<<<<
@@ -12081,7 +12085,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
           __pyx_v_bad = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_first_bad_id(__pyx_v_self, __pyx_v_pid, __pyx_v_self->n_streams);
 
-          /* "engram_stream/_engine.pyx":319
+          /* "engram_stream/_engine.pyx":317
  *             with nogil:
  *                 bad = self._first_bad_id(pid, self.n_streams)
  *                 if bad < 0:             # <<<<<<<<<<<<<<
@@ -12093,7 +12097,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
           if (__pyx_t_7) {
 
 
-            /* "engram_stream/_engine.pyx":320
+            /* "engram_stream/_engine.pyx":318
  *                 bad = self._first_bad_id(pid, self.n_streams)
  *                 if bad < 0:
  *                     self._feed_nogil(pid)             # <<<<<<<<<<<<<<
@@ -12102,7 +12106,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
             ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_feed_nogil(__pyx_v_self, __pyx_v_pid);
 
-            /* "engram_stream/_engine.pyx":319
+            /* "engram_stream/_engine.pyx":317
  *             with nogil:
  *                 bad = self._first_bad_id(pid, self.n_streams)
  *                 if bad < 0:             # <<<<<<<<<<<<<<
@@ -12112,7 +12116,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
           }
         }
 
-        /* "engram_stream/_engine.pyx":317
+        /* "engram_stream/_engine.pyx":315
  *             if self.pending:
  *                 raise RuntimeError("feed() was already called for this token: call compute(hidden) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -12123,13 +12127,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
           /*normal exit:*/{
             __Pyx_FastGIL_Forget();
             PyEval_RestoreThread(_save);
-            goto __pyx_L12;
+            goto __pyx_L11;
           }
-          __pyx_L12:;
+          __pyx_L11:;
         }
     }
 
-    /* "engram_stream/_engine.pyx":321
+    /* "engram_stream/_engine.pyx":319
  *                 if bad < 0:
  *                     self._feed_nogil(pid)
  *             self.pending = bad < 0             # <<<<<<<<<<<<<<
@@ -12139,7 +12143,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
     __pyx_v_self->pending = (__pyx_v_bad < 0);
   }
 
-  /* "engram_stream/_engine.pyx":323
+  /* "engram_stream/_engine.pyx":321
  *             self.pending = bad < 0
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -12149,45 +12153,45 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
   /*finally:*/ {
     /*normal exit:*/{
       __pyx_v_self->busy = 0;
-      goto __pyx_L8;
+      goto __pyx_L7;
     }
-    __pyx_L7_error:;
+    __pyx_L6_error:;
     /*exception exit:*/{
       __Pyx_PyThreadState_declare
       __Pyx_PyThreadState_assign
-      __pyx_t_13 = 0; __pyx_t_14 = 0; __pyx_t_15 = 0; __pyx_t_16 = 0; __pyx_t_17 = 0; __pyx_t_18 = 0;
+      __pyx_t_12 = 0; __pyx_t_13 = 0; __pyx_t_14 = 0; __pyx_t_15 = 0; __pyx_t_16 = 0; __pyx_t_17 = 0;
       __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
       __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-       __Pyx_ExceptionSwap(&__pyx_t_16, &__pyx_t_17, &__pyx_t_18);
-      if ( unlikely(__Pyx_GetException(&__pyx_t_13, &__pyx_t_14, &__pyx_t_15) < 0)) __Pyx_ErrFetch(&__pyx_t_13, &__pyx_t_14, &__pyx_t_15);
+       __Pyx_ExceptionSwap(&__pyx_t_15, &__pyx_t_16, &__pyx_t_17);
+      if ( unlikely(__Pyx_GetException(&__pyx_t_12, &__pyx_t_13, &__pyx_t_14) < 0)) __Pyx_ErrFetch(&__pyx_t_12, &__pyx_t_13, &__pyx_t_14);
+      __Pyx_XGOTREF(__pyx_t_12);
       __Pyx_XGOTREF(__pyx_t_13);
       __Pyx_XGOTREF(__pyx_t_14);
       __Pyx_XGOTREF(__pyx_t_15);
       __Pyx_XGOTREF(__pyx_t_16);
       __Pyx_XGOTREF(__pyx_t_17);
-      __Pyx_XGOTREF(__pyx_t_18);
-      __pyx_t_10 = __pyx_lineno; __pyx_t_11 = __pyx_clineno; __pyx_t_12 = __pyx_filename;
+      __pyx_t_9 = __pyx_lineno; __pyx_t_10 = __pyx_clineno; __pyx_t_11 = __pyx_filename;
       {
         __pyx_v_self->busy = 0;
       }
+      __Pyx_XGIVEREF(__pyx_t_15);
       __Pyx_XGIVEREF(__pyx_t_16);
       __Pyx_XGIVEREF(__pyx_t_17);
-      __Pyx_XGIVEREF(__pyx_t_18);
-      __Pyx_ExceptionReset(__pyx_t_16, __pyx_t_17, __pyx_t_18);
+      __Pyx_ExceptionReset(__pyx_t_15, __pyx_t_16, __pyx_t_17);
+      __Pyx_XGIVEREF(__pyx_t_12);
       __Pyx_XGIVEREF(__pyx_t_13);
       __Pyx_XGIVEREF(__pyx_t_14);
-      __Pyx_XGIVEREF(__pyx_t_15);
-      __Pyx_ErrRestore(__pyx_t_13, __pyx_t_14, __pyx_t_15);
-      __pyx_t_13 = 0; __pyx_t_14 = 0; __pyx_t_15 = 0; __pyx_t_16 = 0; __pyx_t_17 = 0; __pyx_t_18 = 0;
-      __pyx_lineno = __pyx_t_10; __pyx_clineno = __pyx_t_11; __pyx_filename = __pyx_t_12;
+      __Pyx_ErrRestore(__pyx_t_12, __pyx_t_13, __pyx_t_14);
+      __pyx_t_12 = 0; __pyx_t_13 = 0; __pyx_t_14 = 0; __pyx_t_15 = 0; __pyx_t_16 = 0; __pyx_t_17 = 0;
+      __pyx_lineno = __pyx_t_9; __pyx_clineno = __pyx_t_10; __pyx_filename = __pyx_t_11;
       goto __pyx_L1_error;
     }
-    __pyx_L8:;
+    __pyx_L7:;
   }
 
-  /* "engram_stream/_engine.pyx":324
+  /* "engram_stream/_engine.pyx":322
  *         finally:
  *             self.busy = False
  *         if bad >= 0:             # <<<<<<<<<<<<<<
@@ -12199,7 +12203,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
   if (unlikely(__pyx_t_7)) {
 
 
-    /* "engram_stream/_engine.pyx":325
+    /* "engram_stream/_engine.pyx":323
  *             self.busy = False
  *         if bad >= 0:
  *             raise self._bad_id(ids, bad)             # <<<<<<<<<<<<<<
@@ -12208,7 +12212,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
     __pyx_t_4 = ((PyObject *)__pyx_v_self);
     __Pyx_INCREF(__pyx_t_4);
-    __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_bad); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 325, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_bad); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 323, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
     __pyx_t_3 = 0;
     {
@@ -12216,14 +12220,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
       __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_bad_id, __pyx_callargs+__pyx_t_3, (3-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 325, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 323, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 325, __pyx_L1_error)
+    __PYX_ERR(0, 323, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":324
+    /* "engram_stream/_engine.pyx":322
  *         finally:
  *             self.busy = False
  *         if bad >= 0:             # <<<<<<<<<<<<<<
@@ -12232,7 +12236,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
 */
   }
 
-  /* "engram_stream/_engine.pyx":302
+  /* "engram_stream/_engine.pyx":305
  *             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
  * 
  *     def feed(self, token_ids):             # <<<<<<<<<<<<<<
@@ -12255,13 +12259,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_16feed(struct 
   __Pyx_XDECREF(__pyx_v_single);
 
 
-
   __Pyx_XGIVEREF(__pyx_r);
   __Pyx_RefNannyFinishContext();
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":327
+/* "engram_stream/_engine.pyx":325
  *             raise self._bad_id(ids, bad)
  * 
  *     def compute(self, hidden, out=None):             # <<<<<<<<<<<<<<
@@ -12310,35 +12313,35 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_hidden,&__pyx_mstate_global->__pyx_n_u_out,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 327, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 325, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 327, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 327, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "compute", 0) < (0)) __PYX_ERR(0, 327, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "compute", 0) < (0)) __PYX_ERR(0, 325, __pyx_L3_error)
       if (!values[1]) values[1] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("compute", 0, 1, 2, i); __PYX_ERR(0, 327, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("compute", 0, 1, 2, i); __PYX_ERR(0, 325, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 327, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 325, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 327, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 325, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -12349,7 +12352,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("compute", 0, 1, 2, __pyx_nargs); __PYX_ERR(0, 327, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("compute", 0, 1, 2, __pyx_nargs); __PYX_ERR(0, 325, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -12400,34 +12403,34 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("compute", 0);
 
-  /* "engram_stream/_engine.pyx":329
+  /* "engram_stream/_engine.pyx":327
  *     def compute(self, hidden, out=None):
  *         """Second half of a step, after feed(): gather, project, gate, conv. Shapes as step()."""
  *         cdef object shape = (self.n_streams, self.G, self.D)             # <<<<<<<<<<<<<<
  *         if self.n_streams == 1 and np.ndim(hidden) == 2:
  *             shape = (self.G, self.D)
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 329, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 327, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 329, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 327, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 329, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 327, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 329, __pyx_L1_error)
+  __pyx_t_4 = PyTuple_New(3); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 327, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_GIVEREF(__pyx_t_1);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 329, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 327, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 329, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_2) != (0)) __PYX_ERR(0, 327, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_3) != (0)) __PYX_ERR(0, 329, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 2, __pyx_t_3) != (0)) __PYX_ERR(0, 327, __pyx_L1_error);
   __pyx_t_1 = 0;
   __pyx_t_2 = 0;
   __pyx_t_3 = 0;
   __pyx_v_shape = __pyx_t_4;
   __pyx_t_4 = 0;
 
-  /* "engram_stream/_engine.pyx":330
+  /* "engram_stream/_engine.pyx":328
  *         """Second half of a step, after feed(): gather, project, gate, conv. Shapes as step()."""
  *         cdef object shape = (self.n_streams, self.G, self.D)
  *         if self.n_streams == 1 and np.ndim(hidden) == 2:             # <<<<<<<<<<<<<<
@@ -12445,9 +12448,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     goto __pyx_L4_bool_binop_done;
   }
   __pyx_t_3 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 330, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 328, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_ndim); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 330, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_ndim); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 328, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_t_7 = 1;
@@ -12467,10 +12470,10 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)__pyx_t_1, __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 330, __pyx_L1_error)
+    if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 328, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
   }
-  __pyx_t_6 = (__Pyx_PyLong_BoolEqObjC(__pyx_t_4, __pyx_mstate_global->__pyx_int_2, 2, 0)); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 330, __pyx_L1_error)
+  __pyx_t_6 = (__Pyx_PyLong_BoolEqObjC(__pyx_t_4, __pyx_mstate_global->__pyx_int_2, 2, 0)); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 328, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
 
   __pyx_t_5 = __pyx_t_6;
@@ -12479,29 +12482,29 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
   if (__pyx_t_5) {
 
 
-    /* "engram_stream/_engine.pyx":331
+    /* "engram_stream/_engine.pyx":329
  *         cdef object shape = (self.n_streams, self.G, self.D)
  *         if self.n_streams == 1 and np.ndim(hidden) == 2:
  *             shape = (self.G, self.D)             # <<<<<<<<<<<<<<
  *         h = self._hidden(hidden, shape)
  *         o = self._out(out, shape)
 */
-    __pyx_t_4 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 331, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 329, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 331, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 329, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
-    __pyx_t_3 = PyTuple_New(2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 331, __pyx_L1_error)
+    __pyx_t_3 = PyTuple_New(2); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 329, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
     __Pyx_GIVEREF(__pyx_t_4);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 331, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 329, __pyx_L1_error);
     __Pyx_GIVEREF(__pyx_t_1);
-    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_t_1) != (0)) __PYX_ERR(0, 331, __pyx_L1_error);
+    if (__Pyx_PyTuple_SET_ITEM(__pyx_t_3, 1, __pyx_t_1) != (0)) __PYX_ERR(0, 329, __pyx_L1_error);
     __pyx_t_4 = 0;
     __pyx_t_1 = 0;
     __Pyx_DECREF_SET(__pyx_v_shape, __pyx_t_3);
     __pyx_t_3 = 0;
 
-    /* "engram_stream/_engine.pyx":330
+    /* "engram_stream/_engine.pyx":328
  *         """Second half of a step, after feed(): gather, project, gate, conv. Shapes as step()."""
  *         cdef object shape = (self.n_streams, self.G, self.D)
  *         if self.n_streams == 1 and np.ndim(hidden) == 2:             # <<<<<<<<<<<<<<
@@ -12510,7 +12513,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
 */
   }
 
-  /* "engram_stream/_engine.pyx":332
+  /* "engram_stream/_engine.pyx":330
  *         if self.n_streams == 1 and np.ndim(hidden) == 2:
  *             shape = (self.G, self.D)
  *         h = self._hidden(hidden, shape)             # <<<<<<<<<<<<<<
@@ -12524,13 +12527,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     PyObject *__pyx_callargs[3] = {__pyx_t_1, __pyx_v_hidden, __pyx_v_shape};
     __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_hidden_2, __pyx_callargs+__pyx_t_7, (3-__pyx_t_7) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 332, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 330, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_h = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "engram_stream/_engine.pyx":333
+  /* "engram_stream/_engine.pyx":331
  *             shape = (self.G, self.D)
  *         h = self._hidden(hidden, shape)
  *         o = self._out(out, shape)             # <<<<<<<<<<<<<<
@@ -12544,48 +12547,48 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     PyObject *__pyx_callargs[3] = {__pyx_t_1, __pyx_v_out, __pyx_v_shape};
     __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_out_2, __pyx_callargs+__pyx_t_7, (3-__pyx_t_7) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 333, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 331, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_o = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "engram_stream/_engine.pyx":334
+  /* "engram_stream/_engine.pyx":332
  *         h = self._hidden(hidden, shape)
  *         o = self._out(out, shape)
  *         cdef const float *ph = <const float *> _data(h)             # <<<<<<<<<<<<<<
  *         cdef float *po = <float *> _data(o)
  *         self._enter()
 */
-  if (!(likely(((__pyx_v_h) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_h, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 334, __pyx_L1_error)
-  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_h)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 334, __pyx_L1_error)
+  if (!(likely(((__pyx_v_h) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_h, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 332, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_h)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 332, __pyx_L1_error)
   __pyx_v_ph = ((float const *)__pyx_t_8);
 
 
-  /* "engram_stream/_engine.pyx":335
+  /* "engram_stream/_engine.pyx":333
  *         o = self._out(out, shape)
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)             # <<<<<<<<<<<<<<
  *         self._enter()
  *         try:
 */
-  if (!(likely(((__pyx_v_o) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_o, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 335, __pyx_L1_error)
-  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_o)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 335, __pyx_L1_error)
+  if (!(likely(((__pyx_v_o) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_o, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 333, __pyx_L1_error)
+  __pyx_t_8 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_o)); if (unlikely(__pyx_t_8 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 333, __pyx_L1_error)
   __pyx_v_po = ((float *)__pyx_t_8);
 
 
-  /* "engram_stream/_engine.pyx":336
+  /* "engram_stream/_engine.pyx":334
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if not self.pending:
 */
-  __pyx_t_3 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 336, __pyx_L1_error)
+  __pyx_t_3 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 334, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
-  /* "engram_stream/_engine.pyx":337
+  /* "engram_stream/_engine.pyx":335
  *         cdef float *po = <float *> _data(o)
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -12594,7 +12597,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":338
+    /* "engram_stream/_engine.pyx":336
  *         self._enter()
  *         try:
  *             if not self.pending:             # <<<<<<<<<<<<<<
@@ -12606,7 +12609,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     if (unlikely(__pyx_t_5)) {
 
 
-      /* "engram_stream/_engine.pyx":339
+      /* "engram_stream/_engine.pyx":337
  *         try:
  *             if not self.pending:
  *                 raise RuntimeError("compute() needs feed(token_ids) first")             # <<<<<<<<<<<<<<
@@ -12619,14 +12622,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
         PyObject *__pyx_callargs[2] = {__pyx_t_1, __pyx_mstate_global->__pyx_kp_u_compute_needs_feed_token_ids_fir};
         __pyx_t_3 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
-        if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 339, __pyx_L7_error)
+        if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 337, __pyx_L7_error)
         __Pyx_GOTREF(__pyx_t_3);
       }
       __Pyx_Raise(__pyx_t_3, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-      __PYX_ERR(0, 339, __pyx_L7_error)
+      __PYX_ERR(0, 337, __pyx_L7_error)
 
-      /* "engram_stream/_engine.pyx":338
+      /* "engram_stream/_engine.pyx":336
  *         self._enter()
  *         try:
  *             if not self.pending:             # <<<<<<<<<<<<<<
@@ -12635,7 +12638,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
 */
     }
 
-    /* "engram_stream/_engine.pyx":340
+    /* "engram_stream/_engine.pyx":338
  *             if not self.pending:
  *                 raise RuntimeError("compute() needs feed(token_ids) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -12648,7 +12651,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "engram_stream/_engine.pyx":341
+          /* "engram_stream/_engine.pyx":339
  *                 raise RuntimeError("compute() needs feed(token_ids) first")
  *             with nogil:
  *                 self._compute_nogil(ph, po)             # <<<<<<<<<<<<<<
@@ -12658,7 +12661,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
           ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_compute_nogil(__pyx_v_self, __pyx_v_ph, __pyx_v_po);
         }
 
-        /* "engram_stream/_engine.pyx":340
+        /* "engram_stream/_engine.pyx":338
  *             if not self.pending:
  *                 raise RuntimeError("compute() needs feed(token_ids) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -12675,7 +12678,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
         }
     }
 
-    /* "engram_stream/_engine.pyx":342
+    /* "engram_stream/_engine.pyx":340
  *             with nogil:
  *                 self._compute_nogil(ph, po)
  *             self.pending = False             # <<<<<<<<<<<<<<
@@ -12685,7 +12688,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     __pyx_v_self->pending = 0;
   }
 
-  /* "engram_stream/_engine.pyx":344
+  /* "engram_stream/_engine.pyx":342
  *             self.pending = False
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -12733,7 +12736,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
     __pyx_L8:;
   }
 
-  /* "engram_stream/_engine.pyx":345
+  /* "engram_stream/_engine.pyx":343
  *         finally:
  *             self.busy = False
  *         return o             # <<<<<<<<<<<<<<
@@ -12751,7 +12754,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":327
+  /* "engram_stream/_engine.pyx":325
  *             raise self._bad_id(ids, bad)
  * 
  *     def compute(self, hidden, out=None):             # <<<<<<<<<<<<<<
@@ -12778,7 +12781,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_18compute(stru
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":347
+/* "engram_stream/_engine.pyx":345
  *         return o
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -12817,7 +12820,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "engram_stream/_engine.pyx":350
+  /* "engram_stream/_engine.pyx":348
  *     def rows(self):
  *         """int64[S, H]: absolute table rows of the last fed token of every stream."""
  *         cdef cnp.ndarray r = np.empty((self.n_streams, self.H), dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -12825,26 +12828,26 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
  *         return r
 */
   __pyx_t_2 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 350, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 348, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 350, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 348, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 350, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 348, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_5 = __Pyx_PyLong_From_int(__pyx_v_self->H); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 350, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyLong_From_int(__pyx_v_self->H); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 348, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 350, __pyx_L1_error)
+  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 348, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 350, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_3) != (0)) __PYX_ERR(0, 348, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_5);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 350, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 348, __pyx_L1_error);
   __pyx_t_3 = 0;
   __pyx_t_5 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 350, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 348, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 350, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 348, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   #if CYTHON_VECTORCALL
@@ -12865,13 +12868,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
     PyObject *__pyx_callargs[3] = {__pyx_t_2, __pyx_t_6, __pyx_t_3};
     #if CYTHON_VECTORCALL
     __pyx_t_5 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 350, __pyx_L1_error)
+    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 348, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_5);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_5 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 350, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 348, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
     }
     #endif
@@ -12883,14 +12886,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 350, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 348, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 350, __pyx_L1_error)
+  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 348, __pyx_L1_error)
   __pyx_v_r = ((PyArrayObject *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":351
+  /* "engram_stream/_engine.pyx":349
  *         """int64[S, H]: absolute table rows of the last fed token of every stream."""
  *         cdef cnp.ndarray r = np.empty((self.n_streams, self.H), dtype=np.int64)
  *         memcpy(cnp.PyArray_DATA(r), self.rbuf, self.n_streams * self.H * sizeof(int64_t))             # <<<<<<<<<<<<<<
@@ -12899,7 +12902,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
 */
   (void)(memcpy(PyArray_DATA(__pyx_v_r), __pyx_v_self->rbuf, ((__pyx_v_self->n_streams * __pyx_v_self->H) * (sizeof(int64_t)))));
 
-  /* "engram_stream/_engine.pyx":352
+  /* "engram_stream/_engine.pyx":350
  *         cdef cnp.ndarray r = np.empty((self.n_streams, self.H), dtype=np.int64)
  *         memcpy(cnp.PyArray_DATA(r), self.rbuf, self.n_streams * self.H * sizeof(int64_t))
  *         return r             # <<<<<<<<<<<<<<
@@ -12917,7 +12920,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":347
+  /* "engram_stream/_engine.pyx":345
  *         return o
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -12942,7 +12945,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_4rows___get__(
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":354
+/* "engram_stream/_engine.pyx":352
  *         return r
  * 
  *     def prefetch(self):             # <<<<<<<<<<<<<<
@@ -13016,18 +13019,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("prefetch", 0);
 
-  /* "engram_stream/_engine.pyx":358
+  /* "engram_stream/_engine.pyx":356
  *         starts reading them now (while earlier layers compute). Returns failed madvise calls."""
  *         cdef int64_t failed
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if not self.pending:
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 358, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 356, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":359
+  /* "engram_stream/_engine.pyx":357
  *         cdef int64_t failed
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -13036,7 +13039,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":360
+    /* "engram_stream/_engine.pyx":358
  *         self._enter()
  *         try:
  *             if not self.pending:             # <<<<<<<<<<<<<<
@@ -13048,7 +13051,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
     if (unlikely(__pyx_t_2)) {
 
 
-      /* "engram_stream/_engine.pyx":361
+      /* "engram_stream/_engine.pyx":359
  *         try:
  *             if not self.pending:
  *                 raise RuntimeError("prefetch() needs feed(token_ids) first")             # <<<<<<<<<<<<<<
@@ -13061,14 +13064,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
         PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_prefetch_needs_feed_token_ids_fi};
         __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-        if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 361, __pyx_L4_error)
+        if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 359, __pyx_L4_error)
         __Pyx_GOTREF(__pyx_t_1);
       }
       __Pyx_Raise(__pyx_t_1, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-      __PYX_ERR(0, 361, __pyx_L4_error)
+      __PYX_ERR(0, 359, __pyx_L4_error)
 
-      /* "engram_stream/_engine.pyx":360
+      /* "engram_stream/_engine.pyx":358
  *         self._enter()
  *         try:
  *             if not self.pending:             # <<<<<<<<<<<<<<
@@ -13077,7 +13080,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
 */
     }
 
-    /* "engram_stream/_engine.pyx":362
+    /* "engram_stream/_engine.pyx":360
  *             if not self.pending:
  *                 raise RuntimeError("prefetch() needs feed(token_ids) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -13090,7 +13093,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "engram_stream/_engine.pyx":363
+          /* "engram_stream/_engine.pyx":361
  *                 raise RuntimeError("prefetch() needs feed(token_ids) first")
  *             with nogil:
  *                 failed = es_advise_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H,             # <<<<<<<<<<<<<<
@@ -13099,7 +13102,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
 */
           __pyx_v_failed = es_advise_rows(__pyx_v_self->table, __pyx_v_self->rowbytes, __pyx_v_self->rbuf, (__pyx_v_self->n_streams * __pyx_v_self->H), MADV_WILLNEED);
 
-          /* "engram_stream/_engine.pyx":365
+          /* "engram_stream/_engine.pyx":363
  *                 failed = es_advise_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H,
  *                                         MADV_WILLNEED)
  *                 if self.table_kind == 2:  # int8 rows: their scales live on other pages             # <<<<<<<<<<<<<<
@@ -13111,7 +13114,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
           if (__pyx_t_2) {
 
 
-            /* "engram_stream/_engine.pyx":366
+            /* "engram_stream/_engine.pyx":364
  *                                         MADV_WILLNEED)
  *                 if self.table_kind == 2:  # int8 rows: their scales live on other pages
  *                     failed += es_advise_rows(<const char *> self.table_scale, 4, self.rbuf,             # <<<<<<<<<<<<<<
@@ -13120,7 +13123,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
 */
             __pyx_v_failed = (__pyx_v_failed + es_advise_rows(((char const *)__pyx_v_self->table_scale), 4, __pyx_v_self->rbuf, (__pyx_v_self->n_streams * __pyx_v_self->H), MADV_WILLNEED));
 
-            /* "engram_stream/_engine.pyx":365
+            /* "engram_stream/_engine.pyx":363
  *                 failed = es_advise_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H,
  *                                         MADV_WILLNEED)
  *                 if self.table_kind == 2:  # int8 rows: their scales live on other pages             # <<<<<<<<<<<<<<
@@ -13130,7 +13133,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
           }
         }
 
-        /* "engram_stream/_engine.pyx":362
+        /* "engram_stream/_engine.pyx":360
  *             if not self.pending:
  *                 raise RuntimeError("prefetch() needs feed(token_ids) first")
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -13148,7 +13151,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
     }
   }
 
-  /* "engram_stream/_engine.pyx":369
+  /* "engram_stream/_engine.pyx":367
  *                                              self.n_streams * self.H, MADV_WILLNEED)
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -13194,7 +13197,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
     __pyx_L5:;
   }
 
-  /* "engram_stream/_engine.pyx":370
+  /* "engram_stream/_engine.pyx":368
  *         finally:
  *             self.busy = False
  *         return int(failed)             # <<<<<<<<<<<<<<
@@ -13202,7 +13205,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
  *     def track_rows(self, bitmap):
 */
   __pyx_t_3 = NULL;
-  __pyx_t_14 = __Pyx_PyLong_From_int64_t(__pyx_v_failed); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 370, __pyx_L1_error)
+  __pyx_t_14 = __Pyx_PyLong_From_int64_t(__pyx_v_failed); if (unlikely(!__pyx_t_14)) __PYX_ERR(0, 368, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_14);
   __pyx_t_4 = 1;
   {
@@ -13210,7 +13213,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
     __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(&PyLong_Type), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_14); __pyx_t_14 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 370, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 368, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   {
@@ -13224,7 +13227,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":354
+  /* "engram_stream/_engine.pyx":352
  *         return r
  * 
  *     def prefetch(self):             # <<<<<<<<<<<<<<
@@ -13246,7 +13249,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_20prefetch(str
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":372
+/* "engram_stream/_engine.pyx":370
  *         return int(failed)
  * 
  *     def track_rows(self, bitmap):             # <<<<<<<<<<<<<<
@@ -13294,32 +13297,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_bitmap,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 372, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 370, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 372, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 370, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "track_rows", 0) < (0)) __PYX_ERR(0, 372, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "track_rows", 0) < (0)) __PYX_ERR(0, 370, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("track_rows", 1, 1, 1, i); __PYX_ERR(0, 372, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("track_rows", 1, 1, 1, i); __PYX_ERR(0, 370, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 372, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 370, __pyx_L3_error)
     }
     __pyx_v_bitmap = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("track_rows", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 372, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("track_rows", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 370, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -13370,32 +13373,32 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("track_rows", 0);
 
-  /* "engram_stream/_engine.pyx":375
+  /* "engram_stream/_engine.pyx":373
  *         """Record every row this engine reads in `bitmap` (uint8[ceil(table_rows/8)], bit r =
  *         row r), or stop recording with None. The array is borrowed: keep it alive."""
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8             # <<<<<<<<<<<<<<
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_self->model, __pyx_mstate_global->__pyx_n_u_plan); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_self->model, __pyx_mstate_global->__pyx_n_u_plan); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 373, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_table_rows); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_table_rows); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 373, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_1 = __Pyx_PyObject_GetItem(__pyx_t_2, __pyx_v_self->layer); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetItem(__pyx_t_2, __pyx_v_self->layer); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 373, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_2 = __Pyx_PyLong_AddObjC(__pyx_t_1, __pyx_mstate_global->__pyx_int_7, 7, 0, 0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_AddObjC(__pyx_t_1, __pyx_mstate_global->__pyx_int_7, 7, 0, 0); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 373, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_1 = __Pyx_PyLong_FloorDivideObjC(__pyx_t_2, __pyx_mstate_global->__pyx_int_8, 8, 0, 0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_FloorDivideObjC(__pyx_t_2, __pyx_mstate_global->__pyx_int_8, 8, 0, 0); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 373, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_3 = __Pyx_PyLong_As_int64_t(__pyx_t_1); if (unlikely((__pyx_t_3 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 375, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_As_int64_t(__pyx_t_1); if (unlikely((__pyx_t_3 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 373, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_v_need = __pyx_t_3;
 
-  /* "engram_stream/_engine.pyx":376
+  /* "engram_stream/_engine.pyx":374
  *         row r), or stop recording with None. The array is borrowed: keep it alive."""
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8             # <<<<<<<<<<<<<<
@@ -13411,9 +13414,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
 
     goto __pyx_L4_bool_binop_done;
   }
-  __Pyx_GetModuleGlobalName(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 376, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 374, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 376, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 374, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_t_6 = (((PyObject *)Py_TYPE(__pyx_v_bitmap)) == __pyx_t_2);
@@ -13427,29 +13430,29 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     goto __pyx_L6_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":377
+  /* "engram_stream/_engine.pyx":375
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable             # <<<<<<<<<<<<<<
  *                                        and bitmap.shape == (need,)):
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 376, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 374, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
-  /* "engram_stream/_engine.pyx":376
+  /* "engram_stream/_engine.pyx":374
  *         row r), or stop recording with None. The array is borrowed: keep it alive."""
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8             # <<<<<<<<<<<<<<
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable
  *                                        and bitmap.shape == (need,)):
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 376, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 374, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_uint8); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 376, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_uint8); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 374, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_6 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_2, __pyx_t_7, Py_EQ); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 376, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_2, __pyx_t_7, Py_EQ); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 374, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
   if (__pyx_t_6) {
@@ -13461,19 +13464,19 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     goto __pyx_L6_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":377
+  /* "engram_stream/_engine.pyx":375
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable             # <<<<<<<<<<<<<<
  *                                        and bitmap.shape == (need,)):
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
 */
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 377, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 375, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 377, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_7, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 375, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-  __pyx_t_6 = __Pyx_PyObject_IsTrue(__pyx_t_2); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 377, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_IsTrue(__pyx_t_2); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 375, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   if (__pyx_t_6) {
 
@@ -13484,27 +13487,27 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     goto __pyx_L6_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":378
+  /* "engram_stream/_engine.pyx":376
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable
  *                                        and bitmap.shape == (need,)):             # <<<<<<<<<<<<<<
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
  *         self._enter()
 */
-  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 377, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 375, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
-  /* "engram_stream/_engine.pyx":377
+  /* "engram_stream/_engine.pyx":375
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable             # <<<<<<<<<<<<<<
  *                                        and bitmap.shape == (need,)):
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
 */
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_writeable); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 377, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_writeable); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 375, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-  __pyx_t_6 = __Pyx_PyObject_IsTrue(__pyx_t_7); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 377, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_IsTrue(__pyx_t_7); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 375, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
   if (__pyx_t_6) {
 
@@ -13515,23 +13518,23 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     goto __pyx_L6_bool_binop_done;
   }
 
-  /* "engram_stream/_engine.pyx":378
+  /* "engram_stream/_engine.pyx":376
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable
  *                                        and bitmap.shape == (need,)):             # <<<<<<<<<<<<<<
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
  *         self._enter()
 */
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 378, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_v_bitmap, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 376, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_need); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 378, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_need); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 376, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_1 = PyTuple_New(1); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 378, __pyx_L1_error)
+  __pyx_t_1 = PyTuple_New(1); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 376, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 378, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_1, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 376, __pyx_L1_error);
   __pyx_t_2 = 0;
-  __pyx_t_6 = __Pyx_PyObject_RichCompareBool(__pyx_t_7, __pyx_t_1, Py_EQ); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 378, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_RichCompareBool(__pyx_t_7, __pyx_t_1, Py_EQ); if (unlikely((__pyx_t_6 < 0))) __PYX_ERR(0, 376, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
@@ -13539,7 +13542,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
 
   __pyx_L6_bool_binop_done:;
 
-  /* "engram_stream/_engine.pyx":376
+  /* "engram_stream/_engine.pyx":374
  *         row r), or stop recording with None. The array is borrowed: keep it alive."""
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8             # <<<<<<<<<<<<<<
@@ -13556,7 +13559,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
   if (unlikely(__pyx_t_4)) {
 
 
-    /* "engram_stream/_engine.pyx":379
+    /* "engram_stream/_engine.pyx":377
  *                                        and bitmap.flags.c_contiguous and bitmap.flags.writeable
  *                                        and bitmap.shape == (need,)):
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")             # <<<<<<<<<<<<<<
@@ -13564,7 +13567,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
  *         try:
 */
     __pyx_t_7 = NULL;
-    __pyx_t_2 = __Pyx_PyUnicode_From_int64_t(__pyx_v_need, 0, ' ', 'd'); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 379, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyUnicode_From_int64_t(__pyx_v_need, 0, ' ', 'd'); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 377, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
     __pyx_t_8[0] = __pyx_mstate_global->__pyx_kp_u_bitmap_must_be_a_writeable_C_con;
     __pyx_t_8[1] = __pyx_t_2;
@@ -13575,7 +13578,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     #endif
     __pyx_t_10 = 0;
     __pyx_t_11 = __Pyx_PyUnicode_Join(__pyx_t_8, 3, __pyx_t_9, __pyx_t_10);
-    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 379, __pyx_L1_error)
+    if (unlikely(!__pyx_t_11)) __PYX_ERR(0, 377, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_11);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     __pyx_t_12 = 1;
@@ -13584,14 +13587,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_12, (2-__pyx_t_12) | (__pyx_t_12*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_7); __pyx_t_7 = 0;
       __Pyx_DECREF(__pyx_t_11); __pyx_t_11 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 379, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 377, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 379, __pyx_L1_error)
+    __PYX_ERR(0, 377, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":376
+    /* "engram_stream/_engine.pyx":374
  *         row r), or stop recording with None. The array is borrowed: keep it alive."""
  *         cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
  *         if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8             # <<<<<<<<<<<<<<
@@ -13600,18 +13603,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
 */
   }
 
-  /* "engram_stream/_engine.pyx":380
+  /* "engram_stream/_engine.pyx":378
  *                                        and bitmap.shape == (need,)):
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if bitmap is None:
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 380, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 378, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":381
+  /* "engram_stream/_engine.pyx":379
  *             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -13620,7 +13623,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":382
+    /* "engram_stream/_engine.pyx":380
  *         self._enter()
  *         try:
  *             if bitmap is None:             # <<<<<<<<<<<<<<
@@ -13631,7 +13634,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     if (__pyx_t_4) {
 
 
-      /* "engram_stream/_engine.pyx":383
+      /* "engram_stream/_engine.pyx":381
  *         try:
  *             if bitmap is None:
  *                 self.touched, self._touched_ref = NULL, None             # <<<<<<<<<<<<<<
@@ -13648,7 +13651,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
       __Pyx_DECREF_SET(__pyx_v_self->_touched_ref, __pyx_t_1);
       __pyx_t_1 = 0;
 
-      /* "engram_stream/_engine.pyx":382
+      /* "engram_stream/_engine.pyx":380
  *         self._enter()
  *         try:
  *             if bitmap is None:             # <<<<<<<<<<<<<<
@@ -13658,7 +13661,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
       goto __pyx_L14;
     }
 
-    /* "engram_stream/_engine.pyx":385
+    /* "engram_stream/_engine.pyx":383
  *                 self.touched, self._touched_ref = NULL, None
  *             else:
  *                 self._touched_ref = bitmap             # <<<<<<<<<<<<<<
@@ -13671,20 +13674,20 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
       __Pyx_GOTREF(__pyx_v_self->_touched_ref);
       __Pyx_DECREF_SET(__pyx_v_self->_touched_ref, __pyx_v_bitmap);
 
-      /* "engram_stream/_engine.pyx":386
+      /* "engram_stream/_engine.pyx":384
  *             else:
  *                 self._touched_ref = bitmap
  *                 self.touched = <uint8_t *> cnp.PyArray_DATA(bitmap)             # <<<<<<<<<<<<<<
  *         finally:
  *             self.busy = False
 */
-      if (!(likely(((__pyx_v_bitmap) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_bitmap, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 386, __pyx_L12_error)
+      if (!(likely(((__pyx_v_bitmap) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_bitmap, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 384, __pyx_L12_error)
       __pyx_v_self->touched = ((uint8_t *)PyArray_DATA(((PyArrayObject *)__pyx_v_bitmap)));
     }
     __pyx_L14:;
   }
 
-  /* "engram_stream/_engine.pyx":388
+  /* "engram_stream/_engine.pyx":386
  *                 self.touched = <uint8_t *> cnp.PyArray_DATA(bitmap)
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -13732,7 +13735,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
     __pyx_L13:;
   }
 
-  /* "engram_stream/_engine.pyx":372
+  /* "engram_stream/_engine.pyx":370
  *         return int(failed)
  * 
  *     def track_rows(self, bitmap):             # <<<<<<<<<<<<<<
@@ -13757,7 +13760,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_22track_rows(s
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":390
+/* "engram_stream/_engine.pyx":388
  *             self.busy = False
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -13790,7 +13793,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_15pending_comp
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "engram_stream/_engine.pyx":392
+  /* "engram_stream/_engine.pyx":390
  *     @property
  *     def pending_compute(self):
  *         return bool(self.pending)             # <<<<<<<<<<<<<<
@@ -13799,7 +13802,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_15pending_comp
 */
   __pyx_t_1 = __pyx_v_self->pending;
 
-  __pyx_t_2 = __Pyx_PyBool_FromLong((!(!__pyx_t_1))); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 392, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyBool_FromLong((!(!__pyx_t_1))); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 390, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
 
   {
@@ -13813,7 +13816,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_15pending_comp
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":390
+  /* "engram_stream/_engine.pyx":388
  *             self.busy = False
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -13832,7 +13835,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_15pending_comp
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":394
+/* "engram_stream/_engine.pyx":392
  *         return bool(self.pending)
  * 
  *     def prefill(self, ids, hidden, stream=0, out=None):             # <<<<<<<<<<<<<<
@@ -13883,50 +13886,50 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_ids,&__pyx_mstate_global->__pyx_n_u_hidden,&__pyx_mstate_global->__pyx_n_u_stream,&__pyx_mstate_global->__pyx_n_u_out,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 394, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 392, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 394, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 392, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 394, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 392, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 394, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 392, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 394, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 392, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "prefill", 0) < (0)) __PYX_ERR(0, 394, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "prefill", 0) < (0)) __PYX_ERR(0, 392, __pyx_L3_error)
       if (!values[2]) values[2] = __Pyx_NewRef(((PyObject *)__pyx_mstate_global->__pyx_int_0));
       if (!values[3]) values[3] = __Pyx_NewRef(((PyObject *)Py_None));
       for (Py_ssize_t i = __pyx_nargs; i < 2; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("prefill", 0, 2, 4, i); __PYX_ERR(0, 394, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("prefill", 0, 2, 4, i); __PYX_ERR(0, 392, __pyx_L3_error) }
       }
     } else {
       switch (__pyx_nargs) {
         case  4:
         values[3] = __Pyx_ArgRef_FASTCALL(__pyx_args, 3);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 394, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[3])) __PYX_ERR(0, 392, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  3:
         values[2] = __Pyx_ArgRef_FASTCALL(__pyx_args, 2);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 394, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[2])) __PYX_ERR(0, 392, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  2:
         values[1] = __Pyx_ArgRef_FASTCALL(__pyx_args, 1);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 394, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[1])) __PYX_ERR(0, 392, __pyx_L3_error)
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 394, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 392, __pyx_L3_error)
         break;
         default: goto __pyx_L5_argtuple_error;
       }
@@ -13940,7 +13943,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("prefill", 0, 2, 4, __pyx_nargs); __PYX_ERR(0, 394, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("prefill", 0, 2, 4, __pyx_nargs); __PYX_ERR(0, 392, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -14003,7 +14006,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("prefill", 0);
 
-  /* "engram_stream/_engine.pyx":398
+  /* "engram_stream/_engine.pyx":396
  *         steps and leaving the same state; projections run as [<=128, E] x [E, M] GEMMs split
  *         over `engine.prefill_threads` threads (default: the machine's cores, at most 8)."""
  *         a = as_ids(ids, 1, "ids")             # <<<<<<<<<<<<<<
@@ -14011,7 +14014,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
  *         h = self._hidden(hidden, (T, self.G, self.D))
 */
   __pyx_t_2 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_as_ids); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 398, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_as_ids); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 396, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_4 = 1;
   #if CYTHON_UNPACK_METHODS
@@ -14030,29 +14033,29 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
     __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)__pyx_t_3, __pyx_callargs+__pyx_t_4, (4-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 398, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 396, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __pyx_v_a = __pyx_t_1;
   __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":399
+  /* "engram_stream/_engine.pyx":397
  *         over `engine.prefill_threads` threads (default: the machine's cores, at most 8)."""
  *         a = as_ids(ids, 1, "ids")
  *         cdef int64_t T = a.shape[0]             # <<<<<<<<<<<<<<
  *         h = self._hidden(hidden, (T, self.G, self.D))
  *         o = self._out(out, (T, self.G, self.D))
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 399, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 397, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_3 = __Pyx_GetItemInt(__pyx_t_1, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 399, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_GetItemInt(__pyx_t_1, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 397, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-  __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_t_3); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 399, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_t_3); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 397, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_v_T = __pyx_t_5;
 
-  /* "engram_stream/_engine.pyx":400
+  /* "engram_stream/_engine.pyx":398
  *         a = as_ids(ids, 1, "ids")
  *         cdef int64_t T = a.shape[0]
  *         h = self._hidden(hidden, (T, self.G, self.D))             # <<<<<<<<<<<<<<
@@ -14061,20 +14064,20 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
   __pyx_t_1 = ((PyObject *)__pyx_v_self);
   __Pyx_INCREF(__pyx_t_1);
-  __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_T); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 400, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_PyLong_From_int64_t(__pyx_v_T); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 398, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
-  __pyx_t_6 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 400, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 398, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 400, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 398, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_8 = PyTuple_New(3); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 400, __pyx_L1_error)
+  __pyx_t_8 = PyTuple_New(3); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 398, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_GIVEREF(__pyx_t_2);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 400, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 0, __pyx_t_2) != (0)) __PYX_ERR(0, 398, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 1, __pyx_t_6) != (0)) __PYX_ERR(0, 400, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 1, __pyx_t_6) != (0)) __PYX_ERR(0, 398, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_7);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 2, __pyx_t_7) != (0)) __PYX_ERR(0, 400, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 2, __pyx_t_7) != (0)) __PYX_ERR(0, 398, __pyx_L1_error);
   __pyx_t_2 = 0;
   __pyx_t_6 = 0;
   __pyx_t_7 = 0;
@@ -14084,13 +14087,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
     __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_hidden_2, __pyx_callargs+__pyx_t_4, (3-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 400, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 398, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_h = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "engram_stream/_engine.pyx":401
+  /* "engram_stream/_engine.pyx":399
  *         cdef int64_t T = a.shape[0]
  *         h = self._hidden(hidden, (T, self.G, self.D))
  *         o = self._out(out, (T, self.G, self.D))             # <<<<<<<<<<<<<<
@@ -14099,20 +14102,20 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
   __pyx_t_8 = ((PyObject *)__pyx_v_self);
   __Pyx_INCREF(__pyx_t_8);
-  __pyx_t_1 = __Pyx_PyLong_From_int64_t(__pyx_v_T); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 401, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int64_t(__pyx_v_T); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 399, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 401, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->G); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 399, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_6 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 401, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_int(__pyx_v_self->D); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 399, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_2 = PyTuple_New(3); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 401, __pyx_L1_error)
+  __pyx_t_2 = PyTuple_New(3); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 399, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_GIVEREF(__pyx_t_1);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 401, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 0, __pyx_t_1) != (0)) __PYX_ERR(0, 399, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_7);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 401, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 399, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 2, __pyx_t_6) != (0)) __PYX_ERR(0, 401, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_2, 2, __pyx_t_6) != (0)) __PYX_ERR(0, 399, __pyx_L1_error);
   __pyx_t_1 = 0;
   __pyx_t_7 = 0;
   __pyx_t_6 = 0;
@@ -14122,13 +14125,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
     __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_out_2, __pyx_callargs+__pyx_t_4, (3-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 401, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 399, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __pyx_v_o = __pyx_t_3;
   __pyx_t_3 = 0;
 
-  /* "engram_stream/_engine.pyx":402
+  /* "engram_stream/_engine.pyx":400
  *         h = self._hidden(hidden, (T, self.G, self.D))
  *         o = self._out(out, (T, self.G, self.D))
  *         self._check_stream(stream)             # <<<<<<<<<<<<<<
@@ -14142,88 +14145,88 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
     PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_v_stream};
     __pyx_t_3 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_check_stream, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 402, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 400, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
   }
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
 
-  /* "engram_stream/_engine.pyx":403
+  /* "engram_stream/_engine.pyx":401
  *         o = self._out(out, (T, self.G, self.D))
  *         self._check_stream(stream)
  *         cdef int64_t s = stream             # <<<<<<<<<<<<<<
  *         cdef int64_t chunk = min(T, PREFILL_CHUNK)
  *         cdef const int64_t *pid = <const int64_t *> _data(a)
 */
-  __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_v_stream); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 403, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_v_stream); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 401, __pyx_L1_error)
   __pyx_v_s = __pyx_t_5;
 
-  /* "engram_stream/_engine.pyx":404
+  /* "engram_stream/_engine.pyx":402
  *         self._check_stream(stream)
  *         cdef int64_t s = stream
  *         cdef int64_t chunk = min(T, PREFILL_CHUNK)             # <<<<<<<<<<<<<<
  *         cdef const int64_t *pid = <const int64_t *> _data(a)
  *         cdef const float *ph = <const float *> _data(h)
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_PREFILL_CHUNK); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 404, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_PREFILL_CHUNK); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 402, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
 
   __pyx_t_5 = __pyx_v_T;
-  __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_t_5); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 404, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_t_5); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 402, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_9 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_3, __pyx_t_8, Py_LT); if (unlikely((__pyx_t_9 < 0))) __PYX_ERR(0, 404, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_3, __pyx_t_8, Py_LT); if (unlikely((__pyx_t_9 < 0))) __PYX_ERR(0, 402, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
   if (__pyx_t_9) {
     __Pyx_INCREF(__pyx_t_3);
     __pyx_t_2 = __pyx_t_3;
   } else {
-    __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_t_5); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 404, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_t_5); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 402, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __pyx_t_2 = __pyx_t_8;
     __pyx_t_8 = 0;
   }
 
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_t_2); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 404, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_t_2); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 402, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
   __pyx_v_chunk = __pyx_t_5;
 
-  /* "engram_stream/_engine.pyx":405
+  /* "engram_stream/_engine.pyx":403
  *         cdef int64_t s = stream
  *         cdef int64_t chunk = min(T, PREFILL_CHUNK)
  *         cdef const int64_t *pid = <const int64_t *> _data(a)             # <<<<<<<<<<<<<<
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)
 */
-  if (!(likely(((__pyx_v_a) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_a, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 405, __pyx_L1_error)
-  __pyx_t_10 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_a)); if (unlikely(__pyx_t_10 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 405, __pyx_L1_error)
+  if (!(likely(((__pyx_v_a) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_a, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 403, __pyx_L1_error)
+  __pyx_t_10 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_a)); if (unlikely(__pyx_t_10 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 403, __pyx_L1_error)
   __pyx_v_pid = ((int64_t const *)__pyx_t_10);
 
 
-  /* "engram_stream/_engine.pyx":406
+  /* "engram_stream/_engine.pyx":404
  *         cdef int64_t chunk = min(T, PREFILL_CHUNK)
  *         cdef const int64_t *pid = <const int64_t *> _data(a)
  *         cdef const float *ph = <const float *> _data(h)             # <<<<<<<<<<<<<<
  *         cdef float *po = <float *> _data(o)
  *         cdef int64_t bad = -1, t0, i, nb
 */
-  if (!(likely(((__pyx_v_h) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_h, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 406, __pyx_L1_error)
-  __pyx_t_10 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_h)); if (unlikely(__pyx_t_10 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 406, __pyx_L1_error)
+  if (!(likely(((__pyx_v_h) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_h, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 404, __pyx_L1_error)
+  __pyx_t_10 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_h)); if (unlikely(__pyx_t_10 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 404, __pyx_L1_error)
   __pyx_v_ph = ((float const *)__pyx_t_10);
 
 
-  /* "engram_stream/_engine.pyx":407
+  /* "engram_stream/_engine.pyx":405
  *         cdef const int64_t *pid = <const int64_t *> _data(a)
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)             # <<<<<<<<<<<<<<
  *         cdef int64_t bad = -1, t0, i, nb
  *         self._enter()
 */
-  if (!(likely(((__pyx_v_o) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_o, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 407, __pyx_L1_error)
-  __pyx_t_10 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_o)); if (unlikely(__pyx_t_10 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 407, __pyx_L1_error)
+  if (!(likely(((__pyx_v_o) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_o, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 405, __pyx_L1_error)
+  __pyx_t_10 = __pyx_f_13engram_stream_7_engine__data(((PyArrayObject *)__pyx_v_o)); if (unlikely(__pyx_t_10 == ((void *)NULL) && PyErr_Occurred())) __PYX_ERR(0, 405, __pyx_L1_error)
   __pyx_v_po = ((float *)__pyx_t_10);
 
 
-  /* "engram_stream/_engine.pyx":408
+  /* "engram_stream/_engine.pyx":406
  *         cdef const float *ph = <const float *> _data(h)
  *         cdef float *po = <float *> _data(o)
  *         cdef int64_t bad = -1, t0, i, nb             # <<<<<<<<<<<<<<
@@ -14232,18 +14235,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
   __pyx_v_bad = -1L;
 
-  /* "engram_stream/_engine.pyx":409
+  /* "engram_stream/_engine.pyx":407
  *         cdef float *po = <float *> _data(o)
  *         cdef int64_t bad = -1, t0, i, nb
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if self.pending:
 */
-  __pyx_t_2 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 409, __pyx_L1_error)
+  __pyx_t_2 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 407, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":410
+  /* "engram_stream/_engine.pyx":408
  *         cdef int64_t bad = -1, t0, i, nb
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -14252,7 +14255,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":411
+    /* "engram_stream/_engine.pyx":409
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -14261,7 +14264,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
     if (unlikely(__pyx_v_self->pending)) {
 
-      /* "engram_stream/_engine.pyx":412
+      /* "engram_stream/_engine.pyx":410
  *         try:
  *             if self.pending:
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")             # <<<<<<<<<<<<<<
@@ -14274,14 +14277,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
         PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_feed_was_called_finish_that_toke};
         __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 412, __pyx_L4_error)
+        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 410, __pyx_L4_error)
         __Pyx_GOTREF(__pyx_t_2);
       }
       __Pyx_Raise(__pyx_t_2, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-      __PYX_ERR(0, 412, __pyx_L4_error)
+      __PYX_ERR(0, 410, __pyx_L4_error)
 
-      /* "engram_stream/_engine.pyx":411
+      /* "engram_stream/_engine.pyx":409
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -14290,17 +14293,17 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
     }
 
-    /* "engram_stream/_engine.pyx":413
+    /* "engram_stream/_engine.pyx":411
  *             if self.pending:
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
  *             self._grow(chunk)  # under the guard: the scratch is shared with step()             # <<<<<<<<<<<<<<
  *             with nogil:
  *                 bad = self._first_bad_id(pid, T)
 */
-    __pyx_t_11 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_grow(__pyx_v_self, __pyx_v_chunk); if (unlikely(__pyx_t_11 == ((int)-1))) __PYX_ERR(0, 413, __pyx_L4_error)
+    __pyx_t_11 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_grow(__pyx_v_self, __pyx_v_chunk); if (unlikely(__pyx_t_11 == ((int)-1))) __PYX_ERR(0, 411, __pyx_L4_error)
 
 
-    /* "engram_stream/_engine.pyx":414
+    /* "engram_stream/_engine.pyx":412
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
  *             self._grow(chunk)  # under the guard: the scratch is shared with step()
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -14313,7 +14316,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
         __Pyx_FastGIL_Remember();
         /*try:*/ {
 
-          /* "engram_stream/_engine.pyx":415
+          /* "engram_stream/_engine.pyx":413
  *             self._grow(chunk)  # under the guard: the scratch is shared with step()
  *             with nogil:
  *                 bad = self._first_bad_id(pid, T)             # <<<<<<<<<<<<<<
@@ -14322,7 +14325,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
           __pyx_v_bad = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_first_bad_id(__pyx_v_self, __pyx_v_pid, __pyx_v_T);
 
-          /* "engram_stream/_engine.pyx":416
+          /* "engram_stream/_engine.pyx":414
  *             with nogil:
  *                 bad = self._first_bad_id(pid, T)
  *                 if bad < 0:             # <<<<<<<<<<<<<<
@@ -14334,7 +14337,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
           if (__pyx_t_9) {
 
 
-            /* "engram_stream/_engine.pyx":417
+            /* "engram_stream/_engine.pyx":415
  *                 bad = self._first_bad_id(pid, T)
  *                 if bad < 0:
  *                     t0 = 0             # <<<<<<<<<<<<<<
@@ -14343,7 +14346,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
             __pyx_v_t0 = 0;
 
-            /* "engram_stream/_engine.pyx":418
+            /* "engram_stream/_engine.pyx":416
  *                 if bad < 0:
  *                     t0 = 0
  *                     while t0 < T:             # <<<<<<<<<<<<<<
@@ -14356,7 +14359,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 
               if (!__pyx_t_9) break;
 
-              /* "engram_stream/_engine.pyx":419
+              /* "engram_stream/_engine.pyx":417
  *                     t0 = 0
  *                     while t0 < T:
  *                         nb = min(chunk, T - t0)             # <<<<<<<<<<<<<<
@@ -14380,7 +14383,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               __pyx_v_nb = __pyx_t_13;
 
 
-              /* "engram_stream/_engine.pyx":420
+              /* "engram_stream/_engine.pyx":418
  *                     while t0 < T:
  *                         nb = min(chunk, T - t0)
  *                         for i in range(nb):             # <<<<<<<<<<<<<<
@@ -14394,7 +14397,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               for (__pyx_t_12 = 0; __pyx_t_12 < __pyx_t_5; __pyx_t_12+=1) {
                 __pyx_v_i = __pyx_t_12;
 
-                /* "engram_stream/_engine.pyx":421
+                /* "engram_stream/_engine.pyx":419
  *                         nb = min(chunk, T - t0)
  *                         for i in range(nb):
  *                             self._hash_one(s, pid[t0 + i], self.rbuf + i * self.H)             # <<<<<<<<<<<<<<
@@ -14403,7 +14406,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
                 ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_hash_one(__pyx_v_self, __pyx_v_s, (__pyx_v_pid[(__pyx_v_t0 + __pyx_v_i)]), (__pyx_v_self->rbuf + (__pyx_v_i * __pyx_v_self->H)));
 
-                /* "engram_stream/_engine.pyx":422
+                /* "engram_stream/_engine.pyx":420
  *                         for i in range(nb):
  *                             self._hash_one(s, pid[t0 + i], self.rbuf + i * self.H)
  *                             self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)             # <<<<<<<<<<<<<<
@@ -14414,7 +14417,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               }
 
 
-              /* "engram_stream/_engine.pyx":424
+              /* "engram_stream/_engine.pyx":422
  *                             self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)
  *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf,
  *                                           self.prefill_threads if nb >= 32 else 1)             # <<<<<<<<<<<<<<
@@ -14432,7 +14435,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               }
 
 
-              /* "engram_stream/_engine.pyx":423
+              /* "engram_stream/_engine.pyx":421
  *                             self._hash_one(s, pid[t0 + i], self.rbuf + i * self.H)
  *                             self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)
  *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf,             # <<<<<<<<<<<<<<
@@ -14442,7 +14445,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               es_gemm_packed_mt(__pyx_v_self->ebuf, __pyx_v_self->ldx, __pyx_v_nb, __pyx_v_self->E, __pyx_v_self->wp, __pyx_v_self->bp, __pyx_v_self->M, __pyx_v_self->ybuf, __pyx_v_self->pbuf, __pyx_t_11);
 
 
-              /* "engram_stream/_engine.pyx":425
+              /* "engram_stream/_engine.pyx":423
  *                         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf,
  *                                           self.prefill_threads if nb >= 32 else 1)
  *                         for i in range(nb):             # <<<<<<<<<<<<<<
@@ -14456,7 +14459,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               for (__pyx_t_12 = 0; __pyx_t_12 < __pyx_t_5; __pyx_t_12+=1) {
                 __pyx_v_i = __pyx_t_12;
 
-                /* "engram_stream/_engine.pyx":426
+                /* "engram_stream/_engine.pyx":424
  *                                           self.prefill_threads if nb >= 32 else 1)
  *                         for i in range(nb):
  *                             self._tail(s, self.ybuf + i * self.M, ph + (t0 + i) * self.C,             # <<<<<<<<<<<<<<
@@ -14467,7 +14470,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               }
 
 
-              /* "engram_stream/_engine.pyx":428
+              /* "engram_stream/_engine.pyx":426
  *                             self._tail(s, self.ybuf + i * self.M, ph + (t0 + i) * self.C,
  *                                        po + (t0 + i) * self.C)
  *                         t0 += nb             # <<<<<<<<<<<<<<
@@ -14477,7 +14480,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
               __pyx_v_t0 = (__pyx_v_t0 + __pyx_v_nb);
             }
 
-            /* "engram_stream/_engine.pyx":416
+            /* "engram_stream/_engine.pyx":414
  *             with nogil:
  *                 bad = self._first_bad_id(pid, T)
  *                 if bad < 0:             # <<<<<<<<<<<<<<
@@ -14487,7 +14490,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
           }
         }
 
-        /* "engram_stream/_engine.pyx":414
+        /* "engram_stream/_engine.pyx":412
  *                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
  *             self._grow(chunk)  # under the guard: the scratch is shared with step()
  *             with nogil:             # <<<<<<<<<<<<<<
@@ -14505,7 +14508,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
     }
   }
 
-  /* "engram_stream/_engine.pyx":430
+  /* "engram_stream/_engine.pyx":428
  *                         t0 += nb
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -14555,7 +14558,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
     __pyx_L5:;
   }
 
-  /* "engram_stream/_engine.pyx":431
+  /* "engram_stream/_engine.pyx":429
  *         finally:
  *             self.busy = False
  *         if bad >= 0:             # <<<<<<<<<<<<<<
@@ -14567,7 +14570,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
   if (unlikely(__pyx_t_9)) {
 
 
-    /* "engram_stream/_engine.pyx":432
+    /* "engram_stream/_engine.pyx":430
  *             self.busy = False
  *         if bad >= 0:
  *             raise self._bad_id(a, bad)             # <<<<<<<<<<<<<<
@@ -14576,7 +14579,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
     __pyx_t_3 = ((PyObject *)__pyx_v_self);
     __Pyx_INCREF(__pyx_t_3);
-    __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_v_bad); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 432, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_v_bad); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 430, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __pyx_t_4 = 0;
     {
@@ -14584,14 +14587,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
       __pyx_t_2 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_bad_id, __pyx_callargs+__pyx_t_4, (3-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 432, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 430, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
     }
     __Pyx_Raise(__pyx_t_2, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __PYX_ERR(0, 432, __pyx_L1_error)
+    __PYX_ERR(0, 430, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":431
+    /* "engram_stream/_engine.pyx":429
  *         finally:
  *             self.busy = False
  *         if bad >= 0:             # <<<<<<<<<<<<<<
@@ -14600,7 +14603,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
 */
   }
 
-  /* "engram_stream/_engine.pyx":433
+  /* "engram_stream/_engine.pyx":431
  *         if bad >= 0:
  *             raise self._bad_id(a, bad)
  *         return o             # <<<<<<<<<<<<<<
@@ -14618,7 +14621,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":394
+  /* "engram_stream/_engine.pyx":392
  *         return bool(self.pending)
  * 
  *     def prefill(self, ids, hidden, stream=0, out=None):             # <<<<<<<<<<<<<<
@@ -14655,7 +14658,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_24prefill(stru
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":435
+/* "engram_stream/_engine.pyx":433
  *         return o
  * 
  *     def _check_stream(self, stream):             # <<<<<<<<<<<<<<
@@ -14703,32 +14706,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_stream,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 435, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 433, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 435, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 433, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_check_stream", 0) < (0)) __PYX_ERR(0, 435, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_check_stream", 0) < (0)) __PYX_ERR(0, 433, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_check_stream", 1, 1, 1, i); __PYX_ERR(0, 435, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_check_stream", 1, 1, 1, i); __PYX_ERR(0, 433, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 435, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 433, __pyx_L3_error)
     }
     __pyx_v_stream = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_check_stream", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 435, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_check_stream", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 433, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -14769,7 +14772,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_check_stream", 0);
 
-  /* "engram_stream/_engine.pyx":436
+  /* "engram_stream/_engine.pyx":434
  * 
  *     def _check_stream(self, stream):
  *         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):             # <<<<<<<<<<<<<<
@@ -14785,9 +14788,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
 
     goto __pyx_L4_bool_binop_done;
   }
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 436, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 434, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_integer); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 436, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_integer); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 434, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   __pyx_t_5 = PyLong_Check(__pyx_v_stream); 
@@ -14815,7 +14818,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
   if (unlikely(__pyx_t_1)) {
 
 
-    /* "engram_stream/_engine.pyx":437
+    /* "engram_stream/_engine.pyx":435
  *     def _check_stream(self, stream):
  *         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
  *             raise TypeError(f"stream must be an int, got {type(stream).__name__}")             # <<<<<<<<<<<<<<
@@ -14823,12 +14826,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
  *             raise IndexError(f"stream {stream} out of range for an engine with {self.n_streams} streams")
 */
     __pyx_t_3 = NULL;
-    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(((PyObject *)Py_TYPE(__pyx_v_stream)), __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 437, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyObject_GetAttrStr(((PyObject *)Py_TYPE(__pyx_v_stream)), __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 435, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
-    __pyx_t_7 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 437, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyObject_FormatSimple(__pyx_t_6, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 435, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-    __pyx_t_6 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_stream_must_be_an_int_got, __pyx_t_7); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 437, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_stream_must_be_an_int_got, __pyx_t_7); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 435, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     __pyx_t_8 = 1;
@@ -14837,14 +14840,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_TypeError)), __pyx_callargs+__pyx_t_8, (2-__pyx_t_8) | (__pyx_t_8*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 437, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 435, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 437, __pyx_L1_error)
+    __PYX_ERR(0, 435, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":436
+    /* "engram_stream/_engine.pyx":434
  * 
  *     def _check_stream(self, stream):
  *         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):             # <<<<<<<<<<<<<<
@@ -14853,18 +14856,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
 */
   }
 
-  /* "engram_stream/_engine.pyx":438
+  /* "engram_stream/_engine.pyx":436
  *         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
  *             raise TypeError(f"stream must be an int, got {type(stream).__name__}")
  *         if not 0 <= stream < self.n_streams:             # <<<<<<<<<<<<<<
  *             raise IndexError(f"stream {stream} out of range for an engine with {self.n_streams} streams")
  * 
 */
-  __pyx_t_1 = __Pyx_PyObject_CompareBoolLe_int_object(__pyx_mstate_global->__pyx_int_0, __pyx_v_stream, Py_LE); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 438, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_CompareBoolLe_int_object(__pyx_mstate_global->__pyx_int_0, __pyx_v_stream, Py_LE); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 436, __pyx_L1_error)
   if (__pyx_t_1) {
-    __pyx_t_4 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 438, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 436, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_1 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_v_stream, __pyx_t_4, Py_LT); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 438, __pyx_L1_error)
+    __pyx_t_1 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_v_stream, __pyx_t_4, Py_LT); if (unlikely((__pyx_t_1 < 0))) __PYX_ERR(0, 436, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
   }
   __pyx_t_5 = (!__pyx_t_1);
@@ -14873,7 +14876,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
   if (unlikely(__pyx_t_5)) {
 
 
-    /* "engram_stream/_engine.pyx":439
+    /* "engram_stream/_engine.pyx":437
  *             raise TypeError(f"stream must be an int, got {type(stream).__name__}")
  *         if not 0 <= stream < self.n_streams:
  *             raise IndexError(f"stream {stream} out of range for an engine with {self.n_streams} streams")             # <<<<<<<<<<<<<<
@@ -14881,9 +14884,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
  *     cdef void _reset_stream(self, int64_t s) noexcept nogil:
 */
     __pyx_t_6 = NULL;
-    __pyx_t_3 = __Pyx_PyObject_FormatSimple(__pyx_v_stream, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 439, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyObject_FormatSimple(__pyx_v_stream, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 437, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_3);
-    __pyx_t_7 = __Pyx_PyUnicode_From_int(__pyx_v_self->n_streams, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 439, __pyx_L1_error)
+    __pyx_t_7 = __Pyx_PyUnicode_From_int(__pyx_v_self->n_streams, 0, ' ', 'd'); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 437, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_7);
     __pyx_t_9[0] = __pyx_mstate_global->__pyx_kp_u_stream_2;
     __pyx_t_9[1] = __pyx_t_3;
@@ -14899,7 +14902,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
     __pyx_t_11 |= __Pyx_PyUnicode_KIND_04(__pyx_t_9[1]);
     #endif
     __pyx_t_12 = __Pyx_PyUnicode_Join(__pyx_t_9, 5, __pyx_t_10, __pyx_t_11);
-    if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 439, __pyx_L1_error)
+    if (unlikely(!__pyx_t_12)) __PYX_ERR(0, 437, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_12);
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
@@ -14909,14 +14912,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
       __pyx_t_4 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_IndexError)), __pyx_callargs+__pyx_t_8, (2-__pyx_t_8) | (__pyx_t_8*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_6); __pyx_t_6 = 0;
       __Pyx_DECREF(__pyx_t_12); __pyx_t_12 = 0;
-      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 439, __pyx_L1_error)
+      if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 437, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
     }
     __Pyx_Raise(__pyx_t_4, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __PYX_ERR(0, 439, __pyx_L1_error)
+    __PYX_ERR(0, 437, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":438
+    /* "engram_stream/_engine.pyx":436
  *         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
  *             raise TypeError(f"stream must be an int, got {type(stream).__name__}")
  *         if not 0 <= stream < self.n_streams:             # <<<<<<<<<<<<<<
@@ -14925,7 +14928,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
 */
   }
 
-  /* "engram_stream/_engine.pyx":435
+  /* "engram_stream/_engine.pyx":433
  *         return o
  * 
  *     def _check_stream(self, stream):             # <<<<<<<<<<<<<<
@@ -14950,7 +14953,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_26_check_strea
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":441
+/* "engram_stream/_engine.pyx":439
  *             raise IndexError(f"stream {stream} out of range for an engine with {self.n_streams} streams")
  * 
  *     cdef void _reset_stream(self, int64_t s) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -14965,7 +14968,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
   int __pyx_t_3;
   int64_t __pyx_t_4;
 
-  /* "engram_stream/_engine.pyx":443
+  /* "engram_stream/_engine.pyx":441
  *     cdef void _reset_stream(self, int64_t s) noexcept nogil:
  *         cdef int k
  *         for k in range(self.n - 1):             # <<<<<<<<<<<<<<
@@ -14979,7 +14982,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_k = __pyx_t_3;
 
-    /* "engram_stream/_engine.pyx":444
+    /* "engram_stream/_engine.pyx":442
  *         cdef int k
  *         for k in range(self.n - 1):
  *             self.hist[s * (self.n - 1) + k] = self.pad             # <<<<<<<<<<<<<<
@@ -14993,7 +14996,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
   }
 
 
-  /* "engram_stream/_engine.pyx":445
+  /* "engram_stream/_engine.pyx":443
  *         for k in range(self.n - 1):
  *             self.hist[s * (self.n - 1) + k] = self.pad
  *         memset(self.ring + s * self.conv_len * self.C, 0, self.conv_len * self.C * sizeof(float))             # <<<<<<<<<<<<<<
@@ -15002,7 +15005,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
 */
   (void)(memset((__pyx_v_self->ring + ((__pyx_v_s * __pyx_v_self->conv_len) * __pyx_v_self->C)), 0, ((__pyx_v_self->conv_len * __pyx_v_self->C) * (sizeof(float)))));
 
-  /* "engram_stream/_engine.pyx":446
+  /* "engram_stream/_engine.pyx":444
  *             self.hist[s * (self.n - 1) + k] = self.pad
  *         memset(self.ring + s * self.conv_len * self.C, 0, self.conv_len * self.C * sizeof(float))
  *         self.pos[s] = 0             # <<<<<<<<<<<<<<
@@ -15011,7 +15014,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
 */
   (__pyx_v_self->pos[__pyx_v_s]) = 0;
 
-  /* "engram_stream/_engine.pyx":447
+  /* "engram_stream/_engine.pyx":445
  *         memset(self.ring + s * self.conv_len * self.C, 0, self.conv_len * self.C * sizeof(float))
  *         self.pos[s] = 0
  *         self.seen[s] = 0             # <<<<<<<<<<<<<<
@@ -15020,7 +15023,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
 */
   (__pyx_v_self->seen[__pyx_v_s]) = 0;
 
-  /* "engram_stream/_engine.pyx":441
+  /* "engram_stream/_engine.pyx":439
  *             raise IndexError(f"stream {stream} out of range for an engine with {self.n_streams} streams")
  * 
  *     cdef void _reset_stream(self, int64_t s) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -15032,7 +15035,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream(struct
 
 }
 
-/* "engram_stream/_engine.pyx":449
+/* "engram_stream/_engine.pyx":447
  *         self.seen[s] = 0
  * 
  *     cdef void _reset_all(self) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -15046,7 +15049,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_all(struct __
   int __pyx_t_2;
   int64_t __pyx_t_3;
 
-  /* "engram_stream/_engine.pyx":451
+  /* "engram_stream/_engine.pyx":449
  *     cdef void _reset_all(self) noexcept nogil:
  *         cdef int64_t s
  *         for s in range(self.n_streams):             # <<<<<<<<<<<<<<
@@ -15060,7 +15063,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_all(struct __
   for (__pyx_t_3 = 0; __pyx_t_3 < __pyx_t_2; __pyx_t_3+=1) {
     __pyx_v_s = __pyx_t_3;
 
-    /* "engram_stream/_engine.pyx":452
+    /* "engram_stream/_engine.pyx":450
  *         cdef int64_t s
  *         for s in range(self.n_streams):
  *             self._reset_stream(s)             # <<<<<<<<<<<<<<
@@ -15071,7 +15074,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_all(struct __
   }
 
 
-  /* "engram_stream/_engine.pyx":453
+  /* "engram_stream/_engine.pyx":451
  *         for s in range(self.n_streams):
  *             self._reset_stream(s)
  *         self.pending = False             # <<<<<<<<<<<<<<
@@ -15080,7 +15083,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_all(struct __
 */
   __pyx_v_self->pending = 0;
 
-  /* "engram_stream/_engine.pyx":449
+  /* "engram_stream/_engine.pyx":447
  *         self.seen[s] = 0
  * 
  *     cdef void _reset_all(self) noexcept nogil:             # <<<<<<<<<<<<<<
@@ -15092,7 +15095,7 @@ static void __pyx_f_13engram_stream_7_engine_12StreamEngine__reset_all(struct __
 
 }
 
-/* "engram_stream/_engine.pyx":455
+/* "engram_stream/_engine.pyx":453
  *         self.pending = False
  * 
  *     def reset(self, stream=None):             # <<<<<<<<<<<<<<
@@ -15140,24 +15143,24 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_stream,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 455, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 453, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 455, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 453, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "reset", 0) < (0)) __PYX_ERR(0, 455, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "reset", 0) < (0)) __PYX_ERR(0, 453, __pyx_L3_error)
       if (!values[0]) values[0] = __Pyx_NewRef(((PyObject *)Py_None));
     } else {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 455, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 453, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
@@ -15168,7 +15171,7 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("reset", 0, 0, 1, __pyx_nargs); __PYX_ERR(0, 455, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("reset", 0, 0, 1, __pyx_nargs); __PYX_ERR(0, 453, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -15211,7 +15214,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("reset", 0);
 
-  /* "engram_stream/_engine.pyx":457
+  /* "engram_stream/_engine.pyx":455
  *     def reset(self, stream=None):
  *         """Forget the history of one stream (or of all): back to the state before any token."""
  *         if stream is not None:             # <<<<<<<<<<<<<<
@@ -15222,7 +15225,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
   if (__pyx_t_1) {
 
 
-    /* "engram_stream/_engine.pyx":458
+    /* "engram_stream/_engine.pyx":456
  *         """Forget the history of one stream (or of all): back to the state before any token."""
  *         if stream is not None:
  *             self._check_stream(stream)             # <<<<<<<<<<<<<<
@@ -15236,12 +15239,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
       PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_v_stream};
       __pyx_t_2 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_check_stream, __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 458, __pyx_L1_error)
+      if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 456, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_2);
     }
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-    /* "engram_stream/_engine.pyx":457
+    /* "engram_stream/_engine.pyx":455
  *     def reset(self, stream=None):
  *         """Forget the history of one stream (or of all): back to the state before any token."""
  *         if stream is not None:             # <<<<<<<<<<<<<<
@@ -15250,18 +15253,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
 */
   }
 
-  /* "engram_stream/_engine.pyx":459
+  /* "engram_stream/_engine.pyx":457
  *         if stream is not None:
  *             self._check_stream(stream)
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if stream is None:
 */
-  __pyx_t_2 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 459, __pyx_L1_error)
+  __pyx_t_2 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 457, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":460
+  /* "engram_stream/_engine.pyx":458
  *             self._check_stream(stream)
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -15270,7 +15273,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":461
+    /* "engram_stream/_engine.pyx":459
  *         self._enter()
  *         try:
  *             if stream is None:             # <<<<<<<<<<<<<<
@@ -15281,7 +15284,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
     if (__pyx_t_1) {
 
 
-      /* "engram_stream/_engine.pyx":462
+      /* "engram_stream/_engine.pyx":460
  *         try:
  *             if stream is None:
  *                 self._reset_all()             # <<<<<<<<<<<<<<
@@ -15290,7 +15293,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
 */
       ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_reset_all(__pyx_v_self);
 
-      /* "engram_stream/_engine.pyx":461
+      /* "engram_stream/_engine.pyx":459
  *         self._enter()
  *         try:
  *             if stream is None:             # <<<<<<<<<<<<<<
@@ -15300,7 +15303,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
       goto __pyx_L7;
     }
 
-    /* "engram_stream/_engine.pyx":463
+    /* "engram_stream/_engine.pyx":461
  *             if stream is None:
  *                 self._reset_all()
  *             elif self.pending:             # <<<<<<<<<<<<<<
@@ -15309,7 +15312,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
 */
     if (unlikely(__pyx_v_self->pending)) {
 
-      /* "engram_stream/_engine.pyx":464
+      /* "engram_stream/_engine.pyx":462
  *                 self._reset_all()
  *             elif self.pending:
  *                 raise RuntimeError("feed() was called for every stream: compute(hidden) first, "             # <<<<<<<<<<<<<<
@@ -15322,14 +15325,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
         PyObject *__pyx_callargs[2] = {__pyx_t_3, __pyx_mstate_global->__pyx_kp_u_feed_was_called_for_every_stream};
         __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_4, (2-__pyx_t_4) | (__pyx_t_4*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_3); __pyx_t_3 = 0;
-        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 464, __pyx_L5_error)
+        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 462, __pyx_L5_error)
         __Pyx_GOTREF(__pyx_t_2);
       }
       __Pyx_Raise(__pyx_t_2, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-      __PYX_ERR(0, 464, __pyx_L5_error)
+      __PYX_ERR(0, 462, __pyx_L5_error)
 
-      /* "engram_stream/_engine.pyx":463
+      /* "engram_stream/_engine.pyx":461
  *             if stream is None:
  *                 self._reset_all()
  *             elif self.pending:             # <<<<<<<<<<<<<<
@@ -15338,7 +15341,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
 */
     }
 
-    /* "engram_stream/_engine.pyx":467
+    /* "engram_stream/_engine.pyx":465
  *                                    "or reset() all streams")
  *             else:
  *                 self._reset_stream(stream)             # <<<<<<<<<<<<<<
@@ -15346,14 +15349,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
  *             self.busy = False
 */
     /*else*/ {
-      __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_v_stream); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 467, __pyx_L5_error)
+      __pyx_t_5 = __Pyx_PyLong_As_int64_t(__pyx_v_stream); if (unlikely((__pyx_t_5 == ((int64_t)-1)) && PyErr_Occurred())) __PYX_ERR(0, 465, __pyx_L5_error)
       ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_reset_stream(__pyx_v_self, __pyx_t_5);
 
     }
     __pyx_L7:;
   }
 
-  /* "engram_stream/_engine.pyx":469
+  /* "engram_stream/_engine.pyx":467
  *                 self._reset_stream(stream)
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -15399,7 +15402,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
     __pyx_L6:;
   }
 
-  /* "engram_stream/_engine.pyx":455
+  /* "engram_stream/_engine.pyx":453
  *         self.pending = False
  * 
  *     def reset(self, stream=None):             # <<<<<<<<<<<<<<
@@ -15421,7 +15424,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_28reset(struct
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":471
+/* "engram_stream/_engine.pyx":469
  *             self.busy = False
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -15460,7 +15463,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "engram_stream/_engine.pyx":474
+  /* "engram_stream/_engine.pyx":472
  *     def tokens_seen(self):
  *         """int64[S]: tokens processed per stream since its last reset."""
  *         cdef cnp.ndarray r = np.empty(self.n_streams, dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -15468,16 +15471,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
  *         return r
 */
   __pyx_t_2 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 474, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 472, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 474, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 472, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 474, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int(__pyx_v_self->n_streams); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 472, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 474, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 472, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
-  __pyx_t_6 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 474, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 472, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
   #if CYTHON_VECTORCALL
@@ -15498,13 +15501,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
     PyObject *__pyx_callargs[3] = {__pyx_t_2, __pyx_t_3, __pyx_t_6};
     #if CYTHON_VECTORCALL
     __pyx_t_5 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 474, __pyx_L1_error)
+    if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 472, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_5);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_5 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 474, __pyx_L1_error)
+      if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 472, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
     }
     #endif
@@ -15516,14 +15519,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 474, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 472, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 474, __pyx_L1_error)
+  if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 472, __pyx_L1_error)
   __pyx_v_r = ((PyArrayObject *)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":475
+  /* "engram_stream/_engine.pyx":473
  *         """int64[S]: tokens processed per stream since its last reset."""
  *         cdef cnp.ndarray r = np.empty(self.n_streams, dtype=np.int64)
  *         memcpy(cnp.PyArray_DATA(r), self.seen, self.n_streams * sizeof(int64_t))             # <<<<<<<<<<<<<<
@@ -15532,7 +15535,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
 */
   (void)(memcpy(PyArray_DATA(__pyx_v_r), __pyx_v_self->seen, (__pyx_v_self->n_streams * (sizeof(int64_t)))));
 
-  /* "engram_stream/_engine.pyx":476
+  /* "engram_stream/_engine.pyx":474
  *         cdef cnp.ndarray r = np.empty(self.n_streams, dtype=np.int64)
  *         memcpy(cnp.PyArray_DATA(r), self.seen, self.n_streams * sizeof(int64_t))
  *         return r             # <<<<<<<<<<<<<<
@@ -15550,7 +15553,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
   }
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":471
+  /* "engram_stream/_engine.pyx":469
  *             self.busy = False
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -15575,7 +15578,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_11tokens_seen_
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":478
+/* "engram_stream/_engine.pyx":476
  *         return r
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -15607,14 +15610,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12state_nbytes
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("__get__", 0);
 
-  /* "engram_stream/_engine.pyx":481
+  /* "engram_stream/_engine.pyx":479
  *     def state_nbytes(self):
  *         """Bytes of per-stream state (windows, conv rings, positions)."""
  *         return self.n_streams * ((self.n - 1) * 8 + self.conv_len * self.C * 4 + 16)             # <<<<<<<<<<<<<<
  * 
  *     def snapshot(self):
 */
-  __pyx_t_1 = __Pyx_PyLong_From_int64_t((__pyx_v_self->n_streams * ((((__pyx_v_self->n - 1) * 8) + ((__pyx_v_self->conv_len * __pyx_v_self->C) * 4)) + 16))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 481, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyLong_From_int64_t((__pyx_v_self->n_streams * ((((__pyx_v_self->n - 1) * 8) + ((__pyx_v_self->conv_len * __pyx_v_self->C) * 4)) + 16))); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 479, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   {
     PyObject *__pyx_temp;
@@ -15627,7 +15630,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12state_nbytes
   __pyx_t_1 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":478
+  /* "engram_stream/_engine.pyx":476
  *         return r
  * 
  *     @property             # <<<<<<<<<<<<<<
@@ -15646,7 +15649,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_12state_nbytes
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":483
+/* "engram_stream/_engine.pyx":481
  *         return self.n_streams * ((self.n - 1) * 8 + self.conv_len * self.C * 4 + 16)
  * 
  *     def snapshot(self):             # <<<<<<<<<<<<<<
@@ -15727,7 +15730,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("snapshot", 0);
 
-  /* "engram_stream/_engine.pyx":485
+  /* "engram_stream/_engine.pyx":483
  *     def snapshot(self):
  *         """A copy of every stream's state, for restore() (speculative decoding rollback)."""
  *         cdef int64_t S = self.n_streams             # <<<<<<<<<<<<<<
@@ -15738,7 +15741,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
 
   __pyx_v_S = __pyx_t_1;
 
-  /* "engram_stream/_engine.pyx":486
+  /* "engram_stream/_engine.pyx":484
  *         """A copy of every stream's state, for restore() (speculative decoding rollback)."""
  *         cdef int64_t S = self.n_streams
  *         hist = np.empty((S, self.n - 1), dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -15746,26 +15749,26 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
  *         pos = np.empty(S, dtype=np.int64)
 */
   __pyx_t_3 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 486, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 484, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 486, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 484, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_4 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 486, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 484, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_6 = __Pyx_PyLong_From_long((__pyx_v_self->n - 1)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 486, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_long((__pyx_v_self->n - 1)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 484, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 486, __pyx_L1_error)
+  __pyx_t_7 = PyTuple_New(2); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 484, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_GIVEREF(__pyx_t_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 486, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 484, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, __pyx_t_6) != (0)) __PYX_ERR(0, 486, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_7, 1, __pyx_t_6) != (0)) __PYX_ERR(0, 484, __pyx_L1_error);
   __pyx_t_4 = 0;
   __pyx_t_6 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 486, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 484, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 486, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 484, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
   #if CYTHON_VECTORCALL
@@ -15786,13 +15789,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     PyObject *__pyx_callargs[3] = {__pyx_t_3, __pyx_t_7, __pyx_t_4};
     #if CYTHON_VECTORCALL
     __pyx_t_6 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 486, __pyx_L1_error)
+    if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 484, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_6);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_6 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 486, __pyx_L1_error)
+      if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 484, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
     }
     #endif
@@ -15804,13 +15807,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 486, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 484, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
   __pyx_v_hist = __pyx_t_2;
   __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":487
+  /* "engram_stream/_engine.pyx":485
  *         cdef int64_t S = self.n_streams
  *         hist = np.empty((S, self.n - 1), dtype=np.int64)
  *         ring = np.empty((S, self.conv_len, self.C), dtype=np.float32)             # <<<<<<<<<<<<<<
@@ -15818,31 +15821,31 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
  *         seen = np.empty(S, dtype=np.int64)
 */
   __pyx_t_5 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 487, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 485, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 487, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 485, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 487, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 485, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->conv_len); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 487, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyLong_From_int(__pyx_v_self->conv_len); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 485, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
-  __pyx_t_3 = __Pyx_PyLong_From_int64_t(__pyx_v_self->C); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 487, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int64_t(__pyx_v_self->C); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 485, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_9 = PyTuple_New(3); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 487, __pyx_L1_error)
+  __pyx_t_9 = PyTuple_New(3); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 485, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 487, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 485, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_7);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 487, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 1, __pyx_t_7) != (0)) __PYX_ERR(0, 485, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_3);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 2, __pyx_t_3) != (0)) __PYX_ERR(0, 487, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_9, 2, __pyx_t_3) != (0)) __PYX_ERR(0, 485, __pyx_L1_error);
   __pyx_t_6 = 0;
   __pyx_t_7 = 0;
   __pyx_t_3 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 487, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 485, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 487, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 485, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   #if CYTHON_VECTORCALL
@@ -15863,13 +15866,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     PyObject *__pyx_callargs[3] = {__pyx_t_5, __pyx_t_9, __pyx_t_7};
     #if CYTHON_VECTORCALL
     __pyx_t_3 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 487, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 485, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_3);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_3 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 487, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 485, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     #endif
@@ -15881,13 +15884,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 487, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 485, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
   __pyx_v_ring = __pyx_t_2;
   __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":488
+  /* "engram_stream/_engine.pyx":486
  *         hist = np.empty((S, self.n - 1), dtype=np.int64)
  *         ring = np.empty((S, self.conv_len, self.C), dtype=np.float32)
  *         pos = np.empty(S, dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -15895,16 +15898,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
  *         self._enter()
 */
   __pyx_t_4 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 488, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 486, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 488, __pyx_L1_error)
+  __pyx_t_7 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_7)) __PYX_ERR(0, 486, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_7);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-  __pyx_t_3 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 488, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 486, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 488, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 486, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 488, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 486, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
   #if CYTHON_VECTORCALL
@@ -15925,13 +15928,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     PyObject *__pyx_callargs[3] = {__pyx_t_4, __pyx_t_3, __pyx_t_5};
     #if CYTHON_VECTORCALL
     __pyx_t_9 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 488, __pyx_L1_error)
+    if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 486, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_9);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_9 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 488, __pyx_L1_error)
+      if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 486, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_9);
     }
     #endif
@@ -15943,13 +15946,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
     __Pyx_DECREF(__pyx_t_7); __pyx_t_7 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 488, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 486, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
   __pyx_v_pos = __pyx_t_2;
   __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":489
+  /* "engram_stream/_engine.pyx":487
  *         ring = np.empty((S, self.conv_len, self.C), dtype=np.float32)
  *         pos = np.empty(S, dtype=np.int64)
  *         seen = np.empty(S, dtype=np.int64)             # <<<<<<<<<<<<<<
@@ -15957,16 +15960,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
  *         try:
 */
   __pyx_t_7 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 489, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 487, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 489, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_9, __pyx_mstate_global->__pyx_n_u_empty); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 487, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_9); __pyx_t_9 = 0;
-  __pyx_t_9 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 489, __pyx_L1_error)
+  __pyx_t_9 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_9)) __PYX_ERR(0, 487, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_9);
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 489, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 487, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
-  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 489, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 487, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
   #if CYTHON_VECTORCALL
@@ -15987,13 +15990,13 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     PyObject *__pyx_callargs[3] = {__pyx_t_7, __pyx_t_9, __pyx_t_4};
     #if CYTHON_VECTORCALL
     __pyx_t_3 = __pyx_mstate_global->__pyx_tuple[0];
-    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 489, __pyx_L1_error)
+    if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 487, __pyx_L1_error)
     __Pyx_INCREF(__pyx_t_3);
     #else
     {
       PyObject *__pyx_temp[1] = {__pyx_mstate_global->__pyx_n_u_dtype};
       __pyx_t_3 = __Pyx_MakeKwargDict(__pyx_temp, __pyx_callargs+2, 1);
-      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 489, __pyx_L1_error)
+      if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 487, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_3);
     }
     #endif
@@ -16005,24 +16008,24 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 489, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 487, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
   __pyx_v_seen = __pyx_t_2;
   __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":490
+  /* "engram_stream/_engine.pyx":488
  *         pos = np.empty(S, dtype=np.int64)
  *         seen = np.empty(S, dtype=np.int64)
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             if self.pending:
 */
-  __pyx_t_2 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 490, __pyx_L1_error)
+  __pyx_t_2 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 488, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":491
+  /* "engram_stream/_engine.pyx":489
  *         seen = np.empty(S, dtype=np.int64)
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -16031,7 +16034,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":492
+    /* "engram_stream/_engine.pyx":490
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -16040,7 +16043,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
 */
     if (unlikely(__pyx_v_self->pending)) {
 
-      /* "engram_stream/_engine.pyx":493
+      /* "engram_stream/_engine.pyx":491
  *         try:
  *             if self.pending:
  *                 raise RuntimeError("cannot snapshot between feed() and compute()")             # <<<<<<<<<<<<<<
@@ -16053,14 +16056,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
         PyObject *__pyx_callargs[2] = {__pyx_t_5, __pyx_mstate_global->__pyx_kp_u_cannot_snapshot_between_feed_and};
         __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_RuntimeError)), __pyx_callargs+__pyx_t_8, (2-__pyx_t_8) | (__pyx_t_8*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
-        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 493, __pyx_L4_error)
+        if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 491, __pyx_L4_error)
         __Pyx_GOTREF(__pyx_t_2);
       }
       __Pyx_Raise(__pyx_t_2, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-      __PYX_ERR(0, 493, __pyx_L4_error)
+      __PYX_ERR(0, 491, __pyx_L4_error)
 
-      /* "engram_stream/_engine.pyx":492
+      /* "engram_stream/_engine.pyx":490
  *         self._enter()
  *         try:
  *             if self.pending:             # <<<<<<<<<<<<<<
@@ -16069,68 +16072,68 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
 */
     }
 
-    /* "engram_stream/_engine.pyx":494
+    /* "engram_stream/_engine.pyx":492
  *             if self.pending:
  *                 raise RuntimeError("cannot snapshot between feed() and compute()")
  *             memcpy(cnp.PyArray_DATA(hist), self.hist, hist.nbytes)             # <<<<<<<<<<<<<<
  *             memcpy(cnp.PyArray_DATA(ring), self.ring, ring.nbytes)
  *             memcpy(cnp.PyArray_DATA(pos), self.pos, pos.nbytes)
 */
-    if (!(likely(((__pyx_v_hist) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_hist, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 494, __pyx_L4_error)
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_hist, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 494, __pyx_L4_error)
+    if (!(likely(((__pyx_v_hist) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_hist, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 492, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_hist, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 492, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 494, __pyx_L4_error)
+    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 492, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     (void)(memcpy(PyArray_DATA(((PyArrayObject *)__pyx_v_hist)), __pyx_v_self->hist, __pyx_t_8));
 
 
-    /* "engram_stream/_engine.pyx":495
+    /* "engram_stream/_engine.pyx":493
  *                 raise RuntimeError("cannot snapshot between feed() and compute()")
  *             memcpy(cnp.PyArray_DATA(hist), self.hist, hist.nbytes)
  *             memcpy(cnp.PyArray_DATA(ring), self.ring, ring.nbytes)             # <<<<<<<<<<<<<<
  *             memcpy(cnp.PyArray_DATA(pos), self.pos, pos.nbytes)
  *             memcpy(cnp.PyArray_DATA(seen), self.seen, seen.nbytes)
 */
-    if (!(likely(((__pyx_v_ring) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_ring, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 495, __pyx_L4_error)
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_ring, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 495, __pyx_L4_error)
+    if (!(likely(((__pyx_v_ring) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_ring, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 493, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_ring, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 493, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 495, __pyx_L4_error)
+    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 493, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     (void)(memcpy(PyArray_DATA(((PyArrayObject *)__pyx_v_ring)), __pyx_v_self->ring, __pyx_t_8));
 
 
-    /* "engram_stream/_engine.pyx":496
+    /* "engram_stream/_engine.pyx":494
  *             memcpy(cnp.PyArray_DATA(hist), self.hist, hist.nbytes)
  *             memcpy(cnp.PyArray_DATA(ring), self.ring, ring.nbytes)
  *             memcpy(cnp.PyArray_DATA(pos), self.pos, pos.nbytes)             # <<<<<<<<<<<<<<
  *             memcpy(cnp.PyArray_DATA(seen), self.seen, seen.nbytes)
  *         finally:
 */
-    if (!(likely(((__pyx_v_pos) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_pos, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 496, __pyx_L4_error)
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_pos, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 496, __pyx_L4_error)
+    if (!(likely(((__pyx_v_pos) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_pos, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 494, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_pos, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 494, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 496, __pyx_L4_error)
+    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 494, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     (void)(memcpy(PyArray_DATA(((PyArrayObject *)__pyx_v_pos)), __pyx_v_self->pos, __pyx_t_8));
 
 
-    /* "engram_stream/_engine.pyx":497
+    /* "engram_stream/_engine.pyx":495
  *             memcpy(cnp.PyArray_DATA(ring), self.ring, ring.nbytes)
  *             memcpy(cnp.PyArray_DATA(pos), self.pos, pos.nbytes)
  *             memcpy(cnp.PyArray_DATA(seen), self.seen, seen.nbytes)             # <<<<<<<<<<<<<<
  *         finally:
  *             self.busy = False
 */
-    if (!(likely(((__pyx_v_seen) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_seen, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 497, __pyx_L4_error)
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_seen, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 497, __pyx_L4_error)
+    if (!(likely(((__pyx_v_seen) == Py_None) || likely(__Pyx_TypeTest(__pyx_v_seen, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 495, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_seen, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 495, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 497, __pyx_L4_error)
+    __pyx_t_8 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_8 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 495, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     (void)(memcpy(PyArray_DATA(((PyArrayObject *)__pyx_v_seen)), __pyx_v_self->seen, __pyx_t_8));
 
   }
 
-  /* "engram_stream/_engine.pyx":499
+  /* "engram_stream/_engine.pyx":497
  *             memcpy(cnp.PyArray_DATA(seen), self.seen, seen.nbytes)
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -16181,7 +16184,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     __pyx_L5:;
   }
 
-  /* "engram_stream/_engine.pyx":500
+  /* "engram_stream/_engine.pyx":498
  *         finally:
  *             self.busy = False
  *         return EngineSnapshot(self._fingerprint, hist, ring, pos, seen)             # <<<<<<<<<<<<<<
@@ -16189,7 +16192,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
  *     def _check_snapshot(self, snapshot):
 */
   __pyx_t_5 = NULL;
-  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_EngineSnapshot); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 500, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_3, __pyx_mstate_global->__pyx_n_u_EngineSnapshot); if (unlikely(!__pyx_t_3)) __PYX_ERR(0, 498, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_3);
   __pyx_t_8 = 1;
   #if CYTHON_UNPACK_METHODS
@@ -16208,7 +16211,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
     __pyx_t_2 = __Pyx_PyObject_FastCall((PyObject*)__pyx_t_3, __pyx_callargs+__pyx_t_8, (6-__pyx_t_8) | (__pyx_t_8*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_3); __pyx_t_3 = 0;
-    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 500, __pyx_L1_error)
+    if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 498, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_2);
   }
   {
@@ -16222,7 +16225,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
   __pyx_t_2 = 0;
   goto __pyx_L0;
 
-  /* "engram_stream/_engine.pyx":483
+  /* "engram_stream/_engine.pyx":481
  *         return self.n_streams * ((self.n - 1) * 8 + self.conv_len * self.C * 4 + 16)
  * 
  *     def snapshot(self):             # <<<<<<<<<<<<<<
@@ -16252,7 +16255,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_30snapshot(str
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":502
+/* "engram_stream/_engine.pyx":500
  *         return EngineSnapshot(self._fingerprint, hist, ring, pos, seen)
  * 
  *     def _check_snapshot(self, snapshot):             # <<<<<<<<<<<<<<
@@ -16300,32 +16303,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_snapshot,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 502, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 500, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 502, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 500, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_check_snapshot", 0) < (0)) __PYX_ERR(0, 502, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "_check_snapshot", 0) < (0)) __PYX_ERR(0, 500, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_check_snapshot", 1, 1, 1, i); __PYX_ERR(0, 502, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("_check_snapshot", 1, 1, 1, i); __PYX_ERR(0, 500, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 502, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 500, __pyx_L3_error)
     }
     __pyx_v_snapshot = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("_check_snapshot", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 502, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("_check_snapshot", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 500, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -16381,16 +16384,16 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("_check_snapshot", 0);
 
-  /* "engram_stream/_engine.pyx":504
+  /* "engram_stream/_engine.pyx":502
  *     def _check_snapshot(self, snapshot):
  *         """Raise unless `snapshot` can be restored here (changes nothing)."""
  *         if not isinstance(snapshot, EngineSnapshot):             # <<<<<<<<<<<<<<
  *             raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")
  *         fp = snapshot.fingerprint
 */
-  __Pyx_GetModuleGlobalName(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_EngineSnapshot); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 504, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_EngineSnapshot); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 502, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_2 = PyObject_IsInstance(__pyx_v_snapshot, __pyx_t_1); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 504, __pyx_L1_error)
+  __pyx_t_2 = PyObject_IsInstance(__pyx_v_snapshot, __pyx_t_1); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 502, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __pyx_t_3 = (!__pyx_t_2);
 
@@ -16398,7 +16401,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
   if (unlikely(__pyx_t_3)) {
 
 
-    /* "engram_stream/_engine.pyx":505
+    /* "engram_stream/_engine.pyx":503
  *         """Raise unless `snapshot` can be restored here (changes nothing)."""
  *         if not isinstance(snapshot, EngineSnapshot):
  *             raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")             # <<<<<<<<<<<<<<
@@ -16406,12 +16409,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
  *         if fp != self._fingerprint:
 */
     __pyx_t_4 = NULL;
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(((PyObject *)Py_TYPE(__pyx_v_snapshot)), __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 505, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(((PyObject *)Py_TYPE(__pyx_v_snapshot)), __pyx_mstate_global->__pyx_n_u_name); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 503, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_6 = __Pyx_PyObject_FormatSimple(__pyx_t_5, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 505, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyObject_FormatSimple(__pyx_t_5, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 503, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    __pyx_t_5 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_restore_takes_an_EngineSnapshot, __pyx_t_6); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 505, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyUnicode_Concat(__pyx_mstate_global->__pyx_kp_u_restore_takes_an_EngineSnapshot, __pyx_t_6); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 503, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __pyx_t_7 = 1;
@@ -16420,14 +16423,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_TypeError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 505, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 503, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 505, __pyx_L1_error)
+    __PYX_ERR(0, 503, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":504
+    /* "engram_stream/_engine.pyx":502
  *     def _check_snapshot(self, snapshot):
  *         """Raise unless `snapshot` can be restored here (changes nothing)."""
  *         if not isinstance(snapshot, EngineSnapshot):             # <<<<<<<<<<<<<<
@@ -16436,41 +16439,41 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 */
   }
 
-  /* "engram_stream/_engine.pyx":506
+  /* "engram_stream/_engine.pyx":504
  *         if not isinstance(snapshot, EngineSnapshot):
  *             raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")
  *         fp = snapshot.fingerprint             # <<<<<<<<<<<<<<
  *         if fp != self._fingerprint:
  *             why = ("layer" if fp[0] != self._fingerprint[0] else
 */
-  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_fingerprint); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 506, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_fingerprint); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 504, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __pyx_v_fp = __pyx_t_1;
   __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":507
+  /* "engram_stream/_engine.pyx":505
  *             raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")
  *         fp = snapshot.fingerprint
  *         if fp != self._fingerprint:             # <<<<<<<<<<<<<<
  *             why = ("layer" if fp[0] != self._fingerprint[0] else
  *                    "config" if fp[1] != self._fingerprint[1] else
 */
-  __pyx_t_3 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_v_fp, __pyx_v_self->_fingerprint, Py_NE); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 507, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_v_fp, __pyx_v_self->_fingerprint, Py_NE); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 505, __pyx_L1_error)
   if (unlikely(__pyx_t_3)) {
 
 
-    /* "engram_stream/_engine.pyx":508
+    /* "engram_stream/_engine.pyx":506
  *         fp = snapshot.fingerprint
  *         if fp != self._fingerprint:
  *             why = ("layer" if fp[0] != self._fingerprint[0] else             # <<<<<<<<<<<<<<
  *                    "config" if fp[1] != self._fingerprint[1] else
  *                    "stream count" if fp[2] != self._fingerprint[2] else "hash plan")
 */
-    __pyx_t_5 = __Pyx_GetItemInt(__pyx_v_fp, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 508, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_GetItemInt(__pyx_v_fp, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 506, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_4 = __Pyx_GetItemInt(__pyx_v_self->_fingerprint, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_SharedReference); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 508, __pyx_L1_error)
+    __pyx_t_4 = __Pyx_GetItemInt(__pyx_v_self->_fingerprint, 0, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_SharedReference); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 506, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_3 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_t_5, __pyx_t_4, Py_NE); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 508, __pyx_L1_error)
+    __pyx_t_3 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_t_5, __pyx_t_4, Py_NE); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 506, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     if (__pyx_t_3) {
@@ -16478,18 +16481,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       __pyx_t_1 = __pyx_mstate_global->__pyx_n_u_layer;
     } else {
 
-      /* "engram_stream/_engine.pyx":509
+      /* "engram_stream/_engine.pyx":507
  *         if fp != self._fingerprint:
  *             why = ("layer" if fp[0] != self._fingerprint[0] else
  *                    "config" if fp[1] != self._fingerprint[1] else             # <<<<<<<<<<<<<<
  *                    "stream count" if fp[2] != self._fingerprint[2] else "hash plan")
  *             raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")
 */
-      __pyx_t_5 = __Pyx_GetItemInt(__pyx_v_fp, 1, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 509, __pyx_L1_error)
+      __pyx_t_5 = __Pyx_GetItemInt(__pyx_v_fp, 1, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 507, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
-      __pyx_t_6 = __Pyx_GetItemInt(__pyx_v_self->_fingerprint, 1, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_SharedReference); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 509, __pyx_L1_error)
+      __pyx_t_6 = __Pyx_GetItemInt(__pyx_v_self->_fingerprint, 1, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_SharedReference); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 507, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
-      __pyx_t_2 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_t_5, __pyx_t_6, Py_NE); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 509, __pyx_L1_error)
+      __pyx_t_2 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_t_5, __pyx_t_6, Py_NE); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 507, __pyx_L1_error)
       __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
       if (__pyx_t_2) {
@@ -16497,18 +16500,18 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
         __pyx_t_4 = __pyx_mstate_global->__pyx_n_u_config;
       } else {
 
-        /* "engram_stream/_engine.pyx":510
+        /* "engram_stream/_engine.pyx":508
  *             why = ("layer" if fp[0] != self._fingerprint[0] else
  *                    "config" if fp[1] != self._fingerprint[1] else
  *                    "stream count" if fp[2] != self._fingerprint[2] else "hash plan")             # <<<<<<<<<<<<<<
  *             raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")
  *         cdef int64_t S = self.n_streams
 */
-        __pyx_t_5 = __Pyx_GetItemInt(__pyx_v_fp, 2, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 510, __pyx_L1_error)
+        __pyx_t_5 = __Pyx_GetItemInt(__pyx_v_fp, 2, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_OwnStrongReference); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 508, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_5);
-        __pyx_t_8 = __Pyx_GetItemInt(__pyx_v_self->_fingerprint, 2, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_SharedReference); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 510, __pyx_L1_error)
+        __pyx_t_8 = __Pyx_GetItemInt(__pyx_v_self->_fingerprint, 2, long, 1, __Pyx_PyLong_From_long, 0, 0, 1, __Pyx_ReferenceSharing_SharedReference); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 508, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_8);
-        __pyx_t_9 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_t_5, __pyx_t_8, Py_NE); if (unlikely((__pyx_t_9 < 0))) __PYX_ERR(0, 510, __pyx_L1_error)
+        __pyx_t_9 = __Pyx_PyObject_CompareBoolNe_object_object(__pyx_t_5, __pyx_t_8, Py_NE); if (unlikely((__pyx_t_9 < 0))) __PYX_ERR(0, 508, __pyx_L1_error)
         __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
         __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
         if (__pyx_t_9) {
@@ -16530,7 +16533,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
     __pyx_v_why = ((PyObject*)__pyx_t_1);
     __pyx_t_1 = 0;
 
-    /* "engram_stream/_engine.pyx":511
+    /* "engram_stream/_engine.pyx":509
  *                    "config" if fp[1] != self._fingerprint[1] else
  *                    "stream count" if fp[2] != self._fingerprint[2] else "hash plan")
  *             raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")             # <<<<<<<<<<<<<<
@@ -16538,7 +16541,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
  *         shapes = {"hist": ((S, self.n - 1), np.int64), "ring": ((S, self.conv_len, self.C), np.float32),
 */
     __pyx_t_4 = NULL;
-    __pyx_t_6 = __Pyx_PyUnicode_Unicode(__pyx_v_why); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 511, __pyx_L1_error)
+    __pyx_t_6 = __Pyx_PyUnicode_Unicode(__pyx_v_why); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 509, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __pyx_t_10[0] = __pyx_mstate_global->__pyx_kp_u_snapshot_is_from_another_engine;
     __pyx_t_10[1] = __pyx_t_6;
@@ -16552,7 +16555,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
     __pyx_t_12 |= __Pyx_PyUnicode_KIND_04(__pyx_t_10[1]);
     #endif
     __pyx_t_8 = __Pyx_PyUnicode_Join(__pyx_t_10, 3, __pyx_t_11, __pyx_t_12);
-    if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 511, __pyx_L1_error)
+    if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 509, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
     __pyx_t_7 = 1;
@@ -16561,14 +16564,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       __pyx_t_1 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_4); __pyx_t_4 = 0;
       __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 511, __pyx_L1_error)
+      if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 509, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_1);
     }
     __Pyx_Raise(__pyx_t_1, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
-    __PYX_ERR(0, 511, __pyx_L1_error)
+    __PYX_ERR(0, 509, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":507
+    /* "engram_stream/_engine.pyx":505
  *             raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")
  *         fp = snapshot.fingerprint
  *         if fp != self._fingerprint:             # <<<<<<<<<<<<<<
@@ -16577,7 +16580,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 */
   }
 
-  /* "engram_stream/_engine.pyx":512
+  /* "engram_stream/_engine.pyx":510
  *                    "stream count" if fp[2] != self._fingerprint[2] else "hash plan")
  *             raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")
  *         cdef int64_t S = self.n_streams             # <<<<<<<<<<<<<<
@@ -16588,130 +16591,130 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 
   __pyx_v_S = __pyx_t_12;
 
-  /* "engram_stream/_engine.pyx":513
+  /* "engram_stream/_engine.pyx":511
  *             raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")
  *         cdef int64_t S = self.n_streams
  *         shapes = {"hist": ((S, self.n - 1), np.int64), "ring": ((S, self.conv_len, self.C), np.float32),             # <<<<<<<<<<<<<<
  *                   "pos": ((S,), np.int64), "seen": ((S,), np.int64)}
  *         for name, (shape, dtype) in shapes.items():
 */
-  __pyx_t_1 = __Pyx_PyDict_NewPresized(4); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_1 = __Pyx_PyDict_NewPresized(4); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
-  __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_4 = __Pyx_PyLong_From_long((__pyx_v_self->n - 1)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyLong_From_long((__pyx_v_self->n - 1)); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_8) != (0)) __PYX_ERR(0, 513, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_8) != (0)) __PYX_ERR(0, 511, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 513, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_4) != (0)) __PYX_ERR(0, 511, __pyx_L1_error);
   __pyx_t_8 = 0;
   __pyx_t_4 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_4 = PyTuple_New(2); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 513, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 511, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 513, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_4, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 511, __pyx_L1_error);
   __pyx_t_6 = 0;
   __pyx_t_8 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_hist, __pyx_t_4) < (0)) __PYX_ERR(0, 513, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_hist, __pyx_t_4) < (0)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-  __pyx_t_4 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_4 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_4);
-  __pyx_t_8 = __Pyx_PyLong_From_int(__pyx_v_self->conv_len); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyLong_From_int(__pyx_v_self->conv_len); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_self->C); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_self->C); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_5 = PyTuple_New(3); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_5 = PyTuple_New(3); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_GIVEREF(__pyx_t_4);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 513, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 0, __pyx_t_4) != (0)) __PYX_ERR(0, 511, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 513, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 511, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 2, __pyx_t_6) != (0)) __PYX_ERR(0, 513, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 2, __pyx_t_6) != (0)) __PYX_ERR(0, 511, __pyx_L1_error);
   __pyx_t_4 = 0;
   __pyx_t_8 = 0;
   __pyx_t_6 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_float32); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 513, __pyx_L1_error)
+  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_GIVEREF(__pyx_t_5);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 513, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 511, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 513, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 511, __pyx_L1_error);
   __pyx_t_5 = 0;
   __pyx_t_8 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_ring, __pyx_t_6) < (0)) __PYX_ERR(0, 513, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_ring, __pyx_t_6) < (0)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
 
-  /* "engram_stream/_engine.pyx":514
+  /* "engram_stream/_engine.pyx":512
  *         cdef int64_t S = self.n_streams
  *         shapes = {"hist": ((S, self.n - 1), np.int64), "ring": ((S, self.conv_len, self.C), np.float32),
  *                   "pos": ((S,), np.int64), "seen": ((S,), np.int64)}             # <<<<<<<<<<<<<<
  *         for name, (shape, dtype) in shapes.items():
  *             a = getattr(snapshot, name, None)
 */
-  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 514, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 512, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_8 = PyTuple_New(1); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 514, __pyx_L1_error)
+  __pyx_t_8 = PyTuple_New(1); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 512, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 514, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_8, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 512, __pyx_L1_error);
   __pyx_t_6 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 514, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 512, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 514, __pyx_L1_error)
+  __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 512, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 514, __pyx_L1_error)
+  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 512, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_8) != (0)) __PYX_ERR(0, 514, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_8) != (0)) __PYX_ERR(0, 512, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_5);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 514, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_5) != (0)) __PYX_ERR(0, 512, __pyx_L1_error);
   __pyx_t_8 = 0;
   __pyx_t_5 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_pos, __pyx_t_6) < (0)) __PYX_ERR(0, 513, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_pos, __pyx_t_6) < (0)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 514, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_PyLong_From_int64_t(__pyx_v_S); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 512, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_5 = PyTuple_New(1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 514, __pyx_L1_error)
+  __pyx_t_5 = PyTuple_New(1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 512, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_5);
   __Pyx_GIVEREF(__pyx_t_6);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 514, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_5, 0, __pyx_t_6) != (0)) __PYX_ERR(0, 512, __pyx_L1_error);
   __pyx_t_6 = 0;
-  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 514, __pyx_L1_error)
+  __Pyx_GetModuleGlobalName(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 512, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
-  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 514, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_6, __pyx_mstate_global->__pyx_n_u_int64); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 512, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
-  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 514, __pyx_L1_error)
+  __pyx_t_6 = PyTuple_New(2); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 512, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_GIVEREF(__pyx_t_5);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 514, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 0, __pyx_t_5) != (0)) __PYX_ERR(0, 512, __pyx_L1_error);
   __Pyx_GIVEREF(__pyx_t_8);
-  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 514, __pyx_L1_error);
+  if (__Pyx_PyTuple_SET_ITEM(__pyx_t_6, 1, __pyx_t_8) != (0)) __PYX_ERR(0, 512, __pyx_L1_error);
   __pyx_t_5 = 0;
   __pyx_t_8 = 0;
-  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seen, __pyx_t_6) < (0)) __PYX_ERR(0, 513, __pyx_L1_error)
+  if (PyDict_SetItem(__pyx_t_1, __pyx_mstate_global->__pyx_n_u_seen, __pyx_t_6) < (0)) __PYX_ERR(0, 511, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
   __pyx_v_shapes = ((PyObject*)__pyx_t_1);
   __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":515
+  /* "engram_stream/_engine.pyx":513
  *         shapes = {"hist": ((S, self.n - 1), np.int64), "ring": ((S, self.conv_len, self.C), np.float32),
  *                   "pos": ((S,), np.int64), "seen": ((S,), np.int64)}
  *         for name, (shape, dtype) in shapes.items():             # <<<<<<<<<<<<<<
@@ -16719,7 +16722,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
 */
   __pyx_t_11 = 0;
-  __pyx_t_6 = __Pyx_dict_iterator(__pyx_v_shapes, 1, __pyx_mstate_global->__pyx_n_u_items, (&__pyx_t_13), (&__pyx_t_12)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 515, __pyx_L1_error)
+  __pyx_t_6 = __Pyx_dict_iterator(__pyx_v_shapes, 1, __pyx_mstate_global->__pyx_n_u_items, (&__pyx_t_13), (&__pyx_t_12)); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 513, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_6);
   __Pyx_XDECREF(__pyx_t_1);
   __pyx_t_1 = __pyx_t_6;
@@ -16727,7 +16730,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
   while (1) {
     __pyx_t_14 = __Pyx_dict_iter_next(__pyx_t_1, __pyx_t_13, &__pyx_t_11, &__pyx_t_6, &__pyx_t_8, NULL, __pyx_t_12);
     if (unlikely(__pyx_t_14 == 0)) break;
-    if (unlikely(__pyx_t_14 == -1)) __PYX_ERR(0, 515, __pyx_L1_error)
+    if (unlikely(__pyx_t_14 == -1)) __PYX_ERR(0, 513, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_6);
     __Pyx_GOTREF(__pyx_t_8);
     __Pyx_XDECREF_SET(__pyx_v_name, __pyx_t_6);
@@ -16738,7 +16741,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       if (unlikely(size != 2)) {
         if (size > 2) __Pyx_RaiseTooManyValuesError(2);
         else if (size >= 0) __Pyx_RaiseNeedMoreValuesError(size);
-        __PYX_ERR(0, 515, __pyx_L1_error)
+        __PYX_ERR(0, 513, __pyx_L1_error)
       }
       #if CYTHON_ASSUME_SAFE_MACROS && !CYTHON_AVOID_BORROWED_REFS
       if (likely(PyTuple_CheckExact(sequence))) {
@@ -16748,22 +16751,22 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
         __Pyx_INCREF(__pyx_t_5);
       } else {
         __pyx_t_6 = __Pyx_PyList_GET_ITEM_REF(sequence, 0, __Pyx_ReferenceSharing_SharedReference);
-        if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 515, __pyx_L1_error)
+        if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 513, __pyx_L1_error)
         __Pyx_XGOTREF(__pyx_t_6);
         __pyx_t_5 = __Pyx_PyList_GET_ITEM_REF(sequence, 1, __Pyx_ReferenceSharing_SharedReference);
-        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 515, __pyx_L1_error)
+        if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 513, __pyx_L1_error)
         __Pyx_XGOTREF(__pyx_t_5);
       }
       #else
-      __pyx_t_6 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 515, __pyx_L1_error)
+      __pyx_t_6 = __Pyx_PySequence_ITEM(sequence, 0); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 513, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
-      __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 515, __pyx_L1_error)
+      __pyx_t_5 = __Pyx_PySequence_ITEM(sequence, 1); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 513, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_5);
       #endif
       __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
     } else {
       Py_ssize_t index = -1;
-      __pyx_t_4 = PyObject_GetIter(__pyx_t_8); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 515, __pyx_L1_error)
+      __pyx_t_4 = PyObject_GetIter(__pyx_t_8); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 513, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
       __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
       __pyx_t_15 = (CYTHON_COMPILING_IN_LIMITED_API) ? PyIter_Next : __Pyx_PyObject_GetIterNextFunc(__pyx_t_4);
@@ -16771,7 +16774,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       __Pyx_GOTREF(__pyx_t_6);
       index = 1; __pyx_t_5 = __pyx_t_15(__pyx_t_4); if (unlikely(!__pyx_t_5)) goto __pyx_L7_unpacking_failed;
       __Pyx_GOTREF(__pyx_t_5);
-      if (__Pyx_IternextUnpackEndCheck(__pyx_t_15(__pyx_t_4), 2) < (0)) __PYX_ERR(0, 515, __pyx_L1_error)
+      if (__Pyx_IternextUnpackEndCheck(__pyx_t_15(__pyx_t_4), 2) < (0)) __PYX_ERR(0, 513, __pyx_L1_error)
       __pyx_t_15 = NULL;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
       goto __pyx_L8_unpacking_done;
@@ -16779,7 +16782,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
       __pyx_t_15 = NULL;
       if (__Pyx_IterFinish() == 0) __Pyx_RaiseNeedMoreValuesError(index);
-      __PYX_ERR(0, 515, __pyx_L1_error)
+      __PYX_ERR(0, 513, __pyx_L1_error)
       __pyx_L8_unpacking_done:;
     }
     __Pyx_XDECREF_SET(__pyx_v_shape, __pyx_t_6);
@@ -16787,31 +16790,31 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
     __Pyx_XDECREF_SET(__pyx_v_dtype, __pyx_t_5);
     __pyx_t_5 = 0;
 
-    /* "engram_stream/_engine.pyx":516
+    /* "engram_stream/_engine.pyx":514
  *                   "pos": ((S,), np.int64), "seen": ((S,), np.int64)}
  *         for name, (shape, dtype) in shapes.items():
  *             a = getattr(snapshot, name, None)             # <<<<<<<<<<<<<<
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
  *                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
 */
-    __pyx_t_8 = __Pyx_GetAttr3(__pyx_v_snapshot, __pyx_v_name, Py_None); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 516, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_GetAttr3(__pyx_v_snapshot, __pyx_v_name, Py_None); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 514, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __Pyx_XDECREF_SET(__pyx_v_a, __pyx_t_8);
     __pyx_t_8 = 0;
 
-    /* "engram_stream/_engine.pyx":517
+    /* "engram_stream/_engine.pyx":515
  *         for name, (shape, dtype) in shapes.items():
  *             a = getattr(snapshot, name, None)
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):             # <<<<<<<<<<<<<<
  *                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
  *         if self.conv_len and (snapshot.pos.min() < 0 or snapshot.pos.max() >= self.conv_len):
 */
-    __Pyx_GetModuleGlobalName(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 517, __pyx_L1_error)
+    __Pyx_GetModuleGlobalName(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 515, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 517, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_t_8, __pyx_mstate_global->__pyx_n_u_ndarray); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 515, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    __pyx_t_2 = PyObject_IsInstance(__pyx_v_a, __pyx_t_5); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 517, __pyx_L1_error)
+    __pyx_t_2 = PyObject_IsInstance(__pyx_v_a, __pyx_t_5); if (unlikely(__pyx_t_2 == ((int)-1))) __PYX_ERR(0, 515, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     if (__pyx_t_2) {
 
@@ -16821,9 +16824,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 
       goto __pyx_L10_bool_binop_done;
     }
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 517, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_shape); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 515, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_2 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_5, __pyx_v_shape, Py_EQ); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 517, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_5, __pyx_v_shape, Py_EQ); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 515, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     if (__pyx_t_2) {
 
@@ -16833,9 +16836,9 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 
       goto __pyx_L10_bool_binop_done;
     }
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 517, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 515, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_2 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_5, __pyx_v_dtype, Py_EQ); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 517, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_CompareBoolEq_object_object(__pyx_t_5, __pyx_v_dtype, Py_EQ); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 515, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
     if (__pyx_t_2) {
 
@@ -16845,12 +16848,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 
       goto __pyx_L10_bool_binop_done;
     }
-    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 517, __pyx_L1_error)
+    __pyx_t_5 = __Pyx_PyObject_GetAttrStr(__pyx_v_a, __pyx_mstate_global->__pyx_n_u_flags); if (unlikely(!__pyx_t_5)) __PYX_ERR(0, 515, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_5);
-    __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 517, __pyx_L1_error)
+    __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_t_5, __pyx_mstate_global->__pyx_n_u_c_contiguous); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 515, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_8);
     __Pyx_DECREF(__pyx_t_5); __pyx_t_5 = 0;
-    __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_8); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 517, __pyx_L1_error)
+    __pyx_t_2 = __Pyx_PyObject_IsTrue(__pyx_t_8); if (unlikely((__pyx_t_2 < 0))) __PYX_ERR(0, 515, __pyx_L1_error)
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
 
     __pyx_t_3 = __pyx_t_2;
@@ -16862,7 +16865,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
     if (unlikely(__pyx_t_2)) {
 
 
-      /* "engram_stream/_engine.pyx":518
+      /* "engram_stream/_engine.pyx":516
  *             a = getattr(snapshot, name, None)
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
  *                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")             # <<<<<<<<<<<<<<
@@ -16870,23 +16873,23 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
  *             raise ValueError("snapshot.pos is damaged: ring positions out of range")
 */
       __pyx_t_5 = NULL;
-      __pyx_t_6 = __Pyx_PyObject_FormatSimple(__pyx_v_name, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 518, __pyx_L1_error)
+      __pyx_t_6 = __Pyx_PyObject_FormatSimple(__pyx_v_name, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_6)) __PYX_ERR(0, 516, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_6);
-      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 518, __pyx_L1_error)
+      __Pyx_GetModuleGlobalName(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_np); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 516, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
-      __pyx_t_16 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 518, __pyx_L1_error)
+      __pyx_t_16 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_dtype); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 516, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_16);
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_4 = __Pyx_PyObject_CallOneArg(__pyx_t_16, __pyx_v_dtype); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 518, __pyx_L1_error)
+      __pyx_t_4 = __Pyx_PyObject_CallOneArg(__pyx_t_16, __pyx_v_dtype); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 516, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
       __Pyx_DECREF(__pyx_t_16); __pyx_t_16 = 0;
-      __pyx_t_16 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_name_2); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 518, __pyx_L1_error)
+      __pyx_t_16 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_name_2); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 516, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_16);
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-      __pyx_t_4 = __Pyx_PyObject_FormatSimple(__pyx_t_16, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 518, __pyx_L1_error)
+      __pyx_t_4 = __Pyx_PyObject_FormatSimple(__pyx_t_16, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 516, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_4);
       __Pyx_DECREF(__pyx_t_16); __pyx_t_16 = 0;
-      __pyx_t_16 = __Pyx_PyObject_FormatSimple(__pyx_v_shape, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 518, __pyx_L1_error)
+      __pyx_t_16 = __Pyx_PyObject_FormatSimple(__pyx_v_shape, __pyx_mstate_global->__pyx_empty_unicode); if (unlikely(!__pyx_t_16)) __PYX_ERR(0, 516, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_16);
       __pyx_t_17[0] = __pyx_mstate_global->__pyx_kp_u_snapshot_2;
       __pyx_t_17[1] = __pyx_t_6;
@@ -16903,7 +16906,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       __pyx_t_14 |= __Pyx_PyUnicode_KIND_04(__pyx_t_17[1]) | __Pyx_PyUnicode_KIND_04(__pyx_t_17[3]) | __Pyx_PyUnicode_KIND_04(__pyx_t_17[5]);
       #endif
       __pyx_t_19 = __Pyx_PyUnicode_Join(__pyx_t_17, 6, __pyx_t_18, __pyx_t_14);
-      if (unlikely(!__pyx_t_19)) __PYX_ERR(0, 518, __pyx_L1_error)
+      if (unlikely(!__pyx_t_19)) __PYX_ERR(0, 516, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_19);
       __Pyx_DECREF(__pyx_t_6); __pyx_t_6 = 0;
       __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
@@ -16914,14 +16917,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
         __pyx_t_8 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
         __Pyx_XDECREF(__pyx_t_5); __pyx_t_5 = 0;
         __Pyx_DECREF(__pyx_t_19); __pyx_t_19 = 0;
-        if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 518, __pyx_L1_error)
+        if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 516, __pyx_L1_error)
         __Pyx_GOTREF(__pyx_t_8);
       }
       __Pyx_Raise(__pyx_t_8, 0, 0, 0);
       __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-      __PYX_ERR(0, 518, __pyx_L1_error)
+      __PYX_ERR(0, 516, __pyx_L1_error)
 
-      /* "engram_stream/_engine.pyx":517
+      /* "engram_stream/_engine.pyx":515
  *         for name, (shape, dtype) in shapes.items():
  *             a = getattr(snapshot, name, None)
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):             # <<<<<<<<<<<<<<
@@ -16932,7 +16935,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":519
+  /* "engram_stream/_engine.pyx":517
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
  *                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
  *         if self.conv_len and (snapshot.pos.min() < 0 or snapshot.pos.max() >= self.conv_len):             # <<<<<<<<<<<<<<
@@ -16949,7 +16952,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 
     goto __pyx_L15_bool_binop_done;
   }
-  __pyx_t_19 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_19)) __PYX_ERR(0, 519, __pyx_L1_error)
+  __pyx_t_19 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_19)) __PYX_ERR(0, 517, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_19);
   __pyx_t_8 = __pyx_t_19;
   __Pyx_INCREF(__pyx_t_8);
@@ -16959,10 +16962,10 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_min, __pyx_callargs+__pyx_t_7, (1-__pyx_t_7) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_8); __pyx_t_8 = 0;
     __Pyx_DECREF(__pyx_t_19); __pyx_t_19 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 519, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 517, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  __pyx_t_3 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_1, __pyx_mstate_global->__pyx_int_0, Py_LT); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 519, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_CompareBoolLt_object_int(__pyx_t_1, __pyx_mstate_global->__pyx_int_0, Py_LT); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 517, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   if (!__pyx_t_3) {
 
@@ -16972,7 +16975,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 
     goto __pyx_L15_bool_binop_done;
   }
-  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 519, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 517, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
   __pyx_t_19 = __pyx_t_8;
   __Pyx_INCREF(__pyx_t_19);
@@ -16982,12 +16985,12 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_max, __pyx_callargs+__pyx_t_7, (1-__pyx_t_7) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_19); __pyx_t_19 = 0;
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 519, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 517, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
-  __pyx_t_8 = __Pyx_PyLong_From_int(__pyx_v_self->conv_len); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 519, __pyx_L1_error)
+  __pyx_t_8 = __Pyx_PyLong_From_int(__pyx_v_self->conv_len); if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 517, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_8);
-  __pyx_t_3 = __Pyx_PyObject_CompareBoolGe_object_int(__pyx_t_1, __pyx_t_8, Py_GE); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 519, __pyx_L1_error)
+  __pyx_t_3 = __Pyx_PyObject_CompareBoolGe_object_int(__pyx_t_1, __pyx_t_8, Py_GE); if (unlikely((__pyx_t_3 < 0))) __PYX_ERR(0, 517, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
   __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
 
@@ -16997,7 +17000,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
   if (unlikely(__pyx_t_2)) {
 
 
-    /* "engram_stream/_engine.pyx":520
+    /* "engram_stream/_engine.pyx":518
  *                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
  *         if self.conv_len and (snapshot.pos.min() < 0 or snapshot.pos.max() >= self.conv_len):
  *             raise ValueError("snapshot.pos is damaged: ring positions out of range")             # <<<<<<<<<<<<<<
@@ -17010,14 +17013,14 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
       PyObject *__pyx_callargs[2] = {__pyx_t_1, __pyx_mstate_global->__pyx_kp_u_snapshot_pos_is_damaged_ring_pos};
       __pyx_t_8 = __Pyx_PyObject_FastCall((PyObject*)(((PyTypeObject*)PyExc_ValueError)), __pyx_callargs+__pyx_t_7, (2-__pyx_t_7) | (__pyx_t_7*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
       __Pyx_XDECREF(__pyx_t_1); __pyx_t_1 = 0;
-      if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 520, __pyx_L1_error)
+      if (unlikely(!__pyx_t_8)) __PYX_ERR(0, 518, __pyx_L1_error)
       __Pyx_GOTREF(__pyx_t_8);
     }
     __Pyx_Raise(__pyx_t_8, 0, 0, 0);
     __Pyx_DECREF(__pyx_t_8); __pyx_t_8 = 0;
-    __PYX_ERR(0, 520, __pyx_L1_error)
+    __PYX_ERR(0, 518, __pyx_L1_error)
 
-    /* "engram_stream/_engine.pyx":519
+    /* "engram_stream/_engine.pyx":517
  *             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
  *                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
  *         if self.conv_len and (snapshot.pos.min() < 0 or snapshot.pos.max() >= self.conv_len):             # <<<<<<<<<<<<<<
@@ -17026,7 +17029,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
 */
   }
 
-  /* "engram_stream/_engine.pyx":502
+  /* "engram_stream/_engine.pyx":500
  *         return EngineSnapshot(self._fingerprint, hist, ring, pos, seen)
  * 
  *     def _check_snapshot(self, snapshot):             # <<<<<<<<<<<<<<
@@ -17061,7 +17064,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_32_check_snaps
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pyx":522
+/* "engram_stream/_engine.pyx":520
  *             raise ValueError("snapshot.pos is damaged: ring positions out of range")
  * 
  *     def restore(self, snapshot):             # <<<<<<<<<<<<<<
@@ -17109,32 +17112,32 @@ PyObject *__pyx_args, PyObject *__pyx_kwds
   {
     PyObject ** const __pyx_pyargnames[] = {&__pyx_mstate_global->__pyx_n_u_snapshot,0};
     const Py_ssize_t __pyx_kwds_len = (__pyx_kwds) ? __Pyx_NumKwargs_FASTCALL(__pyx_kwds) : 0;
-    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 522, __pyx_L3_error)
+    if (unlikely(__pyx_kwds_len < 0)) __PYX_ERR(0, 520, __pyx_L3_error)
     if (__pyx_kwds_len > 0) {
       switch (__pyx_nargs) {
         case  1:
         values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 522, __pyx_L3_error)
+        if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 520, __pyx_L3_error)
         CYTHON_FALLTHROUGH;
         case  0: break;
         default: goto __pyx_L5_argtuple_error;
       }
       const Py_ssize_t kwd_pos_args = __pyx_nargs;
-      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "restore", 0) < (0)) __PYX_ERR(0, 522, __pyx_L3_error)
+      if (__Pyx_ParseKeywords(__pyx_kwds, __pyx_kwvalues, __pyx_pyargnames, 0, values, kwd_pos_args, __pyx_kwds_len, "restore", 0) < (0)) __PYX_ERR(0, 520, __pyx_L3_error)
       for (Py_ssize_t i = __pyx_nargs; i < 1; i++) {
-        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("restore", 1, 1, 1, i); __PYX_ERR(0, 522, __pyx_L3_error) }
+        if (unlikely(!values[i])) { __Pyx_RaiseArgtupleInvalid("restore", 1, 1, 1, i); __PYX_ERR(0, 520, __pyx_L3_error) }
       }
     } else if (unlikely(__pyx_nargs != 1)) {
       goto __pyx_L5_argtuple_error;
     } else {
       values[0] = __Pyx_ArgRef_FASTCALL(__pyx_args, 0);
-      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 522, __pyx_L3_error)
+      if (!CYTHON_ASSUME_SAFE_MACROS && unlikely(!values[0])) __PYX_ERR(0, 520, __pyx_L3_error)
     }
     __pyx_v_snapshot = values[0];
   }
   goto __pyx_L6_skip;
   __pyx_L5_argtuple_error:;
-  __Pyx_RaiseArgtupleInvalid("restore", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 522, __pyx_L3_error)
+  __Pyx_RaiseArgtupleInvalid("restore", 1, 1, 1, __pyx_nargs); __PYX_ERR(0, 520, __pyx_L3_error)
   __pyx_L6_skip:;
   goto __pyx_L4_argument_unpacking_done;
   __pyx_L3_error:;
@@ -17176,7 +17179,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_34restore(stru
   int __pyx_clineno = 0;
   __Pyx_RefNannySetupContext("restore", 0);
 
-  /* "engram_stream/_engine.pyx":524
+  /* "engram_stream/_engine.pyx":522
  *     def restore(self, snapshot):
  *         """Put back a snapshot of this engine, or of one with the same layer, config and streams."""
  *         self._check_snapshot(snapshot)             # <<<<<<<<<<<<<<
@@ -17190,23 +17193,23 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_34restore(stru
     PyObject *__pyx_callargs[2] = {__pyx_t_2, __pyx_v_snapshot};
     __pyx_t_1 = __Pyx_PyObject_FastCallMethod((PyObject*)__pyx_mstate_global->__pyx_n_u_check_snapshot, __pyx_callargs+__pyx_t_3, (2-__pyx_t_3) | (1*__Pyx_PY_VECTORCALL_ARGUMENTS_OFFSET));
     __Pyx_XDECREF(__pyx_t_2); __pyx_t_2 = 0;
-    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 524, __pyx_L1_error)
+    if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 522, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_t_1);
   }
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":525
+  /* "engram_stream/_engine.pyx":523
  *         """Put back a snapshot of this engine, or of one with the same layer, config and streams."""
  *         self._check_snapshot(snapshot)
  *         self._enter()             # <<<<<<<<<<<<<<
  *         try:
  *             memcpy(self.hist, cnp.PyArray_DATA(snapshot.hist), snapshot.hist.nbytes)
 */
-  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 525, __pyx_L1_error)
+  __pyx_t_1 = ((struct __pyx_vtabstruct_13engram_stream_7_engine_StreamEngine *)__pyx_v_self->__pyx_vtab)->_enter(__pyx_v_self); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 523, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_1);
   __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
-  /* "engram_stream/_engine.pyx":526
+  /* "engram_stream/_engine.pyx":524
  *         self._check_snapshot(snapshot)
  *         self._enter()
  *         try:             # <<<<<<<<<<<<<<
@@ -17215,91 +17218,91 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_34restore(stru
 */
   /*try:*/ {
 
-    /* "engram_stream/_engine.pyx":527
+    /* "engram_stream/_engine.pyx":525
  *         self._enter()
  *         try:
  *             memcpy(self.hist, cnp.PyArray_DATA(snapshot.hist), snapshot.hist.nbytes)             # <<<<<<<<<<<<<<
  *             memcpy(self.ring, cnp.PyArray_DATA(snapshot.ring), snapshot.ring.nbytes)
  *             memcpy(self.pos, cnp.PyArray_DATA(snapshot.pos), snapshot.pos.nbytes)
 */
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_hist); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 527, __pyx_L4_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_hist); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 525, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_1);
-    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 527, __pyx_L4_error)
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_hist); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 527, __pyx_L4_error)
+    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 525, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_hist); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 525, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 527, __pyx_L4_error)
+    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 525, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 527, __pyx_L4_error)
+    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 525, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     (void)(memcpy(__pyx_v_self->hist, PyArray_DATA(((PyArrayObject *)__pyx_t_1)), __pyx_t_3));
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
 
-    /* "engram_stream/_engine.pyx":528
+    /* "engram_stream/_engine.pyx":526
  *         try:
  *             memcpy(self.hist, cnp.PyArray_DATA(snapshot.hist), snapshot.hist.nbytes)
  *             memcpy(self.ring, cnp.PyArray_DATA(snapshot.ring), snapshot.ring.nbytes)             # <<<<<<<<<<<<<<
  *             memcpy(self.pos, cnp.PyArray_DATA(snapshot.pos), snapshot.pos.nbytes)
  *             memcpy(self.seen, cnp.PyArray_DATA(snapshot.seen), snapshot.seen.nbytes)
 */
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_ring); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 528, __pyx_L4_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_ring); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 526, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_1);
-    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 528, __pyx_L4_error)
-    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_ring); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 528, __pyx_L4_error)
+    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 526, __pyx_L4_error)
+    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_ring); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 526, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 528, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 526, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 528, __pyx_L4_error)
+    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 526, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     (void)(memcpy(__pyx_v_self->ring, PyArray_DATA(((PyArrayObject *)__pyx_t_1)), __pyx_t_3));
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
 
-    /* "engram_stream/_engine.pyx":529
+    /* "engram_stream/_engine.pyx":527
  *             memcpy(self.hist, cnp.PyArray_DATA(snapshot.hist), snapshot.hist.nbytes)
  *             memcpy(self.ring, cnp.PyArray_DATA(snapshot.ring), snapshot.ring.nbytes)
  *             memcpy(self.pos, cnp.PyArray_DATA(snapshot.pos), snapshot.pos.nbytes)             # <<<<<<<<<<<<<<
  *             memcpy(self.seen, cnp.PyArray_DATA(snapshot.seen), snapshot.seen.nbytes)
  *             self.pending = False
 */
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 529, __pyx_L4_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 527, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_1);
-    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 529, __pyx_L4_error)
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 529, __pyx_L4_error)
+    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 527, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_pos); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 527, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
-    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 529, __pyx_L4_error)
+    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_t_2, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 527, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_4);
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
-    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 529, __pyx_L4_error)
+    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_4); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 527, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
     (void)(memcpy(__pyx_v_self->pos, PyArray_DATA(((PyArrayObject *)__pyx_t_1)), __pyx_t_3));
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
 
-    /* "engram_stream/_engine.pyx":530
+    /* "engram_stream/_engine.pyx":528
  *             memcpy(self.ring, cnp.PyArray_DATA(snapshot.ring), snapshot.ring.nbytes)
  *             memcpy(self.pos, cnp.PyArray_DATA(snapshot.pos), snapshot.pos.nbytes)
  *             memcpy(self.seen, cnp.PyArray_DATA(snapshot.seen), snapshot.seen.nbytes)             # <<<<<<<<<<<<<<
  *             self.pending = False
  *         finally:
 */
-    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_seen); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 530, __pyx_L4_error)
+    __pyx_t_1 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_seen); if (unlikely(!__pyx_t_1)) __PYX_ERR(0, 528, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_1);
-    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 530, __pyx_L4_error)
-    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_seen); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 530, __pyx_L4_error)
+    if (!(likely(((__pyx_t_1) == Py_None) || likely(__Pyx_TypeTest(__pyx_t_1, __pyx_mstate_global->__pyx_ptype_5numpy_ndarray))))) __PYX_ERR(0, 528, __pyx_L4_error)
+    __pyx_t_4 = __Pyx_PyObject_GetAttrStr(__pyx_v_snapshot, __pyx_mstate_global->__pyx_n_u_seen); if (unlikely(!__pyx_t_4)) __PYX_ERR(0, 528, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_4);
-    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 530, __pyx_L4_error)
+    __pyx_t_2 = __Pyx_PyObject_GetAttrStr(__pyx_t_4, __pyx_mstate_global->__pyx_n_u_nbytes); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 528, __pyx_L4_error)
     __Pyx_GOTREF(__pyx_t_2);
     __Pyx_DECREF(__pyx_t_4); __pyx_t_4 = 0;
-    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 530, __pyx_L4_error)
+    __pyx_t_3 = __Pyx_PyLong_As_size_t(__pyx_t_2); if (unlikely((__pyx_t_3 == (size_t)-1) && PyErr_Occurred())) __PYX_ERR(0, 528, __pyx_L4_error)
     __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
     (void)(memcpy(__pyx_v_self->seen, PyArray_DATA(((PyArrayObject *)__pyx_t_1)), __pyx_t_3));
     __Pyx_DECREF(__pyx_t_1); __pyx_t_1 = 0;
 
 
-    /* "engram_stream/_engine.pyx":531
+    /* "engram_stream/_engine.pyx":529
  *             memcpy(self.pos, cnp.PyArray_DATA(snapshot.pos), snapshot.pos.nbytes)
  *             memcpy(self.seen, cnp.PyArray_DATA(snapshot.seen), snapshot.seen.nbytes)
  *             self.pending = False             # <<<<<<<<<<<<<<
@@ -17309,7 +17312,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_34restore(stru
     __pyx_v_self->pending = 0;
   }
 
-  /* "engram_stream/_engine.pyx":533
+  /* "engram_stream/_engine.pyx":531
  *             self.pending = False
  *         finally:
  *             self.busy = False             # <<<<<<<<<<<<<<
@@ -17354,7 +17357,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_34restore(stru
     __pyx_L5:;
   }
 
-  /* "engram_stream/_engine.pyx":522
+  /* "engram_stream/_engine.pyx":520
  *             raise ValueError("snapshot.pos is damaged: ring positions out of range")
  * 
  *     def restore(self, snapshot):             # <<<<<<<<<<<<<<
@@ -17593,8 +17596,8 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_9n_streams___g
   return __pyx_r;
 }
 
-/* "engram_stream/_engine.pxd":74
- *     cdef bint pending              # feed() done, compute() not yet
+/* "engram_stream/_engine.pxd":75
+ *     cdef int64_t tok1              # a scalar token id of a single-stream call
  *     cdef bint busy                 # a call is running (one owner at a time)
  *     cdef public int prefill_threads  # threads for prefill's GEMMs (default: the machine's cores)             # <<<<<<<<<<<<<<
  * 
@@ -17632,7 +17635,7 @@ static PyObject *__pyx_pf_13engram_stream_7_engine_12StreamEngine_15prefill_thre
       __Pyx_INCREF(__pyx_t_1);
       __Pyx_PyCriticalSection_Begin(&__pyx_cs, (PyObject*)__pyx_t_1);
       /*try:*/ {
-        __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->prefill_threads); if (unlikely(!__pyx_t_2)) __PYX_ERR(2, 74, __pyx_L4_error)
+        __pyx_t_2 = __Pyx_PyLong_From_int(__pyx_v_self->prefill_threads); if (unlikely(!__pyx_t_2)) __PYX_ERR(2, 75, __pyx_L4_error)
         __Pyx_GOTREF(__pyx_t_2);
         {
           PyObject *__pyx_temp;
@@ -17705,7 +17708,7 @@ static int __pyx_pf_13engram_stream_7_engine_12StreamEngine_15prefill_threads_2_
       __Pyx_INCREF(__pyx_t_1);
       __Pyx_PyCriticalSection_Begin(&__pyx_cs, (PyObject*)__pyx_t_1);
       /*try:*/ {
-        __pyx_t_2 = __Pyx_PyLong_As_int(__pyx_v_value); if (unlikely((__pyx_t_2 == (int)-1) && PyErr_Occurred())) __PYX_ERR(2, 74, __pyx_L4_error)
+        __pyx_t_2 = __Pyx_PyLong_As_int(__pyx_v_value); if (unlikely((__pyx_t_2 == (int)-1) && PyErr_Occurred())) __PYX_ERR(2, 75, __pyx_L4_error)
         __pyx_v_self->prefill_threads = __pyx_t_2;
       }
       /*finally:*/ {
@@ -18334,6 +18337,7 @@ static int __Pyx_modinit_Exttype___pyx_obj_13engram_stream_7_engine_StreamEngine
   __pyx_vtable_13engram_stream_7_engine_StreamEngine._reset_stream = (void (*)(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *, int64_t))__pyx_f_13engram_stream_7_engine_12StreamEngine__reset_stream;
   __pyx_vtable_13engram_stream_7_engine_StreamEngine._reset_all = (void (*)(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *))__pyx_f_13engram_stream_7_engine_12StreamEngine__reset_all;
   __pyx_vtable_13engram_stream_7_engine_StreamEngine._enter = (PyObject *(*)(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *))__pyx_f_13engram_stream_7_engine_12StreamEngine__enter;
+  __pyx_vtable_13engram_stream_7_engine_StreamEngine._id_ptr = (int64_t const *(*)(struct __pyx_obj_13engram_stream_7_engine_StreamEngine *, PyObject *, int))__pyx_f_13engram_stream_7_engine_12StreamEngine__id_ptr;
   #if CYTHON_USE_TYPE_SPECS
   __pyx_mstate->__pyx_ptype_13engram_stream_7_engine_StreamEngine = (PyTypeObject *) __Pyx_PyType_FromModuleAndSpec(__pyx_m, &__pyx_type_13engram_stream_7_engine_StreamEngine_spec, NULL); if (unlikely(!__pyx_mstate->__pyx_ptype_13engram_stream_7_engine_StreamEngine)) __PYX_ERR(0, 65, __pyx_L1_error)
   #else
@@ -19036,218 +19040,218 @@ __Pyx_RefNannySetupContext("PyInit__engine", 0);
   if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_ids_2, __pyx_t_2) < (0)) __PYX_ERR(0, 223, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":237
- *         return ids, False
+  /* "engram_stream/_engine.pyx":244
+ *         return <const int64_t *> _data(ids)
  * 
  *     def _hidden(self, hidden, shape):             # <<<<<<<<<<<<<<
  *         if (type(hidden) is np.ndarray and hidden.dtype == np.float32
  *                 and hidden.flags.c_contiguous and hidden.shape == shape):
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_9_hidden, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__hidden, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[4])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 237, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_9_hidden, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__hidden, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[4])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 244, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_hidden_2, __pyx_t_2) < (0)) __PYX_ERR(0, 237, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_hidden_2, __pyx_t_2) < (0)) __PYX_ERR(0, 244, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":243
+  /* "engram_stream/_engine.pyx":250
  *         return check_hidden(hidden, shape)
  * 
  *     def _out(self, out, shape):             # <<<<<<<<<<<<<<
  *         if out is None:
  *             return np.empty(shape, dtype=np.float32)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_11_out, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__out, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 243, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_11_out, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__out, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[5])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 250, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_out_2, __pyx_t_2) < (0)) __PYX_ERR(0, 243, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_out_2, __pyx_t_2) < (0)) __PYX_ERR(0, 250, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":252
+  /* "engram_stream/_engine.pyx":259
  *         return out
  * 
  *     def _bad_id(self, cnp.ndarray ids, int64_t i):             # <<<<<<<<<<<<<<
  *         return ValueError(f"token id {ids[i]} out of range: ids must be < vocab_size={self.vocab}")
  * 
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_13_bad_id, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__bad_id, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 252, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_13_bad_id, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__bad_id, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[6])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 259, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_bad_id, __pyx_t_2) < (0)) __PYX_ERR(0, 252, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_bad_id, __pyx_t_2) < (0)) __PYX_ERR(0, 259, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":256
+  /* "engram_stream/_engine.pyx":263
  * 
  *     # ---- the public calls ---------------------------------------------------------------------
  *     def step(self, token_ids, hidden, out=None):             # <<<<<<<<<<<<<<
  *         """One token per stream: (token_id, hidden[G, D]) for one stream, or
  *         (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram output (no residual)."""
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_15step, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_step, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[7])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 256, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_15step, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_step, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[7])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 263, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[1]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_step, __pyx_t_2) < (0)) __PYX_ERR(0, 256, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_step, __pyx_t_2) < (0)) __PYX_ERR(0, 263, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":302
+  /* "engram_stream/_engine.pyx":305
  *             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
  * 
  *     def feed(self, token_ids):             # <<<<<<<<<<<<<<
  *         """First half of a step: compress and hash the new token(s), advance the hash windows.
  *         The rows (`.rows`) are then known before the layer runs; compute() finishes the step."""
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_17feed, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_feed, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 302, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_17feed, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_feed, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[8])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 305, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_feed, __pyx_t_2) < (0)) __PYX_ERR(0, 302, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_feed, __pyx_t_2) < (0)) __PYX_ERR(0, 305, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":327
+  /* "engram_stream/_engine.pyx":325
  *             raise self._bad_id(ids, bad)
  * 
  *     def compute(self, hidden, out=None):             # <<<<<<<<<<<<<<
  *         """Second half of a step, after feed(): gather, project, gate, conv. Shapes as step()."""
  *         cdef object shape = (self.n_streams, self.G, self.D)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_19compute, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_compute, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 327, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_19compute, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_compute, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[9])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 325, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[1]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_compute, __pyx_t_2) < (0)) __PYX_ERR(0, 327, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_compute, __pyx_t_2) < (0)) __PYX_ERR(0, 325, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":354
+  /* "engram_stream/_engine.pyx":352
  *         return r
  * 
  *     def prefetch(self):             # <<<<<<<<<<<<<<
  *         """After feed(): madvise(WILLNEED) the pages of the fed rows, so a file-backed table
  *         starts reading them now (while earlier layers compute). Returns failed madvise calls."""
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_21prefetch, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_prefetch, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 354, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_21prefetch, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_prefetch, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[10])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 352, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_prefetch, __pyx_t_2) < (0)) __PYX_ERR(0, 354, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_prefetch, __pyx_t_2) < (0)) __PYX_ERR(0, 352, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":372
+  /* "engram_stream/_engine.pyx":370
  *         return int(failed)
  * 
  *     def track_rows(self, bitmap):             # <<<<<<<<<<<<<<
  *         """Record every row this engine reads in `bitmap` (uint8[ceil(table_rows/8)], bit r =
  *         row r), or stop recording with None. The array is borrowed: keep it alive."""
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_23track_rows, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_track_rows, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 372, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_23track_rows, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_track_rows, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[11])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 370, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_track_rows, __pyx_t_2) < (0)) __PYX_ERR(0, 372, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_track_rows, __pyx_t_2) < (0)) __PYX_ERR(0, 370, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":394
+  /* "engram_stream/_engine.pyx":392
  *         return bool(self.pending)
  * 
  *     def prefill(self, ids, hidden, stream=0, out=None):             # <<<<<<<<<<<<<<
  *         """A prompt on one stream: ids[T], hidden[T, G, D] -> float32[T, G, D], equal to T
  *         steps and leaving the same state; projections run as [<=128, E] x [E, M] GEMMs split
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_25prefill, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_prefill, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 394, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_25prefill, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_prefill, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[12])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 392, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[2]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_prefill, __pyx_t_2) < (0)) __PYX_ERR(0, 394, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_prefill, __pyx_t_2) < (0)) __PYX_ERR(0, 392, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":435
+  /* "engram_stream/_engine.pyx":433
  *         return o
  * 
  *     def _check_stream(self, stream):             # <<<<<<<<<<<<<<
  *         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
  *             raise TypeError(f"stream must be an int, got {type(stream).__name__}")
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_27_check_stream, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__check_stream, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 435, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_27_check_stream, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__check_stream, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[13])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 433, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_check_stream, __pyx_t_2) < (0)) __PYX_ERR(0, 435, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_check_stream, __pyx_t_2) < (0)) __PYX_ERR(0, 433, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":455
+  /* "engram_stream/_engine.pyx":453
  *         self.pending = False
  * 
  *     def reset(self, stream=None):             # <<<<<<<<<<<<<<
  *         """Forget the history of one stream (or of all): back to the state before any token."""
  *         if stream is not None:
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_29reset, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_reset, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 455, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_29reset, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_reset, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[14])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 453, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
   __Pyx_CyFunction_SetDefaultsTuple(__pyx_t_2, __pyx_mstate_global->__pyx_tuple[1]);
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_reset, __pyx_t_2) < (0)) __PYX_ERR(0, 455, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_reset, __pyx_t_2) < (0)) __PYX_ERR(0, 453, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":483
+  /* "engram_stream/_engine.pyx":481
  *         return self.n_streams * ((self.n - 1) * 8 + self.conv_len * self.C * 4 + 16)
  * 
  *     def snapshot(self):             # <<<<<<<<<<<<<<
  *         """A copy of every stream's state, for restore() (speculative decoding rollback)."""
  *         cdef int64_t S = self.n_streams
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_31snapshot, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_snapshot, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 483, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_31snapshot, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_snapshot, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[15])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 481, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_snapshot, __pyx_t_2) < (0)) __PYX_ERR(0, 483, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_snapshot, __pyx_t_2) < (0)) __PYX_ERR(0, 481, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":502
+  /* "engram_stream/_engine.pyx":500
  *         return EngineSnapshot(self._fingerprint, hist, ring, pos, seen)
  * 
  *     def _check_snapshot(self, snapshot):             # <<<<<<<<<<<<<<
  *         """Raise unless `snapshot` can be restored here (changes nothing)."""
  *         if not isinstance(snapshot, EngineSnapshot):
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_33_check_snapshot, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__check_snapshot, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 502, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_33_check_snapshot, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine__check_snapshot, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[16])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 500, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_check_snapshot, __pyx_t_2) < (0)) __PYX_ERR(0, 502, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_check_snapshot, __pyx_t_2) < (0)) __PYX_ERR(0, 500, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
-  /* "engram_stream/_engine.pyx":522
+  /* "engram_stream/_engine.pyx":520
  *             raise ValueError("snapshot.pos is damaged: ring positions out of range")
  * 
  *     def restore(self, snapshot):             # <<<<<<<<<<<<<<
  *         """Put back a snapshot of this engine, or of one with the same layer, config and streams."""
  *         self._check_snapshot(snapshot)
 */
-  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_35restore, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_restore, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 522, __pyx_L1_error)
+  __pyx_t_2 = __Pyx_CyFunction_New(&__pyx_mdef_13engram_stream_7_engine_12StreamEngine_35restore, __Pyx_CYFUNCTION_CCLASS, __pyx_mstate_global->__pyx_n_u_StreamEngine_restore, NULL, __pyx_mstate_global->__pyx_n_u_engram_stream__engine, __pyx_mstate_global->__pyx_d, ((PyObject *)__pyx_mstate_global->__pyx_codeobj_tab[17])); if (unlikely(!__pyx_t_2)) __PYX_ERR(0, 520, __pyx_L1_error)
   __Pyx_GOTREF(__pyx_t_2);
   #if CYTHON_COMPILING_IN_CPYTHON && PY_VERSION_HEX >= 0x030E0000
   PyUnstable_Object_EnableDeferredRefcount(__pyx_t_2);
   #endif
-  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_restore, __pyx_t_2) < (0)) __PYX_ERR(0, 522, __pyx_L1_error)
+  if (__Pyx_SetItemOnTypeDict(__pyx_mstate_global->__pyx_ptype_13engram_stream_7_engine_StreamEngine, __pyx_mstate_global->__pyx_n_u_restore, __pyx_t_2) < (0)) __PYX_ERR(0, 520, __pyx_L1_error)
   __Pyx_DECREF(__pyx_t_2); __pyx_t_2 = 0;
 
   /* "(tree fragment)":1
@@ -19366,7 +19370,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[0]);
 
-  /* "engram_stream/_engine.pyx":256
+  /* "engram_stream/_engine.pyx":263
  * 
  *     # ---- the public calls ---------------------------------------------------------------------
  *     def step(self, token_ids, hidden, out=None):             # <<<<<<<<<<<<<<
@@ -19375,12 +19379,12 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[1] = {Py_None};
-    __pyx_mstate_global->__pyx_tuple[1] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[1])) __PYX_ERR(0, 256, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[1] = __Pyx_PyTuple_FromArray(__pyx_temp, 1); if (unlikely(!__pyx_mstate_global->__pyx_tuple[1])) __PYX_ERR(0, 263, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[1]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[1]);
 
-  /* "engram_stream/_engine.pyx":394
+  /* "engram_stream/_engine.pyx":392
  *         return bool(self.pending)
  * 
  *     def prefill(self, ids, hidden, stream=0, out=None):             # <<<<<<<<<<<<<<
@@ -19389,7 +19393,7 @@ static int __Pyx_InitCachedConstants(__pyx_mstatetype *__pyx_mstate) {
 */
   {
     PyObject* __pyx_temp[2] = {__pyx_mstate_global->__pyx_int_0, Py_None};
-    __pyx_mstate_global->__pyx_tuple[2] = __Pyx_PyTuple_FromArray(__pyx_temp, 2); if (unlikely(!__pyx_mstate_global->__pyx_tuple[2])) __PYX_ERR(0, 394, __pyx_L1_error)
+    __pyx_mstate_global->__pyx_tuple[2] = __Pyx_PyTuple_FromArray(__pyx_temp, 2); if (unlikely(!__pyx_mstate_global->__pyx_tuple[2])) __PYX_ERR(0, 392, __pyx_L1_error)
     __Pyx_GOTREF(__pyx_mstate_global->__pyx_tuple[2]);
   }
   __Pyx_GIVEREF(__pyx_mstate_global->__pyx_tuple[2]);
@@ -19430,38 +19434,38 @@ static int __Pyx_InitConstants(__pyx_mstatetype *__pyx_mstate) {
   int __pyx_clineno = 0;
   CYTHON_UNUSED_VAR(__pyx_mstate);
   {
-    const struct { const unsigned int length: 8; } str_length_index[] = {{0},{1},{6},{7},{22},{31},{33},{40},{8},{25},{33},{15},{1},{17},{2},{4},{4},{4},{11},{6},{12},{2},{1},{32},{26},{1},{238},{21},{4},{179},{92},{19},{33},{39},{1},{7},{8},{62},{44},{37},{7},{6},{19},{18},{9},{68},{81},{63},{2},{9},{9},{6},{17},{28},{50},{39},{34},{60},{38},{39},{43},{9},{52},{29},{7},{12},{27},{16},{9},{14},{23},{23},{21},{13},{1},{12},{30},{32},{20},{28},{26},{20},{17},{17},{20},{17},{21},{20},{18},{20},{21},{17},{23},{1},{20},{12},{17},{7},{8},{12},{8},{8},{13},{10},{8},{11},{11},{14},{12},{10},{17},{13},{8},{12},{12},{19},{8},{7},{15},{13},{7},{4},{13},{4},{1},{6},{17},{18},{3},{6},{5},{12},{3},{12},{5},{18},{7},{6},{8},{9},{9},{5},{5},{10},{21},{6},{4},{11},{5},{7},{7},{2},{1},{7},{7},{8},{7},{11},{9},{6},{11},{4},{1},{3},{5},{4},{7},{5},{8},{11},{5},{6},{3},{14},{3},{5},{11},{16},{7},{9},{4},{2},{6},{7},{4},{4},{5},{5},{2},{5},{1},{7},{2},{3},{6},{6},{2},{3},{4},{2},{3},{3},{8},{7},{8},{5},{7},{4},{1},{4},{4},{10},{4},{5},{6},{6},{8},{4},{6},{2},{5},{10},{11},{7},{7},{3},{9},{10},{5},{6},{10},{3},{9},{1}};
-    const struct { const unsigned int length: 9; } bytes_length_index[] = {{9},{149},{86},{64},{58},{29},{39},{358},{128},{36},{221},{192},{153},{175},{132},{81},{166},{236},{475}};
+    const struct { const unsigned int length: 8; } str_length_index[] = {{0},{1},{6},{7},{22},{31},{33},{40},{8},{25},{33},{15},{1},{17},{2},{4},{4},{4},{11},{6},{12},{2},{1},{32},{26},{1},{238},{21},{4},{179},{92},{19},{33},{39},{1},{7},{8},{62},{44},{37},{7},{6},{19},{18},{9},{68},{81},{63},{2},{9},{9},{6},{17},{28},{50},{39},{34},{60},{38},{39},{43},{9},{52},{29},{7},{12},{27},{16},{9},{14},{23},{23},{21},{13},{1},{12},{30},{32},{20},{28},{26},{20},{17},{17},{20},{17},{21},{20},{18},{20},{21},{17},{23},{1},{20},{12},{17},{7},{8},{12},{8},{8},{13},{10},{8},{11},{11},{14},{12},{10},{17},{13},{8},{12},{12},{19},{8},{7},{15},{13},{7},{4},{13},{4},{1},{6},{17},{18},{3},{6},{5},{12},{3},{12},{5},{18},{7},{6},{8},{9},{9},{5},{5},{10},{21},{6},{4},{11},{5},{7},{7},{2},{1},{7},{7},{8},{7},{11},{9},{6},{11},{4},{1},{3},{5},{4},{7},{5},{8},{11},{5},{6},{3},{14},{3},{5},{11},{16},{7},{9},{4},{2},{6},{7},{4},{4},{5},{5},{2},{5},{1},{7},{2},{3},{6},{6},{2},{3},{4},{2},{3},{3},{8},{7},{8},{5},{7},{4},{1},{4},{4},{10},{4},{5},{6},{6},{8},{4},{6},{2},{5},{10},{11},{7},{7},{9},{10},{5},{6},{10},{3},{9},{1}};
+    const struct { const unsigned int length: 9; } bytes_length_index[] = {{9},{149},{86},{64},{58},{29},{39},{358},{128},{36},{221},{192},{132},{175},{132},{81},{166},{220},{475}};
     #ifndef CYTHON_COMPRESS_STRINGS
       #define CYTHON_COMPRESS_STRINGS 90
     #endif
-    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (3171 bytes) */
-static const char cstring[] = "x\332\245WKw\323\326\026n \245)\004\202\223\220By)\220\222\230&\346:\t\024\322\322\273L\022\240\320Kq\036<\232R\365X:\266UdI\326#\211\271\254\336\0163\324PC\r5\324PC\017=\324\320C~B\177\302\375\316\221\354\330\t\320u\327mW\254\243}^{\177\373\333\337\026\202Pj\330\324J~\263\202b\t2\251\221\n\225\227\004\272kP\311\246\262\300\254\232n\013\226c\030\272\311,\245\206`W\251@\265\212\242QAwlA/\013&\321*T(\353\246@\264\316\324\216bW\205\276\005K\202\"[B\315\261l\241D\205\357\204m]\"%\321R\336\320\273\202e\233\224\324\254\316sI0\210e\t\266\376\232j\"vm%C~\300\214\216\323\rj\246k\263\263B\005\036\316\340\005.\230\244R\243\232\235\315f\227\004\211h\314w\223Z\266n\322YaVX\271;+<\300\337C\374I\272\266-\252T\273\233\354\237\02541\275\374\356l6\267$\330\244\244\322\256\267DX\236\303\016[\2518\272c\t[K\202\243\355\203\222\254\225\355\206A\205\177\026p\264\321`Qw\301\230\266\230\303s\311\371\360\233\330T\230\251\022\253\n\2244Y\337\261\022w\004S\321*\030\033\272\245\330\212\256Y\331\334\361\343\002\376[\343!\360K\024\315\326{3\240\330\210\263\306\"\327k\002O@\243\233\2342_h\261i\2254\250\311o)+\025~&\321\344\024AX\035\r\010ZH\272\243\022[\331F,T\322ex\263$X\0321\254\252n\317\n\266\331H\322\000\027SP\263\271U~\327z\272h\206\337s\367\tR\364DG\220v\225\330\302r\303\256\352\032\047\030U\225\0225\021\276\332`\227+ \231\311\026i\302\323\325\247s\213\267\027\271[&\375\035\364\003\031\234\222\244\202\007 )b)9\212j+\232\300P\266r\302\017e\241\241;\202F\031\376z\302\227\236\r\210\\\023,js\010\2469\023\010\303T\304v\3045-\310\212\211KX\254\330}\237\250\026\315\255s8VS`-\201\250x\227\033\202\351h\032\366\200\004\022Q\325%\201\0210\305\030I\344\257\372\216\206Hf\034\213\366\316\032<:vH\266\367\354\024\245^\323\022K\202*\363b\303\035\250\014\240\327\277\300\222\000\234T\355L#\026\241L\024\225\312\257^\t\3044I\203\310\262\210\375\264\244\3305b\364Pw\307Tl\312\331\323Gb\007\\\272\235le\370ZU\002\372\316\244U\323I;N\260w(\260,\003\350\231,\317\217\244\327\014\307\2463\331\356\200\247\301J\326t\2136+""\224\025\323\262e\305bwS-\371\255\230\244\226VZ\256\246\203\021\375&C%ZW~\322;w\310~.X\006\330\214\316\220UR\211X\342\346\256_UE\226\251\226^\337sF\317^\272M\315F\312\377\245\367o\234e\345\004\236S\233\205\215\343Sy8t\340\022\326k\n\212\231\263=\021*\256~\357=\266\"\361\302gq*V\002\212\314\371 \324\310\256\230b\001M\024\276\337W\244n.\277\277+\344\023\275\322tTS\2318\252-\210\242IeG\242\242(\310\016\247\263\246ks\250\256m\205\250\230\225\340\235-\212\232S3\0329QB\331\346j\330\247$\231O8\304v)5&g\275\313\234\032A\030\007W0M\377[r\225U\235\330\013\363\007\351e\230\264L\301\342\217S&U\027,\262\311k\0243\364\241_g\022\014\272\034\005\017\270\376\0210\267\n$\323\362\233\221\225r\231\232\350\007\335\245\271\356\000\"\333\327\363\230\366\356+o_\343\262L\351F\037Ko\210\311\r9\243\261\333\025\365})M\307]\2144\246\332\211\313\234\263=\332\321ik\007\342\353\177\313\211b\222\302Cf\223\032\346!\263\306;\372\323\265\325\373?\374\370\243\270\374p\363\311\343\365^)\351\035\347\272\344\221\270J\213\342\201Y\320\237\367\253\017\314\227\210\214\274\365\333\244*\225^\213\035\240\337;\307m\3753I\221\364\333\300\210~\003\262\322gH+\254\317\306\030\325g\350p\356\220QQ\325>\033/\366\203\026F\304>\333{\003\263lj\364\031l\223 P\023\275}C\024\2376v\361\267\202v\047>\241\273\366\032-\213b\332\222P\265\250P\326\264\304\n\265QJ5f\220u\211=\312\216\306\237\225N\022\304\016\023D\261F\024\215?\251M\222\375\354E\227\035\225/\323\320\365\331\023q\032\304L\206\360\"=\206\r\267\371W\013\233\250;D\355\254\357H\311!^t\rt7ya\314\343\374\350\336e\365\270y\2107\242\010R2\317\023\312\034`I\0371R.\260\364\213\212\305\244\010y\007\250,\375\204X\314N\254}\255I\232\237\325\320$E\317u\027[\270\047\351\204%]WEI\334\337 \225+\311u\311=R\325\321^K*\273\000\220\262\304\321\022\222\227r+\371d\352|-\362\247\246\2335\311pD^\354\374\253\217\326\014\273\221J\204\254\324\372[Z*\026\211\2142v\242]T\250i@q\354\262J*\026\327\312\374\255T2\313F\225u\010|)U%\221\tu\025\215\217\235\312\237\230e\017l\256Q\253Jwe\005\372d\047\201""\244\260\261\356\001\231\261\025\340\204+n-\262>\217?\212K\031\301\254\344\347\r}MM\215\252|=\357@\252\256\277v\014\264\241\376NTS4\336\250y\3230T\205\232\226&&^P3Y\227\274[\335\206\305\030\241\225\022!\322d\236 \r\0210\311g\340\345\331\317\274f\360^\243\353\3452c\213n!q\006\200\247\262\301)bT\r\374\240O\032:\376\2074w\n9\255]\303\324\341\200\335\340e\233V*\377\202\266\360\231aQ\225\235\232\366H4\237<o@\311\017`\251\250\264\303=V\273\211\337\366?xM$\205\301j7\031Y\350\363\324\326\305\337-PH\347AA\267\273Mk\277\324\371\027\3256Q\035j\355\377\343f\247\332\350\366\310\335?\007\332\203\307\367\276v\213\177\026\332C\047\366\026\367,w\262=<\346\316\273\317\274\274\367\300\277\025\214\006y6s\323\035t\013\356\246w\325[\363\032\301`\260\034\354\204R4\032\335i\256\264\216\266n\305\305\265\366\351qw\331\335\366\266\272\263\231\366\360\250{\335+\304\027\267\342\255_\342_^\265/^\366\352\376\240_\3607\202\363a!|\036\025\242\315f\266u3~Z\214\213/\342\027/\343\227\277\306\277V\342J\265=4\262WO\234Zr\213n\325+\373\313\276\035,\205\305P\211\234\346\275&a\207g\275||\341N\224\211\246\"\022\355\300\306c0\3351\367\007o\303\357\334\357\275\364I<\375S\253\036?\335\21076\331\251\303{+\356\200{\326\033\363\356y\n\316\275\025~\021\035\215\346\243\"\213\342\276w\315?\025\310\341\265\350\263\310jr<\362\314\237\267\200\344\241_H\366\377\344\345\331\343\201\273\350\356x\262\177\rQ?\014\357G\327\232\2376\213lb\325\315\270\327\274c\036\365\363\355\341\223{\317\334\273\376\000\3339\262\367\306\313x_\373E_\n2\361\365\315x\363Y\374\354\347\370\347->\031\217\\\363\t\374\371.\254G#\315zk\260\365c\007\0251\026\245X\222\377,\274\343A\262S\256\373\205.\n\253\315bSnM\266\356 \302\366\320\311\275\027n\221\241\261\260\047\271\343\030\"\206o\275\222?\340\217q\034\357F\003H\317\330e\317\3643\376U\177\035\336\377\0130N\266\307\276\362\327\374zp4X\000\000sQ\2759\324\032\350\246\361\021\316G\324\347\274q\017\207\363\213\275e\317\366\027\374\022\016\270\027(a\2439\320\034\003%N\304\353\317\343\347\3109s\274=\372""\2457\351\335\364\217\370\331\340\016\322\276\031]\211\n\tx\337 \206\373\301\265\020w\234v?s\353\336q \211\227\221=\307}\344\021\317\362\257\370\217\340\311d\370Mt5z\326\\\004&\237\265\254x\rda\214\212_1L\332\247\047\334\337\021\333\371\240\020\317=l\r\264F9#\371*\300\366[\374[\312\2147\336\031\257\352\313\301T \205\243\341|\270\036\r5\0079\203\027Zr\274\266\336!L\221\241<\034\017_`\343\304S\304\3759\233\236D\302\337\370\027\003\022\354\206\273\321n\323i\025\376\306\334\360O\006\305\240\032V\242\027\315\215V\346\203\253O\273\047\274\374;<\206\274\001v\377\310\236\355\336\364\206\000\333\224O\203\333pw#\032\307\031kM\233W\014[\223\246b\004\234\237pM\320y\305?\352\317\243\274&\0023\314\364O\234\010\026\003\007\024\345\340\237\332+\271\307\\\342Z\340\372\021\177\262\263\262\356\035\365n\371\243~\2767h\346H\236a\254\372\223\214\315\243\356\224[\363\363\376\003\034\270\023\312`\315\307L\367\201v9\\\016\353\357Y\225F\313n\377\303+\242\214n\204\023\34164a\362\317\302_\307>\371|\230\027\277\352\177\345\233\020\214\225h0z\324$\315\267\361:J\202iJ\342\333\267\236\204ZO8\020O.\204\371p%\276\235\260\203\304\244\264\277\350B\260\021f\372\310\222\260C\216e\312*d\001\200\274e\261\237\332+C\355\266\200e>)\"\366\272\016l\026\275z\207#[\301@0\036\317\301\023ToJDv\316\020\343n!\361\377\324\336KW\366\276\202\350!\306\363L1\256p\010q&\307\021\000\214\306\243S\376j\220\t&\337}\030\362\314(\033\313^\016w\236a\345\320>=\006\n\231^\246=~\326\033\206\240\026\023\376,\262\202\356\242\332\025t\006|\025\345\344\370\251c\227 \217\023\276\023<\206\316\014F\017\241\247Rk\254\305\345\366\033w\032U\"\003s;\310C\323\226C3:\327\234j\226[\017\342uh\025\223\351\366\364\327\220\314\211\360\017\020z\242\265\r\rK,_\340\260BW.\000\n/\377\276\270v\\\t^Ce\037yr|e\036\";\360\356\364x<>\005-\203\365\261\367\237\240\026\345\243B\267\020\376\032\372\344\363\223}\300,\272\365~h\316y\227\240YL\200W\242\023\320\210\035V\314\270=\225\314\366L6\301\353-\224\212\264\307/yZP\010\304h\245y\252%\305E&\301\355\271|x>\272""\027\311\010\224\364\260\022\350\271\371x\020\251{\227B\223a@\237\002\226\365\017\304\365\0303\2313\220\334\216\213\300\033\357O\3300=9\036\004\r\336\r]D\022\030%\307Q\330\231$[\377\346\r\326F\to\006\223\250\371\205\020}\356\214\273\2012g\375\214\367-\034\340\235\355\274|\212\372\240\214X\227\343\3137P\336\205\260\310\004\372K\377&\250\2229X\305\207\220\033w\177B=\256\004\003\375\362\303\273o<x=\230<\304\342\003N\037\"\365\276\263\007\371\375?{\377\177\026\004\006#\234\026\205\217\026D7\326\3510\223p\355>\222~\023\305\316[]\006\0029\320\013\3759\364\313\215`\234KI7\2102\357\203\213\254d\230\361\t\372]\262\273=4\211\226\213K\256\304W\026\303U\336c?\224+t\233\217\311\356i.\330\365\003\261\223\236\310\331}\343_r\n\325\333g\005\370\375Ep$\270\022\024\332g/x\253\376\031|Z\324\333\027\004\3778\270\265\200\026\230\t\257\206k\241\035-F\333\350*&\332\346b\213/\030b\332\026<C\313YC\365\217G\033\315\361\346\263\326|k\255e\246\365r6\213\224N\005\025\260`\"\262Qs6\366:\361\006\324!\221]\032S%V\214\330\260c\333i_\317\305\271{\315\253\315\365\326\020:\327\001w\216a`\361.q/,EG\3601\047\363\245Gq\343z\374\024}\034\262\363\274=}=\270\032\254\207GR\247\363\355\263\227<\362\341\324ZIW\253\377\027\357F\232h";
-    PyObject *data = __Pyx_DecompressString(cstring, 3171, 1);
+    #if (CYTHON_COMPRESS_STRINGS) == 1 /* compression: zlib (3155 bytes) */
+static const char cstring[] = "x\332\245WKw\323\326\026n \245)\004\202\223\220By)\201\222\230&\346:\t\024\322\322\273L\022\240\320Kq\036<\232R\365X:\266UdI\326#\211\271\254\336\0163\324PC\r5\324PC\017=\324\320C~B\177\302\375\316\221\354\330\t\320u\327mW\254\243}^{\177\373\333\337\026\202Pj\330\324J~\263\202b\t2\251\221\n\225\227\004\272kP\311\246\262\300\254\232n\013\226c\030\272\311,\245\206`W\251@\265\212\242QAwlA/\013&\321*T(\353\246@\264\316\324\216bW\205\276\005K\202\"[B\315\261l\241D\205\357\204m]\"%\321R\336\320\273\202e\233\224\324\254\316sI0\210e\t\266\376\232j\"vm%C~\300\214\216\323\rj\246k\263\263B\005\036\316\340\005.\230\244R\243\232\235\315f\227\004\211h\314w\223Z\266n\322YaVX\271;+<\300\337C\374I\272\266-\252T\273\233\354\237\02541\275\374\356l6\267$\330\244\244\322\256\267DX\236\303\016[\2518\272c\t[K\202\243\355\203\222\254\225\355\206A\205\177\026p\264\321`Qw\301\230\266\230\303s\311\371\360\233\330T\230\251\022\253\n\2244Y\337\261\022w\004S\321*\030\033\272\245\330\212\256Y\331\334\361\343\002\376[\343!\360K\024\315\326{3\240\330\210\263\306\"\327k\002O@\243\233\2342_h\261i\2254\250\311o)+\025~&\321\344\024AX\035\r\010ZH\272\243\022[\331F,T\322ex\263$X\0321\254\252n\317\n\266\331H\322\000\027SP\263\271U~\327z\272h\206\337s\367\tR\364DG\220v\225\330\302r\303\256\352\032\047\030U\225\0225\021\276\332`\227+ \231\311\026i\302\323\325\247s\213\267\027\271[&\375\035\364\003\031\234\222\244\202\007 )b)9\212j+\232\300P\266r\302\017e\241\241;\202F\031\376z\302\227\236\r\210\\\023,js\010\2469\023\010\303T\304v\3045-\310\212\211KX\254\330}\237\250\026\315\255s8VS`-\201\250x\227\033\202\351h\032\366\200\004\022Q\325%\201\0210\305\030I\344\257\372\216\206Hf\034\213\366\316\032<:vH\266\367\354\024\245^\323\022K\202*\363b\303\035\250\014\240\327\277\300\222\000\234T\355L#\026\241L\024\225\312\257^\t\3044I\203\310\262\210\375\264\244\3305b\364Pw\307Tl\312\331\323Gb\007\\\272\235le\370ZU\002\372\316\244U\323I;N\260w(\260,\003\350\231,\317\217\244\327\014\307\2463\331\356\200\247\301J\326t\2136+""\224\025\323\262e\305bwS-\371\255\230\244\226VZ\256\246\203\021\375&C%ZW~\322;w\310~.X\006\330\214\316\220UR\211X\342\346\256_UE\226\251\226^\337sF\317^\272M\315F\312\377\245\367o\234e\345\004\236S\233\205\215\343Sy8t\340\022\326k\n\212\231\263=\021*\256~\357=\266\"\361\302gq*V\002\212\314\371 \324\310\256\230b\001M\024\276\337W\244n.\277\277+\344\023\275\322tTS\2318\252-\210\242IeG\242\242(\310\016\247\263\246ks\250\256m\205\250\230\225\340\235-\212\232S3\0329QB\331\346j\330\247$\231O8\304v)5&g\275\313\234\032A\030\007W0M\377[r\225U\235\330\013\363\007\351e\230\264L\301\342\217S&U\027,\262\311k\0243\364\241_g\022\014\272\034\005\017\270\376\0210\267\n$\323\362\233\221\225r\231\232\350\007\335\245\271\356\000\"\333\327\363\230\366\356+o_\343\262L\351F\037Ko\210\311\r9\243\261\333\025\365})M\307]\2144\246\332\211\313\234\263=\332\321ik\007\342\353\177\313\211b\222\302Cf\223\032\346!\263\306;\372\323\265\325\373?\374\370\243\270\374p\363\311\343\365^)\351\035\347\272\344\221\270J\213\342\201Y\320\237\367\253\017\314\227\210\214\274\365\333\244*\225^\213\035\240\337;\307m\3753I\221\364\333\300\210~\003\262\322gH+\254\317\306\030\325g\350p\356\220QQ\325>\033/\366\203\026F\304>\333{\003\263lj\364\031l\223 P\023\275}C\024\2376v\361\267\202v\047>\241\273\366\032-\213b\332\222P\265\250P\326\264\304\n\265QJ5f\220u\211=\312\216\306\237\225N\022\304\016\023D\261F\024\215?\251M\222\375\354E\227\035\225/\323\320\365\331\023q\032\304L\206\360\"=\206\r\267\371W\013\233\250;D\355\254\357H\311!^t\rt7ya\314\343\374\350\336e\365\270y\2107\242\010R2\317\023\312\034`I\0371R.\260\364\213\212\305\244\010y\007\250,\375\204X\314N\254}\255I\232\237\325\320$E\317u\027[\270\047\351\204%]WEI\334\337 \225+\311u\311=R\325\321^K*\273\000\220\262\304\321\022\222\227r+\371d\352|-\362\247\246\2335\311pD^\354\374\253\217\326\014\273\221J\204\254\324\372[Z*\026\211\2142v\242]T\250i@q\354\262J*\026\327\312\374\255T2\313F\225u\010|)U%\221\tu\025\215\217\235\312\237\230e\017l\256Q\253Jwe\005\372d\047\201""\244\260\261\356\001\231\261\025\340\204+n-\262>\217?\212K\031\301\254\344\347\r}MM\215\252|=\357@\252\256\277v\014\264\241\376NTS4\336\250y\3230T\205\232\226&&^P3Y\227\274[\335\206\305\030\241\225\022!\322d\236 \r\0210\311g\340\345\331\317\274f\360^\243\353\3452c\213n!q\006\200\247\262\301)bT\r\374\240O\032:\376\2074w\n9\255]\303\324\341\200\335\340e\233V*\377\202\266\360\231aQ\225\235\232\366H4\237<o@\311\017`\251\250\264\303=V\273\211\337\366?xM$\205\301j7\031Y\350\363\324\326\305\337-PH\347Au;\326~\235\363\317\251m\242:\324\332\377\227\315N\265\321m\220\273\177\016\264\007\217\357}\355\026\377,\264\207N\354-\356Y\356d{x\314\235w\237yy\357\201\177+\030\r\362l\346\246;\350\026\334M\357\212\267\3465\202\301`9\330\t\245h4\272\323\\i\035m\335\212\213k\355\323\343\356\262\273\355mug3\355\341Q\367\272W\210/n\305[\277\304\277\274j_\274\354\325\375A\277\340o\004\347\303B\370<*D\233\315l\353f\374\264\030\027_\304/^\306/\177\215\177\255\304\225j{hd\257\2368\265\344\026\335\252W\366\227};X\n\213\241\0229\315{M\302\016\317z\371\370\302\235(\023]\215H\264\003\033\217\301t\307\334\037\274\r\277s\277\367\322\047\361\364O\255z\374t#\336\330d\247\016\357\255\270\003\356Yo\314\273\347)8\367V\370Et4\232\217\212,\212\373\3365\377T \207\327\242\317\"\253\311\361\3103\177\336\002\222\207~!\331\377\223\227g\217\007\356\242\273\343\311\3765D\3750\274\037]k~\332,\262\211U7\343^\363\216y\324\317\267\207O\356=s\357\372\003l\347\310\336\033/\343}\355\027})\310\304\3277\343\315g\361\263\237\343\237\267\370d<r\315\047\360\347\273\260\036\2154\353\255\301\326\217\035T\304X\224bI\376\263\360\216\007\311N\271\356\027\272(\2546\213M\2715\331\272\203\010\333C\047\367^\270E\206\306\302\236\344\216c\210\030\276\365J\376\200?\306q\274\033\r =c\227=\323\317\370W\374ux\377/\3008\331\036\373\312_\363\353\301\321`\001\000\314E\365\346Pk\240\233\306G8\037Q\237\363\306=\034\316/\366\226=\333_\360K8\340^\240\204\215\346@s\014\2248\021\257?\217\237#\347\314\361\366\350\227\336\244w\323?\342g\203;H\373f4\025""\025\022\360\276A\014\367\203k!\3568\355~\346\326\275\343@\022/#{\216\373\310#\236\345O\371\217\340\311d\370Mt%z\326\\\004&\237\265\254x\rda\214\212_1L\332\247\047\334\337\021\333\371\240\020\317=l\r\264F9#\371*\300\366[\374[\312\2147\336\031\257\352\313\301\325@\nG\303\371p=\032j\016r\006/\264\344xm\275C\230\"Cy8\036\276\300\306\211\247\210\373s6=\211\204\277\361/\006$\330\rw\243\335\246\323*\374\215\271\341\237\014\212A5\254D/\232\033\255\314\007W\237vOx\371wx\014y\003\354\376\221=\333\275\351\r\001\266\253>\rn\303\335\215h\034g\2545m^1lM\232\212\021p~\3025A\347\025\377\250?\217\362\232\010\3140\323?q\"X\014\034P\224\203\177j\257\344\036s\211k\201\353G\374\311\316\312\272w\324\273\345\217\372\371\336\240\231#y\206\261\352O26\217\272W\335\232\237\367\037\340\300\235P\006k>f\272\017\264\313\341rX\177\317\2524Zv\373\037^\021et#\234\010\267\241\t\223\177\026\376:\366\311\347\303\274\370U\377+\337\204`\254D\203\321\243&i\276\215\327Q\022LS\022\337\276\365$\324z\302\201xr!\314\207+\361\355\204\035$&\245\375E\027\202\2150\323G\226\204\035r,SV!\013\000\344-\213\375\324^\031j\267\005,\363I\021\261\327u`\263\350\325;\034\331\n\006\202\361x\016\236\240zS\"\262s\206\030w\013\211\377\247\366^\272\262\367\025D\0171N!\217U\244\334\t\031\271>\204nf\224\215e/\207\343\3170\346\267O\217\201-\246\227i\217\237\365\206\241\235\305\204*\213\254v\273\000v\265\233a\\E\3458~\352\303%(\341\204\357\004\217!)\203\321CH\247\324\032kqe\375\306\235FA\310\200\327\016\362\220\257\345\320\214\3165\2576\313\255\007\361:d\211)r{\372k\250\343D\370\007\270;\321\332\206\\%\226/pX\241\253\014\210\237Wz_\\;\256\004\257!\250\217<9\236\232\207\236\016\274;=\036\217_\205l\301\372\330\373OP\213\362Q\241\313\371\277\206>\371\374d\0370\213n\275\037\232s\336%\310\023\323\332\225\350\004\344`\207\325-nO\325\261=\223M\360z\013Q\"\355\361K\236\026\024\0021Zi\236jIq\221\251m{.\037\236\217\356E2\002%=\004\004zn>\036<\217\032L\241\3110\240O\001\313\372\007\342z\214\231\314\031\250k\307E\340\215\367\047l\230\236\034""\017N\371\223\357\206.\"\t\214}\343\250\341L\222\255\177\363^j\243Z7\203I\224\367B\210\226v\306\335@E\263\326\305[\024\016\360\316v^>E)P\326u.\307\227o0\026\205E\246\305_\3727A\225\314\301\202=\204\334\270\373\023Jo%\030\350W\032\336h\343\301\353\301\344!\302\036r:\337\347`\017\237\377go\377\317\002\300`\204\323\240\360\321\002\350\3066\035f\022n\335G\222o\242\216y\027\313@\373\006z\241>\207V\270\021\214s\225\350\006Q\346-n\221\225\0103>A+Kv\267\207&\321Mq\311T<\265\030\256\362\366\371\241\334\240\221|LQOs-\256\037\210\235\364D\316\356\033\377\222S\246\336>+\300\357/\202#\301TPh\237\275\340\255\372g\360\325Po_\020\374\343\340\322\002\272[&\274\022\256\205v\264\030m\243a\230\350\210\213-\276`\210\311V\360\014\335d\r\325>\036m4\307\233\317Z\363\255\265\226\231\326\307\331l\220\201fW\220\365\211\310F\215\331\330\353\304\033P\203DQiL\225X1b\303\216m\247}=\027\347\3565\2574\327[ChJ\007\3349\206\201\305\033\300\275\260\024\035\301w\232\314\227\036\305\215\353\361S\264h\310\314\363\366\364\365\340J\260\036\036I\235\316\267\317^\362\310\207Sk%\r\253\376_\r\225\216l";
+    PyObject *data = __Pyx_DecompressString(cstring, 3155, 1);
     #define __Pyx_DecompressString_LZSS_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (4245 bytes) */
-static const char cstring[] = "\177  bytes\000\003\377) is dam\377aged: ex\177pected \022\001\377not supp\373or\016\001by th\377e engine\377 out of \377range fo\357r an\023\005wit\373h \024\n: ids\377 must be\377 < vocab\377_size= s\277treams\000\005:\377 pass to/ken_3\000[\005\003<\002\273(ov\000per-\004)\227, g\237\000(>\000\200\000r\377agment))\277): can\270\001r\377estore, \177, D=, G\001\000\375H\005\000conv_l\367en=:\003, n_\376~\004=,).: t\357able\245\006a C\375-/\000tiguou\177s [: un\213\047\376&\003dtype \077\077A copy\223!\204&\227\047s \256\000-\337\003\351\000a\377te (hash\377 windows\375,1\000nv rin\375g\t\000positi\377ons).\n\n \317   R\276\002\214\002in[to\366)it\345\000m\366\001Wom \374\"y\224Ff\246B\373sa\034\000layer\356a\002figO\002and\374\357$\255\000unt (s\376\362@ulative\277 decod\213\000:\377 snapsho?t, try\214C\254\000\256\316$).E\204bS\036\004(\266c\002=N\240@No\342\000t\377hat Cyth\373on\334belibe\255r\374\000ly\357Ai\342`r\374\315`\263`PEP-48}4\276`d rej\374`\336\212`ubcl\205`es\376\341abuiltin\375 \342!s. If \377you need\364\245`\252cs\047\007then/ set\251\204\002\047\205b\327\000\347on_\242@\343 \047 d\317irec\347\002\316 Fa\037lse.S\200\204\002\314\003\214\205\001\377already orunn\227@ a\320`\017ll: \375a\372\204\004\302@\n\002\377owner (u\263se\022\t\242\204\001thA\001)\350P\t\237$c\t:\201Ald >\351\205\001alloc\237a\023\013;sc\266 ch \030\004\235`\377 failed]\377] arraya\357dd_n\363 bit\367map\260\204\010writ)e\312\204\002\270\204\nu\311`85\003\301\206\001\177shape (\257\205\004~\357E betwe\311 \355f\346 ()\233Bcom?pute()\000\006\202B\363s \037\002\254\206\006) fi\277rstdis\307\205\001e\275n\000\003gram\343\205\004.\177modelen\007\t\317plan\366\207\006m\004waks \204Ec\233 ed\347\207\002\347thi\234\207\004\350\206\001ll ~\220\005hiddenx\004|9\0101\010every\357\207\0045:#\023,\313\205\001re\301`\363\001\350\\\000\235\210\004@\016:\345\000nis\305h\305\204\001t\242\210\004\371\210\002{\022gc\254\364\206\002\344\001is\217#d\231\206\002 \357max_\205$ize\363 >\210\210\007""\254\211\006>= 1\376\352\210\003no defa\377ult __re\377duce__ d\373ue\211\205\001non-t\277rivial\033\000c\377init__nu\377mpy._cor\027e.m5\000i\260b\275d\277\205\001\363im\340\212\001\033\tumat\261h\021\016\361\212\001\276\212\005a \306tf\277loat32\317mp\177refetch\307`\360\266\206\001\234t\254\212\004\354`takeF\372@n \332\207\013\356\212\003\233\204\006i\370`\377rom anot\367her\226\214\005(dif\277ferent\275\210\006.\236\307\210\005.pos\347\214\n\370\211\001 \274\361\211\006\315\214\nsrc/\231\204\n/=_\372\214\003.pyx\314\212\006\275\214\001\370\305\211\003\341\212\004\233&n intp\241\214\003\257\204\002\261\207\010\335\214\002 id\321\014\316\310\211\013.__\275C\006\016re\257pr__\037\014n\323\216\002P\377REFILL_C\237HUNKS\317\210\t\333\210\t.\332\264fc\241\212\002__\017\014se\177tstate_\n\023\277bad_idD\013c\037heck_\260\213\005\007\022\351\216\002\270z\013\257\206\003\216\013ids\237\013o\003ut\261\n\203\210\004\305\n\245\210\001\326\n\354e\016\004\016ill\377\n\350\206\002\002\r\270\217\001\274\245*\304\022step\313*t\373ra\202 rowsT\337__Pyx\001\000Di\377ct_NextR\357ef__\214\214\004e__\373__\341\214\002_getiwtem\r\001doc\024\001Wfun\003\002g\375%_\202e\277__main8\001m\347eta:\003G\000mod\273ulN\002namV\002p\306\240`ar\005\003\203\000\306C_p\362\216\000v\335\220\002{\001qual0(\005\303\207\005\207n\335\207\006ex\257\001\364c\277__set_d\005s\374\234\010\247n__testD\353\000\255c_\230k\007\005\202\223\002_\273\212\003\356\365\222\001_is\256\210\001out\377ine_outa\233as\215\223\001as\204\222\007\367\214\003s\377yncio.co\275r\047\003sbad\204\215\003b\277ool_c_\265\222\007c\363fg\236\204\003\243\213\003chun\307kcl]\001\320 \265Aeb\374\272@\337\214\004config\374\246\223\005\261\223\002normcp\177u_count\361\222\002\337empty\302\214\004di\341m\305\214\013\246\207\004\247\216\003\303\215\001fin\377gerprint\337flags\247\211\00216\356\254\211\004fph\227\223\001lib\367hc_\245\212\001head\301_S\000\003\002\033\000\013\001:\000me\377shexdige\343st\354\214\003\260$\316\225\001his\377tii""dsint{64\344\216\001inter\000\372\335as\000\002izeke\317rnel\375\225\002\233\223\002lo\177okupmax\374\213\013\347min\244\216\002\260\213\002pli\337ersn_\220\002pe\311r\254\214\003\n\003s\272\225\006\372anb\026\203\210\003nd\231\220\002n\225 \251\222\001\271!\3351\276!2np\216\214\002oo\373ff\342\207\001osout\177packedp\321\207\002\337phpid\214\217\001po?poppos\265\213\005\301\213\001\377illprope\307rty\237\216\002\337\226\004\275\225\002se\237enselR\001\235\215\004s\247ha1\333\220\002\340\220\002s\224 gcle\322\224\005\270\206\001\372\227\003t0\361\226\002\370\223\205\003\270\206\001\235\205\003scale\377to_jsont\035o\261\231\002tok\224\230\006\341\206\007\315\221\002\277values\323\230\007w\373hy\370\221\006x\200\001\330\004\377\n\210+\220Q\200A\330\377\010\013\2104\210s\220!\377\330\014\023\2202\220V\230\3771\230G\2406\250\022\250\3751\026\0015\220\004\220A\220\377U\230#\230R\230y\250\377\004\250C\250w\260c\270\377\022\2709\300D\310\003\310\3776\320QR\330\020\024\220\337C\220v\230[\025\006\021\330\377\014\022\220*\230A\320\035\377[\320[\\\320\\]\330\377\035\037\230q\240\004\240A\377\240T\250\033\260A\260W\377\270A\270U\300)\3105\377\320PQ\320QX\320X\377Y\320Y^\320^g\320\177gh\330\010\017\210q\217\003\377:\220Q\220h\230f\240\377C\240t\250:\260Q\260\177i\270u\300B\300aY\001\377)\2301\320\0349\270\021?\270$\270a\270w\021\000\277\002\377r\220\023\220I\230T\240\376x\005\230Y\240a\320\047O\377\310q\320PT\320TU\376\347\001\014\210D\220\001\220\030\277\230\023\230B\230iU\0006\377\260\027\270\003\2702\270Q\376\302\001F\230&\240\016\250d\177\260&\270\007\270s\300\213\"\356\201 \017\210|\220 H\240A\366:\003O\230\225 \014\210G\220\1774\220w\230d\240&\221 \377H\260F\270&\300\005\300\377Q\330\010\014\210E\220\021\377\220&\230\006\230e\2401\377\330\014\r\210V\220=\240\375\001\341!\017\210z\230\021\230\377+\240Q\240c\250\021\320\377*U\320UV\320VZ\367\320Z[\030\002\320\017&\240\375a\345\000<\260q\270\017\300\337q\310\004\310L\216%_\320\377_c\320cd\200A\340\334\244BB\001*\240A\375\006E""\300\177Q\300d\310!\3109\337\000\277\330\010\r\210X\220\204\000\013?\2103\210c\220\024\010\000\321@\177;\230b\240\001\240\023\303\"\377=\270\001\270\021\330\023\037\377\230r\240\021\240#\240S\372\317@M\304 !\330\023%\240\177R\240q\250\003\2503\376\000\177-\270q\300\010\310\001\276FyJ]\000\213`\031\230\024\230\341\000\373\022\220\374 \230C\230t\240\3673\240b\220`B\250i\260\337y\300\001\300\023\220`\013\320\317SW\320W\361@\314@_\330\377\022\032\230!\2305\240\002\357\240)\2509\364@U\270\"\371\270\354`\271!7\230*\240F\367\250&\260a\000\020\220\007\220\347q\230\n\307 n\000\017\210u\377\220J\230a\230s\240\"\373\240J\210@!\2607\270#\357\270V\3004\221 \007\310s\263\320R\252`\316a\320]\220!\330\357\020\026\220j\331\000\033\250A\177\320-H\310\001\310\022\215\204\002\274!\002\264 `\320`a\330\204\003z\377\230\025\230h\240d\250$\377\250c\260\022\2602\260S\357\270\010\300\004\275\204\0023\310d\267\320RS\252\204\004\230Q\342!\014\237\320\014\034\230A\346\001\343A1\327\330\010\t\314\204\001!\356@z\240\377\035\250a\250x\260x\270\237x\300u\310A\000\024&\005y\377\240\r\250Q\250h\260g\277\270X\300T\310\021,\026\020\377\220\013\2301\340\014\020\220\373\010\230\247`\340\010\017\210t\357\2205\230\010\264 $\240e\273\2508\254\000T\270\024A\000R\343\300t\255\205\002\206a\204D\017\210r\377\220\026\220r\230\023\230D\377\240\003\2402\240T\250\026\317\250r\260\021\301\205\001\017\007\013\250\3374\250u\260F\367#\016\210\377b\220\006\220a\220s\230\365&\225@!\"\005q\230\003\230\2176\240\022\240\325\204\004\357\003\205\0011\356\340!l\240!\312\204\001\022\220$\277\220m\2401\240GN\000w\217\260d\270!\344\206\001\000\020 \003F>\353 f\260C\260q\023\020\347\004\376\351\206\001~\230Q\230d\240/\377\260\026\260v\270U\300!\377\200A\360\006\000\t\014\210\376\371\206\001l\240%\240r\250\033\377\260D\270\004\270J\300a\177\300|\320SY\320Y\320\207\001\373\330\014\241!;\230c\240\021\376\375D\320!3\2601\260D{\3208\230ca\320ab\033\007\237\034\250T\260\021\240j\230cdW\320de\362\210\0013\216 |\370\001\177\016\210f\220A""\220[\311 \352\370\210\0023\n\002S\231 4\230q\376\234e[\250\001\250\024\320-\177Y\320YZ\320Z]\203\204\003\352D\001\010\270\204\001A\272\003\016\210Y\377\220d\230%\230q\240\001\327\330\010\033\256\207\001\"\276\"\010\013\373\2101\310b\340\014\022\320\022\377$\240E\250\021\250!\340\331\010\336g\344,\021\022\337\204\001d\230\365.q\000\025\213\205\001\330\020\023\220\3754\356@\021\330\024\030\230\014\337\240A\240Q\330\266`\013\230\3414\315\206\001\315&\310\212\006\256Ah\230a\367\230u\240\222\004\036\230T\240\177\026\240u\250K\260q\322 \377H\300B\300c\310\023\310\376\377\212\0027\220\047\230\025\230d\276\361 t\2501\250H\267@r\377\270\031\300$\300f\310G\337\320SV\320V\243\212\001\330\047\367+\2506\250@~\300T\310\277\026\310v\320UV\014\003\027\302\237@A\355\212\006\222 \372\206\002\313\nw\220\373c\230\252@\024\220J\230d\377\320\"2\260&\270\001\340\177\020\024\320\024$\240A\276\213\001\377K\230\177\250m\2701\270\375A\200\205\006\360\010\000\t\r\210;G\220\202\204\0074\220q\204\204\007\227!\337\031\230\036\240q\374\211\002D\270\037\013\3004\300w\311\206\001\220@\254\211\004\367\330()\252#|\2403\240\377a\330\024\036\230n\250A\377\250_\270D\300\016\310c\373\320Q\377\211\001\330-1\260\033\257\270B\270d\346\000a\213\204\010s?\220!\2201\320\004\270@\362\211\001:\227!\021\345!\016\230a\206`\302\023\275K\240`\021\025\220Q\250\205\006\360\313\006\000\r\000N\270\205\001\327\206\004\320\004~\204`\340\010\035\230T\240\217\204\001_\024\260T\270\021\371\215\003{\334\215\002\377t\2402\240U\250!\250\3778\2603\260a\330\014\025\257\220T\230\024\313\214\002\010\264\214\001\010\277\230\001\230\030\240\021\341\213\001D\277\220\005\220Q\220e\207\214\001\037\377\320\037/\250u\260A\260\377Q\330\010\031\230\032\2405\347\250\001\250\037\002\235:\024\220O\037\2401\240D\250\373\211\002\365\207\007\371\215\002\037\320\004*\250!\202\206\001\271\204\n\246\014\274\304\204\016\243\007\014\022\220!\324\204\t\330\274\216\200-\322\204<\024\030\230\017\222bA\\\364\204\032\343\006\047\260\021\346cF\362@\3675""\230\003\335\216\001\031\230\021\230\347&\240\001\346%\367!\031\240#\217\240T\250\024\306\207\002\213B\377!f\356\203\215\0024\240t\252\221\001\014\210N\373\230!7\004\330\010!\240\023\377\240A\330\010\"\320\"4k\260E\337\215\002\010\225T\034\230\217\215\004Z\341\211\023\020\254\212\002q\330\377\206\013a\200\207\010\356\253\000\330\024\032\237\222\002q\330\030\377 \240\001\240\027\250\002\250\377\"\250A\330\030\034\230E\377\240\025\240a\240q\330\034\367 \240\n\331`3\250c\260\377\021\260#\260R\260t\270\3774\270v\300R\300r\310\257\022\3104\310\034\002\010\330\210\001\250\367V\2602\034\000r\270\024\270\377T\300\024\300V\3102\310\367R\310r\251\205\004\030)\250\021\377\250$\250g\260T\270\026\277\270t\3004\300t9\000u\377\320TX\320X]\320]\377a\320ae\320ei\320\377ip\320pt\320tu\377\330*.\320.B\300#\177\300S\310\010\320PQ\200\014\337\006\240a\240s\241\213\002B\260\177b\270\002\270$\270d&\002\375\003o\000S\320PR\320R\377V\320VW\330\047*\250\337#\250S\260\002\256\0041\330o\030\036\230a\322\210\027s\240\321\214\002\001q";
-    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 4245, 6232);
+    #elif (CYTHON_COMPRESS_STRINGS) > 0 && (CYTHON_COMPRESS_STRINGS) <= 90 /* compression: lzss (4214 bytes) */
+static const char cstring[] = "\177  bytes\000\003\377) is dam\377aged: ex\177pected \022\001\377not supp\373or\016\001by th\377e engine\377 out of \377range fo\357r an\023\005wit\373h \024\n: ids\377 must be\377 < vocab\377_size= s\277treams\000\005:\377 pass to/ken_3\000[\005\003<\002\273(ov\000per-\004)\227, g\237\000(>\000\200\000r\377agment))\277): can\270\001r\377estore, \177, D=, G\001\000\375H\005\000conv_l\367en=:\003, n_\376~\004=,).: t\357able\245\006a C\375-/\000tiguou\177s [: un\213\047\376&\003dtype \077\077A copy\223!\204&\227\047s \256\000-\337\003\351\000a\377te (hash\377 windows\375,1\000nv rin\375g\t\000positi\377ons).\n\n \317   R\276\002\214\002in[to\366)it\345\000m\366\001Wom \374\"y\224Ff\246B\373sa\034\000layer\356a\002figO\002and\374\357$\255\000unt (s\376\362@ulative\277 decod\213\000:\377 snapsho?t, try\214C\254\000\256\316$).E\204bS\036\004(\266c\002=N\240@No\342\000t\377hat Cyth\373on\334belibe\255r\374\000ly\357Ai\342`r\374\315`\263`PEP-48}4\276`d rej\374`\336\212`ubcl\205`es\376\341abuiltin\375 \342!s. If \377you need\364\245`\252cs\047\007then/ set\251\204\002\047\205b\327\000\347on_\242@\343 \047 d\317irec\347\002\316 Fa\037lse.S\200\204\002\314\003\214\205\001\377already orunn\227@ a\320`\017ll: \375a\372\204\004\302@\n\002\377owner (u\263se\022\t\242\204\001thA\001)\350P\t\237$c\t:\201Ald >\351\205\001alloc\237a\023\013;sc\266 ch \030\004\235`\377 failed]\377] arraya\357dd_n\363 bit\367map\260\204\010writ)e\312\204\002\270\204\nu\311`85\003\301\206\001\177shape (\257\205\004~\357E betwe\311 \355f\346 ()\233Bcom?pute()\000\006\202B\363s \037\002\254\206\006) fi\277rstdis\307\205\001e\275n\000\003gram\343\205\004.\177modelen\007\t\317plan\366\207\006m\004waks \204Ec\233 ed\347\207\002\347thi\234\207\004\350\206\001ll ~\220\005hiddenx\004|9\0101\010every\357\207\0045:#\023,\313\205\001re\301`\363\001\350\\\000\235\210\004@\016:\345\000nis\305h\305\204\001t\242\210\004\371\210\002{\022gc\254\364\206\002\344\001is\217#d\231\206\002 \357max_\205$ize\363 >\210\210\007""\254\211\006>= 1\376\352\210\003no defa\377ult __re\377duce__ d\373ue\211\205\001non-t\277rivial\033\000c\377init__nu\377mpy._cor\027e.m5\000i\260b\275d\277\205\001\363im\340\212\001\033\tumat\261h\021\016\361\212\001\276\212\005a \306tf\277loat32\317mp\177refetch\307`\360\266\206\001\234t\254\212\004\354`takeF\372@n \332\207\013\356\212\003\233\204\006i\370`\377rom anot\367her\226\214\005(dif\277ferent\275\210\006.\236\307\210\005.pos\347\214\n\370\211\001 \274\361\211\006\315\214\nsrc/\231\204\n/=_\372\214\003.pyx\314\212\006\275\214\001\370\305\211\003\341\212\004\233&n intp\241\214\003\257\204\002\261\207\010\335\214\002 id\321\014\316\310\211\013.__\275C\006\016re\257pr__\037\014n\323\216\002P\377REFILL_C\237HUNKS\317\210\t\333\210\t.\332\264fc\241\212\002__\017\014se\177tstate_\n\023\277bad_idD\013c\037heck_\260\213\005\007\022\351\216\002\270z\013\257\206\003\216\013ids\237\013o\003ut\261\n\203\210\004\305\n\245\210\001\326\n\354e\016\004\016ill\377\n\350\206\002\002\r\270\217\001\274\245*\304\022step\313*t\373ra\202 rowsT\337__Pyx\001\000Di\377ct_NextR\357ef__\214\214\004e__\373__\341\214\002_getiwtem\r\001doc\024\001Wfun\003\002g\375%_\202e\277__main8\001m\347eta:\003G\000mod\273ulN\002namV\002p\306\240`ar\005\003\203\000\306C_p\362\216\000v\335\220\002{\001qual0(\005\303\207\005\207n\335\207\006ex\257\001\364c\277__set_d\005s\374\234\010\247n__testD\353\000\255c_\230k\007\005\202\223\002_\273\212\003\356\365\222\001_is\256\210\001out\377ine_outa\233as\215\223\001as\204\222\007\367\214\003s\377yncio.co\275r\047\003sbad\204\215\003b\277ool_c_\265\222\007c\363fg\236\204\003\243\213\003chun\307kcl]\001\320 \265Aeb\374\272@\337\214\004config\374\246\223\005\261\223\002normcp\177u_count\361\222\002\337empty\302\214\004di\341m\305\214\013\246\207\004\247\216\003\303\215\001fin\377gerprint\337flags\247\211\00216\356\254\211\004fph\227\223\001lib\367hc_\245\212\001head\301_S\000\003\002\033\000\013\001:\000me\377shexdige\343st\354\214\003\260$\316\225\001his\377tii""dsint{64\344\216\001inter\000\372\335as\000\002izeke\317rnel\375\225\002\233\223\002lo\177okupmax\374\213\013\347min\244\216\002\260\213\002pli\337ersn_\220\002pe\311r\254\214\003\n\003s\272\225\006\372anb\026\203\210\003nd\231\220\002n\225 \251\222\001\271!\3351\276!2np\216\214\002oo\373ff\342\207\001osout\177packedp\321\207\002\337phpid\214\217\001po?poppos\265\213\005\301\213\001\377illprope\307rty\237\216\002\337\226\004\275\225\002se\237enselR\001\235\215\004s\247ha1\333\220\002\340\220\002s\224 gcle\322\224\005\270\206\001\372\227\003t0\361\226\002\370\223\205\003\270\206\001\235\205\003scale\377to_jsont\341o\261\231\002\221\230\006\336\206\007\312\221\002valwues\320\230\007why\365\221\006\377x\200\001\330\004\n\210+\377\220Q\200A\330\010\013\210\3774\210s\220!\330\014\023\377\2202\220V\2301\230G\277\2406\250\022\2501\026\0015\377\220\004\220A\220U\230#\377\230R\230y\250\004\250C\377\250w\260c\270\022\2709\377\300D\310\003\3106\320Q\377R\330\020\024\220C\220v\373\230[\025\006\021\330\014\022\220\377*\230A\320\035[\320[\377\\\320\\]\330\035\037\230\377q\240\004\240A\240T\250\377\033\260A\260W\270A\270\377U\300)\3105\320PQ\377\320QX\320XY\320Y\377^\320^g\320gh\330\357\010\017\210q\217\003:\220Q\377\220h\230f\240C\240t\377\250:\260Q\260i\270u\357\300B\300aY\001)\2301\377\320\0349\270\021\270$\270\347a\270w\021\000\277\002r\220\023\337\220I\230T\240x\005\230Y\377\240a\320\047O\310q\320\337PT\320TU\347\001\014\210\377D\220\001\220\030\230\023\230\367B\230iU\0006\260\027\270\337\003\2702\270Q\302\001F\230\377&\240\016\250d\260&\270\317\007\270s\300\213\"\201 \017\210\335|\220 H\240A:\003O\230\376\225 \014\210G\2204\220w\357\230d\240&\221 H\260F\377\270&\300\005\300Q\330\010\377\014\210E\220\021\220&\230\377\006\230e\2401\330\014\r\277\210V\220=\240\001\341!\017\377\210z\230\021\230+\240Q\377\240c\250\021\320*U\320\377UV\320VZ\320Z[\276\030\002\320\017&\240a\345\000<\377\260q\270\017\300q\310\004\373\310L\216%_\320_c\320\237cd\200A\340\244BB\001*\373\240A\375\006E""\300Q\300d\357\310!\3109\337\000\330\010\r\367\210X\220\204\000\013\2103\210\347c\220\024\010\000\321@;\230b\357\240\001\240\023\303\"=\270\001\377\270\021\330\023\037\230r\240_\021\240#\240S\317@M\304 \377!\330\023%\240R\240q\357\250\003\2503\376\000-\270q/\300\010\310\001\276FJ]\000\213`o\031\230\024\230\341\000\022\220\374 \377\230C\230t\2403\240b\376\220`B\250i\260y\300\001\373\300\023\220`\013\320SW\320\371W\361@\314@_\330\022\032\230\377!\2305\240\002\240)\250=9\364@U\270\"\270\354`\271!\3777\230*\240F\250&\260\376a\000\020\220\007\220q\230\n\374\307 n\000\017\210u\220J\230\177a\230s\240\"\240J\210@\377!\2607\270#\270V\300}4\221 \007\310s\320R\252`\366\316a\320]\220!\330\020\026\220\375j\331\000\033\250A\320-H\217\310\001\310\022\215\204\002!\002\264 `\367\320`a\330\204\003z\230\025\230\377h\240d\250$\250c\260\377\022\2602\260S\270\010\300\375\004\275\204\0023\310d\320RS\366\252\204\004\230Q\342!\014\320\014\034\363\230A\346\001\343A1\330\010\t\372\314\204\001!\356@z\240\035\250a\377\250x\260x\270x\300u\363\310A\000\024&\005y\240\r\250\377Q\250h\260g\270X\300\367T\310\021,\026\020\220\013\230\1771\340\014\020\220\010\230\247`\377\340\010\017\210t\2205\230}\010\264 $\240e\2508\254\000wT\270\024A\000R\300t\255\205\002\374\206a\204D\017\210r\220\026\220\377r\230\023\230D\240\003\240\3772\240T\250\026\250r\260\371\021\301\205\001\017\007\013\2504\250u\373\260F\367#\016\210b\220\006\277\220a\220s\230&\225@!\376\"\005q\230\003\2306\240\022\321\240\325\204\004\357\003\205\0011\340!l\240\375!\312\204\001\022\220$\220m\240\3671\240GN\000w\260d\270\321!\344\206\001\000\020 \003F\353 f\260\307C\260q\023\020\347\004\351\206\001~\230\377Q\230d\240/\260\026\260\377v\270U\300!\200A\360\337\006\000\t\014\210\371\206\001l\240\377%\240r\250\033\260D\270\377\004\270J\300a\300|\320oSY\320Y\320\207\001\330\014\241!\337;\230c\240\021\375D\320!\1773\2601\260D\3208\230c\357a\320ab\033\007\034\250T\363\260\021\240j\230cd\320de\352\362\210\0013\216 |\370\001\016\210fO\220A\220[\311 ""\370\210\0023\n\002\335S\231 4\230q\234e[\250\377\001\250\024\320-Y\320YOZ\320Z]\203\204\003D\001\010\270\204\001\375A\272\003\016\210Y\220d\230\377%\230q\240\001\330\010\"\357\240$\240h\265`u\260A\263\340\010\311g\317,\021\022\312\204\001d\353\230.\\\000\025\366\204\001\330\020\023\373\2204\331@\021\330\024\030\230\277\014\240A\240Q\330\241`\013\303\2304\270\206\001\270&\263\212\006\231Ah\230\357a\230u\240}\004\036\230T\377\240\026\240u\250K\260q\376\275 H\300B\300c\310\023\375\310\352\212\0027\220\047\230\025\230}d\334 t\2501\250H\242@\377r\270\031\300$\300f\310\277G\320SV\320V\216\212\001\330\357\047+\2506\223@~\300T\177\310\026\310v\320UV\014\003\205\027\212@A\330\212\006\375\000\345\206\002\313\nw\367\220c\230\225@\024\220J\230\377d\320\"2\260&\270\001\377\340\020\024\320\024$\240A\376\251\213\001K\230\177\250m\2701\373\270A\353\204\006\360\010\000\t\rw\210G\220\355g4\220q\357g\276\227!\031\230\036\240q\347\211\002D?\270\013\3004\300w\264\206\001\373 \356\227\211\004\330()\252#|\2403\377\240a\330\024\036\230n\250\377A\250_\270D\300\016\310\367c\320Q\352\211\001\330-1\260_\033\270B\270d\346\000a\366h\377s\220!\2201\320\004\033\323\2301\335\211\001\227!\021\345!\016\230\351a\361@\302\023K\213`\021\025\220]Q\223\205\006\360\006\000\r\000N\243\205\001\376\302\206\004\320\004\"\240!\340\010\357\035\230T\240\372a\024\260T\353\270\021\344\215\003{\307\215\002t\2402\377\240U\250!\2508\2603\377\260a\330\014\025\220T\230\365\024\266\214\002\010\237\214\001\010\230\001\230\367\030\240\021\314\213\001D\220\005\220\367Q\220e\362\213\001\037\320\037/\375\250\303`\260Q\330\010\031\230?\032\2405\250\001\250\037\002\235:\377\024\220O\2401\240D\250\370\346\211\002\340\207\007\344\215\002\320\004*\250!H\355\205\001\244\204\n\244\0161\224\n\305\204\010\330~-^\302\204<\024\030\230\017\202bA\344\204\032\256\323\006\047\260\021\326cF\342@5\373\230\003\270\216\001\031\230\021\230&\363\240\001\326%\347!\031\240#\240GT\250\024\241\207\002\373\"\357!f\336\214\002\3674\240t\205\221\001""\014\210N\230\375!7\004\330\010!\240\023\240\377A\330\010\"\320\"4\2605E\272\215\002\010\205T\034\230\352\214\004\274\211\023-\020\207\212\002q\330\357\206\013a\360\206\010\253\000\367\330\024\032\372\221\002q\330\030 \377\240\001\240\027\250\002\250\"\377\250A\330\030\034\230E\240\377\025\240a\240q\330\034 \373\240\n\311`3\250c\260\021\377\260#\260R\260t\2704\377\270v\300R\300r\310\022\327\3104\310\034\002\010\263\210\001\250V\373\2602\034\000r\270\024\270T\377\300\024\300V\3102\310R\373\310r\231\205\004\030)\250\021\250\377$\250g\260T\270\026\270\337t\3004\300t9\000u\320\377TX\320X]\320]a\377\320ae\320ei\320i\377p\320pt\320tu\330\377*.\320.B\300#\300\277S\310\010\320PQ\200\014\006\357\240a\240s\374\212\002B\260b\277\270\002\270$\270d&\002\003\376o\000S\320PR\320RV\377\320VW\330\047*\250#\357\250S\260\002\256\0041\330\030\267\036\230a\302\210\027s\240\254\214\002q";
+    PyObject *data = __Pyx_DecompressString_LZSS(cstring, 4214, 6192);
     #define __Pyx_DecompressString_UNUSED
     if (unlikely(!data)) __PYX_ERR(0, 1, __pyx_L1_error)
     const char* const bytes = __Pyx_PyBytes_AsString(data);
     #if !CYTHON_ASSUME_SAFE_MACROS
     if (likely(bytes)); else { Py_DECREF(data); __PYX_ERR(0, 1, __pyx_L1_error) }
     #endif
-    #else /* compression: none (6232 bytes) */
-static const char bytes[] = "  bytes bytes) is damaged: expected  is not supported by the engine out of range for an engine with  out of range: ids must be < vocab_size= streams streams: pass token_ids[ token ids (one per stream), got (tree fragment))): cannot restore, , D=, G=, H=, conv_len=, got , n_streams=,).: table must be a C-contiguous [: unsupported table dtype ?A copy of an engine\047s per-stream state (hash windows, conv rings, positions).\n\n    Restorable into the engine it came from or any engine of the same layer, config\n    and stream count (speculative decoding: snapshot, try tokens, restore).EngineSnapshot(layer=NoneNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.StreamEngine is already running a call: one engine has one owner (use one engine per thread)StreamEngine(layer=StreamEngine: could not allocate StreamEngine: scratch allocation failed]] arrayadd_notebitmap must be a writeable C-contiguous uint8 array of shape (cannot snapshot between feed() and compute()compute() needs feed(token_ids) firstdisableenableengram_stream.modelengram_stream.planexpected feed() was already called for this token: call compute(hidden) firstfeed() was called for every stream: compute(hidden) first, or reset() all streamsfeed() was called: finish that token with compute(hidden) firstgchash planisenabledlayer max_ngram_size > n_streams must be >= 1, got no default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importout must be a writeable C-contiguous float32 array of shape prefetch() needs feed(token_ids) firstrestore() takes an EngineSnapshot, got snapshot is from another engine (different snapshot.snapshot.pos is damaged: ring positions out of rangesrc/engram_stream/_engine.pyxstream stream countstream must be an int, got this engine has token id EngineSnapshotEngineSnapshot.__init__EngineSnapshot.__""repr__EngineSnapshot.nbytesPREFILL_CHUNKSStreamEngineStreamEngine.__reduce_cython__StreamEngine.__setstate_cython__StreamEngine._bad_idStreamEngine._check_snapshotStreamEngine._check_streamStreamEngine._hiddenStreamEngine._idsStreamEngine._outStreamEngine.computeStreamEngine.feedStreamEngine.prefetchStreamEngine.prefillStreamEngine.resetStreamEngine.restoreStreamEngine.snapshotStreamEngine.stepStreamEngine.track_rowsT__Pyx_PyDict_NextRef__annotate____class_getitem____doc____func____getstate____init____main____metaclass____module____name____prepare____pyx_state__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____repr____set_name____setstate____setstate_cython____test___bad_id_check_snapshot_check_stream_hidden_ids_is_coroutine_outaas_idsascontiguousarrayasyncio.coroutinesbadbitmapbool_c_contiguouscfgcheck_hiddenchunkcline_in_tracebackcomputeconfigconv_lenconv_normcpu_countdtypeemptyengram_dimengram_stream._enginefailedfeedfingerprintflagsfloat16float32fphhashlibhc_multhead_dimhead_fphead_primeshexdigesthiddenhidden_sizehistiidsint64int8integeritemsitemsizekernel_sizelayerlookupmaxmax_ngram_sizeminmodelmultipliersn_head_per_ngramn_headsn_streamsnamenbnbytesndarrayndimneednorm1norm2npnumpyooffsetsosoutpackedpad_idphpidplanpopopposprefetchprefillpropertyresetrestoreringsseenselfsetdefaultsha1shapeshapessinglesnapshotstepstreamt0tabletable_rowstable_scaleto_jsontobytestoktoken_idstrack_rowsuint8valuesvocab_sizewhywriteablex\200\001\330\004\n\210+\220Q\200A\330\010\013\2104\210s\220!\330\014\023\2202\220V\2301\230G\2406\250\022\2501\330\010\013\2105\220\004\220A\220U\230#\230R\230y\250\004\250C\250w\260c\270\022\2709\300D\310\003\3106\320QR\330\020\024\220C\220v\230[\250\004\250C\250w\260c\270\021\330\014\022\220*\230A\320\035[\320[\\\320\\]\330\035\037\230q\240\004\240A\240T\250\033\260A\260W\270A\270U\300)\3105\320PQ\320QX\320XY\320Y^\320^g\320gh\330\010\017\210q\200A\330\010\013\210:\220Q\220h\230f\240C\240t\250:\260Q\260i\270u\300B\300a\330\014\022\220)""\2301\320\0349\270\021\270$\270a\270w\300a\330\010\013\2104\210r\220\023\220I\230T\240\021\330\014\022\220*\230A\230Y\240a\320\047O\310q\320PT\320TU\200A\330\010\014\210D\220\001\220\030\230\023\230B\230i\240t\2506\260\027\270\003\2702\270Q\330\020\024\220F\230&\240\016\250d\260&\270\007\270s\300!\330\014\023\2201\330\010\017\210|\2301\230H\240A\200A\330\010\014\210O\2301\330\010\014\210G\2204\220w\230d\240&\250\004\250H\260F\270&\300\005\300Q\330\010\014\210E\220\021\220&\230\006\230e\2401\330\014\r\210V\220=\240\001\200A\330\010\017\210z\230\021\230+\240Q\240c\250\021\320*U\320UV\320VZ\320Z[\200A\330\010\017\320\017&\240a\240t\250<\260q\270\017\300q\310\004\310L\320XY\320Y^\320^_\320_c\320cd\200A\340\010\013\2104\210z\230\021\230*\240A\330\014\022\220)\2301\320\034E\300Q\300d\310!\3109\320TU\330\010\r\210X\220Q\330\010\013\2103\210c\220\024\220Q\330\014\023\220;\230b\240\001\240\023\240C\240t\250=\270\001\270\021\330\023\037\230r\240\021\240#\240S\250\004\250M\270\021\270!\330\023%\240R\240q\250\003\2503\250d\260-\270q\300\010\310\001\330\014\022\220*\230A\320\035J\310!\3101\330\010\031\230\024\230Q\330\010\022\220)\2301\230C\230t\2403\240b\250\004\250B\250i\260y\300\001\300\023\300D\310\013\320SW\320W\\\320\\^\320^_\330\022\032\230!\2305\240\002\240)\2509\260A\260U\270\"\270A\330\010\014\210G\2207\230*\240F\250&\260\001\330\014\020\220\007\220q\230\n\240&\250\001\330\014\017\210u\220J\230a\230s\240\"\240J\250d\260!\2607\270#\270V\3004\300q\310\007\310s\320RX\320X\\\320\\]\320]c\320cd\330\020\026\220j\240\001\240\033\250A\320-H\310\001\310\022\3106\320QR\320RX\320X_\320_`\320`a\330\010\013\2104\210z\230\025\230h\240d\250$\250c\260\022\2602\260S\270\010\300\004\300D\310\003\3103\310d\320RS\330\014\022\220*\230A\230Q\200A\340\010\014\320\014\034\230A\230Q\330\010\014\210G\2201\330\010\t\330\014\022\220!\2204\220z\240\035\250a\250x\260x\270x\300u\310A\330\014\022\220!\2204\220z\240\035\250a\250x\260x\270x\300u\310A\330\014\022\220!\2204\220y\240\r\250Q\250h\260g\270X""\300T\310\021\330\014\022\220!\2204\220z\240\035\250a\250x\260x\270x\300u\310A\330\014\020\220\013\2301\340\014\020\220\010\230\001\200A\340\010\017\210t\2205\230\010\240\002\240$\240e\2508\2602\260T\270\024\270X\300R\300t\3105\320PQ\200A\340\010\031\230\024\230Q\330\010\017\210r\220\026\220r\230\023\230D\240\003\2402\240T\250\026\250r\260\021\330\010\017\210r\220\026\220r\230\023\230D\240\013\2504\250u\260F\270\"\270A\330\010\016\210b\220\006\220a\220s\230&\240\002\240!\330\010\017\210r\220\026\220q\230\003\2306\240\022\2401\330\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\014\022\220$\220m\2401\240G\2504\250w\260d\270!\330\014\022\220$\220m\2401\240G\2504\250w\260d\270!\330\014\022\220$\220m\2401\240F\250$\250f\260C\260q\330\014\022\220$\220m\2401\240G\2504\250w\260d\270!\340\014\020\220\010\230\001\330\010\017\210~\230Q\230d\240/\260\026\260v\270U\300!\200A\360\006\000\t\014\210:\220Q\220l\240%\240r\250\033\260D\270\004\270J\300a\300|\320SY\320Y[\320[\\\330\014\017\210t\220;\230c\240\021\330\020\026\220j\240\001\320!3\2601\260D\3208\\\320\\]\320]a\320ab\330\014\017\210t\220;\230c\240\034\250T\260\021\330\020\026\220j\240\001\240\033\250A\320-_\320_`\320`d\320de\330\014\023\2203\220a\220|\2401\330\010\016\210f\220A\220[\240\003\2401\330\010\013\2103\210f\220A\220S\230\003\2304\230q\330\014\022\220*\230A\230[\250\001\250\024\320-Y\320YZ\320Z]\320]c\320cd\320de\330\010\017\210u\220A\200A\360\006\000\t\016\210Y\220d\230%\230q\240\001\330\010\033\2301\330\010\"\240!\2401\330\010\013\2101\330\014\022\220!\340\014\022\320\022$\240E\250\021\250!\340\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\021\022\330\020\026\220d\230.\250\001\250\025\250d\260!\330\020\023\2204\220r\230\021\330\024\030\230\014\240A\240Q\330\014\020\220\013\2304\230r\240\021\340\014\020\220\010\230\001\330\010\013\2104\210s\220!\330\014\022\220$\220h\230a\230u\240A\200A\360\006\000\t\036\230T\240\026\240u\250K\260q\270\004\270H""\300B\300c\310\023\310A\330\010\013\2107\220\047\230\025\230d\240%\240t\2501\250H\260C\260r\270\031\300$\300f\310G\320SV\320VX\320XY\330\047+\2506\260\026\260~\300T\310\026\310v\320UV\330\047+\2506\260\027\270\004\270A\330\014\022\220*\230A\320\035]\320]^\320^_\330\010\014\210G\2201\330\010\t\330\014\017\210w\220c\230\021\330\020\024\220J\230d\320\"2\260&\270\001\340\020\024\320\024$\240A\330\020\024\220K\230\177\250m\2701\270A\340\014\020\220\010\230\001\200A\360\010\000\t\r\210G\2201\330\010\t\330\014\017\210t\2204\220q\330\020\026\220l\240!\2401\330\021\022\330\020\031\230\036\240q\250\004\250H\260D\270\013\3004\300w\310d\320R]\320]_\320_c\320cd\330()\330\020\023\2204\220|\2403\240a\330\024\036\230n\250A\250_\270D\300\016\310c\320QU\320UV\330-1\260\033\270B\270d\300$\300a\340\014\020\220\010\230\001\330\010\017\210s\220!\2201\320\004\033\2301\340\010\013\2107\220\047\230\021\330\014\020\220\016\230a\230q\330\010\014\210G\2201\330\010\t\330\014\017\210w\220c\230\021\330\020\024\220K\230q\330\021\025\220Q\330\020\026\220l\240!\2401\360\006\000\021\025\220N\240!\2401\340\014\020\220\010\230\001\320\004\"\240!\340\010\035\230T\240\034\250T\260\024\260T\270\021\330\010\013\2104\210{\230#\230R\230t\2402\240U\250!\2508\2603\260a\330\014\025\220T\230\024\230T\240\021\330\010\014\210D\220\010\230\001\230\030\240\021\330\010\014\210D\220\005\220Q\220e\2301\330\010\037\320\037/\250u\260A\260Q\330\010\031\230\032\2405\250\001\250\021\330\010\014\210G\2201\330\010\t\330\014\017\210t\2204\220q\330\020\026\220l\240!\2401\330\021\022\330\020\024\220O\2401\240D\250\001\330\014\020\220\013\2301\340\014\020\220\010\230\001\330\010\017\210q\320\004*\250!\360\006\000\t\016\210Y\220d\230%\230q\240\001\330\010\035\230T\240\034\250T\260\024\260T\270\021\330\010\033\2301\330\010\"\240!\2401\330\010\013\2101\330\014\025\220T\230\024\230T\240\021\330\014\022\220!\340\014\022\320\022$\240E\250\021\250!\330\010\014\210D\220\010\230\001\230\030\240\021\330\010\014\210D\220\005\220Q\220e\2301""\330\010\037\320\037/\250u\260A\260Q\330\010\031\230\032\2405\250\001\250\021\340\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\021\022\330\020\026\220d\230.\250\001\250\025\250d\260!\330\020\023\2204\220r\230\021\330\024\030\230\014\240A\240Q\330\024\030\230\017\240q\250\004\250A\340\014\020\220\010\230\001\330\010\013\2104\210s\220!\330\014\022\220$\220h\230a\230u\240A\330\010\017\210q\320\004*\250\047\260\021\360\010\000\t\r\210F\220!\2205\230\003\2301\330\010\031\230\021\230&\240\001\240\021\330\010\014\210D\220\010\230\001\230\031\240#\240T\250\024\250T\260\021\330\010\014\210D\220\005\220Q\220f\230C\230t\2404\240t\2501\330\010\014\210N\230!\2301\330\010\031\230\021\330\010!\240\023\240A\330\010\"\320\"4\260E\270\021\270!\330\010\037\320\037/\250u\260A\260Q\330\010\031\230\032\2405\250\001\250\021\330\010\034\230A\330\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\014\020\220\006\220a\220q\330\021\022\330\020\026\220d\230.\250\001\250\025\250a\330\020\023\2204\220r\230\021\330\024\031\230\021\330\024\032\230#\230R\230q\330\030 \240\001\240\027\250\002\250\"\250A\330\030\034\230E\240\025\240a\240q\330\034 \240\n\250!\2503\250c\260\021\260#\260R\260t\2704\270v\300R\300r\310\022\3104\310q\330\034 \240\010\250\001\250\024\250V\2602\260R\260r\270\024\270T\300\024\300V\3102\310R\310r\320QU\320UV\330\030)\250\021\250$\250g\260T\270\026\270t\3004\300t\3104\310u\320TX\320X]\320]a\320ae\320ei\320ip\320pt\320tu\330*.\320.B\300#\300S\310\010\320PQ\330\030\034\230E\240\025\240a\240q\330\034 \240\006\240a\240s\250$\250f\260B\260b\270\002\270$\270d\300#\300S\310\003\3102\310S\320PR\320RV\320VW\330\047*\250#\250S\260\002\260#\260R\260t\2701\330\030\036\230a\340\014\020\220\010\230\001\330\010\013\2104\210s\220!\330\014\022\220$\220h\230a\230s\240!\330\010\017\210q";
+    #else /* compression: none (6192 bytes) */
+static const char bytes[] = "  bytes bytes) is damaged: expected  is not supported by the engine out of range for an engine with  out of range: ids must be < vocab_size= streams streams: pass token_ids[ token ids (one per stream), got (tree fragment))): cannot restore, , D=, G=, H=, conv_len=, got , n_streams=,).: table must be a C-contiguous [: unsupported table dtype ?A copy of an engine\047s per-stream state (hash windows, conv rings, positions).\n\n    Restorable into the engine it came from or any engine of the same layer, config\n    and stream count (speculative decoding: snapshot, try tokens, restore).EngineSnapshot(layer=NoneNote that Cython is deliberately stricter than PEP-484 and rejects subclasses of builtin types. If you need to pass subclasses then set the \047annotation_typing\047 directive to False.StreamEngine is already running a call: one engine has one owner (use one engine per thread)StreamEngine(layer=StreamEngine: could not allocate StreamEngine: scratch allocation failed]] arrayadd_notebitmap must be a writeable C-contiguous uint8 array of shape (cannot snapshot between feed() and compute()compute() needs feed(token_ids) firstdisableenableengram_stream.modelengram_stream.planexpected feed() was already called for this token: call compute(hidden) firstfeed() was called for every stream: compute(hidden) first, or reset() all streamsfeed() was called: finish that token with compute(hidden) firstgchash planisenabledlayer max_ngram_size > n_streams must be >= 1, got no default __reduce__ due to non-trivial __cinit__numpy._core.multiarray failed to importnumpy._core.umath failed to importout must be a writeable C-contiguous float32 array of shape prefetch() needs feed(token_ids) firstrestore() takes an EngineSnapshot, got snapshot is from another engine (different snapshot.snapshot.pos is damaged: ring positions out of rangesrc/engram_stream/_engine.pyxstream stream countstream must be an int, got this engine has token id EngineSnapshotEngineSnapshot.__init__EngineSnapshot.__""repr__EngineSnapshot.nbytesPREFILL_CHUNKSStreamEngineStreamEngine.__reduce_cython__StreamEngine.__setstate_cython__StreamEngine._bad_idStreamEngine._check_snapshotStreamEngine._check_streamStreamEngine._hiddenStreamEngine._idsStreamEngine._outStreamEngine.computeStreamEngine.feedStreamEngine.prefetchStreamEngine.prefillStreamEngine.resetStreamEngine.restoreStreamEngine.snapshotStreamEngine.stepStreamEngine.track_rowsT__Pyx_PyDict_NextRef__annotate____class_getitem____doc____func____getstate____init____main____metaclass____module____name____prepare____pyx_state__pyx_vtable____qualname____reduce____reduce_cython____reduce_ex____repr____set_name____setstate____setstate_cython____test___bad_id_check_snapshot_check_stream_hidden_ids_is_coroutine_outaas_idsascontiguousarrayasyncio.coroutinesbadbitmapbool_c_contiguouscfgcheck_hiddenchunkcline_in_tracebackcomputeconfigconv_lenconv_normcpu_countdtypeemptyengram_dimengram_stream._enginefailedfeedfingerprintflagsfloat16float32fphhashlibhc_multhead_dimhead_fphead_primeshexdigesthiddenhidden_sizehistiidsint64int8integeritemsitemsizekernel_sizelayerlookupmaxmax_ngram_sizeminmodelmultipliersn_head_per_ngramn_headsn_streamsnamenbnbytesndarrayndimneednorm1norm2npnumpyooffsetsosoutpackedpad_idphpidplanpopopposprefetchprefillpropertyresetrestoreringsseenselfsetdefaultsha1shapeshapessinglesnapshotstepstreamt0tabletable_rowstable_scaleto_jsontobytestoken_idstrack_rowsuint8valuesvocab_sizewhywriteablex\200\001\330\004\n\210+\220Q\200A\330\010\013\2104\210s\220!\330\014\023\2202\220V\2301\230G\2406\250\022\2501\330\010\013\2105\220\004\220A\220U\230#\230R\230y\250\004\250C\250w\260c\270\022\2709\300D\310\003\3106\320QR\330\020\024\220C\220v\230[\250\004\250C\250w\260c\270\021\330\014\022\220*\230A\320\035[\320[\\\320\\]\330\035\037\230q\240\004\240A\240T\250\033\260A\260W\270A\270U\300)\3105\320PQ\320QX\320XY\320Y^\320^g\320gh\330\010\017\210q\200A\330\010\013\210:\220Q\220h\230f\240C\240t\250:\260Q\260i\270u\300B\300a\330\014\022\220)""\2301\320\0349\270\021\270$\270a\270w\300a\330\010\013\2104\210r\220\023\220I\230T\240\021\330\014\022\220*\230A\230Y\240a\320\047O\310q\320PT\320TU\200A\330\010\014\210D\220\001\220\030\230\023\230B\230i\240t\2506\260\027\270\003\2702\270Q\330\020\024\220F\230&\240\016\250d\260&\270\007\270s\300!\330\014\023\2201\330\010\017\210|\2301\230H\240A\200A\330\010\014\210O\2301\330\010\014\210G\2204\220w\230d\240&\250\004\250H\260F\270&\300\005\300Q\330\010\014\210E\220\021\220&\230\006\230e\2401\330\014\r\210V\220=\240\001\200A\330\010\017\210z\230\021\230+\240Q\240c\250\021\320*U\320UV\320VZ\320Z[\200A\330\010\017\320\017&\240a\240t\250<\260q\270\017\300q\310\004\310L\320XY\320Y^\320^_\320_c\320cd\200A\340\010\013\2104\210z\230\021\230*\240A\330\014\022\220)\2301\320\034E\300Q\300d\310!\3109\320TU\330\010\r\210X\220Q\330\010\013\2103\210c\220\024\220Q\330\014\023\220;\230b\240\001\240\023\240C\240t\250=\270\001\270\021\330\023\037\230r\240\021\240#\240S\250\004\250M\270\021\270!\330\023%\240R\240q\250\003\2503\250d\260-\270q\300\010\310\001\330\014\022\220*\230A\320\035J\310!\3101\330\010\031\230\024\230Q\330\010\022\220)\2301\230C\230t\2403\240b\250\004\250B\250i\260y\300\001\300\023\300D\310\013\320SW\320W\\\320\\^\320^_\330\022\032\230!\2305\240\002\240)\2509\260A\260U\270\"\270A\330\010\014\210G\2207\230*\240F\250&\260\001\330\014\020\220\007\220q\230\n\240&\250\001\330\014\017\210u\220J\230a\230s\240\"\240J\250d\260!\2607\270#\270V\3004\300q\310\007\310s\320RX\320X\\\320\\]\320]c\320cd\330\020\026\220j\240\001\240\033\250A\320-H\310\001\310\022\3106\320QR\320RX\320X_\320_`\320`a\330\010\013\2104\210z\230\025\230h\240d\250$\250c\260\022\2602\260S\270\010\300\004\300D\310\003\3103\310d\320RS\330\014\022\220*\230A\230Q\200A\340\010\014\320\014\034\230A\230Q\330\010\014\210G\2201\330\010\t\330\014\022\220!\2204\220z\240\035\250a\250x\260x\270x\300u\310A\330\014\022\220!\2204\220z\240\035\250a\250x\260x\270x\300u\310A\330\014\022\220!\2204\220y\240\r\250Q\250h\260g\270X""\300T\310\021\330\014\022\220!\2204\220z\240\035\250a\250x\260x\270x\300u\310A\330\014\020\220\013\2301\340\014\020\220\010\230\001\200A\340\010\017\210t\2205\230\010\240\002\240$\240e\2508\2602\260T\270\024\270X\300R\300t\3105\320PQ\200A\340\010\031\230\024\230Q\330\010\017\210r\220\026\220r\230\023\230D\240\003\2402\240T\250\026\250r\260\021\330\010\017\210r\220\026\220r\230\023\230D\240\013\2504\250u\260F\270\"\270A\330\010\016\210b\220\006\220a\220s\230&\240\002\240!\330\010\017\210r\220\026\220q\230\003\2306\240\022\2401\330\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\014\022\220$\220m\2401\240G\2504\250w\260d\270!\330\014\022\220$\220m\2401\240G\2504\250w\260d\270!\330\014\022\220$\220m\2401\240F\250$\250f\260C\260q\330\014\022\220$\220m\2401\240G\2504\250w\260d\270!\340\014\020\220\010\230\001\330\010\017\210~\230Q\230d\240/\260\026\260v\270U\300!\200A\360\006\000\t\014\210:\220Q\220l\240%\240r\250\033\260D\270\004\270J\300a\300|\320SY\320Y[\320[\\\330\014\017\210t\220;\230c\240\021\330\020\026\220j\240\001\320!3\2601\260D\3208\\\320\\]\320]a\320ab\330\014\017\210t\220;\230c\240\034\250T\260\021\330\020\026\220j\240\001\240\033\250A\320-_\320_`\320`d\320de\330\014\023\2203\220a\220|\2401\330\010\016\210f\220A\220[\240\003\2401\330\010\013\2103\210f\220A\220S\230\003\2304\230q\330\014\022\220*\230A\230[\250\001\250\024\320-Y\320YZ\320Z]\320]c\320cd\320de\330\010\017\210u\220A\200A\360\006\000\t\016\210Y\220d\230%\230q\240\001\330\010\"\240$\240h\250a\250u\260A\340\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\021\022\330\020\026\220d\230.\250\001\250\025\250d\260!\330\020\023\2204\220r\230\021\330\024\030\230\014\240A\240Q\330\014\020\220\013\2304\230r\240\021\340\014\020\220\010\230\001\330\010\013\2104\210s\220!\330\014\022\220$\220h\230a\230u\240A\200A\360\006\000\t\036\230T\240\026\240u\250K\260q\270\004\270H\300B\300c\310\023\310A\330\010\013\2107\220\047\230\025\230d\240%\240t\2501""\250H\260C\260r\270\031\300$\300f\310G\320SV\320VX\320XY\330\047+\2506\260\026\260~\300T\310\026\310v\320UV\330\047+\2506\260\027\270\004\270A\330\014\022\220*\230A\320\035]\320]^\320^_\330\010\014\210G\2201\330\010\t\330\014\017\210w\220c\230\021\330\020\024\220J\230d\320\"2\260&\270\001\340\020\024\320\024$\240A\330\020\024\220K\230\177\250m\2701\270A\340\014\020\220\010\230\001\200A\360\010\000\t\r\210G\2201\330\010\t\330\014\017\210t\2204\220q\330\020\026\220l\240!\2401\330\021\022\330\020\031\230\036\240q\250\004\250H\260D\270\013\3004\300w\310d\320R]\320]_\320_c\320cd\330()\330\020\023\2204\220|\2403\240a\330\024\036\230n\250A\250_\270D\300\016\310c\320QU\320UV\330-1\260\033\270B\270d\300$\300a\340\014\020\220\010\230\001\330\010\017\210s\220!\2201\320\004\033\2301\340\010\013\2107\220\047\230\021\330\014\020\220\016\230a\230q\330\010\014\210G\2201\330\010\t\330\014\017\210w\220c\230\021\330\020\024\220K\230q\330\021\025\220Q\330\020\026\220l\240!\2401\360\006\000\021\025\220N\240!\2401\340\014\020\220\010\230\001\320\004\"\240!\340\010\035\230T\240\034\250T\260\024\260T\270\021\330\010\013\2104\210{\230#\230R\230t\2402\240U\250!\2508\2603\260a\330\014\025\220T\230\024\230T\240\021\330\010\014\210D\220\010\230\001\230\030\240\021\330\010\014\210D\220\005\220Q\220e\2301\330\010\037\320\037/\250u\260A\260Q\330\010\031\230\032\2405\250\001\250\021\330\010\014\210G\2201\330\010\t\330\014\017\210t\2204\220q\330\020\026\220l\240!\2401\330\021\022\330\020\024\220O\2401\240D\250\001\330\014\020\220\013\2301\340\014\020\220\010\230\001\330\010\017\210q\320\004*\250!\360\006\000\t\016\210Y\220d\230%\230q\240\001\330\010\035\230T\240\034\250T\260\024\260T\270\021\330\010\013\2101\330\014\025\220T\230\024\230T\240\021\330\010\"\240$\240h\250a\250u\260A\330\010\014\210D\220\010\230\001\230\030\240\021\330\010\014\210D\220\005\220Q\220e\2301\330\010\037\320\037/\250u\260A\260Q\330\010\031\230\032\2405\250\001\250\021\340\010\014\210G\2201\330\010\t\330\014\017\210t\2201""\330\020\026\220l\240!\2401\330\021\022\330\020\026\220d\230.\250\001\250\025\250d\260!\330\020\023\2204\220r\230\021\330\024\030\230\014\240A\240Q\330\024\030\230\017\240q\250\004\250A\340\014\020\220\010\230\001\330\010\013\2104\210s\220!\330\014\022\220$\220h\230a\230u\240A\330\010\017\210q\320\004*\250\047\260\021\360\010\000\t\r\210F\220!\2205\230\003\2301\330\010\031\230\021\230&\240\001\240\021\330\010\014\210D\220\010\230\001\230\031\240#\240T\250\024\250T\260\021\330\010\014\210D\220\005\220Q\220f\230C\230t\2404\240t\2501\330\010\014\210N\230!\2301\330\010\031\230\021\330\010!\240\023\240A\330\010\"\320\"4\260E\270\021\270!\330\010\037\320\037/\250u\260A\260Q\330\010\031\230\032\2405\250\001\250\021\330\010\034\230A\330\010\014\210G\2201\330\010\t\330\014\017\210t\2201\330\020\026\220l\240!\2401\330\014\020\220\006\220a\220q\330\021\022\330\020\026\220d\230.\250\001\250\025\250a\330\020\023\2204\220r\230\021\330\024\031\230\021\330\024\032\230#\230R\230q\330\030 \240\001\240\027\250\002\250\"\250A\330\030\034\230E\240\025\240a\240q\330\034 \240\n\250!\2503\250c\260\021\260#\260R\260t\2704\270v\300R\300r\310\022\3104\310q\330\034 \240\010\250\001\250\024\250V\2602\260R\260r\270\024\270T\300\024\300V\3102\310R\310r\320QU\320UV\330\030)\250\021\250$\250g\260T\270\026\270t\3004\300t\3104\310u\320TX\320X]\320]a\320ae\320ei\320ip\320pt\320tu\330*.\320.B\300#\300S\310\010\320PQ\330\030\034\230E\240\025\240a\240q\330\034 \240\006\240a\240s\250$\250f\260B\260b\270\002\270$\270d\300#\300S\310\003\3102\310S\320PR\320RV\320VW\330\047*\250#\250S\260\002\260#\260R\260t\2701\330\030\036\230a\340\014\020\220\010\230\001\330\010\013\2104\210s\220!\330\014\022\220$\220h\230a\230s\240!\330\010\017\210q";
     PyObject *data = NULL;
     #define __Pyx_DecompressString_UNUSED
     #define __Pyx_DecompressString_LZSS_UNUSED
     #endif
     PyObject **stringtab = __pyx_mstate->__pyx_string_tab;
     Py_ssize_t pos = 0;
-    for (int i = 0; i < 234; i++) {
+    for (int i = 0; i < 233; i++) {
       Py_ssize_t bytes_length = str_length_index[i].length;
       PyObject *string = PyUnicode_DecodeUTF8(bytes + pos, bytes_length, NULL);
       if (likely(string) && i >= 69) PyUnicode_InternInPlace(&string);
@@ -19472,8 +19476,8 @@ static const char bytes[] = "  bytes bytes) is damaged: expected  is not support
       stringtab[i] = string;
       pos += bytes_length;
     }
-    for (int i = 234; i < 253; i++) {
-      Py_ssize_t bytes_length = bytes_length_index[i-234].length;
+    for (int i = 233; i < 252; i++) {
+      Py_ssize_t bytes_length = bytes_length_index[i-233].length;
       PyObject *string = PyBytes_FromStringAndSize(bytes + pos, bytes_length);
       stringtab[i] = string;
       pos += bytes_length;
@@ -19483,14 +19487,14 @@ static const char bytes[] = "  bytes bytes) is damaged: expected  is not support
       }
     }
     Py_XDECREF(data);
-    for (Py_ssize_t i = 0; i < 253; i++) {
+    for (Py_ssize_t i = 0; i < 252; i++) {
       if (unlikely(PyObject_Hash(stringtab[i]) == -1)) {
         __PYX_ERR(0, 1, __pyx_L1_error)
       }
     }
     #if CYTHON_IMMORTAL_CONSTANTS
     {
-      PyObject **table = stringtab + 234;
+      PyObject **table = stringtab + 233;
       for (Py_ssize_t i=0; i<19; ++i) {
         #if PY_VERSION_HEX >= 0x030F0000
         PyUnstable_SetImmortal(table[i]);
@@ -19608,72 +19612,72 @@ static int __Pyx_CreateCodeObjects(__pyx_mstatetype *__pyx_mstate) {
     __pyx_mstate_global->__pyx_codeobj_tab[3] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_ids_2, __pyx_mstate->__pyx_kp_b_iso88591_A_Ql_r_D_Ja_SYY_t_c_j_31D8_aab_t, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[3])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 237};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 244};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_hidden, __pyx_mstate->__pyx_n_u_shape};
     __pyx_mstate_global->__pyx_codeobj_tab[4] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_hidden_2, __pyx_mstate->__pyx_kp_b_iso88591_A_D_Bit6_2Q_F_d_s_1_1HA, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[4])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 243};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 250};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_shape};
     __pyx_mstate_global->__pyx_codeobj_tab[5] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_out_2, __pyx_mstate->__pyx_kp_b_iso88591_A_4s_2V1G6_1_5_AU_Ry_Cwc_9D_6QR, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[5])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 252};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 259};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_ids, __pyx_mstate->__pyx_n_u_i};
     __pyx_mstate_global->__pyx_codeobj_tab[6] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_bad_id, __pyx_mstate->__pyx_kp_b_iso88591_A_z_Qc_UUVVZZ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[6])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 14, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 256};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_token_ids, __pyx_mstate->__pyx_n_u_hidden, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_ids, __pyx_mstate->__pyx_n_u_single, __pyx_mstate->__pyx_n_u_shape, __pyx_mstate->__pyx_n_u_tok, __pyx_mstate->__pyx_n_u_pid, __pyx_mstate->__pyx_n_u_h, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_ph, __pyx_mstate->__pyx_n_u_po, __pyx_mstate->__pyx_n_u_bad};
-    __pyx_mstate_global->__pyx_codeobj_tab[7] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_step, __pyx_mstate->__pyx_kp_b_iso88591_Yd_q_T_T_T_1_1_1_T_T_E_D_D_Qe1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[7])) goto bad;
+    const __Pyx_PyCode_New_function_description descr = {4, 0, 0, 13, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 263};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_token_ids, __pyx_mstate->__pyx_n_u_hidden, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_ids, __pyx_mstate->__pyx_n_u_single, __pyx_mstate->__pyx_n_u_shape, __pyx_mstate->__pyx_n_u_pid, __pyx_mstate->__pyx_n_u_h, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_ph, __pyx_mstate->__pyx_n_u_po, __pyx_mstate->__pyx_n_u_bad};
+    __pyx_mstate_global->__pyx_codeobj_tab[7] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_step, __pyx_mstate->__pyx_kp_b_iso88591_Yd_q_T_T_T_1_T_T_hauA_D_D_Qe1_u, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[7])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 7, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 302};
-    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_token_ids, __pyx_mstate->__pyx_n_u_ids, __pyx_mstate->__pyx_n_u_single, __pyx_mstate->__pyx_n_u_tok, __pyx_mstate->__pyx_n_u_pid, __pyx_mstate->__pyx_n_u_bad};
-    __pyx_mstate_global->__pyx_codeobj_tab[8] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_feed, __pyx_mstate->__pyx_kp_b_iso88591_A_Yd_q_1_1_1_E_G1_t1_l_1_d_d_4r, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[8])) goto bad;
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 6, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 305};
+    PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_token_ids, __pyx_mstate->__pyx_n_u_ids, __pyx_mstate->__pyx_n_u_single, __pyx_mstate->__pyx_n_u_pid, __pyx_mstate->__pyx_n_u_bad};
+    __pyx_mstate_global->__pyx_codeobj_tab[8] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_feed, __pyx_mstate->__pyx_kp_b_iso88591_A_Yd_q_hauA_G1_t1_l_1_d_d_4r_AQ, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[8])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 8, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 327};
+    const __Pyx_PyCode_New_function_description descr = {3, 0, 0, 8, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 325};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_hidden, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_shape, __pyx_mstate->__pyx_n_u_h, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_ph, __pyx_mstate->__pyx_n_u_po};
     __pyx_mstate_global->__pyx_codeobj_tab[9] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_compute, __pyx_mstate->__pyx_kp_b_iso88591_T_T_T_4_Rt2U_83a_T_T_D_D_Qe1_uA, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[9])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 354};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 352};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_failed};
     __pyx_mstate_global->__pyx_codeobj_tab[10] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_prefetch, __pyx_mstate->__pyx_kp_b_iso88591_A_G1_t4q_l_1_q_HD_4wdR___ccd_4_3, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[10])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 372};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 3, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 370};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_bitmap, __pyx_mstate->__pyx_n_u_need};
     __pyx_mstate_global->__pyx_codeobj_tab[11] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_track_rows, __pyx_mstate->__pyx_kp_b_iso88591_A_T_uKq_HBc_A_7_d_t1HCr_fGSVVXXY, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[11])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 18, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 394};
+    const __Pyx_PyCode_New_function_description descr = {5, 0, 0, 18, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 392};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_ids, __pyx_mstate->__pyx_n_u_hidden, __pyx_mstate->__pyx_n_u_stream, __pyx_mstate->__pyx_n_u_out, __pyx_mstate->__pyx_n_u_a, __pyx_mstate->__pyx_n_u_T, __pyx_mstate->__pyx_n_u_h, __pyx_mstate->__pyx_n_u_o, __pyx_mstate->__pyx_n_u_s, __pyx_mstate->__pyx_n_u_chunk, __pyx_mstate->__pyx_n_u_pid, __pyx_mstate->__pyx_n_u_ph, __pyx_mstate->__pyx_n_u_po, __pyx_mstate->__pyx_n_u_bad, __pyx_mstate->__pyx_n_u_t0, __pyx_mstate->__pyx_n_u_i, __pyx_mstate->__pyx_n_u_nb};
     __pyx_mstate_global->__pyx_codeobj_tab[12] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_prefill, __pyx_mstate->__pyx_kp_b_iso88591_F_5_1_D_T_T_D_QfCt4t1_N_1_A_4E, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[12])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 435};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 433};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_stream};
     __pyx_mstate_global->__pyx_codeobj_tab[13] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_check_stream, __pyx_mstate->__pyx_kp_b_iso88591_A_QhfCt_QiuBa_1_9_awa_4r_IT_AYa, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[13])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 455};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 453};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_stream};
     __pyx_mstate_global->__pyx_codeobj_tab[14] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_reset, __pyx_mstate->__pyx_kp_b_iso88591_1_7_aq_G1_wc_Kq_Q_l_1_N_1, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[14])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 6, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 483};
+    const __Pyx_PyCode_New_function_description descr = {1, 0, 0, 6, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 481};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_S, __pyx_mstate->__pyx_n_u_hist, __pyx_mstate->__pyx_n_u_ring, __pyx_mstate->__pyx_n_u_pos, __pyx_mstate->__pyx_n_u_seen};
     __pyx_mstate_global->__pyx_codeobj_tab[15] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_snapshot, __pyx_mstate->__pyx_kp_b_iso88591_A_Q_r_r_D_2T_r_r_r_D_4uF_A_b_as, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[15])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 10, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 502};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 10, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 500};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_snapshot, __pyx_mstate->__pyx_n_u_fp, __pyx_mstate->__pyx_n_u_why, __pyx_mstate->__pyx_n_u_S, __pyx_mstate->__pyx_n_u_shapes, __pyx_mstate->__pyx_n_u_name_2, __pyx_mstate->__pyx_n_u_shape, __pyx_mstate->__pyx_n_u_dtype, __pyx_mstate->__pyx_n_u_a};
     __pyx_mstate_global->__pyx_codeobj_tab[16] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_check_snapshot, __pyx_mstate->__pyx_kp_b_iso88591_A_4z_A_1_EQd_9TU_XQ_3c_Q_b_Ct_r, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[16])) goto bad;
   }
   {
-    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 522};
+    const __Pyx_PyCode_New_function_description descr = {2, 0, 0, 2, (unsigned int)(CO_OPTIMIZED|CO_NEWLOCALS), 520};
     PyObject* const varnames[] = {__pyx_mstate->__pyx_n_u_self, __pyx_mstate->__pyx_n_u_snapshot};
     __pyx_mstate_global->__pyx_codeobj_tab[17] = __Pyx_PyCode_New(descr, varnames, __pyx_mstate->__pyx_kp_u_src_engram_stream__engine_pyx, __pyx_mstate->__pyx_n_u_restore, __pyx_mstate->__pyx_kp_b_iso88591_A_AQ_G1_4z_axxxuA_4z_axxxuA_4y_Q, tuple_dedup_map); if (unlikely(!__pyx_mstate_global->__pyx_codeobj_tab[17])) goto bad;
   }

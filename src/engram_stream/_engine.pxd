@@ -70,6 +70,7 @@ cdef class StreamEngine:
     cdef float *ybuf               # [cap, M] projections
     cdef float *pbuf               # [cap, E] gathered rows packed in 6-row tiles for the GEMM
     cdef bint pending              # feed() done, compute() not yet
+    cdef int64_t tok1              # a scalar token id of a single-stream call
     cdef bint busy                 # a call is running (one owner at a time)
     cdef public int prefill_threads  # threads for prefill's GEMMs (default: the machine's cores)
 
@@ -83,3 +84,4 @@ cdef class StreamEngine:
     cdef void _reset_stream(self, int64_t s) noexcept nogil
     cdef void _reset_all(self) noexcept nogil
     cdef _enter(self)
+    cdef const int64_t *_id_ptr(self, ids, bint single)

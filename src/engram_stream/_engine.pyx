@@ -234,6 +234,13 @@ cdef class StreamEngine:
             raise ValueError(f"expected {self.n_streams} token ids (one per stream), got {ids.shape[0]}")
         return ids, False
 
+    cdef const int64_t *_id_ptr(self, ids, bint single):
+        """The ids as a C pointer: into the [S] array, or to a scalar id kept in the engine."""
+        if single:
+            self.tok1 = ids
+            return &self.tok1
+        return <const int64_t *> _data(ids)
+
     def _hidden(self, hidden, shape):
         if (type(hidden) is np.ndarray and hidden.dtype == np.float32
                 and hidden.flags.c_contiguous and hidden.shape == shape):
@@ -258,13 +265,9 @@ cdef class StreamEngine:
         (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram output (no residual)."""
         ids, single = self._ids(token_ids)
         cdef object shape = (self.n_streams, self.G, self.D)
-        cdef int64_t tok = 0
-        cdef const int64_t *pid = &tok
         if single:
             shape = (self.G, self.D)
-            tok = ids
-        else:
-            pid = <const int64_t *> _data(ids)
+        cdef const int64_t *pid = self._id_ptr(ids, single)
         h = self._hidden(hidden, shape)
         o = self._out(out, shape)
         cdef const float *ph = <const float *> _data(h)
@@ -303,12 +306,7 @@ cdef class StreamEngine:
         """First half of a step: compress and hash the new token(s), advance the hash windows.
         The rows (`.rows`) are then known before the layer runs; compute() finishes the step."""
         ids, single = self._ids(token_ids)
-        cdef int64_t tok = 0
-        cdef const int64_t *pid = &tok
-        if single:
-            tok = ids
-        else:
-            pid = <const int64_t *> _data(ids)
+        cdef const int64_t *pid = self._id_ptr(ids, single)
         cdef int64_t bad
         self._enter()
         try:
