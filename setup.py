@@ -29,13 +29,13 @@ if ASAN:
     CFLAGS += ["-fsanitize=address", "-fno-omit-frame-pointer"]
     LDFLAGS += ["-fsanitize=address"]
 
-INCLUDE = [numpy.get_include(), os.path.join("src", "engram_stream", "include")]
+INCLUDE = [numpy.get_include(), "include"]  # include/: the one home of the C headers
 
 
 def extension(name):
     return Extension(
         name,
-        [os.path.join("src", *name.split(".")) + ".pyx"],
+        [os.path.join(*name.split(".")) + ".pyx"],
         include_dirs=INCLUDE,
         extra_compile_args=CFLAGS,
         extra_link_args=LDFLAGS,
@@ -47,6 +47,6 @@ setup(
     ext_modules=cythonize(
         [extension(m) for m in MOD_NAMES],
         compiler_directives=DIRECTIVES,
-        include_path=["src"],
+        include_path=["."],
     ),
 )

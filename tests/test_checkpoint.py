@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
 import sys
 
 import numpy as np
@@ -16,6 +15,7 @@ from engram_stream.checkpoint import CheckpointError
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 from safetensors import safe_open  # noqa: E402
+from conftest import run_python
 
 CFG = EngramConfig(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_ngram=32, n_head_per_ngram=4,
                    layer_ids=[1, 4], pad_id=2, kernel_size=4, hidden_size=24, hc_mult=4, vocab_size=500)
@@ -338,8 +338,7 @@ print(json.dumps({"anon": after["RssAnon"] - before["RssAnon"], "file": after["R
 
 def _probe(path, use_mmap, tmp_path):
     trace = tmp_path / f"trace-{int(use_mmap)}.bin"
-    r = subprocess.run([sys.executable, "-c", PROBE, path, str(int(use_mmap)), str(trace)],
-                       capture_output=True, text=True, timeout=300)
+    r = run_python(["-c", PROBE, path, str(int(use_mmap)), str(trace)], timeout=300)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 

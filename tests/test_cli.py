@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engram_stream.cli import main
+from conftest import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_ngram=32, n_head_per_ngram=4,
@@ -90,8 +91,7 @@ def test_build_compression_command(tmp_path, capsys):
 
 
 def test_console_script_entry_point():
-    r = subprocess.run([sys.executable, "-m", "engram_stream.cli", "demo", "--tokens", "20"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_python(["-m", "engram_stream.cli", "demo", "--tokens", "20"], timeout=120)
     assert r.returncode == 0, r.stderr
     assert ": OK" in r.stdout
 

@@ -7,7 +7,6 @@ flag or a wrong id order shows up as a mismatch.
 """
 import json
 import re
-import subprocess
 import sys
 import unicodedata
 
@@ -20,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 
 from engram_stream import EngramConfig, HashPlan  # noqa: E402
 from engram_stream.compression import build_compression, compress_stats, save_compression  # noqa: E402
+from conftest import run_python
 
 CORPUS = [
     "Hello hello HELLO HeLLo world", "hello world, Hello World!", "HELLO world",
@@ -257,7 +257,7 @@ def test_missing_tokenizers_package(monkeypatch):
 
 def test_module_import_does_not_import_tokenizers():
     code = "import sys, engram_stream.compression; assert 'tokenizers' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    run_python(["-c", code], check=True)
 
 
 # --- HashPlan, stats, saving ---------------------------------------------------------------------

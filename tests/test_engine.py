@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 import threading
@@ -30,6 +29,7 @@ from hypothesis import strategies as st
 
 from engram_stream import EngineSnapshot, EngramConfig, EngramModel
 from engram_stream.model import LayerWeights
+from conftest import run_python
 
 RTOL, ATOL = 2e-4, 2e-5
 # ENGRAM_HYPOTHESIS_EXAMPLES=1000 for a longer search (default 30 keeps the suite fast)
@@ -834,8 +834,7 @@ def test_refused_concurrent_prefill_does_not_corrupt_step():
     realloc of rbuf/ebuf/ybuf, BEFORE the busy guard, so a refused prefill had already moved
     the buffers under a running step: the GEMM wrote the freed ybuf, the tail read the new one.)
     Run in a subprocess: a use-after-free may also crash."""
-    r = subprocess.run([sys.executable, "-c", _RACE, "2.0"], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT)
+    r = run_python(["-c", _RACE, "2.0"], timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["refused"] > 0, res        # the race did happen
@@ -969,8 +968,7 @@ def test_alloc_native_zero():
     """Stricter than limit_memory (a high-water mark): no native allocation at all in 2000 steps
     with out= (memray.Tracker in a subprocess, so it does not clash with pytest --memray). The
     same loop without out= must show one allocation per step: the measurement can fail."""
-    r = subprocess.run([sys.executable, "-c", _ALLOC, os.path.dirname(os.path.abspath(__file__))],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    r = run_python(["-c", _ALLOC, os.path.dirname(os.path.abspath(__file__))], timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     for S in (1, 4):

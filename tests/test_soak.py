@@ -1,5 +1,9 @@
 """A short soak (the long one is bench/soak.py): constant private memory, still exact."""
-from engram_stream.soak import soak
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from soak import soak  # noqa: E402  (bench/soak.py: a bench tool, not part of the package)
 
 
 def test_soak_constant_memory_and_exact():

@@ -20,5 +20,10 @@ __version__ = "0.1.0"
 
 
 def get_include() -> str:
-    """Folder of the C headers the extensions share (engram_hash.h, engram_step.h)."""
-    return _os.path.join(_os.path.dirname(__file__), "include")
+    """Folder of the C headers the extensions share (engram_hash.h, engram_step.h).
+
+    Installed, the wheel carries them in engram_stream/include; in a development
+    checkout (in-place build) they are the repository's top-level include/."""
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    installed = _os.path.join(here, "include")
+    return installed if _os.path.isdir(installed) else _os.path.join(_os.path.dirname(here), "include")
