@@ -1,0 +1,16 @@
+# Type stubs of the compiled hash kernels (engram_stream/_hash.pyx); private: HashPlan is the API.
+# tests/test_packaging.py checks that every public function of the module is declared here.
+from typing import Optional
+
+import numpy as np
+import numpy.typing as npt
+
+_I64 = npt.NDArray[np.int64]
+
+FP_PRIME_MAX: int
+
+def compress(ids: _I64, lookup: Optional[_I64], vocab_size: int) -> _I64: ...
+def fp_moduli(primes: npt.ArrayLike) -> Optional[npt.NDArray[np.float64]]: ...
+def hash_compressed(cids: _I64, mult: _I64, primes: _I64, max_ngram: int, n_head: int, pad: int,
+                    out: Optional[_I64] = None, fp: Optional[npt.NDArray[np.float64]] = None) -> _I64: ...
+def floormod(x: _I64, primes: _I64, reciprocal: bool = False) -> _I64: ...
