@@ -16,3 +16,14 @@ cdef extern from "engram_hash.h" nogil:
                         const int64_t *primes, const double *fp, int64_t *rows) noexcept
     void es_hash_sequence(const int64_t *c, int64_t T, int64_t pad, const int64_t *mult, int max_ngram,
                           int n_head, const int64_t *primes, const double *fp, int64_t *rows) noexcept
+
+
+# deepseek-v4.1: the dead-token latch (DESIGN.md 4.4). hist[k] is the compressed id at t-k, or
+# a negative value (DEAD: an image token, an unknown id, a slot before the start). The first
+# DEAD entry turns itself and every older one into pad; newer entries keep their ids.
+cdef inline void latch_window(const int64_t *hist, int n, int64_t pad, int64_t *win) noexcept nogil:
+    cdef bint blocked = False
+    cdef int k
+    for k in range(n):
+        blocked = blocked or hist[k] < 0
+        win[k] = pad if blocked else hist[k]

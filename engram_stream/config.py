@@ -1,13 +1,25 @@
-"""EngramConfig: the demo module's hyper-parameters plus the tokenizer vocab size."""
+"""EngramConfig: the Engram module's hyper-parameters plus the tokenizer vocab size.
+
+Two variants (DESIGN.md): "demo-v1" (the public demo module, the default) and
+"deepseek-v4.1" (the production module of DeepSeek-V4.1; section 4). The V4.1-only
+fields (norm_eps, image_token_id, num_embeddings, compressed_vocab_size) stay None
+for the demo.
+"""
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import numbers
+import os
 from dataclasses import dataclass, field
 
 INT64_MAX = (1 << 63) - 1
 MAX_NGRAM = 64  # the C kernels keep a window of at most this many ids on the stack
+DEMO, V41 = "demo-v1", "deepseek-v4.1"
+VARIANTS = (DEMO, V41)
+V41_BLOCK = 32  # V4.1: one float8 scale per 32 values (rows, activations) / 32x32 weight block
+V41_DEFAULTS = {"norm_eps": 1e-20, "image_token_id": 129264}  # DeepSeek-V4.1-Flash config.json
 
 
 def _int(name, value, lo=None):
@@ -45,9 +57,19 @@ class EngramConfig:
     hidden_size: int = 1024
     hc_mult: int = 4
     vocab_size: int = 129280
+    variant: str = DEMO
+    # deepseek-v4.1 only (None for the demo): gate eps, the DEAD (image) token id, the table rows
+    # the checkpoint declares per layer and the compressed vocab it was trained with (both checked
+    # by HashPlan before serving)
+    norm_eps: float = None
+    image_token_id: int = None
+    num_embeddings: list = None
+    compressed_vocab_size: int = None
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        if self.variant not in VARIANTS:
+            raise ValueError(f"EngramConfig.variant must be one of {VARIANTS}, got {self.variant!r}")
         put("max_ngram_size", _int("max_ngram_size", self.max_ngram_size, 2))
         if self.max_ngram_size > MAX_NGRAM:
             raise ValueError(f"EngramConfig.max_ngram_size must be <= {MAX_NGRAM}, got {self.max_ngram_size}")
@@ -82,6 +104,84 @@ class EngramConfig:
                 f"EngramConfig.pad_id must be in [0, vocab_size={self.vocab_size}), got {self.pad_id}")
         if self.seed + 10007 * max(ids) > INT64_MAX:
             raise ValueError("EngramConfig.seed + 10007*max(layer_ids) must fit in int64")
+        if self.variant == V41:
+            self._validate_v41(put)
+        else:
+            for name in ("norm_eps", "image_token_id", "num_embeddings", "compressed_vocab_size"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"EngramConfig.{name} is a {V41!r} field (variant is {self.variant!r})")
+
+    def _validate_v41(self, put):
+        for name, default in V41_DEFAULTS.items():
+            if getattr(self, name) is None:
+                put(name, default)
+        for name in ("hidden_size", "head_dim"):
+            if getattr(self, name) % V41_BLOCK:
+                raise ValueError(f"EngramConfig.{name} must be a multiple of {V41_BLOCK} for {V41} "
+                                 f"(float8 blocks), got {getattr(self, name)}")
+        eps = self.norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0 < float(eps) < 1
+                                                                               and math.isfinite(eps)):
+            raise ValueError(f"EngramConfig.norm_eps must be a float in (0, 1), got {eps!r}")
+        put("norm_eps", float(eps))
+        img = _int("image_token_id", self.image_token_id)
+        if not 0 <= img < self.vocab_size or img == self.pad_id:
+            raise ValueError(f"EngramConfig.image_token_id must be in [0, vocab_size={self.vocab_size}) "
+                             f"and differ from pad_id={self.pad_id}, got {img}")
+        put("image_token_id", img)
+        if self.num_embeddings is not None:
+            ne = _int_list("num_embeddings", self.num_embeddings)
+            if len(ne) != len(self.layer_ids) or min(ne) < 1:
+                raise ValueError(f"EngramConfig.num_embeddings needs one positive row count per layer "
+                                 f"{self.layer_ids}, got {ne}")
+            put("num_embeddings", ne)
+        if self.compressed_vocab_size is not None:
+            cv = _int("compressed_vocab_size", self.compressed_vocab_size, 1)
+            if cv > self.vocab_size:
+                raise ValueError(f"EngramConfig.compressed_vocab_size must be <= vocab_size={self.vocab_size}, "
+                                 f"got {cv}")
+            put("compressed_vocab_size", cv)
+
+    @classmethod
+    def from_hf_config(cls, config, **overrides) -> "EngramConfig":
+        """A deepseek-v4.1 config from the model's config.json (a path, a folder holding one, or
+        the parsed dict). Reads either spelling of the three keys third-party readings rename:
+        dim / hidden_size, norm_eps / rms_norm_eps, engram_pad_id / engram_pad_token_id."""
+        if isinstance(config, (str, os.PathLike)):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        if not isinstance(config, dict):
+            raise TypeError(f"from_hf_config expects a path or a dict, got {type(config).__name__}")
+
+        def key(*names, default=None):
+            found = {n: config[n] for n in names if n in config}
+            if len({json.dumps(v) for v in found.values()}) > 1:
+                raise ValueError(f"config.json: {' and '.join(found)} disagree: {found}")
+            if found:
+                return next(iter(found.values()))
+            if default is None:
+                raise ValueError(f"config.json has no {' / '.join(names)}")
+            return default
+
+        n = _int("engram_max_ngram_size", key("engram_max_ngram_size"), 2)
+        evs = key("engram_vocab_size")
+        evs = [evs] * (n - 1) if isinstance(evs, numbers.Integral) else evs
+        heads, head_dim = key("engram_n_heads"), key("engram_head_dim")
+        fields = dict(
+            variant=V41, engram_vocab_size=evs, max_ngram_size=n,
+            n_embed_per_ngram=_int("engram_n_heads", heads, 1) * _int("engram_head_dim", head_dim, 1),
+            n_head_per_ngram=heads, layer_ids=key("engram_layer_ids"),
+            pad_id=key("engram_pad_id", "engram_pad_token_id"), seed=0,
+            hidden_size=key("dim", "hidden_size"), hc_mult=key("hc_mult"), vocab_size=key("vocab_size"),
+            norm_eps=key("norm_eps", "rms_norm_eps"),
+            image_token_id=key("image_token_id", default=V41_DEFAULTS["image_token_id"]),
+            num_embeddings=key("engram_num_embeddings", default=False) or None,
+            compressed_vocab_size=key("engram_compressed_vocab_size", default=False) or None)
+        fields.update(overrides)
+        return cls(**fields)
 
     # Derived geometry -------------------------------------------------------
     @property
@@ -110,6 +210,23 @@ class EngramConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+    def to_hf_config(self) -> dict:
+        """The deepseek-v4.1 keys of config.json (the reference's ModelArgs names)."""
+        if self.variant != V41:
+            raise ValueError(f"to_hf_config is for the {V41!r} variant, not {self.variant!r}")
+        d = {"vocab_size": self.vocab_size, "dim": self.hidden_size, "hc_mult": self.hc_mult,
+             "norm_eps": self.norm_eps, "image_token_id": self.image_token_id,
+             "engram_layer_ids": list(self.layer_ids), "engram_max_ngram_size": self.max_ngram_size,
+             "engram_n_heads": self.n_head_per_ngram, "engram_head_dim": self.head_dim,
+             "engram_pad_id": self.pad_id}
+        evs = self.engram_vocab_size
+        d["engram_vocab_size"] = evs[0] if len(set(evs)) == 1 else list(evs)
+        if self.num_embeddings is not None:
+            d["engram_num_embeddings"] = list(self.num_embeddings)
+        if self.compressed_vocab_size is not None:
+            d["engram_compressed_vocab_size"] = self.compressed_vocab_size
+        return d
 
     @classmethod
     def from_dict(cls, d) -> "EngramConfig":

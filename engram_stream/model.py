@@ -7,11 +7,12 @@ and a streaming step does all G+1 projections in one pass over the weights.
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
-from . import reference
-from .config import EngramConfig
+from . import reference, reference_v41, v41
+from .config import V41, EngramConfig
 from .plan import HashPlan, as_ids
 
 TABLE_DTYPES = ("float32", "float16", "int8")
@@ -115,7 +116,7 @@ class EngramModel:
         if sorted(layers) != sorted(cfg.layer_ids):
             raise ValueError(f"EngramModel: layers {sorted(layers)} != config layer_ids {cfg.layer_ids}")
         for L, w in layers.items():
-            _validate_layer(cfg, plan, L, w)
+            (v41.validate_layer if cfg.variant == V41 else _validate_layer)(cfg, plan, L, w)
         self.cfg, self.plan, self.layers = cfg, plan, dict(layers)
 
     def __repr__(self):
@@ -129,7 +130,9 @@ class EngramModel:
     def from_reference(cls, cfg: EngramConfig, state_dicts: dict, compression=None, multipliers=None):
         """Build from the reference module's per-layer state_dicts ({layer: {name: array}}).
         Every key and shape is checked; tensors are taken as numpy arrays (torch CPU tensors
-        convert through numpy)."""
+        convert through numpy). A deepseek-v4.1 config takes that module's names (engram_stream.v41)."""
+        if cfg.variant == V41:
+            return v41.from_reference(cls, cfg, state_dicts, compression, multipliers)
         plan = HashPlan(cfg, compression=compression, multipliers=multipliers)
         if not isinstance(state_dicts, dict):
             raise TypeError(f"state_dicts must be a dict {{layer: state_dict}}, got {type(state_dicts).__name__}")
@@ -170,7 +173,10 @@ class EngramModel:
              multipliers=None):
         """Random weights with torch's default initializations (tables N(0,1), Linear and Conv1d
         uniform(+-1/sqrt(fan_in)), norms 1). graft_zero_init zeroes the value projection, so
-        the module's output is exactly 0: adding it to a frozen model changes nothing at step 0."""
+        the module's output is exactly 0: adding it to a frozen model changes nothing at step 0.
+        deepseek-v4.1: random float8 weights (engram_stream.v41.random_layer)."""
+        if cfg.variant == V41:
+            return v41.init(cls, cfg, seed, graft_zero_init, compression, multipliers)
         plan = HashPlan(cfg, compression=compression, multipliers=multipliers)
         rng = np.random.default_rng(seed)
         G, D, E, K = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim, cfg.kernel_size
@@ -206,6 +212,8 @@ class EngramModel:
         a = as_ids(ids, 2)
         h = check_hidden(hidden, a.shape + (self.cfg.hc_mult, self.cfg.hidden_size), "hidden")
         rows = self.plan.hash_numpy(a, layers=[layer])[layer]
+        if self.cfg.variant == V41:
+            return reference_v41.forward(self.cfg, rows, self.plan.dead_mask(a), w, h)
         return reference.forward(self.cfg, rows, w, h)
 
     def stream(self, layer, n_streams: int = 1):
@@ -220,13 +228,28 @@ class EngramModel:
 
     # Files ---------------------------------------------------------------------------------
     def save(self, path, table_dtype=None, progress=None):
+        """deepseek-v4.1 models are written in the model's own HF layout (a folder)."""
+        if self.cfg.variant == V41:
+            from . import hf_v41
+            return hf_v41.save(self, path)
         from . import checkpoint
         return checkpoint.save(self, path, table_dtype=table_dtype, progress=progress)
 
     @classmethod
     def load(cls, path, mmap: bool = True):
+        """A checkpoint file, or a deepseek-v4.1 HF folder (from_deepseek_v41)."""
+        if os.path.isdir(path):
+            return cls.from_deepseek_v41(path, mmap=mmap)
         from . import checkpoint
         return checkpoint.load(path, mmap=mmap)
+
+    @classmethod
+    def from_deepseek_v41(cls, ckpt_dir, mmap: bool = True, compression=None):
+        """A deepseek-v4.1 model from its HF folder (config.json, model.safetensors.index.json, the
+        shards, tokenizer.json): only the layers.{L}.engram.* tensors are read, the tables are
+        mapped in place. compression: a lookup to use instead of building it from tokenizer.json."""
+        from . import hf_v41
+        return hf_v41.load(cls, ckpt_dir, mmap=mmap, compression=compression)
 
 
 def _validate_layer(cfg, plan, L, w):

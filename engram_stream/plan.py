@@ -4,6 +4,10 @@ Two hash paths, pinned bit-equal by the tests:
   hash_numpy  the oracle: the reference's numpy expression, nothing clever;
   hash        the fast path: compression and hashing in nogil Cython (_hash.pyx)
               with the C kernels the streaming engine shares.
+
+The deepseek-v4.1 variant (DESIGN.md 4) adds DEAD tokens: compression maps the image
+token id (and any negative, i.e. unknown, id) to DEAD, and a DEAD entry, like a slot
+before the start, turns itself and every older entry of the window into pad (the latch).
 """
 from __future__ import annotations
 
@@ -13,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import _hash
-from .config import EngramConfig
+from .config import V41, EngramConfig
 
 PRIME_1 = 10007  # layer seed stride of the reference
+DEAD = -1  # V4.1: a compressed window entry that blocks history (image token, unknown, before start)
 PARALLEL_MIN_POSITIONS = 1 << 16  # below this, a thread hand-off costs more than it saves
 _POOL = None
 
@@ -114,6 +119,23 @@ class HashPlan:
         self.table_rows = {L: int(p.sum()) for L, p in self.head_primes.items()}
         # the division-free mod's constants, when the primes are small enough (else None)
         self.head_fp = {L: _hash.fp_moduli(p) for L, p in self.head_primes.items()}
+        self.v41 = cfg.variant == V41
+        self.dead_id = cfg.image_token_id if self.v41 else None  # raw id of a DEAD position
+        if self.v41:
+            self._check_declared_sizes()
+
+    def _check_declared_sizes(self):
+        """V4.1 refuses to serve when the config's declared table rows or compressed vocab differ
+        from what this plan derives: every row would be silently rehashed."""
+        cfg = self.cfg
+        if cfg.num_embeddings is not None:
+            for L, want in zip(cfg.layer_ids, cfg.num_embeddings):
+                if self.table_rows[L] != want:
+                    raise ValueError(f"layer {L}: the primes sum to {self.table_rows[L]} table rows but the "
+                                     f"config declares engram_num_embeddings {want}")
+        if cfg.compressed_vocab_size is not None and self.compressed_vocab != cfg.compressed_vocab_size:
+            raise ValueError(f"the compression has {self.compressed_vocab} ids but the config declares "
+                             f"engram_compressed_vocab_size {cfg.compressed_vocab_size}")
 
     def __repr__(self):
         return (f"HashPlan(layers={self.cfg.layer_ids}, heads={self.cfg.n_heads}, "
@@ -127,8 +149,17 @@ class HashPlan:
     def compress(self, ids) -> np.ndarray:
         """Compressed ids (same shape). ids >= vocab_size raise; negative ids pass through."""
         a = as_ids(ids, np.ndim(ids))
-        flat = a.reshape(1, -1)
-        return _hash.compress(flat, self.lookup, self.cfg.vocab_size).reshape(a.shape)
+        return self._compress(a.reshape(1, -1)).reshape(a.shape)
+
+    def _compress(self, a):
+        if self.v41:  # DEAD for the image token and negative ids
+            return _hash.compress_v41(a, self.lookup, self.cfg.vocab_size, self.dead_id)
+        return _hash.compress(a, self.lookup, self.cfg.vocab_size)
+
+    def dead_mask(self, ids) -> np.ndarray:
+        """bool, same shape: the positions whose gate is 0 (V4.1: id == image_token_id; demo: none)."""
+        a = as_ids(ids, np.ndim(ids))
+        return a == self.dead_id if self.v41 else np.zeros(a.shape, bool)
 
     def hash(self, ids, layers=None, out=None) -> dict:
         """{layer: int64[B, T, H]} head-local rows for raw ids[B, T] (fast path).
@@ -153,13 +184,14 @@ class HashPlan:
                       and buf.flags.c_contiguous and buf.flags.writeable):
                 raise ValueError(f"out[{L}] must be a writeable C-contiguous int64 array of shape {shape}")
             res[L] = buf
-        c = _hash.compress(a, self.lookup, self.cfg.vocab_size)
+        c = self._compress(a)
         n, h, B = self.cfg.max_ngram_size, self.cfg.n_head_per_ngram, a.shape[0]
+        kernel = _hash.hash_compressed_v41 if self.v41 else _hash.hash_compressed
 
         def run(job):
             L, b0, b1 = job
-            _hash.hash_compressed(c[b0:b1], self.multipliers[L], self.head_primes[L], n, h, self.pad_id,
-                                  res[L][b0:b1], self.head_fp[L])
+            kernel(c[b0:b1], self.multipliers[L], self.head_primes[L], n, h, self.pad_id,
+                   res[L][b0:b1], self.head_fp[L])
 
         workers = _hash_workers()
         if workers > 1 and a.size * len(layers) >= PARALLEL_MIN_POSITIONS:
@@ -182,7 +214,10 @@ class HashPlan:
             x[pos] = self.lookup[x[pos]]
         B, T = x.shape
         n_max = self.cfg.max_ngram_size
-        shifted = [np.pad(x, ((0, 0), (k, 0)), constant_values=self.pad_id)[:, :T] for k in range(n_max)]
+        if self.v41:
+            shifted = self._latched_windows(a, x)
+        else:
+            shifted = [np.pad(x, ((0, 0), (k, 0)), constant_values=self.pad_id)[:, :T] for k in range(n_max)]
         out = {}
         with np.errstate(over="ignore"):
             for L in (self.cfg.layer_ids if layers is None else layers):
@@ -194,6 +229,36 @@ class HashPlan:
                     heads += [mix % np.int64(p) for p in self.primes[L][n - 2]]
                 out[L] = np.stack(heads, axis=2) if heads else np.zeros((B, T, 0), np.int64)
         return out
+
+    def _latched_windows(self, raw, x):
+        """V4.1 windows, the reference's expression: for shift s, blocked |= (pos < s) | DEAD(t-s);
+        a blocked shift reads pad."""
+        B, T = x.shape
+        dead = (raw < 0) | (raw == self.dead_id)
+        pos = np.arange(T)[None, :]
+        blocked = np.zeros((B, T), bool)
+        shifted = []
+        for s in range(self.cfg.max_ngram_size):
+            src = np.pad(x, ((0, 0), (s, 0)))[:, :T]
+            src_dead = np.pad(dead, ((0, 0), (s, 0)))[:, :T]
+            blocked = blocked | (pos < s) | src_dead
+            shifted.append(np.where(blocked, self.pad_id, src))
+        return shifted
+
+    def hash_lookback(self, ids, lookback, layers=None, numpy=False) -> dict:
+        """The stateless form (V4.1; vLLM's lookback window): rows of ids[B, T] given the raw ids
+        just before them, lookback[B, max_ngram-1] newest first, -1 where unknown (before the start:
+        it blocks history like DEAD). Same as hashing the concatenated sequence."""
+        a = as_ids(ids, 2)
+        lb = as_ids(lookback, 2, "lookback")
+        if lb.shape != (a.shape[0], self.cfg.max_ngram_size - 1):
+            raise ValueError(f"lookback must have shape ({a.shape[0]}, {self.cfg.max_ngram_size - 1}), "
+                             f"got {lb.shape}")
+        if not self.v41 and (lb < 0).any():
+            raise ValueError("lookback: unknown (-1) entries need the deepseek-v4.1 variant")
+        seq = np.concatenate([lb[:, ::-1], a], axis=1)
+        rows = (self.hash_numpy if numpy else self.hash)(seq, layers=layers)
+        return {L: np.ascontiguousarray(r[:, lb.shape[1]:]) for L, r in rows.items()}
 
 
 def draw_multipliers(cfg: EngramConfig, compressed_vocab: int) -> dict:

@@ -6,8 +6,11 @@ def to_signed(u: int) -> int:
     return u - (1 << 64) if u >= (1 << 63) else u
 
 
-def py_rows(ids, lookup, pad, mult, primes_by_order):
-    """Head-local rows with Python ints only: list[B][T][H]."""
+def py_rows(ids, lookup, pad, mult, primes_by_order, dead_id=None):
+    """Head-local rows with Python ints only: list[B][T][H].
+
+    dead_id (deepseek-v4.1): ids equal to it, negative ids and positions before the start
+    are DEAD; reading back from t, the first DEAD one and everything older read pad."""
     mult = [to_signed(int(m)) for m in mult]
     n_max = len(mult)
 
@@ -19,7 +22,13 @@ def py_rows(ids, lookup, pad, mult, primes_by_order):
         c = [comp(int(i)) for i in row]
         r_out = []
         for t in range(len(c)):
-            w = [c[t - k] if t - k >= 0 else pad for k in range(n_max)]
+            if dead_id is None:
+                w = [c[t - k] if t - k >= 0 else pad for k in range(n_max)]
+            else:
+                w, blocked = [], False
+                for k in range(n_max):
+                    blocked = blocked or t - k < 0 or int(row[t - k]) < 0 or int(row[t - k]) == dead_id
+                    w.append(pad if blocked else c[t - k])
             heads = []
             for n in range(2, n_max + 1):
                 mix = 0
