@@ -19,6 +19,7 @@ MAX_NGRAM = 64  # the C kernels keep a window of at most this many ids on the st
 DEMO, V41 = "demo-v1", "deepseek-v4.1"
 VARIANTS = (DEMO, V41)
 V41_BLOCK = 32  # V4.1: one float8 scale per 32 values (rows, activations) / 32x32 weight block
+V41_ONLY = ("norm_eps", "image_token_id", "num_embeddings", "compressed_vocab_size")
 V41_DEFAULTS = {"norm_eps": 1e-20, "image_token_id": 129264}  # DeepSeek-V4.1-Flash config.json
 
 
@@ -107,7 +108,7 @@ class EngramConfig:
         if self.variant == V41:
             self._validate_v41(put)
         else:
-            for name in ("norm_eps", "image_token_id", "num_embeddings", "compressed_vocab_size"):
+            for name in V41_ONLY:
                 if getattr(self, name) is not None:
                     raise ValueError(f"EngramConfig.{name} is a {V41!r} field (variant is {self.variant!r})")
 
@@ -206,7 +207,13 @@ class EngramConfig:
 
     # Serialization ------------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """All fields; a demo config leaves out the variant and the V4.1-only fields (as before
+        there were variants: its files and fingerprints do not change)."""
+        d = dataclasses.asdict(self)
+        if self.variant == DEMO:
+            for name in ("variant",) + V41_ONLY:
+                del d[name]
+        return d
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
