@@ -13,13 +13,16 @@ cdef enum:
     MAX_NGRAM = 64  # size of the stack window below
 
 
-def compress(const int64_t[:, ::1] ids, const int64_t[::1] lookup, int64_t vocab_size):
-    """Compressed copy of ids (lookup may be None: identity). Raises ValueError on id >= vocab."""
+def compress(const int64_t[:, ::1] ids, const int64_t[::1] lookup, int64_t vocab_size, dead_id=None):
+    """Compressed copy of ids (lookup may be None: identity). Raises ValueError on id >= vocab.
+    dead_id (deepseek-v4.1): that id and negative (unknown) ids become -1, DEAD."""
     cdef Py_ssize_t B = ids.shape[0], T = ids.shape[1], b, t
     out = np.empty((B, T), dtype=np.int64)
     cdef int64_t[:, ::1] o = out
     cdef const int64_t *lk = &lookup[0] if lookup is not None else NULL
     cdef int64_t bad = -1, v
+    cdef bint v41 = dead_id is not None
+    cdef int64_t dead = dead_id if v41 else -1
     with nogil:
         for b in range(B):
             for t in range(T):
@@ -27,30 +30,7 @@ def compress(const int64_t[:, ::1] ids, const int64_t[::1] lookup, int64_t vocab
                 if v >= vocab_size:
                     bad = v
                     break
-                o[b, t] = es_compress(v, lk)
-            if bad >= 0:
-                break
-    if bad >= 0:
-        raise ValueError(f"token id {bad} out of range: ids must be < vocab_size={vocab_size}")
-    return out
-
-
-def compress_v41(const int64_t[:, ::1] ids, const int64_t[::1] lookup, int64_t vocab_size, int64_t dead_id):
-    """deepseek-v4.1 compression: like compress, but the DEAD token id and negative (unknown)
-    ids become -1 (DEAD). Raises ValueError on id >= vocab."""
-    cdef Py_ssize_t B = ids.shape[0], T = ids.shape[1], b, t
-    out = np.empty((B, T), dtype=np.int64)
-    cdef int64_t[:, ::1] o = out
-    cdef const int64_t *lk = &lookup[0] if lookup is not None else NULL
-    cdef int64_t bad = -1, v
-    with nogil:
-        for b in range(B):
-            for t in range(T):
-                v = ids[b, t]
-                if v >= vocab_size:
-                    bad = v
-                    break
-                o[b, t] = -1 if (v < 0 or v == dead_id) else es_compress(v, lk)
+                o[b, t] = -1 if v41 and (v < 0 or v == dead) else es_compress(v, lk)
             if bad >= 0:
                 break
     if bad >= 0:
@@ -72,11 +52,15 @@ def fp_moduli(primes):
 
 def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,
-                    const double[::1] fp=None):
+                    const double[::1] fp=None, bint latch=False):
     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad).
-    fp: fp_moduli(primes) for the division-free path, or None."""
+    fp: fp_moduli(primes) for the division-free path, or None.
+    latch (deepseek-v4.1): -1 entries are DEAD, positions before 0 count as DEAD, and the
+    dead-token latch fills the window (latch_window in _hash.pxd)."""
     cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b, t
     cdef int k
+    cdef int64_t hist[MAX_NGRAM]
+    cdef int64_t win[MAX_NGRAM]
     if not 2 <= max_ngram <= MAX_NGRAM:
         raise ValueError(f"max_ngram_size must be in [2, {MAX_NGRAM}]")
     if mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:
@@ -93,35 +77,9 @@ def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
         pfp = &fp[0]
     with nogil:
         for b in range(B):
-            es_hash_sequence(&cids[b, 0], T, pad, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, 0, 0])
-    return out
-
-
-def hash_compressed_v41(const int64_t[:, ::1] cids, const int64_t[::1] mult,
-                        const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,
-                        const double[::1] fp=None):
-    """deepseek-v4.1 rows of compressed ids (-1 = DEAD; positions before 0 count as DEAD),
-    with the dead-token latch: int64[B, T, H]. Same arguments as hash_compressed."""
-    cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b, t
-    cdef int k
-    cdef int64_t hist[MAX_NGRAM]
-    cdef int64_t win[MAX_NGRAM]
-    if not 2 <= max_ngram <= MAX_NGRAM:
-        raise ValueError(f"max_ngram_size must be in [2, {MAX_NGRAM}]")
-    if mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:
-        raise ValueError("hash_compressed_v41: multipliers/primes do not match the geometry")
-    if out is None:
-        out = np.empty((B, T, H), dtype=np.int64)
-    if B == 0 or T == 0:
-        return out
-    cdef int64_t[:, :, ::1] o = out
-    cdef const double *pfp = NULL
-    if fp is not None:
-        if fp.shape[0] != 3 * H:
-            raise ValueError("fp must be fp_moduli(primes)")
-        pfp = &fp[0]
-    with nogil:
-        for b in range(B):
+            if not latch:
+                es_hash_sequence(&cids[b, 0], T, pad, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, 0, 0])
+                continue
             for t in range(T):
                 for k in range(max_ngram):
                     hist[k] = cids[b, t - k] if t - k >= 0 else -1

@@ -152,9 +152,7 @@ class HashPlan:
         return self._compress(a.reshape(1, -1)).reshape(a.shape)
 
     def _compress(self, a):
-        if self.v41:  # DEAD for the image token and negative ids
-            return _hash.compress_v41(a, self.lookup, self.cfg.vocab_size, self.dead_id)
-        return _hash.compress(a, self.lookup, self.cfg.vocab_size)
+        return _hash.compress(a, self.lookup, self.cfg.vocab_size, self.dead_id)  # V4.1: DEAD = -1
 
     def dead_mask(self, ids) -> np.ndarray:
         """bool, same shape: the positions whose gate is 0 (V4.1: id == image_token_id; demo: none)."""
@@ -186,12 +184,11 @@ class HashPlan:
             res[L] = buf
         c = self._compress(a)
         n, h, B = self.cfg.max_ngram_size, self.cfg.n_head_per_ngram, a.shape[0]
-        kernel = _hash.hash_compressed_v41 if self.v41 else _hash.hash_compressed
 
         def run(job):
             L, b0, b1 = job
-            kernel(c[b0:b1], self.multipliers[L], self.head_primes[L], n, h, self.pad_id,
-                   res[L][b0:b1], self.head_fp[L])
+            _hash.hash_compressed(c[b0:b1], self.multipliers[L], self.head_primes[L], n, h, self.pad_id,
+                                  res[L][b0:b1], self.head_fp[L], latch=self.v41)
 
         workers = _hash_workers()
         if workers > 1 and a.size * len(layers) >= PARALLEL_MIN_POSITIONS:
