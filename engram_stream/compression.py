@@ -26,6 +26,13 @@ vocab, following the reference procedure (CompressedTokenizer in DeepSeek's
 
 Keys from step 3 and step 4/5 share one namespace, as in the reference.
 
+``decode`` picks where step 2's text comes from. "python" (the default, the demo's
+``tokenizer.decode``): a transformers tokenizer object decodes through its own Python
+``decode`` (with whatever clean-up its config asks for) and names fragments with
+``convert_ids_to_tokens``. "backend" (DeepSeek-V4.1's ``build_compressed_token_map``):
+always the raw Rust decoder, ``backend_tokenizer.decode``, and its ``id_to_token``. A
+tokenizer.json (a ``tokenizers.Tokenizer``) has no Python layer: both modes read it alike.
+
 Tokenizers whose ids have holes (an id with no token, or ids at or past
 ``get_vocab_size``): the table is made long enough to cover the largest id in
 ``get_vocab(with_added_tokens=True)``, so every id the tokenizer can emit has
@@ -77,13 +84,29 @@ def _load(tokenizer, tk):
                          f"(tokenizers.Tokenizer.from_file failed: {e})") from None
 
 
-def build_compression(tokenizer) -> np.ndarray:
+DECODES = ("python", "backend")
+
+
+def _python_decoder(tokenizer, tk):
+    """(decode_batch, id_to_token) of a transformers tokenizer's Python layer, or None."""
+    if isinstance(tokenizer, tk.Tokenizer) or not all(
+            callable(getattr(tokenizer, n, None)) for n in ("decode", "convert_ids_to_tokens")):
+        return None
+    return (lambda ids: [tokenizer.decode(i, skip_special_tokens=False) for i in ids],
+            tokenizer.convert_ids_to_tokens)
+
+
+def build_compression(tokenizer, decode: str = "python") -> np.ndarray:
     """int64[vocab] table mapping each token id to its compressed id (see module doc).
 
     tokenizer: path to a ``tokenizer.json`` (or to a folder holding one), a
-    ``tokenizers.Tokenizer``, or a transformers fast tokenizer.
+    ``tokenizers.Tokenizer``, or a transformers fast tokenizer. decode: "python" (the demo)
+    or "backend" (DeepSeek-V4.1: the raw backend decoder's text).
     """
+    if decode not in DECODES:
+        raise ValueError(f"build_compression: decode must be one of {DECODES}, got {decode!r}")
     tk = _tokenizers()
+    python_layer = _python_decoder(tokenizer, tk) if decode == "python" else None
     tok = _load(tokenizer, tk)
     norm = tk.normalizers
     normalizer = norm.Sequence([
@@ -101,12 +124,14 @@ def build_compression(tokenizer) -> np.ndarray:
     if vocab == 0:
         raise ValueError("build_compression: the tokenizer has an empty vocab")
 
-    texts = tok.decode_batch([[i] for i in range(vocab)], skip_special_tokens=False)
+    decode_batch, id_to_token = python_layer or (
+        lambda ids: tok.decode_batch(ids, skip_special_tokens=False), tok.id_to_token)
+    texts = decode_batch([[i] for i in range(vocab)])
     key_ids: dict = {}
     lookup = np.empty(vocab, dtype=np.int64)
     for i, text in enumerate(texts):
         if "\ufffd" in text:
-            key = tok.id_to_token(i)
+            key = id_to_token(i)
             if key is None:  # cannot happen for a decodable id; keep the text then
                 key = text
         else:
