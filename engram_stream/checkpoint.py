@@ -32,8 +32,8 @@ import warnings
 
 import numpy as np
 
-from .config import EngramConfig
-from .model import TABLE_DTYPES, EngramModel, LayerWeights
+from .config import DEMO, EngramConfig
+from .model import TABLE_DTYPES, EngramModel, LayerWeights, init_layers
 from .plan import HashPlan
 
 FORMAT, FORMAT_VERSION = "engram_stream", "1"
@@ -153,14 +153,13 @@ class _Entry:
         return cls(name, a.dtype, a.shape if shape is None else shape, lambda: iter((a,)))
 
 
-def _entries(model, table_dtype):
-    cfg, plan = model.cfg, model.plan
+def _entries(cfg, plan, layers, table_dtype):
     G, D, K = cfg.hc_mult, cfg.hidden_size, cfg.kernel_size
     out = []
     if plan.lookup is not None:
         out.append(_Entry.array("plan.compression", plan.lookup))
     for L in cfg.layer_ids:
-        w, p = model.layers[L], f"layers.{L}."
+        w, p = layers[L], f"layers.{L}."
         out.append(_Entry.array(f"plan.{L}.multipliers", plan.multipliers[L]))
         out.append(_Entry.array(f"plan.{L}.primes", plan.head_primes[L]))
         out.append(_Entry.array(p + "multi_head_embedding.offsets", w.offsets))
@@ -215,23 +214,76 @@ class _Bar:
 
 
 def save(model: EngramModel, path, table_dtype=None, progress=None):
-    """Write model to one file at `path` (atomically: a temp file, then os.replace).
+    """Write `model` to one file at `path`, atomically: a temp file beside it (temp_path), then
+    os.replace, so `path` is either the old file or the complete new one, never a partial file.
 
     table_dtype: None keeps each table's dtype; "float32", "float16" or "int8" (per-row
-    float32 scale) converts while writing, chunk by chunk. progress: callable(done_bytes,
-    total_bytes); by default a stderr bar for files > 256 MB when stderr is a tty."""
+    float32 scale) converts while writing, chunk by chunk (never a second copy of a table).
+    progress: callable(done_bytes, total_bytes); by default a stderr bar for files > 256 MB
+    when stderr is a terminal. Returns `path`. Read it back with load()."""
     if not isinstance(model, EngramModel):
         raise TypeError(f"save() needs an EngramModel, got {type(model).__name__}")
+    return _write(model.cfg, model.plan, model.layers, path, table_dtype, progress)
+
+
+def save_init(cfg: EngramConfig, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None,
+              progress=None, before_write=None):
+    """Write what EngramModel.init(cfg, seed, graft_zero_init, compression).save(path, table_dtype)
+    writes, with flat memory whatever the table size: tables are drawn and written in pieces
+    (model.InitTable), never held. before_write(total_bytes), when given, runs once the file's
+    size is known and before anything is created (a place to print it, or to refuse it).
+    deepseek-v4.1 configs: their weights are drawn whole (EngramModel.init), then saved."""
+    if cfg.variant != DEMO:
+        return save(EngramModel.init(cfg, seed, graft_zero_init, compression), path, table_dtype, progress)
+    plan = HashPlan(cfg, compression=compression)
+    layers = init_layers(cfg, plan, seed, graft_zero_init, hold_tables=False)
+    return _write(cfg, plan, layers, path, table_dtype, progress, before_write)
+
+
+def temp_path(path) -> str:
+    """The temp file save() writes before renaming it to `path` (this process's pid in its name)."""
+    return f"{path}.tmp-{os.getpid()}"
+
+
+def remove_stale_temps(path) -> list:
+    """Delete temp files of `path` left by save() in processes that no longer run (killed
+    mid-write). A temp file of a live process, or one whose pid is unreadable, stays."""
+    removed = []
+    prefix = f"{os.path.basename(path)}.tmp-"
+    folder = os.path.dirname(os.path.abspath(path))
+    for name in os.listdir(folder):
+        pid = name[len(prefix):]
+        if not (name.startswith(prefix) and pid.isdigit()) or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or a new process that reuses the pid: keep its file)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+            removed.append(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _write(cfg, plan, layers, path, table_dtype, progress, before_write=None):
+    """save()'s writer: layers may hold real tables or InitTables (anything sliceable by rows)."""
     table_dtype = _check_table_dtype(table_dtype)
     path = os.fspath(path)
-    entries = _entries(model, table_dtype)
-    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": model.cfg.to_json(),
-                "table_dtype": table_dtype or model.layers[model.cfg.layer_ids[0]].table_dtype}
+    entries = _entries(cfg, plan, layers, table_dtype)
+    metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": cfg.to_json(),
+                "table_dtype": table_dtype or layers[cfg.layer_ids[0]].table_dtype}
     order, header = _layout(entries, metadata)
     total = 8 + len(header) + sum(e.nbytes for e in order)
+    if before_write is not None:
+        before_write(total)
     if progress is None and total > BAR_MIN_BYTES and sys.stderr.isatty():
         progress = _Bar(path, total)
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(header)))

@@ -1,17 +1,22 @@
 """The engram-stream command: demo, inspect, init, build-compression, bench, profile.
 
-Errors print one line (`engram-stream: error: ...`) and exit 1; --debug shows the traceback.
+Errors print one line (`engram-stream: error: ...`) and exit 1 (bad arguments: argparse's
+usage line and exit 2); --debug, anywhere on the line, shows the traceback instead.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
+import signal
 import sys
 import time
 
 import numpy as np
 
+from . import __version__
 from .config import EngramConfig
 
 DEMO_CONFIG = dict(engram_vocab_size=[20011, 20011], max_ngram_size=3, n_embed_per_ngram=128,
@@ -84,81 +89,181 @@ def cmd_inspect(args):
 
 
 def cmd_init(args):
-    from .model import EngramModel
-    try:
+    """Write a checkpoint of random weights; tables are drawn and written in pieces (flat memory)."""
+    from . import checkpoint
+    try:  # the inputs (cheap), then the output path: all before any real work
         with open(args.config) as f:
             cfg = EngramConfig.from_dict(json.load(f))
     except json.JSONDecodeError as e:
         raise CliError(f"{args.config}: not valid JSON ({e})") from None
-    compression = None
-    if args.compression:
-        compression = np.load(args.compression)
-    model = EngramModel.init(cfg, seed=args.seed, graft_zero_init=args.graft_zero, compression=compression)
-    progress = None if args.quiet else _progress_bar
-    model.save(args.output, table_dtype=args.table_dtype, progress=progress)
-    if not args.quiet:
-        print(file=sys.stderr)
-    print(f"wrote {args.output} ({os.path.getsize(args.output) / 2**20:,.1f} MiB, "
-          f"{args.table_dtype or 'float32'} tables): {model!r}".replace(
-              "table_dtype=float32", f"table_dtype={args.table_dtype or 'float32'}"))
+    compression = _load_lookup(args.compression) if args.compression else None
+    output = _check_output(args.output, args.force, inputs=[args.config, args.compression])
+    for stale in checkpoint.remove_stale_temps(output):
+        print(f"removed {stale} (left by a process that no longer runs)", file=sys.stderr)
+    dtype = args.table_dtype or "float32"
+    bar = _Progress() if not args.quiet and sys.stderr.isatty() else None
+
+    def before_write(total):  # the size is known, nothing is written yet
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(output))).free
+        if total > free:
+            raise CliError(f"{output}: needs {_size(total)}, only {_size(free)} free on its file system")
+        if not args.quiet:
+            print(f"writing {output}: {_size(total)} ({len(cfg.layer_ids)} layers, {dtype} tables)", flush=True)
+        if bar is not None:
+            bar(0, total)
+
+    with _cleanup_on_sigterm():
+        try:
+            checkpoint.save_init(cfg, output, seed=args.weight_seed, graft_zero_init=args.graft_zero,
+                                 compression=compression, table_dtype=args.table_dtype, progress=bar,
+                                 before_write=before_write)
+        except OSError as e:  # name the user's path, not the temp file the error happened in
+            raise CliError(f"{output}: {e.strerror or e}") from None
+        finally:
+            if bar is not None:
+                print(file=sys.stderr)
+    print(f"wrote {output} ({_size(os.path.getsize(output))}, {dtype} tables, weights seed {args.weight_seed})")
     return 0
 
 
-def _progress_bar(done, total, _last=[-1]):
-    pct = int(100 * done / total) if total else 100
-    if pct == _last[0]:  # one update per percent
-        return
-    _last[0] = pct
-    bar = "#" * (40 * pct // 100)
-    print(f"\r[{bar:<40}] {pct:3d}% of {total / 2**20:,.0f} MiB", end="", file=sys.stderr, flush=True)
+def _size(nbytes) -> str:
+    return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
+
+
+def _check_output(output, force, inputs=()):
+    """Refuse an output path before any work: a folder that does not exist or is not
+    writable, an existing file without --force, or one of the command's own inputs."""
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise CliError(f"{output}: folder {folder} does not exist")
+    if os.path.isdir(output):
+        raise CliError(f"{output}: is a folder (give a file name)")
+    for path in inputs:
+        if path and os.path.exists(output) and os.path.exists(path) and os.path.samefile(output, path):
+            raise CliError(f"{output}: is also an input of this command; choose another output")
+    if os.path.lexists(output) and not force:
+        raise CliError(f"{output}: exists; pass --force to overwrite it")
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"{output}: folder {folder} is not writable")
+    return output
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so writers' cleanup (temp files) runs."""
+
+
+class _cleanup_on_sigterm:
+    """Within: SIGTERM raises _Terminated (the default action would kill the process before
+    save() removes its temp file). The previous handler comes back on exit."""
+
+    def __enter__(self):
+        def handler(signum, frame):
+            raise _Terminated()
+        self.previous = signal.signal(signal.SIGTERM, handler)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def _load_lookup(path):
+    """A compression lookup saved by build-compression (.npy, int64); anything else is refused
+    with what to do (a tokenizer.json given here is the common mistake)."""
+    with open(path, "rb") as f:
+        magic = f.read(6)
+    if magic != b"\x93NUMPY":
+        hint = " (a tokenizer.json? make the lookup with `engram-stream build-compression` first)" \
+            if magic.lstrip()[:1] in (b"{", b"[") else ""
+        raise CliError(f"{path}: not a .npy lookup from build-compression{hint}")
+    try:
+        lookup = np.load(path, allow_pickle=False)
+    except ValueError as e:
+        raise CliError(f"{path}: not a readable .npy lookup ({e})") from None
+    if lookup.ndim != 1 or not np.issubdtype(lookup.dtype, np.integer):
+        raise CliError(f"{path}: expected a 1-D integer lookup, got {lookup.dtype} {lookup.shape}")
+    return lookup
+
+
+class _Progress:
+    """stderr bar, one update per percent (only created when stderr is a terminal)."""
+
+    def __init__(self):
+        self.last = -1
+
+    def __call__(self, done, total):
+        pct = int(100 * done / total) if total else 100
+        if pct != self.last:
+            self.last = pct
+            bar = "#" * (40 * pct // 100)
+            print(f"\r[{bar:<40}] {pct:3d}% of {_size(total)}", end="", file=sys.stderr, flush=True)
 
 
 def cmd_build_compression(args):
     from .compression import build_compression
+    output = _check_output(args.output, args.force, inputs=[args.tokenizer])
     lookup = build_compression(args.tokenizer)
-    np.save(args.output, lookup)
-    print(f"wrote {args.output}: vocab {lookup.shape[0]} -> {int(lookup.max()) + 1} compressed ids "
+    with open(output, "wb") as f:  # np.save(name) would append ".npy" to a name without it
+        np.save(f, lookup)
+    print(f"wrote {output}: vocab {lookup.shape[0]} -> {int(lookup.max()) + 1} compressed ids "
           f"({(int(lookup.max()) + 1) / lookup.shape[0]:.1%})")
     return 0
 
 
 def cmd_bench(args):
-    """A short in-process comparison: engine step vs the fused-GEMV floor, 1 vs N streams."""
+    """A short in-process comparison, repeated: engine step vs the fused-GEMV floor, 1 vs N streams."""
     model = _model_for_demo(args)
     cfg = model.cfg
     L = cfg.layer_ids[0]
     G, D = cfg.hc_mult, cfg.hidden_size
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     n = args.steps
 
-    def per_step(S):
+    def stepper(S):
         eng = model.stream(L, n_streams=S)
         h = rng.standard_normal((S, G, D), dtype=np.float32)
         out = np.empty_like(h)
         ids = rng.integers(0, cfg.vocab_size, size=(n, S))
-        for t in range(min(n, 20)):
+        for t in range(min(n, 20)):  # warm up
             eng.step(ids[t], h, out=out)
-        t0 = time.perf_counter()
-        for t in range(n):
-            eng.step(ids[t], h, out=out)
-        return (time.perf_counter() - t0) / n
+
+        def run():
+            t0 = time.perf_counter()
+            for t in range(n):
+                eng.step(ids[t], h, out=out)
+            return (time.perf_counter() - t0) / n
+        return run
 
     W = model.layer(L).proj_w
     WT = np.ascontiguousarray(W.T)
     e = rng.standard_normal(W.shape[1], dtype=np.float32)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        W @ e
-    t1 = time.perf_counter()
-    for _ in range(n):
-        e @ WT
-    floor = min(t1 - t0, time.perf_counter() - t1) / n
-    one, many = per_step(1), per_step(args.streams)
+
+    def floor():  # the projection alone as one GEMV, the faster of both layouts
+        t0 = time.perf_counter()
+        for _ in range(n):
+            W @ e
+        t1 = time.perf_counter()
+        for _ in range(n):
+            e @ WT
+        return min(t1 - t0, time.perf_counter() - t1) / n
+
+    one, many = stepper(1), stepper(args.streams)
+    runs = {"floor": [], "one": [], "many": []}
+    for _ in range(args.repeat):  # interleaved, so a load change hits all three alike
+        for name, f in (("floor", floor), ("one", one), ("many", many)):
+            runs[name].append(f())
+    t = {k: np.array(v) for k, v in runs.items()}
+    med = {k: float(np.median(v)) for k, v in t.items()}
+
+    def spread(k, scale=1e6):
+        return f"{med[k] * scale:8.1f} us  [{t[k].min() * scale:.1f} .. {t[k].max() * scale:.1f}]"
     print(f"config: D={D} G={G} H={cfg.n_heads}x{cfg.head_dim} (the demo model; bench/ has the full suite)")
-    print(f"engine step (1 stream):      {one * 1e6:8.1f} us   ({one / floor:.2f}x the fused-GEMV floor "
-          f"{floor * 1e6:.1f} us)")
-    print(f"engine step ({args.streams} streams):    {many * 1e6:8.1f} us   ({many / args.streams * 1e6:.1f} us "
-          f"per token, {many / args.streams / one:.2f}x one stream)")
+    print(f"median of {args.repeat} repeats of {n} steps each, [min .. max] over the repeats; "
+          f"ratios are medians of per-repeat ratios")
+    rows = [("fused-GEMV floor", "floor", ""),
+            ("engine step (1 stream)", "one", f"{np.median(t['one'] / t['floor']):.2f}x the floor"),
+            (f"engine step ({args.streams} streams)", "many",
+             f"{np.median(t['many'] / args.streams / t['one']):.2f}x one stream, per token")]
+    for label, k, ratio in rows:
+        print(f"{label + ':':<28} {spread(k)}   {ratio}".rstrip())
     return 0
 
 
@@ -172,17 +277,25 @@ def cmd_profile(args):
 
     from . import store
     from .model import EngramModel
+    if args.cold and not args.checkpoint:
+        raise CliError("--cold needs a checkpoint (the built-in demo model lives in RAM)")
+    capture = _check_output(args.output, args.force, inputs=[args.checkpoint]) if args.output else None
+    if args.cold:
+        store.evict_file(args.checkpoint)  # before mapping it: mapped pages could not be dropped
     model = EngramModel.load(args.checkpoint, mmap=True) if args.checkpoint else _model_for_demo(args)
     cfg = model.cfg
     G, D = cfg.hc_mult, cfg.hidden_size
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.seed)
     dec = model.decoder()
     h = rng.standard_normal((G, D), dtype=np.float32)
     out = np.empty_like(h)
     ids = rng.integers(0, cfg.vocab_size, size=args.steps)
+    resident = {L: store.resident_bytes(model.layer(L).table) for L in cfg.layer_ids}
     before = store.proc_status()
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "decode.bin")
+        path = capture or os.path.join(tmp, "decode.bin")
+        if capture and os.path.lexists(capture):
+            os.unlink(capture)  # --force given (checked above); memray refuses to overwrite
         t0 = time.perf_counter()
         with memray.Tracker(path):
             for t in range(args.steps):
@@ -193,56 +306,129 @@ def cmd_profile(args):
         reader = memray.FileReader(path)
         peak, total = reader.metadata.peak_memory, reader.metadata.total_allocations
     after = store.proc_status()
-    print(f"decoded {args.steps} tokens x {len(cfg.layer_ids)} layers in {dt:.2f} s (under memray)")
+    print(f"decoded {args.steps} tokens x {len(cfg.layer_ids)} layers in {dt:.2f} s (under memray)"
+          + (", cold start: the file was evicted from the page cache first" if args.cold else ""))
     print(f"heap: peak {peak / 2**10:,.1f} KiB over the decode, {total} allocations")
-    for k in ("RssAnon", "RssFile"):
-        print(f"{k}: {before.get(k, 0) / 2**20:,.1f} -> {after.get(k, 0) / 2**20:,.1f} MiB")
+    print("  (memray: native allocations made while decoding, the engines already built; the engine "
+          "allocates nothing per token, so 0 is the expected result; Python's small-object allocator "
+          "is not traced)")
+    for k, what in (("RssAnon", "anonymous memory: heap and arrays"),
+                    ("RssFile", "mapped file pages: an mmap table's rows as they come in")):
+        print(f"{k}: {before.get(k, 0) / 2**20:,.1f} -> {after.get(k, 0) / 2**20:,.1f} MiB ({what})")
     for L in cfg.layer_ids:
         t = model.layer(L).table
-        print(f"layer {L}: table {t.nbytes / 2**20:,.1f} MiB, resident {store.resident_bytes(t) / 2**20:,.1f} MiB")
+        print(f"layer {L}: table {t.nbytes / 2**20:,.1f} MiB, resident {resident[L] / 2**20:,.1f} -> "
+              f"{store.resident_bytes(t) / 2**20:,.1f} MiB (in RAM or the page cache; mincore)")
+    if capture:
+        print(f"memray capture: {capture} (memray stats / memray flamegraph {capture})")
     return 0
 
 
+def _count(lo):
+    """argparse type: an int >= lo, refused in argparse's own one-line style."""
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+    parse.__name__ = f"int >= {lo}"
+    return parse
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Epilogs keep their layout; every option shows its default (unless None/False)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+# What each EngramConfig field means, for `init --help` (fields without an entry still list).
+CONFIG_FIELDS = {
+    "engram_vocab_size": "list, one per order 2..max_ngram_size: where each order's prime search starts",
+    "max_ngram_size": "longest n-gram hashed (orders 2..max_ngram_size)",
+    "n_embed_per_ngram": "width of one order's retrieved embedding (split over its heads)",
+    "n_head_per_ngram": "hash heads per order (each its own prime, its own table rows)",
+    "layer_ids": "backbone layers that get an Engram module",
+    "pad_id": "token id read before the start of a sequence",
+    "seed": "seeds the HASH multipliers (not the weights: see --weight-seed)",
+    "kernel_size": "taps of the causal ShortConv",
+    "hidden_size": "backbone width D",
+    "hc_mult": "hyper-connection streams G (1: a plain residual stream)",
+    "vocab_size": "tokenizer vocab (length of a compression lookup)",
+}
+
+
+def _config_help() -> str:
+    lines = ["config file: one JSON object of EngramConfig fields; a missing field takes its default",
+             "(the public demo's: a 2.6 GB float32 table per layer). Fields:"]
+    for f in dataclasses.fields(EngramConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {f.name:<18} {json.dumps(default):<18} {CONFIG_FIELDS.get(f.name, '')}")
+    lines += ["example: {\"engram_vocab_size\": [20011, 20011], \"hidden_size\": 256, \"n_embed_per_ngram\": 128,",
+              "          \"n_head_per_ngram\": 4, \"vocab_size\": 32000}"]
+    return "\n".join(lines)
+
+
 def build_parser():
-    p = argparse.ArgumentParser(prog="engram-stream", description="Streaming inference engine for Engram.")
-    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    sub = p.add_subparsers(dest="command", required=True)
+    debug = argparse.ArgumentParser(add_help=False)  # --debug after the subcommand too
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error")
+    p = argparse.ArgumentParser(prog="engram-stream", description="Streaming inference engine for Engram.",
+                                formatter_class=_Help)
+    p.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("demo", help="decode on a built-in model and check against the batch path")
-    s.add_argument("--tokens", type=int, default=300)
-    s.add_argument("--seed", type=int, default=0)
-    s.set_defaults(func=cmd_demo)
+    def command(name, func, help, **kw):
+        s = sub.add_parser(name, help=help, description=help, parents=[debug], formatter_class=_Help, **kw)
+        s.set_defaults(func=func)
+        return s
 
-    s = sub.add_parser("inspect", help="config, geometry, tables and residency of a checkpoint")
-    s.add_argument("checkpoint")
-    s.set_defaults(func=cmd_inspect)
+    s = command("demo", cmd_demo, "decode on a built-in model and check it against the batch path")
+    s.add_argument("--tokens", type=_count(1), default=300, help="tokens to decode")
+    s.add_argument("--seed", type=_count(0), default=0, help="seed of the weights, ids and hidden states")
 
-    s = sub.add_parser("init", help="write a random (or graft-zero) checkpoint from a config JSON")
-    s.add_argument("config", help="JSON with EngramConfig fields")
-    s.add_argument("-o", "--output", required=True)
+    s = command("inspect", cmd_inspect, "config, geometry, tables and residency of a checkpoint")
+    s.add_argument("checkpoint", help="a checkpoint written by init or EngramModel.save")
+
+    s = command("init", cmd_init, "write a checkpoint of random (or graft-zero) weights from a config JSON",
+                epilog=_config_help())
+    s.add_argument("config", help="JSON file of EngramConfig fields (format below)")
+    s.add_argument("-o", "--output", required=True, help="checkpoint file to write")
+    s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     s.add_argument("--graft-zero", action="store_true", help="zero value projection: output exactly 0")
-    s.add_argument("--table-dtype", choices=["float32", "float16", "int8"], default=None)
-    s.add_argument("--compression", help="a lookup .npy from build-compression")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--quiet", action="store_true")
-    s.set_defaults(func=cmd_init)
+    s.add_argument("--table-dtype", choices=["float32", "float16", "int8"], default="float32",
+                   help="dtype of the tables in the file (int8: with a float32 scale per row)")
+    s.add_argument("--compression", metavar="LOOKUP.npy",
+                   help="a compression lookup written by build-compression (default: identity)")
+    s.add_argument("--weight-seed", "--seed", dest="weight_seed", type=_count(0), default=0,
+                   help="seed of the random WEIGHTS (the config's \"seed\" field seeds the hash)")
+    s.add_argument("--quiet", action="store_true", help="print only the final line")
 
-    s = sub.add_parser("build-compression", help="tokenizer.json -> compression lookup .npy")
-    s.add_argument("tokenizer")
-    s.add_argument("-o", "--output", required=True)
-    s.set_defaults(func=cmd_build_compression)
+    s = command("build-compression", cmd_build_compression, "tokenizer.json -> compression lookup .npy")
+    s.add_argument("tokenizer", help="a Hugging Face tokenizer.json")
+    s.add_argument("-o", "--output", required=True, help="file to write, exactly this name (.npy format)")
+    s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
 
-    s = sub.add_parser("bench", help="engine step vs the GEMV floor, 1 vs N streams (quick)")
-    s.add_argument("--steps", type=int, default=500)
-    s.add_argument("--streams", type=int, default=16)
-    s.add_argument("--seed", type=int, default=0)
-    s.set_defaults(func=cmd_bench)
+    s = command("bench", cmd_bench, "engine step vs the GEMV floor, 1 vs N streams (quick; bench/ has the suite)")
+    s.add_argument("--steps", type=_count(1), default=500, help="steps per measurement")
+    s.add_argument("--streams", type=_count(2), default=16, help="streams of the multi-stream engine")
+    s.add_argument("--repeat", type=_count(1), default=5, help="measurements of each, to show the spread")
+    s.add_argument("--seed", type=_count(0), default=0, help="seed of the weights and inputs")
 
-    s = sub.add_parser("profile", help="memray heap + RSS + residency of a decode")
-    s.add_argument("checkpoint", nargs="?", help="checkpoint to decode from (default: the demo model)")
-    s.add_argument("--steps", type=int, default=500)
-    s.add_argument("--seed", type=int, default=0)
-    s.set_defaults(func=cmd_profile)
+    s = command("profile", cmd_profile, "memray heap, RSS and table residency of a decode")
+    s.add_argument("checkpoint", nargs="?", help="checkpoint to decode from (default: the built-in demo model)")
+    s.add_argument("--steps", type=_count(1), default=500, help="tokens to decode")
+    s.add_argument("--seed", type=_count(0), default=0, help="seed of the ids (and of the demo model)")
+    s.add_argument("--cold", action="store_true",
+                   help="evict the checkpoint from the page cache first: a cold start, rows read from disk")
+    s.add_argument("-o", "--output", metavar="CAPTURE.bin", help="keep the memray capture in this file")
+    s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     return p
 
 
@@ -254,8 +440,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("engram-stream: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print("engram-stream: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except Exception as e:  # one clear line unless --debug
-        if args.debug:
+        if getattr(args, "debug", False):
             raise
         msg = str(e) if isinstance(e, (CliError, OSError, ValueError, TypeError, KeyError, ImportError)) \
             else f"{type(e).__name__}: {e}"

@@ -174,28 +174,13 @@ class EngramModel:
         """Random weights with torch's default initializations (tables N(0,1), Linear and Conv1d
         uniform(+-1/sqrt(fan_in)), norms 1). graft_zero_init zeroes the value projection, so
         the module's output is exactly 0: adding it to a frozen model changes nothing at step 0.
+        `seed` seeds the weights (cfg.seed seeds the hash multipliers); demo tables come from
+        InitTable, so checkpoint.save_init can write the same model without holding a table.
         deepseek-v4.1: random float8 weights (engram_stream.v41.random_layer)."""
         if cfg.variant == V41:
             return v41.init(cls, cfg, seed, graft_zero_init, compression, multipliers)
         plan = HashPlan(cfg, compression=compression, multipliers=multipliers)
-        rng = np.random.default_rng(seed)
-        G, D, E, K = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim, cfg.kernel_size
-        layers = {}
-        for L in cfg.layer_ids:
-            bound = 1 / math.sqrt(E)
-            proj_w = rng.uniform(-bound, bound, ((G + 1) * D, E)).astype(np.float32)
-            proj_b = rng.uniform(-bound, bound, (G + 1) * D).astype(np.float32)
-            if graft_zero_init:
-                proj_w[G * D:] = 0
-                proj_b[G * D:] = 0
-            layers[L] = LayerWeights(
-                cfg, plan.offsets[L],
-                table=rng.standard_normal((plan.table_rows[L], cfg.head_dim), dtype=np.float32),
-                proj_w=proj_w, proj_b=proj_b,
-                norm1=np.ones((G, D), np.float32), norm2=np.ones((G, D), np.float32),
-                conv_norm=np.ones((G, D), np.float32),
-                conv_w=rng.uniform(-1 / math.sqrt(K), 1 / math.sqrt(K), (G * D, K)).astype(np.float32))
-        return cls(cfg, plan, layers)
+        return cls(cfg, plan, init_layers(cfg, plan, seed, graft_zero_init))
 
     # Paths -------------------------------------------------------------------------------
     def layer(self, layer) -> LayerWeights:
@@ -250,6 +235,58 @@ class EngramModel:
         mapped in place. compression: a lookup to use instead of building it from tokenizer.json."""
         from . import hf_v41
         return hf_v41.load(cls, ckpt_dir, mmap=mmap, compression=compression)
+
+
+INIT_BLOCK_ROWS = 4096  # table rows per generator in InitTable: any row range is drawn block by block
+
+
+class InitTable:
+    """The N(0, 1) float32 table EngramModel.init gives one layer, produced on demand by row
+    slices (`t[a:b]`), never whole: block b of INIT_BLOCK_ROWS rows is drawn from
+    default_rng([seed, layer, b]), so a slice costs only its own blocks."""
+
+    dtype = np.dtype(np.float32)
+
+    def __init__(self, seed: int, layer: int, rows: int, head_dim: int):
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
+        self.seed, self.layer, self.shape = int(seed), int(layer), (int(rows), int(head_dim))
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        start, stop, step = s.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("InitTable: only contiguous row slices")
+        B, hd = INIT_BLOCK_ROWS, self.shape[1]
+        out = np.empty((max(0, stop - start), hd), np.float32)
+        for b in range(start // B, -(-stop // B)):
+            lo, hi = max(start, b * B), min(stop, (b + 1) * B, self.shape[0])
+            block = np.random.default_rng([self.seed, self.layer, b]).standard_normal((hi - b * B, hd),
+                                                                                       dtype=np.float32)
+            out[lo - start:hi - start] = block[lo - b * B:]
+        return out
+
+
+def init_layers(cfg, plan, seed=0, graft_zero_init=False, hold_tables=True) -> dict:
+    """{layer: LayerWeights} of EngramModel.init. hold_tables=False leaves each table as its
+    InitTable (for checkpoint.save_init: written in pieces, never held in RAM)."""
+    rng = np.random.default_rng(seed)
+    G, D, E, K = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim, cfg.kernel_size
+    layers = {}
+    for L in cfg.layer_ids:
+        bound = 1 / math.sqrt(E)
+        proj_w = rng.uniform(-bound, bound, ((G + 1) * D, E)).astype(np.float32)
+        proj_b = rng.uniform(-bound, bound, (G + 1) * D).astype(np.float32)
+        if graft_zero_init:
+            proj_w[G * D:] = 0
+            proj_b[G * D:] = 0
+        table = InitTable(seed, L, plan.table_rows[L], cfg.head_dim)
+        layers[L] = LayerWeights(
+            cfg, plan.offsets[L], table=table[:] if hold_tables else table,
+            proj_w=proj_w, proj_b=proj_b,
+            norm1=np.ones((G, D), np.float32), norm2=np.ones((G, D), np.float32),
+            conv_norm=np.ones((G, D), np.float32),
+            conv_w=rng.uniform(-1 / math.sqrt(K), 1 / math.sqrt(K), (G * D, K)).astype(np.float32))
+    return layers
 
 
 def _validate_layer(cfg, plan, L, w):

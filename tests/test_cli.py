@@ -1,8 +1,12 @@
 """The engram-stream command and the examples, run as a user would."""
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -74,13 +78,9 @@ def test_debug_shows_the_exception():
 
 
 def test_build_compression_command(tmp_path, capsys):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["Hello hello HELLO café cafe"] * 3, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
+    pytest.importorskip("tokenizers")
+    path = _tokenizer(tmp_path)
+    tok = __import__("tokenizers").Tokenizer.from_file(str(path))
     out = tmp_path / "lookup.npy"
     assert main(["build-compression", str(path), "-o", str(out)]) == 0
     lookup = np.load(out)
@@ -107,3 +107,267 @@ def test_examples_run(script, needle, tmp_path):
     r = subprocess.run(args, cwd=os.path.join(ROOT, "examples"), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert needle in r.stdout
+
+
+# ---- init: paths first, flat memory, size first, progress on a terminal, SIGTERM, stale temps ------------
+# 2 layers x 8 heads x ~100k rows of 64 floats: ~0.4 GB of float32 tables, a few seconds to write.
+BIG_INIT = dict(SMALL, engram_vocab_size=[100003, 100003], n_embed_per_ngram=256, hidden_size=32)
+
+
+def _cfg_file(tmp_path, cfg=SMALL, name="cfg.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+def _table_bytes(cfg):
+    from engram_stream import EngramConfig, HashPlan
+    c = EngramConfig(**cfg)
+    plan = HashPlan(c)
+    return sum(plan.table_rows[L] for L in c.layer_ids) * c.head_dim * 4
+
+
+def _cli(args, **kw):
+    return run_python(["-m", "engram_stream.cli", *args], timeout=300, **kw)
+
+
+def test_init_writes_exactly_what_the_model_saves(tmp_path):
+    from engram_stream import EngramConfig, EngramModel
+    cfg = _cfg_file(tmp_path)
+    for dtype in ("float32", "int8"):
+        ours, theirs = tmp_path / f"cli-{dtype}", tmp_path / f"model-{dtype}"
+        assert main(["init", str(cfg), "-o", str(ours), "--weight-seed", "7", "--table-dtype", dtype,
+                     "--quiet"]) == 0
+        EngramModel.init(EngramConfig(**SMALL), seed=7).save(theirs, table_dtype=dtype)
+        assert ours.read_bytes() == theirs.read_bytes()
+
+
+VMHWM = r"""
+import sys
+from engram_stream.cli import main
+rc = main(sys.argv[1:])
+peak = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
+print("peak", int(peak) * 1024, rc)
+"""
+
+
+def test_init_memory_stays_flat_whatever_the_table_size(tmp_path):
+    """Peak RSS of a fresh process writing ~0.4 GB of tables stays far below the tables' size
+    (they used to be built whole in RAM first)."""
+    tables = _table_bytes(BIG_INIT)
+    out = tmp_path / "big.safetensors"
+    r = run_python(["-c", VMHWM, "init", str(_cfg_file(tmp_path, BIG_INIT)), "-o", str(out), "--quiet"],
+                   timeout=300)
+    assert r.returncode == 0, r.stderr
+    peak, rc = map(int, r.stdout.split()[-2:])
+    assert rc == 0 and os.path.getsize(out) > tables > 300 << 20
+    assert peak < 200 << 20, (peak, tables)
+
+
+@pytest.mark.limit_memory("64 MB")
+def test_init_heap_limit(tmp_path):
+    """Under `pytest --memray`: the heap of init writing ~0.4 GB of tables stays under 64 MB."""
+    out = tmp_path / "big.safetensors"
+    assert main(["init", str(_cfg_file(tmp_path, BIG_INIT)), "-o", str(out), "--quiet"]) == 0
+    assert os.path.getsize(out) > _table_bytes(BIG_INIT)
+
+
+def test_init_refuses_an_existing_output_without_force(tmp_path, capsys):
+    cfg, out = _cfg_file(tmp_path), tmp_path / "m.safetensors"
+    out.write_bytes(b"keep me")
+    assert main(["init", str(cfg), "-o", str(out), "--quiet"]) == 1
+    assert "--force" in capsys.readouterr().err and out.read_bytes() == b"keep me"
+    assert main(["init", str(cfg), "-o", str(out), "--quiet", "--force"]) == 0
+    assert out.stat().st_size > 1000
+
+
+def test_init_never_overwrites_its_own_config(tmp_path, capsys):
+    cfg = _cfg_file(tmp_path)
+    before = cfg.read_bytes()
+    for extra in ([], ["--force"]):
+        assert main(["init", str(cfg), "-o", str(cfg), "--quiet", *extra]) == 1
+        assert "input" in capsys.readouterr().err
+    assert cfg.read_bytes() == before
+
+
+def test_init_checks_the_output_folder_before_any_work(tmp_path, capsys):
+    huge = dict(SMALL, engram_vocab_size=[10**9, 10**9])  # would be ~TBs: refused for the path first
+    t0 = time.perf_counter()
+    assert main(["init", str(_cfg_file(tmp_path, huge)), "-o", str(tmp_path / "no" / "m.st")]) == 1
+    err = capsys.readouterr().err
+    assert str(tmp_path / "no") in err and "does not exist" in err and err.count("\n") == 1
+    assert time.perf_counter() - t0 < 5
+
+
+def test_init_refuses_a_size_beyond_free_disk(tmp_path, capsys, monkeypatch):
+    import engram_stream.cli as cli
+    usage = shutil.disk_usage
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: usage(p)._replace(free=100_000))
+    out = tmp_path / "m.safetensors"
+    assert main(["init", str(_cfg_file(tmp_path)), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "free" in err and str(out) in err
+    assert os.listdir(tmp_path) == ["cfg.json"]  # neither the file nor a temp file
+
+
+def _start_init(tmp_path, out):
+    """An init subprocess, returned once its temp file exists (it is writing)."""
+    p = subprocess.Popen([sys.executable, "-m", "engram_stream.cli", "init", str(_cfg_file(tmp_path, BIG_INIT)),
+                          "-o", str(out)], cwd=tempfile.gettempdir(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not [f for f in os.listdir(tmp_path) if ".tmp-" in f]:
+        assert p.poll() is None and time.time() < deadline, p.communicate()
+        time.sleep(0.01)
+    return p
+
+
+def test_init_removes_its_temp_file_on_sigterm(tmp_path):
+    out = tmp_path / "m.safetensors"
+    p = _start_init(tmp_path, out)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM and "terminated" in err
+    assert sorted(os.listdir(tmp_path)) == ["cfg.json"], os.listdir(tmp_path)
+
+
+def test_init_removes_stale_temp_files_of_dead_processes(tmp_path, capsys):
+    out = tmp_path / "m.safetensors"
+    p = _start_init(tmp_path, out)
+    p.kill()  # SIGKILL: no cleanup possible, the temp file stays
+    p.communicate(timeout=60)
+    (stale,) = [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+    alive = tmp_path / "m.safetensors.tmp-1"  # pid 1 runs: its temp file is not ours to remove
+    alive.write_bytes(b"")
+    assert main(["init", str(_cfg_file(tmp_path)), "-o", str(out), "--quiet"]) == 0
+    assert "removed" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["cfg.json", "m.safetensors", alive.name]
+
+
+def test_init_prints_the_size_first_and_progress_only_on_a_terminal(tmp_path):
+    import pty
+    import select
+    cfg, out = _cfg_file(tmp_path), tmp_path / "m.safetensors"
+    r = _cli(["init", str(cfg), "-o", str(out)])  # stderr is a pipe: no bar
+    assert r.returncode == 0, r.stderr
+    first = r.stdout.splitlines()[0]
+    assert first.startswith(f"writing {out}: ") and "MiB" in first
+    assert "%" not in r.stderr and "\r" not in r.stderr
+    master, slave = pty.openpty()  # stderr is a terminal: a bar from 0% to 100%
+    p = subprocess.Popen([sys.executable, "-m", "engram_stream.cli", "init", str(cfg), "-o", str(out), "--force"],
+                         cwd=tempfile.gettempdir(), stdout=subprocess.PIPE, stderr=slave)
+    os.close(slave)
+    seen = b""
+    while True:
+        if select.select([master], [], [], 1)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            seen += chunk
+        elif p.poll() is not None:
+            break
+    p.wait(timeout=120)
+    os.close(master)
+    assert p.returncode == 0
+    assert b"  0% of" in seen and b"100% of" in seen
+
+
+# ---- argument checking, help, --version, --debug anywhere -------------------------------------------------
+@pytest.mark.parametrize("argv", [
+    ["demo", "--tokens", "0"], ["demo", "--tokens", "-3"], ["demo", "--seed", "-1"], ["demo", "--tokens", "x"],
+    ["bench", "--steps", "0"], ["bench", "--streams", "1"], ["bench", "--repeat", "0"],
+    ["profile", "--steps", "0"], ["init", "c.json", "-o", "x", "--seed", "-1"],
+])
+def test_numbers_are_checked_with_an_argparse_error(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: engram-stream") and "Traceback" not in err
+    assert err.splitlines()[-1].startswith(f"engram-stream {argv[0]}: error: argument ")  # one line
+
+
+def test_compression_given_json_says_what_to_do(tmp_path, capsys):
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text('{"model": {}}')
+    assert main(["init", str(_cfg_file(tmp_path)), "-o", str(tmp_path / "m"), "--compression", str(tok)]) == 1
+    err = capsys.readouterr().err
+    assert "build-compression" in err and "pickle" not in err and err.count("\n") == 1
+
+
+def test_debug_works_after_the_subcommand_too():
+    with pytest.raises(FileNotFoundError):
+        main(["inspect", "/nonexistent/x.safetensors", "--debug"])
+
+
+def test_version(capsys):
+    import engram_stream
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"engram-stream {engram_stream.__version__}"
+
+
+def test_every_option_has_help_and_shows_its_default(capsys):
+    import argparse
+    from engram_stream.cli import build_parser
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, p in sub.choices.items():
+        for a in p._actions:
+            assert a.help, (name, a.option_strings or a.dest)
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "(default: 300)" in capsys.readouterr().out
+
+
+def test_init_help_documents_the_config_file_and_both_seeds(capsys):
+    import dataclasses
+    from engram_stream import EngramConfig
+    with pytest.raises(SystemExit):
+        main(["init", "--help"])
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(EngramConfig):
+        assert f"\n  {f.name} " in out, f.name
+    assert "--weight-seed" in out and "seeds the HASH" in out
+
+
+def test_build_compression_writes_exactly_the_path_it_reports(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    tok = _tokenizer(tmp_path)
+    out = tmp_path / "lookup"  # no .npy suffix: np.save(name) used to write lookup.npy
+    assert main(["build-compression", str(tok), "-o", str(out)]) == 0
+    assert f"wrote {out}:" in capsys.readouterr().out
+    assert out.exists() and not (tmp_path / "lookup.npy").exists()
+    assert np.load(out).dtype == np.int64
+    assert main(["build-compression", str(tok), "-o", str(out)]) == 1  # exists: --force to overwrite
+
+
+# ---- profile and bench ------------------------------------------------------------------------------------
+def test_profile_keeps_its_capture_explains_and_starts_cold(tmp_path):
+    memray = pytest.importorskip("memray")
+    ckpt, capture = tmp_path / "m.safetensors", tmp_path / "decode.bin"
+    assert main(["init", str(_cfg_file(tmp_path)), "-o", str(ckpt), "--quiet"]) == 0
+    r = _cli(["profile", str(ckpt), "--steps", "30", "--cold", "-o", str(capture)])
+    assert r.returncode == 0, r.stderr
+    assert memray.FileReader(str(capture)).metadata.total_allocations >= 0  # a readable capture, kept
+    assert "expected result" in r.stdout and "cold start" in r.stdout and str(capture) in r.stdout
+    assert " resident 0.0 -> " in r.stdout  # evicted before the decode: nothing of the table in RAM
+
+
+def test_bench_repeats_and_shows_the_spread(capsys):
+    assert main(["bench", "--steps", "20", "--streams", "2", "--repeat", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "median of 3 repeats" in out and out.count(" .. ") == 1 + 3
+
+
+def _tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["Hello hello HELLO café cafe"] * 3, trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return path
