@@ -234,7 +234,7 @@ def save_init(cfg: EngramConfig, path, seed=0, graft_zero_init=False, compressio
     size is known and before anything is created (a place to print it, or to refuse it).
     deepseek-v4.1 configs: their weights are drawn whole (EngramModel.init), then saved."""
     if cfg.variant != DEMO:
-        return save(EngramModel.init(cfg, seed, graft_zero_init, compression), path, table_dtype, progress)
+        return EngramModel.init(cfg, seed, graft_zero_init, compression).save(path, table_dtype, progress)
     plan = HashPlan(cfg, compression=compression)
     layers = init_layers(cfg, plan, seed, graft_zero_init, hold_tables=False)
     return _write(cfg, plan, layers, path, table_dtype, progress, before_write)

@@ -183,7 +183,11 @@ class EngramModel:
         return cls(cfg, plan, init_layers(cfg, plan, seed, graft_zero_init))
 
     # Paths -------------------------------------------------------------------------------
-    def layer(self, layer) -> LayerWeights:
+    def layer(self, layer):
+        """The weights of one Engram layer (one of cfg.layer_ids; any other raises KeyError):
+        LayerWeights (table [rows, head_dim], fused projection proj_w [(G+1)*D, E], norms,
+        conv taps), or V41LayerWeights for a deepseek-v4.1 model. Shared read-only by every
+        engine and decoder of this model: copy an array before changing it."""
         return self.layers[self.plan.check_layer(layer)]
 
     def state_dict(self, layer) -> dict:
@@ -213,7 +217,11 @@ class EngramModel:
 
     # Files ---------------------------------------------------------------------------------
     def save(self, path, table_dtype=None, progress=None):
-        """deepseek-v4.1 models are written in the model's own HF layout (a folder)."""
+        """Write the model to `path`: one safetensors-layout file (config, hash plan, every
+        layer's weights), atomically (a temp file beside it, then a rename), tables converted
+        chunk by chunk when table_dtype is "float32", "float16" or "int8" (None: as held).
+        progress: callable(done_bytes, total_bytes). Returns the path; read it with load().
+        deepseek-v4.1 models are written in the model's own HF layout (a folder)."""
         if self.cfg.variant == V41:
             from . import hf_v41
             return hf_v41.save(self, path)
@@ -222,7 +230,12 @@ class EngramModel:
 
     @classmethod
     def load(cls, path, mmap: bool = True):
-        """A checkpoint file, or a deepseek-v4.1 HF folder (from_deepseek_v41)."""
+        """Read a checkpoint written by save() (or `engram-stream init`); every header field,
+        shape and the prime chain are checked, a bad file raises checkpoint.CheckpointError.
+        mmap=True (the default): tables are read-only zero-copy views of the file, so only the
+        rows a decode touches come into RAM (the file must not change while the model lives);
+        mmap=False reads everything into RAM. A folder is a deepseek-v4.1 HF checkpoint
+        (from_deepseek_v41)."""
         if os.path.isdir(path):
             return cls.from_deepseek_v41(path, mmap=mmap)
         from . import checkpoint
