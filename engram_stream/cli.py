@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from . import __version__
-from .config import EngramConfig
+from .config import V41, EngramConfig
 
 DEMO_CONFIG = dict(engram_vocab_size=[20011, 20011], max_ngram_size=3, n_embed_per_ngram=128,
                    n_head_per_ngram=4, layer_ids=[1, 15], pad_id=2, seed=0, kernel_size=4,
@@ -35,21 +35,33 @@ def _model_for_demo(args):
 
 
 def cmd_demo(args):
-    """Decode tokens through every layer's streaming engine and check them against the batch path."""
-    model = _model_for_demo(args)
+    """Decode tokens through every layer's streaming engine and check them against the batch path
+    (the built-in model, or --checkpoint: a checkpoint file or a deepseek-v4.1 folder)."""
+    from .model import EngramModel
+    model = EngramModel.load(args.checkpoint, mmap=True) if args.checkpoint else _model_for_demo(args)
     cfg = model.cfg
     rng = np.random.default_rng(args.seed)
     T, G, D = args.tokens, cfg.hc_mult, cfg.hidden_size
     ids = rng.integers(0, cfg.vocab_size, size=T)
+    v41 = cfg.variant == V41
+    if v41:  # a few DEAD (image) tokens: they cut the n-gram history and close the gate
+        ids[rng.random(T) < 0.05] = cfg.image_token_id
     hidden = {L: rng.standard_normal((T, G, D), dtype=np.float32) for L in cfg.layer_ids}
     print(f"model: {model}")
-    dec = model.decoder()
     outs = {L: np.empty((T, G, D), np.float32) for L in cfg.layer_ids}
     t0 = time.perf_counter()
-    for t in range(T):
-        dec.begin(int(ids[t]))
-        for L in cfg.layer_ids:
-            dec.layer(L, hidden[L][t], out=outs[L][t])
+    if v41:  # one streaming engine per layer (engram_stream._engine_v41)
+        engines = {L: model.stream(L) for L in cfg.layer_ids}
+        t0 = time.perf_counter()
+        for t in range(T):
+            for L in cfg.layer_ids:
+                outs[L][t] = engines[L].step(int(ids[t]), hidden[L][t])
+    else:
+        dec = model.decoder()
+        for t in range(T):
+            dec.begin(int(ids[t]))
+            for L in cfg.layer_ids:
+                dec.layer(L, hidden[L][t], out=outs[L][t])
     dt = time.perf_counter() - t0
     worst = 0.0
     for L in cfg.layer_ids:
@@ -69,11 +81,15 @@ def cmd_inspect(args):
     from .model import EngramModel
     model = EngramModel.load(args.checkpoint, mmap=True)
     cfg, plan = model.cfg, model.plan
-    print(f"checkpoint: {args.checkpoint} ({os.path.getsize(args.checkpoint) / 2**20:,.1f} MiB)")
+    path = args.checkpoint
+    size = (sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) if os.path.isdir(path)
+            else os.path.getsize(path))
+    print(f"checkpoint: {path} ({size / 2**20:,.1f} MiB)")
     print("config: " + json.dumps(cfg.to_dict()))
+    tail = (f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv" if cfg.variant == V41
+            else f"conv {cfg.kernel_size} taps x dilation {cfg.max_ngram_size}")
     print(f"geometry: orders 2..{cfg.max_ngram_size}, {cfg.n_head_per_ngram} heads/order, H={cfg.n_heads}, "
-          f"head_dim={cfg.head_dim}, E={cfg.engram_dim}, D={cfg.hidden_size}, G={cfg.hc_mult}, "
-          f"conv {cfg.kernel_size} taps x dilation {cfg.max_ngram_size}")
+          f"head_dim={cfg.head_dim}, E={cfg.engram_dim}, D={cfg.hidden_size}, G={cfg.hc_mult}, {tail}")
     print(f"compression: {'identity' if plan.lookup is None else 'table'} "
           f"(vocab {cfg.vocab_size} -> {plan.compressed_vocab}), compressed pad {plan.pad_id}")
     for L in cfg.layer_ids:
@@ -390,11 +406,14 @@ def build_parser():
         return s
 
     s = command("demo", cmd_demo, "decode on a built-in model and check it against the batch path")
+    s.add_argument("--checkpoint", default=None,
+                   help="decode this model instead: a checkpoint file or a deepseek-v4.1 folder (config.json, shards)")
     s.add_argument("--tokens", type=_count(1), default=300, help="tokens to decode")
     s.add_argument("--seed", type=_count(0), default=0, help="seed of the weights, ids and hidden states")
 
     s = command("inspect", cmd_inspect, "config, geometry, tables and residency of a checkpoint")
-    s.add_argument("checkpoint", help="a checkpoint written by init or EngramModel.save")
+    s.add_argument("checkpoint", help="a checkpoint written by init or EngramModel.save, or a deepseek-v4.1 "
+                                      "folder (config.json, model.safetensors.index.json, shards)")
 
     s = command("init", cmd_init, "write a checkpoint of random (or graft-zero) weights from a config JSON",
                 epilog=_config_help())

@@ -156,3 +156,24 @@ def test_build_compression_decode_modes():
     assert python[3] == python[5] != python[4]          # X1, W1, " X1"
     with pytest.raises(ValueError, match="decode must be one of"):
         build_compression(tok, decode="rust")
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+def test_cli_inspect_v41_folder(tmp_path, capsys):
+    from engram_stream.cli import main
+    m = EngramModel.init(EngramConfig(**SMALL), seed=0)
+    m.save(tmp_path / "ckpt")
+    assert main(["inspect", str(tmp_path / "ckpt")]) == 0
+    out = capsys.readouterr().out
+    primes = m.plan.primes[4][2]
+    assert "DEAD token 299" in out and "gate eps 1e-20" in out and f"order 4: primes {primes}" in out
+    assert f"table [{m.plan.table_rows[4]}, 32] float8_e4m3fn" in out
+
+
+def test_cli_demo_v41_folder(tmp_path, capsys):
+    pytest.importorskip("engram_stream._engine_v41")  # the V4.1 streaming engine (its own branch)
+    from engram_stream.cli import main
+    EngramModel.init(EngramConfig(**SMALL), seed=0).save(tmp_path / "ckpt")
+    assert main(["demo", "--checkpoint", str(tmp_path / "ckpt"), "--tokens", "40"]) == 0
+    assert ": OK" in capsys.readouterr().out
