@@ -79,12 +79,19 @@ def is_file_backed(a) -> bool:
 
 def advise(a: np.ndarray, advice):
     """madvise the pages under array `a`: "random", "willneed", "dontneed", "sequential", "normal"
-    (or an mmap.MADV_* int). "dontneed" is refused on ordinary memory: on anonymous pages it
-    would zero the data; on shared file pages (our loads) it only unmaps them from this process
-    (on a private copy-on-write mapping it would drop your writes to it)."""
-    if isinstance(advice, str) and advice not in ADVICE:
-        raise ValueError(f"unknown advice {advice!r}: one of {sorted(ADVICE)}")
-    code = ADVICE[advice] if isinstance(advice, str) else int(advice)
+    (or the mmap.MADV_* int of one of these: other advice, e.g. MADV_FREE, MADV_REMOVE or 24,
+    MADV_DONTNEED_LOCKED, can destroy data or change fork semantics, so it is refused).
+    "dontneed" is refused on ordinary memory: on anonymous pages it would zero the data; on
+    shared file pages (our loads) it only unmaps them from this process (on a private
+    copy-on-write mapping it would drop your writes to it)."""
+    if isinstance(advice, str):
+        if advice not in ADVICE:
+            raise ValueError(f"unknown advice {advice!r}: one of {sorted(ADVICE)}")
+        code = ADVICE[advice]
+    elif isinstance(advice, (int, np.integer)) and not isinstance(advice, bool) and advice in ADVICE.values():
+        code = int(advice)
+    else:
+        raise ValueError(f"advice {advice!r} is not allowed: one of {sorted(ADVICE)} or their mmap.MADV_* values")
     if code == mmap.MADV_DONTNEED and not is_file_backed(a):
         raise ValueError("advise(..., 'dontneed') on an array that is not a view of a file mapping "
                          "would destroy its data")

@@ -95,6 +95,16 @@ def test_advise(files):
     assert (ram == 1).all()
 
 
+@pytest.mark.parametrize("advice", [24, mmap.MADV_FREE, mmap.MADV_REMOVE, mmap.MADV_DONTFORK, -1, True, 3.0])
+def test_advise_refuses_advice_outside_the_whitelist(advice):
+    """24 is MADV_DONTNEED_LOCKED: on ordinary memory it zeroes the pages (glibc then aborts);
+    MADV_FREE/REMOVE destroy data too, DONTFORK changes fork semantics. Only read hints pass."""
+    ram = np.ones((1000, 64), np.float32)
+    with pytest.raises((ValueError, TypeError), match="advice"):
+        store.advise(ram, advice)
+    assert (ram == 1).all()
+
+
 # ---- residency ---------------------------------------------------------------------------------------
 def test_resident_bytes_of_ordinary_memory():
     buf = mmap.mmap(-1, 32 << 20)  # fresh anonymous memory: no page is there until written
