@@ -23,6 +23,8 @@ def compress(const int64_t[:, ::1] ids, const int64_t[::1] lookup, int64_t vocab
     cdef int64_t bad = -1, v
     cdef bint v41 = dead_id is not None
     cdef int64_t dead = dead_id if v41 else -1
+    if lk != NULL and lookup.shape[0] != vocab_size:  # ids in [0, vocab_size) index the lookup
+        raise ValueError(f"compress: lookup has {lookup.shape[0]} entries, vocab_size is {vocab_size}")
     with nogil:
         for b in range(B):
             for t in range(T):
@@ -63,18 +65,23 @@ def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
     cdef int64_t win[MAX_NGRAM]
     if not 2 <= max_ngram <= MAX_NGRAM:
         raise ValueError(f"max_ngram_size must be in [2, {MAX_NGRAM}]")
-    if mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:
+    if n_head < 0 or mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:
         raise ValueError("hash_compressed: multipliers/primes do not match the geometry")
+    for k in range(H):
+        if primes[k] < 1:  # x mod 0 is SIGFPE
+            raise ValueError(f"hash_compressed: primes must be positive, got {primes[k]}")
     if out is None:
         out = np.empty((B, T, H), dtype=np.int64)
-    if B == 0 or T == 0:
-        return out
     cdef int64_t[:, :, ::1] o = out
+    if o.shape[0] != B or o.shape[1] != T or o.shape[2] != H:
+        raise ValueError(f"hash_compressed: out must have shape {(B, T, H)}, got {np.shape(out)}")
     cdef const double *pfp = NULL
     if fp is not None:
-        if fp.shape[0] != 3 * H:
-            raise ValueError("fp must be fp_moduli(primes)")
+        if not np.array_equal(fp, fp_moduli(primes)):  # the kernel trusts these constants
+            raise ValueError("hash_compressed: fp must be fp_moduli(primes)")
         pfp = &fp[0]
+    if B == 0 or T == 0:
+        return out
     with nogil:
         for b in range(B):
             if not latch:

@@ -630,3 +630,33 @@ def test_fp_and_division_mod_paths(vocab, n_head, fp):
         for L in cfg.layer_ids:
             np.testing.assert_array_equal(got[L], ref[L])
             assert got[L][:, :5].tolist() == py_rows(ids[:, :5], None, 3, plan.multipliers[L], plan.primes[L])
+
+
+# --- the private _hash functions check their arguments (issue 12 item 10) --------------------------
+def _hash_args():
+    primes = np.array([5, 7, 11, 13], np.int64)
+    return (np.arange(12, dtype=np.int64).reshape(2, 6), np.array([3, 5, 7], np.int64), primes, 3, 2, 0)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a.update(out=np.zeros((1, 6, 4), np.int64)), "out"),             # too few rows
+    (lambda a: a.update(out=np.zeros((2, 2, 4), np.int64)), "out"),             # too few positions
+    (lambda a: a.update(out=np.zeros((2, 6, 3), np.int64)), "out"),             # too few heads
+    (lambda a: a.update(primes=np.array([5, 0, 11, 13], np.int64)), "prime"),   # x mod 0: SIGFPE
+    (lambda a: a.update(primes=np.array([5, -7, 11, 13], np.int64)), "prime"),
+    (lambda a: a.update(fp=np.ones(12)), "fp"),                                 # not fp_moduli(primes)
+    (lambda a: a.update(n_head=-2, primes=np.zeros(0, np.int64)), "geometry"),
+])
+def test_hash_compressed_validates_its_arguments(change, match):
+    cids, mult, primes, n, h, pad = _hash_args()
+    a = dict(cids=cids, mult=mult, primes=primes, max_ngram=n, n_head=h, pad=pad, out=None, fp=None)
+    change(a)
+    with pytest.raises(ValueError, match=match):
+        _hash.hash_compressed(**a)
+
+
+def test_compress_validates_the_lookup_length():
+    ids = np.array([[0, 9, 99]], np.int64)
+    with pytest.raises(ValueError, match="lookup"):
+        _hash.compress(ids, np.zeros(10, np.int64), 100)    # ids up to 99 would read past 10 entries
+    assert _hash.compress(ids, np.arange(100, dtype=np.int64), 100).tolist() == [[0, 9, 99]]
