@@ -37,6 +37,16 @@ def _pool():
     return _POOL
 
 
+def _forget_pool():
+    """In a forked child the pool's threads do not exist (fork copies only the calling thread):
+    drop it, so the child's first plan.hash starts its own instead of waiting forever."""
+    global _POOL
+    _POOL = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 def is_prime(n: int) -> bool:
     """Deterministic Miller-Rabin, exact for every n < 3.3e24."""
     if n < 2:

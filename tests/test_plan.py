@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from engram_stream import EngramConfig, HashPlan
 from engram_stream import _hash
 from engram_stream.plan import is_prime
+from conftest import run_python
 from pyref import py_rows, to_signed
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -660,3 +661,36 @@ def test_compress_validates_the_lookup_length():
     with pytest.raises(ValueError, match="lookup"):
         _hash.compress(ids, np.zeros(10, np.int64), 100)    # ids up to 99 would read past 10 entries
     assert _hash.compress(ids, np.arange(100, dtype=np.int64), 100).tolist() == [[0, 9, 99]]
+
+
+def test_hash_in_a_forked_child_after_the_pool_started():
+    """plan.hash's thread pool does not survive fork (its threads stay in the parent): the
+    child must get a fresh pool, not wait forever on workers that do not exist."""
+    script = r"""
+import os, sys, time
+import numpy as np
+from engram_stream import EngramConfig, HashPlan
+from engram_stream import plan as plan_mod
+cfg = EngramConfig(engram_vocab_size=[1009, 1013], layer_ids=[1, 2], vocab_size=5000, hidden_size=8, hc_mult=1,
+                   n_embed_per_ngram=8, n_head_per_ngram=2)
+p = HashPlan(cfg)
+plan_mod._hash_workers = lambda: 2      # a pool even on a 1-core runner
+ids = np.random.default_rng(0).integers(0, 5000, (4, plan_mod.PARALLEL_MIN_POSITIONS))
+want = p.hash(ids)                      # starts the pool
+assert plan_mod._POOL is not None
+pid = os.fork()
+if pid == 0:
+    got = p.hash(ids)
+    os._exit(0 if all(np.array_equal(got[L], want[L]) for L in want) else 3)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        sys.exit(os.waitstatus_to_exitcode(status))
+    time.sleep(0.05)
+os.kill(pid, 9)
+os.waitpid(pid, 0)
+sys.exit("the child hung in plan.hash")
+"""
+    r = run_python(["-c", script], timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
