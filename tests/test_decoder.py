@@ -156,6 +156,63 @@ def test_begin_bad_id_changes_nothing():
     run_tokens(dec, ids, hid, want, range(3, 10), 3)
 
 
+class _Flaky:
+    """An array-like whose value changes between reads: a valid id first, then one past the vocab."""
+
+    def __init__(self, good, bad):
+        self.values = [good, bad]
+
+    def __array__(self, dtype=None, copy=None):
+        v = self.values[0] if len(self.values) == 1 else self.values.pop(0)
+        return np.array([v], dtype=dtype or np.int64)
+
+
+def test_begin_is_all_or_nothing():
+    """The ids are read once and checked for every layer before any layer is fed: a value
+    that changes between reads cannot leave some layers fed and the others not."""
+    model = make_model(seed=4)
+    ids, hid, want = inputs(model, 1, 6, seed=4)
+    dec = model.decoder()
+    run_tokens(dec, ids, hid, want, range(3), 1)
+    try:
+        dec.begin(_Flaky(int(ids[0, 3]), model.cfg.vocab_size + 5))
+    except ValueError:
+        assert dec.pending() == []                          # refused: no layer fed
+        dec.begin(ids[0, 3])
+    assert dec.pending() == list(LAYERS)                    # accepted: every layer fed, the same id
+    for L in LAYERS:
+        close(dec.layer(L, hid[L][0, 3]), want[L][0, 3])
+    run_tokens(dec, ids, hid, want, range(4, 6), 1)
+
+
+def test_decoder_errors_name_its_own_calls():
+    """Errors speak of begin()/layer() (the decoder's calls), not of the engines' feed()/compute();
+    a list where the per-layer dict belongs is a TypeError that says so."""
+    model = make_model(seed=5)
+    ids, hid, want = inputs(model, 1, 3, seed=5)
+    dec = model.decoder()
+    h = hid[1][0, 0]
+
+    def refused(exc_type, call, *words):
+        with pytest.raises(exc_type) as e:
+            call()
+        msg = str(e.value)
+        assert all(w in msg for w in words) and "feed()" not in msg and "compute(" not in msg, msg
+
+    refused(RuntimeError, lambda: dec.layer(1, h), "begin(")
+    dec.begin(ids[0, 0])
+    refused(RuntimeError, lambda: dec.snapshot(), "layer(")
+    refused(RuntimeError, lambda: dec.reset(0), "layer(")
+    for L in LAYERS:
+        close(dec.layer(L, hid[L][0, 0]), want[L][0, 0])
+    refused(RuntimeError, lambda: dec.layer(1, h), "begin(")    # layer 1 already ran for this token
+    refused(TypeError, lambda: dec.step(5, [h, h]), "dict")
+    refused(TypeError, lambda: dec.prefill([5], [h[None]]), "dict")
+    refused(TypeError, lambda: dec.restore([1, 2]), "snapshot")
+    assert dec.pending() == []
+    run_tokens(dec, ids, hid, want, range(1, 3), 1)
+
+
 def test_decoder_construction():
     model = make_model(seed=5)
     with pytest.raises(ValueError):
