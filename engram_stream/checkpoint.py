@@ -26,6 +26,7 @@ import json
 import math
 import mmap as _mmap
 import os
+import stat
 import struct
 import sys
 import warnings
@@ -34,7 +35,7 @@ import numpy as np
 
 from .config import DEMO, EngramConfig
 from .model import TABLE_DTYPES, EngramModel, LayerWeights, init_layers
-from .plan import HashPlan
+from .plan import HashPlan, min_chain_rows
 
 FORMAT, FORMAT_VERSION = "engram_stream", "1"
 PAGE = 4096
@@ -358,7 +359,7 @@ def read_header(f, size, path="checkpoint"):
     raw = f.read(n)
     try:
         hdr = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise err(f"header is not valid JSON ({e})") from None
     if not isinstance(hdr, dict):
         raise err(f"header must be a JSON object, got {type(hdr).__name__}")
@@ -404,7 +405,7 @@ def _config(hdr, err):
         return EngramConfig.from_dict(json.loads(meta["config"]))
     except KeyError:
         raise err("metadata has no config") from None
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
         raise err(f"metadata config is invalid: {e}") from None
 
 
@@ -453,6 +454,12 @@ def _check_tensors(cfg, tensors, err):
         if len(got) != len(shape) or any(s is not None and s != g for s, g in zip(shape, got)):
             raise err(f"tensor {name!r}: shape {list(got)} disagrees with the config (expected "
                       f"{['rows' if s is None else s for s in shape]})")
+    # Rows against the config's least possible prime chain: cheap, so before the prime search.
+    rows = [tensors[f"layers.{L}.{TABLE}"][1][0] for L in cfg.layer_ids]
+    least = min_chain_rows(cfg)
+    if min(rows) < least or sum(rows) < min_chain_rows(cfg, len(rows)):
+        raise err(f"tables of {rows} rows cannot hold the config's prime chain (at least {least} rows a layer, "
+                  f"more over all layers): wrong config or corrupted")
 
 
 class _Reader:
@@ -502,7 +509,7 @@ def load(path, mmap: bool = True) -> EngramModel:
     mmap=False: everything is read into RAM."""
     path = os.fspath(path)
     err = lambda msg: CheckpointError(f"{path}: {msg}")  # noqa: E731
-    with open(path, "rb") as f:
+    with _open_regular(path, err) as f:
         size = os.fstat(f.fileno()).st_size
         hdr, _, tensors = read_header(f, size, path)
         cfg = _config(hdr, err)
@@ -518,6 +525,21 @@ def load(path, mmap: bool = True) -> EngramModel:
         for L in cfg.layer_ids:
             layers[L] = _layer(cfg, plan, L, r, err)
     return EngramModel(cfg, plan, layers)
+
+
+def _open_regular(path, err):
+    """The file opened for reading, refused unless it is a regular file: opening a FIFO would
+    block (O_NONBLOCK here: it does not) and a device can be read without end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise err(f"not a regular file (mode {stat.filemode(mode)}): refused")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _layer(cfg, plan, L, r, err):

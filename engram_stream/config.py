@@ -21,6 +21,7 @@ VARIANTS = (DEMO, V41)
 V41_BLOCK = 32  # V4.1: one float8 scale per 32 values (rows, activations) / 32x32 weight block
 V41_ONLY = ("norm_eps", "image_token_id", "num_embeddings", "compressed_vocab_size")
 V41_DEFAULTS = {"norm_eps": 1e-20, "image_token_id": 129264}  # DeepSeek-V4.1-Flash config.json
+MAX_VOCAB = 1 << 31  # tokenizer vocab bound: an int64 lookup of this length is already 16 GiB
 
 
 def _int(name, value, lo=None):
@@ -77,6 +78,8 @@ class EngramConfig:
         for name in ("n_embed_per_ngram", "n_head_per_ngram", "kernel_size", "hidden_size",
                      "hc_mult", "vocab_size"):
             put(name, _int(name, getattr(self, name), 1))
+        if self.vocab_size > MAX_VOCAB:
+            raise ValueError(f"EngramConfig.vocab_size must be <= {MAX_VOCAB}, got {self.vocab_size}")
         put("seed", _int("seed", self.seed, 0))
         put("pad_id", _int("pad_id", self.pad_id))
         evs = _int_list("engram_vocab_size", self.engram_vocab_size)

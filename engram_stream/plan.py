@@ -90,6 +90,20 @@ def prime_chain(cfg: EngramConfig) -> dict:
     return out
 
 
+def min_chain_rows(cfg: EngramConfig, n_layers: int = 1) -> int:
+    """A lower bound on the table rows (sums of primes) of n_layers layers, in O(max_ngram):
+    the chain takes distinct integers, those of order n above engram_vocab_size[n-2] - 1
+    (the fewest and smallest such). load() checks it before the prime search, which a
+    crafted header could make take minutes."""
+    total, free = 0, 0
+    for v in sorted(cfg.engram_vocab_size):
+        k = n_layers * cfg.n_head_per_ngram
+        start = max(v, free)
+        total += k * start + k * (k - 1) // 2
+        free = start + k
+    return total
+
+
 def as_ids(ids, ndim: int, what: str = "ids") -> np.ndarray:
     """Integer ids as a C-contiguous int64 array of the given ndim (TypeError/ValueError otherwise)."""
     a = np.asarray(ids)

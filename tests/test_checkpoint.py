@@ -468,6 +468,7 @@ HOSTILE = {
     "primes": (_overwrite("plan.1.primes", lambda p: p + 2), "primes disagree"),
     "offsets": (_overwrite("layers.4.multi_head_embedding.offsets", lambda o: o[::-1]), "offsets disagree"),
     "compression gaps": (_overwrite("plan.compression", lambda c: c * 2), "hash plan"),
+    "config nested 1e5 deep": (_meta("config", "[" * 100000 + "]" * 100000), "config is invalid"),
 }
 
 
@@ -496,7 +497,8 @@ def test_truncated_files(saved, tmp_path):
                 checkpoint.load(q, mmap=mmap)
 
 
-@pytest.mark.parametrize("case", ["garbage", "huge length", "bad json", "not utf8", "json list", "duplicate key"])
+@pytest.mark.parametrize("case", ["garbage", "huge length", "bad json", "not utf8", "json list", "duplicate key",
+                                  "nested 1e5 deep"])
 def test_corrupt_files(tmp_path, case):
     q = tmp_path / "x.st"
     rng = np.random.default_rng(0)
@@ -507,6 +509,7 @@ def test_corrupt_files(tmp_path, case):
         "not utf8": struct.pack("<Q", 8) + b"\xff\xfe{}    ",
         "json list": struct.pack("<Q", 8) + b"[1, 2]  ",
         "duplicate key": struct.pack("<Q", 16) + b'{"a":{},"a":{}} ',
+        "nested 1e5 deep": struct.pack("<Q", 200000) + b"[" * 100000 + b"]" * 100000,
     }[case]
     q.write_bytes(body)
     with pytest.raises(CheckpointError):
@@ -516,3 +519,61 @@ def test_corrupt_files(tmp_path, case):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError):
         checkpoint.load(tmp_path / "nope.safetensors")
+
+
+NOT_REGULAR = r"""
+import os, sys
+from engram_stream import checkpoint
+d = sys.argv[1]
+os.mkfifo(os.path.join(d, "fifo"))
+for path in (os.path.join(d, "fifo"), "/dev/zero", d):
+    try:
+        checkpoint.load(path)
+    except checkpoint.CheckpointError as e:
+        assert "not a regular file" in str(e), e
+    else:
+        sys.exit(f"{path} loaded")
+"""
+
+
+def test_non_regular_files_are_refused(tmp_path):
+    """A FIFO would block open() forever and a device could be read without end: refused before
+    any read (in a subprocess: a hang or a crash fails the test instead of stopping the run)."""
+    r = run_python(["-c", NOT_REGULAR, str(tmp_path)], timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+SLOW_CHAIN = r"""
+import json, sys, time
+import numpy as np
+from safetensors.numpy import save_file
+from engram_stream import checkpoint
+H, E = 2 * 20000, 2 * 20000      # 20000 heads per order near 2**61: minutes of prime search
+cfg = dict(engram_vocab_size=[2 ** 61, 2 ** 61], max_ngram_size=3, n_embed_per_ngram=20000,
+           n_head_per_ngram=20000, layer_ids=[0], pad_id=0, seed=0, kernel_size=2, hidden_size=1,
+           hc_mult=1, vocab_size=10)
+z = lambda *shape, dt=np.float32: np.zeros(shape, dt)
+t = {"plan.0.multipliers": z(3, dt=np.int64), "plan.0.primes": z(H, dt=np.int64),
+     "layers.0.multi_head_embedding.offsets": z(H, dt=np.int64),
+     "layers.0.multi_head_embedding.embedding.weight": z(1, 1),
+     "layers.0.value_proj.weight": z(1, E), "layers.0.value_proj.bias": z(1),
+     "layers.0.key_projs.0.weight": z(1, E), "layers.0.key_projs.0.bias": z(1),
+     "layers.0.norm1.0.weight": z(1), "layers.0.norm2.0.weight": z(1),
+     "layers.0.short_conv.norms.0.weight": z(1), "layers.0.short_conv.conv.weight": z(1, 1, 2)}
+save_file(t, sys.argv[1], metadata={"format": "engram_stream", "format_version": "1", "config": json.dumps(cfg)})
+t0 = time.monotonic()
+try:
+    checkpoint.load(sys.argv[1])
+except checkpoint.CheckpointError as e:
+    assert "rows" in str(e), e
+else:
+    sys.exit("loaded")
+assert time.monotonic() - t0 < 5, time.monotonic() - t0
+"""
+
+
+def test_header_needing_a_long_prime_search_is_refused_quickly(tmp_path):
+    """Cheap invariants first: a table of 1 row cannot hold 40000 primes near 2**61, so the
+    prime search (minutes here) never starts."""
+    r = run_python(["-c", SLOW_CHAIN, str(tmp_path / "slow.st")], timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -92,6 +92,14 @@ def test_non_positive_sizes_rejected(name, value):
         EngramConfig(**tiny(**{name: value}))
 
 
+@pytest.mark.parametrize("value", [(1 << 31) + 1, 1 << 62, 1 << 70])
+def test_vocab_size_upper_bound(value):
+    """vocab_size is the length of an int64 lookup table and every engine's id bound (a C int64)."""
+    with pytest.raises(ValueError, match="vocab_size"):
+        EngramConfig(**tiny(vocab_size=value))
+    EngramConfig(**tiny(vocab_size=1 << 31))
+
+
 @pytest.mark.parametrize("name", POSITIVE + ["max_ngram_size", "seed", "pad_id"])
 @pytest.mark.parametrize("value", [True, False, 3.0, 2.5, "3", None, [3]])
 def test_non_int_scalars_rejected(name, value):

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engram_stream import EngramConfig, HashPlan
 from engram_stream import _hash
-from engram_stream.plan import is_prime
+from engram_stream.plan import is_prime, min_chain_rows
 from conftest import run_python
 from pyref import py_rows, to_signed
 
@@ -694,3 +694,16 @@ sys.exit("the child hung in plan.hash")
 """
     r = run_python(["-c", script], timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("evs, n_head, layers", [([2, 2], 5, [0, 3, 7]), ([97, 2003, 97], 6, [1, 2]),
+                                                 ([646400, 646400], 8, [1, 15]), ([1 << 40, 3], 4, [5])])
+def test_min_chain_rows_is_a_lower_bound(evs, n_head, layers):
+    """load() refuses tables smaller than this bound before the prime search: it must never
+    exceed the real chain's rows (per layer, and over all layers)."""
+    cfg = EngramConfig(engram_vocab_size=evs, max_ngram_size=len(evs) + 1, n_embed_per_ngram=n_head,
+                       n_head_per_ngram=n_head, layer_ids=layers, vocab_size=50, hidden_size=2, hc_mult=1)
+    rows = HashPlan(cfg).table_rows
+    assert min_chain_rows(cfg) <= min(rows.values())
+    assert min_chain_rows(cfg, len(layers)) <= sum(rows.values())
+    assert min_chain_rows(cfg) >= n_head * sum(evs)               # and not a trivial bound
