@@ -177,3 +177,14 @@ def test_cli_demo_v41_folder(tmp_path, capsys):
     EngramModel.init(EngramConfig(**SMALL), seed=0).save(tmp_path / "ckpt")
     assert main(["demo", "--checkpoint", str(tmp_path / "ckpt"), "--tokens", "40"]) == 0
     assert ": OK" in capsys.readouterr().out
+
+
+def test_readme_v41_snippet_runs(tmp_path):
+    """The README's V4.1 decode, run on a tiny synthetic folder in place of the real one."""
+    pytest.importorskip("engram_stream._engine_v41")
+    readme = open(os.path.join(os.path.dirname(__file__), os.pardir, "README.md")).read()
+    block = readme.split("## DeepSeek-V4.1", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    EngramModel.init(EngramConfig(**{**SMALL, "layer_ids": [1, 14]}), seed=0).save(tmp_path)
+    scope = {}
+    exec(block.replace('"DeepSeek-V4.1-Flash"', repr(str(tmp_path))), scope)
+    assert scope["delta"].shape == (2, 64) and np.abs(scope["delta"]).max() > 0
