@@ -119,6 +119,9 @@ class EngramConfig:
         for name, default in V41_DEFAULTS.items():
             if getattr(self, name) is None:
                 put(name, default)
+        if self.seed != 0:  # the reference draws the multipliers from default_rng(10007 * layer)
+            raise ValueError(f"EngramConfig.seed must be 0 for {V41} (its multipliers have no seed), "
+                             f"got {self.seed}")
         for name in ("hidden_size", "head_dim"):
             if getattr(self, name) % V41_BLOCK:
                 raise ValueError(f"EngramConfig.{name} must be a multiple of {V41_BLOCK} for {V41} "

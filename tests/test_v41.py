@@ -75,6 +75,7 @@ def test_demo_stays_default():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(variant="v4"), "variant"),
+    (dict(seed=3), "seed must be 0"),
     (dict(hidden_size=48), "hidden_size must be a multiple of 32"),
     (dict(n_embed_per_ngram=2 * 48), "head_dim must be a multiple of 32"),
     (dict(norm_eps=0.0), "norm_eps"),
@@ -114,6 +115,20 @@ def test_flash_primes_sum_to_num_embeddings_and_multipliers():
         assert all((p[o * 8:(o + 1) * 8] == np.sort(p[o * 8:(o + 1) * 8])).all() for o in range(3))
         assert np.array_equal(plan.offsets[L], np.concatenate([[0], np.cumsum(p)[:-1]]))
     assert len(set(plan.head_primes[1]) | set(plan.head_primes[14])) == 48
+
+
+def test_flash_hash_hardware_division_matches_pure_python():
+    cfg = EngramConfig.from_hf_config(FLASH_HF)
+    lookup = flash_lookup()
+    plan = HashPlan(cfg, compression=lookup)
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, 129280, (2, 20))
+    ids[0, 3] = ids[1, 0] = 129264
+    ids[1, 7] = -1
+    fast, slow = plan.hash(ids), plan.hash_numpy(ids)
+    for L in (1, 14):
+        want = np.array(py_rows(ids, lookup, 2, plan.multipliers[L], plan.primes[L], dead_id=129264))
+        assert np.array_equal(slow[L], want) and np.array_equal(fast[L], want)
 
 
 def test_serving_refuses_mismatched_sizes():
