@@ -206,7 +206,11 @@ class EngramModel:
         return reference.forward(self.cfg, rows, w, h)
 
     def stream(self, layer, n_streams: int = 1):
-        """The streaming engine of one layer (see engram_stream.StreamEngine)."""
+        """The streaming engine of one layer (see engram_stream.StreamEngine; deepseek-v4.1:
+        engram_stream._engine_v41.V41StreamEngine)."""
+        if self.cfg.variant == V41:
+            from ._engine_v41 import V41StreamEngine
+            return V41StreamEngine(self, layer, n_streams)
         from ._engine import StreamEngine
         return StreamEngine(self, layer, n_streams)
 

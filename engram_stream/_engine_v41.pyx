@@ -1,0 +1,525 @@
+# cython: language_level=3
+"""V41StreamEngine: one deepseek-v4.1 Engram layer decoded token by token (DESIGN.md 4).
+
+Per stream it keeps the last max_ngram-1 window entries (compressed ids, -1 = DEAD; slots
+before the start are DEAD) and re-derives the dead-token latch from them at every step. A step
+hashes, gathers the H float8 rows (e4m3 x e8m0, dequantized in registers), quantizes them per
+32 values as the reference does, runs the float8 wkv projection with its 32x32 block scales
+straight from the checkpoint's bytes, then the gate: all without the GIL and with no
+allocation when `out=` is given. Checks happen before any state changes, so a refused call
+leaves the engine as it was. The oracle it is tested against token by token:
+EngramModel.forward (engram_stream.reference_v41).
+"""
+import hashlib
+import os
+
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint8_t
+from libc.string cimport memcpy
+
+from engram_stream._hash cimport es_compress, es_hash_window, latch_window
+from . import engine_args as args
+from .plan import as_ids
+
+cnp.import_array()
+
+PREFILL_CHUNK = 128  # prompt tokens per projection in prefill(): wkv is read once per chunk
+
+cdef enum:
+    MAX_NGRAM = 64
+
+ISAS = {"baseline": ES8_BASELINE, "avx512": ES8_AVX512}
+_ISA_NAMES = {v: k for k, v in ISAS.items()}
+
+
+def supported_isa() -> str:
+    """The fastest float8 path this CPU runs: "avx512" or "baseline"."""
+    return _ISA_NAMES[es8_isa_supported()]
+
+
+def _default_isa() -> str:
+    """ENGRAM_STREAM_ISA when set ("avx2" has no float8 path of its own: baseline), else the best."""
+    want = os.environ.get("ENGRAM_STREAM_ISA", "").strip().lower()
+    if want == "avx512" and supported_isa() != "avx512":
+        raise RuntimeError("ENGRAM_STREAM_ISA=avx512 but this CPU lacks AVX-512 (F/BW/VL/DQ + F16C + FMA)")
+    if want in ("baseline", "avx2"):
+        return "baseline"
+    return supported_isa()
+
+
+DEFAULT_ISA = _default_isa()
+
+
+class V41EngineSnapshot:
+    """A copy of a V41StreamEngine's per-stream state (windows and token counts), restorable
+    into any engine of the same layer, config, hash plan and stream count."""
+
+    def __init__(self, fingerprint, hist, seen):
+        self.fingerprint = fingerprint
+        self.hist, self.seen = hist, seen
+        for a in (hist, seen):
+            a.flags.writeable = False
+
+    @property
+    def nbytes(self):
+        return self.hist.nbytes + self.seen.nbytes
+
+    def __repr__(self):
+        return f"V41EngineSnapshot(layer={self.fingerprint[0]}, n_streams={self.fingerprint[2]}, {self.nbytes} bytes)"
+
+
+def _ro_array(a, dtype, shape, what):
+    if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.flags.c_contiguous and a.shape == shape):
+        raise ValueError(f"{what}: expected a C-contiguous {np.dtype(dtype).name} array of shape {shape}, got "
+                         f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+    return a
+
+
+cdef class V41StreamEngine:
+    """The streaming engine of one deepseek-v4.1 layer: `model.stream(layer, n_streams)`.
+
+    step(token_id, hidden[G, D])                       -> float32[G, D]    (n_streams == 1)
+    step(token_ids[S], hidden[S, G, D], out=None)      -> float32[S, G, D]
+    prefill(ids[T], hidden[T, G, D], stream=0)         -> float32[T, G, D]
+    feed(token_ids) then compute(hidden): step in two halves (hash first, see Decoder)
+    reset(stream=None), snapshot(), restore(snapshot); isa: "avx512" or "baseline"
+
+    Returns the Engram delta gate * value (the caller adds h). Ids are integers < vocab_size:
+    the image token id is DEAD (gate 0, blocks history), negative ids block history too.
+    One engine has one owner: a call while another is running raises RuntimeError.
+    """
+
+    def __cinit__(self, model, layer, int n_streams=1):
+        if n_streams < 1:
+            raise ValueError(f"n_streams must be >= 1, got {n_streams}")
+        w = model.layer(layer)  # KeyError for a layer that is not an Engram layer
+        cfg, plan = model.cfg, model.plan
+        if cfg.variant != "deepseek-v4.1":
+            raise ValueError(f"V41StreamEngine needs a deepseek-v4.1 model, got variant {cfg.variant!r}")
+        self.model, self.layer, self.n_streams = model, layer, n_streams
+        self.G, self.D, self.E = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim
+        self.C = <int64_t> self.G * self.D
+        self.M = (self.G + 1) * self.D
+        self.H, self.hd = cfg.n_heads, cfg.head_dim
+        self.n, self.nh = cfg.max_ngram_size, cfg.n_head_per_ngram
+        self.vocab, self.pad, self.dead_id = cfg.vocab_size, plan.pad_id, cfg.image_token_id
+        self.eps = cfg.norm_eps
+        if self.n > MAX_NGRAM:
+            raise ValueError(f"max_ngram_size > {MAX_NGRAM} is not supported by the engine")
+        if self.hd % ES8_BLOCK or self.E % ES8_BLOCK:
+            raise ValueError(f"head_dim must be a multiple of {ES8_BLOCK}")
+        N, B = plan.table_rows[layer], ES8_BLOCK
+        u8 = np.uint8
+        tw = _ro_array(w.embed_weight, u8, (N, self.hd), f"layer {layer} embed_weight")
+        ts = _ro_array(w.embed_scale, u8, (N, self.hd // B), f"layer {layer} embed_scale")
+        ww = _ro_array(w.wkv_weight, u8, (self.M, self.E), f"layer {layer} wkv_weight")
+        ws = _ro_array(w.wkv_scale, u8, ((self.M + B - 1) // B, self.E // B), f"layer {layer} wkv_scale")
+        qw = _ro_array(w.q_weight, np.float32, (self.G, self.D), f"layer {layer} q_weight")
+        kw = _ro_array(w.k_weight, np.float32, (self.G, self.D), f"layer {layer} k_weight")
+        offsets = _ro_array(w.offsets, np.int64, (self.H,), f"layer {layer} offsets")
+        lookup, mult, primes, fp = plan.lookup, plan.multipliers[layer], plan.head_primes[layer], plan.head_fp[layer]
+        self._keep = (tw, ts, ww, ws, qw, kw, offsets, lookup, mult, primes, fp)
+        self.tw, self.ts = <const uint8_t *> cnp.PyArray_DATA(tw), <const uint8_t *> cnp.PyArray_DATA(ts)
+        self.ww, self.ws = <const uint8_t *> cnp.PyArray_DATA(ww), <const uint8_t *> cnp.PyArray_DATA(ws)
+        self.qw, self.kw = <const float *> cnp.PyArray_DATA(qw), <const float *> cnp.PyArray_DATA(kw)
+        self.offsets = <const int64_t *> cnp.PyArray_DATA(offsets)
+        self.lookup = NULL if lookup is None else <const int64_t *> cnp.PyArray_DATA(lookup)
+        self.mult = <const int64_t *> cnp.PyArray_DATA(mult)
+        self.primes = <const int64_t *> cnp.PyArray_DATA(primes)
+        self.fp = NULL if fp is None else <const double *> cnp.PyArray_DATA(fp)
+        self.isa = DEFAULT_ISA
+        self.prefill_threads = max(1, min(8, os.cpu_count() or 1))
+        self._fingerprint = (layer, cfg.to_json(), n_streams, mult.tobytes(),
+                             None if lookup is None else hashlib.sha1(lookup.tobytes()).hexdigest())
+        self.hist = np.full((n_streams, self.n - 1), -1, dtype=np.int64)
+        self.seen = np.zeros(n_streams, dtype=np.int64)
+        self.ebuf = np.empty(self.E, dtype=np.float32)
+        self._grow(n_streams, 1)
+
+    cdef int _grow(self, int64_t cap, int threads) except -1:
+        """Scratch for `cap` tokens and `threads` projection threads; made before any state
+        changes (a MemoryError leaves the engine as it was)."""
+        if cap > self.cap:
+            rbuf = np.empty((cap, self.H), dtype=np.int64)
+            gdead = np.empty(cap, dtype=np.uint8)
+            qbuf = np.empty((cap, self.E), dtype=np.float32)
+            sbuf = np.empty((cap, self.E // ES8_BLOCK), dtype=np.float32)
+            ybuf = np.empty((cap, self.M), dtype=np.float32)
+            self.rbuf, self.gdead, self.qbuf, self.sbuf, self.ybuf = rbuf, gdead, qbuf, sbuf, ybuf
+            self.cap = cap
+        if threads > self.qs_threads:
+            self.qsbuf = np.empty(threads * ES8_TILE_TOKENS * self.E, dtype=np.float32)
+            self.qs_threads = threads
+        return 0
+
+    def __repr__(self):
+        return (f"V41StreamEngine(layer={self.layer}, n_streams={self.n_streams}, G={self.G}, D={self.D}, "
+                f"H={self.H}x{self.hd}, isa={self.isa!r})")
+
+    property isa:
+        """The float8 kernel path: "avx512" or "baseline" (settable, e.g. to test both)."""
+        def __get__(self):
+            return _ISA_NAMES[self.isa_code]
+
+        def __set__(self, name):
+            if name not in ISAS:
+                raise ValueError(f"isa must be one of {sorted(ISAS)}, got {name!r}")
+            if ISAS[name] == ES8_AVX512 and es8_isa_supported() != ES8_AVX512:
+                raise ValueError("isa 'avx512' is not supported by this CPU")
+            self.isa_code = ISAS[name]
+
+    # ---- nogil pieces --------------------------------------------------------------------
+    cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil:
+        cdef int64_t i
+        for i in range(n):
+            if ids[i] >= self.vocab:
+                return i
+        return -1
+
+    cdef void _hash_one(self, int64_t s, int64_t token, int64_t i) noexcept nogil:
+        """Rows of `token` on stream s into rbuf[i] (absolute), its gate flag into gdead[i];
+        pushes the token into the stream's window."""
+        cdef int64_t win[MAX_NGRAM]
+        cdef int64_t full[MAX_NGRAM]
+        cdef int64_t *h = &self.hist[s, 0]
+        cdef int64_t *rows = &self.rbuf[i, 0]
+        cdef int k, j
+        # DEAD (-1): the image token, and negative (unknown) ids; it blocks every older entry
+        full[0] = -1 if (token < 0 or token == self.dead_id) else es_compress(token, self.lookup)
+        for k in range(1, self.n):
+            full[k] = h[k - 1]
+        latch_window(full, self.n, self.pad, win)
+        es_hash_window(win, self.mult, self.n, self.nh, self.primes, self.fp, rows)
+        for j in range(self.H):
+            rows[j] += self.offsets[j]
+        if self.touched != NULL:
+            es_mark_rows(self.touched, rows, self.H)
+        for k in range(self.n - 2, 0, -1):
+            h[k] = h[k - 1]
+        h[0] = full[0]
+        self.gdead[i] = token == self.dead_id
+
+    cdef void _quantize(self, int64_t i) noexcept nogil:
+        """Token i's rows dequantized, then quantized per 32 values as the reference's wkv input."""
+        es8_gather(self.tw, self.ts, self.hd, &self.rbuf[i, 0], self.H, &self.ebuf[0])
+        es8_act_quant(&self.ebuf[0], self.E, &self.qbuf[i, 0], &self.sbuf[i, 0])
+
+    cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil:
+        cdef int64_t b
+        for b in range(self.n_streams):
+            self._hash_one(b, ids[b], b)
+        es_prefetch_rows(<const char *> self.tw, self.hd, &self.rbuf[0, 0], self.n_streams * self.H)
+
+    cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:
+        cdef int64_t b, S = self.n_streams
+        for b in range(S):
+            self._quantize(b)
+        es8_wkv(self.isa_code, &self.qbuf[0, 0], &self.sbuf[0, 0], S, self.E, self.ww, self.ws, self.M,
+                &self.ybuf[0, 0], &self.qsbuf[0])
+        for b in range(S):
+            es8_gate_tail(&self.ybuf[b, 0], hid + b * self.C, self.qw, self.kw, self.G, self.D, self.eps,
+                          self.gdead[b], out + b * self.C)
+            self.seen[b] += 1
+
+    # ---- argument checks (all before any state changes) -------------------------------------
+    cdef _enter(self):
+        if self.busy:
+            raise RuntimeError("V41StreamEngine is already running a call: one engine has one owner "
+                               "(use one engine per thread)")
+        self.busy = True
+
+    cdef const int64_t *_id_ptr(self, ids, bint single):
+        """The ids as a C pointer: into the [S] array, or to a scalar id kept in the engine."""
+        if single:
+            self.tok1 = ids
+            return &self.tok1
+        return <const int64_t *> cnp.PyArray_DATA(ids)
+
+    # ---- the public calls ---------------------------------------------------------------------
+    def step(self, token_ids, hidden, out=None):
+        """One token per stream: (token_id, hidden[G, D]) for one stream, or
+        (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram delta."""
+        ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
+        cdef object shape = (self.n_streams, self.G, self.D)
+        if single:
+            shape = (self.G, self.D)
+        cdef const int64_t *pid = self._id_ptr(ids, single)
+        h = args.hidden(hidden, shape)
+        o = args.out(out, shape)
+        cdef const float *ph = <const float *> cnp.PyArray_DATA(h)
+        cdef float *po = <float *> cnp.PyArray_DATA(o)
+        cdef int64_t bad
+        self._enter()
+        try:
+            if self.pending:
+                raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
+            with nogil:
+                bad = self._first_bad_id(pid, self.n_streams)
+                if bad < 0:
+                    self._feed_nogil(pid)
+                    self._compute_nogil(ph, po)
+        finally:
+            self.busy = False
+        if bad >= 0:
+            raise args.bad_id(ids, bad, self.vocab)
+        return o
+
+    def feed(self, token_ids):
+        """First half of a step: hash the new token(s) and advance the windows; the rows
+        (`.rows`) are known from here on. compute(hidden) finishes the step."""
+        ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
+        cdef const int64_t *pid = self._id_ptr(ids, single)
+        cdef int64_t bad
+        self._enter()
+        try:
+            if self.pending:
+                raise RuntimeError("feed() was already called for this token: call compute(hidden) first")
+            with nogil:
+                bad = self._first_bad_id(pid, self.n_streams)
+                if bad < 0:
+                    self._feed_nogil(pid)
+            self.pending = bad < 0
+        finally:
+            self.busy = False
+        if bad >= 0:
+            raise args.bad_id(ids, bad, self.vocab)
+
+    def compute(self, hidden, out=None):
+        """Second half of a step, after feed(): gather, quantize, project, gate. Shapes as step()."""
+        cdef object shape = (self.n_streams, self.G, self.D)
+        if self.n_streams == 1 and np.ndim(hidden) == 2:
+            shape = (self.G, self.D)
+        h = args.hidden(hidden, shape)
+        o = args.out(out, shape)
+        cdef const float *ph = <const float *> cnp.PyArray_DATA(h)
+        cdef float *po = <float *> cnp.PyArray_DATA(o)
+        self._enter()
+        try:
+            if not self.pending:
+                raise RuntimeError("compute() needs feed(token_ids) first")
+            with nogil:
+                self._compute_nogil(ph, po)
+            self.pending = False
+        finally:
+            self.busy = False
+        return o
+
+    @property
+    def rows(self):
+        """int64[S, H]: absolute table rows of the last fed token of every stream."""
+        return np.array(self.rbuf[:self.n_streams], dtype=np.int64)
+
+    def prefetch(self):
+        """After feed(): madvise(WILLNEED) the pages of the fed rows and of their scales, so a
+        mapped checkpoint starts reading them now. Returns the failed madvise calls."""
+        cdef int64_t failed
+        cdef int64_t n = self.n_streams * self.H
+        self._enter()
+        try:
+            if not self.pending:
+                raise RuntimeError("prefetch() needs feed(token_ids) first")
+            with nogil:
+                failed = es_advise_rows(<const char *> self.tw, self.hd, &self.rbuf[0, 0], n, MADV_WILLNEED)
+                failed += es_advise_rows(<const char *> self.ts, self.hd // ES8_BLOCK, &self.rbuf[0, 0], n,
+                                         MADV_WILLNEED)
+        finally:
+            self.busy = False
+        return int(failed)
+
+    def track_rows(self, bitmap):
+        """Record every row this engine reads in `bitmap` (uint8[ceil(table_rows/8)], bit r =
+        row r), or stop recording with None. The array is borrowed: keep it alive."""
+        args.rows_bitmap(bitmap, self.model.plan.table_rows[self.layer])
+        self._enter()
+        try:
+            if bitmap is None:
+                self.touched, self._touched_ref = NULL, None
+            else:
+                self._touched_ref = bitmap
+                self.touched = <uint8_t *> cnp.PyArray_DATA(bitmap)
+        finally:
+            self.busy = False
+
+    @property
+    def pending_compute(self):
+        return bool(self.pending)
+
+    def prefill(self, ids, hidden, stream=0, out=None):
+        """A prompt on one stream: ids[T], hidden[T, G, D] -> float32[T, G, D], equal to T steps
+        and leaving the same state. The projection runs over chunks of up to 128 tokens (wkv
+        read once per chunk), split over `engine.prefill_threads` threads."""
+        a = as_ids(ids, 1, "ids")
+        cdef int64_t T = a.shape[0]
+        h = args.hidden(hidden, (T, self.G, self.D))
+        o = args.out(out, (T, self.G, self.D))
+        cdef int64_t s = args.stream_index(stream, self.n_streams)
+        cdef int64_t chunk = max(1, min(T, PREFILL_CHUNK))
+        cdef int threads = max(1, min(self.prefill_threads, ES8_MAX_THREADS))
+        cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(a)
+        cdef const float *ph = <const float *> cnp.PyArray_DATA(h)
+        cdef float *po = <float *> cnp.PyArray_DATA(o)
+        cdef int64_t bad = -1, t0, i, nb
+        self._enter()
+        try:
+            if self.pending:
+                raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
+            self._grow(chunk, threads)  # under the guard: the scratch is shared with step()
+            with nogil:
+                bad = self._first_bad_id(pid, T)
+                if bad < 0:
+                    t0 = 0
+                    while t0 < T:
+                        nb = min(chunk, T - t0)
+                        for i in range(nb):
+                            self._hash_one(s, pid[t0 + i], i)
+                            self._quantize(i)
+                        es8_wkv_mt(self.isa_code, &self.qbuf[0, 0], &self.sbuf[0, 0], nb, self.E, self.ww,
+                                   self.ws, self.M, &self.ybuf[0, 0], &self.qsbuf[0],
+                                   threads if nb >= ES8_TILE_TOKENS else 1)
+                        for i in range(nb):
+                            es8_gate_tail(&self.ybuf[i, 0], ph + (t0 + i) * self.C, self.qw, self.kw, self.G,
+                                          self.D, self.eps, self.gdead[i], po + (t0 + i) * self.C)
+                        self.seen[s] += nb
+                        t0 += nb
+        finally:
+            self.busy = False
+        if bad >= 0:
+            raise args.bad_id(a, bad, self.vocab)
+        return o
+
+    cdef void _reset_stream(self, int64_t s) noexcept nogil:
+        cdef int k
+        for k in range(self.n - 1):
+            self.hist[s, k] = -1  # slots before the start are DEAD
+        self.seen[s] = 0
+
+    def reset(self, stream=None):
+        """Forget the history of one stream (or of all): back to the state before any token."""
+        cdef int64_t s
+        if stream is not None:
+            args.stream_index(stream, self.n_streams)
+        self._enter()
+        try:
+            if stream is None:
+                for s in range(self.n_streams):
+                    self._reset_stream(s)
+                self.pending = False
+            elif self.pending:
+                raise RuntimeError("feed() was called for every stream: compute(hidden) first, "
+                                   "or reset() all streams")
+            else:
+                self._reset_stream(stream)
+        finally:
+            self.busy = False
+
+    @property
+    def tokens_seen(self):
+        """int64[S]: tokens processed per stream since its last reset."""
+        return np.array(self.seen, dtype=np.int64)
+
+    @property
+    def state_nbytes(self):
+        """Bytes of per-stream state (windows and token counts)."""
+        return self.n_streams * ((self.n - 1) * 8 + 8)
+
+    def snapshot(self):
+        """A copy of every stream's state, for restore() (speculative decoding rollback)."""
+        self._enter()
+        try:
+            if self.pending:
+                raise RuntimeError("cannot snapshot between feed() and compute()")
+            hist, seen = np.array(self.hist, dtype=np.int64), np.array(self.seen, dtype=np.int64)
+        finally:
+            self.busy = False
+        return V41EngineSnapshot(self._fingerprint, hist, seen)
+
+    def _check_snapshot(self, snapshot):
+        """Raise unless `snapshot` can be restored here (changes nothing)."""
+        if not isinstance(snapshot, V41EngineSnapshot):
+            raise TypeError(f"restore() takes a V41EngineSnapshot, got {type(snapshot).__name__}")
+        fp = snapshot.fingerprint
+        if fp != self._fingerprint:
+            why = ("layer" if fp[0] != self._fingerprint[0] else
+                   "config" if fp[1] != self._fingerprint[1] else
+                   "stream count" if fp[2] != self._fingerprint[2] else "hash plan")
+            raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")
+        shapes = {"hist": (self.n_streams, self.n - 1), "seen": (self.n_streams,)}
+        for name, shape in shapes.items():
+            a = getattr(snapshot, name, None)
+            if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == np.int64 and a.flags.c_contiguous):
+                raise ValueError(f"snapshot.{name} is damaged: expected int64 {shape}")
+        if snapshot.seen.size and snapshot.seen.min() < 0:
+            raise ValueError("snapshot.seen is damaged: negative token counts")
+
+    def restore(self, snapshot):
+        """Put back a snapshot of this engine, or of one with the same layer, config and streams."""
+        self._check_snapshot(snapshot)
+        cdef const int64_t[:, ::1] hist = snapshot.hist
+        cdef const int64_t[::1] seen = snapshot.seen
+        self._enter()
+        try:
+            self.hist[:, :] = hist
+            self.seen[:] = seen
+            self.pending = False
+        finally:
+            self.busy = False
+
+
+# ---- the kernels alone, for tests and benchmarks ------------------------------------------
+
+def decode_e4m3(const uint8_t[::1] raw):
+    """float32 values of float8_e4m3fn bytes (the kernels' scalar decoder)."""
+    out = np.empty(raw.shape[0], dtype=np.float32)
+    cdef float[::1] o = out
+    cdef Py_ssize_t i
+    for i in range(raw.shape[0]):
+        o[i] = es8_e4m3(raw[i])
+    return out
+
+
+def decode_e8m0(const uint8_t[::1] raw):
+    """float32 values of float8_e8m0fnu bytes: 2**(byte - 127)."""
+    out = np.empty(raw.shape[0], dtype=np.float32)
+    cdef float[::1] o = out
+    cdef Py_ssize_t i
+    for i in range(raw.shape[0]):
+        o[i] = es8_e8m0(raw[i])
+    return out
+
+
+def act_quant(const float[:, ::1] x):
+    """(q float32[S, K], scales float32[S, K/32]): the kernels' activation quantization."""
+    cdef Py_ssize_t S = x.shape[0], K = x.shape[1], t
+    if K % ES8_BLOCK:
+        raise ValueError(f"act_quant: the last axis must be a multiple of {ES8_BLOCK}")
+    q = np.empty((S, K), dtype=np.float32)
+    s = np.empty((S, K // ES8_BLOCK), dtype=np.float32)
+    cdef float[:, ::1] qv = q, sv = s
+    for t in range(S):
+        if K:
+            es8_act_quant(&x[t, 0], K, &qv[t, 0], &sv[t, 0])
+    return q, s
+
+
+def fp8_linear(const float[:, ::1] x, const uint8_t[:, ::1] weight, const uint8_t[:, ::1] scale,
+               isa=None, int threads=1):
+    """x[S, K] through the float8 projection (weight e4m3 [M, K], scale e8m0 [ceil(M/32), K/32])
+    as the engine runs it: float32[S, M]."""
+    cdef Py_ssize_t S = x.shape[0], K = x.shape[1], M = weight.shape[0]
+    if K % ES8_BLOCK or weight.shape[1] != K or scale.shape[0] != (M + ES8_BLOCK - 1) // ES8_BLOCK \
+            or scale.shape[1] != K // ES8_BLOCK or S < 1 or M < 1:
+        raise ValueError("fp8_linear: shapes do not match")
+    cdef int code = ISAS[isa or DEFAULT_ISA]
+    if code == ES8_AVX512 and es8_isa_supported() != ES8_AVX512:
+        raise ValueError("isa 'avx512' is not supported by this CPU")
+    q, s = act_quant(x)
+    y = np.empty((S, M), dtype=np.float32)
+    threads = max(1, min(threads, ES8_MAX_THREADS))
+    qs = np.empty(threads * ES8_TILE_TOKENS * K, dtype=np.float32)
+    cdef float[:, ::1] qv = q, sv = s, yv = y
+    cdef float[::1] qsv = qs
+    with nogil:
+        es8_wkv_mt(code, &qv[0, 0], &sv[0, 0], S, <int> K, &weight[0, 0], &scale[0, 0], <int> M, &yv[0, 0],
+                   &qsv[0], threads)
+    return y

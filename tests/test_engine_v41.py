@@ -1,0 +1,452 @@
+"""V41StreamEngine (engram_stream/_engine_v41.pyx, include/engram_fp8.h) against the numpy
+oracle of the deepseek-v4.1 variant (EngramModel.forward -> engram_stream.reference_v41),
+token by token, on both kernel paths ("avx512" where the CPU has it, and "baseline").
+
+Stream s of an engine plays row s of a batch: its output at its p-th token must equal
+forward's [s, p]. Floats compare with rtol=2e-4, atol=2e-5; integers (rows, tokens_seen,
+the float8 decoders, the activation quantizer) and replays of the engine by itself compare
+exactly. The float8 decoders are checked against ml_dtypes, the quantizer against the oracle's.
+"""
+from __future__ import annotations
+
+import os
+import tracemalloc
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engram_stream import EngramConfig, EngramModel
+from engram_stream import _engine_v41 as k
+from engram_stream import reference_v41 as ref
+from engram_stream._engine_v41 import V41EngineSnapshot, V41StreamEngine
+from test_engine import dense_compression
+
+RTOL, ATOL = 2e-4, 2e-5
+HYP = settings(max_examples=int(os.environ.get("ENGRAM_HYPOTHESIS_EXAMPLES", 25)), deadline=None,
+               suppress_health_check=[HealthCheck.too_slow])
+ISAS = ["baseline"] + (["avx512"] if k.supported_isa() == "avx512" else [])
+IMG = 299  # the DEAD (image) token id of the models below
+
+
+def close(got, want, **kw):
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, **kw)
+
+
+def make_model(G=2, D=64, n=4, nh=2, hd=32, vocab=300, img=IMG, layers=(1, 4), comp=True, seed=0, evs=211):
+    rng = np.random.default_rng(seed + 99)
+    cfg = EngramConfig(variant="deepseek-v4.1", engram_vocab_size=[evs] * (n - 1), max_ngram_size=n,
+                       n_embed_per_ngram=nh * hd, n_head_per_ngram=nh, layer_ids=list(layers), pad_id=2,
+                       hidden_size=D, hc_mult=G, vocab_size=vocab, image_token_id=img)
+    return EngramModel.init(cfg, seed=seed, compression=dense_compression(vocab, rng) if comp else None)
+
+
+def token_ids(rng, shape, vocab=300, img=IMG, p_dead=0.15, p_neg=0.05):
+    """Random ids with DEAD tokens (also at the start and in runs) and negative ids."""
+    ids = rng.integers(0, vocab, shape)
+    ids[rng.random(shape) < p_dead] = img
+    ids[rng.random(shape) < p_neg] = -rng.integers(1, 5)
+    return ids
+
+
+def hiddens(rng, model, shape):
+    return rng.standard_normal(shape + (model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+# ---- the kernels ---------------------------------------------------------------------------------
+
+def test_e4m3_all_256_codes_match_ml_dtypes():
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = k.decode_e4m3(codes)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    ok = ~np.isnan(want)
+    assert np.array_equal(got[ok].view(np.uint32), want[ok].view(np.uint32))  # -0.0 included
+
+
+def test_e8m0_all_256_codes_match_ml_dtypes():
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
+    got = k.decode_e8m0(codes)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(got[:255], want[:255]) and got[0] == 2.0 ** -127 and got[127] == 1.0
+
+
+def test_act_quant_bit_equal_to_the_oracle():
+    rng = np.random.default_rng(0)
+    blocks = [
+        rng.standard_normal(32),                       # plain
+        rng.standard_normal(32) * 1e-6,                # amax < 1e-4: the floor
+        np.zeros(32),                                  # all zero
+        rng.standard_normal(32) * 3e4,                 # large
+        np.r_[448.0 * 2.0 ** -5, rng.standard_normal(31) * 2.0 ** -16],  # subnormal e4m3 after scaling
+        np.linspace(-1, 1, 32),                        # ties of the e4m3 grid somewhere
+        np.r_[1.0, np.full(31, 2.0 ** -13 * 3)],       # an exact tie (1.5 x 2^-9 steps) rounds to even
+    ]
+    x = np.concatenate(blocks).astype(np.float32)
+    x = np.stack([x, -x, x * 7.5])
+    q, s = k.act_quant(x)
+    wq, ws = ref.act_quant(x)
+    assert np.array_equal(s, ws)
+    assert np.array_equal(q.view(np.uint32), wq.view(np.uint32))
+    # and on dequantized table rows, the engine's real input
+    m = make_model(comp=False)
+    rows = np.arange(m.plan.table_rows[1]).reshape(-1, 6)[:, :]  # 6 rows = 192 values per token
+    e = ref.dequant_rows(m.layer(1), rows).reshape(rows.shape[0], -1)
+    q, s = k.act_quant(np.ascontiguousarray(e))
+    wq, ws = ref.act_quant(e)
+    assert np.array_equal(q, wq) and np.array_equal(s, ws)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp8_linear_widens_every_finite_code_exactly(isa):
+    """One-hot activations read single weights back: every finite e4m3 code, both paths."""
+    codes = np.arange(256, dtype=np.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]                          # 254 finite codes
+    M, K = 256, 64
+    w = np.resize(codes, (M, K)).astype(np.uint8)
+    sc = np.full((M // 32, K // 32), 127, np.uint8)
+    sc[1, 0], sc[3, 1] = 120, 131                                   # other block scales too
+    x = np.zeros((K, K), np.float32)
+    np.fill_diagonal(x, 1.0)
+    y = k.fp8_linear(x, w, sc, isa=isa)
+    want = (ref.e4m3(w) * np.repeat(np.repeat(ref.e8m0(sc), 32, 0), 32, 1)).T
+    assert np.array_equal(y, want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("S", [1, 2, 3, 7, 8, 9, 17])
+@pytest.mark.parametrize("M", [96, 100, 37])
+def test_fp8_linear_matches_the_oracle(isa, S, M):
+    rng = np.random.default_rng(S * 100 + M)
+    K = 192
+    w = ref.np.clip(rng.standard_normal((M, K)), -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    sc = rng.integers(118, 130, (-(-M // 32), K // 32)).astype(np.uint8)
+    x = (rng.standard_normal((S, K)) * np.repeat(2.0 ** rng.integers(-12, 6, (S, K // 32)), 32, 1)).astype(np.float32)
+    want = ref.fp8_linear(x, w, sc)
+    for threads in (1, 2):
+        close(k.fp8_linear(x, w, sc, isa=isa, threads=threads), want)
+
+
+def test_fp8_linear_refuses_bad_shapes_and_isa():
+    w, sc, x = np.zeros((32, 64), np.uint8), np.zeros((1, 2), np.uint8), np.zeros((1, 64), np.float32)
+    with pytest.raises(ValueError):
+        k.fp8_linear(np.zeros((1, 48), np.float32), np.zeros((32, 48), np.uint8), sc)
+    with pytest.raises(ValueError):
+        k.fp8_linear(x, w, np.zeros((2, 2), np.uint8))
+    with pytest.raises(KeyError):
+        k.fp8_linear(x, w, sc, isa="sse9")
+
+
+# ---- the engine against the oracle ------------------------------------------------------------------
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_single_stream_matches_batch(model, isa):
+    rng = np.random.default_rng(1)
+    T = 60
+    ids = token_ids(rng, T)
+    ids[:2] = IMG                 # DEAD at the start, twice
+    ids[30:34] = IMG              # a run
+    ids[40] = -1                  # an unknown id
+    h = hiddens(rng, model, (T,))
+    want = model.forward(4, ids[None], h[None])[0]
+    eng = model.stream(4)
+    eng.isa = isa
+    got = np.stack([eng.step(int(t), h[i]) for i, t in enumerate(ids)])
+    close(got, want)
+    assert not got[ids == IMG].any()
+    assert eng.tokens_seen.tolist() == [T]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("S", [2, 5, 9, 16])
+def test_multi_stream_matches_batch(model, isa, S):
+    rng = np.random.default_rng(S)
+    T = 12
+    ids = token_ids(rng, (S, T))
+    h = hiddens(rng, model, (S, T))
+    want = model.forward(1, ids, h)
+    eng = model.stream(1, n_streams=S)
+    eng.isa = isa
+    out = np.empty((S, 2, 64), np.float32)
+    for t in range(T):
+        r = eng.step(ids[:, t], h[:, t], out=out)
+        assert r is out
+        close(out, want[:, t])
+
+
+@st.composite
+def configs(draw):
+    n = draw(st.integers(2, 4))
+    return dict(G=draw(st.integers(1, 3)), D=draw(st.sampled_from([32, 64, 96])), n=n,
+                nh=draw(st.integers(1, 3)), hd=draw(st.sampled_from([32, 64])),
+                vocab=draw(st.integers(8, 60)), comp=draw(st.booleans()), seed=draw(st.integers(0, 99)),
+                evs=draw(st.integers(5, 80)))
+
+
+@HYP
+@given(c=configs(), S=st.integers(1, 4), T=st.integers(1, 20), data=st.data())
+def test_random_configs_match_batch(c, S, T, data):
+    img = data.draw(st.integers(0, c["vocab"] - 1).filter(lambda i: i != 2))  # not the pad id
+    m = make_model(img=img, layers=(3,), **c)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
+    ids = token_ids(rng, (S, T), vocab=c["vocab"], img=img, p_dead=0.25, p_neg=0.1)
+    h = hiddens(rng, m, (S, T))
+    want = m.forward(3, ids, h)
+    for isa in ISAS:
+        eng = m.stream(3, n_streams=S)
+        eng.isa = isa
+        got = np.stack([eng.step(ids[:, t], h[:, t]) for t in range(T)], axis=1)
+        close(got, want)
+        eng.reset()
+        close(eng.prefill(ids[0], h[0]), want[0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("T0,threads", [(1, 1), (7, 2), (130, 2), (300, 1)])
+def test_prefill_then_step(model, isa, T0, threads):
+    """prefill over chunk boundaries (128), then steps continue the same sequence."""
+    rng = np.random.default_rng(T0)
+    T = T0 + 5
+    ids = token_ids(rng, T)
+    h = hiddens(rng, model, (T,))
+    want = model.forward(1, ids[None], h[None])[0]
+    eng = model.stream(1)
+    eng.isa, eng.prefill_threads = isa, threads
+    out = np.empty((T0, 2, 64), np.float32)
+    assert eng.prefill(ids[:T0], h[:T0], out=out) is out
+    close(out, want[:T0])
+    got = np.stack([eng.step(int(ids[t]), h[t]) for t in range(T0, T)])
+    close(got, want[T0:])
+    assert eng.tokens_seen.tolist() == [T]
+
+
+def test_prefill_one_stream_of_many_leaves_the_others(model):
+    rng = np.random.default_rng(3)
+    S, T = 3, 10
+    ids = token_ids(rng, (S, T))
+    h = hiddens(rng, model, (S, T))
+    want = model.forward(1, ids, h)
+    eng = model.stream(1, n_streams=S)
+    eng.step(ids[:, 0], h[:, 0])
+    before = eng.snapshot()
+    close(eng.prefill(ids[1, 1:], h[1, 1:], stream=1), want[1, 1:])
+    after = eng.snapshot()
+    assert np.array_equal(after.hist[[0, 2]], before.hist[[0, 2]])
+    assert eng.tokens_seen.tolist() == [1, T, 1]
+    assert eng.prefill(np.zeros(0, np.int64), np.zeros((0, 2, 64), np.float32)).shape == (0, 2, 64)
+
+
+def test_feed_compute_equals_step_and_rows(model):
+    rng = np.random.default_rng(4)
+    S, T = 3, 8
+    ids = token_ids(rng, (S, T))
+    h = hiddens(rng, model, (S, T))
+    want = model.forward(4, ids, h)
+    rows = model.plan.hash_numpy(ids, layers=[4])[4] + model.layer(4).offsets
+    eng = model.stream(4, n_streams=S)
+    for t in range(T):
+        eng.feed(ids[:, t])
+        assert eng.pending_compute
+        assert np.array_equal(eng.rows, rows[:, t])
+        assert eng.prefetch() == 0
+        close(eng.compute(h[:, t]), want[:, t])
+    with pytest.raises(RuntimeError, match="feed"):
+        eng.compute(h[:, 0])
+    eng.feed(ids[:, 0])
+    with pytest.raises(RuntimeError):
+        eng.feed(ids[:, 0])
+    with pytest.raises(RuntimeError):
+        eng.step(ids[:, 0], h[:, 0])
+    with pytest.raises(RuntimeError):
+        eng.snapshot()
+
+
+def test_track_rows_marks_the_rows_read(model):
+    eng = model.stream(1)
+    bitmap = np.zeros((model.plan.table_rows[1] + 7) // 8, np.uint8)
+    eng.track_rows(bitmap)
+    ids = np.array([5, 6, IMG, 7])
+    for t in ids:
+        eng.step(int(t), np.ones((2, 64), np.float32))
+    rows = np.unique(model.plan.hash_numpy(ids[None], layers=[1])[1] + model.layer(1).offsets)
+    assert np.array_equal(np.flatnonzero(np.unpackbits(bitmap, bitorder="little")), rows)
+    with pytest.raises(ValueError):
+        eng.track_rows(np.zeros(3, np.uint8))
+
+
+def test_snapshot_restore_replays_exactly(model):
+    rng = np.random.default_rng(5)
+    S, T = 2, 12
+    ids = token_ids(rng, (S, T))
+    h = hiddens(rng, model, (S, T))
+    eng = model.stream(1, n_streams=S)
+    for t in range(4):
+        eng.step(ids[:, t], h[:, t])
+    snap = eng.snapshot()
+    first = [eng.step(ids[:, t], h[:, t]).copy() for t in range(4, T)]
+    eng.restore(snap)
+    assert eng.tokens_seen.tolist() == [4, 4]
+    again = [eng.step(ids[:, t], h[:, t]).copy() for t in range(4, T)]
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    other = model.stream(1, n_streams=S)  # another engine of the same layer takes it too
+    other.restore(snap)
+    assert np.array_equal(other.step(ids[:, 4], h[:, 4]), first[0])
+    assert isinstance(snap, V41EngineSnapshot) and snap.nbytes == S * 3 * 8 + S * 8
+
+
+def test_snapshot_refused_state_unchanged(model):
+    eng = model.stream(1, n_streams=2)
+    eng.step(np.array([3, IMG]), np.ones((2, 2, 64), np.float32))
+    good = eng.snapshot()
+    for bad, err in [(model.stream(4, n_streams=2).snapshot(), ValueError),
+                     (model.stream(1, n_streams=3).snapshot(), ValueError),
+                     (make_model(seed=5).stream(1, n_streams=2).snapshot(), ValueError),
+                     ("nope", TypeError),
+                     (V41EngineSnapshot(good.fingerprint, np.zeros((2, 2), np.int64), good.seen), ValueError),
+                     (V41EngineSnapshot(good.fingerprint, good.hist, -np.ones(2, np.int64)), ValueError)]:
+        with pytest.raises(err):
+            eng.restore(bad)
+        assert np.array_equal(eng.snapshot().hist, good.hist) and eng.tokens_seen.tolist() == [1, 1]
+
+
+def test_reset_one_stream_among_many(model):
+    rng = np.random.default_rng(6)
+    S, T = 3, 9
+    ids = token_ids(rng, (S, T))
+    h = hiddens(rng, model, (S, T))
+    eng = model.stream(4, n_streams=S)
+    for t in range(5):
+        eng.step(ids[:, t], h[:, t])
+    eng.reset(1)
+    assert eng.tokens_seen.tolist() == [5, 0, 5]
+    # stream 1 starts over: its next tokens are a fresh sequence
+    seq = np.concatenate([ids[:, :5], ids[:, 5:]], axis=1)
+    fresh = seq.copy()
+    fresh[1, :5] = IMG  # DEAD blocks history exactly as the start does; its outputs are not compared
+    want = model.forward(4, fresh, h)
+    for t in range(5, T):
+        close(eng.step(ids[:, t], h[:, t]), want[:, t])
+    eng.reset()
+    assert eng.tokens_seen.tolist() == [0, 0, 0]
+    with pytest.raises(IndexError):
+        eng.reset(3)
+    with pytest.raises(TypeError):
+        eng.reset(True)
+
+
+def test_bad_input_refused_state_unchanged(model):
+    rng = np.random.default_rng(7)
+    ids = token_ids(rng, 6)
+    h = hiddens(rng, model, (6,))
+    want = model.forward(1, ids[None], h[None])[0]
+    eng = model.stream(1)
+    eng.step(int(ids[0]), h[0])
+    snap = eng.snapshot()
+    bad_calls = [
+        (lambda: eng.step(300, h[1]), ValueError),                      # id >= vocab
+        (lambda: eng.step(2 ** 70, h[1]), ValueError),
+        (lambda: eng.step(1.5, h[1]), TypeError),
+        (lambda: eng.step(True, h[1]), TypeError),
+        (lambda: eng.step(np.array([1, 2]), h[1]), ValueError),
+        (lambda: eng.step(1, h[1, 0]), ValueError),                     # hidden shape
+        (lambda: eng.step(1, h[1].astype(np.int32)), TypeError),
+        (lambda: eng.step(1, h[1], out=np.empty((2, 64), np.float64)), ValueError),
+        (lambda: eng.step(1, h[1], out=np.empty((2, 64), np.float32)[:, ::1][::-1]), ValueError),
+        (lambda: eng.prefill(np.array([1, 300]), h[:2]), ValueError),
+        (lambda: eng.prefill(np.array([1, 2]), h[:3]), ValueError),
+        (lambda: eng.prefill(np.array([1, 2]), h[:2], stream=1), IndexError),
+        (lambda: eng.feed(np.array([400])), ValueError),
+    ]
+    for call, err in bad_calls:
+        with pytest.raises(err):
+            call()
+        assert np.array_equal(eng.snapshot().hist, snap.hist) and eng.tokens_seen.tolist() == [1]
+        assert not eng.pending_compute
+    got = np.stack([eng.step(int(ids[t]), h[t]) for t in range(1, 6)])
+    close(got, want[1:])
+    with pytest.raises(ValueError):
+        eng.isa = "avx2"
+
+
+def test_engine_construction_errors(model):
+    with pytest.raises(ValueError):
+        V41StreamEngine(model, 1, 0)
+    with pytest.raises(KeyError):
+        model.stream(2)
+    demo = EngramModel.init(EngramConfig(engram_vocab_size=[31, 41], hidden_size=16, hc_mult=1,
+                                         n_embed_per_ngram=8, n_head_per_ngram=2, vocab_size=50), seed=0)
+    with pytest.raises(ValueError, match="deepseek-v4.1"):
+        V41StreamEngine(demo, 1)
+    assert type(model.stream(1)).__name__ == "V41StreamEngine"
+
+
+def test_isa_paths_agree_and_default(model):
+    assert k.DEFAULT_ISA in ISAS and model.stream(1).isa == k.DEFAULT_ISA
+    rng = np.random.default_rng(8)
+    ids = token_ids(rng, 20)
+    h = hiddens(rng, model, (20,))
+    outs = []
+    for isa in ISAS:
+        eng = model.stream(1)
+        eng.isa = isa
+        outs.append(eng.prefill(ids, h))
+    for o in outs[1:]:
+        close(o, outs[0])
+
+
+def test_isa_from_environment():
+    from conftest import run_python
+    code = "from engram_stream import _engine_v41 as k; print(k.DEFAULT_ISA)"
+    env = dict(os.environ, ENGRAM_STREAM_ISA="baseline")
+    r = run_python(["-c", code], env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "baseline", r.stderr
+
+
+def test_decoder_runs_v41_layers(model):
+    rng = np.random.default_rng(9)
+    S, T = 2, 10
+    ids = token_ids(rng, (S, T))
+    hs = {L: hiddens(rng, model, (S, T)) for L in (1, 4)}
+    want = {L: model.forward(L, ids, hs[L]) for L in (1, 4)}
+    dec = model.decoder(n_streams=S)
+    for t in range(4):
+        got = dec.step(ids[:, t], {L: hs[L][:, t] for L in (1, 4)})
+        for L in (1, 4):
+            close(got[L], want[L][:, t])
+    snap = dec.snapshot()
+    for t in range(4, T):
+        dec.begin(ids[:, t])
+        for L in (1, 4):
+            close(dec.layer(L, hs[L][:, t]), want[L][:, t])
+    dec.restore(snap)
+    dec.begin(ids[:, 4])
+    close(dec.layer(1, hs[1][:, 4]), want[1][:, 4])
+    close(dec.layer(4, hs[4][:, 4]), want[4][:, 4])
+    dec.reset()
+    one = model.decoder()
+    got = one.prefill(ids[0], {L: hs[L][0] for L in (1, 4)})
+    for L in (1, 4):
+        close(got[L], want[L][0])
+
+
+def test_steady_state_step_allocates_nothing(model):
+    eng = model.stream(1)
+    h = np.ones((2, 64), np.float32)
+    out = np.empty((2, 64), np.float32)
+    for t in range(20):
+        eng.step(t, h, out=out)
+    tracemalloc.start()
+    base = tracemalloc.take_snapshot()
+    for t in range(500):
+        eng.step(t % 300, h, out=out)
+    grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(base, "filename") if s.size_diff > 0)
+    tracemalloc.stop()
+    assert grown < 4096, grown
