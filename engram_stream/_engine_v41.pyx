@@ -229,6 +229,10 @@ cdef class V41StreamEngine:
                                "(use one engine per thread)")
         self.busy = True
 
+    def _ids(self, token_ids):
+        """(int64[S] ids, False) or (a scalar id, True), checked (the Decoder checks every layer)."""
+        return args.token_ids(token_ids, self.n_streams, self.vocab)
+
     cdef const int64_t *_id_ptr(self, ids, bint single):
         """The ids as a C pointer: into the [S] array, or to a scalar id kept in the engine."""
         if single:
@@ -240,7 +244,7 @@ cdef class V41StreamEngine:
     def step(self, token_ids, hidden, out=None):
         """One token per stream: (token_id, hidden[G, D]) for one stream, or
         (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram delta."""
-        ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
+        ids, single = self._ids(token_ids)
         cdef object shape = (self.n_streams, self.G, self.D)
         if single:
             shape = (self.G, self.D)
@@ -268,7 +272,7 @@ cdef class V41StreamEngine:
     def feed(self, token_ids):
         """First half of a step: hash the new token(s) and advance the windows; the rows
         (`.rows`) are known from here on. compute(hidden) finishes the step."""
-        ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
+        ids, single = self._ids(token_ids)
         cdef const int64_t *pid = self._id_ptr(ids, single)
         cdef int64_t bad
         self._enter()
