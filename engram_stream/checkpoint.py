@@ -29,6 +29,7 @@ import os
 import stat
 import struct
 import sys
+import tempfile
 import warnings
 
 import numpy as np
@@ -215,8 +216,10 @@ class _Bar:
 
 
 def save(model: EngramModel, path, table_dtype=None, progress=None):
-    """Write `model` to one file at `path`, atomically: a temp file beside it (temp_path), then
-    os.replace, so `path` is either the old file or the complete new one, never a partial file.
+    """Write `model` to one file at `path`, atomically: a temp file of its own beside it, then
+    os.replace, so `path` is either the old file or the complete new one, never a partial file
+    (concurrent saves to one path: the last rename wins, whole). A `path` that exists and is
+    not a regular file (a FIFO, a device node, a folder) is refused with a ValueError.
 
     table_dtype: None keeps each table's dtype; "float32", "float16" or "int8" (per-row
     float32 scale) converts while writing, chunk by chunk (never a second copy of a table).
@@ -241,9 +244,41 @@ def save_init(cfg: EngramConfig, path, seed=0, graft_zero_init=False, compressio
     return _write(cfg, plan, layers, path, table_dtype, progress, before_write)
 
 
-def temp_path(path) -> str:
-    """The temp file save() writes before renaming it to `path` (this process's pid in its name)."""
-    return f"{path}.tmp-{os.getpid()}"
+def _create_temp(path):
+    """(file, name): a new temp file beside `path`, `<name>.tmp-<pid>.<random>`, created
+    exclusively (O_EXCL: never another save's file, never a symlink planted at the name)."""
+    folder, base = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f"{base}.tmp-{os.getpid()}.", dir=folder)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 -> the mode open() would have given
+        return os.fdopen(fd, "wb"), tmp
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask can only set it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def _check_destination(path):
+    """save() replaces a regular file (or a symlink: the link itself) only. Renaming over a
+    FIFO or a device node would silently swap it for a file."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        raise ValueError(f"{path}: exists and is not a regular file ({stat.filemode(mode)}): not replaced")
 
 
 def remove_stale_temps(path) -> list:
@@ -253,7 +288,7 @@ def remove_stale_temps(path) -> list:
     prefix = f"{os.path.basename(path)}.tmp-"
     folder = os.path.dirname(os.path.abspath(path))
     for name in os.listdir(folder):
-        pid = name[len(prefix):]
+        pid = name[len(prefix):].split(".", 1)[0]  # <pid>.<random> (or <pid>: older files)
         if not (name.startswith(prefix) and pid.isdigit()) or int(pid) == os.getpid():
             continue
         try:
@@ -284,9 +319,10 @@ def _write(cfg, plan, layers, path, table_dtype, progress, before_write=None):
         before_write(total)
     if progress is None and total > BAR_MIN_BYTES and sys.stderr.isatty():
         progress = _Bar(path, total)
-    tmp = temp_path(path)
+    _check_destination(path)
+    f, tmp = _create_temp(path)
     try:
-        with open(tmp, "wb") as f:
+        with f:
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
             done = 8 + len(header)
@@ -303,6 +339,7 @@ def _write(cfg, plan, layers, path, table_dtype, progress, before_write=None):
                     raise RuntimeError(f"{e.name}: wrote {wrote} bytes, header says {e.nbytes}")
             f.flush()
             os.fsync(f.fileno())  # data on disk before the rename makes it visible
+        _check_destination(path)  # again: it may have appeared while we wrote
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(os.path.abspath(path)))
     except BaseException:

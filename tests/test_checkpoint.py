@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import sys
 
@@ -248,6 +249,70 @@ def test_failed_save_leaves_old_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="fsync failed"):
         _model(seed=2).save(p)
     assert p.read_bytes() == before and os.listdir(tmp_path) == ["m.st"]
+
+
+def test_concurrent_saves_to_one_path(tmp_path, monkeypatch):
+    """Two threads saving different models to one path: each round the file is one model or
+    the other, whole (each save has its own temp file), never a mix, and no temp file stays."""
+    import threading
+    monkeypatch.setattr(checkpoint, "CHUNK_BYTES", 4096)   # many small writes: they interleave
+    models = [_model(seed=1), _model(seed=2)]
+    whole = []
+    for i, m in enumerate(models):
+        m.save(tmp_path / f"ref{i}.st")
+        whole.append((tmp_path / f"ref{i}.st").read_bytes())
+    p, errors = tmp_path / "m.st", []
+
+    def save(m):
+        try:
+            m.save(p)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    for _ in range(8):
+        threads = [threading.Thread(target=save, args=(m,)) for m in models]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert p.read_bytes() in whole
+    assert sorted(os.listdir(tmp_path)) == ["m.st", "ref0.st", "ref1.st"]
+
+
+def test_save_never_follows_a_symlink_at_a_temp_name(tmp_path):
+    """A symlink planted where a predictable temp name would be must not redirect the write."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    p = tmp_path / "m.st"
+    for name in (f"m.st.tmp-{os.getpid()}", "m.st.tmp"):
+        os.symlink(victim, tmp_path / name)
+    _model().save(p)
+    assert victim.read_bytes() == b"precious"
+    assert not os.path.islink(p) and checkpoint.load(p).cfg == CFG
+    assert os.path.islink(tmp_path / f"m.st.tmp-{os.getpid()}")   # not ours: left alone
+
+
+def test_save_refuses_a_destination_that_is_not_a_regular_file(tmp_path):
+    fifo, folder = tmp_path / "fifo", tmp_path / "folder"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    for dest in (fifo, folder):
+        with pytest.raises(ValueError, match="not a regular file"):
+            _model().save(dest)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and os.path.isdir(folder) and not os.listdir(folder)
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "folder"]           # no temp file left
+
+
+def test_saved_file_mode_follows_the_umask(tmp_path):
+    """The temp file is created private (mkstemp: 0600); the saved file gets the mode open()
+    would have given it: 0666 & ~umask."""
+    old = os.umask(0o027)
+    try:
+        _model().save(tmp_path / "m.st")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "m.st").st_mode) == 0o640
 
 
 def test_progress_callback(tmp_path, monkeypatch):
