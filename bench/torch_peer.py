@@ -331,11 +331,12 @@ def check(engine=True, verbose=True, T=40, B=3):
             cfg = EngramConfig(**kw)
             comp = None if classes is None else (np.arange(cfg.vocab_size) * 7919 % classes).astype(np.int64)
             model = EngramModel.init(cfg, seed=11, compression=comp)
-            for L in cfg.layer_ids:  # non-trivial norm and conv weights, like trained ones
-                w = model.layers[L]
-                for a in (w.norm1, w.norm2, w.conv_norm):
-                    a[...] = 1 + 0.3 * rng.standard_normal(a.shape)
-                w.proj_b[...] = 0.2 * rng.standard_normal(w.proj_b.shape)
+            layers = {}
+            for L, w in model.layers.items():  # non-trivial norm and conv weights, like trained ones
+                n1, n2, n3 = (1 + 0.3 * rng.standard_normal(a.shape) for a in (w.norm1, w.norm2, w.conv_norm))
+                layers[L] = w.replace(cfg, norm1=n1, norm2=n2, conv_norm=n3,
+                                      proj_b=0.2 * rng.standard_normal(w.proj_b.shape))
+            model = EngramModel(cfg, model.plan, layers)
             ids = rng.integers(0, cfg.vocab_size, size=(B, T)).astype(np.int64)
             ids[0, 3], ids[1, 7], ids[2, 0] = -1, -5, -(1 << 40) + 3   # negative ids pass through
             hidden = rng.standard_normal((B, T, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)

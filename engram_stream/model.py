@@ -13,7 +13,7 @@ import numpy as np
 
 from . import reference, reference_v41, v41
 from .config import V41, EngramConfig
-from .plan import HashPlan, as_ids
+from .plan import HashPlan, as_ids, frozen
 
 TABLE_DTYPES = ("float32", "float16", "int8")
 
@@ -39,25 +39,41 @@ def reference_shapes(cfg: EngramConfig, plan: HashPlan, layer: int) -> dict:
 
 class LayerWeights:
     """One layer's parameters. table: [rows, head_dim] float32, float16, or int8 with a
-    float32 scale per row (table_scale); everything else float32."""
+    float32 scale per row (table_scale); everything else float32.
+
+    Every array is a read-only view (engines read them through raw pointers while they run):
+    large arrays given here are shared, not copied, so do not write to your own originals
+    under a live engine; the small integer offsets are copied."""
 
     def __init__(self, cfg, offsets, table, proj_w, proj_b, norm1, norm2, conv_norm, conv_w,
                  table_scale=None):
         G, D, E = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim
-        self.offsets = np.ascontiguousarray(offsets, dtype=np.int64)
-        self.table = table
-        self.table_scale = table_scale
-        self.proj_w = np.ascontiguousarray(proj_w, dtype=np.float32)    # [(G+1)*D, E]
-        self.proj_b = np.ascontiguousarray(proj_b, dtype=np.float32)    # [(G+1)*D]
+        self.offsets = frozen(np.array(offsets, dtype=np.int64))
+        # tables: as given (_validate_layer wants C-contiguous; save_init passes InitTables)
+        ro = lambda a: frozen(a) if isinstance(a, np.ndarray) and a.flags.c_contiguous else a  # noqa: E731
+        self.table = ro(table)
+        self.table_scale = ro(table_scale)
+        self.proj_w = frozen(proj_w, np.float32)    # [(G+1)*D, E]
+        self.proj_b = frozen(proj_b, np.float32)    # [(G+1)*D]
         self.key_w = self.proj_w[:G * D].reshape(G, D, E)
         self.key_b = self.proj_b[:G * D].reshape(G, D)
         self.value_w = self.proj_w[G * D:]
         self.value_b = self.proj_b[G * D:]
-        self.norm1 = np.ascontiguousarray(norm1, dtype=np.float32)      # [G, D] keys
-        self.norm2 = np.ascontiguousarray(norm2, dtype=np.float32)      # [G, D] hidden
-        self.conv_norm = np.ascontiguousarray(conv_norm, dtype=np.float32)  # [G, D]
-        self.conv_w = np.ascontiguousarray(conv_w, dtype=np.float32)    # [G*D, K]
+        self.norm1 = frozen(norm1, np.float32)      # [G, D] keys
+        self.norm2 = frozen(norm2, np.float32)      # [G, D] hidden
+        self.conv_norm = frozen(conv_norm, np.float32)  # [G, D]
+        self.conv_w = frozen(conv_w, np.float32)    # [G*D, K]
         self._packed = None
+
+    ARRAYS = ("offsets", "table", "proj_w", "proj_b", "norm1", "norm2", "conv_norm", "conv_w", "table_scale")
+
+    def replace(self, cfg, **arrays) -> "LayerWeights":
+        """A new LayerWeights with some arrays replaced, the others shared (these are read-only):
+        EngramModel(cfg, model.plan, {L: w.replace(cfg, norm1=n1) for L, w in model.layers.items()})."""
+        unknown = sorted(set(arrays) - set(self.ARRAYS))
+        if unknown:
+            raise TypeError(f"LayerWeights.replace: unknown arrays {unknown} (known: {self.ARRAYS})")
+        return LayerWeights(cfg, **{n: arrays.get(n, getattr(self, n)) for n in self.ARRAYS})
 
     @property
     def table_dtype(self) -> str:
@@ -82,7 +98,7 @@ class LayerWeights:
                 wp[p, :, :cols.shape[0]] = cols.T
             bp = np.zeros(P * 16, dtype=np.float32)
             bp[:M] = self.proj_b
-            self._packed = (wp, bp, np.ascontiguousarray(self.conv_w.T))
+            self._packed = (frozen(wp), frozen(bp), frozen(self.conv_w.T))
         return self._packed
 
     def state_dict(self, cfg) -> dict:

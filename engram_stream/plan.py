@@ -104,6 +104,16 @@ def min_chain_rows(cfg: EngramConfig, n_layers: int = 1) -> int:
     return total
 
 
+def frozen(a, dtype=None) -> np.ndarray:
+    """A read-only C-contiguous view of `a` (converted only when it has to be): what models and
+    plans hold, since engines read them through raw pointers. The caller's array keeps its flags."""
+    if not (isinstance(a, np.ndarray) and a.flags.c_contiguous and (dtype is None or a.dtype == dtype)):
+        a = np.ascontiguousarray(a, dtype=dtype)
+    a = a.view()  # (an np.memmap stays one)
+    a.flags.writeable = False
+    return a
+
+
 def as_ids(ids, ndim: int, what: str = "ids") -> np.ndarray:
     """Integer ids as a C-contiguous int64 array of the given ndim (TypeError/ValueError otherwise)."""
     a = np.asarray(ids)
@@ -143,6 +153,10 @@ class HashPlan:
         self.table_rows = {L: int(p.sum()) for L, p in self.head_primes.items()}
         # the division-free mod's constants, when the primes are small enough (else None)
         self.head_fp = {L: _hash.fp_moduli(p) for L, p in self.head_primes.items()}
+        for arrays in (self.multipliers, self.head_primes, self.offsets, self.head_fp):  # shared read-only
+            for L, a in arrays.items():
+                arrays[L] = None if a is None else frozen(a)
+        self.lookup = None if self.lookup is None else frozen(self.lookup)
         self.v41 = cfg.variant == V41
         self.dead_id = cfg.image_token_id if self.v41 else None  # raw id of a DEAD position
         if self.v41:
@@ -308,7 +322,7 @@ def validate_multipliers(cfg: EngramConfig, multipliers) -> dict:
             raise ValueError(f"multipliers[{L}] must have shape ({cfg.max_ngram_size},), got {m.shape}")
         if m.dtype == np.uint64:
             m = m.view(np.int64)  # same bits: injected values may wrap
-        out[L] = np.ascontiguousarray(m, dtype=np.int64)
+        out[L] = np.array(m, dtype=np.int64, order="C")  # a private copy: the caller's may change
     return out
 
 

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import V41, V41_BLOCK, EngramConfig
-from .plan import HashPlan
+from .plan import HashPlan, frozen
 
 E4M3, E8M0, BF16 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu),
                     np.dtype(ml_dtypes.bfloat16))
@@ -28,13 +28,6 @@ def shapes(cfg: EngramConfig, table_rows: int) -> dict:
             "q_weight": (G, D), "k_weight": (G, D)}
 
 
-def _frozen(a, dtype):
-    """C-contiguous, read-only: a view, so the owner (an mmap of the file) keeps its own flags."""
-    a = np.ascontiguousarray(a, dtype=dtype).view()
-    a.flags.writeable = False
-    return a
-
-
 class V41LayerWeights:
     """One V4.1 layer (DESIGN.md 4.6-4.9), the interface the Cython engine reads:
 
@@ -49,13 +42,13 @@ class V41LayerWeights:
     table_dtype = "float8_e4m3fn"
 
     def __init__(self, cfg, offsets, embed_weight, embed_scale, wkv_weight, wkv_scale, q_weight, k_weight):
-        self.offsets = _frozen(offsets, np.int64)
-        self.embed_weight = _frozen(embed_weight, np.uint8)
-        self.embed_scale = _frozen(embed_scale, np.uint8)
-        self.wkv_weight = _frozen(wkv_weight, np.uint8)
-        self.wkv_scale = _frozen(wkv_scale, np.uint8)
-        self.q_weight = _frozen(q_weight, np.float32)
-        self.k_weight = _frozen(k_weight, np.float32)
+        self.offsets = frozen(offsets, np.int64)
+        self.embed_weight = frozen(embed_weight, np.uint8)
+        self.embed_scale = frozen(embed_scale, np.uint8)
+        self.wkv_weight = frozen(wkv_weight, np.uint8)
+        self.wkv_scale = frozen(wkv_scale, np.uint8)
+        self.q_weight = frozen(q_weight, np.float32)
+        self.k_weight = frozen(k_weight, np.float32)
 
     @property
     def table(self):

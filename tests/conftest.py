@@ -17,3 +17,15 @@ def run_python(args, cwd=None, **kw):
     kw.setdefault("capture_output", True)
     kw.setdefault("text", True)
     return subprocess.run([sys.executable, *args], cwd=cwd or tempfile.gettempdir(), **kw)
+
+
+def perturbed(model, rng):
+    """The same model with non-trivial norm weights and biases, like trained ones (a model's
+    arrays are read-only: the changed ones are new arrays)."""
+    from engram_stream import EngramModel
+    layers = {}
+    for L, w in model.layers.items():
+        n1, n2, n3 = (1 + 0.3 * rng.standard_normal(a.shape) for a in (w.norm1, w.norm2, w.conv_norm))
+        bias = w.proj_b + 0.2 * rng.standard_normal(w.proj_b.shape)
+        layers[L] = w.replace(model.cfg, norm1=n1, norm2=n2, conv_norm=n3, proj_b=bias)
+    return EngramModel(model.cfg, model.plan, layers)

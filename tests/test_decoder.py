@@ -12,6 +12,7 @@ import pytest
 
 from engram_stream import EngramConfig, EngramModel
 from engram_stream.model import LayerWeights
+from conftest import perturbed
 
 RTOL, ATOL = 2e-4, 2e-5
 LAYERS = (1, 4, 9)
@@ -37,12 +38,7 @@ def make_model(G=2, n=3, K=3, D=13, nh=2, hd=3, vocab=40, layers=LAYERS, comp=Tr
         model = EngramModel(cfg, model.plan, {
             L: LayerWeights(cfg, w.offsets, table(L, w.table), w.proj_w, w.proj_b, w.norm1, w.norm2,
                             w.conv_norm, w.conv_w) for L, w in model.layers.items()})
-    for w in model.layers.values():  # in place, before any engine borrows them
-        w.norm1[:] = 1 + 0.3 * rng.standard_normal(w.norm1.shape)
-        w.norm2[:] = 1 + 0.3 * rng.standard_normal(w.norm2.shape)
-        w.conv_norm[:] = 1 + 0.3 * rng.standard_normal(w.conv_norm.shape)
-        w.proj_b[:] += 0.2 * rng.standard_normal(w.proj_b.shape)
-    return model
+    return perturbed(model, rng)
 
 
 def inputs(model, S, T, seed):

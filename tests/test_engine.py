@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from engram_stream import EngineSnapshot, EngramConfig, EngramModel
 from engram_stream.model import LayerWeights
-from conftest import run_python
+from conftest import perturbed, run_python
 
 RTOL, ATOL = 2e-4, 2e-5
 # ENGRAM_HYPOTHESIS_EXAMPLES=1000 for a longer search (default 30 keeps the suite fast)
@@ -74,12 +74,7 @@ def make_model(G=2, n=3, K=3, D=13, nh=2, hd=3, vocab=40, layers=(1, 4), evs=Non
             layers_w[L] = LayerWeights(cfg, w.offsets, table, w.proj_w, w.proj_b, w.norm1, w.norm2,
                                        w.conv_norm, w.conv_w, table_scale=scale)
         model = EngramModel(cfg, model.plan, layers_w)
-    for w in model.layers.values():  # in place: key_b/value_b are views of proj_b
-        w.norm1[:] = 1 + 0.3 * rng.standard_normal(w.norm1.shape)
-        w.norm2[:] = 1 + 0.3 * rng.standard_normal(w.norm2.shape)
-        w.conv_norm[:] = 1 + 0.3 * rng.standard_normal(w.conv_norm.shape)
-        w.proj_b[:] += 0.2 * rng.standard_normal(w.proj_b.shape)
-    return model
+    return perturbed(model, rng)
 
 
 def inputs(model, S, T, rng, neg=True):

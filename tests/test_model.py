@@ -483,3 +483,49 @@ def test_forward_nan_is_local(small):
             assert np.all(np.isnan(out[0, t, g0])), t
         else:
             np.testing.assert_array_equal(out[0, t, g0], clean[0, t, g0])
+
+
+# --- shared read-only (issue 12 item 8) --------------------------------------------------------------
+LAYER_ARRAYS = ("offsets", "table", "proj_w", "proj_b", "key_w", "key_b", "value_w", "value_b", "norm1", "norm2",
+                "conv_norm", "conv_w")
+
+
+def _assert_read_only(a, what):
+    assert isinstance(a, np.ndarray) and not a.flags.writeable, what
+    with pytest.raises(ValueError, match="read-only"):
+        a.reshape(-1)[:1] = 0
+
+
+def test_model_and_plan_arrays_are_read_only():
+    """Engines read these through raw pointers while they run: nobody may change them (a changed
+    offset or fp constant sends an engine's reads outside the table)."""
+    cfg = CFGS["n3_hc2_k3"]
+    model = EngramModel.init(cfg, seed=0, compression=dense_lookup(cfg.vocab_size, 11, 0))
+    plan = model.plan
+    for L in cfg.layer_ids:
+        w = model.layer(L)
+        for name in LAYER_ARRAYS:
+            _assert_read_only(getattr(w, name), f"layer {L} {name}")
+        for i, a in enumerate(w.packed()):
+            _assert_read_only(a, f"layer {L} packed[{i}]")
+        for name in ("multipliers", "head_primes", "offsets", "head_fp"):
+            _assert_read_only(getattr(plan, name)[L], f"plan.{name}[{L}]")
+    _assert_read_only(plan.lookup, "plan.lookup")
+    eng = model.stream(cfg.layer_ids[0])          # engines still build on read-only weights
+    assert eng.step(3, np.ones((cfg.hc_mult, cfg.hidden_size), np.float32)).shape == (cfg.hc_mult, cfg.hidden_size)
+
+
+def test_callers_arrays_keep_their_flags_and_small_ones_are_copied():
+    cfg, sds = _good()
+    mult = {L: np.array([3, 5, 7], np.int64) for L in cfg.layer_ids}
+    model = EngramModel.from_reference(cfg, sds, multipliers=mult)
+    for L in cfg.layer_ids:
+        assert sds[L]["multi_head_embedding.embedding.weight"].flags.writeable   # the caller's, untouched
+        mult[L][0] = 11                                                        # changing the caller's copy ...
+        assert model.plan.multipliers[L].tolist() == [3, 5, 7]                 # ... does not reach the plan
+    from engram_stream.model import LayerWeights
+    w = model.layer(cfg.layer_ids[0])
+    offsets = np.array(w.offsets)
+    lw = LayerWeights(cfg, offsets, w.table, w.proj_w, w.proj_b, w.norm1, w.norm2, w.conv_norm, w.conv_w)
+    offsets[:] = 10 ** 12
+    assert lw.offsets.tolist() == w.offsets.tolist()
