@@ -211,6 +211,20 @@ def test_init_refuses_a_size_beyond_free_disk(tmp_path, capsys, monkeypatch):
     assert os.listdir(tmp_path) == ["cfg.json"]  # neither the file nor a temp file
 
 
+def test_init_errors_name_the_users_path_not_the_temp_file(tmp_path, capsys, monkeypatch):
+    import errno
+    from engram_stream import checkpoint
+
+    def replace(src, dst):  # the final rename fails, as on a file system that refuses it
+        raise OSError(errno.EIO, os.strerror(errno.EIO), src, None, dst)
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    out = tmp_path / "m.safetensors"
+    assert main(["init", str(_cfg_file(tmp_path)), "-o", str(out), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"engram-stream: error: {out}: ") and ".tmp-" not in err, err
+    assert os.listdir(tmp_path) == ["cfg.json"]  # and the temp file is gone
+
+
 def _start_init(tmp_path, out):
     """An init subprocess, returned once its temp file exists (it is writing)."""
     p = subprocess.Popen([sys.executable, "-m", "engram_stream.cli", "init", str(_cfg_file(tmp_path, BIG_INIT)),
