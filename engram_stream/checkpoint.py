@@ -34,6 +34,7 @@ import warnings
 
 import numpy as np
 
+from . import store
 from .config import DEMO, EngramConfig
 from .model import TABLE_DTYPES, EngramModel, LayerWeights, init_layers
 from .plan import HashPlan, min_chain_rows
@@ -162,6 +163,7 @@ def _entries(cfg, plan, layers, table_dtype):
         out.append(_Entry.array("plan.compression", plan.lookup))
     for L in cfg.layer_ids:
         w, p = layers[L], f"layers.{L}."
+        store.check_file(w.table)  # saving a mapped model whose file changed under it: refused
         out.append(_Entry.array(f"plan.{L}.multipliers", plan.multipliers[L]))
         out.append(_Entry.array(f"plan.{L}.primes", plan.head_primes[L]))
         out.append(_Entry.array(p + "multi_head_embedding.offsets", w.offsets))
@@ -503,13 +505,13 @@ class _Reader:
     """Tensors of an open file: table() is an mmap view (zero-copy, read-only) when mapping,
     read() a fresh array read into RAM."""
 
-    def __init__(self, f, size, tensors, use_mmap):
+    def __init__(self, f, st, tensors, use_mmap, path):
         self.f, self.tensors, self.mm = f, tensors, None
         if use_mmap:
             # No read-ahead, neither for the mapping nor for our reads of the small tensors:
             # tables must come in row by row (read-ahead would pull in MBs nobody asked for).
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-            self.mm = _mmap.mmap(f.fileno(), size, access=_mmap.ACCESS_READ)
+            self.mm = store.MappedFile(f.fileno(), st, path)  # check(): the file is still as validated
             self.mm.madvise(_mmap.MADV_RANDOM)
 
     def table(self, name):
@@ -547,11 +549,11 @@ def load(path, mmap: bool = True) -> EngramModel:
     path = os.fspath(path)
     err = lambda msg: CheckpointError(f"{path}: {msg}")  # noqa: E731
     with _open_regular(path, err) as f:
-        size = os.fstat(f.fileno()).st_size
-        hdr, _, tensors = read_header(f, size, path)
+        st = os.fstat(f.fileno())
+        hdr, _, tensors = read_header(f, st.st_size, path)
         cfg = _config(hdr, err)
         _check_tensors(cfg, tensors, err)
-        r = _Reader(f, size, tensors, mmap)
+        r = _Reader(f, st, tensors, mmap, path)
         compression = r.read("plan.compression") if "plan.compression" in tensors else None
         mult = {L: r.read(f"plan.{L}.multipliers") for L in cfg.layer_ids}
         try:
@@ -561,6 +563,8 @@ def load(path, mmap: bool = True) -> EngramModel:
         layers = {}
         for L in cfg.layer_ids:
             layers[L] = _layer(cfg, plan, L, r, err)
+        if r.mm is not None:
+            r.mm.check()  # not changed while we read it
     return EngramModel(cfg, plan, layers)
 
 

@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from . import reference, reference_v41, v41
+from . import reference, reference_v41, store, v41
 from .config import V41, EngramConfig
 from .plan import HashPlan, as_ids, frozen
 
@@ -217,6 +217,7 @@ class EngramModel:
         a = as_ids(ids, 2)
         h = check_hidden(hidden, a.shape + (self.cfg.hc_mult, self.cfg.hidden_size), "hidden")
         rows = self.plan.hash_numpy(a, layers=[layer])[layer]
+        store.check_file(w.table)  # a mapped file truncated or rewritten since load is refused
         if self.cfg.variant == V41:
             return reference_v41.forward(self.cfg, rows, self.plan.dead_mask(a), w, h)
         return reference.forward(self.cfg, rows, w, h)

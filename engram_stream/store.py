@@ -18,6 +18,14 @@ is a plain memory read; this module only talks to the kernel about its pages:
 
 EngramModel.load(mmap=True) already advises MADV_RANDOM (and POSIX_FADV_RANDOM on its reads).
 
+The rule for mapped files: never truncate or rewrite a checkpoint in place while a model has it
+mapped. Reads past a truncated end die with SIGBUS; a rewritten table mixes with weights read
+at load. Write a new file and rename it over the old one (save() does): the mapping keeps the
+old file, whole, until the model is dropped; load the new one when you want it. Loads map the
+file as a MappedFile, whose check() (one fstat: size, inode, mtime) refuses a file changed
+since with FileChangedError; engines and forward() run it before they read a table. A change
+made while a call is reading cannot be caught.
+
 Linux/POSIX only (madvise and mincore through ctypes on libc).
 """
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import weakref
 
 import numpy as np
 
@@ -55,6 +64,51 @@ def _pages(a: np.ndarray):
     first = start - start % PAGE
     end = start + a.nbytes
     return first, -(-(end - first) // PAGE) * PAGE
+
+
+class FileChangedError(RuntimeError):
+    """A mapped file was truncated or rewritten in place after it was mapped."""
+
+
+def _stamp(st):
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class MappedFile(mmap.mmap):
+    """A read-only map of a whole open file that remembers the file as it was mapped: check()
+    raises FileChangedError once its size, inode or mtime differ (see the rule above).
+    st: the os.fstat of fd that the caller validated the file with."""
+
+    def __new__(cls, fd, st, path):
+        self = super().__new__(cls, fd, st.st_size, access=mmap.ACCESS_READ)
+        self.path, self.stamp = path, _stamp(st)
+        self._fd = os.dup(fd)  # the mapping's own fd is not reachable; fstat needs one
+        weakref.finalize(self, os.close, self._fd)
+        return self
+
+    def check(self):
+        now = _stamp(os.fstat(self._fd))
+        if now != self.stamp:
+            what = "truncated" if now[2] < self.stamp[2] else "rewritten in place"
+            raise FileChangedError(
+                f"{self.path}: {what} after it was mapped (size {self.stamp[2]} -> {now[2]} bytes, mtime "
+                f"{'changed' if now[3] != self.stamp[3] else 'same'}): its tables can no longer be read "
+                f"safely. Do not modify a mapped checkpoint in place: write a new file, rename it over "
+                f"the old one (as save() does) and load it again")
+
+
+def file_check(a):
+    """The check() of the MappedFile under array `a` (raises FileChangedError when the file
+    changed since it was mapped), or None when `a` is not a view of one."""
+    mm = mapping_of(a)
+    return mm.check if isinstance(mm, MappedFile) else None
+
+
+def check_file(a):
+    """Raise FileChangedError when `a` views a MappedFile whose file changed since it was mapped."""
+    check = file_check(a)
+    if check is not None:
+        check()
 
 
 def mapping_of(a):

@@ -243,3 +243,49 @@ def test_residency_rows_touched(files):
     assert rep["rows_touched"] == len(rows)
     assert rep["resident_bytes"] <= len(rows) * 2 * PAGE
     assert "rows_touched" not in store.residency(cold)[L]
+
+
+# ---- a mapped file changed under a loaded model (issue 12 item 5) --------------------------------------
+CHANGED = r"""
+import os, sys
+import numpy as np
+from engram_stream import EngramConfig, EngramModel, store
+cfg = EngramConfig(engram_vocab_size=[4099, 4099], max_ngram_size=3, n_embed_per_ngram=512, n_head_per_ngram=8,
+                   layer_ids=[3], pad_id=2, kernel_size=4, hidden_size=32, hc_mult=2, vocab_size=1000)
+d, mode = sys.argv[1], sys.argv[2]
+p, q = os.path.join(d, "m.st"), os.path.join(d, "other.st")
+a, b = EngramModel.init(cfg, seed=0), EngramModel.init(cfg, seed=1)
+a.save(p)
+b.save(q)
+os.utime(p, ns=(10 ** 18, 10 ** 18))     # an old mtime: any later write to the file changes it
+m = EngramModel.load(p)
+ids = np.random.default_rng(0).integers(0, 1000, (4, 64))
+hid = np.ones((4, 64, 2, 32), np.float32)
+want = a.forward(3, ids, hid)
+assert np.allclose(m.forward(3, ids, hid), want, atol=2e-5, rtol=2e-4)
+if mode == "rename":                      # the safe way: a new file renamed over the old
+    b.save(p)
+    assert np.allclose(m.forward(3, ids, hid), want, atol=2e-5, rtol=2e-4)   # the mapping keeps the old file
+    sys.exit(0)
+if mode == "truncate":
+    os.truncate(p, os.path.getsize(p) // 3)
+else:                                     # the other model's bytes written over this file, in place
+    with open(q, "rb") as src, open(p, "r+b") as dst:
+        dst.write(src.read())
+for call in (lambda: m.forward(3, ids, hid), lambda: m.save(os.path.join(d, "copy.st"))):
+    try:
+        call()
+    except store.FileChangedError as e:
+        assert ("truncated" if mode == "truncate" else "rewritten") in str(e) and p in str(e), e
+    else:
+        sys.exit(f"{mode}: not refused")
+"""
+
+
+@pytest.mark.parametrize("mode", ["truncate", "rewrite", "rename"])
+def test_mapped_file_changed_under_a_model(tmp_path, mode):
+    """Truncated (reads would SIGBUS) or rewritten in place (new tables with old weights): refused
+    with FileChangedError. Replaced by rename (what save() does): the model keeps the old file."""
+    from conftest import run_python
+    r = run_python(["-c", CHANGED, str(tmp_path), mode], timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
