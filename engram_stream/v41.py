@@ -82,12 +82,13 @@ def to_raw(x, name, what):
     """A float8 tensor as its raw uint8 bytes: torch float8 tensors, ml_dtypes float8 arrays,
     or bytes already (uint8 arrays, bytes/bytearray/memoryview reshaped by the caller)."""
     want = RAW[name]
-    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor (torch is imported by then)
+        import torch
         x = x.detach().cpu()
         tname = str(x.dtype).replace("torch.", "")
         if tname not in (want.name, "uint8"):
             raise TypeError(f"{what}: expected torch.{want.name} (or uint8 bytes), got torch.{tname}")
-        return x.contiguous().view(__import__("torch").uint8).numpy()
+        return x.contiguous().view(torch.uint8).numpy()
     if isinstance(x, (bytes, bytearray, memoryview)):
         return np.frombuffer(x, dtype=np.uint8)
     a = np.asarray(x)
