@@ -82,12 +82,12 @@ class MappedFile(mmap.mmap):
     def __new__(cls, fd, st, path):
         self = super().__new__(cls, fd, st.st_size, access=mmap.ACCESS_READ)
         self.path, self.stamp = path, _stamp(st)
-        self._fd = os.dup(fd)  # the mapping's own fd is not reachable; fstat needs one
-        weakref.finalize(self, os.close, self._fd)
+        self.fd = os.dup(fd)  # the mapping's own fd is not reachable; fstat needs one (engines too)
+        weakref.finalize(self, os.close, self.fd)
         return self
 
     def check(self):
-        now = _stamp(os.fstat(self._fd))
+        now = _stamp(os.fstat(self.fd))
         if now != self.stamp:
             what = "truncated" if now[2] < self.stamp[2] else "rewritten in place"
             raise FileChangedError(
