@@ -106,16 +106,22 @@ def weight_map(ckpt_dir) -> dict:
     raise HFCheckpointError(f"{ckpt_dir}: neither {INDEX} nor model.safetensors")
 
 
-def _tensor(path, entry, start, mmap):
-    """One tensor's bytes as a numpy array: a read-only view of the file (mmap) or a copy."""
+def _map(path):
+    """The whole shard as a store.MappedFile: read-only, and forward() refuses it once the file
+    is truncated or rewritten in place (instead of SIGBUS)."""
+    from .store import MappedFile
+    with open(path, "rb") as f:
+        return MappedFile(f.fileno(), os.fstat(f.fileno()), path)
+
+
+def _tensor(path, entry, start, mapped):
+    """One tensor's bytes as a numpy array: a view of the mapped shard, or a copy when mapped is None."""
     code, shape, b, e = entry
-    dt = DTYPES[code]
-    if mmap:
-        a = np.memmap(path, dtype=np.uint8, mode="r", offset=start + b, shape=(e - b,)) if e > b \
-            else np.zeros(0, np.uint8)
+    if mapped is not None:
+        a = np.frombuffer(mapped, dtype=np.uint8, count=e - b, offset=start + b)
     else:
         a = np.fromfile(path, dtype=np.uint8, count=e - b, offset=start + b)
-    return a.view(dt).reshape(shape)
+    return a.view(DTYPES[code]).reshape(shape)
 
 
 def engram_tensors(ckpt_dir, cfg, mmap=True) -> dict:
@@ -127,7 +133,7 @@ def engram_tensors(ckpt_dir, cfg, mmap=True) -> dict:
             for name in wm:
                 if name.startswith(prefix):
                     found[L][name[len(prefix):]] = (name, wm[name])
-    headers, out = {}, {}
+    headers, maps, out = {}, {}, {}
     for L, names in found.items():
         missing = sorted(set(NAMES) - set(names))
         if missing:
@@ -145,7 +151,9 @@ def engram_tensors(ckpt_dir, cfg, mmap=True) -> dict:
             allowed = (RAW_CODE[short], "U8") if short in RAW else ("BF16", "F32")
             if code not in allowed:
                 raise HFCheckpointError(f"{path}: {full} has dtype {code}, expected {' or '.join(allowed)}")
-            out[L][short] = _tensor(path, tensors[full], start, mmap)
+            if mmap and shard not in maps:
+                maps[shard] = _map(path)
+            out[L][short] = _tensor(path, tensors[full], start, maps.get(shard))
     return out
 
 

@@ -18,11 +18,11 @@ SMALL = dict(variant="deepseek-v4.1", engram_vocab_size=[211, 211, 211], max_ngr
 
 
 def is_file_view(a):
-    """True when the array's memory is a mapping of a file (np.memmap / mmap somewhere in .base)."""
+    """True when the array's memory is a mapping of a file (np.memmap / mmap in the .base chain)."""
     while a is not None:
         if isinstance(a, (np.memmap, mmap.mmap)):
             return True
-        a = getattr(a, "base", None)
+        a = a.obj if isinstance(a, memoryview) else getattr(a, "base", None)
     return False
 
 
@@ -188,3 +188,18 @@ def test_readme_v41_snippet_runs(tmp_path):
     scope = {}
     exec(block.replace('"DeepSeek-V4.1-Flash"', repr(str(tmp_path))), scope)
     assert scope["delta"].shape == (2, 64) and np.abs(scope["delta"]).max() > 0
+
+
+def test_forward_refuses_a_shard_rewritten_after_mapping(tmp_path):
+    from engram_stream.store import FileChangedError
+    m = EngramModel.init(EngramConfig(**SMALL), seed=0)
+    m.save(tmp_path)
+    back = EngramModel.from_deepseek_v41(tmp_path)
+    ids, h = inputs()
+    back.forward(1, ids, h)
+    with open(tmp_path / "model.safetensors.index.json") as f:
+        shard = json.load(f)["weight_map"]["layers.1.engram.embed.weight"]
+    with open(tmp_path / shard, "ab") as f:
+        f.write(b"\0" * 8)
+    with pytest.raises(FileChangedError):
+        back.forward(1, ids, h)
