@@ -157,16 +157,21 @@ def engram_tensors(ckpt_dir, cfg, mmap=True) -> dict:
     return out
 
 
-def load_compression(ckpt_dir):
+def load_compression(ckpt_dir, cfg):
     """The folder's compression: engram_compression.npy, else built from tokenizer.json
-    (decode="backend"), else None (identity)."""
+    (decode="backend"), else None (identity). A tokenizer with fewer ids than the model's
+    vocab_size (the embedding is padded past the last token) maps the ids it does not have,
+    which no text produces, to the pad id's compressed id."""
     npy, tok = os.path.join(ckpt_dir, COMPRESSION), os.path.join(ckpt_dir, "tokenizer.json")
     if os.path.isfile(npy):
         return np.load(npy, allow_pickle=False)
-    if os.path.isfile(tok):
-        from .compression import build_compression
-        return build_compression(tok, decode="backend")
-    return None
+    if not os.path.isfile(tok):
+        return None
+    from .compression import build_compression
+    lookup = build_compression(tok, decode="backend")
+    if len(lookup) < cfg.vocab_size and cfg.pad_id < len(lookup):
+        lookup = np.concatenate([lookup, np.full(cfg.vocab_size - len(lookup), lookup[cfg.pad_id])])
+    return lookup
 
 
 def load(cls, ckpt_dir, mmap=True, compression=None):
@@ -175,7 +180,7 @@ def load(cls, ckpt_dir, mmap=True, compression=None):
     if not os.path.isfile(os.path.join(ckpt_dir, "config.json")):
         raise HFCheckpointError(f"{ckpt_dir}: no config.json")
     cfg = EngramConfig.from_hf_config(ckpt_dir)
-    lookup = load_compression(ckpt_dir) if compression is None else compression
+    lookup = load_compression(ckpt_dir, cfg) if compression is None else compression
     plan = HashPlan(cfg, compression=lookup)  # refuses mismatched table rows / compressed vocab
     layers = {}
     for L, t in engram_tensors(ckpt_dir, cfg, mmap).items():

@@ -203,3 +203,20 @@ def test_forward_refuses_a_shard_rewritten_after_mapping(tmp_path):
         f.write(b"\0" * 8)
     with pytest.raises(FileChangedError):
         back.forward(1, ids, h)
+
+
+def test_tokenizer_shorter_than_vocab_maps_the_rest_to_pad(tmp_path):
+    """Real checkpoints pad the embedding past the tokenizer's last id (vocab_size 129280)."""
+    pytest.importorskip("tokenizers")
+    cfg = EngramConfig(**SMALL)
+    tok = hf_v41.make_tokenizer(300, 2, 299)
+    lookup = build_compression(tok, decode="backend")
+    short = hf_v41.make_tokenizer(250, 2, 299)   # ids 250.. have no token (the image id 299 too)
+    m = EngramModel.init(cfg, seed=0, compression=np.concatenate([build_compression(short, decode="backend"),
+                                                                   np.full(50, lookup[2])]))
+    m.save(tmp_path)
+    os.remove(tmp_path / hf_v41.COMPRESSION)
+    short.save(str(tmp_path / "tokenizer.json"))
+    back = EngramModel.from_deepseek_v41(tmp_path)
+    assert len(back.plan.lookup) == 300 and (back.plan.lookup[250:] == back.plan.lookup[2]).all()
+    assert np.array_equal(back.plan.lookup, m.plan.lookup)
