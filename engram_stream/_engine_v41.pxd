@@ -1,6 +1,6 @@
 # The deepseek-v4.1 streaming engine's C state. Kernels: include/engram_fp8.h (float8 rows,
 # activation quantization, the wkv projection, the gate) and include/engram_hash.h (the hash).
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 
 cdef extern from "engram_fp8.h" nogil:
     int ES8_BASELINE
@@ -12,13 +12,14 @@ cdef extern from "engram_fp8.h" nogil:
     float es8_e4m3(uint8_t b) noexcept
     float es8_e8m0(uint8_t b) noexcept
     void es8_gather(const uint8_t *w, const uint8_t *sc, int hd, const int64_t *rows, int H, float *e) noexcept
-    void es8_act_quant(const float *x, int n, float *q, float *s) noexcept
-    void es8_wkv(int isa, const float *q, const float *xs, int64_t S, int E, const uint8_t *W,
-                 const uint8_t *WS, int M, float *Y, float *qs) noexcept
-    void es8_wkv_mt(int isa, const float *q, const float *xs, int64_t S, int E, const uint8_t *W,
-                    const uint8_t *WS, int M, float *Y, float *qs, int nthreads) noexcept
+    void es8_act_quant(const float *x, int n, float *qx, float *s) noexcept
+    void es8_wkv(int isa, const float *qx, int64_t S, int E, const uint8_t *W, const uint8_t *WS, int M,
+                 float *Y) noexcept
+    void es8_wkv_mt(int isa, const float *qx, int64_t S, int E, const uint8_t *W, const uint8_t *WS, int M,
+                    float *Y, int nthreads) noexcept
     void es8_gate_tail(const float *kv, const float *hid, const float *qw, const float *kw, int G, int D,
                        float eps, int dead, float *out) noexcept
+    uint64_t es8_read_bytes(const uint8_t *p, int64_t n) noexcept
 
 cdef extern from "engram_step.h" nogil:
     void es_prefetch_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n) noexcept
@@ -66,17 +67,15 @@ cdef class V41StreamEngine:
     cdef int64_t[:, ::1] rbuf      # [cap, H] absolute table rows
     cdef uint8_t[::1] gdead        # [cap] the token is the DEAD (image) id: gate 0
     cdef float[::1] ebuf           # [E] one token's dequantized rows
-    cdef float[:, ::1] qbuf        # [cap, E] quantized activations (e4m3 values)
+    cdef float[:, ::1] qbuf        # [cap, E] quantized activations (e4m3 values x their scales)
     cdef float[:, ::1] sbuf        # [cap, E/32] their scales
     cdef float[:, ::1] ybuf        # [cap, M] projections: G keys, then the value
-    cdef float[::1] qsbuf          # [threads * ES8_TILE_TOKENS * E] scaled activations
-    cdef int qs_threads            # threads qsbuf has room for
     cdef bint pending              # feed() done, compute() not yet
     cdef int64_t tok1              # a scalar token id of a single-stream call
     cdef bint busy                 # a call is running (one owner at a time)
     cdef public int prefill_threads  # threads for prefill's projection (default: the cores, <= 8)
 
-    cdef int _grow(self, int64_t cap, int threads) except -1
+    cdef int _grow(self, int64_t cap) except -1
     cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil
     cdef void _hash_one(self, int64_t s, int64_t token, int64_t i) noexcept nogil
     cdef void _quantize(self, int64_t i) noexcept nogil

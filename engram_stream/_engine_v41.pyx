@@ -15,11 +15,12 @@ import os
 
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.string cimport memcpy
 
 from engram_stream._hash cimport es_compress, es_hash_window, latch_window
 from . import engine_args as args
+from . import store
 from .plan import as_ids
 
 cnp.import_array()
@@ -128,6 +129,9 @@ cdef class V41StreamEngine:
         self.mult = <const int64_t *> cnp.PyArray_DATA(mult)
         self.primes = <const int64_t *> cnp.PyArray_DATA(primes)
         self.fp = NULL if fp is None else <const double *> cnp.PyArray_DATA(fp)
+        for a in (tw, ts):  # rows are read at random: a cold gather must not read ahead
+            if store.is_file_backed(a) and a.nbytes:
+                store.advise(a, "random")
         self.isa = DEFAULT_ISA
         self.prefill_threads = max(1, min(8, os.cpu_count() or 1))
         self._fingerprint = (layer, cfg.to_json(), n_streams, mult.tobytes(),
@@ -135,11 +139,11 @@ cdef class V41StreamEngine:
         self.hist = np.full((n_streams, self.n - 1), -1, dtype=np.int64)
         self.seen = np.zeros(n_streams, dtype=np.int64)
         self.ebuf = np.empty(self.E, dtype=np.float32)
-        self._grow(n_streams, 1)
+        self._grow(n_streams)
 
-    cdef int _grow(self, int64_t cap, int threads) except -1:
-        """Scratch for `cap` tokens and `threads` projection threads; made before any state
-        changes (a MemoryError leaves the engine as it was)."""
+    cdef int _grow(self, int64_t cap) except -1:
+        """Scratch for `cap` tokens; made before any state changes (a MemoryError leaves the
+        engine as it was)."""
         if cap > self.cap:
             rbuf = np.empty((cap, self.H), dtype=np.int64)
             gdead = np.empty(cap, dtype=np.uint8)
@@ -148,9 +152,6 @@ cdef class V41StreamEngine:
             ybuf = np.empty((cap, self.M), dtype=np.float32)
             self.rbuf, self.gdead, self.qbuf, self.sbuf, self.ybuf = rbuf, gdead, qbuf, sbuf, ybuf
             self.cap = cap
-        if threads > self.qs_threads:
-            self.qsbuf = np.empty(threads * ES8_TILE_TOKENS * self.E, dtype=np.float32)
-            self.qs_threads = threads
         return 0
 
     def __repr__(self):
@@ -215,8 +216,7 @@ cdef class V41StreamEngine:
         cdef int64_t b, S = self.n_streams
         for b in range(S):
             self._quantize(b)
-        es8_wkv(self.isa_code, &self.qbuf[0, 0], &self.sbuf[0, 0], S, self.E, self.ww, self.ws, self.M,
-                &self.ybuf[0, 0], &self.qsbuf[0])
+        es8_wkv(self.isa_code, &self.qbuf[0, 0], S, self.E, self.ww, self.ws, self.M, &self.ybuf[0, 0])
         for b in range(S):
             es8_gate_tail(&self.ybuf[b, 0], hid + b * self.C, self.qw, self.kw, self.G, self.D, self.eps,
                           self.gdead[b], out + b * self.C)
@@ -368,7 +368,7 @@ cdef class V41StreamEngine:
         try:
             if self.pending:
                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
-            self._grow(chunk, threads)  # under the guard: the scratch is shared with step()
+            self._grow(chunk)  # under the guard: the scratch is shared with step()
             with nogil:
                 bad = self._first_bad_id(pid, T)
                 if bad < 0:
@@ -378,8 +378,8 @@ cdef class V41StreamEngine:
                         for i in range(nb):
                             self._hash_one(s, pid[t0 + i], i)
                             self._quantize(i)
-                        es8_wkv_mt(self.isa_code, &self.qbuf[0, 0], &self.sbuf[0, 0], nb, self.E, self.ww,
-                                   self.ws, self.M, &self.ybuf[0, 0], &self.qsbuf[0],
+                        es8_wkv_mt(self.isa_code, &self.qbuf[0, 0], nb, self.E, self.ww, self.ws, self.M,
+                                   &self.ybuf[0, 0],
                                    threads if nb >= ES8_TILE_TOKENS else 1)
                         for i in range(nb):
                             es8_gate_tail(&self.ybuf[i, 0], ph + (t0 + i) * self.C, self.qw, self.kw, self.G,
@@ -493,37 +493,47 @@ def decode_e8m0(const uint8_t[::1] raw):
 
 
 def act_quant(const float[:, ::1] x):
-    """(q float32[S, K], scales float32[S, K/32]): the kernels' activation quantization."""
+    """(q float32[S, K], scales float32[S, K/32]): the kernels' activation quantization
+    (q: the e4m3 values, as the oracle's act_quant returns them)."""
     cdef Py_ssize_t S = x.shape[0], K = x.shape[1], t
     if K % ES8_BLOCK:
         raise ValueError(f"act_quant: the last axis must be a multiple of {ES8_BLOCK}")
-    q = np.empty((S, K), dtype=np.float32)
+    qx = np.empty((S, K), dtype=np.float32)
     s = np.empty((S, K // ES8_BLOCK), dtype=np.float32)
-    cdef float[:, ::1] qv = q, sv = s
+    cdef float[:, ::1] qv = qx, sv = s
     for t in range(S):
         if K:
             es8_act_quant(&x[t, 0], K, &qv[t, 0], &sv[t, 0])
-    return q, s
+    return qx / np.repeat(s, ES8_BLOCK, axis=1), s
 
 
 def fp8_linear(const float[:, ::1] x, const uint8_t[:, ::1] weight, const uint8_t[:, ::1] scale,
                isa=None, int threads=1):
     """x[S, K] through the float8 projection (weight e4m3 [M, K], scale e8m0 [ceil(M/32), K/32])
     as the engine runs it: float32[S, M]."""
-    cdef Py_ssize_t S = x.shape[0], K = x.shape[1], M = weight.shape[0]
+    cdef Py_ssize_t S = x.shape[0], K = x.shape[1], M = weight.shape[0], t
     if K % ES8_BLOCK or weight.shape[1] != K or scale.shape[0] != (M + ES8_BLOCK - 1) // ES8_BLOCK \
             or scale.shape[1] != K // ES8_BLOCK or S < 1 or M < 1:
         raise ValueError("fp8_linear: shapes do not match")
     cdef int code = ISAS[isa or DEFAULT_ISA]
     if code == ES8_AVX512 and es8_isa_supported() != ES8_AVX512:
         raise ValueError("isa 'avx512' is not supported by this CPU")
-    q, s = act_quant(x)
+    qx = np.empty((S, K), dtype=np.float32)
+    s = np.empty(K // ES8_BLOCK, dtype=np.float32)
     y = np.empty((S, M), dtype=np.float32)
+    cdef float[:, ::1] qv = qx, yv = y
+    cdef float[::1] sv = s
     threads = max(1, min(threads, ES8_MAX_THREADS))
-    qs = np.empty(threads * ES8_TILE_TOKENS * K, dtype=np.float32)
-    cdef float[:, ::1] qv = q, sv = s, yv = y
-    cdef float[::1] qsv = qs
     with nogil:
-        es8_wkv_mt(code, &qv[0, 0], &sv[0, 0], S, <int> K, &weight[0, 0], &scale[0, 0], <int> M, &yv[0, 0],
-                   &qsv[0], threads)
+        for t in range(S):
+            es8_act_quant(&x[t, 0], <int> K, &qv[t, 0], &sv[0])
+        es8_wkv_mt(code, &qv[0, 0], S, <int> K, &weight[0, 0], &scale[0, 0], <int> M, &yv[0, 0], threads)
     return y
+
+def read_bytes(const uint8_t[::1] a):
+    """Read every byte of `a` once (XOR of 64-byte lines): the memory-bandwidth floor of a step."""
+    cdef uint64_t r = 0
+    if a.shape[0]:
+        with nogil:
+            r = es8_read_bytes(&a[0], a.shape[0])
+    return int(r)

@@ -4,7 +4,7 @@
  *   es8_gather            a token's H table rows: e4m3 bytes x one e8m0 scale per 32 values
  *   es8_act_quant         the reference's activation quantization, per 32 values:
  *                         s = 2^ceil(log2(max(amax, 1e-4) * f32(1/448))) from the exponent bits,
- *                         q = e4m3(clamp(x / s, +-448)) rounded to nearest even
+ *                         q = e4m3(clamp(x / s, +-448)) rounded to nearest even; returns q * s
  *   es8_wkv               Y[S, M] = the fp8 wkv projection of S quantized tokens, 32x32 block
  *                         scales; the weight bytes stay float8 and are widened in registers
  *   es8_gate_tail         the gate (rstd, eps 1e-20, signed sqrt, sigmoid; 0 at DEAD) times the
@@ -12,13 +12,13 @@
  *
  * Block-scale numerics: the reference sums each 32-wide block of q*w in fp32 (every product
  * is exact: 4-bit x 4-bit significands) and adds block * s_x * s_w over the blocks. Here the
- * power-of-two scales are folded into the activation first (qs = q * s_x * s_w, exact), so a
- * block's fp32 sum is the reference's scaled by a power of two: the same rounding, only the
- * order of the fp32 additions differs.
+ * power-of-two scales are folded into the factors first (q * s_x and w * s_w, both exact), so
+ * every product is the reference's scaled by a power of two: the same values, only the order
+ * of the fp32 additions differs.
  *
  * Two paths, chosen by the caller (`isa`, stateless): ES8_AVX512 widens 16 e4m3 bytes at a time
  * through fp16 (sign-extend, shift by 7, mask: the fp16 with those bits is value * 2^-8, exact
- * for every finite code, subnormals included; the 2^8 is folded into qs) and runs 16-lane
+ * for every finite code, subnormals included; the 2^8 is folded into the block scale) and runs 16-lane
  * FMAs; ES8_BASELINE is portable C. es8_isa_supported() says what this CPU runs. On the AVX-512
  * path the NaN codes of wkv (0x7f/0xff) read as +-480 (checkpoints hold none); the table
  * gather and the baseline decode them as NaN. Nothing here allocates (except thread starts
@@ -36,7 +36,9 @@
 #include <immintrin.h>
 #define ES8_HAVE_AVX512 1
 #define ES8_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
+#define ES8_READ_CLONES __attribute__((target_clones("avx512f", "default")))
 #else
+#define ES8_READ_CLONES
 #define ES8_HAVE_AVX512 0
 #endif
 
@@ -110,8 +112,8 @@ static inline void es8_gather(const uint8_t *w, const uint8_t *sc, int hd, const
     }
 }
 
-/* q[n] = the e4m3 values (as floats) of x quantized per 32 values, s[n/32] their scales. */
-static inline void es8_act_quant(const float *x, int n, float *q, float *s) {
+/* x quantized per 32 values: qx[n] = e4m3(x / s) * s (exact), s[n/32] the scales. */
+static inline void es8_act_quant(const float *x, int n, float *qx, float *s) {
     for (int b = 0; b < n / ES8_BLOCK; b++) {
         const float *xb = x + b * ES8_BLOCK;
         float amax = 0.0f;
@@ -121,35 +123,24 @@ static inline void es8_act_quant(const float *x, int n, float *q, float *s) {
         }
         const float sb = es8_act_scale(amax);
         s[b] = sb;
-        for (int i = 0; i < ES8_BLOCK; i++) q[b * ES8_BLOCK + i] = es8_round_e4m3(xb[i] / sb);
+        for (int i = 0; i < ES8_BLOCK; i++) qx[b * ES8_BLOCK + i] = es8_round_e4m3(xb[i] / sb) * sb;
     }
 }
 
 /* ---- the wkv projection -------------------------------------------------------------- */
 
-/* qs[t*E + k] = q[t*E + k] * s_x[t][k/32] * s_w[k/32] * f for the nt tokens of a tile. */
-static inline void es8_prescale(const float *q, const float *xs, const uint8_t *ws_row, int E, int nt, float f,
-                                float *qs) {
-    const int nb = E / ES8_BLOCK;
-    for (int t = 0; t < nt; t++)
-        for (int b = 0; b < nb; b++) {
-            const float m = xs[t * nb + b] * es8_e8m0(ws_row[b]) * f;
-            const float *src = q + (int64_t)t * E + b * ES8_BLOCK;
-            float *dst = qs + (int64_t)t * E + b * ES8_BLOCK;
-            for (int i = 0; i < ES8_BLOCK; i++) dst[i] = src[i] * m;
-        }
-}
-
-/* Portable tile: y[t*ldy + r] = sum_k e4m3(w[r*E + k]) * qs[t*E + k]. */
-static inline void es8_tile_base(const uint8_t *w, int R, const float *qs, int T, int E, float *y,
-                                 int64_t ldy) {
+/* Portable tile: y[t*ldy + r] = sum_k e4m3(w[r*E + k]) * wsf[k/32] * qx[t*E + k]. */
+static inline void es8_tile_base(const uint8_t *w, int R, const float *qx, int T, int E, const float *wsf,
+                                 float *y, int64_t ldy) {
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) {
             const uint8_t *wr = w + (int64_t)r * E;
-            const float *qt = qs + (int64_t)t * E;
+            const float *qt = qx + (int64_t)t * E;
             float acc[ES8_BLOCK] = {0};
-            for (int k = 0; k < E; k += ES8_BLOCK)
-                for (int i = 0; i < ES8_BLOCK; i++) acc[i] += es8_e4m3(wr[k + i]) * qt[k + i];
+            for (int k = 0; k < E; k += ES8_BLOCK) {
+                const float f = wsf[k / ES8_BLOCK];
+                for (int i = 0; i < ES8_BLOCK; i++) acc[i] += (es8_e4m3(wr[k + i]) * f) * qt[k + i];
+            }
             float sum = 0.0f;
             for (int i = 0; i < ES8_BLOCK; i++) sum += acc[i];
             y[t * ldy + r] = sum;
@@ -165,21 +156,23 @@ ES8_INLINE ES8_T512 __m512 es8_widen16(const uint8_t *p) {
 }
 
 /* R weight rows x T tokens, every accumulator a 16-lane register; R and T are compile-time
- * constants at each call site below, so the loops unroll and the tile stays in registers. */
-ES8_INLINE ES8_T512 void es8_tile512(const uint8_t *w, const int R, const float *qs, const int T, int E,
-                                     float *y, int64_t ldy) {
+ * constants at each call site below, so the loops unroll and the tile stays in registers.
+ * A widened weight is scaled by its block's wsf (2^8 folded in) before the FMAs. */
+ES8_INLINE ES8_T512 void es8_tile512(const uint8_t *w, const int R, const float *qx, const int T, int E,
+                                     const float *wsf, float *y, int64_t ldy) {
     __m512 acc[4][ES8_TILE_TOKENS];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
     for (int k = 0; k < E; k += 16) {
+        const __m512 f = _mm512_set1_ps(wsf[k >> 5]);
         __m512 wv[4];
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) wv[r] = es8_widen16(w + (int64_t)r * E + k);
+        for (int r = 0; r < R; r++) wv[r] = _mm512_mul_ps(es8_widen16(w + (int64_t)r * E + k), f);
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) {
-            const __m512 qv = _mm512_loadu_ps(qs + (int64_t)t * E + k);
+            const __m512 qv = _mm512_loadu_ps(qx + (int64_t)t * E + k);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], qv, acc[r][t]);
         }
@@ -190,24 +183,22 @@ ES8_INLINE ES8_T512 void es8_tile512(const uint8_t *w, const int R, const float 
         for (int t = 0; t < T; t++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-/* R rows (1..4) x T tokens (1..8) with the tile shape fixed at compile time. */
-static ES8_T512 void es8_tile_avx512(const uint8_t *w, int R, const float *qs, int T, int E, float *y,
-                                     int64_t ldy) {
-#define ES8_T(t) case t: es8_tile512(w, 2, qs, t, E, y, ldy); break;
+/* R rows x T tokens (1..8) with the tile shape fixed at compile time. */
+static ES8_T512 void es8_tile_avx512(const uint8_t *w, int R, const float *qx, int T, int E, const float *wsf,
+                                     float *y, int64_t ldy) {
     if (T == 1) {  /* one token: four rows at once, four weight streams in flight */
         int r = 0;
-        for (; r + 4 <= R; r += 4) es8_tile512(w + (int64_t)r * E, 4, qs, 1, E, y + r, ldy);
-        for (; r < R; r++) es8_tile512(w + (int64_t)r * E, 1, qs, 1, E, y + r, ldy);
+        for (; r + 4 <= R; r += 4) es8_tile512(w + (int64_t)r * E, 4, qx, 1, E, wsf, y + r, ldy);
+        for (; r < R; r++) es8_tile512(w + (int64_t)r * E, 1, qx, 1, E, wsf, y + r, ldy);
         return;
     }
+#define ES8_T(rows, t) case t: es8_tile512(w, rows, qx, t, E, wsf, y, ldy); break;
     int r = 0;
     for (; r + 2 <= R; r += 2, w += 2 * (int64_t)E, y += 2) {
-        switch (T) { ES8_T(2) ES8_T(3) ES8_T(4) ES8_T(5) ES8_T(6) ES8_T(7) ES8_T(8) default: break; }
+        switch (T) { ES8_T(2, 2) ES8_T(2, 3) ES8_T(2, 4) ES8_T(2, 5) ES8_T(2, 6) ES8_T(2, 7) ES8_T(2, 8) default: break; }
     }
-#undef ES8_T
-#define ES8_T(t) case t: es8_tile512(w, 1, qs, t, E, y, ldy); break;
     if (r < R) {
-        switch (T) { ES8_T(2) ES8_T(3) ES8_T(4) ES8_T(5) ES8_T(6) ES8_T(7) ES8_T(8) default: break; }
+        switch (T) { ES8_T(1, 2) ES8_T(1, 3) ES8_T(1, 4) ES8_T(1, 5) ES8_T(1, 6) ES8_T(1, 7) ES8_T(1, 8) default: break; }
     }
 #undef ES8_T
 }
@@ -226,64 +217,62 @@ static inline int es8_isa_supported(void) {
 }
 
 /* Y[t*M + o] for the 32-row weight groups [g0, g1) and all S tokens.
- *   q   [S, E]  quantized activations (e4m3 values as floats), xs [S, E/32] their scales
+ *   qx  [S, E]  quantized activations times their scales (es8_act_quant)
  *   W   [M, E]  e4m3 bytes, WS [ceil(M/32), E/32] e8m0 bytes
- *   qs  scratch of ES8_TILE_TOKENS * E floats */
-static inline void es8_wkv_range(int isa, const float *q, const float *xs, int64_t S, int E,
-                                 const uint8_t *W, const uint8_t *WS, int M, float *Y, int64_t g0, int64_t g1,
-                                 float *qs) {
+ * Each group's weights are read from memory once per call; tokens go 8 at a time. */
+static inline void es8_wkv_range(int isa, const float *qx, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
+                                 int M, float *Y, int64_t g0, int64_t g1) {
     const int nb = E / ES8_BLOCK;
     const float f = isa == ES8_AVX512 ? 256.0f : 1.0f;  /* the AVX-512 widening reads value * 2^-8 */
+    float wsf[nb];
     for (int64_t g = g0; g < g1; g++) {
         const int64_t r0 = g * ES8_BLOCK;
         const int R = M - r0 < ES8_BLOCK ? (int)(M - r0) : ES8_BLOCK;
+        for (int b = 0; b < nb; b++) wsf[b] = es8_e8m0(WS[g * nb + b]) * f;
         for (int64_t t0 = 0; t0 < S; t0 += ES8_TILE_TOKENS) {
             const int T = S - t0 < ES8_TILE_TOKENS ? (int)(S - t0) : ES8_TILE_TOKENS;
-            es8_prescale(q + t0 * E, xs + t0 * nb, WS + g * nb, E, T, f, qs);
 #if ES8_HAVE_AVX512
             if (isa == ES8_AVX512) {
-                es8_tile_avx512(W + r0 * E, R, qs, T, E, Y + t0 * M + r0, M);
+                es8_tile_avx512(W + r0 * E, R, qx + t0 * E, T, E, wsf, Y + t0 * M + r0, M);
                 continue;
             }
 #endif
-            es8_tile_base(W + r0 * E, R, qs, T, E, Y + t0 * M + r0, M);
+            es8_tile_base(W + r0 * E, R, qx + t0 * E, T, E, wsf, Y + t0 * M + r0, M);
         }
     }
 }
 
-static inline void es8_wkv(int isa, const float *q, const float *xs, int64_t S, int E, const uint8_t *W,
-                           const uint8_t *WS, int M, float *Y, float *qs) {
-    es8_wkv_range(isa, q, xs, S, E, W, WS, M, Y, 0, (M + ES8_BLOCK - 1) / ES8_BLOCK, qs);
+static inline void es8_wkv(int isa, const float *qx, int64_t S, int E, const uint8_t *W, const uint8_t *WS, int M,
+                           float *Y) {
+    es8_wkv_range(isa, qx, S, E, W, WS, M, Y, 0, (M + ES8_BLOCK - 1) / ES8_BLOCK);
 }
 
-/* The same over threads, split by weight groups (prefill: each thread reads its own part of
- * wkv once per 8 tokens). qs: nthreads * ES8_TILE_TOKENS * E floats. */
+/* The same over threads, split by weight groups (prefill: each thread reads its own part of wkv). */
 typedef struct {
     int isa, E, M;
-    const float *q, *xs;
+    const float *qx;
     int64_t S, g0, g1;
     const uint8_t *W, *WS;
-    float *Y, *qs;
+    float *Y;
 } es8_wkv_job;
 
 static void *es8_wkv_job_run(void *arg) {
     const es8_wkv_job *j = (const es8_wkv_job *)arg;
-    es8_wkv_range(j->isa, j->q, j->xs, j->S, j->E, j->W, j->WS, j->M, j->Y, j->g0, j->g1, j->qs);
+    es8_wkv_range(j->isa, j->qx, j->S, j->E, j->W, j->WS, j->M, j->Y, j->g0, j->g1);
     return 0;
 }
 
-static inline void es8_wkv_mt(int isa, const float *q, const float *xs, int64_t S, int E, const uint8_t *W,
-                              const uint8_t *WS, int M, float *Y, float *qs, int nthreads) {
+static inline void es8_wkv_mt(int isa, const float *qx, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
+                              int M, float *Y, int nthreads) {
     const int64_t ng = (M + ES8_BLOCK - 1) / ES8_BLOCK;
     if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;
     if (nthreads > ng) nthreads = (int)ng;
-    if (nthreads <= 1) { es8_wkv(isa, q, xs, S, E, W, WS, M, Y, qs); return; }
+    if (nthreads <= 1) { es8_wkv(isa, qx, S, E, W, WS, M, Y); return; }
     es8_wkv_job jobs[ES8_MAX_THREADS];
     pthread_t tid[ES8_MAX_THREADS];
     int started[ES8_MAX_THREADS];
     for (int i = 0; i < nthreads; i++) {
-        es8_wkv_job j = {isa, E, M, q, xs, S, ng * i / nthreads, ng * (i + 1) / nthreads, W, WS, Y,
-                         qs + (int64_t)i * ES8_TILE_TOKENS * E};
+        es8_wkv_job j = {isa, E, M, qx, S, ng * i / nthreads, ng * (i + 1) / nthreads, W, WS, Y};
         jobs[i] = j;
     }
     for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tid[i], 0, es8_wkv_job_run, &jobs[i]) == 0;
@@ -321,6 +310,27 @@ static inline void es8_gate_tail(const float *kv, const float *hid, const float 
         float *o = out + (int64_t)c * D;
         for (int d = 0; d < D; d++) o[d] = gate * value[d];
     }
+}
+
+/* ---- the bandwidth floor ------------------------------------------------------------ */
+
+/* XOR of n bytes read once, 256 bytes per iteration into four independent vector lanes: the
+ * time to read a weight once (bench/bench_v41.py compares a step with it). A tail of n % 256
+ * bytes is ignored. */
+typedef uint64_t es8_u64x8 __attribute__((vector_size(64)));
+
+ES8_READ_CLONES static uint64_t es8_read_bytes(const uint8_t *p, int64_t n) {
+    es8_u64x8 a = {0}, b = {0}, c = {0}, d = {0}, v;
+    for (int64_t i = 0; i + 256 <= n; i += 256) {
+        memcpy(&v, p + i, 64); a ^= v;
+        memcpy(&v, p + i + 64, 64); b ^= v;
+        memcpy(&v, p + i + 128, 64); c ^= v;
+        memcpy(&v, p + i + 192, 64); d ^= v;
+    }
+    a ^= b ^ c ^ d;
+    uint64_t r = 0;
+    for (int j = 0; j < 8; j++) r ^= a[j];
+    return r;
 }
 
 #endif /* ENGRAM_FP8_H */

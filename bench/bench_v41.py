@@ -1,0 +1,230 @@
+#!/usr/bin/env python
+"""The deepseek-v4.1 engine at Flash dims (one layer: hidden 5120, hc 4, 24 x 256 rows,
+wkv [25600, 6144] float8), table rows scaled down, from a synthetic checkpoint in the HF layout.
+
+    flock /tmp/bench.lock python bench/bench_v41.py                # ~1.3 GB table, all sections
+    flock /tmp/bench.lock python bench/bench_v41.py --quick        # fewer repetitions / tokens
+
+Sections (every ratio is measured side by side in one run; the machine is shared, so absolute
+times are indicative only):
+  step      one-stream step vs reading the 157 MB of wkv once (same process, rounds interleaved);
+            16 streams per token vs one stream                     goals <= 1.5x, <= 1/6
+  prefill   eng.prefill on 2048 tokens vs a torch CPU implementation of the reference module
+            with dequantized weights, all cores                    goal  >= 3x faster
+  cold      a fresh process maps the checkpoint (its pages evicted first), 2000 decode steps:
+            private memory growth (RssAnon) and table pages mapped vs rows touched x 4 KiB
+                                                                   goals <= 64 MB, <= 2x
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run from a checkout (in-place build)
+
+from engram_stream import EngramModel, hf_v41, store  # noqa: E402
+from engram_stream import _engine_v41 as k  # noqa: E402
+
+LAYER = 1
+
+
+def machine():
+    cpu = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        import engram_stream
+        step_isa = engram_stream.kernel_isa()
+    except AttributeError:
+        step_isa = "n/a"
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "fp8_isa_supported": k.supported_isa(), "fp8_isa_used": k.DEFAULT_ISA, "kernel_isa": step_isa}
+
+
+def ensure_checkpoint(d, evs):
+    if not os.path.isfile(os.path.join(d, "config.json")):
+        cfg = hf_v41.flash_config(engram_vocab_size=evs, engram_layer_ids=[LAYER])
+        t0 = time.perf_counter()
+        hf_v41.make_synthetic(d, cfg, seed=0, n_shards=2, tokenizer=False, decoys=False)
+        print(f"wrote {d} in {time.perf_counter() - t0:.0f} s")
+    return d
+
+
+def median(xs):
+    return float(np.median(np.asarray(xs)))
+
+
+def section_step(model, reps):
+    w = model.layer(LAYER)
+    wkv = w.wkv_weight.reshape(-1)
+    G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
+    rng = np.random.default_rng(0)
+    e1, e16 = model.stream(LAYER), model.stream(LAYER, n_streams=16)
+    h1 = rng.standard_normal((G, D)).astype(np.float32)
+    h16 = rng.standard_normal((16, G, D)).astype(np.float32)
+    o1, o16 = np.empty_like(h1), np.empty_like(h16)
+    k.read_bytes(wkv)  # map every page of wkv before timing
+    for _ in range(3):
+        e1.step(int(rng.integers(V)), h1, out=o1)
+        e16.step(rng.integers(0, V, 16), h16, out=o16)
+    t_read, t_one, t_16 = [], [], []
+    for _ in range(reps):  # interleaved rounds: the three see the same machine state
+        t0 = time.perf_counter()
+        k.read_bytes(wkv)
+        t_read.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        e1.step(int(rng.integers(V)), h1, out=o1)
+        t_one.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        e16.step(rng.integers(0, V, 16), h16, out=o16)
+        t_16.append(time.perf_counter() - t0)
+    r, one, s16 = median(t_read), median(t_one), median(t_16)
+    return {"wkv_bytes": int(wkv.nbytes), "read_ms": r * 1e3, "read_GBps": wkv.nbytes / r / 1e9,
+            "step1_ms": one * 1e3, "step1_over_read": one / r, "step16_ms": s16 * 1e3,
+            "per_token16_ms": s16 / 16 * 1e3, "per_token16_over_step1": s16 / 16 / one, "reps": reps}
+
+
+def torch_reference(model, rows, hidden, threads):
+    """The reference module in torch, float32, with dequantized weights: rows gathered and
+    dequantized, act_quant per 32 (the kernel's bit rule), one matmul with the dequantized wkv,
+    the gate. Returns (delta, seconds of the timed part; the wkv dequantization is set-up)."""
+    import torch
+    torch.set_num_threads(threads)
+    w = model.layer(LAYER)
+    G, D, E = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.engram_dim
+    f8, e8 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+    wsc = torch.from_numpy(np.asarray(w.wkv_scale)).view(e8).float()
+    Wd = (torch.from_numpy(np.asarray(w.wkv_weight)).view(f8).float()
+          * wsc.repeat_interleave(32, 0)[:w.wkv_weight.shape[0]].repeat_interleave(32, 1))
+    qw, kw = torch.from_numpy(np.asarray(w.q_weight)), torch.from_numpy(np.asarray(w.k_weight))
+    tw, ts = np.asarray(w.embed_weight), np.asarray(w.embed_scale)
+    h = torch.from_numpy(hidden)
+    eps = model.cfg.norm_eps
+    t0 = time.perf_counter()
+    r = rows.reshape(-1)
+    e = (torch.from_numpy(tw[r]).view(f8).float() * torch.from_numpy(ts[r]).view(e8).float().repeat_interleave(32, 1))
+    x = e.reshape(-1, E // 32, 32)
+    amax = x.abs().amax(-1).clamp_min(1e-4) * torch.tensor(1 / 448, dtype=torch.float32)
+    bits = amax.view(torch.int32)
+    s = ((((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).int() + 127) << 23).view(torch.float32)
+    q = (x / s[..., None]).clamp(-448, 448).to(f8).float() * s[..., None]
+    kv = q.reshape(-1, E) @ Wd.T
+    key, value = kv[:, :G * D].reshape(-1, G, D), kv[:, G * D:]
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (h * (qw * kw) * key).sum(-1) * rstd / D ** 0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    out = gate[..., None] * value[:, None, :]
+    return out.numpy(), time.perf_counter() - t0
+
+
+def section_prefill(model, T, reps):
+    G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, V, T)
+    hidden = rng.standard_normal((T, G, D)).astype(np.float32)
+    rows = model.plan.hash(ids[None], layers=[LAYER])[LAYER][0] + model.layer(LAYER).offsets
+    dead = model.plan.dead_mask(ids)
+    cores = os.cpu_count() or 1
+    eng = model.stream(LAYER)
+    eng.prefill_threads = cores
+    out = np.empty_like(hidden)
+    t_ours, t_torch, want = [], [], None
+    for _ in range(reps):
+        eng.reset()
+        t0 = time.perf_counter()
+        eng.prefill(ids, hidden, out=out)
+        t_ours.append(time.perf_counter() - t0)
+        try:
+            want, t = torch_reference(model, rows, hidden, cores)
+            t_torch.append(t)
+        except ImportError:
+            pass
+    res = {"T": T, "threads": cores, "ours_s": median(t_ours), "reps": reps}
+    if t_torch:
+        want[dead] = 0
+        err = np.abs(out - want) - (2e-5 + 2e-4 * np.abs(want))
+        res.update(torch_s=median(t_torch), speedup=median(t_torch) / median(t_ours),
+                   agree=bool(err.max() <= 0), max_abs_diff=float(np.abs(out - want).max()))
+    return res
+
+
+COLD = r"""
+import json, sys, time
+import numpy as np
+sys.path.insert(0, {root!r})
+from engram_stream import EngramModel, store
+d, steps = {d!r}, {steps}
+for f in __import__("os").listdir(d):
+    if f.endswith(".safetensors"):
+        store.evict_file(__import__("os").path.join(d, f))
+model = EngramModel.from_deepseek_v41(d, mmap=True)
+w = model.layer({L})
+eng = model.stream({L})
+bitmap = store.track_rows(eng)
+G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
+rng = np.random.default_rng(2)
+ids = rng.integers(0, V, steps)
+hs = rng.standard_normal((8, G, D)).astype(np.float32)
+out = np.empty((G, D), np.float32)
+before = store.proc_status()
+t0 = time.perf_counter()
+for t in range(steps):
+    eng.step(int(ids[t]), hs[t % 8], out=out)
+dt = time.perf_counter() - t0
+after = store.proc_status()
+rows = int(np.unpackbits(bitmap).sum())
+table = store.resident_bytes(w.embed_weight) + store.resident_bytes(w.embed_scale)
+print(json.dumps({{"steps": steps, "ms_per_step": dt / steps * 1e3,
+                  "rss_anon_growth_MB": (after["RssAnon"] - before["RssAnon"]) / 2**20,
+                  "rss_file_growth_MB": (after["RssFile"] - before["RssFile"]) / 2**20,
+                  "rows_touched": rows, "table_resident_MB": table / 2**20,
+                  "table_pages_over_rows_x_4KiB": table / (rows * 4096)}}))
+"""
+
+
+def section_cold(d, steps):
+    code = COLD.format(root=ROOT, d=d, steps=steps, L=LAYER)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/tmp")
+    if r.returncode:
+        return {"error": r.stderr[-2000:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default="/tmp/engram_v41_flash")
+    ap.add_argument("--engram-vocab-size", type=int, default=200000)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sections", default="step,prefill,cold")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    d = ensure_checkpoint(a.dir, a.engram_vocab_size)
+    res = {"machine": machine(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
+    print(json.dumps(res["machine"]))
+    sections = a.sections.split(",")
+    if "cold" in sections:  # first: nothing of the file is mapped by this process yet
+        res["cold"] = section_cold(d, 300 if a.quick else 2000)
+        print("cold", json.dumps(res["cold"]))
+    model = EngramModel.from_deepseek_v41(d, mmap=True)
+    if "step" in sections:
+        res["step"] = section_step(model, 10 if a.quick else 30)
+        print("step", json.dumps(res["step"]))
+    if "prefill" in sections:
+        res["prefill"] = section_prefill(model, 256 if a.quick else 2048, 1 if a.quick else 2)
+        print("prefill", json.dumps(res["prefill"]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
