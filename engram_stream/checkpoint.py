@@ -322,8 +322,9 @@ def _write(cfg, plan, layers, path, table_dtype, progress, before_write=None):
     if progress is None and total > BAR_MIN_BYTES and sys.stderr.isatty():
         progress = _Bar(path, total)
     _check_destination(path)
-    f, tmp = _create_temp(path)
-    try:
+    tmp = None
+    try:  # created inside the try: a signal right after creation still removes the temp file
+        f, tmp = _create_temp(path)
         with f:
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
@@ -346,7 +347,8 @@ def _write(cfg, plan, layers, path, table_dtype, progress, before_write=None):
         _fsync_dir(os.path.dirname(os.path.abspath(path)))
     except BaseException:
         try:
-            os.unlink(tmp)
+            if tmp is not None:
+                os.unlink(tmp)
         except FileNotFoundError:
             pass
         raise

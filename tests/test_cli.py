@@ -226,12 +226,16 @@ def test_init_errors_name_the_users_path_not_the_temp_file(tmp_path, capsys, mon
 
 
 def _start_init(tmp_path, out):
-    """An init subprocess, returned once its temp file exists (it is writing)."""
+    """An init subprocess, returned once its temp file has data (it is writing the tables)."""
     p = subprocess.Popen([sys.executable, "-m", "engram_stream.cli", "init", str(_cfg_file(tmp_path, BIG_INIT)),
                           "-o", str(out)], cwd=tempfile.gettempdir(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while not [f for f in os.listdir(tmp_path) if ".tmp-" in f]:
+
+    def writing():
+        temps = [tmp_path / f for f in os.listdir(tmp_path) if ".tmp-" in f]
+        return any(os.path.getsize(t) > 1 << 20 for t in temps if t.exists())
+    while not writing():
         assert p.poll() is None and time.time() < deadline, p.communicate()
         time.sleep(0.01)
     return p
