@@ -13,9 +13,10 @@ from .config import EngramConfig
 from .model import EngramModel
 from .plan import HashPlan
 from ._engine import EngineSnapshot, StreamEngine
+from ._isa import kernel_isa
 
 __all__ = ["EngramConfig", "HashPlan", "EngramModel", "StreamEngine", "EngineSnapshot",
-           "build_compression", "get_include"]
+           "build_compression", "get_include", "kernel_isa"]
 __version__ = "0.1.0"
 
 

@@ -19,7 +19,7 @@ from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 from libc.math cimport sqrt
 
-from engram_stream._hash cimport es_compress, es_hash_window
+from engram_stream._hash cimport es_compress, es_hash_window, es_isa, es_isa_set
 from .model import check_hidden
 from .plan import as_ids
 
@@ -40,6 +40,15 @@ cdef inline void *_alloc(size_t nbytes) except NULL:
     if p == NULL:
         raise MemoryError(f"StreamEngine: could not allocate {nbytes} bytes")
     return p
+
+
+def _isa_set(int level):
+    """Run this module's kernels at `level` (see engram_stream._isa); False if the CPU cannot."""
+    return es_isa_set(level) == 0
+
+
+def _isa_get():
+    return es_isa
 
 
 class EngineSnapshot:

@@ -117,3 +117,19 @@ def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=Fa
                 for j in range(P):
                     o[i, j] = es_floormod(x[i], primes[j])
     return out
+
+
+# The kernel path of this module (engram_stream._isa sets every module's) ----------
+
+def _isa_set(int level):
+    """Run the kernels of `level` (0 baseline, 1 avx2, 2 avx512); False if the CPU cannot."""
+    return es_isa_set(level) == 0
+
+
+def _isa_get():
+    return es_isa
+
+
+def _isa_cpu_best():
+    """The best level this CPU and build run."""
+    return es_isa_cpu_best()

@@ -7,9 +7,10 @@
  *                   conv ring, SiLU) and output for one token of one stream.
  *   es_gather       copy a token's H table rows (float32 / float16 / int8+scale).
  *
- * Written with GCC vector extensions and compiled twice through target_clones
- * (x86-64-v3 = AVX2+FMA+F16C, and the baseline), picked at load time: no -march
- * flag, so one build runs on any x86-64. Nothing here allocates or raises.
+ * Written with GCC vector extensions (GCC, clang). The GEMM and the gathers are compiled
+ * once per instruction set from engram_step_kern.h and picked by es_isa (engram_isa.h):
+ * one build runs on any CPU, and ENGRAM_STREAM_ISA / the tests can force each path.
+ * Nothing here allocates or raises.
  */
 #ifndef ENGRAM_STEP_H
 #define ENGRAM_STEP_H
@@ -21,164 +22,139 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ES_NO_CLONES)
+#include "engram_isa.h"
+#if ES_X86_PATHS
+#include <immintrin.h>
+#endif
+
+/* es_tail is still cloned by GCC's target_clones (an ifunc: glibc only). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__) && !defined(ES_NO_CLONES)
 #define ES_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define ES_CLONES
 #endif
 #define ES_INLINE static inline __attribute__((always_inline))
 
-#define ES_PANEL 16 /* output columns per packed weight panel (two 8-lane vectors) */
-#define ES_MR 6     /* rows per micro-tile: 6 x 2 accumulators + 3 temporaries = 15 registers */
-#define ES_PACK_MIN_ROWS 12 /* from here on, rows are packed in 6-row tiles before the GEMM */
+#define ES_PANEL 16 /* output columns per packed weight panel (16 floats: one 64-byte line a k) */
 #define ES_EPS_KEY 1.1920928955078125e-07f /* float32 eps: torch RMSNorm default (eps=None) */
 #define ES_EPS_CONV 1e-5f
 
 typedef float es_v8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t es_v8i __attribute__((vector_size(32), aligned(4)));
 
-/* ---- skinny GEMM over packed panels ------------------------------------------ */
-
-/* Packed layout: panel p holds columns [16p, 16p+16) of W^T as Wp[p][k][16]
- * (zero padded past M); biasp is padded to a multiple of 16 the same way. */
-
-/* One micro-tile: mr rows x 16 columns over all E, row r's k-th value at X[r*xr + k*xk]
- * (rows as they are: xr = ldx, xk = 1; packed 6-row tiles: xr = 1, xk = 6, where the six
- * values of one k share a cache line: measured 1.3x at 126 rows).
- * pf: the next panel, prefetched line by line while this one computes (NULL: none):
- * a second memory stream in flight, as the GEMV gets from its four panels. */
-ES_INLINE void es_tile(const float *X, int64_t xr, int64_t xk, const float *w, int E, const float *bias,
-                       float *Y, int64_t ldy, int ncols, const int mr, const float *pf) {
-    es_v8 acc[ES_MR][2];
-    es_v8 b0 = *(const es_v8 *)bias, b1 = *(const es_v8 *)(bias + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < mr; r++) { acc[r][0] = b0; acc[r][1] = b1; }
-    for (int k = 0; k < E; k++) {
-        es_v8 w0 = *(const es_v8 *)(w + 16 * (int64_t)k), w1 = *(const es_v8 *)(w + 16 * (int64_t)k + 8);
-        if (pf) __builtin_prefetch(pf + 16 * (int64_t)k);
-#pragma GCC unroll 6
-        for (int r = 0; r < mr; r++) {
-            float x = X[r * xr + k * xk];
-            acc[r][0] += x * w0;
-            acc[r][1] += x * w1;
-        }
+/* float16 bits -> float32, exactly (subnormals, inf and NaN included). */
+static inline float es_half_to_float(uint16_t h) {
+#if defined(__FLT16_MAX__) && !defined(ES_NO_FLOAT16)
+    _Float16 f;
+    memcpy(&f, &h, sizeof f);
+    return (float)f;
+#else /* no _Float16 (GCC < 12 / clang < 15 on x86, 32-bit targets): by the bits */
+    const uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    float f;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24, exact in float32 */
+        f = (float)man * 0x1p-24f;
+        memcpy(&bits, &f, sizeof bits);
+    } else {
+        bits = (exp == 31 ? 0x7f800000u : (exp + 112) << 23) | (man << 13);
     }
-#pragma GCC unroll 6
-    for (int r = 0; r < mr; r++) {
-        if (ncols == ES_PANEL) {
-            *(es_v8 *)(Y + r * ldy) = acc[r][0];
-            *(es_v8 *)(Y + r * ldy + 8) = acc[r][1];
-        } else {
-            float tmp[ES_PANEL];
-            *(es_v8 *)tmp = acc[r][0];
-            *(es_v8 *)(tmp + 8) = acc[r][1];
-            memcpy(Y + r * ldy, tmp, sizeof(float) * ncols);
-        }
-    }
+    bits |= (uint32_t)(h & 0x8000) << 16;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
 }
 
-/* Xp[t][k][6] = X[6t + r][k] for the B/6 full tiles. */
-static inline void es_pack_rows(const float *X, int64_t ldx, int64_t B, int E, float *Xp) {
-    for (int64_t t = 0; t < B / ES_MR; t++)
-        for (int k = 0; k < E; k++)
-            for (int r = 0; r < ES_MR; r++) Xp[(t * E + k) * ES_MR + r] = X[(t * ES_MR + r) * ldx + k];
-}
+/* ---- skinny GEMM over packed panels ------------------------------------------
+ * Packed layout: panel p holds columns [16p, 16p+16) of W^T as Wp[p][k][16] (zero padded
+ * past M); biasp is padded to a multiple of 16 the same way. Per-ISA copies follow:
+ * tiles of ES_MR rows x ES_TP panels (AVX2: 6 x 1 panel = 12 ymm accumulators; AVX-512:
+ * 8 x 2 panels = 16 zmm of 32), and one-row GEMVs over ES_GP panels at once. */
+#define ES_SFX baseline
+#define ES_TGT
+#define ES_VW 8
+#define ES_TP 1
+#define ES_MR 6
+#define ES_GP 4
+#define ES_F16C 0
+#include "engram_step_kern.h"
+#undef ES_SFX
+#undef ES_TGT
+#undef ES_VW
+#undef ES_TP
+#undef ES_MR
+#undef ES_GP
+#undef ES_F16C
+#if ES_X86_PATHS
+#define ES_SFX avx2
+#define ES_TGT ES_TARGET_AVX2
+#define ES_VW 8
+#define ES_TP 1
+#define ES_MR 6
+#define ES_GP 4
+#define ES_F16C 1
+#include "engram_step_kern.h"
+#undef ES_SFX
+#undef ES_TGT
+#undef ES_VW
+#undef ES_TP
+#undef ES_MR
+#undef ES_GP
+#undef ES_F16C
+#define ES_SFX avx512
+#define ES_TGT ES_TARGET_AVX512
+#define ES_VW 16
+#define ES_TP 2
+#define ES_MR 8
+#define ES_GP 8
+#define ES_F16C 1
+#include "engram_step_kern.h"
+#undef ES_SFX
+#undef ES_TGT
+#undef ES_VW
+#undef ES_TP
+#undef ES_MR
+#undef ES_GP
+#undef ES_F16C
+#endif
 
-/* One row (a GEMV): four independent accumulator pairs hide the FMA latency. */
-ES_INLINE void es_tile1(const float *x, const float *w, int E, const float *bias, float *y, int ncols) {
-    es_v8 a0 = *(const es_v8 *)bias, a1 = *(const es_v8 *)(bias + 8);
-    es_v8 c0 = {0}, c1 = {0}, d0 = {0}, d1 = {0}, f0 = {0}, f1 = {0};
-    int k = 0;
-    for (; k + 4 <= E; k += 4) {
-        const float *wk = w + 16 * (int64_t)k;
-        a0 += x[k] * *(const es_v8 *)(wk);
-        a1 += x[k] * *(const es_v8 *)(wk + 8);
-        c0 += x[k + 1] * *(const es_v8 *)(wk + 16);
-        c1 += x[k + 1] * *(const es_v8 *)(wk + 24);
-        d0 += x[k + 2] * *(const es_v8 *)(wk + 32);
-        d1 += x[k + 2] * *(const es_v8 *)(wk + 40);
-        f0 += x[k + 3] * *(const es_v8 *)(wk + 48);
-        f1 += x[k + 3] * *(const es_v8 *)(wk + 56);
-    }
-    for (; k < E; k++) {
-        a0 += x[k] * *(const es_v8 *)(w + 16 * (int64_t)k);
-        a1 += x[k] * *(const es_v8 *)(w + 16 * (int64_t)k + 8);
-    }
-    a0 += c0 + d0 + f0;
-    a1 += c1 + d1 + f1;
-    float tmp[ES_PANEL];
-    *(es_v8 *)tmp = a0;
-    *(es_v8 *)(tmp + 8) = a1;
-    memcpy(y, tmp, sizeof(float) * ncols);
-}
-
-/* A GEMV over four panels at once: four concurrent sequential streams keep more
- * memory requests in flight than one (measured: ~1.8x the bandwidth of one). */
-ES_INLINE void es_gemv4(const float *x, int E, const float *w, const float *bias, float *y) {
-    const int64_t PS = (int64_t)E * ES_PANEL; /* floats per panel */
-    es_v8 a0 = *(const es_v8 *)(bias), a1 = *(const es_v8 *)(bias + 8);
-    es_v8 b0 = *(const es_v8 *)(bias + 16), b1 = *(const es_v8 *)(bias + 24);
-    es_v8 c0 = *(const es_v8 *)(bias + 32), c1 = *(const es_v8 *)(bias + 40);
-    es_v8 d0 = *(const es_v8 *)(bias + 48), d1 = *(const es_v8 *)(bias + 56);
-    for (int k = 0; k < E; k++) {
-        const float xk = x[k];
-        const float *wk = w + 16 * (int64_t)k;
-        a0 += xk * *(const es_v8 *)(wk);
-        a1 += xk * *(const es_v8 *)(wk + 8);
-        b0 += xk * *(const es_v8 *)(wk + PS);
-        b1 += xk * *(const es_v8 *)(wk + PS + 8);
-        c0 += xk * *(const es_v8 *)(wk + 2 * PS);
-        c1 += xk * *(const es_v8 *)(wk + 2 * PS + 8);
-        d0 += xk * *(const es_v8 *)(wk + 3 * PS);
-        d1 += xk * *(const es_v8 *)(wk + 3 * PS + 8);
-    }
-    *(es_v8 *)(y) = a0; *(es_v8 *)(y + 8) = a1;
-    *(es_v8 *)(y + 16) = b0; *(es_v8 *)(y + 24) = b1;
-    *(es_v8 *)(y + 32) = c0; *(es_v8 *)(y + 40) = c1;
-    *(es_v8 *)(y + 48) = d0; *(es_v8 *)(y + 56) = d1;
+/* Rows per GEMM micro-tile of the running path (the packing of es_pack_rows). */
+static inline int es_gemm_mr(void) {
+#if ES_X86_PATHS
+    if (es_isa == ES_ISA_AVX512) return es_mr_avx512;
+    if (es_isa == ES_ISA_AVX2) return es_mr_avx2;
+#endif
+    return es_mr_baseline;
 }
 
 /* Y = X W^T + bias over the panels [p0, p1). X rows are ldx floats apart: keep ldx*4
  * off multiples of 4 KiB (the engine pads rows by 16 floats), else the rows of a tile
  * alias one L1 set (measured 1.3-1.6x slower). Xp: X's full tiles packed by
  * es_pack_rows, or NULL. */
-ES_CLONES static void es_gemm_range(const float *X, int64_t ldx, int64_t B, int E, const float *Wp,
-                                    const float *biasp, int M, float *Y, int p0, int p1, const float *Xp) {
-    int p = p0;
-    if (B == 1) { /* one row: stream the weights four panels at a time */
-        const int full = M / ES_PANEL < p1 ? M / ES_PANEL : p1;
-        for (; p + 4 <= full; p += 4)
-            es_gemv4(X, E, Wp + (int64_t)p * E * ES_PANEL, biasp + p * ES_PANEL, Y + p * ES_PANEL);
-    }
-    for (; p < p1; p++) { /* each panel is read from memory once; its row tiles reuse it from cache */
-        const float *w = Wp + (int64_t)p * E * ES_PANEL;
-        const float *bias = biasp + p * ES_PANEL;
-        int ncols = M - p * ES_PANEL < ES_PANEL ? M - p * ES_PANEL : ES_PANEL;
-        float *Yp = Y + p * ES_PANEL;
-        const float *pf = p + 1 < p1 ? w + (int64_t)E * ES_PANEL : 0;
-        int64_t b = 0;
-        if (Xp)
-            for (; b + ES_MR <= B; b += ES_MR, pf = 0)
-                es_tile(Xp + b * E, 1, ES_MR, w, E, bias, Yp + b * M, M, ncols, ES_MR, pf);
-        for (; b + ES_MR <= B; b += ES_MR, pf = 0)
-            es_tile(X + b * ldx, ldx, 1, w, E, bias, Yp + b * M, M, ncols, ES_MR, pf);
-        switch (B - b) {
-            case 5: es_tile(X + b * ldx, ldx, 1, w, E, bias, Yp + b * M, M, ncols, 5, pf); break;
-            case 4: es_tile(X + b * ldx, ldx, 1, w, E, bias, Yp + b * M, M, ncols, 4, pf); break;
-            case 3: es_tile(X + b * ldx, ldx, 1, w, E, bias, Yp + b * M, M, ncols, 3, pf); break;
-            case 2: es_tile(X + b * ldx, ldx, 1, w, E, bias, Yp + b * M, M, ncols, 2, pf); break;
-            case 1: es_tile1(X + b * ldx, w, E, bias, Yp + b * M, ncols); break;
-            default: break;
-        }
-    }
+static inline void es_gemm_range(const float *X, int64_t ldx, int64_t B, int E, const float *Wp,
+                                 const float *biasp, int M, float *Y, int p0, int p1, const float *Xp) {
+    ES_DISPATCH(es_gemm_range, (X, ldx, B, E, Wp, biasp, M, Y, p0, p1, Xp));
 }
 
-/* xpack: scratch of B*E floats for the packed rows (used from ES_PACK_MIN_ROWS rows), or NULL. */
+/* Xp[t][k][mr] = X[mr*t + r][k] for the B/mr full tiles. */
+static inline void es_pack_rows(const float *X, int64_t ldx, int64_t B, int E, float *Xp, int mr) {
+    for (int64_t t = 0; t < B / mr; t++)
+        for (int k = 0; k < E; k++)
+            for (int r = 0; r < mr; r++) Xp[(t * E + k) * mr + r] = X[(t * mr + r) * ldx + k];
+}
+
+/* Pack X into xpack (scratch of B*E floats) when it holds two tiles or more; else NULL. */
+static inline const float *es_maybe_pack(const float *X, int64_t ldx, int64_t B, int E, float *xpack) {
+    const int mr = es_gemm_mr();
+    if (!xpack || B < 2 * mr) return 0;
+    es_pack_rows(X, ldx, B, E, xpack, mr);
+    return xpack;
+}
+
+/* xpack: scratch of B*E floats for the packed rows, or NULL. */
 static inline void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const float *Wp,
                                   const float *biasp, int M, float *Y, float *xpack) {
-    if (xpack && B >= ES_PACK_MIN_ROWS) es_pack_rows(X, ldx, B, E, xpack);
-    else xpack = 0;
-    es_gemm_range(X, ldx, B, E, Wp, biasp, M, Y, 0, (M + ES_PANEL - 1) / ES_PANEL, xpack);
+    es_gemm_range(X, ldx, B, E, Wp, biasp, M, Y, 0, (M + ES_PANEL - 1) / ES_PANEL,
+                  es_maybe_pack(X, ldx, B, E, xpack));
 }
 
 /* The same split over threads by panel ranges (prefill: many rows, worth the thread
@@ -203,13 +179,12 @@ static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
     if (nthreads > np) nthreads = np;
     if (nthreads <= 1) { es_gemm_packed(X, ldx, B, E, Wp, biasp, M, Y, xpack); return; }
-    if (xpack && B >= ES_PACK_MIN_ROWS) es_pack_rows(X, ldx, B, E, xpack);
-    else xpack = 0;
+    const float *Xp = es_maybe_pack(X, ldx, B, E, xpack);
     es_gemm_job jobs[ES_MAX_THREADS];
     pthread_t tid[ES_MAX_THREADS];
     int started[ES_MAX_THREADS];
     for (int i = 0; i < nthreads; i++) {
-        es_gemm_job j = {X, Wp, biasp, xpack, Y, ldx, B, E, M, (int)((int64_t)np * i / nthreads),
+        es_gemm_job j = {X, Wp, biasp, Xp, Y, ldx, B, E, M, (int)((int64_t)np * i / nthreads),
                          (int)((int64_t)np * (i + 1) / nthreads)};
         jobs[i] = j;
     }
@@ -367,23 +342,14 @@ static inline void es_gather_f32(const float *table, int hd, const int64_t *rows
 }
 
 /* float16 tables (IEEE binary16 bits), widened to float32. */
-ES_CLONES static void es_gather_f16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) {
-    for (int j = 0; j < H; j++) {
-        const _Float16 *src = (const _Float16 *)(table + rows[j] * hd);
-        float *dst = e + (int64_t)j * hd;
-        for (int d = 0; d < hd; d++) dst[d] = (float)src[d];
-    }
+static inline void es_gather_f16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) {
+    ES_DISPATCH(es_gather_f16, (table, hd, rows, H, e));
 }
 
 /* int8 rows with one float32 scale per row: value = q * scale. */
-ES_CLONES static void es_gather_i8(const int8_t *table, const float *scale, int hd, const int64_t *rows,
-                                   int H, float *e) {
-    for (int j = 0; j < H; j++) {
-        const int8_t *src = table + rows[j] * hd;
-        const float s = scale[rows[j]];
-        float *dst = e + (int64_t)j * hd;
-        for (int d = 0; d < hd; d++) dst[d] = (float)src[d] * s;
-    }
+static inline void es_gather_i8(const int8_t *table, const float *scale, int hd, const int64_t *rows, int H,
+                                float *e) {
+    ES_DISPATCH(es_gather_i8, (table, scale, hd, rows, H, e));
 }
 
 /* ---- knowing rows early ------------------------------------------------------------ */

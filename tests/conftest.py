@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -29,3 +31,23 @@ def perturbed(model, rng):
         bias = w.proj_b + 0.2 * rng.standard_normal(w.proj_b.shape)
         layers[L] = w.replace(model.cfg, norm1=n1, norm2=n2, conv_norm=n3, proj_b=bias)
     return EngramModel(model.cfg, model.plan, layers)
+
+
+def _kernel_isas():
+    """Every kernel path this CPU runs (ENGRAM_STREAM_ISA, when set, names the only one)."""
+    forced = os.environ.get("ENGRAM_STREAM_ISA", "").strip().lower()
+    if forced:
+        return [forced]
+    from engram_stream._isa import supported_isas
+    return list(supported_isas())
+
+
+@pytest.fixture(scope="module", params=_kernel_isas())
+def each_isa(request):
+    """Run a module's tests once per kernel path (`pytestmark = pytest.mark.usefixtures("each_isa")`):
+    every path is held to the numpy oracle."""
+    from engram_stream import _isa
+    before = _isa.kernel_isa()
+    _isa.use_isa(request.param)
+    yield request.param
+    _isa.use_isa(before)

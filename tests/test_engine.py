@@ -31,6 +31,8 @@ from engram_stream import EngineSnapshot, EngramConfig, EngramModel
 from engram_stream.model import LayerWeights
 from conftest import perturbed, run_python
 
+pytestmark = pytest.mark.usefixtures("each_isa")  # every kernel path (tests/conftest.py)
+
 RTOL, ATOL = 2e-4, 2e-5
 # ENGRAM_HYPOTHESIS_EXAMPLES=1000 for a longer search (default 30 keeps the suite fast)
 HYP = settings(max_examples=int(os.environ.get("ENGRAM_HYPOTHESIS_EXAMPLES", 30)), deadline=None,

@@ -1,0 +1,67 @@
+/* engram_isa.h: which instruction set the kernels run, chosen once at import.
+ *
+ * Every hot kernel is compiled up to three times from one template (engram_step_kern.h,
+ * engram_hash_kern.h), each copy with its own __attribute__((target(...))):
+ *   ES_ISA_BASELINE  plain C + GCC vector extensions, any CPU (x86-64 SSE2, aarch64 NEON, ...)
+ *   ES_ISA_AVX2      AVX2 + FMA + F16C (x86-64-v3)
+ *   ES_ISA_AVX512    AVX-512 F/BW/VL/DQ (64-byte vectors) + the above
+ * A public kernel name (es_gemm_range, es_hash_window, ...) is a switch on es_isa, a
+ * per-extension static set by es_isa_set() from engram_stream/_isa.py, so the
+ * environment (ENGRAM_STREAM_ISA) and the tests can force any path the CPU supports.
+ * target_clones is not used: it cannot be forced, and needs glibc's ifunc (not musl).
+ * The x86 copies exist only where the compiler has target attributes (GCC, clang) on
+ * x86-64; elsewhere there is one copy, the baseline.
+ */
+#ifndef ENGRAM_ISA_H
+#define ENGRAM_ISA_H
+
+#define ES_ISA_BASELINE 0
+#define ES_ISA_AVX2 1
+#define ES_ISA_AVX512 2
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(ES_NO_X86_PATHS)
+#define ES_X86_PATHS 1
+#define ES_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define ES_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#else
+#define ES_X86_PATHS 0
+#endif
+
+/* The path every kernel of this extension runs (one static per translation unit). */
+static int es_isa = ES_ISA_BASELINE;
+
+/* The best level this CPU (and OS: the builtins check XCR0 for the AVX states) runs. */
+static inline int es_isa_cpu_best(void) {
+#if ES_X86_PATHS
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return ES_ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ES_ISA_AVX2;
+#endif
+    return ES_ISA_BASELINE;
+}
+
+/* Select a level; refused (-1, nothing changes) above what the CPU or this build runs. */
+static inline int es_isa_set(int level) {
+    if (level < ES_ISA_BASELINE || level > es_isa_cpu_best()) return -1;
+    es_isa = level;
+    return 0;
+}
+
+/* Call the copy of `name` (name_baseline, name_avx2, name_avx512) that es_isa selects. */
+#if ES_X86_PATHS
+#define ES_DISPATCH(name, args)                              \
+    do {                                                     \
+        switch (es_isa) {                                    \
+            case ES_ISA_AVX512: name##_avx512 args; break;   \
+            case ES_ISA_AVX2: name##_avx2 args; break;       \
+            default: name##_baseline args; break;            \
+        }                                                    \
+    } while (0)
+#else
+#define ES_DISPATCH(name, args) name##_baseline args
+#endif
+
+#endif /* ENGRAM_ISA_H */

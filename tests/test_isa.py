@@ -1,0 +1,136 @@
+"""The kernel path: kernel_isa(), ENGRAM_STREAM_ISA, and the portable pieces of the headers.
+
+The engine and hash tests themselves run on every path the CPU supports (the each_isa
+fixture of conftest.py); here: the switch, its refusals, and header portability."""
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import engram_stream
+from engram_stream import _isa
+from conftest import run_python
+
+INCLUDE = engram_stream.get_include()
+
+STEP_CHECK = """
+import numpy as np, engram_stream as es
+from engram_stream import EngramConfig, EngramModel
+cfg = EngramConfig(engram_vocab_size=[101, 103], max_ngram_size=3, n_embed_per_ngram=64, n_head_per_ngram=4,
+                   layer_ids=[1], kernel_size=3, hidden_size=48, hc_mult=2, vocab_size=60)
+m = EngramModel.init(cfg, seed=1)
+rng = np.random.default_rng(0)
+ids = rng.integers(0, 60, (1, 40)); h = rng.standard_normal((1, 40, 2, 48)).astype(np.float32)
+want = m.forward(1, ids, h)[0]
+got = m.stream(1).prefill(ids[0], h[0])
+print(es.kernel_isa(), bool(np.allclose(got, want, rtol=2e-4, atol=2e-5)))
+"""
+
+
+def test_kernel_isa_names_the_running_path():
+    assert engram_stream.kernel_isa() in _isa.ISA_NAMES
+    assert _isa.supported_isas()[0] == "baseline"
+    before = _isa.kernel_isa()
+    try:
+        for name in _isa.supported_isas():
+            _isa.use_isa(name)
+            assert engram_stream.kernel_isa() == name
+            assert engram_stream._engine._isa_get() == _isa.ISA_NAMES.index(name)  # every module follows
+    finally:
+        _isa.use_isa(before)
+
+
+@pytest.mark.parametrize("name", _isa.ISA_NAMES)
+def test_environment_forces_a_path(name):
+    env = dict(os.environ, ENGRAM_STREAM_ISA=name)
+    r = run_python(["-c", STEP_CHECK], env=env)
+    if name in _isa.supported_isas():
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split() == [name, "True"]
+    else:  # refused at import, saying why
+        assert r.returncode != 0 and "not supported by this CPU" in r.stderr
+
+
+def test_default_is_the_best_path():
+    env = {k: v for k, v in os.environ.items() if k != "ENGRAM_STREAM_ISA"}
+    r = run_python(["-c", "import engram_stream as es; print(es.kernel_isa())"], env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == _isa.supported_isas()[-1]
+
+
+def test_unknown_isa_refused_at_import():
+    env = dict(os.environ, ENGRAM_STREAM_ISA="sse9")
+    r = run_python(["-c", "import engram_stream"], env=env)
+    assert r.returncode != 0
+    assert "ENGRAM_STREAM_ISA='sse9'" in r.stderr and "baseline, avx2, avx512" in r.stderr
+
+
+def test_unsupported_isa_refused_state_unchanged(monkeypatch):
+    before = _isa.kernel_isa()
+    monkeypatch.setattr(_isa, "supported_isas", lambda: ("baseline",))
+    with pytest.raises(RuntimeError, match="not supported by this CPU"):
+        _isa.use_isa("avx2")
+    with pytest.raises(ValueError, match="unknown kernel ISA"):
+        _isa.use_isa("AVX-512")
+    assert _isa.kernel_isa() == before
+
+
+# ---- header portability ---------------------------------------------------------------
+
+HALF_PROGRAM = r"""
+#include <stdio.h>
+#include "engram_hash.h"
+#include "engram_step.h"
+int main(void) {
+    for (unsigned h = 0; h < 65536; h++) {
+        float f = es_half_to_float((uint16_t)h);
+        fwrite(&f, sizeof f, 1, stdout);
+    }
+    return 0;
+}
+"""
+
+
+def _cc():
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+@pytest.mark.skipif(_cc() is None, reason="no C compiler")
+def test_half_conversion_without_float16(tmp_path):
+    """The bit-level float16 fallback (compilers without _Float16) equals numpy on all 65536 values."""
+    src = tmp_path / "half.c"
+    src.write_text(HALF_PROGRAM)
+    exe = tmp_path / "half"
+    subprocess.run([_cc(), "-O2", "-DES_NO_FLOAT16", "-DES_NO_X86_PATHS", f"-I{INCLUDE}", str(src), "-o",
+                    str(exe), "-lm", "-lpthread"], check=True, capture_output=True)
+    got = np.frombuffer(subprocess.run([str(exe)], check=True, capture_output=True).stdout, np.float32)
+    want = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))  # signed zeros too
+
+
+def _compile_only(cc, *flags):
+    r = subprocess.run([cc, "-fsyntax-only", "-Wall", "-Werror", "-Wno-psabi", "-Wno-unused-function",
+                        *flags, f"-I{INCLUDE}", "-x", "c", "-"],
+                       input='#include "engram_hash.h"\n#include "engram_step.h"\nint main(void){return 0;}\n',
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+# .ci/run sets ENGRAM_STREAM_CI_TOOLCHAINS=1: there a missing compiler fails instead of skipping
+NEED_TOOLCHAINS = os.environ.get("ENGRAM_STREAM_CI_TOOLCHAINS") == "1"
+
+
+@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-gcc") is None and not NEED_TOOLCHAINS,
+                    reason="no aarch64 cross compiler (apt-get install gcc-aarch64-linux-gnu)")
+def test_headers_compile_for_aarch64():
+    _compile_only("aarch64-linux-gnu-gcc")
+
+
+@pytest.mark.skipif(shutil.which("clang") is None and not NEED_TOOLCHAINS, reason="no clang (apt-get install clang)")
+def test_headers_compile_with_clang():
+    _compile_only("clang")
+    _compile_only("clang", "-DES_NO_X86_PATHS")
