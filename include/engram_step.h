@@ -67,14 +67,15 @@ static inline float es_half_to_float(uint16_t h) {
 /* ---- skinny GEMM over packed panels ------------------------------------------
  * Packed layout: panel p holds columns [16p, 16p+16) of W^T as Wp[p][k][16] (zero padded
  * past M); biasp is padded to a multiple of 16 the same way. Per-ISA copies follow:
- * tiles of ES_MR rows x ES_TP panels (AVX2: 6 x 1 panel = 12 ymm accumulators; AVX-512:
- * 8 x 2 panels = 16 zmm of 32), and one-row GEMVs over ES_GP panels at once. */
-#define ES_SFX baseline
+ * tiles of ES_MR rows x ES_TP panels (baseline: 3 x 1 panel = 12 xmm accumulators of 16;
+ * AVX2: 6 x 1 panel = 12 ymm; AVX-512: 8 x 2 panels = 16 zmm of 32), and one-row GEMVs
+ * over ES_GP panels at once. */
+#define ES_SFX baseline /* 16-byte vectors: SSE2 / NEON registers (wider ones spill there) */
 #define ES_TGT
-#define ES_VW 8
+#define ES_VW 4
 #define ES_TP 1
-#define ES_MR 6
-#define ES_GP 4
+#define ES_MR 3
+#define ES_GP 2
 #define ES_F16C 0
 #include "engram_step_kern.h"
 #undef ES_SFX
