@@ -19,7 +19,7 @@ from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memcpy, memset
 from libc.math cimport sqrt
 
-from engram_stream._hash cimport es_compress, es_hash_window, es_isa, es_isa_set
+from engram_stream._hash cimport es_compress, es_hash_window, es_isa_now, es_isa_set
 from .model import check_hidden
 from .plan import as_ids
 
@@ -48,7 +48,7 @@ def _isa_set(int level):
 
 
 def _isa_get():
-    return es_isa
+    return es_isa_now()
 
 
 class EngineSnapshot:

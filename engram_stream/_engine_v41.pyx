@@ -18,7 +18,7 @@ cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.string cimport memcpy
 
-from engram_stream._hash cimport es_compress, es_hash_window, latch_window
+from engram_stream._hash cimport es_compress, es_hash_window, es_isa_now, es_isa_set, latch_window
 from . import engine_args as args
 from . import store
 from .plan import as_ids
@@ -50,6 +50,16 @@ def _default_isa() -> str:
 
 
 DEFAULT_ISA = _default_isa()
+
+
+def _isa_set(int level):
+    """The path of this module's shared kernels (the hash: include/engram_isa.h), kept with
+    the other modules' by engram_stream._isa; False if the CPU cannot run it."""
+    return es_isa_set(level) == 0
+
+
+def _isa_get():
+    return es_isa_now()
 
 
 class V41EngineSnapshot:

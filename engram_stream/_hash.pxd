@@ -31,6 +31,6 @@ cdef inline void latch_window(const int64_t *hist, int n, int64_t pad, int64_t *
 # The kernel path (include/engram_isa.h): one selector per extension module, set through
 # engram_stream._isa so that every extension runs the same path.
 cdef extern from "engram_isa.h" nogil:
-    int es_isa
+    int es_isa_now() noexcept
     int es_isa_set(int level) noexcept
     int es_isa_cpu_best() noexcept

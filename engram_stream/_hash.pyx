@@ -127,7 +127,7 @@ def _isa_set(int level):
 
 
 def _isa_get():
-    return es_isa
+    return es_isa_now()
 
 
 def _isa_cpu_best():

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 
-from . import _engine, _hash
+from . import _engine, _engine_v41, _hash
 
 ISA_NAMES = ("baseline", "avx2", "avx512")  # index = the C level (ES_ISA_*)
 ENV = "ENGRAM_STREAM_ISA"
-_modules = [_hash, _engine]  # every extension with dispatched kernels (see register)
+_modules = [_hash, _engine, _engine_v41]  # every extension with dispatched kernels (see register)
 
 
 def supported_isas() -> tuple:

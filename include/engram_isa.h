@@ -27,8 +27,9 @@
 #define ES_X86_PATHS 0
 #endif
 
-/* The path every kernel of this extension runs (one static per translation unit). */
-static int es_isa = ES_ISA_BASELINE;
+/* The path every kernel of this extension runs (one static per translation unit); -1
+ * until set: the first dispatch then takes the best the CPU runs. */
+static int es_isa = -1;
 
 /* The best level this CPU (and OS: the builtins check XCR0 for the AVX states) runs. */
 static inline int es_isa_cpu_best(void) {
@@ -50,11 +51,17 @@ static inline int es_isa_set(int level) {
     return 0;
 }
 
+/* The selected level (the best one if none was set yet). */
+static inline int es_isa_now(void) {
+    if (es_isa < 0) es_isa = es_isa_cpu_best();
+    return es_isa;
+}
+
 /* Call the copy of `name` (name_baseline, name_avx2, name_avx512) that es_isa selects. */
 #if ES_X86_PATHS
 #define ES_DISPATCH(name, args)                              \
     do {                                                     \
-        switch (es_isa) {                                    \
+        switch (es_isa_now()) {                                    \
             case ES_ISA_AVX512: name##_avx512 args; break;   \
             case ES_ISA_AVX2: name##_avx2 args; break;       \
             default: name##_baseline args; break;            \

@@ -121,8 +121,8 @@ static inline float es_half_to_float(uint16_t h) {
 /* Rows per GEMM micro-tile of the running path (the packing of es_pack_rows). */
 static inline int es_gemm_mr(void) {
 #if ES_X86_PATHS
-    if (es_isa == ES_ISA_AVX512) return es_mr_avx512;
-    if (es_isa == ES_ISA_AVX2) return es_mr_avx2;
+    if (es_isa_now() == ES_ISA_AVX512) return es_mr_avx512;
+    if (es_isa_now() == ES_ISA_AVX2) return es_mr_avx2;
 #endif
     return es_mr_baseline;
 }
