@@ -29,7 +29,6 @@ import os
 import stat
 import struct
 import sys
-import tempfile
 import warnings
 
 import numpy as np
@@ -246,30 +245,14 @@ def save_init(cfg: EngramConfig, path, seed=0, graft_zero_init=False, compressio
     return _write(cfg, plan, layers, path, table_dtype, progress, before_write)
 
 
-def _create_temp(path):
-    """(file, name): a new temp file beside `path`, `<name>.tmp-<pid>.<random>`, created
-    exclusively (O_EXCL: never another save's file, never a symlink planted at the name)."""
+def _temp_name(path) -> str:
+    """A fresh temp name beside `path`: `<name>.tmp-<pid>.<random>` (remove_stale_temps reads the pid)."""
     folder, base = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f"{base}.tmp-{os.getpid()}.", dir=folder)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 -> the mode open() would have given
-        return os.fdopen(fd, "wb"), tmp
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
+    return os.path.join(folder, f"{base}.tmp-{os.getpid()}.{os.urandom(8).hex()}")
 
 
-def _umask() -> int:
-    """This process's umask, read without changing it (os.umask can only set it)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
+# Exclusive: never another save's file, never a symlink planted at the name.
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _check_destination(path):
@@ -322,10 +305,9 @@ def _write(cfg, plan, layers, path, table_dtype, progress, before_write=None):
     if progress is None and total > BAR_MIN_BYTES and sys.stderr.isatty():
         progress = _Bar(path, total)
     _check_destination(path)
-    tmp = None
-    try:  # created inside the try: a signal right after creation still removes the temp file
-        f, tmp = _create_temp(path)
-        with f:
+    tmp = _temp_name(path)
+    try:  # from the open on: whatever stops us (SIGTERM in the CLI) removes the temp file
+        with os.fdopen(os.open(tmp, _TEMP_FLAGS, 0o666), "wb") as f:  # 0666 & ~umask, as open() gives
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
             done = 8 + len(header)
@@ -345,12 +327,12 @@ def _write(cfg, plan, layers, path, table_dtype, progress, before_write=None):
         _check_destination(path)  # again: it may have appeared while we wrote
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    except BaseException:
-        try:
-            if tmp is not None:
+    except BaseException as e:
+        if not (isinstance(e, FileExistsError) and e.filename == tmp):  # else not ours: left alone
+            try:
                 os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+            except FileNotFoundError:
+                pass
         raise
     return path
 

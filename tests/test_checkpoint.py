@@ -285,7 +285,7 @@ def test_concurrent_saves_to_one_path(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["m.st", "ref0.st", "ref1.st"]
 
 
-def test_save_never_follows_a_symlink_at_a_temp_name(tmp_path):
+def test_save_never_follows_a_symlink_at_a_temp_name(tmp_path, monkeypatch):
     """A symlink planted where a predictable temp name would be must not redirect the write."""
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
@@ -296,6 +296,14 @@ def test_save_never_follows_a_symlink_at_a_temp_name(tmp_path):
     assert victim.read_bytes() == b"precious"
     assert not os.path.islink(p) and checkpoint.load(p).cfg == CFG
     assert os.path.islink(tmp_path / f"m.st.tmp-{os.getpid()}")   # not ours: left alone
+    # Even at the very name save() picks, the link is not followed (O_EXCL | O_NOFOLLOW) nor removed.
+    planted = str(tmp_path / "m.st.tmp-planted")
+    os.symlink(victim, planted)
+    monkeypatch.setattr(checkpoint, "_temp_name", lambda path: planted)
+    with pytest.raises(FileExistsError):
+        _model(seed=2).save(p)
+    assert victim.read_bytes() == b"precious" and os.path.islink(planted)
+    assert checkpoint.load(p).cfg == CFG
 
 
 def test_save_refuses_a_destination_that_is_not_a_regular_file(tmp_path):
