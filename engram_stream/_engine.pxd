@@ -1,10 +1,11 @@
-# The streaming engine's C state. Kernels: include/engram_hash.h (integers) and
-# include/engram_step.h (floats); this class owns the buffers and the rules.
+# The streaming engine's state. Kernels: include/engram_hash.h (integers) and
+# include/engram_step.h (floats), both stateless; this class owns the state (typed
+# memoryviews) and the rules that move it (_engine.pyx: the one home of the ring rules).
 from libc.stdint cimport int64_t, int8_t, uint8_t, uint16_t
 
 cdef extern from "engram_step.h" nogil:
     ctypedef struct es_tail_params:
-        int G, D, K, dil, conv_len
+        int G, D, K
         float inv_sqrt_d
         const float *n1
         const float *n2
@@ -14,8 +15,8 @@ cdef extern from "engram_step.h" nogil:
                         int M, float *Y, float *xpack) noexcept
     void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const float *Wp,
                            const float *biasp, int M, float *Y, float *xpack, int nthreads) noexcept
-    void es_tail(const es_tail_params *P, const float *proj, const float *hid, float *ring,
-                 int64_t pos, float *out) noexcept
+    void es_tail(const es_tail_params *P, const float *proj, const float *hid, const float *const *taps,
+                 float *xdst, float *out) noexcept
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_f16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_prefetch_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n) noexcept
@@ -33,7 +34,6 @@ cdef class StreamEngine:
     cdef readonly object model
     cdef readonly object layer
     cdef readonly int n_streams
-    cdef object _keep              # the arrays the borrowed pointers below point into
     cdef object _fingerprint       # what a snapshot must match to be restored here
 
     # geometry
@@ -42,35 +42,41 @@ cdef class StreamEngine:
     cdef int64_t vocab, pad, C
     cdef int table_kind            # 0 float32, 1 float16, 2 int8 + per-row scale
 
-    # borrowed, read-only model data
-    cdef const int64_t *lookup     # NULL: identity compression
-    cdef const int64_t *mult
-    cdef const int64_t *primes
-    cdef const double *fp          # division-free mod constants (NULL: divide)
-    cdef const int64_t *offsets
-    cdef const char *table
-    cdef const float *table_scale
+    # borrowed, read-only model data: typed memoryviews taken once in __cinit__, shapes and
+    # dtypes checked there (the ENGRAM_STREAM_DEBUG build bounds-checks every index below)
+    cdef bint has_lookup           # False: identity compression (lookup is then empty)
+    cdef const int64_t[::1] lookup     # [vocab]
+    cdef const int64_t[::1] mult       # [n]
+    cdef const int64_t[::1] primes     # [H]
+    cdef const double[::1] fp          # [3H] division-free mod constants (empty: divide)
+    cdef const int64_t[::1] offsets    # [H]
+    cdef const uint8_t[:, ::1] table   # [rows, hd * itemsize]: the rows' bytes, any table dtype
+    cdef const float[::1] table_scale  # [rows] int8 tables (empty otherwise)
     cdef int64_t rowbytes          # bytes of one table row
-    cdef uint8_t *touched          # optional rows-touched bitmap (track_rows), borrowed
-    cdef object _touched_ref
-    cdef const float *wp           # packed projection panels
-    cdef const float *bp           # padded bias
+    cdef const float[:, :, ::1] wp     # [ceil(M/16), E, 16] packed projection panels
+    cdef const float[::1] bp           # [16*ceil(M/16)] padded bias
+    cdef const float[:, ::1] cw        # [K, C] conv taps, tap-major
+    cdef const float[:, ::1] n1, n2, n3  # [G, D] key, hidden and ShortConv RMSNorm weights
+    cdef uint8_t[::1] touched      # optional rows-touched bitmap (track_rows), borrowed
+    cdef bint tracking
     cdef es_tail_params tp
 
-    # owned state, per stream
-    cdef int64_t *hist             # [S, n-1] last compressed ids, most recent first
-    cdef float *ring               # [S, conv_len, C] normalized values (the conv state)
-    cdef int64_t *pos              # [S] ring slot of the oldest value
-    cdef int64_t *seen             # [S] tokens processed since reset
+    # owned state, per stream (the ring rules that move it: _engine.pyx)
+    cdef int64_t[:, ::1] hist          # [S, n-1] last compressed ids, most recent first
+    cdef float[:, :, ::1] conv_state   # [S, conv_len, C] normalized values x; pos[s] = the oldest
+    cdef int64_t[::1] pos              # [S] conv_state slot of the oldest value (where x(t) goes)
+    cdef int64_t[::1] seen             # [S] tokens processed since reset
+    cdef int64_t[:, ::1] last_rows     # [S, H] absolute table rows of the last fed token (-1: none)
 
-    # owned scratch
+    # owned scratch (malloc'd: it holds nothing between calls, is grown with realloc for
+    # prefill under the one-owner guard, and is only handed to the C kernels as pointers)
     cdef int64_t cap               # rows the scratch holds (n_streams, grown for prefill)
-    cdef int64_t *rbuf             # [cap, H] absolute table rows
+    cdef int64_t *rbuf             # [cap, H] absolute table rows (prefill chunks)
     cdef float *ebuf               # [cap, ldx] gathered rows
     cdef float *ybuf               # [cap, M] projections
     cdef float *pbuf               # [cap, E] gathered rows packed in 6-row tiles for the GEMM
+    cdef const float **taps        # [K-1] the conv_state rows the taps of one token read
     cdef bint pending              # feed() done, compute() not yet
-    cdef int64_t tok1              # a scalar token id of a single-stream call
     cdef bint busy                 # a call is running (one owner at a time)
     cdef public int prefill_threads  # threads for prefill's GEMMs (default: the machine's cores)
 
@@ -84,4 +90,3 @@ cdef class StreamEngine:
     cdef void _reset_stream(self, int64_t s) noexcept nogil
     cdef void _reset_all(self) noexcept nogil
     cdef _enter(self)
-    cdef const int64_t *_id_ptr(self, ids, bint single)

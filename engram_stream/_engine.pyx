@@ -1,13 +1,17 @@
 # cython: language_level=3
 """StreamEngine: one Engram layer decoded token by token, O(1) per token.
 
-Per stream it keeps a ring of the last max_ngram-1 compressed ids (the hash
-window) and the last (K-1)*max_ngram normalized values (the dilated conv state),
-both in C buffers owned here. A step hashes, gathers H table rows, runs the G+1
-projections as one skinny GEMM over pre-packed weights, then the gate, value and
-conv tail: all without the GIL, with no allocation when `out=` is given. Every
-check happens before any state changes, so a rejected call leaves the engine as
-it was. The oracle it is tested against token by token: EngramModel.forward.
+Per stream it keeps the last max_ngram-1 compressed ids (the hash window) and the
+last (K-1)*max_ngram normalized values (the dilated conv state), as typed memoryviews
+owned by the engine. A step hashes, gathers H table rows, runs the G+1 projections as
+one skinny GEMM over pre-packed weights, then the gate, value and conv tail: all
+without the GIL, with no allocation when `out=` is given. Every check happens before
+any state changes, so a rejected call leaves the engine as it was. The oracle it is
+tested against token by token: EngramModel.forward.
+
+This file is the one home of the state's rules (DESIGN.md, "The streaming engine"):
+which conv_state slot each tap reads, where x(t) goes, how pos advances, what reset and
+restore do. The C headers only do stateless vector math on the pointers given here.
 """
 import hashlib
 import os
@@ -16,23 +20,34 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int64_t, int8_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc, realloc
-from libc.string cimport memcpy, memset
 from libc.math cimport sqrt
 
-from engram_stream._hash cimport es_compress, es_hash_window, es_isa_now, es_isa_set
+from engram_stream._hash cimport es_hash_window, es_isa_now, es_isa_set
+from engram_stream._consts cimport ES_MAX_KERNEL_SIZE, ES_MAX_NGRAM, ES_PREFILL_CHUNK
 from .model import check_hidden
 from .plan import as_ids
 
 cnp.import_array()
 
-PREFILL_CHUNK = 128  # prompt tokens per GEMM in prefill(): scratch stays ~ 128 x (E + M) floats
+PREFILL_CHUNK = ES_PREFILL_CHUNK  # prompt tokens per GEMM in prefill() (include/engram_consts.h)
 
-cdef enum:
-    MAX_NGRAM = 64
+_EMPTY_I64 = np.empty(0, np.int64)      # stands in for an absent lookup
+_EMPTY_F64 = np.empty(0, np.float64)    # ... absent division-free mod constants
+_EMPTY_F32 = np.empty(0, np.float32)    # ... absent int8 row scales
 
 
 cdef inline const char *_data(cnp.ndarray a):
     return <const char *> cnp.PyArray_DATA(a)
+
+
+def _view(a, dtype, shape, what):
+    """`a` as a read-only C-contiguous array of exactly this dtype and shape (no copy), for
+    the engine's typed memoryviews: anything else is a broken model, refused here."""
+    if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.shape == tuple(shape)
+            and a.flags.c_contiguous):
+        raise ValueError(f"{what}: expected a C-contiguous {np.dtype(dtype).name} array of shape "
+                         f"{tuple(shape)}, got {getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+    return a
 
 
 cdef inline void *_alloc(size_t nbytes) except NULL:
@@ -52,20 +67,22 @@ def _isa_get():
 
 
 class EngineSnapshot:
-    """A copy of an engine's per-stream state (hash windows, conv rings, positions).
+    """A copy of an engine's per-stream state: hash windows (hist), conv state (ring),
+    positions (pos), tokens seen (seen) and the last token's rows (rows; None: unknown).
 
     Restorable into the engine it came from or any engine of the same layer, config
     and stream count (speculative decoding: snapshot, try tokens, restore)."""
 
-    def __init__(self, fingerprint, hist, ring, pos, seen):
+    def __init__(self, fingerprint, hist, ring, pos, seen, rows=None):
         self.fingerprint = fingerprint
-        self.hist, self.ring, self.pos, self.seen = hist, ring, pos, seen
-        for a in (hist, ring, pos, seen):
-            a.flags.writeable = False
+        self.hist, self.ring, self.pos, self.seen, self.rows = hist, ring, pos, seen, rows
+        for a in (hist, ring, pos, seen, rows):
+            if isinstance(a, np.ndarray):
+                a.flags.writeable = False
 
     @property
     def nbytes(self):
-        return self.hist.nbytes + self.ring.nbytes + self.pos.nbytes + self.seen.nbytes
+        return sum(a.nbytes for a in (self.hist, self.ring, self.pos, self.seen, self.rows) if a is not None)
 
     def __repr__(self):
         return f"EngineSnapshot(layer={self.fingerprint[0]}, n_streams={self.fingerprint[2]}, {self.nbytes} bytes)"
@@ -82,8 +99,9 @@ cdef class StreamEngine:
 
     Inputs: ids are integers (< vocab_size; negative ids pass through uncompressed).
     hidden is float32 C-contiguous for the zero-copy path; float64/float16 or strided
-    arrays are converted (one copy). `out` must be float32, C-contiguous, writeable.
-    One engine has one owner: a call while another is running raises RuntimeError.
+    arrays are converted (one copy). `out` must be float32, C-contiguous, writeable and
+    must not overlap `hidden`. One engine has one owner: a call while another is running
+    raises RuntimeError.
     """
 
     def __cinit__(self, model, layer, int n_streams=1):
@@ -100,61 +118,66 @@ cdef class StreamEngine:
         self.n, self.nh, self.K = cfg.max_ngram_size, cfg.n_head_per_ngram, cfg.kernel_size
         self.conv_len = cfg.conv_len
         self.vocab, self.pad = cfg.vocab_size, plan.pad_id
-        if self.n > MAX_NGRAM:
-            raise ValueError(f"max_ngram_size > {MAX_NGRAM} is not supported by the engine")
+        if self.n > ES_MAX_NGRAM or self.K > ES_MAX_KERNEL_SIZE:  # EngramConfig refuses these already
+            raise ValueError(f"max_ngram_size <= {ES_MAX_NGRAM} and kernel_size <= {ES_MAX_KERNEL_SIZE} "
+                             f"are what the engine supports")
 
+        # The borrowed model arrays, taken once as typed memoryviews (shape and dtype checked).
+        cdef int64_t rows = plan.table_rows[layer], P = (self.M + 15) // 16
         wp, bp, cw = w.packed()
         table = w.table
-        if not (isinstance(table, np.ndarray) and table.flags.c_contiguous
-                and table.shape == (plan.table_rows[layer], self.hd)):
-            raise ValueError(f"layer {layer}: table must be a C-contiguous [{plan.table_rows[layer]}, {self.hd}] array")
-        scale = w.table_scale
-        if table.dtype == np.float32:
-            self.table_kind = 0
-        elif table.dtype == np.float16:
-            self.table_kind = 1
-        elif table.dtype == np.int8 and scale is not None:
-            self.table_kind = 2
-            scale = np.ascontiguousarray(scale, dtype=np.float32)
-            self.table_scale = <const float *> _data(scale)
-        else:
-            raise ValueError(f"layer {layer}: unsupported table dtype {table.dtype}")
-        lookup = plan.lookup
-        mult, primes, offsets = plan.multipliers[layer], plan.head_primes[layer], w.offsets
-        fp = plan.head_fp[layer]
-        self._keep = (wp, bp, cw, table, scale, lookup, mult, primes, offsets,
-                      w.norm1, w.norm2, w.conv_norm, fp)
-        self.fp = NULL if fp is None else <const double *> _data(fp)
-        self.lookup = NULL if lookup is None else <const int64_t *> _data(lookup)
-        self.mult = <const int64_t *> _data(mult)
-        self.primes = <const int64_t *> _data(primes)
-        self.offsets = <const int64_t *> _data(offsets)
-        self.table = _data(table)
+        if not isinstance(table, np.ndarray) or table.dtype not in (np.float32, np.float16, np.int8):
+            raise ValueError(f"layer {layer}: unsupported table {type(table).__name__} "
+                             f"{getattr(table, 'dtype', '')}")
+        _view(table, table.dtype, (rows, self.hd), f"layer {layer} table")
+        self.table_kind = 0 if table.dtype == np.float32 else 1 if table.dtype == np.float16 else 2
+        scale = _EMPTY_F32
+        if self.table_kind == 2:
+            if w.table_scale is None:
+                raise ValueError(f"layer {layer}: an int8 table needs its per-row table_scale")
+            scale = _view(np.ascontiguousarray(w.table_scale, dtype=np.float32), np.float32, (rows,),
+                          f"layer {layer} table_scale")
         self.rowbytes = self.hd * table.dtype.itemsize
-        self.wp = <const float *> _data(wp)
-        self.bp = <const float *> _data(bp)
+        self.table = table.view(np.uint8)                      # [rows, rowbytes]
+        self.table_scale = scale
+        self.has_lookup = plan.lookup is not None
+        self.lookup = _view(plan.lookup, np.int64, (self.vocab,), "plan.lookup") if self.has_lookup else _EMPTY_I64
+        self.mult = _view(plan.multipliers[layer], np.int64, (self.n,), f"plan.multipliers[{layer}]")
+        self.primes = _view(plan.head_primes[layer], np.int64, (self.H,), f"plan.head_primes[{layer}]")
+        fp = plan.head_fp[layer]
+        self.fp = _EMPTY_F64 if fp is None else _view(fp, np.float64, (3 * self.H,), f"plan.head_fp[{layer}]")
+        self.offsets = _view(w.offsets, np.int64, (self.H,), f"layer {layer} offsets")
+        self.wp = _view(wp, np.float32, (P, self.E, 16), f"layer {layer} packed weights")
+        self.bp = _view(bp, np.float32, (P * 16,), f"layer {layer} packed bias")
+        self.cw = _view(cw, np.float32, (self.K, self.C), f"layer {layer} conv taps")
+        self.n1 = _view(w.norm1, np.float32, (self.G, self.D), f"layer {layer} norm1")
+        self.n2 = _view(w.norm2, np.float32, (self.G, self.D), f"layer {layer} norm2")
+        self.n3 = _view(w.conv_norm, np.float32, (self.G, self.D), f"layer {layer} conv_norm")
         self.tp.G, self.tp.D, self.tp.K = self.G, self.D, self.K
-        self.tp.dil, self.tp.conv_len = self.n, self.conv_len
         self.tp.inv_sqrt_d = <float> (1.0 / sqrt(<double> self.D))
-        self.tp.n1 = <const float *> _data(w.norm1)
-        self.tp.n2 = <const float *> _data(w.norm2)
-        self.tp.n3 = <const float *> _data(w.conv_norm)
-        self.tp.cw = <const float *> _data(cw)
+        self.tp.n1 = &self.n1[0, 0]
+        self.tp.n2 = &self.n2[0, 0]
+        self.tp.n3 = &self.n3[0, 0]
+        self.tp.cw = &self.cw[0, 0]
         self.prefill_threads = max(1, min(8, os.cpu_count() or 1))
-        self._fingerprint = (layer, cfg.to_json(), n_streams, mult.tobytes(),
-                             None if lookup is None else hashlib.sha1(lookup.tobytes()).hexdigest())
+        self._fingerprint = (layer, cfg.to_json(), n_streams, np.asarray(self.mult).tobytes(),
+                             hashlib.sha1(np.asarray(self.lookup).tobytes()).hexdigest()
+                             if self.has_lookup else None)
 
+        # Owned state (set to the before-any-token state by _reset_all).
         cdef int64_t S = n_streams
-        self.hist = <int64_t *> _alloc(S * (self.n - 1) * sizeof(int64_t))
-        self.ring = <float *> _alloc(S * self.conv_len * self.C * sizeof(float))
-        self.pos = <int64_t *> _alloc(S * sizeof(int64_t))
-        self.seen = <int64_t *> _alloc(S * sizeof(int64_t))
+        self.hist = np.empty((S, self.n - 1), dtype=np.int64)
+        self.conv_state = np.empty((S, self.conv_len, self.C), dtype=np.float32)
+        self.pos = np.empty(S, dtype=np.int64)
+        self.seen = np.empty(S, dtype=np.int64)
+        self.last_rows = np.empty((S, self.H), dtype=np.int64)
+        # The tap list is heap scratch: nothing sized from the config goes on the C stack.
+        self.taps = <const float **> _alloc((self.K - 1) * sizeof(float *))
         self._grow(S)
         self._reset_all()
 
     def __dealloc__(self):
-        free(self.hist); free(self.ring); free(self.pos); free(self.seen)
-        free(self.rbuf); free(self.ebuf); free(self.ybuf); free(self.pbuf)
+        free(self.rbuf); free(self.ebuf); free(self.ybuf); free(self.pbuf); free(self.taps)
 
     cdef int _grow(self, int64_t cap) except -1:
         """Scratch for `cap` rows; done before any state changes (a MemoryError is clean)."""
@@ -183,7 +206,7 @@ cdef class StreamEngine:
         return (f"StreamEngine(layer={self.layer}, n_streams={self.n_streams}, G={self.G}, D={self.D}, "
                 f"H={self.H}x{self.hd}, conv_len={self.conv_len})")
 
-    # ---- nogil pieces --------------------------------------------------------------------
+    # ---- the state's rules, nogil ---------------------------------------------------------
     cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil:
         cdef int64_t i
         for i in range(n):
@@ -193,34 +216,87 @@ cdef class StreamEngine:
 
     cdef void _hash_one(self, int64_t s, int64_t token, int64_t *rows) noexcept nogil:
         """rows[H] = absolute table rows of `token` on stream s; pushes it into the window."""
-        cdef int64_t win[MAX_NGRAM]
-        cdef int64_t *h = self.hist + s * (self.n - 1)
+        cdef int64_t win[ES_MAX_NGRAM]  # a fixed bound (the config's), not a size from the config
         cdef int k, j
-        win[0] = es_compress(token, self.lookup)
+        # compression: lookup[id] for id >= 0, negative ids pass through (DESIGN 1.1)
+        win[0] = self.lookup[token] if (self.has_lookup and token >= 0) else token
         for k in range(1, self.n):
-            win[k] = h[k - 1]
-        es_hash_window(win, self.mult, self.n, self.nh, self.primes, self.fp, rows)
+            win[k] = self.hist[s, k - 1]
+        es_hash_window(win, &self.mult[0], self.n, self.nh, &self.primes[0],
+                       &self.fp[0] if self.fp.shape[0] else NULL, rows)
         for j in range(self.H):
             rows[j] += self.offsets[j]
-        if self.touched != NULL:
-            es_mark_rows(self.touched, rows, self.H)
+        if self.tracking:
+            es_mark_rows(&self.touched[0], rows, self.H)
+        # the id window: newest first, the oldest falls off
         for k in range(self.n - 2, 0, -1):
-            h[k] = h[k - 1]
-        h[0] = win[0]
+            self.hist[s, k] = self.hist[s, k - 1]
+        self.hist[s, 0] = win[0]
 
     cdef void _gather(self, const int64_t *rows, float *e) noexcept nogil:
+        cdef const uint8_t *t = &self.table[0, 0]
         if self.table_kind == 0:
-            es_gather_f32(<const float *> self.table, self.hd, rows, self.H, e)
+            es_gather_f32(<const float *> t, self.hd, rows, self.H, e)
         elif self.table_kind == 1:
-            es_gather_f16(<const uint16_t *> self.table, self.hd, rows, self.H, e)
+            es_gather_f16(<const uint16_t *> t, self.hd, rows, self.H, e)
         else:
-            es_gather_i8(<const int8_t *> self.table, self.table_scale, self.hd, rows, self.H, e)
+            es_gather_i8(<const int8_t *> t, &self.table_scale[0], self.hd, rows, self.H, e)
 
     cdef void _tail(self, int64_t s, const float *proj, const float *hid, float *out) noexcept nogil:
-        es_tail(&self.tp, proj, hid, self.ring + s * self.conv_len * self.C, self.pos[s], out)
-        if self.conv_len:
-            self.pos[s] = (self.pos[s] + 1) % self.conv_len
+        """Gate, value and ShortConv of one token of stream s, and the conv ring's move.
+
+        The ring: conv_state[s] holds the last conv_len = (K-1)*dil values x of stream s
+        (dil = max_ngram_size); slot pos[s] holds the oldest, x(t - conv_len), and slot
+        (pos - j) mod conv_len holds x(t - j). Tap i < K-1 reads x(t - (K-1-i)*dil); tap
+        K-1 is x(t) itself. x(t) overwrites the oldest slot (tap 0 reads it first: es_tail
+        reads every element before writing it), then pos advances by one."""
+        cdef int64_t L = self.conv_len, p = 0, i
+        cdef float *xdst = NULL
+        if L:
+            p = self.pos[s]
+            for i in range(self.K - 1):
+                self.taps[i] = &self.conv_state[s, (p + L - (self.K - 1 - i) * self.n) % L, 0]
+            xdst = &self.conv_state[s, p, 0]
+        es_tail(&self.tp, proj, hid, self.taps, xdst, out)
+        if L:
+            self.pos[s] = (p + 1) % L
         self.seen[s] += 1
+
+    cdef void _reset_stream(self, int64_t s) noexcept nogil:
+        """Stream s as before any token: pads in the window, zeros in the conv state (x before
+        t = 0 is 0), pos at slot 0, no rows."""
+        cdef int64_t k, j, c
+        for k in range(self.n - 1):
+            self.hist[s, k] = self.pad
+        for j in range(self.conv_len):
+            for c in range(self.C):
+                self.conv_state[s, j, c] = 0
+        for k in range(self.H):
+            self.last_rows[s, k] = -1
+        self.pos[s] = 0
+        self.seen[s] = 0
+
+    cdef void _reset_all(self) noexcept nogil:
+        cdef int64_t s
+        for s in range(self.n_streams):
+            self._reset_stream(s)
+        self.pending = False
+
+    cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil:
+        cdef int64_t b
+        for b in range(self.n_streams):
+            self._hash_one(b, ids[b], &self.last_rows[b, 0])
+        es_prefetch_rows(<const char *> &self.table[0, 0], self.rowbytes, &self.last_rows[0, 0],
+                         self.n_streams * self.H)
+
+    cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:
+        cdef int64_t b, S = self.n_streams
+        for b in range(S):
+            self._gather(&self.last_rows[b, 0], self.ebuf + b * self.ldx)
+        es_gemm_packed(self.ebuf, self.ldx, S, self.E, &self.wp[0, 0, 0], &self.bp[0], self.M, self.ybuf,
+                       self.pbuf)
+        for b in range(S):
+            self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
 
     # ---- argument checks (all before any state changes) -------------------------------------
     cdef _enter(self):
@@ -243,26 +319,26 @@ cdef class StreamEngine:
             raise ValueError(f"expected {self.n_streams} token ids (one per stream), got {ids.shape[0]}")
         return ids, False
 
-    cdef const int64_t *_id_ptr(self, ids, bint single):
-        """The ids as a C pointer: into the [S] array, or to a scalar id kept in the engine."""
-        if single:
-            self.tok1 = ids
-            return &self.tok1
-        return <const int64_t *> _data(ids)
-
     def _hidden(self, hidden, shape):
         if (type(hidden) is np.ndarray and hidden.dtype == np.float32
                 and hidden.flags.c_contiguous and hidden.shape == shape):
             return hidden
         return check_hidden(hidden, shape)
 
-    def _out(self, out, shape):
+    def _out(self, out, shape, cnp.ndarray h):
+        """A fresh output, or `out` checked: float32, C-contiguous, writeable, the shape, and
+        no byte shared with the hidden state the call reads (a stream's output is written
+        while later streams' hidden is still to be read)."""
         if out is None:
             return np.empty(shape, dtype=np.float32)
         if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous
                 and out.flags.writeable and out.shape == shape):
             raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
                              f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
+        cdef const char *o0 = _data(out)
+        cdef const char *h0 = _data(h)
+        if o0 < h0 + cnp.PyArray_NBYTES(h) and h0 < o0 + cnp.PyArray_NBYTES(<cnp.ndarray> out):
+            raise ValueError("out must not overlap hidden: pass another array (or out=None)")
         return out
 
     def _bad_id(self, cnp.ndarray ids, int64_t i):
@@ -276,9 +352,12 @@ cdef class StreamEngine:
         cdef object shape = (self.n_streams, self.G, self.D)
         if single:
             shape = (self.G, self.D)
-        cdef const int64_t *pid = self._id_ptr(ids, single)
         h = self._hidden(hidden, shape)
-        o = self._out(out, shape)
+        o = self._out(out, shape, h)
+        cdef int64_t tok = ids if single else 0  # a scalar id lives in this call, not in the engine
+        cdef const int64_t *pid = &tok
+        if not single:
+            pid = <const int64_t *> _data(ids)
         cdef const float *ph = <const float *> _data(h)
         cdef float *po = <float *> _data(o)
         cdef int64_t bad
@@ -297,25 +376,14 @@ cdef class StreamEngine:
             raise self._bad_id(ids, bad)
         return o
 
-    cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil:
-        cdef int64_t b
-        for b in range(self.n_streams):
-            self._hash_one(b, ids[b], self.rbuf + b * self.H)
-        es_prefetch_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H)
-
-    cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:
-        cdef int64_t b, S = self.n_streams
-        for b in range(S):
-            self._gather(self.rbuf + b * self.H, self.ebuf + b * self.ldx)
-        es_gemm_packed(self.ebuf, self.ldx, S, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf)
-        for b in range(S):
-            self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
-
     def feed(self, token_ids):
         """First half of a step: compress and hash the new token(s), advance the hash windows.
         The rows (`.rows`) are then known before the layer runs; compute() finishes the step."""
         ids, single = self._ids(token_ids)
-        cdef const int64_t *pid = self._id_ptr(ids, single)
+        cdef int64_t tok = ids if single else 0
+        cdef const int64_t *pid = &tok
+        if not single:
+            pid = <const int64_t *> _data(ids)
         cdef int64_t bad
         self._enter()
         try:
@@ -337,7 +405,7 @@ cdef class StreamEngine:
         if self.n_streams == 1 and np.ndim(hidden) == 2:
             shape = (self.G, self.D)
         h = self._hidden(hidden, shape)
-        o = self._out(out, shape)
+        o = self._out(out, shape, h)
         cdef const float *ph = <const float *> _data(h)
         cdef float *po = <float *> _data(o)
         self._enter()
@@ -353,10 +421,9 @@ cdef class StreamEngine:
 
     @property
     def rows(self):
-        """int64[S, H]: absolute table rows of the last fed token of every stream."""
-        cdef cnp.ndarray r = np.empty((self.n_streams, self.H), dtype=np.int64)
-        memcpy(cnp.PyArray_DATA(r), self.rbuf, self.n_streams * self.H * sizeof(int64_t))
-        return r
+        """int64[S, H]: absolute table rows of the last token fed to each stream (by step, feed
+        or the last token of a prefill); -1 for a stream with no token since its reset."""
+        return np.array(self.last_rows, dtype=np.int64)
 
     def prefetch(self):
         """After feed(): madvise(WILLNEED) the pages of the fed rows, so a file-backed table
@@ -367,10 +434,10 @@ cdef class StreamEngine:
             if not self.pending:
                 raise RuntimeError("prefetch() needs feed(token_ids) first")
             with nogil:
-                failed = es_advise_rows(self.table, self.rowbytes, self.rbuf, self.n_streams * self.H,
-                                        MADV_WILLNEED)
+                failed = es_advise_rows(<const char *> &self.table[0, 0], self.rowbytes, &self.last_rows[0, 0],
+                                        self.n_streams * self.H, MADV_WILLNEED)
                 if self.table_kind == 2:  # int8 rows: their scales live on other pages
-                    failed += es_advise_rows(<const char *> self.table_scale, 4, self.rbuf,
+                    failed += es_advise_rows(<const char *> &self.table_scale[0], 4, &self.last_rows[0, 0],
                                              self.n_streams * self.H, MADV_WILLNEED)
         finally:
             self.busy = False
@@ -386,11 +453,8 @@ cdef class StreamEngine:
             raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
         self._enter()
         try:
-            if bitmap is None:
-                self.touched, self._touched_ref = NULL, None
-            else:
-                self._touched_ref = bitmap
-                self.touched = <uint8_t *> cnp.PyArray_DATA(bitmap)
+            self.tracking = bitmap is not None
+            self.touched = bitmap
         finally:
             self.busy = False
 
@@ -405,14 +469,14 @@ cdef class StreamEngine:
         a = as_ids(ids, 1, "ids")
         cdef int64_t T = a.shape[0]
         h = self._hidden(hidden, (T, self.G, self.D))
-        o = self._out(out, (T, self.G, self.D))
+        o = self._out(out, (T, self.G, self.D), h)
         self._check_stream(stream)
         cdef int64_t s = stream
-        cdef int64_t chunk = min(T, PREFILL_CHUNK)
+        cdef int64_t chunk = min(T, ES_PREFILL_CHUNK)
         cdef const int64_t *pid = <const int64_t *> _data(a)
         cdef const float *ph = <const float *> _data(h)
         cdef float *po = <float *> _data(o)
-        cdef int64_t bad = -1, t0, i, nb
+        cdef int64_t bad = -1, t0, i, j, nb = 0
         self._enter()
         try:
             if self.pending:
@@ -427,12 +491,15 @@ cdef class StreamEngine:
                         for i in range(nb):
                             self._hash_one(s, pid[t0 + i], self.rbuf + i * self.H)
                             self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)
-                        es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, self.wp, self.bp, self.M, self.ybuf, self.pbuf,
-                                          self.prefill_threads if nb >= 32 else 1)
+                        es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], &self.bp[0],
+                                          self.M, self.ybuf, self.pbuf, self.prefill_threads if nb >= 32 else 1)
                         for i in range(nb):
                             self._tail(s, self.ybuf + i * self.M, ph + (t0 + i) * self.C,
                                        po + (t0 + i) * self.C)
                         t0 += nb
+                    if T:  # the stream's rows are now those of the prompt's last token
+                        for j in range(self.H):
+                            self.last_rows[s, j] = self.rbuf[(nb - 1) * self.H + j]
         finally:
             self.busy = False
         if bad >= 0:
@@ -444,20 +511,6 @@ cdef class StreamEngine:
             raise TypeError(f"stream must be an int, got {type(stream).__name__}")
         if not 0 <= stream < self.n_streams:
             raise IndexError(f"stream {stream} out of range for an engine with {self.n_streams} streams")
-
-    cdef void _reset_stream(self, int64_t s) noexcept nogil:
-        cdef int k
-        for k in range(self.n - 1):
-            self.hist[s * (self.n - 1) + k] = self.pad
-        memset(self.ring + s * self.conv_len * self.C, 0, self.conv_len * self.C * sizeof(float))
-        self.pos[s] = 0
-        self.seen[s] = 0
-
-    cdef void _reset_all(self) noexcept nogil:
-        cdef int64_t s
-        for s in range(self.n_streams):
-            self._reset_stream(s)
-        self.pending = False
 
     def reset(self, stream=None):
         """Forget the history of one stream (or of all): back to the state before any token."""
@@ -478,36 +531,30 @@ cdef class StreamEngine:
     @property
     def tokens_seen(self):
         """int64[S]: tokens processed per stream since its last reset."""
-        cdef cnp.ndarray r = np.empty(self.n_streams, dtype=np.int64)
-        memcpy(cnp.PyArray_DATA(r), self.seen, self.n_streams * sizeof(int64_t))
-        return r
+        return np.array(self.seen, dtype=np.int64)
 
     @property
     def state_nbytes(self):
-        """Bytes of per-stream state (windows, conv rings, positions)."""
-        return self.n_streams * ((self.n - 1) * 8 + self.conv_len * self.C * 4 + 16)
+        """Bytes of per-stream state (windows, conv state, positions, rows)."""
+        return self.n_streams * ((self.n - 1) * 8 + self.conv_len * self.C * 4 + 16 + self.H * 8)
 
     def snapshot(self):
         """A copy of every stream's state, for restore() (speculative decoding rollback)."""
-        cdef int64_t S = self.n_streams
-        hist = np.empty((S, self.n - 1), dtype=np.int64)
-        ring = np.empty((S, self.conv_len, self.C), dtype=np.float32)
-        pos = np.empty(S, dtype=np.int64)
-        seen = np.empty(S, dtype=np.int64)
         self._enter()
         try:
             if self.pending:
                 raise RuntimeError("cannot snapshot between feed() and compute()")
-            memcpy(cnp.PyArray_DATA(hist), self.hist, hist.nbytes)
-            memcpy(cnp.PyArray_DATA(ring), self.ring, ring.nbytes)
-            memcpy(cnp.PyArray_DATA(pos), self.pos, pos.nbytes)
-            memcpy(cnp.PyArray_DATA(seen), self.seen, seen.nbytes)
+            parts = [np.array(self.hist, copy=True), np.array(self.conv_state, copy=True),
+                     np.array(self.pos, copy=True), np.array(self.seen, copy=True),
+                     np.array(self.last_rows, copy=True)]
         finally:
             self.busy = False
-        return EngineSnapshot(self._fingerprint, hist, ring, pos, seen)
+        return EngineSnapshot(self._fingerprint, *parts)
 
-    def _check_snapshot(self, snapshot):
-        """Raise unless `snapshot` can be restored here (changes nothing)."""
+    def _read_snapshot(self, snapshot):
+        """The snapshot's state, read once into the engine's own fresh arrays and checked
+        (changes nothing): (hist, conv_state, pos, seen, rows). An object whose attributes
+        change between reads cannot slip anything past the checks."""
         if not isinstance(snapshot, EngineSnapshot):
             raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")
         fp = snapshot.fingerprint
@@ -517,24 +564,38 @@ cdef class StreamEngine:
                    "stream count" if fp[2] != self._fingerprint[2] else "hash plan")
             raise ValueError(f"snapshot is from another engine (different {why}): cannot restore")
         cdef int64_t S = self.n_streams
-        shapes = {"hist": ((S, self.n - 1), np.int64), "ring": ((S, self.conv_len, self.C), np.float32),
-                  "pos": ((S,), np.int64), "seen": ((S,), np.int64)}
-        for name, (shape, dtype) in shapes.items():
+        want = (("hist", (S, self.n - 1), np.int64), ("ring", (S, self.conv_len, self.C), np.float32),
+                ("pos", (S,), np.int64), ("seen", (S,), np.int64), ("rows", (S, self.H), np.int64))
+        parts = []
+        for name, shape, dtype in want:
             a = getattr(snapshot, name, None)
+            if a is None and name == "rows":
+                a = np.full(shape, -1, np.int64)  # a snapshot without rows: none known
             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
-        if self.conv_len and (snapshot.pos.min() < 0 or snapshot.pos.max() >= self.conv_len):
+            parts.append(np.array(a, copy=True))  # the one read; the checks below see this copy
+        pos = parts[2]
+        if self.conv_len and (pos.min() < 0 or pos.max() >= self.conv_len):
             raise ValueError("snapshot.pos is damaged: ring positions out of range")
+        return parts
+
+    def _check_snapshot(self, snapshot):
+        """Raise unless `snapshot` can be restored here (changes nothing)."""
+        self._read_snapshot(snapshot)
 
     def restore(self, snapshot):
         """Put back a snapshot of this engine, or of one with the same layer, config and streams."""
-        self._check_snapshot(snapshot)
+        hist, conv_state, pos, seen, rows = self._read_snapshot(snapshot)
+        cdef int64_t[:, ::1] hist_v = hist, rows_v = rows
+        cdef float[:, :, ::1] conv_v = conv_state
+        cdef int64_t[::1] pos_v = pos, seen_v = seen
         self._enter()
-        try:
-            memcpy(self.hist, cnp.PyArray_DATA(snapshot.hist), snapshot.hist.nbytes)
-            memcpy(self.ring, cnp.PyArray_DATA(snapshot.ring), snapshot.ring.nbytes)
-            memcpy(self.pos, cnp.PyArray_DATA(snapshot.pos), snapshot.pos.nbytes)
-            memcpy(self.seen, cnp.PyArray_DATA(snapshot.seen), snapshot.seen.nbytes)
+        try:  # commit: memoryview copies of the checked arrays, shapes equal by the checks
+            self.hist[:, :] = hist_v
+            self.conv_state[:, :, :] = conv_v
+            self.pos[:] = pos_v
+            self.seen[:] = seen_v
+            self.last_rows[:, :] = rows_v
             self.pending = False
         finally:
             self.busy = False

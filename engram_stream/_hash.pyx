@@ -7,10 +7,18 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint64_t
 
+from ._consts cimport (ES_EPS_CONV, ES_EPS_KEY, ES_GATE_CLAMP, ES_MAX_KERNEL_SIZE, ES_MAX_NGRAM,
+                       ES_PREFILL_CHUNK)
+
 cnp.import_array()
 
-cdef enum:
-    MAX_NGRAM = 64  # size of the stack window below
+# The constants C, Cython and Python share, from include/engram_consts.h (their one source).
+MAX_NGRAM = ES_MAX_NGRAM                # largest max_ngram_size (the kernels' stack window)
+MAX_KERNEL_SIZE = ES_MAX_KERNEL_SIZE    # largest ShortConv kernel_size
+EPS_KEY = <double> ES_EPS_KEY           # RMSNorm eps of keys and hidden: float32 eps
+EPS_CONV = <double> ES_EPS_CONV         # RMSNorm eps of the ShortConv norms (float32 1e-5)
+GATE_CLAMP = <double> ES_GATE_CLAMP     # the gate's sqrt(max(|s|, GATE_CLAMP)) (float32 1e-6)
+PREFILL_CHUNK = ES_PREFILL_CHUNK        # prompt tokens per GEMM in StreamEngine.prefill
 
 
 def compress(const int64_t[:, ::1] ids, const int64_t[::1] lookup, int64_t vocab_size, dead_id=None):
@@ -61,10 +69,10 @@ def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
     dead-token latch fills the window (latch_window in _hash.pxd)."""
     cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b, t
     cdef int k
-    cdef int64_t hist[MAX_NGRAM]
-    cdef int64_t win[MAX_NGRAM]
-    if not 2 <= max_ngram <= MAX_NGRAM:
-        raise ValueError(f"max_ngram_size must be in [2, {MAX_NGRAM}]")
+    cdef int64_t hist[ES_MAX_NGRAM]
+    cdef int64_t win[ES_MAX_NGRAM]
+    if not 2 <= max_ngram <= ES_MAX_NGRAM:
+        raise ValueError(f"max_ngram_size must be in [2, {ES_MAX_NGRAM}]")
     if n_head < 0 or mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:
         raise ValueError("hash_compressed: multipliers/primes do not match the geometry")
     for k in range(H):

@@ -14,14 +14,16 @@ import numbers
 import os
 from dataclasses import dataclass, field
 
+from ._hash import MAX_KERNEL_SIZE, MAX_NGRAM  # include/engram_consts.h, their one source
+
 INT64_MAX = (1 << 63) - 1
-MAX_NGRAM = 64  # the C kernels keep a window of at most this many ids on the stack
 DEMO, V41 = "demo-v1", "deepseek-v4.1"
 VARIANTS = (DEMO, V41)
 V41_BLOCK = 32  # V4.1: one float8 scale per 32 values (rows, activations) / 32x32 weight block
 V41_ONLY = ("norm_eps", "image_token_id", "num_embeddings", "compressed_vocab_size")
 V41_DEFAULTS = {"norm_eps": 1e-20, "image_token_id": 129264}  # DeepSeek-V4.1-Flash config.json
 MAX_VOCAB = 1 << 31  # tokenizer vocab bound: an int64 lookup of this length is already 16 GiB
+INT32_MAX = (1 << 31) - 1  # the C kernels index one token's widths ((G+1)*D, E) with int
 
 
 def _int(name, value, lo=None):
@@ -80,6 +82,12 @@ class EngramConfig:
             put(name, _int(name, getattr(self, name), 1))
         if self.vocab_size > MAX_VOCAB:
             raise ValueError(f"EngramConfig.vocab_size must be <= {MAX_VOCAB}, got {self.vocab_size}")
+        if self.kernel_size > MAX_KERNEL_SIZE:
+            raise ValueError(f"EngramConfig.kernel_size must be <= {MAX_KERNEL_SIZE}, got {self.kernel_size}")
+        if max((self.hc_mult + 1) * self.hidden_size,
+               (self.max_ngram_size - 1) * self.n_embed_per_ngram) > INT32_MAX:
+            raise ValueError("EngramConfig: (hc_mult+1)*hidden_size and (max_ngram_size-1)*n_embed_per_ngram "
+                             "must be < 2**31 (the kernels' int widths)")
         put("seed", _int("seed", self.seed, 0))
         put("pad_id", _int("pad_id", self.pad_id))
         evs = _int_list("engram_vocab_size", self.engram_vocab_size)

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "engram_isa.h"
+#include "engram_consts.h"
 
 /* Floored x mod p (p > 0, result in [0, p)), as numpy's %: a hardware
  * division and one correction. This is the hot-path mod: on the CPUs measured

@@ -67,7 +67,7 @@ static ES_TGT void ES_HF(es_hash_sequence)(const int64_t *c, int64_t T, int64_t 
                                            int max_ngram, int n_head, const int64_t *primes,
                                            const double *fp, int64_t *rows) {
     const int H = (max_ngram - 1) * n_head;
-    int64_t win[64];
+    int64_t win[ES_MAX_NGRAM];
     for (int64_t t = 0; t < T; t++) {
         for (int k = 0; k < max_ngram; k++) win[k] = t - k >= 0 ? c[t - k] : pad;
         ES_HF(es_hash_window_core)(win, mult, max_ngram, n_head, primes, fp, rows + t * H);

@@ -3,8 +3,9 @@
  *   es_gemm_packed  Y[B,M] = X[B,E] W^T + bias for skinny B (1..~128 rows), with W
  *                   pre-packed in 16-column panels so each panel is one contiguous
  *                   stream and read from memory once per call, whatever B is.
- *   es_tail         gate, value, ShortConv (RMSNorm, dilated causal taps from the
- *                   conv ring, SiLU) and output for one token of one stream.
+ *   es_tail         gate, value, ShortConv (RMSNorm, causal taps over rows the caller
+ *                   picks, SiLU) and output for one token of one stream. Stateless:
+ *                   the conv state and its ring rules live in _engine.pyx.
  *   es_gather       copy a token's H table rows (float32 / float16 / int8+scale).
  *
  * Written with GCC vector extensions (GCC, clang). The GEMM and the gathers are compiled
@@ -23,6 +24,7 @@
 #include <unistd.h>
 
 #include "engram_isa.h"
+#include "engram_consts.h" /* ES_EPS_KEY, ES_EPS_CONV, ES_GATE_CLAMP */
 #if ES_X86_PATHS
 #include <immintrin.h>
 #endif
@@ -36,8 +38,6 @@
 #define ES_INLINE static inline __attribute__((always_inline))
 
 #define ES_PANEL 16 /* output columns per packed weight panel (16 floats: one 64-byte line a k) */
-#define ES_EPS_KEY 1.1920928955078125e-07f /* float32 eps: torch RMSNorm default (eps=None) */
-#define ES_EPS_CONV 1e-5f
 
 typedef float es_v8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t es_v8i __attribute__((vector_size(32), aligned(4)));
@@ -229,7 +229,7 @@ ES_INLINE es_v8 es_exp8(es_v8 x) {
 }
 
 typedef struct {
-    int G, D, K, dil, conv_len;
+    int G, D, K;       /* K: conv taps; the first K-1 read earlier values, the last x(t) */
     float inv_sqrt_d;  /* 1/sqrt(D), the gate's scale */
     const float *n1;   /* [G, D] key RMSNorm weights */
     const float *n2;   /* [G, D] hidden RMSNorm weights */
@@ -287,17 +287,18 @@ ES_INLINE float es_sumsq_scaled(const float *v, float g, int D) {
 /* One token of one stream.
  *   proj  [(G+1)*D]  key projections of the G streams, then the value projection (bias added)
  *   hid   [G, D]     the hidden state
- *   ring  [conv_len, G*D] this stream's normalized values; slot (pos - j) mod conv_len holds
- *                    x(t-j) for j = 1..conv_len, slot pos the oldest, overwritten with x(t)
+ *   taps  [K-1]      taps[i] -> the G*D normalized values tap i reads (x(t - (K-1-i)*dil)):
+ *                    which rows those are is the caller's rule (the engine's conv ring)
+ *   xdst  [G*D]      where x(t), this token's normalized values, is written (NULL: nowhere);
+ *                    it may be taps[0] (the oldest row, overwritten by x(t)): every element
+ *                    is read as a tap before it is written
  *   out   [G, D]     value + SiLU(conv)
  * Returns nothing and cannot fail; NaN/inf inputs propagate as the reference's do. */
 ES_CLONES static void es_tail(const es_tail_params *P, const float *proj, const float *hid,
-                              float *ring, int64_t pos, float *out) {
-    const int G = P->G, D = P->D, K = P->K, L = P->conv_len;
+                              const float *const *taps, float *xdst, float *out) {
+    const int G = P->G, D = P->D, K = P->K;
     const int64_t C = (int64_t)G * D;
     const float *v = proj + C;
-    int64_t slot[K > 1 ? K - 1 : 1]; /* ring slot read by tap i < K-1 */
-    for (int i = 0; i < K - 1; i++) slot[i] = (pos + L - (int64_t)(K - 1 - i) * P->dil) % L;
     const float *wlast = P->cw + (int64_t)(K - 1) * C; /* the tap on x(t) itself */
     for (int g = 0; g < G; g++) {
         const float *k = proj + (int64_t)g * D, *h = hid + (int64_t)g * D;
@@ -305,8 +306,8 @@ ES_CLONES static void es_tail(const es_tail_params *P, const float *proj, const 
         es_sumsq2(k, h, D, &sk, &sh);
         const float rk = 1.0f / sqrtf(sk / D + ES_EPS_KEY), rh = 1.0f / sqrtf(sh / D + ES_EPS_KEY);
         float s = es_normdot(k, h, P->n1 + (int64_t)g * D, P->n2 + (int64_t)g * D, rk, rh, D) * P->inv_sqrt_d;
-        /* sign(s) * sqrt(max(|s|, 1e-6)); s == 0 stays 0 and NaN stays NaN */
-        s = s > 0 ? sqrtf(fmaxf(s, 1e-6f)) : (s < 0 ? -sqrtf(fmaxf(-s, 1e-6f)) : s);
+        /* sign(s) * sqrt(max(|s|, clamp)); s == 0 stays 0 and NaN stays NaN */
+        s = s > 0 ? sqrtf(fmaxf(s, ES_GATE_CLAMP)) : (s < 0 ? -sqrtf(fmaxf(-s, ES_GATE_CLAMP)) : s);
         const float gate = 1.0f / (1.0f + expf(-s));
         const float r3 = 1.0f / sqrtf(es_sumsq_scaled(v, gate, D) / D + ES_EPS_CONV);
         const float *w3 = P->n3 + (int64_t)g * D;
@@ -319,8 +320,8 @@ ES_CLONES static void es_tail(const es_tail_params *P, const float *proj, const 
             es_v8 x = vv * r3 * *(const es_v8 *)(w3 + d);
             es_v8 y = *(const es_v8 *)(wlast + c) * x;
             for (int i = 0; i < K - 1; i++)
-                y += *(const es_v8 *)(P->cw + i * C + c) * *(const es_v8 *)(ring + slot[i] * C + c);
-            if (L) *(es_v8 *)(ring + pos * C + c) = x;
+                y += *(const es_v8 *)(P->cw + i * C + c) * *(const es_v8 *)(taps[i] + c);
+            if (xdst) *(es_v8 *)(xdst + c) = x;
             *(es_v8 *)(o + d) = vv + y / (1.0f + es_exp8(-y));
         }
         for (; d < D; d++) {
@@ -328,8 +329,8 @@ ES_CLONES static void es_tail(const es_tail_params *P, const float *proj, const 
             float vv = gate * v[d];
             float x = vv * r3 * w3[d];
             float y = wlast[c] * x;
-            for (int i = 0; i < K - 1; i++) y += P->cw[i * C + c] * ring[slot[i] * C + c];
-            if (L) ring[pos * C + c] = x;
+            for (int i = 0; i < K - 1; i++) y += P->cw[i * C + c] * taps[i][c];
+            if (xdst) xdst[c] = x;
             o[d] = vv + y / (1.0f + expf(-y));
         }
     }

@@ -541,7 +541,7 @@ HOSTILE = {
     "no config": (_meta("config", None), "no config"),
     "config not json": (_meta("config", "{oops"), "config is invalid"),
     "config invalid": (_cfg_change(hidden_size=-3), "config is invalid"),
-    "config hc_mult huge": (_cfg_change(hc_mult=10 ** 8), "needs at least"),
+    "config hc_mult huge": (_cfg_change(hc_mult=10 ** 8), "needs at least|2\\*\\*31"),
     "other vocab (rows)": (_cfg_change(engram_vocab_size=[103, 211]), "primes|rows"),
     "primes": (_overwrite("plan.1.primes", lambda p: p + 2), "primes disagree"),
     "offsets": (_overwrite("layers.4.multi_head_embedding.offsets", lambda o: o[::-1]), "offsets disagree"),
