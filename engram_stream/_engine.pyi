@@ -12,15 +12,16 @@ _Hidden = npt.ArrayLike
 PREFILL_CHUNK: int  # tokens per prefill GEMM block
 
 class EngineSnapshot:
-    """A copy of an engine's per-stream state (hash windows, conv rings, positions)."""
+    """A copy of an engine's per-stream state (hash windows, conv state, positions, rows)."""
 
     fingerprint: tuple
     hist: npt.NDArray[np.int64]
-    ring: _F32
+    ring: _F32  # the conv state
     pos: npt.NDArray[np.int64]
     seen: npt.NDArray[np.int64]
+    rows: Optional[npt.NDArray[np.int64]]  # the last token's rows (-1: none; None: unknown)
     def __init__(self, fingerprint: tuple, hist: np.ndarray, ring: np.ndarray, pos: np.ndarray,
-                 seen: np.ndarray) -> None: ...
+                 seen: np.ndarray, rows: Optional[np.ndarray] = None) -> None: ...
     @property
     def nbytes(self) -> int: ...
 
@@ -36,7 +37,7 @@ class StreamEngine:
     def feed(self, token_ids: _Ids) -> None: ...
     def compute(self, hidden: _Hidden, out: Optional[_F32] = None) -> _F32: ...
     @property
-    def rows(self) -> npt.NDArray[np.int64]: ...
+    def rows(self) -> npt.NDArray[np.int64]: ...  # [S, H]; -1 for a stream with no token yet
     def prefetch(self) -> int: ...
     def track_rows(self, bitmap: Optional[npt.NDArray[np.uint8]]) -> None: ...
     @property

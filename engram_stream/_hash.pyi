@@ -8,6 +8,13 @@ import numpy.typing as npt
 _I64 = npt.NDArray[np.int64]
 
 FP_PRIME_MAX: int
+# the shared constants (include/engram_consts.h, their one source)
+MAX_NGRAM: int
+MAX_KERNEL_SIZE: int
+EPS_KEY: float
+EPS_CONV: float
+GATE_CLAMP: float
+PREFILL_CHUNK: int
 
 def compress(ids: _I64, lookup: Optional[_I64], vocab_size: int, dead_id: Optional[int] = None) -> _I64: ...
 def fp_moduli(primes: npt.ArrayLike) -> Optional[npt.NDArray[np.float64]]: ...
