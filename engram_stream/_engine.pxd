@@ -35,6 +35,9 @@ cdef class StreamEngine:
     cdef readonly object layer
     cdef readonly int n_streams
     cdef object _fingerprint       # what a snapshot must match to be restored here
+    cdef object _file              # the store.MappedFile under a loaded table, or None
+    cdef int file_fd               # its descriptor (-1: none) and its stamp (dev, ino, size,
+    cdef int64_t file_stamp[4]     # mtime_ns) at load: checked before every table read
 
     # geometry
     cdef int G, D, E, M, H, hd, n, nh, K, conv_len
@@ -90,3 +93,4 @@ cdef class StreamEngine:
     cdef void _reset_stream(self, int64_t s) noexcept nogil
     cdef void _reset_all(self) noexcept nogil
     cdef _enter(self)
+    cdef int _check_file(self) except -1

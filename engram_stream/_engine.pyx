@@ -21,9 +21,11 @@ cimport numpy as cnp
 from libc.stdint cimport int64_t, int8_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.math cimport sqrt
+from posix.stat cimport fstat, struct_stat
 
 from engram_stream._hash cimport es_hash_window, es_isa_now, es_isa_set
 from engram_stream._consts cimport ES_MAX_KERNEL_SIZE, ES_MAX_NGRAM, ES_PREFILL_CHUNK
+from . import store
 from .model import check_hidden
 from .plan import as_ids
 
@@ -138,6 +140,13 @@ cdef class StreamEngine:
             scale = _view(np.ascontiguousarray(w.table_scale, dtype=np.float32), np.float32, (rows,),
                           f"layer {layer} table_scale")
         self.rowbytes = self.hd * table.dtype.itemsize
+        self._file, self.file_fd = store.mapping_of(table), -1
+        if isinstance(self._file, store.MappedFile):
+            self.file_fd = self._file.fd
+            for i, v in enumerate(self._file.stamp):
+                self.file_stamp[i] = v
+        else:
+            self._file = None
         self.table = table.view(np.uint8)                      # [rows, rowbytes]
         self.table_scale = scale
         self.has_lookup = plan.lookup is not None
@@ -305,6 +314,18 @@ cdef class StreamEngine:
                                "(use one engine per thread)")
         self.busy = True
 
+    cdef int _check_file(self) except -1:
+        """Before a table read: a mapped file truncated (SIGBUS) or rewritten in place (mixed
+        tables) since load raises store.FileChangedError (one fstat; see store.MappedFile)."""
+        cdef struct_stat st
+        if self.file_fd < 0:
+            return 0
+        if (fstat(self.file_fd, &st) != 0 or <int64_t> st.st_dev != self.file_stamp[0]
+                or <int64_t> st.st_ino != self.file_stamp[1] or <int64_t> st.st_size != self.file_stamp[2]
+                or <int64_t> st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec != self.file_stamp[3]):
+            self._file.check()  # raises, with the message
+        return 0
+
     def _ids(self, token_ids):
         """(int64[S] ids, False) from an [S] array, or (the id as an int, True) from a scalar
         (n_streams == 1; range-checked here, so the step makes no array for it)."""
@@ -365,6 +386,7 @@ cdef class StreamEngine:
         try:
             if self.pending:
                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
+            self._check_file()
             with nogil:
                 bad = self._first_bad_id(pid, self.n_streams)
                 if bad < 0:
@@ -412,6 +434,7 @@ cdef class StreamEngine:
         try:
             if not self.pending:
                 raise RuntimeError("compute() needs feed(token_ids) first")
+            self._check_file()
             with nogil:
                 self._compute_nogil(ph, po)
             self.pending = False
@@ -482,6 +505,7 @@ cdef class StreamEngine:
             if self.pending:
                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
             self._grow(chunk)  # under the guard: the scratch is shared with step()
+            self._check_file()
             with nogil:
                 bad = self._first_bad_id(pid, T)
                 if bad < 0:

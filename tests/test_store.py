@@ -263,22 +263,29 @@ ids = np.random.default_rng(0).integers(0, 1000, (4, 64))
 hid = np.ones((4, 64, 2, 32), np.float32)
 want = a.forward(3, ids, hid)
 assert np.allclose(m.forward(3, ids, hid), want, atol=2e-5, rtol=2e-4)
+h1 = hid[0, 0]
+eng, half = m.stream(3), m.stream(3)
+eng.step(5, h1)
+half.feed(7)                              # fed before the change, computed after it
 if mode == "rename":                      # the safe way: a new file renamed over the old
     b.save(p)
     assert np.allclose(m.forward(3, ids, hid), want, atol=2e-5, rtol=2e-4)   # the mapping keeps the old file
+    assert np.allclose(eng.step(9, h1), m.stream(3).prefill([5, 9], hid[0, :2])[1], atol=2e-5, rtol=2e-4)
     sys.exit(0)
 if mode == "truncate":
     os.truncate(p, os.path.getsize(p) // 3)
 else:                                     # the other model's bytes written over this file, in place
     with open(q, "rb") as src, open(p, "r+b") as dst:
         dst.write(src.read())
-for call in (lambda: m.forward(3, ids, hid), lambda: m.save(os.path.join(d, "copy.st"))):
+for call in (lambda: m.forward(3, ids, hid), lambda: m.save(os.path.join(d, "copy.st")),
+             lambda: eng.step(5, h1), lambda: eng.prefill(ids[0], hid[0]), lambda: half.compute(h1)):
     try:
         call()
     except store.FileChangedError as e:
         assert ("truncated" if mode == "truncate" else "rewritten") in str(e) and p in str(e), e
     else:
         sys.exit(f"{mode}: not refused")
+assert eng.tokens_seen.tolist() == [1] and half.pending_compute   # refused calls changed nothing
 """
 
 

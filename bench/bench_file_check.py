@@ -1,0 +1,80 @@
+"""What the changed-file check costs a decode step (issue 12 item 5).
+
+    python bench/bench_file_check.py            # small dims (D=256: the check weighs most)
+    options: --steps N (20000)  --rounds R (7)  --hidden D (256)
+
+A model loaded with mmap=True checks its file (one fstat: size, inode, mtime) before every
+step. Three engines over warm tables, rounds alternating, medians compared:
+  mmap (checked)     the loaded model;
+  mmap (unchecked)   the same mapped pages through a view the engine cannot trace to the
+                     file (a ctypes buffer), so no check: checked/unchecked is the check's cost;
+  RAM                the model loaded with mmap=False (anonymous pages, no file).
+The fstat alone is timed too (os.fstat from Python, an upper bound of the C call's cost).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+
+def step_us(eng, ids, h, out):
+    t0 = time.perf_counter()
+    for t in ids:
+        eng.step(t, h, out=out)
+    return (time.perf_counter() - t0) / len(ids) * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--hidden", type=int, default=256)
+    args = ap.parse_args()
+    from engram_stream import EngramConfig, EngramModel, store
+    cfg = EngramConfig(engram_vocab_size=[20011, 20011], n_embed_per_ngram=128, n_head_per_ngram=4,
+                       layer_ids=[1], hidden_size=args.hidden, hc_mult=4, vocab_size=32000)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "m.safetensors")
+        EngramModel.init(cfg, seed=0).save(path)
+        mapped, ram = EngramModel.load(path, mmap=True), EngramModel.load(path, mmap=False)
+        assert store.file_check(mapped.layer(1).table) is not None
+        assert store.file_check(ram.layer(1).table) is None
+        ids = np.random.default_rng(0).integers(0, cfg.vocab_size, args.steps).tolist()
+        h = np.ones((cfg.hc_mult, cfg.hidden_size), np.float32)
+        out = np.empty_like(h)
+        t = mapped.layer(1).table
+        pages = np.frombuffer((ctypes.c_char * t.nbytes).from_address(t.ctypes.data), t.dtype).reshape(t.shape)
+        blind = EngramModel(cfg, mapped.plan, {1: mapped.layer(1).replace(cfg, table=pages)})
+        assert store.file_check(blind.layer(1).table) is None
+        engines = {"mmap (checked)": mapped.stream(1), "mmap (unchecked)": blind.stream(1),
+                   "RAM (no file)": ram.stream(1)}
+        for e in engines.values():  # warm: every row the run reads is in the page cache
+            step_us(e, ids, h, out)
+        times = {k: [] for k in engines}
+        for _ in range(args.rounds):
+            for k, e in engines.items():
+                times[k].append(step_us(e, ids, h, out))
+        fd = os.open(path, os.O_RDONLY)
+        n = 200000
+        t0 = time.perf_counter()
+        for _ in range(n):
+            os.fstat(fd)
+        fstat_us = (time.perf_counter() - t0) / n * 1e6
+        os.close(fd)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"D={cfg.hidden_size} G={cfg.hc_mult} H={cfg.n_heads}x{cfg.head_dim}, {args.steps} steps x {args.rounds} rounds")
+    for k, v in times.items():
+        print(f"  {k:17s} median {med[k]:7.2f} us/step  (min {min(v):.2f}, max {max(v):.2f})")
+    print(f"  ratio checked/unchecked {med['mmap (checked)'] / med['mmap (unchecked)']:.3f}, "
+          f"checked/RAM {med['mmap (checked)'] / med['RAM (no file)']:.3f}")
+    print(f"  os.fstat from Python: {fstat_us:.2f} us")
+
+
+if __name__ == "__main__":
+    main()
