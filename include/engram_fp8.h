@@ -155,17 +155,21 @@ ES8_INLINE ES8_T512 __m512 es8_widen16(const uint8_t *p) {
     return _mm512_cvtph_ps(h);
 }
 
-/* R weight rows x T tokens, every accumulator a 16-lane register; R and T are compile-time
- * constants at each call site below, so the loops unroll and the tile stays in registers.
- * A widened weight is scaled by its block's wsf (2^8 folded in) before the FMAs. */
-ES8_INLINE ES8_T512 void es8_tile512(const uint8_t *w, const int R, const float *qx, const int T, int E,
-                                     const float *wsf, float *y, int64_t ldy) {
+/* R weight rows x T tokens over k in [k0, k1), every accumulator a 16-lane register; R and T
+ * are compile-time constants at each call site below, so the loops unroll and the tile stays
+ * in registers. A widened weight is scaled by its block's wsf (2^8 folded in) before the FMAs.
+ * The weights and activations are indexed by absolute k (row stride E). part: NULL (the whole
+ * k range at once), or R*T*16 floats of vector partial sums carried across k blocks (read
+ * unless first, written unless y). y: the reduced sums y[t*ldy + r], or NULL. */
+ES8_INLINE ES8_T512 void es8_tile512(const uint8_t *w, const int R, const float *qx, const int T, int E, int k0,
+                                     int k1, const float *wsf, float *part, int first, float *y, int64_t ldy) {
     __m512 acc[4][ES8_TILE_TOKENS];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < T; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int k = 0; k < E; k += 16) {
+        for (int t = 0; t < T; t++)
+            acc[r][t] = (part && !first) ? _mm512_loadu_ps(part + (r * T + t) * 16) : _mm512_setzero_ps();
+    for (int k = k0; k < k1; k += 16) {
         const __m512 f = _mm512_set1_ps(wsf[k >> 5]);
         __m512 wv[4];
 #pragma GCC unroll 4
@@ -180,25 +184,37 @@ ES8_INLINE ES8_T512 void es8_tile512(const uint8_t *w, const int R, const float 
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < T; t++) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+        for (int t = 0; t < T; t++) {
+            if (y) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+            else _mm512_storeu_ps(part + (r * T + t) * 16, acc[r][t]);
+        }
 }
 
-/* R rows x T tokens (1..8) with the tile shape fixed at compile time. */
+#define ES8_KBLOCK 256 /* k per block when tokens share a tile: their activations stay in L1 */
+
+/* R rows (<= 32) x T tokens (1..8) with the tile shape fixed at compile time. One token: four
+ * rows at once over all k (four weight streams in flight, memory-bound). Several: pairs of
+ * rows, k in blocks of ES8_KBLOCK with the partial sums in `part` (32 * 8 * 16 floats). */
 static ES8_T512 void es8_tile_avx512(const uint8_t *w, int R, const float *qx, int T, int E, const float *wsf,
-                                     float *y, int64_t ldy) {
-    if (T == 1) {  /* one token: four rows at once, four weight streams in flight */
+                                     float *y, int64_t ldy, float *part) {
+    if (T == 1) {
         int r = 0;
-        for (; r + 4 <= R; r += 4) es8_tile512(w + (int64_t)r * E, 4, qx, 1, E, wsf, y + r, ldy);
-        for (; r < R; r++) es8_tile512(w + (int64_t)r * E, 1, qx, 1, E, wsf, y + r, ldy);
+        for (; r + 4 <= R; r += 4) es8_tile512(w + (int64_t)r * E, 4, qx, 1, E, 0, E, wsf, 0, 1, y + r, ldy);
+        for (; r < R; r++) es8_tile512(w + (int64_t)r * E, 1, qx, 1, E, 0, E, wsf, 0, 1, y + r, ldy);
         return;
     }
-#define ES8_T(rows, t) case t: es8_tile512(w, rows, qx, t, E, wsf, y, ldy); break;
-    int r = 0;
-    for (; r + 2 <= R; r += 2, w += 2 * (int64_t)E, y += 2) {
-        switch (T) { ES8_T(2, 2) ES8_T(2, 3) ES8_T(2, 4) ES8_T(2, 5) ES8_T(2, 6) ES8_T(2, 7) ES8_T(2, 8) default: break; }
-    }
-    if (r < R) {
-        switch (T) { ES8_T(1, 2) ES8_T(1, 3) ES8_T(1, 4) ES8_T(1, 5) ES8_T(1, 6) ES8_T(1, 7) ES8_T(1, 8) default: break; }
+#define ES8_T(rows, t) case t: es8_tile512(wr, rows, qx, t, E, k0, k1, wsf, pr, first, yr, ldy); break;
+    for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
+        const int k1 = k0 + ES8_KBLOCK < E ? k0 + ES8_KBLOCK : E, first = k0 == 0;
+        for (int r = 0; r < R; r += 2) {
+            const uint8_t *wr = w + (int64_t)r * E;
+            float *pr = part + (int64_t)r * ES8_TILE_TOKENS * 16, *yr = k1 == E ? y + r : 0;
+            if (r + 2 <= R) {
+                switch (T) { ES8_T(2, 2) ES8_T(2, 3) ES8_T(2, 4) ES8_T(2, 5) ES8_T(2, 6) ES8_T(2, 7) ES8_T(2, 8) default: break; }
+            } else {
+                switch (T) { ES8_T(1, 2) ES8_T(1, 3) ES8_T(1, 4) ES8_T(1, 5) ES8_T(1, 6) ES8_T(1, 7) ES8_T(1, 8) default: break; }
+            }
+        }
     }
 #undef ES8_T
 }
@@ -225,6 +241,9 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t S, int E, con
     const int nb = E / ES8_BLOCK;
     const float f = isa == ES8_AVX512 ? 256.0f : 1.0f;  /* the AVX-512 widening reads value * 2^-8 */
     float wsf[nb];
+#if ES8_HAVE_AVX512
+    float part[ES8_BLOCK * ES8_TILE_TOKENS * 16] __attribute__((aligned(64)));
+#endif
     for (int64_t g = g0; g < g1; g++) {
         const int64_t r0 = g * ES8_BLOCK;
         const int R = M - r0 < ES8_BLOCK ? (int)(M - r0) : ES8_BLOCK;
@@ -233,7 +252,7 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t S, int E, con
             const int T = S - t0 < ES8_TILE_TOKENS ? (int)(S - t0) : ES8_TILE_TOKENS;
 #if ES8_HAVE_AVX512
             if (isa == ES8_AVX512) {
-                es8_tile_avx512(W + r0 * E, R, qx + t0 * E, T, E, wsf, Y + t0 * M + r0, M);
+                es8_tile_avx512(W + r0 * E, R, qx + t0 * E, T, E, wsf, Y + t0 * M + r0, M, part);
                 continue;
             }
 #endif
