@@ -47,7 +47,7 @@ def machine():
     except AttributeError:
         step_isa = "n/a"
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "fp8_isa_supported": k.supported_isa(), "fp8_isa_used": k.DEFAULT_ISA, "kernel_isa": step_isa}
+            "fp8_isa_supported": k.supported_isa(), "fp8_isa_used": k.default_isa(), "kernel_isa": step_isa}
 
 
 def ensure_checkpoint(d, evs):

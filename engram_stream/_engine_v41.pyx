@@ -39,23 +39,25 @@ def supported_isa() -> str:
     return _ISA_NAMES[es8_isa_supported()]
 
 
-def _default_isa() -> str:
-    """ENGRAM_STREAM_ISA when set ("avx2" has no float8 path of its own: baseline), else the best."""
-    want = os.environ.get("ENGRAM_STREAM_ISA", "").strip().lower()
-    if want == "avx512" and supported_isa() != "avx512":
-        raise RuntimeError("ENGRAM_STREAM_ISA=avx512 but this CPU lacks AVX-512 (F/BW/VL/DQ + F16C + FMA)")
-    if want in ("baseline", "avx2"):
-        return "baseline"
-    return supported_isa()
+_fp8_default = supported_isa()  # follows engram_stream._isa (ENGRAM_STREAM_ISA, use_isa): see _isa_set
 
 
-DEFAULT_ISA = _default_isa()
+def default_isa() -> str:
+    """The float8 path new engines take: "avx512" when the kernels run AVX-512 (the import's
+    choice, ENGRAM_STREAM_ISA or engram_stream.use_isa) and the CPU has it, else "baseline"
+    (the float8 kernels have no AVX2 copy of their own)."""
+    return _fp8_default
 
 
 def _isa_set(int level):
     """The path of this module's shared kernels (the hash: include/engram_isa.h), kept with
-    the other modules' by engram_stream._isa; False if the CPU cannot run it."""
-    return es_isa_set(level) == 0
+    the other modules' by engram_stream._isa, and the float8 path of engines made from now
+    on; False if the CPU cannot run it."""
+    global _fp8_default
+    if es_isa_set(level) != 0:
+        return False
+    _fp8_default = "avx512" if level >= 2 and supported_isa() == "avx512" else "baseline"
+    return True
 
 
 def _isa_get():
@@ -142,7 +144,7 @@ cdef class V41StreamEngine:
         for a in (tw, ts):  # rows are read at random: a cold gather must not read ahead
             if store.is_file_backed(a) and a.nbytes:
                 store.advise(a, "random")
-        self.isa = DEFAULT_ISA
+        self.isa = _fp8_default
         self.prefill_threads = max(1, min(8, os.cpu_count() or 1))
         self._fingerprint = (layer, cfg.to_json(), n_streams, mult.tobytes(),
                              None if lookup is None else hashlib.sha1(lookup.tobytes()).hexdigest())
@@ -525,7 +527,7 @@ def fp8_linear(const float[:, ::1] x, const uint8_t[:, ::1] weight, const uint8_
     if K % ES8_BLOCK or weight.shape[1] != K or scale.shape[0] != (M + ES8_BLOCK - 1) // ES8_BLOCK \
             or scale.shape[1] != K // ES8_BLOCK or S < 1 or M < 1:
         raise ValueError("fp8_linear: shapes do not match")
-    cdef int code = ISAS[isa or DEFAULT_ISA]
+    cdef int code = ISAS[isa or _fp8_default]
     if code == ES8_AVX512 and es8_isa_supported() != ES8_AVX512:
         raise ValueError("isa 'avx512' is not supported by this CPU")
     qx = np.empty((S, K), dtype=np.float32)

@@ -47,6 +47,7 @@
 #define ES8_AMAX_MIN 1e-4f
 #define ES8_TILE_TOKENS 8     /* tokens per register tile of the multi-token projection */
 #define ES8_MAX_THREADS 16
+#define ES8_PREFETCH 512      /* bytes of a weight row requested ahead by the one-token tile */
 #define ES8_INLINE static inline __attribute__((always_inline))
 
 enum { ES8_BASELINE = 0, ES8_AVX512 = 1 };
@@ -163,6 +164,8 @@ ES8_INLINE ES8_T512 __m512 es8_widen16(const uint8_t *p) {
  * unless first, written unless y). y: the reduced sums y[t*ldy + r], or NULL. */
 ES8_INLINE ES8_T512 void es8_tile512(const uint8_t *w, const int R, const float *qx, const int T, int E, int k0,
                                      int k1, const float *wsf, float *part, int first, float *y, int64_t ldy) {
+    /* wsf NULL: qx carries the block scales already (one token); then the weights are also
+     * prefetched ES8_PREFETCH bytes ahead, a line per row every 64 bytes */
     __m512 acc[4][ES8_TILE_TOKENS];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -170,10 +173,18 @@ ES8_INLINE ES8_T512 void es8_tile512(const uint8_t *w, const int R, const float 
         for (int t = 0; t < T; t++)
             acc[r][t] = (part && !first) ? _mm512_loadu_ps(part + (r * T + t) * 16) : _mm512_setzero_ps();
     for (int k = k0; k < k1; k += 16) {
-        const __m512 f = _mm512_set1_ps(wsf[k >> 5]);
         __m512 wv[4];
+        if (wsf) {
+            const __m512 f = _mm512_set1_ps(wsf[k >> 5]);
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) wv[r] = _mm512_mul_ps(es8_widen16(w + (int64_t)r * E + k), f);
+            for (int r = 0; r < R; r++) wv[r] = _mm512_mul_ps(es8_widen16(w + (int64_t)r * E + k), f);
+        } else {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                if (!(k & 63)) _mm_prefetch((const char *)(w + (int64_t)r * E + k + ES8_PREFETCH), _MM_HINT_T0);
+                wv[r] = es8_widen16(w + (int64_t)r * E + k);
+            }
+        }
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) {
             const __m512 qv = _mm512_loadu_ps(qx + (int64_t)t * E + k);
@@ -197,10 +208,13 @@ ES8_INLINE ES8_T512 void es8_tile512(const uint8_t *w, const int R, const float 
  * rows, k in blocks of ES8_KBLOCK with the partial sums in `part` (32 * 8 * 16 floats). */
 static ES8_T512 void es8_tile_avx512(const uint8_t *w, int R, const float *qx, int T, int E, const float *wsf,
                                      float *y, int64_t ldy, float *part) {
-    if (T == 1) {
+    if (T == 1) {  /* the block scales go into the activation once, not into every row */
+        float qs[E] __attribute__((aligned(64)));
+        for (int k = 0; k < E; k += 16)
+            _mm512_store_ps(qs + k, _mm512_mul_ps(_mm512_loadu_ps(qx + k), _mm512_set1_ps(wsf[k >> 5])));
         int r = 0;
-        for (; r + 4 <= R; r += 4) es8_tile512(w + (int64_t)r * E, 4, qx, 1, E, 0, E, wsf, 0, 1, y + r, ldy);
-        for (; r < R; r++) es8_tile512(w + (int64_t)r * E, 1, qx, 1, E, 0, E, wsf, 0, 1, y + r, ldy);
+        for (; r + 4 <= R; r += 4) es8_tile512(w + (int64_t)r * E, 4, qs, 1, E, 0, E, 0, 0, 1, y + r, ldy);
+        for (; r < R; r++) es8_tile512(w + (int64_t)r * E, 1, qs, 1, E, 0, E, 0, 0, 1, y + r, ldy);
         return;
     }
 #define ES8_T(rows, t) case t: es8_tile512(wr, rows, qx, t, E, k0, k1, wsf, pr, first, yr, ldy); break;

@@ -389,7 +389,7 @@ def test_engine_construction_errors(model):
 
 
 def test_isa_paths_agree_and_default(model):
-    assert k.DEFAULT_ISA in ISAS and model.stream(1).isa == k.DEFAULT_ISA
+    assert k.default_isa() in ISAS and model.stream(1).isa == k.default_isa()
     rng = np.random.default_rng(8)
     ids = token_ids(rng, 20)
     h = hiddens(rng, model, (20,))
@@ -402,12 +402,23 @@ def test_isa_paths_agree_and_default(model):
         close(o, outs[0])
 
 
-def test_isa_from_environment():
+def test_isa_follows_the_kernel_selector():
+    """ENGRAM_STREAM_ISA and use_isa() set the float8 path of the engines made afterwards."""
     from conftest import run_python
-    code = "from engram_stream import _engine_v41 as k; print(k.DEFAULT_ISA)"
-    env = dict(os.environ, ENGRAM_STREAM_ISA="baseline")
-    r = run_python(["-c", code], env=env)
-    assert r.returncode == 0 and r.stdout.strip() == "baseline", r.stderr
+    code = ("import engram_stream as es; from engram_stream import _engine_v41 as k; "
+            "print(k.default_isa(), es.kernel_isa())")
+    for env_isa, want in [("baseline", "baseline"), ("avx2", "baseline")] + (
+            [("avx512", "avx512")] if "avx512" in ISAS else []):
+        r = run_python(["-c", code], env=dict(os.environ, ENGRAM_STREAM_ISA=env_isa))
+        assert r.returncode == 0 and r.stdout.split() == [want, env_isa], (env_isa, r.stdout, r.stderr)
+    if "avx512" in ISAS:
+        from engram_stream import _isa
+        try:
+            _isa.use_isa("baseline")
+            assert make_model().stream(1).isa == "baseline"
+        finally:
+            _isa.use_isa(_isa.supported_isas()[-1])
+        assert make_model().stream(1).isa == "avx512"
 
 
 def test_decoder_runs_v41_layers(model):
