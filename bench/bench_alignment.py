@@ -10,32 +10,26 @@ offset's median over the aligned one's.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 
 import numpy as np
 
+from bench_file_check import rotating_rounds, setup
+
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=4000)
-    ap.add_argument("--rounds", type=int, default=16)
-    ap.add_argument("--hidden", type=int, default=256)
-    args = ap.parse_args()
+    args, cfg, ids, h, out = setup(__doc__, 4000, 16)
     import engram_stream
-    from engram_stream import EngramConfig, EngramModel
-    cfg = EngramConfig(engram_vocab_size=[20011, 20011], n_embed_per_ngram=128, n_head_per_ngram=4,
-                       layer_ids=[1], hidden_size=args.hidden, hc_mult=4, vocab_size=32000)
+    from engram_stream import EngramModel
+    from engram_stream.model import aligned_zeros
     base = EngramModel.init(cfg, seed=0)
     w0 = base.layer(1)
     wp, bp, cw = w0.packed()
     keep = []
 
     def placed(off):  # a copy of the panels starting `off` bytes past a 64-byte boundary
-        buf = np.zeros(wp.nbytes + 128, np.uint8)
-        start = -buf.ctypes.data % 64 + off
-        a = buf[start:start + wp.nbytes].view(np.float32).reshape(wp.shape)
+        buf = aligned_zeros(wp.nbytes + 64, np.uint8)
+        a = buf[off:off + wp.nbytes].view(np.float32).reshape(wp.shape)
         a[...] = wp
         a.flags.writeable = False
         keep.append(buf)
@@ -46,17 +40,7 @@ def main():
         w = w0.replace(cfg)
         w._packed = (placed(off), bp, cw)
         engines[off] = EngramModel(cfg, base.plan, {1: w}).stream(1)
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, args.steps).tolist()
-    h = np.ones((cfg.hc_mult, cfg.hidden_size), np.float32)
-    out = np.empty_like(h)
-    times = {off: [] for off in engines}
-    names = list(engines)
-    for r in range(args.rounds):
-        for off in names[r % 4:] + names[:r % 4]:
-            t0 = time.perf_counter()
-            for t in ids:
-                engines[off].step(t, h, out=out)
-            times[off].append((time.perf_counter() - t0) / len(ids) * 1e6)
+    times = rotating_rounds(engines, ids, h, out, args.rounds)
     med = {off: statistics.median(v) for off, v in times.items()}
     print(f"kernel {engram_stream.kernel_isa()}, D={cfg.hidden_size} G={cfg.hc_mult} E={cfg.engram_dim}, "
           f"{args.steps} steps x {args.rounds} rounds")

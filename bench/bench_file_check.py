@@ -30,24 +30,40 @@ def step_us(eng, ids, h, out):
     return (time.perf_counter() - t0) / len(ids) * 1e6
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20000)
-    ap.add_argument("--rounds", type=int, default=7)
+def setup(doc, steps, rounds):
+    """(args, cfg, ids, hidden, out) of a small-dims step benchmark (bench_alignment.py too)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--hidden", type=int, default=256)
     args = ap.parse_args()
-    from engram_stream import EngramConfig, EngramModel, store
+    from engram_stream import EngramConfig
     cfg = EngramConfig(engram_vocab_size=[20011, 20011], n_embed_per_ngram=128, n_head_per_ngram=4,
                        layer_ids=[1], hidden_size=args.hidden, hc_mult=4, vocab_size=32000)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, args.steps).tolist()
+    h = np.ones((cfg.hc_mult, cfg.hidden_size), np.float32)
+    return args, cfg, ids, h, np.empty_like(h)
+
+
+def rotating_rounds(engines, ids, h, out, rounds):
+    """{name: [us/step of each round]}: every engine once a round, the order rotated each
+    round so that none always goes first."""
+    names, times = list(engines), {k: [] for k in engines}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            times[k].append(step_us(engines[k], ids, h, out))
+    return times
+
+
+def main():
+    args, cfg, ids, h, out = setup(__doc__, 20000, 7)
+    from engram_stream import EngramModel, store
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "m.safetensors")
         EngramModel.init(cfg, seed=0).save(path)
         mapped, ram = EngramModel.load(path, mmap=True), EngramModel.load(path, mmap=False)
         assert store.file_check(mapped.layer(1).table) is not None
         assert store.file_check(ram.layer(1).table) is None
-        ids = np.random.default_rng(0).integers(0, cfg.vocab_size, args.steps).tolist()
-        h = np.ones((cfg.hc_mult, cfg.hidden_size), np.float32)
-        out = np.empty_like(h)
         t = mapped.layer(1).table
         pages = np.frombuffer((ctypes.c_char * t.nbytes).from_address(t.ctypes.data), t.dtype).reshape(t.shape)
         blind = EngramModel(cfg, mapped.plan, {1: mapped.layer(1).replace(cfg, table=pages)})
@@ -60,11 +76,7 @@ def main():
                    "RAM (no file)": ram.stream(1)}
         for e in engines.values():  # warm: every row the run reads is in the page cache
             step_us(e, ids, h, out)
-        times = {k: [] for k in engines}
-        names = list(engines)
-        for r in range(args.rounds):  # each round in another order: none always goes first
-            for k in names[r % 3:] + names[:r % 3]:
-                times[k].append(step_us(engines[k], ids, h, out))
+        times = rotating_rounds(engines, ids, h, out, args.rounds)
         fd = os.open(path, os.O_RDONLY)
         n = 200000
         t0 = time.perf_counter()
