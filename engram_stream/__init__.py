@@ -1,10 +1,17 @@
 """engram_stream: a streaming inference engine for Engram (DeepSeek's conditional n-gram memory).
 
-Where things are:
-  config.py     EngramConfig                     plan.py      HashPlan (geometry + hash oracle)
-  reference.py  the numpy batch forward (oracle) model.py     EngramModel (weights, paths)
-  _hash.pyx     nogil batch hashing              _engine.pyx  StreamEngine (the streaming engine)
-  include/      the C kernels both share (engram_hash.h integers, engram_step.h floats)
+Where things are (DESIGN.md at the repository root explains why):
+  config.py        EngramConfig                     plan.py       HashPlan (geometry + hash oracle)
+  reference.py     the numpy batch forward (oracle) model.py      EngramModel (weights, paths)
+  _hash.pyx        nogil batch hashing; the shared constants for Python
+  _engine.pyx      StreamEngine: state as typed memoryviews, the ring rules, step/prefill
+  _consts.pxd      the shared constants for Cython  engine_args.py  the engines' argument checks
+  _isa.py          kernel_isa(): which kernel path runs
+  decoder.py       Decoder (every layer per token)  checkpoint.py, store.py  files, mmap, prefetch
+  compression.py   build_compression                cli.py        the engram-stream command
+  v41.py, reference_v41.py, hf_v41.py, _engine_v41.pyx   the DeepSeek-V4.1 variant
+  include/ (get_include())   the C kernels: engram_consts.h (shared constants), engram_hash.h
+                   (integers), engram_step.h (floats), engram_isa.h (dispatch), engram_fp8.h (V4.1)
 """
 import os as _os
 

@@ -25,10 +25,9 @@ from .plan import as_ids
 
 cnp.import_array()
 
-PREFILL_CHUNK = 128  # prompt tokens per projection in prefill(): wkv is read once per chunk
+from engram_stream._consts cimport ES_MAX_NGRAM as MAX_NGRAM, ES_PREFILL_CHUNK
 
-cdef enum:
-    MAX_NGRAM = 64
+PREFILL_CHUNK = ES_PREFILL_CHUNK  # prompt tokens per projection in prefill(): wkv is read once per chunk
 
 ISAS = {"baseline": ES8_BASELINE, "avx512": ES8_AVX512}
 _ISA_NAMES = {v: k for k, v in ISAS.items()}

@@ -9,8 +9,9 @@ import math
 
 import numpy as np
 
-EPS_F32 = float(np.finfo(np.float32).eps)  # torch RMSNorm default when eps is None
-EPS_CONV = 1e-5
+from ._hash import EPS_CONV, EPS_KEY, GATE_CLAMP  # include/engram_consts.h, their one source
+
+EPS_F32 = EPS_KEY  # float32 machine epsilon: torch RMSNorm's default when eps is None
 
 
 def rms_norm(x, weight, eps):
@@ -42,7 +43,7 @@ def forward(cfg, rows, layer, hidden):
         k = rms_norm(e @ layer.key_w[g].T + layer.key_b[g], layer.norm1[g], EPS_F32)
         q = rms_norm(hidden[:, :, g, :], layer.norm2[g], EPS_F32)
         s = np.sum(k * q, axis=-1, dtype=np.float32) / np.float32(math.sqrt(D))
-        s = np.sign(s) * np.sqrt(np.maximum(np.abs(s), np.float32(1e-6)))
+        s = np.sign(s) * np.sqrt(np.maximum(np.abs(s), np.float32(GATE_CLAMP)))
         gates.append(np.float32(1) / (np.float32(1) + np.exp(-s)))
     gate = np.stack(gates, axis=2)[..., None]                        # [B, T, G, 1]
     # 1.7 value: one projection shared by all streams

@@ -15,7 +15,7 @@ from .config import V41_BLOCK
 E4M3, E8M0 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu)
 FP8_MAX = 448.0
 ACT_AMAX_MIN = 1e-4   # the activation quantizer's floor on a block's amax
-GATE_CLAMP = 1e-6     # |dot| floor before the signed sqrt
+from ._hash import GATE_CLAMP  # |dot| floor before the signed sqrt (include/engram_consts.h)
 
 
 def e4m3(raw):

@@ -31,6 +31,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include "engram_consts.h" /* ES_GATE_CLAMP */
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(ES_NO_CLONES)
 #include <immintrin.h>
@@ -337,7 +338,7 @@ static inline void es8_gate_tail(const float *kv, const float *hid, const float 
         }
         const float rstd = (1.0f / sqrtf((float)(sh / D) + eps)) * (1.0f / sqrtf((float)(sk / D) + eps));
         const float s = (float)dot * rstd / sqrtf((float)D);
-        const float mag = fabsf(s) < 1e-6f ? 1e-6f : fabsf(s);  /* NaN stays NaN */
+        const float mag = fabsf(s) < ES_GATE_CLAMP ? ES_GATE_CLAMP : fabsf(s);  /* NaN stays NaN */
         const float z = copysignf(sqrtf(mag), s);
         const float gate = dead ? 0.0f : 1.0f / (1.0f + expf(-z));
         float *o = out + (int64_t)c * D;

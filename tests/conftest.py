@@ -9,9 +9,74 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Floats compare within ATOL + RTOL*|x| (the project's tolerance: FMA, summation order);
+# integers compare exactly.
+RTOL, ATOL = 2e-4, 2e-5
+
+
+def close(got, want, **kw):
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, **kw)
+
+
+def hypothesis_settings(default_examples):
+    """Hypothesis settings of the property tests: ENGRAM_HYPOTHESIS_EXAMPLES=1000 for a longer
+    search (the default keeps the suite fast)."""
+    from hypothesis import HealthCheck, settings
+    return settings(max_examples=int(os.environ.get("ENGRAM_HYPOTHESIS_EXAMPLES", default_examples)),
+                    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def dense_compression(vocab, rng):
+    """A dense first-seen-order map: raw buckets renumbered 0, 1, 2, ... as they first appear."""
+    raw = rng.integers(0, max(2, vocab // 2), vocab)
+    first, lookup = {}, np.empty(vocab, np.int64)
+    for i, r in enumerate(raw):
+        lookup[i] = first.setdefault(int(r), len(first))
+    return lookup
+
+
+def make_model(G=2, n=3, K=3, D=13, nh=2, hd=3, vocab=40, layers=(1, 4), evs=None, comp=False,
+               seed=0, pad=1, table_dtype="float32", table=None):
+    """A small demo-variant model with non-trivial norm weights and biases (perturbed);
+    table float32/float16/int8; table(L, array) -> array may replace a layer's table (e.g.
+    with a file-backed copy)."""
+    from engram_stream import EngramConfig, EngramModel
+    from engram_stream.model import LayerWeights
+    rng = np.random.default_rng(seed + 12345)
+    cfg = EngramConfig(engram_vocab_size=list(evs) if evs else [31 + 10 * i for i in range(n - 1)],
+                       max_ngram_size=n, n_embed_per_ngram=nh * hd, n_head_per_ngram=nh,
+                       layer_ids=list(layers), pad_id=pad, seed=seed, kernel_size=K, hidden_size=D,
+                       hc_mult=G, vocab_size=vocab)
+    compression = dense_compression(vocab, rng) if comp else None
+    model = EngramModel.init(cfg, seed=seed, compression=compression)
+    if table_dtype != "float32" or table is not None:
+        layers_w = {}
+        for L, w in model.layers.items():
+            t, scale = w.table, None
+            if table_dtype == "float16":
+                t = w.table.astype(np.float16)
+            elif table_dtype == "int8":
+                scale = (np.abs(w.table).max(axis=1) / 127 + 1e-3).astype(np.float32)
+                t = np.clip(np.round(w.table / scale[:, None]), -127, 127).astype(np.int8)
+            if table is not None:
+                t = table(L, t)
+            layers_w[L] = LayerWeights(cfg, w.offsets, t, w.proj_w, w.proj_b, w.norm1, w.norm2,
+                                       w.conv_norm, w.conv_w, table_scale=scale)
+        model = EngramModel(cfg, model.plan, layers_w)
+    return perturbed(model, rng)
+
+
+def random_inputs(model, S, T, rng, neg=True):
+    """ids int64[S, T] (some negative: they pass through uncompressed), hidden float32[S, T, G, D]."""
+    cfg = model.cfg
+    ids = rng.integers(-3 if neg else 0, cfg.vocab_size, (S, T)).astype(np.int64)
+    hid = rng.standard_normal((S, T, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
+    return ids, hid
 
 
 def run_python(args, cwd=None, **kw):

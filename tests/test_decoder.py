@@ -10,35 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engram_stream import EngramConfig, EngramModel
-from engram_stream.model import LayerWeights
-from conftest import perturbed
+from conftest import close
+from conftest import make_model as shared_make_model
 
-RTOL, ATOL = 2e-4, 2e-5
 LAYERS = (1, 4, 9)
 
 
-def close(got, want):
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
-
-
-def make_model(G=2, n=3, K=3, D=13, nh=2, hd=3, vocab=40, layers=LAYERS, comp=True, seed=0, table=None):
-    """A small model with a dense compression map and non-trivial norm weights and biases.
-    table(L, array) -> array may replace a layer's table (e.g. with a file-backed copy)."""
-    rng = np.random.default_rng(seed + 777)
-    cfg = EngramConfig(engram_vocab_size=[31 + 10 * i for i in range(n - 1)], max_ngram_size=n,
-                       n_embed_per_ngram=nh * hd, n_head_per_ngram=nh, layer_ids=list(layers), pad_id=1,
-                       seed=seed, kernel_size=K, hidden_size=D, hc_mult=G, vocab_size=vocab)
-    lookup = None
-    if comp:
-        raw, first = rng.integers(0, vocab // 2, vocab), {}
-        lookup = np.array([first.setdefault(int(r), len(first)) for r in raw], np.int64)
-    model = EngramModel.init(cfg, seed=seed, compression=lookup)
-    if table is not None:
-        model = EngramModel(cfg, model.plan, {
-            L: LayerWeights(cfg, w.offsets, table(L, w.table), w.proj_w, w.proj_b, w.norm1, w.norm2,
-                            w.conv_norm, w.conv_w) for L, w in model.layers.items()})
-    return perturbed(model, rng)
+def make_model(layers=LAYERS, comp=True, **kw):
+    """conftest.make_model with three layers and a dense compression map by default."""
+    return shared_make_model(layers=layers, comp=comp, **kw)
 
 
 def inputs(model, S, T, seed):

@@ -24,67 +24,17 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
-from engram_stream import EngineSnapshot, EngramConfig, EngramModel
-from engram_stream.model import LayerWeights
-from conftest import perturbed, run_python
+from engram_stream import EngineSnapshot
+from conftest import (ROOT, close, dense_compression, hypothesis_settings, make_model,  # noqa: F401 (shared)
+                      random_inputs, run_python)
 
 pytestmark = pytest.mark.usefixtures("each_isa")  # every kernel path (tests/conftest.py)
 
-RTOL, ATOL = 2e-4, 2e-5
-# ENGRAM_HYPOTHESIS_EXAMPLES=1000 for a longer search (default 30 keeps the suite fast)
-HYP = settings(max_examples=int(os.environ.get("ENGRAM_HYPOTHESIS_EXAMPLES", 30)), deadline=None,
-               suppress_health_check=[HealthCheck.too_slow])
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-# ---- helpers ------------------------------------------------------------------------------
-def close(got, want, **kw):
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, **kw)
-
-
-def dense_compression(vocab, rng):
-    """A dense first-seen-order map: raw buckets renumbered 0, 1, 2, ... as they first appear."""
-    raw = rng.integers(0, max(2, vocab // 2), vocab)
-    first, lookup = {}, np.empty(vocab, np.int64)
-    for i, r in enumerate(raw):
-        lookup[i] = first.setdefault(int(r), len(first))
-    return lookup
-
-
-def make_model(G=2, n=3, K=3, D=13, nh=2, hd=3, vocab=40, layers=(1, 4), evs=None, comp=False,
-               seed=0, pad=1, table_dtype="float32"):
-    """A small model with non-trivial norm weights and biases; table float32/float16/int8."""
-    rng = np.random.default_rng(seed + 12345)
-    cfg = EngramConfig(engram_vocab_size=list(evs) if evs else [31 + 10 * i for i in range(n - 1)],
-                       max_ngram_size=n, n_embed_per_ngram=nh * hd, n_head_per_ngram=nh,
-                       layer_ids=list(layers), pad_id=pad, seed=seed, kernel_size=K, hidden_size=D,
-                       hc_mult=G, vocab_size=vocab)
-    compression = dense_compression(vocab, rng) if comp else None
-    model = EngramModel.init(cfg, seed=seed, compression=compression)
-    if table_dtype != "float32":
-        layers_w = {}
-        for L, w in model.layers.items():
-            scale = None
-            if table_dtype == "float16":
-                table = w.table.astype(np.float16)
-            else:
-                scale = (np.abs(w.table).max(axis=1) / 127 + 1e-3).astype(np.float32)
-                table = np.clip(np.round(w.table / scale[:, None]), -127, 127).astype(np.int8)
-            layers_w[L] = LayerWeights(cfg, w.offsets, table, w.proj_w, w.proj_b, w.norm1, w.norm2,
-                                       w.conv_norm, w.conv_w, table_scale=scale)
-        model = EngramModel(cfg, model.plan, layers_w)
-    return perturbed(model, rng)
-
-
-def inputs(model, S, T, rng, neg=True):
-    """ids int64[S, T] (some negative: they pass through uncompressed), hidden float32[S, T, G, D]."""
-    cfg = model.cfg
-    ids = rng.integers(-3 if neg else 0, cfg.vocab_size, (S, T)).astype(np.int64)
-    hid = rng.standard_normal((S, T, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
-    return ids, hid
+HYP = hypothesis_settings(30)
+inputs = random_inputs
 
 
 class Oracle:

@@ -10,7 +10,8 @@ import pytest
 
 from engram_stream import EngineSnapshot, EngramConfig
 from engram_stream._hash import MAX_KERNEL_SIZE
-from test_engine import close, inputs, make_model
+from conftest import close, make_model
+from conftest import random_inputs as inputs
 
 
 # ---- 1. config values bounded by what the kernels support ----------------------------------------

@@ -15,24 +15,18 @@ import tracemalloc
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from engram_stream import EngramConfig, EngramModel
 from engram_stream import _engine_v41 as k
 from engram_stream import reference_v41 as ref
 from engram_stream._engine_v41 import V41EngineSnapshot, V41StreamEngine
-from test_engine import dense_compression
+from conftest import close, dense_compression, hypothesis_settings
 
-RTOL, ATOL = 2e-4, 2e-5
-HYP = settings(max_examples=int(os.environ.get("ENGRAM_HYPOTHESIS_EXAMPLES", 25)), deadline=None,
-               suppress_health_check=[HealthCheck.too_slow])
+HYP = hypothesis_settings(25)
 ISAS = ["baseline"] + (["avx512"] if k.supported_isa() == "avx512" else [])
 IMG = 299  # the DEAD (image) token id of the models below
-
-
-def close(got, want, **kw):
-    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, **kw)
 
 
 def make_model(G=2, D=64, n=4, nh=2, hd=32, vocab=300, img=IMG, layers=(1, 4), comp=True, seed=0, evs=211):

@@ -23,7 +23,7 @@ DATA = os.path.join(HERE, "data")
 GENERATOR = os.path.join(HERE, os.pardir, "tools", "gen_goldens.py")
 GOLDENS = sorted(p for p in glob.glob(os.path.join(DATA, "golden_*.npz"))
                  if not os.path.basename(p).startswith("golden_v41_"))  # those: test_goldens_v41.py
-ATOL, RTOL = 2e-5, 2e-4
+from conftest import ATOL, RTOL  # noqa: E402
 
 
 def _name(path):

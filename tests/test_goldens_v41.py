@@ -22,7 +22,7 @@ from engram_stream.v41 import NAMES
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDENS = sorted(glob.glob(os.path.join(HERE, "data", "golden_v41_*.npz")))
 GENERATOR = os.path.join(HERE, os.pardir, "tools", "gen_goldens_v41.py")
-ATOL, RTOL = 2e-5, 2e-4
+from conftest import ATOL, RTOL  # noqa: E402
 
 
 def _name(path):

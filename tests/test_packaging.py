@@ -8,7 +8,8 @@ import tempfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+
 # Folders the sdist must carry whole (so an unpacked sdist builds, tests and benchmarks itself).
 CARRIED = ("include", "tests", "tools", "examples", "bench", ".ci")
 SKIP = shutil.ignore_patterns(".git", ".ci-venv", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis",
