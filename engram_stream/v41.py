@@ -55,6 +55,11 @@ class V41LayerWeights:
         """The table's bytes (what store/residency reports look at)."""
         return self.embed_weight
 
+    @property
+    def table_scale(self):
+        """The rows' e8m0 scales: store's residency/release count them with the table."""
+        return self.embed_scale
+
     def arrays(self) -> dict:
         """{state_dict name: array}: the float8 tensors as ml_dtypes views of the same bytes."""
         return {"embed.weight": self.embed_weight.view(E4M3), "embed.scale": self.embed_scale.view(E8M0),
