@@ -33,7 +33,9 @@
 #include <string.h>
 #include "engram_consts.h" /* ES_GATE_CLAMP */
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(ES_NO_CLONES)
+#include "engram_isa.h"
+
+#if ES_X86_PATHS
 #include <immintrin.h>
 #define ES8_HAVE_AVX512 1
 #define ES8_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
@@ -235,14 +237,11 @@ static ES8_T512 void es8_tile_avx512(const uint8_t *w, int R, const float *qx, i
 }
 #endif
 
-/* What this CPU can run: ES8_AVX512 or ES8_BASELINE. */
+/* What this CPU can run: ES8_AVX512 (the kernels' AVX-512 level, engram_isa.h)
+ * or ES8_BASELINE. */
 static inline int es8_isa_supported(void) {
 #if ES8_HAVE_AVX512
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
-        return ES8_AVX512;
+    if (es_isa_cpu_best() == ES_ISA_AVX512) return ES8_AVX512;  /* F16C: every AVX-512 CPU */
 #endif
     return ES8_BASELINE;
 }
