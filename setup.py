@@ -10,7 +10,8 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-MOD_NAMES = ["engram_stream._hash", "engram_stream._engine", "engram_stream._engine_v41"]
+MOD_NAMES = ["engram_stream._hash", "engram_stream._engine", "engram_stream._engine_v41",
+             "engram_stream._rowcache"]
 
 ASAN = os.environ.get("ENGRAM_STREAM_ASAN") == "1"
 DEBUG = ASAN or os.environ.get("ENGRAM_STREAM_DEBUG") == "1"

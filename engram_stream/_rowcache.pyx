@@ -1,0 +1,187 @@
+# cython: language_level=3
+"""RowCache: a fixed RAM budget of whole table rows in front of a table source.
+
+The rules (open-addressing index keyed by absolute row, GCLOCK eviction, pins for
+a pending remote step) are in include/engram_rowcache.h; this class owns the
+memory. A StreamEngine reads through it without the GIL (one engine, one cache:
+an engine has one owner, so the cache needs no lock).
+"""
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint8_t
+from libc.string cimport memcpy
+
+cnp.import_array()
+
+SLOT_ALIGN = 64  # one slot starts on a cache line: a row read touches no extra line
+
+
+def slot_bytes(int64_t recbytes):
+    """Bytes one cached row costs in slots (its record rounded up to 64)."""
+    return -(-recbytes // SLOT_ALIGN) * SLOT_ALIGN
+
+
+def _index_entries(int64_t nslots):
+    cdef int64_t size = 1
+    while size < 2 * nslots:
+        size *= 2
+    return size
+
+
+def cache_nbytes(int64_t nslots, int64_t recbytes):
+    """RAM a RowCache of nslots rows holds: slots, index (a power of two >= 2 per row),
+    keys, pins and counters."""
+    n = max(nslots, 1)
+    return n * slot_bytes(recbytes) + SLOT_ALIGN + _index_entries(nslots) * 8 + n * (8 + 8 + 1)
+
+
+def slots_for(int64_t budget_bytes, int64_t recbytes):
+    """The most rows a cache can hold within budget_bytes (everything counted)."""
+    n = max(0, budget_bytes // (slot_bytes(recbytes) + 2 * 8 + 8 + 8 + 1))
+    while n > 0 and cache_nbytes(n, recbytes) > budget_bytes:
+        n = min(n - 1, (_index_entries(n) // 2 - 1) // 2)  # drop below the index's power of two
+    return n
+
+
+cdef class RowCache:
+    """A cache of `nslots` row records of `recbytes` bytes each (layer: a label for stats;
+    totals: an int64[4] that hits, misses, bytes_fetched, evictions are added to at the end)."""
+
+    COUNTERS = ("hits", "misses", "bytes_fetched", "evictions")
+
+    def __cinit__(self, int64_t nslots, int64_t recbytes, layer=None, totals=None):
+        if nslots < 0 or recbytes <= 0:
+            raise ValueError(f"RowCache needs nslots >= 0 and recbytes > 0, got {nslots}, {recbytes}")
+        cdef int64_t size = _index_entries(nslots)
+        cdef int bits = 0
+        while (<int64_t> 1 << bits) < size:
+            bits += 1
+        cdef int64_t stride = slot_bytes(recbytes)
+        index = np.zeros(size, dtype=np.int64)
+        keys = np.full(max(nslots, 1), -1, dtype=np.int64)
+        uses = np.zeros(max(nslots, 1), dtype=np.uint8)
+        pin = np.full(max(nslots, 1), -1, dtype=np.int64)
+        data = np.zeros(max(nslots, 1) * stride + SLOT_ALIGN, dtype=np.uint8)
+        cdef int64_t off = (-data.ctypes.data) % SLOT_ALIGN
+        self._arrays = (index, keys, uses, pin, data)
+        self.layer = layer
+        if totals is not None and not (isinstance(totals, np.ndarray) and totals.dtype == np.int64
+                                       and totals.shape == (4,)):
+            raise ValueError("totals must be an int64[4] array")
+        self._totals = totals
+        self.c.nslots, self.c.recbytes, self.c.stride = nslots, recbytes, stride
+        self.c.mask, self.c.shift = size - 1, 64 - bits
+        self.c.index = <int64_t *> cnp.PyArray_DATA(index)
+        self.c.keys = <int64_t *> cnp.PyArray_DATA(keys)
+        self.c.uses = <uint8_t *> cnp.PyArray_DATA(uses)
+        self.c.pin = <int64_t *> cnp.PyArray_DATA(pin)
+        self.c.data = <char *> cnp.PyArray_DATA(data) + off
+        self.c.hand = self.c.used = self.c.epoch = 0
+        self.c.hits = self.c.misses = self.c.evictions = self.c.bytes_fetched = 0
+
+    def __dealloc__(self):
+        if self._totals is not None:
+            self._totals += (self.c.hits, self.c.misses, self.c.bytes_fetched, self.c.evictions)
+
+    @property
+    def nslots(self):
+        return self.c.nslots
+
+    @property
+    def recbytes(self):
+        return self.c.recbytes
+
+    @property
+    def nbytes(self):
+        """RAM the cache holds (slots, index, keys, counters, pins)."""
+        return sum(a.nbytes for a in self._arrays)
+
+    def stats(self):
+        return {"hits": self.c.hits, "misses": self.c.misses, "bytes_fetched": self.c.bytes_fetched,
+                "evictions": self.c.evictions, "rows_cached": self.c.used,
+                "capacity_rows": self.c.nslots, "cache_bytes": self.nbytes}
+
+    def __contains__(self, row):
+        return es_rc_peek(&self.c, row) >= 0
+
+    def __len__(self):
+        return self.c.used
+
+    def rows(self):
+        """int64: the rows cached now (sorted)."""
+        keys = self._arrays[1][:self.c.used]
+        return np.sort(keys[keys >= 0])
+
+    cdef int plan_fetch(self, const int64_t *rows, int64_t n, const char **src, int64_t *miss_pos,
+                        fetch) except -1:
+        """A remote step's rows: src[i] = the record of rows[i], from a cache slot (pinned until the
+        next plan) or from the staging buffer `fetch(uniq)` fills and returns (uint8 [>= len(uniq),
+        stride], record k = row uniq[k]; uniq: the distinct missed rows, sorted). Whatever fetch
+        raises propagates before any row is used (miss_pos: scratch of n entries)."""
+        cdef int64_t m, nu
+        with nogil:
+            m = es_rc_plan(&self.c, rows, n, src, miss_pos)
+        if m == 0:
+            return 0
+        r = np.asarray(<int64_t[:n]> <int64_t *> rows)
+        uniq = np.unique(r[np.asarray(<int64_t[:m]> miss_pos)])
+        stage = fetch(uniq)
+        if not (isinstance(stage, np.ndarray) and stage.dtype == np.uint8 and stage.ndim == 2
+                and stage.shape[0] >= uniq.shape[0] and stage.shape[1] == self.c.stride
+                and stage.flags.c_contiguous):
+            raise ValueError(f"fetch must return a C-contiguous uint8 [>= {uniq.shape[0]}, {self.c.stride}] array")
+        cdef const int64_t *pu = <const int64_t *> cnp.PyArray_DATA(uniq)
+        cdef const char *ps = <const char *> cnp.PyArray_DATA(stage)
+        nu = uniq.shape[0]
+        with nogil:
+            es_rc_admit(&self.c, pu, nu, ps, rows, miss_pos, m, src)
+        return 0
+
+    def read_batch(self, rows, cnp.ndarray records):
+        """Read `rows` as one remote step does (plan, one fetch of the distinct misses from
+        `records`, admit, gather). Returns uint8[len(rows), recbytes] and the rows fetched."""
+        r = np.ascontiguousarray(rows, dtype=np.int64).ravel()
+        if r.size and (r.min() < 0 or r.max() >= records.shape[0]):
+            raise IndexError("rows out of range")
+        cdef int64_t n = r.shape[0], i, rb = self.c.recbytes
+        src_arr = np.zeros(max(n, 1), dtype=np.uintp)
+        mpos = np.empty(max(n, 1), dtype=np.int64)
+        fetched = []
+
+        def fetch(uniq):
+            fetched.append(uniq.copy())
+            stage = np.zeros((uniq.shape[0], self.c.stride), dtype=np.uint8)
+            stage[:, :rb] = records[uniq]
+            fetched.append(stage)  # keep it alive until the gather below
+            return stage
+
+        cdef const char **src = <const char **> cnp.PyArray_DATA(src_arr)
+        self.plan_fetch(<const int64_t *> cnp.PyArray_DATA(r), n, src, <int64_t *> cnp.PyArray_DATA(mpos), fetch)
+        out = np.empty((n, rb), dtype=np.uint8)
+        cdef char *po = <char *> cnp.PyArray_DATA(out)
+        for i in range(n):
+            memcpy(po + i * rb, src[i], rb)
+        return out, (fetched[0] if fetched else np.empty(0, np.int64))
+
+    def read(self, rows, cnp.ndarray records):
+        """Read `rows` through the cache from `records` (uint8[N, recbytes], standing in for a
+        table): what an engine's gather does per row. Returns uint8[len(rows), recbytes]."""
+        r = np.ascontiguousarray(rows, dtype=np.int64).ravel()
+        if records.dtype != np.uint8 or records.ndim != 2 or records.shape[1] != self.c.recbytes \
+                or not records.flags.c_contiguous:
+            raise ValueError(f"records must be a C-contiguous uint8 [N, {self.c.recbytes}] array")
+        if r.size and (r.min() < 0 or r.max() >= records.shape[0]):
+            raise IndexError("rows out of range")
+        out = np.empty((r.shape[0], self.c.recbytes), dtype=np.uint8)
+        cdef const int64_t *pr = <const int64_t *> cnp.PyArray_DATA(r)
+        cdef const char *tab = <const char *> cnp.PyArray_DATA(records)
+        cdef char *po = <char *> cnp.PyArray_DATA(out)
+        cdef int64_t i, n = r.shape[0], rb = self.c.recbytes
+        cdef const char *p
+        with nogil:
+            for i in range(n):
+                p = es_rc_row(&self.c, pr[i], tab, rb, NULL, 0)
+                if p == NULL:
+                    p = tab + pr[i] * rb
+                memcpy(po + i * rb, p, rb)
+        return out
