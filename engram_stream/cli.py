@@ -390,6 +390,24 @@ def _config_help() -> str:
     return "\n".join(lines)
 
 
+def cmd_publish(args):
+    """Every layer's table rows into a Mooncake Store (EngramStore layout: engram:l{L}:h{h})."""
+    from .model import EngramModel
+    from .tiers import MooncakeTier
+    model = EngramModel.load(args.checkpoint, mmap=True)
+    tier = MooncakeTier(master=args.master, metadata=args.metadata, local_host=args.local_host,
+                        connect_timeout=args.connect_timeout)
+    t0 = time.perf_counter()
+    try:
+        n = tier.publish(model)
+    finally:
+        tier.close()
+    dt = time.perf_counter() - t0
+    print(f"published {len(model.cfg.layer_ids)} layers x {model.cfg.n_heads} heads, {n / 2**20:,.1f} MiB "
+          f"in {dt:.2f} s to {args.master}")
+    return 0
+
+
 def build_parser():
     debug = argparse.ArgumentParser(add_help=False)  # --debug after the subcommand too
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -448,6 +466,13 @@ def build_parser():
                    help="evict the checkpoint from the page cache first: a cold start, rows read from disk")
     s.add_argument("-o", "--output", metavar="CAPTURE.bin", help="keep the memray capture in this file")
     s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+
+    s = command("publish", cmd_publish, "a checkpoint's table rows into a Mooncake Store (EngramStore layout)")
+    s.add_argument("checkpoint", help="a checkpoint written by save() or init")
+    s.add_argument("--master", required=True, help="mooncake_master HOST:PORT")
+    s.add_argument("--metadata", required=True, help="metadata server URL, e.g. http://HOST:8080/metadata")
+    s.add_argument("--local-host", default="127.0.0.1", help="this client's address")
+    s.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the store")
     return p
 
 

@@ -263,17 +263,35 @@ class EngramModel:
         return checkpoint.save(self, path, table_dtype=table_dtype, progress=progress)
 
     @classmethod
-    def load(cls, path, mmap: bool = True):
+    def load(cls, path, mmap: bool = True, tables=None, row_cache_mb=None):
         """Read a checkpoint written by save() (or `engram-stream init`); every header field,
         shape and the prime chain are checked, a bad file raises checkpoint.CheckpointError.
         mmap=True (the default): tables are read-only zero-copy views of the file, so only the
         rows a decode touches come into RAM (the file must not change while the model lives);
         mmap=False reads everything into RAM. A folder is a deepseek-v4.1 HF checkpoint
-        (from_deepseek_v41)."""
+        (from_deepseek_v41).
+        tables: a tiers.MooncakeTier to read table rows from (weights still come from the file,
+        whose tables are then mapped and never read); row_cache_mb: a RAM cache of whole rows
+        in front of the rows' source (see engram_stream.tiers; demo variant)."""
         if os.path.isdir(path):
+            if tables is not None or row_cache_mb:
+                raise ValueError("row tiers (tables=, row_cache_mb=) serve the demo-v1 engine; "
+                                 "the deepseek-v4.1 engine does not read through them yet")
             return cls.from_deepseek_v41(path, mmap=mmap)
         from . import checkpoint
-        return checkpoint.load(path, mmap=mmap)
+        model = checkpoint.load(path, mmap=mmap or tables is not None)
+        if tables is not None or row_cache_mb:
+            from .tiers import RowTiers
+            model.row_tiers = RowTiers(model, row_cache_mb or 0, tables)
+        return model
+
+    row_tiers = None  # tiers.RowTiers: row cache budget and row source (set by load())
+
+    def row_cache_stats(self) -> dict:
+        """Row cache counters summed over this model's engines: hits, misses, bytes_fetched,
+        evictions, rows_cached, ... and per layer ("layers"). All zero without a row cache."""
+        from .tiers import RowTiers
+        return (self.row_tiers or RowTiers(self)).stats()
 
     @classmethod
     def from_deepseek_v41(cls, ckpt_dir, mmap: bool = True, compression=None):
