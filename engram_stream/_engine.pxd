@@ -3,6 +3,8 @@
 # memoryviews) and the rules that move it (_engine.pyx: the one home of the ring rules).
 from libc.stdint cimport int64_t, int8_t, uint8_t, uint16_t
 
+from engram_stream._rowcache cimport RowCache, es_rowcache
+
 cdef extern from "engram_step.h" nogil:
     ctypedef struct es_tail_params:
         int G, D, K
@@ -83,10 +85,23 @@ cdef class StreamEngine:
     cdef bint busy                 # a call is running (one owner at a time)
     cdef public int prefill_threads  # threads for prefill's GEMMs (default: the machine's cores)
 
+    # row tiers (engram_stream.tiers; DESIGN "Row tiers"): a RAM row cache, a remote row source
+    cdef RowCache rcache           # None: rows straight from the table
+    cdef es_rowcache *rc           # &rcache.c, or NULL
+    cdef object remote             # tiers.RemoteRows (rows fetched with the GIL at feed), or None
+    cdef const char **src          # [cap * H] remote: each row's record (a cache slot or the staging buffer)
+    cdef int64_t *mpos             # [cap * H] remote: positions that missed the cache
+
     cdef int _grow(self, int64_t cap) except -1
     cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil
     cdef void _hash_one(self, int64_t s, int64_t token, int64_t *rows) noexcept nogil
-    cdef void _gather(self, const int64_t *rows, float *e) noexcept nogil
+    cdef void _gather(self, const int64_t *rows, int64_t k, float *e) noexcept nogil
+    cdef void _record(self, const char *p, float *e) noexcept nogil
+    cdef int _fetch(self, const int64_t *rows, int64_t n) except -1
+    cdef int _feed_remote(self, const int64_t *ids) except -1
+    cdef void _project_tail(self, int64_t s, int64_t nb, const float *ph, float *po) noexcept nogil
+    cdef int _prefill_remote(self, int64_t s, const int64_t *pid, int64_t T, int64_t chunk,
+                             const float *ph, float *po) except -1
     cdef void _tail(self, int64_t s, const float *proj, const float *hid, float *out) noexcept nogil
     cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil
     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil

@@ -21,10 +21,12 @@ cimport numpy as cnp
 from libc.stdint cimport int64_t, int8_t, uint8_t, uint16_t
 from libc.stdlib cimport free, malloc, realloc
 from libc.math cimport sqrt
+from libc.string cimport memcpy
 from posix.stat cimport fstat, struct_stat
 
 from engram_stream._hash cimport es_hash_window, es_isa_now, es_isa_set
 from engram_stream._consts cimport ES_MAX_KERNEL_SIZE, ES_MAX_NGRAM, ES_PREFILL_CHUNK
+from engram_stream._rowcache cimport RowCache, es_rc_peek, es_rc_row
 from . import store
 from .model import check_hidden
 from .plan import as_ids
@@ -173,6 +175,15 @@ cdef class StreamEngine:
                              hashlib.sha1(np.asarray(self.lookup).tobytes()).hexdigest()
                              if self.has_lookup else None)
 
+        # Row tiers: EngramModel.load(path, row_cache_mb=, tables=) gave the model a RowTiers.
+        tiers = getattr(model, "row_tiers", None)
+        if tiers is not None:
+            self.remote = tiers.new_source(layer)
+            cache = tiers.new_cache(layer)
+            if cache.nslots or self.remote is not None:  # remote mode plans through one, maybe empty
+                self.rcache = cache
+                self.rc = &self.rcache.c
+
         # Owned state (set to the before-any-token state by _reset_all).
         cdef int64_t S = n_streams
         self.hist = np.empty((S, self.n - 1), dtype=np.int64)
@@ -187,6 +198,7 @@ cdef class StreamEngine:
 
     def __dealloc__(self):
         free(self.rbuf); free(self.ebuf); free(self.ybuf); free(self.pbuf); free(self.taps)
+        free(self.src); free(self.mpos)
 
     cdef int _grow(self, int64_t cap) except -1:
         """Scratch for `cap` rows; done before any state changes (a MemoryError is clean)."""
@@ -208,6 +220,14 @@ cdef class StreamEngine:
         if r == NULL:
             raise MemoryError("StreamEngine: scratch allocation failed")
         self.pbuf = <float *> r
+        r = realloc(self.src, cap * self.H * sizeof(char *))
+        if r == NULL:
+            raise MemoryError("StreamEngine: scratch allocation failed")
+        self.src = <const char **> r
+        r = realloc(self.mpos, cap * self.H * sizeof(int64_t))
+        if r == NULL:
+            raise MemoryError("StreamEngine: scratch allocation failed")
+        self.mpos = <int64_t *> r
         self.cap = cap
         return 0
 
@@ -242,14 +262,61 @@ cdef class StreamEngine:
             self.hist[s, k] = self.hist[s, k - 1]
         self.hist[s, 0] = win[0]
 
-    cdef void _gather(self, const int64_t *rows, float *e) noexcept nogil:
+    cdef void _gather(self, const int64_t *rows, int64_t k, float *e) noexcept nogil:
+        """e = the H rows of one token (k: its place in the batch the last _fetch planned)."""
         cdef const uint8_t *t = &self.table[0, 0]
+        cdef const char *p
+        cdef int j
+        if self.rc != NULL:  # through the row cache: its slots, or (remote) the fetched records
+            for j in range(self.H):
+                if self.remote is not None:
+                    p = self.src[k * self.H + j]
+                else:
+                    p = es_rc_row(self.rc, rows[j], <const char *> t, self.rowbytes,
+                                  <const char *> &self.table_scale[0] if self.table_kind == 2 else NULL, 4)
+                    if p == NULL:  # no slot to give (cannot happen with slots: nothing is pinned here)
+                        p = <const char *> t + rows[j] * self.rowbytes
+                self._record(p, e + j * self.hd)
+            return
         if self.table_kind == 0:
             es_gather_f32(<const float *> t, self.hd, rows, self.H, e)
         elif self.table_kind == 1:
             es_gather_f16(<const uint16_t *> t, self.hd, rows, self.H, e)
         else:
             es_gather_i8(<const int8_t *> t, &self.table_scale[0], self.hd, rows, self.H, e)
+
+    cdef void _record(self, const char *p, float *e) noexcept nogil:
+        """One row record (the row's bytes, then an int8 row's float32 scale) to floats, by
+        the kernels that convert table rows: every tier gives the same bits."""
+        cdef int64_t zero = 0
+        cdef float sc
+        if self.table_kind == 0:
+            es_gather_f32(<const float *> p, self.hd, &zero, 1, e)
+        elif self.table_kind == 1:
+            es_gather_f16(<const uint16_t *> p, self.hd, &zero, 1, e)
+        else:
+            memcpy(&sc, p + self.rowbytes, sizeof(float))
+            es_gather_i8(<const int8_t *> p, &sc, self.hd, &zero, 1, e)
+
+    cdef int _fetch(self, const int64_t *rows, int64_t n) except -1:
+        """Remote mode, n rows hashed: cache hits pinned for this step, the distinct misses read
+        in one batched call, every row pointed at its record (src). Raises tiers.TierError
+        when the store fails (nothing it returned is used)."""
+        return self.rcache.plan_fetch(rows, n, self.src, self.mpos, self.remote.fetch)
+
+    cdef int _feed_remote(self, const int64_t *ids) except -1:
+        """feed() in remote mode: hash (nogil), then fetch with the GIL; when the fetch fails the
+        windows and rows are put back, so the refused token changes nothing."""
+        hist0, rows0 = np.array(self.hist), np.array(self.last_rows)
+        with nogil:
+            self._feed_nogil(ids)
+        try:
+            self._fetch(&self.last_rows[0, 0], self.n_streams * self.H)
+        except BaseException:
+            np.asarray(self.hist)[...] = hist0
+            np.asarray(self.last_rows)[...] = rows0
+            raise
+        return 0
 
     cdef void _tail(self, int64_t s, const float *proj, const float *hid, float *out) noexcept nogil:
         """Gate, value and ShortConv of one token of stream s, and the conv ring's move.
@@ -295,13 +362,14 @@ cdef class StreamEngine:
         cdef int64_t b
         for b in range(self.n_streams):
             self._hash_one(b, ids[b], &self.last_rows[b, 0])
-        es_prefetch_rows(<const char *> &self.table[0, 0], self.rowbytes, &self.last_rows[0, 0],
-                         self.n_streams * self.H)
+        if self.rc == NULL:  # (through a cache the gather reads slots, not the table)
+            es_prefetch_rows(<const char *> &self.table[0, 0], self.rowbytes, &self.last_rows[0, 0],
+                             self.n_streams * self.H)
 
     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:
         cdef int64_t b, S = self.n_streams
         for b in range(S):
-            self._gather(&self.last_rows[b, 0], self.ebuf + b * self.ldx)
+            self._gather(&self.last_rows[b, 0], b, self.ebuf + b * self.ldx)
         es_gemm_packed(self.ebuf, self.ldx, S, self.E, &self.wp[0, 0, 0], &self.bp[0], self.M, self.ybuf,
                        self.pbuf)
         for b in range(S):
@@ -389,8 +457,12 @@ cdef class StreamEngine:
             self._check_file()
             with nogil:
                 bad = self._first_bad_id(pid, self.n_streams)
-                if bad < 0:
+                if bad < 0 and self.remote is None:
                     self._feed_nogil(pid)
+                    self._compute_nogil(ph, po)
+            if bad < 0 and self.remote is not None:
+                self._feed_remote(pid)  # misses fetched with the GIL, before the nogil gather
+                with nogil:
                     self._compute_nogil(ph, po)
         finally:
             self.busy = False
@@ -413,8 +485,10 @@ cdef class StreamEngine:
                 raise RuntimeError("feed() was already called for this token: call compute(hidden) first")
             with nogil:
                 bad = self._first_bad_id(pid, self.n_streams)
-                if bad < 0:
+                if bad < 0 and self.remote is None:
                     self._feed_nogil(pid)
+            if bad < 0 and self.remote is not None:
+                self._feed_remote(pid)  # the rows are read now, while earlier layers compute
             self.pending = bad < 0
         finally:
             self.busy = False
@@ -451,11 +525,24 @@ cdef class StreamEngine:
     def prefetch(self):
         """After feed(): madvise(WILLNEED) the pages of the fed rows, so a file-backed table
         starts reading them now (while earlier layers compute). Returns failed madvise calls."""
-        cdef int64_t failed
+        cdef int64_t failed = 0, i
+        cdef const int64_t *rows = &self.last_rows[0, 0]
         self._enter()
         try:
             if not self.pending:
                 raise RuntimeError("prefetch() needs feed(token_ids) first")
+            if self.remote is not None:
+                return 0  # feed() has read the remote rows already
+            if self.rc != NULL:  # only the pages of rows the cache lacks
+                with nogil:
+                    for i in range(self.n_streams * self.H):
+                        if es_rc_peek(self.rc, rows[i]) < 0:
+                            failed += es_advise_rows(<const char *> &self.table[0, 0], self.rowbytes, rows + i, 1,
+                                                     MADV_WILLNEED)
+                            if self.table_kind == 2:
+                                failed += es_advise_rows(<const char *> &self.table_scale[0], 4, rows + i, 1,
+                                                         MADV_WILLNEED)
+                return int(failed)
             with nogil:
                 failed = es_advise_rows(<const char *> &self.table[0, 0], self.rowbytes, &self.last_rows[0, 0],
                                         self.n_streams * self.H, MADV_WILLNEED)
@@ -508,27 +595,59 @@ cdef class StreamEngine:
             self._check_file()
             with nogil:
                 bad = self._first_bad_id(pid, T)
-                if bad < 0:
+                if bad < 0 and self.remote is None:
                     t0 = 0
                     while t0 < T:
                         nb = min(chunk, T - t0)
                         for i in range(nb):
                             self._hash_one(s, pid[t0 + i], self.rbuf + i * self.H)
-                            self._gather(self.rbuf + i * self.H, self.ebuf + i * self.ldx)
-                        es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], &self.bp[0],
-                                          self.M, self.ybuf, self.pbuf, self.prefill_threads if nb >= 32 else 1)
-                        for i in range(nb):
-                            self._tail(s, self.ybuf + i * self.M, ph + (t0 + i) * self.C,
-                                       po + (t0 + i) * self.C)
+                            self._gather(self.rbuf + i * self.H, i, self.ebuf + i * self.ldx)
+                        self._project_tail(s, nb, ph + t0 * self.C, po + t0 * self.C)
                         t0 += nb
-                    if T:  # the stream's rows are now those of the prompt's last token
-                        for j in range(self.H):
-                            self.last_rows[s, j] = self.rbuf[(nb - 1) * self.H + j]
+            if bad < 0 and self.remote is not None:
+                self._prefill_remote(s, pid, T, chunk, ph, po)
+            if bad < 0 and T:  # the stream's rows are now those of the prompt's last token
+                nb = (T - 1) % chunk + 1
+                for j in range(self.H):
+                    self.last_rows[s, j] = self.rbuf[(nb - 1) * self.H + j]
         finally:
             self.busy = False
         if bad >= 0:
             raise self._bad_id(a, bad)
         return o
+
+    cdef void _project_tail(self, int64_t s, int64_t nb, const float *ph, float *po) noexcept nogil:
+        """The rest of a prefill chunk whose nb rows are gathered: one GEMM, then nb tails."""
+        cdef int64_t i
+        es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], &self.bp[0],
+                          self.M, self.ybuf, self.pbuf, self.prefill_threads if nb >= 32 else 1)
+        for i in range(nb):
+            self._tail(s, self.ybuf + i * self.M, ph + i * self.C, po + i * self.C)
+
+    cdef int _prefill_remote(self, int64_t s, const int64_t *pid, int64_t T, int64_t chunk,
+                             const float *ph, float *po) except -1:
+        """prefill in remote mode: per chunk, hash (nogil), fetch the misses (GIL), then gather,
+        GEMM and tails (nogil). A failed fetch puts stream s back as it was before the call."""
+        cdef int64_t t0 = 0, i, nb
+        saved = (np.array(self.hist[s]), np.array(self.conv_state[s]), self.pos[s], self.seen[s])
+        try:
+            while t0 < T:
+                nb = min(chunk, T - t0)
+                with nogil:
+                    for i in range(nb):
+                        self._hash_one(s, pid[t0 + i], self.rbuf + i * self.H)
+                self._fetch(self.rbuf, nb * self.H)
+                with nogil:
+                    for i in range(nb):
+                        self._gather(self.rbuf + i * self.H, i, self.ebuf + i * self.ldx)
+                    self._project_tail(s, nb, ph + t0 * self.C, po + t0 * self.C)
+                t0 += nb
+        except BaseException:
+            np.asarray(self.hist)[s] = saved[0]
+            np.asarray(self.conv_state)[s] = saved[1]
+            self.pos[s], self.seen[s] = saved[2], saved[3]
+            raise
+        return 0
 
     def _check_stream(self, stream):
         if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):

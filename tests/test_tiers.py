@@ -1,0 +1,292 @@
+"""Tiered rows: the RAM row cache in front of a local file, and the Mooncake Store tier.
+
+Every path is held to the plain engine on the local file, bit for bit (the plain engine is
+itself tested against the numpy oracle). Mooncake tests run a real mooncake_master and store
+server on loopback ports (marked `mooncake`, skipped when the extra is not installed).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from engram_stream import EngramConfig, EngramModel
+from engram_stream.cli import main
+
+CFG = dict(hidden_size=64, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,
+           engram_vocab_size=[211, 223], layer_ids=[1, 3], vocab_size=500, kernel_size=3)
+S = 3
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """One small model saved with each table dtype: {dtype: path}."""
+    d = tmp_path_factory.mktemp("tiers")
+    model = EngramModel.init(EngramConfig(**CFG), seed=1)
+    out = {}
+    for dt in ("float32", "float16", "int8"):
+        out[dt] = str(d / f"m_{dt}.safetensors")
+        model.save(out[dt], table_dtype=dt)
+    return out
+
+
+def tokens(T, seed, shared=False):
+    """Zipf-ish ids [T, S] (repeats make cache hits; `shared`: every stream the same id, so a
+    step's batch repeats every row S times)."""
+    rng = np.random.default_rng(seed)
+    ids = (rng.zipf(1.3, (T, S)) + 3) % CFG["vocab_size"]
+    if shared:
+        ids[:] = ids[:, :1]
+    return ids.astype(np.int64)
+
+
+def hiddens(T, seed):
+    rng = np.random.default_rng(seed + 100)
+    return rng.standard_normal((T, S, CFG["hc_mult"], CFG["hidden_size"]), dtype=np.float32)
+
+
+def decode(model, ids, hid, prompt=None):
+    """A decoder run: an optional prompt prefilled on stream 1 of every layer, then steps of
+    every stream. Returns {layer: [outputs...]}."""
+    dec = model.decoder(n_streams=S)
+    outs = {L: [] for L in model.cfg.layer_ids}
+    if prompt is not None:
+        p_ids, p_hid = prompt
+        for L, y in dec.prefill(p_ids, {L: p_hid for L in outs}, stream=1).items():
+            outs[L].append(y)
+    for t in range(len(ids)):
+        dec.begin(ids[t])
+        for L in outs:
+            outs[L].append(dec.layer(L, hid[t]).copy())
+    return outs
+
+
+def assert_identical(got, want):
+    for L in want:
+        assert len(got[L]) == len(want[L])
+        for a, b in zip(got[L], want[L]):
+            np.testing.assert_array_equal(a, b)  # bit for bit, not within a tolerance
+
+
+def prompt(T=150, seed=7):  # > PREFILL_CHUNK: two chunks
+    rng = np.random.default_rng(seed)
+    return ((rng.zipf(1.3, T) + 3) % CFG["vocab_size"]).astype(np.int64), \
+        rng.standard_normal((T, CFG["hc_mult"], CFG["hidden_size"]), dtype=np.float32)
+
+
+# ---- the RAM row cache in front of the local file ---------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("mb", [0.002, 0.05])
+def test_local_row_cache_is_exact(ckpts, dtype, mb):
+    ids, hid = tokens(60, 0), hiddens(60, 0)
+    want = decode(EngramModel.load(ckpts[dtype]), ids, hid, prompt())
+    cached = EngramModel.load(ckpts[dtype], row_cache_mb=mb)
+    got = decode(cached, ids, hid, prompt())
+    assert_identical(got, want)
+    s = cached.row_cache_stats()
+    H = cached.cfg.n_heads
+    reads = (60 * S + 150) * H * len(CFG["layer_ids"])
+    assert s["hits"] + s["misses"] == reads and s["hits"] > 0 and s["misses"] > 0
+    assert s["bytes_fetched"] > 0 and s["rows_cached"] <= s["capacity_rows"]
+    assert s["cache_bytes"] <= mb * 2**20
+    if mb == 0.002:
+        assert s["evictions"] > 0
+    assert sorted(s["layers"]) == CFG["layer_ids"]
+
+
+def test_engine_without_cache_reports_zeros(ckpts):
+    model = EngramModel.load(ckpts["float32"])
+    decode(model, tokens(3, 0), hiddens(3, 0))
+    s = model.row_cache_stats()
+    assert s["hits"] == s["misses"] == s["bytes_fetched"] == s["evictions"] == 0
+
+
+def test_bad_tier_arguments(ckpts):
+    with pytest.raises(ValueError, match="row_cache_mb"):
+        EngramModel.load(ckpts["float32"], row_cache_mb=-1)
+    with pytest.raises(TypeError, match="MooncakeTier"):
+        EngramModel.load(ckpts["float32"], tables="127.0.0.1:50051")
+
+
+# ---- Mooncake ----------------------------------------------------------------------------------
+def _mooncake_or_skip():
+    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
+    from engram_stream.mooncake_servers import _binary
+    try:
+        _binary("mooncake_master"), _binary("mooncake_client")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def mooncake():
+    """A mooncake_master and one store server on free loopback ports, for the session."""
+    _mooncake_or_skip()
+    from engram_stream.mooncake_servers import LocalMooncake
+    mc = LocalMooncake(segment_mb=64)
+    mc.start()
+    yield mc
+    mc.stop()
+
+
+@pytest.fixture(scope="session")
+def tier(mooncake):
+    from engram_stream.mooncake_servers import wait_until_writable
+    from engram_stream.tiers import MooncakeTier
+    t = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, local_host="127.0.0.1", timeout=5)
+    wait_until_writable(t)
+    yield t
+    t.close()
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("mb", [0, 0.01])
+def test_remote_decode_is_bit_identical_to_the_local_file(tier, ckpts, dtype, mb):
+    tier.publish(EngramModel.load(ckpts[dtype]))
+    for shared in (False, True):
+        ids, hid = tokens(40, 1, shared), hiddens(40, 1)
+        want = decode(EngramModel.load(ckpts[dtype]), ids, hid, prompt())
+        remote = EngramModel.load(ckpts[dtype], tables=tier, row_cache_mb=mb)
+        got = decode(remote, ids, hid, prompt())
+        assert_identical(got, want)
+        s = remote.row_cache_stats()
+        assert s["misses"] > 0 and s["fetches"] > 0 and s["bytes_fetched"] > 0
+        assert (s["hits"] > 0) == (mb > 0)
+        if shared:  # S copies of every row in a step's batch: fetched once
+            H, R = remote.cfg.n_heads, s["bytes_fetched"] // tier.rows(remote, 1).recbytes
+            assert R <= (40 + 150) * H * len(CFG["layer_ids"])
+
+
+@pytest.mark.mooncake
+def test_rows_published_by_engramstore_read_the_same(tier, ckpts, mooncake):
+    """Mooncake's own EngramStore (0.3.13: float32 [N_h, dim] per head) and our tier share the layout."""
+    from mooncake.store import EngramStore, EngramStoreConfig
+    a = EngramModel.load(ckpts["float32"])
+    b = EngramModel.init(EngramConfig(**CFG), seed=5)
+    tier.publish(a)
+    for L in CFG["layer_ids"]:  # ours -> EngramStore.lookup
+        conf = EngramStoreConfig()
+        conf.embedding_dim = a.cfg.head_dim
+        conf.table_vocab_sizes = [int(p) for p in a.plan.head_primes[L]]
+        es = EngramStore(L, conf, tier.store)
+        assert es.get_store_keys() == [f"engram:l{L}:h{h}" for h in range(a.cfg.n_heads)]
+        rows = np.random.default_rng(L).integers(0, min(conf.table_vocab_sizes), (2, 5, a.cfg.n_heads))
+        got = es.lookup(rows)
+        want = a.layer(L).table[rows + a.layer(L).offsets]
+        np.testing.assert_array_equal(got, want)
+        # EngramStore -> ours: b's table written by populate, read through the tier
+        es.remove_from_store(True)
+        es.populate([np.ascontiguousarray(b.layer(L).table[o:o + p])
+                     for o, p in zip(b.layer(L).offsets, conf.table_vocab_sizes)])
+    ids, hid = tokens(20, 2), hiddens(20, 2)
+    path = ckpts["float32"] + ".b.safetensors"
+    b.save(path)
+    assert_identical(decode(EngramModel.load(path, tables=tier), ids, hid), decode(b, ids, hid))
+
+
+@pytest.mark.mooncake
+def test_unpublished_or_mismatched_tables_are_refused(tier, ckpts):
+    from engram_stream.tiers import TierError
+    other = EngramConfig(**dict(CFG, layer_ids=[7]))
+    path = ckpts["float32"] + ".l7.safetensors"
+    EngramModel.init(other, seed=0).save(path)
+    with pytest.raises(TierError, match="engram:l7:h0"):
+        EngramModel.load(path, tables=tier)
+    tier.publish(EngramModel.load(ckpts["float16"]))
+    with pytest.raises(TierError, match="another table dtype"):
+        EngramModel.load(ckpts["float32"], tables=tier)
+
+
+@pytest.mark.mooncake
+def test_cli_publish(tier, ckpts, mooncake, capsys):
+    assert main(["publish", ckpts["int8"], "--master", mooncake.master, "--metadata", mooncake.metadata]) == 0
+    assert "published 2 layers" in capsys.readouterr().out
+    EngramModel.load(ckpts["int8"], tables=tier)  # every object there with its size
+    assert main(["publish", ckpts["int8"], "--master", "127.0.0.1:1", "--metadata", mooncake.metadata,
+                 "--connect-timeout", "0.5"]) == 1
+    assert "does not accept connections" in capsys.readouterr().err
+
+
+# ---- faults: a store of our own, killed and restarted -------------------------------------------
+@pytest.fixture
+def own_store():
+    _mooncake_or_skip()
+    from engram_stream.mooncake_servers import LocalMooncake, wait_until_writable
+    from engram_stream.tiers import MooncakeTier
+    mc = LocalMooncake(segment_mb=32).start()
+    try:
+        t = MooncakeTier(master=mc.master, metadata=mc.metadata, timeout=4)
+        wait_until_writable(t)
+        yield mc, t
+        t.close()
+    finally:
+        mc.stop()
+
+
+def _state(dec):
+    return {L: (e.tokens_seen.copy(), e.snapshot()) for L, e in dec.engines.items()}
+
+
+def _same_state(a, b):
+    for L in a:
+        np.testing.assert_array_equal(a[L][0], b[L][0])
+        for k in ("hist", "ring", "pos", "seen"):
+            np.testing.assert_array_equal(getattr(a[L][1], k), getattr(b[L][1], k))
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("fault", ["kill_master", "stop_master", "kill_store"])
+def test_dead_store_raises_in_bounded_time_then_works_again(own_store, ckpts, fault):
+    from engram_stream.mooncake_servers import wait_until_writable
+    from engram_stream.tiers import TierError
+    mc, tier = own_store
+    local = EngramModel.load(ckpts["float32"])
+    tier.publish(local)
+    remote = EngramModel.load(ckpts["float32"], tables=tier)
+    ids, hid = tokens(30, 3), hiddens(30, 3)
+    want = decode(local, ids, hid)[1]
+    dec = remote.decoder(n_streams=S)
+    got = []
+    for t in range(10):
+        dec.begin(ids[t])
+        got.append(dec.layer(1, hid[t]).copy())
+        dec.layer(3, hid[t])
+    before = _state(dec)
+    if fault == "kill_master":
+        mc.kill_master()
+    elif fault == "stop_master":  # alive but silent: only the timeout ends the wait
+        os.kill(mc.master_proc.pid, signal.SIGSTOP)
+    else:
+        mc.kill_store()
+    t0 = time.monotonic()
+    with pytest.raises(TierError):
+        dec.begin(ids[10])
+    assert time.monotonic() - t0 < tier.timeout + 3
+    _same_state(before, _state(dec))  # the refused token changed nothing
+    # the store comes back (empty: the master held the objects' metadata); publish again
+    if fault == "stop_master":
+        os.kill(mc.master_proc.pid, signal.SIGCONT)
+    elif fault == "kill_master":
+        mc.start_master()
+    else:
+        mc.start_store()
+    wait_until_writable(tier)
+    end = time.monotonic() + 20  # a dead store server's memory is dropped by the master after client_ttl
+    while True:
+        try:
+            tier.publish(local)
+            break
+        except TierError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.5)
+    for t in range(10, 30):
+        dec.begin(ids[t])
+        got.append(dec.layer(1, hid[t]).copy())
+        dec.layer(3, hid[t])
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
