@@ -1,7 +1,7 @@
 """Row tiers: the RAM row cache (10% of a table's bytes) and the Mooncake Store tier.
 
     flock /tmp/bench.lock python bench/bench_tiers.py            # ~410 MB table (a few minutes)
-    options: --tokens N (40000)  --remote-tokens N (3000)  --cache-frac F (0.10)  --dir DIR
+    options: --tokens N (40000)  --remote-tokens N (3000)  --sim-tokens N (400000)  --cache-frac F (0.10)  --dir DIR
              --only 1234  --json FILE  --keep
 
 One layer at the demo's dims (D=1024, hc_mult 4, 2 orders x 8 heads x 64 floats: 256-byte
@@ -14,7 +14,8 @@ from Zipf(1.0) over the 129280-token vocab (p(k) ~ 1/k, ranks shuffled onto ids)
      cgroup v1 memory cgroup (memory.limit_in_bytes charges page cache) whose limit is the
      process's footprint after setup + the budget, starting from a cold file: the page cache
      (a row is served from RAM when its page is resident as the step reads it: mincore) vs the
-     row cache (hits); goal >= 2x;
+     row cache (hits); goal >= 2x; then (3b) both replayed over a longer stream's rows without
+     the floats: the RowCache itself vs an LRU of 4 KiB pages of the same RAM;
   4. remote: a local mooncake_master + store server (TCP over loopback), the table published,
      decode through MooncakeTier with the row cache and without: misses per token, batched
      reads per token, latency of one read, step time vs the local row cache.
@@ -186,6 +187,44 @@ def sec_cgroup(path, toks, frac, res, tmp):
           f"{res['served_ratio']:.2f}x")
 
 
+# ---- 3b: the same comparison at steady state, simulated ----------------------------------------
+def sec_simulated(path, n_tokens, frac, res):
+    """Both caches replayed over a long stream's rows (no floats): the RowCache itself (its C
+    code, 1-byte records) vs an LRU of 4 KiB pages with the same RAM, the page cache's policy
+    to a first approximation (section 3 measures the real one on a shorter stream)."""
+    from collections import OrderedDict
+
+    from engram_stream import EngramModel
+    from engram_stream._rowcache import RowCache, slots_for
+    model = EngramModel.load(path)
+    t = model.layer(LAYER).table
+    budget = int(budget_mb(model, frac) * 2**20)
+    nslots = slots_for(budget, t.shape[1] * t.itemsize)
+    toks = zipf_tokens(n_tokens, model.cfg.vocab_size)
+    rows = (model.plan.hash(toks[None, :])[LAYER][0] + model.layer(LAYER).offsets).ravel()
+    half = rows.size // 2
+    cache = RowCache(nslots, 1)
+    cache.read(rows[:half], np.zeros((t.shape[0], 1), np.uint8))
+    h0 = cache.stats()["hits"]
+    cache.read(rows[half:], np.zeros((t.shape[0], 1), np.uint8))
+    row_rate = (cache.stats()["hits"] - h0) / (rows.size - half)
+    pages = (rows * (t.shape[1] * t.itemsize)) // 4096
+    cap, lru, hits = budget // 4096, OrderedDict(), 0
+    for i, p in enumerate(pages.tolist()):
+        if p in lru:
+            lru.move_to_end(p)
+            hits += i >= half
+        else:
+            lru[p] = None
+            if len(lru) > cap:
+                lru.popitem(last=False)
+    page_rate = hits / (rows.size - half)
+    res["sim_tokens"] = n_tokens
+    res["sim_rowcache_rate"], res["sim_pagelru_rate"] = row_rate, page_rate
+    print(f"3b. simulated over {n_tokens} tokens (second half): row cache {row_rate:.1%} of rows from RAM, "
+          f"an LRU of pages with the same RAM {page_rate:.1%}: {row_rate / page_rate:.2f}x")
+
+
 # ---- 4: Mooncake -----------------------------------------------------------------------------
 def sec_remote(path, toks, frac, res):
     try:
@@ -237,6 +276,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=40000)
     ap.add_argument("--remote-tokens", type=int, default=3000)
+    ap.add_argument("--sim-tokens", type=int, default=400000)
     ap.add_argument("--cache-frac", type=float, default=0.10)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--only", default="1234")
@@ -264,6 +304,9 @@ def main():
         sec_warm(path, toks, a.cache_frac, res)
     if "3" in a.only:
         sec_cgroup(path, toks, a.cache_frac, res, tmp)
+    if "3" in a.only:
+        for n in (a.tokens, a.sim_tokens):
+            sec_simulated(path, n, a.cache_frac, res)
     if "4" in a.only:
         sec_remote(path, toks[:a.remote_tokens], a.cache_frac, res)
     if a.json:

@@ -39,7 +39,7 @@ def slots_for(int64_t budget_bytes, int64_t recbytes):
     """The most rows a cache can hold within budget_bytes (everything counted)."""
     n = max(0, budget_bytes // (slot_bytes(recbytes) + 2 * 8 + 8 + 8 + 1))
     while n > 0 and cache_nbytes(n, recbytes) > budget_bytes:
-        n = min(n - 1, (_index_entries(n) // 2 - 1) // 2)  # drop below the index's power of two
+        n = min(n - 1, _index_entries(n) // 4)  # the most rows the next smaller index serves
     return n
 
 
