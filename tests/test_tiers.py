@@ -6,6 +6,7 @@ server on loopback ports (marked `mooncake`, skipped when the extra is not insta
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -290,3 +291,50 @@ def test_dead_store_raises_in_bounded_time_then_works_again(own_store, ckpts, fa
         dec.layer(3, hid[t])
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
+
+
+_ALLOC = """
+import json, os, sys, tempfile
+import numpy as np, memray
+from engram_stream import EngramConfig, EngramModel
+cfg = EngramConfig(hidden_size=160, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,
+                   engram_vocab_size=[211, 223], layer_ids=[1], vocab_size=500, kernel_size=3)
+d = tempfile.mkdtemp()
+EngramModel.init(cfg, seed=0).save(os.path.join(d, "m.safetensors"))
+model = EngramModel.load(os.path.join(d, "m.safetensors"), row_cache_mb=0.005)   # evicts all along
+eng = model.stream(1)
+rng = np.random.default_rng(0)
+toks = [int(x) for x in rng.integers(0, 500, 2000)]
+h = rng.standard_normal((2, 160)).astype(np.float32)
+out = np.empty_like(h)
+for t in toks[:10]:
+    eng.step(t, h, out=out)
+res = {}
+for mode in ("out", "no_out"):
+    fn = os.path.join(d, mode + ".bin")
+    with memray.Tracker(fn):
+        for t in toks:
+            if mode == "out":
+                eng.step(t, h, out=out)
+            else:
+                eng.step(t, h)
+    frees = {memray.AllocatorType.FREE, memray.AllocatorType.MUNMAP}
+    recs = [r for r in memray.FileReader(fn).get_allocation_records()
+            if memray.AllocatorType(r.allocator) not in frees]
+    res[mode] = len(recs)
+res["evictions"] = model.row_cache_stats()["evictions"]
+print(json.dumps(res))
+"""
+
+
+def test_cached_step_allocates_nothing():
+    """Through a row cache that evicts on most steps, 2000 steps with out= make no native
+    allocation (memray.Tracker in a subprocess); without out= every step's output shows up."""
+    pytest.importorskip("memray")
+    from conftest import run_python
+    r = run_python(["-c", _ALLOC], timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["evictions"] > 1000, res
+    assert res["out"] <= 2, res
+    assert res["no_out"] >= 2000, res
