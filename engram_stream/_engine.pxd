@@ -1,6 +1,7 @@
 # The streaming engine's state. Kernels: include/engram_hash.h (integers) and
 # include/engram_step.h (floats), both stateless; this class owns the state (typed
 # memoryviews) and the rules that move it (_engine.pyx: the one home of the ring rules).
+cimport numpy as cnp
 from libc.stdint cimport int64_t, int8_t, uint8_t, uint16_t
 
 from engram_stream._rowcache cimport RowCache, es_rowcache
@@ -108,4 +109,5 @@ cdef class StreamEngine:
     cdef void _reset_stream(self, int64_t s) noexcept nogil
     cdef void _reset_all(self) noexcept nogil
     cdef _enter(self)
+    cdef _refuse_overlap(self, cnp.ndarray o, cnp.ndarray h)
     cdef int _check_file(self) except -1

@@ -28,7 +28,7 @@ from engram_stream._hash cimport es_hash_window, es_isa_now, es_isa_set
 from engram_stream._consts cimport ES_MAX_KERNEL_SIZE, ES_MAX_NGRAM, ES_PREFILL_CHUNK
 from engram_stream._rowcache cimport RowCache, es_rc_peek, es_rc_row
 from . import store
-from .model import check_hidden
+from . import engine_args as args
 from .plan import as_ids
 
 cnp.import_array()
@@ -395,54 +395,30 @@ cdef class StreamEngine:
         return 0
 
     def _ids(self, token_ids):
-        """(int64[S] ids, False) from an [S] array, or (the id as an int, True) from a scalar
-        (n_streams == 1; range-checked here, so the step makes no array for it)."""
-        if isinstance(token_ids, (int, np.integer)) and not isinstance(token_ids, (bool, np.bool_)):
-            if self.n_streams != 1:
-                raise ValueError(f"this engine has {self.n_streams} streams: pass token_ids[{self.n_streams}]")
-            if not -(1 << 63) <= token_ids < self.vocab:
-                raise ValueError(f"token id {token_ids} out of range: ids must be < vocab_size={self.vocab}")
-            return int(token_ids), True
-        ids = as_ids(token_ids, 1, "token_ids")
-        if ids.shape[0] != self.n_streams:
-            raise ValueError(f"expected {self.n_streams} token ids (one per stream), got {ids.shape[0]}")
-        return ids, False
+        """(int64[S] ids, False) or (the scalar id, True), range-checked (engine_args.token_ids);
+        the Decoder checks a token for every layer through it before feeding any."""
+        return args.token_ids(token_ids, self.n_streams, self.vocab)
 
-    def _hidden(self, hidden, shape):
-        if (type(hidden) is np.ndarray and hidden.dtype == np.float32
-                and hidden.flags.c_contiguous and hidden.shape == shape):
-            return hidden
-        return check_hidden(hidden, shape)
-
-    def _out(self, out, shape, cnp.ndarray h):
-        """A fresh output, or `out` checked: float32, C-contiguous, writeable, the shape, and
-        no byte shared with the hidden state the call reads (a stream's output is written
-        while later streams' hidden is still to be read)."""
-        if out is None:
-            return np.empty(shape, dtype=np.float32)
-        if not (type(out) is np.ndarray and out.dtype == np.float32 and out.flags.c_contiguous
-                and out.flags.writeable and out.shape == shape):
-            raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
-                             f"{type(out).__name__} {getattr(out, 'dtype', '')} {getattr(out, 'shape', '')}")
-        cdef const char *o0 = _data(out)
+    cdef _refuse_overlap(self, cnp.ndarray o, cnp.ndarray h):
+        """The caller's `out` must share no byte with the hidden state the call reads (a stream's
+        output is written while later streams' hidden is still to be read)."""
+        cdef const char *o0 = _data(o)
         cdef const char *h0 = _data(h)
-        if o0 < h0 + cnp.PyArray_NBYTES(h) and h0 < o0 + cnp.PyArray_NBYTES(<cnp.ndarray> out):
+        if o0 < h0 + cnp.PyArray_NBYTES(h) and h0 < o0 + cnp.PyArray_NBYTES(o):
             raise ValueError("out must not overlap hidden: pass another array (or out=None)")
-        return out
-
-    def _bad_id(self, cnp.ndarray ids, int64_t i):
-        return ValueError(f"token id {ids[i]} out of range: ids must be < vocab_size={self.vocab}")
 
     # ---- the public calls ---------------------------------------------------------------------
     def step(self, token_ids, hidden, out=None):
         """One token per stream: (token_id, hidden[G, D]) for one stream, or
         (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram output (no residual)."""
-        ids, single = self._ids(token_ids)
+        ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
         cdef object shape = (self.n_streams, self.G, self.D)
         if single:
             shape = (self.G, self.D)
-        h = self._hidden(hidden, shape)
-        o = self._out(out, shape, h)
+        h = args.hidden(hidden, shape)
+        o = args.out(out, shape)
+        if out is not None:
+            self._refuse_overlap(o, h)
         cdef int64_t tok = ids if single else 0  # a scalar id lives in this call, not in the engine
         cdef const int64_t *pid = &tok
         if not single:
@@ -467,13 +443,13 @@ cdef class StreamEngine:
         finally:
             self.busy = False
         if bad >= 0:
-            raise self._bad_id(ids, bad)
+            raise args.bad_id(ids, bad, self.vocab)
         return o
 
     def feed(self, token_ids):
         """First half of a step: compress and hash the new token(s), advance the hash windows.
         The rows (`.rows`) are then known before the layer runs; compute() finishes the step."""
-        ids, single = self._ids(token_ids)
+        ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
         cdef int64_t tok = ids if single else 0
         cdef const int64_t *pid = &tok
         if not single:
@@ -493,15 +469,17 @@ cdef class StreamEngine:
         finally:
             self.busy = False
         if bad >= 0:
-            raise self._bad_id(ids, bad)
+            raise args.bad_id(ids, bad, self.vocab)
 
     def compute(self, hidden, out=None):
         """Second half of a step, after feed(): gather, project, gate, conv. Shapes as step()."""
         cdef object shape = (self.n_streams, self.G, self.D)
         if self.n_streams == 1 and np.ndim(hidden) == 2:
             shape = (self.G, self.D)
-        h = self._hidden(hidden, shape)
-        o = self._out(out, shape, h)
+        h = args.hidden(hidden, shape)
+        o = args.out(out, shape)
+        if out is not None:
+            self._refuse_overlap(o, h)
         cdef const float *ph = <const float *> _data(h)
         cdef float *po = <float *> _data(o)
         self._enter()
@@ -556,11 +534,7 @@ cdef class StreamEngine:
     def track_rows(self, bitmap):
         """Record every row this engine reads in `bitmap` (uint8[ceil(table_rows/8)], bit r =
         row r), or stop recording with None. The array is borrowed: keep it alive."""
-        cdef int64_t need = (self.model.plan.table_rows[self.layer] + 7) // 8
-        if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
-                                       and bitmap.flags.c_contiguous and bitmap.flags.writeable
-                                       and bitmap.shape == (need,)):
-            raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
+        args.rows_bitmap(bitmap, self.model.plan.table_rows[self.layer])
         self._enter()
         try:
             self.tracking = bitmap is not None
@@ -578,9 +552,11 @@ cdef class StreamEngine:
         over `engine.prefill_threads` threads (default: the machine's cores, at most 8)."""
         a = as_ids(ids, 1, "ids")
         cdef int64_t T = a.shape[0]
-        h = self._hidden(hidden, (T, self.G, self.D))
-        o = self._out(out, (T, self.G, self.D), h)
-        self._check_stream(stream)
+        h = args.hidden(hidden, (T, self.G, self.D))
+        o = args.out(out, (T, self.G, self.D))
+        if out is not None:
+            self._refuse_overlap(o, h)
+        args.stream_index(stream, self.n_streams)
         cdef int64_t s = stream
         cdef int64_t chunk = min(T, ES_PREFILL_CHUNK)
         cdef const int64_t *pid = <const int64_t *> _data(a)
@@ -613,7 +589,7 @@ cdef class StreamEngine:
         finally:
             self.busy = False
         if bad >= 0:
-            raise self._bad_id(a, bad)
+            raise args.bad_id(a, bad, self.vocab)
         return o
 
     cdef void _project_tail(self, int64_t s, int64_t nb, const float *ph, float *po) noexcept nogil:
@@ -649,16 +625,10 @@ cdef class StreamEngine:
             raise
         return 0
 
-    def _check_stream(self, stream):
-        if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
-            raise TypeError(f"stream must be an int, got {type(stream).__name__}")
-        if not 0 <= stream < self.n_streams:
-            raise IndexError(f"stream {stream} out of range for an engine with {self.n_streams} streams")
-
     def reset(self, stream=None):
         """Forget the history of one stream (or of all): back to the state before any token."""
         if stream is not None:
-            self._check_stream(stream)
+            args.stream_index(stream, self.n_streams)
         self._enter()
         try:
             if stream is None:

@@ -1,7 +1,7 @@
 """Argument checks of the streaming engines' public calls, in one place.
 
 Every check runs before an engine changes any state, so a refused call leaves it as it was.
-Used by V41StreamEngine (engram_stream/_engine_v41.pyx); the same rules as StreamEngine's.
+Used by both engines (StreamEngine in _engine.pyx, V41StreamEngine in _engine_v41.pyx).
 """
 from __future__ import annotations
 
