@@ -29,6 +29,13 @@ def _binary(name):
     return path
 
 
+def _die_with_parent():
+    """In the child before exec: SIGKILL when the process that started it dies (Linux
+    PR_SET_PDEATHSIG), so a crashed test or bench run leaves no server behind."""
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,7 +73,8 @@ class LocalMooncake:
                f"--metrics_port={self.metrics_port}", f"--default_kv_lease_ttl={self.lease_ttl_ms}",
                f"--client_ttl={self.client_ttl}"]
         log = self._log("master")
-        self.master_proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=self.env, start_new_session=True)
+        self.master_proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=self.env, start_new_session=True,
+                                            preexec_fn=_die_with_parent)
         for port in (self.rpc_port, self.http_port):
             if not wait_for_port("127.0.0.1", port, timeout):
                 self.stop()
@@ -77,7 +85,8 @@ class LocalMooncake:
                f"--master_server_address={self.master}", f"--metadata_server={self.metadata}",
                f"--global_segment_size={self.segment_mb << 20}"]
         log = self._log("store")
-        self.store_proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=self.env, start_new_session=True)
+        self.store_proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=self.env, start_new_session=True,
+                                            preexec_fn=_die_with_parent)
         if not wait_for_port("127.0.0.1", self.store_port, timeout):
             self.stop()
             raise TierError(f"mooncake store server did not open port {self.store_port} within {timeout} s")
