@@ -34,7 +34,8 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engram_stream import EngramConfig, EngramModel  # noqa: E402
+from engram_stream import EngramConfig, EngramModel, kernel_isa  # noqa: E402
+from engram_stream import _isa  # noqa: E402
 
 try:
     import torch  # noqa: E402
@@ -157,6 +158,41 @@ def engine_runner(model, S=1):
     return run
 
 
+BEST_ISA = kernel_isa()
+OTHER_ISAS = [i for i in reversed(_isa.supported_isas()) if i != BEST_ISA and i != "baseline"]
+
+
+def on_isa(isa, run):
+    """`run` with the kernels on path `isa` (engram_stream._isa): paths compared in one run."""
+    def r(n):
+        _isa.use_isa(isa)
+        try:
+            run(n)
+        finally:
+            _isa.use_isa(BEST_ISA)
+    return r
+
+
+NATIVE_PEAK = """
+import os, time, numpy as np
+a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32); b = a.copy()
+best = 0.0
+for _ in range(7):
+    t = time.perf_counter(); a @ b; best = max(best, 2 * 2048**3 / (time.perf_counter() - t))
+print(best)
+"""
+
+
+def native_sgemm_peak():
+    """Single-core sgemm GFLOP/s of numpy's OpenBLAS with its native kernel: OPENBLAS_CORETYPE
+    and OPENBLAS_L2_SIZE lifted in this subprocess only (the FMA floor of the goals)."""
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    env["OPENBLAS_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-c", NATIVE_PEAK], env=env, capture_output=True, text=True, check=True)
+    return float(r.stdout) / 1e9
+
+
 def torch_runner(model, S=1, hash_mode=None):
     with torch.inference_mode():
         peer = torch_peer.TorchStep(model, LAYER, n_streams=S, hash_mode=hash_mode)
@@ -237,6 +273,9 @@ def step_section(rep, key, model, reps, target, streams16=False):
     runs["floor_W@e"], runs["floor_e@WT"] = fw, fwt
     if streams16:
         runs["engine16"] = engine_runner(model, S=16)
+        for isa in OTHER_ISAS:  # the same engines on the other kernel paths, in the same rotation
+            runs[f"engine[{isa}]"] = on_isa(isa, engine_runner(model))
+            runs[f"engine16[{isa}]"] = on_isa(isa, engine_runner(model, S=16))
         if HAVE_TORCH:
             runs["torch16"] = torch_runner(model, S=16)
         fw16, fwt16 = floor_runners(model, S=16)
@@ -253,6 +292,10 @@ def step_section(rep, key, model, reps, target, streams16=False):
         rep.time(f"{key}.engine16", "engine, 16 streams: one step of 16 tokens", t["engine16"])
         rep.time(f"{key}.engine16_per_token", "engine, 16 streams: per token (step / 16)",
                  [x / 16 for x in t["engine16"]])
+        for isa in OTHER_ISAS:
+            rep.time(f"{key}.engine[{isa}]", f"engine step, {isa} kernels", t[f"engine[{isa}]"])
+            rep.time(f"{key}.engine16_per_token[{isa}]", f"engine, 16 streams: per token, {isa} kernels",
+                     [x / 16 for x in t[f"engine16[{isa}]"]])
         if HAVE_TORCH:
             rep.time(f"{key}.torch16", "torch incremental, 16 streams: one step", t["torch16"])
         a = rep.time(f"{key}.floor16_e@W.T", f"floor: numpy e[16,{E}] @ W.T (view)", t["floor16_e@W.T"])
@@ -348,6 +391,8 @@ def prefill_section(rep, key, model, reps, T):
         return run
     runs["engine"] = engine_run(engine_threads)
     runs["engine_1"] = engine_run(1)
+    for isa in OTHER_ISAS:
+        runs[f"engine[{isa}]"] = on_isa(isa, engine_run(engine_threads))
     default_threads = None
     if HAVE_TORCH:
         default_threads = DEFAULT_TORCH_THREADS
@@ -381,6 +426,9 @@ def prefill_section(rep, key, model, reps, T):
             t[k].append(time.perf_counter() - s)
     rep.time(f"{key}.engine", f"engine prefill, {T} tokens ({engine_threads} threads, the default)", t["engine"])
     rep.time(f"{key}.engine_1", f"engine prefill, {T} tokens (1 thread)", t["engine_1"])
+    for isa in OTHER_ISAS:
+        rep.time(f"{key}.engine[{isa}]", f"engine prefill, {T} tokens ({engine_threads} threads), {isa} kernels",
+                 t[f"engine[{isa}]"])
     if HAVE_TORCH:
         rep.time(f"{key}.torch_default", f"torch batch forward, default threads ({default_threads})",
                  t["torch_default"])
@@ -412,7 +460,10 @@ def main(argv=None):
     meta = {"argv": sys.argv, "quick": args.quick, "reps": reps, "cpus": os.cpu_count(),
             "machine": platform.processor() or platform.machine(), "numpy": np.__version__,
             "torch": torch.__version__ if HAVE_TORCH else None, "torch_default_threads": DEFAULT_TORCH_THREADS,
-            "loadavg_start": load0, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS")}
+            "loadavg_start": load0, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
+            "kernel_isa": BEST_ISA, "other_isas": OTHER_ISAS}
+    print(f"bench_step: kernels {BEST_ISA} (rows marked [isa]: the same engines on that path; "
+          f"ENGRAM_STREAM_ISA chooses the main one)")
     print(f"bench_step: {'quick' if args.quick else 'full'} run, {reps} interleaved repetitions per group; "
           f"{os.cpu_count()} CPUs, load average {load0[0]:.2f}; torch "
           f"{meta['torch'] or 'not installed'} (default threads {DEFAULT_TORCH_THREADS})")
@@ -487,6 +538,16 @@ def main(argv=None):
                   "<= 0.333x", lambda r: r <= 1 / 3, scale=1 / 16, summ="demo: 16-stream per token / 1-stream")
             ratio("demo.engine16_over_floor16", "engine 16-stream step / GEMM[16] floor", t["engine16"],
                   t["floor16"], summ="demo: engine 16-stream / GEMM[16] floor")
+            peak = native_sgemm_peak()
+            M, E = (cfg.hc_mult + 1) * cfg.hidden_size, cfg.engram_dim
+            fma_floor = 2 * M * E / (peak * 1e9)  # one token's projections at the native sgemm peak
+            rep.note(f"native single-core sgemm peak {peak:.0f} GFLOP/s: FMA floor per token "
+                     f"{fma_floor * 1e6:.1f} us")
+            meta["native_sgemm_gflops"] = peak
+            for isa, k16 in [(BEST_ISA, "engine16")] + [(i, f"engine16[{i}]") for i in OTHER_ISAS]:
+                ratio(f"demo.per_token16_over_fma_floor[{isa}]", f"16 streams per token / FMA floor ({isa})",
+                      t[k16], [fma_floor] * len(t[k16]), "<= 1.3x", lambda r: r <= 1.3, scale=1 / 16,
+                      summ=f"demo: 16-stream per token / FMA floor [{isa}]")
             if HAVE_TORCH:
                 ratio("demo.torch16_over_engine16", "torch 16-stream step / engine 16-stream step",
                       t["torch16"], t["engine16"], summ="demo: torch 16-stream / engine 16-stream")
@@ -502,7 +563,11 @@ def main(argv=None):
             if HAVE_TORCH:
                 n = DEFAULT_TORCH_THREADS
                 ratio("prefill.torch_default_over_engine", f"torch ({n} threads) / engine", t["torch_default"],
-                      t["engine"], ">= 3x", lambda r: r >= 3, summ=f"prefill {T}: torch ({n} threads) / engine")
+                      t["engine"], ">= 4x", lambda r: r >= 4, summ=f"prefill {T}: torch ({n} threads) / engine [{BEST_ISA}]")
+                for isa in OTHER_ISAS:
+                    ratio(f"prefill.torch_default_over_engine[{isa}]", f"torch ({n} threads) / engine ({isa})",
+                          t["torch_default"], t[f"engine[{isa}]"], ">= 4x", lambda r: r >= 4,
+                          summ=f"prefill {T}: torch ({n} threads) / engine [{isa}]")
                 ratio("prefill.torch_1_over_engine_1", "torch (1 thread) / engine (1 thread)", t["torch_1"],
                       t["engine_1"], None, None, summ=f"prefill {T}: torch 1 thread / engine 1 thread")
             ratio("prefill.engine_1_over_engine", "engine 1 thread / engine default threads", t["engine_1"],
