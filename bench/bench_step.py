@@ -273,9 +273,12 @@ def step_section(rep, key, model, reps, target, streams16=False):
     runs["floor_W@e"], runs["floor_e@WT"] = fw, fwt
     if streams16:
         runs["engine16"] = engine_runner(model, S=16)
+        bf16 = model.with_weight_dtype("bfloat16")  # projection weights as bf16 (tables shared)
+        runs["engine_bf16"] = engine_runner(bf16)
         for isa in OTHER_ISAS:  # the same engines on the other kernel paths, in the same rotation
             runs[f"engine[{isa}]"] = on_isa(isa, engine_runner(model))
             runs[f"engine16[{isa}]"] = on_isa(isa, engine_runner(model, S=16))
+            runs[f"engine_bf16[{isa}]"] = on_isa(isa, engine_runner(bf16))
         if HAVE_TORCH:
             runs["torch16"] = torch_runner(model, S=16)
         fw16, fwt16 = floor_runners(model, S=16)
@@ -292,8 +295,11 @@ def step_section(rep, key, model, reps, target, streams16=False):
         rep.time(f"{key}.engine16", "engine, 16 streams: one step of 16 tokens", t["engine16"])
         rep.time(f"{key}.engine16_per_token", "engine, 16 streams: per token (step / 16)",
                  [x / 16 for x in t["engine16"]])
+        rep.time(f"{key}.engine_bf16", "engine step, bf16 projection weights", t["engine_bf16"])
         for isa in OTHER_ISAS:
             rep.time(f"{key}.engine[{isa}]", f"engine step, {isa} kernels", t[f"engine[{isa}]"])
+            rep.time(f"{key}.engine_bf16[{isa}]", f"engine step, bf16 weights, {isa} kernels",
+                     t[f"engine_bf16[{isa}]"])
             rep.time(f"{key}.engine16_per_token[{isa}]", f"engine, 16 streams: per token, {isa} kernels",
                      [x / 16 for x in t[f"engine16[{isa}]"]])
         if HAVE_TORCH:
@@ -538,6 +544,10 @@ def main(argv=None):
                   "<= 0.333x", lambda r: r <= 1 / 3, scale=1 / 16, summ="demo: 16-stream per token / 1-stream")
             ratio("demo.engine16_over_floor16", "engine 16-stream step / GEMM[16] floor", t["engine16"],
                   t["floor16"], summ="demo: engine 16-stream / GEMM[16] floor")
+            for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]:
+                ratio(f"demo.bf16_over_f32{sfx or '[' + isa + ']'}", f"bf16-weight step / float32 step ({isa})",
+                      t[f"engine_bf16{sfx}"], t[f"engine{sfx}"], "<= 0.6x", lambda r: r <= 0.6,
+                      summ=f"demo: bf16 step / float32 step [{isa}]")
             peak = native_sgemm_peak()
             M, E = (cfg.hc_mult + 1) * cfg.hidden_size, cfg.engram_dim
             fma_floor = 2 * M * E / (peak * 1e9)  # one token's projections at the native sgemm peak

@@ -14,9 +14,9 @@ cdef extern from "engram_step.h" nogil:
         const float *n2
         const float *n3
         const float *cw
-    void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const float *Wp, const float *biasp,
+    void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16, const float *biasp,
                         int M, float *Y, float *xpack) noexcept
-    void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const float *Wp,
+    void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                            const float *biasp, int M, float *Y, float *xpack, int nthreads) noexcept
     void es_tail(const es_tail_params *P, const float *proj, const float *hid, const float *const *taps,
                  float *xdst, float *out) noexcept
@@ -59,7 +59,8 @@ cdef class StreamEngine:
     cdef const uint8_t[:, ::1] table   # [rows, hd * itemsize]: the rows' bytes, any table dtype
     cdef const float[::1] table_scale  # [rows] int8 tables (empty otherwise)
     cdef int64_t rowbytes          # bytes of one table row
-    cdef const float[:, :, ::1] wp     # [ceil(M/16), E, 16] packed projection panels
+    cdef const uint8_t[:, :, ::1] wp   # [ceil(M/16), E, 16 * 4 or 2] packed projection panels' bytes:
+    cdef bint wbf16                    # float32, or bfloat16 when wbf16 (model.with_weight_dtype)
     cdef const float[::1] bp           # [16*ceil(M/16)] padded bias
     cdef const float[:, ::1] cw        # [K, C] conv taps, tap-major
     cdef const float[:, ::1] n1, n2, n3  # [G, D] key, hidden and ShortConv RMSNorm weights

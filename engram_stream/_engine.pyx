@@ -158,7 +158,11 @@ cdef class StreamEngine:
         fp = plan.head_fp[layer]
         self.fp = _EMPTY_F64 if fp is None else _view(fp, np.float64, (3 * self.H,), f"plan.head_fp[{layer}]")
         self.offsets = _view(w.offsets, np.int64, (self.H,), f"layer {layer} offsets")
-        self.wp = _view(wp, np.float32, (P, self.E, 16), f"layer {layer} packed weights")
+        if wp.dtype.name not in ("float32", "bfloat16"):
+            raise ValueError(f"layer {layer} packed weights: float32 or bfloat16, got {wp.dtype}")
+        self.wbf16 = wp.dtype.name == "bfloat16"  # the GEMM widens bf16 panels in registers
+        self.wp = _view(wp.view(np.uint8), np.uint8, (P, self.E, 16 * wp.dtype.itemsize),
+                        f"layer {layer} packed weights")
         self.bp = _view(bp, np.float32, (P * 16,), f"layer {layer} packed bias")
         self.cw = _view(cw, np.float32, (self.K, self.C), f"layer {layer} conv taps")
         self.n1 = _view(w.norm1, np.float32, (self.G, self.D), f"layer {layer} norm1")
@@ -370,7 +374,7 @@ cdef class StreamEngine:
         cdef int64_t b, S = self.n_streams
         for b in range(S):
             self._gather(&self.last_rows[b, 0], b, self.ebuf + b * self.ldx)
-        es_gemm_packed(self.ebuf, self.ldx, S, self.E, &self.wp[0, 0, 0], &self.bp[0], self.M, self.ybuf,
+        es_gemm_packed(self.ebuf, self.ldx, S, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0], self.M, self.ybuf,
                        self.pbuf)
         for b in range(S):
             self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
@@ -595,7 +599,7 @@ cdef class StreamEngine:
     cdef void _project_tail(self, int64_t s, int64_t nb, const float *ph, float *po) noexcept nogil:
         """The rest of a prefill chunk whose nb rows are gathered: one GEMM, then nb tails."""
         cdef int64_t i
-        es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], &self.bp[0],
+        es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0],
                           self.M, self.ybuf, self.pbuf, self.prefill_threads if nb >= 32 else 1)
         for i in range(nb):
             self._tail(s, self.ybuf + i * self.M, ph + i * self.C, po + i * self.C)

@@ -31,6 +31,7 @@ import struct
 import sys
 import warnings
 
+import ml_dtypes
 import numpy as np
 
 from . import store
@@ -44,7 +45,8 @@ MAX_HEADER = 100 << 20      # the safetensors reader's own limit on N
 CHUNK_BYTES = 16 << 20      # float32 bytes converted per step when tables change dtype
 BAR_MIN_BYTES = 256 << 20   # the default stderr bar only for files bigger than this
 
-DTYPES = {"I64": np.dtype("<i8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I8": np.dtype("i1")}
+DTYPES = {"I64": np.dtype("<i8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I8": np.dtype("i1"),
+          "BF16": np.dtype(ml_dtypes.bfloat16)}  # BF16: projection weights (with_weight_dtype)
 CODES = {d.name: c for c, d in DTYPES.items()}
 TABLE = "multi_head_embedding.embedding.weight"
 SCALE = "multi_head_embedding.embedding.scale"
@@ -315,7 +317,7 @@ def _write(cfg, plan, layers, path, table_dtype, progress, before_write=None):
                 wrote = 0
                 for c in e.chunks():
                     c = np.ascontiguousarray(c, dtype=e.dtype)
-                    f.write(c.data.cast("B") if c.ndim else c.tobytes())
+                    f.write(c.view(np.uint8).data if c.ndim else c.tobytes())  # raw bytes (bf16 has no buffer code)
                     wrote += c.nbytes
                     done += c.nbytes
                     if progress is not None:
@@ -449,11 +451,13 @@ def _expected(cfg, tensors):
         table = tensors.get(p + TABLE)
         if table is not None and table[0] == DTYPES["I8"]:
             want[p + SCALE] = (f32, (None,))
-        want[p + "value_proj.weight"] = (f32, (D, E))
+        # projection weights: float32, or all bfloat16 (a model.with_weight_dtype("bfloat16"))
+        proj = ("BF16",) if tensors.get(p + "value_proj.weight", (None,))[0] == DTYPES["BF16"] else f32
+        want[p + "value_proj.weight"] = (("F32", "BF16"), (D, E))
         want[p + "value_proj.bias"] = (f32, (D,))
         want[p + "short_conv.conv.weight"] = (f32, (G * D, 1, K))
         for g in range(G):
-            want[p + f"key_projs.{g}.weight"] = (f32, (D, E))
+            want[p + f"key_projs.{g}.weight"] = (proj, (D, E))
             want[p + f"key_projs.{g}.bias"] = (f32, (D,))
             for norm in ("norm1", "norm2", "short_conv.norms"):
                 want[p + f"{norm}.{g}.weight"] = (f32, (D,))
@@ -513,7 +517,7 @@ class _Reader:
         dtype, shape, off = self.tensors[name]
         a = np.empty(shape, dtype) if out is None else out.reshape(shape)
         if a.nbytes:
-            buf, got = a.data.cast("B"), 0
+            buf, got = a.reshape(-1).view(np.uint8).data, 0  # raw bytes (bf16 has no buffer code)
             self.f.seek(off)
             while got < a.nbytes:
                 k = self.f.readinto(buf[got:got + (1 << 30)])
@@ -586,7 +590,7 @@ def _layer(cfg, plan, L, r, err):
         scale = r.table(p + SCALE)
     get = r.read
     # The fused projection [Wk_0; ...; Wk_{G-1}; Wv] is read in place: no concatenation copy.
-    proj_w = np.empty(((G + 1) * D, cfg.engram_dim), np.float32)
+    proj_w = np.empty(((G + 1) * D, cfg.engram_dim), r.tensors[p + "value_proj.weight"][0])  # F32 or BF16
     proj_b = np.empty((G + 1) * D, np.float32)
     names = [p + f"key_projs.{g}." for g in range(G)] + [p + "value_proj."]
     for i, name in enumerate(names):

@@ -16,6 +16,12 @@ from .config import V41, EngramConfig
 from .plan import HashPlan, as_ids, frozen
 
 TABLE_DTYPES = ("float32", "float16", "int8")
+WEIGHT_DTYPES = ("float32", "bfloat16")  # the projection weights (model.with_weight_dtype)
+
+
+def weight_dtype_of(a) -> np.dtype:
+    """The dtype projection weights keep: bfloat16 (ml_dtypes) stays, anything else is float32."""
+    return v41.BF16 if getattr(a, "dtype", None) == v41.BF16 else np.dtype(np.float32)
 
 
 def reference_shapes(cfg: EngramConfig, plan: HashPlan, layer: int) -> dict:
@@ -64,7 +70,7 @@ class LayerWeights:
         ro = lambda a: frozen(a) if isinstance(a, np.ndarray) and a.flags.c_contiguous else a  # noqa: E731
         self.table = ro(table)
         self.table_scale = ro(table_scale)
-        self.proj_w = frozen(proj_w, np.float32)    # [(G+1)*D, E]
+        self.proj_w = frozen(proj_w, weight_dtype_of(proj_w))  # [(G+1)*D, E] float32 or bfloat16
         self.proj_b = frozen(proj_b, np.float32)    # [(G+1)*D]
         self.key_w = self.proj_w[:G * D].reshape(G, D, E)
         self.key_b = self.proj_b[:G * D].reshape(G, D)
@@ -90,6 +96,11 @@ class LayerWeights:
     def table_dtype(self) -> str:
         return self.table.dtype.name
 
+    @property
+    def weight_dtype(self) -> str:
+        """"float32" or "bfloat16": how the projection weights are held (norms, biases: float32)."""
+        return self.proj_w.dtype.name
+
     def table_f32(self, rows) -> np.ndarray:
         """Rows of the table as float32 (dequantized for int8 tables)."""
         t = self.table[rows]
@@ -103,7 +114,7 @@ class LayerWeights:
         if self._packed is None:
             M, E = self.proj_w.shape
             P = -(-M // 16)
-            wp = aligned_zeros((P, E, 16), np.float32)
+            wp = aligned_zeros((P, E, 16), self.proj_w.dtype)  # bfloat16 panels: the engine widens
             for p in range(P):  # panel by panel: no padded or transposed full copy on the way
                 cols = self.proj_w[p * 16:(p + 1) * 16]
                 wp[p, :, :cols.shape[0]] = cols.T
@@ -119,10 +130,10 @@ class LayerWeights:
         G = cfg.hc_mult
         sd = {"multi_head_embedding.embedding.weight": self.table_f32(slice(None)),
               "multi_head_embedding.offsets": self.offsets.copy(),
-              "value_proj.weight": self.value_w, "value_proj.bias": self.value_b,
+              "value_proj.weight": self.value_w.astype(np.float32, copy=False), "value_proj.bias": self.value_b,
               "short_conv.conv.weight": self.conv_w[:, None, :]}
         for g in range(G):
-            sd[f"key_projs.{g}.weight"] = self.key_w[g]
+            sd[f"key_projs.{g}.weight"] = self.key_w[g].astype(np.float32, copy=False)
             sd[f"key_projs.{g}.bias"] = self.key_b[g]
             sd[f"norm1.{g}.weight"] = self.norm1[g]
             sd[f"norm2.{g}.weight"] = self.norm2[g]
@@ -156,10 +167,14 @@ class EngramModel:
 
     # Construction ----------------------------------------------------------------------
     @classmethod
-    def from_reference(cls, cfg: EngramConfig, state_dicts: dict, compression=None, multipliers=None):
+    def from_reference(cls, cfg: EngramConfig, state_dicts: dict, compression=None, multipliers=None,
+                       weight_dtype="float32"):
         """Build from the reference module's per-layer state_dicts ({layer: {name: array}}).
         Every key and shape is checked; tensors are taken as numpy arrays (torch CPU tensors
-        convert through numpy). A deepseek-v4.1 config takes that module's names (engram_stream.v41)."""
+        convert through numpy). weight_dtype="bfloat16" holds the projection weights as bf16
+        (exact for a bf16 checkpoint, rounded otherwise) instead of widening them to float32.
+        A deepseek-v4.1 config takes that module's names (engram_stream.v41)."""
+        _check_weight_dtype(weight_dtype)
         if cfg.variant == V41:
             return v41.from_reference(cls, cfg, state_dicts, compression, multipliers)
         plan = HashPlan(cfg, compression=compression, multipliers=multipliers)
@@ -195,7 +210,8 @@ class EngramModel:
                 norm2=np.stack([f32(f"norm2.{g}.weight") for g in range(G)]),
                 conv_norm=np.stack([f32(f"short_conv.norms.{g}.weight") for g in range(G)]),
                 conv_w=f32("short_conv.conv.weight").reshape(G * D, cfg.kernel_size))
-        return cls(cfg, plan, layers)
+        model = cls(cfg, plan, layers)
+        return model if weight_dtype == "float32" else model.with_weight_dtype(weight_dtype)
 
     @classmethod
     def init(cls, cfg: EngramConfig, seed: int = 0, graft_zero_init: bool = False, compression=None,
@@ -210,6 +226,23 @@ class EngramModel:
             return v41.init(cls, cfg, seed, graft_zero_init, compression, multipliers)
         plan = HashPlan(cfg, compression=compression, multipliers=multipliers)
         return cls(cfg, plan, init_layers(cfg, plan, seed, graft_zero_init))
+
+    def with_weight_dtype(self, dtype) -> "EngramModel":
+        """The same model with its projection weights held as `dtype`: "bfloat16" (half the
+        bytes a step reads; engines widen them in registers, so outputs are float32 math on
+        the bf16-rounded weights) or "float32". Tables, norms and biases are shared."""
+        dtype = _check_weight_dtype(dtype)
+        if self.cfg.variant == V41:
+            raise ValueError("with_weight_dtype: the deepseek-v4.1 variant keeps its float8 weights")
+        target = v41.BF16 if dtype == "bfloat16" else np.dtype(np.float32)
+        layers = {L: w if w.proj_w.dtype == target else w.replace(self.cfg, proj_w=w.proj_w.astype(target))
+                  for L, w in self.layers.items()}
+        return type(self)(self.cfg, self.plan, layers)
+
+    @property
+    def weight_dtype(self) -> str:
+        """"float32" or "bfloat16" (see with_weight_dtype)."""
+        return self.layers[self.cfg.layer_ids[0]].weight_dtype
 
     # Paths -------------------------------------------------------------------------------
     def layer(self, layer):
@@ -352,6 +385,16 @@ def init_layers(cfg, plan, seed=0, graft_zero_init=False, hold_tables=True) -> d
             conv_norm=np.ones((G, D), np.float32),
             conv_w=rng.uniform(-1 / math.sqrt(K), 1 / math.sqrt(K), (G * D, K)).astype(np.float32))
     return layers
+
+
+def _check_weight_dtype(dtype) -> str:
+    try:
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+    return name
 
 
 def _validate_layer(cfg, plan, L, w):

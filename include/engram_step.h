@@ -131,9 +131,12 @@ static inline int es_gemm_mr(void) {
  * off multiples of 4 KiB (the engine pads rows by 16 floats), else the rows of a tile
  * alias one L1 set (measured 1.3-1.6x slower). Xp: X's full tiles packed by
  * es_pack_rows, or NULL. */
-static inline void es_gemm_range(const float *X, int64_t ldx, int64_t B, int E, const float *Wp,
+static inline void es_gemm_range(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                                  const float *biasp, int M, float *Y, int p0, int p1, const float *Xp) {
-    ES_DISPATCH(es_gemm_range, (X, ldx, B, E, Wp, biasp, M, Y, p0, p1, Xp));
+    if (wbf16)
+        ES_DISPATCH(es_gemm_range_bf16, (X, ldx, B, E, (const uint16_t *)Wp, biasp, M, Y, p0, p1, Xp));
+    else
+        ES_DISPATCH(es_gemm_range_f32, (X, ldx, B, E, (const float *)Wp, biasp, M, Y, p0, p1, Xp));
 }
 
 /* Xp[t][k][mr] = X[mr*t + r][k] for the B/mr full tiles. */
@@ -151,42 +154,45 @@ static inline const float *es_maybe_pack(const float *X, int64_t ldx, int64_t B,
     return xpack;
 }
 
-/* xpack: scratch of B*E floats for the packed rows, or NULL. */
-static inline void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const float *Wp,
+/* Wp: float32 panels, or bfloat16 bits (uint16_t) when wbf16. xpack: scratch of B*E floats
+ * for the packed rows, or NULL. */
+static inline void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                                   const float *biasp, int M, float *Y, float *xpack) {
-    es_gemm_range(X, ldx, B, E, Wp, biasp, M, Y, 0, (M + ES_PANEL - 1) / ES_PANEL,
+    es_gemm_range(X, ldx, B, E, Wp, wbf16, biasp, M, Y, 0, (M + ES_PANEL - 1) / ES_PANEL,
                   es_maybe_pack(X, ldx, B, E, xpack));
 }
 
 /* The same split over threads by panel ranges (prefill: many rows, worth the thread
  * start-up of ~50 us). A thread that cannot start runs its range inline. */
 typedef struct {
-    const float *X, *Wp, *biasp, *Xp;
+    const float *X;
+    const void *Wp;
+    const float *biasp, *Xp;
     float *Y;
     int64_t ldx, B;
-    int E, M, p0, p1;
+    int E, M, p0, p1, wbf16;
 } es_gemm_job;
 
 static void *es_gemm_job_run(void *arg) {
     const es_gemm_job *j = (const es_gemm_job *)arg;
-    es_gemm_range(j->X, j->ldx, j->B, j->E, j->Wp, j->biasp, j->M, j->Y, j->p0, j->p1, j->Xp);
+    es_gemm_range(j->X, j->ldx, j->B, j->E, j->Wp, j->wbf16, j->biasp, j->M, j->Y, j->p0, j->p1, j->Xp);
     return 0;
 }
 
 #define ES_MAX_THREADS 16
-static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const float *Wp,
+static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                                      const float *biasp, int M, float *Y, float *xpack, int nthreads) {
     const int np = (M + ES_PANEL - 1) / ES_PANEL;
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
     if (nthreads > np) nthreads = np;
-    if (nthreads <= 1) { es_gemm_packed(X, ldx, B, E, Wp, biasp, M, Y, xpack); return; }
+    if (nthreads <= 1) { es_gemm_packed(X, ldx, B, E, Wp, wbf16, biasp, M, Y, xpack); return; }
     const float *Xp = es_maybe_pack(X, ldx, B, E, xpack);
     es_gemm_job jobs[ES_MAX_THREADS];
     pthread_t tid[ES_MAX_THREADS];
     int started[ES_MAX_THREADS];
     for (int i = 0; i < nthreads; i++) {
         es_gemm_job j = {X, Wp, biasp, Xp, Y, ldx, B, E, M, (int)((int64_t)np * i / nthreads),
-                         (int)((int64_t)np * (i + 1) / nthreads)};
+                         (int)((int64_t)np * (i + 1) / nthreads), wbf16};
         jobs[i] = j;
     }
     for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tid[i], 0, es_gemm_job_run, &jobs[i]) == 0;

@@ -1,0 +1,141 @@
+/* engram_gemm_kern.h: the skinny GEMM over packed panels, a template included by
+ * engram_step_kern.h once per weight type inside each per-ISA copy. Before inclusion:
+ *   ES_WT      the weight element: float, or uint16_t holding bfloat16 bits
+ *   ES_WNAME   its name in the functions' names (f32, bf16): es_gemm_range_bf16_avx512, ...
+ *   ES_W_BF16  1 for bfloat16: a weight vector is widened in registers (zero-extend, shift
+ *              left 16: exact), so the math is float32 on the bf16 values and half the bytes
+ * No include guard: including it again with other settings is the point.
+ */
+#define ES_GF(name) ES_SK_CAT(ES_SK_CAT(name, ES_WNAME), ES_SFX)
+#if ES_W_BF16
+typedef uint16_t ES_GF(es_vh) __attribute__((vector_size(ES_VW * 2), aligned(2)));
+typedef uint32_t ES_GF(es_vu) __attribute__((vector_size(ES_VW * 4), aligned(4)));
+#define ES_LOADW(p) ((ES_SF(es_vf))(__builtin_convertvector(*(const ES_GF(es_vh) *)(p), ES_GF(es_vu)) << 16))
+#else
+#define ES_LOADW(p) (*(const ES_SF(es_vf) *)(p))
+#endif
+
+/* One micro-tile: mr rows x tp panels over all E, row r's k-th value at X[r*xr + k*xk]
+ * (rows as they are: xr = ldx, xk = 1; packed tiles: xr = 1, xk = ES_MR, where the values
+ * of one k share a cache line: measured 1.3x at 126 rows). ps: floats per panel.
+ * pf: the next tile's panels, prefetched line by line while this one computes (NULL:
+ * none): a second memory stream in flight, as the GEMV gets from its panels. */
+ES_KI void ES_GF(es_tile)(const float *X, int64_t xr, int64_t xk, const ES_WT *w, int64_t ps, int E,
+                          const float *bias, float *Y, int64_t ldy, int ncols, const int mr, const int tp,
+                          const ES_WT *pf) {
+    typedef ES_SF(es_vf) vf;
+    const int tc = tp * ES_NV;
+    vf acc[ES_MR][ES_TP * ES_NV];
+#pragma GCC unroll 16
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int c = 0; c < tc; c++) acc[r][c] = *(const vf *)(bias + c * ES_VW);
+    for (int k = 0; k < E; k++) {
+        vf wv[ES_TP * ES_NV];
+#pragma GCC unroll 4
+        for (int c = 0; c < tc; c++) wv[c] = ES_LOADW(w + ES_WOFF(c, ps) + ES_PANEL * (int64_t)k);
+        if (pf)
+#pragma GCC unroll 4
+            for (int q = 0; q < tp; q++) __builtin_prefetch(pf + q * ps + ES_PANEL * (int64_t)k);
+#pragma GCC unroll 16
+        for (int r = 0; r < mr; r++) {
+            const float x = X[r * xr + k * xk];
+#pragma GCC unroll 4
+            for (int c = 0; c < tc; c++) acc[r][c] += x * wv[c];
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < mr; r++) ES_SF(es_store_row)(Y + r * ldy, acc[r], tc, ncols);
+}
+
+/* One row over tp panels: four accumulator sets over k hide the FMA latency. */
+ES_KI void ES_GF(es_tile1)(const float *x, const ES_WT *w, int64_t ps, int E, const float *bias, float *y,
+                           int ncols, const int tp) {
+    typedef ES_SF(es_vf) vf;
+    const int tc = tp * ES_NV;
+    vf a[4][ES_TP * ES_NV];
+#pragma GCC unroll 4
+    for (int c = 0; c < tc; c++) {
+        a[0][c] = *(const vf *)(bias + c * ES_VW);
+        a[1][c] = a[2][c] = a[3][c] = (vf){0};
+    }
+    int k = 0;
+    for (; k + 4 <= E; k += 4)
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++)
+#pragma GCC unroll 4
+            for (int c = 0; c < tc; c++) a[u][c] += x[k + u] * ES_LOADW(w + ES_WOFF(c, ps) + ES_PANEL * (int64_t)(k + u));
+    for (; k < E; k++)
+#pragma GCC unroll 4
+        for (int c = 0; c < tc; c++) a[0][c] += x[k] * ES_LOADW(w + ES_WOFF(c, ps) + ES_PANEL * (int64_t)k);
+#pragma GCC unroll 4
+    for (int c = 0; c < tc; c++) a[0][c] += (a[1][c] + a[2][c]) + a[3][c];
+    ES_SF(es_store_row)(y, a[0], tc, ncols);
+}
+
+/* A GEMV over ES_GP full panels at once: concurrent sequential streams keep more memory
+ * requests in flight than one (measured with four: ~1.8x the bandwidth of one). */
+ES_KI void ES_GF(es_gemv)(const float *x, int E, const ES_WT *w, int64_t ps, const float *bias, float *y) {
+    typedef ES_SF(es_vf) vf;
+    vf a[ES_GP * ES_NV];
+#pragma GCC unroll 16
+    for (int q = 0; q < ES_GP * ES_NV; q++) a[q] = *(const vf *)(bias + q * ES_VW);
+    for (int k = 0; k < E; k++) {
+        const float xk = x[k];
+#pragma GCC unroll 16
+        for (int q = 0; q < ES_GP * ES_NV; q++) a[q] += xk * ES_LOADW(w + ES_WOFF(q, ps) + ES_PANEL * (int64_t)k);
+    }
+#pragma GCC unroll 16
+    for (int q = 0; q < ES_GP * ES_NV; q++) *(vf *)(y + q * ES_VW) = a[q];
+}
+
+/* Every row of X through one tile column (tp panels at w): full ES_MR-row tiles (packed
+ * ones from Xp when given), then the remainder as one smaller tile. */
+ES_KI void ES_GF(es_tile_rows)(const float *X, int64_t ldx, int64_t B, int E, const float *Xp, const ES_WT *w,
+                               int64_t ps, const float *bias, float *Yp, int M, int ncols, const ES_WT *pf,
+                               const int tp) {
+    int64_t b = 0;
+    if (Xp)
+        for (; b + ES_MR <= B; b += ES_MR, pf = 0)
+            ES_GF(es_tile)(Xp + b * E, 1, ES_MR, w, ps, E, bias, Yp + b * M, M, ncols, ES_MR, tp, pf);
+    for (; b + ES_MR <= B; b += ES_MR, pf = 0)
+        ES_GF(es_tile)(X + b * ldx, ldx, 1, w, ps, E, bias, Yp + b * M, M, ncols, ES_MR, tp, pf);
+    const float *Xb = X + b * ldx;
+    float *Yb = Yp + b * M;
+    switch (B - b) { /* a constant row count per case: the accumulators stay in registers */
+#define ES_REM(n) \
+    case n: if (n < ES_MR) ES_GF(es_tile)(Xb, ldx, 1, w, ps, E, bias, Yb, M, ncols, n < ES_MR ? n : 1, tp, pf); break;
+        ES_REM(2) ES_REM(3) ES_REM(4) ES_REM(5) ES_REM(6) ES_REM(7) ES_REM(8)
+        ES_REM(9) ES_REM(10) ES_REM(11) ES_REM(12) ES_REM(13) ES_REM(14) ES_REM(15)
+#undef ES_REM
+        case 1: ES_GF(es_tile1)(Xb, w, ps, E, bias, Yb, ncols, tp); break;
+        default: break;
+    }
+}
+
+/* Y = X W^T + bias over the panels [p0, p1) (see es_gemm_range in engram_step.h). */
+static ES_TGT void ES_GF(es_gemm_range)(const float *X, int64_t ldx, int64_t B, int E, const ES_WT *Wp,
+                                        const float *biasp, int M, float *Y, int p0, int p1, const float *Xp) {
+    const int64_t ps = (int64_t)E * ES_PANEL; /* floats per panel */
+    int p = p0;
+    if (B == 1) { /* one row: stream the weights ES_GP panels at a time */
+        const int full = M / ES_PANEL < p1 ? M / ES_PANEL : p1;
+        for (; p + ES_GP <= full; p += ES_GP)
+            ES_GF(es_gemv)(X, E, Wp + p * ps, ps, biasp + p * ES_PANEL, Y + p * ES_PANEL);
+    }
+    while (p < p1) { /* each panel is read from memory once; its row tiles reuse it from cache */
+        const int tp = p + ES_TP <= p1 ? ES_TP : 1;
+        const ES_WT *w = Wp + p * ps;
+        int ncols = M - p * ES_PANEL;
+        if (ncols > tp * ES_PANEL) ncols = tp * ES_PANEL;
+        const ES_WT *pf = p + tp < p1 ? w + tp * ps : 0;
+        if (ES_TP > 1 && tp == ES_TP)
+            ES_GF(es_tile_rows)(X, ldx, B, E, Xp, w, ps, biasp + p * ES_PANEL, Y + p * ES_PANEL, M, ncols, pf, ES_TP);
+        else
+            ES_GF(es_tile_rows)(X, ldx, B, E, Xp, w, ps, biasp + p * ES_PANEL, Y + p * ES_PANEL, M, ncols, pf, 1);
+        p += tp;
+    }
+}
+
+#undef ES_LOADW
+#undef ES_GF
