@@ -527,7 +527,7 @@ HOSTILE = {
     "offsets past end": (_set("layers.4.value_proj.bias", "data_offsets", [10 ** 9, 10 ** 9 + 96]), "past the end"),
     "overlap": (_overlap, "overlap"),
     "span vs shape": (_set("layers.1.value_proj.bias", "shape", [25]), "needs"),
-    "unknown dtype": (_set("layers.1.value_proj.bias", "dtype", "BF16"), "unsupported dtype"),
+    "unknown dtype": (_set("layers.1.value_proj.bias", "dtype", "U16"), "unsupported dtype"),
     "negative shape": (_set("layers.1.value_proj.bias", "shape", [-24]), "non-negative"),
     "bad offsets": (_set("layers.1.value_proj.bias", "data_offsets", [5]), "data_offsets"),
     "dtype vs config": (_replace("layers.1.value_proj.bias", dtype="F16", shape=[48]), "dtype F16, expected F32"),
