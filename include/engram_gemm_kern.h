@@ -4,7 +4,8 @@
  *   ES_WNAME   its name in the functions' names (f32, bf16): es_gemm_range_bf16_avx512, ...
  *   ES_W_BF16  1 for bfloat16: a weight vector is widened in registers (zero-extend, shift
  *              left 16: exact), so the math is float32 on the bf16 values and half the bytes
- * No include guard: including it again with other settings is the point.
+ * No include guard: including it again with other settings is the point; it undefines
+ * these parameters at its end.
  */
 #define ES_GF(name) ES_SK_CAT(ES_SK_CAT(name, ES_WNAME), ES_SFX)
 #if ES_W_BF16
@@ -139,3 +140,6 @@ static ES_TGT void ES_GF(es_gemm_range)(const float *X, int64_t ldx, int64_t B, 
 
 #undef ES_LOADW
 #undef ES_GF
+#undef ES_WT
+#undef ES_WNAME
+#undef ES_W_BF16

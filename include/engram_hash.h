@@ -91,24 +91,15 @@ static inline int64_t es_compress(int64_t id, const int64_t *lookup) {
 #define ES_TGT
 #define ES_VD 4
 #include "engram_hash_kern.h"
-#undef ES_SFX
-#undef ES_TGT
-#undef ES_VD
 #if ES_X86_PATHS
 #define ES_SFX avx2
 #define ES_TGT ES_TARGET_AVX2
 #define ES_VD 4
 #include "engram_hash_kern.h"
-#undef ES_SFX
-#undef ES_TGT
-#undef ES_VD
 #define ES_SFX avx512
 #define ES_TGT ES_TARGET_AVX512
 #define ES_VD 8
 #include "engram_hash_kern.h"
-#undef ES_SFX
-#undef ES_TGT
-#undef ES_VD
 #endif /* ES_X86_PATHS */
 
 /* All H = (max_ngram-1)*n_head head-local rows of one position. win[k] is the compressed

@@ -3,7 +3,8 @@
  *   ES_SFX   the suffix of this copy's names (baseline, avx2, avx512)
  *   ES_TGT   its target attribute (empty for the baseline)
  *   ES_VD    doubles per vector in the division-free mod (4, or 8 with 64-byte vectors)
- * No include guard: including it again with other settings is the point.
+ * No include guard: including it again with other settings is the point; it undefines
+ * these parameters at its end.
  */
 #define ES_HK_CAT2(a, b) a##_##b
 #define ES_HK_CAT(a, b) ES_HK_CAT2(a, b)
@@ -77,3 +78,6 @@ static ES_TGT void ES_HF(es_hash_sequence)(const int64_t *c, int64_t T, int64_t 
 #undef ES_HF
 #undef ES_HK_CAT
 #undef ES_HK_CAT2
+#undef ES_SFX
+#undef ES_TGT
+#undef ES_VD

@@ -78,13 +78,6 @@ static inline float es_half_to_float(uint16_t h) {
 #define ES_GP 2
 #define ES_F16C 0
 #include "engram_step_kern.h"
-#undef ES_SFX
-#undef ES_TGT
-#undef ES_VW
-#undef ES_TP
-#undef ES_MR
-#undef ES_GP
-#undef ES_F16C
 #if ES_X86_PATHS
 #define ES_SFX avx2
 #define ES_TGT ES_TARGET_AVX2
@@ -94,13 +87,6 @@ static inline float es_half_to_float(uint16_t h) {
 #define ES_GP 4
 #define ES_F16C 1
 #include "engram_step_kern.h"
-#undef ES_SFX
-#undef ES_TGT
-#undef ES_VW
-#undef ES_TP
-#undef ES_MR
-#undef ES_GP
-#undef ES_F16C
 #define ES_SFX avx512
 #define ES_TGT ES_TARGET_AVX512
 #define ES_VW 16
@@ -109,13 +95,6 @@ static inline float es_half_to_float(uint16_t h) {
 #define ES_GP 8
 #define ES_F16C 1
 #include "engram_step_kern.h"
-#undef ES_SFX
-#undef ES_TGT
-#undef ES_VW
-#undef ES_TP
-#undef ES_MR
-#undef ES_GP
-#undef ES_F16C
 #endif
 
 /* Rows per GEMM micro-tile of the running path (the packing of es_pack_rows). */

@@ -7,7 +7,8 @@
  *   ES_MR    rows per micro-tile: ES_MR x ES_TP*16/ES_VW accumulators stay in registers
  *   ES_GP    panels the one-row GEMV streams at once (concurrent memory streams)
  *   ES_F16C  1 where F16C converts half floats (x86 copies), 0 for the portable conversion
- * No include guard: including it again with other settings is the point.
+ * No include guard: including it again with other settings is the point; it undefines
+ * these parameters at its end.
  */
 #define ES_SK_CAT2(a, b) a##_##b
 #define ES_SK_CAT(a, b) ES_SK_CAT2(a, b)
@@ -39,16 +40,10 @@ ES_KI void ES_SF(es_store_row)(float *Y, const ES_SF(es_vf) *v, const int tc, in
 #define ES_WNAME f32
 #define ES_W_BF16 0
 #include "engram_gemm_kern.h"
-#undef ES_WT
-#undef ES_WNAME
-#undef ES_W_BF16
 #define ES_WT uint16_t
 #define ES_WNAME bf16
 #define ES_W_BF16 1
 #include "engram_gemm_kern.h"
-#undef ES_WT
-#undef ES_WNAME
-#undef ES_W_BF16
 
 /* ---- gathers ---------------------------------------------------------------------- */
 
@@ -82,3 +77,11 @@ static ES_TGT void ES_SF(es_gather_i8)(const int8_t *table, const float *scale, 
 #undef ES_KI
 #undef ES_NV
 #undef ES_WOFF
+/* this copy's parameters: the next inclusion defines its own */
+#undef ES_SFX
+#undef ES_TGT
+#undef ES_VW
+#undef ES_TP
+#undef ES_MR
+#undef ES_GP
+#undef ES_F16C
