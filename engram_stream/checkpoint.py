@@ -22,6 +22,7 @@ Metadata: format, format_version, config (EngramConfig JSON), table_dtype (infor
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap as _mmap
@@ -293,6 +294,31 @@ def remove_stale_temps(path) -> list:
     return removed
 
 
+@contextlib.contextmanager
+def atomic_output(path):
+    """A binary file object whose bytes become `path` all at once, or not at all: they go to a
+    temp file of this call's own beside `path` (created exclusively, no symlink followed), are
+    fsynced, then renamed over `path`. Whatever stops the writer (an error, SIGTERM turned into
+    an exception by the CLI) removes the temp file and leaves `path` as it was."""
+    _check_destination(path)
+    tmp = _temp_name(path)
+    try:  # from the open on
+        with os.fdopen(os.open(tmp, _TEMP_FLAGS, 0o666), "wb") as f:  # 0666 & ~umask, as open() gives
+            yield f
+            f.flush()
+            os.fsync(f.fileno())  # data on disk before the rename makes it visible
+        _check_destination(path)  # again: it may have appeared while we wrote
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except BaseException as e:
+        if not (isinstance(e, FileExistsError) and e.filename == tmp):  # else not ours: left alone
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        raise
+
+
 def _write(cfg, plan, layers, path, table_dtype, progress, before_write=None):
     """save()'s writer: layers may hold real tables or InitTables (anything sliceable by rows)."""
     table_dtype = _check_table_dtype(table_dtype)
@@ -306,36 +332,21 @@ def _write(cfg, plan, layers, path, table_dtype, progress, before_write=None):
         before_write(total)
     if progress is None and total > BAR_MIN_BYTES and sys.stderr.isatty():
         progress = _Bar(path, total)
-    _check_destination(path)
-    tmp = _temp_name(path)
-    try:  # from the open on: whatever stops us (SIGTERM in the CLI) removes the temp file
-        with os.fdopen(os.open(tmp, _TEMP_FLAGS, 0o666), "wb") as f:  # 0666 & ~umask, as open() gives
-            f.write(struct.pack("<Q", len(header)))
-            f.write(header)
-            done = 8 + len(header)
-            for e in order:
-                wrote = 0
-                for c in e.chunks():
-                    c = np.ascontiguousarray(c, dtype=e.dtype)
-                    f.write(c.view(np.uint8).data if c.ndim else c.tobytes())  # raw bytes (bf16 has no buffer code)
-                    wrote += c.nbytes
-                    done += c.nbytes
-                    if progress is not None:
-                        progress(done, total)
-                if wrote != e.nbytes:  # a bug, not a user error: never write a lying header
-                    raise RuntimeError(f"{e.name}: wrote {wrote} bytes, header says {e.nbytes}")
-            f.flush()
-            os.fsync(f.fileno())  # data on disk before the rename makes it visible
-        _check_destination(path)  # again: it may have appeared while we wrote
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    except BaseException as e:
-        if not (isinstance(e, FileExistsError) and e.filename == tmp):  # else not ours: left alone
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-        raise
+    with atomic_output(path) as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        done = 8 + len(header)
+        for e in order:
+            wrote = 0
+            for c in e.chunks():
+                c = np.ascontiguousarray(c, dtype=e.dtype)
+                f.write(c.view(np.uint8).data if c.ndim else c.tobytes())  # raw bytes (bf16 has no buffer code)
+                wrote += c.nbytes
+                done += c.nbytes
+                if progress is not None:
+                    progress(done, total)
+            if wrote != e.nbytes:  # a bug, not a user error: never write a lying header
+                raise RuntimeError(f"{e.name}: wrote {wrote} bytes, header says {e.nbytes}")
     return path
 
 
@@ -536,7 +547,7 @@ def load(path, mmap: bool = True) -> EngramModel:
     mmap=False: everything is read into RAM."""
     path = os.fspath(path)
     err = lambda msg: CheckpointError(f"{path}: {msg}")  # noqa: E731
-    with _open_regular(path, err) as f:
+    with open_regular(path, err) as f:
         st = os.fstat(f.fileno())
         hdr, _, tensors = read_header(f, st.st_size, path)
         cfg = _config(hdr, err)
@@ -556,7 +567,7 @@ def load(path, mmap: bool = True) -> EngramModel:
     return EngramModel(cfg, plan, layers)
 
 
-def _open_regular(path, err):
+def open_regular(path, err):
     """The file opened for reading, refused unless it is a regular file: opening a FIFO would
     block (O_NONBLOCK here: it does not) and a device can be read without end."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)

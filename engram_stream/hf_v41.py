@@ -19,6 +19,7 @@ import struct
 import ml_dtypes
 import numpy as np
 
+from .checkpoint import atomic_output, open_regular
 from .config import V41, EngramConfig
 from .plan import HashPlan
 from .v41 import NAMES, RAW, V41LayerWeights, random_e4m3, shapes
@@ -61,8 +62,8 @@ class HFCheckpointError(ValueError):
 def read_header(path):
     """(tensors {name: (dtype code, shape, begin, end)}, data start) of one safetensors file,
     every offset checked against the file size."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with open_regular(path, lambda m: HFCheckpointError(f"{path}: {m}")) as f:
+        size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
             raise HFCheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
@@ -71,8 +72,8 @@ def read_header(path):
             raise HFCheckpointError(f"{path}: header length {n} does not fit the file ({size} bytes)")
         try:
             hdr = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HFCheckpointError(f"{path}: header is not JSON ({e})") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+            raise HFCheckpointError(f"{path}: header is not JSON ({type(e).__name__})") from None
     if not isinstance(hdr, dict):
         raise HFCheckpointError(f"{path}: header is not a JSON object")
     start, out = 8 + n, {}
@@ -95,8 +96,12 @@ def weight_map(ckpt_dir) -> dict:
     """{tensor name: shard file name}: from the index, or the single model.safetensors."""
     idx = os.path.join(ckpt_dir, INDEX)
     if os.path.isfile(idx):
-        with open(idx, encoding="utf-8") as f:
-            wm = json.load(f).get("weight_map")
+        with open_regular(idx, lambda m: HFCheckpointError(f"{idx}: {m}")) as f:
+            try:
+                index = json.loads(f.read(MAX_HEADER + 1))
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
+                raise HFCheckpointError(f"{idx}: not a JSON index ({type(e).__name__})") from None
+        wm = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wm, dict):
             raise HFCheckpointError(f"{idx}: no weight_map")
         return wm
@@ -110,7 +115,7 @@ def _map(path):
     """The whole shard as a store.MappedFile: read-only, and forward() refuses it once the file
     is truncated or rewritten in place (instead of SIGBUS)."""
     from .store import MappedFile
-    with open(path, "rb") as f:
+    with open_regular(path, lambda m: HFCheckpointError(f"{path}: {m}")) as f:
         return MappedFile(f.fileno(), os.fstat(f.fileno()), path)
 
 
@@ -219,8 +224,7 @@ def _write_shard(path, tensors):
         pos += t.nbytes
     head = json.dumps(hdr, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with atomic_output(path) as f:  # a temp file of its own, fsynced, renamed: never a half shard
         f.write(struct.pack("<Q", len(head)) + head)
         for t in tensors:
             written = 0
@@ -230,7 +234,6 @@ def _write_shard(path, tensors):
                 written += c.nbytes
             if written != t.nbytes:
                 raise RuntimeError(f"{t.name}: wrote {written} bytes, expected {t.nbytes}")
-    os.replace(tmp, path)
     return pos
 
 

@@ -132,6 +132,53 @@ def test_truncated_or_missing_shards_are_refused(tmp_path):
         EngramModel.from_deepseek_v41(tmp_path / "nothing")
 
 
+
+def test_hostile_shards_are_refused_cleanly(tmp_path):
+    """A shard that is a FIFO (opening it would block), a header nested 1e5 deep, and an index
+    that is not JSON: each a HFCheckpointError naming the file, never a hang or RecursionError."""
+    m = EngramModel.init(EngramConfig(**SMALL), seed=0)
+    m.save(tmp_path)
+    shards = sorted(p for p in os.listdir(tmp_path) if p.endswith(".safetensors"))
+    saved = (tmp_path / shards[0]).read_bytes()
+    os.remove(tmp_path / shards[0])
+    os.mkfifo(tmp_path / shards[0])
+    with pytest.raises(hf_v41.HFCheckpointError, match="not a regular file"):
+        EngramModel.from_deepseek_v41(tmp_path)
+    os.remove(tmp_path / shards[0])
+    deep = b"[" * 100_000 + b"]" * 100_000
+    (tmp_path / shards[0]).write_bytes(len(deep).to_bytes(8, "little") + deep)
+    with pytest.raises(hf_v41.HFCheckpointError, match="not JSON"):
+        EngramModel.from_deepseek_v41(tmp_path)
+    (tmp_path / shards[0]).write_bytes(saved)
+    (tmp_path / hf_v41.INDEX).write_text("{" * 100_000)
+    with pytest.raises(hf_v41.HFCheckpointError, match="not a JSON index"):
+        EngramModel.from_deepseek_v41(tmp_path)
+
+
+def test_shard_writes_are_atomic_and_never_follow_a_planted_link(tmp_path, monkeypatch):
+    """A shard is written to a temp file of its own and renamed: a failing write leaves the old
+    shard and no temp file; a symlink planted at the temp name is neither followed nor removed."""
+    from engram_stream import checkpoint
+    m = EngramModel.init(EngramConfig(**SMALL), seed=0)
+    m.save(tmp_path)
+    before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
+    victim = tmp_path.parent / f"{tmp_path.name}-victim"
+    victim.write_bytes(b"keep me")
+    planted = str(tmp_path / "planted.tmp")
+    os.symlink(victim, planted)
+    monkeypatch.setattr(checkpoint, "_temp_name", lambda path: planted)
+    with pytest.raises(FileExistsError):
+        m.save(tmp_path)
+    assert victim.read_bytes() == b"keep me" and os.path.islink(planted)
+    os.remove(planted)
+    monkeypatch.undo()
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        m.save(tmp_path)
+    monkeypatch.undo()
+    assert {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)} == before  # old files, no temps
+
+
 # --- build_compression(decode=) ------------------------------------------------------------------
 
 def test_build_compression_decode_modes():
