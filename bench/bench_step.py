@@ -143,8 +143,9 @@ def make_inputs(cfg, n_tok=4096, n_hid=16, S=1, seed=0):
     return [np.ascontiguousarray(t) for t in toks], [np.ascontiguousarray(h) for h in hid]
 
 
-def engine_runner(model, S=1):
+def engine_runner(model, S=1, threads=1):
     eng = model.stream(LAYER, n_streams=S)
+    eng.step_threads = threads  # a multi-stream step's projection and tails over threads
     toks, hid = make_inputs(model.cfg, S=S, seed=S)
     out = np.empty(hid[0].shape, np.float32)
     nt, nh = len(toks), len(hid)
@@ -158,6 +159,7 @@ def engine_runner(model, S=1):
     return run
 
 
+STEP_THREADS = (1, 2)  # engine.step_threads of the 16-stream rows
 BEST_ISA = kernel_isa()
 OTHER_ISAS = [i for i in reversed(_isa.supported_isas()) if i != BEST_ISA and i != "baseline"]
 
@@ -272,18 +274,23 @@ def step_section(rep, key, model, reps, target, streams16=False):
     fw, fwt = floor_runners(model)
     runs["floor_W@e"], runs["floor_e@WT"] = fw, fwt
     if streams16:
-        runs["engine16"] = engine_runner(model, S=16)
         bf16 = model.with_weight_dtype("bfloat16")  # projection weights as bf16 (tables shared)
         runs["engine_bf16"] = engine_runner(bf16)
         for isa in OTHER_ISAS:  # the same engines on the other kernel paths, in the same rotation
             runs[f"engine[{isa}]"] = on_isa(isa, engine_runner(model))
-            runs[f"engine16[{isa}]"] = on_isa(isa, engine_runner(model, S=16))
             runs[f"engine_bf16[{isa}]"] = on_isa(isa, engine_runner(bf16))
+        for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]:  # 16 streams: 1 and 2 threads
+            for wname, m in (("", model), ("_bf16", bf16)):
+                for th in STEP_THREADS:
+                    r = engine_runner(m, S=16, threads=th)
+                    runs[f"engine16{wname}_t{th}{sfx}"] = r if isa == BEST_ISA else on_isa(isa, r)
         if HAVE_TORCH:
             runs["torch16"] = torch_runner(model, S=16)
         fw16, fwt16 = floor_runners(model, S=16)
         runs["floor16_e@W.T"], runs["floor16_e@WT"] = fw16, fwt16
     t = interleaved(runs, reps, target)
+    if streams16:
+        t["engine16"] = t["engine16_t1"]  # the one-thread 16-stream step
     rep.time(f"{key}.engine", "engine step  eng.step(tok, hidden, out=out)", t["engine"])
     if HAVE_TORCH:
         rep.time(f"{key}.torch", "torch incremental step (1 thread, inference_mode)", t["torch"])
@@ -300,8 +307,12 @@ def step_section(rep, key, model, reps, target, streams16=False):
             rep.time(f"{key}.engine[{isa}]", f"engine step, {isa} kernels", t[f"engine[{isa}]"])
             rep.time(f"{key}.engine_bf16[{isa}]", f"engine step, bf16 weights, {isa} kernels",
                      t[f"engine_bf16[{isa}]"])
-            rep.time(f"{key}.engine16_per_token[{isa}]", f"engine, 16 streams: per token, {isa} kernels",
-                     [x / 16 for x in t[f"engine16[{isa}]"]])
+        for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]:
+            for wname, wdesc in (("", "float32"), ("_bf16", "bf16")):
+                for th in STEP_THREADS:
+                    k = f"engine16{wname}_t{th}{sfx}"
+                    rep.time(f"{key}.{k}_per_token", f"16 streams per token, {wdesc}, step_threads={th}, {isa}",
+                             [x / 16 for x in t[k]])
         if HAVE_TORCH:
             rep.time(f"{key}.torch16", "torch incremental, 16 streams: one step", t["torch16"])
         a = rep.time(f"{key}.floor16_e@W.T", f"floor: numpy e[16,{E}] @ W.T (view)", t["floor16_e@W.T"])
@@ -447,6 +458,14 @@ def prefill_section(rep, key, model, reps, T):
 DEFAULT_TORCH_THREADS = None
 
 
+def fma_floor_per_token(cfg, meta):
+    """One token's projections (2*M*E flops) at the native single-core sgemm peak, seconds."""
+    if "native_sgemm_gflops" not in meta:
+        meta["native_sgemm_gflops"] = native_sgemm_peak()
+    M, E = (cfg.hc_mult + 1) * cfg.hidden_size, cfg.engram_dim
+    return 2 * M * E / (meta["native_sgemm_gflops"] * 1e9)
+
+
 def main(argv=None):
     global DEFAULT_TORCH_THREADS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -548,16 +567,17 @@ def main(argv=None):
                 ratio(f"demo.bf16_over_f32{sfx or '[' + isa + ']'}", f"bf16-weight step / float32 step ({isa})",
                       t[f"engine_bf16{sfx}"], t[f"engine{sfx}"], "<= 0.6x", lambda r: r <= 0.6,
                       summ=f"demo: bf16 step / float32 step [{isa}]")
-            peak = native_sgemm_peak()
-            M, E = (cfg.hc_mult + 1) * cfg.hidden_size, cfg.engram_dim
-            fma_floor = 2 * M * E / (peak * 1e9)  # one token's projections at the native sgemm peak
-            rep.note(f"native single-core sgemm peak {peak:.0f} GFLOP/s: FMA floor per token "
-                     f"{fma_floor * 1e6:.1f} us")
-            meta["native_sgemm_gflops"] = peak
-            for isa, k16 in [(BEST_ISA, "engine16")] + [(i, f"engine16[{i}]") for i in OTHER_ISAS]:
-                ratio(f"demo.per_token16_over_fma_floor[{isa}]", f"16 streams per token / FMA floor ({isa})",
-                      t[k16], [fma_floor] * len(t[k16]), "<= 1.3x", lambda r: r <= 1.3, scale=1 / 16,
-                      summ=f"demo: 16-stream per token / FMA floor [{isa}]")
+            fma_floor = fma_floor_per_token(cfg, meta)
+            rep.note(f"native single-core sgemm peak {meta['native_sgemm_gflops']:.0f} GFLOP/s: FMA floor "
+                     f"per token {fma_floor * 1e6:.1f} us (one core)")
+            for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]:
+                for wname, wdesc in (("", "f32"), ("_bf16", "bf16")):
+                    for th in STEP_THREADS:
+                        k16 = f"engine16{wname}_t{th}{sfx}"
+                        what = f"16 streams per token / FMA floor ({isa}, {wdesc}, {th} thr)"
+                        ratio(f"demo.per_token16_over_fma_floor[{isa},{wdesc},t{th}]", what,
+                              t[k16], [fma_floor] * len(t[k16]), "<= 1.3x", lambda r: r <= 1.3, scale=1 / 16,
+                              summ=f"demo: 16-str/tok / FMA floor [{isa},{wdesc},{th}t]")
             if HAVE_TORCH:
                 ratio("demo.torch16_over_engine16", "torch 16-stream step / engine 16-stream step",
                       t["torch16"], t["engine16"], summ="demo: torch 16-stream / engine 16-stream")
@@ -570,6 +590,13 @@ def main(argv=None):
             T = 2048
             rep.section(f"prefill of {T} tokens at demo dims (engine and torch: default threads, and 1)")
             t = prefill_section(rep, "prefill", model, max(5, reps // 2), T)
+            cores = model.stream(LAYER).prefill_threads
+            floor = T * fma_floor_per_token(cfg, meta) / cores
+            rep.note(f"FMA floor of the prefill GEMM alone: {T} tokens x 2*M*E flops over {cores} cores at "
+                     f"{meta['native_sgemm_gflops']:.0f} GFLOP/s each: {floor * 1e3:.1f} ms")
+            ratio("prefill.engine_over_fma_floor", f"engine ({cores} threads) / FMA floor ({cores} cores)",
+                  t["engine"], [floor] * len(t["engine"]), None, None,
+                  summ=f"prefill {T}: engine / FMA floor [{BEST_ISA}]")
             if HAVE_TORCH:
                 n = DEFAULT_TORCH_THREADS
                 ratio("prefill.torch_default_over_engine", f"torch ({n} threads) / engine", t["torch_default"],

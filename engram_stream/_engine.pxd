@@ -18,8 +18,12 @@ cdef extern from "engram_step.h" nogil:
                         int M, float *Y, float *xpack) noexcept
     void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                            const float *biasp, int M, float *Y, float *xpack, int nthreads) noexcept
-    void es_tail(const es_tail_params *P, const float *proj, const float *hid, const float *const *taps,
-                 float *xdst, float *out) noexcept
+    void es_tails_mt(const es_tail_params *P, int64_t n, const float *Y, int64_t ldy, const float *hid,
+                     float *out, float *X, float *gates, const float **taps, float **xdst,
+                     int chained, int nthreads) noexcept
+    void es_gather_mt(int kind, const void *table, const float *scale, int hd, const int64_t *rows, int H,
+                      int64_t n, float *e, int64_t lde, int nthreads) noexcept
+    int ES_MAX_THREADS
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_f16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_prefetch_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n) noexcept
@@ -82,10 +86,14 @@ cdef class StreamEngine:
     cdef float *ebuf               # [cap, ldx] gathered rows
     cdef float *ybuf               # [cap, M] projections
     cdef float *pbuf               # [cap, E] gathered rows packed in 6-row tiles for the GEMM
-    cdef const float **taps        # [K-1] the conv_state rows the taps of one token read
+    cdef float *xbuf               # [cap, C] x(t) of each token of a block (step: per stream)
+    cdef float *gbuf               # [cap, G] their gates
+    cdef const float **taps        # [cap, K-1] the rows the taps of each token read
+    cdef float **xdst              # [cap] where each x(t) goes in the conv ring (step)
     cdef bint pending              # feed() done, compute() not yet
     cdef bint busy                 # a call is running (one owner at a time)
     cdef public int prefill_threads  # threads for prefill's GEMMs (default: the machine's cores)
+    cdef int _step_threads         # threads for a multi-stream step (step_threads: 1..ES_MAX_THREADS)
 
     # row tiers (engram_stream.tiers; DESIGN "Row tiers"): a RAM row cache, a remote row source
     cdef RowCache rcache           # None: rows straight from the table
@@ -104,7 +112,8 @@ cdef class StreamEngine:
     cdef void _project_tail(self, int64_t s, int64_t nb, const float *ph, float *po) noexcept nogil
     cdef int _prefill_remote(self, int64_t s, const int64_t *pid, int64_t T, int64_t chunk,
                              const float *ph, float *po) except -1
-    cdef void _tail(self, int64_t s, const float *proj, const float *hid, float *out) noexcept nogil
+    cdef void _tails_step(self, const float *hid, float *out) noexcept nogil
+    cdef void _tails_prefill(self, int64_t s, int64_t nb, const float *hid, float *out) noexcept nogil
     cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil
     cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil
     cdef void _reset_stream(self, int64_t s) noexcept nogil

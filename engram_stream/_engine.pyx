@@ -61,6 +61,14 @@ cdef inline void *_alloc(size_t nbytes) except NULL:
     return p
 
 
+cdef inline void *_regrow(void *p, size_t nbytes) except NULL:
+    """realloc, or MemoryError (p is then still valid: the engine frees it)."""
+    cdef void *r = realloc(p, nbytes if nbytes else 1)
+    if r == NULL:
+        raise MemoryError(f"StreamEngine: scratch allocation of {nbytes} bytes failed")
+    return r
+
+
 def _isa_set(int level):
     """Run this module's kernels at `level` (see engram_stream._isa); False if the CPU cannot."""
     return es_isa_set(level) == 0
@@ -195,43 +203,28 @@ cdef class StreamEngine:
         self.pos = np.empty(S, dtype=np.int64)
         self.seen = np.empty(S, dtype=np.int64)
         self.last_rows = np.empty((S, self.H), dtype=np.int64)
-        # The tap list is heap scratch: nothing sized from the config goes on the C stack.
-        self.taps = <const float **> _alloc((self.K - 1) * sizeof(float *))
-        self._grow(S)
+        self._step_threads = 1
+        self._grow(S)  # scratch, the tap lists included: nothing sized from the config goes on the C stack
         self._reset_all()
 
     def __dealloc__(self):
         free(self.rbuf); free(self.ebuf); free(self.ybuf); free(self.pbuf); free(self.taps)
-        free(self.src); free(self.mpos)
+        free(self.src); free(self.mpos); free(self.xbuf); free(self.gbuf); free(self.xdst)
 
     cdef int _grow(self, int64_t cap) except -1:
         """Scratch for `cap` rows; done before any state changes (a MemoryError is clean)."""
         if cap <= self.cap:
             return 0
-        cdef void *r = realloc(self.rbuf, cap * self.H * sizeof(int64_t))
-        if r == NULL:
-            raise MemoryError("StreamEngine: scratch allocation failed")
-        self.rbuf = <int64_t *> r
-        r = realloc(self.ebuf, cap * self.ldx * sizeof(float))
-        if r == NULL:
-            raise MemoryError("StreamEngine: scratch allocation failed")
-        self.ebuf = <float *> r
-        r = realloc(self.ybuf, cap * self.M * sizeof(float))
-        if r == NULL:
-            raise MemoryError("StreamEngine: scratch allocation failed")
-        self.ybuf = <float *> r
-        r = realloc(self.pbuf, cap * self.E * sizeof(float))
-        if r == NULL:
-            raise MemoryError("StreamEngine: scratch allocation failed")
-        self.pbuf = <float *> r
-        r = realloc(self.src, cap * self.H * sizeof(char *))
-        if r == NULL:
-            raise MemoryError("StreamEngine: scratch allocation failed")
-        self.src = <const char **> r
-        r = realloc(self.mpos, cap * self.H * sizeof(int64_t))
-        if r == NULL:
-            raise MemoryError("StreamEngine: scratch allocation failed")
-        self.mpos = <int64_t *> r
+        self.rbuf = <int64_t *> _regrow(self.rbuf, cap * self.H * sizeof(int64_t))
+        self.ebuf = <float *> _regrow(self.ebuf, cap * self.ldx * sizeof(float))
+        self.ybuf = <float *> _regrow(self.ybuf, cap * self.M * sizeof(float))
+        self.pbuf = <float *> _regrow(self.pbuf, cap * self.E * sizeof(float))
+        self.src = <const char **> _regrow(self.src, cap * self.H * sizeof(char *))
+        self.mpos = <int64_t *> _regrow(self.mpos, cap * self.H * sizeof(int64_t))
+        self.xbuf = <float *> _regrow(self.xbuf, cap * self.C * sizeof(float))
+        self.gbuf = <float *> _regrow(self.gbuf, cap * self.G * sizeof(float))
+        self.taps = <const float **> _regrow(self.taps, cap * (self.K - 1) * sizeof(float *))
+        self.xdst = <float **> _regrow(self.xdst, cap * sizeof(float *))
         self.cap = cap
         return 0
 
@@ -322,25 +315,54 @@ cdef class StreamEngine:
             raise
         return 0
 
-    cdef void _tail(self, int64_t s, const float *proj, const float *hid, float *out) noexcept nogil:
-        """Gate, value and ShortConv of one token of stream s, and the conv ring's move.
+    cdef void _tails_step(self, const float *hid, float *out) noexcept nogil:
+        """Gate, value and ShortConv of one token on every stream (projections in ybuf), and
+        the conv rings' move.
 
         The ring: conv_state[s] holds the last conv_len = (K-1)*dil values x of stream s
         (dil = max_ngram_size); slot pos[s] holds the oldest, x(t - conv_len), and slot
         (pos - j) mod conv_len holds x(t - j). Tap i < K-1 reads x(t - (K-1-i)*dil); tap
-        K-1 is x(t) itself. x(t) overwrites the oldest slot (tap 0 reads it first: es_tail
+        K-1 is x(t) itself. x(t) overwrites the oldest slot (tap 0 reads it first: es_tail_y
         reads every element before writing it), then pos advances by one."""
-        cdef int64_t L = self.conv_len, p = 0, i
-        cdef float *xdst = NULL
+        cdef int64_t L = self.conv_len, S = self.n_streams, p, i, b
+        cdef int k1 = self.K - 1
+        for b in range(S):
+            self.xdst[b] = NULL
+            if L:
+                p = self.pos[b]
+                for i in range(k1):
+                    self.taps[b * k1 + i] = &self.conv_state[b, (p + L - (k1 - i) * self.n) % L, 0]
+                self.xdst[b] = &self.conv_state[b, p, 0]
+        es_tails_mt(&self.tp, S, self.ybuf, self.M, hid, out, self.xbuf, self.gbuf, self.taps, self.xdst, 0,
+                    self._step_threads if S >= 2 else 1)
+        for b in range(S):
+            if L:
+                self.pos[b] = (self.pos[b] + 1) % L
+            self.seen[b] += 1
+
+    cdef void _tails_prefill(self, int64_t s, int64_t nb, const float *hid, float *out) noexcept nogil:
+        """The tails of nb consecutive tokens of stream s (projections in ybuf), and the ring's
+        move: the same rules as nb steps. Every token's x goes to xbuf first (x(t) does not
+        depend on the ring), so tap i of token j reads x(t_j - d), d = (K-1-i)*dil, from xbuf
+        row j - d when that token is in this block, else from ring slot (pos + j - d) mod
+        conv_len (the value before the block). Then the last min(nb, conv_len) values of x
+        go to their slots (pos + j) mod conv_len, as the steps would leave them."""
+        cdef int64_t L = self.conv_len, p = 0, i, j, d
+        cdef int k1 = self.K - 1
         if L:
             p = self.pos[s]
-            for i in range(self.K - 1):
-                self.taps[i] = &self.conv_state[s, (p + L - (self.K - 1 - i) * self.n) % L, 0]
-            xdst = &self.conv_state[s, p, 0]
-        es_tail(&self.tp, proj, hid, self.taps, xdst, out)
+            for j in range(nb):
+                for i in range(k1):
+                    d = (k1 - i) * self.n
+                    self.taps[j * k1 + i] = (self.xbuf + (j - d) * self.C if j >= d else
+                                             &self.conv_state[s, (p + j - d + L) % L, 0])
+        es_tails_mt(&self.tp, nb, self.ybuf, self.M, hid, out, self.xbuf, self.gbuf, self.taps, NULL, 1,
+                    self.prefill_threads if nb >= 8 else 1)
         if L:
-            self.pos[s] = (p + 1) % L
-        self.seen[s] += 1
+            for j in range(max(0, nb - L), nb):
+                memcpy(&self.conv_state[s, (p + j) % L, 0], self.xbuf + j * self.C, self.C * sizeof(float))
+            self.pos[s] = (p + nb) % L
+        self.seen[s] += nb
 
     cdef void _reset_stream(self, int64_t s) noexcept nogil:
         """Stream s as before any token: pads in the window, zeros in the conv state (x before
@@ -374,10 +396,9 @@ cdef class StreamEngine:
         cdef int64_t b, S = self.n_streams
         for b in range(S):
             self._gather(&self.last_rows[b, 0], b, self.ebuf + b * self.ldx)
-        es_gemm_packed(self.ebuf, self.ldx, S, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0], self.M, self.ybuf,
-                       self.pbuf)
-        for b in range(S):
-            self._tail(b, self.ybuf + b * self.M, hid + b * self.C, out + b * self.C)
+        es_gemm_packed_mt(self.ebuf, self.ldx, S, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0], self.M,
+                          self.ybuf, self.pbuf, self._step_threads)
+        self._tails_step(hid, out)
 
     # ---- argument checks (all before any state changes) -------------------------------------
     cdef _enter(self):
@@ -499,6 +520,17 @@ cdef class StreamEngine:
         return o
 
     @property
+    def step_threads(self):
+        """Threads a multi-stream step (n_streams >= 2) splits its projection and tails over
+        (by output panels and by streams: bitwise equal to 1 thread). Default 1; a set value
+        is clamped to [1, ES_MAX_THREADS]."""
+        return self._step_threads
+
+    @step_threads.setter
+    def step_threads(self, n):
+        self._step_threads = max(1, min(int(n), ES_MAX_THREADS))
+
+    @property
     def rows(self):
         """int64[S, H]: absolute table rows of the last token fed to each stream (by step, feed
         or the last token of a prefill); -1 for a stream with no token since its reset."""
@@ -581,7 +613,13 @@ cdef class StreamEngine:
                         nb = min(chunk, T - t0)
                         for i in range(nb):
                             self._hash_one(s, pid[t0 + i], self.rbuf + i * self.H)
-                            self._gather(self.rbuf + i * self.H, i, self.ebuf + i * self.ldx)
+                        if self.rc == NULL:  # straight from the table: the tokens' gathers over threads
+                            es_gather_mt(self.table_kind, &self.table[0, 0], &self.table_scale[0] if
+                                         self.table_kind == 2 else NULL, self.hd, self.rbuf, self.H, nb,
+                                         self.ebuf, self.ldx, self.prefill_threads if nb >= 32 else 1)
+                        else:  # through the row cache (one owner: no threads)
+                            for i in range(nb):
+                                self._gather(self.rbuf + i * self.H, i, self.ebuf + i * self.ldx)
                         self._project_tail(s, nb, ph + t0 * self.C, po + t0 * self.C)
                         t0 += nb
             if bad < 0 and self.remote is not None:
@@ -598,11 +636,9 @@ cdef class StreamEngine:
 
     cdef void _project_tail(self, int64_t s, int64_t nb, const float *ph, float *po) noexcept nogil:
         """The rest of a prefill chunk whose nb rows are gathered: one GEMM, then nb tails."""
-        cdef int64_t i
         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0],
                           self.M, self.ybuf, self.pbuf, self.prefill_threads if nb >= 32 else 1)
-        for i in range(nb):
-            self._tail(s, self.ybuf + i * self.M, ph + i * self.C, po + i * self.C)
+        self._tails_prefill(s, nb, ph, po)
 
     cdef int _prefill_remote(self, int64_t s, const int64_t *pid, int64_t T, int64_t chunk,
                              const float *ph, float *po) except -1:

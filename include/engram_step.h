@@ -3,12 +3,13 @@
  *   es_gemm_packed  Y[B,M] = X[B,E] W^T + bias for skinny B (1..~128 rows), with W
  *                   pre-packed in 16-column panels so each panel is one contiguous
  *                   stream and read from memory once per call, whatever B is.
- *   es_tail         gate, value, ShortConv (RMSNorm, causal taps over rows the caller
+ *   es_tail_x/_y    gate, value, ShortConv (RMSNorm, causal taps over rows the caller
  *                   picks, SiLU) and output for one token of one stream. Stateless:
  *                   the conv state and its ring rules live in _engine.pyx.
+ *   es_parallel     a range of independent items over threads (GEMM panels, tails, gathers).
  *   es_gather       copy a token's H table rows (float32 / float16 / int8+scale).
  *
- * Written with GCC vector extensions (GCC, clang). The GEMM and the gathers are compiled
+ * Written with GCC vector extensions (GCC, clang). The GEMM, the tail and the gathers are compiled
  * once per instruction set from engram_step_kern.h and picked by es_isa (engram_isa.h):
  * one build runs on any CPU, and ENGRAM_STREAM_ISA / the tests can force each path.
  * Nothing here allocates or raises.
@@ -29,18 +30,18 @@
 #include <immintrin.h>
 #endif
 
-/* es_tail is still cloned by GCC's target_clones (an ifunc: glibc only). */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && defined(__GLIBC__) && !defined(ES_NO_CLONES)
-#define ES_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define ES_CLONES
-#endif
-#define ES_INLINE static inline __attribute__((always_inline))
 
 #define ES_PANEL 16 /* output columns per packed weight panel (16 floats: one 64-byte line a k) */
 
-typedef float es_v8 __attribute__((vector_size(32), aligned(4)));
-typedef int32_t es_v8i __attribute__((vector_size(32), aligned(4)));
+/* The tail's fixed parameters (es_tail_x / es_tail_y below). */
+typedef struct {
+    int G, D, K;       /* K: conv taps; the first K-1 read earlier values, the last x(t) */
+    float inv_sqrt_d;  /* 1/sqrt(D), the gate's scale */
+    const float *n1;   /* [G, D] key RMSNorm weights */
+    const float *n2;   /* [G, D] hidden RMSNorm weights */
+    const float *n3;   /* [G, D] ShortConv RMSNorm weights */
+    const float *cw;   /* [K, G*D] conv taps, tap-major so a tap is contiguous over channels */
+} es_tail_params;
 
 /* float16 bits -> float32, exactly (subnormals, inf and NaN included). */
 static inline float es_half_to_float(uint16_t h) {
@@ -141,186 +142,140 @@ static inline void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E,
                   es_maybe_pack(X, ldx, B, E, xpack));
 }
 
-/* The same split over threads by panel ranges (prefill: many rows, worth the thread
- * start-up of ~50 us). A thread that cannot start runs its range inline. */
+/* ---- work over threads -------------------------------------------------------------
+ * es_parallel runs fn(ctx, i0, i1) over [0, n) cut into nthreads contiguous ranges: range 0
+ * on the calling thread, the others on threads started for this call and joined before it
+ * returns (a start costs tens of us: callers use it for work of ~100 us and more). A thread
+ * that cannot start has its range run inline after the others: same result, one core.
+ * Work split by ranges of independent items (output panels, tokens, streams) gives results
+ * bitwise equal to one thread. No state survives a call, so there is nothing to redo after
+ * fork(). */
+#define ES_MAX_THREADS 16
+
+typedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1);
+typedef struct {
+    es_range_fn fn;
+    void *ctx;
+    int64_t i0, i1;
+} es_range_job;
+
+static void *es_range_job_run(void *arg) {
+    const es_range_job *j = (const es_range_job *)arg;
+    j->fn(j->ctx, j->i0, j->i1);
+    return 0;
+}
+
+static inline void es_parallel(int nthreads, int64_t n, es_range_fn fn, void *ctx) {
+    if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
+    if (nthreads > n) nthreads = (int)n;
+    if (nthreads <= 1) {
+        if (n > 0) fn(ctx, 0, n);
+        return;
+    }
+    es_range_job jobs[ES_MAX_THREADS];
+    pthread_t tid[ES_MAX_THREADS];
+    int started[ES_MAX_THREADS];
+    for (int i = 0; i < nthreads; i++) {
+        es_range_job j = {fn, ctx, n * i / nthreads, n * (i + 1) / nthreads};
+        jobs[i] = j;
+    }
+    for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tid[i], 0, es_range_job_run, &jobs[i]) == 0;
+    es_range_job_run(&jobs[0]);
+    for (int i = 1; i < nthreads; i++) {
+        if (started[i]) pthread_join(tid[i], 0);
+        else es_range_job_run(&jobs[i]);
+    }
+}
+
+/* es_gemm_packed split over threads by panel ranges: bitwise equal to one thread for B >= 2
+ * (a column's sums do not depend on which tile computes it; one row, B = 1, takes the GEMV
+ * in runs of ES_GP panels, so its split would move panels between GEMV and tile). */
 typedef struct {
     const float *X;
     const void *Wp;
     const float *biasp, *Xp;
     float *Y;
     int64_t ldx, B;
-    int E, M, p0, p1, wbf16;
+    int E, M, wbf16;
 } es_gemm_job;
 
-static void *es_gemm_job_run(void *arg) {
+static void es_gemm_job_run(void *arg, int64_t p0, int64_t p1) {
     const es_gemm_job *j = (const es_gemm_job *)arg;
-    es_gemm_range(j->X, j->ldx, j->B, j->E, j->Wp, j->wbf16, j->biasp, j->M, j->Y, j->p0, j->p1, j->Xp);
-    return 0;
+    es_gemm_range(j->X, j->ldx, j->B, j->E, j->Wp, j->wbf16, j->biasp, j->M, j->Y, (int)p0, (int)p1, j->Xp);
 }
 
-#define ES_MAX_THREADS 16
 static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                                      const float *biasp, int M, float *Y, float *xpack, int nthreads) {
-    const int np = (M + ES_PANEL - 1) / ES_PANEL;
-    if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
-    if (nthreads > np) nthreads = np;
-    if (nthreads <= 1) { es_gemm_packed(X, ldx, B, E, Wp, wbf16, biasp, M, Y, xpack); return; }
-    const float *Xp = es_maybe_pack(X, ldx, B, E, xpack);
-    es_gemm_job jobs[ES_MAX_THREADS];
-    pthread_t tid[ES_MAX_THREADS];
-    int started[ES_MAX_THREADS];
-    for (int i = 0; i < nthreads; i++) {
-        es_gemm_job j = {X, Wp, biasp, Xp, Y, ldx, B, E, M, (int)((int64_t)np * i / nthreads),
-                         (int)((int64_t)np * (i + 1) / nthreads), wbf16};
-        jobs[i] = j;
-    }
-    for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tid[i], 0, es_gemm_job_run, &jobs[i]) == 0;
-    es_gemm_job_run(&jobs[0]);
-    for (int i = 1; i < nthreads; i++) {
-        if (started[i]) pthread_join(tid[i], 0);
-        else es_gemm_job_run(&jobs[i]);
-    }
+    if (nthreads <= 1 || B < 2) { es_gemm_packed(X, ldx, B, E, Wp, wbf16, biasp, M, Y, xpack); return; }
+    es_gemm_job j = {X, Wp, biasp, es_maybe_pack(X, ldx, B, E, xpack), Y, ldx, B, E, M, wbf16};
+    es_parallel(nthreads, (M + ES_PANEL - 1) / ES_PANEL, es_gemm_job_run, &j);
 }
 
-/* ---- the per-token tail -------------------------------------------------------- */
-
-ES_INLINE es_v8 es_sel(es_v8i m, es_v8 a, es_v8 b) {
-    return (es_v8)((m & (es_v8i)a) | (~m & (es_v8i)b));
+/* ---- the per-token tail ----------------------------------------------------------
+ * Two halves per token (per-ISA copies in engram_step_kern.h):
+ *   es_tail_x  gate[G] and x(t) = rms3(gate * v) [G*D] from the projections and hidden
+ *   es_tail_y  out = gate * v + SiLU(conv): the taps on x(t) and K-1 earlier rows
+ * x(t) depends only on the token (not on the conv state), so a prefill computes every
+ * token's x first and then every token's conv, each half split over threads; a step runs
+ * both halves per stream. */
+static inline void es_tail_x(const es_tail_params *P, const float *proj, const float *hid, float *x, float *gate) {
+    ES_DISPATCH(es_tail_x, (P, proj, hid, x, gate));
 }
 
-/* exp on 8 lanes (Cephes expf: range reduction by ln 2, degree-5 polynomial),
- * ~2 ulp; NaN stays NaN through the polynomial. */
-ES_INLINE es_v8 es_exp8(es_v8 x) {
-    const es_v8 hi = {88.3762626647949f, 88.3762626647949f, 88.3762626647949f, 88.3762626647949f,
-                      88.3762626647949f, 88.3762626647949f, 88.3762626647949f, 88.3762626647949f};
-    x = es_sel(x > hi, hi, x);
-    x = es_sel(x < -hi, -hi, x);
-    es_v8 fx = x * 1.44269504088896341f + 0.5f;
-    es_v8i n = __builtin_convertvector(fx, es_v8i);
-    es_v8 tf = __builtin_convertvector(n, es_v8);
-    es_v8i gt = tf > fx; /* truncation rounded up for negatives: floor */
-    n += gt;             /* gt is -1 where true */
-    tf = __builtin_convertvector(n, es_v8);
-    es_v8 r = x - tf * 0.693359375f + tf * 2.12194440e-4f;
-    es_v8 r2 = r * r;
-    es_v8 y = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
-    y = y * r2 + r + 1.0f;
-    es_v8i e = (n + 127) << 23;
-    return y * (es_v8)e;
+/* taps[K-1]: the rows tap i reads (x(t - (K-1-i)*dil), the caller's rule); x: x(t); xdst:
+ * where x(t) is copied (NULL: nowhere), which may be taps[0] (read before written). */
+static inline void es_tail_y(const es_tail_params *P, const float *proj, const float *gate,
+                             const float *const *taps, const float *x, float *xdst, float *out) {
+    ES_DISPATCH(es_tail_y, (P, proj, gate, taps, x, xdst, out));
 }
 
+/* A block of n tails, token (or stream) i reading proj Y + i*ldy, hid + i*C, and writing
+ * out + i*C, x(t) at X + i*C, its gates at gates + i*G; its taps at taps[i*(K-1) ..];
+ * xdst[i] (xdst NULL: nowhere). */
 typedef struct {
-    int G, D, K;       /* K: conv taps; the first K-1 read earlier values, the last x(t) */
-    float inv_sqrt_d;  /* 1/sqrt(D), the gate's scale */
-    const float *n1;   /* [G, D] key RMSNorm weights */
-    const float *n2;   /* [G, D] hidden RMSNorm weights */
-    const float *n3;   /* [G, D] ShortConv RMSNorm weights */
-    const float *cw;   /* [K, G*D] conv taps, tap-major so a tap is contiguous over channels */
-} es_tail_params;
+    const es_tail_params *P;
+    const float *Y;
+    int64_t ldy;
+    const float *hid;
+    float *out, *X, *gates;
+    const float *const *taps;
+    float *const *xdst;
+} es_tails_job;
 
-ES_INLINE float es_hsum(es_v8 v) {
-    float t[8];
-    *(es_v8 *)t = v;
-    return ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
+static void es_tails_x_run(void *arg, int64_t i0, int64_t i1) {
+    const es_tails_job *j = (const es_tails_job *)arg;
+    const int64_t C = (int64_t)j->P->G * j->P->D;
+    for (int64_t i = i0; i < i1; i++) es_tail_x(j->P, j->Y + i * j->ldy, j->hid + i * C, j->X + i * C, j->gates + i * j->P->G);
 }
 
-/* sum k^2 and sum h^2 in one pass. */
-ES_INLINE void es_sumsq2(const float *k, const float *h, int D, float *sk, float *sh) {
-    es_v8 a = {0}, b = {0};
-    int d = 0;
-    for (; d + 8 <= D; d += 8) {
-        es_v8 kv = *(const es_v8 *)(k + d), hv = *(const es_v8 *)(h + d);
-        a += kv * kv;
-        b += hv * hv;
-    }
-    float fa = es_hsum(a), fb = es_hsum(b);
-    for (; d < D; d++) {
-        fa += k[d] * k[d];
-        fb += h[d] * h[d];
-    }
-    *sk = fa; *sh = fb;
+static void es_tails_y_run(void *arg, int64_t i0, int64_t i1) {
+    const es_tails_job *j = (const es_tails_job *)arg;
+    const int64_t C = (int64_t)j->P->G * j->P->D;
+    for (int64_t i = i0; i < i1; i++)
+        es_tail_y(j->P, j->Y + i * j->ldy, j->gates + i * j->P->G, j->taps + i * (j->P->K - 1), j->X + i * C,
+                  j->xdst ? j->xdst[i] : 0, j->out + i * C);
 }
 
-/* sum (k*rk*w1) * (h*rh*w2): the dot of the normalized vectors, normalized first as the
- * reference does, so huge-but-finite inputs do not overflow where the reference does not. */
-ES_INLINE float es_normdot(const float *k, const float *h, const float *w1, const float *w2, float rk,
-                           float rh, int D) {
-    es_v8 a = {0};
-    int d = 0;
-    for (; d + 8 <= D; d += 8)
-        a += (*(const es_v8 *)(k + d) * rk * *(const es_v8 *)(w1 + d)) *
-             (*(const es_v8 *)(h + d) * rh * *(const es_v8 *)(w2 + d));
-    float f = es_hsum(a);
-    for (; d < D; d++) f += (k[d] * rk * w1[d]) * (h[d] * rh * w2[d]);
-    return f;
-}
-
-/* sum (g*v)^2 */
-ES_INLINE float es_sumsq_scaled(const float *v, float g, int D) {
-    es_v8 a = {0};
-    int d = 0;
-    for (; d + 8 <= D; d += 8) { es_v8 x = g * *(const es_v8 *)(v + d); a += x * x; }
-    float s = es_hsum(a);
-    for (; d < D; d++) s += (g * v[d]) * (g * v[d]);
-    return s;
-}
-
-/* One token of one stream.
- *   proj  [(G+1)*D]  key projections of the G streams, then the value projection (bias added)
- *   hid   [G, D]     the hidden state
- *   taps  [K-1]      taps[i] -> the G*D normalized values tap i reads (x(t - (K-1-i)*dil)):
- *                    which rows those are is the caller's rule (the engine's conv ring)
- *   xdst  [G*D]      where x(t), this token's normalized values, is written (NULL: nowhere);
- *                    it may be taps[0] (the oldest row, overwritten by x(t)): every element
- *                    is read as a tap before it is written
- *   out   [G, D]     value + SiLU(conv)
- * Returns nothing and cannot fail; NaN/inf inputs propagate as the reference's do. */
-ES_CLONES static void es_tail(const es_tail_params *P, const float *proj, const float *hid,
-                              const float *const *taps, float *xdst, float *out) {
-    const int G = P->G, D = P->D, K = P->K;
-    const int64_t C = (int64_t)G * D;
-    const float *v = proj + C;
-    const float *wlast = P->cw + (int64_t)(K - 1) * C; /* the tap on x(t) itself */
-    for (int g = 0; g < G; g++) {
-        const float *k = proj + (int64_t)g * D, *h = hid + (int64_t)g * D;
-        float sk, sh;
-        es_sumsq2(k, h, D, &sk, &sh);
-        const float rk = 1.0f / sqrtf(sk / D + ES_EPS_KEY), rh = 1.0f / sqrtf(sh / D + ES_EPS_KEY);
-        float s = es_normdot(k, h, P->n1 + (int64_t)g * D, P->n2 + (int64_t)g * D, rk, rh, D) * P->inv_sqrt_d;
-        /* sign(s) * sqrt(max(|s|, clamp)); s == 0 stays 0 and NaN stays NaN */
-        s = s > 0 ? sqrtf(fmaxf(s, ES_GATE_CLAMP)) : (s < 0 ? -sqrtf(fmaxf(-s, ES_GATE_CLAMP)) : s);
-        const float gate = 1.0f / (1.0f + expf(-s));
-        const float r3 = 1.0f / sqrtf(es_sumsq_scaled(v, gate, D) / D + ES_EPS_CONV);
-        const float *w3 = P->n3 + (int64_t)g * D;
-        float *o = out + (int64_t)g * D;
-        const int64_t c0 = (int64_t)g * D;
-        int d = 0;
-        for (; d + 8 <= D; d += 8) {
-            const int64_t c = c0 + d;
-            es_v8 vv = gate * *(const es_v8 *)(v + d);
-            es_v8 x = vv * r3 * *(const es_v8 *)(w3 + d);
-            es_v8 y = *(const es_v8 *)(wlast + c) * x;
-            for (int i = 0; i < K - 1; i++)
-                y += *(const es_v8 *)(P->cw + i * C + c) * *(const es_v8 *)(taps[i] + c);
-            if (xdst) *(es_v8 *)(xdst + c) = x;
-            *(es_v8 *)(o + d) = vv + y / (1.0f + es_exp8(-y));
-        }
-        for (; d < D; d++) {
-            const int64_t c = c0 + d;
-            float vv = gate * v[d];
-            float x = vv * r3 * w3[d];
-            float y = wlast[c] * x;
-            for (int i = 0; i < K - 1; i++) y += P->cw[i * C + c] * taps[i][c];
-            if (xdst) xdst[c] = x;
-            o[d] = vv + y / (1.0f + expf(-y));
-        }
+static void es_tails_xy_run(void *arg, int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; i++) {
+        es_tails_x_run(arg, i, i + 1);
+        es_tails_y_run(arg, i, i + 1);
     }
 }
 
+/* chained = 0: the n tails are independent (one token per stream: x then conv per item);
+ * chained = 1: the taps of one may read another's x (a prefill): all x first, then the convs. */
+static inline void es_tails_mt(const es_tail_params *P, int64_t n, const float *Y, int64_t ldy, const float *hid,
+                               float *out, float *X, float *gates, const float *const *taps, float *const *xdst,
+                               int chained, int nthreads) {
+    es_tails_job j = {P, Y, ldy, hid, out, X, gates, taps, xdst};
+    if (chained) {
+        es_parallel(nthreads, n, es_tails_x_run, &j);
+        es_parallel(nthreads, n, es_tails_y_run, &j);
+    } else {
+        es_parallel(nthreads, n, es_tails_xy_run, &j);
+    }
+}
 /* ---- gathering a token's rows ---------------------------------------------------- */
 
 /* e[j*hd : (j+1)*hd] = table[rows[j]] for float32 tables. */
@@ -337,6 +292,34 @@ static inline void es_gather_f16(const uint16_t *table, int hd, const int64_t *r
 static inline void es_gather_i8(const int8_t *table, const float *scale, int hd, const int64_t *rows, int H,
                                 float *e) {
     ES_DISPATCH(es_gather_i8, (table, scale, hd, rows, H, e));
+}
+
+/* n tokens' rows (rows[i*H ..]) into e + i*lde, split over threads. kind: 0 float32,
+ * 1 float16, 2 int8 + per-row scale. */
+typedef struct {
+    const void *table;
+    const float *scale;
+    const int64_t *rows;
+    float *e;
+    int64_t lde;
+    int kind, hd, H;
+} es_gather_job;
+
+static void es_gather_job_run(void *arg, int64_t i0, int64_t i1) {
+    const es_gather_job *j = (const es_gather_job *)arg;
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t *r = j->rows + i * j->H;
+        float *e = j->e + i * j->lde;
+        if (j->kind == 0) es_gather_f32((const float *)j->table, j->hd, r, j->H, e);
+        else if (j->kind == 1) es_gather_f16((const uint16_t *)j->table, j->hd, r, j->H, e);
+        else es_gather_i8((const int8_t *)j->table, j->scale, j->hd, r, j->H, e);
+    }
+}
+
+static inline void es_gather_mt(int kind, const void *table, const float *scale, int hd, const int64_t *rows, int H,
+                                int64_t n, float *e, int64_t lde, int nthreads) {
+    es_gather_job j = {table, scale, rows, e, lde, kind, hd, H};
+    es_parallel(nthreads, n, es_gather_job_run, &j);
 }
 
 /* ---- knowing rows early ------------------------------------------------------------ */

@@ -1,5 +1,5 @@
 /* engram_step_kern.h: the float kernels, a template included once per instruction set by
- * engram_step.h (see engram_isa.h). Before each inclusion:
+ * engram_step.h (see engram_isa.h): GEMM, gathers, the per-token tail. Before each inclusion:
  *   ES_SFX   the suffix of this copy's names (baseline, avx2, avx512)
  *   ES_TGT   its target attribute (empty for the baseline)
  *   ES_VW    floats per vector: 8 (32 bytes) or 16 (64 bytes, AVX-512)
@@ -68,6 +68,128 @@ static ES_TGT void ES_SF(es_gather_i8)(const int8_t *table, const float *scale, 
         const float s = scale[rows[j]];
         float *dst = e + (int64_t)j * hd;
         for (int d = 0; d < hd; d++) dst[d] = (float)src[d] * s;
+    }
+}
+
+/* ---- the per-token tail (es_tail_x, es_tail_y in engram_step.h) ---------------------- */
+typedef int32_t ES_SF(es_vi) __attribute__((vector_size(ES_VW * 4), aligned(4)));
+
+ES_KI ES_SF(es_vf) ES_SF(es_sel)(ES_SF(es_vi) m, ES_SF(es_vf) a, ES_SF(es_vf) b) {
+    typedef ES_SF(es_vf) vf;
+    typedef ES_SF(es_vi) vi;
+    return (vf)((m & (vi)a) | (~m & (vi)b));
+}
+
+/* exp on ES_VW lanes (Cephes expf: range reduction by ln 2, degree-5 polynomial), ~2 ulp;
+ * NaN stays NaN through the polynomial. */
+ES_KI ES_SF(es_vf) ES_SF(es_exp)(ES_SF(es_vf) x) {
+    typedef ES_SF(es_vf) vf;
+    typedef ES_SF(es_vi) vi;
+    const vf hi = (vf){0} + 88.3762626647949f;
+    x = ES_SF(es_sel)(x > hi, hi, x);
+    x = ES_SF(es_sel)(x < -hi, -hi, x);
+    vf fx = x * 1.44269504088896341f + 0.5f;
+    vi n = __builtin_convertvector(fx, vi);
+    vf tf = __builtin_convertvector(n, vf);
+    n += (vi)(tf > fx); /* truncation rounded up for negatives: floor (true is -1) */
+    tf = __builtin_convertvector(n, vf);
+    vf r = x - tf * 0.693359375f + tf * 2.12194440e-4f;
+    vf r2 = r * r;
+    vf y = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * r2 + r + 1.0f;
+    return y * (vf)((n + 127) << 23);
+}
+
+ES_KI float ES_SF(es_hsum)(ES_SF(es_vf) v) {
+    float t[ES_VW];
+    *(ES_SF(es_vf) *)t = v;
+#pragma GCC unroll 4
+    for (int w = ES_VW / 2; w >= 1; w /= 2)
+#pragma GCC unroll 8
+        for (int i = 0; i < w; i++) t[i] += t[i + w];
+    return t[0];
+}
+
+/* gate[g] and x = rms3(gate * v) for the G streams of one token (see engram_step.h). The
+ * dot of the normalized key and hidden is taken on the normalized vectors, as the reference
+ * does, so huge-but-finite inputs do not overflow where the reference does not. */
+static ES_TGT void ES_SF(es_tail_x)(const es_tail_params *P, const float *proj, const float *hid, float *x,
+                                    float *gate) {
+    typedef ES_SF(es_vf) vf;
+    const int G = P->G, D = P->D;
+    const float *v = proj + (int64_t)G * D;
+    for (int g = 0; g < G; g++) {
+        const float *k = proj + (int64_t)g * D, *h = hid + (int64_t)g * D;
+        const float *w1 = P->n1 + (int64_t)g * D, *w2 = P->n2 + (int64_t)g * D, *w3 = P->n3 + (int64_t)g * D;
+        vf a = {0}, b = {0};
+        int d = 0;
+        for (; d + ES_VW <= D; d += ES_VW) {
+            vf kv = *(const vf *)(k + d), hv = *(const vf *)(h + d);
+            a += kv * kv;
+            b += hv * hv;
+        }
+        float sk = ES_SF(es_hsum)(a), sh = ES_SF(es_hsum)(b);
+        for (; d < D; d++) {
+            sk += k[d] * k[d];
+            sh += h[d] * h[d];
+        }
+        const float rk = 1.0f / sqrtf(sk / D + ES_EPS_KEY), rh = 1.0f / sqrtf(sh / D + ES_EPS_KEY);
+        a = (vf){0};
+        for (d = 0; d + ES_VW <= D; d += ES_VW)
+            a += (*(const vf *)(k + d) * rk * *(const vf *)(w1 + d)) * (*(const vf *)(h + d) * rh * *(const vf *)(w2 + d));
+        float s = ES_SF(es_hsum)(a);
+        for (; d < D; d++) s += (k[d] * rk * w1[d]) * (h[d] * rh * w2[d]);
+        s *= P->inv_sqrt_d;
+        /* sign(s) * sqrt(max(|s|, clamp)); s == 0 stays 0 and NaN stays NaN */
+        s = s > 0 ? sqrtf(fmaxf(s, ES_GATE_CLAMP)) : (s < 0 ? -sqrtf(fmaxf(-s, ES_GATE_CLAMP)) : s);
+        const float gt = 1.0f / (1.0f + expf(-s));
+        a = (vf){0};
+        for (d = 0; d + ES_VW <= D; d += ES_VW) {
+            vf gv = gt * *(const vf *)(v + d);
+            a += gv * gv;
+        }
+        float ss = ES_SF(es_hsum)(a);
+        for (; d < D; d++) ss += (gt * v[d]) * (gt * v[d]);
+        const float r3 = 1.0f / sqrtf(ss / D + ES_EPS_CONV);
+        float *xg = x + (int64_t)g * D;
+        for (d = 0; d + ES_VW <= D; d += ES_VW) *(vf *)(xg + d) = gt * *(const vf *)(v + d) * r3 * *(const vf *)(w3 + d);
+        for (; d < D; d++) xg[d] = gt * v[d] * r3 * w3[d];
+        gate[g] = gt;
+    }
+}
+
+/* out = gate * v + SiLU(sum of the K taps) for one token (see engram_step.h). */
+static ES_TGT void ES_SF(es_tail_y)(const es_tail_params *P, const float *proj, const float *gate,
+                                    const float *const *taps, const float *x, float *xdst, float *out) {
+    typedef ES_SF(es_vf) vf;
+    const int G = P->G, D = P->D, K = P->K;
+    const int64_t C = (int64_t)G * D;
+    const float *v = proj + C;
+    const float *wlast = P->cw + (int64_t)(K - 1) * C; /* the tap on x(t) itself */
+    for (int g = 0; g < G; g++) {
+        const float gt = gate[g];
+        const int64_t c0 = (int64_t)g * D;
+        float *o = out + c0;
+        int d = 0;
+        for (; d + ES_VW <= D; d += ES_VW) {
+            const int64_t c = c0 + d;
+            const vf xv = *(const vf *)(x + c);
+            vf y = *(const vf *)(wlast + c) * xv;
+            for (int i = 0; i < K - 1; i++) y += *(const vf *)(P->cw + i * C + c) * *(const vf *)(taps[i] + c);
+            if (xdst) *(vf *)(xdst + c) = xv;
+            *(vf *)(o + d) = gt * *(const vf *)(v + d) + y / (1.0f + ES_SF(es_exp)(-y));
+        }
+        for (; d < D; d++) {
+            const int64_t c = c0 + d;
+            float y = wlast[c] * x[c];
+            for (int i = 0; i < K - 1; i++) y += P->cw[i * C + c] * taps[i][c];
+            if (xdst) xdst[c] = x[c];
+            o[d] = gt * v[d] + y / (1.0f + expf(-y));
+        }
     }
 }
 

@@ -830,6 +830,101 @@ def test_snapshot_during_concurrent_step_is_refused_or_consistent():
         assert s.hist[0].tolist() == expect, (k, s.hist[0].tolist(), expect)
 
 
+
+# ---- work split over threads (step_threads, prefill_threads) ---------------------------------
+def _state(eng):
+    s = eng.snapshot()
+    return s.hist, s.ring, s.pos, s.seen, s.rows
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """M = (G+1)*D = 3*45 = 135 columns: 9 panels (8 full, one partial), so 2 and 3 threads
+    each get panels; D = 45 leaves a remainder after every vector width (16, 8, 4); K = 4 and
+    n = 3: a conv ring of 9 rows. float32 and bf16 projection weights."""
+    f32 = make_model(G=2, n=3, K=4, D=45, nh=2, hd=4, comp=True, seed=31)
+    return {"float32": f32, "bfloat16": f32.with_weight_dtype("bfloat16")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("S", range(2, 18))  # every micro-tile remainder of every path (3, 6, 8 rows)
+def test_step_threads_bitwise_equal_and_match_batch(wide, dtype, S):
+    model = wide[dtype]
+    ids, hid = inputs(model, S, 5, np.random.default_rng(S))
+    want = model.forward(1, ids, hid)
+    engs = [model.stream(1, S) for _ in range(3)]
+    for e, th in zip(engs, (1, 2, 3)):
+        e.step_threads = th
+    for t in range(5):
+        got = [e.step(ids[:, t], hid[:, t]) for e in engs]
+        close(got[0], want[:, t])
+        for g in got[1:]:
+            assert np.array_equal(g, got[0])  # split by columns and streams, never by k
+    for e in engs[1:]:
+        for a, b in zip(_state(e), _state(engs[0])):
+            assert np.array_equal(a, b)
+
+
+def test_step_threads_attribute():
+    model = make_model(D=16, seed=2)
+    eng = model.stream(1, 4)
+    assert eng.step_threads == 1  # the default
+    for set_to, got in ((2, 2), (0, 1), (-7, 1), (16, 16), (17, 16), (10**9, 16), (3, 3)):
+        eng.step_threads = set_to
+        assert eng.step_threads == got
+    assert model.stream(1, 4).step_threads == 1  # per engine
+    one = model.stream(1)
+    one.step_threads = 2  # accepted; one stream has nothing to split
+    ids, hid = inputs(model, 1, 4, np.random.default_rng(0))
+    want = model.forward(1, ids, hid)[0]
+    for t in range(4):
+        close(one.step(int(ids[0, t]), hid[0, t]), want[t])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_prefill_threads_pieces_match_steps(wide, dtype, threads):
+    """Prefill in pieces shorter and longer than the conv ring (9) and across the 128-token
+    chunks, threads or not, then steps: the batch path's outputs, and the state token-by-token
+    steps leave (floats within tolerance: the GEMM tiles and the GEMV sum in other orders)."""
+    model = wide[dtype]
+    T = 330
+    ids, hid = inputs(model, 1, T + 4, np.random.default_rng(threads))
+    want = model.forward(1, ids, hid)[0]
+    eng, ref = model.stream(1), model.stream(1)
+    eng.prefill_threads = threads
+    t = 0
+    for n in (8, 1, 5, 9, 10, 3, 129, 7, 128, 30):  # 8, 9, 10: tails split over threads around the ring's 9
+        close(eng.prefill(ids[0, t:t + n], hid[0, t:t + n]), want[t:t + n])
+        for i in range(t, t + n):
+            ref.step(int(ids[0, i]), hid[0, i])
+        a, b = _state(eng), _state(ref)
+        assert all(np.array_equal(x, y) for i, (x, y) in enumerate(zip(a, b)) if i != 1)  # ints exactly
+        close(a[1], b[1])  # the conv ring, slot by slot
+        t += n
+    assert t == T
+    for i in range(T, T + 4):
+        close(eng.step(int(ids[0, i]), hid[0, i]), want[i])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_prefill_threads_bitwise_equal(dtype):
+    """The gathers (every table type), GEMM and tails of a prefill split over threads give the
+    bits of one thread."""
+    model = make_model(G=3, n=3, K=4, D=24, nh=3, hd=4, comp=True, table_dtype=dtype, seed=9)
+    ids, hid = inputs(model, 1, 300, np.random.default_rng(4))
+    outs, states = [], []
+    for th in (1, 2, 5):
+        eng = model.stream(4, 2)
+        eng.prefill_threads = th
+        outs.append(eng.prefill(ids[0], hid[0], stream=1))
+        states.append(_state(eng))
+    close(outs[0], model.forward(4, ids, hid)[0])
+    for o, st in zip(outs[1:], states[1:]):
+        assert np.array_equal(o, outs[0])
+        assert all(np.array_equal(a, b) for a, b in zip(st, states[0]))
+
+
 # ---- steady-state allocation ---------------------------------------------------------------------
 N_ALLOC = 2000
 
