@@ -4,6 +4,7 @@ Compiler directives live here, in one place. Environment switches:
   ENGRAM_STREAM_DEBUG=1  bounds/wraparound checks on, -O0 -g (for debugging and sanitizers)
   ENGRAM_STREAM_ASAN=1   also compile and link with -fsanitize=address (implies DEBUG)
 """
+import glob
 import os
 
 import numpy
@@ -38,6 +39,7 @@ def extension(name):
         name,
         [os.path.join(*name.split(".")) + ".pyx"],
         include_dirs=INCLUDE,
+        depends=sorted(glob.glob("include/*.h")),  # headers included by headers: rebuild on any change
         extra_compile_args=CFLAGS,
         extra_link_args=LDFLAGS,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],

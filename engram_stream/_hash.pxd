@@ -14,8 +14,9 @@ cdef extern from "engram_hash.h" nogil:
     unsigned ES_FP_PRIME_MAX
     void es_hash_window(const int64_t *win, const int64_t *mult, int max_ngram, int n_head,
                         const int64_t *primes, const double *fp, int64_t *rows) noexcept
-    void es_hash_sequence(const int64_t *c, int64_t T, int64_t pad, const int64_t *mult, int max_ngram,
-                          int n_head, const int64_t *primes, const double *fp, int64_t *rows) noexcept
+    void es_hash_sequence(const int64_t *c, int64_t T, int64_t pad, int latch, const int64_t *mult,
+                          int max_ngram, int n_head, const int64_t *primes, const double *fp,
+                          int64_t *rows) noexcept
 
 
 # deepseek-v4.1: the dead-token latch (DESIGN.md 4.4). hist[k] is the compressed id at t-k, or

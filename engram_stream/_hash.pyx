@@ -67,10 +67,8 @@ def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
     fp: fp_moduli(primes) for the division-free path, or None.
     latch (deepseek-v4.1): -1 entries are DEAD, positions before 0 count as DEAD, and the
     dead-token latch fills the window (latch_window in _hash.pxd)."""
-    cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b, t
+    cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b
     cdef int k
-    cdef int64_t hist[ES_MAX_NGRAM]
-    cdef int64_t win[ES_MAX_NGRAM]
     if not 2 <= max_ngram <= ES_MAX_NGRAM:
         raise ValueError(f"max_ngram_size must be in [2, {ES_MAX_NGRAM}]")
     if n_head < 0 or mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:
@@ -85,22 +83,30 @@ def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
         raise ValueError(f"hash_compressed: out must have shape {(B, T, H)}, got {np.shape(out)}")
     cdef const double *pfp = NULL
     if fp is not None:
-        if not np.array_equal(fp, fp_moduli(primes)):  # the kernel trusts these constants
+        if not _is_fp_moduli(fp, primes):  # the kernel trusts these constants
             raise ValueError("hash_compressed: fp must be fp_moduli(primes)")
         pfp = &fp[0]
     if B == 0 or T == 0:
         return out
     with nogil:
         for b in range(B):
-            if not latch:
-                es_hash_sequence(&cids[b, 0], T, pad, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, 0, 0])
-                continue
-            for t in range(T):
-                for k in range(max_ngram):
-                    hist[k] = cids[b, t - k] if t - k >= 0 else -1
-                latch_window(hist, max_ngram, pad, win)
-                es_hash_window(win, &mult[0], max_ngram, n_head, &primes[0], pfp, &o[b, t, 0])
+            es_hash_sequence(&cids[b, 0], T, pad, latch, &mult[0], max_ngram, n_head, &primes[0], pfp,
+                             &o[b, 0, 0])
     return out
+
+
+cdef bint _is_fp_moduli(const double[::1] fp, const int64_t[::1] primes):
+    """fp == fp_moduli(primes), checked per call without building Python objects."""
+    cdef Py_ssize_t H = primes.shape[0], j
+    cdef int64_t p
+    if H == 0 or fp.shape[0] != 3 * H:
+        return False
+    for j in range(H):
+        p = primes[j]
+        if not (1 <= p < ES_FP_PRIME_MAX and fp[j] == <double>p and fp[H + j] == 1.0 / <double>p
+                and fp[2 * H + j] == <double>((<int64_t>1 << 32) % p)):
+            return False
+    return True
 
 
 # The mods alone, for tests and for bench/bench_hash.py ------------------------

@@ -11,6 +11,7 @@ before the start, turns itself and every older entry of the window into pad (the
 """
 from __future__ import annotations
 
+import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +22,10 @@ from .config import V41, EngramConfig
 
 PRIME_1 = 10007  # layer seed stride of the reference
 DEAD = -1  # V4.1: a compressed window entry that blocks history (image token, unknown, before start)
-PARALLEL_MIN_POSITIONS = 1 << 16  # below this, a thread hand-off costs more than it saves
+# Positions x layers below which plan.hash stays on one thread: a hand-off costs more than it
+# saves there (bench_hash's [8, 4096] x 2 layers, ~0.5 ms on one core, ran slower on two threads
+# of the shared 2-core machine), and the caller's core is the only one surely free.
+PARALLEL_MIN_POSITIONS = 1 << 18
 _POOL = None
 
 
@@ -45,6 +49,27 @@ def _forget_pool():
 
 
 os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _run_shared(jobs, run, workers):
+    """run(job) for every job, by this thread and up to workers-1 pool threads taking the next
+    job from one shared counter. The caller works too and waits only for jobs another thread
+    took: a helper that a busy machine does not schedule in time is cancelled, not waited for."""
+    nxt = itertools.count()  # next() is atomic under the GIL
+
+    def take():
+        for i in iter(nxt.__next__, None):
+            if i >= len(jobs):
+                return
+            run(jobs[i])
+
+    helpers = [_pool().submit(take) for _ in range(min(workers, len(jobs)) - 1)]
+    try:
+        take()
+    finally:
+        for f in helpers:
+            if not f.cancel():
+                f.result()
 
 
 def is_prime(n: int) -> bool:
@@ -229,10 +254,9 @@ class HashPlan:
                                   res[L][b0:b1], self.head_fp[L], latch=self.v41)
 
         workers = _hash_workers()
-        if workers > 1 and a.size * len(layers) >= PARALLEL_MIN_POSITIONS:
-            per = max(1, -(-B * len(layers) // workers) // len(layers)) if B > 1 else 1
-            jobs = [(L, b0, min(B, b0 + per)) for L in layers for b0 in range(0, B, per)]
-            list(_pool().map(run, jobs))
+        if workers > 1 and a.size * len(layers) >= PARALLEL_MIN_POSITIONS and B * len(layers) > 1:
+            per = max(1, -(-B * len(layers) // (2 * workers)) // len(layers))  # ~2 jobs per worker
+            _run_shared([(L, b0, min(B, b0 + per)) for L in layers for b0 in range(0, B, per)], run, workers)
         else:
             for L in layers:
                 run((L, 0, B))

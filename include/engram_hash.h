@@ -9,6 +9,7 @@
 #ifndef ENGRAM_HASH_H
 #define ENGRAM_HASH_H
 
+#include <float.h>
 #include <stdint.h>
 
 #include "engram_isa.h"
@@ -75,13 +76,25 @@ static inline int64_t es_compress(int64_t id, const int64_t *lookup) {
     return (id < 0 || lookup == 0) ? id : lookup[id];
 }
 
-/* ---- small primes: four floored mods at once, exactly, in double precision ----------
- * For p < 2^21 (every demo-size table): write y = |mix| (as ~mix when negative, see
- * es_floormod_fast) = hi*2^32 + lo; then y mod p = (hi*c + lo) mod p with c = 2^32 mod p,
- * and x = hi*c + lo < 2^53 is exact in a double. The nearest-integer quotient of x*(1/p)
- * is within 1 of floor(x/p), so r = x - q*p (exact) needs one correction each way. No
- * division, four lanes per instruction; measured against the DIV path in bench_hash. */
+/* ---- primes below 2^21: floored mods without division, in double precision -------------
+ * Split the mix as h = hi*2^32 + lo (hi = h >> 32 signed, lo in [0, 2^32)); then
+ * h mod p = x mod p for x = hi*c + lo, c = 2^32 mod p, and |x| < 2^31*p + 2^32 < 2^53 is
+ * exact in a double (for every int64 h). q = x*(1/p) rounded to the nearest integer is
+ * within 0.5 + 2^-19 of x/p (|x/p| < 2^33), so r = x - q*p (exact) lies in (-p, p) and one
+ * correction (r < 0: r += p) gives the floored mod. No division; ES_VD heads per
+ * instruction, about seven instructions per vector of results.
+ * The rounding trick needs doubles evaluated in double precision (not x87's extended). */
+#if defined(FLT_EVAL_METHOD) && FLT_EVAL_METHOD != 0
+#define ES_FP_PRIME_MAX 0u /* no exact double path: every prime divides */
+#else
 #define ES_FP_PRIME_MAX (1u << 21)
+#endif
+
+/* es_hash_sequence's stack scratch: positions per block, and doubles per mix array (every
+ * order of a block; the block shrinks for long windows, down to 8 positions). ~14 KB. */
+#define ES_HASH_BLOCK 64
+#define ES_HASH_SCRATCH 512
+_Static_assert(ES_HASH_SCRATCH >= 8 * (ES_MAX_NGRAM - 1), "a block holds at least 8 positions of every order");
 
 /* The per-ISA copies of the hash kernels (engram_hash_kern.h), then one dispatching
  * name each. primes[j] are the divisors in head order (order-major: heads of n=2, n=3,
@@ -89,16 +102,19 @@ static inline int64_t es_compress(int64_t id, const int64_t *lookup) {
  * when every prime is below ES_FP_PRIME_MAX (HashPlan.head_fp). */
 #define ES_SFX baseline
 #define ES_TGT
-#define ES_VD 4
+#define ES_VD 2 /* one SSE2/NEON register: wider generic vectors lower to scalar compares */
+#define ES_CVT 0
 #include "engram_hash_kern.h"
 #if ES_X86_PATHS
 #define ES_SFX avx2
 #define ES_TGT ES_TARGET_AVX2
 #define ES_VD 4
+#define ES_CVT 0
 #include "engram_hash_kern.h"
 #define ES_SFX avx512
 #define ES_TGT ES_TARGET_AVX512
 #define ES_VD 8
+#define ES_CVT 1
 #include "engram_hash_kern.h"
 #endif /* ES_X86_PATHS */
 
@@ -109,11 +125,13 @@ static inline void es_hash_window(const int64_t *win, const int64_t *mult, int m
     ES_DISPATCH(es_hash_window, (win, mult, max_ngram, n_head, primes, fp, rows));
 }
 
-/* Rows of a whole sequence of compressed ids c[T] (positions before 0 read pad) into
- * rows[T][H]: one call per sequence, the per-position kernel inlined. */
-static inline void es_hash_sequence(const int64_t *c, int64_t T, int64_t pad, const int64_t *mult, int max_ngram,
-                                    int n_head, const int64_t *primes, const double *fp, int64_t *rows) {
-    ES_DISPATCH(es_hash_sequence, (c, T, pad, mult, max_ngram, n_head, primes, fp, rows));
+/* Rows of a whole sequence of compressed ids c[T] into rows[T][H]. Positions before 0
+ * read pad; latch (deepseek-v4.1): a negative id (DEAD) and every older one read pad too,
+ * as latch_window (_hash.pxd) does. */
+static inline void es_hash_sequence(const int64_t *c, int64_t T, int64_t pad, int latch, const int64_t *mult,
+                                    int max_ngram, int n_head, const int64_t *primes, const double *fp,
+                                    int64_t *rows) {
+    ES_DISPATCH(es_hash_sequence, (c, T, pad, latch, mult, max_ngram, n_head, primes, fp, rows));
 }
 
 #endif /* ENGRAM_HASH_H */

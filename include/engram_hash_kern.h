@@ -2,7 +2,8 @@
  * engram_hash.h (see engram_isa.h). Before each inclusion:
  *   ES_SFX   the suffix of this copy's names (baseline, avx2, avx512)
  *   ES_TGT   its target attribute (empty for the baseline)
- *   ES_VD    doubles per vector in the division-free mod (4, or 8 with 64-byte vectors)
+ *   ES_VD    64-bit lanes per vector (2, 4, or 8 with 64-byte vectors)
+ *   ES_CVT   1 when the ISA converts double <-> int64 lanes in one instruction (AVX-512DQ)
  * No include guard: including it again with other settings is the point; it undefines
  * these parameters at its end.
  */
@@ -10,69 +11,138 @@
 #define ES_HK_CAT(a, b) ES_HK_CAT2(a, b)
 #define ES_HF(name) ES_HK_CAT(name, ES_SFX)
 
-/* LANES floored mods at once, exactly, in double precision (see ES_FP_PRIME_MAX). */
-#define ES_FPMOD_DEF(name, LANES)                                                                        \
-    static inline __attribute__((always_inline)) ES_TGT void name(                                         \
-        double hi, double lo, int neg, const double *p, const double *inv, const double *c, int64_t *out) { \
-        typedef double vd __attribute__((vector_size(LANES * 8), aligned(8)));                             \
-        typedef int64_t vl __attribute__((vector_size(LANES * 8), aligned(8)));                            \
-        const vd M = (vd){0} + 0x1p52; /* x + 2^52 - 2^52: round to integer */                            \
-        const vd pv = *(const vd *)p;                                                                      \
-        const vd x = hi * *(const vd *)c + lo;                                                             \
-        const vd q = (x * *(const vd *)inv + M) - M;                                                       \
-        vd r = x - q * pv;                                                                                 \
-        r += (vd)((vl)(r < 0) & (vl)pv);                                                                   \
-        r -= (vd)((vl)(r >= pv) & (vl)pv);                                                                 \
-        const vl nm = (vl){0} - (int64_t)neg; /* all ones when the mix is negative: select, */            \
-        const vd flipped = (pv - 1.0) - r;     /* no branch (signs are random) */                          \
-        r = (vd)(((vl)flipped & nm) | ((vl)r & ~nm));                                                      \
-        *(vl *)out = (vl)(r + M) - (vl)M; /* exact integer r < 2^52 -> int64 bits */                      \
-    }
-ES_FPMOD_DEF(ES_HF(es_fpmod4), 4)
-#if ES_VD > 4
-ES_FPMOD_DEF(ES_HF(es_fpmod), ES_VD)
+typedef double ES_HF(es_hvd) __attribute__((vector_size(ES_VD * 8), aligned(8)));
+typedef int64_t ES_HF(es_hvl) __attribute__((vector_size(ES_VD * 8), aligned(8)));
+typedef uint64_t ES_HF(es_hvu) __attribute__((vector_size(ES_VD * 8), aligned(8)));
+
+/* The division-free mod (ES_FP_PRIME_MAX) of one mix, a vector of heads: x mod p per lane,
+ * where x = hi*c + lo is congruent to the mix hi*2^32 + lo (hi signed, lo in [0, 2^32)). */
+static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_fpmod)(
+    double hi, double lo, const ES_HF(es_hvd) *p, const ES_HF(es_hvd) *inv, const ES_HF(es_hvd) *c,
+    ES_HF(es_hvl) *out) {
+    typedef ES_HF(es_hvd) vd;
+    typedef ES_HF(es_hvl) vl;
+    const vd M = (vd){0} + 0x1.8p52;  /* x + 1.5*2^52 rounds x (|x| < 2^51) to an integer */
+    const vd x = hi * *c + lo;        /* exact: |x| < 2^31*p + 2^32 < 2^53 */
+    const vd q = (x * *inv + M) - M;  /* nearest integer to x/p, up to 2^-19: |x/p| < 2^33 */
+    vd r = x - q * *p;                /* exact (an integer in (-p, p)) */
+    r += (vd)((vl)(r < 0) & (vl)*p);  /* floored: [0, p) */
+#if ES_CVT
+    *out = __builtin_convertvector(r, vl);
+#else
+    *out = (vl)(r + M) - (vl)M;       /* the integer's bits (0 <= r < 2^51) */
 #endif
-#undef ES_FPMOD_DEF
+}
+
+/* One order's n_head rows of one position: out[j] = mix mod primes[j], the mix given as h and,
+ * for es_fpmod (fp: {p, 1/p, 2^32 mod p}, stride H), as hi*2^32 + lo. ES_VD heads per vector;
+ * the last, partial vector's unused lanes compute x mod 1 and are not stored. */
+static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_order_row)(
+    int64_t h, double hi, double lo, int n_head, const int64_t *primes, const double *fp, int H, int64_t *out) {
+    typedef ES_HF(es_hvd) vd;
+    typedef ES_HF(es_hvl) vl;
+    if (!fp) {
+        for (int j = 0; j < n_head; j++) out[j] = es_floormod(h, primes[j]);
+        return;
+    }
+    int j = 0;
+    for (; j + ES_VD <= n_head; j += ES_VD)
+        ES_HF(es_fpmod)(hi, lo, (const vd *)(fp + j), (const vd *)(fp + H + j), (const vd *)(fp + 2 * H + j),
+                        (vl *)(out + j));
+    if (j < n_head) {
+        vd p = (vd){0} + 1.0, inv = (vd){0} + 1.0, c = (vd){0};
+        vl r;
+        for (int l = 0; j + l < n_head; l++) p[l] = fp[j + l], inv[l] = fp[H + j + l], c[l] = fp[2 * H + j + l];
+        ES_HF(es_fpmod)(hi, lo, &p, &inv, &c, &r);
+        for (int l = 0; j + l < n_head; l++) out[j + l] = r[l];
+    }
+}
 
 /* All H = (max_ngram-1)*n_head head-local rows of one position (see es_hash_window). */
-static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_hash_window_core)(
-    const int64_t *win, const int64_t *mult, int max_ngram, int n_head, const int64_t *primes,
-    const double *fp, int64_t *rows) {
+static ES_TGT void ES_HF(es_hash_window)(const int64_t *win, const int64_t *mult, int max_ngram, int n_head,
+                                         const int64_t *primes, const double *fp, int64_t *rows) {
     const int H = (max_ngram - 1) * n_head;
     uint64_t h = (uint64_t)win[0] * (uint64_t)mult[0];
     for (int n = 2; n <= max_ngram; n++) {
         h ^= (uint64_t)win[n - 1] * (uint64_t)mult[n - 1];
         const int off = (n - 2) * n_head;
-        int64_t *r = rows + off;
-        int j = 0;
-        if (fp) {
-            const uint64_t s = (uint64_t)((int64_t)h >> 63), y = h ^ s;
-            const double hi = (double)(y >> 32), lo = (double)(y & 0xffffffffu);
-#if ES_VD > 4
-            for (; j + ES_VD <= n_head; j += ES_VD)
-                ES_HF(es_fpmod)(hi, lo, s != 0, fp + off + j, fp + H + off + j, fp + 2 * H + off + j, r + j);
-#endif
-            for (; j + 4 <= n_head; j += 4)
-                ES_HF(es_fpmod4)(hi, lo, s != 0, fp + off + j, fp + H + off + j, fp + 2 * H + off + j, r + j);
+        const int64_t hs = (int64_t)h;
+        ES_HF(es_order_row)(hs, (double)(hs >> 32), (double)(hs & 0xffffffff), n_head, primes + off,
+                            fp ? fp + off : 0, H, rows + off);
+    }
+}
+
+/* Rows of a whole sequence of compressed ids c[T] into rows[T][H], in blocks of `blk`
+ * positions: first the windows and mixes of ES_VD positions at a time (64-bit lanes, every
+ * order), split into hi/lo doubles; then row by row each order's mods, heads across the
+ * lanes (a row's H results are written together). The window of position t holds c[t-k]
+ * for k < run[t] and pad beyond: run[t] counts the ids back from t to the start (plain) or
+ * to the newest negative id, exclusive (latch). */
+static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_hash_sequence_core)(
+    const int64_t *c, int64_t T, int64_t pad, int latch, const int64_t *mult, int max_ngram, int n_head,
+    const int64_t *primes, const double *fp, int64_t *rows) {
+    typedef ES_HF(es_hvd) vd;
+    typedef ES_HF(es_hvl) vl;
+    typedef ES_HF(es_hvu) vu;
+    const int H = (max_ngram - 1) * n_head, back = max_ngram - 1;
+    int blk = ES_HASH_SCRATCH / back / ES_VD * ES_VD; /* >= ES_VD (ES_HASH_SCRATCH's bound) */
+    if (blk > ES_HASH_BLOCK) blk = ES_HASH_BLOCK;
+    /* w[back + i] = c[t0 + i]: lane i loads its id at t-k from w + back + i - k */
+    int64_t w[ES_MAX_NGRAM - 1 + ES_HASH_BLOCK] __attribute__((aligned(64)));
+    int64_t run[ES_HASH_BLOCK] __attribute__((aligned(64)));
+    /* order n's mix of the block's position i at [(n-2)*blk + i] */
+    int64_t h[ES_HASH_SCRATCH] __attribute__((aligned(64)));
+    double hi[ES_HASH_SCRATCH] __attribute__((aligned(64)));
+    double lo[ES_HASH_SCRATCH] __attribute__((aligned(64)));
+    const vl M = (vl){0} + 0x4338000000000000LL; /* the bits of 1.5*2^52: int <-> double for |v| < 2^51 */
+    const vd Md = (vd){0} + 0x1.8p52;
+    const vl padv = (vl){0} + pad;
+    int64_t r = 0; /* run of the position before the block */
+    for (int64_t t0 = 0; t0 < T; t0 += blk) {
+        const int nt = T - t0 < blk ? (int)(T - t0) : blk;
+        const int nv = (nt + ES_VD - 1) / ES_VD * ES_VD; /* lanes past nt: pad, computed, not stored */
+        for (int i = -back; i < 0; i++) w[back + i] = t0 + i >= 0 ? c[t0 + i] : pad;
+        for (int i = 0; i < nv; i++) {
+            const int64_t v = i < nt ? c[t0 + i] : pad;
+            r = (latch && v < 0) ? 0 : (r < max_ngram ? r + 1 : r);
+            w[back + i] = v;
+            run[i] = r;
         }
-        for (; j < n_head; j++) r[j] = es_floormod((int64_t)h, primes[off + j]);
+        for (int i = 0; i < nv; i += ES_VD) {
+            vl m = (vl){0};
+            for (int k = 0; k < max_ngram; k++) {
+                const vl in = (vl)((vl){0} + k < *(const vl *)(run + i)); /* all ones: not pad */
+                const vl x = (*(const vl *)(w + back + i - k) & in) | (padv & ~in);
+                m ^= (vl)((vu)x * ((vu){0} + (uint64_t)mult[k])); /* wrapping int64 products */
+                if (k) {
+                    const int o = (k - 1) * blk + i;
+                    *(vl *)(h + o) = m;
+                    /* mix = hi*2^32 + lo, hi signed (arithmetic shift), lo in [0, 2^32) */
+                    *(vd *)(hi + o) = (vd)((m >> 32) + M) - Md;
+                    *(vd *)(lo + o) = (vd)((m & 0xffffffff) + M) - Md;
+                }
+            }
+        }
+        for (int i = 0; i < nt; i++) /* row by row: each row's H results written together */
+            for (int k = 1; k < max_ngram; k++) {
+                const int o = (k - 1) * blk + i, off = (k - 1) * n_head;
+                ES_HF(es_order_row)(h[o], hi[o], lo[o], n_head, primes + off, fp ? fp + off : 0, H,
+                                    rows + (t0 + i) * H + off);
+            }
     }
 }
 
-static ES_TGT void ES_HF(es_hash_window)(const int64_t *win, const int64_t *mult, int max_ngram, int n_head,
-                                         const int64_t *primes, const double *fp, int64_t *rows) {
-    ES_HF(es_hash_window_core)(win, mult, max_ngram, n_head, primes, fp, rows);
-}
-
-static ES_TGT void ES_HF(es_hash_sequence)(const int64_t *c, int64_t T, int64_t pad, const int64_t *mult,
-                                           int max_ngram, int n_head, const int64_t *primes,
-                                           const double *fp, int64_t *rows) {
-    const int H = (max_ngram - 1) * n_head;
-    int64_t win[ES_MAX_NGRAM];
-    for (int64_t t = 0; t < T; t++) {
-        for (int k = 0; k < max_ngram; k++) win[k] = t - k >= 0 ? c[t - k] : pad;
-        ES_HF(es_hash_window_core)(win, mult, max_ngram, n_head, primes, fp, rows + t * H);
-    }
+/* es_hash_sequence_core, compiled apart for the geometries of the configs (the demo: 3-grams,
+ * 8 heads; deepseek-v4.1: 4-grams, 8 heads): constant loop bounds unroll the windows and heads. */
+static ES_TGT void ES_HF(es_hash_sequence)(const int64_t *c, int64_t T, int64_t pad, int latch,
+                                           const int64_t *mult, int max_ngram, int n_head,
+                                           const int64_t *primes, const double *fp, int64_t *rows) {
+    if (max_ngram == 3 && n_head == 8)
+        ES_HF(es_hash_sequence_core)(c, T, pad, latch, mult, 3, 8, primes, fp, rows);
+    else if (max_ngram == 4 && n_head == 8)
+        ES_HF(es_hash_sequence_core)(c, T, pad, latch, mult, 4, 8, primes, fp, rows);
+    else
+        ES_HF(es_hash_sequence_core)(c, T, pad, latch, mult, max_ngram, n_head, primes, fp, rows);
 }
 
 #undef ES_HF
@@ -81,3 +151,4 @@ static ES_TGT void ES_HF(es_hash_sequence)(const int64_t *c, int64_t T, int64_t 
 #undef ES_SFX
 #undef ES_TGT
 #undef ES_VD
+#undef ES_CVT
