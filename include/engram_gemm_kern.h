@@ -9,6 +9,11 @@
  */
 #define ES_GF(name) ES_SK_CAT(ES_SK_CAT(name, ES_WNAME), ES_SFX)
 #if ES_W_BF16
+#define ES_GPN ES_GP_BF16 /* half the bytes per panel: more panels in flight */
+#else
+#define ES_GPN ES_GP
+#endif
+#if ES_W_BF16
 typedef uint16_t ES_GF(es_vh) __attribute__((vector_size(ES_VW * 2), aligned(2)));
 typedef uint32_t ES_GF(es_vu) __attribute__((vector_size(ES_VW * 4), aligned(4)));
 #define ES_LOADW(p) ((ES_SF(es_vf))(__builtin_convertvector(*(const ES_GF(es_vh) *)(p), ES_GF(es_vu)) << 16))
@@ -74,21 +79,85 @@ ES_KI void ES_GF(es_tile1)(const float *x, const ES_WT *w, int64_t ps, int E, co
     ES_SF(es_store_row)(y, a[0], tc, ncols);
 }
 
-/* A GEMV over ES_GP full panels at once: concurrent sequential streams keep more memory
+/* A GEMV over ES_GPN full panels at once: concurrent sequential streams keep more memory
  * requests in flight than one (measured with four: ~1.8x the bandwidth of one). */
+#if !ES_W_BF16
 ES_KI void ES_GF(es_gemv)(const float *x, int E, const ES_WT *w, int64_t ps, const float *bias, float *y) {
     typedef ES_SF(es_vf) vf;
-    vf a[ES_GP * ES_NV];
+    vf a[ES_GPN * ES_NV];
 #pragma GCC unroll 16
-    for (int q = 0; q < ES_GP * ES_NV; q++) a[q] = *(const vf *)(bias + q * ES_VW);
+    for (int q = 0; q < ES_GPN * ES_NV; q++) a[q] = *(const vf *)(bias + q * ES_VW);
     for (int k = 0; k < E; k++) {
         const float xk = x[k];
 #pragma GCC unroll 16
-        for (int q = 0; q < ES_GP * ES_NV; q++) a[q] += xk * ES_LOADW(w + ES_WOFF(q, ps) + ES_PANEL * (int64_t)k);
+        for (int q = 0; q < ES_GPN * ES_NV; q++) a[q] += xk * ES_LOADW(w + ES_WOFF(q, ps) + ES_PANEL * (int64_t)k);
     }
 #pragma GCC unroll 16
-    for (int q = 0; q < ES_GP * ES_NV; q++) *(vf *)(y + q * ES_VW) = a[q];
+    for (int q = 0; q < ES_GPN * ES_NV; q++) *(vf *)(y + q * ES_VW) = a[q];
 }
+
+#else
+/* The bf16 GEMV: a 32-bit word of a panel row holds two neighbouring columns' bf16 bits;
+ * (word << 16) is the even column's float and (word & 0xffff0000) the odd one's, so two
+ * ALU ops widen two columns a lane (zero-extend and shift took two per column: the GEMV
+ * was bound by those, not by memory). Even and odd columns sum apart and are interleaved
+ * at the end. With 16 lanes one 64-byte load holds rows k and k+1 of a panel: lanes 0-7
+ * sum the even k, lanes 8-15 the odd k, added at the end (an odd last k: by scalars). */
+typedef uint32_t ES_GF(es_vw) __attribute__((vector_size(ES_VW * 4), aligned(4)));
+typedef int32_t ES_GF(es_vxi) __attribute__((vector_size(ES_VW * 4), aligned(4)));
+#if ES_VW == 16
+#define ES_BK 2                       /* k per load */
+#define ES_BA 1                       /* word vectors per panel per load */
+#else
+#define ES_BK 1
+#define ES_BA (ES_PANEL / 2 / ES_VW)  /* 8 words a panel row */
+#endif
+ES_KI void ES_GF(es_gemv)(const float *x, int E, const ES_WT *w, int64_t ps, const float *bias, float *y) {
+    typedef ES_SF(es_vf) vf;
+    typedef ES_GF(es_vw) vw;
+    typedef ES_GF(es_vxi) vi;
+    vf ev[ES_GPN * ES_BA], od[ES_GPN * ES_BA];
+#pragma GCC unroll 16
+    for (int q = 0; q < ES_GPN * ES_BA; q++) ev[q] = od[q] = (vf){0};
+    vi hi = {0}; /* the lanes of row k + 1 (16 lanes) */
+    for (int i = ES_VW / 2; i < ES_VW && ES_BK == 2; i++) hi[i] = -1;
+    int k = 0;
+    for (; k + ES_BK <= E; k += ES_BK) {
+        vf xv = (vf){0} + x[k];
+        if (ES_BK == 2) xv = (vf)(((vi)((vf){0} + x[k + ES_BK - 1]) & hi) | ((vi)xv & ~hi));
+#pragma GCC unroll 16
+        for (int q = 0; q < ES_GPN; q++)
+#pragma GCC unroll 2
+            for (int a = 0; a < ES_BA; a++) {
+                const vw wv = *(const vw *)(w + q * ps + ES_PANEL * (int64_t)k + a * 2 * ES_VW);
+                ev[q * ES_BA + a] += xv * (vf)(wv << 16);
+                od[q * ES_BA + a] += xv * (vf)(wv & 0xffff0000u);
+            }
+    }
+    for (int q = 0; q < ES_GPN; q++) {
+        float e[ES_BA * ES_VW], o[ES_BA * ES_VW], *yq = y + q * ES_PANEL;
+        for (int a = 0; a < ES_BA; a++) {
+            *(vf *)(e + a * ES_VW) = ev[q * ES_BA + a];
+            *(vf *)(o + a * ES_VW) = od[q * ES_BA + a];
+        }
+        for (int i = 0; i < ES_PANEL / 2; i++) { /* word i: columns 2i and 2i + 1 */
+            float se = e[i], so = o[i];
+            if (ES_BK == 2) { se += e[i + ES_PANEL / 2]; so += o[i + ES_PANEL / 2]; }
+            yq[2 * i] = bias[q * ES_PANEL + 2 * i] + se;
+            yq[2 * i + 1] = bias[q * ES_PANEL + 2 * i + 1] + so;
+        }
+        for (int kk = k; kk < E; kk++) /* the last k when E is odd (16 lanes) */
+            for (int c = 0; c < ES_PANEL; c++) {
+                uint32_t bits = (uint32_t)w[q * ps + ES_PANEL * (int64_t)kk + c] << 16;
+                float f;
+                memcpy(&f, &bits, sizeof f);
+                yq[c] += x[kk] * f;
+            }
+    }
+}
+#undef ES_BK
+#undef ES_BA
+#endif
 
 /* Every row of X through one tile column (tp panels at w): full ES_MR-row tiles (packed
  * ones from Xp when given), then the remainder as one smaller tile. */
@@ -119,9 +188,9 @@ static ES_TGT void ES_GF(es_gemm_range)(const float *X, int64_t ldx, int64_t B, 
                                         const float *biasp, int M, float *Y, int p0, int p1, const float *Xp) {
     const int64_t ps = (int64_t)E * ES_PANEL; /* floats per panel */
     int p = p0;
-    if (B == 1) { /* one row: stream the weights ES_GP panels at a time */
+    if (B == 1) { /* one row: stream the weights ES_GPN panels at a time */
         const int full = M / ES_PANEL < p1 ? M / ES_PANEL : p1;
-        for (; p + ES_GP <= full; p += ES_GP)
+        for (; p + ES_GPN <= full; p += ES_GPN)
             ES_GF(es_gemv)(X, E, Wp + p * ps, ps, biasp + p * ES_PANEL, Y + p * ES_PANEL);
     }
     while (p < p1) { /* each panel is read from memory once; its row tiles reuse it from cache */
@@ -139,6 +208,7 @@ static ES_TGT void ES_GF(es_gemm_range)(const float *X, int64_t ldx, int64_t B, 
 }
 
 #undef ES_LOADW
+#undef ES_GPN
 #undef ES_GF
 #undef ES_WT
 #undef ES_WNAME

@@ -77,6 +77,7 @@ static inline float es_half_to_float(uint16_t h) {
 #define ES_TP 1
 #define ES_MR 3
 #define ES_GP 2
+#define ES_GP_BF16 2
 #define ES_F16C 0
 #include "engram_step_kern.h"
 #if ES_X86_PATHS
@@ -86,6 +87,7 @@ static inline float es_half_to_float(uint16_t h) {
 #define ES_TP 1
 #define ES_MR 6
 #define ES_GP 4
+#define ES_GP_BF16 4
 #define ES_F16C 1
 #include "engram_step_kern.h"
 #define ES_SFX avx512
@@ -94,6 +96,7 @@ static inline float es_half_to_float(uint16_t h) {
 #define ES_TP 2
 #define ES_MR 8
 #define ES_GP 8
+#define ES_GP_BF16 8
 #define ES_F16C 1
 #include "engram_step_kern.h"
 #endif

@@ -6,6 +6,7 @@
  *   ES_TP    packed panels per GEMM micro-tile (a panel is ES_PANEL = 16 columns)
  *   ES_MR    rows per micro-tile: ES_MR x ES_TP*16/ES_VW accumulators stay in registers
  *   ES_GP    panels the one-row GEMV streams at once (concurrent memory streams)
+ *   ES_GP_BF16  the same for bfloat16 weights (half the bytes a panel: more panels)
  *   ES_F16C  1 where F16C converts half floats (x86 copies), 0 for the portable conversion
  * No include guard: including it again with other settings is the point; it undefines
  * these parameters at its end.
@@ -206,4 +207,5 @@ static ES_TGT void ES_SF(es_tail_y)(const es_tail_params *P, const float *proj, 
 #undef ES_TP
 #undef ES_MR
 #undef ES_GP
+#undef ES_GP_BF16
 #undef ES_F16C

@@ -76,6 +76,20 @@ def test_engine_steps_match_oracle(models, S):
                 close(eng.step(ids[:, t], hidden[:, t]), want[L][:, t])
 
 
+@pytest.mark.parametrize("n", [2, 3])  # E = 15 (odd: the 16-lane GEMV's last k alone) and 30
+def test_one_row_gemv_matches_oracle(n):
+    """M = 5*64 = 320 columns: 20 panels, so the one-row bf16 GEMV (8, 4 or 2 panels at a
+    time, per path) runs, then the tile on the rest."""
+    cfg = EngramConfig(engram_vocab_size=[101, 103][:n - 1], max_ngram_size=n, n_embed_per_ngram=15,
+                       n_head_per_ngram=3, layer_ids=[1], kernel_size=2, hidden_size=64, hc_mult=4, vocab_size=60)
+    bf = EngramModel.init(cfg, seed=4).with_weight_dtype("bfloat16")
+    ids, hidden = inputs(cfg, 1, 6, seed=n)
+    want = bf.forward(1, ids, hidden)[0]
+    eng = bf.stream(1)
+    for t in range(6):
+        close(eng.step(int(ids[0, t]), hidden[0, t]), want[t])
+
+
 @pytest.mark.parametrize("T", [1, 13, 40, 130])
 def test_prefill_matches_oracle(models, T):
     _, bf = models
