@@ -36,6 +36,7 @@ class V41StreamEngine:
     layer: int
     n_streams: int
     prefill_threads: int
+    step_threads: int  # multi-stream step threads, clamped to [1, 16]; bitwise equal for any count
     isa: str  # "avx512" or "baseline" (settable)
     def __init__(self, model: Any, layer: int, n_streams: int = 1) -> None: ...
     def step(self, token_ids: _Ids, hidden: npt.ArrayLike, out: Optional[_F32] = None) -> _F32: ...

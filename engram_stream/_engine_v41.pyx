@@ -25,9 +25,9 @@ from .plan import as_ids
 
 cnp.import_array()
 
-from engram_stream._consts cimport ES_MAX_NGRAM as MAX_NGRAM, ES_PREFILL_CHUNK
+from engram_stream._consts cimport ES_MAX_NGRAM as MAX_NGRAM
 
-PREFILL_CHUNK = ES_PREFILL_CHUNK  # prompt tokens per projection in prefill(): wkv is read once per chunk
+PREFILL_CHUNK = ES8_PREFILL_CHUNK  # prompt tokens per projection in prefill(): wkv is widened once per chunk
 
 ISAS = {"baseline": ES8_BASELINE, "avx512": ES8_AVX512}
 _ISA_NAMES = {v: k for k, v in ISAS.items()}
@@ -79,6 +79,42 @@ class V41EngineSnapshot:
 
     def __repr__(self):
         return f"V41EngineSnapshot(layer={self.fingerprint[0]}, n_streams={self.fingerprint[2]}, {self.nbytes} bytes)"
+
+
+cdef struct TokenWork:
+    # what the per-token work of a step or prefill chunk reads and writes (es8_parallel's ctx)
+    const uint8_t *tw
+    const uint8_t *ts
+    const int64_t *rows    # [n, H]
+    float *q               # [n, ldq]
+    float *s               # [n, E/32]
+    const float *y         # [n, M]
+    const float *hid       # [n, G, D]
+    float *out             # [n, G, D]
+    const float *qw
+    const float *kw
+    const uint8_t *dead    # [n]
+    int hd, H, E, G, D, M
+    int64_t ldq
+    float eps
+
+
+cdef void _prep_part(void *ctx, int part, int64_t i0, int64_t i1) noexcept nogil:
+    """Tokens [i0, i1): rows gathered (dequantized), then quantized in place per 32 values as
+    the reference's wkv input."""
+    cdef TokenWork *w = <TokenWork *> ctx
+    cdef int64_t i
+    for i in range(i0, i1):
+        es8_gather(w.tw, w.ts, w.hd, w.rows + i * w.H, w.H, w.q + i * w.ldq)
+        es8_act_quant(w.q + i * w.ldq, w.E, w.q + i * w.ldq, w.s + i * (w.E // ES8_BLOCK))
+
+
+cdef void _tail_part(void *ctx, int part, int64_t i0, int64_t i1) noexcept nogil:
+    """Tokens [i0, i1): the gate times the value, from their projections."""
+    cdef TokenWork *w = <TokenWork *> ctx
+    cdef int64_t i, C = <int64_t> w.G * w.D
+    for i in range(i0, i1):
+        es8_gate_tail(w.y + i * w.M, w.hid + i * C, w.qw, w.kw, w.G, w.D, w.eps, w.dead[i], w.out + i * C)
 
 
 def _ro_array(a, dtype, shape, what):
@@ -145,11 +181,11 @@ cdef class V41StreamEngine:
                 store.advise(a, "random")
         self.isa = _fp8_default
         self.prefill_threads = max(1, min(8, os.cpu_count() or 1))
+        self._step_threads = 1
         self._fingerprint = (layer, cfg.to_json(), n_streams, mult.tobytes(),
                              None if lookup is None else hashlib.sha1(lookup.tobytes()).hexdigest())
         self.hist = np.full((n_streams, self.n - 1), -1, dtype=np.int64)
         self.seen = np.zeros(n_streams, dtype=np.int64)
-        self.ebuf = np.empty(self.E, dtype=np.float32)
         self._grow(n_streams)
 
     cdef int _grow(self, int64_t cap) except -1:
@@ -158,16 +194,35 @@ cdef class V41StreamEngine:
         if cap > self.cap:
             rbuf = np.empty((cap, self.H), dtype=np.int64)
             gdead = np.empty(cap, dtype=np.uint8)
-            qbuf = np.empty((cap, self.E), dtype=np.float32)
+            qbuf = np.empty((cap, es8_ldq(self.E)), dtype=np.float32)
             sbuf = np.empty((cap, self.E // ES8_BLOCK), dtype=np.float32)
             ybuf = np.empty((cap, self.M), dtype=np.float32)
             self.rbuf, self.gdead, self.qbuf, self.sbuf, self.ybuf = rbuf, gdead, qbuf, sbuf, ybuf
             self.cap = cap
         return 0
 
+    cdef int _grow_scratch(self, int64_t S, int threads) except -1:
+        """Projection scratch for up to S tokens on `threads` threads (many-token calls only;
+        before any state changes, as _grow)."""
+        cdef int64_t n = es8_scratch_floats(S, self.E, threads)
+        if n > self.wscr_n:
+            self.wscr = np.empty(n, dtype=np.float32)
+            self.wscr_n = n
+        return 0
+
     def __repr__(self):
         return (f"V41StreamEngine(layer={self.layer}, n_streams={self.n_streams}, G={self.G}, D={self.D}, "
                 f"H={self.H}x{self.hd}, isa={self.isa!r})")
+
+    property step_threads:
+        """Threads of a multi-stream step (n_streams >= 2): the projection's row groups, the
+        gathers and the gate tails split over them; the output is bitwise the same for any
+        count. Default 1; set values are clamped to [1, 16] (ES8_MAX_THREADS)."""
+        def __get__(self):
+            return self._step_threads
+
+        def __set__(self, int n):
+            self._step_threads = max(1, min(n, ES8_MAX_THREADS))
 
     property isa:
         """The float8 kernel path: "avx512" or "baseline" (settable, e.g. to test both)."""
@@ -212,10 +267,15 @@ cdef class V41StreamEngine:
         h[0] = full[0]
         self.gdead[i] = token == self.dead_id
 
-    cdef void _quantize(self, int64_t i) noexcept nogil:
-        """Token i's rows dequantized, then quantized per 32 values as the reference's wkv input."""
-        es8_gather(self.tw, self.ts, self.hd, &self.rbuf[i, 0], self.H, &self.ebuf[0])
-        es8_act_quant(&self.ebuf[0], self.E, &self.qbuf[i, 0], &self.sbuf[i, 0])
+    cdef void _tokens(self, es8_range_fn fn, const float *hid, float *out, int64_t n, int threads) noexcept nogil:
+        """fn (_prep_part or _tail_part) over the scratch tokens [0, n), split over threads."""
+        cdef TokenWork w
+        w.tw, w.ts, w.rows = self.tw, self.ts, &self.rbuf[0, 0]
+        w.q, w.s, w.y = &self.qbuf[0, 0], &self.sbuf[0, 0], &self.ybuf[0, 0]
+        w.hid, w.out, w.qw, w.kw, w.dead = hid, out, self.qw, self.kw, &self.gdead[0]
+        w.hd, w.H, w.E, w.G, w.D, w.M, w.eps = self.hd, self.H, self.E, self.G, self.D, self.M, self.eps
+        w.ldq = self.qbuf.shape[1]
+        es8_parallel(fn, &w, n, threads)
 
     cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil:
         cdef int64_t b
@@ -223,14 +283,25 @@ cdef class V41StreamEngine:
             self._hash_one(b, ids[b], b)
         es_prefetch_rows(<const char *> self.tw, self.hd, &self.rbuf[0, 0], self.n_streams * self.H)
 
-    cdef void _compute_nogil(self, const float *hid, float *out) noexcept nogil:
-        cdef int64_t b, S = self.n_streams
-        for b in range(S):
-            self._quantize(b)
-        es8_wkv(self.isa_code, &self.qbuf[0, 0], S, self.E, self.ww, self.ws, self.M, &self.ybuf[0, 0])
-        for b in range(S):
-            es8_gate_tail(&self.ybuf[b, 0], hid + b * self.C, self.qw, self.kw, self.G, self.D, self.eps,
-                          self.gdead[b], out + b * self.C)
+    cdef void _compute_nogil(self, const float *hid, float *out, int64_t n, int threads) noexcept nogil:
+        """The scratch tokens [0, n) (hashed): gather and quantize, project, gate. Many tokens
+        need wscr for `threads` threads (_grow_scratch)."""
+        cdef float *scratch = &self.wscr[0] if self.wscr_n else NULL
+        self._tokens(_prep_part, NULL, NULL, n, threads)
+        es8_wkv_mt(self.isa_code, &self.qbuf[0, 0], self.qbuf.shape[1], n, self.E, self.ww, self.ws, self.M, &self.ybuf[0, 0],
+                   threads, scratch)
+        self._tokens(_tail_part, hid, out, n, threads)
+
+    cdef int _step_scratch(self) except -1:
+        """Threads of this engine's steps, their scratch made (before any state changes)."""
+        if self.n_streams == 1:
+            return 1
+        self._grow_scratch(self.n_streams, self._step_threads)
+        return self._step_threads
+
+    cdef void _count_step(self) noexcept nogil:
+        cdef int64_t b
+        for b in range(self.n_streams):
             self.seen[b] += 1
 
     # ---- argument checks (all before any state changes) -------------------------------------
@@ -265,15 +336,18 @@ cdef class V41StreamEngine:
         cdef const float *ph = <const float *> cnp.PyArray_DATA(h)
         cdef float *po = <float *> cnp.PyArray_DATA(o)
         cdef int64_t bad
+        cdef int threads
         self._enter()
         try:
             if self.pending:
                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
+            threads = self._step_scratch()
             with nogil:
                 bad = self._first_bad_id(pid, self.n_streams)
                 if bad < 0:
                     self._feed_nogil(pid)
-                    self._compute_nogil(ph, po)
+                    self._compute_nogil(ph, po, self.n_streams, threads)
+                    self._count_step()
         finally:
             self.busy = False
         if bad >= 0:
@@ -309,12 +383,15 @@ cdef class V41StreamEngine:
         o = args.out(out, shape)
         cdef const float *ph = <const float *> cnp.PyArray_DATA(h)
         cdef float *po = <float *> cnp.PyArray_DATA(o)
+        cdef int threads
         self._enter()
         try:
             if not self.pending:
                 raise RuntimeError("compute() needs feed(token_ids) first")
+            threads = self._step_scratch()
             with nogil:
-                self._compute_nogil(ph, po)
+                self._compute_nogil(ph, po, self.n_streams, threads)
+                self._count_step()
             self.pending = False
         finally:
             self.busy = False
@@ -362,8 +439,9 @@ cdef class V41StreamEngine:
 
     def prefill(self, ids, hidden, stream=0, out=None):
         """A prompt on one stream: ids[T], hidden[T, G, D] -> float32[T, G, D], equal to T steps
-        and leaving the same state. The projection runs over chunks of up to 128 tokens (wkv
-        read once per chunk), split over `engine.prefill_threads` threads."""
+        and leaving the same state. Chunks of up to 256 tokens: hashed in order, then their
+        gathers, the projection (wkv read once per chunk) and the gate tails split over
+        `engine.prefill_threads` threads."""
         a = as_ids(ids, 1, "ids")
         cdef int64_t T = a.shape[0]
         h = args.hidden(hidden, (T, self.G, self.D))
@@ -380,21 +458,18 @@ cdef class V41StreamEngine:
             if self.pending:
                 raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
             self._grow(chunk)  # under the guard: the scratch is shared with step()
+            if T > 1:
+                self._grow_scratch(chunk, threads)
             with nogil:
                 bad = self._first_bad_id(pid, T)
                 if bad < 0:
                     t0 = 0
                     while t0 < T:
                         nb = min(chunk, T - t0)
-                        for i in range(nb):
+                        for i in range(nb):  # serial: the window and the dead latch carry over
                             self._hash_one(s, pid[t0 + i], i)
-                            self._quantize(i)
-                        es8_wkv_mt(self.isa_code, &self.qbuf[0, 0], nb, self.E, self.ww, self.ws, self.M,
-                                   &self.ybuf[0, 0],
-                                   threads if nb >= ES8_TILE_TOKENS else 1)
-                        for i in range(nb):
-                            es8_gate_tail(&self.ybuf[i, 0], ph + (t0 + i) * self.C, self.qw, self.kw, self.G,
-                                          self.D, self.eps, self.gdead[i], po + (t0 + i) * self.C)
+                        self._compute_nogil(ph + t0 * self.C, po + t0 * self.C, nb,
+                                            threads if nb >= ES8_TILE_TOKENS else 1)
                         self.seen[s] += nb
                         t0 += nb
         finally:
@@ -529,16 +604,18 @@ def fp8_linear(const float[:, ::1] x, const uint8_t[:, ::1] weight, const uint8_
     cdef int code = ISAS[isa or _fp8_default]
     if code == ES8_AVX512 and es8_isa_supported() != ES8_AVX512:
         raise ValueError("isa 'avx512' is not supported by this CPU")
-    qx = np.empty((S, K), dtype=np.float32)
+    qx = np.empty((S, es8_ldq(<int> K)), dtype=np.float32)
     s = np.empty(K // ES8_BLOCK, dtype=np.float32)
     y = np.empty((S, M), dtype=np.float32)
     cdef float[:, ::1] qv = qx, yv = y
     cdef float[::1] sv = s
     threads = max(1, min(threads, ES8_MAX_THREADS))
+    cdef float[::1] scratch = np.empty(es8_scratch_floats(S, <int> K, threads), dtype=np.float32)
     with nogil:
         for t in range(S):
             es8_act_quant(&x[t, 0], <int> K, &qv[t, 0], &sv[0])
-        es8_wkv_mt(code, &qv[0, 0], S, <int> K, &weight[0, 0], &scale[0, 0], <int> M, &yv[0, 0], threads)
+        es8_wkv_mt(code, &qv[0, 0], qv.shape[1], S, <int> K, &weight[0, 0], &scale[0, 0], <int> M, &yv[0, 0], threads,
+                   &scratch[0])
     return y
 
 def read_bytes(const uint8_t[::1] a):

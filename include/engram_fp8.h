@@ -5,8 +5,12 @@
  *   es8_act_quant         the reference's activation quantization, per 32 values:
  *                         s = 2^ceil(log2(max(amax, 1e-4) * f32(1/448))) from the exponent bits,
  *                         q = e4m3(clamp(x / s, +-448)) rounded to nearest even; returns q * s
- *   es8_wkv               Y[S, M] = the fp8 wkv projection of S quantized tokens, 32x32 block
- *                         scales; the weight bytes stay float8 and are widened in registers
+ *   es8_wkv_mt            Y[S, M] = the fp8 wkv projection of S quantized tokens, 32x32 block
+ *                         scales, over threads split by row groups. One token: the weight bytes
+ *                         stay float8 and are widened in registers (memory-bound GEMV). Several:
+ *                         each 32-row group is widened to float32 once into scratch and reused
+ *                         by every token (register tiles 2 rows x 8 tokens, k blocks of 256)
+ *   es8_parallel          a range of per-token work split over threads
  *   es8_gate_tail         the gate (rstd, eps 1e-20, signed sqrt, sigmoid; 0 at DEAD) times the
  *                         shared value, for the G streams of one token
  *
@@ -21,8 +25,8 @@
  * for every finite code, subnormals included; the 2^8 is folded into the block scale) and runs 16-lane
  * FMAs; ES8_BASELINE is portable C. es8_isa_supported() says what this CPU runs. On the AVX-512
  * path the NaN codes of wkv (0x7f/0xff) read as +-480 (checkpoints hold none); the table
- * gather and the baseline decode them as NaN. Nothing here allocates (except thread starts
- * in es8_wkv_mt, which fall back to running inline) and nothing fails.
+ * gather and the baseline decode them as NaN. Nothing here allocates (the caller passes the scratch; thread
+ * starts that fail run inline) and nothing fails.
  */
 #ifndef ENGRAM_FP8_H
 #define ENGRAM_FP8_H
@@ -48,8 +52,13 @@
 #define ES8_BLOCK 32          /* values per activation scale, weight block edge, table row scale */
 #define ES8_E4M3_MAX 448.0f
 #define ES8_AMAX_MIN 1e-4f
-#define ES8_TILE_TOKENS 8     /* tokens per register tile of the multi-token projection */
+#define ES8_TILE_TOKENS 8     /* tokens per register tile along k (2..15 tokens) */
+#define ES8_TILE_ROWS 2       /* weight rows per such tile (2 x 8 = 16 zmm accumulators) */
+#define ES8_XT_MIN 16         /* tokens from which they go in the lanes instead (es8_xtile512) */
+#define ES8_XT_ROWS 12        /* weight rows per tile of two 16-token vectors (24 accumulators) */
+#define ES8_KBLOCK 256        /* k per block of the many-token projection (its widened rows: L1) */
 #define ES8_MAX_THREADS 16
+#define ES8_PREFILL_CHUNK 256 /* prompt tokens per projection in prefill (wkv widened once per chunk) */
 #define ES8_PREFETCH 512      /* bytes of a weight row requested ahead by the one-token tile */
 #define ES8_INLINE static inline __attribute__((always_inline))
 
@@ -77,16 +86,19 @@ static inline float es8_e8m0(uint8_t b) {
     return es8_from_bits((uint32_t)b << 23);
 }
 
-/* y rounded to the e4m3 grid (nearest, ties to even), saturating at +-448; NaN stays NaN. */
+/* y rounded to the e4m3 grid (nearest, ties to even), saturating at +-448; NaN stays NaN.
+ * Bit arithmetic, no libm calls (this runs on every activation value): below 2^-6 the grid
+ * is the multiples of 2^-9, which adding and removing 2^14 rounds to (the float32 ulp of
+ * 2^14 is 2^-9; ties to even by the FPU); above, the mantissa is rounded to 3 bits. */
 static inline float es8_round_e4m3(float y) {
     float a = fabsf(y);
     if (a > ES8_E4M3_MAX) a = ES8_E4M3_MAX;
     if (!(a >= 0x1p-6f)) {
-        a = rintf(a * 512.0f) * 0x1p-9f;      /* subnormal range: steps of 2^-9 */
+        a = (a + 0x1p14f) - 0x1p14f;   /* not folded: no -ffast-math (setup.py) */
     } else {
-        int ex;
-        frexpf(a, &ex);                        /* a in [2^(ex-1), 2^ex): 3 mantissa bits */
-        a = ldexpf(rintf(ldexpf(a, 4 - ex)), ex - 4);
+        uint32_t u = es8_bits(a);
+        u = (u + 0x7ffffu + ((u >> 20) & 1u)) & 0xfff00000u;
+        a = es8_from_bits(u);
     }
     return copysignf(a, y);
 }
@@ -133,13 +145,13 @@ static inline void es8_act_quant(const float *x, int n, float *qx, float *s) {
 
 /* ---- the wkv projection -------------------------------------------------------------- */
 
-/* Portable tile: y[t*ldy + r] = sum_k e4m3(w[r*E + k]) * wsf[k/32] * qx[t*E + k]. */
-static inline void es8_tile_base(const uint8_t *w, int R, const float *qx, int T, int E, const float *wsf,
-                                 float *y, int64_t ldy) {
+/* Portable tile: y[t*ldy + r] = sum_k e4m3(w[r*E + k]) * wsf[k/32] * qx[t*ldq + k]. */
+static inline void es8_tile_base(const uint8_t *w, int R, const float *qx, int64_t ldq, int T, int E,
+                                 const float *wsf, float *y, int64_t ldy) {
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) {
             const uint8_t *wr = w + (int64_t)r * E;
-            const float *qt = qx + (int64_t)t * E;
+            const float *qt = qx + t * ldq;
             float acc[ES8_BLOCK] = {0};
             for (int k = 0; k < E; k += ES8_BLOCK) {
                 const float f = wsf[k / ES8_BLOCK];
@@ -159,40 +171,66 @@ ES8_INLINE ES8_T512 __m512 es8_widen16(const uint8_t *p) {
     return _mm512_cvtph_ps(h);
 }
 
-/* R weight rows x T tokens over k in [k0, k1), every accumulator a 16-lane register; R and T
- * are compile-time constants at each call site below, so the loops unroll and the tile stays
- * in registers. A widened weight is scaled by its block's wsf (2^8 folded in) before the FMAs.
- * The weights and activations are indexed by absolute k (row stride E). part: NULL (the whole
- * k range at once), or R*T*16 floats of vector partial sums carried across k blocks (read
- * unless first, written unless y). y: the reduced sums y[t*ldy + r], or NULL. */
-ES8_INLINE ES8_T512 void es8_tile512(const uint8_t *w, const int R, const float *qx, const int T, int E, int k0,
-                                     int k1, const float *wsf, float *part, int first, float *y, int64_t ldy) {
-    /* wsf NULL: qx carries the block scales already (one token); then the weights are also
-     * prefetched ES8_PREFETCH bytes ahead, a line per row every 64 bytes */
-    __m512 acc[4][ES8_TILE_TOKENS];
+/* One token, R rows (a constant at each call site) over all k: R weight streams in flight
+ * (memory-bound), each row prefetched ES8_PREFETCH bytes ahead. qs carries the block scales
+ * (times 2^8). y[r] = the sums. */
+ES8_INLINE ES8_T512 void es8_gemv512(const uint8_t *w, const int R, const float *qs, int E, float *y) {
+    __m512 acc[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int k = 0; k < E; k += 16) {
+        const __m512 qv = _mm512_loadu_ps(qs + k);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            if (!(k & 63)) _mm_prefetch((const char *)(w + (int64_t)r * E + k + ES8_PREFETCH), _MM_HINT_T0);
+            acc[r] = _mm512_fmadd_ps(es8_widen16(w + (int64_t)r * E + k), qv, acc[r]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* R rows of wkv widened to float32 once, block scales folded in (wsf carries the 2^8 of the
+ * widening), laid out k block by k block: the block at k0 at wf + 32*k0, its row r at
+ * + r*ES8_KBLOCK (the last block padded). So the rows of a block are contiguous (no two at a
+ * 4 KiB stride: they would share L1 sets) and a tile addresses them with one register. */
+static ES8_T512 void es8_widen_rows(const uint8_t *w, int R, int E, const float *wsf, float *wf) {
+    for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
+        const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK;
+        for (int64_t r = 0; r < R; r++) {
+            float *dst = wf + (int64_t)ES8_BLOCK * k0 + r * ES8_KBLOCK;
+            for (int k = 0; k < kw; k += 32) {
+                const __m512 f = _mm512_set1_ps(wsf[(k0 + k) >> 5]);
+                const uint8_t *src = w + r * E + k0 + k;
+                _mm512_storeu_ps(dst + k, _mm512_mul_ps(es8_widen16(src), f));
+                _mm512_storeu_ps(dst + k + 16, _mm512_mul_ps(es8_widen16(src + 16), f));
+            }
+        }
+    }
+}
+
+/* The micro-kernel of the many-token projection: R widened rows (w, row stride ES8_KBLOCK) x T
+ * tokens (x, row stride ldx) over n values of k, R*T 16-lane accumulators along k (R and T
+ * are constants at each call site, so the tile stays in registers). part: the R*T vectors
+ * of partial sums carried across k blocks (read unless first; written unless y). y: the
+ * reduced sums y[t*ldy + r] after the last k block, else NULL. */
+ES8_INLINE ES8_T512 void es8_tile512(const float *w, const int R, const float *x, int64_t ldx,
+                                     const int T, int n, float *part, int first, float *y, int64_t ldy) {
+    __m512 acc[ES8_TILE_ROWS][ES8_TILE_TOKENS];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < T; t++)
-            acc[r][t] = (part && !first) ? _mm512_loadu_ps(part + (r * T + t) * 16) : _mm512_setzero_ps();
-    for (int k = k0; k < k1; k += 16) {
-        __m512 wv[4];
-        if (wsf) {
-            const __m512 f = _mm512_set1_ps(wsf[k >> 5]);
+        for (int t = 0; t < T; t++) acc[r][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (r * T + t) * 16);
+    for (int k = 0; k < n; k += 16) {
+        __m512 wv[ES8_TILE_ROWS];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) wv[r] = _mm512_mul_ps(es8_widen16(w + (int64_t)r * E + k), f);
-        } else {
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                if (!(k & 63)) _mm_prefetch((const char *)(w + (int64_t)r * E + k + ES8_PREFETCH), _MM_HINT_T0);
-                wv[r] = es8_widen16(w + (int64_t)r * E + k);
-            }
-        }
+        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + r * ES8_KBLOCK + k);
 #pragma GCC unroll 8
         for (int t = 0; t < T; t++) {
-            const __m512 qv = _mm512_loadu_ps(qx + (int64_t)t * E + k);
+            __m512 xv = _mm512_loadu_ps(x + t * ldx + k);
+            __asm__("" : "+v"(xv));  /* one load per token, not one per FMA (load ports) */
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], qv, acc[r][t]);
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
         }
     }
 #pragma GCC unroll 4
@@ -204,35 +242,129 @@ ES8_INLINE ES8_T512 void es8_tile512(const uint8_t *w, const int R, const float 
         }
 }
 
-#define ES8_KBLOCK 256 /* k per block when tokens share a tile: their activations stay in L1 */
+/* The micro-kernel with tokens in the lanes (ES8_XT_MIN tokens or more): R widened rows (w,
+ * row stride ES8_KBLOCK) x V vectors of 16 tokens (xt, packed [k][16] per vector, vectors ldv
+ * apart) over n values of k: each weight is broadcast into an FMA with the 16 tokens' values
+ * at its k, so a loaded byte feeds 4x more FMAs than along k. part: R x 16V partial sums
+ * (row stride ldp) carried across k blocks; y: after the last block, the nt valid tokens'
+ * sums, y[t*ldy + r] (t < nt), else NULL. */
+ES8_INLINE ES8_T512 void es8_xtile512(const float *w, const int R, const float *xt, int64_t ldv,
+                                      const int V, int n, float *part, int64_t ldp, int first, float *y,
+                                      int64_t ldy, int64_t nt) {
+    __m512 acc[16][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * ldp + v * 16);
+    for (int k = 0; k < n; k++) {
+        __m512 xv[2];
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_ps(xt + v * ldv + k * 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            const __m512 wb = _mm512_set1_ps(w[r * ES8_KBLOCK + k]);
+#pragma GCC unroll 2
+            for (int v = 0; v < V; v++) acc[r][v] = _mm512_fmadd_ps(wb, xv[v], acc[r][v]);
+        }
+    }
+    if (!y) {
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+            for (int v = 0; v < V; v++) _mm512_storeu_ps(part + r * ldp + v * 16, acc[r][v]);
+        return;
+    }
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)ldy));
+#pragma GCC unroll 2
+    for (int v = 0; v < V; v++) {
+        const int64_t left = nt - v * 16;
+        const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) _mm512_mask_i32scatter_ps(y + v * 16 * ldy + r, m, idx, acc[r][v], 4);
+    }
+}
 
-/* R rows (<= 32) x T tokens (1..8) with the tile shape fixed at compile time. One token: four
- * rows at once over all k (four weight streams in flight, memory-bound). Several: pairs of
- * rows, k in blocks of ES8_KBLOCK with the partial sums in `part` (32 * 8 * 16 floats). */
-static ES8_T512 void es8_tile_avx512(const uint8_t *w, int R, const float *qx, int T, int E, const float *wsf,
-                                     float *y, int64_t ldy, float *part) {
-    if (T == 1) {  /* the block scales go into the activation once, not into every row */
+/* xt[(t/16)*E*16 + k*16 + t%16] = qx[t*ldq + k]: the tokens packed 16 per vector, k-major,
+ * the lanes past S zero. */
+static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int E, float *xt) {
+    const int64_t nv = (S + 15) / 16;
+    memset(xt + (nv - 1) * E * 16, 0, sizeof(float) * E * 16);
+    for (int64_t t = 0; t < S; t++) {
+        float *dst = xt + (t / 16) * E * 16 + t % 16;
+        for (int k = 0; k < E; k++) dst[k * 16] = qx[t * ldq + k];
+    }
+}
+
+/* One group of R <= 32 rows for S tokens (qx rows at stride ldq; xt: the same packed by
+ * es8_pack_tokens, or NULL below ES8_XT_MIN tokens). One token: a GEMV straight from the
+ * float8 bytes, the block scales folded into the activation once. Several: the rows widened
+ * once into scratch, then over k blocks of ES8_KBLOCK (a block of widened rows, 32 KiB, and
+ * a token tile stay in L1) tiles of tokens in the lanes (xt), or below ES8_XT_MIN tokens, of
+ * ES8_TILE_ROWS rows x ES8_TILE_TOKENS tokens along k (16 lanes of few tokens would idle). */
+static ES8_T512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, int64_t ldq, const float *xt,
+                                      int64_t S, int E, const float *wsf, float *y, int64_t ldy, float *scratch) {
+    if (S == 1) {
         float qs[E] __attribute__((aligned(64)));
         for (int k = 0; k < E; k += 16)
             _mm512_store_ps(qs + k, _mm512_mul_ps(_mm512_loadu_ps(qx + k), _mm512_set1_ps(wsf[k >> 5])));
         int r = 0;
-        for (; r + 4 <= R; r += 4) es8_tile512(w + (int64_t)r * E, 4, qs, 1, E, 0, E, 0, 0, 1, y + r, ldy);
-        for (; r < R; r++) es8_tile512(w + (int64_t)r * E, 1, qs, 1, E, 0, E, 0, 0, 1, y + r, ldy);
+        for (; r + 4 <= R; r += 4) es8_gemv512(w + (int64_t)r * E, 4, qs, E, y + r);
+        for (; r < R; r++) es8_gemv512(w + (int64_t)r * E, 1, qs, E, y + r);
         return;
     }
-#define ES8_T(rows, t) case t: es8_tile512(wr, rows, qx, t, E, k0, k1, wsf, pr, first, yr, ldy); break;
-    for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
-        const int k1 = k0 + ES8_KBLOCK < E ? k0 + ES8_KBLOCK : E, first = k0 == 0;
-        for (int r = 0; r < R; r += 2) {
-            const uint8_t *wr = w + (int64_t)r * E;
-            float *pr = part + (int64_t)r * ES8_TILE_TOKENS * 16, *yr = k1 == E ? y + r : 0;
-            if (r + 2 <= R) {
-                switch (T) { ES8_T(2, 2) ES8_T(2, 3) ES8_T(2, 4) ES8_T(2, 5) ES8_T(2, 6) ES8_T(2, 7) ES8_T(2, 8) default: break; }
-            } else {
-                switch (T) { ES8_T(1, 2) ES8_T(1, 3) ES8_T(1, 4) ES8_T(1, 5) ES8_T(1, 6) ES8_T(1, 7) ES8_T(1, 8) default: break; }
+    float *wf = scratch, *part = scratch + (int64_t)ES8_BLOCK * (E + ES8_KBLOCK);
+    es8_widen_rows(w, R, E, wsf, wf);
+    if (xt) {  /* tokens in the lanes: row tiles of 16 x one vector, or 8 x two */
+        const int64_t nv = (S + 15) / 16, ldp = nv * 16, ldv = (int64_t)E * 16;
+        const int VV = nv > 1 ? 2 : 1, RB = VV == 2 ? ES8_XT_ROWS : 16;
+#define ES8_X(rows, v) case rows: es8_xtile512(wr, rows, x, ldv, v, kw, pr, ldp, first, yr, ldy, nt); break;
+        for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
+            const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = k0 == 0;
+            const float *wb = wf + (int64_t)ES8_BLOCK * k0;
+            for (int64_t j0 = 0, V; j0 < nv; j0 += V) {
+                V = nv - j0 < VV ? 1 : VV;  /* an odd last vector alone */
+                const float *x = xt + j0 * ldv + (int64_t)k0 * 16;
+                const int64_t nt = S - j0 * 16;
+                for (int r = 0; r < R; r += RB) {
+                    const int rows = R - r < RB ? R - r : RB;
+                    const float *wr = wb + (int64_t)r * ES8_KBLOCK;
+                    float *pr = part + r * ldp + j0 * 16, *yr = k0 + kw == E ? y + j0 * 16 * ldy + r : 0;
+                    if (V == 2) {
+                        switch (rows) { ES8_X(1, 2) ES8_X(2, 2) ES8_X(3, 2) ES8_X(4, 2) ES8_X(5, 2) ES8_X(6, 2)
+                                        ES8_X(7, 2) ES8_X(8, 2) ES8_X(9, 2) ES8_X(10, 2) ES8_X(11, 2)
+                                        ES8_X(12, 2) default: break; }
+                    } else {
+                        switch (rows) { ES8_X(1, 1) ES8_X(2, 1) ES8_X(3, 1) ES8_X(4, 1) ES8_X(5, 1) ES8_X(6, 1)
+                                        ES8_X(7, 1) ES8_X(8, 1) ES8_X(9, 1) ES8_X(10, 1) ES8_X(11, 1)
+                                        ES8_X(12, 1) ES8_X(13, 1) ES8_X(14, 1) ES8_X(15, 1) ES8_X(16, 1)
+                                        default: break; }
+                    }
+                }
+            }
+        }
+#undef ES8_X
+        return;
+    }
+#define ES8_T(rows, t) case t: es8_tile512(wr, rows, x, ldq, t, kw, pr, first, yr, ldy); break;
+#define ES8_TS(rows) switch (T) { ES8_T(rows, 1) ES8_T(rows, 2) ES8_T(rows, 3) ES8_T(rows, 4) \
+                                  ES8_T(rows, 5) ES8_T(rows, 6) ES8_T(rows, 7) ES8_T(rows, 8) default: break; }
+    for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {  /* S < ES8_XT_MIN tokens */
+        const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = k0 == 0;
+        const float *wb = wf + (int64_t)ES8_BLOCK * k0;
+        for (int64_t t0 = 0; t0 < S; t0 += ES8_TILE_TOKENS) {
+            const int T = S - t0 < ES8_TILE_TOKENS ? (int)(S - t0) : ES8_TILE_TOKENS;
+            const float *x = qx + t0 * ldq + k0;
+            float *pt = part + t0 * ES8_BLOCK * 16;
+            for (int r = 0; r < R; r += ES8_TILE_ROWS) {
+                const float *wr = wb + (int64_t)r * ES8_KBLOCK;
+                float *pr = pt + (int64_t)r * T * 16, *yr = k0 + kw == E ? y + t0 * ldy + r : 0;
+                if (r + ES8_TILE_ROWS <= R) { ES8_TS(ES8_TILE_ROWS) }
+                else { ES8_TS(1) }   /* ES8_TILE_ROWS is 2: one row left */
             }
         }
     }
+#undef ES8_TS
 #undef ES8_T
 }
 #endif
@@ -246,74 +378,113 @@ static inline int es8_isa_supported(void) {
     return ES8_BASELINE;
 }
 
+/* Scratch of the many-token projection (AVX-512, S > 1), in floats: the tokens packed for
+ * the lanes (ES8_XT_MIN tokens or more), shared, then per thread a group's widened rows
+ * [32, E + ES8_KBLOCK] and partial sums ([16, 32, 16] along k, [32, S rounded up to 16] in
+ * the lanes). */
+static inline int64_t es8_xt_floats(int64_t S, int E) { return S >= ES8_XT_MIN ? (S + 15) / 16 * 16 * E : 0; }
+static inline int64_t es8_thread_floats(int64_t S, int E) {
+    const int64_t s16 = (S + 15) / 16 * 16;
+    return (int64_t)ES8_BLOCK * (E + ES8_KBLOCK) + ES8_BLOCK * 16 * (s16 > 16 ? s16 : 16);
+}
+static inline int64_t es8_scratch_floats(int64_t S, int E, int nthreads) {
+    return es8_xt_floats(S, E) + nthreads * es8_thread_floats(S, E);
+}
+
+/* The row stride of quantized activations for E values: E plus a cache line, so that the
+ * rows of a token tile do not share L1 sets (E * 4 bytes is often a multiple of 4 KiB). */
+static inline int64_t es8_ldq(int E) { return (int64_t)E + 16; }
+
 /* Y[t*M + o] for the 32-row weight groups [g0, g1) and all S tokens.
- *   qx  [S, E]  quantized activations times their scales (es8_act_quant)
+ *   qx  [S, ldq]  quantized activations times their scales (es8_act_quant), ldq >= E
  *   W   [M, E]  e4m3 bytes, WS [ceil(M/32), E/32] e8m0 bytes
- * Each group's weights are read from memory once per call; tokens go 8 at a time. */
-static inline void es8_wkv_range(int isa, const float *qx, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
-                                 int M, float *Y, int64_t g0, int64_t g1) {
+ *   scratch     es8_scratch_floats(E) floats (unused, may be NULL: the baseline path, S == 1)
+ * Each group's weights are read from memory once per call. The sums of an output depend only
+ * on its own group, so any split of the groups gives the same bits. */
+static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const float *xt, int64_t S, int E,
+                                 const uint8_t *W, const uint8_t *WS, int M, float *Y, int64_t g0, int64_t g1,
+                                 float *scratch) {
     const int nb = E / ES8_BLOCK;
     const float f = isa == ES8_AVX512 ? 256.0f : 1.0f;  /* the AVX-512 widening reads value * 2^-8 */
     float wsf[nb];
-#if ES8_HAVE_AVX512
-    float part[ES8_BLOCK * ES8_TILE_TOKENS * 16] __attribute__((aligned(64)));
-#endif
+    (void)scratch;
+    (void)xt;
     for (int64_t g = g0; g < g1; g++) {
         const int64_t r0 = g * ES8_BLOCK;
         const int R = M - r0 < ES8_BLOCK ? (int)(M - r0) : ES8_BLOCK;
         for (int b = 0; b < nb; b++) wsf[b] = es8_e8m0(WS[g * nb + b]) * f;
+#if ES8_HAVE_AVX512
+        if (isa == ES8_AVX512) {
+            es8_group_avx512(W + r0 * E, R, qx, ldq, xt, S, E, wsf, Y + r0, M, scratch);
+            continue;
+        }
+#endif
         for (int64_t t0 = 0; t0 < S; t0 += ES8_TILE_TOKENS) {
             const int T = S - t0 < ES8_TILE_TOKENS ? (int)(S - t0) : ES8_TILE_TOKENS;
-#if ES8_HAVE_AVX512
-            if (isa == ES8_AVX512) {
-                es8_tile_avx512(W + r0 * E, R, qx + t0 * E, T, E, wsf, Y + t0 * M + r0, M, part);
-                continue;
-            }
-#endif
-            es8_tile_base(W + r0 * E, R, qx + t0 * E, T, E, wsf, Y + t0 * M + r0, M);
+            es8_tile_base(W + r0 * E, R, qx + t0 * ldq, ldq, T, E, wsf, Y + t0 * M + r0, M);
         }
     }
 }
 
-static inline void es8_wkv(int isa, const float *qx, int64_t S, int E, const uint8_t *W, const uint8_t *WS, int M,
-                           float *Y) {
-    es8_wkv_range(isa, qx, S, E, W, WS, M, Y, 0, (M + ES8_BLOCK - 1) / ES8_BLOCK);
-}
+/* fn(ctx, part, i0, i1) over [0, n) split in nthreads contiguous parts, part = 0.. the part's
+ * index (its scratch): groups of wkv rows, or the per-token work of a step or a prefill chunk
+ * (gathers, quantization, the gate tail). Thread starts that fail run inline. */
+typedef void (*es8_range_fn)(void *ctx, int part, int64_t i0, int64_t i1);
+typedef struct { es8_range_fn fn; void *ctx; int part; int64_t i0, i1; } es8_range_job;
 
-/* The same over threads, split by weight groups (prefill: each thread reads its own part of wkv). */
-typedef struct {
-    int isa, E, M;
-    const float *qx;
-    int64_t S, g0, g1;
-    const uint8_t *W, *WS;
-    float *Y;
-} es8_wkv_job;
-
-static void *es8_wkv_job_run(void *arg) {
-    const es8_wkv_job *j = (const es8_wkv_job *)arg;
-    es8_wkv_range(j->isa, j->qx, j->S, j->E, j->W, j->WS, j->M, j->Y, j->g0, j->g1);
+static void *es8_range_job_run(void *arg) {
+    const es8_range_job *j = (const es8_range_job *)arg;
+    j->fn(j->ctx, j->part, j->i0, j->i1);
     return 0;
 }
 
-static inline void es8_wkv_mt(int isa, const float *qx, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
-                              int M, float *Y, int nthreads) {
-    const int64_t ng = (M + ES8_BLOCK - 1) / ES8_BLOCK;
+static inline void es8_parallel(es8_range_fn fn, void *ctx, int64_t n, int nthreads) {
     if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;
-    if (nthreads > ng) nthreads = (int)ng;
-    if (nthreads <= 1) { es8_wkv(isa, qx, S, E, W, WS, M, Y); return; }
-    es8_wkv_job jobs[ES8_MAX_THREADS];
+    if (nthreads > n) nthreads = (int)n;
+    if (nthreads <= 1) { if (n > 0) fn(ctx, 0, 0, n); return; }
+    es8_range_job jobs[ES8_MAX_THREADS];
     pthread_t tid[ES8_MAX_THREADS];
     int started[ES8_MAX_THREADS];
     for (int i = 0; i < nthreads; i++) {
-        es8_wkv_job j = {isa, E, M, qx, S, ng * i / nthreads, ng * (i + 1) / nthreads, W, WS, Y};
+        es8_range_job j = {fn, ctx, i, n * i / nthreads, n * (i + 1) / nthreads};
         jobs[i] = j;
     }
-    for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tid[i], 0, es8_wkv_job_run, &jobs[i]) == 0;
-    es8_wkv_job_run(&jobs[0]);
+    for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tid[i], 0, es8_range_job_run, &jobs[i]) == 0;
+    es8_range_job_run(&jobs[0]);
     for (int i = 1; i < nthreads; i++) {
         if (started[i]) pthread_join(tid[i], 0);
-        else es8_wkv_job_run(&jobs[i]);
+        else es8_range_job_run(&jobs[i]);
     }
+}
+
+typedef struct {
+    int isa, E, M;
+    const float *qx;
+    int64_t ldq, S;
+    const uint8_t *W, *WS;
+    float *Y, *xt, *scratch;
+} es8_wkv_args;
+
+static void es8_wkv_part(void *ctx, int part, int64_t g0, int64_t g1) {
+    const es8_wkv_args *a = (const es8_wkv_args *)ctx;
+    es8_wkv_range(a->isa, a->qx, a->ldq, a->xt, a->S, a->E, a->W, a->WS, a->M, a->Y, g0, g1,
+                  a->scratch ? a->scratch + part * es8_thread_floats(a->S, a->E) : 0);
+}
+
+/* es8_wkv_range over all groups, split by groups over nthreads threads (each reads its own
+ * part of wkv; scratch: es8_scratch_floats(S, E, nthreads) floats, or NULL for one token or
+ * the baseline path). Bitwise equal to one thread. */
+static inline void es8_wkv_mt(int isa, const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W,
+                              const uint8_t *WS, int M, float *Y, int nthreads, float *scratch) {
+    float *xt = 0;
+    if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;
+    if (nthreads < 1) nthreads = 1;
+    if (isa == ES8_AVX512 && scratch && S > 1 && es8_xt_floats(S, E)) {
+        xt = scratch;
+        es8_pack_tokens(qx, ldq, S, E, xt);
+    }
+    es8_wkv_args a = {isa, E, M, qx, ldq, S, W, WS, Y, xt, scratch ? scratch + es8_xt_floats(S, E) : 0};
+    es8_parallel(es8_wkv_part, &a, (M + ES8_BLOCK - 1) / ES8_BLOCK, nthreads);
 }
 
 /* ---- the gate tail ------------------------------------------------------------------- */

@@ -129,6 +129,24 @@ def test_fp8_linear_matches_the_oracle(isa, S, M, K):
         close(k.fp8_linear(x, w, sc, isa=isa, threads=threads), want)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_fp8_linear_every_token_count_and_tile_remainder(isa):
+    """Token counts 1..20, 33, 100 cross every tile shape of the many-token projection: along k
+    (2..15 tokens, 8 per tile plus a remainder), in the lanes (16 or more: vectors of 16, in
+    pairs, a partial last vector); M = 100 leaves a 4-row group and row tiles of 12/16 with
+    remainders; K = 416 a partial last k block (256 + 160). Threads split by groups: 1 and 3
+    give the same bits."""
+    rng = np.random.default_rng(7)
+    M, K = 100, 416
+    w = np.clip(rng.standard_normal((M, K)), -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    sc = rng.integers(118, 130, (-(-M // 32), K // 32)).astype(np.uint8)
+    for S in list(range(1, 21)) + [33, 100]:
+        x = (rng.standard_normal((S, K)) * np.repeat(2.0 ** rng.integers(-12, 6, (S, K // 32)), 32, 1)).astype(np.float32)
+        got = k.fp8_linear(x, w, sc, isa=isa)
+        close(got, ref.fp8_linear(x, w, sc))
+        assert np.array_equal(k.fp8_linear(x, w, sc, isa=isa, threads=3), got), S
+
+
 def test_fp8_linear_refuses_bad_shapes_and_isa():
     w, sc, x = np.zeros((32, 64), np.uint8), np.zeros((1, 2), np.uint8), np.zeros((1, 64), np.float32)
     with pytest.raises(ValueError):
@@ -160,20 +178,60 @@ def test_single_stream_matches_batch(model, isa):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("S", [2, 5, 9, 16])
+@pytest.mark.parametrize("S", range(2, 18))
 def test_multi_stream_matches_batch(model, isa, S):
+    """2..17 streams: tiles along k (2..15) and in the lanes (16, 17: a partial vector); the
+    DEAD tokens of token_ids land inside those tiles. step_threads 2 on odd counts."""
     rng = np.random.default_rng(S)
-    T = 12
+    T = 6
     ids = token_ids(rng, (S, T))
+    ids[S // 2, 2] = IMG                      # at least one DEAD token inside a tile
     h = hiddens(rng, model, (S, T))
     want = model.forward(1, ids, h)
     eng = model.stream(1, n_streams=S)
-    eng.isa = isa
+    eng.isa, eng.step_threads = isa, 1 + S % 2
     out = np.empty((S, 2, 64), np.float32)
     for t in range(T):
         r = eng.step(ids[:, t], h[:, t], out=out)
         assert r is out
         close(out, want[:, t])
+        assert not out[ids[:, t] == IMG].any()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_step_and_prefill_threads_are_bitwise_equal(isa):
+    """The projection splits by row groups, the per-token work by tokens: any thread count
+    gives the same bits (multi-stream step: step_threads; prefill: prefill_threads). The
+    model has 9 row groups (M = 288), so 2 and 3 threads split them unevenly."""
+    m = make_model(G=2, D=96, layers=(1,))
+    rng = np.random.default_rng(5)
+    for S in (3, 20):
+        ids = token_ids(rng, (S, 4))
+        h = hiddens(rng, m, (S, 4))
+        outs = []
+        for threads in (1, 2, 3):
+            eng = m.stream(1, n_streams=S)
+            eng.isa, eng.step_threads = isa, threads
+            outs.append(np.stack([eng.step(ids[:, t], h[:, t]) for t in range(4)]))
+        assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+    ids, h = token_ids(rng, 40), hiddens(rng, m, (40,))
+    outs = []
+    for threads in (1, 2):
+        eng = m.stream(1)
+        eng.isa, eng.prefill_threads = isa, threads
+        outs.append(eng.prefill(ids, h))
+    assert np.array_equal(outs[0], outs[1])
+
+
+def test_step_threads_default_and_clamp(model):
+    eng = model.stream(1, n_streams=4)
+    assert eng.step_threads == 1
+    eng.step_threads = 0
+    assert eng.step_threads == 1
+    eng.step_threads = 1000
+    assert eng.step_threads == 16
+    eng.step_threads = 2
+    assert eng.step_threads == 2
 
 
 @st.composite
@@ -204,9 +262,10 @@ def test_random_configs_match_batch(c, S, T, data):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("T0,threads", [(1, 1), (7, 2), (130, 2), (300, 1)])
+@pytest.mark.parametrize("T0,threads", [(1, 1), (7, 2), (17, 1), (130, 2), (300, 1), (530, 2)])
 def test_prefill_then_step(model, isa, T0, threads):
-    """prefill over chunk boundaries (128), then steps continue the same sequence."""
+    """prefill over chunk boundaries (256: 300 and 530 leave 44 and 18 tokens in the last
+    chunk), then steps continue the same sequence."""
     rng = np.random.default_rng(T0)
     T = T0 + 5
     ids = token_ids(rng, T)
