@@ -8,9 +8,13 @@ wkv [25600, 6144] float8), table rows scaled down, from a synthetic checkpoint i
 Sections (every ratio is measured side by side in one run; the machine is shared, so absolute
 times are indicative only):
   step      one-stream step vs reading the 157 MB of wkv once (same process, rounds interleaved);
-            16 streams per token vs one stream                     goals <= 1.5x, <= 1/6
+            16 streams per token vs one stream, step_threads 1 and 2  goals <= 1.5x, <= 1/6
+  kernel    the float8 projection alone (fp8_linear, one thread) at 16 and 256 tokens: GFLOP/s
+            against the native single-core sgemm peak (bench_step.native_sgemm_peak: numpy's
+            OpenBLAS with its own kernel, in a subprocess)
   prefill   eng.prefill on 2048 tokens vs a torch CPU implementation of the reference module
             with dequantized weights, all cores                    goal  >= 3x faster
+            and vs the FMA floor: its projection FLOPs at cores x the native sgemm peak
   cold      a fresh process maps the checkpoint (its pages evicted first), 2000 decode steps:
             private memory growth (RssAnon) and table pages mapped vs rows touched x 4 KiB
                                                                    goals <= 64 MB, <= 2x
@@ -68,29 +72,72 @@ def section_step(model, reps):
     wkv = w.wkv_weight.reshape(-1)
     G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
     rng = np.random.default_rng(0)
-    e1, e16 = model.stream(LAYER), model.stream(LAYER, n_streams=16)
+    e1 = model.stream(LAYER)
+    e16 = {n: model.stream(LAYER, n_streams=16) for n in (1, 2)}  # by step_threads
+    for n, e in e16.items():
+        e.step_threads = n
     h1 = rng.standard_normal((G, D)).astype(np.float32)
     h16 = rng.standard_normal((16, G, D)).astype(np.float32)
     o1, o16 = np.empty_like(h1), np.empty_like(h16)
     k.read_bytes(wkv)  # map every page of wkv before timing
     for _ in range(3):
         e1.step(int(rng.integers(V)), h1, out=o1)
-        e16.step(rng.integers(0, V, 16), h16, out=o16)
-    t_read, t_one, t_16 = [], [], []
-    for _ in range(reps):  # interleaved rounds: the three see the same machine state
+        for e in e16.values():
+            e.step(rng.integers(0, V, 16), h16, out=o16)
+    t_read, t_one, t_16 = [], [], {n: [] for n in e16}
+    for _ in range(reps):  # interleaved rounds: all see the same machine state
         t0 = time.perf_counter()
         k.read_bytes(wkv)
         t_read.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         e1.step(int(rng.integers(V)), h1, out=o1)
         t_one.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        e16.step(rng.integers(0, V, 16), h16, out=o16)
-        t_16.append(time.perf_counter() - t0)
-    r, one, s16 = median(t_read), median(t_one), median(t_16)
-    return {"wkv_bytes": int(wkv.nbytes), "read_ms": r * 1e3, "read_GBps": wkv.nbytes / r / 1e9,
-            "step1_ms": one * 1e3, "step1_over_read": one / r, "step16_ms": s16 * 1e3,
-            "per_token16_ms": s16 / 16 * 1e3, "per_token16_over_step1": s16 / 16 / one, "reps": reps}
+        for n, e in e16.items():
+            t0 = time.perf_counter()
+            e.step(rng.integers(0, V, 16), h16, out=o16)
+            t_16[n].append(time.perf_counter() - t0)
+    r, one = median(t_read), median(t_one)
+    res = {"wkv_bytes": int(wkv.nbytes), "read_ms": r * 1e3, "read_GBps": wkv.nbytes / r / 1e9,
+           "step1_ms": one * 1e3, "step1_over_read": one / r, "reps": reps}
+    for n in e16:
+        s16 = median(t_16[n])
+        res[f"step16_threads{n}_ms"] = s16 * 1e3
+        res[f"per_token16_threads{n}_over_step1"] = s16 / 16 / one
+    return res
+
+
+def native_sgemm_peak():
+    """bench_step.native_sgemm_peak (GFLOP/s of one core), imported without its side effect on
+    this process's environment (it pins OPENBLAS_NUM_THREADS at import)."""
+    env = dict(os.environ)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import bench_step
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    return bench_step.native_sgemm_peak()
+
+
+def section_kernel(model, peak, reps):
+    """fp8_linear (activation quantization + the projection), one thread, on the layer's wkv."""
+    w = model.layer(LAYER)
+    W, WS = np.asarray(w.wkv_weight), np.asarray(w.wkv_scale)
+    M, E = W.shape
+    rng = np.random.default_rng(3)
+    res = {"native_sgemm_peak_GFLOPs": peak}
+    for S in (16, 256):
+        x = rng.standard_normal((S, E)).astype(np.float32)
+        k.fp8_linear(x, W, WS, threads=1)
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            k.fp8_linear(x, W, WS, threads=1)
+            ts.append(time.perf_counter() - t0)
+        g = 2 * M * E * S / median(ts) / 1e9
+        res[f"S{S}_GFLOPs"] = g
+        res[f"S{S}_over_peak"] = g / peak
+    return res
 
 
 def torch_reference(model, rows, hidden, threads):
@@ -126,7 +173,7 @@ def torch_reference(model, rows, hidden, threads):
     return out.numpy(), time.perf_counter() - t0
 
 
-def section_prefill(model, T, reps):
+def section_prefill(model, T, reps, peak):
     G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
     rng = np.random.default_rng(1)
     ids = rng.integers(0, V, T)
@@ -149,6 +196,9 @@ def section_prefill(model, T, reps):
         except ImportError:
             pass
     res = {"T": T, "threads": cores, "ours_s": median(t_ours), "reps": reps}
+    M, E = model.layer(LAYER).wkv_weight.shape
+    floor = 2 * M * E * T / (cores * peak * 1e9)  # the projection at every core's native sgemm peak
+    res.update(fma_floor_s=floor, ours_over_floor=median(t_ours) / floor)
     if t_torch:
         want[dead] = 0
         err = np.abs(out - want) - (2e-5 + 2e-4 * np.abs(want))
@@ -204,7 +254,7 @@ def main():
     ap.add_argument("--dir", default="/tmp/engram_v41_flash")
     ap.add_argument("--engram-vocab-size", type=int, default=200000)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sections", default="step,prefill,cold")
+    ap.add_argument("--sections", default="step,kernel,prefill,cold")
     ap.add_argument("--json")
     a = ap.parse_args()
     d = ensure_checkpoint(a.dir, a.engram_vocab_size)
@@ -215,11 +265,17 @@ def main():
         res["cold"] = section_cold(d, 300 if a.quick else 2000)
         print("cold", json.dumps(res["cold"]))
     model = EngramModel.from_deepseek_v41(d, mmap=True)
+    peak = None
+    if "kernel" in sections or "prefill" in sections:
+        peak = native_sgemm_peak()
     if "step" in sections:
         res["step"] = section_step(model, 10 if a.quick else 30)
         print("step", json.dumps(res["step"]))
+    if "kernel" in sections:
+        res["kernel"] = section_kernel(model, peak, 3 if a.quick else 7)
+        print("kernel", json.dumps(res["kernel"]))
     if "prefill" in sections:
-        res["prefill"] = section_prefill(model, 256 if a.quick else 2048, 1 if a.quick else 2)
+        res["prefill"] = section_prefill(model, 256 if a.quick else 2048, 1 if a.quick else 2, peak)
         print("prefill", json.dumps(res["prefill"]))
     if a.json:
         with open(a.json, "w") as f:
