@@ -9,7 +9,6 @@ cdef extern from "engram_fp8.h" nogil:
     int ES8_TILE_TOKENS
     int ES8_MAX_THREADS
     int ES8_PREFILL_CHUNK
-    ctypedef void (*es8_range_fn)(void *ctx, int part, int64_t i0, int64_t i1) noexcept nogil
     int es8_isa_supported() noexcept
     float es8_e4m3(uint8_t b) noexcept
     float es8_e8m0(uint8_t b) noexcept
@@ -19,12 +18,13 @@ cdef extern from "engram_fp8.h" nogil:
     int64_t es8_ldq(int E) noexcept
     void es8_wkv_mt(int isa, const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
                     int M, float *Y, int nthreads, float *scratch) noexcept
-    void es8_parallel(es8_range_fn fn, void *ctx, int64_t n, int nthreads) noexcept
     void es8_gate_tail(const float *kv, const float *hid, const float *qw, const float *kw, int G, int D,
                        float eps, int dead, float *out) noexcept
     uint64_t es8_read_bytes(const uint8_t *p, int64_t n) noexcept
 
 cdef extern from "engram_step.h" nogil:
+    ctypedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1) noexcept nogil
+    void es_parallel(int nthreads, int64_t n, es_range_fn fn, void *ctx) noexcept
     void es_prefetch_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n) noexcept
     int64_t es_advise_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n,
                            int advice) noexcept
@@ -82,7 +82,7 @@ cdef class V41StreamEngine:
 
     cdef int _grow(self, int64_t cap) except -1
     cdef int _grow_scratch(self, int64_t S, int threads) except -1
-    cdef void _tokens(self, es8_range_fn fn, const float *hid, float *out, int64_t n, int threads) noexcept nogil
+    cdef void _tokens(self, es_range_fn fn, const float *hid, float *out, int64_t n, int threads) noexcept nogil
     cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil
     cdef void _hash_one(self, int64_t s, int64_t token, int64_t i) noexcept nogil
     cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil

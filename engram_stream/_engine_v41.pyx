@@ -82,7 +82,7 @@ class V41EngineSnapshot:
 
 
 cdef struct TokenWork:
-    # what the per-token work of a step or prefill chunk reads and writes (es8_parallel's ctx)
+    # what the per-token work of a step or prefill chunk reads and writes (es_parallel's ctx)
     const uint8_t *tw
     const uint8_t *ts
     const int64_t *rows    # [n, H]
@@ -99,7 +99,7 @@ cdef struct TokenWork:
     float eps
 
 
-cdef void _prep_part(void *ctx, int part, int64_t i0, int64_t i1) noexcept nogil:
+cdef void _prep_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
     """Tokens [i0, i1): rows gathered (dequantized), then quantized in place per 32 values as
     the reference's wkv input."""
     cdef TokenWork *w = <TokenWork *> ctx
@@ -109,7 +109,7 @@ cdef void _prep_part(void *ctx, int part, int64_t i0, int64_t i1) noexcept nogil
         es8_act_quant(w.q + i * w.ldq, w.E, w.q + i * w.ldq, w.s + i * (w.E // ES8_BLOCK))
 
 
-cdef void _tail_part(void *ctx, int part, int64_t i0, int64_t i1) noexcept nogil:
+cdef void _tail_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
     """Tokens [i0, i1): the gate times the value, from their projections."""
     cdef TokenWork *w = <TokenWork *> ctx
     cdef int64_t i, C = <int64_t> w.G * w.D
@@ -267,7 +267,7 @@ cdef class V41StreamEngine:
         h[0] = full[0]
         self.gdead[i] = token == self.dead_id
 
-    cdef void _tokens(self, es8_range_fn fn, const float *hid, float *out, int64_t n, int threads) noexcept nogil:
+    cdef void _tokens(self, es_range_fn fn, const float *hid, float *out, int64_t n, int threads) noexcept nogil:
         """fn (_prep_part or _tail_part) over the scratch tokens [0, n), split over threads."""
         cdef TokenWork w
         w.tw, w.ts, w.rows = self.tw, self.ts, &self.rbuf[0, 0]
@@ -275,7 +275,7 @@ cdef class V41StreamEngine:
         w.hid, w.out, w.qw, w.kw, w.dead = hid, out, self.qw, self.kw, &self.gdead[0]
         w.hd, w.H, w.E, w.G, w.D, w.M, w.eps = self.hd, self.H, self.E, self.G, self.D, self.M, self.eps
         w.ldq = self.qbuf.shape[1]
-        es8_parallel(fn, &w, n, threads)
+        es_parallel(threads, n, fn, &w)
 
     cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil:
         cdef int64_t b

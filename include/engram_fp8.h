@@ -10,7 +10,6 @@
  *                         stay float8 and are widened in registers (memory-bound GEMV). Several:
  *                         each 32-row group is widened to float32 once into scratch and reused
  *                         by every token (register tiles 2 rows x 8 tokens, k blocks of 256)
- *   es8_parallel          a range of per-token work split over threads
  *   es8_gate_tail         the gate (rstd, eps 1e-20, signed sqrt, sigmoid; 0 at DEAD) times the
  *                         shared value, for the G streams of one token
  *
@@ -38,6 +37,7 @@
 #include "engram_consts.h" /* ES_GATE_CLAMP */
 
 #include "engram_isa.h"
+#include "engram_step.h" /* es_parallel, ES_MAX_THREADS */
 
 #if ES_X86_PATHS
 #include <immintrin.h>
@@ -57,7 +57,7 @@
 #define ES8_XT_MIN 16         /* tokens from which they go in the lanes instead (es8_xtile512) */
 #define ES8_XT_ROWS 12        /* weight rows per tile of two 16-token vectors (24 accumulators) */
 #define ES8_KBLOCK 256        /* k per block of the many-token projection (its widened rows: L1) */
-#define ES8_MAX_THREADS 16
+#define ES8_MAX_THREADS ES_MAX_THREADS
 #define ES8_PREFILL_CHUNK 256 /* prompt tokens per projection in prefill (wkv widened once per chunk) */
 #define ES8_PREFETCH 512      /* bytes of a weight row requested ahead by the one-token tile */
 #define ES8_INLINE static inline __attribute__((always_inline))
@@ -426,47 +426,18 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const fl
     }
 }
 
-/* fn(ctx, part, i0, i1) over [0, n) split in nthreads contiguous parts, part = 0.. the part's
- * index (its scratch): groups of wkv rows, or the per-token work of a step or a prefill chunk
- * (gathers, quantization, the gate tail). Thread starts that fail run inline. */
-typedef void (*es8_range_fn)(void *ctx, int part, int64_t i0, int64_t i1);
-typedef struct { es8_range_fn fn; void *ctx; int part; int64_t i0, i1; } es8_range_job;
-
-static void *es8_range_job_run(void *arg) {
-    const es8_range_job *j = (const es8_range_job *)arg;
-    j->fn(j->ctx, j->part, j->i0, j->i1);
-    return 0;
-}
-
-static inline void es8_parallel(es8_range_fn fn, void *ctx, int64_t n, int nthreads) {
-    if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;
-    if (nthreads > n) nthreads = (int)n;
-    if (nthreads <= 1) { if (n > 0) fn(ctx, 0, 0, n); return; }
-    es8_range_job jobs[ES8_MAX_THREADS];
-    pthread_t tid[ES8_MAX_THREADS];
-    int started[ES8_MAX_THREADS];
-    for (int i = 0; i < nthreads; i++) {
-        es8_range_job j = {fn, ctx, i, n * i / nthreads, n * (i + 1) / nthreads};
-        jobs[i] = j;
-    }
-    for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tid[i], 0, es8_range_job_run, &jobs[i]) == 0;
-    es8_range_job_run(&jobs[0]);
-    for (int i = 1; i < nthreads; i++) {
-        if (started[i]) pthread_join(tid[i], 0);
-        else es8_range_job_run(&jobs[i]);
-    }
-}
-
 typedef struct {
     int isa, E, M;
     const float *qx;
     int64_t ldq, S;
     const uint8_t *W, *WS;
     float *Y, *xt, *scratch;
+    int slots;  /* per-thread scratch slots handed out so far */
 } es8_wkv_args;
 
-static void es8_wkv_part(void *ctx, int part, int64_t g0, int64_t g1) {
-    const es8_wkv_args *a = (const es8_wkv_args *)ctx;
+static void es8_wkv_part(void *ctx, int64_t g0, int64_t g1) {
+    es8_wkv_args *a = (es8_wkv_args *)ctx;
+    const int part = __atomic_fetch_add(&a->slots, 1, __ATOMIC_RELAXED);  /* < the ranges <= nthreads */
     es8_wkv_range(a->isa, a->qx, a->ldq, a->xt, a->S, a->E, a->W, a->WS, a->M, a->Y, g0, g1,
                   a->scratch ? a->scratch + part * es8_thread_floats(a->S, a->E) : 0);
 }
@@ -477,14 +448,13 @@ static void es8_wkv_part(void *ctx, int part, int64_t g0, int64_t g1) {
 static inline void es8_wkv_mt(int isa, const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W,
                               const uint8_t *WS, int M, float *Y, int nthreads, float *scratch) {
     float *xt = 0;
-    if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;
-    if (nthreads < 1) nthreads = 1;
+    if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;  /* the scratch holds nthreads slots */
     if (isa == ES8_AVX512 && scratch && S > 1 && es8_xt_floats(S, E)) {
         xt = scratch;
         es8_pack_tokens(qx, ldq, S, E, xt);
     }
-    es8_wkv_args a = {isa, E, M, qx, ldq, S, W, WS, Y, xt, scratch ? scratch + es8_xt_floats(S, E) : 0};
-    es8_parallel(es8_wkv_part, &a, (M + ES8_BLOCK - 1) / ES8_BLOCK, nthreads);
+    es8_wkv_args a = {isa, E, M, qx, ldq, S, W, WS, Y, xt, scratch ? scratch + es8_xt_floats(S, E) : 0, 0};
+    es_parallel(nthreads, (M + ES8_BLOCK - 1) / ES8_BLOCK, es8_wkv_part, &a);
 }
 
 /* ---- the gate tail ------------------------------------------------------------------- */
