@@ -146,48 +146,50 @@ static inline void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E,
 }
 
 /* ---- work over threads -------------------------------------------------------------
- * es_parallel runs fn(ctx, i0, i1) over [0, n) cut into nthreads contiguous ranges: range 0
- * on the calling thread, the others on threads started for this call and joined before it
- * returns (a start costs tens of us: callers use it for work of ~100 us and more). A thread
- * that cannot start has its range run inline after the others: same result, one core.
- * Work split by ranges of independent items (output panels, tokens, streams) gives results
- * bitwise equal to one thread. No state survives a call, so there is nothing to redo after
- * fork(). */
+ * es_parallel runs fn(ctx, i0, i1) over [0, n) in pieces of `grain` items that nthreads
+ * workers take in turn from a shared counter: the calling thread and threads started for
+ * this call, joined before it returns (a start costs ~15 us: callers use it for work of
+ * ~100 us and more). Taking pieces, not fixed halves, keeps a split no slower than one
+ * thread when a worker gets no core (a shared machine): the others take its pieces; a
+ * thread that cannot start takes none. Work split into independent items (output panels,
+ * tokens, streams) gives results bitwise equal to one thread, whoever computes a piece.
+ * No state survives a call, so there is nothing to redo after fork(). */
 #define ES_MAX_THREADS 16
 
 typedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1);
 typedef struct {
     es_range_fn fn;
     void *ctx;
-    int64_t i0, i1;
-} es_range_job;
+    int64_t n, grain;
+    int64_t next; /* the first item no worker has taken (atomic) */
+} es_pieces;
 
-static void *es_range_job_run(void *arg) {
-    const es_range_job *j = (const es_range_job *)arg;
-    j->fn(j->ctx, j->i0, j->i1);
-    return 0;
+static void *es_pieces_run(void *arg) {
+    es_pieces *w = (es_pieces *)arg;
+    for (;;) {
+        const int64_t i0 = __atomic_fetch_add(&w->next, w->grain, __ATOMIC_RELAXED);
+        if (i0 >= w->n) return 0;
+        w->fn(w->ctx, i0, i0 + w->grain < w->n ? i0 + w->grain : w->n);
+    }
 }
 
-static inline void es_parallel(int nthreads, int64_t n, es_range_fn fn, void *ctx) {
+/* grain <= 0: about 4 pieces a thread. */
+static inline void es_parallel(int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) {
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
-    if (nthreads > n) nthreads = (int)n;
+    if (grain <= 0) grain = (n + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
+    if (grain < 1) grain = 1;
+    if (nthreads > (n + grain - 1) / grain) nthreads = (int)((n + grain - 1) / grain);
     if (nthreads <= 1) {
         if (n > 0) fn(ctx, 0, n);
         return;
     }
-    es_range_job jobs[ES_MAX_THREADS];
+    es_pieces w = {fn, ctx, n, grain, 0};
     pthread_t tid[ES_MAX_THREADS];
     int started[ES_MAX_THREADS];
-    for (int i = 0; i < nthreads; i++) {
-        es_range_job j = {fn, ctx, n * i / nthreads, n * (i + 1) / nthreads};
-        jobs[i] = j;
-    }
-    for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tid[i], 0, es_range_job_run, &jobs[i]) == 0;
-    es_range_job_run(&jobs[0]);
-    for (int i = 1; i < nthreads; i++) {
+    for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tid[i], 0, es_pieces_run, &w) == 0;
+    es_pieces_run(&w);
+    for (int i = 1; i < nthreads; i++)
         if (started[i]) pthread_join(tid[i], 0);
-        else es_range_job_run(&jobs[i]);
-    }
 }
 
 /* es_gemm_packed split over threads by panel ranges: bitwise equal to one thread for B >= 2
@@ -211,7 +213,11 @@ static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int
                                      const float *biasp, int M, float *Y, float *xpack, int nthreads) {
     if (nthreads <= 1 || B < 2) { es_gemm_packed(X, ldx, B, E, Wp, wbf16, biasp, M, Y, xpack); return; }
     es_gemm_job j = {X, Wp, biasp, es_maybe_pack(X, ldx, B, E, xpack), Y, ldx, B, E, M, wbf16};
-    es_parallel(nthreads, (M + ES_PANEL - 1) / ES_PANEL, es_gemm_job_run, &j);
+    /* pieces of whole ES_TP-panel tiles (a tile of fewer panels is slower) */
+    const int64_t np = (M + ES_PANEL - 1) / ES_PANEL;
+    int64_t grain = (np + 8 * (int64_t)nthreads - 1) / (8 * (int64_t)nthreads);
+    grain = (grain + 3) & ~(int64_t)3;
+    es_parallel(nthreads, np, grain, es_gemm_job_run, &j);
 }
 
 /* ---- the per-token tail ----------------------------------------------------------
@@ -273,10 +279,10 @@ static inline void es_tails_mt(const es_tail_params *P, int64_t n, const float *
                                int chained, int nthreads) {
     es_tails_job j = {P, Y, ldy, hid, out, X, gates, taps, xdst};
     if (chained) {
-        es_parallel(nthreads, n, es_tails_x_run, &j);
-        es_parallel(nthreads, n, es_tails_y_run, &j);
+        es_parallel(nthreads, n, 0, es_tails_x_run, &j);
+        es_parallel(nthreads, n, 0, es_tails_y_run, &j);
     } else {
-        es_parallel(nthreads, n, es_tails_xy_run, &j);
+        es_parallel(nthreads, n, 0, es_tails_xy_run, &j);
     }
 }
 /* ---- gathering a token's rows ---------------------------------------------------- */
@@ -322,7 +328,7 @@ static void es_gather_job_run(void *arg, int64_t i0, int64_t i1) {
 static inline void es_gather_mt(int kind, const void *table, const float *scale, int hd, const int64_t *rows, int H,
                                 int64_t n, float *e, int64_t lde, int nthreads) {
     es_gather_job j = {table, scale, rows, e, lde, kind, hd, H};
-    es_parallel(nthreads, n, es_gather_job_run, &j);
+    es_parallel(nthreads, n, 0, es_gather_job_run, &j);
 }
 
 /* ---- knowing rows early ------------------------------------------------------------ */
