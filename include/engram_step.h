@@ -146,14 +146,16 @@ static inline void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E,
 }
 
 /* ---- work over threads -------------------------------------------------------------
- * es_parallel runs fn(ctx, i0, i1) over [0, n) in pieces of `grain` items that nthreads
- * workers take in turn from a shared counter: the calling thread and threads started for
- * this call, joined before it returns (a start costs ~15 us: callers use it for work of
- * ~100 us and more). Taking pieces, not fixed halves, keeps a split no slower than one
- * thread when a worker gets no core (a shared machine): the others take its pieces; a
+ * es_parallel_pieces runs fn(ctx, i0, i1) over [0, n) in pieces of `grain` items that
+ * nthreads workers take in turn from a shared counter: the calling thread and threads
+ * started for this call, joined before it returns (a start costs ~15 us: callers use it for
+ * work of ~100 us and more). Taking pieces, not fixed halves, keeps a split no slower than
+ * one thread when a worker gets no core (a shared machine): the others take its pieces; a
  * thread that cannot start takes none. Work split into independent items (output panels,
  * tokens, streams) gives results bitwise equal to one thread, whoever computes a piece.
- * No state survives a call, so there is nothing to redo after fork(). */
+ * No state survives a call, so there is nothing to redo after fork().
+ * es_parallel: the same in at most nthreads contiguous pieces (fn is called at most
+ * nthreads times: a caller may hand each call its own scratch). */
 #define ES_MAX_THREADS 16
 
 typedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1);
@@ -174,8 +176,9 @@ static void *es_pieces_run(void *arg) {
 }
 
 /* grain <= 0: about 4 pieces a thread. */
-static inline void es_parallel(int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) {
+static inline void es_parallel_pieces(int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) {
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
+    if (nthreads < 1) nthreads = 1;
     if (grain <= 0) grain = (n + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
     if (grain < 1) grain = 1;
     if (nthreads > (n + grain - 1) / grain) nthreads = (int)((n + grain - 1) / grain);
@@ -190,6 +193,12 @@ static inline void es_parallel(int nthreads, int64_t n, int64_t grain, es_range_
     es_pieces_run(&w);
     for (int i = 1; i < nthreads; i++)
         if (started[i]) pthread_join(tid[i], 0);
+}
+
+static inline void es_parallel(int nthreads, int64_t n, es_range_fn fn, void *ctx) {
+    if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
+    if (nthreads < 1) nthreads = 1;
+    es_parallel_pieces(nthreads, n, (n + nthreads - 1) / nthreads, fn, ctx);
 }
 
 /* es_gemm_packed split over threads by panel ranges: bitwise equal to one thread for B >= 2
@@ -217,7 +226,7 @@ static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int
     const int64_t np = (M + ES_PANEL - 1) / ES_PANEL;
     int64_t grain = (np + 8 * (int64_t)nthreads - 1) / (8 * (int64_t)nthreads);
     grain = (grain + 3) & ~(int64_t)3;
-    es_parallel(nthreads, np, grain, es_gemm_job_run, &j);
+    es_parallel_pieces(nthreads, np, grain, es_gemm_job_run, &j);
 }
 
 /* ---- the per-token tail ----------------------------------------------------------
@@ -279,10 +288,10 @@ static inline void es_tails_mt(const es_tail_params *P, int64_t n, const float *
                                int chained, int nthreads) {
     es_tails_job j = {P, Y, ldy, hid, out, X, gates, taps, xdst};
     if (chained) {
-        es_parallel(nthreads, n, 0, es_tails_x_run, &j);
-        es_parallel(nthreads, n, 0, es_tails_y_run, &j);
+        es_parallel_pieces(nthreads, n, 0, es_tails_x_run, &j);
+        es_parallel_pieces(nthreads, n, 0, es_tails_y_run, &j);
     } else {
-        es_parallel(nthreads, n, 0, es_tails_xy_run, &j);
+        es_parallel_pieces(nthreads, n, 0, es_tails_xy_run, &j);
     }
 }
 /* ---- gathering a token's rows ---------------------------------------------------- */
@@ -328,7 +337,7 @@ static void es_gather_job_run(void *arg, int64_t i0, int64_t i1) {
 static inline void es_gather_mt(int kind, const void *table, const float *scale, int hd, const int64_t *rows, int H,
                                 int64_t n, float *e, int64_t lde, int nthreads) {
     es_gather_job j = {table, scale, rows, e, lde, kind, hd, H};
-    es_parallel(nthreads, n, 0, es_gather_job_run, &j);
+    es_parallel_pieces(nthreads, n, 0, es_gather_job_run, &j);
 }
 
 /* ---- knowing rows early ------------------------------------------------------------ */
