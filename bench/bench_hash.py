@@ -18,6 +18,9 @@ Rows
   numpy %              x[:, None] % primes (fresh) and np.remainder(..., out=) (reused)
   fill fresh/reused    filling 2 x 4 MB in new pages (anonymous mmap) vs in the same arrays again:
                        the page-fault cost of a fresh output array
+  v41 hash_numpy/hash  the same ids through a deepseek-v4.1 geometry (Flash's primes near 16M, past
+                       the double-precision mod: Lemire's reciprocal; 4-grams; the dead-token latch,
+                       2% image tokens)
 For the mod rows x holds the real mix values of the ids (8*4096 per layer) and primes the
 layer's 16 head primes; the row does both layers: 8*4096*16*2 = 1,048,576 results, as hash.
 Minor page faults per call (getrusage) are shown for the rows that allocate.
@@ -36,6 +39,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from engram_stream import EngramConfig, HashPlan  # noqa: E402
+from engram_stream.config import V41  # noqa: E402
 from engram_stream import _hash, _isa, kernel_isa  # noqa: E402
 
 
@@ -101,6 +105,15 @@ def main(argv=None):
             assert np.array_equal(r_div, want) and np.array_equal(r_fast, want) and np.array_equal(r_np, want), \
                 f"floormod disagrees (layer {L}, order {i + 2})"
     n_results = sum(x.size * p.size for x, p, _, _ in mod_in)
+    # deepseek-v4.1-Flash's hash geometry (its engram_* keys; the other fields only make a valid config)
+    cfg41 = EngramConfig(variant=V41, engram_vocab_size=[16000000] * 3, max_ngram_size=4, n_head_per_ngram=8,
+                         n_embed_per_ngram=2048, layer_ids=[1, 14], pad_id=2, vocab_size=cfg.vocab_size,
+                         hidden_size=64, hc_mult=1)
+    plan41 = HashPlan(cfg41, compression=np.arange(cfg.vocab_size, dtype=np.int64) % 99092)
+    ids41 = ids.copy()
+    ids41[rng.random(ids.shape) < 0.02] = cfg41.image_token_id
+    assert all(np.array_equal(plan41.hash(ids41)[L], v) for L, v in plan41.hash_numpy(ids41).items()), \
+        "plan.hash != hash_numpy (deepseek-v4.1)"
     np_out = [np.empty((x.size, p.size), np.int64) for x, p, _, _ in mod_in]
     out_bytes = args.B * args.T * cfg.n_heads * 8
     touch_buf = [np.zeros(out_bytes // 8, np.int64) for _ in Ls]
@@ -129,6 +142,12 @@ def main(argv=None):
     def r_np_out():
         for (x, p, _, _), o in zip(mod_in, np_out):
             np.remainder(x[:, None], p[None, :], out=o)
+
+    def r_v41_numpy():
+        plan41.hash_numpy(ids41)
+
+    def r_v41():
+        plan41.hash(ids41)
 
     def r_touch():  # anonymous mmap: fresh pages guaranteed (malloc may or may not reuse its heap)
         for _ in Ls:
@@ -164,6 +183,8 @@ def main(argv=None):
         "numpy_mod_out": (r_np_out, "numpy np.remainder(..., out=)  (reused)"),
         "touch": (r_touch, f"fill {len(Ls)} fresh {out_bytes / 1e6:.1f} MB arrays (new pages: mmap)"),
         "touch_reused": (r_touch_reused, f"fill {len(Ls)} reused {out_bytes / 1e6:.1f} MB arrays"),
+        "v41_numpy": (r_v41_numpy, "deepseek-v4.1 geometry: plan.hash_numpy(ids)"),
+        "v41_hash": (r_v41, "deepseek-v4.1 geometry: plan.hash(ids)"),
     }
     for isa in other_isas:
         runs[f"hash[{isa}]"] = (on_isa(isa, r_hash), f"plan.hash(ids)  ({isa} kernels)")
@@ -207,7 +228,8 @@ def main(argv=None):
             ("hash(out=) / floormod fastmod", "hash_out", "floormod_fast", None, None),
             ("floormod fastmod / floormod div", "floormod_fast", "floormod_div", None, None),
             ("numpy % / floormod div", "numpy_mod", "floormod_div", None, None),
-            ("numpy %(out=) / floormod div", "numpy_mod_out", "floormod_div", None, None)]
+            ("numpy %(out=) / floormod div", "numpy_mod_out", "floormod_div", None, None),
+            (f"deepseek-v4.1: hash_numpy / hash  [{best}]", "v41_numpy", "v41_hash", None, None)]
     summary = []
     for what, a, b, goal, test in rows:
         r, pr = ratio(a, b)

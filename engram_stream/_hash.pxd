@@ -14,9 +14,10 @@ cdef extern from "engram_hash.h" nogil:
     unsigned ES_FP_PRIME_MAX
     void es_hash_window(const int64_t *win, const int64_t *mult, int max_ngram, int n_head,
                         const int64_t *primes, const double *fp, int64_t *rows) noexcept
+    int ES_HASH_STREAM_BYTES
     void es_hash_sequence(const int64_t *c, int64_t T, int64_t pad, int latch, const int64_t *mult,
                           int max_ngram, int n_head, const int64_t *primes, const double *fp,
-                          int64_t *rows) noexcept
+                          int64_t *rows, int stream) noexcept
 
 
 # deepseek-v4.1: the dead-token latch (DESIGN.md 4.4). hist[k] is the compressed id at t-k, or

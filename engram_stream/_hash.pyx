@@ -88,10 +88,11 @@ def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
         pfp = &fp[0]
     if B == 0 or T == 0:
         return out
+    cdef bint stream = B * T * H * 8 >= ES_HASH_STREAM_BYTES  # too large to stay in cache
     with nogil:
         for b in range(B):
             es_hash_sequence(&cids[b, 0], T, pad, latch, &mult[0], max_ngram, n_head, &primes[0], pfp,
-                             &o[b, 0, 0])
+                             &o[b, 0, 0], stream)
     return out
 
 

@@ -72,6 +72,18 @@ def _run_shared(jobs, run, workers):
                 f.result()
 
 
+def _empty_aligned(count, shape) -> list:
+    """`count` int64 arrays of `shape` in one allocation, each starting on a 64-byte boundary
+    (numpy's large blocks start 16 bytes past one): the kernel's streaming stores need aligned
+    rows. One block: malloc reuses one large block from call to call where separate ones are
+    returned to the kernel and fault their pages in again."""
+    n = int(np.prod(shape))
+    stride = -(-n // 8) * 8
+    raw = np.empty(count * stride + 8, dtype=np.int64)
+    skip = (-raw.ctypes.data % 64) // 8
+    return [raw[skip + i * stride:skip + i * stride + n].reshape(shape) for i in range(count)]
+
+
 def is_prime(n: int) -> bool:
     """Deterministic Miller-Rabin, exact for every n < 3.3e24."""
     if n < 2:
@@ -234,12 +246,12 @@ class HashPlan:
         layers = self.cfg.layer_ids if layers is None else [self.check_layer(L) for L in layers]
         shape = a.shape + (self.cfg.n_heads,)
         res = {}
-        block = None  # fresh outputs share one allocation: one large block is reused by malloc
-        for i, L in enumerate(layers):  # from call to call where separate ones are not (page faults)
+        block = None  # fresh outputs: one allocation (_empty_aligned)
+        for i, L in enumerate(layers):
             buf = None if out is None else out.get(L)
             if buf is None:
                 if block is None:
-                    block = np.empty((len(layers),) + shape, dtype=np.int64)
+                    block = _empty_aligned(len(layers), shape)
                 buf = block[i]
             elif not (isinstance(buf, np.ndarray) and buf.dtype == np.int64 and buf.shape == shape
                       and buf.flags.c_contiguous and buf.flags.writeable):

@@ -4,6 +4,8 @@
  *   ES_TGT   its target attribute (empty for the baseline)
  *   ES_VD    64-bit lanes per vector (2, 4, or 8 with 64-byte vectors)
  *   ES_CVT   1 when the ISA converts double <-> int64 lanes in one instruction (AVX-512DQ)
+ *   ES_STREAM(p, v), ES_SFENCE()  a streaming store of one vector to aligned p, and the fence
+ *            that orders such stores (plain store and nothing where the ISA has none)
  * No include guard: including it again with other settings is the point; it undefines
  * these parameters at its end.
  */
@@ -36,19 +38,30 @@ static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_fpmod)(
 
 /* One order's n_head rows of one position: out[j] = mix mod primes[j], the mix given as h and,
  * for es_fpmod (fp: {p, 1/p, 2^32 mod p}, stride H), as hi*2^32 + lo. ES_VD heads per vector;
- * the last, partial vector's unused lanes compute x mod 1 and are not stored. */
+ * the last, partial vector's unused lanes compute x mod 1 and are not stored. Without fp:
+ * Lemire's reciprocal when mods (es_modulus of each prime), else a division per head.
+ * stream: full vectors go out with streaming stores (the caller checked the alignment). */
 static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_order_row)(
-    int64_t h, double hi, double lo, int n_head, const int64_t *primes, const double *fp, int H, int64_t *out) {
+    int64_t h, double hi, double lo, int n_head, const int64_t *primes, const double *fp, const es_modulus *mods,
+    int H, int64_t *out, int stream) {
     typedef ES_HF(es_hvd) vd;
     typedef ES_HF(es_hvl) vl;
     if (!fp) {
-        for (int j = 0; j < n_head; j++) out[j] = es_floormod(h, primes[j]);
+        if (mods)
+            for (int j = 0; j < n_head; j++) out[j] = es_floormod_fast(h, &mods[j]);
+        else
+            for (int j = 0; j < n_head; j++) out[j] = es_floormod(h, primes[j]);
         return;
     }
     int j = 0;
-    for (; j + ES_VD <= n_head; j += ES_VD)
-        ES_HF(es_fpmod)(hi, lo, (const vd *)(fp + j), (const vd *)(fp + H + j), (const vd *)(fp + 2 * H + j),
-                        (vl *)(out + j));
+    for (; j + ES_VD <= n_head; j += ES_VD) {
+        vl r;
+        ES_HF(es_fpmod)(hi, lo, (const vd *)(fp + j), (const vd *)(fp + H + j), (const vd *)(fp + 2 * H + j), &r);
+        if (stream)
+            ES_STREAM((vl *)(out + j), r);
+        else
+            *(vl *)(out + j) = r;
+    }
     if (j < n_head) {
         vd p = (vd){0} + 1.0, inv = (vd){0} + 1.0, c = (vd){0};
         vl r;
@@ -68,7 +81,7 @@ static ES_TGT void ES_HF(es_hash_window)(const int64_t *win, const int64_t *mult
         const int off = (n - 2) * n_head;
         const int64_t hs = (int64_t)h;
         ES_HF(es_order_row)(hs, (double)(hs >> 32), (double)(hs & 0xffffffff), n_head, primes + off,
-                            fp ? fp + off : 0, H, rows + off);
+                            fp ? fp + off : 0, 0, H, rows + off, 0);
     }
 }
 
@@ -80,7 +93,7 @@ static ES_TGT void ES_HF(es_hash_window)(const int64_t *win, const int64_t *mult
  * to the newest negative id, exclusive (latch). */
 static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_hash_sequence_core)(
     const int64_t *c, int64_t T, int64_t pad, int latch, const int64_t *mult, int max_ngram, int n_head,
-    const int64_t *primes, const double *fp, int64_t *rows) {
+    const int64_t *primes, const double *fp, int64_t *rows, int stream) {
     typedef ES_HF(es_hvd) vd;
     typedef ES_HF(es_hvl) vl;
     typedef ES_HF(es_hvu) vu;
@@ -97,6 +110,12 @@ static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_hash_sequence_
     const vl M = (vl){0} + 0x4338000000000000LL; /* the bits of 1.5*2^52: int <-> double for |v| < 2^51 */
     const vd Md = (vd){0} + 0x1.8p52;
     const vl padv = (vl){0} + pad;
+    /* primes past ES_FP_PRIME_MAX: their reciprocals, made once per call (a 128-bit division each) */
+    es_modulus mods[ES_HASH_MODS];
+    const int use_mods = !fp && ES_HAVE_INT128 && H <= ES_HASH_MODS;
+    for (int j = 0; use_mods && j < H; j++) mods[j] = es_modulus_make((uint64_t)primes[j]);
+    /* streaming stores need every full vector aligned: rows, and each order's n_head heads */
+    stream = stream && fp && (uintptr_t)rows % (ES_VD * 8) == 0 && n_head % ES_VD == 0;
     int64_t r = 0; /* run of the position before the block */
     for (int64_t t0 = 0; t0 < T; t0 += blk) {
         const int nt = T - t0 < blk ? (int)(T - t0) : blk;
@@ -126,23 +145,24 @@ static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_hash_sequence_
         for (int i = 0; i < nt; i++) /* row by row: each row's H results written together */
             for (int k = 1; k < max_ngram; k++) {
                 const int o = (k - 1) * blk + i, off = (k - 1) * n_head;
-                ES_HF(es_order_row)(h[o], hi[o], lo[o], n_head, primes + off, fp ? fp + off : 0, H,
-                                    rows + (t0 + i) * H + off);
+                ES_HF(es_order_row)(h[o], hi[o], lo[o], n_head, primes + off, fp ? fp + off : 0,
+                                    use_mods ? mods + off : 0, H, rows + (t0 + i) * H + off, stream);
             }
     }
+    if (stream) ES_SFENCE();
 }
 
 /* es_hash_sequence_core, compiled apart for the geometries of the configs (the demo: 3-grams,
  * 8 heads; deepseek-v4.1: 4-grams, 8 heads): constant loop bounds unroll the windows and heads. */
 static ES_TGT void ES_HF(es_hash_sequence)(const int64_t *c, int64_t T, int64_t pad, int latch,
                                            const int64_t *mult, int max_ngram, int n_head,
-                                           const int64_t *primes, const double *fp, int64_t *rows) {
+                                           const int64_t *primes, const double *fp, int64_t *rows, int stream) {
     if (max_ngram == 3 && n_head == 8)
-        ES_HF(es_hash_sequence_core)(c, T, pad, latch, mult, 3, 8, primes, fp, rows);
+        ES_HF(es_hash_sequence_core)(c, T, pad, latch, mult, 3, 8, primes, fp, rows, stream);
     else if (max_ngram == 4 && n_head == 8)
-        ES_HF(es_hash_sequence_core)(c, T, pad, latch, mult, 4, 8, primes, fp, rows);
+        ES_HF(es_hash_sequence_core)(c, T, pad, latch, mult, 4, 8, primes, fp, rows, stream);
     else
-        ES_HF(es_hash_sequence_core)(c, T, pad, latch, mult, max_ngram, n_head, primes, fp, rows);
+        ES_HF(es_hash_sequence_core)(c, T, pad, latch, mult, max_ngram, n_head, primes, fp, rows, stream);
 }
 
 #undef ES_HF
@@ -152,3 +172,5 @@ static ES_TGT void ES_HF(es_hash_sequence)(const int64_t *c, int64_t T, int64_t 
 #undef ES_TGT
 #undef ES_VD
 #undef ES_CVT
+#undef ES_STREAM
+#undef ES_SFENCE

@@ -129,6 +129,16 @@ def test_mod_of_extreme_mixes(evs, n_head):
         assert r == [x % p for p in primes], x
 
 
+@pytest.mark.parametrize("evs, n_head", [([(1 << 21) + 5], 8), ([16000000], 3), ([(1 << 40) + 15], 2),
+                                         ([(1 << 62) - 5000], 2), ([(1 << 21) + 5], 70)])
+def test_mod_of_extreme_mixes_large_primes(evs, n_head):
+    """Primes past 2^21: Lemire's reciprocal (up to 64 heads a layer), or a division (more)."""
+    rows, primes = mod_rows(EDGE_MIXES, evs, n_head)
+    assert min(primes) >= FP_MAX
+    for x, r in zip(EDGE_MIXES, rows.tolist()):
+        assert r == [x % p for p in primes], x
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.integers(I64_MIN, I64_MAX), min_size=1, max_size=40),
        st.integers(2, FP_MAX - 2000), st.integers(1, 10))
@@ -150,6 +160,35 @@ def test_mod_near_multiples_of_the_prime():
     rows, primes = mod_rows(mixes, [646400], 8)
     for x, r in zip(mixes, rows.tolist()):
         assert r == [x % p for p in primes], x
+
+
+# --- outputs past ES_HASH_STREAM_BYTES: streaming stores where aligned -------------------------------
+
+def offset_buffer(shape, skip):
+    """An int64 array of `shape` starting `skip` elements past a 64-byte boundary."""
+    n = int(np.prod(shape))
+    raw = np.empty(n + 16, np.int64)
+    s = (-raw.ctypes.data % 64) // 8 + skip
+    return raw[s:s + n].reshape(shape)
+
+
+@pytest.mark.parametrize("evs, n_head", [([97, 2003], 8), ([211, 211, 211], 8), ([97], 4), ([97, 2003], 6)])
+def test_large_outputs_aligned_or_not(evs, n_head):
+    """2+ MB outputs: streaming stores when rows are vector-aligned (plan.hash's own arrays are),
+    ordinary ones otherwise; the same rows either way, in fresh arrays and in out= buffers."""
+    plan = HashPlan(demo_cfg(evs, n_head, layers=[0, 1]))
+    H = plan.cfg.n_heads
+    T = (2 << 20) // (8 * H) + 37  # one layer's rows just past 2 MB
+    ids = np.random.default_rng(4).integers(-3, 300, (1, T))
+    want = plan.hash_numpy(ids)
+    got = plan.hash(ids)
+    assert all(got[L].ctypes.data % 64 == 0 for L in got)
+    for skip in (0, 1, 2, 4):
+        out = {L: offset_buffer((1, T, H), skip) for L in plan.cfg.layer_ids}
+        plan.hash(ids, out=out)
+        for L in plan.cfg.layer_ids:
+            np.testing.assert_array_equal(got[L], want[L])
+            np.testing.assert_array_equal(out[L], want[L])
 
 
 # --- plan.hash over threads ------------------------------------------------------------------------
