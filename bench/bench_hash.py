@@ -237,13 +237,11 @@ def main(argv=None):
         v = "" if ok is None else ("  MET" if ok else "  NOT MET")
         print(f"  {what:<58s} {r:7.2f}x (paired {pr:5.2f}x)  " + (f"goal {goal}" if goal else "") + v)
         summary.append(dict(what=what, ratio=r, paired_ratio=pr, goal=goal, met=ok))
-    over = med["hash_out"] - med["floormod_div"]
-    print(f"\n  plan.hash(out=) spends {med['hash_out'] * 1e3:.2f} ms: {med['floormod_div'] * 1e3:.2f} ms is the "
-          f"divisions alone (hardware div), {over * 1e3:.2f} ms ({over / n_results * 1e9:.2f} ns/result) the rest "
-          f"(compression, window, multiply/xor, stores)")
+    print(f"\n  plan.hash(out=) spends {med['hash_out'] * 1e3:.2f} ms ({med['hash_out'] / n_results * 1e9:.2f} ns/result, "
+          f"everything included); the mods alone by hardware division take {med['floormod_div'] * 1e3:.2f} ms, "
+          f"by fastmod {med['floormod_fast'] * 1e3:.2f} ms")
     print(f"  fresh outputs: plan.hash pays {(med['hash'] - med['hash_out']) * 1e3:.2f} ms more per call than with "
-          f"out= ({int(np.median(faults['hash']))} minor page faults per call: glibc returns big freed blocks to "
-          f"the kernel, so the next call's arrays fault their pages in again);\n  filling "
+          f"out= ({int(np.median(faults['hash']))} minor page faults per call);\n  filling "
           f"{len(Ls)} x {out_bytes / 1e6:.1f} MB in new pages costs {med['touch'] * 1e3:.2f} ms vs "
           f"{med['touch_reused'] * 1e3:.2f} ms in reused ones ({int(np.median(faults['touch']))} faults: "
           f"{(med['touch'] - med['touch_reused']) / max(1, np.median(faults['touch'])) * 1e9:.0f} ns per fault "
