@@ -23,6 +23,15 @@ typedef short ES_GF(es_vidx) __attribute__((vector_size(64)));
         (__m512i)(ES_GF(es_vidx)){0, 0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7,                               \
                                   0, 8, 0, 9, 0, 10, 0, 11, 0, 12, 0, 13, 0, 14, 0, 15},                        \
         _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p)))))
+#elif ES_W_BF16 && ES_VW == 8 && ES_X86_PATHS
+/* 8 bf16 -> 8 floats in one AVX2 op: the 16 bytes broadcast to both 128-bit lanes (a load,
+ * no ALU op), then a byte shuffle puts bf16 i into the high half of float i, zeros below. */
+typedef char ES_GF(es_vidx) __attribute__((vector_size(32)));
+#define ES_LOADW(p)                                                                                              \
+    ((ES_SF(es_vf))_mm256_shuffle_epi8(                                                                         \
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p))),                                     \
+        (__m256i)(ES_GF(es_vidx)){-128, -128, 0, 1, -128, -128, 2, 3, -128, -128, 4, 5, -128, -128, 6, 7,      \
+                                  -128, -128, 8, 9, -128, -128, 10, 11, -128, -128, 12, 13, -128, -128, 14, 15}))
 #elif ES_W_BF16
 typedef uint16_t ES_GF(es_vh) __attribute__((vector_size(ES_VW * 2), aligned(2)));
 typedef uint32_t ES_GF(es_vu) __attribute__((vector_size(ES_VW * 4), aligned(4)));
