@@ -164,6 +164,17 @@ BEST_ISA = kernel_isa()
 OTHER_ISAS = [i for i in reversed(_isa.supported_isas()) if i != BEST_ISA and i != "baseline"]
 
 
+def cpus_got(run, acc):
+    """`run`, adding its process CPU time and wall time to acc [cpu, wall]: the CPUs a
+    multi-threaded contender actually got (on a shared machine a thread may find no core)."""
+    def r(n):
+        c, w = time.process_time(), time.perf_counter()
+        run(n)
+        acc[0] += time.process_time() - c
+        acc[1] += time.perf_counter() - w
+    return r
+
+
 def on_isa(isa, run):
     """`run` with the kernels on path `isa` (engram_stream._isa): paths compared in one run."""
     def r(n):
@@ -269,6 +280,7 @@ def step_section(rep, key, model, reps, target, streams16=False):
     cfg = model.cfg
     M, E = (cfg.hc_mult + 1) * cfg.hidden_size, cfg.engram_dim
     runs = {"engine": engine_runner(model)}
+    cpu = {}  # contender -> [process CPU s, wall s]
     if HAVE_TORCH:
         runs["torch"] = torch_runner(model)
     fw, fwt = floor_runners(model)
@@ -282,8 +294,10 @@ def step_section(rep, key, model, reps, target, streams16=False):
         for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]:  # 16 streams: 1 and 2 threads
             for wname, m in (("", model), ("_bf16", bf16)):
                 for th in STEP_THREADS:
-                    r = engine_runner(m, S=16, threads=th)
-                    runs[f"engine16{wname}_t{th}{sfx}"] = r if isa == BEST_ISA else on_isa(isa, r)
+                    k = f"engine16{wname}_t{th}{sfx}"
+                    cpu[k] = [0.0, 0.0]
+                    r = cpus_got(engine_runner(m, S=16, threads=th), cpu[k])
+                    runs[k] = r if isa == BEST_ISA else on_isa(isa, r)
         if HAVE_TORCH:
             runs["torch16"] = torch_runner(model, S=16)
         fw16, fwt16 = floor_runners(model, S=16)
@@ -311,8 +325,10 @@ def step_section(rep, key, model, reps, target, streams16=False):
             for wname, wdesc in (("", "float32"), ("_bf16", "bf16")):
                 for th in STEP_THREADS:
                     k = f"engine16{wname}_t{th}{sfx}"
+                    got = cpu[k][0] / max(cpu[k][1], 1e-9)
+                    rep.data[f"{key}.{k}_cpus"] = got
                     rep.time(f"{key}.{k}_per_token", f"16 streams per token, {wdesc}, step_threads={th}, {isa}",
-                             [x / 16 for x in t[k]])
+                             [x / 16 for x in t[k]], f"[{got:.2f} CPUs]")
         if HAVE_TORCH:
             rep.time(f"{key}.torch16", "torch incremental, 16 streams: one step", t["torch16"])
         a = rep.time(f"{key}.floor16_e@W.T", f"floor: numpy e[16,{E}] @ W.T (view)", t["floor16_e@W.T"])
@@ -406,7 +422,8 @@ def prefill_section(rep, key, model, reps, T):
                 eng.reset()
                 eng.prefill(ids, hidden, out=out)
         return run
-    runs["engine"] = engine_run(engine_threads)
+    cpu = [0.0, 0.0]
+    runs["engine"] = cpus_got(engine_run(engine_threads), cpu)
     runs["engine_1"] = engine_run(1)
     for isa in OTHER_ISAS:
         runs[f"engine[{isa}]"] = on_isa(isa, engine_run(engine_threads))
@@ -441,7 +458,9 @@ def prefill_section(rep, key, model, reps, T):
             s = time.perf_counter()
             runs[k](1)
             t[k].append(time.perf_counter() - s)
-    rep.time(f"{key}.engine", f"engine prefill, {T} tokens ({engine_threads} threads, the default)", t["engine"])
+    rep.data[f"{key}.engine_cpus"] = cpu[0] / max(cpu[1], 1e-9)
+    rep.time(f"{key}.engine", f"engine prefill, {T} tokens ({engine_threads} threads, the default)", t["engine"],
+             f"[{cpu[0] / max(cpu[1], 1e-9):.2f} CPUs]")
     rep.time(f"{key}.engine_1", f"engine prefill, {T} tokens (1 thread)", t["engine_1"])
     for isa in OTHER_ISAS:
         rep.time(f"{key}.engine[{isa}]", f"engine prefill, {T} tokens ({engine_threads} threads), {isa} kernels",
