@@ -84,6 +84,14 @@ def test_act_quant_bit_equal_to_the_oracle():
         np.linspace(-1, 1, 32),                        # ties of the e4m3 grid somewhere
         np.r_[1.0, np.full(31, 2.0 ** -13 * 3)],       # an exact tie (1.5 x 2^-9 steps) rounds to even
     ]
+    # every e4m3 magnitude, the midpoints between neighbours (ties) and one float32 step
+    # either side of them, in blocks of 32 (the block max sets each block's scale, a power
+    # of two: the ties stay ties after the division)
+    grid = np.unique(np.abs(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)))
+    grid = grid[np.isfinite(grid)]
+    mids = (grid[:-1] + grid[1:]) / 2
+    near = np.concatenate([grid, mids, np.nextafter(mids, np.float32(0)), np.nextafter(mids, np.float32(512))])
+    blocks.append(np.resize(np.concatenate([near, -near]), 32 * 32))
     x = np.concatenate(blocks).astype(np.float32)
     x = np.stack([x, -x, x * 7.5])
     q, s = k.act_quant(x)
