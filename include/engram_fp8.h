@@ -58,6 +58,7 @@
 #define ES8_XT_ROWS 12        /* weight rows per tile of two 16-token vectors (24 accumulators) */
 #define ES8_KBLOCK 256        /* k per block of the many-token projection (its widened rows: L1) */
 #define ES8_MAX_THREADS ES_MAX_THREADS
+#define ES8_GRAB 4            /* row groups a projection thread takes at a time */
 #define ES8_PREFILL_CHUNK 256 /* prompt tokens per projection in prefill (wkv widened once per chunk) */
 #define ES8_PREFETCH 512      /* bytes of a weight row requested ahead by the one-token tile */
 #define ES8_INLINE static inline __attribute__((always_inline))
@@ -441,29 +442,39 @@ typedef struct {
     int64_t ldq, S;
     const uint8_t *W, *WS;
     float *Y, *xt, *scratch;
-    int slots;  /* per-thread scratch slots handed out so far */
+    int64_t ng, next;  /* row groups; the first one no thread has taken yet */
 } es8_wkv_args;
 
-static void es8_wkv_part(void *ctx, int64_t g0, int64_t g1) {
+/* Thread `slot` (its scratch) takes ES8_GRAB row groups at a time until none is left: a
+ * thread that shares its core with other work takes fewer (a static split would wait for
+ * it). Which thread computes a group does not change its bits. */
+static void es8_wkv_part(void *ctx, int64_t slot, int64_t slot_end) {
     es8_wkv_args *a = (es8_wkv_args *)ctx;
-    const int part = __atomic_fetch_add(&a->slots, 1, __ATOMIC_RELAXED);  /* < the ranges <= nthreads */
-    es8_wkv_range(a->isa, a->qx, a->ldq, a->xt, a->S, a->E, a->W, a->WS, a->M, a->Y, g0, g1,
-                  a->scratch ? a->scratch + part * es8_thread_floats(a->S, a->E) : 0);
+    float *scratch = a->scratch ? a->scratch + slot * es8_thread_floats(a->S, a->E) : 0;
+    (void)slot_end;
+    for (;;) {
+        const int64_t g0 = __atomic_fetch_add(&a->next, ES8_GRAB, __ATOMIC_RELAXED);
+        if (g0 >= a->ng) break;
+        es8_wkv_range(a->isa, a->qx, a->ldq, a->xt, a->S, a->E, a->W, a->WS, a->M, a->Y, g0,
+                      g0 + ES8_GRAB < a->ng ? g0 + ES8_GRAB : a->ng, scratch);
+    }
 }
 
 /* es8_wkv_range over all groups, split by groups over nthreads threads (each reads its own
- * part of wkv; scratch: es8_scratch_floats(S, E, nthreads) floats, or NULL for one token or
+ * groups of wkv; scratch: es8_scratch_floats(S, E, nthreads) floats, or NULL for one token or
  * the baseline path). Bitwise equal to one thread. */
 static inline void es8_wkv_mt(int isa, const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W,
                               const uint8_t *WS, int M, float *Y, int nthreads, float *scratch) {
     float *xt = 0;
+    const int64_t ng = (M + ES8_BLOCK - 1) / ES8_BLOCK;
     if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;  /* the scratch holds nthreads slots */
+    if (nthreads > ng) nthreads = (int)ng;
     if (isa == ES8_AVX512 && scratch && S > 1 && es8_xt_floats(S, E)) {
         xt = scratch;
         es8_pack_tokens(qx, ldq, S, E, xt);
     }
-    es8_wkv_args a = {isa, E, M, qx, ldq, S, W, WS, Y, xt, scratch ? scratch + es8_xt_floats(S, E) : 0, 0};
-    es_parallel(nthreads, (M + ES8_BLOCK - 1) / ES8_BLOCK, es8_wkv_part, &a);
+    es8_wkv_args a = {isa, E, M, qx, ldq, S, W, WS, Y, xt, scratch ? scratch + es8_xt_floats(S, E) : 0, ng, 0};
+    es_parallel(nthreads, nthreads, es8_wkv_part, &a);  /* one range per thread: its scratch slot */
 }
 
 /* ---- the gate tail ------------------------------------------------------------------- */
