@@ -19,15 +19,15 @@
 #endif
 
 /* Floored x mod p (p > 0, result in [0, p)), as numpy's %: a hardware
- * division and one correction. This is the hot-path mod: on the CPUs measured
- * here (bench/bench_hash.py) a 64-bit DIV beat every reciprocal trick. */
+ * division and one correction. The per-token path's mod for primes past
+ * ES_FP_PRIME_MAX; batches use es_floormod_fast (0.5x its time in bench_hash). */
 static inline int64_t es_floormod(int64_t x, int64_t p) {
     int64_t r = x % p;
     return r < 0 ? r + p : r;
 }
 
-/* The reciprocal alternative, kept for CPUs with slow dividers and measured
- * beside the division in the bench: Lemire's "fastmod" with a 128-bit magic
+/* The reciprocal alternative (es_hash_sequence, primes past ES_FP_PRIME_MAX; measured
+ * beside the division in bench_hash): Lemire's "fastmod" with a 128-bit magic
  * M = floor((2^128-1)/p) + 1, exact for every 64-bit numerator and divisor
  * (Lemire, Kaser, Kurz 2019): four multiplies, no division. */
 /* Needs a 128-bit integer type (64-bit GCC/clang). Without one (32-bit targets) the
