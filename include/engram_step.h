@@ -282,12 +282,13 @@ static void es_tails_xy_run(void *arg, int64_t i0, int64_t i1) {
 }
 
 /* chained = 0: the n tails are independent (one token per stream: x then conv per item);
- * chained = 1: the taps of one may read another's x (a prefill): all x first, then the convs. */
+ * chained = 1: tail i may read the x of an earlier one (a prefill): over threads all x first,
+ * then the convs; on one thread x then conv token by token, in order (the same bits). */
 static inline void es_tails_mt(const es_tail_params *P, int64_t n, const float *Y, int64_t ldy, const float *hid,
                                float *out, float *X, float *gates, const float *const *taps, float *const *xdst,
                                int chained, int nthreads) {
     es_tails_job j = {P, Y, ldy, hid, out, X, gates, taps, xdst};
-    if (chained) {
+    if (chained && nthreads > 1) { /* (one thread: token by token below, its rows still in cache) */
         es_parallel_pieces(nthreads, n, 0, es_tails_x_run, &j);
         es_parallel_pieces(nthreads, n, 0, es_tails_y_run, &j);
     } else {

@@ -73,18 +73,26 @@ static ES_TGT void ES_SF(es_gather_i8)(const int8_t *table, const float *scale, 
 }
 
 /* ---- the per-token tail (es_tail_x, es_tail_y in engram_step.h) ---------------------- */
-typedef int32_t ES_SF(es_vi) __attribute__((vector_size(ES_VW * 4), aligned(4)));
+/* Tail vectors: at least 8 lanes (the 16-byte baseline runs two registers per op: the
+ * independent halves overlap, as in the 8-lane code the baseline ran before). */
+#if ES_VW < 8
+#define ES_TVW 8
+#else
+#define ES_TVW ES_VW
+#endif
+typedef float ES_SF(es_vt) __attribute__((vector_size(ES_TVW * 4), aligned(4)));
+typedef int32_t ES_SF(es_vi) __attribute__((vector_size(ES_TVW * 4), aligned(4)));
 
-ES_KI ES_SF(es_vf) ES_SF(es_sel)(ES_SF(es_vi) m, ES_SF(es_vf) a, ES_SF(es_vf) b) {
-    typedef ES_SF(es_vf) vf;
+ES_KI ES_SF(es_vt) ES_SF(es_sel)(ES_SF(es_vi) m, ES_SF(es_vt) a, ES_SF(es_vt) b) {
+    typedef ES_SF(es_vt) vf;
     typedef ES_SF(es_vi) vi;
     return (vf)((m & (vi)a) | (~m & (vi)b));
 }
 
-/* exp on ES_VW lanes (Cephes expf: range reduction by ln 2, degree-5 polynomial), ~2 ulp;
+/* exp on ES_TVW lanes (Cephes expf: range reduction by ln 2, degree-5 polynomial), ~2 ulp;
  * NaN stays NaN through the polynomial. */
-ES_KI ES_SF(es_vf) ES_SF(es_exp)(ES_SF(es_vf) x) {
-    typedef ES_SF(es_vf) vf;
+ES_KI ES_SF(es_vt) ES_SF(es_exp)(ES_SF(es_vt) x) {
+    typedef ES_SF(es_vt) vf;
     typedef ES_SF(es_vi) vi;
     const vf hi = (vf){0} + 88.3762626647949f;
     x = ES_SF(es_sel)(x > hi, hi, x);
@@ -105,11 +113,11 @@ ES_KI ES_SF(es_vf) ES_SF(es_exp)(ES_SF(es_vf) x) {
     return y * (vf)((n + 127) << 23);
 }
 
-ES_KI float ES_SF(es_hsum)(ES_SF(es_vf) v) {
-    float t[ES_VW];
-    *(ES_SF(es_vf) *)t = v;
+ES_KI float ES_SF(es_hsum)(ES_SF(es_vt) v) {
+    float t[ES_TVW];
+    *(ES_SF(es_vt) *)t = v;
 #pragma GCC unroll 4
-    for (int w = ES_VW / 2; w >= 1; w /= 2)
+    for (int w = ES_TVW / 2; w >= 1; w /= 2)
 #pragma GCC unroll 8
         for (int i = 0; i < w; i++) t[i] += t[i + w];
     return t[0];
@@ -120,7 +128,7 @@ ES_KI float ES_SF(es_hsum)(ES_SF(es_vf) v) {
  * does, so huge-but-finite inputs do not overflow where the reference does not. */
 static ES_TGT void ES_SF(es_tail_x)(const es_tail_params *P, const float *proj, const float *hid, float *x,
                                     float *gate) {
-    typedef ES_SF(es_vf) vf;
+    typedef ES_SF(es_vt) vf;
     const int G = P->G, D = P->D;
     const float *v = proj + (int64_t)G * D;
     for (int g = 0; g < G; g++) {
@@ -128,7 +136,7 @@ static ES_TGT void ES_SF(es_tail_x)(const es_tail_params *P, const float *proj, 
         const float *w1 = P->n1 + (int64_t)g * D, *w2 = P->n2 + (int64_t)g * D, *w3 = P->n3 + (int64_t)g * D;
         vf a = {0}, b = {0};
         int d = 0;
-        for (; d + ES_VW <= D; d += ES_VW) {
+        for (; d + ES_TVW <= D; d += ES_TVW) {
             vf kv = *(const vf *)(k + d), hv = *(const vf *)(h + d);
             a += kv * kv;
             b += hv * hv;
@@ -140,7 +148,7 @@ static ES_TGT void ES_SF(es_tail_x)(const es_tail_params *P, const float *proj, 
         }
         const float rk = 1.0f / sqrtf(sk / D + ES_EPS_KEY), rh = 1.0f / sqrtf(sh / D + ES_EPS_KEY);
         a = (vf){0};
-        for (d = 0; d + ES_VW <= D; d += ES_VW)
+        for (d = 0; d + ES_TVW <= D; d += ES_TVW)
             a += (*(const vf *)(k + d) * rk * *(const vf *)(w1 + d)) * (*(const vf *)(h + d) * rh * *(const vf *)(w2 + d));
         float s = ES_SF(es_hsum)(a);
         for (; d < D; d++) s += (k[d] * rk * w1[d]) * (h[d] * rh * w2[d]);
@@ -149,7 +157,7 @@ static ES_TGT void ES_SF(es_tail_x)(const es_tail_params *P, const float *proj, 
         s = s > 0 ? sqrtf(fmaxf(s, ES_GATE_CLAMP)) : (s < 0 ? -sqrtf(fmaxf(-s, ES_GATE_CLAMP)) : s);
         const float gt = 1.0f / (1.0f + expf(-s));
         a = (vf){0};
-        for (d = 0; d + ES_VW <= D; d += ES_VW) {
+        for (d = 0; d + ES_TVW <= D; d += ES_TVW) {
             vf gv = gt * *(const vf *)(v + d);
             a += gv * gv;
         }
@@ -157,7 +165,7 @@ static ES_TGT void ES_SF(es_tail_x)(const es_tail_params *P, const float *proj, 
         for (; d < D; d++) ss += (gt * v[d]) * (gt * v[d]);
         const float r3 = 1.0f / sqrtf(ss / D + ES_EPS_CONV);
         float *xg = x + (int64_t)g * D;
-        for (d = 0; d + ES_VW <= D; d += ES_VW) *(vf *)(xg + d) = gt * *(const vf *)(v + d) * r3 * *(const vf *)(w3 + d);
+        for (d = 0; d + ES_TVW <= D; d += ES_TVW) *(vf *)(xg + d) = gt * *(const vf *)(v + d) * r3 * *(const vf *)(w3 + d);
         for (; d < D; d++) xg[d] = gt * v[d] * r3 * w3[d];
         gate[g] = gt;
     }
@@ -166,7 +174,7 @@ static ES_TGT void ES_SF(es_tail_x)(const es_tail_params *P, const float *proj, 
 /* out = gate * v + SiLU(sum of the K taps) for one token (see engram_step.h). */
 static ES_TGT void ES_SF(es_tail_y)(const es_tail_params *P, const float *proj, const float *gate,
                                     const float *const *taps, const float *x, float *xdst, float *out) {
-    typedef ES_SF(es_vf) vf;
+    typedef ES_SF(es_vt) vf;
     const int G = P->G, D = P->D, K = P->K;
     const int64_t C = (int64_t)G * D;
     const float *v = proj + C;
@@ -176,7 +184,7 @@ static ES_TGT void ES_SF(es_tail_y)(const es_tail_params *P, const float *proj, 
         const int64_t c0 = (int64_t)g * D;
         float *o = out + c0;
         int d = 0;
-        for (; d + ES_VW <= D; d += ES_VW) {
+        for (; d + ES_TVW <= D; d += ES_TVW) {
             const int64_t c = c0 + d;
             const vf xv = *(const vf *)(x + c);
             vf y = *(const vf *)(wlast + c) * xv;
@@ -194,6 +202,7 @@ static ES_TGT void ES_SF(es_tail_y)(const es_tail_params *P, const float *proj, 
     }
 }
 
+#undef ES_TVW
 #undef ES_SF
 #undef ES_SK_CAT
 #undef ES_SK_CAT2
