@@ -121,6 +121,8 @@ def test_fp8_linear_widens_every_finite_code_exactly(isa):
     y = k.fp8_linear(x, w, sc, isa=isa)
     want = (ref.e4m3(w) * np.repeat(np.repeat(ref.e8m0(sc), 32, 0), 32, 1)).T
     assert np.array_equal(y, want)
+    for i in range(K):  # one token at a time: the GEMV over the bytes
+        assert np.array_equal(k.fp8_linear(x[i:i + 1], w, sc, isa=isa)[0], want[i])
 
 
 @pytest.mark.parametrize("isa", ISAS)
