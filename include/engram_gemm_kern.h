@@ -43,11 +43,13 @@ typedef uint32_t ES_GF(es_vu) __attribute__((vector_size(ES_VW * 4), aligned(4))
 /* One micro-tile: mr rows x tp panels over all E, row r's k-th value at X[r*xr + k*xk]
  * (rows as they are: xr = ldx, xk = 1; packed tiles: xr = 1, xk = ES_MR, where the values
  * of one k share a cache line: measured 1.3x at 126 rows). ps: floats per panel.
- * pf: the next tile's panels, prefetched line by line while this one computes (NULL:
- * none): a second memory stream in flight, as the GEMV gets from its panels. */
+ * pf: the next tile's panels, prefetched into L2 line by line while this one computes (NULL:
+ * none): a second memory stream in flight, as the GEMV gets from its panels; this tile
+ * takes rows k = pk, pk + pfs, ... (the row tiles of a column share the rows between them;
+ * into L2, not L1: measured ~4% less time on the 16-row step). */
 ES_KI void ES_GF(es_tile)(const float *X, int64_t xr, int64_t xk, const ES_WT *w, int64_t ps, int E,
                           const float *bias, float *Y, int64_t ldy, int ncols, const int mr, const int tp,
-                          const ES_WT *pf) {
+                          const ES_WT *pf, int pk, const int pfs) {
     typedef ES_SF(es_vf) vf;
     const int tc = tp * ES_NV;
     vf acc[ES_MR][ES_TP * ES_NV];
@@ -59,9 +61,11 @@ ES_KI void ES_GF(es_tile)(const float *X, int64_t xr, int64_t xk, const ES_WT *w
         vf wv[ES_TP * ES_NV];
 #pragma GCC unroll 4
         for (int c = 0; c < tc; c++) wv[c] = ES_LOADW(w + ES_WOFF(c, ps) + ES_PANEL * (int64_t)k);
-        if (pf)
+        if (pf && k == pk) {
 #pragma GCC unroll 4
-            for (int q = 0; q < tp; q++) __builtin_prefetch(pf + q * ps + ES_PANEL * (int64_t)k);
+            for (int q = 0; q < tp; q++) __builtin_prefetch(pf + q * ps + ES_PANEL * (int64_t)k, 0, 2);
+            pk += pfs;
+        }
 #pragma GCC unroll 16
         for (int r = 0; r < mr; r++) {
             const float x = X[r * xr + k * xk];
@@ -183,17 +187,22 @@ ES_KI void ES_GF(es_gemv)(const float *x, int E, const ES_WT *w, int64_t ps, con
 ES_KI void ES_GF(es_tile_rows)(const float *X, int64_t ldx, int64_t B, int E, const float *Xp, const ES_WT *w,
                                int64_t ps, const float *bias, float *Yp, int M, int ncols, const ES_WT *pf,
                                const int tp) {
+    /* the nt row tiles share the next panels' prefetch: tile t takes rows k = t mod nt, so the
+     * reads ahead spread over the whole tile column instead of crowding its first tile */
+    const int nt = (int)((B + ES_MR - 1) / ES_MR);
     int64_t b = 0;
     if (Xp)
-        for (; b + ES_MR <= B; b += ES_MR, pf = 0)
-            ES_GF(es_tile)(Xp + b * E, 1, ES_MR, w, ps, E, bias, Yp + b * M, M, ncols, ES_MR, tp, pf);
-    for (; b + ES_MR <= B; b += ES_MR, pf = 0)
-        ES_GF(es_tile)(X + b * ldx, ldx, 1, w, ps, E, bias, Yp + b * M, M, ncols, ES_MR, tp, pf);
+        for (; b + ES_MR <= B; b += ES_MR)
+            ES_GF(es_tile)(Xp + b * E, 1, ES_MR, w, ps, E, bias, Yp + b * M, M, ncols, ES_MR, tp, pf,
+                           (int)(b / ES_MR), nt);
+    for (; b + ES_MR <= B; b += ES_MR)
+        ES_GF(es_tile)(X + b * ldx, ldx, 1, w, ps, E, bias, Yp + b * M, M, ncols, ES_MR, tp, pf, (int)(b / ES_MR),
+                       nt);
     const float *Xb = X + b * ldx;
     float *Yb = Yp + b * M;
     switch (B - b) { /* a constant row count per case: the accumulators stay in registers */
 #define ES_REM(n) \
-    case n: if (n < ES_MR) ES_GF(es_tile)(Xb, ldx, 1, w, ps, E, bias, Yb, M, ncols, n < ES_MR ? n : 1, tp, pf); break;
+    case n: if (n < ES_MR) ES_GF(es_tile)(Xb, ldx, 1, w, ps, E, bias, Yb, M, ncols, n < ES_MR ? n : 1, tp, pf, nt - 1, nt); break;
         ES_REM(2) ES_REM(3) ES_REM(4) ES_REM(5) ES_REM(6) ES_REM(7) ES_REM(8)
         ES_REM(9) ES_REM(10) ES_REM(11) ES_REM(12) ES_REM(13) ES_REM(14) ES_REM(15)
 #undef ES_REM
