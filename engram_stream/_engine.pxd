@@ -92,7 +92,7 @@ cdef class StreamEngine:
     cdef float **xdst              # [cap] where each x(t) goes in the conv ring (step)
     cdef bint pending              # feed() done, compute() not yet
     cdef bint busy                 # a call is running (one owner at a time)
-    cdef public int prefill_threads  # threads for prefill's GEMMs (default: the machine's cores)
+    cdef int _prefill_threads      # threads for prefill (prefill_threads: 1..ES_MAX_THREADS)
     cdef int _step_threads         # threads for a multi-stream step (step_threads: 1..ES_MAX_THREADS)
 
     # row tiers (engram_stream.tiers; DESIGN "Row tiers"): a RAM row cache, a remote row source

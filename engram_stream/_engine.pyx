@@ -182,7 +182,7 @@ cdef class StreamEngine:
         self.tp.n2 = &self.n2[0, 0]
         self.tp.n3 = &self.n3[0, 0]
         self.tp.cw = &self.cw[0, 0]
-        self.prefill_threads = max(1, min(8, os.cpu_count() or 1))
+        self._prefill_threads = max(1, min(8, os.cpu_count() or 1))
         self._fingerprint = (layer, cfg.to_json(), n_streams, np.asarray(self.mult).tobytes(),
                              hashlib.sha1(np.asarray(self.lookup).tobytes()).hexdigest()
                              if self.has_lookup else None)
@@ -357,7 +357,7 @@ cdef class StreamEngine:
                     self.taps[j * k1 + i] = (self.xbuf + (j - d) * self.C if j >= d else
                                              &self.conv_state[s, (p + j - d + L) % L, 0])
         es_tails_mt(&self.tp, nb, self.ybuf, self.M, hid, out, self.xbuf, self.gbuf, self.taps, NULL, 1,
-                    self.prefill_threads if nb >= 8 else 1)
+                    self._prefill_threads if nb >= 8 else 1)
         if L:
             for j in range(max(0, nb - L), nb):
                 memcpy(&self.conv_state[s, (p + j) % L, 0], self.xbuf + j * self.C, self.C * sizeof(float))
@@ -531,6 +531,17 @@ cdef class StreamEngine:
         self._step_threads = max(1, min(int(n), ES_MAX_THREADS))
 
     @property
+    def prefill_threads(self):
+        """Threads prefill splits its GEMMs, gathers and tails over (bitwise equal to 1
+        thread). Default: the machine's cores, at most 8; a set value is clamped to
+        [1, ES_MAX_THREADS]."""
+        return self._prefill_threads
+
+    @prefill_threads.setter
+    def prefill_threads(self, n):
+        self._prefill_threads = max(1, min(int(n), ES_MAX_THREADS))
+
+    @property
     def rows(self):
         """int64[S, H]: absolute table rows of the last token fed to each stream (by step, feed
         or the last token of a prefill); -1 for a stream with no token since its reset."""
@@ -616,7 +627,7 @@ cdef class StreamEngine:
                         if self.rc == NULL:  # straight from the table: the tokens' gathers over threads
                             es_gather_mt(self.table_kind, &self.table[0, 0], &self.table_scale[0] if
                                          self.table_kind == 2 else NULL, self.hd, self.rbuf, self.H, nb,
-                                         self.ebuf, self.ldx, self.prefill_threads if nb >= 32 else 1)
+                                         self.ebuf, self.ldx, self._prefill_threads if nb >= 32 else 1)
                         else:  # through the row cache (one owner: no threads)
                             for i in range(nb):
                                 self._gather(self.rbuf + i * self.H, i, self.ebuf + i * self.ldx)
@@ -637,7 +648,7 @@ cdef class StreamEngine:
     cdef void _project_tail(self, int64_t s, int64_t nb, const float *ph, float *po) noexcept nogil:
         """The rest of a prefill chunk whose nb rows are gathered: one GEMM, then nb tails."""
         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0],
-                          self.M, self.ybuf, self.pbuf, self.prefill_threads if nb >= 32 else 1)
+                          self.M, self.ybuf, self.pbuf, self._prefill_threads if nb >= 32 else 1)
         self._tails_prefill(s, nb, ph, po)
 
     cdef int _prefill_remote(self, int64_t s, const int64_t *pid, int64_t T, int64_t chunk,

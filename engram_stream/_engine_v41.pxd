@@ -77,7 +77,7 @@ cdef class V41StreamEngine:
     cdef bint pending              # feed() done, compute() not yet
     cdef int64_t tok1              # a scalar token id of a single-stream call
     cdef bint busy                 # a call is running (one owner at a time)
-    cdef public int prefill_threads  # threads for prefill (default: the cores, <= 8)
+    cdef int _prefill_threads      # threads for prefill (prefill_threads, 1..ES8_MAX_THREADS)
     cdef int _step_threads         # threads of a multi-stream step (step_threads, 1..ES8_MAX_THREADS)
 
     cdef int _grow(self, int64_t cap) except -1

@@ -180,7 +180,7 @@ cdef class V41StreamEngine:
             if store.is_file_backed(a) and a.nbytes:
                 store.advise(a, "random")
         self.isa = _fp8_default
-        self.prefill_threads = max(1, min(8, os.cpu_count() or 1))
+        self._prefill_threads = max(1, min(8, os.cpu_count() or 1))
         self._step_threads = 1
         self._fingerprint = (layer, cfg.to_json(), n_streams, mult.tobytes(),
                              None if lookup is None else hashlib.sha1(lookup.tobytes()).hexdigest())
@@ -221,8 +221,18 @@ cdef class V41StreamEngine:
         def __get__(self):
             return self._step_threads
 
-        def __set__(self, int n):
-            self._step_threads = max(1, min(n, ES8_MAX_THREADS))
+        def __set__(self, n):
+            self._step_threads = max(1, min(int(n), ES8_MAX_THREADS))
+
+    property prefill_threads:
+        """Threads prefill splits its gathers, quantization, projection and gate tails over
+        (bitwise equal to 1 thread). Default: the machine's cores, at most 8; set values are
+        clamped to [1, 16] (ES8_MAX_THREADS)."""
+        def __get__(self):
+            return self._prefill_threads
+
+        def __set__(self, n):
+            self._prefill_threads = max(1, min(int(n), ES8_MAX_THREADS))
 
     property isa:
         """The float8 kernel path: "avx512" or "baseline" (settable, e.g. to test both)."""
@@ -448,7 +458,7 @@ cdef class V41StreamEngine:
         o = args.out(out, (T, self.G, self.D))
         cdef int64_t s = args.stream_index(stream, self.n_streams)
         cdef int64_t chunk = max(1, min(T, PREFILL_CHUNK))
-        cdef int threads = max(1, min(self.prefill_threads, ES8_MAX_THREADS))
+        cdef int threads = self._prefill_threads
         cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(a)
         cdef const float *ph = <const float *> cnp.PyArray_DATA(h)
         cdef float *po = <float *> cnp.PyArray_DATA(o)

@@ -873,6 +873,10 @@ def test_step_threads_attribute():
         eng.step_threads = set_to
         assert eng.step_threads == got
     assert model.stream(1, 4).step_threads == 1  # per engine
+    assert 1 <= eng.prefill_threads <= 8  # default: the cores, at most 8
+    for set_to, got in ((0, 1), (-7, 1), (10**20, 16), (3, 3)):
+        eng.prefill_threads = set_to
+        assert eng.prefill_threads == got
     one = model.stream(1)
     one.step_threads = 2  # accepted; one stream has nothing to split
     ids, hid = inputs(model, 1, 4, np.random.default_rng(0))

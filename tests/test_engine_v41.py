@@ -242,6 +242,10 @@ def test_step_threads_default_and_clamp(model):
     assert eng.step_threads == 16
     eng.step_threads = 2
     assert eng.step_threads == 2
+    assert 1 <= eng.prefill_threads <= 8  # default: the cores, at most 8
+    for set_to, got in ((0, 1), (-3, 1), (10**20, 16), (3, 3)):
+        eng.prefill_threads = set_to
+        assert eng.prefill_threads == got
 
 
 @st.composite
