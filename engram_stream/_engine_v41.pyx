@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int64_t, uint8_t, uint64_t
+from libc.stdint cimport INT32_MAX, int64_t, uint8_t, uint64_t
 from libc.string cimport memcpy
 
 from engram_stream._hash cimport es_compress, es_hash_window, es_isa_now, es_isa_set, latch_window
@@ -157,6 +157,9 @@ cdef class V41StreamEngine:
             raise ValueError(f"max_ngram_size > {MAX_NGRAM} is not supported by the engine")
         if self.hd % ES8_BLOCK or self.E % ES8_BLOCK:
             raise ValueError(f"head_dim must be a multiple of {ES8_BLOCK}")
+        if 16 * <int64_t> self.M > INT32_MAX:  # the many-token tile scatters 16 tokens at int32 offsets t * M
+            raise ValueError(f"(hc_mult+1)*hidden_size = {self.M} is too large for the V4.1 engine "
+                             f"(at most {INT32_MAX // 16})")
         N, B = plan.table_rows[layer], ES8_BLOCK
         u8 = np.uint8
         tw = _ro_array(w.embed_weight, u8, (N, self.hd), f"layer {layer} embed_weight")

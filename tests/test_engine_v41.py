@@ -248,6 +248,26 @@ def test_step_threads_default_and_clamp(model):
         assert eng.prefill_threads == got
 
 
+def test_too_wide_projection_is_refused_before_any_weight_is_read(model):
+    """16 tokens of the many-token tile are scattered at int32 offsets t * (G+1)*D: a wider
+    projection is refused at construction, with the numbers (weights never touched)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(model.cfg, hidden_size=(2**31 // 16) // 2 + 32, hc_mult=1)
+
+    class Wide:  # the real plan and weights, a config past the bound
+        plan = model.plan
+
+        def __init__(self):
+            self.cfg = cfg
+
+        def layer(self, L):
+            return model.layer(L)
+
+    with pytest.raises(ValueError, match="too large for the V4.1 engine"):
+        V41StreamEngine(Wide(), 1)
+
+
 @st.composite
 def configs(draw):
     n = draw(st.integers(2, 4))
