@@ -7,6 +7,11 @@ which lends the store its memory), on free loopback ports, stopped by PID.
 
 The master keeps the objects' metadata in memory: after kill_master() + start_master()
 the store is empty again (re-publish); the store server re-registers by itself.
+
+Every address flag given here is 127.0.0.1, but Mooncake 0.3.13 still binds some ports on
+all interfaces (the master's HTTP metadata server, the store server's transfer engine). On a
+machine with other interfaces, run it in a network namespace (the test suite moves itself
+into one: tests/conftest.py) or behind a firewall.
 """
 from __future__ import annotations
 

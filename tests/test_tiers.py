@@ -17,6 +17,8 @@ import pytest
 from engram_stream import EngramConfig, EngramModel
 from engram_stream.cli import main
 
+import conftest
+
 CFG = dict(hidden_size=64, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,
            engram_vocab_size=[211, 223], layer_ids=[1, 3], vocab_size=500, kernel_size=3)
 S = 3
@@ -141,6 +143,34 @@ def tier(mooncake):
     wait_until_writable(t)
     yield t
     t.close()
+
+
+@pytest.mark.mooncake
+@pytest.mark.skipif(not conftest.LOOPBACK_ONLY, reason="needs CAP_SYS_ADMIN for a network namespace (CI runs as root)")
+def test_mooncake_servers_are_reachable_on_loopback_only(tier, mooncake):
+    """Mooncake binds some ports on 0.0.0.0 despite its host flags; the session runs in its own
+    network namespace (conftest._loopback_only_network), so loopback is the only interface any
+    of those sockets is on, and the servers answer there."""
+    import socket
+    assert [name for _, name in socket.if_nameindex()] == ["lo"]
+    pids = {mooncake.master_proc.pid, mooncake.store_proc.pid}
+    ours = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.islink(f"/proc/{pid}/fd/{fd}") else ""
+            if target.startswith("socket:["):
+                ours.add(target[8:-1])
+    wildcard = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):  # this namespace's sockets
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in ours and set(cols[1].split(":")[0]) == {"0"}:
+                    wildcard.append(int(cols[1].split(":")[1], 16))
+    assert wildcard, "no wildcard listener found: Mooncake may bind loopback by itself now (drop the namespace)"
+    for port in wildcard:  # each one answers on 127.0.0.1, the only address it can have here
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
 
 
 @pytest.mark.mooncake
