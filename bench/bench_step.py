@@ -485,6 +485,31 @@ def fma_floor_per_token(cfg, meta):
     return 2 * M * E / (meta["native_sgemm_gflops"] * 1e9)
 
 
+def register_fma_gflops(isa, threads, rounds=20_000_000):
+    """The register-only FMA rate of path `isa` (engram_stream._engine._fma_chains: 12
+    vector multiply-add chains, no memory) on `threads` threads at once, GFLOP/s in all,
+    best of 3. The sgemm floor above is a library's kernel; this is the FMA units' own."""
+    from engram_stream import _engine
+    best = 0.0
+    for _ in range(3):
+        done = [0] * threads
+
+        def work(i):
+            done[i] = _engine._fma_chains(rounds)
+        pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        _isa.use_isa(isa)
+        try:
+            s = time.perf_counter()
+            for th in pool:
+                th.start()
+            for th in pool:
+                th.join()
+            best = max(best, 2 * sum(done) / (time.perf_counter() - s) / 1e9)
+        finally:
+            _isa.use_isa(BEST_ISA)
+    return best
+
+
 def main(argv=None):
     global DEFAULT_TORCH_THREADS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -616,6 +641,17 @@ def main(argv=None):
             ratio("prefill.engine_over_fma_floor", f"engine ({cores} threads) / FMA floor ({cores} cores)",
                   t["engine"], [floor] * len(t["engine"]), None, None,
                   summ=f"prefill {T}: engine / FMA floor [{BEST_ISA}]")
+            M, E = (cfg.hc_mult + 1) * cfg.hidden_size, cfg.engram_dim
+            for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]:
+                peak = register_fma_gflops(isa, cores)
+                meta[f"register_fma_gflops_{cores}t[{isa}]"] = peak
+                rfloor = T * 2 * M * E / (peak * 1e9)
+                rep.note(f"register-only FMA peak ({isa}, {cores} threads at once): {peak:.0f} GFLOP/s; "
+                         f"the prefill GEMM alone at that rate: {rfloor * 1e3:.1f} ms")
+                ratio(f"prefill.engine_over_register_fma_floor[{isa}]",
+                      f"engine ({isa}, {cores} threads) / register-only FMA floor", t[f"engine{sfx}"],
+                      [rfloor] * len(t[f"engine{sfx}"]), None, None,
+                      summ=f"prefill {T}: engine / register FMA floor [{isa}]")
             if HAVE_TORCH:
                 n = DEFAULT_TORCH_THREADS
                 ratio("prefill.torch_default_over_engine", f"torch ({n} threads) / engine", t["torch_default"],

@@ -24,6 +24,7 @@ cdef extern from "engram_step.h" nogil:
     void es_gather_mt(int kind, const void *table, const float *scale, int hd, const int64_t *rows, int H,
                       int64_t n, float *e, int64_t lde, int nthreads) noexcept
     int ES_MAX_THREADS
+    int64_t es_fma_chains(int64_t n, float *sink) noexcept
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_f16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_prefetch_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n) noexcept

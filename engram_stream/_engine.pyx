@@ -78,6 +78,16 @@ def _isa_get():
     return es_isa_now()
 
 
+def _fma_chains(int64_t rounds):
+    """n rounds of the running path's register-only FMA chains (es_fma_chains, no GIL):
+    returns the float multiply-adds done. bench/bench_step.py times it for the FMA peak."""
+    cdef float sink = 0
+    cdef int64_t done
+    with nogil:
+        done = es_fma_chains(rounds, &sink)
+    return done
+
+
 class EngineSnapshot:
     """A copy of an engine's per-stream state: hash windows (hist), conv state (ring),
     positions (pos), tokens seen (seen) and the last token's rows (rows; None: unknown).

@@ -145,6 +145,14 @@ static inline void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E,
                   es_maybe_pack(X, ldx, B, E, xpack));
 }
 
+/* The running path's register-only FMA rate (es_fma_chains in engram_step_kern.h): n rounds;
+ * returns the float multiply-adds done, their sum in *sink. */
+static inline int64_t es_fma_chains(int64_t n, float *sink) {
+    int64_t done = 0;
+    ES_DISPATCH(done = es_fma_chains, (n, sink));
+    return done;
+}
+
 /* ---- work over threads -------------------------------------------------------------
  * es_parallel_pieces runs fn(ctx, i0, i1) over [0, n) in pieces of `grain` items that
  * nthreads workers take in turn from a shared counter: the calling thread and threads

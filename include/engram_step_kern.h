@@ -202,6 +202,28 @@ static ES_TGT void ES_SF(es_tail_y)(const es_tail_params *P, const float *proj, 
     }
 }
 
+/* ---- the register-only FMA rate (bench/bench_step.py's floor) ---------------------
+ * n rounds of 12 independent vector multiply-add chains, nothing loaded or stored: what this
+ * path's FMA units do per second with no memory in the way (12 chains cover the latency of
+ * two FMA ports). The chains start from different values (equal ones get merged by the
+ * compiler into one chain, which times the FMA latency instead) and their sum goes to *sink
+ * so the loop stays. Returns the float multiply-adds done. */
+static ES_TGT int64_t ES_SF(es_fma_chains)(int64_t n, float *sink) {
+    typedef ES_SF(es_vf) vf;
+    vf a[12];
+    const vf x = (vf){0} + 0.999f, y = (vf){0} + 1e-7f;
+    for (int i = 0; i < 12; i++) a[i] = (vf){0} + (float)i;
+    for (int64_t k = 0; k < n; k++)
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) a[i] = a[i] * x + y;
+    vf s = (vf){0};
+    for (int i = 0; i < 12; i++) s += a[i];
+    float r = 0;
+    for (int i = 0; i < ES_VW; i++) r += s[i];
+    *(volatile float *)sink = r; /* a store the compiler must do: the loop stays */
+    return n * 12 * ES_VW;
+}
+
 #undef ES_TVW
 #undef ES_SF
 #undef ES_SK_CAT

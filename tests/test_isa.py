@@ -54,6 +54,26 @@ def test_environment_forces_a_path(name):
         assert r.returncode != 0 and "not supported by this CPU" in r.stderr
 
 
+def test_fma_chains_run_on_every_path():
+    """The register-only FMA loop bench_step times for its floor: 12 chains of one vector
+    a path, and the loop really runs (a removed one would print a peak of 10^5 GMAC/s)."""
+    import time
+    from engram_stream import _engine
+    lanes = {"baseline": 4, "avx2": 8, "avx512": 16}
+    before = _isa.kernel_isa()
+    try:
+        for name in _isa.supported_isas():
+            _isa.use_isa(name)
+            rounds = 1_000_000
+            s = time.perf_counter()
+            done = _engine._fma_chains(rounds)
+            took = time.perf_counter() - s
+            assert done == rounds * 12 * lanes[name], name
+            assert took > done / 1e12, (name, took)  # no core multiply-adds 10^12 floats a second
+    finally:
+        _isa.use_isa(before)
+
+
 def test_default_is_the_best_path():
     env = {k: v for k, v in os.environ.items() if k != "ENGRAM_STREAM_ISA"}
     r = run_python(["-c", "import engram_stream as es; print(es.kernel_isa())"], env=env)
