@@ -538,7 +538,7 @@ cdef class StreamEngine:
 
     @step_threads.setter
     def step_threads(self, n):
-        self._step_threads = max(1, min(int(n), ES_MAX_THREADS))
+        self._step_threads = args.threads(n, ES_MAX_THREADS)
 
     @property
     def prefill_threads(self):
@@ -549,7 +549,7 @@ cdef class StreamEngine:
 
     @prefill_threads.setter
     def prefill_threads(self, n):
-        self._prefill_threads = max(1, min(int(n), ES_MAX_THREADS))
+        self._prefill_threads = args.threads(n, ES_MAX_THREADS)
 
     @property
     def rows(self):

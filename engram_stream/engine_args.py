@@ -60,6 +60,12 @@ def stream_index(stream, n_streams: int) -> int:
     return int(stream)
 
 
+def threads(n, most: int) -> int:
+    """A thread count as the engines keep it (step_threads, prefill_threads): int(n) clamped
+    to [1, most], the header's thread limit."""
+    return max(1, min(int(n), most))
+
+
 def rows_bitmap(bitmap, table_rows: int):
     """None, or a writeable C-contiguous uint8[ceil(table_rows/8)] (bit r = row r)."""
     need = (table_rows + 7) // 8
