@@ -9,6 +9,7 @@ cdef extern from "engram_fp8.h" nogil:
     int ES8_TILE_TOKENS
     int ES8_MAX_THREADS
     int ES8_PREFILL_CHUNK
+    int ES8_MAX_E
     int es8_isa_supported() noexcept
     float es8_e4m3(uint8_t b) noexcept
     float es8_e8m0(uint8_t b) noexcept

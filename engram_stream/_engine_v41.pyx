@@ -117,6 +117,15 @@ cdef void _tail_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
         es8_gate_tail(w.y + i * w.M, w.hid + i * C, w.qw, w.kw, w.G, w.D, w.eps, w.dead[i], w.out + i * C)
 
 
+cdef _check_dims(int64_t M, int64_t E, m_name, e_name):
+    """The float8 kernels' size limits: the many-token tile scatters 16 tokens at int32
+    offsets t * M, and the one-token path keeps E scaled values on the stack."""
+    if 16 * M > INT32_MAX:
+        raise ValueError(f"{m_name} = {M} is too large for the V4.1 engine (at most {INT32_MAX // 16})")
+    if E > ES8_MAX_E:
+        raise ValueError(f"{e_name} = {E} is too large for the V4.1 engine (at most {ES8_MAX_E})")
+
+
 def _ro_array(a, dtype, shape, what):
     if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.flags.c_contiguous and a.shape == shape):
         raise ValueError(f"{what}: expected a C-contiguous {np.dtype(dtype).name} array of shape {shape}, got "
@@ -157,9 +166,7 @@ cdef class V41StreamEngine:
             raise ValueError(f"max_ngram_size > {MAX_NGRAM} is not supported by the engine")
         if self.hd % ES8_BLOCK or self.E % ES8_BLOCK:
             raise ValueError(f"head_dim must be a multiple of {ES8_BLOCK}")
-        if 16 * <int64_t> self.M > INT32_MAX:  # the many-token tile scatters 16 tokens at int32 offsets t * M
-            raise ValueError(f"(hc_mult+1)*hidden_size = {self.M} is too large for the V4.1 engine "
-                             f"(at most {INT32_MAX // 16})")
+        _check_dims(self.M, self.E, "(hc_mult+1)*hidden_size", "engram_dim")
         N, B = plan.table_rows[layer], ES8_BLOCK
         u8 = np.uint8
         tw = _ro_array(w.embed_weight, u8, (N, self.hd), f"layer {layer} embed_weight")
@@ -225,7 +232,7 @@ cdef class V41StreamEngine:
             return self._step_threads
 
         def __set__(self, n):
-            self._step_threads = max(1, min(int(n), ES8_MAX_THREADS))
+            self._step_threads = args.threads(n, ES8_MAX_THREADS)
 
     property prefill_threads:
         """Threads prefill splits its gathers, quantization, projection and gate tails over
@@ -235,7 +242,7 @@ cdef class V41StreamEngine:
             return self._prefill_threads
 
         def __set__(self, n):
-            self._prefill_threads = max(1, min(int(n), ES8_MAX_THREADS))
+            self._prefill_threads = args.threads(n, ES8_MAX_THREADS)
 
     property isa:
         """The float8 kernel path: "avx512" or "baseline" (settable, e.g. to test both)."""
@@ -614,6 +621,7 @@ def fp8_linear(const float[:, ::1] x, const uint8_t[:, ::1] weight, const uint8_
     if K % ES8_BLOCK or weight.shape[1] != K or scale.shape[0] != (M + ES8_BLOCK - 1) // ES8_BLOCK \
             or scale.shape[1] != K // ES8_BLOCK or S < 1 or M < 1:
         raise ValueError("fp8_linear: shapes do not match")
+    _check_dims(M, K, "fp8_linear: weight rows", "fp8_linear: values per row of x")
     cdef int code = ISAS[isa or _fp8_default]
     if code == ES8_AVX512 and es8_isa_supported() != ES8_AVX512:
         raise ValueError("isa 'avx512' is not supported by this CPU")
@@ -622,7 +630,7 @@ def fp8_linear(const float[:, ::1] x, const uint8_t[:, ::1] weight, const uint8_
     y = np.empty((S, M), dtype=np.float32)
     cdef float[:, ::1] qv = qx, yv = y
     cdef float[::1] sv = s
-    threads = max(1, min(threads, ES8_MAX_THREADS))
+    threads = args.threads(threads, ES8_MAX_THREADS)
     cdef float[::1] scratch = np.empty(es8_scratch_floats(S, <int> K, threads), dtype=np.float32)
     with nogil:
         for t in range(S):

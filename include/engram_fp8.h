@@ -9,7 +9,8 @@
  *                         scales, over threads split by row groups. One token: the weight bytes
  *                         stay float8 and are widened in registers (memory-bound GEMV). Several:
  *                         each 32-row group is widened to float32 once into scratch and reused
- *                         by every token (register tiles 2 rows x 8 tokens, k blocks of 256)
+ *                         by every token, k blocks of 256: from 16 tokens the tokens go in the
+ *                         vector lanes (12 rows x 32 tokens), below in tiles of 2 rows x 8 tokens
  *   es8_gate_tail         the gate (rstd, eps 1e-20, signed sqrt, sigmoid; 0 at DEAD) times the
  *                         shared value, for the G streams of one token
  *
@@ -31,7 +32,6 @@
 #define ENGRAM_FP8_H
 
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 #include "engram_consts.h" /* ES_GATE_CLAMP */
@@ -61,6 +61,8 @@
 #define ES8_GRAB 4            /* row groups a projection thread takes at a time */
 #define ES8_PREFILL_CHUNK 256 /* prompt tokens per projection in prefill (wkv widened once per chunk) */
 #define ES8_PREFETCH 512      /* bytes of a weight row requested ahead by the one-token tile */
+#define ES8_MAX_E 16384       /* values per token at most: the one-token path keeps a scaled copy on the
+                               * stack (64 KiB; threads may have small stacks), the callers check it */
 #define ES8_INLINE static inline __attribute__((always_inline))
 
 enum { ES8_BASELINE = 0, ES8_AVX512 = 1 };

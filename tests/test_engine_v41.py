@@ -268,6 +268,32 @@ def test_too_wide_projection_is_refused_before_any_weight_is_read(model):
         V41StreamEngine(Wide(), 1)
 
 
+def test_too_many_values_per_token_are_refused(model):
+    """The one-token projection keeps a token's E scaled values on the stack: E past the
+    kernels' limit (16384) is refused by the engine and by fp8_linear, with the numbers."""
+    import dataclasses
+
+    n, nh = model.cfg.max_ngram_size, model.cfg.n_head_per_ngram
+    hd = (16384 // ((n - 1) * nh) // 32 + 1) * 32  # the smallest float8-block head_dim past the limit
+    cfg = dataclasses.replace(model.cfg, n_embed_per_ngram=nh * hd)
+    assert cfg.engram_dim > 16384
+
+    class Wide:
+        plan = model.plan
+
+        def __init__(self):
+            self.cfg = cfg
+
+        def layer(self, L):
+            return model.layer(L)
+
+    with pytest.raises(ValueError, match="engram_dim = .* is too large for the V4.1 engine"):
+        V41StreamEngine(Wide(), 1)
+    K = 16384 + 32
+    with pytest.raises(ValueError, match="values per row of x = 16416 is too large"):
+        k.fp8_linear(np.zeros((1, K), np.float32), np.zeros((1, K), np.uint8), np.full((1, K // 32), 127, np.uint8))
+
+
 @st.composite
 def configs(draw):
     n = draw(st.integers(2, 4))
