@@ -248,6 +248,17 @@ def test_step_threads_default_and_clamp(model):
         assert eng.prefill_threads == got
 
 
+def _with_config(model, cfg):
+    """model's plan and weights under another config (the engine checks its limits before it
+    reads a weight, so none of the weights needs that config's shape)."""
+    class Model:
+        plan = model.plan
+        layer = staticmethod(model.layer)
+    m = Model()
+    m.cfg = cfg
+    return m
+
+
 def test_too_wide_projection_is_refused_before_any_weight_is_read(model):
     """16 tokens of the many-token tile are scattered at int32 offsets t * (G+1)*D: a wider
     projection is refused at construction, with the numbers (weights never touched)."""
@@ -255,17 +266,8 @@ def test_too_wide_projection_is_refused_before_any_weight_is_read(model):
 
     cfg = dataclasses.replace(model.cfg, hidden_size=(2**31 // 16) // 2 + 32, hc_mult=1)
 
-    class Wide:  # the real plan and weights, a config past the bound
-        plan = model.plan
-
-        def __init__(self):
-            self.cfg = cfg
-
-        def layer(self, L):
-            return model.layer(L)
-
     with pytest.raises(ValueError, match="too large for the V4.1 engine"):
-        V41StreamEngine(Wide(), 1)
+        V41StreamEngine(_with_config(model, cfg), 1)
 
 
 def test_too_many_values_per_token_are_refused(model):
@@ -278,17 +280,8 @@ def test_too_many_values_per_token_are_refused(model):
     cfg = dataclasses.replace(model.cfg, n_embed_per_ngram=nh * hd)
     assert cfg.engram_dim > 16384
 
-    class Wide:
-        plan = model.plan
-
-        def __init__(self):
-            self.cfg = cfg
-
-        def layer(self, L):
-            return model.layer(L)
-
     with pytest.raises(ValueError, match="engram_dim = .* is too large for the V4.1 engine"):
-        V41StreamEngine(Wide(), 1)
+        V41StreamEngine(_with_config(model, cfg), 1)
     K = 16384 + 32
     with pytest.raises(ValueError, match="values per row of x = 16416 is too large"):
         k.fp8_linear(np.zeros((1, K), np.float32), np.zeros((1, K), np.uint8), np.full((1, K // 32), 127, np.uint8))
