@@ -161,7 +161,8 @@ class EngramConfig:
     def from_hf_config(cls, config, **overrides) -> "EngramConfig":
         """A deepseek-v4.1 config from the model's config.json (a path, a folder holding one, or
         the parsed dict). Reads either spelling of the three keys third-party readings rename:
-        dim / hidden_size, norm_eps / rms_norm_eps, engram_pad_id / engram_pad_token_id."""
+        dim / hidden_size, norm_eps / rms_norm_eps, engram_pad_id / engram_pad_token_id; keys
+        nested in a "text_config" (a multimodal config.json) are read over the top level's."""
         if isinstance(config, (str, os.PathLike)):
             path = os.fspath(config)
             if os.path.isdir(path):
@@ -170,6 +171,8 @@ class EngramConfig:
                 config = json.load(f)
         if not isinstance(config, dict):
             raise TypeError(f"from_hf_config expects a path or a dict, got {type(config).__name__}")
+        if isinstance(config.get("text_config"), dict):  # a multimodal folder: the text model's keys nest
+            config = {**{k: v for k, v in config.items() if k != "text_config"}, **config["text_config"]}
 
         def key(*names, default=None):
             found = {n: config[n] for n in names if n in config}

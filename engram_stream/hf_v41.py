@@ -164,18 +164,90 @@ def engram_tensors(ckpt_dir, cfg, mmap=True) -> dict:
 
 def load_compression(ckpt_dir, cfg):
     """The folder's compression: engram_compression.npy, else built from tokenizer.json
-    (decode="backend"), else None (identity). A tokenizer with fewer ids than the model's
-    vocab_size (the embedding is padded past the last token) maps the ids it does not have,
-    which no text produces, to the pad id's compressed id."""
+    (decode="backend"; through the user's compression cache, see cached_compression), else
+    None (identity). A tokenizer with fewer ids than the model's vocab_size (the embedding is
+    padded past the last token) maps the ids it does not have, which no text produces, to the
+    pad id's compressed id."""
     npy, tok = os.path.join(ckpt_dir, COMPRESSION), os.path.join(ckpt_dir, "tokenizer.json")
     if os.path.isfile(npy):
         return np.load(npy, allow_pickle=False)
     if not os.path.isfile(tok):
         return None
-    from .compression import build_compression
-    lookup = build_compression(tok, decode="backend")
+    return _pad_lookup(cached_compression(tok), cfg)
+
+
+def _pad_lookup(lookup, cfg):
+    """lookup extended to cfg.vocab_size with the pad id's compressed id (ids past the
+    tokenizer's last one, which no text produces)."""
     if len(lookup) < cfg.vocab_size and cfg.pad_id < len(lookup):
         lookup = np.concatenate([lookup, np.full(cfg.vocab_size - len(lookup), lookup[cfg.pad_id])])
+    return lookup
+
+
+# --- the compression cache ----------------------------------------------------------------------
+# Building the lookup from DeepSeek-V4's tokenizer.json decodes and normalizes 129280 tokens (about
+# 3 s); a load reads it from the user's cache instead, keyed by the tokenizer file's bytes.
+CACHE_FORMAT = 1   # bump when build_compression's output for a given tokenizer changes
+
+
+def cache_dir() -> str:
+    """$XDG_CACHE_HOME/engram_stream, else ~/.cache/engram_stream."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "engram_stream")
+
+
+def _sha256(b) -> str:
+    import hashlib
+    return hashlib.sha256(b).hexdigest()
+
+
+def _read_cached(path, tok_hash, decode):
+    """The cached lookup when the entry is whole and is this tokenizer's, else None: every field
+    is checked, the lookup against its own checksum (a truncated, corrupt, foreign or older
+    entry is rebuilt, never trusted)."""
+    import zipfile
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = {k: str(z[k]) for k in ("tokenizer_sha256", "decode", "lookup_sha256")}
+            fmt, lookup = int(z["format"]), z["lookup"]
+    except (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile):
+        return None
+    if (fmt != CACHE_FORMAT or meta["tokenizer_sha256"] != tok_hash or meta["decode"] != decode
+            or lookup.dtype != np.int64 or lookup.ndim != 1 or not lookup.size
+            or _sha256(lookup.tobytes()) != meta["lookup_sha256"]):
+        return None
+    return lookup
+
+
+def cached_compression(tokenizer_json, decode="backend", cache=None):
+    """build_compression(tokenizer_json, decode) through a cache of built lookups:
+    <cache_dir()>/compression/<sha256 of the file>-<decode>.npz. The tokenizer is read once, its
+    bytes are hashed and built from (so the entry can only hold what those bytes give). An entry
+    that fails any check (_read_cached) is rebuilt and replaced; one that cannot be written
+    (a read-only home) only costs the build. cache: another folder instead of cache_dir()."""
+    from .checkpoint import atomic_output
+    from .compression import _tokenizers, build_compression
+    with open(tokenizer_json, "rb") as f:
+        data = f.read()
+    tok_hash = _sha256(data)
+    folder = os.path.join(cache_dir() if cache is None else os.fspath(cache), "compression")
+    path = os.path.join(folder, f"{tok_hash}-{decode}.npz")
+    lookup = _read_cached(path, tok_hash, decode)
+    if lookup is not None:
+        return lookup
+    tk = _tokenizers()
+    try:
+        tok = tk.Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as e:  # tokenizers raises a bare Exception on bad content
+        raise ValueError(f"{tokenizer_json!r} is not a valid tokenizer.json ({e})") from None
+    lookup = build_compression(tok, decode=decode)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with atomic_output(path) as f:
+            np.savez(f, lookup=lookup, tokenizer_sha256=tok_hash, decode=decode, format=CACHE_FORMAT,
+                     lookup_sha256=_sha256(lookup.tobytes()))
+    except (OSError, ValueError):  # ValueError: something not a file sits at the entry's path
+        pass  # no writable cache: the next load builds again
     return lookup
 
 
@@ -239,8 +311,8 @@ def _write_shard(path, tensors):
 
 def write(ckpt_dir, cfg, tensors, n_shards=2, tokenizer=None, compression=None):
     """Write a deepseek-v4.1 folder: config.json, tensors over n_shards shards (largest first,
-    each to the emptiest shard), the index, and tokenizer.json (a tokenizers.Tokenizer) or the
-    compression lookup as engram_compression.npy."""
+    each to the emptiest shard), the index, and tokenizer.json (a tokenizers.Tokenizer, or the
+    path of a tokenizer.json to copy) or the compression lookup as engram_compression.npy."""
     os.makedirs(ckpt_dir, exist_ok=True)
     n_shards = max(1, min(n_shards, len(tensors)))
     shards = [[] for _ in range(n_shards)]
@@ -257,7 +329,10 @@ def write(ckpt_dir, cfg, tensors, n_shards=2, tokenizer=None, compression=None):
         json.dump(index, f, indent=2, sort_keys=True)
     with open(os.path.join(ckpt_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg.to_hf_config(), f, indent=2)
-    if tokenizer is not None:
+    if isinstance(tokenizer, (str, os.PathLike)):  # a tokenizer.json file: copied as it is
+        import shutil
+        shutil.copyfile(tokenizer, os.path.join(ckpt_dir, "tokenizer.json"))
+    elif tokenizer is not None:
         tokenizer.save(os.path.join(ckpt_dir, "tokenizer.json"))
     elif compression is not None:
         np.save(os.path.join(ckpt_dir, COMPRESSION), np.asarray(compression, np.int64), allow_pickle=False)
@@ -315,12 +390,20 @@ def _random_chunks(seed, shape, make):
 def make_synthetic(ckpt_dir, cfg, seed=0, n_shards=3, tokenizer=True, qk_dtype="BF16", decoys=True):
     """A random deepseek-v4.1 checkpoint of config cfg in the HF layout, written chunk by chunk
     (full Flash dims with small tables fit any RAM). tokenizer=True writes a tokenizer.json
-    (make_tokenizer; needs the tokenizers package) and declares its compressed vocab; decoys
-    adds non-Engram tensors the loader must skip. Returns the config the folder declares."""
+    (make_tokenizer; needs the tokenizers package) and declares its compressed vocab; a path
+    copies that tokenizer.json instead (e.g. DeepSeek-V4's own: the checkpoint then takes real
+    token ids; cfg.vocab_size must cover its ids); decoys adds non-Engram tensors the loader
+    must skip. Returns the config the folder declares."""
     if cfg.variant != V41:
         raise ValueError(f"make_synthetic writes {V41!r} checkpoints, got a {cfg.variant!r} config")
     tok, lookup = None, None
-    if tokenizer:
+    if isinstance(tokenizer, (str, os.PathLike)):
+        tok, lookup = os.fspath(tokenizer), cached_compression(tokenizer)
+        if len(lookup) > cfg.vocab_size:
+            raise ValueError(f"{tok}: the tokenizer has {len(lookup)} ids but vocab_size is {cfg.vocab_size}: "
+                             f"use a vocab_size of at least {len(lookup)}")
+        lookup = _pad_lookup(lookup, cfg)
+    elif tokenizer:
         from .compression import build_compression
         tok = make_tokenizer(cfg.vocab_size, cfg.pad_id, cfg.image_token_id)
         lookup = build_compression(tok, decode="backend")

@@ -439,12 +439,14 @@ def _to_numpy(x, what):
 
 
 def check_hidden(hidden, shape, what="hidden") -> np.ndarray:
-    """hidden as C-contiguous float32 of exactly `shape` (float64/float16 and strided
-    arrays are converted; integer or other dtypes are refused)."""
+    """hidden as C-contiguous float32 of exactly `shape` (float64/float16/bfloat16 and strided
+    arrays are converted, bfloat16 exactly: an ml_dtypes array, as a bf16 model's torch tensor
+    viewed through numpy is; integer or other dtypes are refused)."""
     if not isinstance(hidden, np.ndarray):
         hidden = np.asarray(hidden)
-    if not np.issubdtype(hidden.dtype, np.floating):
-        raise TypeError(f"{what} must be a float array, got dtype {hidden.dtype}")
+    if not (np.issubdtype(hidden.dtype, np.floating) or hidden.dtype == v41.BF16):
+        raise TypeError(f"{what} must be a float array (float32, float64, float16 or bfloat16), "
+                        f"got dtype {hidden.dtype}")
     if hidden.shape != tuple(shape):
         raise ValueError(f"{what} must have shape {tuple(shape)}, got {hidden.shape}")
     return np.ascontiguousarray(hidden, dtype=np.float32)

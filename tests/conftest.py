@@ -56,6 +56,19 @@ def _loopback_only_network():
 LOOPBACK_ONLY = _loopback_only_network()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_user_cache(tmp_path_factory):
+    """Tests never write the user's cache folder (engram_stream.hf_v41.cached_compression): the
+    session, and every subprocess it starts, caches under a temp folder."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 def close(got, want, **kw):
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, **kw)
 

@@ -147,6 +147,48 @@ def ngram_hash_exact(spec, ids, token_map, pad, mult, primes_flat):
     return np.array(out, dtype=np.int64)
 
 
+class NgramHashState:
+    """NgramHashState at decode time: per row, the last max_ngram-1 cache entries (a compressed
+    id, or DEAD for an image token and for the slots before the start), so a sequence fed in
+    pieces hashes as it would whole (ngram_hash). advance() feeds some rows a piece each."""
+
+    def __init__(self, spec, token_map, pad, mults, primes, offsets, batch):
+        self.spec, self.token_map, self.pad = spec, torch.as_tensor(token_map), pad
+        self.mults, self.primes, self.offsets = mults, torch.as_tensor(primes), offsets
+        self.cache = torch.full((batch, spec["max_ngram_size"] - 1), DEAD, dtype=torch.int64)
+
+    def advance(self, row, ids):
+        """Row `row` takes the tokens ids[T]: absolute rows [T, n_layers, H] of each."""
+        ids = torch.as_tensor(ids, dtype=torch.int64)
+        n, T = self.spec["max_ngram_size"], ids.shape[0]
+        dead = (ids == self.spec["image_token_id"]) | (ids < 0)
+        full = torch.cat([self.cache[row], torch.where(dead, DEAD, self.token_map[ids.clamp_min(0)])])
+        tokens, blocked = [], torch.zeros(T, dtype=torch.bool)
+        for shift in range(n):
+            source = full[n - 1 - shift:n - 1 - shift + T]
+            blocked = blocked | (source == DEAD)
+            tokens.append(torch.where(blocked, self.pad, source))
+        self.cache[row] = full[-(n - 1):]
+        products = torch.stack(tokens, dim=-1).unsqueeze(1) * self.mults    # [T, n_layers, n]
+        rolling, hashes = products[..., 0], []
+        for i in range(1, n):
+            rolling = torch.bitwise_xor(rolling, products[..., i])
+            hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
+        return torch.cat(hashes, dim=-1) + self.offsets
+
+
+def geometry(spec, table=None):
+    """(token_map, compressed pad, multipliers [n_layers, n], primes [layer][order][head],
+    offsets [n_layers, H]) of a spec, with a compression table or the identity."""
+    token_map = torch.arange(spec["vocab_size"]) if table is None else torch.as_tensor(np.asarray(table, np.int64))
+    C = int(token_map.max()) + 1
+    primes = layout_primes(spec)
+    flat = [[p for order in layer for p in order] for layer in primes]
+    offsets = torch.tensor(np.array([np.cumsum([0, *f[:-1]]) for f in flat]), dtype=torch.int64)
+    return token_map, int(token_map[spec["pad_id"]]), multipliers(spec["layer_ids"], spec["max_ngram_size"], C), \
+        primes, offsets
+
+
 # --- float8 numerics (model.py, kernel_cpu.py) --------------------------------------------------
 def fast_round_scale(x):
     """2**ceil(log2(x)) of float32 x from its bits."""
@@ -217,7 +259,47 @@ class Engram(torch.nn.Module):
         return delta, (h + delta).to(x.dtype)
 
 
+def engram_module(spec, sd, dtype=torch.float32):
+    """An Engram with the weights of state_dict sd (float8 tensors as raw uint8 bytes, q/k as
+    floats), its float parameters in `dtype` (bf16: as generate.py builds it). Call it under
+    torch.set_default_dtype(dtype): the projection's output takes the default dtype."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        mod = Engram(spec, sd["embed.weight"].shape[0])
+    finally:
+        torch.set_default_dtype(prev)
+    with torch.no_grad():
+        mod.embed_weight.copy_(torch.from_numpy(np.ascontiguousarray(sd["embed.weight"])).view(torch.float8_e4m3fn))
+        mod.embed_scale.copy_(torch.from_numpy(np.ascontiguousarray(sd["embed.scale"])).view(torch.float8_e8m0fnu))
+        mod.wkv_weight.copy_(torch.from_numpy(np.ascontiguousarray(sd["wkv.weight"])).view(torch.float8_e4m3fn))
+        mod.wkv_scale.copy_(torch.from_numpy(np.ascontiguousarray(sd["wkv.scale"])).view(torch.float8_e8m0fnu))
+        mod.q_weight.copy_(torch.from_numpy(np.asarray(sd["q_weight"], np.float32)))
+        mod.k_weight.copy_(torch.from_numpy(np.asarray(sd["k_weight"], np.float32)))
+    return mod
+
+
 # --- data ------------------------------------------------------------------------------------------
+def random_state_dict(spec, rng, num_embeddings, small_scales=False):
+    """A layer's state_dict at reference-like magnitudes (q/k bf16-representable)."""
+    G, D, hd = spec["hc_mult"], spec["dim"], spec["head_dim"]
+    E = (spec["max_ngram_size"] - 1) * spec["n_heads"] * hd
+    N, M = num_embeddings, (G + 1) * D
+    emb_scale = rng.integers(123, 128, (N, hd // BLOCK), dtype=np.uint8)
+    if small_scales:
+        # scales 2**-31..2**-26, every block's amax < 1e-4, so the activation quantizer rounds
+        # (x / scale falls among e4m3 subnormals)
+        emb_scale = rng.integers(96, 102, (N, hd // BLOCK), dtype=np.uint8)
+    e_shift = int(np.ceil(np.log2(np.sqrt(E))))
+    return {"embed.weight": random_e4m3_bytes(rng, (N, hd)), "embed.scale": emb_scale,
+            "wkv.weight": random_e4m3_bytes(rng, (M, E)),
+            "wkv.scale": rng.integers(126 - e_shift, 129 - e_shift, (-(-M // BLOCK), -(-E // BLOCK)),
+                                      dtype=np.uint8),
+            "q_weight": torch.from_numpy(rng.uniform(0.5, 1.5, (G, D)).astype(np.float32)).bfloat16().float().numpy(),
+            "k_weight": torch.from_numpy(rng.uniform(0.5, 1.5, (G, D)).astype(np.float32)).bfloat16().float().numpy()}
+
+
+
 def random_e4m3_bytes(rng, shape):
     """Random sign and mantissa, exponent field 4..8: magnitudes 0.125..3.75."""
     return ((rng.integers(0, 256, shape, dtype=np.uint8) & 0x87)
@@ -226,23 +308,14 @@ def random_e4m3_bytes(rng, shape):
 
 def generate(spec):
     rng = np.random.default_rng(spec["data_seed"])
-    V, G, D, hd = spec["vocab_size"], spec["hc_mult"], spec["dim"], spec["head_dim"]
-    n, h = spec["max_ngram_size"], spec["n_heads"]
-    H, E = (n - 1) * h, (n - 1) * h * hd
-    if spec["comp_classes"] is None:
-        table = None
-        token_map = torch.arange(V)
-    else:  # dense: every label used, the rest drawn at random
+    V, G, D = spec["vocab_size"], spec["hc_mult"], spec["dim"]
+    table = None
+    if spec["comp_classes"] is not None:  # dense: every label used, the rest drawn at random
         labels = np.concatenate([np.arange(spec["comp_classes"]), rng.integers(0, spec["comp_classes"],
                                                                              V - spec["comp_classes"])])
         table = rng.permutation(labels).astype(np.int64)
-        token_map = torch.from_numpy(table)
-    C = int(token_map.max()) + 1
-    pad = int(token_map[spec["pad_id"]])
-    primes = layout_primes(spec)
+    token_map, pad, mults, primes, offsets = geometry(spec, table)
     flat = [[p for order in layer for p in order] for layer in primes]
-    offsets = torch.tensor(np.array([np.cumsum([0, *f[:-1]]) for f in flat]), dtype=torch.int64)
-    mults = multipliers(spec["layer_ids"], n, C)
 
     B, T = spec["B"], spec["T"]
     ids = rng.integers(0, V, (B, T)).astype(np.int64)
@@ -265,19 +338,8 @@ def generate(spec):
         exact = ngram_hash_exact(spec, ids, token_map.numpy(), pad, mults[li].tolist(), flat[li])
         assert np.array_equal(local, exact), "torch and exact-integer hashes disagree"
         N = sum(flat[li])
-        M = (G + 1) * D
-        emb_scale = rng.integers(123, 128, (N, hd // BLOCK), dtype=np.uint8)
-        if spec["small_scales"] and li == len(spec["layer_ids"]) - 1:
-            # the last layer's rows: scales 2**-31..2**-26, every block's amax < 1e-4, so the
-            # activation quantizer rounds (x / scale falls among e4m3 subnormals)
-            emb_scale = rng.integers(96, 102, (N, hd // BLOCK), dtype=np.uint8)
-        e_shift = int(np.ceil(np.log2(np.sqrt(E))))
-        sd = {"embed.weight": random_e4m3_bytes(rng, (N, hd)), "embed.scale": emb_scale,
-              "wkv.weight": random_e4m3_bytes(rng, (M, E)),
-              "wkv.scale": rng.integers(126 - e_shift, 129 - e_shift, (-(-M // BLOCK), -(-E // BLOCK)),
-                                        dtype=np.uint8),
-              "q_weight": torch.from_numpy(rng.uniform(0.5, 1.5, (G, D)).astype(np.float32)).bfloat16().float().numpy(),
-              "k_weight": torch.from_numpy(rng.uniform(0.5, 1.5, (G, D)).astype(np.float32)).bfloat16().float().numpy()}
+        # the last layer of a small_scales spec: tiny rows (the activation quantizer rounds)
+        sd = random_state_dict(spec, rng, N, spec["small_scales"] and li == len(spec["layer_ids"]) - 1)
         for k, v in sd.items():
             out[f"L{L}.sd.{k}"] = v
         out[f"L{L}.multipliers"] = mults[li].numpy()
@@ -285,17 +347,11 @@ def generate(spec):
         out[f"L{L}.offsets"] = offsets[li].numpy()
         out[f"L{L}.hash"] = local
         for dtype, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):  # bf16: as generate.py
+            mod = engram_module(spec, sd, dtype)
             prev = torch.get_default_dtype()
             torch.set_default_dtype(dtype)
             try:
-                mod = Engram(spec, N)
                 with torch.no_grad():
-                    mod.embed_weight.copy_(torch.from_numpy(sd["embed.weight"]).view(torch.float8_e4m3fn))
-                    mod.embed_scale.copy_(torch.from_numpy(sd["embed.scale"]).view(torch.float8_e8m0fnu))
-                    mod.wkv_weight.copy_(torch.from_numpy(sd["wkv.weight"]).view(torch.float8_e4m3fn))
-                    mod.wkv_scale.copy_(torch.from_numpy(sd["wkv.scale"]).view(torch.float8_e8m0fnu))
-                    mod.q_weight.copy_(torch.from_numpy(sd["q_weight"]))
-                    mod.k_weight.copy_(torch.from_numpy(sd["k_weight"]))
                     delta, ref_out = mod(hidden.to(dtype), rows[:, :, li], torch.from_numpy(~dead))
             finally:
                 torch.set_default_dtype(prev)

