@@ -264,7 +264,9 @@ def test_every_engram_call_in_generate_matches_the_oracle(engram, oracle, dtype,
     rec.remove()
     new = out.sequences.shape[1] - ids.shape[1]
     assert len(rec.forwards) == new == 6                         # one prefill, then one forward per token
-    assert handle.counts == {"forwards": 6, "prefill_tokens": int(mask.sum()), "decode_steps": 5}
+    counts = handle.counts
+    assert (counts["forwards"], counts["prefill_tokens"], counts["decode_steps"]) == (6, int(mask.sum()), 5)
+    assert counts["seconds"] > 0
     assert replay(oracle, rec.forwards, dtype) == len(rows) * 2 * 6
     handle.detach()
 
@@ -457,7 +459,10 @@ def test_one_folder_feeds_transformers_and_engram_stream(tmp_path):
     keys["engram_pad_token_id"] = keys.pop("engram_pad_id")
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, **keys}))
+    from tokenizers import pre_tokenizers
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"pad_token": "<pad>", "unk_token": "<pad>"}))
 
     loaded, info = modeling.DeepseekV4ForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and all(".engram." in k for k in info["unexpected_keys"])
@@ -472,3 +477,27 @@ def test_one_folder_feeds_transformers_and_engram_stream(tmp_path):
         got = generate(loaded, ids, mask, n=4)
     assert torch.equal(got.sequences, want.sequences)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+
+    # the README's snippet, on this folder
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = readme.split("## DeepSeek-V4.1 in transformers", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope = {"folder": str(tmp_path)}
+    exec(block.replace("max_new_tokens=32", "max_new_tokens=3"), scope)
+    assert scope["out"].shape == (2, scope["batch"]["input_ids"].shape[1] + 3)
+    assert scope["batch"]["attention_mask"][1, 0] == 0   # the shorter prompt is left-padded
+
+
+def test_example_runs():
+    """examples/transformers_generate.py: both prompts' tokens with and without the Engram, which
+    differ, and the time per token."""
+    import re
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "transformers_generate.py"], cwd=os.path.join(ROOT, "examples"),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    without = re.findall(r"without Engram: (\[.*\])", r.stdout)
+    with_ = re.findall(r"with Engram: +(\[.*\])", r.stdout)
+    assert len(without) == len(with_) == 2 and all(a != b for a, b in zip(without, with_))
+    assert "<img> <img> <img>" in r.stdout and "11 multi-stream decode steps" in r.stdout
+    assert re.search(r"time per token .*: [\d.]+ ms without Engram, [\d.]+ ms with", r.stdout)

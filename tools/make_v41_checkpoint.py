@@ -20,9 +20,11 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
-
-from engram_stream import EngramConfig, hf_v41  # noqa: E402
+try:
+    from engram_stream import EngramConfig, hf_v41
+except ImportError:  # not installed: the checkout this file sits in (an in-place build)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from engram_stream import EngramConfig, hf_v41
 
 TINY = dict(variant="deepseek-v4.1", engram_vocab_size=[211] * 3, max_ngram_size=4, n_embed_per_ngram=64,
             n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64, hc_mult=2, vocab_size=300,

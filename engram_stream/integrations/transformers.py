@@ -33,6 +33,7 @@ Loading the released DeepSeek-V4.1 weights for both sides: see attach().
 from __future__ import annotations
 
 import functools
+import time
 
 import ml_dtypes
 import numpy as np
@@ -136,7 +137,7 @@ class _Runner:
         self.todo = set()         # Engram layers still to run in this forward
         self.step = False         # this forward is one multi-stream step
         self.ids = self.real = None
-        self.counts = {"forwards": 0, "prefill_tokens": 0, "decode_steps": 0}
+        self.counts = {"forwards": 0, "prefill_tokens": 0, "decode_steps": 0, "seconds": 0.0}
 
     def reset(self):
         if self.dec is not None:
@@ -191,7 +192,7 @@ class _Runner:
 class EngramHandle:
     """What attach() returns: detach() removes the hooks; reset() forgets every stream.
     Usable as a context manager (detach on exit). counts: forwards, prompt tokens prefilled,
-    multi-stream decode steps."""
+    multi-stream decode steps, and seconds spent in the hooks (the Engram's whole cost)."""
 
     def __init__(self, hf_model, engram_model):
         inner = _inner(hf_model)
@@ -238,6 +239,18 @@ class EngramHandle:
 
     # ---- the hooks -----------------------------------------------------------------------------
     def _begin(self, module, args, kwargs):
+        t0 = time.perf_counter()
+        self._start(args, kwargs)
+        self._run.counts["seconds"] += time.perf_counter() - t0
+
+    def _layer(self, L, module, args, kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._apply(L, args, kwargs)
+        finally:
+            self._run.counts["seconds"] += time.perf_counter() - t0
+
+    def _start(self, args, kwargs):
         ids = _arg(args, kwargs, "input_ids", 0)
         if ids is None:
             raise ValueError("the Engram needs input_ids: it hashes token ids, and inputs_embeds carry none")
@@ -259,7 +272,7 @@ class EngramHandle:
             new = bool(real.any()) and int(p[real].min()) == 0
         self._run.begin(ids.detach().cpu().numpy().astype(np.int64, copy=False), real, new)
 
-    def _layer(self, L, module, args, kwargs):
+    def _apply(self, L, args, kwargs):
         h = args[0] if args else kwargs["hidden_states"]
         want = tuple(self._run.ids.shape) + self._shape if self._run.ids is not None else None
         if tuple(h.shape) != want:
