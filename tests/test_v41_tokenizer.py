@@ -56,7 +56,8 @@ def test_cache_builds_once_under_xdg_cache_home(tmp_path, tok_file, builds, monk
     assert hf_v41.cache_dir() == str(tmp_path / "home" / ".cache" / "engram_stream")
 
 
-def test_a_load_reads_the_cache(tmp_path, builds):
+def test_a_load_reads_the_cache(tmp_path, builds, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))   # empty: other tests cached this tokenizer
     cfg = hf_v41.make_synthetic(tmp_path / "ckpt", EngramConfig(variant="deepseek-v4.1", engram_vocab_size=[211] * 3,
                                 max_ngram_size=4, n_embed_per_ngram=64, n_head_per_ngram=2, layer_ids=[1, 4],
                                 pad_id=2, hidden_size=64, hc_mult=2, vocab_size=300, image_token_id=299))
