@@ -230,7 +230,7 @@ def build(cfg, d):
     print(f"init: {time.perf_counter() - t0:.1f} s ({model.layers[LAYER].table.nbytes / 1e9:.2f} GB table)")
     for path, dt in ((f32, None), (f16, "float16")):
         t0 = time.perf_counter()
-        checkpoint.save(model, path, table_dtype=dt)
+        model.save(path, table_dtype=dt)
         print(f"save {os.path.basename(path)}: {time.perf_counter() - t0:.1f} s, "
               f"{os.path.getsize(path) / 1e9:.2f} GB")
     return f32, f16

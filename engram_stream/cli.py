@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from . import __version__
-from .config import V41, EngramConfig
+from .config import EngramConfig
 
 DEMO_CONFIG = dict(engram_vocab_size=[20011, 20011], max_ngram_size=3, n_embed_per_ngram=128,
                    n_head_per_ngram=4, layer_ids=[1, 15], pad_id=2, seed=0, kernel_size=4,
@@ -43,25 +43,17 @@ def cmd_demo(args):
     rng = np.random.default_rng(args.seed)
     T, G, D = args.tokens, cfg.hc_mult, cfg.hidden_size
     ids = rng.integers(0, cfg.vocab_size, size=T)
-    v41 = cfg.variant == V41
-    if v41:  # a few DEAD (image) tokens: they cut the n-gram history and close the gate
+    if cfg.image_token_id is not None:  # a few DEAD (image) tokens: they cut the n-gram history and close the gate
         ids[rng.random(T) < 0.05] = cfg.image_token_id
     hidden = {L: rng.standard_normal((T, G, D), dtype=np.float32) for L in cfg.layer_ids}
     print(f"model: {model}")
     outs = {L: np.empty((T, G, D), np.float32) for L in cfg.layer_ids}
     t0 = time.perf_counter()
-    if v41:  # one streaming engine per layer (engram_stream._engine_v41)
-        engines = {L: model.stream(L) for L in cfg.layer_ids}
-        t0 = time.perf_counter()
-        for t in range(T):
-            for L in cfg.layer_ids:
-                outs[L][t] = engines[L].step(int(ids[t]), hidden[L][t])
-    else:
-        dec = model.decoder()
-        for t in range(T):
-            dec.begin(int(ids[t]))
-            for L in cfg.layer_ids:
-                dec.layer(L, hidden[L][t], out=outs[L][t])
+    dec = model.decoder()
+    for t in range(T):
+        dec.begin(int(ids[t]))
+        for L in cfg.layer_ids:
+            dec.layer(L, hidden[L][t], out=outs[L][t])
     dt = time.perf_counter() - t0
     worst = 0.0
     for L in cfg.layer_ids:
@@ -77,7 +69,7 @@ def cmd_demo(args):
 
 
 def cmd_inspect(args):
-    from . import store
+    from .rows import mapped as store
     from .model import EngramModel
     model = EngramModel.load(args.checkpoint, mmap=True)
     cfg, plan = model.cfg, model.plan
@@ -86,8 +78,7 @@ def cmd_inspect(args):
             else os.path.getsize(path))
     print(f"checkpoint: {path} ({size / 2**20:,.1f} MiB)")
     print("config: " + json.dumps(cfg.to_dict()))
-    tail = (f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv" if cfg.variant == V41
-            else f"conv {cfg.kernel_size} taps x dilation {cfg.max_ngram_size}")
+    tail = model.variant.describe(cfg)
     print(f"geometry: orders 2..{cfg.max_ngram_size}, {cfg.n_head_per_ngram} heads/order, H={cfg.n_heads}, "
           f"head_dim={cfg.head_dim}, E={cfg.engram_dim}, D={cfg.hidden_size}, G={cfg.hc_mult}, {tail}")
     print(f"compression: {'identity' if plan.lookup is None else 'table'} "
@@ -106,7 +97,8 @@ def cmd_inspect(args):
 
 def cmd_init(args):
     """Write a checkpoint of random weights; tables are drawn and written in pieces (flat memory)."""
-    from . import checkpoint
+    from .io.files import remove_stale_temps
+    from .variants import variant_of
     try:  # the inputs (cheap), then the output path: all before any real work
         with open(args.config) as f:
             cfg = EngramConfig.from_dict(json.load(f))
@@ -114,7 +106,7 @@ def cmd_init(args):
         raise CliError(f"{args.config}: not valid JSON ({e})") from None
     compression = _load_lookup(args.compression) if args.compression else None
     output = _check_output(args.output, args.force, inputs=[args.config, args.compression])
-    for stale in checkpoint.remove_stale_temps(output):
+    for stale in remove_stale_temps(output):
         print(f"removed {stale} (left by a process that no longer runs)", file=sys.stderr)
     dtype = args.table_dtype or "float32"
     bar = _Progress() if not args.quiet and sys.stderr.isatty() else None
@@ -130,9 +122,9 @@ def cmd_init(args):
 
     with _cleanup_on_sigterm():
         try:
-            checkpoint.save_init(cfg, output, seed=args.weight_seed, graft_zero_init=args.graft_zero,
-                                 compression=compression, table_dtype=args.table_dtype, progress=bar,
-                                 before_write=before_write)
+            variant_of(cfg).save_init(cfg, output, seed=args.weight_seed, graft_zero_init=args.graft_zero,
+                                      compression=compression, table_dtype=args.table_dtype, progress=bar,
+                                      before_write=before_write)
         except OSError as e:  # name the user's path, not the temp file the error happened in
             raise CliError(f"{output}: {e.strerror or e}") from None
         finally:
@@ -291,7 +283,7 @@ def cmd_profile(args):
         raise CliError("profile needs memray: pip install memray") from None
     import tempfile
 
-    from . import store
+    from .rows import mapped as store
     from .model import EngramModel
     if args.cold and not args.checkpoint:
         raise CliError("--cold needs a checkpoint (the built-in demo model lives in RAM)")
@@ -393,7 +385,7 @@ def _config_help() -> str:
 def cmd_publish(args):
     """Every layer's table rows into a Mooncake Store (EngramStore layout: engram:l{L}:h{h})."""
     from .model import EngramModel
-    from .tiers import MooncakeTier
+    from .rows import MooncakeTier
     model = EngramModel.load(args.checkpoint, mmap=True)
     tier = MooncakeTier(master=args.master, metadata=args.metadata, local_host=args.local_host,
                         connect_timeout=args.connect_timeout)

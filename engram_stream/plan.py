@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import _hash
-from .config import V41, EngramConfig
+from .config import EngramConfig
 
 PRIME_1 = 10007  # layer seed stride of the reference
 DEAD = -1  # V4.1: a compressed window entry that blocks history (image token, unknown, before start)
@@ -194,7 +194,7 @@ class HashPlan:
             for L, a in arrays.items():
                 arrays[L] = None if a is None else frozen(a)
         self.lookup = None if self.lookup is None else frozen(self.lookup)
-        self.v41 = cfg.variant == V41
+        self.v41 = cfg.image_token_id is not None  # DEAD tokens and their latch (the V4.1 module)
         self.dead_id = cfg.image_token_id if self.v41 else None  # raw id of a DEAD position
         if self.v41:
             self._check_declared_sizes()

@@ -1,0 +1,91 @@
+"""Argument checks of the streaming engines' public calls, in one place.
+
+Every check runs before an engine changes any state, so a refused call leaves it as it was.
+Used by both engines (StreamEngine in _engine.pyx, V41StreamEngine in _engine_v41.pyx).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from ..plan import as_ids
+
+INT64_MIN = -(1 << 63)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def token_ids(ids, n_streams: int, vocab: int):
+    """(int64[S] ids, False) from an [S] array, or (the id as an int, True) from a scalar
+    (one stream only; range-checked here, so a step makes no array for it)."""
+    if isinstance(ids, (int, np.integer)) and not isinstance(ids, (bool, np.bool_)):
+        if n_streams != 1:
+            raise ValueError(f"this engine has {n_streams} streams: pass token_ids[{n_streams}]")
+        if not INT64_MIN <= ids < vocab:
+            raise ValueError(f"token id {ids} out of range: ids must be < vocab_size={vocab}")
+        return int(ids), True
+    a = as_ids(ids, 1, "token_ids")
+    if a.shape[0] != n_streams:
+        raise ValueError(f"expected {n_streams} token ids (one per stream), got {a.shape[0]}")
+    return a, False
+
+
+def bad_id(ids, i: int, vocab: int) -> ValueError:
+    """The error for ids[i] >= vocab (ids: an array, or the scalar id of a one-stream call)."""
+    v = ids if isinstance(ids, int) else ids[i]
+    return ValueError(f"token id {v} out of range: ids must be < vocab_size={vocab}")
+
+
+def hidden(h, shape):
+    """float32 C-contiguous `shape`: the array itself when it is one (zero copy), else converted."""
+    if type(h) is np.ndarray and h.dtype == np.float32 and h.flags.c_contiguous and h.shape == shape:
+        return h
+    return check_hidden(h, shape)
+
+
+def out(o, shape):
+    """A fresh float32 array, or the caller's `out` when it is writeable float32 C-contiguous `shape`."""
+    if o is None:
+        return np.empty(shape, dtype=np.float32)
+    if not (type(o) is np.ndarray and o.dtype == np.float32 and o.flags.c_contiguous
+            and o.flags.writeable and o.shape == shape):
+        raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
+                         f"{type(o).__name__} {getattr(o, 'dtype', '')} {getattr(o, 'shape', '')}")
+    return o
+
+
+def stream_index(stream, n_streams: int) -> int:
+    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
+        raise TypeError(f"stream must be an int, got {type(stream).__name__}")
+    if not 0 <= stream < n_streams:
+        raise IndexError(f"stream {stream} out of range for an engine with {n_streams} streams")
+    return int(stream)
+
+
+def threads(n, most: int) -> int:
+    """A thread count as the engines keep it (step_threads, prefill_threads): int(n) clamped
+    to [1, most], the header's thread limit."""
+    return max(1, min(int(n), most))
+
+
+def rows_bitmap(bitmap, table_rows: int):
+    """None, or a writeable C-contiguous uint8[ceil(table_rows/8)] (bit r = row r)."""
+    need = (table_rows + 7) // 8
+    if bitmap is not None and not (type(bitmap) is np.ndarray and bitmap.dtype == np.uint8
+                                   and bitmap.flags.c_contiguous and bitmap.flags.writeable
+                                   and bitmap.shape == (need,)):
+        raise ValueError(f"bitmap must be a writeable C-contiguous uint8 array of shape ({need},)")
+    return bitmap
+
+
+def check_hidden(hidden, shape, what="hidden") -> np.ndarray:
+    """hidden as C-contiguous float32 of exactly `shape` (float64/float16/bfloat16 and strided
+    arrays are converted, bfloat16 exactly: an ml_dtypes array, as a bf16 model's torch tensor
+    viewed through numpy is; integer or other dtypes are refused)."""
+    if not isinstance(hidden, np.ndarray):
+        hidden = np.asarray(hidden)
+    if not (np.issubdtype(hidden.dtype, np.floating) or hidden.dtype == BF16):
+        raise TypeError(f"{what} must be a float array (float32, float64, float16 or bfloat16), "
+                        f"got dtype {hidden.dtype}")
+    if hidden.shape != tuple(shape):
+        raise ValueError(f"{what} must have shape {tuple(shape)}, got {hidden.shape}")
+    return np.ascontiguousarray(hidden, dtype=np.float32)

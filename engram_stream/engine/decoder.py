@@ -1,0 +1,112 @@
+"""Decoder: every Engram layer of a model, driven one token at a time.
+
+A token's table rows depend only on the tokens, so when a token arrives the
+decoder hashes every layer at once (begin), before any layer runs; each layer's
+call (layer) then only gathers, projects and convolves. Between the two, a
+file-backed table has its rows' pages requested (prefetch), so the reads overlap
+the compute of the layers in between.
+
+    dec = model.decoder(n_streams=1)
+    for tok in tokens:
+        dec.begin(tok)                     # hash all layers, prefetch their rows
+        for i, block in enumerate(blocks):
+            if i in dec.layers:
+                h = h + dec.layer(i, h)    # Engram output, caller adds the residual
+            h = block(h)
+"""
+from __future__ import annotations
+
+from ..io.files import mapping_of
+
+
+class Decoder:
+    """Per-layer StreamEngines behind one token clock.
+
+    prefetch: "auto" (madvise WILLNEED of the rows' pages when a table is not in
+    anonymous memory, i.e. an mmap checkpoint), True (always), False (never)."""
+
+    def __init__(self, model, n_streams: int = 1, prefetch="auto"):
+        if prefetch not in ("auto", True, False):
+            raise ValueError(f"prefetch must be 'auto', True or False, got {prefetch!r}")
+        self.model = model
+        self.n_streams = n_streams
+        self.engines = {L: model.stream(L, n_streams) for L in model.cfg.layer_ids}
+        self.prefetch = {L: (prefetch is True) or (prefetch == "auto" and mapping_of(model.layer(L).table) is not None)
+                         for L in self.engines}
+
+    @property
+    def layers(self):
+        return tuple(self.engines)
+
+    def pending(self):
+        """Layers that still have to run for the current token."""
+        return [L for L, e in self.engines.items() if e.pending_compute]
+
+    def _no_pending(self, what):
+        left = self.pending()
+        if left:
+            raise RuntimeError(f"layers {left} have not run for the current token: call layer() for them "
+                               f"before {what}")
+
+    def begin(self, token_ids):
+        """A new token (per stream): hash every layer now; prefetch rows of file-backed tables.
+        All or nothing: the ids are read once and checked by every layer before any is fed."""
+        self._no_pending("begin()")
+        ids, _ = self.engines[self.layers[0]]._ids(token_ids)  # read once: an int or an int64[S] array
+        for e in self.engines.values():
+            e._ids(ids)
+        for L, e in self.engines.items():
+            e.feed(ids)
+            if self.prefetch[L]:
+                e.prefetch()
+
+    def layer(self, layer, hidden, out=None):
+        """Layer `layer`'s Engram output for the current token (hidden [G, D] or [S, G, D])."""
+        e = self.engines.get(layer)
+        if e is None:
+            raise KeyError(f"layer {layer!r} is not an Engram layer (layers={self.layers})")
+        if not e.pending_compute:
+            raise RuntimeError(f"layer({layer!r}) needs begin(token_ids) first (each layer runs once per token)")
+        return e.compute(hidden, out=out)
+
+    def _check_hiddens(self, hiddens):
+        if not isinstance(hiddens, dict):
+            raise TypeError(f"hiddens must be a dict {{layer: hidden}} for the layers {list(self.engines)}, "
+                            f"got {type(hiddens).__name__}")
+        if sorted(hiddens) != sorted(self.engines):
+            raise ValueError(f"hiddens must have exactly the layers {list(self.engines)}, got {sorted(hiddens)}")
+
+    def step(self, token_ids, hiddens: dict) -> dict:
+        """begin() then every layer in order: {layer: hidden} -> {layer: output}.
+        (A real model feeds each layer the hidden state its earlier layers produced.)"""
+        self._check_hiddens(hiddens)
+        self.begin(token_ids)
+        return {L: self.layer(L, hiddens[L]) for L in self.engines}
+
+    def prefill(self, ids, hiddens: dict, stream: int = 0) -> dict:
+        """A prompt on one stream for every layer: {layer: hidden[T, G, D]} -> {layer: out}."""
+        self._check_hiddens(hiddens)
+        self._no_pending("prefill()")
+        return {L: e.prefill(ids, hiddens[L], stream=stream) for L, e in self.engines.items()}
+
+    def reset(self, stream=None):
+        """Forget one stream's history (or every stream's, which also drops a begun token)."""
+        if stream is not None:
+            self._no_pending("reset(stream) (or reset() every stream)")
+        for e in self.engines.values():
+            e.reset(stream)
+
+    def snapshot(self) -> dict:
+        self._no_pending("snapshot()")
+        return {L: e.snapshot() for L, e in self.engines.items()}
+
+    def restore(self, snapshot: dict):
+        if not isinstance(snapshot, dict):
+            raise TypeError(f"restore() takes a Decoder.snapshot() (a dict), got {type(snapshot).__name__}")
+        if sorted(snapshot) != sorted(self.engines):
+            raise ValueError("snapshot must be a Decoder.snapshot() of a decoder with the same layers")
+        for L, e in self.engines.items():  # check all before changing any
+            e._check_snapshot(snapshot[L])
+        for L, e in self.engines.items():
+            e.restore(snapshot[L])
+

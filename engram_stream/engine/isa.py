@@ -1,0 +1,61 @@
+"""Which kernel path runs: "avx512", "avx2" or "baseline" (include/engram_isa.h).
+
+Every extension module carries each kernel compiled per instruction set and a selector
+of its own; this module keeps them all on one path. At import the path is the best the
+CPU runs, or the one ENGRAM_STREAM_ISA names (refused if the CPU lacks it). use_isa()
+switches at run time: the tests run the kernels on every path the machine supports.
+"""
+from __future__ import annotations
+
+import os
+
+from .. import _hash
+
+ISA_NAMES = ("baseline", "avx2", "avx512")  # index = the C level (ES_ISA_*)
+ENV = "ENGRAM_STREAM_ISA"
+_modules = [_hash]  # every extension with dispatched kernels: each engine module calls register() at import
+
+
+def supported_isas() -> tuple:
+    """The paths this CPU and build run, slowest first."""
+    return ISA_NAMES[:_hash._isa_cpu_best() + 1]
+
+
+def kernel_isa() -> str:
+    """The path the kernels run now: "avx512", "avx2" or "baseline"."""
+    return ISA_NAMES[_hash._isa_get()]
+
+
+def use_isa(name: str) -> None:
+    """Run every extension's kernels on `name` (ValueError: unknown; RuntimeError: the CPU lacks it)."""
+    if name not in ISA_NAMES:
+        raise ValueError(f"unknown kernel ISA {name!r}: expected one of {', '.join(ISA_NAMES)}")
+    if name not in supported_isas():
+        raise RuntimeError(f"kernel ISA {name!r} is not supported by this CPU (or build): "
+                           f"it runs {', '.join(supported_isas())}")
+    level = ISA_NAMES.index(name)
+    for m in _modules:
+        if not m._isa_set(level):
+            raise RuntimeError(f"{m.__name__} cannot run kernel ISA {name!r}")
+
+
+def register(module) -> None:
+    """Keep another extension (with _isa_set(level) -> bool) on the same path from now on."""
+    if module not in _modules:
+        _modules.append(module)
+    if not module._isa_set(ISA_NAMES.index(kernel_isa())):
+        raise RuntimeError(f"{module.__name__} cannot run kernel ISA {kernel_isa()!r}")
+
+
+def _from_environment() -> None:
+    name = os.environ.get(ENV, "").strip().lower()
+    if not name:
+        use_isa(supported_isas()[-1])
+        return
+    try:
+        use_isa(name)
+    except (ValueError, RuntimeError) as e:
+        raise RuntimeError(f"{ENV}={os.environ[ENV]!r}: {e}") from None
+
+
+_from_environment()

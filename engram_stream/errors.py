@@ -1,0 +1,26 @@
+"""The package's errors: one base class, one subclass per kind of failure.
+
+Each also derives from the builtin a caller would expect (a bad file is a ValueError, a
+store that fails a RuntimeError), so `except ValueError` keeps working.
+"""
+
+
+class EngramStreamError(Exception):
+    """Base of every error engram_stream raises on purpose."""
+
+
+class CheckpointError(EngramStreamError, ValueError):
+    """A file that is not a valid engram_stream checkpoint (truncated, corrupted, hostile)."""
+
+
+class HFCheckpointError(CheckpointError):
+    """A folder that is not a readable deepseek-v4.1 checkpoint (Hugging Face layout)."""
+
+
+class FileChangedError(EngramStreamError, RuntimeError):
+    """A mapped file was truncated or rewritten in place after it was mapped."""
+
+
+class TierError(EngramStreamError, RuntimeError):
+    """A row source failed (store unreachable, short read, timeout, closed): nothing it
+    returned was used and the engine is as it was before the call."""

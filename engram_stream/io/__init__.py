@@ -1,0 +1,1 @@
+"""Files: opening, mapping, atomic writes (files.py)."""

@@ -1,0 +1,186 @@
+"""Files: opening, mapping and atomically replacing them (both variants, every writer).
+
+  open_regular(path, err)   open for reading, refusing FIFOs and devices (err: the error to raise)
+  atomic_output(path)       a file object whose bytes become `path` all at once, or not at all
+  remove_stale_temps(path)  temp files of writers that died (SIGKILL) beside `path`
+  MappedFile                a read-only map of a whole file that knows when the file changed
+  mapping_of(a)             the mmap an array views, if any
+
+The rule for mapped files: never truncate or rewrite a checkpoint in place while a model has it
+mapped. Reads past a truncated end die with SIGBUS; a rewritten table mixes with weights read
+at load. Write a new file and rename it over the old one (every save does): the mapping keeps
+the old file, whole, until the model is dropped. MappedFile.check() (one fstat: size, inode,
+mtime) refuses a file changed since it was mapped with FileChangedError; engines and forward()
+run it before they read a table. A change made while a call is reading cannot be caught.
+"""
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import stat
+import weakref
+
+import numpy as np
+
+from ..errors import FileChangedError
+
+__all__ = ["open_regular", "atomic_output", "remove_stale_temps", "MappedFile", "mapping_of", "file_check",
+           "check_file", "FileChangedError"]
+
+
+def open_regular(path, err):
+    """The file opened for reading, refused unless it is a regular file: opening a FIFO would
+    block (O_NONBLOCK here: it does not) and a device can be read without end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise err(f"not a regular file (mode {stat.filemode(mode)}): refused")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _temp_name(path) -> str:
+    """A fresh temp name beside `path`: `<name>.tmp-<pid>.<random>` (remove_stale_temps reads the pid)."""
+    folder, base = os.path.split(os.path.abspath(path))
+    return os.path.join(folder, f"{base}.tmp-{os.getpid()}.{os.urandom(8).hex()}")
+
+
+# Exclusive: never another save's file, never a symlink planted at the name.
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _check_destination(path):
+    """save() replaces a regular file (or a symlink: the link itself) only. Renaming over a
+    FIFO or a device node would silently swap it for a file."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        raise ValueError(f"{path}: exists and is not a regular file ({stat.filemode(mode)}): not replaced")
+
+
+def remove_stale_temps(path) -> list:
+    """Delete temp files of `path` left by save() in processes that no longer run (killed
+    mid-write). A temp file of a live process, or one whose pid is unreadable, stays."""
+    removed = []
+    prefix = f"{os.path.basename(path)}.tmp-"
+    folder = os.path.dirname(os.path.abspath(path))
+    for name in os.listdir(folder):
+        pid = name[len(prefix):].split(".", 1)[0]  # <pid>.<random> (or <pid>: older files)
+        if not (name.startswith(prefix) and pid.isdigit()) or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or a new process that reuses the pid: keep its file)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+            removed.append(os.path.join(folder, name))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+@contextlib.contextmanager
+def atomic_output(path):
+    """A binary file object whose bytes become `path` all at once, or not at all: they go to a
+    temp file of this call's own beside `path` (created exclusively, no symlink followed), are
+    fsynced, then renamed over `path`. Whatever stops the writer (an error, SIGTERM turned into
+    an exception by the CLI) removes the temp file and leaves `path` as it was."""
+    _check_destination(path)
+    tmp = _temp_name(path)
+    try:  # from the open on
+        with os.fdopen(os.open(tmp, _TEMP_FLAGS, 0o666), "wb") as f:  # 0666 & ~umask, as open() gives
+            yield f
+            f.flush()
+            os.fsync(f.fileno())  # data on disk before the rename makes it visible
+        _check_destination(path)  # again: it may have appeared while we wrote
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except BaseException as e:
+        if not (isinstance(e, FileExistsError) and e.filename == tmp):  # else not ours: left alone
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        raise
+
+
+def _fsync_dir(d):
+    """Make the rename durable too (best effort: not every file system lets us open a dir)."""
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _stamp(st):
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class MappedFile(mmap.mmap):
+    """A read-only map of a whole open file that remembers the file as it was mapped: check()
+    raises FileChangedError once its size, inode or mtime differ (see the rule above).
+    st: the os.fstat of fd that the caller validated the file with."""
+
+    def __new__(cls, fd, st, path):
+        self = super().__new__(cls, fd, st.st_size, access=mmap.ACCESS_READ)
+        self.path, self.stamp = path, _stamp(st)
+        self.fd = os.dup(fd)  # the mapping's own fd is not reachable; fstat needs one (engines too)
+        weakref.finalize(self, os.close, self.fd)
+        return self
+
+    def check(self):
+        now = _stamp(os.fstat(self.fd))
+        if now != self.stamp:
+            what = "truncated" if now[2] < self.stamp[2] else "rewritten in place"
+            raise FileChangedError(
+                f"{self.path}: {what} after it was mapped (size {self.stamp[2]} -> {now[2]} bytes, mtime "
+                f"{'changed' if now[3] != self.stamp[3] else 'same'}): its tables can no longer be read "
+                f"safely. Do not modify a mapped checkpoint in place: write a new file, rename it over "
+                f"the old one (as save() does) and load it again")
+
+
+def file_check(a):
+    """The check() of the MappedFile under array `a` (raises FileChangedError when the file
+    changed since it was mapped), or None when `a` is not a view of one."""
+    mm = mapping_of(a)
+    return mm.check if isinstance(mm, MappedFile) else None
+
+
+def check_file(a):
+    """Raise FileChangedError when `a` views a MappedFile whose file changed since it was mapped."""
+    check = file_check(a)
+    if check is not None:
+        check()
+
+
+def mapping_of(a):
+    """The mmap.mmap whose memory `a` views (walking .base), or None for ordinary memory.
+    (An anonymous mmap.mmap(-1, n) counts too: Python does not tell them apart.)"""
+    b = a
+    while b is not None:
+        if isinstance(b, mmap.mmap):
+            return b
+        if isinstance(b, memoryview):
+            b = b.obj
+        elif isinstance(b, np.memmap) and getattr(b, "_mmap", None) is not None:
+            return b._mmap
+        else:
+            b = getattr(b, "base", None)
+    return None

@@ -1,0 +1,9 @@
+"""Where table rows come from: the mapped table (mapped.py), the RAM row cache (_cache.pyx,
+include/engram_rowcache.h), a Mooncake Store (mooncake.py); tiers.py puts them together for
+one model. `engram_stream.tiers` is this package."""
+from ..errors import TierError
+from .mooncake import MooncakeTier, RemoteRows, head_records, store_key, wait_for_port
+from .tiers import RowTiers, record_layout
+
+__all__ = ["MooncakeTier", "RemoteRows", "RowTiers", "TierError", "head_records", "record_layout", "store_key",
+           "wait_for_port"]

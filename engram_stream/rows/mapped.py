@@ -1,0 +1,239 @@
+"""The mmap tier: page advice, residency, page-cache eviction and row prefetch.
+
+A table loaded with `EngramModel.load(path, mmap=True)` is a read-only view of the
+checkpoint file. Its pages live in the kernel's page cache, are read on first touch,
+are shared by every process that maps the file, and can be dropped by the kernel
+under memory pressure (they are clean). Everything the engine does with such a table
+is a plain memory read; this module only talks to the kernel about its pages:
+
+  advise(a, "random")       no read-ahead: a cold gather reads the rows' pages, not a window around them
+  prefetch_rows(t, rows)    MADV_WILLNEED on the pages of the rows a token will read (async reads);
+                            RowPrefetcher(t) is the same bound to one table, for a decode loop
+  resident_bytes(a)         how much of `a` is in RAM (mincore: the page cache for file pages)
+  evict_file(path)          drop the file's unmapped pages from the page cache (cold start)
+  release(model)            unmap this process's table pages (they stay cached until evicted)
+  residency(model)          {layer: {"table_bytes", "resident_bytes", "file_backed"[, "rows_touched"]}}
+  track_rows(engine)        a bitmap the engine marks with every row it reads (for rows_touched)
+  touch(a)                  fault every page of `a` in (warm-up, tests)
+
+EngramModel.load(mmap=True) already advises MADV_RANDOM (and POSIX_FADV_RANDOM on its reads).
+
+The rule for mapped files (never rewrite one in place) and MappedFile, the mapping that
+notices when it is broken: engram_stream.io.files.
+
+Linux/POSIX only (madvise and mincore through ctypes on libc).
+"""
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import numpy as np
+
+from ..io.files import FileChangedError, MappedFile, check_file, file_check, mapping_of  # noqa: F401
+
+PAGE = mmap.PAGESIZE
+ADVICE = {"normal": mmap.MADV_NORMAL, "random": mmap.MADV_RANDOM, "sequential": mmap.MADV_SEQUENTIAL,
+          "willneed": mmap.MADV_WILLNEED, "dontneed": mmap.MADV_DONTNEED}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.mincore.restype = ctypes.c_int
+
+
+def _madvise(addr: int, length: int, advice: int):
+    if _libc.madvise(addr, length, advice) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"madvise({addr:#x}, {length}, {advice}): {os.strerror(e)}")
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _pages(a: np.ndarray):
+    """(first page address, length in bytes) of the whole pages covering a's buffer."""
+    start = _addr(a)
+    first = start - start % PAGE
+    end = start + a.nbytes
+    return first, -(-(end - first) // PAGE) * PAGE
+
+
+def is_file_backed(a) -> bool:
+    return mapping_of(a) is not None
+
+
+def advise(a: np.ndarray, advice):
+    """madvise the pages under array `a`: "random", "willneed", "dontneed", "sequential", "normal"
+    (or the mmap.MADV_* int of one of these: other advice, e.g. MADV_FREE, MADV_REMOVE or 24,
+    MADV_DONTNEED_LOCKED, can destroy data or change fork semantics, so it is refused).
+    "dontneed" is refused on ordinary memory: on anonymous pages it would zero the data; on
+    shared file pages (our loads) it only unmaps them from this process (on a private
+    copy-on-write mapping it would drop your writes to it)."""
+    if isinstance(advice, str):
+        if advice not in ADVICE:
+            raise ValueError(f"unknown advice {advice!r}: one of {sorted(ADVICE)}")
+        code = ADVICE[advice]
+    elif isinstance(advice, (int, np.integer)) and not isinstance(advice, bool) and advice in ADVICE.values():
+        code = int(advice)
+    else:
+        raise ValueError(f"advice {advice!r} is not allowed: one of {sorted(ADVICE)} or their mmap.MADV_* values")
+    if code == mmap.MADV_DONTNEED and not is_file_backed(a):
+        raise ValueError("advise(..., 'dontneed') on an array that is not a view of a file mapping "
+                         "would destroy its data")
+    if a.nbytes:
+        _madvise(*_pages(a), code)
+
+
+def resident_bytes(a: np.ndarray) -> int:
+    """Bytes of `a` in RAM right now (mincore; partial edge pages count their overlap only)."""
+    if a.nbytes == 0:
+        return 0
+    first, length = _pages(a)
+    n = length // PAGE
+    vec = np.zeros(n, dtype=np.uint8)
+    if _libc.mincore(first, length, vec.ctypes.data) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mincore: {os.strerror(e)}")
+    per_page = np.full(n, PAGE, dtype=np.int64)
+    start, end = _addr(a), _addr(a) + a.nbytes
+    per_page[0] = min(end, first + PAGE) - start
+    if n > 1:
+        per_page[-1] = end - (first + (n - 1) * PAGE)
+    return int(per_page[(vec & 1).astype(bool)].sum())
+
+
+def proc_status(pid="self") -> dict:
+    """Memory lines of /proc/PID/status in bytes: RssAnon, RssFile, VmRSS, VmHWM, ..."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                out[key] = int(parts[0]) * 1024
+    return out
+
+
+def evict_file(path):
+    """Ask the kernel to drop the file's pages from the page cache (POSIX_FADV_DONTNEED).
+    Pages some process still has mapped are kept: release() this process's mappings first."""
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _tables(model):
+    for L, w in model.layers.items():
+        yield L, [a for a in (w.table, w.table_scale) if a is not None]
+
+
+def release(model):
+    """Unmap this process's pages of every file-backed table (MADV_DONTNEED): RSS drops, the
+    pages stay in the page cache until evict_file() or memory pressure. In-RAM tables are left."""
+    for _, arrays in _tables(model):
+        for a in arrays:
+            if is_file_backed(a):
+                advise(a, "dontneed")
+
+
+def track_rows(engine) -> np.ndarray:
+    """Make `engine` (a StreamEngine) record every table row it reads; returns the bitmap
+    (uint8, bit r = row r) to pass to residency(model, touched={layer: bitmap}). Keep it alive."""
+    bitmap = np.zeros((engine.model.plan.table_rows[engine.layer] + 7) // 8, dtype=np.uint8)
+    engine.track_rows(bitmap)
+    return bitmap
+
+
+def residency(model, touched=None) -> dict:
+    """{layer: {"table_bytes", "resident_bytes", "file_backed"}}; int8 scales count with their
+    table. For file-backed tables resident means "in the page cache", whoever touched it.
+    touched: {layer: bitmap from track_rows()} adds "rows_touched" (distinct rows read)."""
+    out = {}
+    for L, arrays in _tables(model):
+        out[L] = {"table_bytes": sum(a.nbytes for a in arrays),
+                  "resident_bytes": sum(resident_bytes(a) for a in arrays),
+                  "file_backed": is_file_backed(arrays[0])}
+        if touched is not None and L in touched:
+            out[L]["rows_touched"] = int(np.unpackbits(touched[L]).sum())
+    return out
+
+
+def touch(a: np.ndarray) -> int:
+    """Read one byte per page of `a` (faults it all in); returns a checksum so it is not elided."""
+    if a.nbytes == 0:
+        return 0
+    b = a.reshape(-1).view(np.uint8)
+    return int(b[::PAGE].sum(dtype=np.int64))
+
+
+class RowPrefetcher:
+    """prefetch_rows bound to one table (and its int8 scale): addresses are computed once, so a
+    per-token call costs little more than its madvise calls. A decoder keeps one per layer."""
+
+    def __init__(self, table: np.ndarray, scale: np.ndarray = None):
+        for a in (table, scale):
+            if a is not None and not a.flags.c_contiguous:
+                raise ValueError("prefetch needs C-contiguous arrays")
+        self.rows = table.shape[0]
+        self.spans = [(_addr(a), a.strides[0]) for a in (table, scale) if a is not None and a.nbytes]
+        self._keep = (table, scale)  # the raw addresses stay valid while we hold the arrays
+        # The mmap object's own madvise() costs half of a ctypes call (a token makes ~H of them).
+        self._mm = mapping_of(table)
+        if self._mm is not None and (scale is None or mapping_of(scale) is self._mm):
+            self._mm_base = _addr(np.frombuffer(self._mm, np.uint8, 1))
+        else:
+            self._mm = None
+
+    def _advise_run(self, first_page: int, n_pages: int):
+        if self._mm is not None:
+            self._mm.madvise(mmap.MADV_WILLNEED, first_page * PAGE - self._mm_base, n_pages * PAGE)
+        else:
+            _madvise(first_page * PAGE, n_pages * PAGE, mmap.MADV_WILLNEED)
+
+    def __call__(self, rows) -> int:
+        r = np.asarray(rows, dtype=np.int64).ravel().tolist()
+        if not r or not self.spans:
+            return 0
+        if min(r) < 0 or max(r) >= self.rows:
+            raise IndexError(f"rows out of range for a table of {self.rows} rows")
+        runs = []
+        for base, rb in self.spans:  # plain ints: a token has only ~H rows, numpy would cost more
+            for x in r:
+                a = base + x * rb
+                runs.append((a // PAGE, (a + rb - 1) // PAGE))
+        runs.sort()
+        pages, (s0, e0) = 0, runs[0]
+        for s, e in runs[1:]:
+            if s <= e0 + 1:  # touching or overlapping: one call
+                e0 = max(e0, e)
+                continue
+            self._advise_run(s0, e0 - s0 + 1)
+            pages += e0 - s0 + 1
+            s0, e0 = s, e
+        self._advise_run(s0, e0 - s0 + 1)
+        return pages + e0 - s0 + 1
+
+
+def prefetch_rows(table: np.ndarray, rows, scale: np.ndarray = None) -> int:
+    """MADV_WILLNEED the pages holding `rows` of `table` (absolute row indices, any shape) and,
+    for int8 tables, of their `scale` entries. The kernel starts the reads and returns at once,
+    so a decoder calls this as soon as a token's rows are known (engine.feed(); engine.rows),
+    lets earlier layers compute, and finds the rows in RAM at compute(). Adjacent pages are
+    coalesced into one call. Returns the number of pages advised. (Per token in a loop, keep a
+    RowPrefetcher instead: same thing without recomputing the addresses.)"""
+    return RowPrefetcher(table, scale)(rows)
+
+
+def prefetch(model, rows_by_layer: dict) -> int:
+    """prefetch_rows for several layers: {layer: absolute rows} (e.g. {L: engine.rows})."""
+    n = 0
+    for L, rows in rows_by_layer.items():
+        w = model.layers[L]
+        n += prefetch_rows(w.table, rows, w.table_scale)
+    return n

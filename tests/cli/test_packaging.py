@@ -1,0 +1,108 @@
+"""Packaging: the sdist can test itself, plain pytest works without pytest-memray, typing stubs."""
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+import pytest
+
+from conftest import ROOT
+
+# Folders the sdist must carry whole (so an unpacked sdist builds, tests and benchmarks itself).
+CARRIED = ("include", "tests", "tools", "examples", "bench", ".ci")
+SKIP = shutil.ignore_patterns(".git", ".ci-venv", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis",
+                              ".pytest_cache", "*.so", "*.bin", "out")
+
+
+def _source_files():
+    for folder in CARRIED:
+        for d, dirs, files in os.walk(os.path.join(ROOT, folder)):
+            dirs[:] = [x for x in dirs if x not in ("__pycache__", "out", ".hypothesis")]
+            for f in files:
+                if not f.endswith((".pyc", ".bin")):
+                    yield os.path.relpath(os.path.join(d, f), ROOT)
+
+
+def test_sdist_carries_tests_data_tools_and_no_build_products(tmp_path):
+    pytest.importorskip("Cython")  # setup.py needs it (the test extra installs it, with setuptools>=77)
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=SKIP)
+    r = subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path / "dist")], cwd=src,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (archive,) = os.listdir(tmp_path / "dist")
+    with tarfile.open(tmp_path / "dist" / archive) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    need = {"LICENSE", "MANIFEST.in", "README.md", "pyproject.toml", "setup.py", "engram_stream/py.typed",
+            "engram_stream/demo/_engine.pyi", "engram_stream/_hash.pyi", "engram_stream/v41/_engine.pyi",
+            "engram_stream/rows/_cache.pyi", *_source_files()}
+    assert not need - names, sorted(need - names)
+    built = sorted(n for n in names if n.endswith((".so", ".c", ".pyc")))
+    assert not built, built
+
+
+def test_license_file_is_mit():
+    with open(os.path.join(ROOT, "LICENSE")) as f:
+        assert f.readline().strip() == "MIT License"
+
+
+def test_plain_pytest_runs_without_pytest_memray():
+    """`pytest` must work where pytest-memray is missing: no --memray in the default options,
+    and the limit_memory marker is registered by the project itself (no unknown-mark warning)."""
+    # Run from outside the checkout (`python -m` would put an unbuilt source tree first on sys.path).
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:memray", "-p", "no:cacheprovider",
+                        "-c", os.path.join(ROOT, "pyproject.toml"), "--rootdir", ROOT,
+                        "-W", "error::pytest.PytestUnknownMarkWarning", "--collect-only", "-q",
+                        os.path.join(ROOT, "tests", "demo", "test_engine.py")], cwd=tempfile.gettempdir(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_torch_pin_lives_in_the_constraints_file():
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["optional-dependencies"]["torch"] == ["torch"]
+    with open(os.path.join(ROOT, ".ci", "constraints.txt")) as f:
+        assert any(line.startswith("torch==") for line in f)
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        assert "-c .ci/constraints.txt" in f.read()
+
+
+def _stub_names(module_name):
+    """{class or "": names declared} from the module's .pyi, found beside the imported module."""
+    import ast
+    import importlib
+    mod = importlib.import_module(module_name)
+    stub = os.path.join(os.path.dirname(mod.__file__), module_name.rsplit(".", 1)[1] + ".pyi")
+    with open(stub) as f:
+        tree = ast.parse(f.read())
+
+    def names(body, attributes=True):
+        out = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        if attributes:
+            out |= {n.target.id for n in body if isinstance(n, ast.AnnAssign)}
+        return {n for n in out if not n.startswith("_")}
+    classes = [c for c in tree.body if isinstance(c, ast.ClassDef)]
+    return mod, names(tree.body), {c.name: (names(c.body), names(c.body, False)) for c in classes}
+
+
+@pytest.mark.parametrize("module_name", ["engram_stream.demo._engine", "engram_stream._hash",
+                                         "engram_stream.v41._engine", "engram_stream.rows._cache"])
+def test_stubs_declare_every_public_name(module_name):
+    """The .pyi (shipped with py.typed) must list exactly the compiled module's public names,
+    and those of its classes: a method added to the .pyx without its stub fails here."""
+    import importlib
+    import inspect
+    import types
+    mod, stub, stub_classes = _stub_names(module_name)
+    public = {n for n, v in vars(mod).items() if not n.startswith("_") and not isinstance(v, types.ModuleType)
+              and (isinstance(v, (int, float, str)) or getattr(v, "__module__", None) == module_name)}
+    assert public == stub, (sorted(public - stub), sorted(stub - public))
+    for cls in (n for n in public if inspect.isclass(getattr(mod, n))):
+        runtime = {n for n in dir(getattr(mod, cls)) if not n.startswith("_")}
+        declared, methods = stub_classes[cls]  # instance attributes are not in dir(class)
+        assert runtime <= declared and methods <= runtime, (cls, sorted(runtime - declared), sorted(methods - runtime))
+    assert os.path.exists(os.path.join(os.path.dirname(importlib.import_module("engram_stream").__file__), "py.typed"))

@@ -1,0 +1,133 @@
+"""The package's shape: imports go one way (no circle), every module imports on its own, and
+the README's map of where things are names every module and only files that exist."""
+import ast
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+PKG = os.path.join(ROOT, "engram_stream")
+FROM = re.compile(r"^\s*from\s+([.\w]+)\s+c?import\s+(.+)$")
+IMPORT = re.compile(r"^\s*c?import\s+([.\w]+)")
+
+
+def _modules():
+    """{dotted name: path} of every .py and .pyx module of the package."""
+    out = {}
+    for d, dirs, files in os.walk(PKG):
+        dirs[:] = [x for x in dirs if x not in ("__pycache__", "include")]
+        for f in files:
+            if f.endswith((".py", ".pyx")):
+                rel = os.path.relpath(os.path.join(d, f), ROOT)[:-len(os.path.splitext(f)[1])]
+                name = rel.replace(os.sep, ".")
+                out[name[:-len(".__init__")] if name.endswith(".__init__") else name] = os.path.join(d, f)
+    return out
+
+
+def _resolve(module, target, is_pkg):
+    """The absolute dotted name of `target` (maybe relative) imported from `module`."""
+    if not target.startswith("."):
+        return target
+    dots = len(target) - len(target.lstrip("."))
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[:len(base) - (dots - 1)]
+    rest = target[dots:]
+    return ".".join(base + ([rest] if rest else []))
+
+
+def _edges():
+    """{module: set of package modules it imports}, at any depth of the file (function-level
+    imports count: a circle through a lazy import is still a circle)."""
+    mods = _modules()
+    edges = {}
+    for name, path in mods.items():
+        is_pkg = path.endswith("__init__.py")
+        deps = set()
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        for line in lines:
+            m = FROM.match(line)
+            if m:
+                base = _resolve(name, m.group(1), is_pkg)
+                names = [n.strip().split(" as ")[0].strip("() ") for n in m.group(2).split(",")]
+                for n in names:
+                    deps.add(f"{base}.{n}" if f"{base}.{n}" in mods else base)
+                continue
+            m = IMPORT.match(line)
+            if m:
+                deps.add(_resolve(name, m.group(1), is_pkg))
+        edges[name] = {d for d in deps if d in mods and d != name}
+    return edges
+
+
+def test_no_import_circle():
+    """Every module imports in one direction. The top package's __init__ (which imports the
+    public names and the old import paths) is imported by nothing inside but the command line."""
+    edges = _edges()
+    for name, deps in edges.items():
+        assert "engram_stream" not in deps or name in ("engram_stream", "engram_stream.cli"), \
+            f"{name} imports the top package"
+    edges.pop("engram_stream")
+    edges.pop("engram_stream.cli")  # the program on top: nothing imports it
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(edges.get(n, ())):
+            if state.get(d) == 1:
+                cycle = stack[stack.index(d):] + [d]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[n] = 2
+    for n in sorted(edges):
+        if n not in state:
+            visit(n)
+
+
+def test_the_static_check_sees_a_circle(tmp_path):
+    """Sensitivity: the resolver finds relative imports (a circle would not be missed)."""
+    edges = _edges()
+    assert "engram_stream.plan" in edges["engram_stream.model"]
+    assert "engram_stream.engine.args" in edges["engram_stream.demo._engine"]
+    assert "engram_stream.rows._cache" in edges["engram_stream.rows.tiers"]
+
+
+def test_every_module_imports_alone():
+    """Each module imported first, in a fresh interpreter: an order-dependent circle fails here."""
+    from concurrent.futures import ThreadPoolExecutor
+    code = "import importlib, sys; importlib.import_module(sys.argv[1])"
+
+    def run(name):
+        r = subprocess.run([sys.executable, "-c", code, name], cwd="/", capture_output=True, text=True, timeout=120)
+        return name, r.returncode, r.stderr.strip().splitlines()[-1:]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        bad = {n: err for n, rc, err in pool.map(run, sorted(_modules())) if rc != 0}
+    assert not bad, bad
+
+
+def _readme_map():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    return section, set(re.findall(r"`([\w./-]+\.(?:py|pyx|pxd|h|md|txt))`", section))
+
+
+def test_readme_map_names_real_files():
+    _, files = _readme_map()
+    missing = sorted(f for f in files if not os.path.exists(os.path.join(ROOT, f)))
+    assert not missing, missing
+
+
+def test_readme_map_names_every_module():
+    section, files = _readme_map()
+    listed = {f[:-len(os.path.splitext(f)[1])] for f in files}
+    want = {os.path.relpath(p, ROOT)[:-len(os.path.splitext(p)[1])] for p in _modules().values()}
+    want = {w for w in want if not w.endswith("__init__")}
+    assert not sorted(want - listed), sorted(want - listed)

@@ -1,0 +1,298 @@
+"""The mmap tier: advice, residency (mincore), eviction, row prefetch, and decoding over a mapped table."""
+from __future__ import annotations
+
+import gc
+import mmap
+import time
+
+import numpy as np
+import pytest
+
+from engram_stream import EngramConfig, EngramModel, checkpoint, store
+
+PAGE = store.PAGE
+# One layer, head_dim 64 (256-byte float32 rows), a ~17 MB table.
+CFG = EngramConfig(engram_vocab_size=[4099, 4099], max_ngram_size=3, n_embed_per_ngram=512, n_head_per_ngram=8,
+                   layer_ids=[3], pad_id=2, kernel_size=4, hidden_size=32, hc_mult=2, vocab_size=1000)
+L = 3
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("store")
+    m = EngramModel.init(CFG, seed=0)
+    f32, i8 = str(d / "f32.safetensors"), str(d / "i8.safetensors")
+    m.save(f32)
+    m.save(i8, table_dtype="int8")
+    return m, f32, i8
+
+
+def _cold(path):
+    """Load with the file's pages evicted from the page cache (skip where the kernel keeps them)."""
+    gc.collect()  # models of earlier tests may still map the file: their pages cannot be evicted
+    store.evict_file(path)
+    m = EngramModel.load(path, mmap=True)
+    w = m.layers[L]
+    if store.resident_bytes(w.table) > 0.01 * w.table.nbytes:
+        pytest.skip("posix_fadvise(DONTNEED) does not evict this file system's pages (tmpfs?)")
+    return m
+
+
+def _wait_resident(a, at_least, timeout=5.0):
+    t0 = time.monotonic()
+    while store.resident_bytes(a) < at_least and time.monotonic() - t0 < timeout:
+        time.sleep(0.005)
+    return store.resident_bytes(a)
+
+
+def _vma_flags(addr):
+    """VmFlags of the mapping holding addr, from /proc/self/smaps."""
+    current = None
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            current = lo <= addr < hi
+        elif current and head == "VmFlags:":
+            return line.split()[1:]
+    return None
+
+
+# ---- mappings and advice ---------------------------------------------------------------------------
+def test_mapping_of(files, tmp_path):
+    m, f32, _ = files
+    t = EngramModel.load(f32).layers[L].table
+    assert isinstance(store.mapping_of(t), mmap.mmap)
+    assert store.is_file_backed(t[10:20]) and store.is_file_backed(t.reshape(-1)[5:])
+    assert not store.is_file_backed(m.layers[L].table) and not store.is_file_backed(np.ones(3))
+    mm = np.memmap(tmp_path / "x.bin", dtype=np.float32, mode="w+", shape=(1024,))
+    assert store.is_file_backed(mm) and store.is_file_backed(mm[3:])
+
+
+def test_load_advises_random(files):
+    """A cold gather must read the row's page only: mmap loads mark table mappings MADV_RANDOM."""
+    _, f32, i8 = files
+    for path in (f32, i8):
+        w = EngramModel.load(path).layers[L]
+        for a in (w.table, w.table_scale):
+            if a is not None:
+                mid = a.__array_interface__["data"][0] + a.nbytes // 2
+                assert "rr" in _vma_flags(mid), path
+
+
+def test_advise(files):
+    m, f32, _ = files
+    t = EngramModel.load(f32).layers[L].table
+    for advice in ("normal", "sequential", "willneed", "random", "dontneed", mmap.MADV_RANDOM):
+        store.advise(t, advice)
+    assert np.array_equal(t, m.layers[L].table)  # dontneed on a file mapping loses nothing
+    with pytest.raises(ValueError, match="unknown advice"):
+        store.advise(t, "sometimes")
+    ram = np.ones((1000, 64), np.float32)
+    with pytest.raises(ValueError, match="destroy"):
+        store.advise(ram, "dontneed")
+    store.advise(ram, "willneed")
+    assert (ram == 1).all()
+
+
+@pytest.mark.parametrize("advice", [24, mmap.MADV_FREE, mmap.MADV_REMOVE, mmap.MADV_DONTFORK, -1, True, 3.0])
+def test_advise_refuses_advice_outside_the_whitelist(advice):
+    """24 is MADV_DONTNEED_LOCKED: on ordinary memory it zeroes the pages (glibc then aborts);
+    MADV_FREE/REMOVE destroy data too, DONTFORK changes fork semantics. Only read hints pass."""
+    ram = np.ones((1000, 64), np.float32)
+    with pytest.raises((ValueError, TypeError), match="advice"):
+        store.advise(ram, advice)
+    assert (ram == 1).all()
+
+
+# ---- residency ---------------------------------------------------------------------------------------
+def test_resident_bytes_of_ordinary_memory():
+    buf = mmap.mmap(-1, 32 << 20)  # fresh anonymous memory: no page is there until written
+    a = np.frombuffer(buf, np.uint8)
+    assert store.resident_bytes(a) < 1 << 20
+    a[: 8 << 20] = 1
+    r = store.resident_bytes(a)
+    assert 8 << 20 <= r <= 12 << 20  # slack: transparent huge pages fault in 2 MB at a time
+    assert store.resident_bytes(a[100:5000]) == 4900  # partial pages count their overlap only
+    assert store.resident_bytes(np.ones(0)) == 0
+
+
+def test_cold_touch_grows_resident(files):
+    m, f32, _ = files
+    cold = _cold(f32)
+    t, ref = cold.layers[L].table, m.layers[L].table
+    rng = np.random.default_rng(0)
+    few, many = rng.choice(len(t), 10, replace=False), rng.choice(len(t), 1000, replace=False)
+    assert np.array_equal(t[few], ref[few])
+    r_few = store.resident_bytes(t)
+    assert 10 * 256 <= r_few <= 10 * 2 * PAGE + 2 * PAGE  # no read-ahead around the rows
+    assert r_few < 0.01 * t.nbytes
+    assert np.array_equal(t[many], ref[many])
+    r_many = store.resident_bytes(t)
+    assert r_many > 20 * r_few and r_many <= 1010 * 2 * PAGE
+    rep = store.residency(cold)[L]
+    assert rep == {"table_bytes": t.nbytes, "resident_bytes": r_many, "file_backed": True}
+
+
+def test_release_and_evict(files):
+    m, f32, _ = files
+    cold = _cold(f32)
+    t = cold.layers[L].table
+    store.touch(t)
+    assert store.resident_bytes(t) == t.nbytes
+    store.release(cold)  # unmapped from this process, still cached
+    store.evict_file(f32)
+    assert store.resident_bytes(t) < 0.01 * t.nbytes
+    assert np.array_equal(t[::97], m.layers[L].table[::97])  # and read back on demand
+
+
+def test_residency_in_ram(files):
+    m, _, _ = files
+    rep = store.residency(m)
+    assert rep[L]["file_backed"] is False and rep[L]["table_bytes"] == m.layers[L].table.nbytes
+    assert rep[L]["resident_bytes"] == rep[L]["table_bytes"]  # init wrote every page
+
+
+# ---- prefetch ------------------------------------------------------------------------------------------
+def _pages_of(a, rows):
+    base, rb = a.__array_interface__["data"][0], a.strides[0]
+    return {p for r in rows for p in range((base + r * rb) // PAGE, (base + r * rb + rb - 1) // PAGE + 1)}
+
+
+def test_prefetch_rows_coalesces(files, monkeypatch):
+    _, f32, _ = files
+    t = EngramModel.load(f32).layers[L].table
+    calls = []
+    monkeypatch.setattr(store.RowPrefetcher, "_advise_run", lambda self, first, n: calls.append((first, n)))
+    rows = np.arange(100, 164)  # 64 rows x 256 B: contiguous pages, one call
+    assert store.prefetch_rows(t, rows) == len(_pages_of(t, rows)) and len(calls) == 1
+    assert set(range(calls[0][0], calls[0][0] + calls[0][1])) == _pages_of(t, rows)
+    calls.clear()
+    rows = np.array([[5000, 5001], [60000, 5002]])  # any shape; two runs
+    assert store.prefetch_rows(t, rows) == len(_pages_of(t, rows.ravel())) and len(calls) == 2
+    calls.clear()
+    assert store.prefetch_rows(t, []) == 0 and not calls
+    with pytest.raises(IndexError):
+        store.prefetch_rows(t, [len(t)])
+    with pytest.raises(IndexError):
+        store.prefetch_rows(t, [-1])
+
+
+def test_prefetch_on_ordinary_memory(files):
+    """The ctypes path (not a view of an mmap.mmap): harmless on in-RAM tables, same page count."""
+    m, _, _ = files
+    t = m.layers[L].table
+    rows = np.array([7, 8, 9000])
+    assert store.RowPrefetcher(t)._mm is None
+    assert store.prefetch_rows(t, rows) == len(_pages_of(t, rows))
+
+
+def test_prefetch_rows_reads_them_in(files):
+    m, f32, _ = files
+    t = _cold(f32).layers[L].table
+    rows = np.random.default_rng(1).choice(len(t), 200, replace=False)
+    n = store.prefetch_rows(t, rows)
+    assert n == len(_pages_of(t, rows))
+    got = _wait_resident(t, n * PAGE)
+    assert n * PAGE * 0.9 <= got <= 2 * n * PAGE  # the rows' pages, no read-ahead around them
+    assert np.array_equal(t[rows], m.layers[L].table[rows])
+
+
+def test_prefetch_int8_rows_and_scales(files):
+    m, _, i8 = files
+    cold = _cold(i8)
+    w = cold.layers[L]
+    rows = np.random.default_rng(2).choice(len(w.table), 50, replace=False)
+    n = store.prefetch(cold, {L: rows})  # the multi-layer helper: table rows and their scales
+    n_scale = len(_pages_of(w.table_scale, rows))
+    assert n == len(_pages_of(w.table, rows)) + n_scale
+    assert _wait_resident(w.table_scale, 0.9 * n_scale * PAGE) >= 0.9 * n_scale * PAGE
+    ref = checkpoint.compact(m, "int8").layers[L]
+    assert np.array_equal(w.table_f32(rows), ref.table_f32(rows))
+
+
+def test_decode_over_mapped_table_with_prefetch(files):
+    """feed() -> rows -> prefetch_rows -> compute() over a cold mapped table == the in-RAM engine."""
+    m, f32, _ = files
+    cold = _cold(f32)
+    w = cold.layers[L]
+    e_ram, e_map = m.stream(L), cold.stream(L)
+    rng = np.random.default_rng(3)
+    for _ in range(64):
+        tok = int(rng.integers(0, CFG.vocab_size))
+        hid = rng.standard_normal((CFG.hc_mult, CFG.hidden_size)).astype(np.float32)
+        e_map.feed(tok)
+        store.prefetch_rows(w.table, e_map.rows)
+        assert np.array_equal(e_map.compute(hid), e_ram.step(tok, hid))
+    assert store.resident_bytes(w.table) <= 64 * CFG.n_heads * 2 * PAGE
+
+
+def test_residency_rows_touched(files):
+    """rows_touched from the engine's row bitmap: the distinct rows the decode read."""
+    _, f32, _ = files
+    cold = _cold(f32)
+    eng = cold.stream(L)
+    bitmap = store.track_rows(eng)
+    rng = np.random.default_rng(4)
+    rows = set()
+    for _ in range(40):
+        eng.feed(int(rng.integers(0, CFG.vocab_size)))
+        rows.update(eng.rows.ravel().tolist())
+        eng.compute(rng.standard_normal((CFG.hc_mult, CFG.hidden_size)).astype(np.float32))
+    rep = store.residency(cold, touched={L: bitmap})[L]
+    assert rep["rows_touched"] == len(rows)
+    assert rep["resident_bytes"] <= len(rows) * 2 * PAGE
+    assert "rows_touched" not in store.residency(cold)[L]
+
+
+# ---- a mapped file changed under a loaded model (issue 12 item 5) --------------------------------------
+CHANGED = r"""
+import os, sys
+import numpy as np
+from engram_stream import EngramConfig, EngramModel, store
+cfg = EngramConfig(engram_vocab_size=[4099, 4099], max_ngram_size=3, n_embed_per_ngram=512, n_head_per_ngram=8,
+                   layer_ids=[3], pad_id=2, kernel_size=4, hidden_size=32, hc_mult=2, vocab_size=1000)
+d, mode = sys.argv[1], sys.argv[2]
+p, q = os.path.join(d, "m.st"), os.path.join(d, "other.st")
+a, b = EngramModel.init(cfg, seed=0), EngramModel.init(cfg, seed=1)
+a.save(p)
+b.save(q)
+os.utime(p, ns=(10 ** 18, 10 ** 18))     # an old mtime: any later write to the file changes it
+m = EngramModel.load(p)
+ids = np.random.default_rng(0).integers(0, 1000, (4, 64))
+hid = np.ones((4, 64, 2, 32), np.float32)
+want = a.forward(3, ids, hid)
+assert np.allclose(m.forward(3, ids, hid), want, atol=2e-5, rtol=2e-4)
+h1 = hid[0, 0]
+eng, half = m.stream(3), m.stream(3)
+eng.step(5, h1)
+half.feed(7)                              # fed before the change, computed after it
+if mode == "rename":                      # the safe way: a new file renamed over the old
+    b.save(p)
+    assert np.allclose(m.forward(3, ids, hid), want, atol=2e-5, rtol=2e-4)   # the mapping keeps the old file
+    assert np.allclose(eng.step(9, h1), m.stream(3).prefill([5, 9], hid[0, :2])[1], atol=2e-5, rtol=2e-4)
+    sys.exit(0)
+if mode == "truncate":
+    os.truncate(p, os.path.getsize(p) // 3)
+else:                                     # the other model's bytes written over this file, in place
+    with open(q, "rb") as src, open(p, "r+b") as dst:
+        dst.write(src.read())
+for call in (lambda: m.forward(3, ids, hid), lambda: m.save(os.path.join(d, "copy.st")),
+             lambda: eng.step(5, h1), lambda: eng.prefill(ids[0], hid[0]), lambda: half.compute(h1)):
+    try:
+        call()
+    except store.FileChangedError as e:
+        assert ("truncated" if mode == "truncate" else "rewritten") in str(e) and p in str(e), e
+    else:
+        sys.exit(f"{mode}: not refused")
+assert eng.tokens_seen.tolist() == [1] and half.pending_compute   # refused calls changed nothing
+"""
+
+
+@pytest.mark.parametrize("mode", ["truncate", "rewrite", "rename"])
+def test_mapped_file_changed_under_a_model(tmp_path, mode):
+    """Truncated (reads would SIGBUS) or rewritten in place (new tables with old weights): refused
+    with FileChangedError. Replaced by rename (what save() does): the model keeps the old file."""
+    from conftest import run_python
+    r = run_python(["-c", CHANGED, str(tmp_path), mode], timeout=120)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
