@@ -39,6 +39,27 @@ def _resolve(module, target, is_pkg):
     return ".".join(base + ([rest] if rest else []))
 
 
+def _imports(path):
+    """(module, names) of every import statement of a file: through ast for .py (docstrings and
+    comments are not statements), by lines for .pyx (cimports too)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".py"):
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                yield "." * node.level + (node.module or ""), [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    yield a.name, []
+        return
+    for line in text.splitlines():
+        m = FROM.match(line)
+        if m:
+            yield m.group(1), [n.strip().split(" as ")[0].strip("() ") for n in m.group(2).split(",")]
+        elif IMPORT.match(line):
+            yield IMPORT.match(line).group(1), []
+
+
 def _edges():
     """{module: set of package modules it imports}, at any depth of the file (function-level
     imports count: a circle through a lazy import is still a circle)."""
@@ -47,19 +68,10 @@ def _edges():
     for name, path in mods.items():
         is_pkg = path.endswith("__init__.py")
         deps = set()
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-        for line in lines:
-            m = FROM.match(line)
-            if m:
-                base = _resolve(name, m.group(1), is_pkg)
-                names = [n.strip().split(" as ")[0].strip("() ") for n in m.group(2).split(",")]
-                for n in names:
-                    deps.add(f"{base}.{n}" if f"{base}.{n}" in mods else base)
-                continue
-            m = IMPORT.match(line)
-            if m:
-                deps.add(_resolve(name, m.group(1), is_pkg))
+        for target, names in _imports(path):
+            base = _resolve(name, target, is_pkg)
+            subs = [f"{base}.{n}" for n in names if f"{base}.{n}" in mods]
+            deps.update(subs if len(subs) == len(names) and names else subs + [base])
         edges[name] = {d for d in deps if d in mods and d != name}
     return edges
 
