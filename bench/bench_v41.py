@@ -45,13 +45,10 @@ def machine():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    try:
-        import engram_stream
-        step_isa = engram_stream.kernel_isa()
-    except AttributeError:
-        step_isa = "n/a"
+    from engram_stream import _isa
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "fp8_isa_supported": k.supported_isa(), "fp8_isa_used": k.default_isa(), "kernel_isa": step_isa}
+            "kernel_isa": _isa.kernel_isa(), "paths_this_build_runs": _isa.supported_isas(),
+            "paths_the_cpu_has": _isa.cpu_isas()}
 
 
 def ensure_checkpoint(d, evs):

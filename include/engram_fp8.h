@@ -8,9 +8,9 @@
  *   es8_wkv_mt            Y[S, M] = the fp8 wkv projection of S quantized tokens, 32x32 block
  *                         scales, over threads split by row groups. One token: the weight bytes
  *                         stay float8 and are widened in registers (memory-bound GEMV). Several:
- *                         each 32-row group is widened to float32 once into scratch and reused
- *                         by every token, k blocks of 256: from 16 tokens the tokens go in the
- *                         vector lanes (12 rows x 32 tokens), below in tiles of 2 rows x 8 tokens
+ *                         the rows of a 32-row group are widened to float32 into scratch, k
+ *                         block by k block, and every token reads them, the tokens in the
+ *                         vector lanes (on AVX-512 below 16 tokens: along k)
  *   es8_gate_tail         the gate (rstd, eps 1e-20, signed sqrt, sigmoid; 0 at DEAD) times the
  *                         shared value, for the G streams of one token
  *
@@ -18,15 +18,19 @@
  * is exact: 4-bit x 4-bit significands) and adds block * s_x * s_w over the blocks. Here the
  * power-of-two scales are folded into the factors first (q * s_x and w * s_w, both exact), so
  * every product is the reference's scaled by a power of two: the same values, only the order
- * of the fp32 additions differs.
+ * of the fp32 additions differs (FMA or multiply then add: the same, the products being exact).
  *
- * Two paths, chosen by the caller (`isa`, stateless): ES8_AVX512 widens 16 e4m3 bytes at a time
- * through fp16 (sign-extend, shift by 7, mask: the fp16 with those bits is value * 2^-8, exact
- * for every finite code, subnormals included; the 2^8 is folded into the block scale) and runs 16-lane
- * FMAs; ES8_BASELINE is portable C. es8_isa_supported() says what this CPU runs. On the AVX-512
- * path the NaN codes of wkv (0x7f/0xff) read as +-480 (checkpoints hold none); the table
- * gather and the baseline decode them as NaN. Nothing here allocates (the caller passes the scratch; thread
- * starts that fail run inline) and nothing fails.
+ * Paths: the kernels follow es_isa (engram_isa.h) like the demo's, so ENGRAM_STREAM_ISA and
+ * engram_stream._isa.use_isa choose them for both variants. baseline and avx2 are one template
+ * (engram_fp8_kern.h): e4m3 widened exactly in registers (avx2: through fp16 bits and F16C,
+ * the value times 2^-8 with the 2^8 folded into the block scale; baseline: through float32
+ * bits, portable C that GCC and clang vectorize for SSE2 / NEON). The avx512 path is its own
+ * code below (the fp16 widening on 512-bit registers, 16-lane FMAs); its gathers and quantizer
+ * are the avx2 copies (exact: the same bits), its gate tail the plain one. NaN codes: the x86
+ * projections read those of wkv (0x7f/0xff) as +-480 (checkpoints hold none); the baseline and
+ * every path's gathers read NaN, as the reference. The *_plain functions are the portable
+ * scalar C (the reference of the benchmarks). Nothing here allocates (the caller passes the
+ * scratch; thread starts that fail run inline) and nothing fails.
  */
 #ifndef ENGRAM_FP8_H
 #define ENGRAM_FP8_H
@@ -52,11 +56,11 @@
 #define ES8_BLOCK 32          /* values per activation scale, weight block edge, table row scale */
 #define ES8_E4M3_MAX 448.0f
 #define ES8_AMAX_MIN 1e-4f
-#define ES8_TILE_TOKENS 8     /* tokens per register tile along k (2..15 tokens) */
-#define ES8_TILE_ROWS 2       /* weight rows per such tile (2 x 8 = 16 zmm accumulators) */
-#define ES8_XT_MIN 16         /* tokens from which they go in the lanes instead (es8_xtile512) */
-#define ES8_XT_ROWS 12        /* weight rows per tile of two 16-token vectors (24 accumulators) */
-#define ES8_KBLOCK 256        /* k per block of the many-token projection (its widened rows: L1) */
+#define ES8_TILE_TOKENS 8     /* avx512: tokens per register tile along k (2..15 tokens) */
+#define ES8_TILE_ROWS 2       /* avx512: weight rows per such tile (2 x 8 = 16 zmm accumulators) */
+#define ES8_XT_MIN 16         /* avx512: tokens from which they go in the lanes instead (es8_xtile512) */
+#define ES8_XT_ROWS 12        /* avx512: weight rows per tile of two 16-token vectors (24 accumulators) */
+#define ES8_KBLOCK 256        /* avx512: k per block of the many-token projection (its widened rows: L1) */
 #define ES8_MAX_THREADS ES_MAX_THREADS
 #define ES8_GRAB 4            /* row groups a projection thread takes at a time */
 #define ES8_PREFILL_CHUNK 256 /* prompt tokens per projection in prefill (wkv widened once per chunk) */
@@ -64,8 +68,6 @@
 #define ES8_MAX_E 16384       /* values per token at most: the one-token path keeps a scaled copy on the
                                * stack (64 KiB; threads may have small stacks), the callers check it */
 #define ES8_INLINE static inline __attribute__((always_inline))
-
-enum { ES8_BASELINE = 0, ES8_AVX512 = 1 };
 
 /* ---- scalars ---------------------------------------------------------------------- */
 
@@ -115,11 +117,11 @@ static inline float es8_act_scale(float amax) {
     return es8_from_bits((uint32_t)(e + 127) << 23);
 }
 
-/* ---- table rows ------------------------------------------------------------------- */
+/* ---- plain scalar C: the reference of the vector paths (and the avx512 gate tail) ------------ */
 
 /* e[j*hd + i] = e4m3(w[rows[j]][i]) * e8m0(sc[rows[j]][i/32]) (exact in float32). hd % 32 == 0. */
-static inline void es8_gather(const uint8_t *w, const uint8_t *sc, int hd, const int64_t *rows, int H,
-                              float *e) {
+static inline void es8_gather_plain(const uint8_t *w, const uint8_t *sc, int hd, const int64_t *rows, int H,
+                                    float *e) {
     const int nb = hd / ES8_BLOCK;
     for (int j = 0; j < H; j++) {
         const uint8_t *src = w + rows[j] * hd, *s = sc + rows[j] * nb;
@@ -132,7 +134,7 @@ static inline void es8_gather(const uint8_t *w, const uint8_t *sc, int hd, const
 }
 
 /* x quantized per 32 values: qx[n] = e4m3(x / s) * s (exact), s[n/32] the scales. */
-static inline void es8_act_quant(const float *x, int n, float *qx, float *s) {
+static inline void es8_act_quant_plain(const float *x, int n, float *qx, float *s) {
     for (int b = 0; b < n / ES8_BLOCK; b++) {
         const float *xb = x + b * ES8_BLOCK;
         uint32_t amax = 0;   /* the bits of max |x|: as integers a NaN wins, as in torch's amax */
@@ -146,25 +148,91 @@ static inline void es8_act_quant(const float *x, int n, float *qx, float *s) {
     }
 }
 
-/* ---- the wkv projection -------------------------------------------------------------- */
-
-/* Portable tile: y[t*ldy + r] = sum_k e4m3(w[r*E + k]) * wsf[k/32] * qx[t*ldq + k]. */
-static inline void es8_tile_base(const uint8_t *w, int R, const float *qx, int64_t ldq, int T, int E,
-                                 const float *wsf, float *y, int64_t ldy) {
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < T; t++) {
-            const uint8_t *wr = w + (int64_t)r * E;
-            const float *qt = qx + t * ldq;
-            float acc[ES8_BLOCK] = {0};
-            for (int k = 0; k < E; k += ES8_BLOCK) {
-                const float f = wsf[k / ES8_BLOCK];
-                for (int i = 0; i < ES8_BLOCK; i++) acc[i] += (es8_e4m3(wr[k + i]) * f) * qt[k + i];
-            }
+/* Y[t*M + r] = sum_k e4m3(W[r*E + k]) * e8m0(WS[r/32][k/32]) * qx[t*ldq + k] for all rows and
+ * S tokens, one scalar multiply-add at a time through a table of the 256 codes: what plain C
+ * does (bench_v41.py holds the vector paths to it). */
+static inline void es8_wkv_plain(const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W,
+                                 const uint8_t *WS, int M, float *Y) {
+    float lut[256];
+    for (int c = 0; c < 256; c++) lut[c] = es8_e4m3((uint8_t)c);
+    const int nb = E / ES8_BLOCK;
+    for (int64_t t = 0; t < S; t++)
+        for (int64_t r = 0; r < M; r++) {
+            const uint8_t *wr = W + r * E, *ws = WS + (r / ES8_BLOCK) * nb;
+            const float *q = qx + t * ldq;
             float sum = 0.0f;
-            for (int i = 0; i < ES8_BLOCK; i++) sum += acc[i];
-            y[t * ldy + r] = sum;
+            for (int b = 0; b < nb; b++) {
+                const float f = es8_e8m0(ws[b]);
+                for (int i = b * ES8_BLOCK; i < (b + 1) * ES8_BLOCK; i++) sum += lut[wr[i]] * f * q[i];
+            }
+            Y[t * M + r] = sum;
         }
 }
+
+/* ---- the gate tail ------------------------------------------------------------------- */
+
+/* One token. kv [(G+1)*D]: the key of stream c at c*D, the shared value at G*D.
+ * Stream c: rstd = rsqrt(mean(h^2) + eps) * rsqrt(mean(key^2) + eps),
+ * dot = sum(h * qw[c] * kw[c] * key) * rstd / sqrt(D),
+ * gate = sigmoid(copysign(sqrt(max(|dot|, 1e-6)), dot)), 0 when dead; out = gate * value.
+ * Sums in double (D up to a few thousand: the float32 rounding of the oracle is below 1e-6). */
+static inline void es8_gate_tail_plain(const float *kv, const float *hid, const float *qw, const float *kw, int G,
+                                       int D, float eps, int dead, float *out) {
+    const float *value = kv + (int64_t)G * D;
+    for (int c = 0; c < G; c++) {
+        const float *key = kv + (int64_t)c * D, *h = hid + (int64_t)c * D;
+        const float *a = qw + (int64_t)c * D, *b = kw + (int64_t)c * D;
+        double sh = 0, sk = 0, dot = 0;
+        for (int d = 0; d < D; d++) {
+            sh += (double)h[d] * h[d];
+            sk += (double)key[d] * key[d];
+            dot += (double)h[d] * a[d] * b[d] * key[d];
+        }
+        const float rstd = (1.0f / sqrtf((float)(sh / D) + eps)) * (1.0f / sqrtf((float)(sk / D) + eps));
+        const float s = (float)dot * rstd / sqrtf((float)D);
+        const float mag = fabsf(s) < ES_GATE_CLAMP ? ES_GATE_CLAMP : fabsf(s);  /* NaN stays NaN */
+        const float z = copysignf(sqrtf(mag), s);
+        const float gate = dead ? 0.0f : 1.0f / (1.0f + expf(-z));
+        float *o = out + (int64_t)c * D;
+        for (int d = 0; d < D; d++) o[d] = gate * value[d];
+    }
+}
+
+/* ---- the vector paths: one template per instruction set (engram_fp8_kern.h) --------------- */
+
+/* xt[(t/lanes)*E*lanes + k*lanes + t%lanes] = qx[t*ldq + k]: the tokens packed `lanes` per
+ * vector, k-major, the lanes past S zero. */
+static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int E, float *xt, int lanes) {
+    const int64_t nv = (S + lanes - 1) / lanes;
+    memset(xt + (nv - 1) * E * lanes, 0, sizeof(float) * E * lanes);
+    for (int64_t t = 0; t < S; t++) {
+        float *dst = xt + (t / lanes) * E * lanes + t % lanes;
+        for (int k = 0; k < E; k++) dst[k * lanes] = qx[t * ldq + k];
+    }
+}
+
+#define ES_SFX baseline /* 16-byte vectors: SSE2 / NEON; 6 rows x 2 vectors = 12 accumulators */
+#define ES_TGT
+#define ES_VW 4
+#define ES_F16C 0
+#define ES8_GR 2
+#define ES8_XR 6
+#define ES8_XV 2
+#define ES8_KB 256
+#include "engram_fp8_kern.h"
+#if ES_X86_PATHS
+#define ES_SFX avx2 /* 6 rows x 2 vectors of 8 tokens = 12 ymm accumulators */
+#define ES_TGT ES_TARGET_AVX2
+#define ES_VW 8
+#define ES_F16C 1
+#define ES8_GR 4
+#define ES8_XR 6
+#define ES8_XV 2
+#define ES8_KB 256
+#include "engram_fp8_kern.h"
+#endif
+
+/* ---- the avx512 path ----------------------------------------------------------------------- */
 
 #if ES8_HAVE_AVX512
 /* 16 e4m3 bytes -> 16 floats equal to value * 2^-8 (see the top of this file). */
@@ -294,17 +362,6 @@ ES8_INLINE ES8_T512 void es8_xtile512(const float *w, const int R, const float *
     }
 }
 
-/* xt[(t/16)*E*16 + k*16 + t%16] = qx[t*ldq + k]: the tokens packed 16 per vector, k-major,
- * the lanes past S zero. */
-static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int E, float *xt) {
-    const int64_t nv = (S + 15) / 16;
-    memset(xt + (nv - 1) * E * 16, 0, sizeof(float) * E * 16);
-    for (int64_t t = 0; t < S; t++) {
-        float *dst = xt + (t / 16) * E * 16 + t % 16;
-        for (int k = 0; k < E; k++) dst[k * 16] = qx[t * ldq + k];
-    }
-}
-
 /* One group of R <= 32 rows for S tokens (qx rows at stride ldq; xt: the same packed by
  * es8_pack_tokens, or NULL below ES8_XT_MIN tokens). One token: a GEMV straight from the
  * float8 bytes, the block scales folded into the activation once. Several: the rows widened
@@ -385,20 +442,45 @@ static ES8_T512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, 
 }
 #endif
 
-/* What this CPU can run: ES8_AVX512 (the kernels' AVX-512 level, engram_isa.h)
- * or ES8_BASELINE. */
-static inline int es8_isa_supported(void) {
-#if ES8_HAVE_AVX512
-    if (es_isa_cpu_best() == ES_ISA_AVX512) return ES8_AVX512;  /* F16C: every AVX-512 CPU */
+
+/* ---- dispatch -------------------------------------------------------------------------------- */
+
+/* The path the float8 kernels take now: the es_isa level (engram_isa.h). */
+static inline int es8_isa(void) { return es_isa_now(); }
+
+static inline void es8_gather(const uint8_t *w, const uint8_t *sc, int hd, const int64_t *rows, int H, float *e) {
+#if ES_X86_PATHS
+    if (es8_isa() >= ES_ISA_AVX2) { es8_gather_avx2(w, sc, hd, rows, H, e); return; } /* avx512 too: exact */
 #endif
-    return ES8_BASELINE;
+    es8_gather_baseline(w, sc, hd, rows, H, e);
 }
 
-/* Scratch of the many-token projection (AVX-512, S > 1), in floats: the tokens packed for
- * the lanes (ES8_XT_MIN tokens or more), shared, then per thread a group's widened rows
- * [32, E + ES8_KBLOCK] and partial sums ([16, 32, 16] along k, [32, S rounded up to 16] in
- * the lanes). */
-static inline int64_t es8_xt_floats(int64_t S, int E) { return S >= ES8_XT_MIN ? (S + 15) / 16 * 16 * E : 0; }
+static inline void es8_act_quant(const float *x, int n, float *qx, float *s) {
+#if ES_X86_PATHS
+    if (es8_isa() >= ES_ISA_AVX2) { es8_act_quant_avx2(x, n, qx, s); return; } /* avx512 too: the same bits */
+#endif
+    es8_act_quant_baseline(x, n, qx, s);
+}
+
+/* One token. kv [(G+1)*D]: the key of stream c at c*D, the shared value at G*D (see
+ * es8_gate_tail_plain). */
+static inline void es8_gate_tail(const float *kv, const float *hid, const float *qw, const float *kw, int G, int D,
+                                 float eps, int dead, float *out) {
+    switch (es8_isa()) {
+#if ES_X86_PATHS
+        case ES_ISA_AVX512: es8_gate_tail_plain(kv, hid, qw, kw, G, D, eps, dead, out); break;
+        case ES_ISA_AVX2: es8_gate_tail_avx2(kv, hid, qw, kw, G, D, eps, dead, out); break;
+#endif
+        default: es8_gate_tail_baseline(kv, hid, qw, kw, G, D, eps, dead, out); break;
+    }
+}
+
+/* Scratch of the many-token projection (S > 1), in floats: the tokens packed for the lanes,
+ * shared, then per thread the path's own (avx512: a group's widened rows [32, E + ES8_KBLOCK]
+ * and partial sums, [16, 32, 16] along k or [32, S rounded up to 16] in the lanes; the template
+ * paths: a k block of widened rows and [32, S rounded up to 16] partial sums). Sized for every
+ * path, so a path switched between sizing and use still fits. */
+static inline int64_t es8_xt_floats(int64_t S, int E) { return S > 1 ? (S + 15) / 16 * 16 * E : 0; }
 static inline int64_t es8_thread_floats(int64_t S, int E) {
     const int64_t s16 = (S + 15) / 16 * 16;
     return (int64_t)ES8_BLOCK * (E + ES8_KBLOCK) + ES8_BLOCK * 16 * (s16 > 16 ? s16 : 16);
@@ -411,34 +493,35 @@ static inline int64_t es8_scratch_floats(int64_t S, int E, int nthreads) {
  * rows of a token tile do not share L1 sets (E * 4 bytes is often a multiple of 4 KiB). */
 static inline int64_t es8_ldq(int E) { return (int64_t)E + 16; }
 
-/* Y[t*M + o] for the 32-row weight groups [g0, g1) and all S tokens.
+/* Y[t*M + o] for the 32-row weight groups [g0, g1) and all S tokens on path `isa`.
  *   qx  [S, ldq]  quantized activations times their scales (es8_act_quant), ldq >= E
+ *   xt  the same packed for the lanes (es8_pack_tokens), or NULL (one token; avx512 below 16)
  *   W   [M, E]  e4m3 bytes, WS [ceil(M/32), E/32] e8m0 bytes
- *   scratch     es8_scratch_floats(E) floats (unused, may be NULL: the baseline path, S == 1)
+ *   scratch     this thread's es8_thread_floats(S, E) floats (unused for one token)
  * Each group's weights are read from memory once per call. The sums of an output depend only
  * on its own group, so any split of the groups gives the same bits. */
 static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const float *xt, int64_t S, int E,
                                  const uint8_t *W, const uint8_t *WS, int M, float *Y, int64_t g0, int64_t g1,
                                  float *scratch) {
     const int nb = E / ES8_BLOCK;
-    const float f = isa == ES8_AVX512 ? 256.0f : 1.0f;  /* the AVX-512 widening reads value * 2^-8 */
+    /* the x86 widenings read value * 2^-8: 2^8 folded into the block scale (the baseline's: exact) */
+    const float f = isa == ES_ISA_BASELINE ? 1.0f : 256.0f;
     float wsf[nb];
-    (void)scratch;
-    (void)xt;
     for (int64_t g = g0; g < g1; g++) {
         const int64_t r0 = g * ES8_BLOCK;
         const int R = M - r0 < ES8_BLOCK ? (int)(M - r0) : ES8_BLOCK;
         for (int b = 0; b < nb; b++) wsf[b] = es8_e8m0(WS[g * nb + b]) * f;
-#if ES8_HAVE_AVX512
-        if (isa == ES8_AVX512) {
-            const int64_t rn = g + 1 < g1 ? (M - r0 - ES8_BLOCK < ES8_BLOCK ? M - r0 - ES8_BLOCK : ES8_BLOCK) : 0;
-            es8_group_avx512(W + r0 * E, R, qx, ldq, xt, S, E, wsf, Y + r0, M, scratch, W + (r0 + R) * E, rn * E);
-            continue;
-        }
+        switch (isa) {
+#if ES_X86_PATHS
+            case ES_ISA_AVX512: {
+                const int64_t rn = g + 1 < g1 ? (M - r0 - ES8_BLOCK < ES8_BLOCK ? M - r0 - ES8_BLOCK : ES8_BLOCK) : 0;
+                es8_group_avx512(W + r0 * E, R, qx, ldq, S >= ES8_XT_MIN ? xt : 0, S, E, wsf, Y + r0, M, scratch,
+                                 W + (r0 + R) * E, rn * E);
+                break;
+            }
+            case ES_ISA_AVX2: es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch); break;
 #endif
-        for (int64_t t0 = 0; t0 < S; t0 += ES8_TILE_TOKENS) {
-            const int T = S - t0 < ES8_TILE_TOKENS ? (int)(S - t0) : ES8_TILE_TOKENS;
-            es8_tile_base(W + r0 * E, R, qx + t0 * ldq, ldq, T, E, wsf, Y + t0 * M + r0, M);
+            default: es8_group_baseline(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch); break;
         }
     }
 }
@@ -467,50 +550,33 @@ static void es8_wkv_part(void *ctx, int64_t slot, int64_t slot_end) {
     }
 }
 
-/* es8_wkv_range over all groups, split by groups over nthreads threads (each reads its own
- * groups of wkv; scratch: es8_scratch_floats(S, E, nthreads) floats, or NULL for one token or
- * the baseline path). Bitwise equal to one thread. */
-static inline void es8_wkv_mt(int isa, const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W,
-                              const uint8_t *WS, int M, float *Y, int nthreads, float *scratch) {
+/* es8_wkv_range over all groups on the running path (es_isa, read once per call), split by
+ * groups over nthreads threads (each reads its own groups of wkv; scratch:
+ * es8_scratch_floats(S, E, nthreads) floats, or NULL for one token). Bitwise equal to one
+ * thread. */
+static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
+                              int M, float *Y, int nthreads, float *scratch) {
+    const int isa = es8_isa();
     float *xt = 0;
     const int64_t ng = (M + ES8_BLOCK - 1) / ES8_BLOCK;
     if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;  /* the scratch holds nthreads slots */
     if (nthreads > ng) nthreads = (int)ng;
-    if (isa == ES8_AVX512 && scratch && S > 1 && es8_xt_floats(S, E)) {
-        xt = scratch;
-        es8_pack_tokens(qx, ldq, S, E, xt);
+    if (scratch && S > 1) {  /* the tokens in the lanes: 16 a vector on avx512 (from ES8_XT_MIN tokens) */
+        int lanes = es8_xlanes_baseline;
+#if ES_X86_PATHS
+        lanes = isa == ES_ISA_AVX512 ? 16 : isa == ES_ISA_AVX2 ? es8_xlanes_avx2 : lanes;
+#endif
+        if (isa != ES_ISA_AVX512 || S >= ES8_XT_MIN) {
+            xt = scratch;
+            es8_pack_tokens(qx, ldq, S, E, xt, lanes);
+        }
     }
+#if ES_X86_PATHS
+    float q1[S == 1 ? E : 1];  /* one token on avx2: in its GEMV's order, once per call */
+    if (S == 1 && isa == ES_ISA_AVX2) qx = (es8_gemv_layout_avx2(qx, E, q1), q1);
+#endif
     es8_wkv_args a = {isa, E, M, qx, ldq, S, W, WS, Y, xt, scratch ? scratch + es8_xt_floats(S, E) : 0, ng, 0};
     es_parallel(nthreads, nthreads, es8_wkv_part, &a);  /* one range per thread: its scratch slot */
-}
-
-/* ---- the gate tail ------------------------------------------------------------------- */
-
-/* One token. kv [(G+1)*D]: the key of stream c at c*D, the shared value at G*D.
- * Stream c: rstd = rsqrt(mean(h^2) + eps) * rsqrt(mean(key^2) + eps),
- * dot = sum(h * qw[c] * kw[c] * key) * rstd / sqrt(D),
- * gate = sigmoid(copysign(sqrt(max(|dot|, 1e-6)), dot)), 0 when dead; out = gate * value.
- * Sums in double (D up to a few thousand: the float32 rounding of the oracle is below 1e-6). */
-static inline void es8_gate_tail(const float *kv, const float *hid, const float *qw, const float *kw, int G,
-                                 int D, float eps, int dead, float *out) {
-    const float *value = kv + (int64_t)G * D;
-    for (int c = 0; c < G; c++) {
-        const float *key = kv + (int64_t)c * D, *h = hid + (int64_t)c * D;
-        const float *a = qw + (int64_t)c * D, *b = kw + (int64_t)c * D;
-        double sh = 0, sk = 0, dot = 0;
-        for (int d = 0; d < D; d++) {
-            sh += (double)h[d] * h[d];
-            sk += (double)key[d] * key[d];
-            dot += (double)h[d] * a[d] * b[d] * key[d];
-        }
-        const float rstd = (1.0f / sqrtf((float)(sh / D) + eps)) * (1.0f / sqrtf((float)(sk / D) + eps));
-        const float s = (float)dot * rstd / sqrtf((float)D);
-        const float mag = fabsf(s) < ES_GATE_CLAMP ? ES_GATE_CLAMP : fabsf(s);  /* NaN stays NaN */
-        const float z = copysignf(sqrtf(mag), s);
-        const float gate = dead ? 0.0f : 1.0f / (1.0f + expf(-z));
-        float *o = out + (int64_t)c * D;
-        for (int d = 0; d < D; d++) o[d] = gate * value[d];
-    }
 }
 
 /* ---- the bandwidth floor ------------------------------------------------------------ */

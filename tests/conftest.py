@@ -157,6 +157,15 @@ def _kernel_isas():
     return list(supported_isas())
 
 
+def pytest_report_header(config):
+    """Which kernel paths the each_isa tests run here, and why the others cannot."""
+    from engram_stream._isa import ISA_NAMES, cpu_isas, supported_isas
+    run = _kernel_isas()
+    why = {n: ("ENGRAM_STREAM_ISA names another" if n in supported_isas() else
+               "this build lacks it" if n in cpu_isas() else "this CPU lacks it") for n in ISA_NAMES if n not in run}
+    return f"kernel paths tested (each_isa): {', '.join(run)}" + "".join(f"; {n} not run: {w}" for n, w in why.items())
+
+
 @pytest.fixture(scope="module", params=_kernel_isas())
 def each_isa(request):
     """Run a module's tests once per kernel path (`pytestmark = pytest.mark.usefixtures("each_isa")`):

@@ -8,6 +8,7 @@ switches at run time: the tests run the kernels on every path the machine suppor
 from __future__ import annotations
 
 import os
+import warnings
 
 from .. import _hash
 
@@ -45,6 +46,40 @@ def register(module) -> None:
         _modules.append(module)
     if not module._isa_set(ISA_NAMES.index(kernel_isa())):
         raise RuntimeError(f"{module.__name__} cannot run kernel ISA {kernel_isa()!r}")
+
+
+# /proc/cpuinfo flags each path needs (as engram_isa.h's es_isa_cpu_best: AVX-512 F/BW/VL/DQ)
+_CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw",
+                                                           "avx512vl", "avx512dq")}
+
+
+def cpu_isas(cpuinfo: str = "/proc/cpuinfo") -> tuple:
+    """The paths this CPU has, whatever this build carries (a build without the x86 paths, e.g.
+    by a compiler without target attributes, runs baseline on any CPU), from the kernel's CPU
+    flags; ("baseline",) where they cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        flags = set()
+    return ("baseline",) + tuple(n for n in ("avx2", "avx512") if set(_CPU_FLAGS[n]) <= flags)
+
+
+_warned = False
+
+
+def warn_if_slower_than_cpu(what: str) -> bool:
+    """Warn once per process (warnings.warn) when `what` runs the baseline path on a CPU that has
+    a faster one this build lacks. Returns whether it warned now."""
+    global _warned
+    faster = [n for n in cpu_isas() if n != "baseline" and n not in supported_isas()]
+    if _warned or kernel_isa() != "baseline" or not faster:
+        return False
+    _warned = True
+    warnings.warn(f"{what} runs its portable baseline kernels: this CPU has {faster[-1]}, which this build of "
+                  f"engram_stream lacks (built without the x86 paths: GCC or clang on x86-64 builds them)",
+                  RuntimeWarning, stacklevel=2)
+    return True
 
 
 def _from_environment() -> None:

@@ -1,24 +1,24 @@
 # The deepseek-v4.1 streaming engine's C state. Kernels: include/engram_fp8.h (float8 rows,
-# activation quantization, the wkv projection, the gate) and include/engram_hash.h (the hash).
+# activation quantization, the wkv projection, the gate; on the path es_isa selects, as the
+# demo's) and include/engram_hash.h (the hash).
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 
 cdef extern from "engram_fp8.h" nogil:
-    int ES8_BASELINE
-    int ES8_AVX512
     int ES8_BLOCK
     int ES8_TILE_TOKENS
     int ES8_MAX_THREADS
     int ES8_PREFILL_CHUNK
     int ES8_MAX_E
-    int es8_isa_supported() noexcept
     float es8_e4m3(uint8_t b) noexcept
     float es8_e8m0(uint8_t b) noexcept
     void es8_gather(const uint8_t *w, const uint8_t *sc, int hd, const int64_t *rows, int H, float *e) noexcept
     void es8_act_quant(const float *x, int n, float *qx, float *s) noexcept
     int64_t es8_scratch_floats(int64_t S, int E, int nthreads) noexcept
     int64_t es8_ldq(int E) noexcept
-    void es8_wkv_mt(int isa, const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
+    void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
                     int M, float *Y, int nthreads, float *scratch) noexcept
+    void es8_wkv_plain(const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
+                       int M, float *Y) noexcept
     void es8_gate_tail(const float *kv, const float *hid, const float *qw, const float *kw, int G, int D,
                        float eps, int dead, float *out) noexcept
     uint64_t es8_read_bytes(const uint8_t *p, int64_t n) noexcept
@@ -45,7 +45,6 @@ cdef class V41StreamEngine:
     cdef int64_t C                 # G*D: hidden / output floats of one token
     cdef int64_t vocab, pad, dead_id
     cdef float eps
-    cdef int isa_code              # ES8_AVX512 or ES8_BASELINE
 
     # borrowed, read-only model data
     cdef const int64_t *lookup     # NULL: identity compression

@@ -31,34 +31,10 @@ from engram_stream._consts cimport ES_MAX_NGRAM as MAX_NGRAM
 
 PREFILL_CHUNK = ES8_PREFILL_CHUNK  # prompt tokens per projection in prefill(): wkv is widened once per chunk
 
-ISAS = {"baseline": ES8_BASELINE, "avx512": ES8_AVX512}
-_ISA_NAMES = {v: k for k, v in ISAS.items()}
-
-
-def supported_isa() -> str:
-    """The fastest float8 path this CPU runs: "avx512" or "baseline"."""
-    return _ISA_NAMES[es8_isa_supported()]
-
-
-_fp8_default = supported_isa()  # follows engram_stream._isa (ENGRAM_STREAM_ISA, use_isa): see _isa_set
-
-
-def default_isa() -> str:
-    """The float8 path new engines take: "avx512" when the kernels run AVX-512 (the import's
-    choice, ENGRAM_STREAM_ISA or engram_stream.use_isa) and the CPU has it, else "baseline"
-    (the float8 kernels have no AVX2 copy of their own)."""
-    return _fp8_default
-
-
 def _isa_set(int level):
-    """The path of this module's shared kernels (the hash: include/engram_isa.h), kept with
-    the other modules' by engram_stream._isa, and the float8 path of engines made from now
-    on; False if the CPU cannot run it."""
-    global _fp8_default
-    if es_isa_set(level) != 0:
-        return False
-    _fp8_default = "avx512" if level >= 2 and supported_isa() == "avx512" else "baseline"
-    return True
+    """Run this module's kernels (the float8 ones and the hash) at `level`, kept with the other
+    modules' by engram_stream._isa; False if the CPU cannot."""
+    return es_isa_set(level) == 0
 
 
 def _isa_get():
@@ -142,7 +118,7 @@ cdef class V41StreamEngine:
     step(token_ids[S], hidden[S, G, D], out=None)      -> float32[S, G, D]
     prefill(ids[T], hidden[T, G, D], stream=0)         -> float32[T, G, D]
     feed(token_ids) then compute(hidden): step in two halves (hash first, see Decoder)
-    reset(stream=None), snapshot(), restore(snapshot); isa: "avx512" or "baseline"
+    reset(stream=None), snapshot(), restore(snapshot); isa: the kernel path running now
 
     Returns the Engram delta gate * value (the caller adds h). Ids are integers < vocab_size:
     the image token id is DEAD (gate 0, blocks history), negative ids block history too.
@@ -191,7 +167,7 @@ cdef class V41StreamEngine:
         for a in (tw, ts):  # rows are read at random: a cold gather must not read ahead
             if mapping_of(a) is not None and a.nbytes:
                 advise(a, "random")
-        self.isa = _fp8_default
+        _isa.warn_if_slower_than_cpu("the DeepSeek-V4.1 engine")
         self._prefill_threads = max(1, min(8, os.cpu_count() or 1))
         self._step_threads = 1
         self._fingerprint = (layer, cfg.to_json(), n_streams, mult.tobytes(),
@@ -227,9 +203,9 @@ cdef class V41StreamEngine:
                 f"H={self.H}x{self.hd}, isa={self.isa!r})")
 
     property step_threads:
-        """Threads of a multi-stream step (n_streams >= 2): the projection's row groups, the
-        gathers and the gate tails split over them; the output is bitwise the same for any
-        count. Default 1; set values are clamped to [1, 16] (ES8_MAX_THREADS)."""
+        """Threads of a step: the projection's row groups (one stream too), the gathers and the
+        gate tails split over them; the output is bitwise the same for any count. Default 1;
+        set values are clamped to [1, 16] (ES8_MAX_THREADS)."""
         def __get__(self):
             return self._step_threads
 
@@ -246,17 +222,11 @@ cdef class V41StreamEngine:
         def __set__(self, n):
             self._prefill_threads = args.threads(n, ES8_MAX_THREADS)
 
-    property isa:
-        """The float8 kernel path: "avx512" or "baseline" (settable, e.g. to test both)."""
-        def __get__(self):
-            return _ISA_NAMES[self.isa_code]
-
-        def __set__(self, name):
-            if name not in ISAS:
-                raise ValueError(f"isa must be one of {sorted(ISAS)}, got {name!r}")
-            if ISAS[name] == ES8_AVX512 and es8_isa_supported() != ES8_AVX512:
-                raise ValueError("isa 'avx512' is not supported by this CPU")
-            self.isa_code = ISAS[name]
+    @property
+    def isa(self):
+        """The kernel path this engine runs now: "avx512", "avx2" or "baseline", the one
+        engram_stream.kernel_isa() names (ENGRAM_STREAM_ISA, engram_stream._isa.use_isa)."""
+        return _isa.ISA_NAMES[es_isa_now()]
 
     # ---- nogil pieces --------------------------------------------------------------------
     cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil:
@@ -310,15 +280,15 @@ cdef class V41StreamEngine:
         need wscr for `threads` threads (_grow_scratch)."""
         cdef float *scratch = &self.wscr[0] if self.wscr_n else NULL
         self._tokens(_prep_part, NULL, NULL, n, threads)
-        es8_wkv_mt(self.isa_code, &self.qbuf[0, 0], self.qbuf.shape[1], n, self.E, self.ww, self.ws, self.M, &self.ybuf[0, 0],
+        es8_wkv_mt(&self.qbuf[0, 0], self.qbuf.shape[1], n, self.E, self.ww, self.ws, self.M, &self.ybuf[0, 0],
                    threads, scratch)
         self._tokens(_tail_part, hid, out, n, threads)
 
     cdef int _step_scratch(self) except -1:
-        """Threads of this engine's steps, their scratch made (before any state changes)."""
-        if self.n_streams == 1:
-            return 1
-        self._grow_scratch(self.n_streams, self._step_threads)
+        """Threads of this engine's steps, their scratch made (before any state changes; one
+        stream needs none)."""
+        if self.n_streams > 1:
+            self._grow_scratch(self.n_streams, self._step_threads)
         return self._step_threads
 
     cdef void _count_step(self) noexcept nogil:
@@ -600,6 +570,21 @@ def decode_e8m0(const uint8_t[::1] raw):
     return out
 
 
+def gather_rows(const uint8_t[:, ::1] weight, const uint8_t[:, ::1] scale, const int64_t[::1] rows):
+    """float32[len(rows), head_dim]: table rows dequantized as a step gathers them (es8_gather)."""
+    cdef int hd = weight.shape[1], n = rows.shape[0], i
+    if hd % ES8_BLOCK or scale.shape[0] != weight.shape[0] or scale.shape[1] != hd // ES8_BLOCK:
+        raise ValueError("gather_rows: shapes do not match")
+    for i in range(n):
+        if not 0 <= rows[i] < weight.shape[0]:
+            raise IndexError(f"gather_rows: row {rows[i]} is not in [0, {weight.shape[0]})")
+    e = np.empty((n, hd), dtype=np.float32)
+    cdef float[:, ::1] ev = e
+    if n and hd:
+        es8_gather(&weight[0, 0], &scale[0, 0], hd, &rows[0], n, &ev[0, 0])
+    return e
+
+
 def act_quant(const float[:, ::1] x):
     """(q float32[S, K], scales float32[S, K/32]): the kernels' activation quantization
     (q: the e4m3 values, as the oracle's act_quant returns them)."""
@@ -616,17 +601,15 @@ def act_quant(const float[:, ::1] x):
 
 
 def fp8_linear(const float[:, ::1] x, const uint8_t[:, ::1] weight, const uint8_t[:, ::1] scale,
-               isa=None, int threads=1):
+               int threads=1, bint plain=False):
     """x[S, K] through the float8 projection (weight e4m3 [M, K], scale e8m0 [ceil(M/32), K/32])
-    as the engine runs it: float32[S, M]."""
+    as the engine runs it, on the running kernel path: float32[S, M]. plain: the plain scalar C
+    loop instead (es8_wkv_plain: what the vector paths are measured against)."""
     cdef Py_ssize_t S = x.shape[0], K = x.shape[1], M = weight.shape[0], t
     if K % ES8_BLOCK or weight.shape[1] != K or scale.shape[0] != (M + ES8_BLOCK - 1) // ES8_BLOCK \
             or scale.shape[1] != K // ES8_BLOCK or S < 1 or M < 1:
         raise ValueError("fp8_linear: shapes do not match")
     _check_dims(M, K, "fp8_linear: weight rows", "fp8_linear: values per row of x")
-    cdef int code = ISAS[isa or _fp8_default]
-    if code == ES8_AVX512 and es8_isa_supported() != ES8_AVX512:
-        raise ValueError("isa 'avx512' is not supported by this CPU")
     qx = np.empty((S, es8_ldq(<int> K)), dtype=np.float32)
     s = np.empty(K // ES8_BLOCK, dtype=np.float32)
     y = np.empty((S, M), dtype=np.float32)
@@ -637,8 +620,11 @@ def fp8_linear(const float[:, ::1] x, const uint8_t[:, ::1] weight, const uint8_
     with nogil:
         for t in range(S):
             es8_act_quant(&x[t, 0], <int> K, &qv[t, 0], &sv[0])
-        es8_wkv_mt(code, &qv[0, 0], qv.shape[1], S, <int> K, &weight[0, 0], &scale[0, 0], <int> M, &yv[0, 0], threads,
-                   &scratch[0])
+        if plain:
+            es8_wkv_plain(&qv[0, 0], qv.shape[1], S, <int> K, &weight[0, 0], &scale[0, 0], <int> M, &yv[0, 0])
+        else:
+            es8_wkv_mt(&qv[0, 0], qv.shape[1], S, <int> K, &weight[0, 0], &scale[0, 0], <int> M, &yv[0, 0],
+                       threads, &scratch[0])
     return y
 
 def read_bytes(const uint8_t[::1] a):

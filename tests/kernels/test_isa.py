@@ -136,7 +136,8 @@ def test_half_conversion_without_float16(tmp_path):
 def _compile_only(cc, *flags):
     r = subprocess.run([cc, "-fsyntax-only", "-Wall", "-Werror", "-Wno-psabi", "-Wno-unused-function",
                         *flags, f"-I{INCLUDE}", "-x", "c", "-"],
-                       input='#include "engram_hash.h"\n#include "engram_step.h"\nint main(void){return 0;}\n',
+                       input='#include "engram_hash.h"\n#include "engram_step.h"\n#include "engram_fp8.h"\n'
+                             'int main(void){return 0;}\n',
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
 

@@ -1,6 +1,7 @@
 """V41StreamEngine (engram_stream/_engine_v41.pyx, include/engram_fp8.h) against the numpy
 oracle of the deepseek-v4.1 variant (EngramModel.forward -> engram_stream.reference_v41),
-token by token, on both kernel paths ("avx512" where the CPU has it, and "baseline").
+token by token, on every kernel path the CPU runs (the each_isa fixture: baseline, avx2,
+avx512; tests/test_fp8_paths.py has the paths' own checks).
 
 Stream s of an engine plays row s of a batch: its output at its p-th token must equal
 forward's [s, p]. Floats compare with rtol=2e-4, atol=2e-5; integers (rows, tokens_seen,
@@ -24,8 +25,9 @@ from engram_stream import reference_v41 as ref
 from engram_stream._engine_v41 import V41EngineSnapshot, V41StreamEngine
 from conftest import close, dense_compression, hypothesis_settings
 
+pytestmark = pytest.mark.usefixtures("each_isa")  # every test once per kernel path the CPU runs
+
 HYP = hypothesis_settings(25)
-ISAS = ["baseline"] + (["avx512"] if k.supported_isa() == "avx512" else [])
 IMG = 299  # the DEAD (image) token id of the models below
 
 
@@ -107,8 +109,7 @@ def test_act_quant_bit_equal_to_the_oracle():
     assert np.array_equal(q, wq) and np.array_equal(s, ws)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_fp8_linear_widens_every_finite_code_exactly(isa):
+def test_fp8_linear_widens_every_finite_code_exactly():
     """One-hot activations read single weights back: every finite e4m3 code, both paths."""
     codes = np.arange(256, dtype=np.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]                          # 254 finite codes
@@ -118,17 +119,16 @@ def test_fp8_linear_widens_every_finite_code_exactly(isa):
     sc[1, 0], sc[3, 1] = 120, 131                                   # other block scales too
     x = np.zeros((K, K), np.float32)
     np.fill_diagonal(x, 1.0)
-    y = k.fp8_linear(x, w, sc, isa=isa)
+    y = k.fp8_linear(x, w, sc)
     want = (ref.e4m3(w) * np.repeat(np.repeat(ref.e8m0(sc), 32, 0), 32, 1)).T
     assert np.array_equal(y, want)
     for i in range(K):  # one token at a time: the GEMV over the bytes
-        assert np.array_equal(k.fp8_linear(x[i:i + 1], w, sc, isa=isa)[0], want[i])
+        assert np.array_equal(k.fp8_linear(x[i:i + 1], w, sc)[0], want[i])
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("S", [1, 2, 3, 7, 8, 9, 17])
 @pytest.mark.parametrize("M,K", [(96, 192), (100, 416), (37, 544)])
-def test_fp8_linear_matches_the_oracle(isa, S, M, K):
+def test_fp8_linear_matches_the_oracle(S, M, K):
     """K past 256 crosses the kernel's k blocks (partial sums carried between them)."""
     rng = np.random.default_rng(S * 100 + M)
     w = ref.np.clip(rng.standard_normal((M, K)), -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
@@ -136,11 +136,10 @@ def test_fp8_linear_matches_the_oracle(isa, S, M, K):
     x = (rng.standard_normal((S, K)) * np.repeat(2.0 ** rng.integers(-12, 6, (S, K // 32)), 32, 1)).astype(np.float32)
     want = ref.fp8_linear(x, w, sc)
     for threads in (1, 2):
-        close(k.fp8_linear(x, w, sc, isa=isa, threads=threads), want)
+        close(k.fp8_linear(x, w, sc, threads=threads), want)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_fp8_linear_every_token_count_and_tile_remainder(isa):
+def test_fp8_linear_every_token_count_and_tile_remainder():
     """Token counts 1..20, 33, 100 cross every tile shape of the many-token projection: along k
     (2..15 tokens, 8 per tile plus a remainder), in the lanes (16 or more: vectors of 16, in
     pairs, a partial last vector); M = 100 leaves a 4-row group and row tiles of 12/16 with
@@ -152,25 +151,22 @@ def test_fp8_linear_every_token_count_and_tile_remainder(isa):
     sc = rng.integers(118, 130, (-(-M // 32), K // 32)).astype(np.uint8)
     for S in list(range(1, 21)) + [33, 100]:
         x = (rng.standard_normal((S, K)) * np.repeat(2.0 ** rng.integers(-12, 6, (S, K // 32)), 32, 1)).astype(np.float32)
-        got = k.fp8_linear(x, w, sc, isa=isa)
+        got = k.fp8_linear(x, w, sc)
         close(got, ref.fp8_linear(x, w, sc))
-        assert np.array_equal(k.fp8_linear(x, w, sc, isa=isa, threads=3), got), S
+        assert np.array_equal(k.fp8_linear(x, w, sc, threads=3), got), S
 
 
-def test_fp8_linear_refuses_bad_shapes_and_isa():
+def test_fp8_linear_refuses_bad_shapes():
     w, sc, x = np.zeros((32, 64), np.uint8), np.zeros((1, 2), np.uint8), np.zeros((1, 64), np.float32)
     with pytest.raises(ValueError):
         k.fp8_linear(np.zeros((1, 48), np.float32), np.zeros((32, 48), np.uint8), sc)
     with pytest.raises(ValueError):
         k.fp8_linear(x, w, np.zeros((2, 2), np.uint8))
-    with pytest.raises(KeyError):
-        k.fp8_linear(x, w, sc, isa="sse9")
 
 
 # ---- the engine against the oracle ------------------------------------------------------------------
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_single_stream_matches_batch(model, isa):
+def test_single_stream_matches_batch(model):
     rng = np.random.default_rng(1)
     T = 60
     ids = token_ids(rng, T)
@@ -180,16 +176,14 @@ def test_single_stream_matches_batch(model, isa):
     h = hiddens(rng, model, (T,))
     want = model.forward(4, ids[None], h[None])[0]
     eng = model.stream(4)
-    eng.isa = isa
     got = np.stack([eng.step(int(t), h[i]) for i, t in enumerate(ids)])
     close(got, want)
     assert not got[ids == IMG].any()
     assert eng.tokens_seen.tolist() == [T]
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("S", range(2, 18))
-def test_multi_stream_matches_batch(model, isa, S):
+def test_multi_stream_matches_batch(model, S):
     """2..17 streams: tiles along k (2..15) and in the lanes (16, 17: a partial vector); the
     DEAD tokens of token_ids land inside those tiles. step_threads 2 on odd counts."""
     rng = np.random.default_rng(S)
@@ -199,7 +193,7 @@ def test_multi_stream_matches_batch(model, isa, S):
     h = hiddens(rng, model, (S, T))
     want = model.forward(1, ids, h)
     eng = model.stream(1, n_streams=S)
-    eng.isa, eng.step_threads = isa, 1 + S % 2
+    eng.step_threads = 1 + S % 2
     out = np.empty((S, 2, 64), np.float32)
     for t in range(T):
         r = eng.step(ids[:, t], h[:, t], out=out)
@@ -208,8 +202,7 @@ def test_multi_stream_matches_batch(model, isa, S):
         assert not out[ids[:, t] == IMG].any()
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_step_and_prefill_threads_are_bitwise_equal(isa):
+def test_step_and_prefill_threads_are_bitwise_equal():
     """The projection splits by row groups, the per-token work by tokens: any thread count
     gives the same bits (multi-stream step: step_threads; prefill: prefill_threads). The
     model has 9 row groups (M = 288), so 2 and 3 threads split them unevenly."""
@@ -221,14 +214,14 @@ def test_step_and_prefill_threads_are_bitwise_equal(isa):
         outs = []
         for threads in (1, 2, 3):
             eng = m.stream(1, n_streams=S)
-            eng.isa, eng.step_threads = isa, threads
+            eng.step_threads = threads
             outs.append(np.stack([eng.step(ids[:, t], h[:, t]) for t in range(4)]))
         assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
     ids, h = token_ids(rng, 40), hiddens(rng, m, (40,))
     outs = []
     for threads in (1, 2):
         eng = m.stream(1)
-        eng.isa, eng.prefill_threads = isa, threads
+        eng.prefill_threads = threads
         outs.append(eng.prefill(ids, h))
     assert np.array_equal(outs[0], outs[1])
 
@@ -305,18 +298,15 @@ def test_random_configs_match_batch(c, S, T, data):
     ids = token_ids(rng, (S, T), vocab=c["vocab"], img=img, p_dead=0.25, p_neg=0.1)
     h = hiddens(rng, m, (S, T))
     want = m.forward(3, ids, h)
-    for isa in ISAS:
-        eng = m.stream(3, n_streams=S)
-        eng.isa = isa
-        got = np.stack([eng.step(ids[:, t], h[:, t]) for t in range(T)], axis=1)
-        close(got, want)
-        eng.reset()
-        close(eng.prefill(ids[0], h[0]), want[0])
+    eng = m.stream(3, n_streams=S)
+    got = np.stack([eng.step(ids[:, t], h[:, t]) for t in range(T)], axis=1)
+    close(got, want)
+    eng.reset()
+    close(eng.prefill(ids[0], h[0]), want[0])
 
 
-@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("T0,threads", [(1, 1), (7, 2), (17, 1), (130, 2), (300, 1), (530, 2)])
-def test_prefill_then_step(model, isa, T0, threads):
+def test_prefill_then_step(model, T0, threads):
     """prefill over chunk boundaries (256: 300 and 530 leave 44 and 18 tokens in the last
     chunk), then steps continue the same sequence."""
     rng = np.random.default_rng(T0)
@@ -325,7 +315,7 @@ def test_prefill_then_step(model, isa, T0, threads):
     h = hiddens(rng, model, (T,))
     want = model.forward(1, ids[None], h[None])[0]
     eng = model.stream(1)
-    eng.isa, eng.prefill_threads = isa, threads
+    eng.prefill_threads = threads
     out = np.empty((T0, 2, 64), np.float32)
     assert eng.prefill(ids[:T0], h[:T0], out=out) is out
     close(out, want[:T0])
@@ -478,7 +468,7 @@ def test_bad_input_refused_state_unchanged(model):
         assert not eng.pending_compute
     got = np.stack([eng.step(int(ids[t]), h[t]) for t in range(1, 6)])
     close(got, want[1:])
-    with pytest.raises(ValueError):
+    with pytest.raises(AttributeError):  # the path is the kernel selector's (engram_stream._isa.use_isa)
         eng.isa = "avx2"
 
 
@@ -494,37 +484,11 @@ def test_engine_construction_errors(model):
     assert type(model.stream(1)).__name__ == "V41StreamEngine"
 
 
-def test_isa_paths_agree_and_default(model):
-    assert k.default_isa() in ISAS and model.stream(1).isa == k.default_isa()
-    rng = np.random.default_rng(8)
-    ids = token_ids(rng, 20)
-    h = hiddens(rng, model, (20,))
-    outs = []
-    for isa in ISAS:
-        eng = model.stream(1)
-        eng.isa = isa
-        outs.append(eng.prefill(ids, h))
-    for o in outs[1:]:
-        close(o, outs[0])
-
-
-def test_isa_follows_the_kernel_selector():
-    """ENGRAM_STREAM_ISA and use_isa() set the float8 path of the engines made afterwards."""
-    from conftest import run_python
-    code = ("import engram_stream as es; from engram_stream import _engine_v41 as k; "
-            "print(k.default_isa(), es.kernel_isa())")
-    for env_isa, want in [("baseline", "baseline"), ("avx2", "baseline")] + (
-            [("avx512", "avx512")] if "avx512" in ISAS else []):
-        r = run_python(["-c", code], env=dict(os.environ, ENGRAM_STREAM_ISA=env_isa))
-        assert r.returncode == 0 and r.stdout.split() == [want, env_isa], (env_isa, r.stdout, r.stderr)
-    if "avx512" in ISAS:
-        from engram_stream import _isa
-        try:
-            _isa.use_isa("baseline")
-            assert make_model().stream(1).isa == "baseline"
-        finally:
-            _isa.use_isa(_isa.supported_isas()[-1])
-        assert make_model().stream(1).isa == "avx512"
+def test_engine_names_the_running_path(model, each_isa):
+    import engram_stream
+    eng = model.stream(1)
+    assert eng.isa == each_isa == engram_stream.kernel_isa()
+    assert repr(eng).endswith(f"isa={each_isa!r})")
 
 
 def test_decoder_runs_v41_layers(model):

@@ -1,0 +1,376 @@
+/* engram_fp8_kern.h: the float8 kernels of the V4.1 step, a template included once per
+ * instruction set by engram_fp8.h (as engram_step_kern.h is by engram_step.h). Before each
+ * inclusion:
+ *   ES_SFX    the suffix of this copy's names (baseline, avx2)
+ *   ES_TGT    its target attribute (empty for the baseline)
+ *   ES_VW     floats per vector: 4 (16 bytes: SSE2 / NEON) or 8 (AVX2)
+ *   ES_F16C   1: e4m3 widened through fp16 bits and F16C (the value times 2^-8; the caller folds
+ *             2^8 into the block scale, ES8_WIDEN_FOLD); 0: through float32 bits, portable C
+ *   ES8_GR    weight rows the one-token GEMV streams at once
+ *   ES8_XR    weight rows of a many-token tile (ES8_XR x ES8_XV vector accumulators)
+ *   ES8_XV    token vectors of that tile (ES_VW tokens each, in the lanes)
+ *   ES8_KB    k per block of the many-token projection (its widened rows stay in L1)
+ * No include guard: including it again with other settings is the point; it undefines these
+ * parameters at its end.
+ *
+ * Widening e4m3 exactly. A byte b = s eeee mmm. Sign-extended to 16 bits and shifted left
+ * by 7, its bits are s s eeee mmm 0000000: masked with 0xbf80 this is the fp16 s 0eeee mmm0000000,
+ * whose value is the e4m3 value times 2^-8 for every code (e4m3 subnormals land on fp16
+ * subnormals, and F16C widens those exactly). Portable: sign-extended to 32 bits, shifted by
+ * 20 and masked with 0x87f00000 it is the float32 s 000eeee mmm..., the value times 2^-120
+ * (subnormal in float32 for e = 0: exact, and the multiply by 2^120 that follows is exact).
+ * The NaN codes (s 1111 111) read as +-480 that way: the portable widening and the gathers set
+ * their exponent to all ones (NaN, as the reference); the F16C projection does not (as the
+ * avx512 path: checkpoints hold none, and on a CPU whose conversions bound the GEMV the fix
+ * would cost a third of its time).
+ */
+#define ES8_CAT2(a, b) a##_##b
+#define ES8_CAT(a, b) ES8_CAT2(a, b)
+#define ES8_SF(name) ES8_CAT(name, ES_SFX)
+#define ES8_KI static inline __attribute__((always_inline)) ES_TGT
+#define ES8_NV (16 / ES_VW) /* vectors per 16 widened bytes */
+
+typedef float ES8_SF(es8_vf) __attribute__((vector_size(ES_VW * 4), aligned(4)));
+typedef double ES8_SF(es8_vd) __attribute__((vector_size(ES_VW * 8), aligned(8)));
+enum { ES8_SF(es8_xlanes) = ES_VW }; /* tokens per packed vector (es8_pack_tokens) */
+
+/* 16 e4m3 bytes at p -> v[0 .. ES8_NV): the values times 2^-8 (F16C) or exactly (portable);
+ * nan: the NaN codes read NaN (always, portable). */
+ES8_KI void ES8_SF(es8_widen16)(const uint8_t *p, ES8_SF(es8_vf) *v, const int nan) {
+#if ES_F16C
+    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xbf80));
+    if (nan) { /* magnitude bits 0x3f80: + 0x80 carries into bit 14 (exponent all ones) */
+        const __m256i t = _mm256_add_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x3f80)), _mm256_set1_epi16(0x80));
+        h = _mm256_or_si256(h, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
+    }
+    v[0] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    v[1] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+#else
+    typedef int8_t vb __attribute__((vector_size(16)));
+    typedef int8_t vbu __attribute__((vector_size(16), aligned(1)));
+    typedef int32_t vw __attribute__((vector_size(64)));
+    typedef float vx __attribute__((vector_size(64)));
+    (void)nan;
+    const vb b = *(const vbu *)p;
+    vw x = (__builtin_convertvector(b, vw) << 20) & (int32_t)0x87f00000;
+    x |= (vw)((x & 0x07f00000) == 0x07f00000) & 0x7f800000; /* NaN codes: exponent all ones */
+    const vx f = (vx)x * 0x1p120f;
+#pragma GCC unroll 4
+    for (int i = 0; i < ES8_NV; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < ES_VW; j++) v[i][j] = f[i * ES_VW + j];
+#endif
+}
+
+#if ES_F16C
+#define ES8_WIDEN_FOLD 256.0f /* the widened values are value * 2^-8 */
+#else
+#define ES8_WIDEN_FOLD 1.0f
+#endif
+
+ES8_KI float ES8_SF(es8_hsum)(ES8_SF(es8_vf) v) {
+    float t[ES_VW];
+    *(ES8_SF(es8_vf) *)t = v;
+#pragma GCC unroll 4
+    for (int w = ES_VW / 2; w >= 1; w /= 2)
+#pragma GCC unroll 8
+        for (int i = 0; i < w; i++) t[i] += t[i + w];
+    return t[0];
+}
+
+/* ---- table rows and the activation quantizer ------------------------------------------ */
+
+/* e[j*hd + i] = e4m3(w[rows[j]][i]) * e8m0(sc[rows[j]][i/32]): exact, as es8_gather_plain. */
+static ES_TGT void ES8_SF(es8_gather)(const uint8_t *w, const uint8_t *sc, int hd, const int64_t *rows, int H,
+                                      float *e) {
+    typedef ES8_SF(es8_vf) vf;
+    const int nb = hd / ES8_BLOCK;
+    for (int j = 0; j < H; j++) {
+        const uint8_t *src = w + rows[j] * hd, *s = sc + rows[j] * nb;
+        float *dst = e + (int64_t)j * hd;
+        for (int b = 0; b < nb; b++) {
+            const float f = es8_e8m0(s[b]);
+            for (int h = 0; h < ES8_BLOCK; h += 16) {
+                vf v[ES8_NV];
+                ES8_SF(es8_widen16)(src + b * ES8_BLOCK + h, v, 1);
+#pragma GCC unroll 4
+                for (int i = 0; i < ES8_NV; i++) { /* v * 2^8 is exact: the product rounds as e4m3 * f */
+                    *(vf *)(dst + b * ES8_BLOCK + h + i * ES_VW) = (v[i] * ES8_WIDEN_FOLD) * f;
+                }
+            }
+        }
+    }
+}
+
+/* es8_act_quant_plain compiled for this path (the loops vectorize; the same bits). */
+static ES_TGT void ES8_SF(es8_act_quant)(const float *x, int n, float *qx, float *s) {
+    for (int b = 0; b < n / ES8_BLOCK; b++) {
+        const float *xb = x + b * ES8_BLOCK;
+        uint32_t amax = 0;
+        for (int i = 0; i < ES8_BLOCK; i++) {
+            const uint32_t a = es8_bits(xb[i]) & 0x7fffffffu;
+            amax = a > amax ? a : amax;
+        }
+        const float sb = es8_act_scale(es8_from_bits(amax));
+        s[b] = sb;
+        for (int i = 0; i < ES8_BLOCK; i++) qx[b * ES8_BLOCK + i] = es8_round_e4m3(xb[i] / sb) * sb;
+    }
+}
+
+/* ---- the wkv projection ------------------------------------------------------------------ */
+
+/* The one-token GEMV reads the activation in this order (es8_gemv_layout): F16C takes 16
+ * bytes of a row as 8 words, whose odd bytes (arithmetic shift right by 1, mask) and even
+ * bytes (shifted left by 8 first) are two sets of 8 fp16 values; so each 16 values of the
+ * activation go even k first, then odd k. Three integer ops a 16 bytes: on a CPU whose
+ * conversions are slow (vcvtph2ps ~3 cycles per 8 values on the Zen of the benchmarks) the
+ * rest of the GEMV must stay off that unit. */
+static ES_TGT void ES8_SF(es8_gemv_layout)(const float *qx, int E, float *q) {
+#if ES_F16C
+    for (int k = 0; k < E; k += 16)
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) {
+            q[k + i] = qx[k + 2 * i];
+            q[k + 8 + i] = qx[k + 2 * i + 1];
+        }
+#else
+    memcpy(q, qx, sizeof(float) * E); /* (the portable GEMV reads the activation as it is) */
+#endif
+}
+
+/* One token, R rows (a constant at each call site) over all k: R weight streams in flight
+ * (memory-bound), each row prefetched ES8_PREFETCH bytes ahead, widened in registers. qs:
+ * the activation in es8_gemv_layout's order, the block scales folded in (x ES8_WIDEN_FOLD).
+ * y[r] = the sums. */
+ES8_KI void ES8_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int E, float *y) {
+    typedef ES8_SF(es8_vf) vf;
+#if ES_F16C
+    __m256 acc[ES8_GR][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m128i m = _mm_set1_epi16((short)0xbf80);
+#define ES8_GEMV16(k)                                                                              \
+    do {                                                                                           \
+        const __m256 qe = _mm256_loadu_ps(qs + (k)), qo = _mm256_loadu_ps(qs + (k) + 8);          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                     \
+            const __m128i x = _mm_loadu_si128((const __m128i *)(w + (int64_t)r * E + (k)));        \
+            const __m128i od = _mm_and_si128(_mm_srai_epi16(x, 1), m);                            \
+            const __m128i ev = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), m);         \
+            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtph_ps(ev), qe, acc[r][0]);                      \
+            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtph_ps(od), qo, acc[r][1]);                      \
+        }                                                                                          \
+    } while (0)
+    int k = 0;
+    for (; k + 64 <= E; k += 64) { /* a prefetch a row per line */
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (int64_t)r * E + k + ES8_PREFETCH), _MM_HINT_T0);
+#pragma GCC unroll 4
+        for (int u = 0; u < 64; u += 16) ES8_GEMV16(k + u);
+    }
+    for (; k < E; k += 16) ES8_GEMV16(k);
+#undef ES8_GEMV16
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) y[r] = ES8_SF(es8_hsum)((vf)_mm256_add_ps(acc[r][0], acc[r][1]));
+#else
+    vf acc[ES8_GR][ES8_NV];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int i = 0; i < ES8_NV; i++) acc[r][i] = (vf){0};
+    for (int k = 0; k < E; k += 16) {
+        vf q[ES8_NV];
+#pragma GCC unroll 4
+        for (int i = 0; i < ES8_NV; i++) q[i] = *(const vf *)(qs + k + i * ES_VW);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (int64_t)r * E + k;
+            if (!(k & 63)) __builtin_prefetch(p + ES8_PREFETCH, 0, 3);
+            vf v[ES8_NV];
+            ES8_SF(es8_widen16)(p, v, 1);
+#pragma GCC unroll 4
+            for (int i = 0; i < ES8_NV; i++) acc[r][i] += v[i] * q[i];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+#pragma GCC unroll 4
+        for (int i = 1; i < ES8_NV; i++) acc[r][0] += acc[r][i];
+        y[r] = ES8_SF(es8_hsum)(acc[r][0]);
+    }
+#endif
+}
+
+/* Rows [0, R) of a group, k in [k0, k0 + kw), widened with their block scales folded in
+ * (wsf, x ES8_WIDEN_FOLD): row r at wf + r*ES8_KB. kw % 16 == 0. */
+ES8_KI void ES8_SF(es8_widen_block)(const uint8_t *w, int R, int E, int k0, int kw, const float *wsf, float *wf) {
+    typedef ES8_SF(es8_vf) vf;
+    for (int64_t r = 0; r < R; r++)
+        for (int k = 0; k < kw; k += 16) {
+            vf v[ES8_NV];
+            ES8_SF(es8_widen16)(w + r * E + k0 + k, v, 0);
+            const float f = wsf[(k0 + k) >> 5];
+#pragma GCC unroll 4
+            for (int i = 0; i < ES8_NV; i++) {
+                *(vf *)(wf + r * ES8_KB + k + i * ES_VW) = v[i] * f;
+            }
+        }
+}
+
+/* The micro-kernel of the many-token projection: R widened rows (w, row stride ES8_KB) x V
+ * vectors of ES_VW tokens (xt, packed [k][ES_VW] per vector, vectors ldv apart) over n values
+ * of k: each weight is broadcast into an FMA with the tokens' values at its k. part: R x V
+ * vectors of sums (row stride ldp): this block's sums are stored there (first) or added (a
+ * sum per k block, then the blocks': the error of a ES8_KB-term sum, not of an E-term one).
+ * R and V are constants at each call site, so the tile stays in registers. */
+ES8_KI void ES8_SF(es8_xtile)(const float *w, const int R, const float *xt, int64_t ldv, const int V, int n,
+                              float *part, int64_t ldp, int first) {
+    typedef ES8_SF(es8_vf) vf;
+    vf acc[ES8_XR][ES8_XV];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < V; v++) acc[r][v] = (vf){0};
+    for (int k = 0; k < n; k++) {
+        vf xv[ES8_XV];
+#pragma GCC unroll 4
+        for (int v = 0; v < V; v++) xv[v] = *(const vf *)(xt + v * ldv + k * ES_VW);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const float wb = w[r * ES8_KB + k];
+#pragma GCC unroll 4
+            for (int v = 0; v < V; v++) acc[r][v] += wb * xv[v];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int v = 0; v < V; v++) {
+            vf *p = (vf *)(part + r * ldp + v * ES_VW);
+            *p = first ? acc[r][v] : *p + acc[r][v];
+        }
+}
+
+/* Rows [r0, r0 + R) of the widened block through one tile column of V token vectors. */
+ES8_KI void ES8_SF(es8_xrows)(const float *wb, int R, const float *x, int64_t ldv, const int V, int kw,
+                              float *pt, int64_t ldp, int first) {
+#define ES8_X(rows) case rows: ES8_SF(es8_xtile)(wr, rows, x, ldv, V, kw, pr, ldp, first); break;
+    for (int r = 0; r < R;) {
+        /* ES8_XR-row tiles; a remainder of fewer rows than a tile is split with the tile
+         * before it into two near-equal ones (few accumulators leave the FMAs idle) */
+        int rows = R - r <= ES8_XR ? R - r : (R - r < 2 * ES8_XR ? (R - r + 1) / 2 : ES8_XR);
+        const float *wr = wb + (int64_t)r * ES8_KB;
+        float *pr = pt + (int64_t)r * ldp;
+        switch (rows) {
+            ES8_X(1) ES8_X(2) ES8_X(3) ES8_X(4) ES8_X(5) ES8_X(6)
+#if ES8_XR > 6
+            ES8_X(7) ES8_X(8)
+#endif
+            default: break;
+        }
+        r += rows;
+    }
+#undef ES8_X
+}
+
+/* One group of R <= 32 rows for S tokens (qx rows at stride ldq; xt: the same packed by
+ * es8_pack_tokens with ES_VW lanes, S > 1). One token (qx in es8_gemv_layout's order): a
+ * GEMV straight from the float8 bytes, the block scales folded into the activation once. Several: over k blocks of
+ * ES8_KB, the block's rows widened into scratch (L1), then tiles of rows x token vectors;
+ * the block sums add up in scratch ([R][S rounded up to ES_VW]) and go to y[t*ldy + r] after
+ * the last block. */
+static ES_TGT void ES8_SF(es8_group)(const uint8_t *w, int R, const float *qx, const float *xt, int64_t S, int E,
+                                     const float *wsf, float *y, int64_t ldy, float *scratch) {
+    typedef ES8_SF(es8_vf) vf;
+    if (S == 1) {
+        float qs[E] __attribute__((aligned(64)));
+        for (int k = 0; k < E; k += ES_VW) {
+            *(vf *)(qs + k) = *(const vf *)(qx + k) * wsf[k >> 5];
+        }
+        int r = 0;
+        for (; r + ES8_GR <= R; r += ES8_GR) ES8_SF(es8_gemv)(w + (int64_t)r * E, ES8_GR, qs, E, y + r);
+        for (; r < R; r++) ES8_SF(es8_gemv)(w + (int64_t)r * E, 1, qs, E, y + r);
+        return;
+    }
+    const int64_t nv = (S + ES_VW - 1) / ES_VW, ldp = nv * ES_VW, ldv = (int64_t)E * ES_VW;
+    float *wf = scratch, *part = scratch + (int64_t)ES8_BLOCK * ES8_KB;
+    for (int k0 = 0; k0 < E; k0 += ES8_KB) {
+        const int kw = E - k0 < ES8_KB ? E - k0 : ES8_KB, first = k0 == 0;
+        ES8_SF(es8_widen_block)(w, R, E, k0, kw, wsf, wf);
+        for (int64_t j0 = 0; j0 < nv; j0 += ES8_XV) {
+            const float *x = xt + j0 * ldv + (int64_t)k0 * ES_VW;
+            float *pt = part + j0 * ES_VW;
+            switch (nv - j0 < ES8_XV ? nv - j0 : ES8_XV) {
+                case 1: ES8_SF(es8_xrows)(wf, R, x, ldv, 1, kw, pt, ldp, first); break;
+#if ES8_XV > 1
+                case 2: ES8_SF(es8_xrows)(wf, R, x, ldv, 2, kw, pt, ldp, first); break;
+#endif
+#if ES8_XV > 2
+                case 3: ES8_SF(es8_xrows)(wf, R, x, ldv, 3, kw, pt, ldp, first); break;
+#endif
+                default: break;
+            }
+        }
+    }
+    for (int64_t t = 0; t < S; t++)
+        for (int r = 0; r < R; r++) y[t * ldy + r] = part[r * ldp + t];
+}
+
+/* ---- the gate tail -------------------------------------------------------------------- */
+
+/* es8_gate_tail_plain on vectors: the three sums in double over ES_VW lanes (only their order
+ * differs), the rest per stream as there. */
+static ES_TGT void ES8_SF(es8_gate_tail)(const float *kv, const float *hid, const float *qw, const float *kw,
+                                         int G, int D, float eps, int dead, float *out) {
+    typedef ES8_SF(es8_vf) vf;
+    typedef ES8_SF(es8_vd) vd;
+    const float *value = kv + (int64_t)G * D;
+    for (int c = 0; c < G; c++) {
+        const float *key = kv + (int64_t)c * D, *h = hid + (int64_t)c * D;
+        const float *a = qw + (int64_t)c * D, *b = kw + (int64_t)c * D;
+        vd vh = {0}, vk = {0}, vt = {0};
+        int d = 0;
+        for (; d + ES_VW <= D; d += ES_VW) {
+            const vd hd = __builtin_convertvector(*(const vf *)(h + d), vd);
+            const vd kd = __builtin_convertvector(*(const vf *)(key + d), vd);
+            const vf af = *(const vf *)(a + d), bf = *(const vf *)(b + d);
+            vh += hd * hd;
+            vk += kd * kd;
+            vt += ((hd * __builtin_convertvector(af, vd)) * __builtin_convertvector(bf, vd)) * kd;
+        }
+        double sh = 0, sk = 0, dot = 0;
+        for (int i = 0; i < ES_VW; i++) {
+            sh += vh[i];
+            sk += vk[i];
+            dot += vt[i];
+        }
+        for (; d < D; d++) {
+            sh += (double)h[d] * h[d];
+            sk += (double)key[d] * key[d];
+            dot += (double)h[d] * a[d] * b[d] * key[d];
+        }
+        const float rstd = (1.0f / sqrtf((float)(sh / D) + eps)) * (1.0f / sqrtf((float)(sk / D) + eps));
+        const float s = (float)dot * rstd / sqrtf((float)D);
+        const float mag = fabsf(s) < ES_GATE_CLAMP ? ES_GATE_CLAMP : fabsf(s); /* NaN stays NaN */
+        const float z = copysignf(sqrtf(mag), s);
+        const float gate = dead ? 0.0f : 1.0f / (1.0f + expf(-z));
+        float *o = out + (int64_t)c * D;
+        for (d = 0; d < D; d++) o[d] = gate * value[d];
+    }
+}
+
+#undef ES8_CAT2
+#undef ES8_CAT
+#undef ES8_SF
+#undef ES8_KI
+#undef ES8_NV
+#undef ES8_WIDEN_FOLD
+/* this copy's parameters: the next inclusion defines its own */
+#undef ES_SFX
+#undef ES_TGT
+#undef ES_VW
+#undef ES_F16C
+#undef ES8_GR
+#undef ES8_XR
+#undef ES8_XV
+#undef ES8_KB
