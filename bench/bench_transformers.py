@@ -34,8 +34,9 @@ sys.path.insert(0, ROOT)  # run from a checkout (in-place build)
 import torch  # noqa: E402
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 
-from engram_stream import EngramConfig, EngramModel, hf_v41  # noqa: E402
-from engram_stream._engine_v41 import default_isa  # noqa: E402
+import engram_stream  # noqa: E402
+from engram_stream import EngramConfig, EngramModel  # noqa: E402
+from engram_stream.v41 import hf as hf_v41  # noqa: E402
 from engram_stream.integrations.transformers import attach  # noqa: E402
 
 
@@ -48,7 +49,7 @@ def machine():
         pass
     import transformers
     return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "fp8_isa": default_isa(), "loadavg": os.getloadavg()}
+            "transformers": transformers.__version__, "kernel_isa": engram_stream.kernel_isa(), "loadavg": os.getloadavg()}
 
 
 def v4_model(hidden, hc, layers, dtype, vocab=300, small=True):

