@@ -342,6 +342,42 @@ def test_generate_without_a_cache_starts_every_forward_fresh(engram):
         assert handle.counts["decode_steps"] == 3   # the cached run's; the uncached one only prefills
 
 
+def test_sampling_with_several_sequences_per_prompt(engram, oracle):
+    """do_sample with num_return_sequences: generate() repeats each prompt's row before the first
+    forward, and every row is a stream of its own."""
+    model = hf_model()
+    ids, mask = batch(PROMPTS[1:])
+    with attach(model, engram[2]):
+        rec = Recorder(model)
+        torch.manual_seed(3)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=True,
+                                 top_k=50, num_return_sequences=2)
+        rec.remove()
+    assert out.shape[0] == 4 and rec.forwards[0]["ids"].shape[0] == 4
+    assert not torch.equal(out[0], out[1])   # two samples of one prompt: the streams went apart
+    assert replay(oracle, rec.forwards, torch.float32) == 4 * 2 * 5
+
+
+def test_a_prompt_fed_in_chunks_continues_each_stream(engram, oracle):
+    """Forwards that continue a sequence with several tokens (a prompt in chunks, positions given):
+    each row's stream continues from its own history; a row whose first chunk is all padding
+    starts with its first real token."""
+    model = hf_model()
+    ids, mask = batch(PROMPTS)            # 10 columns; row 2 is padding up to column 6
+    with attach(model, engram[2]), torch.no_grad():
+        rec = Recorder(model)
+        out = model(input_ids=ids[:, :4], attention_mask=mask[:, :4], use_cache=True)
+        out = model(input_ids=ids[:, 4:], attention_mask=mask, position_ids=torch.arange(4, 10).expand(3, -1),
+                    cache=out.cache)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        model(input_ids=nxt, attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1),
+              position_ids=torch.full((3, 1), 10), cache=out.cache)
+        rec.remove()
+    assert [f["real"].any(1).tolist() for f in rec.forwards][0] == [True, True, False]
+    assert replay(oracle, rec.forwards, torch.float32) == 2 * 2 + 3 * 2 + 3 * 2
+
+
 def test_decode_steps_hash_every_layer_before_layer_0(engram):
     """A decode step's rows are hashed when the model's forward begins: every Engram engine
     has its token fed before any decoder layer runs."""
