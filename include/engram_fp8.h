@@ -211,14 +211,20 @@ static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int 
     }
 }
 
+#define ES8_KB_MAX 512 /* the largest ES8_KB, ES8_KB_FEW below (the scratch holds one of its blocks) */
 #define ES_SFX baseline /* 16-byte vectors: SSE2 / NEON; 6 rows x 2 vectors = 12 accumulators */
 #define ES_TGT
 #define ES_VW 4
 #define ES_F16C 0
 #define ES8_GR 2
+#define ES8_MG 8
 #define ES8_XR 6
 #define ES8_XV 2
+#define ES8_XR1 12
 #define ES8_KB 256
+#define ES8_KB_FEW 512
+#define ES8_FEW 32
+#define ES8_XCOLS 2
 #include "engram_fp8_kern.h"
 #if ES_X86_PATHS
 #define ES_SFX avx2 /* 6 rows x 2 vectors of 8 tokens = 12 ymm accumulators */
@@ -226,9 +232,14 @@ static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int 
 #define ES_VW 8
 #define ES_F16C 1
 #define ES8_GR 4
+#define ES8_MG 8
 #define ES8_XR 6
 #define ES8_XV 2
+#define ES8_XR1 12
 #define ES8_KB 256
+#define ES8_KB_FEW 512
+#define ES8_FEW 32
+#define ES8_XCOLS 2
 #include "engram_fp8_kern.h"
 #endif
 
@@ -478,12 +489,14 @@ static inline void es8_gate_tail(const float *kv, const float *hid, const float 
 /* Scratch of the many-token projection (S > 1), in floats: the tokens packed for the lanes,
  * shared, then per thread the path's own (avx512: a group's widened rows [32, E + ES8_KBLOCK]
  * and partial sums, [16, 32, 16] along k or [32, S rounded up to 16] in the lanes; the template
- * paths: a k block of widened rows and [32, S rounded up to 16] partial sums). Sized for every
- * path, so a path switched between sizing and use still fits. */
-static inline int64_t es8_xt_floats(int64_t S, int E) { return S > 1 ? (S + 15) / 16 * 16 * E : 0; }
+ * paths: a k block of widened rows [32, ES8_KB] and the sums [32, S rounded up]). Sized
+ * for every path, so a path switched between sizing and use still fits. */
+static inline int64_t es8_xt_floats(int64_t S, int E) { return S > 1 ? (S + 15) / 16 * 16 * (E + 16) : 0; }
 static inline int64_t es8_thread_floats(int64_t S, int E) {
     const int64_t s16 = (S + 15) / 16 * 16;
-    return (int64_t)ES8_BLOCK * (E + ES8_KBLOCK) + ES8_BLOCK * 16 * (s16 > 16 ? s16 : 16);
+    const int64_t avx512 = (int64_t)ES8_BLOCK * (E + ES8_KBLOCK) + ES8_BLOCK * 16 * (s16 > 16 ? s16 : 16);
+    const int64_t templ = (int64_t)ES8_BLOCK * (ES8_KB_MAX + 16) + ES8_BLOCK * s16;  /* a k block, the sums */
+    return avx512 > templ ? avx512 : templ;
 }
 static inline int64_t es8_scratch_floats(int64_t S, int E, int nthreads) {
     return es8_xt_floats(S, E) + nthreads * es8_thread_floats(S, E);
@@ -511,17 +524,19 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const fl
         const int64_t r0 = g * ES8_BLOCK;
         const int R = M - r0 < ES8_BLOCK ? (int)(M - r0) : ES8_BLOCK;
         for (int b = 0; b < nb; b++) wsf[b] = es8_e8m0(WS[g * nb + b]) * f;
+        /* the next group of this range (its rows prefetched while these compute) */
+        const int rn = g + 1 < g1 ? (M - r0 - ES8_BLOCK < ES8_BLOCK ? (int)(M - r0 - ES8_BLOCK) : ES8_BLOCK) : 0;
+        const uint8_t *next = rn ? W + (r0 + R) * E : 0;
         switch (isa) {
 #if ES_X86_PATHS
             case ES_ISA_AVX512: {
-                const int64_t rn = g + 1 < g1 ? (M - r0 - ES8_BLOCK < ES8_BLOCK ? M - r0 - ES8_BLOCK : ES8_BLOCK) : 0;
                 es8_group_avx512(W + r0 * E, R, qx, ldq, S >= ES8_XT_MIN ? xt : 0, S, E, wsf, Y + r0, M, scratch,
-                                 W + (r0 + R) * E, rn * E);
+                                 W + (r0 + R) * E, (int64_t)rn * E);
                 break;
             }
-            case ES_ISA_AVX2: es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch); break;
+            case ES_ISA_AVX2: es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
 #endif
-            default: es8_group_baseline(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch); break;
+            default: es8_group_baseline(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
         }
     }
 }
@@ -562,13 +577,23 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
     if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;  /* the scratch holds nthreads slots */
     if (nthreads > ng) nthreads = (int)ng;
     if (scratch && S > 1) {  /* the tokens in the lanes: 16 a vector on avx512 (from ES8_XT_MIN tokens) */
-        int lanes = es8_xlanes_baseline;
+        int lanes = es8_xlanes_baseline, mg = es8_mg_baseline;
 #if ES_X86_PATHS
         lanes = isa == ES_ISA_AVX512 ? 16 : isa == ES_ISA_AVX2 ? es8_xlanes_avx2 : lanes;
+        mg = isa == ES_ISA_AVX512 ? 0 : isa == ES_ISA_AVX2 ? es8_mg_avx2 : mg;
 #endif
-        if (isa != ES_ISA_AVX512 || S >= ES8_XT_MIN) {
-            xt = scratch;
+        xt = scratch;
+        if (S <= mg) {  /* a few tokens on the template paths: each in its GEMV's order */
+            for (int64_t t = 0; t < S; t++) {
+#if ES_X86_PATHS
+                if (isa == ES_ISA_AVX2) { es8_gemv_layout_avx2(qx + t * ldq, E, xt + t * (E + 16)); continue; }
+#endif
+                es8_gemv_layout_baseline(qx + t * ldq, E, xt + t * (E + 16));
+            }
+        } else if (isa != ES_ISA_AVX512 || S >= ES8_XT_MIN) {
             es8_pack_tokens(qx, ldq, S, E, xt, lanes);
+        } else {
+            xt = 0;
         }
     }
 #if ES_X86_PATHS

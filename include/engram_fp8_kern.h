@@ -7,9 +7,14 @@
  *   ES_F16C   1: e4m3 widened through fp16 bits and F16C (the value times 2^-8; the caller folds
  *             2^8 into the block scale, ES8_WIDEN_FOLD); 0: through float32 bits, portable C
  *   ES8_GR    weight rows the one-token GEMV streams at once
+ *   ES8_MG    tokens up to which the many-token projection widens in registers (es8_mgemv, at most 8)
  *   ES8_XR    weight rows of a many-token tile (ES8_XR x ES8_XV vector accumulators)
- *   ES8_XV    token vectors of that tile (ES_VW tokens each, in the lanes)
+ *   ES8_XV    token vectors of that tile (ES_VW tokens each, in the lanes; at most 2)
+ *   ES8_XR1   weight rows of a tile of one token vector (at most 12)
  *   ES8_KB    k per block of the many-token projection (its widened rows stay in L1)
+ *   ES8_KB_FEW  the same for at most ES8_FEW tokens
+ *   ES8_XCOLS from this many tile columns of token vectors on, a row tile goes through all of
+ *             them (else a tile column through all row tiles)
  * No include guard: including it again with other settings is the point; it undefines these
  * parameters at its end.
  *
@@ -32,7 +37,8 @@
 
 typedef float ES8_SF(es8_vf) __attribute__((vector_size(ES_VW * 4), aligned(4)));
 typedef double ES8_SF(es8_vd) __attribute__((vector_size(ES_VW * 8), aligned(8)));
-enum { ES8_SF(es8_xlanes) = ES_VW }; /* tokens per packed vector (es8_pack_tokens) */
+enum { ES8_SF(es8_xlanes) = ES_VW, /* tokens per packed vector (es8_pack_tokens) */
+       ES8_SF(es8_mg) = ES8_MG };   /* tokens up to which es8_mgemv runs */
 
 /* 16 e4m3 bytes at p -> v[0 .. ES8_NV): the values times 2^-8 (F16C) or exactly (portable);
  * nan: the NaN codes read NaN (always, portable). */
@@ -103,7 +109,9 @@ static ES_TGT void ES8_SF(es8_gather)(const uint8_t *w, const uint8_t *sc, int h
     }
 }
 
-/* es8_act_quant_plain compiled for this path (the loops vectorize; the same bits). */
+/* es8_act_quant_plain compiled for this path (the loops vectorize), times 1/s for / s: s is
+ * a normal power of two, so both are the same correctly rounded value (the same bits), and
+ * a vector division costs ~10x a multiply. */
 static ES_TGT void ES8_SF(es8_act_quant)(const float *x, int n, float *qx, float *s) {
     for (int b = 0; b < n / ES8_BLOCK; b++) {
         const float *xb = x + b * ES8_BLOCK;
@@ -112,9 +120,9 @@ static ES_TGT void ES8_SF(es8_act_quant)(const float *x, int n, float *qx, float
             const uint32_t a = es8_bits(xb[i]) & 0x7fffffffu;
             amax = a > amax ? a : amax;
         }
-        const float sb = es8_act_scale(es8_from_bits(amax));
+        const float sb = es8_act_scale(es8_from_bits(amax)), rb = 1.0f / sb;
         s[b] = sb;
-        for (int i = 0; i < ES8_BLOCK; i++) qx[b * ES8_BLOCK + i] = es8_round_e4m3(xb[i] / sb) * sb;
+        for (int i = 0; i < ES8_BLOCK; i++) qx[b * ES8_BLOCK + i] = es8_round_e4m3(xb[i] * rb) * sb;
     }
 }
 
@@ -201,9 +209,54 @@ ES8_KI void ES8_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int
 #endif
 }
 
+/* A few tokens (2..ES8_MG), one row at a time: each 16 bytes of the row widened once in
+ * registers (as the one-token GEMV: F16C in its word order), scaled by the block scale and
+ * multiplied with every token's 16 values: no widened copy (its stores cost ~20 cycles a 16
+ * bytes on the Zen of the benchmarks, a token's FMAs 2), so few tokens stay memory-bound.
+ * q: the S tokens in es8_gemv_layout's order, rows E + 16 floats apart (not a multiple of 4
+ * KiB: the tokens' lines would share L1 sets); y[t*ldy + r]. */
+ES8_KI void ES8_SF(es8_mgemv)(const uint8_t *w, int R, const float *q, const int S, int E, const float *wsf,
+                              float *y, int64_t ldy) {
+    typedef ES8_SF(es8_vf) vf;
+    for (int r = 0; r < R; r++) {
+        const uint8_t *wr = w + (int64_t)r * E;
+        vf acc[ES8_MG];
+#pragma GCC unroll 8
+        for (int t = 0; t < S; t++) acc[t] = (vf){0};
+        for (int k0 = 0; k0 < E; k0 += 32) { /* a block of 32 summed apart, then added (the reference's blocks) */
+            if (!(k0 & 63)) __builtin_prefetch(wr + k0 + ES8_PREFETCH, 0, 3);
+            vf v[2][ES8_NV], blk[ES8_MG];
+            const float f = wsf[k0 >> 5];
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+#if ES_F16C
+                const __m128i m = _mm_set1_epi16((short)0xbf80), x = _mm_loadu_si128((const __m128i *)(wr + k0 + 16 * h));
+                v[h][0] = (vf)_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), m));
+                v[h][1] = (vf)_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(x, 1), m));
+#else
+                ES8_SF(es8_widen16)(wr + k0 + 16 * h, v[h], 1);
+#endif
+#pragma GCC unroll 4
+                for (int i = 0; i < ES8_NV; i++) v[h][i] *= f;
+            }
+#pragma GCC unroll 8
+            for (int t = 0; t < S; t++) {
+                const float *qt = q + (int64_t)t * (E + 16) + k0;
+                blk[t] = v[0][0] * *(const vf *)qt;
+#pragma GCC unroll 8
+                for (int j = 1; j < 2 * ES8_NV; j++) blk[t] += v[j / ES8_NV][j % ES8_NV] * *(const vf *)(qt + j * ES_VW);
+                acc[t] += blk[t];
+            }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < S; t++) y[t * ldy + r] = ES8_SF(es8_hsum)(acc[t]);
+    }
+}
+
 /* Rows [0, R) of a group, k in [k0, k0 + kw), widened with their block scales folded in
- * (wsf, x ES8_WIDEN_FOLD): row r at wf + r*ES8_KB. kw % 16 == 0. */
-ES8_KI void ES8_SF(es8_widen_block)(const uint8_t *w, int R, int E, int k0, int kw, const float *wsf, float *wf) {
+ * (wsf, x ES8_WIDEN_FOLD): row r at wf + r*ws. kw % 16 == 0. */
+ES8_KI void ES8_SF(es8_widen_block)(const uint8_t *w, int R, int E, int k0, int kw, const float *wsf, float *wf,
+                                    int64_t ws) {
     typedef ES8_SF(es8_vf) vf;
     for (int64_t r = 0; r < R; r++)
         for (int k = 0; k < kw; k += 16) {
@@ -211,23 +264,29 @@ ES8_KI void ES8_SF(es8_widen_block)(const uint8_t *w, int R, int E, int k0, int 
             ES8_SF(es8_widen16)(w + r * E + k0 + k, v, 0);
             const float f = wsf[(k0 + k) >> 5];
 #pragma GCC unroll 4
-            for (int i = 0; i < ES8_NV; i++) {
-                *(vf *)(wf + r * ES8_KB + k + i * ES_VW) = v[i] * f;
-            }
+            for (int i = 0; i < ES8_NV; i++) *(vf *)(wf + r * ws + k + i * ES_VW) = v[i] * f;
         }
 }
 
-/* The micro-kernel of the many-token projection: R widened rows (w, row stride ES8_KB) x V
+/* The bytes [k0, k0 + kw) of R rows of a group, requested into L2 ahead of their widening: 32
+ * rows are too many streams for the hardware prefetcher (measured: the widening waited on
+ * memory a third of its time without). */
+ES8_KI void ES8_SF(es8_wprefetch)(const uint8_t *w, int R, int E, int k0, int kw) {
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < kw; b += 64) __builtin_prefetch(w + (int64_t)r * E + k0 + b, 0, 2);
+}
+
+/* The micro-kernel of the many-token projection: R widened rows (w, row stride ws) x V
  * vectors of ES_VW tokens (xt, packed [k][ES_VW] per vector, vectors ldv apart) over n values
  * of k: each weight is broadcast into an FMA with the tokens' values at its k. part: R x V
  * vectors of sums (row stride ldp): this block's sums are stored there (first) or added (a
- * sum per k block, then the blocks': the error of a ES8_KB-term sum, not of an E-term one).
+ * sum per k block, then the blocks': the error of a sum of a block's terms, not of E terms).
  * R and V are constants at each call site, so the tile stays in registers. */
-ES8_KI void ES8_SF(es8_xtile)(const float *w, const int R, const float *xt, int64_t ldv, const int V, int n,
-                              float *part, int64_t ldp, int first) {
+ES8_KI void ES8_SF(es8_xtile)(const float *w, int64_t ws, const int R, const float *xt, int64_t ldv, const int V,
+                              int n, float *part, int64_t ldp, int first) {
     typedef ES8_SF(es8_vf) vf;
-    vf acc[ES8_XR][ES8_XV];
-#pragma GCC unroll 8
+    vf acc[ES8_XR1][ES8_XV];
+#pragma GCC unroll 12
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int v = 0; v < V; v++) acc[r][v] = (vf){0};
@@ -235,14 +294,14 @@ ES8_KI void ES8_SF(es8_xtile)(const float *w, const int R, const float *xt, int6
         vf xv[ES8_XV];
 #pragma GCC unroll 4
         for (int v = 0; v < V; v++) xv[v] = *(const vf *)(xt + v * ldv + k * ES_VW);
-#pragma GCC unroll 8
+#pragma GCC unroll 12
         for (int r = 0; r < R; r++) {
-            const float wb = w[r * ES8_KB + k];
+            const float wb = w[r * ws + k];
 #pragma GCC unroll 4
             for (int v = 0; v < V; v++) acc[r][v] += wb * xv[v];
         }
     }
-#pragma GCC unroll 8
+#pragma GCC unroll 12
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int v = 0; v < V; v++) {
@@ -251,64 +310,83 @@ ES8_KI void ES8_SF(es8_xtile)(const float *w, const int R, const float *xt, int6
         }
 }
 
-/* Rows [r0, r0 + R) of the widened block through one tile column of V token vectors. */
-ES8_KI void ES8_SF(es8_xrows)(const float *wb, int R, const float *x, int64_t ldv, const int V, int kw,
-                              float *pt, int64_t ldp, int first) {
-#define ES8_X(rows) case rows: ES8_SF(es8_xtile)(wr, rows, x, ldv, V, kw, pr, ldp, first); break;
-    for (int r = 0; r < R;) {
-        /* ES8_XR-row tiles; a remainder of fewer rows than a tile is split with the tile
-         * before it into two near-equal ones (few accumulators leave the FMAs idle) */
-        int rows = R - r <= ES8_XR ? R - r : (R - r < 2 * ES8_XR ? (R - r + 1) / 2 : ES8_XR);
-        const float *wr = wb + (int64_t)r * ES8_KB;
-        float *pr = pt + (int64_t)r * ldp;
-        switch (rows) {
-            ES8_X(1) ES8_X(2) ES8_X(3) ES8_X(4) ES8_X(5) ES8_X(6)
-#if ES8_XR > 6
-            ES8_X(7) ES8_X(8)
-#endif
-            default: break;
-        }
-        r += rows;
+/* One tile of `rows` (1..ES8_XR; with one token vector, up to ES8_XR1; a constant per case)
+ * x V token vectors. */
+ES8_KI void ES8_SF(es8_xcase)(int rows, const float *wr, int64_t ws, const float *x, int64_t ldv, const int V,
+                              int kw, float *pr, int64_t ldp, int first) {
+#define ES8_X(n) case n: ES8_SF(es8_xtile)(wr, ws, n, x, ldv, V, kw, pr, ldp, first); break;
+    switch (rows) {
+        ES8_X(1) ES8_X(2) ES8_X(3) ES8_X(4) ES8_X(5) ES8_X(6)
+        ES8_X(7) ES8_X(8) ES8_X(9) ES8_X(10) ES8_X(11) ES8_X(12)
+        default: break;
     }
 #undef ES8_X
 }
 
+/* Rows of a tile starting at row r of R: ES8_XR, and a remainder of fewer rows than a tile
+ * split with the tile before it into two near-equal ones (few accumulators leave the FMAs
+ * idle: 32 rows go 6, 6, 6, 6, 4, 4). */
+static inline int ES8_SF(es8_tile_rows)(int R, int r, int xr) {
+    return R - r <= xr ? R - r : (R - r < 2 * xr ? (R - r + 1) / 2 : xr);
+}
+
 /* One group of R <= 32 rows for S tokens (qx rows at stride ldq; xt: the same packed by
- * es8_pack_tokens with ES_VW lanes, S > 1). One token (qx in es8_gemv_layout's order): a
- * GEMV straight from the float8 bytes, the block scales folded into the activation once. Several: over k blocks of
- * ES8_KB, the block's rows widened into scratch (L1), then tiles of rows x token vectors;
- * the block sums add up in scratch ([R][S rounded up to ES_VW]) and go to y[t*ldy + r] after
- * the last block. */
+ * es8_pack_tokens with ES_VW lanes, S > ES8_MG, or each in es8_gemv_layout's order, E + 16
+ * floats apart, 2..ES8_MG tokens). One token (qx in es8_gemv_layout's order): a GEMV straight from
+ * the float8 bytes, the block scales folded into the activation once. A few: es8_mgemv.
+ * Several: over k blocks (ES8_KB, or ES8_KB_FEW for up to ES8_FEW tokens: measured faster
+ * there), the block's rows widened into scratch (L1/L2, rows a line apart more than a block:
+ * at 4 KiB strides they would share L1 sets), the next block's bytes prefetched, then tiles of
+ * rows x token vectors (a tile column of token vectors through all row tiles, or for many
+ * tokens, a row tile through all token columns: its widened rows stay in L1 while the tokens
+ * stream from L2); the block sums add up in scratch ([R][S rounded up to ES_VW]) and go to
+ * y[t*ldy + r] after the last block. next: the next group's rows (rnext of them) or NULL: its
+ * first block is prefetched during this group's last. */
 static ES_TGT void ES8_SF(es8_group)(const uint8_t *w, int R, const float *qx, const float *xt, int64_t S, int E,
-                                     const float *wsf, float *y, int64_t ldy, float *scratch) {
+                                     const float *wsf, float *y, int64_t ldy, float *scratch, const uint8_t *next,
+                                     int rnext) {
     typedef ES8_SF(es8_vf) vf;
     if (S == 1) {
         float qs[E] __attribute__((aligned(64)));
-        for (int k = 0; k < E; k += ES_VW) {
-            *(vf *)(qs + k) = *(const vf *)(qx + k) * wsf[k >> 5];
-        }
+        for (int k = 0; k < E; k += ES_VW) *(vf *)(qs + k) = *(const vf *)(qx + k) * wsf[k >> 5];
         int r = 0;
         for (; r + ES8_GR <= R; r += ES8_GR) ES8_SF(es8_gemv)(w + (int64_t)r * E, ES8_GR, qs, E, y + r);
         for (; r < R; r++) ES8_SF(es8_gemv)(w + (int64_t)r * E, 1, qs, E, y + r);
         return;
     }
-    const int64_t nv = (S + ES_VW - 1) / ES_VW, ldp = nv * ES_VW, ldv = (int64_t)E * ES_VW;
-    float *wf = scratch, *part = scratch + (int64_t)ES8_BLOCK * ES8_KB;
-    for (int k0 = 0; k0 < E; k0 += ES8_KB) {
-        const int kw = E - k0 < ES8_KB ? E - k0 : ES8_KB, first = k0 == 0;
-        ES8_SF(es8_widen_block)(w, R, E, k0, kw, wsf, wf);
-        for (int64_t j0 = 0; j0 < nv; j0 += ES8_XV) {
-            const float *x = xt + j0 * ldv + (int64_t)k0 * ES_VW;
-            float *pt = part + j0 * ES_VW;
-            switch (nv - j0 < ES8_XV ? nv - j0 : ES8_XV) {
-                case 1: ES8_SF(es8_xrows)(wf, R, x, ldv, 1, kw, pt, ldp, first); break;
-#if ES8_XV > 1
-                case 2: ES8_SF(es8_xrows)(wf, R, x, ldv, 2, kw, pt, ldp, first); break;
-#endif
-#if ES8_XV > 2
-                case 3: ES8_SF(es8_xrows)(wf, R, x, ldv, 3, kw, pt, ldp, first); break;
-#endif
-                default: break;
+    if (S <= ES8_MG) { /* xt: the tokens in es8_gemv_layout's order */
+#define ES8_M(n) case n: ES8_SF(es8_mgemv)(w, R, xt, n, E, wsf, y, ldy); break;
+        switch (S) { ES8_M(2) ES8_M(3) ES8_M(4) ES8_M(5) ES8_M(6) ES8_M(7) ES8_M(8) default: break; }
+#undef ES8_M
+        return;
+    }
+    const int kb = S <= ES8_FEW ? ES8_KB_FEW : ES8_KB;
+    const int64_t nv = (S + ES_VW - 1) / ES_VW, ldp = nv * ES_VW, ldv = (int64_t)E * ES_VW, ws = kb + 16;
+    const int rows_outer = nv > ES8_XCOLS * ES8_XV;
+    float *wf = scratch, *part = scratch + (int64_t)ES8_BLOCK * ws;
+    for (int k0 = 0; k0 < E; k0 += kb) {
+        const int kw = E - k0 < kb ? E - k0 : kb, first = k0 == 0;
+        ES8_SF(es8_widen_block)(w, R, E, k0, kw, wsf, wf, ws);
+        if (k0 + kb < E) ES8_SF(es8_wprefetch)(w, R, E, k0 + kb, E - k0 - kb < kb ? E - k0 - kb : kb);
+        else if (next) ES8_SF(es8_wprefetch)(next, rnext, E, 0, E < kb ? E : kb);
+        const float *xb = xt + (int64_t)k0 * ES_VW;
+        if (rows_outer) {
+            for (int r = 0, rows; r < R; r += rows) {
+                rows = ES8_SF(es8_tile_rows)(R, r, ES8_XR);
+                for (int64_t j0 = 0; j0 < nv; j0 += ES8_XV) {
+                    const int V = nv - j0 < ES8_XV ? (int)(nv - j0) : ES8_XV;
+                    if (V == ES8_XV) ES8_SF(es8_xcase)(rows, wf + (int64_t)r * ws, ws, xb + j0 * ldv, ldv, ES8_XV, kw, part + r * ldp + j0 * ES_VW, ldp, first);
+                    else ES8_SF(es8_xcase)(rows, wf + (int64_t)r * ws, ws, xb + j0 * ldv, ldv, 1, kw, part + r * ldp + j0 * ES_VW, ldp, first);
+                }
+            }
+        } else {
+            for (int64_t j0 = 0; j0 < nv; j0 += ES8_XV) {
+                const int V = nv - j0 < ES8_XV ? (int)(nv - j0) : ES8_XV;
+                for (int r = 0, rows; r < R; r += rows) {
+                    rows = ES8_SF(es8_tile_rows)(R, r, V == 1 ? ES8_XR1 : ES8_XR);
+                    if (V == ES8_XV) ES8_SF(es8_xcase)(rows, wf + (int64_t)r * ws, ws, xb + j0 * ldv, ldv, ES8_XV, kw, part + r * ldp + j0 * ES_VW, ldp, first);
+                    else ES8_SF(es8_xcase)(rows, wf + (int64_t)r * ws, ws, xb + j0 * ldv, ldv, 1, kw, part + r * ldp + j0 * ES_VW, ldp, first);
+                }
             }
         }
     }
@@ -371,6 +449,11 @@ static ES_TGT void ES8_SF(es8_gate_tail)(const float *kv, const float *hid, cons
 #undef ES_VW
 #undef ES_F16C
 #undef ES8_GR
+#undef ES8_MG
 #undef ES8_XR
 #undef ES8_XV
+#undef ES8_XR1
 #undef ES8_KB
+#undef ES8_KB_FEW
+#undef ES8_FEW
+#undef ES8_XCOLS
