@@ -596,8 +596,9 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
             xt = 0;
         }
     }
+    float q1[S == 1 ? E : 1];  /* one token on the template paths: in their GEMV's order, once per call */
+    if (S == 1 && isa == ES_ISA_BASELINE) qx = (es8_gemv_layout_baseline(qx, E, q1), q1);
 #if ES_X86_PATHS
-    float q1[S == 1 ? E : 1];  /* one token on avx2: in its GEMV's order, once per call */
     if (S == 1 && isa == ES_ISA_AVX2) qx = (es8_gemv_layout_avx2(qx, E, q1), q1);
 #endif
     es8_wkv_args a = {isa, E, M, qx, ldq, S, W, WS, Y, xt, scratch ? scratch + es8_xt_floats(S, E) : 0, ng, 0};

@@ -21,9 +21,9 @@
  * Widening e4m3 exactly. A byte b = s eeee mmm. Sign-extended to 16 bits and shifted left
  * by 7, its bits are s s eeee mmm 0000000: masked with 0xbf80 this is the fp16 s 0eeee mmm0000000,
  * whose value is the e4m3 value times 2^-8 for every code (e4m3 subnormals land on fp16
- * subnormals, and F16C widens those exactly). Portable: sign-extended to 32 bits, shifted by
- * 20 and masked with 0x87f00000 it is the float32 s 000eeee mmm..., the value times 2^-120
- * (subnormal in float32 for e = 0: exact, and the multiply by 2^120 that follows is exact).
+ * subnormals, and F16C widens those exactly). Portable: the float32 s 000eeee mmm..., the
+ * value times 2^-120 (subnormal in float32 for e = 0: exact, and the multiply by 2^120 that
+ * follows is exact).
  * The NaN codes (s 1111 111) read as +-480 that way: the portable widening and the gathers set
  * their exponent to all ones (NaN, as the reference); the F16C projection does not (as the
  * avx512 path: checkpoints hold none, and on a CPU whose conversions bound the GEMV the fix
@@ -40,8 +40,43 @@ typedef double ES8_SF(es8_vd) __attribute__((vector_size(ES_VW * 8), aligned(8))
 enum { ES8_SF(es8_xlanes) = ES_VW, /* tokens per packed vector (es8_pack_tokens) */
        ES8_SF(es8_mg) = ES8_MG };   /* tokens up to which es8_mgemv runs */
 
-/* 16 e4m3 bytes at p -> v[0 .. ES8_NV): the values times 2^-8 (F16C) or exactly (portable);
- * nan: the NaN codes read NaN (always, portable). */
+#if !ES_F16C && ES_VW != 4
+#error "the portable widening works on 4-lane vectors"
+#endif
+
+/* 16 e4m3 bytes at p -> v[0 .. ES8_NV) in the order the GEMVs read them (es8_gemv_layout):
+ * F16C: the bytes as 8 words, v[0] their even bytes (shifted left by 8, arithmetic shift
+ * right by 1, mask 0xbf80: the fp16 of value x 2^-8, as above), v[1] the odd ones (shifted
+ * right by 1): three integer ops a 16 bytes, the rest of the GEMV stays off the conversion
+ * unit (vcvtph2ps ~3 cycles per 8 values on the Zen of the benchmarks); NaN codes read
+ * +-480. Portable: the bytes as 4 dwords, v[j] the bytes j, j + 4, j + 8, j + 12, each the
+ * float32 bits sign << 31 | (b & 0x7f) << 20 by two shifts, two masks and an or (SSE2 has no
+ * byte sign extension: the compilers lowered one to scalar code), NaN codes read NaN. */
+ES8_KI void ES8_SF(es8_widen16g)(const uint8_t *p, ES8_SF(es8_vf) *v) {
+#if ES_F16C
+    const __m128i m = _mm_set1_epi16((short)0xbf80), x = _mm_loadu_si128((const __m128i *)p);
+    v[0] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), m));
+    v[1] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(x, 1), m));
+#else
+    typedef uint32_t vu __attribute__((vector_size(16)));
+    typedef uint32_t vuu __attribute__((vector_size(16), aligned(1)));
+    typedef int32_t vs __attribute__((vector_size(16)));
+    const vu x = *(const vuu *)p;
+    vu f[4];
+    f[0] = ((x << 24) & 0x80000000u) | ((x << 20) & 0x07f00000u);
+    f[1] = ((x << 16) & 0x80000000u) | ((x << 12) & 0x07f00000u);
+    f[2] = ((x << 8) & 0x80000000u) | ((x << 4) & 0x07f00000u);
+    f[3] = (x & 0x80000000u) | ((x >> 4) & 0x07f00000u);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        f[j] |= (vu)((vs)(f[j] & 0x07f00000u) == (vs){0x07f00000, 0x07f00000, 0x07f00000, 0x07f00000}) & 0x7f800000u;
+        v[j] = (ES8_SF(es8_vf))f[j] * 0x1p120f; /* value x 2^-120 (subnormal for e = 0) -> the value */
+    }
+#endif
+}
+
+/* 16 e4m3 bytes at p -> v[0 .. ES8_NV) in order: the values times 2^-8 (F16C) or exactly
+ * (portable); nan: the NaN codes read NaN (always, portable). */
 ES8_KI void ES8_SF(es8_widen16)(const uint8_t *p, ES8_SF(es8_vf) *v, const int nan) {
 #if ES_F16C
     __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
@@ -53,19 +88,12 @@ ES8_KI void ES8_SF(es8_widen16)(const uint8_t *p, ES8_SF(es8_vf) *v, const int n
     v[0] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm256_castsi256_si128(h));
     v[1] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 #else
-    typedef int8_t vb __attribute__((vector_size(16)));
-    typedef int8_t vbu __attribute__((vector_size(16), aligned(1)));
-    typedef int32_t vw __attribute__((vector_size(64)));
-    typedef float vx __attribute__((vector_size(64)));
+    typedef ES8_SF(es8_vf) vf;
+    vf g[4];
     (void)nan;
-    const vb b = *(const vbu *)p;
-    vw x = (__builtin_convertvector(b, vw) << 20) & (int32_t)0x87f00000;
-    x |= (vw)((x & 0x07f00000) == 0x07f00000) & 0x7f800000; /* NaN codes: exponent all ones */
-    const vx f = (vx)x * 0x1p120f;
+    ES8_SF(es8_widen16g)(p, g); /* g[j][i] is byte 4i + j: transposed back */
 #pragma GCC unroll 4
-    for (int i = 0; i < ES8_NV; i++)
-#pragma GCC unroll 8
-        for (int j = 0; j < ES_VW; j++) v[i][j] = f[i * ES_VW + j];
+    for (int i = 0; i < 4; i++) v[i] = (vf){g[0][i], g[1][i], g[2][i], g[3][i]};
 #endif
 }
 
@@ -128,22 +156,19 @@ static ES_TGT void ES8_SF(es8_act_quant)(const float *x, int n, float *qx, float
 
 /* ---- the wkv projection ------------------------------------------------------------------ */
 
-/* The one-token GEMV reads the activation in this order (es8_gemv_layout): F16C takes 16
- * bytes of a row as 8 words, whose odd bytes (arithmetic shift right by 1, mask) and even
- * bytes (shifted left by 8 first) are two sets of 8 fp16 values; so each 16 values of the
- * activation go even k first, then odd k. Three integer ops a 16 bytes: on a CPU whose
- * conversions are slow (vcvtph2ps ~3 cycles per 8 values on the Zen of the benchmarks) the
- * rest of the GEMV must stay off that unit. */
+/* The activation in the order es8_widen16g gives the weights: per 16 values, F16C: the even
+ * k, then the odd; portable: k = j, j + 4, j + 8, j + 12 for j = 0..3. */
 static ES_TGT void ES8_SF(es8_gemv_layout)(const float *qx, int E, float *q) {
-#if ES_F16C
     for (int k = 0; k < E; k += 16)
+#if ES_F16C
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
             q[k + i] = qx[k + 2 * i];
             q[k + 8 + i] = qx[k + 2 * i + 1];
         }
 #else
-    memcpy(q, qx, sizeof(float) * E); /* (the portable GEMV reads the activation as it is) */
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) q[k + i] = qx[k + (i & 3) * 4 + (i >> 2)];
 #endif
 }
 
@@ -153,64 +178,40 @@ static ES_TGT void ES8_SF(es8_gemv_layout)(const float *qx, int E, float *q) {
  * y[r] = the sums. */
 ES8_KI void ES8_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int E, float *y) {
     typedef ES8_SF(es8_vf) vf;
-#if ES_F16C
-    __m256 acc[ES8_GR][2];
+    vf acc[ES8_GR][ES8_NV];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const __m128i m = _mm_set1_epi16((short)0xbf80);
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int i = 0; i < ES8_NV; i++) acc[r][i] = (vf){0};
 #define ES8_GEMV16(k)                                                                              \
     do {                                                                                           \
-        const __m256 qe = _mm256_loadu_ps(qs + (k)), qo = _mm256_loadu_ps(qs + (k) + 8);          \
+        vf q[ES8_NV];                                                                              \
+        _Pragma("GCC unroll 4") for (int i = 0; i < ES8_NV; i++) q[i] = *(const vf *)(qs + (k) + i * ES_VW); \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                     \
-            const __m128i x = _mm_loadu_si128((const __m128i *)(w + (int64_t)r * E + (k)));        \
-            const __m128i od = _mm_and_si128(_mm_srai_epi16(x, 1), m);                            \
-            const __m128i ev = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), m);         \
-            acc[r][0] = _mm256_fmadd_ps(_mm256_cvtph_ps(ev), qe, acc[r][0]);                      \
-            acc[r][1] = _mm256_fmadd_ps(_mm256_cvtph_ps(od), qo, acc[r][1]);                      \
+            vf v[ES8_NV];                                                                          \
+            ES8_SF(es8_widen16g)(w + (int64_t)r * E + (k), v);                                    \
+            _Pragma("GCC unroll 4") for (int i = 0; i < ES8_NV; i++) acc[r][i] += v[i] * q[i];    \
         }                                                                                          \
     } while (0)
     int k = 0;
     for (; k + 64 <= E; k += 64) { /* a prefetch a row per line */
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) _mm_prefetch((const char *)(w + (int64_t)r * E + k + ES8_PREFETCH), _MM_HINT_T0);
+        for (int r = 0; r < R; r++) __builtin_prefetch(w + (int64_t)r * E + k + ES8_PREFETCH, 0, 3);
 #pragma GCC unroll 4
         for (int u = 0; u < 64; u += 16) ES8_GEMV16(k + u);
     }
     for (; k < E; k += 16) ES8_GEMV16(k);
 #undef ES8_GEMV16
 #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) y[r] = ES8_SF(es8_hsum)((vf)_mm256_add_ps(acc[r][0], acc[r][1]));
-#else
-    vf acc[ES8_GR][ES8_NV];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-        for (int i = 0; i < ES8_NV; i++) acc[r][i] = (vf){0};
-    for (int k = 0; k < E; k += 16) {
-        vf q[ES8_NV];
-#pragma GCC unroll 4
-        for (int i = 0; i < ES8_NV; i++) q[i] = *(const vf *)(qs + k + i * ES_VW);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            const uint8_t *p = w + (int64_t)r * E + k;
-            if (!(k & 63)) __builtin_prefetch(p + ES8_PREFETCH, 0, 3);
-            vf v[ES8_NV];
-            ES8_SF(es8_widen16)(p, v, 1);
-#pragma GCC unroll 4
-            for (int i = 0; i < ES8_NV; i++) acc[r][i] += v[i] * q[i];
-        }
-    }
-#pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
 #pragma GCC unroll 4
         for (int i = 1; i < ES8_NV; i++) acc[r][0] += acc[r][i];
         y[r] = ES8_SF(es8_hsum)(acc[r][0]);
     }
-#endif
 }
 
 /* A few tokens (2..ES8_MG), one row at a time: each 16 bytes of the row widened once in
- * registers (as the one-token GEMV: F16C in its word order), scaled by the block scale and
+ * registers (es8_widen16g, as the one-token GEMV), scaled by the block scale and
  * multiplied with every token's 16 values: no widened copy (its stores cost ~20 cycles a 16
  * bytes on the Zen of the benchmarks, a token's FMAs 2), so few tokens stay memory-bound.
  * q: the S tokens in es8_gemv_layout's order, rows E + 16 floats apart (not a multiple of 4
@@ -229,13 +230,7 @@ ES8_KI void ES8_SF(es8_mgemv)(const uint8_t *w, int R, const float *q, const int
             const float f = wsf[k0 >> 5];
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
-#if ES_F16C
-                const __m128i m = _mm_set1_epi16((short)0xbf80), x = _mm_loadu_si128((const __m128i *)(wr + k0 + 16 * h));
-                v[h][0] = (vf)_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), m));
-                v[h][1] = (vf)_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(x, 1), m));
-#else
-                ES8_SF(es8_widen16)(wr + k0 + 16 * h, v[h], 1);
-#endif
+                ES8_SF(es8_widen16g)(wr + k0 + 16 * h, v[h]);
 #pragma GCC unroll 4
                 for (int i = 0; i < ES8_NV; i++) v[h][i] *= f;
             }
