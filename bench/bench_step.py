@@ -18,6 +18,9 @@ Sections
   threads   two engines on two threads vs one engine (same model), N steps each; the CPUs
             the threads got, and (diagnostic) the same with two forked processes
   prefill   eng.prefill on 2048 tokens vs the torch batch forward of the reference module
+            (goal >= 2x, all cores) and vs the register-only FMA floor of all cores (goal <= 1.25x)
+  16 streams per token are also held to the register-only FMA floor of the step's cores
+            (es_fma_chains of the path: goal <= 1.3x); the sgemm floor is printed beside
 """
 import os
 
@@ -612,15 +615,21 @@ def main(argv=None):
                       t[f"engine_bf16{sfx}"], t[f"engine{sfx}"], "<= 0.6x", lambda r: r <= 0.6,
                       summ=f"demo: bf16 step / float32 step [{isa}]")
             fma_floor = fma_floor_per_token(cfg, meta)
-            rep.note(f"native single-core sgemm peak {meta['native_sgemm_gflops']:.0f} GFLOP/s: FMA floor "
+            rep.note(f"native single-core sgemm peak {meta['native_sgemm_gflops']:.0f} GFLOP/s: sgemm floor "
                      f"per token {fma_floor * 1e6:.1f} us (one core)")
+            M, E = (cfg.hc_mult + 1) * cfg.hidden_size, cfg.engram_dim
             for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]:
-                for wname, wdesc in (("", "f32"), ("_bf16", "bf16")):
-                    for th in STEP_THREADS:
+                for th in STEP_THREADS:  # the floor: the path's register-only FMA peak of the step's cores
+                    peak = register_fma_gflops(isa, th)
+                    meta[f"register_fma_gflops_{th}t[{isa}]"] = peak
+                    rfloor = 2 * M * E / (peak * 1e9)
+                    rep.note(f"register-only FMA peak ({isa}, {th} threads at once): {peak:.0f} GFLOP/s: floor per "
+                             f"token {rfloor * 1e6:.1f} us")
+                    for wname, wdesc in (("", "f32"), ("_bf16", "bf16")):
                         k16 = f"engine16{wname}_t{th}{sfx}"
                         what = f"16 streams per token / FMA floor ({isa}, {wdesc}, {th} thr)"
                         ratio(f"demo.per_token16_over_fma_floor[{isa},{wdesc},t{th}]", what,
-                              t[k16], [fma_floor] * len(t[k16]), "<= 1.3x", lambda r: r <= 1.3, scale=1 / 16,
+                              t[k16], [rfloor] * len(t[k16]), "<= 1.3x", lambda r: r <= 1.3, scale=1 / 16,
                               summ=f"demo: 16-str/tok / FMA floor [{isa},{wdesc},{th}t]")
             if HAVE_TORCH:
                 ratio("demo.torch16_over_engine16", "torch 16-stream step / engine 16-stream step",
@@ -650,15 +659,15 @@ def main(argv=None):
                          f"the prefill GEMM alone at that rate: {rfloor * 1e3:.1f} ms")
                 ratio(f"prefill.engine_over_register_fma_floor[{isa}]",
                       f"engine ({isa}, {cores} threads) / register-only FMA floor", t[f"engine{sfx}"],
-                      [rfloor] * len(t[f"engine{sfx}"]), None, None,
+                      [rfloor] * len(t[f"engine{sfx}"]), "<= 1.25x", lambda r: r <= 1.25,
                       summ=f"prefill {T}: engine / register FMA floor [{isa}]")
             if HAVE_TORCH:
                 n = DEFAULT_TORCH_THREADS
                 ratio("prefill.torch_default_over_engine", f"torch ({n} threads) / engine", t["torch_default"],
-                      t["engine"], ">= 4x", lambda r: r >= 4, summ=f"prefill {T}: torch ({n} threads) / engine [{BEST_ISA}]")
+                      t["engine"], ">= 2x", lambda r: r >= 2, summ=f"prefill {T}: torch ({n} threads) / engine [{BEST_ISA}]")
                 for isa in OTHER_ISAS:
                     ratio(f"prefill.torch_default_over_engine[{isa}]", f"torch ({n} threads) / engine ({isa})",
-                          t["torch_default"], t[f"engine[{isa}]"], ">= 4x", lambda r: r >= 4,
+                          t["torch_default"], t[f"engine[{isa}]"], ">= 2x", lambda r: r >= 2,
                           summ=f"prefill {T}: torch ({n} threads) / engine [{isa}]")
                 ratio("prefill.torch_1_over_engine_1", "torch (1 thread) / engine (1 thread)", t["torch_1"],
                       t["engine_1"], None, None, summ=f"prefill {T}: torch 1 thread / engine 1 thread")

@@ -4,17 +4,21 @@ wkv [25600, 6144] float8), table rows scaled down, from a synthetic checkpoint i
 
     flock /tmp/bench.lock python bench/bench_v41.py                # ~1.3 GB table, all sections
     flock /tmp/bench.lock python bench/bench_v41.py --quick        # fewer repetitions / tokens
+    flock /tmp/bench.lock python bench/bench_v41.py --paths avx2   # only these kernel paths
 
-Sections (every ratio is measured side by side in one run; the machine is shared, so absolute
-times are indicative only):
-  step      one-stream step vs reading the 157 MB of wkv once (same process, rounds interleaved);
-            16 streams per token vs one stream, step_threads 1 and 2  goals <= 1.5x, <= 1/6
-  kernel    the float8 projection alone (fp8_linear, one thread) at 16 and 256 tokens: GFLOP/s
-            against the native single-core sgemm peak (bench_step.native_sgemm_peak: numpy's
-            OpenBLAS with its own kernel, in a subprocess)
-  prefill   eng.prefill on 2048 tokens vs a torch CPU implementation of the reference module
-            with dequantized weights, all cores                    goal  >= 3x faster
-            and vs the FMA floor: its projection FLOPs at cores x the native sgemm peak
+Every kernel path this CPU runs is measured (--paths: a subset), each ratio side by side in
+one run (rounds interleaved; the machine is shared, so absolute times are indicative only):
+  step      one-stream step (step_threads 1 and 2) vs reading the 157 MB of wkv once on one
+            core; 16 streams per token (step_threads 1 and 2) vs the one-stream step
+                                                    goals <= 1.5x, <= 1/6 (best of 1 and 2)
+  plain     the float8 projection (fp8_linear, one thread) on each path vs plain scalar C
+            (fp8_linear(plain=True)), 1 and 16 tokens on 2048 rows of wkv: not slower
+  kernel    fp8_linear, one thread, at 16 and 256 tokens: GFLOP/s against the path's
+            register-only FMA peak of one core (es_fma_chains, bench_step.register_fma_gflops)
+  prefill   eng.prefill on 512 tokens (all cores) vs the register-only FMA floor of all cores
+            (2*T*25600*6144 FLOPs at the path's peak, measured with every core at once)
+                                                                   goal <= 1.3x
+            and vs a torch CPU implementation of the reference module with dequantized weights
   cold      a fresh process maps the checkpoint (its pages evicted first), 2000 decode steps:
             private memory growth (RssAnon) and table pages mapped vs rows touched x 4 KiB
                                                                    goals <= 64 MB, <= 2x
@@ -34,6 +38,7 @@ sys.path.insert(0, ROOT)  # run from a checkout (in-place build)
 
 from engram_stream import EngramModel, hf_v41, store  # noqa: E402
 from engram_stream import _engine_v41 as k  # noqa: E402
+from engram_stream.engine import isa as _isa  # noqa: E402
 
 LAYER = 1
 
@@ -64,78 +69,119 @@ def median(xs):
     return float(np.median(np.asarray(xs)))
 
 
-def section_step(model, reps):
+def on_path(isa, f):
+    """f() with the kernels on path `isa`, then back on the best."""
+    best = _isa.kernel_isa()
+    _isa.use_isa(isa)
+    try:
+        return f()
+    finally:
+        _isa.use_isa(best)
+
+
+def section_step(model, reps, paths):
+    """Per path: the one-stream step (step_threads 1, 2) and 16 streams (1, 2) beside reading
+    wkv once, all in interleaved rounds."""
     w = model.layer(LAYER)
     wkv = w.wkv_weight.reshape(-1)
     G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
     rng = np.random.default_rng(0)
-    e1 = model.stream(LAYER)
-    e16 = {n: model.stream(LAYER, n_streams=16) for n in (1, 2)}  # by step_threads
-    for n, e in e16.items():
-        e.step_threads = n
+    k.read_bytes(wkv)  # map every page of wkv before timing
+    for a in (w.embed_weight, w.embed_scale):  # and of the table: random rows, not disk reads
+        k.read_bytes(np.asarray(a).reshape(-1))  # (the cold section evicted the shards first)
     h1 = rng.standard_normal((G, D)).astype(np.float32)
     h16 = rng.standard_normal((16, G, D)).astype(np.float32)
     o1, o16 = np.empty_like(h1), np.empty_like(h16)
-    k.read_bytes(wkv)  # map every page of wkv before timing
-    for a in (w.embed_weight, w.embed_scale):  # and of the table: random rows, not disk reads
-        k.read_bytes(np.asarray(a).reshape(-1))  # (the cold section evicted the shards)
-    for _ in range(3):
-        e1.step(int(rng.integers(V)), h1, out=o1)
-        for e in e16.values():
-            e.step(rng.integers(0, V, 16), h16, out=o16)
-    t_read, t_one, t_16 = [], [], {n: [] for n in e16}
-    for _ in range(reps):  # interleaved rounds: all see the same machine state
-        t0 = time.perf_counter()
-        k.read_bytes(wkv)
-        t_read.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        e1.step(int(rng.integers(V)), h1, out=o1)
-        t_one.append(time.perf_counter() - t0)
-        for n, e in e16.items():
+    runs = {"read": lambda: k.read_bytes(wkv)}
+    for isa in paths:
+        for th in (1, 2):
+            e1, e16 = model.stream(LAYER), model.stream(LAYER, n_streams=16)
+            e1.step_threads = e16.step_threads = th
+            runs[f"{isa}.step1_t{th}"] = (lambda e, isa: lambda: on_path(isa, lambda: e.step(int(rng.integers(V)), h1, out=o1)))(e1, isa)
+            runs[f"{isa}.step16_t{th}"] = (lambda e, isa: lambda: on_path(isa, lambda: e.step(rng.integers(0, V, 16), h16, out=o16)))(e16, isa)
+    for f in runs.values():  # warm: scratch, pages
+        f()
+    times = {n: [] for n in runs}
+    names = list(runs)
+    for r in range(reps):  # interleaved rounds, the order rotating: all see the same machine state
+        for j in range(len(names)):
+            n = names[(r + j) % len(names)]
             t0 = time.perf_counter()
-            e.step(rng.integers(0, V, 16), h16, out=o16)
-            t_16[n].append(time.perf_counter() - t0)
-    r, one = median(t_read), median(t_one)
-    res = {"wkv_bytes": int(wkv.nbytes), "read_ms": r * 1e3, "read_GBps": wkv.nbytes / r / 1e9,
-           "step1_ms": one * 1e3, "step1_over_read": one / r, "reps": reps}
-    for n in e16:
-        s16 = median(t_16[n])
-        res[f"step16_threads{n}_ms"] = s16 * 1e3
-        res[f"per_token16_threads{n}_over_step1"] = s16 / 16 / one
+            runs[n]()
+            times[n].append(time.perf_counter() - t0)
+    rd = median(times["read"])
+    res = {"wkv_bytes": int(wkv.nbytes), "read_ms": rd * 1e3, "read_GBps": wkv.nbytes / rd / 1e9, "reps": reps,
+           "read_spread_ms": [min(times["read"]) * 1e3, max(times["read"]) * 1e3]}
+    for isa in paths:
+        one = {th: median(times[f"{isa}.step1_t{th}"]) for th in (1, 2)}
+        s16 = {th: median(times[f"{isa}.step16_t{th}"]) for th in (1, 2)}
+        res[isa] = {f"step1_t{th}_ms": one[th] * 1e3 for th in (1, 2)}
+        res[isa].update({f"step1_t{th}_over_read": one[th] / rd for th in (1, 2)})
+        res[isa].update({f"step16_t{th}_ms": s16[th] * 1e3 for th in (1, 2)})
+        res[isa].update({f"per_token16_t{th}_over_step1_t1": s16[th] / 16 / one[1] for th in (1, 2)})
+        res[isa]["spread_ms"] = {n.split(".", 1)[1]: [min(times[n]) * 1e3, max(times[n]) * 1e3]
+                                 for n in times if n.startswith(isa + ".")}
     return res
 
 
-def native_sgemm_peak():
-    """bench_step.native_sgemm_peak (GFLOP/s of one core), imported without its side effect on
-    this process's environment (it pins OPENBLAS_NUM_THREADS at import)."""
-    env = dict(os.environ)
+def section_plain(model, paths, reps):
+    """fp8_linear on each path vs the plain scalar C loop, one thread, 2048 rows of wkv."""
+    w = model.layer(LAYER)
+    W, WS = np.asarray(w.wkv_weight)[:2048], np.asarray(w.wkv_scale)[:64]
+    rng = np.random.default_rng(4)
+    res = {}
+    for S in (1, 16):
+        x = rng.standard_normal((S, W.shape[1])).astype(np.float32)
+        runs = {"plain": lambda: k.fp8_linear(x, W, WS, plain=True)}
+        for isa in paths:
+            runs[isa] = (lambda isa: lambda: on_path(isa, lambda: k.fp8_linear(x, W, WS)))(isa)
+        times = {n: [] for n in runs}
+        for r in range(reps):
+            for n in runs:
+                t0 = time.perf_counter()
+                runs[n]()
+                times[n].append(time.perf_counter() - t0)
+        res[f"S{S}_plain_ms"] = median(times["plain"]) * 1e3
+        for isa in paths:
+            res[f"S{S}_{isa}_ms"] = median(times[isa]) * 1e3
+            res[f"S{S}_{isa}_over_plain"] = median(times[isa]) / median(times["plain"])
+    return res
+
+
+def register_fma_gflops(isa, threads):
+    """bench_step.register_fma_gflops: the path's register-only FMA rate, `threads` at once."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
     try:
         import bench_step
-    finally:
+    finally:  # (it pins OPENBLAS_NUM_THREADS at import)
         os.environ.clear()
         os.environ.update(env)
-    return bench_step.native_sgemm_peak()
+    return bench_step.register_fma_gflops(isa, threads)
 
 
-def section_kernel(model, peak, reps):
-    """fp8_linear (activation quantization + the projection), one thread, on the layer's wkv."""
+def section_kernel(model, paths, reps):
+    """fp8_linear (activation quantization + the projection), one thread, on the layer's wkv,
+    against each path's register-only FMA peak of one core."""
     w = model.layer(LAYER)
     W, WS = np.asarray(w.wkv_weight), np.asarray(w.wkv_scale)
     M, E = W.shape
     rng = np.random.default_rng(3)
-    res = {"native_sgemm_peak_GFLOPs": peak}
-    for S in (16, 256):
-        x = rng.standard_normal((S, E)).astype(np.float32)
-        k.fp8_linear(x, W, WS, threads=1)
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            k.fp8_linear(x, W, WS, threads=1)
-            ts.append(time.perf_counter() - t0)
-        g = 2 * M * E * S / median(ts) / 1e9
-        res[f"S{S}_GFLOPs"] = g
-        res[f"S{S}_over_peak"] = g / peak
+    res = {}
+    for isa in paths:
+        peak = register_fma_gflops(isa, 1)
+        res[isa] = {"register_fma_peak_GFLOPs": peak}
+        for S in (16, 256):
+            x = rng.standard_normal((S, E)).astype(np.float32)
+            on_path(isa, lambda: k.fp8_linear(x, W, WS, threads=1))
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                on_path(isa, lambda: k.fp8_linear(x, W, WS, threads=1))
+                ts.append(time.perf_counter() - t0)
+            g = 2 * M * E * S / median(ts) / 1e9
+            res[isa][f"S{S}_GFLOPs"] = g
+            res[isa][f"S{S}_over_peak"] = g / peak
     return res
 
 
@@ -172,7 +218,9 @@ def torch_reference(model, rows, hidden, threads):
     return out.numpy(), time.perf_counter() - t0
 
 
-def section_prefill(model, T, reps, peak):
+def section_prefill(model, T, reps, paths):
+    """eng.prefill of T tokens on all cores, per path, vs the register-only FMA floor of all
+    cores (the path's peak measured with every core at once) and vs torch."""
     G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
     rng = np.random.default_rng(1)
     ids = rng.integers(0, V, T)
@@ -180,29 +228,36 @@ def section_prefill(model, T, reps, peak):
     rows = model.plan.hash(ids[None], layers=[LAYER])[LAYER][0] + model.layer(LAYER).offsets
     dead = model.plan.dead_mask(ids)
     cores = os.cpu_count() or 1
+    M, E = model.layer(LAYER).wkv_weight.shape
     eng = model.stream(LAYER)
     eng.prefill_threads = cores
     out = np.empty_like(hidden)
-    t_ours, t_torch, want = [], [], None
+    res = {"T": T, "threads": cores, "reps": reps}
+    t_ours = {isa: [] for isa in paths}
+    t_torch, want = [], None
     for _ in range(reps):
-        eng.reset()
-        t0 = time.perf_counter()
-        eng.prefill(ids, hidden, out=out)
-        t_ours.append(time.perf_counter() - t0)
+        for isa in paths:
+            eng.reset()
+            t0 = time.perf_counter()
+            on_path(isa, lambda: eng.prefill(ids, hidden, out=out))
+            t_ours[isa].append(time.perf_counter() - t0)
         try:
             want, t = torch_reference(model, rows, hidden, cores)
             t_torch.append(t)
         except ImportError:
             pass
-    res = {"T": T, "threads": cores, "ours_s": median(t_ours), "reps": reps}
-    M, E = model.layer(LAYER).wkv_weight.shape
-    floor = 2 * M * E * T / (cores * peak * 1e9)  # the projection at every core's native sgemm peak
-    res.update(fma_floor_s=floor, ours_over_floor=median(t_ours) / floor)
+    for isa in paths:
+        peak = register_fma_gflops(isa, cores)
+        floor = 2 * M * E * T / (peak * 1e9)
+        res[isa] = {"s": median(t_ours[isa]), "spread_s": [min(t_ours[isa]), max(t_ours[isa])],
+                    "register_fma_all_cores_GFLOPs": peak, "fma_floor_s": floor,
+                    "over_fma_floor": median(t_ours[isa]) / floor}
+        if t_torch:
+            res[isa]["torch_over_ours"] = median(t_torch) / median(t_ours[isa])
     if t_torch:
         want[dead] = 0
         err = np.abs(out - want) - (2e-5 + 2e-4 * np.abs(want))
-        res.update(torch_s=median(t_torch), speedup=median(t_torch) / median(t_ours),
-                   agree=bool(err.max() <= 0), max_abs_diff=float(np.abs(out - want).max()))
+        res.update(torch_s=median(t_torch), agree=bool(err.max() <= 0), max_abs_diff=float(np.abs(out - want).max()))
     return res
 
 
@@ -253,29 +308,37 @@ def main():
     ap.add_argument("--dir", default="/tmp/engram_v41_flash")
     ap.add_argument("--engram-vocab-size", type=int, default=200000)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sections", default="step,kernel,prefill,cold")
+    ap.add_argument("--sections", default="step,plain,kernel,prefill,cold")
+    ap.add_argument("--paths", default=",".join(reversed(_isa.supported_isas())),
+                    help="kernel paths to measure (default: every one this CPU runs)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    paths = [p for p in a.paths.split(",") if p]
+    for p in paths:
+        if p not in _isa.supported_isas():
+            ap.error(f"--paths: {p!r} is not a path this CPU and build run ({', '.join(_isa.supported_isas())})")
     d = ensure_checkpoint(a.dir, a.engram_vocab_size)
-    res = {"machine": machine(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
+    res = {"machine": machine(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "paths": paths,
+           "loadavg_start": os.getloadavg()}
     print(json.dumps(res["machine"]))
     sections = a.sections.split(",")
     if "cold" in sections:  # first: nothing of the file is mapped by this process yet
         res["cold"] = section_cold(d, 300 if a.quick else 2000)
         print("cold", json.dumps(res["cold"]))
     model = EngramModel.from_deepseek_v41(d, mmap=True)
-    peak = None
-    if "kernel" in sections or "prefill" in sections:
-        peak = native_sgemm_peak()
     if "step" in sections:
-        res["step"] = section_step(model, 10 if a.quick else 30)
+        res["step"] = section_step(model, 5 if a.quick else 15, paths)
         print("step", json.dumps(res["step"]))
+    if "plain" in sections:
+        res["plain"] = section_plain(model, paths, 3 if a.quick else 7)
+        print("plain", json.dumps(res["plain"]))
     if "kernel" in sections:
-        res["kernel"] = section_kernel(model, peak, 3 if a.quick else 7)
+        res["kernel"] = section_kernel(model, paths, 3 if a.quick else 5)
         print("kernel", json.dumps(res["kernel"]))
     if "prefill" in sections:
-        res["prefill"] = section_prefill(model, 256 if a.quick else 2048, 1 if a.quick else 2, peak)
+        res["prefill"] = section_prefill(model, 256 if a.quick else 512, 1 if a.quick else 3, paths)
         print("prefill", json.dumps(res["prefill"]))
+    res["loadavg_end"] = os.getloadavg()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

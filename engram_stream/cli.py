@@ -34,6 +34,17 @@ def _model_for_demo(args):
     return EngramModel.init(cfg, seed=args.seed)
 
 
+def _kernels():
+    """The kernel path that runs, what else this build and CPU offer (engram_stream.engine.isa)."""
+    from .engine import isa
+    run, built, cpu = isa.kernel_isa(), isa.supported_isas(), isa.cpu_isas()
+    note = [f"{', '.join(built)} in this build on this CPU"]
+    missing = [n for n in cpu if n not in built]
+    if missing:
+        note.append(f"the CPU also has {', '.join(missing)}, which this build lacks")
+    return f"{run} ({'; '.join(note)}; {isa.ENV} chooses)"
+
+
 def cmd_demo(args):
     """Decode tokens through every layer's streaming engine and check them against the batch path
     (the built-in model, or --checkpoint: a checkpoint file or a deepseek-v4.1 folder)."""
@@ -47,6 +58,7 @@ def cmd_demo(args):
         ids[rng.random(T) < 0.05] = cfg.image_token_id
     hidden = {L: rng.standard_normal((T, G, D), dtype=np.float32) for L in cfg.layer_ids}
     print(f"model: {model}")
+    print(f"kernels: {_kernels()}")
     outs = {L: np.empty((T, G, D), np.float32) for L in cfg.layer_ids}
     t0 = time.perf_counter()
     dec = model.decoder()
@@ -77,6 +89,7 @@ def cmd_inspect(args):
     size = (sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) if os.path.isdir(path)
             else os.path.getsize(path))
     print(f"checkpoint: {path} ({size / 2**20:,.1f} MiB)")
+    print(f"kernels: {_kernels()}")
     print("config: " + json.dumps(cfg.to_dict()))
     tail = model.variant.describe(cfg)
     print(f"geometry: orders 2..{cfg.max_ngram_size}, {cfg.n_head_per_ngram} heads/order, H={cfg.n_heads}, "
@@ -264,6 +277,7 @@ def cmd_bench(args):
     def spread(k, scale=1e6):
         return f"{med[k] * scale:8.1f} us  [{t[k].min() * scale:.1f} .. {t[k].max() * scale:.1f}]"
     print(f"config: D={D} G={G} H={cfg.n_heads}x{cfg.head_dim} (the demo model; bench/ has the full suite)")
+    print(f"kernels: {_kernels()}")
     print(f"median of {args.repeat} repeats of {n} steps each, [min .. max] over the repeats; "
           f"ratios are medians of per-repeat ratios")
     rows = [("fused-GEMV floor", "floor", ""),

@@ -241,7 +241,7 @@ cdef class StreamEngine:
 
     def __repr__(self):
         return (f"StreamEngine(layer={self.layer}, n_streams={self.n_streams}, G={self.G}, D={self.D}, "
-                f"H={self.H}x{self.hd}, conv_len={self.conv_len})")
+                f"H={self.H}x{self.hd}, conv_len={self.conv_len}, isa={_isa.ISA_NAMES[es_isa_now()]!r})")
 
     # ---- the state's rules, nogil ---------------------------------------------------------
     cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil:

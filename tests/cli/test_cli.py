@@ -23,6 +23,8 @@ def test_demo_checks_against_batch_path(capsys):
     assert main(["demo", "--tokens", "60"]) == 0
     out = capsys.readouterr().out
     assert "tokens/s" in out and ": OK" in out
+    from engram_stream import kernel_isa
+    assert f"kernels: {kernel_isa()} (" in out  # the path that ran
 
 
 def test_init_then_inspect(tmp_path, capsys):
@@ -35,6 +37,8 @@ def test_init_then_inspect(tmp_path, capsys):
     assert main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
     assert "float16" in out and "order 2: primes [101, 103, 107, 109]" in out
+    from engram_stream import kernel_isa
+    assert f"kernels: {kernel_isa()} (" in out
     from engram_stream import EngramModel
     m = EngramModel.load(str(ckpt))
     assert m.cfg.to_dict() == SMALL
@@ -379,6 +383,8 @@ def test_bench_repeats_and_shows_the_spread(capsys):
     assert main(["bench", "--steps", "20", "--streams", "2", "--repeat", "3"]) == 0
     out = capsys.readouterr().out
     assert "median of 3 repeats" in out and out.count(" .. ") == 1 + 3
+    from engram_stream import kernel_isa
+    assert f"kernels: {kernel_isa()} (" in out
 
 
 def _tokenizer(tmp_path):

@@ -562,6 +562,8 @@ def test_engine_construction_errors():
     eng = model.stream(1, 2)
     assert eng.n_streams == 2 and eng.layer == 1 and eng.model is model
     assert "StreamEngine" in repr(eng)
+    from engram_stream import kernel_isa
+    assert repr(eng).endswith(f"isa={kernel_isa()!r})")  # the kernel path it runs
 
 
 def test_bool_tokens_refused():
