@@ -11,7 +11,7 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-MOD_NAMES = ["engram_stream._hash", "engram_stream.rows._cache", "engram_stream.demo._engine",
+MOD_NAMES = ["engram_stream._hash", "engram_stream.rows._cache", "engram_stream.rows._direct", "engram_stream.demo._engine",
              "engram_stream.v41._engine"]
 
 ASAN = os.environ.get("ENGRAM_STREAM_ASAN") == "1"

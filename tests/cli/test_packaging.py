@@ -37,7 +37,7 @@ def test_sdist_carries_tests_data_tools_and_no_build_products(tmp_path):
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     need = {"LICENSE", "MANIFEST.in", "README.md", "pyproject.toml", "setup.py", "engram_stream/py.typed",
             "engram_stream/demo/_engine.pyi", "engram_stream/_hash.pyi", "engram_stream/v41/_engine.pyi",
-            "engram_stream/rows/_cache.pyi", *_source_files()}
+            "engram_stream/rows/_cache.pyi", "engram_stream/rows/_direct.pyi", *_source_files()}
     assert not need - names, sorted(need - names)
     built = sorted(n for n in names if n.endswith((".so", ".c", ".pyc")))
     assert not built, built
@@ -90,7 +90,8 @@ def _stub_names(module_name):
 
 
 @pytest.mark.parametrize("module_name", ["engram_stream.demo._engine", "engram_stream._hash",
-                                         "engram_stream.v41._engine", "engram_stream.rows._cache"])
+                                         "engram_stream.v41._engine", "engram_stream.rows._cache",
+                                         "engram_stream.rows._direct"])
 def test_stubs_declare_every_public_name(module_name):
     """The .pyi (shipped with py.typed) must list exactly the compiled module's public names,
     and those of its classes: a method added to the .pyx without its stub fails here."""
