@@ -1,4 +1,4 @@
-"""The engram-stream command: demo, inspect, init, build-compression, bench, profile.
+"""The engram-stream command: demo, inspect, init, build-compression, bench, profile, publish, pack-rows.
 
 Errors print one line (`engram-stream: error: ...`) and exit 1 (bad arguments: argparse's
 usage line and exit 2); --debug, anywhere on the line, shows the traceback instead.
@@ -414,6 +414,44 @@ def cmd_publish(args):
     return 0
 
 
+def cmd_pack_rows(args):
+    """Write (or --verify) the packed row file beside a checkpoint: each row's bytes and scale
+    adjacent, whole records per 4 KiB page, so a missed row is one read."""
+    from .model import EngramModel
+    from .rows import packed
+    model = EngramModel.load(args.checkpoint, mmap=True)
+    path = packed.rows_path(args.checkpoint)
+    if args.verify:
+        if not os.path.exists(path):
+            raise CliError(f"{path}: no row file to verify (engram-stream pack-rows {args.checkpoint})")
+        res = packed.verify_rows(model, path)
+        for L, ok in res.items():
+            print(f"layer {L}: {'OK' if ok else 'DIFFERS from the checkpoint'}")
+        return 0 if all(res.values()) else 1
+    if os.path.lexists(path) and not args.force:
+        raise CliError(f"{path}: exists; pass --force to write it again (or --verify to check it)")
+    bar = _Progress() if not args.quiet and sys.stderr.isatty() else None
+
+    def before_write(total):
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        if total > free:
+            raise CliError(f"{path}: needs {_size(total)}, only {_size(free)} free on its file system")
+        if not args.quiet:
+            print(f"writing {path}: {_size(total)}", flush=True)
+
+    t0 = time.perf_counter()
+    with _cleanup_on_sigterm():
+        try:
+            head = packed.pack_rows(model, path, progress=bar, before_write=before_write)
+        finally:
+            if bar is not None:
+                print(file=sys.stderr)
+    lay = next(iter(head["layers"].values()))
+    print(f"wrote {path} ({_size(head['size'])}, {len(head['layers'])} layers, {lay['rowbytes'] + lay['scalebytes']}"
+          f"-byte records, {lay['per_group']} per page, verified) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def build_parser():
     debug = argparse.ArgumentParser(add_help=False)  # --debug after the subcommand too
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
@@ -479,6 +517,14 @@ def build_parser():
     s.add_argument("--metadata", required=True, help="metadata server URL, e.g. http://HOST:8080/metadata")
     s.add_argument("--local-host", default="127.0.0.1", help="this client's address")
     s.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the store")
+
+    s = command("pack-rows", cmd_pack_rows, "write the packed row file beside a checkpoint (one read per missed row)")
+    s.add_argument("checkpoint", help="a deepseek-v4.1 folder (writes FOLDER/engram_rows.bin) or a checkpoint file "
+                                      "(writes FILE.rows)")
+    s.add_argument("--force", action="store_true", help="write it again if it exists")
+    s.add_argument("--verify", action="store_true", help="read an existing row file whole and compare it with the "
+                                                        "checkpoint instead")
+    s.add_argument("--quiet", action="store_true", help="print only the final line")
     return p
 
 

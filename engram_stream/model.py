@@ -34,6 +34,7 @@ class EngramModel:
     """
 
     row_tiers = None  # rows.tiers.RowTiers: row cache budget and row source (set by load())
+    source = None     # the checkpoint it was loaded from (load, from_deepseek_v41): its row file sits beside it
 
     def __init__(self, cfg: EngramConfig, plan: HashPlan, layers: dict):
         if not isinstance(cfg, EngramConfig):
@@ -93,6 +94,7 @@ class EngramModel:
             return self
         from .demo.weights import with_weight_dtype
         new = type(self)(self.cfg, self.plan, with_weight_dtype(self.cfg, self.layers, name))
+        new.source = self.source
         if self.row_tiers is not None:
             new.row_tiers = self.row_tiers.for_model(new)
         return new
@@ -167,6 +169,7 @@ class EngramModel:
         if (tables is not None or row_cache_mb) and not variant.row_tiers:
             raise ValueError(f"row tiers (tables=, row_cache_mb=) do not serve the {variant.name} engine yet")
         model = cls(*variant.load(path, mmap=mmap or tables is not None))
+        model.source = path
         if tables is not None or row_cache_mb:
             from .rows.tiers import RowTiers
             model.row_tiers = RowTiers(model, row_cache_mb or 0, tables)
@@ -184,7 +187,9 @@ class EngramModel:
         shards, tokenizer.json): only the layers.{L}.engram.* tensors are read, the tables are
         mapped in place. compression: a lookup to use instead of building it from tokenizer.json."""
         from .v41 import hf
-        return cls(*hf.load(ckpt_dir, mmap=mmap, compression=compression))
+        model = cls(*hf.load(ckpt_dir, mmap=mmap, compression=compression))
+        model.source = os.fspath(ckpt_dir)
+        return model
 
 
 def _check_weight_dtype(variant, dtype) -> str:

@@ -1,0 +1,255 @@
+"""The packed row file: every layer's row records in one file beside the checkpoint, so a missed
+row costs one read.
+
+A V4.1 checkpoint keeps a layer's `embed.weight` [N, 256] and `embed.scale` [N, 8] as separate
+extents of its shards: reading a row from them is two reads, and a 256-byte row at the shard's
+odd offset straddles a page one time in sixteen. The row file holds each row's *record* (its
+bytes, then its scale's: 264 bytes for V4.1) with as many records per 4 KiB page as fit whole
+(15 for V4.1; 1 record per page group when a record is larger than a page), so one aligned
+read of one page serves a row, with O_DIRECT or not.
+
+    engram-stream pack-rows DIR            # writes DIR/engram_rows.bin (a demo file F: F.rows)
+    pack_rows(model, rows_path(DIR))       # the same from Python
+
+Layout: page 0 holds the header (8 magic bytes, the JSON length as a little-endian u64, the
+JSON); each layer's pages follow, starting on a page boundary:
+
+    {"format": 1, "page": 4096, "variant": ..., "layers": {"L": {"offset", "rows", "rowbytes",
+     "scalebytes", "per_group", "group_bytes", "pages", "digest"}}}
+
+`digest` is the BLAKE2b of the layer's pages as written. pack_rows computes it from the
+checkpoint's own bytes while it writes, reads the file back from disk (the written pages dropped
+from the page cache first) and compares digests before the file takes its name (atomic_output:
+a temp file, fsynced, renamed); a failed check leaves no row file. Loading with direct reads
+uses the file when it is there: open_rows checks the header against the model (variant,
+layers, rows, record layout) and a sample of rows per layer against the checkpoint's bytes,
+and refuses a file that disagrees (RowsFileError: pack again, or delete it).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+
+import numpy as np
+
+from ..errors import CheckpointError
+from ..io.files import atomic_output, open_regular
+from .tiers import record_arrays
+
+PAGE = 4096
+MAGIC = b"ENGRROWS"
+FORMAT = 1
+NAME = "engram_rows.bin"     # beside a V4.1 folder's shards
+SUFFIX = ".rows"             # beside a demo checkpoint file
+SAMPLES = 16                 # rows per layer compared with the checkpoint at open
+CHUNK_PAGES = 4096           # pages packed per write (16 MiB)
+
+
+class RowsFileError(CheckpointError):
+    """A packed row file that is not this checkpoint's (or not a row file at all)."""
+
+
+def rows_path(ckpt) -> str:
+    """Where a checkpoint's row file lives: DIR/engram_rows.bin for a folder, FILE.rows for a file."""
+    ckpt = os.fspath(ckpt)
+    return os.path.join(ckpt, NAME) if os.path.isdir(ckpt) else ckpt + SUFFIX
+
+
+def group_layout(recbytes):
+    """(records per group, group bytes): whole records per page, or one record per run of pages."""
+    if recbytes <= PAGE:
+        return PAGE // recbytes, PAGE
+    return 1, -(-recbytes // PAGE) * PAGE
+
+
+def plan(model) -> dict:
+    """The header of model's row file (digests not yet known): offsets, sizes, layouts."""
+    layers, off = {}, PAGE
+    for L in model.cfg.layer_ids:
+        rows, scales = record_arrays(model.layer(L))
+        rb, sb = rows.shape[1], 0 if scales is None else scales.shape[1]
+        per, gb = group_layout(rb + sb)
+        n = rows.shape[0]
+        pages = -(-n // per) * (gb // PAGE)
+        layers[str(L)] = {"offset": off, "rows": n, "rowbytes": rb, "scalebytes": sb, "per_group": per,
+                          "group_bytes": gb, "pages": pages, "digest": None}
+        off += pages * PAGE
+    return {"format": FORMAT, "page": PAGE, "variant": model.cfg.variant, "layers": layers, "size": off}
+
+
+def _groups(rows, scales, lay, g0, g1):
+    """Groups [g0, g1) of a layer as bytes: uint8 [(g1 - g0) * group_bytes], padding zero."""
+    per, gb, rb = lay["per_group"], lay["group_bytes"], lay["rowbytes"]
+    rec = rb + lay["scalebytes"]
+    r0, r1 = g0 * per, min(g1 * per, lay["rows"])
+    recs = np.zeros(((g1 - g0) * per, rec), np.uint8)
+    recs[:r1 - r0, :rb] = rows[r0:r1]
+    if scales is not None:
+        recs[:r1 - r0, rb:] = scales[r0:r1]
+    out = np.zeros((g1 - g0, gb), np.uint8)
+    out[:, :per * rec] = recs.reshape(g1 - g0, per * rec)
+    return out.reshape(-1)
+
+
+def pack_rows(model, path=None, progress=None, before_write=None) -> dict:
+    """Write model's row file at `path` (default: rows_path of the file the model was loaded
+    from, see model.source), verified, atomically; returns its header. progress(done, total)
+    is called with bytes; before_write(total bytes) before anything is written (e.g. to refuse
+    a disk that is too small)."""
+    if path is None:
+        src = getattr(model, "source", None)
+        if src is None:
+            raise ValueError("pack_rows: give path= (this model was not loaded from a checkpoint)")
+        path = rows_path(src)
+    path = os.fspath(path)
+    head = plan(model)
+    total = head["size"]
+    if before_write is not None:
+        before_write(total)
+    done = 0
+    with atomic_output(path) as f:
+        f.write(b"\0" * PAGE)  # the header goes in last, once the digests are known
+        for L in model.cfg.layer_ids:
+            lay = head["layers"][str(L)]
+            rows, scales = record_arrays(model.layer(L))
+            h = hashlib.blake2b(digest_size=32)
+            groups = lay["pages"] * PAGE // lay["group_bytes"]
+            step = max(1, CHUNK_PAGES * PAGE // lay["group_bytes"])
+            for g in range(0, groups, step):
+                chunk = _groups(rows, scales, lay, g, min(groups, g + step))
+                h.update(chunk)
+                chunk.tofile(f)
+                done += chunk.nbytes
+                if progress is not None:
+                    progress(done, total)
+            lay["digest"] = h.hexdigest()
+        f.seek(0)
+        f.write(_header_bytes(head))
+        f.flush()
+        os.fsync(f.fileno())
+        _verify_written(f.fileno(), head)
+    return head
+
+
+def _header_bytes(head) -> bytes:
+    text = json.dumps(head, sort_keys=True).encode()
+    b = MAGIC + struct.pack("<Q", len(text)) + text
+    if len(b) > PAGE:
+        raise ValueError(f"row file header of {len(b)} bytes does not fit a page")
+    return b + b"\0" * (PAGE - len(b))
+
+
+def _layer_digest(fd, lay, drop_cache=False) -> str:
+    """BLAKE2b of a layer's pages as they are in the file (from disk with drop_cache)."""
+    h = hashlib.blake2b(digest_size=32)
+    off, end = lay["offset"], lay["offset"] + lay["pages"] * PAGE
+    step = CHUNK_PAGES * PAGE
+    while off < end:
+        n = min(step, end - off)
+        if drop_cache:
+            os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)  # read what the disk holds
+        b = os.pread(fd, n, off)
+        if len(b) != n:
+            raise RowsFileError(f"row file ends at {off + len(b)} bytes, its header says {end}")
+        h.update(b)
+        off += n
+    return h.hexdigest()
+
+
+def _verify_written(wfd, head):
+    """Read the just-written file back (page cache dropped: from disk) and compare digests."""
+    fd = os.open(f"/proc/self/fd/{wfd}", os.O_RDONLY)  # the temp file, for reading
+    try:
+        for L, lay in head["layers"].items():
+            got = _layer_digest(fd, lay, drop_cache=True)
+            if got != lay["digest"]:
+                raise RowsFileError(f"layer {L}: the written rows read back differently (digest {got[:16]} != "
+                                    f"{lay['digest'][:16]}): the disk lost writes; nothing was kept")
+    finally:
+        os.close(fd)
+
+
+def read_header(path) -> dict:
+    """The header of a row file (RowsFileError when it is not one)."""
+    path = os.fspath(path)
+    with open_regular(path, lambda m: RowsFileError(f"{path}: {m}")) as f:
+        b = f.read(PAGE)
+        size = os.fstat(f.fileno()).st_size
+    if len(b) < 16 or b[:8] != MAGIC:
+        raise RowsFileError(f"{path}: not a packed row file (no {MAGIC!r} magic)")
+    n = struct.unpack("<Q", b[8:16])[0]
+    try:
+        head = json.loads(b[16:16 + n]) if n <= PAGE - 16 else None
+    except (UnicodeDecodeError, ValueError):
+        head = None
+    if not isinstance(head, dict) or head.get("format") != FORMAT or head.get("page") != PAGE \
+            or not isinstance(head.get("layers"), dict):
+        raise RowsFileError(f"{path}: unreadable row file header (format {FORMAT} expected): pack it again")
+    if head.get("size") != size:
+        raise RowsFileError(f"{path}: {size} bytes, its header says {head.get('size')}: pack it again")
+    return head
+
+
+def _sample_rows(n, L):
+    """SAMPLES rows of a table of n, spread over it and fixed per layer (first and last included)."""
+    if n == 0:
+        return np.zeros(0, np.int64)
+    rng = np.random.default_rng(0x5EED + int(L))
+    r = np.concatenate([[0, n - 1], rng.integers(0, n, SAMPLES - 2)])
+    return np.unique(r).astype(np.int64)
+
+
+def open_rows(model, path) -> dict:
+    """{layer: (offset, per_group, group_bytes)} of a row file that is model's: the header's
+    layers, rows and record layout must match, and sampled records must equal the checkpoint's
+    bytes (RowsFileError names what differs and the fix)."""
+    path = os.fspath(path)
+    head = read_header(path)
+    fix = f"run `engram-stream pack-rows` on the checkpoint again, or delete {path}"
+    if head.get("variant") != model.cfg.variant or sorted(head["layers"]) != sorted(map(str, model.cfg.layer_ids)):
+        raise RowsFileError(f"{path}: holds {head.get('variant')} layers {sorted(head['layers'])}, the model has "
+                            f"{model.cfg.variant} layers {model.cfg.layer_ids}: {fix}")
+    want = plan(model)["layers"]
+    out = {}
+    with open_regular(path, lambda m: RowsFileError(f"{path}: {m}")) as f:
+        fd = f.fileno()
+        for L in model.cfg.layer_ids:
+            lay, w = head["layers"][str(L)], want[str(L)]
+            for k in ("offset", "rows", "rowbytes", "scalebytes", "per_group", "group_bytes", "pages"):
+                if lay.get(k) != w[k]:
+                    raise RowsFileError(f"{path}: layer {L} {k} is {lay.get(k)}, the model's is {w[k]}: {fix}")
+            rows, scales = record_arrays(model.layer(L))
+            rec = lay["rowbytes"] + lay["scalebytes"]
+            for r in _sample_rows(lay["rows"], L).tolist():
+                off = lay["offset"] + (r // lay["per_group"]) * lay["group_bytes"] + (r % lay["per_group"]) * rec
+                got = os.pread(fd, rec, off)
+                exp = rows[r].tobytes() + (b"" if scales is None else scales[r].tobytes())
+                if got != exp:
+                    raise RowsFileError(f"{path}: row {r} of layer {L} differs from the checkpoint's (a row file of "
+                                        f"other weights?): {fix}")
+            out[L] = (lay["offset"], lay["per_group"], lay["group_bytes"])
+    return out
+
+
+def verify_rows(model, path) -> dict:
+    """Read the whole row file and compare every layer with the checkpoint's rows: {layer: ok}."""
+    head = read_header(path)
+    open_rows(model, path)
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        res = {}
+        for L in model.cfg.layer_ids:
+            lay = head["layers"][str(L)]
+            rows, scales = record_arrays(model.layer(L))
+            h = hashlib.blake2b(digest_size=32)
+            groups = lay["pages"] * PAGE // lay["group_bytes"]
+            step = max(1, CHUNK_PAGES * PAGE // lay["group_bytes"])
+            for g in range(0, groups, step):
+                h.update(_groups(rows, scales, lay, g, min(groups, g + step)))
+            want = h.hexdigest()
+            res[L] = want == lay["digest"] == _layer_digest(fd, lay)
+    finally:
+        os.close(fd)
+    return res

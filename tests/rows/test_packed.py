@@ -1,0 +1,153 @@
+"""The packed row file (rows/packed.py, `engram-stream pack-rows`): records equal the checkpoint's
+rows and scales, none straddles a page, the file is verified and atomic, a foreign or damaged
+file is refused."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from engram_stream import EngramConfig, EngramModel
+from engram_stream.cli import main
+from engram_stream.rows import packed
+from engram_stream.rows.packed import RowsFileError
+from engram_stream.v41 import hf as hf_v41
+
+PAGE = 4096
+# V4.1 with the real record: head_dim 256 -> 256 e4m3 bytes + 8 e8m0 bytes
+V41 = dict(variant="deepseek-v4.1", engram_vocab_size=[211] * 3, max_ngram_size=4, n_embed_per_ngram=512,
+           n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64, hc_mult=2, vocab_size=300,
+           image_token_id=299)
+DEMO = dict(hidden_size=32, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,
+            engram_vocab_size=[211, 223], layer_ids=[1, 3], vocab_size=500, kernel_size=3)
+
+
+@pytest.fixture(scope="module")
+def v41_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("v41") / "ckpt"
+    hf_v41.make_synthetic(d, EngramConfig(**V41), seed=1, n_shards=3)
+    return str(d)
+
+
+def records_in_file(path, head, L):
+    """Every record of layer L read from the file with numpy (independent of the packer)."""
+    lay = head["layers"][str(L)]
+    rec = lay["rowbytes"] + lay["scalebytes"]
+    data = np.fromfile(path, np.uint8, count=lay["pages"] * PAGE, offset=lay["offset"])
+    groups = data.reshape(-1, lay["group_bytes"])[:, :lay["per_group"] * rec]
+    return groups.reshape(-1, rec)[:lay["rows"]]
+
+
+def test_v41_row_file_holds_weight_then_scale_15_a_page(v41_dir):
+    model = EngramModel.from_deepseek_v41(v41_dir)
+    path = packed.rows_path(v41_dir)
+    assert path == os.path.join(v41_dir, "engram_rows.bin")
+    head = packed.pack_rows(model, path)
+    assert head["size"] == os.path.getsize(path)
+    for L in V41["layer_ids"]:
+        lay = head["layers"][str(L)]
+        assert (lay["rowbytes"], lay["scalebytes"], lay["per_group"], lay["group_bytes"]) == (256, 8, 15, PAGE)
+        assert lay["offset"] % PAGE == 0
+        w = model.layer(L)
+        want = np.concatenate([w.embed_weight, w.embed_scale], axis=1)
+        np.testing.assert_array_equal(records_in_file(path, head, L), want)
+        # no record straddles a page: record k of a page ends within it
+        assert 15 * 264 <= PAGE and lay["pages"] == -(-want.shape[0] // 15)
+    assert packed.open_rows(model, path) == {L: (head["layers"][str(L)]["offset"], 15, PAGE)
+                                             for L in V41["layer_ids"]}
+    assert packed.verify_rows(model, path) == {L: True for L in V41["layer_ids"]}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_demo_row_file(tmp_path, dtype):
+    m = EngramModel.init(EngramConfig(**DEMO), seed=2)
+    ck = str(tmp_path / "m.safetensors")
+    m.save(ck, table_dtype=dtype)
+    model = EngramModel.load(ck)
+    assert packed.rows_path(ck) == ck + ".rows"
+    head = packed.pack_rows(model, packed.rows_path(ck))
+    for L in DEMO["layer_ids"]:
+        w = model.layer(L)
+        rb = w.table.shape[1] * w.table.dtype.itemsize
+        lay = head["layers"][str(L)]
+        assert lay["rowbytes"] == rb and lay["scalebytes"] == (4 if dtype == "int8" else 0)
+        want = np.ascontiguousarray(w.table).view(np.uint8).reshape(w.table.shape[0], -1)
+        if dtype == "int8":
+            want = np.concatenate([want, np.ascontiguousarray(w.table_scale, np.float32).view(np.uint8)
+                                   .reshape(-1, 4)], axis=1)
+        np.testing.assert_array_equal(records_in_file(ck + ".rows", head, L), want)
+
+
+def test_a_row_file_of_other_weights_is_refused(v41_dir, tmp_path):
+    """Same config, other weights: the sampled rows differ."""
+    other = tmp_path / "other"
+    hf_v41.make_synthetic(other, EngramConfig(**V41), seed=9, n_shards=2)
+    theirs = EngramModel.from_deepseek_v41(other)
+    packed.pack_rows(theirs, packed.rows_path(other))
+    ours = EngramModel.from_deepseek_v41(v41_dir)
+    with pytest.raises(RowsFileError, match="differs from the checkpoint"):
+        packed.open_rows(ours, packed.rows_path(other))
+    other_cfg = EngramModel.init(EngramConfig(**dict(V41, layer_ids=[1, 5])), seed=1)
+    with pytest.raises(RowsFileError, match="layers"):
+        packed.open_rows(other_cfg, packed.rows_path(other))
+
+
+def test_damaged_files_are_refused(v41_dir, tmp_path):
+    model = EngramModel.from_deepseek_v41(v41_dir)
+    path = str(tmp_path / "rows.bin")
+    head = packed.pack_rows(model, path)
+    data = open(path, "rb").read()
+    for name, blob, msg in [("short", data[:-PAGE], "header says"), ("magic", b"X" + data[1:], "magic"),
+                            ("empty", b"", "magic"), ("json", data[:16] + b"x" + data[17:], "header")]:
+        bad = tmp_path / name
+        bad.write_bytes(blob)
+        with pytest.raises(RowsFileError, match=msg):
+            packed.open_rows(model, bad)
+    # one flipped byte inside a record: whole verification finds it (a sample may not)
+    lay = head["layers"]["4"]
+    flip = bytearray(data)
+    flip[lay["offset"] + PAGE + 100] ^= 0xFF
+    bad = tmp_path / "flip"
+    bad.write_bytes(bytes(flip))
+    assert packed.verify_rows(model, bad) == {1: True, 4: False}
+
+
+def test_pack_is_atomic(v41_dir, tmp_path, monkeypatch):
+    """A pack that fails (here: its read-back check) leaves neither the file nor a temp file;
+    an existing file stays as it was."""
+    model = EngramModel.from_deepseek_v41(v41_dir)
+    path = tmp_path / "rows.bin"
+    path.write_bytes(b"old")
+    real = packed._layer_digest
+    monkeypatch.setattr(packed, "_layer_digest", lambda fd, lay, drop_cache=False: "0" * 64)
+    with pytest.raises(RowsFileError, match="read back differently"):
+        packed.pack_rows(model, path)
+    assert path.read_bytes() == b"old" and os.listdir(tmp_path) == ["rows.bin"]
+    monkeypatch.setattr(packed, "_layer_digest", real)
+    packed.pack_rows(model, path)
+    assert packed.read_header(path)["size"] == os.path.getsize(path)
+
+
+def test_cli_pack_rows(v41_dir, tmp_path, capsys):
+    import shutil
+    d = tmp_path / "ck"
+    shutil.copytree(v41_dir, d)
+    rows = d / "engram_rows.bin"
+    if rows.exists():
+        rows.unlink()
+    assert main(["pack-rows", str(d), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "264-byte records, 15 per page, verified" in out and rows.exists()
+    assert main(["pack-rows", str(d)]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert main(["pack-rows", str(d), "--verify"]) == 0
+    assert capsys.readouterr().out.count(": OK") == 2
+    assert main(["pack-rows", str(d), "--force", "--quiet"]) == 0
+    lay = packed.read_header(rows)["layers"]["4"]
+    r = next(r for r in range(lay["rows"] // 2, lay["rows"]) if r not in packed._sample_rows(lay["rows"], 4))
+    b = bytearray(rows.read_bytes())
+    b[lay["offset"] + r // 15 * PAGE + r % 15 * 264 + 3] ^= 1
+    rows.write_bytes(bytes(b))
+    assert main(["pack-rows", str(d), "--verify"]) == 1
+    assert "DIFFERS" in capsys.readouterr().out
