@@ -175,3 +175,35 @@ def each_isa(request):
     _isa.use_isa(request.param)
     yield request.param
     _isa.use_isa(before)
+
+
+# ---- a Mooncake Store for the session (tests marked `mooncake`) ---------------------------------
+def mooncake_or_skip():
+    """Skip unless the mooncake extra and its server binaries are installed."""
+    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
+    from engram_stream.mooncake_servers import _binary
+    try:
+        _binary("mooncake_master"), _binary("mooncake_client")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def mooncake():
+    """A mooncake_master and one store server on free loopback ports, for the session."""
+    mooncake_or_skip()
+    from engram_stream.mooncake_servers import LocalMooncake
+    mc = LocalMooncake(segment_mb=64)
+    mc.start()
+    yield mc
+    mc.stop()
+
+
+@pytest.fixture(scope="session")
+def tier(mooncake):
+    from engram_stream.mooncake_servers import wait_until_writable
+    from engram_stream.tiers import MooncakeTier
+    t = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, local_host="127.0.0.1", timeout=5)
+    wait_until_writable(t)
+    yield t
+    t.close()

@@ -1,4 +1,4 @@
-"""Tiered rows: a RAM row cache in front of the local file or of a Mooncake Store.
+"""Rows from a Mooncake Store: publish a model's tables, read a step's missed rows in one call.
 
     tier = MooncakeTier(master="127.0.0.1:50051", metadata="http://127.0.0.1:8080/metadata")
     tier.publish(model)                                            # every layer's rows into the store
@@ -6,14 +6,19 @@
     local = EngramModel.load(path, row_cache_mb=64)                # the same cache in front of the file
     remote.row_cache_stats()   # {"hits", "misses", "bytes_fetched", "evictions", ...}
 
-Row records. A row travels and is cached as its bytes in the table's dtype, followed
-for int8 tables by its float32 scale: the gather converts a record exactly as it
-converts a table row, so every tier gives the same floats bit for bit.
+Row records. A row travels and is cached as its bytes in the table's dtype, followed by its
+scale's bytes (demo int8 tables: a float32; V4.1: 8 e8m0 bytes, so 264-byte records): the
+gather converts a record exactly as it converts a table row, so every tier gives the same
+floats bit for bit.
 
-Store layout (Mooncake's EngramStore): one object per head, key `engram:l{L}:h{h}`,
-holding that head's rows [N_h, record bytes] contiguous (N_h = the head's prime).
-Float32 tables are byte-identical to what `mooncake.store.EngramStore.populate` of
-0.3.13 writes (float32 [N_h, head_dim]), so tables published by either side read the same.
+Store layout (Mooncake's EngramStore): one object per head, key `engram:l{L}:h{h}`, holding
+that head's records [N_h, record bytes] contiguous (N_h = the head's prime). That is EngramStore's
+byte-row layout (Mooncake #4065: `row_bytes` 264 for V4.1, 256 FP8 bytes then 8 E8M0 bytes);
+float32 tables are byte-identical to what 0.3.13's float32 EngramStore writes. Beside the heads,
+`engram:l{L}:fingerprint` (JSON) names what was published: the layout and a digest of sampled
+records. A model loading with tables=tier is refused unless the store holds its layout and the
+store's bytes of those sampled rows equal its own (another model's rows of the same shape are
+refused, whoever published them).
 
 Reads. An engine in remote mode hashes a token at feed(), looks its rows up in the
 RAM cache, and fetches the misses before the nogil gather in ONE `get_into_ranges`
@@ -22,40 +27,131 @@ rows as ranges: 0.3.13 leaves a repeated key's buffer unfilled and reports succe
 upstream #3876), every range's returned length checked, the call bounded by a
 timeout. Any failure raises TierError and the engine's state is left as it was;
 no zeros or stale rows reach the output. Calls work again once the store is back.
+
+Bounded calls. Every call that may wait on the master or a store server (setup, publish's
+writes, size and fingerprint checks, reads) runs on a daemon thread and is bounded: a
+stopped (SIGSTOP) master never answers, and only the bound ends the wait (TierError). A call
+that timed out keeps its thread, its staging buffer and the client alive for good (it may
+still write into them), and nothing waits for it at exit: the process exits at once.
 """
 from __future__ import annotations
 
-import concurrent.futures
+import hashlib
+import json
 import os
+import queue
 import socket
+import threading
 import time
-import weakref
 from urllib.parse import urlparse
 
 import numpy as np
 
 from ..errors import TierError
 from ._cache import slot_bytes
-from .tiers import record_layout
+from .tiers import record_arrays, record_layout
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+FINGERPRINT_FORMAT = 1
+SAMPLES_PER_HEAD = 8
 
 
 # ---- row records ---------------------------------------------------------------------------------
 def head_records(model, layer, h) -> np.ndarray:
     """Head h's rows of `layer` as records, uint8 [N_h, record bytes] (a view when it can be)."""
-    w = model.layer(layer)
-    lo = int(w.offsets[h])
+    rows, scales = record_arrays(model.layer(layer))
+    lo = int(model.layer(layer).offsets[h])
     hi = lo + int(model.plan.head_primes[layer][h])
-    rows = np.ascontiguousarray(w.table[lo:hi]).view(np.uint8).reshape(hi - lo, -1)
-    if w.table_scale is None:
-        return rows
-    scale = np.ascontiguousarray(w.table_scale[lo:hi], dtype=np.float32).view(np.uint8).reshape(hi - lo, 4)
-    return np.ascontiguousarray(np.concatenate([rows, scale], axis=1))
+    if scales is None:
+        return rows[lo:hi]
+    return np.ascontiguousarray(np.concatenate([rows[lo:hi], scales[lo:hi]], axis=1))
 
 
 def store_key(layer, h) -> str:
     return f"engram:l{layer}:h{h}"
+
+
+def fingerprint_key(layer) -> str:
+    return f"engram:l{layer}:fingerprint"
+
+
+def sample_rows(n_h, layer, h) -> np.ndarray:
+    """The head-local rows whose records the fingerprint covers: first, last and a few fixed ones."""
+    rng = np.random.default_rng([0xE9, int(layer), int(h)])
+    return np.unique(np.concatenate([[0, n_h - 1], rng.integers(0, n_h, SAMPLES_PER_HEAD - 2)])).astype(np.int64)
+
+
+def sampled_records(model, layer):
+    """{head: (head-local rows, their records uint8 [k, record bytes])} of the fingerprint's sample."""
+    rows, scales = record_arrays(model.layer(layer))
+    out = {}
+    for h, n_h in enumerate(model.plan.head_primes[layer]):
+        local = sample_rows(int(n_h), layer, h)
+        a = int(model.layer(layer).offsets[h]) + local
+        rec = rows[a] if scales is None else np.concatenate([rows[a], scales[a]], axis=1)
+        out[h] = (local, np.ascontiguousarray(rec))
+    return out
+
+
+def fingerprint(model, layer) -> dict:
+    """What publish() writes beside a layer's heads: layout and a digest of the sampled records."""
+    rowbytes, scalebytes = record_layout(model.layer(layer))
+    d = hashlib.blake2b(digest_size=16)
+    for h, (local, rec) in sampled_records(model, layer).items():
+        d.update(local.tobytes())
+        d.update(rec.tobytes())
+    return {"format": FINGERPRINT_FORMAT, "variant": model.cfg.variant, "layer": int(layer),
+            "heads": [int(p) for p in model.plan.head_primes[layer]], "rowbytes": rowbytes,
+            "scalebytes": scalebytes, "sample_digest": d.hexdigest()}
+
+
+# ---- bounded calls -------------------------------------------------------------------------------
+_STUCK = []   # what calls that timed out may still use (clients, buffers): kept for the process's life
+
+
+def _keep_forever(*objs):
+    """Keep objects a timed-out call may still use alive until the process ends, past interpreter
+    teardown too: a client's destructor talks to its servers (the metadata server sits in the
+    master: a stopped one costs seconds per request) and would delay exit."""
+    import ctypes
+    for o in objs:
+        if o is not None:
+            _STUCK.append(o)
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
+
+
+class BoundedCalls:
+    """Calls run one at a time on a daemon thread, each waited for at most `timeout` seconds. A
+    call that times out keeps its thread (it may never return: a stopped master); the next call
+    gets a new thread. Daemon threads: nothing joins them at exit."""
+
+    def __init__(self, name):
+        self.name = name
+        self._q = None
+
+    def _worker(self, q):
+        while True:
+            fn, args, box, done = q.get()
+            try:
+                box.append(fn(*args))
+            except BaseException as e:  # handed to the caller
+                box.append(e)
+                box.append(None)
+            done.set()
+
+    def call(self, timeout, fn, *args):
+        """fn(*args) on the worker; TimeoutError when it takes longer than timeout (it keeps running)."""
+        if self._q is None:
+            self._q = queue.SimpleQueue()
+            threading.Thread(target=self._worker, args=(self._q,), name=self.name, daemon=True).start()
+        box, done = [], threading.Event()
+        self._q.put((fn, args, box, done))
+        if not done.wait(timeout):
+            self._q = None  # that thread is stuck in fn: leave it there
+            raise TimeoutError(f"no answer within {timeout} s")
+        if len(box) == 2:
+            raise box[0]
+        return box[0]
 
 
 # ---- Mooncake Store -----------------------------------------------------------------------------
@@ -77,13 +173,29 @@ def wait_for_port(host, port, timeout):
             time.sleep(0.05)
 
 
+def _answers(host, port, request, timeout) -> bool:
+    """Whether a server at host:port answers `request` (any reply, or closing the connection)
+    within `timeout` seconds."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.settimeout(timeout)
+            s.sendall(request)
+            s.recv(64)
+            return True
+    except socket.timeout:
+        return False
+    except OSError:  # reset or refused: an answer of sorts from a live kernel and process
+        return True
+
+
 class MooncakeTier:
     """A Mooncake Store (a running mooncake_master and its store servers) as a row tier.
 
     master: "HOST:PORT" of mooncake_master; metadata: the transfer engine's metadata URL
     (mooncake_master's HTTP metadata server, e.g. "http://127.0.0.1:8080/metadata");
     local_host: this client's address. This client lends the store no memory (rows live in
-    the store servers). timeout: seconds any one store call may take before TierError."""
+    the store servers). timeout: seconds any one store call may take before TierError;
+    connect_timeout: the same for reaching the servers and setting the client up."""
 
     def __init__(self, master, metadata, local_host="127.0.0.1", protocol="tcp", timeout=20.0,
                  connect_timeout=10.0):
@@ -93,7 +205,10 @@ class MooncakeTier:
             raise ImportError(f"MooncakeTier needs {MOONCAKE_PIN} (pip install 'engram_stream[mooncake]'; "
                               f"it needs the Debian package libibverbs1): {e}") from None
         self.master, self.metadata, self.local_host = master, metadata, local_host
-        self.timeout = float(timeout)
+        self.timeout, self.connect_timeout = float(timeout), float(connect_timeout)
+        self.store = None
+        self.stuck = False    # a call timed out and may still run inside the client (see close)
+        self._calls = BoundedCalls("engram-mooncake")
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_host)
         # setup() blocks ~90 s on an address that does not answer: check both first.
         mhost, mport = _host_port(master)
@@ -102,65 +217,154 @@ class MooncakeTier:
             if port is not None and not wait_for_port(host, port, connect_timeout):
                 raise TierError(f"Mooncake {what} at {host}:{port} does not accept connections "
                                 f"(waited {connect_timeout} s)")
-        self.abandoned = []   # store calls that timed out and may still be running (see close)
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup(local_host, metadata, 0, 16 << 20, protocol, "", master)
+        # A stopped (SIGSTOP) master still accepts connections (the kernel does), and setup()
+        # holds the GIL while it waits for an answer that never comes: no thread could time it
+        # out. So each server must answer first (the master closes a connection that sends it
+        # no valid request; the metadata server answers HTTP).
+        if not _answers(mhost, mport, b"\0" * 32, connect_timeout):
+            raise TierError(f"Mooncake master at {mhost}:{mport} accepts connections but does not answer "
+                            f"(waited {connect_timeout} s): a stopped or overloaded master")
+        if url.scheme == "http" and url.port is not None and not _answers(
+                url.hostname, url.port, f"GET {url.path or '/'}?key=engram-probe HTTP/1.0\r\n\r\n".encode(),
+                connect_timeout):
+            raise TierError(f"Mooncake metadata server at {url.hostname}:{url.port} does not answer "
+                            f"(waited {connect_timeout} s)")
+        store = MooncakeDistributedStore()
+        rc = self._call(f"setup(master={master}, metadata={metadata})", store.setup, local_host, metadata, 0,
+                        16 << 20, protocol, "", master, timeout=connect_timeout, client=store)
         if rc != 0:
             raise TierError(f"Mooncake setup(master={master}, metadata={metadata}) failed with code {rc}")
+        self.store = store
 
     def __repr__(self):
         return f"MooncakeTier(master={self.master!r}, metadata={self.metadata!r}, local_host={self.local_host!r})"
 
-    def close(self, wait=10.0):
-        """Close the client. A call that timed out earlier may still be running inside it: wait
-        up to `wait` s for those, and if one is still stuck leave the client open (closing it
-        under a running call crashes the process; it goes away with the process)."""
+    def _call(self, what, fn, *args, timeout=None, client=None, keep=()):
+        """fn(*args) bounded by the timeout; TierError when it takes longer (the client and what
+        the call uses, `keep`, are then kept alive for good: the call may still be running)."""
+        t = self.timeout if timeout is None else timeout
+        try:
+            return self._calls.call(t, fn, *args)
+        except TimeoutError:
+            self.stuck = True
+            _keep_forever(client if client is not None else self.store, *keep)
+            raise TierError(f"Mooncake {what}: no answer within {t} s (a stopped or unreachable master or "
+                            f"store server)") from None
+
+    def _open(self):
+        if self.store is None:
+            raise TierError(f"{self!r} is closed")
+        return self.store
+
+    @property
+    def closed(self) -> bool:
+        return self.store is None
+
+    def close(self):
+        """Close the client. Calls after close raise TierError. When a call timed out earlier it may
+        still be running inside the client: closing under it would crash, so the client is then
+        left open (it goes away with the process, which waits for nothing)."""
         if self.store is None:
             return
-        concurrent.futures.wait(self.abandoned, timeout=wait)
-        if all(f.done() for f in self.abandoned):
-            self.store.close()
-        self.store = None
+        store, self.store = self.store, None
+        if not self.stuck:
+            store.close()
 
     def _check(self, rc, what):
         if rc != 0:
             raise TierError(f"Mooncake {what} failed with code {rc}")
 
     def publish(self, model, layers=None, progress=None) -> int:
-        """Write every layer's rows into the store (upsert: replaces what was there), one
-        object per head in EngramStore's layout. Returns the bytes written."""
+        """Write every layer's rows into the store (upsert: replaces what was there), one object per
+        head in EngramStore's layout, then the layer's fingerprint. Returns the bytes written.
+        A head's records are built contiguous in RAM for the write (N_h x record bytes)."""
+        store = self._open()
         written = 0
         for L in (model.cfg.layer_ids if layers is None else layers):
             for h in range(model.cfg.n_heads):
                 rec = head_records(model, L, h)
-                ptr, n = rec.ctypes.data, rec.nbytes
-                self._check(self.store.register_buffer(ptr, n), f"register_buffer ({n} bytes)")
+                ptr, n, key = rec.ctypes.data, rec.nbytes, store_key(L, h)
+                self._check(self._call("register_buffer", store.register_buffer, ptr, n),
+                            f"register_buffer ({n} bytes)")
+                ok = False
                 try:
-                    rc = self.store.upsert_from(store_key(L, h), ptr, n)
+                    rc = self._call(f"upsert of {key}", store.upsert_from, key, ptr, n)
                     if rc != 0:  # e.g. the old copy sat on a store server that died: drop it, write anew
-                        self.store.remove(store_key(L, h), True)
-                        rc = self.store.upsert_from(store_key(L, h), ptr, n)
-                    self._check(rc, f"upsert of {store_key(L, h)}")
+                        self._call(f"remove of {key}", store.remove, key, True)
+                        rc = self._call(f"upsert of {key}", store.upsert_from, key, ptr, n)
+                    ok = True
+                    self._check(rc, f"upsert of {key}")
                 finally:
-                    self.store.unregister_buffer(ptr)
+                    if ok:
+                        store.unregister_buffer(ptr)
+                    else:  # an upsert that timed out may still read it
+                        _keep_forever(rec)
                 written += n
                 if progress is not None:
                     progress(L, h, written)
+            fp = json.dumps(fingerprint(model, L), sort_keys=True).encode()
+            self._check(self._call(f"upsert of {fingerprint_key(L)}", store.upsert, fingerprint_key(L), fp),
+                        f"upsert of {fingerprint_key(L)}")
         self.check_published(model, layers)
         return written
 
+    def published(self, layer):
+        """The fingerprint publish() wrote for `layer` (a dict), or None when there is none (e.g.
+        tables written by EngramStore.populate)."""
+        store = self._open()
+        key = fingerprint_key(layer)
+        if self._call(f"get_size of {key}", store.get_size, key) <= 0:
+            return None
+        raw = self._call(f"get of {key}", store.get, key)
+        try:
+            fp = json.loads(raw)
+        except (UnicodeDecodeError, ValueError):
+            return {}
+        return fp if isinstance(fp, dict) else {}
+
     def check_published(self, model, layers=None):
-        """Raise TierError unless every head object of the model is in the store with its size."""
+        """Raise TierError unless the store holds this model's tables: every head object with its
+        size, a published fingerprint (when there is one) of the same layout, and the store's bytes
+        of the fingerprint's sampled rows equal to the model's. The last check is what refuses
+        another model's rows of the same shape, whoever published them (a fingerprint left by an
+        earlier publish does not decide: the rows do)."""
+        store = self._open()
         for L in (model.cfg.layer_ids if layers is None else layers):
             rowbytes, scalebytes = record_layout(model.layer(L))
             for h in range(model.cfg.n_heads):
                 want = int(model.plan.head_primes[L][h]) * (rowbytes + scalebytes)
-                got = self.store.get_size(store_key(L, h))
+                got = self._call(f"get_size of {store_key(L, h)}", store.get_size, store_key(L, h))
                 if got != want:
                     raise TierError(f"Mooncake object {store_key(L, h)}: {got} bytes, expected {want} "
                                     f"(not published, or published from another table dtype): tier.publish(model)")
+            theirs, mine = self.published(L), fingerprint(model, L)
+            if theirs is not None:
+                bad = [k for k in ("format", "variant", "layer", "heads", "rowbytes", "scalebytes")
+                       if theirs.get(k) != mine[k]]
+                if bad:
+                    raise TierError(f"Mooncake layer {L}: the store's fingerprint differs from this model's in "
+                                    f"{', '.join(bad)}: it holds another model's rows. tier.publish(model) to "
+                                    f"replace them")
+            self._check_samples(model, L)
+
+    def _check_samples(self, model, L):
+        """The store's bytes of the fingerprint's sampled rows against the model's own."""
+        samples = sampled_records(model, L)
+        reader = RemoteRows(self, model, L)
+        offsets = model.layer(L).offsets
+        absolute = np.concatenate([int(offsets[h]) + local for h, (local, _) in samples.items()])
+        order = np.argsort(absolute, kind="stable")
+        stage = reader.fetch(absolute[order])
+        got = stage[:, :reader.recbytes][np.argsort(order)]
+        want = np.concatenate([rec for _, rec in samples.values()])
+        if not np.array_equal(got, want):
+            k = int(np.flatnonzero((got != want).any(axis=1))[0])
+            raise TierError(f"Mooncake layer {L}: row {int(absolute[k])} in the store differs from this model's: "
+                            f"the store holds another model's rows. tier.publish(model) to replace them")
+        reader.close()
 
     def rows(self, model, layer, totals=None) -> "RemoteRows":
+        self._open()
         return RemoteRows(self, model, layer, totals)
 
 
@@ -178,26 +382,27 @@ class RemoteRows:
         self.offsets = np.asarray(w.offsets, dtype=np.int64)
         self.keys = [store_key(layer, h) for h in range(len(self.offsets))]
         self.stage = None
-        self.abandoned = []   # staging buffers a timed-out call may still write into: never reused
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"engram-l{layer}-fetch")
+        self._calls = BoundedCalls(f"engram-l{layer}-fetch")
         self.totals = {"fetches": 0, "fetch_seconds": 0.0} if totals is None else totals
 
+    def close(self):
+        """Unregister the staging buffer (not one a timed-out read may still write into)."""
+        stage, self.stage = getattr(self, "stage", None), None
+        if stage is not None and self.tier.store is not None:
+            self.tier.store.unregister_buffer(stage.ctypes.data)
+
     def __del__(self):
-        pool = getattr(self, "pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False)
-        if getattr(self, "stage", None) is not None and self.tier.store is not None and not self.abandoned:
-            self.tier.store.unregister_buffer(self.stage.ctypes.data)
+        self.close()
 
     def staging(self, nrows) -> np.ndarray:
         """The registered staging buffer, uint8 [>= nrows, stride] (64-byte aligned rows)."""
+        store = self.tier._open()
         if self.stage is None or self.stage.shape[0] < nrows:
             buf = np.zeros((max(nrows, 64), self.stride), dtype=np.uint8)
-            rc = self.tier.store.register_buffer(buf.ctypes.data, buf.nbytes)
+            rc = self.tier._call("register_buffer", store.register_buffer, buf.ctypes.data, buf.nbytes, keep=(buf,))
             if rc != 0:
                 raise TierError(f"Mooncake register_buffer ({buf.nbytes} bytes) failed with code {rc}")
-            if self.stage is not None:
-                self.tier.store.unregister_buffer(self.stage.ctypes.data)
+            self.close()
             self.stage = buf
         return self.stage
 
@@ -206,6 +411,7 @@ class RemoteRows:
         uniq[k] lands at stage[k]. One get_into_ranges call; raises TierError on anything short."""
         n = len(uniq)
         stage = self.staging(n)
+        store = self.tier.store
         heads = np.searchsorted(self.offsets, uniq, side="right") - 1
         local = uniq - self.offsets[heads]
         cuts = np.flatnonzero(np.diff(heads)) + 1
@@ -218,16 +424,13 @@ class RemoteRows:
         src = [(local[a:b] * rb).tolist() for a, b in zip(starts, ends)]
         sizes = [[rb] * (b - a) for a, b in zip(starts, ends)]
         t0 = time.perf_counter()
-        fut = self.pool.submit(self.tier.store.get_into_ranges, [base], [keys], [dst], [src], [sizes])
         try:
-            res = fut.result(timeout=self.tier.timeout)
-        except concurrent.futures.TimeoutError:
-            # the call may still write into this buffer later: retire it and the worker
-            self.abandoned.append(stage)
-            self.tier.abandoned.append(fut)
+            res = self._calls.call(self.tier.timeout, store.get_into_ranges, [base], [keys], [dst], [src], [sizes])
+        except TimeoutError:
+            # the call may still write into this buffer later: it is never reused nor freed
+            _keep_forever(stage, store)
+            self.tier.stuck = True
             self.stage = None
-            self.pool.shutdown(wait=False)
-            self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"engram-l{self.layer}-fetch")
             raise TierError(f"Mooncake read of {n} rows of layer {self.layer}: no answer within "
                             f"{self.tier.timeout} s") from None
         self.totals["fetch_seconds"] += time.perf_counter() - t0

@@ -115,36 +115,6 @@ def test_bad_tier_arguments(ckpts):
 
 
 # ---- Mooncake ----------------------------------------------------------------------------------
-def _mooncake_or_skip():
-    pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
-    from engram_stream.mooncake_servers import _binary
-    try:
-        _binary("mooncake_master"), _binary("mooncake_client")
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="session")
-def mooncake():
-    """A mooncake_master and one store server on free loopback ports, for the session."""
-    _mooncake_or_skip()
-    from engram_stream.mooncake_servers import LocalMooncake
-    mc = LocalMooncake(segment_mb=64)
-    mc.start()
-    yield mc
-    mc.stop()
-
-
-@pytest.fixture(scope="session")
-def tier(mooncake):
-    from engram_stream.mooncake_servers import wait_until_writable
-    from engram_stream.tiers import MooncakeTier
-    t = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, local_host="127.0.0.1", timeout=5)
-    wait_until_writable(t)
-    yield t
-    t.close()
-
-
 @pytest.mark.mooncake
 @pytest.mark.skipif(not conftest.LOOPBACK_ONLY, reason="needs CAP_SYS_ADMIN for a network namespace (CI runs as root)")
 def test_mooncake_servers_are_reachable_on_loopback_only(tier, mooncake):
@@ -245,7 +215,7 @@ def test_cli_publish(tier, ckpts, mooncake, capsys):
 # ---- faults: a store of our own, killed and restarted -------------------------------------------
 @pytest.fixture
 def own_store():
-    _mooncake_or_skip()
+    conftest.mooncake_or_skip()
     from engram_stream.mooncake_servers import LocalMooncake, wait_until_writable
     from engram_stream.tiers import MooncakeTier
     mc = LocalMooncake(segment_mb=32).start()

@@ -1,0 +1,229 @@
+"""The Mooncake tier beyond decoding: V4.1's EngramStore byte rows (both directions against the
+installed EngramStore), refusing another model's rows, bounded connects, prompt exit after a
+fault, calls after close(). Real servers (LocalMooncake), marked `mooncake`."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from engram_stream import EngramConfig, EngramModel
+from engram_stream.errors import TierError
+from engram_stream.v41 import hf as hf_v41
+
+import conftest
+
+pytestmark = pytest.mark.mooncake
+
+V41 = dict(variant="deepseek-v4.1", engram_vocab_size=[211] * 3, max_ngram_size=4, n_embed_per_ngram=512,
+           n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64, hc_mult=2, vocab_size=300,
+           image_token_id=299)  # head_dim 256: the real 264-byte record
+DEMO = dict(hidden_size=64, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,
+            engram_vocab_size=[211, 223], layer_ids=[1, 3], vocab_size=500, kernel_size=3)
+
+
+@pytest.fixture(scope="module")
+def v41_models(tmp_path_factory):
+    """Two V4.1 checkpoints of one config, different weights: {name: folder}."""
+    d = tmp_path_factory.mktemp("mc_v41")
+    out = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        out[name] = str(d / name)
+        hf_v41.make_synthetic(out[name], EngramConfig(**V41), seed=seed, n_shards=2)
+    return out
+
+
+def records(model, L, h):
+    """Head h's records built here from the weights: e4m3 row bytes then e8m0 scale bytes."""
+    w = model.layer(L)
+    lo, n = int(w.offsets[h]), int(model.plan.head_primes[L][h])
+    return np.concatenate([w.embed_weight[lo:lo + n], w.embed_scale[lo:lo + n]], axis=1)
+
+
+def read_rows(tier, model, L, rows):
+    """Absolute rows of layer L read through the tier's batched reader (records, in order)."""
+    from engram_stream.rows.mooncake import RemoteRows
+    r = RemoteRows(tier, model, L)
+    u, inv = np.unique(rows, return_inverse=True)
+    got = r.fetch(u)[:, :r.recbytes][inv].copy()
+    r.close()
+    return got
+
+
+def test_v41_publish_writes_engramstore_byte_rows(tier, v41_models):
+    """264-byte rows (256 e4m3 + 8 e8m0), one object per head, read back by Mooncake's own
+    EngramStore; and rows EngramStore populates are read by the tier. The installed EngramStore
+    (0.3.13) predates #4065's `row_bytes`: its float32 rows of 66 values are the same 264 bytes."""
+    from mooncake.store import EngramStore, EngramStoreConfig
+    a = EngramModel.from_deepseek_v41(v41_models["a"])
+    b = EngramModel.from_deepseek_v41(v41_models["b"])
+    tier.publish(a)
+    rng = np.random.default_rng(0)
+    for L in V41["layer_ids"]:
+        heads = [int(p) for p in a.plan.head_primes[L]]
+        for h in range(len(heads)):
+            assert tier.store.get_size(f"engram:l{L}:h{h}") == heads[h] * 264
+        conf = EngramStoreConfig()
+        conf.embedding_dim = 264 // 4
+        conf.table_vocab_sizes = heads
+        es = EngramStore(L, conf, tier.store)
+        assert es.get_store_keys() == [f"engram:l{L}:h{h}" for h in range(len(heads))]
+        rows = rng.integers(0, min(heads), (3, 5, len(heads)))
+        got = es.lookup(rows).view(np.uint8)             # ours -> EngramStore
+        for h in range(len(heads)):
+            np.testing.assert_array_equal(got[:, :, h], records(a, L, h)[rows[:, :, h]])
+        es.remove_from_store(True)                       # EngramStore -> ours: b's rows
+        es.populate([np.ascontiguousarray(records(b, L, h)).view(np.float32) for h in range(len(heads))])
+        absolute = rng.integers(0, b.plan.table_rows[L], 200)
+        want = np.concatenate([b.layer(L).embed_weight, b.layer(L).embed_scale], axis=1)[absolute]
+        np.testing.assert_array_equal(read_rows(tier, b, L, absolute), want)
+    # a's fingerprints are still there, but the rows are b's: the rows decide
+    tier.check_published(b)
+    with pytest.raises(TierError, match="another model's rows"):
+        tier.check_published(a)
+
+
+def test_v41_small_heads_keep_their_e8m0_scale_bytes(tier, tmp_path):
+    """head_dim 32: 32 e4m3 bytes + 1 e8m0 byte a row (not a float32 scale)."""
+    d = tmp_path / "tiny"
+    hf_v41.make_synthetic(d, EngramConfig(**dict(V41, n_embed_per_ngram=64, layer_ids=[7])), seed=3)
+    m = EngramModel.from_deepseek_v41(d)
+    tier.publish(m)
+    for h in range(m.cfg.n_heads):
+        n = int(m.plan.head_primes[7][h])
+        assert tier.store.get_size(f"engram:l7:h{h}") == n * 33
+        np.testing.assert_array_equal(np.frombuffer(tier.store.get(f"engram:l7:h{h}"), np.uint8).reshape(n, 33),
+                                      records(m, 7, h))
+    fp = tier.published(7)
+    assert (fp["rowbytes"], fp["scalebytes"], fp["variant"]) == (32, 1, "deepseek-v4.1")
+
+
+def test_another_models_rows_are_refused(tier, tmp_path):
+    """Model B of the same config as the published model A: refused at load, whatever the sizes say."""
+    cfg = EngramConfig(**DEMO)
+    pa, pb = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    EngramModel.init(cfg, seed=1).save(pa)
+    EngramModel.init(cfg, seed=2).save(pb)
+    tier.publish(EngramModel.load(pa))
+    EngramModel.load(pa, tables=tier)  # its own rows: fine
+    with pytest.raises(TierError, match="another model's rows"):
+        EngramModel.load(pb, tables=tier)
+    fp = tier.published(1)
+    assert fp["heads"] == [int(p) for p in EngramModel.load(pa).plan.head_primes[1]] and fp["scalebytes"] == 0
+    # a fingerprint of another layout is named as such
+    tier.store.upsert("engram:l1:fingerprint", json.dumps(dict(fp, rowbytes=3)).encode())
+    with pytest.raises(TierError, match="in rowbytes"):
+        tier.check_published(EngramModel.load(pa))
+    tier.publish(EngramModel.load(pa))
+
+
+def test_calls_after_close_raise_tier_error(mooncake, tmp_path):
+    from engram_stream.mooncake_servers import wait_until_writable
+    from engram_stream.rows import MooncakeTier
+    t = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, timeout=5)
+    wait_until_writable(t)
+    p = str(tmp_path / "m.safetensors")
+    EngramModel.init(EngramConfig(**DEMO), seed=1).save(p)
+    m = EngramModel.load(p)
+    t.publish(m)
+    remote = EngramModel.load(p, tables=t)
+    dec = remote.decoder()
+    dec.begin(5)
+    reader = t.rows(m, 1)
+    t.close()
+    t.close()  # twice: nothing
+    assert t.closed
+    for call in (lambda: t.publish(m), lambda: t.check_published(m), lambda: t.rows(m, 1),
+                 lambda: reader.fetch(np.array([1, 2])), lambda: t.published(1),
+                 lambda: EngramModel.load(p, tables=t)):
+        with pytest.raises(TierError, match="closed"):
+            call()
+    for L in m.cfg.layer_ids:
+        dec.layer(L, np.zeros((DEMO["hc_mult"], DEMO["hidden_size"]), np.float32))
+    with pytest.raises(TierError, match="closed"):
+        dec.begin(7)
+
+
+def test_stopped_master_at_connect_is_refused_in_time():
+    """A stopped master accepts connections (the kernel does) but never answers: TierError
+    within connect_timeout, not a hang in setup()."""
+    conftest.mooncake_or_skip()
+    from engram_stream.mooncake_servers import LocalMooncake
+    from engram_stream.rows import MooncakeTier
+    with LocalMooncake(segment_mb=16) as mc:
+        os.kill(mc.master_proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TierError, match="does not answer"):
+                MooncakeTier(master=mc.master, metadata=mc.metadata, timeout=3, connect_timeout=3)
+            assert time.monotonic() - t0 < 3 + 2
+        finally:
+            os.kill(mc.master_proc.pid, signal.SIGCONT)
+
+
+_CLIENT = """
+import sys, time, numpy as np
+from engram_stream import EngramModel
+from engram_stream.rows import MooncakeTier, TierError
+from engram_stream.mooncake_servers import wait_until_writable
+master, metadata, path = sys.argv[1:4]
+t = MooncakeTier(master=master, metadata=metadata, timeout=3)
+wait_until_writable(t)
+t.publish(EngramModel.load(path))
+model = EngramModel.load(path, tables=t)
+dec = model.decoder()
+dec.begin(5)
+for L in model.cfg.layer_ids:
+    dec.layer(L, np.zeros((model.cfg.hc_mult, model.cfg.hidden_size), np.float32))
+print("ready", flush=True)
+sys.stdin.readline()          # the test breaks a server now
+try:
+    dec.begin(7)
+    print("no error", flush=True)
+except TierError as e:
+    print("TierError", flush=True)
+print("exiting", time.monotonic(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("fault", ["stop_master", "kill_master", "stop_store"])
+def test_process_exits_promptly_after_a_fault(tmp_path, fault):
+    """After a TierError from a dead or stopped server, the process exits: nothing joins the
+    abandoned read (a stopped master still costs Mooncake's own exit handler two 3 s HTTP timeouts
+    to its metadata server)."""
+    import subprocess
+    conftest.mooncake_or_skip()
+    from engram_stream.mooncake_servers import LocalMooncake
+    p = str(tmp_path / "m.safetensors")
+    EngramModel.init(EngramConfig(**DEMO), seed=1).save(p)
+    with LocalMooncake(segment_mb=16) as mc:
+        proc = subprocess.Popen([sys.executable, "-c", _CLIENT, mc.master, mc.metadata, p], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=str(tmp_path),
+                                env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            if fault == "stop_master":
+                os.kill(mc.master_proc.pid, signal.SIGSTOP)
+            elif fault == "kill_master":
+                mc.kill_master()
+            else:
+                os.kill(mc.store_proc.pid, signal.SIGSTOP)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "TierError"
+            assert proc.stdout.readline().startswith("exiting")
+            t0 = time.monotonic()
+            proc.wait(timeout=20)
+            assert time.monotonic() - t0 < (10 if fault == "stop_master" else 3)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for p_ in (mc.master_proc, mc.store_proc):
+                if p_ is not None and p_.poll() is None:
+                    os.kill(p_.pid, signal.SIGCONT)
