@@ -14,6 +14,8 @@ cdef extern from "engram_rowcache.h" nogil:
         int64_t hand, used, epoch
         int64_t hits, misses, evictions, bytes_fetched
     int64_t es_rc_peek(const es_rowcache *c, int64_t row) noexcept
+    const char *es_rc_hit(es_rowcache *c, int64_t s) noexcept
+    int64_t es_rc_insert(es_rowcache *c, int64_t row) noexcept
     const char *es_rc_row(es_rowcache *c, int64_t row, const char *table, int64_t rowbytes,
                           const char *scale, int64_t scalebytes) noexcept
     int64_t es_rc_plan(es_rowcache *c, const int64_t *rows, int64_t n, const char **src,

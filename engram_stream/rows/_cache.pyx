@@ -50,8 +50,8 @@ cdef class RowCache:
     COUNTERS = ("hits", "misses", "bytes_fetched", "evictions")
 
     def __cinit__(self, int64_t nslots, int64_t recbytes, layer=None, totals=None):
-        if nslots < 0 or recbytes <= 0:
-            raise ValueError(f"RowCache needs nslots >= 0 and recbytes > 0, got {nslots}, {recbytes}")
+        if nslots < 0 or recbytes < 0:
+            raise ValueError(f"RowCache needs nslots >= 0 and recbytes >= 0, got {nslots}, {recbytes}")
         cdef int64_t size = _index_entries(nslots)
         cdef int bits = 0
         while (<int64_t> 1 << bits) < size:
@@ -136,6 +136,24 @@ cdef class RowCache:
         with nogil:
             es_rc_admit(&self.c, pu, nu, ps, rows, miss_pos, m, src)
         return 0
+
+    def touch(self, rows):
+        """Look every row of `rows` up in order, as an engine's reads would (a miss takes a slot,
+        CLOCK evicting), without any bytes: the hit-rate model of a cache this size (recbytes 0
+        holds keys only). Returns the hits among them; the counters count them too."""
+        r = np.ascontiguousarray(rows, dtype=np.int64).ravel()
+        cdef const int64_t *pr = <const int64_t *> cnp.PyArray_DATA(r)
+        cdef int64_t i, s, n = r.shape[0], hits = 0
+        with nogil:
+            for i in range(n):
+                s = es_rc_peek(&self.c, pr[i])
+                if s >= 0:
+                    es_rc_hit(&self.c, s)
+                    hits += 1
+                else:
+                    self.c.misses += 1
+                    es_rc_insert(&self.c, pr[i])
+        return hits
 
     def read_batch(self, rows, cnp.ndarray records):
         """Read `rows` as one remote step does (plan, one fetch of the distinct misses from

@@ -52,6 +52,21 @@ def test_reads_are_exact_and_match_the_gclock_model(nslots, nrows, recbytes, see
         assert (r in cache) == (r in keys)
 
 
+@settings(max_examples=80, deadline=None)
+@given(nslots=st.integers(0, 40), nrows=st.integers(1, 200), seed=st.integers(0, 2**32 - 1),
+       length=st.integers(0, 600))
+def test_keys_only_touch_is_the_same_cache(nslots, nrows, seed, length):
+    """touch() (recbytes 0: no bytes, the hit-rate model of bench/bench_hitrate.py) makes the
+    same decisions as reads through a cache with bytes."""
+    stream = (np.random.default_rng(seed).zipf(1.3, length) - 1) % nrows
+    cache = RowCache(nslots, 0)
+    hits = sum(cache.touch(stream[i:i + 37]) for i in range(0, length, 37))
+    keys, want_hits, evictions = gclock_model(nslots, stream.tolist())
+    assert hits == want_hits and cache.stats()["evictions"] == evictions
+    np.testing.assert_array_equal(cache.rows(), keys)
+    assert cache.stats()["cache_bytes"] < 64 + max(nslots, 1) * 64  # keys, index, counters: no slots
+
+
 def test_hot_rows_survive_a_scan_of_one_off_rows():
     records = np.arange(5000 * 8, dtype=np.uint8).reshape(5000, 8)
     cache = RowCache(8, 8)
@@ -86,7 +101,7 @@ def test_budget_and_layout():
     with pytest.raises(ValueError):
         RowCache(-1, 8)
     with pytest.raises(ValueError):
-        RowCache(4, 0)
+        RowCache(4, -1)
     with pytest.raises(IndexError):
         RowCache(4, 8).read([9], np.zeros((9, 8), np.uint8))
 
