@@ -24,6 +24,7 @@ V41_ONLY = ("norm_eps", "image_token_id", "num_embeddings", "compressed_vocab_si
 V41_DEFAULTS = {"norm_eps": 1e-20, "image_token_id": 129264}  # DeepSeek-V4.1-Flash config.json
 MAX_VOCAB = 1 << 31  # tokenizer vocab bound: an int64 lookup of this length is already 16 GiB
 INT32_MAX = (1 << 31) - 1  # the C kernels index one token's widths ((G+1)*D, E) with int
+_UNSET = object()  # a config.json key that is absent (None: present, JSON null)
 
 
 def _int(name, value, lo=None):
@@ -116,6 +117,12 @@ class EngramConfig:
                 f"EngramConfig.pad_id must be in [0, vocab_size={self.vocab_size}), got {self.pad_id}")
         if self.seed + 10007 * max(ids) > INT64_MAX:
             raise ValueError("EngramConfig.seed + 10007*max(layer_ids) must fit in int64")
+        least, limit = min_chain_rows(self), max_table_rows(self)
+        if least > limit:  # cheap (the prime search could take hours on such a config)
+            raise ValueError(f"EngramConfig: a layer's primes (engram_vocab_size {evs} x {self.n_head_per_ngram} "
+                             f"heads per order) sum to at least {least} table rows, past the {limit} that int64 "
+                             f"byte offsets of {self.head_dim}-wide float32 rows address: use smaller "
+                             f"engram_vocab_size")
         if self.variant == V41:
             self._validate_v41(put)
         else:
@@ -124,9 +131,9 @@ class EngramConfig:
                     raise ValueError(f"EngramConfig.{name} is a {V41!r} field (variant is {self.variant!r})")
 
     def _validate_v41(self, put):
-        for name, default in V41_DEFAULTS.items():
-            if getattr(self, name) is None:
-                put(name, default)
+        defaulted = [name for name, default in V41_DEFAULTS.items() if getattr(self, name) is None]
+        for name in defaulted:
+            put(name, V41_DEFAULTS[name])
         if self.seed != 0:  # the reference draws the multipliers from default_rng(10007 * layer)
             raise ValueError(f"EngramConfig.seed must be 0 for {V41} (its multipliers have no seed), "
                              f"got {self.seed}")
@@ -141,8 +148,9 @@ class EngramConfig:
         put("norm_eps", float(eps))
         img = _int("image_token_id", self.image_token_id)
         if not 0 <= img < self.vocab_size or img == self.pad_id:
+            how = " (the default: DeepSeek-V4.1-Flash's; set image_token_id)" if "image_token_id" in defaulted else ""
             raise ValueError(f"EngramConfig.image_token_id must be in [0, vocab_size={self.vocab_size}) "
-                             f"and differ from pad_id={self.pad_id}, got {img}")
+                             f"and differ from pad_id={self.pad_id}, got {img}{how}")
         put("image_token_id", img)
         if self.num_embeddings is not None:
             ne = _int_list("num_embeddings", self.num_embeddings)
@@ -174,13 +182,13 @@ class EngramConfig:
         if isinstance(config.get("text_config"), dict):  # a multimodal folder: the text model's keys nest
             config = {**{k: v for k, v in config.items() if k != "text_config"}, **config["text_config"]}
 
-        def key(*names, default=None):
+        def key(*names, default=_UNSET):
             found = {n: config[n] for n in names if n in config}
             if len({json.dumps(v) for v in found.values()}) > 1:
                 raise ValueError(f"config.json: {' and '.join(found)} disagree: {found}")
             if found:
                 return next(iter(found.values()))
-            if default is None:
+            if default is _UNSET:
                 raise ValueError(f"config.json has no {' / '.join(names)}")
             return default
 
@@ -195,9 +203,15 @@ class EngramConfig:
             pad_id=key("engram_pad_id", "engram_pad_token_id"), seed=0,
             hidden_size=key("dim", "hidden_size"), hc_mult=key("hc_mult"), vocab_size=key("vocab_size"),
             norm_eps=key("norm_eps", "rms_norm_eps"),
-            image_token_id=key("image_token_id", default=V41_DEFAULTS["image_token_id"]),
-            num_embeddings=key("engram_num_embeddings", default=False) or None,
-            compressed_vocab_size=key("engram_compressed_vocab_size", default=False) or None)
+            image_token_id=key("image_token_id", default="absent"),
+            # declared sizes: absent or null is "not declared"; any other value (0, []) is checked
+            num_embeddings=key("engram_num_embeddings", default=None),
+            compressed_vocab_size=key("engram_compressed_vocab_size", default=None))
+        if fields["image_token_id"] is None:
+            raise ValueError("config.json: image_token_id is null: give the DEAD (image) token's id, or leave the "
+                             "key out for DeepSeek-V4.1-Flash's")
+        if fields["image_token_id"] == "absent":
+            fields["image_token_id"] = None  # EngramConfig takes the default (and says so if it does not fit)
         fields.update(overrides)
         return cls(**fields)
 
@@ -261,3 +275,23 @@ class EngramConfig:
         if unknown:
             raise ValueError(f"EngramConfig: unknown fields {unknown}")
         return cls(**d)
+
+
+def min_chain_rows(cfg: EngramConfig, n_layers: int = 1) -> int:
+    """A lower bound on the table rows (sums of primes) of n_layers layers, in O(max_ngram):
+    the chain takes distinct integers, those of order n above engram_vocab_size[n-2] - 1
+    (the fewest and smallest such). Configs and loaders check it before the prime search,
+    which a crafted config could make take hours."""
+    total, free = 0, 0
+    for v in sorted(cfg.engram_vocab_size):
+        k = n_layers * cfg.n_head_per_ngram
+        start = max(v, free)
+        total += k * start + k * (k - 1) // 2
+        free = start + k
+    return total
+
+
+def max_table_rows(cfg: EngramConfig) -> int:
+    """The most rows one layer's table may have: its byte offsets (rows x head_dim x 4 bytes of
+    float32) must fit int64, as the engines compute them (a larger prime sum wrapped)."""
+    return INT64_MAX // (4 * cfg.head_dim)

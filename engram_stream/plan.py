@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import _hash
-from .config import EngramConfig
+from .config import EngramConfig, max_table_rows, min_chain_rows  # noqa: F401 (min_chain_rows: its old home)
 
 PRIME_1 = 10007  # layer seed stride of the reference
 DEAD = -1  # V4.1: a compressed window entry that blocks history (image token, unknown, before start)
@@ -127,20 +127,6 @@ def prime_chain(cfg: EngramConfig) -> dict:
     return out
 
 
-def min_chain_rows(cfg: EngramConfig, n_layers: int = 1) -> int:
-    """A lower bound on the table rows (sums of primes) of n_layers layers, in O(max_ngram):
-    the chain takes distinct integers, those of order n above engram_vocab_size[n-2] - 1
-    (the fewest and smallest such). load() checks it before the prime search, which a
-    crafted header could make take minutes."""
-    total, free = 0, 0
-    for v in sorted(cfg.engram_vocab_size):
-        k = n_layers * cfg.n_head_per_ngram
-        start = max(v, free)
-        total += k * start + k * (k - 1) // 2
-        free = start + k
-    return total
-
-
 def frozen(a, dtype=None) -> np.ndarray:
     """A read-only C-contiguous view of `a` (converted only when it has to be): what models and
     plans hold, since engines read them through raw pointers. The caller's array keeps its flags."""
@@ -183,6 +169,13 @@ class HashPlan:
         else:
             self.multipliers = validate_multipliers(cfg, multipliers)
         self.primes = prime_chain(cfg)
+        limit = max_table_rows(cfg)
+        for L, orders in self.primes.items():
+            rows = sum(p for order in orders for p in order)  # Python ints: never wraps
+            if rows > limit:
+                raise ValueError(f"layer {L}: the primes sum to {rows} table rows, past the {limit} that int64 "
+                                 f"byte offsets of {cfg.head_dim}-wide float32 rows address: use smaller "
+                                 f"engram_vocab_size")
         self.head_primes = {L: np.array([p for order in self.primes[L] for p in order], dtype=np.int64)
                             for L in cfg.layer_ids}
         self.offsets = {L: np.concatenate([[0], np.cumsum(p)[:-1]]).astype(np.int64)
@@ -256,6 +249,10 @@ class HashPlan:
             elif not (isinstance(buf, np.ndarray) and buf.dtype == np.int64 and buf.shape == shape
                       and buf.flags.c_contiguous and buf.flags.writeable):
                 raise ValueError(f"out[{L}] must be a writeable C-contiguous int64 array of shape {shape}")
+            else:
+                for M, other in res.items():  # C-contiguous: bounds that meet are shared memory
+                    if np.may_share_memory(buf, other):
+                        raise ValueError(f"out[{L}] and out[{M}] overlap: each layer needs a buffer of its own")
             res[L] = buf
         c = self._compress(a)
         n, h, B = self.cfg.max_ngram_size, self.cfg.n_head_per_ngram, a.shape[0]

@@ -710,3 +710,60 @@ def test_min_chain_rows_is_a_lower_bound(evs, n_head, layers):
     assert min_chain_rows(cfg) <= min(rows.values())
     assert min_chain_rows(cfg, len(layers)) <= sum(rows.values())
     assert min_chain_rows(cfg) >= n_head * sum(evs)               # and not a trivial bound
+
+
+# --- configs whose prime sums would wrap int64 ----------------------------------------------------
+
+WRAPPING = {
+    "demo [2**60]*2": dict(engram_vocab_size=[2 ** 60, 2 ** 60]),          # 8 heads x 2 orders x 2**60 per layer
+    "v41 2**64//6": dict(variant="deepseek-v4.1", engram_vocab_size=[2 ** 64 // 6] * 3, max_ngram_size=4,
+                         n_embed_per_ngram=64, n_head_per_ngram=2, hidden_size=64, pad_id=2, vocab_size=300,
+                         image_token_id=299),
+}
+
+
+@pytest.mark.parametrize("case", list(WRAPPING))
+def test_configs_whose_prime_sum_passes_int64_are_refused(case):
+    """A layer's primes sum to its table rows; past int64 the sum wrapped (to 708 rows in one
+    case) and a step read row ~3e18 (SIGSEGV). Refused by the config itself, naming the bound,
+    never with a wrapped (negative) number."""
+    import re
+    with pytest.raises(ValueError, match="int64") as e:
+        EngramConfig(**WRAPPING[case])
+    assert not re.search(r"-\d", str(e.value)), e.value
+
+
+def test_a_chain_past_the_bound_found_by_the_search_is_refused_by_the_plan():
+    """The config's check is a lower bound (cheap, before the search); the plan checks the real
+    sums (Python ints) once the search has found them."""
+    from engram_stream.config import max_table_rows
+    # 2 heads of order 2 starting just below the bound / 2: the least chain fits, the real one
+    # does not once prime gaps push it over (checked against the bound by hand below)
+    cfg = cfg_of(evs=(11,), n_head=2, layers=(0,))
+    limit = max_table_rows(cfg)
+    start = limit // 2 - 10
+    cfg = cfg_of(evs=(start,), n_head=2, layers=(0,))
+    primes, c = [], start
+    while len(primes) < 2:
+        if is_prime(c):
+            primes.append(c)
+        c += 1
+    assert sum(primes) > limit      # the real chain passes the bound...
+    assert min_chain_rows(cfg) <= limit    # ...the config's least bound does not
+    with pytest.raises(ValueError, match="int64"):
+        HashPlan(cfg)
+
+
+def test_hash_out_buffers_must_not_overlap():
+    """plan.hash(out={1: buf, 15: buf}) gave layer 1 layer 15's rows: refused."""
+    plan = HashPlan(cfg_of())
+    ids = np.arange(12).reshape(2, 6) % 50
+    buf = np.empty((2, 6, plan.cfg.n_heads), np.int64)
+    with pytest.raises(ValueError, match="overlap"):
+        plan.hash(ids, out={0: buf, 3: buf})
+    big = np.empty((2, 2, 6, plan.cfg.n_heads), np.int64)
+    with pytest.raises(ValueError, match="overlap"):
+        plan.hash(ids, out={0: big[0], 3: big.reshape(-1)[5:5 + big[0].size].reshape(big[0].shape)})
+    got = plan.hash(ids, out={0: big[0], 3: big[1]})   # disjoint slices of one block: fine
+    want = plan.hash_numpy(ids)
+    assert all(np.array_equal(got[L], want[L]) for L in (0, 3))

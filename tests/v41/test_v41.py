@@ -357,3 +357,43 @@ def test_forward_gate_by_float64():
     gate = 1 / (1 + np.exp(-np.sign(dot) * np.sqrt(np.maximum(np.abs(dot), 1e-6))))
     want = gate[..., None] * value[:, :, None, :]
     assert np.allclose(y, want, rtol=2e-4, atol=2e-5 + 2e-4 * np.abs(want).max())
+
+
+# --- declared sizes and the image token in config.json -------------------------------------------
+
+@pytest.mark.parametrize("key, value, match", [
+    ("engram_num_embeddings", 0, "num_embeddings"),
+    ("engram_num_embeddings", [], "num_embeddings"),
+    ("engram_num_embeddings", [0, 0], "num_embeddings"),
+    ("engram_compressed_vocab_size", 0, "compressed_vocab_size"),
+])
+def test_declared_sizes_of_zero_are_declared_and_wrong(key, value, match):
+    """0 and [] are values (wrong ones), not "not declared": refused, where they were ignored."""
+    with pytest.raises((ValueError, TypeError), match=match):
+        EngramConfig.from_hf_config({**FLASH_HF, key: value})
+
+
+def test_declared_sizes_of_null_are_not_declared():
+    cfg = EngramConfig.from_hf_config({**FLASH_HF, "engram_num_embeddings": None, "engram_compressed_vocab_size": None})
+    assert cfg.num_embeddings is None and cfg.compressed_vocab_size is None
+
+
+def test_image_token_id_null_says_null():
+    """`image_token_id: null` reported "got 129264" (the default it had silently taken)."""
+    with pytest.raises(ValueError, match="image_token_id.*null") as e:
+        EngramConfig.from_hf_config({**FLASH_HF, "image_token_id": None})
+    assert "129264" not in str(e.value).split("null")[0]
+
+
+def test_a_default_image_token_id_out_of_range_says_it_is_the_default():
+    with pytest.raises(ValueError, match="129264.*default"):
+        EngramConfig.from_hf_config({k: v for k, v in {**FLASH_HF, "vocab_size": 1000}.items()
+                                     if k not in ("image_token_id", "engram_compressed_vocab_size")})
+
+
+def test_weight_dtype_of_a_v41_model():
+    m = EngramModel.init(small(), seed=0)
+    assert m.weight_dtype == "float8_e4m3fn"
+    assert m.with_weight_dtype("float8_e4m3fn") is m
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        m.with_weight_dtype("bfloat16")
