@@ -1,18 +1,10 @@
 """Checkpoints: one self-describing file in the safetensors layout, with mmap-able tables.
 
-File layout (readable by the `safetensors` package):
-    u64 little-endian N | N bytes of JSON header, space-padded | data section
-    header = {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}
-
-Offsets are relative to the data section. The safetensors reader insists that they
-are contiguous and cover the data section exactly (no gaps), so tables cannot each
-be padded to a page boundary. Instead:
-  * tensors are ordered by element size (I64, F32, F16, I8): with an 8-aligned data
-    section every tensor is aligned to its element size (the engine reads tables
-    through raw pointers);
-  * the header's space padding is sized so the first table starts on a 4096-byte
-    file boundary (whenever the tensors before it sum to a multiple of 8 bytes, which
-    they do unless hidden_size * engram_dim is odd).
+File layout: the safetensors layout (engram_stream.io.safetensors, the codec both variants
+share; readable by the `safetensors` package): tensors ordered by element size (I64, F32,
+BF16/F16, I8), so each is aligned to its element size, and the first table on a 4096-byte
+file boundary (whenever the tensors before it sum to a multiple of 8 bytes, which they do
+unless hidden_size * engram_dim is odd).
 
 Tensors: `layers.{L}.<reference state_dict name>` (the demo module's names, see
 model.reference_shapes), `layers.{L}.multi_head_embedding.embedding.scale` (F32
@@ -22,34 +14,23 @@ Metadata: format, format_version, config (EngramConfig JSON), table_dtype (infor
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import math
-import mmap as _mmap
 import os
-import stat
-import struct
 import sys
-import warnings
 
-import ml_dtypes
 import numpy as np
 
 from ..config import EngramConfig
 from ..errors import CheckpointError
-from ..io.files import MappedFile, atomic_output, check_file, open_regular, remove_stale_temps  # noqa: F401
+from ..io import safetensors
+from ..io.files import check_file
+from ..io.safetensors import CODES, DTYPES, MAX_HEADER, PAGE, SafetensorsFile, Tensor, read_header  # noqa: F401
 from ..plan import HashPlan, min_chain_rows
 from .weights import TABLE_DTYPES, LayerWeights, init_layers
 
 FORMAT, FORMAT_VERSION = "engram_stream", "1"
-PAGE = 4096
-MAX_HEADER = 100 << 20      # the safetensors reader's own limit on N
 CHUNK_BYTES = 16 << 20      # float32 bytes converted per step when tables change dtype
 BAR_MIN_BYTES = 256 << 20   # the default stderr bar only for files bigger than this
-
-DTYPES = {"I64": np.dtype("<i8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "I8": np.dtype("i1"),
-          "BF16": np.dtype(ml_dtypes.bfloat16)}  # BF16: projection weights (with_weight_dtype)
-CODES = {d.name: c for c, d in DTYPES.items()}
 TABLE = "multi_head_embedding.embedding.weight"
 SCALE = "multi_head_embedding.embedding.scale"
 
@@ -141,64 +122,34 @@ def compact(model, table_dtype):
 # ---------------------------------------------------------------------------------------------
 # save
 # ---------------------------------------------------------------------------------------------
-class _Entry:
-    """One tensor to write: name, dtype, shape and a factory of its C-contiguous chunks."""
-
-    def __init__(self, name, dtype, shape, chunks, is_table=False):
-        self.name, self.dtype, self.shape = name, np.dtype(dtype), tuple(int(s) for s in shape)
-        self.chunks, self.is_table = chunks, is_table
-        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
-
-    @classmethod
-    def array(cls, name, a, shape=None):
-        a = np.ascontiguousarray(a)
-        return cls(name, a.dtype, a.shape if shape is None else shape, lambda: iter((a,)))
-
-
-def _entries(cfg, plan, layers, table_dtype):
+def _tensors(cfg, plan, layers, table_dtype):
+    """Every tensor of the file (safetensors.Tensor): tables as chunks, converted on the way."""
     G, D, K = cfg.hc_mult, cfg.hidden_size, cfg.kernel_size
+    of = Tensor.of
     out = []
     if plan.lookup is not None:
-        out.append(_Entry.array("plan.compression", plan.lookup))
+        out.append(of("plan.compression", plan.lookup))
     for L in cfg.layer_ids:
         w, p = layers[L], f"layers.{L}."
         check_file(w.table)  # saving a mapped model whose file changed under it: refused
-        out.append(_Entry.array(f"plan.{L}.multipliers", plan.multipliers[L]))
-        out.append(_Entry.array(f"plan.{L}.primes", plan.head_primes[L]))
-        out.append(_Entry.array(p + "multi_head_embedding.offsets", w.offsets))
-        scale, chunks = _table_plan(w, table_dtype or w.table_dtype)
-        out.append(_Entry(p + TABLE, table_dtype or w.table_dtype, w.table.shape, chunks, is_table=True))
+        out.append(of(f"plan.{L}.multipliers", plan.multipliers[L]))
+        out.append(of(f"plan.{L}.primes", plan.head_primes[L]))
+        out.append(of(p + "multi_head_embedding.offsets", w.offsets))
+        dtype = table_dtype or w.table_dtype
+        scale, chunks = _table_plan(w, dtype)
+        out.append(Tensor(p + TABLE, CODES[np.dtype(dtype).name], w.table.shape, chunks, page_align=True))
         if scale is not None:
-            out.append(_Entry.array(p + SCALE, scale))
-        out.append(_Entry.array(p + "value_proj.weight", w.value_w))
-        out.append(_Entry.array(p + "value_proj.bias", w.value_b))
-        out.append(_Entry.array(p + "short_conv.conv.weight", w.conv_w, (G * D, 1, K)))
+            out.append(of(p + SCALE, scale))
+        out.append(of(p + "value_proj.weight", w.value_w))
+        out.append(of(p + "value_proj.bias", w.value_b))
+        out.append(of(p + "short_conv.conv.weight", w.conv_w, shape=(G * D, 1, K)))
         for g in range(G):
-            out.append(_Entry.array(p + f"key_projs.{g}.weight", w.key_w[g]))
-            out.append(_Entry.array(p + f"key_projs.{g}.bias", w.key_b[g]))
-            out.append(_Entry.array(p + f"norm1.{g}.weight", w.norm1[g]))
-            out.append(_Entry.array(p + f"norm2.{g}.weight", w.norm2[g]))
-            out.append(_Entry.array(p + f"short_conv.norms.{g}.weight", w.conv_norm[g]))
-    for e in out:
-        if e.dtype.name not in CODES:
-            raise ValueError(f"{e.name}: dtype {e.dtype} cannot be saved")
+            out.append(of(p + f"key_projs.{g}.weight", w.key_w[g]))
+            out.append(of(p + f"key_projs.{g}.bias", w.key_b[g]))
+            out.append(of(p + f"norm1.{g}.weight", w.norm1[g]))
+            out.append(of(p + f"norm2.{g}.weight", w.norm2[g]))
+            out.append(of(p + f"short_conv.norms.{g}.weight", w.conv_norm[g]))
     return out
-
-
-def _layout(entries, metadata):
-    """(ordered entries, header bytes): element-size order, first table on a page boundary."""
-    order = sorted(entries, key=lambda e: (-e.dtype.itemsize, not e.is_table))  # stable
-    hdr, pos, before_table = {"__metadata__": metadata}, 0, None
-    for e in order:
-        if e.is_table and before_table is None:
-            before_table = pos
-        hdr[e.name] = {"dtype": CODES[e.dtype.name], "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
-        pos += e.nbytes
-    raw = json.dumps(hdr, separators=(",", ":")).encode()
-    n = -(-len(raw) // 8) * 8
-    if before_table is not None and before_table % 8 == 0:
-        n = -(-(8 + n + before_table) // PAGE) * PAGE - 8 - before_table
-    return order, raw + b" " * (n - len(raw))
 
 
 class _Bar:
@@ -244,100 +195,23 @@ def _write(cfg, plan, layers, path, table_dtype, progress, before_write=None):
     """save()'s writer: layers may hold real tables or InitTables (anything sliceable by rows)."""
     table_dtype = _check_table_dtype(table_dtype)
     path = os.fspath(path)
-    entries = _entries(cfg, plan, layers, table_dtype)
+    tensors = _tensors(cfg, plan, layers, table_dtype)
     metadata = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": cfg.to_json(),
                 "table_dtype": table_dtype or layers[cfg.layer_ids[0]].table_dtype}
-    order, header = _layout(entries, metadata)
-    total = 8 + len(header) + sum(e.nbytes for e in order)
+    lay = safetensors.Layout(tensors, metadata)
     if before_write is not None:
-        before_write(total)
-    if progress is None and total > BAR_MIN_BYTES and sys.stderr.isatty():
-        progress = _Bar(path, total)
-    with atomic_output(path) as f:
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
-        done = 8 + len(header)
-        for e in order:
-            wrote = 0
-            for c in e.chunks():
-                c = np.ascontiguousarray(c, dtype=e.dtype)
-                f.write(c.view(np.uint8).data if c.ndim else c.tobytes())  # raw bytes (bf16 has no buffer code)
-                wrote += c.nbytes
-                done += c.nbytes
-                if progress is not None:
-                    progress(done, total)
-            if wrote != e.nbytes:  # a bug, not a user error: never write a lying header
-                raise RuntimeError(f"{e.name}: wrote {wrote} bytes, header says {e.nbytes}")
+        before_write(lay.nbytes)
+    if progress is None and lay.nbytes > BAR_MIN_BYTES and sys.stderr.isatty():
+        progress = _Bar(path, lay.nbytes)
+    with safetensors.atomic_output(path) as f:
+        lay.write_to(f, progress)
     return path
 
 
 # ---------------------------------------------------------------------------------------------
 # load
 # ---------------------------------------------------------------------------------------------
-def _no_duplicates(pairs):
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise ValueError(f"duplicate key {k!r}")
-        d[k] = v
-    return d
-
-
-def _is_int(x):
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def read_header(f, size, path="checkpoint"):
-    """(header dict, data_start, {name: (dtype, shape, absolute offset)}) with the layout checked:
-    sane length, JSON, known dtypes, byte sizes, offsets inside the file, no overlaps."""
-    err = lambda msg: CheckpointError(f"{path}: {msg}")  # noqa: E731
-    if size < 8:
-        raise err(f"file is {size} bytes, too short for a header length (truncated?)")
-    f.seek(0)
-    (n,) = struct.unpack("<Q", f.read(8))
-    if n > MAX_HEADER:
-        raise err(f"header length {n} is absurd (limit {MAX_HEADER}): not a checkpoint, or corrupted")
-    if 8 + n > size:
-        raise err(f"header length {n} runs past the end of the file ({size} bytes): truncated or corrupted")
-    raw = f.read(n)
-    try:
-        hdr = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
-        raise err(f"header is not valid JSON ({e})") from None
-    if not isinstance(hdr, dict):
-        raise err(f"header must be a JSON object, got {type(hdr).__name__}")
-    data_start, spans, tensors = 8 + n, [], {}
-    for name, t in hdr.items():
-        if name == "__metadata__":
-            continue
-        if not (isinstance(t, dict) and set(t) == {"dtype", "shape", "data_offsets"}):
-            raise err(f"tensor {name!r}: entry must have exactly dtype, shape and data_offsets, got {t!r:.200}")
-        code, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
-        if code not in DTYPES:
-            raise err(f"tensor {name!r}: unsupported dtype {code!r} (known: {', '.join(DTYPES)})")
-        if not (isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape)):
-            raise err(f"tensor {name!r}: shape must be a list of non-negative ints, got {shape!r:.200}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)
-                and 0 <= offs[0] <= offs[1]):
-            raise err(f"tensor {name!r}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offs!r:.200}")
-        need = math.prod(shape) * DTYPES[code].itemsize
-        if offs[1] - offs[0] != need:
-            raise err(f"tensor {name!r}: data_offsets span {offs[1] - offs[0]} bytes but {code} {shape} "
-                      f"needs {need}")
-        if data_start + offs[1] > size:
-            raise err(f"tensor {name!r}: data ends at byte {data_start + offs[1]}, past the end of the file "
-                      f"({size} bytes): truncated?")
-        spans.append((offs[0], offs[1], name))
-        tensors[name] = (DTYPES[code], tuple(shape), data_start + offs[0])
-    spans.sort()
-    for (b0, e0, a), (b1, e1, b) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise err(f"tensors {a!r} [{b0}, {e0}) and {b!r} [{b1}, {e1}) overlap")
-    return hdr, data_start, tensors
-
-
-def _config(hdr, err):
-    meta = hdr.get("__metadata__")
+def _config(meta, err):
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise err("no __metadata__ of str -> str: not an engram_stream checkpoint")
     if meta.get("format") != FORMAT:
@@ -357,6 +231,7 @@ def _expected(cfg, tensors):
     G, D, E, K, H, n = (cfg.hc_mult, cfg.hidden_size, cfg.engram_dim, cfg.kernel_size, cfg.n_heads,
                         cfg.max_ngram_size)
     i64, f32 = ("I64",), ("F32",)
+    code = lambda name: tensors[name].code if name in tensors else None  # noqa: E731
     want = {}
     if "plan.compression" in tensors:
         want["plan.compression"] = (i64, (cfg.vocab_size,))
@@ -366,11 +241,10 @@ def _expected(cfg, tensors):
         want[f"plan.{L}.primes"] = (i64, (H,))
         want[p + "multi_head_embedding.offsets"] = (i64, (H,))
         want[p + TABLE] = (("F32", "F16", "I8"), (None, cfg.head_dim))
-        table = tensors.get(p + TABLE)
-        if table is not None and table[0] == DTYPES["I8"]:
+        if code(p + TABLE) == "I8":
             want[p + SCALE] = (f32, (None,))
         # projection weights: float32, or all bfloat16 (a model.with_weight_dtype("bfloat16"))
-        proj = ("BF16",) if tensors.get(p + "value_proj.weight", (None,))[0] == DTYPES["BF16"] else f32
+        proj = ("BF16",) if code(p + "value_proj.weight") == "BF16" else f32
         want[p + "value_proj.weight"] = (("F32", "BF16"), (D, E))
         want[p + "value_proj.bias"] = (f32, (D,))
         want[p + "short_conv.conv.weight"] = (f32, (G * D, 1, K))
@@ -393,56 +267,18 @@ def _check_tensors(cfg, tensors, err):
         raise err(f"tensors do not match the config: missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
                   f"unexpected {unexpected[:6]}{'...' if len(unexpected) > 6 else ''}")
     for name, (codes, shape) in want.items():
-        dtype, got, _ = tensors[name]
-        if CODES[dtype.name] not in codes:
-            raise err(f"tensor {name!r}: dtype {CODES[dtype.name]}, expected {' or '.join(codes)}")
+        got = tensors[name].shape
+        if tensors[name].code not in codes:
+            raise err(f"tensor {name!r}: dtype {tensors[name].code}, expected {' or '.join(codes)}")
         if len(got) != len(shape) or any(s is not None and s != g for s, g in zip(shape, got)):
             raise err(f"tensor {name!r}: shape {list(got)} disagrees with the config (expected "
                       f"{['rows' if s is None else s for s in shape]})")
     # Rows against the config's least possible prime chain: cheap, so before the prime search.
-    rows = [tensors[f"layers.{L}.{TABLE}"][1][0] for L in cfg.layer_ids]
+    rows = [tensors[f"layers.{L}.{TABLE}"].shape[0] for L in cfg.layer_ids]
     least = min_chain_rows(cfg)
     if min(rows) < least or sum(rows) < min_chain_rows(cfg, len(rows)):
         raise err(f"tables of {rows} rows cannot hold the config's prime chain (at least {least} rows a layer, "
                   f"more over all layers): wrong config or corrupted")
-
-
-class _Reader:
-    """Tensors of an open file: table() is an mmap view (zero-copy, read-only) when mapping,
-    read() a fresh array read into RAM."""
-
-    def __init__(self, f, st, tensors, use_mmap, path):
-        self.f, self.tensors, self.mm = f, tensors, None
-        if use_mmap:
-            # No read-ahead, neither for the mapping nor for our reads of the small tensors:
-            # tables must come in row by row (read-ahead would pull in MBs nobody asked for).
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-            self.mm = MappedFile(f.fileno(), st, path)  # check(): the file is still as validated
-            self.mm.madvise(_mmap.MADV_RANDOM)
-
-    def table(self, name):
-        if self.mm is None:
-            return self.read(name)
-        dtype, shape, off = self.tensors[name]
-        a = np.frombuffer(self.mm, dtype, math.prod(shape), off).reshape(shape)
-        if not a.flags.aligned:  # never in our files (see the layout above); maybe in others'
-            warnings.warn(f"{name}: misaligned in the file, copied into RAM instead of mapped", stacklevel=4)
-            a = a.copy()
-        return a
-
-    def read(self, name, out=None):
-        """The tensor in a new array, or read straight into `out` (a C-contiguous slot of its size)."""
-        dtype, shape, off = self.tensors[name]
-        a = np.empty(shape, dtype) if out is None else out.reshape(shape)
-        if a.nbytes:
-            buf, got = a.reshape(-1).view(np.uint8).data, 0  # raw bytes (bf16 has no buffer code)
-            self.f.seek(off)
-            while got < a.nbytes:
-                k = self.f.readinto(buf[got:got + (1 << 30)])
-                if not k:
-                    raise CheckpointError(f"tensor {name!r}: file ended while reading it (truncated meanwhile?)")
-                got += k
-        return a
 
 
 def load(path, mmap: bool = True):
@@ -454,23 +290,17 @@ def load(path, mmap: bool = True):
     mmap=False: everything is read into RAM. Returns (cfg, plan, {layer: LayerWeights})."""
     path = os.fspath(path)
     err = lambda msg: CheckpointError(f"{path}: {msg}")  # noqa: E731
-    with open_regular(path, err) as f:
-        st = os.fstat(f.fileno())
-        hdr, _, tensors = read_header(f, st.st_size, path)
-        cfg = _config(hdr, err)
-        _check_tensors(cfg, tensors, err)
-        r = _Reader(f, st, tensors, mmap, path)
-        compression = r.read("plan.compression") if "plan.compression" in tensors else None
+    with SafetensorsFile(path, CheckpointError, mmap=mmap, random_access=True) as r:
+        cfg = _config(r.header.metadata, err)
+        _check_tensors(cfg, r.tensors, err)
+        compression = r.read("plan.compression") if "plan.compression" in r.tensors else None
         mult = {L: r.read(f"plan.{L}.multipliers") for L in cfg.layer_ids}
         try:
             plan = HashPlan(cfg, compression=compression, multipliers=mult)
         except (ValueError, TypeError) as e:
             raise err(f"hash plan: {e}") from None
-        layers = {}
-        for L in cfg.layer_ids:
-            layers[L] = _layer(cfg, plan, L, r, err)
-        if r.mm is not None:
-            r.mm.check()  # not changed while we read it
+        layers = {L: _layer(cfg, plan, L, r, err) for L in cfg.layer_ids}
+        r.check()  # not changed while we read it
     return cfg, plan, layers
 
 
@@ -482,18 +312,18 @@ def _layer(cfg, plan, L, r, err):
     offsets = r.read(p + "multi_head_embedding.offsets")
     if not np.array_equal(offsets, plan.offsets[L]):
         raise err(f"{p}multi_head_embedding.offsets disagree with the config's prime chain")
-    rows = r.tensors[p + TABLE][1][0]
+    rows = r.tensors[p + TABLE].shape[0]
     if rows != plan.table_rows[L]:
         raise err(f"tensor {p + TABLE!r}: {rows} rows, the config's primes need {plan.table_rows[L]}")
-    table = r.table(p + TABLE)
+    table = r.array(p + TABLE)
     scale = None
     if table.dtype == np.int8:
-        if r.tensors[p + SCALE][1] != (rows,):
-            raise err(f"tensor {p + SCALE!r}: shape {list(r.tensors[p + SCALE][1])}, expected [{rows}]")
-        scale = r.table(p + SCALE)
+        if r.tensors[p + SCALE].shape != (rows,):
+            raise err(f"tensor {p + SCALE!r}: shape {list(r.tensors[p + SCALE].shape)}, expected [{rows}]")
+        scale = r.array(p + SCALE)
     get = r.read
     # The fused projection [Wk_0; ...; Wk_{G-1}; Wv] is read in place: no concatenation copy.
-    proj_w = np.empty(((G + 1) * D, cfg.engram_dim), r.tensors[p + "value_proj.weight"][0])  # F32 or BF16
+    proj_w = np.empty(((G + 1) * D, cfg.engram_dim), r.tensors[p + "value_proj.weight"].dtype)  # F32 or BF16
     proj_b = np.empty((G + 1) * D, np.float32)
     names = [p + f"key_projs.{g}." for g in range(G)] + [p + "value_proj."]
     for i, name in enumerate(names):

@@ -2,7 +2,8 @@
 
   open_regular(path, err)   open for reading, refusing FIFOs and devices (err: the error to raise)
   atomic_output(path)       a file object whose bytes become `path` all at once, or not at all
-  remove_stale_temps(path)  temp files of writers that died (SIGKILL) beside `path`
+  atomic_folder(path, ok)   a new folder whose files become `path` all at once (swapped in by rename)
+  remove_stale_temps(path)  temp files and folders of writers that died (SIGKILL) beside `path`
   MappedFile                a read-only map of a whole file that knows when the file changed
   mapping_of(a)             the mmap an array views, if any
 
@@ -16,8 +17,12 @@ run it before they read a table. A change made while a call is reading cannot be
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import mmap
 import os
+import platform
+import shutil
 import stat
 import weakref
 
@@ -25,7 +30,7 @@ import numpy as np
 
 from ..errors import FileChangedError
 
-__all__ = ["open_regular", "atomic_output", "remove_stale_temps", "MappedFile", "mapping_of", "file_check",
+__all__ = ["open_regular", "atomic_output", "atomic_folder", "remove_stale_temps", "MappedFile", "mapping_of", "file_check",
            "check_file", "FileChangedError"]
 
 
@@ -66,10 +71,11 @@ def _check_destination(path):
 
 
 def remove_stale_temps(path) -> list:
-    """Delete temp files of `path` left by save() in processes that no longer run (killed
-    mid-write). A temp file of a live process, or one whose pid is unreadable, stays."""
+    """Delete the temp files (and temp folders) of `path` left by writers in processes that no
+    longer run (killed mid-write). Every save runs it first. A temp of a live process, or one
+    whose pid is unreadable, stays."""
     removed = []
-    prefix = f"{os.path.basename(path)}.tmp-"
+    prefix = f"{os.path.basename(os.path.abspath(path))}.tmp-"
     folder = os.path.dirname(os.path.abspath(path))
     for name in os.listdir(folder):
         pid = name[len(prefix):].split(".", 1)[0]  # <pid>.<random> (or <pid>: older files)
@@ -83,11 +89,19 @@ def remove_stale_temps(path) -> list:
         except (PermissionError, OverflowError):
             continue
         try:
-            os.unlink(os.path.join(folder, name))
+            _remove(os.path.join(folder, name))
             removed.append(os.path.join(folder, name))
         except FileNotFoundError:
             pass
     return removed
+
+
+def _remove(path):
+    """Remove a file, a symlink (not its target) or a whole folder."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 @contextlib.contextmanager
@@ -95,8 +109,10 @@ def atomic_output(path):
     """A binary file object whose bytes become `path` all at once, or not at all: they go to a
     temp file of this call's own beside `path` (created exclusively, no symlink followed), are
     fsynced, then renamed over `path`. Whatever stops the writer (an error, SIGTERM turned into
-    an exception by the CLI) removes the temp file and leaves `path` as it was."""
+    an exception by the CLI) removes the temp file and leaves `path` as it was; the temps of
+    writers that were killed (SIGKILL: no cleanup runs) are swept first."""
     _check_destination(path)
+    remove_stale_temps(path)
     tmp = _temp_name(path)
     try:  # from the open on
         with os.fdopen(os.open(tmp, _TEMP_FLAGS, 0o666), "wb") as f:  # 0666 & ~umask, as open() gives
@@ -113,6 +129,125 @@ def atomic_output(path):
             except FileNotFoundError:
                 pass
         raise
+
+
+def _check_folder_destination(path, replaceable):
+    """A folder save replaces a folder whose every entry replaceable(name) accepts (what that
+    format writes, so nothing of the user's is deleted), or a symlink (the link itself)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        return
+    if not stat.S_ISDIR(mode):
+        raise ValueError(f"{path}: exists and is not a folder ({stat.filemode(mode)}): not replaced")
+    foreign = sorted(n for n in os.listdir(path) if not replaceable(n))
+    if foreign:
+        raise ValueError(f"{path}: holds files this save does not write ({', '.join(foreign[:5])}"
+                         f"{', ...' if len(foreign) > 5 else ''}): not replaced (save to a new folder, or move "
+                         f"them out first)")
+
+
+@contextlib.contextmanager
+def atomic_folder(path, replaceable):
+    """A new folder whose files become `path` all at once, or not at all: the caller writes them
+    into the temp folder yielded (beside `path`, this call's own); each file and the folder are
+    then fsynced and the folder is swapped in with one rename (renameat2 RENAME_EXCHANGE over an
+    existing folder, then the old one is deleted): a reader sees the old folder or the new one,
+    never a mix. Where the exchange is unsupported the old folder is renamed aside first (a
+    moment with no folder at `path`, still never a mix). An existing `path` must be a folder
+    whose every entry replaceable(name) accepts (else ValueError, nothing written). Temps of
+    dead writers are swept first; an error or a signal removes this call's temp folder."""
+    path = os.path.abspath(os.fspath(path))
+    _check_folder_destination(path, replaceable)
+    remove_stale_temps(path)
+    tmp = _temp_name(path)
+    os.mkdir(tmp, 0o777)  # & ~umask, as mkdir gives
+    old = None
+    try:
+        yield tmp
+        for name in os.listdir(tmp):
+            _fsync_path(os.path.join(tmp, name))
+        _fsync_dir(tmp)
+        _check_folder_destination(path, replaceable)  # again: it may have changed while we wrote
+        old = _swap_in(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+    except BaseException:
+        if old is None and os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None and old is not _NOTHING:
+        _remove(old)  # killed before this: a stale temp, swept by the next save
+
+
+_NOTHING = object()
+
+
+def _swap_in(new, path):
+    """Put folder `new` at `path`; returns where the old `path` went (_NOTHING: there was none)."""
+    for _ in range(100):  # another save may create or swap `path` between our calls
+        if not os.path.lexists(path):
+            try:
+                os.rename(new, path)  # fails on an existing non-empty folder: never replaces one
+                return _NOTHING
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                continue
+        if _exchange(new, path):
+            return new  # the old folder now sits at the temp name
+        aside = _temp_name(path)  # no atomic exchange here: the old folder steps aside first
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            continue
+        try:
+            os.rename(new, path)
+        except BaseException:
+            os.rename(aside, path)
+            raise
+        return aside
+    raise OSError(errno.EBUSY, f"{path}: kept changing while this save swapped its folder in")
+
+
+_RENAME_EXCHANGE = 2
+_SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276}
+
+
+def _exchange(a, b) -> bool:
+    """Atomically exchange paths a and b (Linux renameat2 RENAME_EXCHANGE). False where the
+    system or the file system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return False
+    AT_FDCWD = -100
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        rc = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    elif platform.machine() in _SYS_RENAMEAT2:
+        rc = libc.syscall(_SYS_RENAMEAT2[platform.machine()], AT_FDCWD, os.fsencode(a), AT_FDCWD,
+                          os.fsencode(b), _RENAME_EXCHANGE)
+    else:
+        return False
+    if rc == 0:
+        return True
+    e = ctypes.get_errno()
+    if e in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(e, os.strerror(e), b)
+
+
+def _fsync_path(p):
+    """fsync a regular file (symlinks and others: nothing to sync)."""
+    if not os.path.isfile(p) or os.path.islink(p):
+        return
+    fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_dir(d):

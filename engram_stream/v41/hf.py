@@ -5,34 +5,45 @@
     ckpt_dir/model-0000i-of-0000n.safetensors  the shards (safetensors layout)
     ckpt_dir/tokenizer.json                    the compression is built from it (decode="backend")
 
-load() reads only the `layers.{L}.engram.*` tensors (a `model.` prefix is accepted too) and
+load() reads only the `layers.{L}.engram.*` tensors (or all `model.layers.{L}.engram.*`) and
 maps the float8 tables in place: a table is a numpy view of the shard file, never a copy.
+Everything cheap is checked before anything costly: the config, the index (names inside the
+folder), the shard headers (io.safetensors), every shape but the table rows, the least rows the
+prime chain can need and the declared rows; then the tokenizer's length against vocab_size;
+only then the prime search (HashPlan) and the exact rows.
 write() is the one writer: model.save() and the synthetic checkpoints of the tests and
-benchmarks (make_synthetic) both stream their tensors through it, chunk by chunk.
+benchmarks (make_synthetic) both stream their tensors through it, chunk by chunk, into a new
+folder swapped in whole (io.files.atomic_folder): a reader sees all of the old checkpoint or
+all of the new one.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import struct
+import re
 
-import ml_dtypes
 import numpy as np
 
-from ..config import V41, EngramConfig
+from ..config import V41, EngramConfig, min_chain_rows
 from ..errors import HFCheckpointError
-from ..io.files import MappedFile, atomic_output, open_regular
+from ..io import safetensors
+from ..io.files import atomic_folder, atomic_output, open_regular
+from ..io.safetensors import DTYPES, MAX_HEADER, SafetensorsFile, Tensor  # noqa: F401 (Tensor: writers' API)
 from ..plan import HashPlan
 from .weights import NAMES, RAW, V41LayerWeights, random_e4m3, shapes
 
 INDEX = "model.safetensors.index.json"
 COMPRESSION = "engram_compression.npy"   # written when a model's lookup has no tokenizer.json
-MAX_HEADER = 100 << 20
 CHUNK_BYTES = 64 << 20
-# safetensors dtype codes -> the numpy dtype the bytes are read as (float8 stays raw uint8)
-DTYPES = {"F8_E4M3": np.dtype(np.uint8), "F8_E8M0": np.dtype(np.uint8), "U8": np.dtype(np.uint8),
-          "BF16": np.dtype(ml_dtypes.bfloat16), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-          "I64": np.dtype("<i8")}
+# A model's vocab_size may pass its tokenizer's ids (the embedding is padded, e.g. to a multiple
+# of 128) by at most this many ids, or an eighth of them: more is a config.json or tokenizer.json
+# of another model (and a lookup padded to 2**31 ids would take 16 GiB).
+VOCAB_PAD = 1024
+# the files a save writes: an existing folder is replaced only when it holds nothing else
+OWN_FILES = re.compile(r"(config\.json|model\.safetensors\.index\.json|engram_compression\.npy|tokenizer\.json"
+                       r"|model(-\d+-of-\d+)?\.safetensors)(\.tmp-\d+(\.[0-9a-f]+)?)?")
+ENGRAM_NAME = re.compile(r"(model\.)?layers\.(\d+)\.engram\.(.+)")
 RAW_CODE = {"embed.weight": "F8_E4M3", "embed.scale": "F8_E8M0", "wkv.weight": "F8_E4M3",
             "wkv.scale": "F8_E8M0"}
 PREFIXES = ("layers.{L}.engram.", "model.layers.{L}.engram.")
@@ -56,106 +67,117 @@ def flash_config(**overrides) -> EngramConfig:
 
 
 # --- reading ------------------------------------------------------------------------------------
+def _err(path, msg):
+    return HFCheckpointError(f"{path}: {msg}")
+
+
 def read_header(path):
-    """(tensors {name: (dtype code, shape, begin, end)}, data start) of one safetensors file,
-    every offset checked against the file size."""
-    with open_regular(path, lambda m: HFCheckpointError(f"{path}: {m}")) as f:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise HFCheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        n = struct.unpack("<Q", head)[0]
-        if n > min(MAX_HEADER, size - 8):
-            raise HFCheckpointError(f"{path}: header length {n} does not fit the file ({size} bytes)")
-        try:
-            hdr = json.loads(f.read(n))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
-            raise HFCheckpointError(f"{path}: header is not JSON ({type(e).__name__})") from None
-    if not isinstance(hdr, dict):
-        raise HFCheckpointError(f"{path}: header is not a JSON object")
-    start, out = 8 + n, {}
-    for name, t in hdr.items():
-        if name == "__metadata__":
-            continue
-        try:
-            code, shape, (b, e) = t["dtype"], tuple(int(s) for s in t["shape"]), t["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise HFCheckpointError(f"{path}: tensor {name!r} has a malformed entry") from None
-        if code in DTYPES and (not 0 <= b <= e <= size - start
-                               or e - b != DTYPES[code].itemsize * int(np.prod(shape, dtype=np.int64))):
-            raise HFCheckpointError(f"{path}: tensor {name!r} offsets [{b}, {e}) do not fit its shape "
-                                    f"{shape} {code} or the file")
-        out[name] = (code, shape, b, e)
-    return out, start
+    """The checked header (io.safetensors.Header) of one shard."""
+    with SafetensorsFile(path, HFCheckpointError) as f:
+        return f.header
+
+
+def _shard_name(idx, tensor, shard):
+    """A weight_map entry names a file inside the folder: a relative path that stays inside it
+    lexically (symlinks are followed as the file system does: HF caches link shards into blobs)."""
+    norm = os.path.normpath(shard) if isinstance(shard, str) and shard and "\0" not in shard else None
+    if norm is None or os.path.isabs(norm) or norm == os.curdir or norm.split(os.sep)[0] == os.pardir:
+        raise _err(idx, f"weight_map names {shard!r} for {tensor!r}: a shard must be a file name inside the folder")
+    return norm
 
 
 def weight_map(ckpt_dir) -> dict:
-    """{tensor name: shard file name}: from the index, or the single model.safetensors."""
+    """{tensor name: shard file name}: from the index (every name checked), or the single
+    model.safetensors."""
     idx = os.path.join(ckpt_dir, INDEX)
     if os.path.isfile(idx):
-        with open_regular(idx, lambda m: HFCheckpointError(f"{idx}: {m}")) as f:
+        with open_regular(idx, lambda m: _err(idx, m)) as f:
             try:
                 index = json.loads(f.read(MAX_HEADER + 1))
             except (UnicodeDecodeError, ValueError, RecursionError) as e:
-                raise HFCheckpointError(f"{idx}: not a JSON index ({type(e).__name__})") from None
+                raise _err(idx, f"not a JSON index ({type(e).__name__})") from None
         wm = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wm, dict):
-            raise HFCheckpointError(f"{idx}: no weight_map")
-        return wm
+            raise _err(idx, "no weight_map")
+        return {name: _shard_name(idx, name, shard) for name, shard in wm.items()}
     single = os.path.join(ckpt_dir, "model.safetensors")
     if os.path.isfile(single):
-        return {name: "model.safetensors" for name in read_header(single)[0]}
+        return {name: "model.safetensors" for name in read_header(single).tensors}
     raise HFCheckpointError(f"{ckpt_dir}: neither {INDEX} nor model.safetensors")
 
 
-def _map(path):
-    """The whole shard as a MappedFile: read-only, and forward() refuses it once the file
-    is truncated or rewritten in place (instead of SIGBUS)."""
-    with open_regular(path, lambda m: HFCheckpointError(f"{path}: {m}")) as f:
-        return MappedFile(f.fileno(), os.fstat(f.fileno()), path)
-
-
-def _tensor(path, entry, start, mapped):
-    """One tensor's bytes as a numpy array: a view of the mapped shard, or a copy when mapped is None."""
-    code, shape, b, e = entry
-    if mapped is not None:
-        a = np.frombuffer(mapped, dtype=np.uint8, count=e - b, offset=start + b)
-    else:
-        a = np.fromfile(path, dtype=np.uint8, count=e - b, offset=start + b)
-    return a.view(DTYPES[code]).reshape(shape)
-
-
-def engram_tensors(ckpt_dir, cfg, mmap=True) -> dict:
-    """{layer: {module name: array}}: only the layers.{L}.engram.* tensors, shard by shard."""
-    wm = weight_map(ckpt_dir)
-    found = {L: {} for L in cfg.layer_ids}
+def _engram_names(ckpt_dir, cfg, wm) -> dict:
+    """{layer: {module name: (tensor name, shard)}}: one prefix per layer (layers.L. or
+    model.layers.L.; both in one index is refused: which would be the model's?)."""
+    by = {}
+    for name, shard in wm.items():
+        m = ENGRAM_NAME.fullmatch(name)
+        if m and int(m.group(2)) in cfg.layer_ids and str(int(m.group(2))) == m.group(2):
+            by.setdefault((int(m.group(2)), m.group(1) or ""), {})[m.group(3)] = (name, shard)
+    out = {}
     for L in cfg.layer_ids:
-        for prefix in (p.format(L=L) for p in PREFIXES):
-            for name in wm:
-                if name.startswith(prefix):
-                    found[L][name[len(prefix):]] = (name, wm[name])
-    headers, maps, out = {}, {}, {}
-    for L, names in found.items():
+        plain, model = by.get((L, ""), {}), by.get((L, "model."), {})
+        if plain and model:
+            short = sorted(set(plain) & set(model)) or [sorted(plain)[0]]
+            a, b = plain.get(short[0], next(iter(plain.values())))[0], model.get(short[0], next(iter(model.values())))[0]
+            raise HFCheckpointError(f"{ckpt_dir}: layer {L} is named both {a!r} and {b!r}: which is the model's? "
+                                    f"(keep one prefix)")
+        names = plain or model
         missing = sorted(set(NAMES) - set(names))
         if missing:
             raise HFCheckpointError(f"{ckpt_dir}: layer {L} has no engram tensors {missing}")
-        out[L] = {}
-        for short in NAMES:
-            full, shard = names[short]
-            path = os.path.join(ckpt_dir, shard)
-            if shard not in headers:
-                headers[shard] = read_header(path)
-            tensors, start = headers[shard]
-            if full not in tensors:
-                raise HFCheckpointError(f"{path}: the index names {full!r} but the shard lacks it")
-            code = tensors[full][0]
-            allowed = (RAW_CODE[short], "U8") if short in RAW else ("BF16", "F32")
-            if code not in allowed:
-                raise HFCheckpointError(f"{path}: {full} has dtype {code}, expected {' or '.join(allowed)}")
-            if mmap and shard not in maps:
-                maps[shard] = _map(path)
-            out[L][short] = _tensor(path, tensors[full], start, maps.get(shard))
+        out[L] = {short: names[short] for short in NAMES}
     return out
+
+
+def _open_shards(ckpt_dir, names, mmap, stack) -> dict:
+    """{shard: SafetensorsFile} of every shard an Engram tensor lives in (headers checked)."""
+    files = {}
+    for L, layer in names.items():
+        for full, shard in layer.values():
+            if shard in files:
+                continue
+            path = os.path.join(ckpt_dir, shard)
+            try:
+                files[shard] = stack.enter_context(SafetensorsFile(path, HFCheckpointError, mmap=mmap))
+            except FileNotFoundError:
+                raise _err(path, f"missing (the index names it for {full!r})") from None
+    return files
+
+
+def _check_shapes(cfg, names, files):
+    """Every Engram tensor's dtype and shape against the config, the table rows only against
+    the least rows the prime chain can need and the declared rows: cheap, so before the prime
+    search (which a hostile config.json could make run for hours). Returns {layer: rows}."""
+    rows = {}
+    for L, layer in names.items():
+        for short, (full, shard) in layer.items():
+            f = files[shard]
+            t = f.tensors.get(full)
+            if t is None:
+                raise _err(f.path, f"the index names {full!r} but the shard lacks it")
+            allowed = (RAW_CODE[short], "U8") if short in RAW else ("BF16", "F32")
+            if t.code not in allowed:
+                raise _err(f.path, f"tensor {full!r} has dtype {t.code}, expected {' or '.join(allowed)}")
+        t = files[layer["embed.weight"][1]].tensors[layer["embed.weight"][0]]
+        rows[L] = t.shape[0] if len(t.shape) == 2 else -1
+        for short, want in shapes(cfg, rows[L]).items():
+            full, shard = layer[short]
+            got = files[shard].tensors[full].shape
+            if got != want:
+                raise _err(files[shard].path, f"tensor {full!r} has shape {list(got)}, but config.json needs "
+                                              f"{list(want)}: wrong config.json or wrong shards")
+    least = min_chain_rows(cfg)
+    if min(rows.values()) < least or sum(rows.values()) < min_chain_rows(cfg, len(rows)):
+        raise HFCheckpointError(f"config.json: tables of {list(rows.values())} rows cannot hold its prime chain "
+                                f"(at least {least} rows a layer, more over all layers): wrong config.json or "
+                                f"wrong shards")
+    if cfg.num_embeddings is not None:
+        for (L, r), want in zip(rows.items(), cfg.num_embeddings):
+            if r != want:
+                raise HFCheckpointError(f"layer {L}: the table has {r} rows but config.json declares "
+                                        f"engram_num_embeddings {want}")
+    return rows
 
 
 def load_compression(ckpt_dir, cfg):
@@ -163,20 +185,45 @@ def load_compression(ckpt_dir, cfg):
     (decode="backend"; through the user's compression cache, see cached_compression), else
     None (identity). A tokenizer with fewer ids than the model's vocab_size (the embedding is
     padded past the last token) maps the ids it does not have, which no text produces, to the
-    pad id's compressed id."""
+    pad id's compressed id; one with more ids, or far fewer (VOCAB_PAD), is refused naming both
+    numbers, before any allocation of vocab_size."""
     npy, tok = os.path.join(ckpt_dir, COMPRESSION), os.path.join(ckpt_dir, "tokenizer.json")
     if os.path.isfile(npy):
-        return np.load(npy, allow_pickle=False)
+        return _read_lookup(npy, cfg)
     if not os.path.isfile(tok):
         return None
-    return _pad_lookup(cached_compression(tok), cfg)
+    return _pad_lookup(cached_compression(tok), cfg, tok)
 
 
-def _pad_lookup(lookup, cfg):
+def _read_lookup(npy, cfg):
+    """engram_compression.npy, its length checked against vocab_size before its data is read."""
+    with open_regular(npy, lambda m: _err(npy, m)) as f:
+        fmt = np.lib.format
+        try:
+            read = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(fmt.read_magic(f))
+            shape = None if read is None else read(f)[0]  # (a version-3 header: np.load checks it below)
+        except ValueError as e:
+            raise _err(npy, f"not a .npy lookup ({e})") from None
+        if shape is not None and shape != (cfg.vocab_size,):
+            raise _err(npy, f"holds {list(shape)} ids but config.json vocab_size is {cfg.vocab_size}")
+        f.seek(0)
+        return np.load(f, allow_pickle=False)
+
+
+def _pad_lookup(lookup, cfg, source, error=HFCheckpointError):
     """lookup extended to cfg.vocab_size with the pad id's compressed id (ids past the
-    tokenizer's last one, which no text produces)."""
-    if len(lookup) < cfg.vocab_size and cfg.pad_id < len(lookup):
-        lookup = np.concatenate([lookup, np.full(cfg.vocab_size - len(lookup), lookup[cfg.pad_id])])
+    tokenizer's last one, which no text produces); refused naming both numbers when the
+    tokenizer has more ids than vocab_size or far fewer (VOCAB_PAD)."""
+    n, V = len(lookup), cfg.vocab_size
+    if n > V:
+        raise error(f"{source} has {n} token ids but config.json vocab_size is {V}: the tokenizer is not this "
+                    f"model's (or vocab_size is wrong)")
+    if V - n > max(VOCAB_PAD, n // 8):
+        raise error(f"config.json vocab_size is {V} but {source} has {n} token ids: a model's vocab passes its "
+                    f"tokenizer's by a little padding (at most {max(VOCAB_PAD, n // 8)} ids here), not by "
+                    f"{V - n}: wrong config.json or tokenizer.json")
+    if n < V and cfg.pad_id < n:
+        lookup = np.concatenate([lookup, np.full(V - n, lookup[cfg.pad_id])])
     return lookup
 
 
@@ -246,69 +293,75 @@ def cached_compression(tokenizer_json, decode="backend", cache=None):
     return lookup
 
 
-def load(ckpt_dir, mmap=True, compression=None):
-    """(cfg, plan, {layer: V41LayerWeights}) of a deepseek-v4.1 folder; see the module doc."""
-    ckpt_dir = os.fspath(ckpt_dir)
-    if not os.path.isfile(os.path.join(ckpt_dir, "config.json")):
+def read_config(ckpt_dir) -> EngramConfig:
+    """The folder's config.json as an EngramConfig; any problem a HFCheckpointError naming it."""
+    path = os.path.join(ckpt_dir, "config.json")
+    if not os.path.isfile(path):
         raise HFCheckpointError(f"{ckpt_dir}: no config.json")
-    cfg = EngramConfig.from_hf_config(ckpt_dir)
-    lookup = load_compression(ckpt_dir, cfg) if compression is None else compression
-    plan = HashPlan(cfg, compression=lookup)  # refuses mismatched table rows / compressed vocab
-    layers = {}
-    for L, t in engram_tensors(ckpt_dir, cfg, mmap).items():
-        want = shapes(cfg, plan.table_rows[L])
-        for short, shape in want.items():
-            if t[short].shape != shape:
-                raise HFCheckpointError(f"{ckpt_dir}: layer {L} {short} has shape {t[short].shape}, "
-                                        f"expected {shape}")
-        layers[L] = V41LayerWeights(cfg, plan.offsets[L], t["embed.weight"], t["embed.scale"],
-                                    t["wkv.weight"], t["wkv.scale"], np.asarray(t["q_weight"], np.float32),
-                                    np.asarray(t["k_weight"], np.float32))
+    with open_regular(path, lambda m: _err(path, m)) as f:
+        try:
+            hf = json.loads(f.read(MAX_HEADER + 1))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise _err(path, f"not JSON ({type(e).__name__})") from None
+    try:
+        return EngramConfig.from_hf_config(hf)
+    except (ValueError, TypeError) as e:
+        raise _err(path, str(e)) from None
+
+
+def load(ckpt_dir, mmap=True, compression=None):
+    """(cfg, plan, {layer: V41LayerWeights}) of a deepseek-v4.1 folder; see the module doc for
+    the order of the checks."""
+    ckpt_dir = os.fspath(ckpt_dir)
+    cfg = read_config(ckpt_dir)
+    names = _engram_names(ckpt_dir, cfg, weight_map(ckpt_dir))
+    with contextlib.ExitStack() as stack:
+        files = _open_shards(ckpt_dir, names, mmap, stack)
+        rows = _check_shapes(cfg, names, files)
+        lookup = load_compression(ckpt_dir, cfg) if compression is None else compression
+        try:
+            plan = HashPlan(cfg, compression=lookup)  # the prime search; refuses a mismatched compressed vocab
+        except (ValueError, TypeError) as e:
+            raise HFCheckpointError(f"{ckpt_dir}: {e}") from None
+        layers = {}
+        for L, layer in names.items():
+            if rows[L] != plan.table_rows[L]:
+                path = files[layer["embed.weight"][1]].path
+                raise _err(path, f"tensor {layer['embed.weight'][0]!r} has {rows[L]} rows, the prime chain of "
+                                 f"config.json needs {plan.table_rows[L]}")
+            t = {short: files[shard].array(full) for short, (full, shard) in layer.items()}
+            layers[L] = V41LayerWeights(cfg, plan.offsets[L], t["embed.weight"], t["embed.scale"],
+                                        t["wkv.weight"], t["wkv.scale"], np.asarray(t["q_weight"], np.float32),
+                                        np.asarray(t["k_weight"], np.float32))
     return cfg, plan, layers
 
 
+def folder_of(path):
+    """The deepseek-v4.1 folder that file `path` belongs to (config.json, the index or a shard
+    of one), or None: for the hint "pass the folder"."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if OWN_FILES.fullmatch(os.path.basename(path)) and os.path.isfile(os.path.join(folder, "config.json")) and (
+            os.path.isfile(os.path.join(folder, INDEX)) or os.path.isfile(os.path.join(folder, "model.safetensors"))):
+        return folder
+    return None
+
+
 # --- writing ------------------------------------------------------------------------------------
-class Tensor:
-    """A tensor to write: name, safetensors dtype code, shape, and chunks(): its bytes in order."""
-
-    def __init__(self, name, code, shape, chunks):
-        self.name, self.code, self.shape, self.chunks = name, code, tuple(shape), chunks
-        self.nbytes = DTYPES[code].itemsize * int(np.prod(self.shape, dtype=np.int64))
+def _replaceable(name) -> bool:
+    """What an existing folder may hold for a save to replace it: the files a save writes (and
+    temps of them). Anything else (a full model's other files) makes the save refuse."""
+    return OWN_FILES.fullmatch(name) is not None
 
 
-def _array_chunks(a):
-    a = np.ascontiguousarray(a)
-    flat = a.reshape(-1).view(np.uint8) if a.size else np.zeros(0, np.uint8)
-    return lambda: (flat[i:i + CHUNK_BYTES] for i in range(0, flat.size, CHUNK_BYTES))
-
-
-def _write_shard(path, tensors):
-    # element size order (4, 2, 1 bytes): every tensor aligned to its element size
-    tensors = sorted(tensors, key=lambda t: -DTYPES[t.code].itemsize)
-    hdr, pos = {"__metadata__": {"format": "pt"}}, 0
-    for t in tensors:
-        hdr[t.name] = {"dtype": t.code, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
-        pos += t.nbytes
-    head = json.dumps(hdr, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-    with atomic_output(path) as f:  # a temp file of its own, fsynced, renamed: never a half shard
-        f.write(struct.pack("<Q", len(head)) + head)
-        for t in tensors:
-            written = 0
-            for c in t.chunks():
-                c = np.ascontiguousarray(c)
-                c.tofile(f)
-                written += c.nbytes
-            if written != t.nbytes:
-                raise RuntimeError(f"{t.name}: wrote {written} bytes, expected {t.nbytes}")
-    return pos
-
-
-def write(ckpt_dir, cfg, tensors, n_shards=2, tokenizer=None, compression=None):
-    """Write a deepseek-v4.1 folder: config.json, tensors over n_shards shards (largest first,
-    each to the emptiest shard), the index, and tokenizer.json (a tokenizers.Tokenizer, or the
-    path of a tokenizer.json to copy) or the compression lookup as engram_compression.npy."""
-    os.makedirs(ckpt_dir, exist_ok=True)
+def write(ckpt_dir, cfg, tensors, n_shards=2, tokenizer=None, compression=None, progress=None,
+          before_write=None):
+    """Write a deepseek-v4.1 folder: config.json, tensors (io.safetensors.Tensor) over n_shards
+    shards (largest first, each to the emptiest shard), the index, and tokenizer.json (a
+    tokenizers.Tokenizer, or the path of a tokenizer.json to copy) or the compression lookup as
+    engram_compression.npy. The folder is written beside `ckpt_dir` and swapped in whole
+    (io.files.atomic_folder): an existing checkpoint there stays whole until the new one
+    replaces it; a folder holding other files is refused (ValueError) before anything is
+    written. before_write(total_bytes) runs once the size is known; progress(done, total)."""
     n_shards = max(1, min(n_shards, len(tensors)))
     shards = [[] for _ in range(n_shards)]
     fill = [0] * n_shards
@@ -317,20 +370,30 @@ def write(ckpt_dir, cfg, tensors, n_shards=2, tokenizer=None, compression=None):
         shards[i].append(t)
         fill[i] += t.nbytes
     files = [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
-    total = sum(_write_shard(os.path.join(ckpt_dir, f), ts) for f, ts in zip(files, shards))
-    index = {"metadata": {"total_size": total},
-             "weight_map": {t.name: f for f, ts in zip(files, shards) for t in ts}}
-    with open(os.path.join(ckpt_dir, INDEX), "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
-    with open(os.path.join(ckpt_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg.to_hf_config(), f, indent=2)
-    if isinstance(tokenizer, (str, os.PathLike)):  # a tokenizer.json file: copied as it is
-        import shutil
-        shutil.copyfile(tokenizer, os.path.join(ckpt_dir, "tokenizer.json"))
-    elif tokenizer is not None:
-        tokenizer.save(os.path.join(ckpt_dir, "tokenizer.json"))
-    elif compression is not None:
-        np.save(os.path.join(ckpt_dir, COMPRESSION), np.asarray(compression, np.int64), allow_pickle=False)
+    layouts = [safetensors.Layout(ts, {"format": "pt"}) for ts in shards]
+    index = json.dumps({"metadata": {"total_size": sum(lay.data_bytes for lay in layouts)},
+                        "weight_map": {t.name: f for f, ts in zip(files, shards) for t in ts}},
+                       indent=2, sort_keys=True).encode()
+    config = json.dumps(cfg.to_hf_config(), indent=2).encode()
+    total = sum(lay.nbytes for lay in layouts) + len(index) + len(config)
+    if before_write is not None:
+        before_write(total)
+    with atomic_folder(ckpt_dir, _replaceable) as tmp:
+        done = 0
+        for name, lay in zip(files, layouts):
+            with open(os.path.join(tmp, name), "xb") as f:
+                done = lay.write_to(f, progress, done, total)
+        for name, data in ((INDEX, index), ("config.json", config)):
+            with open(os.path.join(tmp, name), "xb") as f:
+                f.write(data)
+        if isinstance(tokenizer, (str, os.PathLike)):  # a tokenizer.json file: copied as it is
+            import shutil
+            shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.json"))
+        elif tokenizer is not None:
+            tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        elif compression is not None:
+            with open(os.path.join(tmp, COMPRESSION), "xb") as f:
+                np.save(f, np.asarray(compression, np.int64), allow_pickle=False)
     return ckpt_dir
 
 
@@ -340,16 +403,13 @@ def declared(cfg, plan) -> EngramConfig:
                                    "compressed_vocab_size": plan.compressed_vocab})
 
 
-def save(cfg, plan, layers, path, n_shards=2):
-    """model.save() for deepseek-v4.1: the HF folder layout (see the module doc)."""
-    tensors = []
-    for L in cfg.layer_ids:
-        w = layers[L]
-        for short in NAMES:
-            a = getattr(w, short.replace(".", "_"))
-            code = RAW_CODE.get(short, "F32")
-            tensors.append(Tensor(f"layers.{L}.engram.{short}", code, a.shape, _array_chunks(a)))
-    return write(os.fspath(path), declared(cfg, plan), tensors, n_shards=n_shards, compression=plan.lookup)
+def save(cfg, plan, layers, path, n_shards=2, progress=None, before_write=None):
+    """model.save() for deepseek-v4.1: the HF folder layout (see the module doc), swapped in whole."""
+    tensors = [Tensor.of(f"layers.{L}.engram.{short}", getattr(layers[L], short.replace(".", "_")),
+                         code=RAW_CODE.get(short, "F32"), chunk_bytes=CHUNK_BYTES)
+               for L in cfg.layer_ids for short in NAMES]
+    return write(os.fspath(path), declared(cfg, plan), tensors, n_shards=n_shards, compression=plan.lookup,
+                 progress=progress, before_write=before_write)
 
 
 # --- synthetic checkpoints (tests, benchmarks) ---------------------------------------------------
@@ -396,7 +456,7 @@ def make_synthetic(ckpt_dir, cfg, seed=0, n_shards=3, tokenizer=True, qk_dtype="
         if len(lookup) > cfg.vocab_size:
             raise ValueError(f"{tok}: the tokenizer has {len(lookup)} ids but vocab_size is {cfg.vocab_size}: "
                              f"use a vocab_size of at least {len(lookup)}")
-        lookup = _pad_lookup(lookup, cfg)
+        lookup = _pad_lookup(lookup, cfg, tok, ValueError)
     elif tokenizer:
         from ..compression import build_compression
         tok = make_tokenizer(cfg.vocab_size, cfg.pad_id, cfg.image_token_id)
@@ -421,9 +481,8 @@ def make_synthetic(ckpt_dir, cfg, seed=0, n_shards=3, tokenizer=True, qk_dtype="
             tensors.append(Tensor(f"layers.{L}.engram.{short}", code, shape,
                                   _random_chunks(seed * 1000 + i * 10 + j, shape, makers[short])))
         if decoys:  # other parts of a layer, never read by the loader
-            tensors.append(Tensor(f"layers.{L}.attn_norm.weight", "BF16", (D,),
-                                  _array_chunks(np.ones(D, DTYPES["BF16"]))))
+            tensors.append(Tensor.of(f"layers.{L}.attn_norm.weight", np.ones(D, DTYPES["BF16"])))
     if decoys:
-        tensors.append(Tensor("embed.weight", "BF16", (8, D), _array_chunks(np.zeros((8, D), DTYPES["BF16"]))))
+        tensors.append(Tensor.of("embed.weight", np.zeros((8, D), DTYPES["BF16"])))
     write(ckpt_dir, out_cfg, tensors, n_shards=n_shards, tokenizer=tok)
     return out_cfg

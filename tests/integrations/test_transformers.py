@@ -478,16 +478,16 @@ def test_one_folder_feeds_transformers_and_engram_stream(tmp_path):
     import json
 
     from engram_stream import build_compression
+    from engram_stream.io import safetensors
     from engram_stream.v41 import hf as hf_v41
     model = hf_model(torch.bfloat16, rms_norm_eps=1e-20)   # V4.1's text model: one eps, the Engram's too
     model.save_pretrained(tmp_path, max_shard_size="200KB")
     cfg = EngramConfig(**gen.config_fields(SPEC))
     tok = hf_v41.make_tokenizer(cfg.vocab_size, cfg.pad_id, cfg.image_token_id)
     source = EngramModel.init(cfg, seed=5, compression=build_compression(tok, decode="backend"))
-    tensors = [hf_v41.Tensor(f"layers.{L}.engram.{short}", hf_v41.RAW_CODE.get(short, "F32"), a.shape,
-                             hf_v41._array_chunks(a))
+    tensors = [safetensors.Tensor.of(f"layers.{L}.engram.{short}", a, code=hf_v41.RAW_CODE.get(short, "F32"))
                for L in cfg.layer_ids for short, a in source.layer(L).arrays().items()]
-    hf_v41._write_shard(str(tmp_path / "engram-00001.safetensors"), tensors)
+    safetensors.write(str(tmp_path / "engram-00001.safetensors"), tensors, {"format": "pt"})
     index = json.loads((tmp_path / hf_v41.INDEX).read_text())
     index["weight_map"].update({t.name: "engram-00001.safetensors" for t in tensors})
     (tmp_path / hf_v41.INDEX).write_text(json.dumps(index))

@@ -528,7 +528,9 @@ HOSTILE = {
     "offsets past end": (_set("layers.4.value_proj.bias", "data_offsets", [10 ** 9, 10 ** 9 + 96]), "past the end"),
     "overlap": (_overlap, "overlap"),
     "span vs shape": (_set("layers.1.value_proj.bias", "shape", [25]), "needs"),
-    "unknown dtype": (_set("layers.1.value_proj.bias", "dtype", "U16"), "unsupported dtype"),
+    "unknown dtype": (_set("layers.1.value_proj.bias", "dtype", "X99"), "dtype X99, expected F32"),
+    "dtype not read": (_replace("layers.1.value_proj.bias", dtype="U16", shape=[48]), "dtype U16, expected F32"),
+    "span vs other dtype": (_set("layers.1.value_proj.bias", "dtype", "U16"), "U16 \\[24\\] needs 48"),
     "negative shape": (_set("layers.1.value_proj.bias", "shape", [-24]), "non-negative"),
     "bad offsets": (_set("layers.1.value_proj.bias", "data_offsets", [5]), "data_offsets"),
     "dtype vs config": (_replace("layers.1.value_proj.bias", dtype="F16", shape=[48]), "dtype F16, expected F32"),
@@ -656,3 +658,36 @@ def test_header_needing_a_long_prime_search_is_refused_quickly(tmp_path):
     prime search (minutes here) never starts."""
     r = run_python(["-c", SLOW_CHAIN, str(tmp_path / "slow.st")], timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+KILLED_SAVE = r"""
+import os, signal, sys
+from engram_stream import EngramModel
+model, path = EngramModel.load(sys.argv[1]), sys.argv[2]
+
+
+def progress(done, total):  # SIGKILL mid-write: no cleanup of any kind runs
+    if done > total // 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+model.save(path, progress=progress)
+"""
+
+
+def test_every_save_sweeps_the_temps_of_killed_writers(saved, tmp_path):
+    """Saves SIGKILLed mid-write leave partial temps beside the file (they piled up: 3 kills, 3
+    temps); every save (not only `engram-stream init`) removes those of dead writers first, and
+    keeps the temps of live ones."""
+    m, p = saved
+    for _ in range(3):
+        r = run_python(["-c", KILLED_SAVE, p, p], timeout=120)
+        assert r.returncode == -9, r.stderr[-2000:]
+    temps = [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+    assert len(temps) == 1   # each killed save swept the one before it
+    live = tmp_path / f"{os.path.basename(p)}.tmp-1.0123"   # pid 1 runs: its temp stays
+    live.write_bytes(b"x")
+    m.save(p)
+    assert sorted(n for n in os.listdir(tmp_path) if ".tmp-" in n) == [live.name]
+    back = EngramModel.load(p)
+    assert all(np.array_equal(v, back.state_dict(L)[k]) for L in CFG.layer_ids for k, v in m.state_dict(L).items())

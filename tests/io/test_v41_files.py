@@ -11,6 +11,7 @@ import pytest
 
 from engram_stream import EngramConfig, EngramModel, build_compression
 from engram_stream import hf_v41
+from conftest import run_python
 
 SMALL = dict(variant="deepseek-v4.1", engram_vocab_size=[211, 211, 211], max_ngram_size=4,
              n_embed_per_ngram=64, n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64,
@@ -81,8 +82,8 @@ def test_loader_accepts_model_prefix_f32_qk_and_single_file(tmp_path):
     for L in (1, 4):
         for short in hf_v41.NAMES:
             a = getattr(m.layer(L), short.replace(".", "_"))
-            tensors.append(hf_v41.Tensor(f"model.layers.{L}.engram.{short}", hf_v41.RAW_CODE.get(short, "F32"),
-                                         a.shape, hf_v41._array_chunks(a)))
+            tensors.append(hf_v41.Tensor.of(f"model.layers.{L}.engram.{short}", a,
+                                            code=hf_v41.RAW_CODE.get(short, "F32")))
     hf_v41.write(tmp_path, hf_v41.declared(m.cfg, m.plan), tensors, n_shards=1)
     os.rename(tmp_path / "model-00001-of-00001.safetensors", tmp_path / "model.safetensors")
     os.remove(tmp_path / hf_v41.INDEX)
@@ -123,10 +124,10 @@ def test_truncated_or_missing_shards_are_refused(tmp_path):
     shard = sorted(p for p in os.listdir(tmp_path) if p.endswith(".safetensors"))[0]
     with open(tmp_path / shard, "r+b") as f:
         f.truncate(os.path.getsize(tmp_path / shard) - 100)
-    with pytest.raises(hf_v41.HFCheckpointError, match="do not fit"):
+    with pytest.raises(hf_v41.HFCheckpointError, match="past the end of the file"):
         EngramModel.from_deepseek_v41(tmp_path)
     os.remove(tmp_path / shard)
-    with pytest.raises(OSError):
+    with pytest.raises(hf_v41.HFCheckpointError, match="missing"):
         EngramModel.from_deepseek_v41(tmp_path)
     with pytest.raises(hf_v41.HFCheckpointError, match="no config.json"):
         EngramModel.from_deepseek_v41(tmp_path / "nothing")
@@ -147,7 +148,7 @@ def test_hostile_shards_are_refused_cleanly(tmp_path):
     os.remove(tmp_path / shards[0])
     deep = b"[" * 100_000 + b"]" * 100_000
     (tmp_path / shards[0]).write_bytes(len(deep).to_bytes(8, "little") + deep)
-    with pytest.raises(hf_v41.HFCheckpointError, match="not JSON"):
+    with pytest.raises(hf_v41.HFCheckpointError, match="not valid JSON"):
         EngramModel.from_deepseek_v41(tmp_path)
     (tmp_path / shards[0]).write_bytes(saved)
     (tmp_path / hf_v41.INDEX).write_text("{" * 100_000)
@@ -155,28 +156,32 @@ def test_hostile_shards_are_refused_cleanly(tmp_path):
         EngramModel.from_deepseek_v41(tmp_path)
 
 
-def test_shard_writes_are_atomic_and_never_follow_a_planted_link(tmp_path, monkeypatch):
-    """A shard is written to a temp file of its own and renamed: a failing write leaves the old
-    shard and no temp file; a symlink planted at the temp name is neither followed nor removed."""
+def test_folder_writes_never_follow_a_planted_link_and_leave_the_old_folder(tmp_path, monkeypatch):
+    """The new folder is made beside the old one under a name of its own: a symlink planted at
+    that name is neither followed nor removed; a failing write leaves the old folder whole and
+    no temp behind."""
     from engram_stream.io import files
     m = EngramModel.init(EngramConfig(**SMALL), seed=0)
-    m.save(tmp_path)
-    before = {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)}
-    victim = tmp_path.parent / f"{tmp_path.name}-victim"
-    victim.write_bytes(b"keep me")
+    folder = tmp_path / "ckpt"
+    m.save(folder)
+    before = {p: (folder / p).read_bytes() for p in os.listdir(folder)}
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_bytes(b"keep me")
     planted = str(tmp_path / "planted.tmp")
     os.symlink(victim, planted)
     monkeypatch.setattr(files, "_temp_name", lambda path: planted)
     with pytest.raises(FileExistsError):
-        m.save(tmp_path)
-    assert victim.read_bytes() == b"keep me" and os.path.islink(planted)
+        m.save(folder)
+    assert os.listdir(victim) == ["keep"] and os.path.islink(planted)
     os.remove(planted)
     monkeypatch.undo()
     monkeypatch.setattr(files.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):
-        m.save(tmp_path)
+        m.save(folder)
     monkeypatch.undo()
-    assert {p: (tmp_path / p).read_bytes() for p in os.listdir(tmp_path)} == before  # old files, no temps
+    assert {p: (folder / p).read_bytes() for p in os.listdir(folder)} == before
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "victim"]   # no temp folder left
 
 
 # --- build_compression(decode=) ------------------------------------------------------------------
@@ -267,3 +272,280 @@ def test_tokenizer_shorter_than_vocab_maps_the_rest_to_pad(tmp_path):
     back = EngramModel.from_deepseek_v41(tmp_path)
     assert len(back.plan.lookup) == 300 and (back.plan.lookup[250:] == back.plan.lookup[2]).all()
     assert np.array_equal(back.plan.lookup, m.plan.lookup)
+
+
+# --- hostile folders: every refusal a HFCheckpointError naming the file (and tensor) -------------
+
+def _saved_small(tmp_path, seed=0):
+    m = EngramModel.init(EngramConfig(**SMALL), seed=seed)
+    m.save(tmp_path / "ckpt")
+    return m, tmp_path / "ckpt"
+
+
+def _weight_map(folder):
+    with open(folder / hf_v41.INDEX) as f:
+        return json.load(f)["weight_map"]
+
+
+def _edit_index(folder, edit):
+    with open(folder / hf_v41.INDEX) as f:
+        index = json.load(f)
+    edit(index["weight_map"])
+    (folder / hf_v41.INDEX).write_text(json.dumps(index))
+
+
+def _edit_header(shard, edit):
+    """Rewrite one shard's JSON header through edit(header dict), keeping its data bytes."""
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    hdr = json.loads(raw[8:8 + n])
+    edit(hdr)
+    js = json.dumps(hdr).encode()
+    js += b" " * (-len(js) % 8)
+    shard.write_bytes(len(js).to_bytes(8, "little") + js + raw[8 + n:])
+
+
+def _set_entry(name, field, value):
+    def edit(hdr):
+        hdr[name][field] = value
+    return edit
+
+
+HF_HOSTILE = {  # tensor: (edit of its entry, what the message says)
+    "float offsets": ("layers.1.engram.q_weight", lambda e: e.update(data_offsets=[float(x) for x in e["data_offsets"]]),
+                      "data_offsets"),
+    "shape product past 2**64": ("layers.4.engram.k_weight",
+                                 lambda e: e.update(shape=[2 ** 32, 2 ** 32], data_offsets=[e["data_offsets"][0]] * 2),
+                                 "needs"),
+    "shape of floats": ("layers.1.engram.embed.scale", lambda e: e.update(shape=[float(s) for s in e["shape"]]), "shape"),
+    "offsets reversed": ("layers.4.engram.wkv.scale", lambda e: e.update(data_offsets=e["data_offsets"][::-1]),
+                         "data_offsets"),
+    "entry not an object": ("layers.1.engram.wkv.weight", None, "entry"),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_HOSTILE))
+def test_hf_reader_errors_name_the_file_and_the_tensor(tmp_path, case):
+    name, edit, match = HF_HOSTILE[case]
+    _, folder = _saved_small(tmp_path)
+    shard = folder / _weight_map(folder)[name]
+
+    def change(hdr):
+        if edit is None:
+            hdr[name] = [1, 2, 3]
+        else:
+            edit(hdr[name])
+    _edit_header(shard, change)
+    with pytest.raises(hf_v41.HFCheckpointError, match=match) as e:
+        EngramModel.from_deepseek_v41(folder)
+    assert str(shard) in str(e.value) and name in str(e.value)
+
+
+def test_a_missing_shard_names_the_file_and_a_tensor_it_holds(tmp_path):
+    _, folder = _saved_small(tmp_path)
+    wm = _weight_map(folder)
+    os.remove(folder / wm["layers.1.engram.embed.weight"])
+    with pytest.raises(hf_v41.HFCheckpointError, match="missing") as e:
+        EngramModel.from_deepseek_v41(folder)
+    shard = wm["layers.1.engram.embed.weight"]
+    assert str(folder / shard) in str(e.value)
+    assert any(n in str(e.value) for n, s in wm.items() if s == shard)
+
+
+@pytest.mark.parametrize("bad", ["../outside.safetensors", "ABS", "sub/../../outside.safetensors", 7, None, ""])
+def test_index_names_must_stay_inside_the_folder(tmp_path, bad):
+    """A weight_map entry naming a file outside the folder (.., absolute) is refused even though
+    the file exists and is a valid shard; a name that is not a string is refused the same way."""
+    _, folder = _saved_small(tmp_path)
+    wm = _weight_map(folder)
+    shard = wm["layers.4.engram.wkv.weight"]
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes((folder / shard).read_bytes())
+    bad = str(outside) if bad == "ABS" else bad
+
+    def edit(w):
+        for n, s in w.items():
+            if s == shard:
+                w[n] = bad
+    _edit_index(folder, edit)
+    with pytest.raises(hf_v41.HFCheckpointError, match="weight_map") as e:
+        EngramModel.from_deepseek_v41(folder)
+    assert hf_v41.INDEX in str(e.value) and repr(bad) in str(e.value)
+
+
+def test_symlinked_shards_as_hf_caches_build_them_load(tmp_path):
+    """A Hugging Face cache's snapshot folder holds symlinks into ../../blobs: allowed."""
+    m, folder = _saved_small(tmp_path)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    snap = tmp_path / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for name in os.listdir(folder):
+        os.rename(folder / name, blobs / f"blob-{name}")
+        os.symlink(os.path.join("..", "..", "blobs", f"blob-{name}"), snap / name)
+    back = EngramModel.from_deepseek_v41(snap)
+    ids, h = inputs(5)
+    assert np.array_equal(back.forward(4, ids, h), m.forward(4, ids, h))
+
+
+def test_an_index_naming_both_prefixes_for_a_layer_is_refused(tmp_path):
+    """layers.L.engram.* and model.layers.L.engram.* in one index: which is the model's? Refused,
+    naming both, instead of silently picking one."""
+    _, folder = _saved_small(tmp_path)
+
+    def edit(w):
+        w["model.layers.4.engram.q_weight"] = w["layers.4.engram.q_weight"]
+    _edit_index(folder, edit)
+    with pytest.raises(hf_v41.HFCheckpointError, match="layers.4.engram.q_weight.*model.layers.4.engram.q_weight"):
+        EngramModel.from_deepseek_v41(folder)
+
+
+HOSTILE_CONFIG = r"""
+import json, sys, time
+from engram_stream import EngramModel
+from engram_stream.errors import HFCheckpointError
+folder = sys.argv[1]
+with open(folder + "/config.json") as f:
+    hf = json.load(f)
+hf.update(json.loads(sys.argv[2]))
+hf.pop("engram_num_embeddings", None)
+with open(folder + "/config.json", "w") as f:
+    json.dump(hf, f)
+t0 = time.monotonic()
+try:
+    EngramModel.from_deepseek_v41(folder)
+except HFCheckpointError as e:
+    print(e)
+else:
+    sys.exit("loaded")
+assert time.monotonic() - t0 < 10, time.monotonic() - t0
+"""
+
+
+@pytest.mark.parametrize("change", [
+    {"engram_max_ngram_size": 64, "engram_n_heads": 10 ** 6},     # hours of prime search over tiny shards
+    {"engram_vocab_size": 2 ** 61, "engram_n_heads": 20000},      # minutes near 2**61
+])
+def test_hostile_config_json_is_refused_before_the_prime_search(tmp_path, change):
+    """Cheap invariants first (the tensors' shapes, the least rows the prime chain can need), as the
+    demo loader does: the search never starts (in a subprocess: a hang fails the test, not the run)."""
+    _, folder = _saved_small(tmp_path)
+    r = run_python(["-c", HOSTILE_CONFIG, str(folder), json.dumps(change)], timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "config.json" in r.stdout
+
+
+VOCAB_PAST_TOKENIZER = r"""
+import json, resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))   # a 16 GiB lookup fails loudly, never swaps
+from engram_stream import EngramModel
+from engram_stream.errors import HFCheckpointError
+folder = sys.argv[1]
+with open(folder + "/config.json") as f:
+    hf = json.load(f)
+hf["vocab_size"] = 2 ** 31
+with open(folder + "/config.json", "w") as f:
+    json.dump(hf, f)
+try:
+    EngramModel.from_deepseek_v41(folder)
+except HFCheckpointError as e:
+    print(e)
+else:
+    sys.exit("loaded")
+"""
+
+
+def test_vocab_size_far_past_the_tokenizer_is_refused_naming_both(tmp_path):
+    """config.json's vocab_size 2**31 with a 300-token tokenizer: refused before the lookup is
+    padded to 2**31 entries (16 GiB), naming both numbers."""
+    pytest.importorskip("tokenizers")
+    hf_v41.make_synthetic(tmp_path, EngramConfig(**SMALL), seed=0, n_shards=2)
+    r = run_python(["-c", VOCAB_PAST_TOKENIZER, str(tmp_path)], timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert str(2 ** 31) in r.stdout and "300" in r.stdout and "tokenizer.json" in r.stdout
+
+
+def test_a_tokenizer_longer_than_vocab_size_is_refused_naming_both(tmp_path):
+    pytest.importorskip("tokenizers")
+    hf_v41.make_synthetic(tmp_path, EngramConfig(**SMALL), seed=0, n_shards=2)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["vocab_size"] = 299
+    hf["image_token_id"] = 298
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(hf_v41.HFCheckpointError, match="299.*300|300.*299"):
+        EngramModel.from_deepseek_v41(tmp_path)
+
+
+# --- saves: all of the old folder or all of the new one; temps of killed writers swept -----------
+
+KILLED_SAVE = r"""
+import json, os, signal, sys
+from engram_stream import EngramConfig, EngramModel
+cfg, path, kill_at, seed = EngramConfig(**json.loads(sys.argv[1])), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+model = EngramModel.init(cfg, seed=seed)
+calls, real = [0], os.fsync
+
+
+def fsync(fd):  # SIGKILL at the kill_at-th fsync of the save: no cleanup of any kind runs
+    calls[0] += 1
+    if calls[0] == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(fd)
+
+
+os.fsync = fsync
+model.save(path)
+print(calls[0])
+"""
+
+
+def killed_save(cfg_fields, path, kill_at, seed):
+    """Run model(seed).save(path) in a child SIGKILLed at its kill_at-th fsync; True if killed."""
+    r = run_python(["-c", KILLED_SAVE, json.dumps(cfg_fields), str(path), str(kill_at), str(seed)], timeout=120)
+    assert r.returncode in (0, -9), r.stderr[-2000:]
+    return r.returncode == -9
+
+
+def _same_weights(a, b):
+    return all(np.array_equal(getattr(a.layer(L), n), getattr(b.layer(L), n))
+               for L in a.cfg.layer_ids for n in ("embed_weight", "embed_scale", "wkv_weight", "wkv_scale",
+                                                 "q_weight", "k_weight"))
+
+
+@pytest.mark.parametrize("kill_at", [1, 2, 3, 4, 5, 6, 1000])
+def test_a_save_killed_anywhere_leaves_all_of_a_or_all_of_b(tmp_path, kill_at):
+    """B.save(folder of A), SIGKILLed at any of its fsyncs (after the first shard, between the
+    shards and the index, ...): the folder loads as A whole or B whole, never a mix (1000: not
+    killed, B whole); the next save sweeps the dead writer's temps."""
+    fields = {**SMALL, "layer_ids": [1, 4, 6]}   # three layers: shards of several tensors each
+    cfg = EngramConfig(**fields)
+    a, b = EngramModel.init(cfg, seed=1), EngramModel.init(cfg, seed=2)
+    folder = tmp_path / "ckpt"
+    a.save(folder)
+    killed = killed_save(fields, folder, kill_at, seed=2)
+    assert killed == (kill_at <= 6)   # this save fsyncs 4 files, the new folder, then its parent
+    back = EngramModel.from_deepseek_v41(folder)
+    assert _same_weights(back, a) or _same_weights(back, b)
+    assert _same_weights(back, b) or killed
+    del back
+    a.save(folder)   # sweeps what the killed writer left
+    leftovers = [p for p in os.listdir(tmp_path) + os.listdir(folder) if ".tmp-" in p]
+    assert not leftovers, leftovers
+    assert _same_weights(EngramModel.from_deepseek_v41(folder), a)
+
+
+def test_save_refuses_a_folder_holding_other_files(tmp_path):
+    """Replacing a folder deletes what was in it: only a folder of the files a save writes is
+    replaced (a full model's folder, with its other shards and files, is refused, unchanged)."""
+    m = EngramModel.init(EngramConfig(**SMALL), seed=0)
+    folder = tmp_path / "full-model"
+    m.save(folder)
+    (folder / "tokenizer_config.json").write_text("{}")
+    before = {p: (folder / p).read_bytes() for p in os.listdir(folder)}
+    with pytest.raises(ValueError, match="tokenizer_config.json"):
+        EngramModel.init(EngramConfig(**SMALL), seed=1).save(folder)
+    assert {p: (folder / p).read_bytes() for p in os.listdir(folder)} == before
+    (tmp_path / "a-file").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a folder"):
+        m.save(tmp_path / "a-file")
+    assert (tmp_path / "a-file").read_bytes() == b"x"
