@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from . import __version__
-from .config import EngramConfig
+from .config import DEMO, EngramConfig
 
 DEMO_CONFIG = dict(engram_vocab_size=[20011, 20011], max_ngram_size=3, n_embed_per_ngram=128,
                    n_head_per_ngram=4, layer_ids=[1, 15], pad_id=2, seed=0, kernel_size=4,
@@ -108,20 +108,36 @@ def cmd_inspect(args):
     return 0
 
 
+def _read_config(path) -> EngramConfig:
+    """EngramConfig fields as JSON, or a deepseek-v4.1 model's own config.json (its engram_* keys)."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CliError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(d, dict) and ("engram_n_heads" in d or "engram_layer_ids" in d):
+        return EngramConfig.from_hf_config(d)
+    return EngramConfig.from_dict(d)
+
+
 def cmd_init(args):
     """Write a checkpoint of random weights; tables are drawn and written in pieces (flat memory)."""
     from .io.files import remove_stale_temps
     from .variants import variant_of
-    try:  # the inputs (cheap), then the output path: all before any real work
-        with open(args.config) as f:
-            cfg = EngramConfig.from_dict(json.load(f))
-    except json.JSONDecodeError as e:
-        raise CliError(f"{args.config}: not valid JSON ({e})") from None
+    cfg = _read_config(args.config)  # the inputs (cheap), then the output path: all before any real work
+    variant = variant_of(cfg)
+    folder = variant.is_checkpoint is os.path.isdir  # a checkpoint that is a folder (deepseek-v4.1's HF layout)
+    if folder and args.table_dtype is not None:
+        raise CliError(f"--table-dtype is for {DEMO} checkpoints: a {cfg.variant} checkpoint keeps its float8 tables")
+    if folder and args.output.endswith(".safetensors"):
+        raise CliError(f"{args.output}: a {cfg.variant} checkpoint is a folder (config.json, index, shards): "
+                       f"give a folder name, not a .safetensors file")
     compression = _load_lookup(args.compression) if args.compression else None
-    output = _check_output(args.output, args.force, inputs=[args.config, args.compression])
+    output = _check_output(args.output, args.force, inputs=[args.config, args.compression], folder=folder)
     for stale in remove_stale_temps(output):
         print(f"removed {stale} (left by a process that no longer runs)", file=sys.stderr)
-    dtype = args.table_dtype or "float32"
+    what = (f"folder ({cfg.variant} Hugging Face layout: config.json, index, shards), float8 tables" if folder
+            else f"{args.table_dtype or 'float32'} tables")
     bar = _Progress() if not args.quiet and sys.stderr.isatty() else None
 
     def before_write(total):  # the size is known, nothing is written yet
@@ -129,21 +145,23 @@ def cmd_init(args):
         if total > free:
             raise CliError(f"{output}: needs {_size(total)}, only {_size(free)} free on its file system")
         if not args.quiet:
-            print(f"writing {output}: {_size(total)} ({len(cfg.layer_ids)} layers, {dtype} tables)", flush=True)
+            print(f"writing {output}: {_size(total)} ({len(cfg.layer_ids)} layers, {what})", flush=True)
         if bar is not None:
             bar(0, total)
 
     with _cleanup_on_sigterm():
         try:
-            variant_of(cfg).save_init(cfg, output, seed=args.weight_seed, graft_zero_init=args.graft_zero,
-                                      compression=compression, table_dtype=args.table_dtype, progress=bar,
-                                      before_write=before_write)
+            variant.save_init(cfg, output, seed=args.weight_seed, graft_zero_init=args.graft_zero,
+                              compression=compression, table_dtype=args.table_dtype, progress=bar,
+                              before_write=before_write)
         except OSError as e:  # name the user's path, not the temp file the error happened in
             raise CliError(f"{output}: {e.strerror or e}") from None
         finally:
             if bar is not None:
                 print(file=sys.stderr)
-    print(f"wrote {output} ({_size(os.path.getsize(output))}, {dtype} tables, weights seed {args.weight_seed})")
+    size = (sum(os.path.getsize(os.path.join(output, f)) for f in os.listdir(output)) if folder
+            else os.path.getsize(output))
+    print(f"wrote {output} ({_size(size)}, {what}, weights seed {args.weight_seed})")
     return 0
 
 
@@ -151,21 +169,24 @@ def _size(nbytes) -> str:
     return f"{nbytes / 2**30:,.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MiB"
 
 
-def _check_output(output, force, inputs=()):
+def _check_output(output, force, inputs=(), folder=False):
     """Refuse an output path before any work: a folder that does not exist or is not
-    writable, an existing file without --force, or one of the command's own inputs."""
-    folder = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(folder):
-        raise CliError(f"{output}: folder {folder} does not exist")
-    if os.path.isdir(output):
+    writable, an existing file without --force, or one of the command's own inputs.
+    folder: the output is a folder (a deepseek-v4.1 checkpoint), not a file."""
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise CliError(f"{output}: folder {parent} does not exist")
+    if os.path.isdir(output) and not folder:
         raise CliError(f"{output}: is a folder (give a file name)")
+    if folder and os.path.lexists(output) and not os.path.isdir(output):
+        raise CliError(f"{output}: exists and is not a folder")
     for path in inputs:
         if path and os.path.exists(output) and os.path.exists(path) and os.path.samefile(output, path):
             raise CliError(f"{output}: is also an input of this command; choose another output")
     if os.path.lexists(output) and not force:
         raise CliError(f"{output}: exists; pass --force to overwrite it")
-    if not os.access(folder, os.W_OK):
-        raise CliError(f"{output}: folder {folder} is not writable")
+    if not os.access(parent, os.W_OK):
+        raise CliError(f"{output}: folder {parent} is not writable")
     return output
 
 
@@ -230,10 +251,12 @@ def cmd_build_compression(args):
 
 
 def cmd_bench(args):
-    """A short in-process comparison, repeated: engine step vs the fused-GEMV floor, 1 vs N streams."""
-    model = _model_for_demo(args)
+    """A short in-process comparison, repeated: engine step vs a floor, 1 vs N streams (the built-in
+    model, or --checkpoint: a checkpoint file or a deepseek-v4.1 folder, mapped)."""
+    from .model import EngramModel
+    model = EngramModel.load(args.checkpoint, mmap=True) if args.checkpoint else _model_for_demo(args)
     cfg = model.cfg
-    L = cfg.layer_ids[0]
+    L = cfg.layer_ids[0] if args.layer is None else model.plan.check_layer(args.layer)
     G, D = cfg.hc_mult, cfg.hidden_size
     rng = np.random.default_rng(args.seed)
     n = args.steps
@@ -253,18 +276,29 @@ def cmd_bench(args):
             return (time.perf_counter() - t0) / n
         return run
 
-    W = model.layer(L).proj_w
-    WT = np.ascontiguousarray(W.T)
-    e = rng.standard_normal(W.shape[1], dtype=np.float32)
+    W = model.variant.step_weights(model.layer(L))
+    if W.dtype == np.float32:  # the projection alone as one GEMV, the faster of both layouts
+        label = "fused-GEMV floor"
+        WT = np.ascontiguousarray(W.T)
+        e = rng.standard_normal(W.shape[1], dtype=np.float32)
 
-    def floor():  # the projection alone as one GEMV, the faster of both layouts
-        t0 = time.perf_counter()
-        for _ in range(n):
-            W @ e
-        t1 = time.perf_counter()
-        for _ in range(n):
-            e @ WT
-        return min(t1 - t0, time.perf_counter() - t1) / n
+        def floor():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                W @ e
+            t1 = time.perf_counter()
+            for _ in range(n):
+                e @ WT
+            return min(t1 - t0, time.perf_counter() - t1) / n
+    else:  # float8 / bf16 weights: numpy cannot multiply them fast; one read of their bytes instead
+        label = f"read of its {W.nbytes / 2**20:,.1f} MiB of weights"
+        words = W.reshape(-1).view(np.uint8)[:W.nbytes // 8 * 8].view(np.uint64)
+
+        def floor():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                np.bitwise_or.reduce(words)
+            return (time.perf_counter() - t0) / n
 
     one, many = stepper(1), stepper(args.streams)
     runs = {"floor": [], "one": [], "many": []}
@@ -276,11 +310,12 @@ def cmd_bench(args):
 
     def spread(k, scale=1e6):
         return f"{med[k] * scale:8.1f} us  [{t[k].min() * scale:.1f} .. {t[k].max() * scale:.1f}]"
-    print(f"config: D={D} G={G} H={cfg.n_heads}x{cfg.head_dim} (the demo model; bench/ has the full suite)")
+    what = f"{args.checkpoint}, layer {L}" if args.checkpoint else "the demo model; bench/ has the full suite"
+    print(f"config: D={D} G={G} H={cfg.n_heads}x{cfg.head_dim} ({what})")
     print(f"kernels: {_kernels()}")
     print(f"median of {args.repeat} repeats of {n} steps each, [min .. max] over the repeats; "
           f"ratios are medians of per-repeat ratios")
-    rows = [("fused-GEMV floor", "floor", ""),
+    rows = [(label, "floor", ""),
             ("engine step (1 stream)", "one", f"{np.median(t['one'] / t['floor']):.2f}x the floor"),
             (f"engine step ({args.streams} streams)", "many",
              f"{np.median(t['many'] / args.streams / t['one']):.2f}x one stream, per token")]
@@ -382,17 +417,26 @@ CONFIG_FIELDS = {
     "hidden_size": "backbone width D",
     "hc_mult": "hyper-connection streams G (1: a plain residual stream)",
     "vocab_size": "tokenizer vocab (length of a compression lookup)",
+    "variant": "\"demo-v1\" (the public demo module) or \"deepseek-v4.1\" (written as a folder, float8 tables)",
+    "norm_eps": "deepseek-v4.1: eps of the q/k gate's norm (null: 1e-20, Flash's)",
+    "image_token_id": "deepseek-v4.1: the DEAD (image) token: gate 0, cuts the n-gram history (null: 129264)",
+    "num_embeddings": "deepseek-v4.1: table rows per layer the checkpoint declares, checked (null: not declared)",
+    "compressed_vocab_size": "deepseek-v4.1: ids of the compression, checked (null: not declared)",
 }
 
 
 def _config_help() -> str:
     lines = ["config file: one JSON object of EngramConfig fields; a missing field takes its default",
-             "(the public demo's: a 2.6 GB float32 table per layer). Fields:"]
+             "(EngramConfig's, the public demo module's: D=1024 and a 2.6 GB float32 table per layer), or a",
+             "deepseek-v4.1 model's own config.json (its engram_* keys). Fields:"]
     for f in dataclasses.fields(EngramConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name:<18} {json.dumps(default):<18} {CONFIG_FIELDS.get(f.name, '')}")
+        lines.append(f"  {f.name:<21} {json.dumps(default):<18} {CONFIG_FIELDS.get(f.name, '')}")
     lines += ["example: {\"engram_vocab_size\": [20011, 20011], \"hidden_size\": 256, \"n_embed_per_ngram\": 128,",
-              "          \"n_head_per_ngram\": 4, \"vocab_size\": 32000}"]
+              "          \"n_head_per_ngram\": 4, \"vocab_size\": 32000}",
+              "deepseek-v4.1: {\"variant\": \"deepseek-v4.1\", \"engram_vocab_size\": [211, 211, 211], \"max_ngram_size\": 4,",
+              "          \"n_embed_per_ngram\": 64, \"n_head_per_ngram\": 2, \"hidden_size\": 64, \"vocab_size\": 300,",
+              "          \"image_token_id\": 299}  (-o names a folder)"]
     return "\n".join(lines)
 
 
@@ -480,11 +524,13 @@ def build_parser():
     s = command("init", cmd_init, "write a checkpoint of random (or graft-zero) weights from a config JSON",
                 epilog=_config_help())
     s.add_argument("config", help="JSON file of EngramConfig fields (format below)")
-    s.add_argument("-o", "--output", required=True, help="checkpoint file to write")
+    s.add_argument("-o", "--output", required=True,
+                   help="checkpoint to write: a file (demo-v1), a folder (deepseek-v4.1)")
     s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     s.add_argument("--graft-zero", action="store_true", help="zero value projection: output exactly 0")
-    s.add_argument("--table-dtype", choices=["float32", "float16", "int8"], default="float32",
-                   help="dtype of the tables in the file (int8: with a float32 scale per row)")
+    s.add_argument("--table-dtype", choices=["float32", "float16", "int8"], default=None,
+                   help="dtype of the tables in the file (int8: with a float32 scale per row); demo-v1 only "
+                        "(default: float32)")
     s.add_argument("--compression", metavar="LOOKUP.npy",
                    help="a compression lookup written by build-compression (default: identity)")
     s.add_argument("--weight-seed", "--seed", dest="weight_seed", type=_count(0), default=0,
@@ -496,7 +542,10 @@ def build_parser():
     s.add_argument("-o", "--output", required=True, help="file to write, exactly this name (.npy format)")
     s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
 
-    s = command("bench", cmd_bench, "engine step vs the GEMV floor, 1 vs N streams (quick; bench/ has the suite)")
+    s = command("bench", cmd_bench, "engine step vs its floor, 1 vs N streams (quick; bench/ has the suite)")
+    s.add_argument("--checkpoint", default=None,
+                   help="bench this model instead of the built-in one: a checkpoint file or a deepseek-v4.1 folder")
+    s.add_argument("--layer", type=int, default=None, help="the Engram layer to bench (default: the first)")
     s.add_argument("--steps", type=_count(1), default=500, help="steps per measurement")
     s.add_argument("--streams", type=_count(2), default=16, help="streams of the multi-stream engine")
     s.add_argument("--repeat", type=_count(1), default=5, help="measurements of each, to show the spread")

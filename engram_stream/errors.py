@@ -24,3 +24,11 @@ class FileChangedError(EngramStreamError, RuntimeError):
 class TierError(EngramStreamError, RuntimeError):
     """A row source failed (store unreachable, short read, timeout, closed): nothing it
     returned was used and the engine is as it was before the call."""
+
+
+class LayerError(EngramStreamError, KeyError):
+    """A layer id that is not one of the model's Engram layers (a KeyError, as a dict lookup
+    gives). Prints as its message, not as KeyError's quoted repr."""
+
+    def __str__(self):
+        return str(self.args[0]) if self.args else ""

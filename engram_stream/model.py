@@ -14,6 +14,7 @@ import numpy as np
 from .config import EngramConfig
 from .demo.weights import LayerWeights, aligned_zeros  # noqa: F401 (their old home)
 from .engine.args import check_hidden
+from .errors import CheckpointError
 from .io.files import check_file
 from .plan import HashPlan, as_ids
 from .variants import VARIANTS, variant_of
@@ -168,7 +169,15 @@ class EngramModel:
             raise ValueError(f"{path}: not a checkpoint of any variant")
         if (tables is not None or row_cache_mb) and not variant.row_tiers:
             raise ValueError(f"row tiers (tables=, row_cache_mb=) do not serve the {variant.name} engine yet")
-        model = cls(*variant.load(path, mmap=mmap or tables is not None))
+        try:
+            model = cls(*variant.load(path, mmap=mmap or tables is not None))
+        except CheckpointError:
+            for v in VARIANTS.values():  # a file of another variant's checkpoint folder: say what to pass
+                folder = v.folder_of(path)
+                if folder is not None:
+                    raise CheckpointError(f"{path}: this is a file of the {v.name} folder {folder}: pass the folder, "
+                                          f"not one of its files") from None
+            raise
         model.source = path
         if tables is not None or row_cache_mb:
             from .rows.tiers import RowTiers

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _hash
 from .config import EngramConfig, max_table_rows, min_chain_rows  # noqa: F401 (min_chain_rows: its old home)
+from .errors import LayerError
 
 PRIME_1 = 10007  # layer seed stride of the reference
 DEAD = -1  # V4.1: a compressed window entry that blocks history (image token, unknown, before start)
@@ -211,7 +212,7 @@ class HashPlan:
 
     def check_layer(self, layer) -> int:
         if layer not in self.head_primes:
-            raise KeyError(f"layer {layer!r} is not an Engram layer (layer_ids={self.cfg.layer_ids})")
+            raise LayerError(f"layer {layer!r} is not an Engram layer (layer_ids={self.cfg.layer_ids})")
         return layer
 
     def compress(self, ids) -> np.ndarray:

@@ -13,7 +13,9 @@ the CLI and the tests ask the registry (`variant_of(cfg)`, `VARIANTS`), never `c
                      save(cfg, plan, layers, path, table_dtype, progress)
     save_init        (cfg, path, seed, graft_zero_init, compression, table_dtype, progress, before_write)
     is_checkpoint    (path) -> bool: a checkpoint of this variant's format
+    folder_of        (path) -> the checkpoint folder file `path` is part of, or None (for "pass the folder")
     describe         (cfg) -> str: the variant's own geometry, for `engram-stream inspect`
+    step_weights     (w) -> the weight matrix one step reads whole (`engram-stream bench`'s floor)
 """
 from __future__ import annotations
 
@@ -46,7 +48,9 @@ class Variant:
     save: Callable
     save_init: Callable
     is_checkpoint: Callable
+    folder_of: Callable
     describe: Callable
+    step_weights: Callable
     weight_dtypes: tuple      # what with_weight_dtype accepts
     row_tiers: bool           # its engine reads rows through rows.tiers (row cache, row sources)
 
@@ -57,10 +61,23 @@ def _demo_save_init(cfg, path, seed=0, graft_zero_init=False, compression=None, 
                                      before_write)
 
 
+def _v41_table_dtype(table_dtype):
+    if table_dtype is not None:
+        raise ValueError(f"table_dtype={table_dtype!r}: a {V41} checkpoint keeps its float8 tables (table_dtype is for "
+                         f"{DEMO} checkpoints)")
+
+
+def _v41_save(cfg, plan, layers, path, table_dtype=None, progress=None):
+    _v41_table_dtype(table_dtype)
+    return v41_hf.save(cfg, plan, layers, path, progress=progress)
+
+
 def _v41_save_init(cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None, progress=None,
                    before_write=None):
+    _v41_table_dtype(table_dtype)
     plan = HashPlan(cfg, compression=compression)
-    return v41_hf.save(cfg, plan, v41_weights.init_layers(cfg, plan, seed, graft_zero_init), path)
+    return v41_hf.save(cfg, plan, v41_weights.init_layers(cfg, plan, seed, graft_zero_init), path,
+                       progress=progress, before_write=before_write)
 
 
 VARIANTS = {
@@ -72,7 +89,9 @@ VARIANTS = {
         engine=StreamEngine, load=demo_checkpoint.load,
         save=demo_checkpoint.save,
         save_init=_demo_save_init, is_checkpoint=lambda path: not os.path.isdir(path),
+        folder_of=lambda path: None,
         describe=lambda cfg: f"conv {cfg.kernel_size} taps x dilation {cfg.max_ngram_size}",
+        step_weights=lambda w: w.proj_w,
         weight_dtypes=demo_weights.WEIGHT_DTYPES, row_tiers=True),
     V41: Variant(
         name=V41, weights=v41_weights.V41LayerWeights, validate_layer=v41_weights.validate_layer,
@@ -80,9 +99,9 @@ VARIANTS = {
         forward=lambda cfg, w, rows, dead, hidden: v41_reference.forward(cfg, rows, dead, w, hidden),
         engine=V41StreamEngine,
         load=lambda path, mmap=True: v41_hf.load(path, mmap=mmap),
-        save=lambda cfg, plan, layers, path, table_dtype=None, progress=None: v41_hf.save(cfg, plan, layers, path),
-        save_init=_v41_save_init, is_checkpoint=os.path.isdir,
+        save=_v41_save, save_init=_v41_save_init, is_checkpoint=os.path.isdir, folder_of=v41_hf.folder_of,
         describe=lambda cfg: f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv",
+        step_weights=lambda w: w.wkv_weight,
         weight_dtypes=("float8_e4m3fn",), row_tiers=False),
 }
 

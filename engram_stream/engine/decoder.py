@@ -16,6 +16,7 @@ the compute of the layers in between.
 """
 from __future__ import annotations
 
+from ..errors import LayerError
 from ..io.files import mapping_of
 
 
@@ -64,7 +65,7 @@ class Decoder:
         """Layer `layer`'s Engram output for the current token (hidden [G, D] or [S, G, D])."""
         e = self.engines.get(layer)
         if e is None:
-            raise KeyError(f"layer {layer!r} is not an Engram layer (layers={self.layers})")
+            raise LayerError(f"layer {layer!r} is not an Engram layer (layers={self.layers})")
         if not e.pending_compute:
             raise RuntimeError(f"layer({layer!r}) needs begin(token_ids) first (each layer runs once per token)")
         return e.compute(hidden, out=out)

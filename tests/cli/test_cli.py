@@ -438,3 +438,95 @@ def test_bench_readme_has_no_machine_specific_paths():
         text = f.read()
     for path in ("/work/", "/home/", "/root/", "/Users/", "/opt/"):
         assert path not in text, path
+
+
+# ---- a deepseek-v4.1 model on the command line ------------------------------------------------------------
+V41_SMALL = dict(variant="deepseek-v4.1", engram_vocab_size=[211, 211, 211], max_ngram_size=4, n_embed_per_ngram=64,
+                 n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64, hc_mult=2, vocab_size=300,
+                 image_token_id=299)
+
+
+def _v41_cfg_file(tmp_path):
+    path = tmp_path / "v41.json"
+    path.write_text(json.dumps(V41_SMALL))
+    return path
+
+
+def test_init_v41_writes_a_folder_and_says_so(tmp_path, capsys):
+    out = tmp_path / "engram-v41"
+    assert main(["init", str(_v41_cfg_file(tmp_path)), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "folder" in printed and "float8" in printed and "float32" not in printed, printed
+    assert os.path.isdir(out) and "config.json" in os.listdir(out)
+    m = re.search(r"wrote \S+ \(([\d.]+) MiB", printed)
+    size = sum(os.path.getsize(out / f) for f in os.listdir(out))
+    assert m and abs(float(m[1]) - size / 2 ** 20) < 0.1, printed   # the folder's size, not a dir inode's
+    from engram_stream import EngramModel
+    assert EngramModel.load(str(out)).cfg.num_embeddings is not None
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["-o", "{tmp}/x.safetensors"], "folder"),
+    (["-o", "{tmp}/x", "--table-dtype", "float16"], "--table-dtype"),
+])
+def test_init_v41_refuses_what_it_cannot_do(tmp_path, capsys, argv, needle):
+    """A V4.1 checkpoint is a folder (not x.safetensors) of float8 tables (no --table-dtype)."""
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    assert main(["init", str(_v41_cfg_file(tmp_path))] + argv) == 1
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["v41.json"]
+
+
+def test_init_help_describes_every_field(capsys):
+    """The V4.1 fields too (variant, norm_eps, image_token_id, num_embeddings, compressed_vocab_size)."""
+    import dataclasses
+    from engram_stream import EngramConfig
+    with pytest.raises(SystemExit):
+        main(["init", "--help"])
+    out = capsys.readouterr().out
+    for f in dataclasses.fields(EngramConfig):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"  {f.name} "))
+        assert len(line.split(None, 2)) == 3 and len(line.split(None, 2)[2]) > 8, line
+    assert "deepseek-v4.1" in out
+
+
+@pytest.mark.parametrize("which", ["config.json", "index", "shard"])
+def test_inspect_a_file_of_a_v41_folder_says_pass_the_folder(tmp_path, capsys, which):
+    from engram_stream import EngramConfig, EngramModel
+    folder = tmp_path / "ckpt"
+    EngramModel.init(EngramConfig(**V41_SMALL), seed=0).save(folder)
+    name = {"config.json": "config.json", "index": "model.safetensors.index.json",
+            "shard": "model-00001-of-00002.safetensors"}[which]
+    assert main(["inspect", str(folder / name)]) == 1
+    err = capsys.readouterr().err
+    assert "pass the folder" in err and str(folder) in err and "absurd" not in err and "dtype" not in err, err
+
+
+@pytest.mark.parametrize("variant", ["demo", "v41"])
+def test_bench_takes_a_checkpoint(tmp_path, capsys, variant):
+    from engram_stream import EngramConfig, EngramModel
+    if variant == "demo":
+        path = tmp_path / "m.safetensors"
+        EngramModel.init(EngramConfig(**SMALL), seed=0).save(path)
+    else:
+        path = tmp_path / "ckpt"
+        EngramModel.init(EngramConfig(**V41_SMALL), seed=0).save(path)
+    assert main(["bench", "--checkpoint", str(path), "--layer", "4", "--steps", "10", "--streams", "2",
+                 "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert str(path) in out and "layer 4" in out and out.count(" .. ") == 1 + 3, out
+
+
+def test_a_bad_layer_is_a_clean_message(tmp_path, capsys):
+    """The message, not a quoted KeyError repr ("'layer 7 is not ...'")."""
+    from engram_stream import EngramConfig, EngramModel
+    path = tmp_path / "m.safetensors"
+    model = EngramModel.init(EngramConfig(**SMALL), seed=0)
+    model.save(path)
+    with pytest.raises(KeyError) as e:
+        model.stream(7)
+    assert str(e.value).startswith("layer 7 is not an Engram layer")
+    assert main(["bench", "--checkpoint", str(path), "--layer", "7"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("engram-stream: error: layer 7 is not an Engram layer") and "'" not in err.split(":", 2)[2][:3]
