@@ -9,11 +9,12 @@ converts a table row, so every source gives the same floats bit for bit.
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import numpy as np
 
-from ._cache import RowCache, slots_for
+from ._cache import RowCache, cache_nbytes, slots_for
 
 
 # ---- row records --------------------------------------------------------------------------------
@@ -39,24 +40,28 @@ def record_layout(w):
 class RowTiers:
     """The row source and RAM budget of a loaded model (model.row_tiers).
 
-    row_cache_mb: the model's whole cache budget, split over layers in proportion to their
-    table bytes; each engine of a layer owns a cache of that layer's share (one engine, one
+    row_cache_mb: the model's whole cache budget (at most what caching every row costs: a larger
+    one caches the tables whole), split over layers in proportion to their table bytes; each engine of a layer owns a cache of that layer's share (one engine, one
     owner: the cache needs no lock; a second engine of the same layer gets a cache of its own).
     tier: None (rows from the model's own table) or a MooncakeTier."""
 
     def __init__(self, model, row_cache_mb=0, tier=None):
-        if not isinstance(row_cache_mb, (int, float)) or isinstance(row_cache_mb, bool) or row_cache_mb < 0:
-            raise ValueError(f"row_cache_mb must be a number >= 0, got {row_cache_mb!r}")
+        if (not isinstance(row_cache_mb, (int, float)) or isinstance(row_cache_mb, bool)
+                or not math.isfinite(row_cache_mb) or row_cache_mb < 0):
+            raise ValueError(f"row_cache_mb must be a finite number >= 0, got {row_cache_mb!r}")
         if tier is not None and not callable(getattr(tier, "rows", None)):
             raise TypeError(f"tables= takes a row tier (a MooncakeTier), got {type(tier).__name__}")
         self.model_ref = weakref.ref(model)
         self.tier = tier
-        self.budget = int(row_cache_mb * (1 << 20))
         table_bytes = {L: model.layer(L).table.nbytes + (0 if model.layer(L).table_scale is None
                                                           else model.layer(L).table_scale.nbytes)
                        for L in model.cfg.layer_ids}
-        total = sum(table_bytes.values()) or 1
-        self.layer_budget = {L: self.budget * b // total for L, b in table_bytes.items()}
+        whole = {L: cache_nbytes(model.layer(L).table.shape[0], sum(record_layout(model.layer(L))))
+                 for L in table_bytes}  # a layer's cache holding every row
+        total, asked = sum(table_bytes.values()), int(row_cache_mb * (1 << 20))
+        self.budget = min(asked, sum(whole.values()))
+        self.layer_budget = (whole if asked >= sum(whole.values()) else
+                             {L: min(whole[L], self.budget * b // max(1, total)) for L, b in table_bytes.items()})
         self.caches = weakref.WeakSet()                        # live ones
         self.retired = {L: np.zeros(4, np.int64) for L in table_bytes}  # counters of caches gone
         self.remote = {"fetches": 0, "fetch_seconds": 0.0}      # every remote read of this model

@@ -114,6 +114,41 @@ def test_bad_tier_arguments(ckpts):
         EngramModel.load(ckpts["float32"], tables="127.0.0.1:50051")
 
 
+@pytest.mark.parametrize("mb", [float("nan"), float("inf"), -float("inf"), "64", True])
+def test_row_cache_mb_must_be_a_finite_number(ckpts, mb):
+    with pytest.raises(ValueError, match="row_cache_mb"):
+        EngramModel.load(ckpts["float32"], row_cache_mb=mb)
+
+
+def test_row_cache_budget_is_capped_at_the_tables(ckpts):
+    """A budget past the tables' bytes (1e6 MB: a MemoryError at stream()) caches them whole."""
+    from engram_stream.rows._cache import cache_nbytes
+    model = EngramModel.load(ckpts["int8"], row_cache_mb=1e6)
+    tables = sum(model.layer(L).table.nbytes + model.layer(L).table_scale.nbytes for L in CFG["layer_ids"])
+    whole = sum(cache_nbytes(model.plan.table_rows[L], CFG["n_embed_per_ngram"] // CFG["n_head_per_ngram"] + 4)
+                for L in CFG["layer_ids"])   # an int8 row record: its bytes and a float32 scale
+    assert model.row_cache_stats()["budget_bytes"] == whole < 1e6 * 2 ** 20
+    ids, hid = tokens(20, 3), hiddens(20, 3)
+    assert_identical(decode(model, ids, hid), decode(EngramModel.load(ckpts["int8"]), ids, hid))
+    assert model.row_cache_stats()["evictions"] == 0
+    engines = [model.stream(L) for L in CFG["layer_ids"]]   # live: their caches count in the stats
+    s = model.row_cache_stats()
+    assert 0 < s["cache_bytes"] <= whole and s["capacity_rows"] > 0
+    del engines
+
+
+def test_with_weight_dtype_keeps_the_row_cache(ckpts):
+    """A bf16 copy of a cached model reads through a cache of the same budget (it was bypassed)."""
+    model = EngramModel.load(ckpts["float32"], row_cache_mb=0.05)
+    bf = model.with_weight_dtype("bfloat16")
+    ids, hid = tokens(30, 4), hiddens(30, 4)
+    got = decode(bf, ids, hid)
+    s = bf.row_cache_stats()
+    assert s["budget_bytes"] == model.row_cache_stats()["budget_bytes"] > 0
+    assert s["hits"] > 0 and s["hits"] + s["misses"] == 30 * S * bf.cfg.n_heads * len(CFG["layer_ids"])
+    assert_identical(got, decode(EngramModel.load(ckpts["float32"]).with_weight_dtype("bfloat16"), ids, hid))
+
+
 # ---- Mooncake ----------------------------------------------------------------------------------
 @pytest.mark.mooncake
 @pytest.mark.skipif(not conftest.LOOPBACK_ONLY, reason="needs CAP_SYS_ADMIN for a network namespace (CI runs as root)")
@@ -187,6 +222,20 @@ def test_rows_published_by_engramstore_read_the_same(tier, ckpts, mooncake):
     path = ckpts["float32"] + ".b.safetensors"
     b.save(path)
     assert_identical(decode(EngramModel.load(path, tables=tier), ids, hid), decode(b, ids, hid))
+
+
+@pytest.mark.mooncake
+def test_with_weight_dtype_keeps_the_remote_source(tier, ckpts):
+    """A bf16 copy of a model whose rows come from the store still reads them from the store
+    (it read the local table instead)."""
+    tier.publish(EngramModel.load(ckpts["float16"]))
+    remote = EngramModel.load(ckpts["float16"], tables=tier, row_cache_mb=0.01)
+    bf = remote.with_weight_dtype("bfloat16")
+    ids, hid = tokens(12, 5), hiddens(12, 5)
+    got = decode(bf, ids, hid)
+    s = bf.row_cache_stats()
+    assert s["fetches"] > 0 and s["bytes_fetched"] > 0 and bf.row_tiers.tier is tier
+    assert_identical(got, decode(EngramModel.load(ckpts["float16"]).with_weight_dtype("bfloat16"), ids, hid))
 
 
 @pytest.mark.mooncake
