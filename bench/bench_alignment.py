@@ -10,9 +10,15 @@ offset's median over the aligned one's.
 """
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
 
 from bench_file_check import rotating_rounds, setup
 

@@ -17,10 +17,15 @@ import argparse
 import ctypes
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
 
 
 def step_us(eng, ids, h, out):

@@ -36,6 +36,9 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engram_stream import EngramConfig, EngramModel, kernel_isa  # noqa: E402
 from engram_stream import _isa  # noqa: E402

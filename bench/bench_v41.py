@@ -33,8 +33,9 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # run from a checkout (in-place build)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
 
 from engram_stream import EngramModel, hf_v41, store  # noqa: E402
 from engram_stream import _engine_v41 as k  # noqa: E402
@@ -264,8 +265,7 @@ def section_prefill(model, T, reps, paths):
 COLD = r"""
 import json, sys, time
 import numpy as np
-sys.path.insert(0, {root!r})
-from engram_stream import EngramModel, store
+from engram_stream import EngramModel, store  # (PYTHONPATH: the package checkout.use() chose)
 d, steps = {d!r}, {steps}
 for f in __import__("os").listdir(d):
     if f.endswith(".safetensors"):
@@ -296,7 +296,7 @@ print(json.dumps({{"steps": steps, "ms_per_step": dt / steps * 1e3,
 
 
 def section_cold(d, steps):
-    code = COLD.format(root=ROOT, d=d, steps=steps, L=LAYER)
+    code = COLD.format(d=d, steps=steps, L=LAYER)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/tmp")
     if r.returncode:
         return {"error": r.stderr[-2000:]}

@@ -24,6 +24,9 @@ import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step as bs  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402

@@ -8,11 +8,17 @@ equal a batch forward over a window, whose first W positions are warm-up.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import numpy as np
 
-from engram_stream import EngramConfig, EngramModel
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
+
+from engram_stream import EngramConfig, EngramModel  # noqa: E402
 
 SMALL = EngramConfig(engram_vocab_size=[1009, 1013], max_ngram_size=3, n_embed_per_ngram=32,
                      n_head_per_ngram=4, layer_ids=[3], pad_id=1, kernel_size=4, hidden_size=32,

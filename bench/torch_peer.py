@@ -32,6 +32,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
+
 EPS_KEY = float(np.finfo(np.float32).eps)  # torch RMSNorm default (eps=None) for float32
 EPS_CONV = 1e-5
 _WRAP = 1 << 63

@@ -1,9 +1,12 @@
 """Shared test helpers.
 
-Tests exercise the installed package: a subprocess runs with its working directory
-outside the checkout, so `python -c` / `python -m` cannot import the unbuilt source tree
-at the repository root (an in-place development build, or PYTHONPATH, still applies).
+Which engram_stream the tests exercise (tools/checkout.py, before anything imports it): this
+checkout when it holds a complete in-place build, else the installed package; never the unbuilt
+source tree, which `python -m pytest` from the repository root would otherwise put first. The
+choice is made for subprocesses too (PYTHONPATH), and they run with their working directory
+outside the checkout. The report header names it.
 """
+import importlib.util
 import os
 import subprocess
 import sys
@@ -13,6 +16,27 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_checkout():
+    spec = importlib.util.spec_from_file_location("engram_checkout", os.path.join(ROOT, "tools", "checkout.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+checkout = _load_checkout()
+try:
+    PACKAGE = checkout.use(ROOT, os.environ)
+except SystemExit as e:
+    pytest.exit(f"engram_stream: {e}", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
+def pytest_report_header(config):
+    stale = checkout.stale_builds(ROOT) if PACKAGE.endswith("(in-place build)") else []
+    return [f"engram_stream: {PACKAGE}"] + [f"engram_stream: WARNING {', '.join(stale)} changed since the "
+                                            f"in-place build: rebuild (python setup.py build_ext --inplace)"
+                                            for _ in stale[:1]]
 
 # Floats compare within ATOL + RTOL*|x| (the project's tolerance: FMA, summation order);
 # integers compare exactly.

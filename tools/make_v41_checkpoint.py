@@ -20,13 +20,11 @@ import os
 import sys
 import time
 
-try:
-    from engram_stream import EngramConfig
-    from engram_stream.v41 import hf as hf_v41
-except ImportError:  # not installed: the checkout this file sits in (an in-place build)
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from engram_stream import EngramConfig
-    from engram_stream.v41 import hf as hf_v41
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
+from engram_stream import EngramConfig  # noqa: E402
+from engram_stream.v41 import hf as hf_v41  # noqa: E402
 
 TINY = dict(variant="deepseek-v4.1", engram_vocab_size=[211] * 3, max_ngram_size=4, n_embed_per_ngram=64,
             n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64, hc_mult=2, vocab_size=300,
