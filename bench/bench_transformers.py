@@ -28,8 +28,9 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # run from a checkout (in-place build)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
 
 import torch  # noqa: E402
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
