@@ -24,6 +24,9 @@ V41_ONLY = ("norm_eps", "image_token_id", "num_embeddings", "compressed_vocab_si
 V41_DEFAULTS = {"norm_eps": 1e-20, "image_token_id": 129264}  # DeepSeek-V4.1-Flash config.json
 MAX_VOCAB = 1 << 31  # tokenizer vocab bound: an int64 lookup of this length is already 16 GiB
 INT32_MAX = (1 << 31) - 1  # the C kernels index one token's widths ((G+1)*D, E) with int
+# The most rows one layer's table (the sum of its primes) may have: offsets and rows are int64
+# everywhere (a larger sum wrapped, to 708 rows in one case, and steps read far past the table).
+MAX_TABLE_ROWS = INT64_MAX
 _UNSET = object()  # a config.json key that is absent (None: present, JSON null)
 
 
@@ -117,12 +120,11 @@ class EngramConfig:
                 f"EngramConfig.pad_id must be in [0, vocab_size={self.vocab_size}), got {self.pad_id}")
         if self.seed + 10007 * max(ids) > INT64_MAX:
             raise ValueError("EngramConfig.seed + 10007*max(layer_ids) must fit in int64")
-        least, limit = min_chain_rows(self), max_table_rows(self)
-        if least > limit:  # cheap (the prime search could take hours on such a config)
+        least = min_chain_rows(self)
+        if least > MAX_TABLE_ROWS:  # cheap (the prime search could take hours on such a config)
             raise ValueError(f"EngramConfig: a layer's primes (engram_vocab_size {evs} x {self.n_head_per_ngram} "
-                             f"heads per order) sum to at least {least} table rows, past the {limit} that int64 "
-                             f"byte offsets of {self.head_dim}-wide float32 rows address: use smaller "
-                             f"engram_vocab_size")
+                             f"heads per order) sum to at least {least} table rows, past int64 ({MAX_TABLE_ROWS}): "
+                             f"use smaller engram_vocab_size")
         if self.variant == V41:
             self._validate_v41(put)
         else:
@@ -289,9 +291,3 @@ def min_chain_rows(cfg: EngramConfig, n_layers: int = 1) -> int:
         total += k * start + k * (k - 1) // 2
         free = start + k
     return total
-
-
-def max_table_rows(cfg: EngramConfig) -> int:
-    """The most rows one layer's table may have: its byte offsets (rows x head_dim x 4 bytes of
-    float32) must fit int64, as the engines compute them (a larger prime sum wrapped)."""
-    return INT64_MAX // (4 * cfg.head_dim)

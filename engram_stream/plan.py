@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import _hash
-from .config import EngramConfig, max_table_rows, min_chain_rows  # noqa: F401 (min_chain_rows: its old home)
+from .config import MAX_TABLE_ROWS, EngramConfig, min_chain_rows  # noqa: F401 (min_chain_rows: its old home)
 from .errors import LayerError
 
 PRIME_1 = 10007  # layer seed stride of the reference
@@ -170,13 +170,11 @@ class HashPlan:
         else:
             self.multipliers = validate_multipliers(cfg, multipliers)
         self.primes = prime_chain(cfg)
-        limit = max_table_rows(cfg)
         for L, orders in self.primes.items():
             rows = sum(p for order in orders for p in order)  # Python ints: never wraps
-            if rows > limit:
-                raise ValueError(f"layer {L}: the primes sum to {rows} table rows, past the {limit} that int64 "
-                                 f"byte offsets of {cfg.head_dim}-wide float32 rows address: use smaller "
-                                 f"engram_vocab_size")
+            if rows > MAX_TABLE_ROWS:
+                raise ValueError(f"layer {L}: the primes sum to {rows} table rows, past int64 ({MAX_TABLE_ROWS}): "
+                                 f"use smaller engram_vocab_size")
         self.head_primes = {L: np.array([p for order in self.primes[L] for p in order], dtype=np.int64)
                             for L in cfg.layer_ids}
         self.offsets = {L: np.concatenate([[0], np.cumsum(p)[:-1]]).astype(np.int64)

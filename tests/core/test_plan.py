@@ -736,12 +736,10 @@ def test_configs_whose_prime_sum_passes_int64_are_refused(case):
 def test_a_chain_past_the_bound_found_by_the_search_is_refused_by_the_plan():
     """The config's check is a lower bound (cheap, before the search); the plan checks the real
     sums (Python ints) once the search has found them."""
-    from engram_stream.config import max_table_rows
-    # 2 heads of order 2 starting just below the bound / 2: the least chain fits, the real one
-    # does not once prime gaps push it over (checked against the bound by hand below)
-    cfg = cfg_of(evs=(11,), n_head=2, layers=(0,))
-    limit = max_table_rows(cfg)
-    start = limit // 2 - 10
+    # 2 heads of order 2 from 2**62 - 2: the least chain (2**63 - 3) fits int64, the real one
+    # does not (2**62 - 2 and 2**62 - 1 are not prime; checked here)
+    limit = I64_MAX
+    start = (1 << 62) - 2
     cfg = cfg_of(evs=(start,), n_head=2, layers=(0,))
     primes, c = [], start
     while len(primes) < 2:
