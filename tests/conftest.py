@@ -32,11 +32,13 @@ except SystemExit as e:
     pytest.exit(f"engram_stream: {e}", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
-def pytest_report_header(config):
+def _package_header():
+    """Which engram_stream the session tests (and a warning when its in-place build is stale)."""
     stale = checkout.stale_builds(ROOT) if PACKAGE.endswith("(in-place build)") else []
     return [f"engram_stream: {PACKAGE}"] + [f"engram_stream: WARNING {', '.join(stale)} changed since the "
                                             f"in-place build: rebuild (python setup.py build_ext --inplace)"
                                             for _ in stale[:1]]
+
 
 # Floats compare within ATOL + RTOL*|x| (the project's tolerance: FMA, summation order);
 # integers compare exactly.
@@ -182,12 +184,13 @@ def _kernel_isas():
 
 
 def pytest_report_header(config):
-    """Which kernel paths the each_isa tests run here, and why the others cannot."""
+    """Which engram_stream is tested, which kernel paths the each_isa tests run here, and why the others cannot."""
     from engram_stream._isa import ISA_NAMES, cpu_isas, supported_isas
     run = _kernel_isas()
     why = {n: ("ENGRAM_STREAM_ISA names another" if n in supported_isas() else
                "this build lacks it" if n in cpu_isas() else "this CPU lacks it") for n in ISA_NAMES if n not in run}
-    return f"kernel paths tested (each_isa): {', '.join(run)}" + "".join(f"; {n} not run: {w}" for n, w in why.items())
+    return _package_header() + [f"kernel paths tested (each_isa): {', '.join(run)}"
+                                + "".join(f"; {n} not run: {w}" for n, w in why.items())]
 
 
 @pytest.fixture(scope="module", params=_kernel_isas())
