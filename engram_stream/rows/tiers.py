@@ -41,8 +41,9 @@ class RowTiers:
     """The row source and RAM budget of a loaded model (model.row_tiers).
 
     row_cache_mb: the model's whole cache budget (at most what caching every row costs: a larger
-    one caches the tables whole), split over layers in proportion to their table bytes; each engine of a layer owns a cache of that layer's share (one engine, one
-    owner: the cache needs no lock; a second engine of the same layer gets a cache of its own).
+    one caches the tables whole), split over layers in proportion to their table bytes; each
+    engine of a layer owns a cache of that layer's share (one engine, one owner: the cache needs
+    no lock; a second engine of the same layer gets a cache of its own).
     tier: None (rows from the model's own table) or a MooncakeTier."""
 
     def __init__(self, model, row_cache_mb=0, tier=None):
