@@ -155,8 +155,9 @@ def test_o_direct_where_the_file_system_takes_it_buffered_elsewhere(shard, tmp_p
     d.mkdir()
     script = f"mount -t ramfs none {d} && exec {sys.executable} -c '{_RAMFS}' " + " ".join(
         map(str, [os.path.dirname(shard["wfile"]), shard["woff"], shard["soff"], N, d]))
-    r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    # from tmp_path: run from the checkout, `python -c` would put its unbuilt tree first on sys.path
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
     assert r.returncode == 0, r.stderr[-2000:]
     direct, data = r.stdout.split()
     assert direct == "0"  # buffered
