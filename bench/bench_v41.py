@@ -149,8 +149,9 @@ def section_plain(model, paths, reps):
     return res
 
 
-def register_fma_gflops(isa, threads):
-    """bench_step.register_fma_gflops: the path's register-only FMA rate, `threads` at once."""
+def fma_runner(isa, threads, rounds):
+    """bench_step.FmaRunner: the path's register-only FMA chains on `threads` threads at once, a
+    contender timed in the same rounds as what it floors."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     try:
@@ -158,7 +159,13 @@ def register_fma_gflops(isa, threads):
     finally:  # (it pins OPENBLAS_NUM_THREADS at import)
         os.environ.clear()
         os.environ.update(env)
-    return bench_step.register_fma_gflops(isa, threads)
+    return bench_step.FmaRunner(isa, threads, rounds)
+
+
+def timed(f):
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
 
 
 def section_kernel(model, paths, reps):
@@ -170,19 +177,20 @@ def section_kernel(model, paths, reps):
     rng = np.random.default_rng(3)
     res = {}
     for isa in paths:
-        peak = register_fma_gflops(isa, 1)
-        res[isa] = {"register_fma_peak_GFLOPs": peak}
+        fma = fma_runner(isa, 1, 20_000_000)
+        res[isa] = {}
         for S in (16, 256):
             x = rng.standard_normal((S, E)).astype(np.float32)
             on_path(isa, lambda: k.fp8_linear(x, W, WS, threads=1))
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                on_path(isa, lambda: k.fp8_linear(x, W, WS, threads=1))
-                ts.append(time.perf_counter() - t0)
-            g = 2 * M * E * S / median(ts) / 1e9
-            res[isa][f"S{S}_GFLOPs"] = g
-            res[isa][f"S{S}_over_peak"] = g / peak
+            ts, tf = [], []
+            for _ in range(reps):  # the kernel and the peak side by side, round by round
+                ts.append(timed(lambda: on_path(isa, lambda: k.fp8_linear(x, W, WS, threads=1))))
+                tf.append(timed(lambda: fma(1)))
+            g = [2 * M * E * S / t / 1e9 for t in ts]
+            peaks = fma.gflops(tf)
+            res[isa][f"S{S}_GFLOPs"] = median(g)
+            res[isa][f"S{S}_register_fma_peak_GFLOPs"] = median(peaks)
+            res[isa][f"S{S}_over_peak"] = median([a / b for a, b in zip(g, peaks)])  # paired, by round
     return res
 
 
@@ -235,24 +243,25 @@ def section_prefill(model, T, reps, paths):
     out = np.empty_like(hidden)
     res = {"T": T, "threads": cores, "reps": reps}
     t_ours = {isa: [] for isa in paths}
+    fma = {isa: fma_runner(isa, cores, 40_000_000) for isa in paths}
+    t_fma = {isa: [] for isa in paths}
     t_torch, want = [], None
-    for _ in range(reps):
+    for _ in range(reps):  # every contender and floor once a round
         for isa in paths:
             eng.reset()
-            t0 = time.perf_counter()
-            on_path(isa, lambda: eng.prefill(ids, hidden, out=out))
-            t_ours[isa].append(time.perf_counter() - t0)
+            t_ours[isa].append(timed(lambda: on_path(isa, lambda: eng.prefill(ids, hidden, out=out))))
+            t_fma[isa].append(timed(lambda: fma[isa](1)))
         try:
             want, t = torch_reference(model, rows, hidden, cores)
             t_torch.append(t)
         except ImportError:
             pass
     for isa in paths:
-        peak = register_fma_gflops(isa, cores)
-        floor = 2 * M * E * T / (peak * 1e9)
+        peaks = fma[isa].gflops(t_fma[isa])
+        floors = [2 * M * E * T / (g * 1e9) for g in peaks]
         res[isa] = {"s": median(t_ours[isa]), "spread_s": [min(t_ours[isa]), max(t_ours[isa])],
-                    "register_fma_all_cores_GFLOPs": peak, "fma_floor_s": floor,
-                    "over_fma_floor": median(t_ours[isa]) / floor}
+                    "register_fma_all_cores_GFLOPs": median(peaks), "fma_floor_s": median(floors),
+                    "over_fma_floor": median([a / b for a, b in zip(t_ours[isa], floors)])}  # paired, by round
         if t_torch:
             res[isa]["torch_over_ours"] = median(t_torch) / median(t_ours[isa])
     if t_torch:
