@@ -1,56 +1,19 @@
-# Type stubs of the compiled engine (engram_stream/_engine.pyx). Keep in step with the .pyx:
-# tests/test_packaging.py checks that every public name of the classes is declared here.
-from typing import Any, Optional, Sequence, Union
+# Type stubs of the compiled demo engine (engram_stream/demo/_engine.pyx). Keep in step with the
+# .pyx: tests/cli/test_packaging.py checks that every public name is declared here.
+from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-_Ids = Union[int, np.integer, Sequence[int], npt.NDArray[np.integer]]
-_F32 = npt.NDArray[np.float32]
-_Hidden = npt.ArrayLike
+from engram_stream.engine._base import EngineBase
+from engram_stream.engine.snapshot import EngineSnapshot
 
-PREFILL_CHUNK: int  # tokens per prefill GEMM block
+PREFILL_CHUNK: int  # tokens per GEMM of a call
 
-class EngineSnapshot:
-    """A copy of an engine's per-stream state (hash windows, conv state, positions, rows)."""
 
-    fingerprint: tuple
-    hist: npt.NDArray[np.int64]
-    ring: _F32  # the conv state
-    pos: npt.NDArray[np.int64]
-    seen: npt.NDArray[np.int64]
-    rows: Optional[npt.NDArray[np.int64]]  # the last token's rows (-1: none; None: unknown)
-    def __init__(self, fingerprint: tuple, hist: np.ndarray, ring: np.ndarray, pos: np.ndarray,
-                 seen: np.ndarray, rows: Optional[np.ndarray] = None) -> None: ...
-    @property
-    def nbytes(self) -> int: ...
+class StreamEngine(EngineBase):
+    """The demo variant's streaming engine of one layer: `model.stream(layer, n_streams)`."""
 
-class StreamEngine:
-    """The streaming engine of one layer: `model.stream(layer, n_streams)`."""
-
-    model: Any  # the EngramModel (read-only)
-    layer: int
-    n_streams: int
-    prefill_threads: int
-    step_threads: int  # threads of a multi-stream step (default 1; clamped to [1, 16])
     def __init__(self, model: Any, layer: int, n_streams: int = 1) -> None: ...
-    def step(self, token_ids: _Ids, hidden: _Hidden, out: Optional[_F32] = None) -> _F32: ...
-    def feed(self, token_ids: _Ids) -> None: ...
-    def compute(self, hidden: _Hidden, out: Optional[_F32] = None) -> _F32: ...
-    @property
-    def rows(self) -> npt.NDArray[np.int64]: ...  # [S, H]; -1 for a stream with no token yet
-    def prefetch(self) -> int: ...
-    def track_rows(self, bitmap: Optional[npt.NDArray[np.uint8]]) -> None: ...
-    @property
-    def pending_compute(self) -> bool: ...
-    def prefill(self, ids: _Ids, hidden: _Hidden, stream: int = 0, out: Optional[_F32] = None) -> _F32: ...
-    def reset(self, stream: Optional[int] = None) -> None: ...
-    @property
-    def tokens_seen(self) -> npt.NDArray[np.int64]: ...
-    @property
-    def state_nbytes(self) -> int: ...
-    def snapshot(self) -> EngineSnapshot: ...
-    def restore(self, snapshot: EngineSnapshot) -> None: ...
 
 def _isa_set(level: int) -> bool: ...
 def _isa_get() -> int: ...

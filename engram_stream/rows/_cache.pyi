@@ -1,5 +1,5 @@
-# Type stubs of the compiled row cache (engram_stream/_rowcache.pyx). Keep in step with the .pyx:
-# tests/test_packaging.py checks that every public name is declared here.
+# Type stubs of the compiled row cache (engram_stream/rows/_cache.pyx). Keep in step with the .pyx:
+# tests/cli/test_packaging.py checks that every public name is declared here.
 from typing import Any, Callable, Optional, Tuple
 
 import numpy as np

@@ -15,6 +15,7 @@ import weakref
 import numpy as np
 
 from ._cache import RowCache, cache_nbytes, slots_for
+from ._source import CachedRows, MappedRows
 
 
 # ---- row records --------------------------------------------------------------------------------
@@ -73,6 +74,20 @@ class RowTiers:
         """The same budget and row source for another model of the same tables (a
         with_weight_dtype copy)."""
         return RowTiers(model, self.budget / (1 << 20), self.tier)
+
+    def source_for(self, layer):
+        """The RowSource one engine of `layer` reads through: its own cache (of the layer's share
+        of the budget) in front of the local table or of the remote tier."""
+        model = self.model_ref()
+        w = model.layer(layer)
+        cache = self.new_cache(layer)
+        if self.tier is None:
+            local = MappedRows(w.table, w.table_scale)
+            return CachedRows(cache, local=local) if cache.nslots else local
+        rowbytes, scalebytes = record_layout(w)
+        remote = self.tier.rows(model, layer, self.remote)
+        return CachedRows(cache, fetch=remote.fetch, rowbytes=rowbytes, scalebytes=scalebytes,
+                          nrows=model.plan.table_rows[layer])
 
     def new_cache(self, layer) -> RowCache:
         """A RowCache of this layer's share of the budget (for one engine)."""

@@ -3,6 +3,8 @@
 # demo's) and include/engram_hash.h (the hash).
 from libc.stdint cimport int64_t, uint8_t, uint64_t
 
+from engram_stream.engine._base cimport EngineBase
+
 cdef extern from "engram_fp8.h" nogil:
     int ES8_BLOCK
     int ES8_TILE_TOKENS
@@ -33,62 +35,21 @@ cdef extern from "engram_step.h" nogil:
     int MADV_WILLNEED
 
 
-cdef class V41StreamEngine:
-    cdef readonly object model
-    cdef readonly object layer
-    cdef readonly int n_streams
-    cdef object _keep              # the model arrays the borrowed pointers below point into
-    cdef object _fingerprint       # what a snapshot must match to be restored here
-
-    # geometry
-    cdef int G, D, E, M, H, hd, n, nh
-    cdef int64_t C                 # G*D: hidden / output floats of one token
-    cdef int64_t vocab, pad, dead_id
+cdef class V41StreamEngine(EngineBase):
     cdef float eps
 
-    # borrowed, read-only model data
-    cdef const int64_t *lookup     # NULL: identity compression
-    cdef const int64_t *mult
-    cdef const int64_t *primes
-    cdef const double *fp          # division-free mod constants (NULL: divide)
-    cdef const int64_t *offsets
-    cdef const uint8_t *tw         # table rows, e4m3 [N, hd]
-    cdef const uint8_t *ts         # table scales, e8m0 [N, hd/32]
-    cdef const uint8_t *ww         # wkv, e4m3 [M, E]
-    cdef const uint8_t *ws         # wkv block scales, e8m0 [M/32, E/32]
-    cdef const float *qw
-    cdef const float *kw
-    cdef uint8_t *touched          # optional rows-touched bitmap (track_rows), borrowed
-    cdef object _touched_ref
+    # borrowed, read-only model data (typed memoryviews, shapes checked in _init_variant)
+    cdef const uint8_t[:, ::1] ww      # wkv, e4m3 [M, E]
+    cdef const uint8_t[:, ::1] ws      # wkv block scales, e8m0 [M/32, E/32]
+    cdef const float[:, ::1] qw, kw    # [G, D]
 
-    # owned state, per stream
-    cdef int64_t[:, ::1] hist      # [S, n-1] window, newest first: compressed ids, -1 = DEAD
-    cdef int64_t[::1] seen         # [S] tokens processed since reset
+    # owned scratch, per chunk
+    cdef int64_t qcap                  # tokens the three below hold
+    cdef float[:, ::1] qbuf            # [chunk, es8_ldq(E)] rows dequantized, then quantized in place
+    cdef float[:, ::1] sbuf            # [chunk, E/32] their scales
+    cdef float[:, ::1] ybuf            # [chunk, M] projections: G keys, then the value
+    cdef float[::1] wscr               # projection scratch of many-token chunks (es8_scratch_floats)
+    cdef int64_t wscr_n                # its floats (0: none yet)
 
-    # owned scratch
-    cdef int64_t cap               # tokens the scratch holds (n_streams, grown for prefill)
-    cdef int64_t[:, ::1] rbuf      # [cap, H] absolute table rows
-    cdef uint8_t[::1] gdead        # [cap] the token is the DEAD (image) id: gate 0
-    cdef float[:, ::1] qbuf        # [cap, es8_ldq(E)] rows dequantized, then quantized in place (e4m3 x scales)
-    cdef float[:, ::1] sbuf        # [cap, E/32] their scales
-    cdef float[:, ::1] ybuf        # [cap, M] projections: G keys, then the value
-    cdef float[::1] wscr           # projection scratch of many-token calls (es8_scratch_floats)
-    cdef int64_t wscr_n            # its floats (0: none yet)
-    cdef bint pending              # feed() done, compute() not yet
-    cdef int64_t tok1              # a scalar token id of a single-stream call
-    cdef bint busy                 # a call is running (one owner at a time)
-    cdef int _prefill_threads      # threads for prefill (prefill_threads, 1..ES8_MAX_THREADS)
-    cdef int _step_threads         # threads of a multi-stream step (step_threads, 1..ES8_MAX_THREADS)
-
-    cdef int _grow(self, int64_t cap) except -1
-    cdef int _grow_scratch(self, int64_t S, int threads) except -1
-    cdef void _tokens(self, es_range_fn fn, const float *hid, float *out, int64_t n, int threads) noexcept nogil
-    cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil
-    cdef void _hash_one(self, int64_t s, int64_t token, int64_t i) noexcept nogil
-    cdef void _feed_nogil(self, const int64_t *ids) noexcept nogil
-    cdef void _compute_nogil(self, const float *hid, float *out, int64_t n, int threads) noexcept nogil
-    cdef int _step_scratch(self) except -1
-    cdef void _count_step(self) noexcept nogil
-    cdef void _reset_stream(self, int64_t s) noexcept nogil
-    cdef _enter(self)
-    cdef const int64_t *_id_ptr(self, ids, bint single)
+    cdef void _tokens(self, es_range_fn fn, int64_t t0, const float *hid, float *out, int64_t n,
+                      int threads) noexcept nogil

@@ -319,17 +319,14 @@ def _damaged(snap):
     S = snap.hist.shape[0]
     cl = snap.ring.shape[1]
     fp = snap.fingerprint
-    yield EngineSnapshot(fp, snap.hist[:, :-1].copy(), snap.ring, snap.pos, snap.seen)
-    yield EngineSnapshot(fp, snap.hist.astype(np.int32), snap.ring, snap.pos, snap.seen)
-    yield EngineSnapshot(fp, snap.hist, snap.ring[:, :, :-1].copy(), snap.pos, snap.seen)
-    yield EngineSnapshot(fp, snap.hist, snap.ring.astype(np.float64), snap.pos, snap.seen)
-    yield EngineSnapshot(fp, snap.hist, np.asfortranarray(np.repeat(snap.ring, 2, axis=2))[:, :, ::2],
-                         snap.pos, snap.seen)
-    yield EngineSnapshot(fp, snap.hist, snap.ring, snap.pos + cl, snap.seen)
-    yield EngineSnapshot(fp, snap.hist, snap.ring, snap.pos - cl - 1, snap.seen)
-    yield EngineSnapshot(fp, snap.hist, snap.ring, snap.pos[:-1].copy(), snap.seen)
-    yield EngineSnapshot(fp, snap.hist, snap.ring, snap.pos, snap.seen.astype(np.float64))
-    yield EngineSnapshot(fp[:2] + (S + 1,) + fp[3:], snap.hist, snap.ring, snap.pos, snap.seen)
+    good = dict(hist=snap.hist, ring=snap.ring, pos=snap.pos, seen=snap.seen)
+    for name, bad in [("hist", snap.hist[:, :-1].copy()), ("hist", snap.hist.astype(np.int32)),
+                      ("ring", snap.ring[:, :, :-1].copy()), ("ring", snap.ring.astype(np.float64)),
+                      ("ring", np.asfortranarray(np.repeat(snap.ring, 2, axis=2))[:, :, ::2]),
+                      ("pos", snap.pos + cl), ("pos", snap.pos - cl - 1), ("pos", snap.pos[:-1].copy()),
+                      ("seen", snap.seen.astype(np.float64)), ("ring", None)]:
+        yield EngineSnapshot(fp, **{**good, name: bad})
+    yield EngineSnapshot(fp[:2] + (S + 1,) + fp[3:], **good)
 
 
 def test_snapshot_refused_and_state_unchanged(small):

@@ -102,7 +102,7 @@ class _Shifty(EngineSnapshot):
     after them (where a second read would copy from)."""
 
     def __init__(self, snap, bad_pos):
-        super().__init__(snap.fingerprint, snap.hist, snap.ring, snap.pos, snap.seen)
+        super().__init__(snap.fingerprint, hist=snap.hist, ring=snap.ring, pos=snap.pos, seen=snap.seen)
         self._reads, self._good, self._bad = 0, snap.pos, bad_pos
 
     @property

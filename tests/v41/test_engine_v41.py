@@ -395,7 +395,7 @@ def test_snapshot_restore_replays_exactly(model):
     other = model.stream(1, n_streams=S)  # another engine of the same layer takes it too
     other.restore(snap)
     assert np.array_equal(other.step(ids[:, 4], h[:, 4]), first[0])
-    assert isinstance(snap, V41EngineSnapshot) and snap.nbytes == S * 3 * 8 + S * 8
+    assert isinstance(snap, V41EngineSnapshot) and snap.nbytes == S * 3 * 8 + S * 8 + S * model.cfg.n_heads * 8
 
 
 def test_snapshot_refused_state_unchanged(model):
@@ -406,8 +406,8 @@ def test_snapshot_refused_state_unchanged(model):
                      (model.stream(1, n_streams=3).snapshot(), ValueError),
                      (make_model(seed=5).stream(1, n_streams=2).snapshot(), ValueError),
                      ("nope", TypeError),
-                     (V41EngineSnapshot(good.fingerprint, np.zeros((2, 2), np.int64), good.seen), ValueError),
-                     (V41EngineSnapshot(good.fingerprint, good.hist, -np.ones(2, np.int64)), ValueError)]:
+                     (V41EngineSnapshot(good.fingerprint, hist=np.zeros((2, 2), np.int64), seen=good.seen), ValueError),
+                     (V41EngineSnapshot(good.fingerprint, hist=good.hist, seen=-np.ones(2, np.int64)), ValueError)]:
         with pytest.raises(err):
             eng.restore(bad)
         assert np.array_equal(eng.snapshot().hist, good.hist) and eng.tokens_seen.tolist() == [1, 1]

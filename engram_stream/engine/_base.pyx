@@ -1,0 +1,868 @@
+# cython: language_level=3
+"""EngineBase: the skeleton both streaming engines share (demo/_engine.pyx, v41/_engine.pyx).
+
+An engine serves one Engram layer for S stream slots. Every call is a batch of segments: segment
+k is lengths[k] consecutive tokens of slot streams[k] (a decode step when 1, a prompt chunk when
+more). step() is S segments of one token, prefill() one segment, step_packed() any batch.
+
+A call runs in two halves, which feed()/compute() expose separately:
+  feed     check the ids, hash every token of every segment through its slot's window (the
+           window advances, the rows are known), hand the rows to the row source (submit: a
+           remote source reads them now, so the Decoder starts every layer's reads first)
+  compute  per chunk of tokens: the row source resolves the rows' pointers, then the variant's
+           hook gathers, projects and runs the tails without the GIL
+
+This file is the one home of the rules every variant shares: the one-owner guard, the argument
+checks (all before any state changes; a scalar id lives in the call), the file check before
+every read, the hash window (`hist`, with V4.1's DEAD latch), `seen`, `last_rows`, the pending
+batch, reset, snapshot/restore (read once, validate, commit), and the record a call leaves so
+that a failed read or a draft's commit can put its slots back. A variant adds its own state
+(the demo's ShortConv ring) through the hooks at the end of _base.pxd.
+"""
+import os
+
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport INT64_MIN, int64_t, uint8_t
+from libc.stdlib cimport free, realloc
+from libc.string cimport memcpy
+from posix.stat cimport fstat, struct_stat
+
+from engram_stream._consts cimport ES_MAX_NGRAM
+from engram_stream._hash cimport es_hash_window, es_isa_now, es_isa_set, latch_window
+from engram_stream.engine import args
+from engram_stream.engine import isa as _isa
+from engram_stream.engine.snapshot import EngineSnapshot, fingerprint, why_foreign
+from engram_stream.io.files import MappedFile, mapping_of
+from engram_stream.plan import as_ids
+from engram_stream.rows._source cimport MappedRows, RowSource
+
+cnp.import_array()
+
+cdef extern from "engram_step.h" nogil:
+    int ES_MAX_THREADS
+    void es_mark_rows(uint8_t *bitmap, const int64_t *rows, int64_t n) noexcept
+
+MAX_THREADS = ES_MAX_THREADS
+MAX_FILES = 16        # mapped files one engine reads (a V4.1 layer spans at most a few shards)
+_EMPTY_I64 = np.empty(0, np.int64)
+_EMPTY_F64 = np.empty(0, np.float64)
+
+
+cdef inline void *_regrow(void *p, size_t nbytes) except NULL:
+    """realloc, or MemoryError (p is then still valid: the engine frees it)."""
+    cdef void *r = realloc(p, nbytes if nbytes else 1)
+    if r == NULL:
+        raise MemoryError(f"engine scratch: could not allocate {nbytes} bytes")
+    return r
+
+
+def view(a, dtype, shape, what):
+    """`a` as a read-only C-contiguous array of exactly this dtype and shape (no copy), for
+    the engines' typed memoryviews and pointers: anything else is a broken model, refused here."""
+    if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.shape == tuple(shape)
+            and a.flags.c_contiguous):
+        raise ValueError(f"{what}: expected a C-contiguous {np.dtype(dtype).name} array of shape "
+                         f"{tuple(shape)}, got {getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+    return a
+
+
+cdef class EngineBase:
+    """The streaming engine of one layer: `model.stream(layer, n_streams)` (see the subclasses).
+
+    step(token_id, hidden[G, D])                       -> float32[G, D]    (n_streams == 1)
+    step(token_ids[S], hidden[S, G, D], out=None)      -> float32[S, G, D]
+    prefill(ids[T], hidden[T, G, D], stream=0)         -> float32[T, G, D]
+    step_packed(ids[N], hidden[N, G, D], streams[K], lengths[K], out=None, draft=False, masked=None)
+    commit(accepted[K])                                after a draft=True call
+    feed(...) / feed_packed(...) then compute(hidden): a call in two halves (see Decoder)
+    reset(stream=None), snapshot(), restore(snapshot)
+
+    Returns the Engram delta (the caller adds h). Ids are integers < vocab_size. hidden is
+    float32 C-contiguous for the zero-copy path; other float dtypes (bfloat16 too) and strided
+    arrays are converted (one copy). `out` must be float32, C-contiguous, writeable and must not
+    overlap `hidden`. One engine has one owner: a call while another runs raises RuntimeError.
+    """
+
+    def __cinit__(self, *args, **kwargs):
+        self.pn = 0
+        self.tcap = 0
+
+    def __dealloc__(self):
+        free(self.rbuf); free(self.dbuf); free(self.tstream); free(self.wbuf)
+        free(self.seg_stream); free(self.seg_start); free(self.seg_len); free(self.slot_seg)
+        free(self.dp); free(self.sp)
+
+    cdef int _setup(self, model, layer, int n_streams, int64_t chunk, bint latch) except -1:
+        """Everything the variants share, then the variant's _init_variant(weights). Called by
+        the subclass's __cinit__ (a base __cinit__ cannot reach the subclass's hooks)."""
+        if n_streams < 1:
+            raise ValueError(f"n_streams must be >= 1, got {n_streams}")
+        w = model.layer(layer)  # KeyError for a layer that is not an Engram layer
+        cfg, plan = model.cfg, model.plan
+        self.model, self.layer, self.n_streams = model, layer, n_streams
+        self.G, self.D, self.E = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim
+        self.C = <int64_t> self.G * self.D
+        self.M = (self.G + 1) * self.D
+        self.H, self.hd = cfg.n_heads, cfg.head_dim
+        self.n, self.nh = cfg.max_ngram_size, cfg.n_head_per_ngram
+        self.vocab, self.pad = cfg.vocab_size, plan.pad_id
+        self.chunk = chunk
+        self.latch = latch
+        self.dead_id = cfg.image_token_id if latch else -1
+        self.hist_reset = -1 if latch else self.pad  # V4.1: slots before the start are DEAD
+        if self.n > ES_MAX_NGRAM:  # EngramConfig refuses these already
+            raise ValueError(f"max_ngram_size <= {ES_MAX_NGRAM} is what the engine supports")
+
+        self.has_lookup = plan.lookup is not None
+        self.lookup = view(plan.lookup, np.int64, (self.vocab,), "plan.lookup") if self.has_lookup else _EMPTY_I64
+        self.mult = view(plan.multipliers[layer], np.int64, (self.n,), f"plan.multipliers[{layer}]")
+        self.primes = view(plan.head_primes[layer], np.int64, (self.H,), f"plan.head_primes[{layer}]")
+        fp = plan.head_fp[layer]
+        self.fp = _EMPTY_F64 if fp is None else view(fp, np.float64, (3 * self.H,), f"plan.head_fp[{layer}]")
+        self.offsets = view(w.offsets, np.int64, (self.H,), f"layer {layer} offsets")
+
+        # the files under the arrays this engine reads: fstat'ed before every read
+        files = []
+        for a in w.file_arrays():
+            mm = mapping_of(a)
+            if isinstance(mm, MappedFile) and all(mm is not f for f in files):
+                files.append(mm)
+        if len(files) > MAX_FILES:
+            raise ValueError(f"layer {layer} spans {len(files)} files, the engine checks at most {MAX_FILES}")
+        self._files, self.nfiles = files, len(files)
+        for i, f in enumerate(files):
+            self.fds[i] = f.fd
+            for j, v in enumerate(f.stamp):
+                self.stamps[i][j] = v
+
+        tiers = getattr(model, "row_tiers", None)
+        self.src = tiers.source_for(layer) if tiers is not None else MappedRows(w.table, w.table_scale)
+        if self.src.nrows != plan.table_rows[layer]:
+            raise ValueError(f"layer {layer}: the row source has {self.src.nrows} rows, the plan "
+                             f"{plan.table_rows[layer]}")
+
+        cdef int64_t S = n_streams
+        self.hist = np.empty((S, self.n - 1), dtype=np.int64)
+        self.seen = np.zeros(S, dtype=np.int64)
+        self.last_rows = np.empty((S, self.H), dtype=np.int64)
+        self.rec_hist = np.empty((S, self.n - 1), dtype=np.int64)
+        self.rec_seen = np.empty(S, dtype=np.int64)
+        self.rec_rows = np.empty((S, self.H), dtype=np.int64)
+        self.seg_stream = <int64_t *> _regrow(NULL, S * sizeof(int64_t))
+        self.seg_start = <int64_t *> _regrow(NULL, S * sizeof(int64_t))
+        self.seg_len = <int64_t *> _regrow(NULL, S * sizeof(int64_t))
+        self.slot_seg = <int64_t *> _regrow(NULL, S * sizeof(int64_t))
+        self.dp = <const char **> _regrow(NULL, chunk * self.H * sizeof(char *))
+        self.sp = <const char **> _regrow(NULL, chunk * self.H * sizeof(char *))
+        self._step_threads = 1
+        self._prefill_threads = args.threads(os.cpu_count() or 1, 8)
+        self._steps = (np.arange(S, dtype=np.int64), np.ones(S, dtype=np.int64))  # a step's segments
+        self.step_st = <const int64_t *> cnp.PyArray_DATA(self._steps[0])
+        self.step_len = <const int64_t *> cnp.PyArray_DATA(self._steps[1])
+        self._grow_tokens(S)
+        self._init_variant(w)
+        for s in range(S):
+            self._reset_stream(s)
+        self._fingerprint = fingerprint(cfg, layer, n_streams, np.asarray(self.mult),
+                                        np.asarray(self.lookup) if self.has_lookup else None)
+        return 0
+
+    cdef int _grow_tokens(self, int64_t n) except -1:
+        """Token buffers for a batch of n tokens; made before any state changes."""
+        if n <= self.tcap:
+            return 0
+        self.rbuf = <int64_t *> _regrow(self.rbuf, n * self.H * sizeof(int64_t))
+        self.dbuf = <uint8_t *> _regrow(self.dbuf, n * sizeof(uint8_t))
+        self.tstream = <int64_t *> _regrow(self.tstream, n * sizeof(int64_t))
+        self.wbuf = <int64_t *> _regrow(self.wbuf, n * sizeof(int64_t))
+        self.tcap = n
+        return 0
+
+    # ---- the hooks (a variant overrides them) ---------------------------------------------
+    cdef int _init_variant(self, w) except -1:
+        return 0
+
+    cdef int _grow_chunk(self, int64_t nb, int threads) except -1:
+        """Variant scratch for chunks of up to nb tokens on `threads` threads."""
+        return 0
+
+    cdef void _chunk(self, int64_t t0, int64_t nb, const float *hid, float *out, int threads) noexcept nogil:
+        """Tokens [t0, t0+nb) of the pending batch: rows resolved in dp/sp (H per token), hidden
+        and out at their first token. Gather, project, tails; the variant's own state moves here."""
+        pass
+
+    cdef int _record_extra(self, bint draft, bint needed) except -1:
+        """Before a call changes anything: when `needed` (a draft, or reads that can fail), keep
+        what _rollback_extra / _commit_extra need; else forget the last call's."""
+        return 0
+
+    cdef void _rollback_extra(self) noexcept nogil:
+        pass
+
+    cdef void _commit_extra(self, int64_t k, int64_t a) noexcept nogil:
+        """Segment k of the last (draft) call stands as if only its first a tokens were fed."""
+        pass
+
+    cdef void _reset_extra(self, int64_t s) noexcept nogil:
+        pass
+
+    def _extra_state(self):
+        """{name: array copy} of the variant's per-stream state (snapshot)."""
+        return {}
+
+    def _extra_expected(self):
+        """((name, shape, dtype), ...) of the variant's snapshot arrays."""
+        return ()
+
+    def _check_extra(self, parts):
+        """Raise ValueError unless the variant's snapshot arrays (already shape/dtype-checked) hold."""
+        pass
+
+    def _put_extra(self, parts):
+        pass
+
+    # ---- the shared rules, nogil ------------------------------------------------------------
+    cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil:
+        cdef int64_t i
+        for i in range(n):
+            if ids[i] >= self.vocab:
+                return i
+        return -1
+
+    cdef void _hash_one(self, int64_t s, int64_t token, int64_t i) noexcept nogil:
+        """Token i of the batch on stream s: its rows into rbuf[i] (absolute), its gate flag and
+        window entry; then the stream's window takes the entry (newest first, oldest falls off).
+
+        The entry is the compressed id (negative ids pass through, DESIGN 1.1); with the latch
+        (V4.1) the image id and negative ids are DEAD (-1), and the first DEAD entry of the window
+        turns itself and every older one into pad (latch_window)."""
+        cdef int64_t full[ES_MAX_NGRAM]
+        cdef int64_t win[ES_MAX_NGRAM]
+        cdef int64_t *rows = self.rbuf + i * self.H
+        cdef int64_t e0
+        cdef int k, j
+        if self.latch and (token < 0 or token == self.dead_id):
+            e0 = -1
+        elif self.has_lookup and token >= 0:
+            e0 = self.lookup[token]
+        else:
+            e0 = token
+        full[0] = e0
+        for k in range(1, self.n):
+            full[k] = self.hist[s, k - 1]
+        if self.latch:
+            latch_window(full, self.n, self.pad, win)
+        else:
+            for k in range(self.n):
+                win[k] = full[k]
+        es_hash_window(win, &self.mult[0], self.n, self.nh, &self.primes[0],
+                       &self.fp[0] if self.fp.shape[0] else NULL, rows)
+        for j in range(self.H):
+            rows[j] += self.offsets[j]
+        if self.touched != NULL:
+            es_mark_rows(self.touched, rows, self.H)
+        for k in range(self.n - 2, 0, -1):
+            self.hist[s, k] = self.hist[s, k - 1]
+        if self.n > 1:
+            self.hist[s, 0] = e0
+        self.dbuf[i] = self.latch and token == self.dead_id
+        self.wbuf[i] = e0
+        self.tstream[i] = s
+
+    cdef void _hash_segments(self, const int64_t *ids) noexcept nogil:
+        """Every segment of the pending batch through its slot's window, in order."""
+        cdef int64_t k, j, s, i0, L
+        for k in range(self.npieces):
+            s, i0, L = self.seg_stream[k], self.seg_start[k], self.seg_len[k]
+            for j in range(L):
+                self._hash_one(s, ids[i0 + j], i0 + j)
+            for j in range(self.H):
+                self.last_rows[s, j] = self.rbuf[(i0 + L - 1) * self.H + j]
+            self.seen[s] += L
+
+    cdef void _record(self, bint draft) noexcept nogil:
+        """The named slots as they are before this call (what a rollback or a commit starts from)."""
+        cdef int64_t k, j, s
+        for k in range(self.npieces):
+            s = self.seg_stream[k]
+            for j in range(self.n - 1):
+                self.rec_hist[k, j] = self.hist[s, j]
+            for j in range(self.H):
+                self.rec_rows[k, j] = self.last_rows[s, j]
+            self.rec_seen[k] = self.seen[s]
+        self.has_record = True
+        self.draft = draft
+
+    cdef void _rollback(self) noexcept nogil:
+        """Every slot of the last call back as before it (a failed read; commit of 0 tokens)."""
+        cdef int64_t k, j, s
+        if not self.has_record:
+            return
+        for k in range(self.npieces):
+            s = self.seg_stream[k]
+            for j in range(self.n - 1):
+                self.hist[s, j] = self.rec_hist[k, j]
+            for j in range(self.H):
+                self.last_rows[s, j] = self.rec_rows[k, j]
+            self.seen[s] = self.rec_seen[k]
+        self._rollback_extra()
+        self.has_record = False
+        self.draft = False
+        self.pn = 0
+
+    cdef void _reset_stream(self, int64_t s) noexcept nogil:
+        """Stream s as before any token: every window slot before the start, no rows, nothing seen."""
+        cdef int64_t k
+        for k in range(self.n - 1):
+            self.hist[s, k] = self.hist_reset
+        for k in range(self.H):
+            self.last_rows[s, k] = -1
+        self.seen[s] = 0
+        self._reset_extra(s)
+
+    cdef int _threads(self) noexcept nogil:
+        """step_threads for a batch of decode steps (every segment one token), else prefill_threads."""
+        cdef int64_t k
+        for k in range(self.npieces):
+            if self.seg_len[k] > 1:
+                return self._prefill_threads
+        return self._step_threads
+
+    # ---- the two halves of a call ---------------------------------------------------------
+    cdef int _feed(self, const int64_t *ids, int64_t N, const int64_t *streams, const int64_t *lengths,
+                   int64_t K, bint draft) except -1:
+        """Hash a checked batch (segments valid, ids < vocab) and submit its rows. Under the
+        guard, nothing pending. A failed submit puts every slot back and raises."""
+        cdef int64_t k, t = 0
+        self._grow_tokens(N)  # before any state changes: a MemoryError changes nothing
+        self.has_record = self.draft = False
+        for k in range(self.n_streams):
+            self.slot_seg[k] = -1
+        for k in range(K):
+            self.seg_stream[k], self.seg_start[k], self.seg_len[k] = streams[k], t, lengths[k]
+            self.slot_seg[streams[k]] = k
+            t += lengths[k]
+        self.npieces = K
+        with nogil:
+            self._record(draft)
+        self._record_extra(draft, draft or self.src.fallible)
+        with nogil:
+            self._hash_segments(ids)
+        self.pn = N
+        try:
+            self.src.submit(self.rbuf, N * self.H)
+        except BaseException:
+            self._rollback()
+            raise
+        return 0
+
+    cdef int _compute(self, const float *hid, float *out) except -1:
+        """The pending batch, chunk by chunk: resolve the rows, then the variant's nogil hook.
+        A failure (a read, scratch) puts every slot of the call back and raises."""
+        cdef int64_t t0 = 0, nb
+        cdef int threads = self._threads()
+        try:
+            self._grow_chunk(min(self.chunk, self.pn), threads)
+            while t0 < self.pn:
+                nb = min(self.chunk, self.pn - t0)
+                self.src.resolve(self.rbuf + t0 * self.H, nb * self.H, self.dp, self.sp)
+                with nogil:
+                    self._chunk(t0, nb, hid + t0 * self.C, out + t0 * self.C, threads)
+                self.src.release()
+                t0 += nb
+        except BaseException:
+            self.src.release()
+            self._rollback()
+            raise
+        self.pn = 0
+        return 0
+
+    # ---- checks -----------------------------------------------------------------------------
+    cdef _enter(self):
+        if self.busy:
+            raise RuntimeError(f"{type(self).__name__} is already running a call: one engine has one owner "
+                               "(use one engine per thread)")
+        self.busy = True
+
+    cdef int _check_files(self) except -1:
+        """Before a read: a mapped file truncated (SIGBUS) or rewritten in place (mixed tables)
+        since load raises FileChangedError (one fstat a file; see io.files.MappedFile)."""
+        cdef struct_stat st
+        cdef int i
+        for i in range(self.nfiles):
+            if (fstat(self.fds[i], &st) != 0 or <int64_t> st.st_dev != self.stamps[i][0]
+                    or <int64_t> st.st_ino != self.stamps[i][1] or <int64_t> st.st_size != self.stamps[i][2]
+                    or <int64_t> st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec != self.stamps[i][3]):
+                self._files[i].check()  # raises, with the message
+        return 0
+
+    def _ids(self, token_ids):
+        """(int64[S] ids, False) or (the scalar id, True), range-checked (engine.args.token_ids);
+        the Decoder checks a token for every layer through it before feeding any."""
+        return args.token_ids(token_ids, self.n_streams, self.vocab)
+
+    def _io(self, hidden, out, shape):
+        """(hidden, out) checked for `shape`: float32 C-contiguous (converted if need be), out
+        writeable and sharing no byte with hidden (a stream's output is written while later
+        streams' hidden is still to be read)."""
+        h = args.hidden(hidden, shape)
+        o = args.out(out, shape)
+        if out is not None and np.may_share_memory(o, h):
+            raise ValueError("out must not overlap hidden: pass another array (or out=None)")
+        return h, o
+
+    def _segments(self, streams, lengths, int64_t N):
+        """streams[K], lengths[K] as int64 arrays, checked: slots distinct and in range, lengths
+        >= 1 and summing to N. Nothing changes on a refusal."""
+        st = as_ids(streams, 1, "streams")
+        ln = as_ids(lengths, 1, "lengths")
+        if st.shape != ln.shape:
+            raise ValueError(f"streams and lengths must have the same length, got {st.shape[0]} and {ln.shape[0]}")
+        if st.size and (st.min() < 0 or st.max() >= self.n_streams):
+            bad = st[(st < 0) | (st >= self.n_streams)][0]
+            raise IndexError(f"stream {bad} out of range for an engine with {self.n_streams} streams")
+        if len(set(st.tolist())) != st.size:
+            raise ValueError(f"streams must be distinct within a call, got {st.tolist()}")
+        if ln.size and ln.min() < 1:
+            raise ValueError(f"every segment needs at least one token, got lengths {ln.tolist()}")
+        if int(ln.sum()) != N:
+            raise ValueError(f"lengths sum to {int(ln.sum())} but {N} token ids were given")
+        return st, ln
+
+    # ---- the public calls ---------------------------------------------------------------------
+    def step(self, token_ids, hidden, out=None):
+        """One token per stream: (token_id, hidden[G, D]) for one stream, or
+        (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram delta."""
+        ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
+        cdef object shape = (self.n_streams, self.G, self.D)
+        if single:
+            shape = (self.G, self.D)
+        h, o = self._io(hidden, out, shape)
+        cdef int64_t tok = ids if single else 0  # a scalar id lives in this call, not in the engine
+        cdef const int64_t *pid = &tok if single else <const int64_t *> cnp.PyArray_DATA(ids)
+        cdef int64_t bad
+        self._enter()
+        try:
+            if self.pn:
+                raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
+            with nogil:
+                bad = self._first_bad_id(pid, self.n_streams)
+            if bad >= 0:
+                raise args.bad_id(ids, bad, self.vocab)
+            self._check_files()
+            self._feed(pid, self.n_streams, self.step_st, self.step_len, self.n_streams, False)
+            self._compute(<const float *> cnp.PyArray_DATA(h), <float *> cnp.PyArray_DATA(o))
+        finally:
+            self.busy = False
+        return o
+
+    def step_packed(self, token_ids, hidden, streams, lengths, out=None, draft=False, masked=None):
+        """A serving batch: segment k is lengths[k] consecutive tokens of slot streams[k] (a prompt
+        chunk when > 1, a decode step when 1), token_ids[N] and hidden[N, G, D] the segments one
+        after another. Slots in one call are distinct; slots not named keep their state. One
+        projection GEMM (per chunk of tokens) for all of them. Returns float32[N, G, D].
+
+        draft=True: commit(accepted) may then cut each segment back to its first accepted[k]
+        tokens (speculative decoding); a new call without commit accepts everything.
+        masked: bool[N], positions that take no part in any n-gram (left padding): V4.1 reads
+        them as DEAD (gate 0, history cut), the demo skips them (state untouched, output 0);
+        either way a padded row equals the same row run alone."""
+        ids = as_ids(token_ids, 1, "token_ids")
+        N = ids.shape[0]
+        st, ln = self._segments(streams, lengths, N)
+        h, o = self._io(hidden, out, (N, self.G, self.D))
+        ids, st, ln, keep = self._masked(ids, st, ln, masked)
+        cdef int64_t bad, n = ids.shape[0]
+        cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(ids)
+        self._enter()
+        try:
+            if self.pn:
+                raise RuntimeError("feed() was called: finish that batch with compute(hidden) first")
+            with nogil:
+                bad = self._first_bad_id(pid, n)
+            if bad >= 0:
+                raise args.bad_id(ids, bad, self.vocab)
+            self._check_files()
+            if ids.shape[0]:
+                self._feed(pid, ids.shape[0], <const int64_t *> cnp.PyArray_DATA(st),
+                           <const int64_t *> cnp.PyArray_DATA(ln), st.shape[0], bool(draft))
+                self._unmask = keep
+                self._compute_unmasked(h, o)
+            else:
+                self.has_record = self.draft = False
+                if keep is not None:
+                    o[...] = 0
+        finally:
+            self.busy = False
+        return o
+
+    def _masked(self, ids, st, ln, masked):
+        """(ids, streams, lengths, keep) with the masked positions applied: DEAD ids for a
+        variant that reads them so (V4.1), else the positions taken out (keep: what stays, for
+        compute to scatter back; segments left empty are dropped)."""
+        if masked is None:
+            return ids, st, ln, None
+        m = np.asarray(masked)
+        if m.dtype != np.bool_ or m.shape != ids.shape:
+            raise ValueError(f"masked must be a bool array of shape {ids.shape}, got "
+                             f"{getattr(m, 'dtype', type(masked).__name__)} {m.shape}")
+        if not m.any():
+            return ids, st, ln, None
+        if self.latch:
+            return np.where(m, self.dead_id, ids), st, ln, None
+        keep = ~m
+        per = np.add.reduceat(keep.astype(np.int64), np.concatenate([[0], np.cumsum(ln)[:-1]])) if ln.size else ln
+        live = per > 0
+        return (np.ascontiguousarray(ids[keep]), np.ascontiguousarray(st[live]), np.ascontiguousarray(per[live]),
+                (keep, ln, live))
+
+    def _compute_unmasked(self, h, o):
+        """compute() of the pending batch into o (h: the call's hidden), through the mask's
+        compaction when the last feed took positions out."""
+        keep = self._unmask
+        if keep is None:
+            self._compute(<const float *> cnp.PyArray_DATA(h), <float *> cnp.PyArray_DATA(o))
+            return
+        k = keep[0]
+        hk = np.ascontiguousarray(h[k])
+        ok = np.empty_like(hk)
+        self._compute(<const float *> cnp.PyArray_DATA(hk), <float *> cnp.PyArray_DATA(ok))
+        o[k] = ok
+        o[~k] = 0
+
+    def commit(self, accepted):
+        """After a draft=True call: segment k's slot stands exactly as if only its first
+        accepted[k] tokens (0..lengths[k]) had been fed: hash window, tokens seen, rows and the
+        variant's own state (the demo's conv ring). The outputs of the tokens kept are the ones
+        the draft call returned."""
+        a = as_ids(accepted, 1, "accepted")
+        cdef int64_t k, j, s, i0, na
+        self._enter()
+        try:
+            if not (self.draft and self.has_record) or self.pn:
+                raise RuntimeError("commit() needs the last call to be step_packed(..., draft=True) "
+                                   "(and nothing since)")
+            keep = self._unmask
+            lens = np.array([self.seg_len[k] for k in range(self.npieces)], np.int64)
+            if keep is not None:  # accepted counts the call's own segments: map to the kept tokens
+                mask, ln, live = keep
+                if a.shape[0] != ln.shape[0] or (a.size and (a.min() < 0 or (a > ln).any())):
+                    raise ValueError(f"accepted must hold one count per segment, 0 <= accepted[k] <= "
+                                     f"lengths[k] = {ln.tolist()}, got {a.tolist()}")
+                starts = np.concatenate([[0], np.cumsum(ln)[:-1]]).astype(np.int64)
+                a = np.array([int(mask[b:b + x].sum()) for b, x in zip(starts, a)], np.int64)[live]
+            elif a.shape[0] != self.npieces or (a.size and (a.min() < 0 or (a > lens).any())):
+                raise ValueError(f"accepted must hold one count per segment, 0 <= accepted[k] <= "
+                                 f"lengths[k] = {lens.tolist()}, got {a.tolist()}")
+            for k in range(self.npieces):
+                s, i0, na = self.seg_stream[k], self.seg_start[k], a[k]
+                for j in range(self.n - 1):
+                    self.hist[s, j] = self.rec_hist[k, j]
+                for j in range(na):  # the window replays the entries of the tokens kept
+                    self._push(s, self.wbuf[i0 + j])
+                self.seen[s] = self.rec_seen[k] + na
+                for j in range(self.H):
+                    self.last_rows[s, j] = self.rbuf[(i0 + na - 1) * self.H + j] if na else self.rec_rows[k, j]
+                self._commit_extra(k, na)
+            self.has_record = self.draft = False
+        finally:
+            self.busy = False
+
+    cdef void _push(self, int64_t s, int64_t e) noexcept nogil:
+        cdef int k
+        for k in range(self.n - 2, 0, -1):
+            self.hist[s, k] = self.hist[s, k - 1]
+        if self.n > 1:
+            self.hist[s, 0] = e
+
+    def feed(self, token_ids):
+        """First half of a step: hash the new token(s) and advance the windows; the rows
+        (`.rows`) are known from here on (a remote row source reads them now). compute(hidden)
+        finishes the step."""
+        ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
+        cdef int64_t tok = ids if single else 0
+        cdef const int64_t *pid = &tok if single else <const int64_t *> cnp.PyArray_DATA(ids)
+        cdef int64_t bad
+        self._enter()
+        try:
+            if self.pn:
+                raise RuntimeError("feed() was already called for this token: call compute(hidden) first")
+            with nogil:
+                bad = self._first_bad_id(pid, self.n_streams)
+            if bad >= 0:
+                raise args.bad_id(ids, bad, self.vocab)
+            self._check_files()
+            self._feed(pid, self.n_streams, self.step_st, self.step_len, self.n_streams, False)
+            self._unmask = None
+            self._pending_n = 0
+        finally:
+            self.busy = False
+
+    def feed_packed(self, token_ids, streams, lengths, draft=False, masked=None):
+        """First half of step_packed (same arguments but hidden and out); compute(hidden[N, G, D])
+        finishes it."""
+        ids = as_ids(token_ids, 1, "token_ids")
+        st, ln = self._segments(streams, lengths, ids.shape[0])
+        ids, st, ln, keep = self._masked(ids, st, ln, masked)
+        cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(ids)
+        cdef int64_t bad, n = ids.shape[0]
+        self._enter()
+        try:
+            if self.pn:
+                raise RuntimeError("feed() was already called: call compute(hidden) first")
+            with nogil:
+                bad = self._first_bad_id(pid, n)
+            if bad >= 0:
+                raise args.bad_id(ids, bad, self.vocab)
+            if not ids.shape[0]:
+                raise ValueError("feed_packed needs at least one token that is not masked")
+            self._check_files()
+            self._feed(pid, ids.shape[0], <const int64_t *> cnp.PyArray_DATA(st),
+                       <const int64_t *> cnp.PyArray_DATA(ln), st.shape[0], bool(draft))
+            self._unmask = keep
+            self._pending_n = ids.shape[0] if keep is None else keep[0].shape[0]
+        finally:
+            self.busy = False
+
+    def compute(self, hidden, out=None):
+        """Second half of a call, after feed() / feed_packed(): hidden [G, D] or [S, G, D] after
+        feed() (as step()), [N, G, D] after feed_packed()."""
+        cdef int64_t N
+        self._enter()
+        try:
+            if not self.pn:
+                raise RuntimeError("compute() needs feed(token_ids) first")
+            N = self._pending_n if self._pending_n else self.pn
+            if self._pending_n == 0 and self.n_streams == 1 and np.ndim(hidden) == 2:
+                shape = (self.G, self.D)
+            else:
+                shape = (N, self.G, self.D)
+            h, o = self._io(hidden, out, shape)
+            self._check_files()
+            self._compute_unmasked(h, o)
+            self._pending_n = 0
+        except BaseException:
+            raise
+        finally:
+            self.busy = False
+        return o
+
+    def _abort(self):
+        """Put every slot of the last call back as before it (the Decoder's all-or-nothing token:
+        a later layer's read failed). A no-op when the last call left no record."""
+        self._enter()
+        try:
+            self.src.release()
+            self._rollback()
+            self._pending_n = 0
+        finally:
+            self.busy = False
+
+    def prefill(self, ids, hidden, stream=0, out=None):
+        """A prompt on one stream: ids[T], hidden[T, G, D] -> float32[T, G, D], equal to T steps
+        and leaving the same state, in chunks of the variant's size (one GEMM per chunk, split
+        over `prefill_threads`)."""
+        a = as_ids(ids, 1, "ids")
+        cdef int64_t T = a.shape[0]
+        h, o = self._io(hidden, out, (T, self.G, self.D))
+        cdef int64_t s = args.stream_index(stream, self.n_streams)
+        cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(a)
+        cdef int64_t bad
+        self._enter()
+        try:
+            if self.pn:
+                raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
+            with nogil:
+                bad = self._first_bad_id(pid, T)
+            if bad >= 0:
+                raise args.bad_id(a, bad, self.vocab)
+            self._check_files()
+            if T:
+                self._feed(pid, T, &s, &T, 1, False)
+                self._unmask = None
+                self._compute(<const float *> cnp.PyArray_DATA(h), <float *> cnp.PyArray_DATA(o))
+        finally:
+            self.busy = False
+        return o
+
+    def reset(self, stream=None):
+        """Forget the history of one stream (or of all, which also drops a fed batch): back to
+        the state before any token. A finished request's slot is reset and reused."""
+        cdef int64_t s
+        if stream is not None:
+            args.stream_index(stream, self.n_streams)
+        self._enter()
+        try:
+            if stream is None:
+                self.src.release()
+                self.pn = 0
+                self._pending_n = 0
+                for s in range(self.n_streams):
+                    self._reset_stream(s)
+            elif self.pn:
+                raise RuntimeError("feed() was called: compute(hidden) first, or reset() all streams")
+            else:
+                self._reset_stream(stream)
+            self.has_record = self.draft = False
+        finally:
+            self.busy = False
+
+    # ---- threads, rows, files ------------------------------------------------------------------
+    @property
+    def isa(self):
+        """The kernel path this engine runs now: "avx512", "avx2" or "baseline", the one
+        engram_stream.kernel_isa() names (ENGRAM_STREAM_ISA, engine.isa.use_isa)."""
+        return _isa.ISA_NAMES[es_isa_now()]
+
+    @property
+    def step_threads(self):
+        """Threads a batch of decode steps splits its projection, gathers and tails over (bitwise
+        equal to one thread). Default 1; a set value is clamped to [1, ES_MAX_THREADS]."""
+        return self._step_threads
+
+    @step_threads.setter
+    def step_threads(self, n):
+        self._step_threads = args.threads(n, ES_MAX_THREADS)
+
+    @property
+    def prefill_threads(self):
+        """Threads a batch with prompt chunks (prefill, step_packed) splits its work over (bitwise
+        equal to one thread). Default: the machine's cores, at most 8; a set value is clamped to
+        [1, ES_MAX_THREADS]."""
+        return self._prefill_threads
+
+    @prefill_threads.setter
+    def prefill_threads(self, n):
+        self._prefill_threads = args.threads(n, ES_MAX_THREADS)
+
+    @property
+    def rows(self):
+        """int64[S, H]: absolute table rows of the last token fed to each stream (by any call;
+        after a prompt, its last token's); -1 for a stream with no token since its reset."""
+        return np.array(self.last_rows, dtype=np.int64)
+
+    @property
+    def pending_rows(self):
+        """int64[N, H]: the rows of the batch fed and not yet computed (empty: none)."""
+        return np.array(<int64_t[:self.pn * self.H]> self.rbuf, copy=True).reshape(self.pn, self.H) \
+            if self.pn else np.empty((0, self.H), np.int64)
+
+    @property
+    def row_source(self):
+        """The RowSource this engine reads its rows through (rows/_source.pyx)."""
+        return self.src
+
+    def prefetch(self):
+        """After feed(): ask the row source to start loading the fed rows (a mapped table:
+        madvise WILLNEED of their pages, while earlier layers compute). Returns failed advice calls."""
+        self._enter()
+        try:
+            if not self.pn:
+                raise RuntimeError("prefetch() needs feed(token_ids) first")
+            return int(self.src.prefetch(self.rbuf, self.pn * self.H))
+        finally:
+            self.busy = False
+
+    def track_rows(self, bitmap):
+        """Record every row this engine reads in `bitmap` (uint8[ceil(table_rows/8)], bit r =
+        row r), or stop recording with None. The array is borrowed: keep it alive."""
+        args.rows_bitmap(bitmap, self.model.plan.table_rows[self.layer])
+        self._enter()
+        try:
+            self._touched_ref = bitmap
+            self.touched = NULL if bitmap is None else <uint8_t *> cnp.PyArray_DATA(bitmap)
+        finally:
+            self.busy = False
+
+    @property
+    def pending_compute(self):
+        return self.pn > 0
+
+    @property
+    def tokens_seen(self):
+        """int64[S]: tokens processed per stream since its last reset."""
+        return np.array(self.seen, dtype=np.int64)
+
+    @property
+    def state_nbytes(self):
+        """Bytes of per-stream state (what a snapshot holds)."""
+        return self.n_streams * ((self.n - 1) * 8 + 8 + self.H * 8) + sum(
+            int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in self._extra_expected())
+
+    # ---- snapshot / restore ---------------------------------------------------------------------
+    def snapshot(self):
+        """A copy of every stream's state, for restore() (speculative decoding rollback)."""
+        self._enter()
+        try:
+            if self.pn:
+                raise RuntimeError("cannot snapshot between feed() and compute()")
+            parts = {"hist": np.array(self.hist, copy=True), "seen": np.array(self.seen, copy=True),
+                     "rows": np.array(self.last_rows, copy=True)}
+            parts.update(self._extra_state())
+        finally:
+            self.busy = False
+        return EngineSnapshot(self._fingerprint, **parts)
+
+    def _read_snapshot(self, snapshot):
+        """The snapshot's arrays, each read once into a fresh copy and checked (changes nothing):
+        an object whose attributes change between reads cannot slip past the checks."""
+        if not isinstance(snapshot, EngineSnapshot):
+            raise TypeError(f"restore() takes an EngineSnapshot, got {type(snapshot).__name__}")
+        fp = snapshot.fingerprint
+        if fp != self._fingerprint:
+            raise ValueError(f"snapshot is from another engine (different {why_foreign(fp, self._fingerprint)}): "
+                             f"cannot restore")
+        cdef int64_t S = self.n_streams
+        want = (("hist", (S, self.n - 1), np.int64), ("seen", (S,), np.int64),
+                ("rows", (S, self.H), np.int64)) + tuple(self._extra_expected())
+        parts = {}
+        for name, shape, dtype in want:
+            a = getattr(snapshot, name, None)
+            if a is None and name == "rows":
+                a = np.full(shape, -1, np.int64)  # a snapshot without rows: none known
+            if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
+                raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
+            parts[name] = np.array(a, copy=True)  # the one read; the checks below see this copy
+        if parts["seen"].size and parts["seen"].min() < 0:
+            raise ValueError("snapshot.seen is damaged: negative token counts")
+        rows = parts["rows"]
+        if rows.size and ((rows < -1) | (rows >= self.src.nrows)).any():
+            raise ValueError("snapshot.rows is damaged: rows out of the table")
+        self._check_extra(parts)
+        return parts
+
+    def _check_snapshot(self, snapshot):
+        """Raise unless `snapshot` can be restored here (changes nothing)."""
+        self._read_snapshot(snapshot)
+
+    def restore(self, snapshot):
+        """Put back a snapshot of this engine, or of one with the same layer, config, hash plan
+        and stream count. A fed batch or a draft's record is dropped."""
+        parts = self._read_snapshot(snapshot)
+        cdef int64_t[:, ::1] hist = parts["hist"], rows = parts["rows"]
+        cdef int64_t[::1] seen = parts["seen"]
+        self._enter()
+        try:
+            self.src.release()
+            self.hist[:, :] = hist
+            self.seen[:] = seen
+            self.last_rows[:, :] = rows
+            self._put_extra(parts)
+            self.pn = 0
+            self._pending_n = 0
+            self.has_record = self.draft = False
+        finally:
+            self.busy = False
+
+
+def _isa_set(int level):
+    """Run this module's kernels (the hash) at `level` (engine.isa); False if the CPU cannot."""
+    return es_isa_set(level) == 0
+
+
+def _isa_get():
+    return es_isa_now()
+
+
+_isa.register(__import__("sys").modules[__name__])  # this module's kernels follow the one selector

@@ -1,0 +1,51 @@
+"""EngineSnapshot: a copy of a streaming engine's per-stream state, as named arrays.
+
+Every engine has the arrays of the base (hist: the hash windows, seen: tokens since reset,
+rows: the last token's table rows); a variant adds its own (the demo: ring and pos, its
+ShortConv state). restore() reads each array once, checks them all, then commits.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class EngineSnapshot:
+    """A copy of an engine's per-stream state: EngineSnapshot(fingerprint, hist=..., seen=..., ...).
+
+    Restorable into the engine it came from or any engine of the same layer, config, hash plan
+    and stream count (speculative decoding: snapshot, try tokens, restore)."""
+
+    def __init__(self, fingerprint, **arrays):
+        self.fingerprint = fingerprint
+        self.names = tuple(arrays)
+        for name, a in arrays.items():
+            if isinstance(a, np.ndarray):
+                a.flags.writeable = False
+            setattr(self, name, a)
+
+    @property
+    def nbytes(self):
+        return sum(a.nbytes for a in (getattr(self, n, None) for n in self.names) if isinstance(a, np.ndarray))
+
+    def __repr__(self):
+        return (f"EngineSnapshot(layer={self.fingerprint[0]}, n_streams={self.fingerprint[2]}, "
+                f"arrays={list(self.names)}, {self.nbytes} bytes)")
+
+
+def fingerprint(cfg, layer, n_streams, mult, lookup) -> tuple:
+    """What a snapshot must match to be restored: (layer, the config's semantics as JSON,
+    stream count, multipliers, lookup digest). The sizes a checkpoint declares (checks, not
+    semantics: a V4.1 save adds them) are left out, so a model saved and loaded again takes
+    its own snapshots."""
+    import hashlib
+    import json
+    d = cfg.to_dict()
+    for k in ("num_embeddings", "compressed_vocab_size"):
+        d.pop(k, None)
+    return (layer, json.dumps(d, sort_keys=True), n_streams, np.asarray(mult).tobytes(),
+            None if lookup is None else hashlib.sha1(np.asarray(lookup).tobytes()).hexdigest())
+
+
+def why_foreign(fp, mine) -> str:
+    return ("layer" if fp[0] != mine[0] else "config" if fp[1] != mine[1] else
+            "stream count" if fp[2] != mine[2] else "hash plan")
