@@ -147,6 +147,30 @@ def make_model(G=2, n=3, K=3, D=13, nh=2, hd=3, vocab=40, layers=(1, 4), evs=Non
     return perturbed(model, rng)
 
 
+V41_IMG = 299  # the DEAD (image) token id of make_v41_model's models
+
+
+def make_v41_model(G=2, D=64, n=4, nh=2, hd=32, vocab=300, img=V41_IMG, layers=(1, 4), comp=True, seed=0, evs=211):
+    """A small deepseek-v4.1 model (random float8 weights at the reference's magnitudes)."""
+    from engram_stream import EngramConfig, EngramModel
+    rng = np.random.default_rng(seed + 99)
+    cfg = EngramConfig(variant="deepseek-v4.1", engram_vocab_size=[evs] * (n - 1), max_ngram_size=n,
+                       n_embed_per_ngram=nh * hd, n_head_per_ngram=nh, layer_ids=list(layers), pad_id=2,
+                       hidden_size=D, hc_mult=G, vocab_size=vocab, image_token_id=img)
+    return EngramModel.init(cfg, seed=seed, compression=dense_compression(vocab, rng) if comp else None)
+
+
+def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
+    """Random ids for either variant: some negative (demo: they pass through; V4.1: DEAD in the
+    window), and for V4.1 image (DEAD) tokens, also at the start and in runs."""
+    cfg = model.cfg
+    ids = rng.integers(0, cfg.vocab_size, shape).astype(np.int64)
+    if cfg.image_token_id is not None:
+        ids[rng.random(shape) < p_dead] = cfg.image_token_id
+    ids[rng.random(shape) < p_neg] = -rng.integers(1, 5)
+    return ids
+
+
 def random_inputs(model, S, T, rng, neg=True):
     """ids int64[S, T] (some negative: they pass through uncompressed), hidden float32[S, T, G, D]."""
     cfg = model.cfg

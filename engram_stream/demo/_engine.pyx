@@ -216,6 +216,12 @@ cdef class StreamEngine(EngineBase):
                                self.C * sizeof(float))
                 self.pos[s] = (p + plen) % L
 
+    cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil:
+        cdef GatherWork g
+        g.dp, g.sp, g.e, g.lde = self.dp, self.sp, dst, ld
+        g.kind, g.hd, g.H = self.table_kind, self.hd, self.H
+        es_parallel_pieces(threads if nb >= 32 else 1, nb, 0, _gather_part, &g)
+
     cdef void _save_x(self, int64_t t0, int64_t c0, int64_t plen) noexcept nogil:
         """Draft: of the chunk's piece [c0, c0+plen), the tokens whose ring slot a later token of
         the same segment overwrites (in-segment position + conv_len < its length) keep x(t)."""
@@ -266,7 +272,7 @@ cdef class StreamEngine(EngineBase):
         the call, else kept by _save_x), or its value before the call when none is."""
         cdef int64_t s = self.seg_stream[k], L = self.conv_len, n = self.seg_len[k], i, j, jl
         cdef int64_t p0
-        if not L:
+        if not L or not self.ring_recorded:  # (a lookup_packed draft: the ring never moved)
             return
         p0 = self.rec_pos[k]
         for i in range(min(n, L)):

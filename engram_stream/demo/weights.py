@@ -94,7 +94,8 @@ class LayerWeights:
 
     def file_arrays(self) -> tuple:
         """The arrays that may be views of a mapped file (checked before they are read)."""
-        return tuple(a for a in (self.table, self.table_scale) if a is not None)
+        return tuple(a for a in (self.table, self.table_scale, self.proj_w, self.proj_b, self.norm1, self.norm2,
+                                 self.conv_norm, self.conv_w) if isinstance(a, np.ndarray))
 
     @property
     def table_dtype(self) -> str:

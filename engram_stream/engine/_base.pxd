@@ -55,6 +55,7 @@ cdef class EngineBase:
     cdef int64_t *seg_start            # [S] its first token
     cdef int64_t *seg_len              # [S] its tokens
     cdef int64_t *slot_seg             # [S] the segment of each slot in this call (-1: not named)
+    cdef uint8_t *mark                 # [S] scratch of the argument checks (all 0 between calls)
     cdef const char **dp               # [chunk * H] rows' data of the chunk being computed
     cdef const char **sp               # [chunk * H] and their scales
     cdef object _unmask                # masked positions taken out (demo): (keep, lengths, live segments)
@@ -94,6 +95,7 @@ cdef class EngineBase:
     cdef int _init_variant(self, w) except -1
     cdef int _grow_chunk(self, int64_t nb, int threads) except -1
     cdef void _chunk(self, int64_t t0, int64_t nb, const float *hid, float *out, int threads) noexcept nogil
+    cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil
     cdef int _record_extra(self, bint draft, bint needed) except -1
     cdef void _rollback_extra(self) noexcept nogil
     cdef void _commit_extra(self, int64_t k, int64_t a) noexcept nogil

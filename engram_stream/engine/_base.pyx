@@ -25,7 +25,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport INT64_MIN, int64_t, uint8_t
 from libc.stdlib cimport free, realloc
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from posix.stat cimport fstat, struct_stat
 
 from engram_stream._consts cimport ES_MAX_NGRAM
@@ -90,7 +90,7 @@ cdef class EngineBase:
 
     def __dealloc__(self):
         free(self.rbuf); free(self.dbuf); free(self.tstream); free(self.wbuf)
-        free(self.seg_stream); free(self.seg_start); free(self.seg_len); free(self.slot_seg)
+        free(self.seg_stream); free(self.seg_start); free(self.seg_len); free(self.slot_seg); free(self.mark)
         free(self.dp); free(self.sp)
 
     cdef int _setup(self, model, layer, int n_streams, int64_t chunk, bint latch) except -1:
@@ -153,6 +153,8 @@ cdef class EngineBase:
         self.seg_start = <int64_t *> _regrow(NULL, S * sizeof(int64_t))
         self.seg_len = <int64_t *> _regrow(NULL, S * sizeof(int64_t))
         self.slot_seg = <int64_t *> _regrow(NULL, S * sizeof(int64_t))
+        self.mark = <uint8_t *> _regrow(NULL, S * sizeof(uint8_t))
+        memset(self.mark, 0, S)
         self.dp = <const char **> _regrow(NULL, chunk * self.H * sizeof(char *))
         self.sp = <const char **> _regrow(NULL, chunk * self.H * sizeof(char *))
         self._step_threads = 1
@@ -190,6 +192,11 @@ cdef class EngineBase:
     cdef void _chunk(self, int64_t t0, int64_t nb, const float *hid, float *out, int threads) noexcept nogil:
         """Tokens [t0, t0+nb) of the pending batch: rows resolved in dp/sp (H per token), hidden
         and out at their first token. Gather, project, tails; the variant's own state moves here."""
+        pass
+
+    cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil:
+        """The chunk's rows (resolved in dp/sp, H per token) as floats: token i's E values at
+        dst + i*ld, exactly as the step gathers them (lookup_packed)."""
         pass
 
     cdef int _record_extra(self, bint draft, bint needed) except -1:
@@ -408,26 +415,47 @@ cdef class EngineBase:
         streams' hidden is still to be read)."""
         h = args.hidden(hidden, shape)
         o = args.out(out, shape)
-        if out is not None and np.may_share_memory(o, h):
+        cdef const char *o0 = <const char *> cnp.PyArray_DATA(o)
+        cdef const char *h0 = <const char *> cnp.PyArray_DATA(h)
+        if out is not None and o0 < h0 + cnp.PyArray_NBYTES(h) and h0 < o0 + cnp.PyArray_NBYTES(o):
             raise ValueError("out must not overlap hidden: pass another array (or out=None)")
         return h, o
 
     def _segments(self, streams, lengths, int64_t N):
         """streams[K], lengths[K] as int64 arrays, checked: slots distinct and in range, lengths
-        >= 1 and summing to N. Nothing changes on a refusal."""
+        >= 1 and summing to N. Nothing changes on a refusal (and nothing is allocated for int64
+        arrays: a serving loop passes its own)."""
         st = as_ids(streams, 1, "streams")
         ln = as_ids(lengths, 1, "lengths")
-        if st.shape != ln.shape:
+        if st.shape[0] != ln.shape[0]:
             raise ValueError(f"streams and lengths must have the same length, got {st.shape[0]} and {ln.shape[0]}")
-        if st.size and (st.min() < 0 or st.max() >= self.n_streams):
-            bad = st[(st < 0) | (st >= self.n_streams)][0]
-            raise IndexError(f"stream {bad} out of range for an engine with {self.n_streams} streams")
-        if len(set(st.tolist())) != st.size:
+        cdef const int64_t[::1] sv = st
+        cdef const int64_t[::1] lv = ln
+        cdef int64_t k, s, total = 0, bad = -1, why = 0
+        for k in range(sv.shape[0]):
+            s = sv[k]
+            if s < 0 or s >= self.n_streams:
+                bad, why = k, 1
+                break
+            if self.mark[s]:
+                bad, why = k, 2
+                break
+            self.mark[s] = 1
+            if lv[k] < 1:
+                bad, why = k, 3
+                break
+            total += lv[k]
+        for k in range(sv.shape[0]):  # the marks go back whatever happened
+            if 0 <= sv[k] < self.n_streams:
+                self.mark[sv[k]] = 0
+        if why == 1:
+            raise IndexError(f"stream {sv[bad]} out of range for an engine with {self.n_streams} streams")
+        if why == 2:
             raise ValueError(f"streams must be distinct within a call, got {st.tolist()}")
-        if ln.size and ln.min() < 1:
+        if why == 3:
             raise ValueError(f"every segment needs at least one token, got lengths {ln.tolist()}")
-        if int(ln.sum()) != N:
-            raise ValueError(f"lengths sum to {int(ln.sum())} but {N} token ids were given")
+        if total != N:
+            raise ValueError(f"lengths sum to {total} but {N} token ids were given")
         return st, ln
 
     # ---- the public calls ---------------------------------------------------------------------
@@ -489,8 +517,9 @@ cdef class EngineBase:
                            <const int64_t *> cnp.PyArray_DATA(ln), st.shape[0], bool(draft))
                 self._unmask = keep
                 self._compute_unmasked(h, o)
-            else:
-                self.has_record = self.draft = False
+            else:  # nothing to compute (every position masked, or no token): a call of no segment
+                self.npieces = 0
+                self.has_record, self.draft, self._unmask = True, bool(draft), keep
                 if keep is not None:
                     o[...] = 0
         finally:
@@ -531,30 +560,34 @@ cdef class EngineBase:
         o[k] = ok
         o[~k] = 0
 
+    def _check_commit(self, accepted):
+        """accepted as the counts of this engine's segments (int64[K]), checked against the last
+        call; raises (changing nothing) unless commit(accepted) can run."""
+        if not (self.draft and self.has_record) or self.pn:
+            raise RuntimeError("commit() needs the last call to be step_packed(..., draft=True) "
+                               "(and nothing since)")
+        a = as_ids(accepted, 1, "accepted")
+        keep = self._unmask
+        lens = np.array([self.seg_len[k] for k in range(self.npieces)], np.int64)
+        given = keep[1] if keep is not None else lens
+        if a.shape[0] != given.shape[0] or (a.size and (a.min() < 0 or (a > given).any())):
+            raise ValueError(f"accepted must hold one count per segment, 0 <= accepted[k] <= "
+                             f"lengths[k] = {given.tolist()}, got {a.tolist()}")
+        if keep is not None:  # the call's own segments -> the tokens that were not masked
+            mask, ln, live = keep
+            starts = np.concatenate([[0], np.cumsum(ln)[:-1]]).astype(np.int64)
+            a = np.array([int(mask[b:b + x].sum()) for b, x in zip(starts, a)], np.int64)[live]
+        return np.ascontiguousarray(a)
+
     def commit(self, accepted):
         """After a draft=True call: segment k's slot stands exactly as if only its first
         accepted[k] tokens (0..lengths[k]) had been fed: hash window, tokens seen, rows and the
         variant's own state (the demo's conv ring). The outputs of the tokens kept are the ones
         the draft call returned."""
-        a = as_ids(accepted, 1, "accepted")
         cdef int64_t k, j, s, i0, na
         self._enter()
         try:
-            if not (self.draft and self.has_record) or self.pn:
-                raise RuntimeError("commit() needs the last call to be step_packed(..., draft=True) "
-                                   "(and nothing since)")
-            keep = self._unmask
-            lens = np.array([self.seg_len[k] for k in range(self.npieces)], np.int64)
-            if keep is not None:  # accepted counts the call's own segments: map to the kept tokens
-                mask, ln, live = keep
-                if a.shape[0] != ln.shape[0] or (a.size and (a.min() < 0 or (a > ln).any())):
-                    raise ValueError(f"accepted must hold one count per segment, 0 <= accepted[k] <= "
-                                     f"lengths[k] = {ln.tolist()}, got {a.tolist()}")
-                starts = np.concatenate([[0], np.cumsum(ln)[:-1]]).astype(np.int64)
-                a = np.array([int(mask[b:b + x].sum()) for b, x in zip(starts, a)], np.int64)[live]
-            elif a.shape[0] != self.npieces or (a.size and (a.min() < 0 or (a > lens).any())):
-                raise ValueError(f"accepted must hold one count per segment, 0 <= accepted[k] <= "
-                                 f"lengths[k] = {lens.tolist()}, got {a.tolist()}")
+            a = self._check_commit(accepted)
             for k in range(self.npieces):
                 s, i0, na = self.seg_stream[k], self.seg_start[k], a[k]
                 for j in range(self.n - 1):
@@ -568,6 +601,66 @@ cdef class EngineBase:
             self.has_record = self.draft = False
         finally:
             self.busy = False
+
+    def lookup_packed(self, token_ids, streams, lengths, out=None, dtype="float32", draft=False, masked=None):
+        """The rows alone, for a caller that runs the projection elsewhere (a GPU): hash a serving
+        batch through the slots' windows (the windows advance as in step_packed; draft/commit
+        and masked as there) and return every token's rows dequantized, [N, E] (E = H * head_dim,
+        heads order-major), as float32 (`out`, if given, must be writeable C-contiguous float32
+        [N, E]) or "bfloat16" (rounded to nearest even). Rows come through the row source, as a
+        step's do. The variant's own state (the demo's conv ring) does not move."""
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+        ids = as_ids(token_ids, 1, "token_ids")
+        N = ids.shape[0]
+        st, ln = self._segments(streams, lengths, N)
+        o = args.out(out, (N, self.E))
+        ids, st, ln, keep = self._masked(ids, st, ln, masked)
+        cdef int64_t bad, n = ids.shape[0], t0, nb
+        cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(ids)
+        cdef float *po
+        res = o if keep is None else np.zeros((n, self.E), np.float32)
+        po = <float *> cnp.PyArray_DATA(res)
+        self._enter()
+        try:
+            if self.pn:
+                raise RuntimeError("feed() was called: finish that batch with compute(hidden) first")
+            with nogil:
+                bad = self._first_bad_id(pid, n)
+            if bad >= 0:
+                raise args.bad_id(ids, bad, self.vocab)
+            self._check_files()
+            if n:
+                self._feed(pid, n, <const int64_t *> cnp.PyArray_DATA(st), <const int64_t *> cnp.PyArray_DATA(ln),
+                           st.shape[0], bool(draft))
+                self._record_extra(False, False)  # the ring does not move: nothing of it to put back
+                self._unmask = keep
+                t0 = 0
+                try:
+                    while t0 < n:
+                        nb = min(self.chunk, n - t0)
+                        self.src.resolve(self.rbuf + t0 * self.H, nb * self.H, self.dp, self.sp)
+                        with nogil:
+                            self._gather_rows(nb, po + t0 * self.E, self.E, self._prefill_threads)
+                        self.src.release()
+                        t0 += nb
+                except BaseException:
+                    self.src.release()
+                    self._rollback()
+                    raise
+                self.pn = 0
+            else:
+                self.npieces = 0
+                self.has_record, self.draft, self._unmask = True, bool(draft), keep
+        finally:
+            self.busy = False
+        if keep is not None:
+            o[keep[0]] = res
+            o[~keep[0]] = 0
+        if dtype == "bfloat16":
+            import ml_dtypes
+            return o.astype(ml_dtypes.bfloat16)
+        return o
 
     cdef void _push(self, int64_t s, int64_t e) noexcept nogil:
         cdef int k

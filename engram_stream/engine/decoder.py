@@ -1,18 +1,25 @@
-"""Decoder: every Engram layer of a model, driven one token at a time.
+"""Decoder: every Engram layer of a model, driven one call at a time.
 
-A token's table rows depend only on the tokens, so when a token arrives the
-decoder hashes every layer at once (begin), before any layer runs; each layer's
-call (layer) then only gathers, projects and convolves. Between the two, a
-file-backed table has its rows' pages requested (prefetch), so the reads overlap
-the compute of the layers in between.
+A token's table rows depend only on the tokens, so when a batch arrives the decoder hashes
+every layer at once (begin / begin_packed), before any layer runs: each layer's row source
+gets its rows then (a mapped table is asked to page them in, a remote or disk source starts
+reading), so the reads overlap the compute of the layers in between, and each layer's call
+(layer) only waits for its own rows, gathers, projects and runs its tails.
 
     dec = model.decoder(n_streams=1)
     for tok in tokens:
-        dec.begin(tok)                     # hash all layers, prefetch their rows
+        dec.begin(tok)                     # hash all layers, start their rows
         for i, block in enumerate(blocks):
             if i in dec.layers:
                 h = h + dec.layer(i, h)    # Engram output, caller adds the residual
             h = block(h)
+
+A serving loop: dec.begin_packed(ids[N], streams[K], lengths[K], draft=, masked=), then
+dec.layer(L, hidden[N, G, D]) per layer, then (drafts) dec.commit(accepted[K]).
+
+All or nothing: a begin that fails for one layer (a bad id, a failed read) leaves every layer
+as before it; a layer() whose rows cannot be read puts every layer back as before the begin
+(the ones that ran already too), so the same call can be retried once the rows are back.
 """
 from __future__ import annotations
 
@@ -21,10 +28,10 @@ from ..io.files import mapping_of
 
 
 class Decoder:
-    """Per-layer StreamEngines behind one token clock.
+    """Per-layer engines behind one clock.
 
-    prefetch: "auto" (madvise WILLNEED of the rows' pages when a table is not in
-    anonymous memory, i.e. an mmap checkpoint), True (always), False (never)."""
+    prefetch: "auto" (ask each layer's row source to page the rows in at begin when its table
+    is a mapped file, i.e. an mmap checkpoint), True (always), False (never)."""
 
     def __init__(self, model, n_streams: int = 1, prefetch="auto"):
         if prefetch not in ("auto", True, False):
@@ -34,13 +41,14 @@ class Decoder:
         self.engines = {L: model.stream(L, n_streams) for L in model.cfg.layer_ids}
         self.prefetch = {L: (prefetch is True) or (prefetch == "auto" and mapping_of(model.layer(L).table) is not None)
                          for L in self.engines}
+        self._ran = []   # layers that ran for the current batch (a later layer's failure puts them back)
 
     @property
     def layers(self):
         return tuple(self.engines)
 
     def pending(self):
-        """Layers that still have to run for the current token."""
+        """Layers that still have to run for the current batch."""
         return [L for L, e in self.engines.items() if e.pending_compute]
 
     def _no_pending(self, what):
@@ -49,26 +57,67 @@ class Decoder:
             raise RuntimeError(f"layers {left} have not run for the current token: call layer() for them "
                                f"before {what}")
 
+    def _feed_all(self, feed):
+        """feed(engine) for every layer, all or nothing."""
+        self._no_pending("begin()")
+        fed = []
+        try:
+            for L, e in self.engines.items():
+                feed(e)
+                fed.append(e)
+                if self.prefetch[L]:
+                    e.prefetch()
+        except BaseException:
+            for e in fed:
+                e._abort()
+            raise
+        self._ran = []
+
     def begin(self, token_ids):
-        """A new token (per stream): hash every layer now; prefetch rows of file-backed tables.
-        All or nothing: the ids are read once and checked by every layer before any is fed."""
+        """A new token (per stream): hash every layer now and hand each its rows. All or nothing:
+        the ids are read once and checked by every layer before any is fed."""
         self._no_pending("begin()")
         ids, _ = self.engines[self.layers[0]]._ids(token_ids)  # read once: an int or an int64[S] array
         for e in self.engines.values():
             e._ids(ids)
-        for L, e in self.engines.items():
-            e.feed(ids)
-            if self.prefetch[L]:
-                e.prefetch()
+        self._feed_all(lambda e: e.feed(ids))
+
+    def begin_packed(self, token_ids, streams, lengths, draft=False, masked=None):
+        """A serving batch for every layer (see the engines' step_packed): segment k is lengths[k]
+        tokens of slot streams[k]; then layer(L, hidden[N, G, D]) for each layer, and after a
+        draft, commit(accepted). All or nothing, as begin()."""
+        self._feed_all(lambda e: e.feed_packed(token_ids, streams, lengths, draft=draft, masked=masked))
 
     def layer(self, layer, hidden, out=None):
-        """Layer `layer`'s Engram output for the current token (hidden [G, D] or [S, G, D])."""
+        """Layer `layer`'s Engram output for the current batch (hidden [G, D], [S, G, D] or, after
+        begin_packed, [N, G, D]). When its rows cannot be read, every layer is put back as
+        before the begin and the error is raised."""
         e = self.engines.get(layer)
         if e is None:
             raise LayerError(f"layer {layer!r} is not an Engram layer (layers={self.layers})")
         if not e.pending_compute:
             raise RuntimeError(f"layer({layer!r}) needs begin(token_ids) first (each layer runs once per token)")
-        return e.compute(hidden, out=out)
+        try:
+            out = e.compute(hidden, out=out)
+        except (ValueError, TypeError):  # the caller's arguments: nothing changed, call again
+            raise
+        except BaseException:
+            for other in self.engines.values():
+                if other is not e:
+                    other._abort()
+            self._ran = []
+            raise
+        self._ran.append(layer)
+        return out
+
+    def commit(self, accepted):
+        """After begin_packed(..., draft=True) and every layer: each layer's slots stand as if only
+        the first accepted[k] tokens of segment k had been fed."""
+        self._no_pending("commit()")
+        for e in self.engines.values():   # the checks of every layer before any changes
+            e._check_commit(accepted)
+        for e in self.engines.values():
+            e.commit(accepted)
 
     def _check_hiddens(self, hiddens):
         if not isinstance(hiddens, dict):
@@ -110,4 +159,3 @@ class Decoder:
             e._check_snapshot(snapshot[L])
         for L, e in self.engines.items():
             e.restore(snapshot[L])
-

@@ -31,5 +31,4 @@ cdef class RowCache:
     cdef object __weakref__        # RowTiers tracks live caches for row_cache_stats()
     cdef object _totals            # int64[4] the counters are added to when the cache goes away
 
-    cdef int plan_fetch(self, const int64_t *rows, int64_t n, const char **src, int64_t *miss_pos,
-                        fetch) except -1
+    cdef object plan_fetch(self, const int64_t *rows, int64_t n, const char **src, int64_t *miss_pos, fetch)

@@ -112,17 +112,17 @@ cdef class RowCache:
         keys = self._arrays[1][:self.c.used]
         return np.sort(keys[keys >= 0])
 
-    cdef int plan_fetch(self, const int64_t *rows, int64_t n, const char **src, int64_t *miss_pos,
-                        fetch) except -1:
+    cdef object plan_fetch(self, const int64_t *rows, int64_t n, const char **src, int64_t *miss_pos, fetch):
         """A remote step's rows: src[i] = the record of rows[i], from a cache slot (pinned until the
         next plan) or from the staging buffer `fetch(uniq)` fills and returns (uint8 [>= len(uniq),
         stride], record k = row uniq[k]; uniq: the distinct missed rows, sorted). Whatever fetch
-        raises propagates before any row is used (miss_pos: scratch of n entries)."""
+        raises propagates before any row is used (miss_pos: scratch of n entries). Returns the
+        staging array (keep it while src is read), or None when every row was a hit."""
         cdef int64_t m, nu
         with nogil:
             m = es_rc_plan(&self.c, rows, n, src, miss_pos)
         if m == 0:
-            return 0
+            return None
         r = np.asarray(<int64_t[:n]> <int64_t *> rows)
         uniq = np.unique(r[np.asarray(<int64_t[:m]> miss_pos)])
         stage = fetch(uniq)
@@ -135,7 +135,7 @@ cdef class RowCache:
         nu = uniq.shape[0]
         with nogil:
             es_rc_admit(&self.c, pu, nu, ps, rows, miss_pos, m, src)
-        return 0
+        return stage
 
     def touch(self, rows):
         """Look every row of `rows` up in order, as an engine's reads would (a miss takes a slot,

@@ -40,6 +40,7 @@ cdef class CachedRows(RowSource):
     cdef RowCache cache
     cdef MappedRows local              # the table the misses are copied from, or None
     cdef object fetch                  # remote: fetch(uniq rows) -> uint8[>= len, stride] staging, or None
+    cdef object _stage                 # the staging array of the last submit (src points into it)
     cdef const char **src              # [cap] each row's record (a slot, the staging buffer)
     cdef int64_t *mpos                 # [cap] positions that missed
     cdef int64_t cap

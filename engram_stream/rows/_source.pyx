@@ -162,7 +162,7 @@ cdef class CachedRows(RowSource):
         # admit them (pinned); resolve() then only points at the records
         self.sub_rows, self.sub_n = NULL, 0
         self._grow(n)
-        self.cache.plan_fetch(rows, n, self.src, self.mpos, self.fetch)
+        self._stage = self.cache.plan_fetch(rows, n, self.src, self.mpos, self.fetch)  # read until the next submit
         self.sub_rows, self.sub_n = rows, n
         return 0
 

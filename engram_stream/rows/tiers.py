@@ -37,7 +37,6 @@ def record_layout(w):
     return rows.shape[1], (0 if scales is None else scales.shape[1])
 
 
-# ---- the tiers a model carries ------------------------------------------------------------------
 class RowTiers:
     """The row source and RAM budget of a loaded model (model.row_tiers).
 

@@ -149,6 +149,14 @@ cdef class V41StreamEngine(EngineBase):
         w.ldq = self.qbuf.shape[1]
         es_parallel(threads, n, fn, &w)
 
+    cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil:
+        cdef int64_t i, zero = 0
+        cdef int j
+        for i in range(nb):
+            for j in range(self.H):
+                es8_gather(<const uint8_t *> self.dp[i * self.H + j], <const uint8_t *> self.sp[i * self.H + j],
+                           self.hd, &zero, 1, dst + i * ld + j * self.hd)
+
     cdef void _chunk(self, int64_t t0, int64_t nb, const float *hid, float *out, int threads) noexcept nogil:
         """Tokens [t0, t0+nb): rows gathered and quantized, the float8 projection (wkv read once
         for the chunk), the gate tails. No state of its own moves here."""

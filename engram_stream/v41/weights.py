@@ -52,7 +52,7 @@ class V41LayerWeights:
 
     def file_arrays(self) -> tuple:
         """The arrays that may be views of mapped shards (checked before they are read)."""
-        return (self.embed_weight, self.embed_scale, self.wkv_weight, self.wkv_scale)
+        return (self.embed_weight, self.embed_scale, self.wkv_weight, self.wkv_scale, self.q_weight, self.k_weight)
 
     @property
     def table(self):

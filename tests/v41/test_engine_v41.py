@@ -23,7 +23,7 @@ from engram_stream import EngramConfig, EngramModel
 from engram_stream import _engine_v41 as k
 from engram_stream import reference_v41 as ref
 from engram_stream._engine_v41 import V41EngineSnapshot, V41StreamEngine
-from conftest import close, dense_compression, hypothesis_settings
+from conftest import close, dense_compression, hypothesis_settings, make_v41_model
 
 pytestmark = pytest.mark.usefixtures("each_isa")  # every test once per kernel path the CPU runs
 
@@ -31,12 +31,8 @@ HYP = hypothesis_settings(25)
 IMG = 299  # the DEAD (image) token id of the models below
 
 
-def make_model(G=2, D=64, n=4, nh=2, hd=32, vocab=300, img=IMG, layers=(1, 4), comp=True, seed=0, evs=211):
-    rng = np.random.default_rng(seed + 99)
-    cfg = EngramConfig(variant="deepseek-v4.1", engram_vocab_size=[evs] * (n - 1), max_ngram_size=n,
-                       n_embed_per_ngram=nh * hd, n_head_per_ngram=nh, layer_ids=list(layers), pad_id=2,
-                       hidden_size=D, hc_mult=G, vocab_size=vocab, image_token_id=img)
-    return EngramModel.init(cfg, seed=seed, compression=dense_compression(vocab, rng) if comp else None)
+def make_model(**kw):
+    return make_v41_model(**kw)
 
 
 def token_ids(rng, shape, vocab=300, img=IMG, p_dead=0.15, p_neg=0.05):

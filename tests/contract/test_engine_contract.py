@@ -1,0 +1,307 @@
+"""The contract every streaming engine keeps, run on both variants (engine/_base.pyx holds it
+once): the one-owner guard and a scalar id that lives in its call, out= never overlapping
+hidden, the file check before every read (truncated or rewritten shards: FileChangedError, not
+SIGBUS), rows after prefill/feed and before any token, snapshots (damage, fingerprints, a save
+and load in between), a refused call leaving the state unchanged, reset.
+
+Outputs are held to each variant's numpy oracle (EngramModel.forward); integers exactly."""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from engram_stream import EngineSnapshot, EngramModel
+from engram_stream.errors import FileChangedError
+from conftest import close, make_model, make_v41_model, variant_ids
+
+VARIANTS = ["demo", "v41"]
+
+
+def _model(variant, **kw):
+    if variant == "demo":
+        return make_model(G=2, n=3, K=3, D=16, comp=True, seed=3, vocab=60, **kw)
+    return make_v41_model(**kw)
+
+
+@pytest.fixture(params=VARIANTS, scope="module")
+def model(request):
+    return _model(request.param)
+
+
+def _hid(model, rng, shape):
+    return rng.standard_normal(tuple(shape) + (model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+
+
+def _state(eng):
+    s = eng.snapshot()
+    return {k: getattr(s, k).copy() for k in s.names}
+
+
+def _same_state(a, b):
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+# ---- the one-owner guard, and the scalar id of a call ----------------------------------------------
+def test_a_refused_call_inside_a_call_does_not_change_its_token(model):
+    """step(tok, h) reads its id, then converts h; a refused step(other, bad) run meanwhile (from
+    h.__array__) must not make it hash `other`: the scalar id lives in the call."""
+    L = model.cfg.layer_ids[0]
+    eng, ref = model.stream(L), model.stream(L)
+    h = _hid(model, np.random.default_rng(0), ())
+
+    class Sneaky:
+        def __array__(self, dtype=None, copy=None):
+            with pytest.raises(ValueError):
+                eng.step(7, np.zeros((3, 3), np.float32))  # refused: wrong shape
+            return h
+
+    for tok in (5, 6, 5):
+        close(eng.step(tok, Sneaky()), ref.step(tok, h))
+        np.testing.assert_array_equal(eng.rows, ref.rows)
+
+
+def test_one_engine_two_threads_is_refused_not_corrupted(model):
+    L = model.cfg.layer_ids[0]
+    eng = model.stream(L, 2)
+    rng = np.random.default_rng(1)
+    ids, hid = variant_ids(model, rng, (2, 40)), _hid(model, rng, (2, 40))
+    want = model.forward(L, ids, hid)
+    refused, done, errors = [0], threading.Event(), []
+
+    def intruder():
+        while not done.is_set():
+            try:
+                eng.step(np.array([1, 2]), np.zeros((2, 3), np.float32))  # always refused
+            except RuntimeError:
+                refused[0] += 1
+            except ValueError:
+                pass
+
+    t = threading.Thread(target=intruder)
+    t.start()
+    try:
+        for p in range(40):
+            while True:
+                try:
+                    got = eng.step(ids[:, p], hid[:, p])
+                    break
+                except RuntimeError:
+                    continue
+            close(got, want[:, p])
+    finally:
+        done.set()
+        t.join()
+
+
+# ---- out= and hidden ------------------------------------------------------------------------------
+def test_out_overlapping_hidden_is_refused_and_changes_nothing(model):
+    L = model.cfg.layer_ids[0]
+    G, D = model.cfg.hc_mult, model.cfg.hidden_size
+    rng = np.random.default_rng(2)
+    ids, hid = variant_ids(model, rng, (3, 4)), _hid(model, rng, (3, 4))
+    eng = model.stream(L, 3)
+    eng.step(ids[:, 0], hid[:, 0])
+    before = _state(eng)
+    buf = np.zeros(4 * G * D, np.float32)
+    h = buf[:3 * G * D].reshape(3, G, D)
+    h[...] = hid[:, 1]
+    for out in (h, buf[G * D // 2:G * D // 2 + 3 * G * D].reshape(3, G, D)):
+        with pytest.raises(ValueError, match="overlap"):
+            eng.step(ids[:, 1], h, out=out)
+    pbuf = np.zeros(4 * G * D, np.float32)
+    ph = pbuf[:3 * G * D].reshape(3, G, D)
+    with pytest.raises(ValueError, match="overlap"):
+        eng.prefill(ids[0, 1:4], ph, out=pbuf[G * D:].reshape(3, G, D))
+    with pytest.raises(ValueError, match="overlap"):
+        eng.step_packed(ids[:, 1], h, [0, 1, 2], [1, 1, 1], out=h)
+    assert _same_state(_state(eng), before)
+    close(eng.step(ids[:, 1], h, out=np.empty((3, G, D), np.float32)), model.forward(L, ids, hid)[:, 1])
+
+
+# ---- files changed under a mapped model -------------------------------------------------------------
+def _saved(variant, tmp_path):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    m = _model(variant)
+    path = tmp_path / ("m.st" if variant == "demo" else "ckpt")
+    m.save(path)
+    return EngramModel.load(path, mmap=True), path
+
+
+def _files(path):
+    return [path] if os.path.isfile(path) else sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
+
+
+CALLS = {
+    "step": lambda m, e, L, ids, h: e.step(int(ids[0]), h[0]),
+    "prefill": lambda m, e, L, ids, h: e.prefill(ids, h),
+    "packed": lambda m, e, L, ids, h: e.step_packed(ids, h, [0], [len(ids)]),
+    "feed": lambda m, e, L, ids, h: e.feed(int(ids[0])),
+    "forward": lambda m, e, L, ids, h: m.forward(L, ids[None], h[None]),
+    "decoder": lambda m, e, L, ids, h: m.decoder().begin(int(ids[0])),
+    "save": lambda m, e, L, ids, h: m.save(OUT[0]),
+}
+OUT = [None]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("how", ["truncated", "rewritten"])
+def test_a_changed_file_is_refused_by_every_call(variant, how, tmp_path):
+    """Every call that reads a mapped table (or, V4.1, any shard it maps) refuses a file
+    truncated (SIGBUS otherwise) or rewritten in place (mixed tables otherwise), for every
+    file of the checkpoint, and works again on a fresh load."""
+    rng = np.random.default_rng(4)
+    for victim in range(len(_files(_saved(variant, tmp_path / "probe")[1]))):
+        d = tmp_path / f"v{victim}"
+        m, path = _saved(variant, d)
+        f = _files(path)[victim]
+        from engram_stream.io.files import mapping_of  # the layer whose engine reads that file
+        L = next(L for L in m.cfg.layer_ids
+                 if any(getattr(mapping_of(a), "path", None) == str(f) for a in m.layer(L).file_arrays()))
+        ids, h = variant_ids(m, rng, (6,)), _hid(m, rng, (6,))
+        engines = {name: m.stream(L) for name in CALLS}
+        size = os.path.getsize(f)
+        with open(f, "r+b") as fh:
+            if how == "truncated":
+                fh.truncate(size // 2)
+            else:
+                fh.seek(size - 1)
+                fh.write(b"\x7f")
+        for name, call in CALLS.items():
+            e = engines[name]
+            OUT[0] = d / ("copy.st" if variant == "demo" else "copy")
+            with pytest.raises(FileChangedError, match=str(f.name)):
+                call(m, e, L, ids, h)
+            if name != "forward" and name != "save":
+                assert not e.pending_compute
+
+
+# ---- rows ---------------------------------------------------------------------------------------------
+def test_rows_before_any_token_after_prefill_and_after_feed(model):
+    L, H = model.cfg.layer_ids[-1], model.cfg.n_heads
+    eng = model.stream(L, 2)
+    np.testing.assert_array_equal(eng.rows, np.full((2, H), -1))  # no token yet: -1, not garbage
+    rng = np.random.default_rng(5)
+    ids, hid = variant_ids(model, rng, (1, 300)), _hid(model, rng, (1, 300))  # more than one chunk
+    want = model.plan.hash_numpy(ids)[L][0] + model.plan.offsets[L]
+    eng.prefill(ids[0, :9], hid[0, :9], stream=1)
+    np.testing.assert_array_equal(eng.rows[1], want[8])               # the LAST token's rows
+    np.testing.assert_array_equal(eng.rows[0], np.full(H, -1))        # stream 0 untouched
+    eng.prefill(ids[0], hid[0], stream=0)
+    np.testing.assert_array_equal(eng.rows[0], want[-1])
+    np.testing.assert_array_equal(eng.rows[1], want[8])               # stream 1 untouched
+    eng.reset(1)
+    np.testing.assert_array_equal(eng.rows[1], np.full(H, -1))
+    one = model.stream(L)
+    one.feed(int(ids[0, 0]))
+    np.testing.assert_array_equal(one.rows[0], want[0])               # known at feed, before compute
+    one.compute(hid[0, 0])
+
+
+# ---- snapshots ------------------------------------------------------------------------------------------
+def test_snapshot_damage_and_foreign_snapshots_are_refused_state_unchanged(model):
+    L = model.cfg.layer_ids[0]
+    rng = np.random.default_rng(6)
+    ids, hid = variant_ids(model, rng, (3, 8)), _hid(model, rng, (3, 8))
+    eng = model.stream(L, 3)
+    for p in range(3):
+        eng.step(ids[:, p], hid[:, p])
+    good = eng.snapshot()
+    arrays = {k: getattr(good, k) for k in good.names}
+    bad = [model.stream(model.cfg.layer_ids[-1], 3).snapshot(), model.stream(L, 2).snapshot(), "nope"]
+    for k, a in arrays.items():
+        bad.append(EngineSnapshot(good.fingerprint, **{**arrays, k: a.astype(np.float64)}))
+        bad.append(EngineSnapshot(good.fingerprint, **{**arrays, k: a[:-1].copy()}))
+    bad.append(EngineSnapshot(good.fingerprint, **{**arrays, "seen": -np.ones(3, np.int64)}))
+    bad.append(EngineSnapshot(good.fingerprint, **{**arrays, "rows": np.full_like(arrays["rows"], 1 << 40)}))
+    for p in range(3, 5):
+        eng.step(ids[:, p], hid[:, p])
+    before = _state(eng)
+    for b in bad:
+        with pytest.raises((ValueError, TypeError)):
+            eng.restore(b)
+        assert _same_state(_state(eng), before)
+    eng.restore(good)
+    close(np.stack([eng.step(ids[:, p], hid[:, p]) for p in range(3, 8)], 1), model.forward(L, ids, hid)[:, 3:8])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_snapshot_restores_into_the_same_model_saved_and_loaded(variant, tmp_path):
+    """The fingerprint is the model's semantics: a V4.1 save adds the declared sizes to its
+    config.json, and the reloaded model must still take the snapshot."""
+    m = _model(variant)
+    L = m.cfg.layer_ids[0]
+    rng = np.random.default_rng(7)
+    ids, hid = variant_ids(m, rng, (1, 10)), _hid(m, rng, (1, 10))
+    eng = m.stream(L)
+    for p in range(4):
+        eng.step(int(ids[0, p]), hid[0, p])
+    snap = eng.snapshot()
+    path = tmp_path / ("m.st" if variant == "demo" else "ckpt")
+    m.save(path)
+    back = EngramModel.load(path).stream(L)
+    back.restore(snap)
+    close(np.stack([back.step(int(ids[0, p]), hid[0, p]) for p in range(4, 10)]), m.forward(L, ids, hid)[0, 4:])
+
+
+# ---- refused calls, reset --------------------------------------------------------------------------------
+def test_refused_calls_change_nothing(model):
+    L = model.cfg.layer_ids[0]
+    V = model.cfg.vocab_size
+    G, D = model.cfg.hc_mult, model.cfg.hidden_size
+    rng = np.random.default_rng(8)
+    ids, hid = variant_ids(model, rng, (2, 6)), _hid(model, rng, (2, 6))
+    eng = model.stream(L, 2)
+    eng.step(ids[:, 0], hid[:, 0])
+    before = _state(eng)
+    h2 = np.zeros((2, G, D), np.float32)
+    for call in [lambda: eng.step(np.array([1, V]), h2),                       # id past the vocab
+                 lambda: eng.step(np.array([1, 2]), np.zeros((2, G, D + 1))),  # hidden shape
+                 lambda: eng.step(np.array([1, 2]), np.zeros((2, G, D), np.int64)),  # hidden dtype
+                 lambda: eng.prefill(np.array([1, V, 2]), np.zeros((3, G, D), np.float32)),
+                 lambda: eng.prefill(np.array([1]), np.zeros((1, G, D), np.float32), stream=2),
+                 lambda: eng.step_packed(np.array([1, 2]), h2, [0, 0], [1, 1]),   # a slot twice
+                 lambda: eng.step_packed(np.array([1, 2]), h2, [0, 2], [1, 1]),   # no such slot
+                 lambda: eng.step_packed(np.array([1, 2]), h2, [0, 1], [2, 1]),   # lengths != N
+                 lambda: eng.step_packed(np.array([1, 2]), h2, [0, 1], [2, 0]),   # an empty segment
+                 lambda: eng.step_packed(np.array([1, V]), h2, [0, 1], [1, 1]),
+                 lambda: eng.commit([1, 1]),                                       # no draft
+                 lambda: eng.compute(h2)]:                                         # nothing fed
+        with pytest.raises((ValueError, IndexError, TypeError, RuntimeError)):
+            call()
+        assert _same_state(_state(eng), before) and not eng.pending_compute
+    close(eng.step(ids[:, 1], hid[:, 1]), model.forward(L, ids, hid)[:, 1])
+
+
+def test_reset_one_stream_and_all(model):
+    L = model.cfg.layer_ids[0]
+    rng = np.random.default_rng(9)
+    ids, hid = variant_ids(model, rng, (2, 10)), _hid(model, rng, (2, 10))
+    eng = model.stream(L, 2)
+    for p in range(5):
+        eng.step(ids[:, p], hid[:, p])
+    eng.reset(0)
+    assert eng.tokens_seen.tolist() == [0, 5]
+    got = np.stack([eng.step(ids[:, p], hid[:, p]) for p in range(5, 10)], 1)
+    close(got[0], model.forward(L, ids[:1, 5:], hid[:1, 5:])[0])
+    close(got[1], model.forward(L, ids[1:], hid[1:])[0, 5:])
+    eng.feed(ids[:, 0])
+    eng.reset()  # every stream, and the fed token
+    assert not eng.pending_compute and eng.tokens_seen.tolist() == [0, 0]
+    close(eng.step(ids[:, 0], hid[:, 0]), model.forward(L, ids[:, :1], hid[:, :1])[:, 0])
+
+
+def test_repr_names_the_kernel_path(model):
+    from engram_stream.engine.isa import ISA_NAMES
+    r = repr(model.stream(model.cfg.layer_ids[0]))
+    assert any(f"'{name}'" in r for name in ISA_NAMES), r
+
+
+def test_engines_of_both_variants_share_one_base():
+    from engram_stream.engine._base import EngineBase
+    for variant in VARIANTS:
+        m = _model(variant)
+        assert isinstance(m.stream(m.cfg.layer_ids[0]), EngineBase)
+
