@@ -125,18 +125,18 @@ def _as_numpy(h):
 class _Runner:
     """The one place a forward's tokens [B, S] become engine calls and come back as deltas.
 
-    begin(ids, real, new) once per forward (all layers' rows hashed there for a decode step),
-    then layer(L, hidden[B, S, G, D]) per Engram layer. A prompt goes row by row through
-    the layer's engine prefill, over the row's real tokens only; a decode step of real tokens
-    through the Decoder's multi-stream step."""
+    begin(ids, real, new) once per forward hashes every Engram layer's rows before layer 0 runs:
+    one packed segment per row (Decoder.begin_packed), holding that row's real tokens only, so
+    padding takes no part in any n-gram. layer(L, hidden[B, S, G, D]) then gathers, projects and
+    gates all of the forward's real tokens in one call per layer (delta 0 at padding)."""
 
     def __init__(self, engram):
         self.engram = engram
         self.dec = None           # Decoder with n_streams = the batch of the current sequence
         self.live = False         # the engines hold the current sequence's history
         self.todo = set()         # Engram layers still to run in this forward
-        self.step = False         # this forward is one multi-stream step
-        self.ids = self.real = None
+        self.sel = None           # flat indices of the real tokens (None: all of them)
+        self.shape = None         # (B, S) of this forward
         self.counts = {"forwards": 0, "prefill_tokens": 0, "decode_steps": 0, "seconds": 0.0}
 
     def reset(self):
@@ -155,38 +155,40 @@ class _Runner:
         if not new and B != self.dec.n_streams:
             raise ValueError(f"batch size changed mid-sequence: {B} rows, the sequence began with "
                              f"{self.dec.n_streams} (a new sequence starts at position 0)")
-        step = S == 1 and bool(real.all())
+        flat = real.reshape(-1)
+        per_row = real.sum(1)
+        streams = np.flatnonzero(per_row)
         if new:
             self.live = False
             if self.dec is None or self.dec.n_streams != B:
                 self.dec = self.engram.decoder(n_streams=B)
             else:
                 self.dec.reset()
-        if step:
-            self.dec.begin(ids[:, 0])   # every layer's rows, before layer 0 runs (all or nothing)
+        self.sel = None if flat.all() else np.flatnonzero(flat)
+        if streams.size:   # all or nothing: a refused batch leaves every stream as it was
+            self.dec.begin_packed(ids.reshape(-1) if self.sel is None else ids.reshape(-1)[self.sel],
+                                  streams, per_row[streams])
         self.live = True
-        self.ids, self.real, self.step = ids, real, step
-        self.todo = set(self.dec.layers)
+        self.shape, self.todo = (B, S), set(self.dec.layers)
         self.counts["forwards"] += 1
-        self.counts["decode_steps" if step else "prefill_tokens"] += 1 if step else int(real.sum())
+        step = S == 1 and self.sel is None
+        self.counts["decode_steps" if step else "prefill_tokens"] += 1 if step else int(flat.sum())
 
     def layer(self, L, hidden):
         """float32[B, S, G, D]: layer L's delta (0 at padding)."""
+        B, S = self.shape
         if L not in self.todo:
             raise RuntimeError(f"Engram layer {L} ran outside the model's forward, or twice in one: the Engram "
                                f"reads the token ids when hf_model.model is called")
         self.todo.discard(L)
-        if self.step:
-            return self.dec.layer(L, hidden[:, 0])[:, None]
-        out = np.zeros(hidden.shape, np.float32)
-        eng = self.dec.engines[L]
-        for b in range(hidden.shape[0]):
-            idx = np.flatnonzero(self.real[b])
-            if idx.size:
-                if idx[-1] - idx[0] + 1 == idx.size:   # left (or no) padding: a slice, no copy
-                    idx = slice(idx[0], idx[-1] + 1)
-                out[b, idx] = eng.prefill(self.ids[b, idx], hidden[b, idx], stream=b)
-        return out
+        if self.sel is not None and not self.sel.size:   # a forward of padding only
+            return np.zeros(hidden.shape, np.float32)
+        flat = hidden.reshape((B * S,) + hidden.shape[2:])
+        if self.sel is None:
+            return self.dec.layer(L, flat).reshape(hidden.shape)
+        out = np.zeros(flat.shape, np.float32)
+        out[self.sel] = self.dec.layer(L, flat[self.sel])
+        return out.reshape(hidden.shape)
 
 
 class EngramHandle:
@@ -274,7 +276,7 @@ class EngramHandle:
 
     def _apply(self, L, args, kwargs):
         h = args[0] if args else kwargs["hidden_states"]
-        want = tuple(self._run.ids.shape) + self._shape if self._run.ids is not None else None
+        want = tuple(self._run.shape) + self._shape if self._run.shape is not None else None
         if tuple(h.shape) != want:
             raise ValueError(f"layer {L}: the hidden stream has shape {tuple(h.shape)}, expected {want} "
                              f"[batch, tokens, hc_mult, hidden]")

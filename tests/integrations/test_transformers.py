@@ -378,9 +378,9 @@ def test_a_prompt_fed_in_chunks_continues_each_stream(engram, oracle):
     assert replay(oracle, rec.forwards, torch.float32) == 2 * 2 + 3 * 2 + 3 * 2
 
 
-def test_decode_steps_hash_every_layer_before_layer_0(engram):
-    """A decode step's rows are hashed when the model's forward begins: every Engram engine
-    has its token fed before any decoder layer runs."""
+def test_every_forward_hashes_every_layer_before_layer_0(engram):
+    """A forward's rows are hashed when the model's forward begins, one packed batch for every
+    Engram layer: each engine has its tokens fed before any decoder layer runs, the prompt's too."""
     model = hf_model()
     ids, mask = batch(PROMPTS)
     seen = []
@@ -389,7 +389,7 @@ def test_decode_steps_hash_every_layer_before_layer_0(engram):
     with attach(model, engram[2]) as handle:
         generate(model, ids, mask, n=4)
     hook.remove()
-    assert seen == [[False, False]] + [[True, True]] * 3   # the prefill hashes per layer; steps up front
+    assert seen == [[True, True]] * 4
 
 
 def test_demo_variant_engram_follows_its_numpy_oracle():
