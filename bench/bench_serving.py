@@ -15,26 +15,20 @@ shared, so absolute times are indicative only. Goals:
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
 import numpy as np
 
-from engram_stream import EngramConfig, EngramModel, kernel_isa
-from engram_stream.v41.hf import flash_config
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
+
+from common import machine  # noqa: E402
+from engram_stream import EngramConfig, EngramModel  # noqa: E402
+from engram_stream.v41.hf import flash_config  # noqa: E402
 
 LAYER = 1
-
-
-def machine():
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "kernel_isa": kernel_isa()}
 
 
 def models(quick):

@@ -21,7 +21,6 @@ torch runs one thread (torch.set_num_threads(1)); the engines run their defaults
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -35,22 +34,10 @@ checkout.use()
 import torch  # noqa: E402
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
 
-import engram_stream  # noqa: E402
+from common import machine  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.v41 import hf as hf_v41  # noqa: E402
 from engram_stream.integrations.transformers import attach  # noqa: E402
-
-
-def machine():
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    import transformers
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "kernel_isa": engram_stream.kernel_isa(), "loadavg": os.getloadavg()}
 
 
 def v4_model(hidden, hc, layers, dtype, vocab=300, small=True):
@@ -156,7 +143,8 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    info = machine()
+    import transformers
+    info = machine(torch=torch.__version__, transformers=transformers.__version__)
     print(json.dumps(info))
     reps = a.reps or (3 if a.quick else 5)
     rows = []

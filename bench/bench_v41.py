@@ -26,7 +26,6 @@ one run (rounds interleaved; the machine is shared, so absolute times are indica
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -37,24 +36,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
 
-from engram_stream import EngramModel, hf_v41, store  # noqa: E402
+from engram_stream import EngramModel, hf_v41  # noqa: E402
 from engram_stream import _engine_v41 as k  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
+from common import machine  # noqa: E402
 
 LAYER = 1
-
-
-def machine():
-    cpu = "?"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    from engram_stream import _isa
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "kernel_isa": _isa.kernel_isa(), "paths_this_build_runs": _isa.supported_isas(),
-            "paths_the_cpu_has": _isa.cpu_isas()}
 
 
 def ensure_checkpoint(d, evs):

@@ -78,6 +78,8 @@ cdef class EngineBase:
     cdef int _setup(self, model, layer, int n_streams, int64_t chunk, bint latch) except -1
     cdef int _grow_tokens(self, int64_t n) except -1
     cdef int _check_files(self) except -1
+    cdef int _check_call(self, object ids, const int64_t *pid, int64_t n, str pending) except -1
+    cdef int _feed_steps(self, object ids, bint single, str pending) except -1
     cdef _enter(self)
     cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil
     cdef void _hash_one(self, int64_t s, int64_t token, int64_t i) noexcept nogil

@@ -458,6 +458,28 @@ cdef class EngineBase:
             raise ValueError(f"lengths sum to {total} but {N} token ids were given")
         return st, ln
 
+    cdef int _check_call(self, object ids, const int64_t *pid, int64_t n, str pending) except -1:
+        """Every feeding call's checks, inside the guard and before any change: no fed batch
+        awaits compute (else RuntimeError(pending)), the ids in range, the mapped files unchanged."""
+        cdef int64_t bad
+        if self.pn:
+            raise RuntimeError(pending)
+        with nogil:
+            bad = self._first_bad_id(pid, n)
+        if bad >= 0:
+            raise args.bad_id(ids, bad, self.vocab)
+        self._check_files()
+        return 0
+
+    cdef int _feed_steps(self, object ids, bint single, str pending) except -1:
+        """step's and feed()'s first half, inside the guard: one token per stream, checked, then
+        the windows advanced."""
+        cdef int64_t tok = ids if single else 0  # a scalar id lives in this call, not in the engine
+        cdef const int64_t *pid = &tok if single else <const int64_t *> cnp.PyArray_DATA(ids)
+        self._check_call(ids, pid, self.n_streams, pending)
+        self._feed(pid, self.n_streams, self.step_st, self.step_len, self.n_streams, False)
+        return 0
+
     # ---- the public calls ---------------------------------------------------------------------
     def step(self, token_ids, hidden, out=None):
         """One token per stream: (token_id, hidden[G, D]) for one stream, or
@@ -467,19 +489,9 @@ cdef class EngineBase:
         if single:
             shape = (self.G, self.D)
         h, o = self._io(hidden, out, shape)
-        cdef int64_t tok = ids if single else 0  # a scalar id lives in this call, not in the engine
-        cdef const int64_t *pid = &tok if single else <const int64_t *> cnp.PyArray_DATA(ids)
-        cdef int64_t bad
         self._enter()
         try:
-            if self.pn:
-                raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
-            with nogil:
-                bad = self._first_bad_id(pid, self.n_streams)
-            if bad >= 0:
-                raise args.bad_id(ids, bad, self.vocab)
-            self._check_files()
-            self._feed(pid, self.n_streams, self.step_st, self.step_len, self.n_streams, False)
+            self._feed_steps(ids, single, "feed() was called: finish that token with compute(hidden) first")
             self._compute(<const float *> cnp.PyArray_DATA(h), <float *> cnp.PyArray_DATA(o))
         finally:
             self.busy = False
@@ -501,17 +513,11 @@ cdef class EngineBase:
         st, ln = self._segments(streams, lengths, N)
         h, o = self._io(hidden, out, (N, self.G, self.D))
         ids, st, ln, keep = self._masked(ids, st, ln, masked)
-        cdef int64_t bad, n = ids.shape[0]
+        cdef int64_t n = ids.shape[0]
         cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(ids)
         self._enter()
         try:
-            if self.pn:
-                raise RuntimeError("feed() was called: finish that batch with compute(hidden) first")
-            with nogil:
-                bad = self._first_bad_id(pid, n)
-            if bad >= 0:
-                raise args.bad_id(ids, bad, self.vocab)
-            self._check_files()
+            self._check_call(ids, pid, n, "feed() was called: finish that batch with compute(hidden) first")
             if ids.shape[0]:
                 self._feed(pid, ids.shape[0], <const int64_t *> cnp.PyArray_DATA(st),
                            <const int64_t *> cnp.PyArray_DATA(ln), st.shape[0], bool(draft))
@@ -616,20 +622,14 @@ cdef class EngineBase:
         st, ln = self._segments(streams, lengths, N)
         o = args.out(out, (N, self.E))
         ids, st, ln, keep = self._masked(ids, st, ln, masked)
-        cdef int64_t bad, n = ids.shape[0], t0, nb
+        cdef int64_t n = ids.shape[0], t0, nb
         cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(ids)
         cdef float *po
         res = o if keep is None else np.zeros((n, self.E), np.float32)
         po = <float *> cnp.PyArray_DATA(res)
         self._enter()
         try:
-            if self.pn:
-                raise RuntimeError("feed() was called: finish that batch with compute(hidden) first")
-            with nogil:
-                bad = self._first_bad_id(pid, n)
-            if bad >= 0:
-                raise args.bad_id(ids, bad, self.vocab)
-            self._check_files()
+            self._check_call(ids, pid, n, "feed() was called: finish that batch with compute(hidden) first")
             if n:
                 self._feed(pid, n, <const int64_t *> cnp.PyArray_DATA(st), <const int64_t *> cnp.PyArray_DATA(ln),
                            st.shape[0], bool(draft))
@@ -674,19 +674,9 @@ cdef class EngineBase:
         (`.rows`) are known from here on (a remote row source reads them now). compute(hidden)
         finishes the step."""
         ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
-        cdef int64_t tok = ids if single else 0
-        cdef const int64_t *pid = &tok if single else <const int64_t *> cnp.PyArray_DATA(ids)
-        cdef int64_t bad
         self._enter()
         try:
-            if self.pn:
-                raise RuntimeError("feed() was already called for this token: call compute(hidden) first")
-            with nogil:
-                bad = self._first_bad_id(pid, self.n_streams)
-            if bad >= 0:
-                raise args.bad_id(ids, bad, self.vocab)
-            self._check_files()
-            self._feed(pid, self.n_streams, self.step_st, self.step_len, self.n_streams, False)
+            self._feed_steps(ids, single, "feed() was already called for this token: call compute(hidden) first")
             self._unmask = None
             self._pending_n = 0
         finally:
@@ -699,18 +689,12 @@ cdef class EngineBase:
         st, ln = self._segments(streams, lengths, ids.shape[0])
         ids, st, ln, keep = self._masked(ids, st, ln, masked)
         cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(ids)
-        cdef int64_t bad, n = ids.shape[0]
+        cdef int64_t n = ids.shape[0]
         self._enter()
         try:
-            if self.pn:
-                raise RuntimeError("feed() was already called: call compute(hidden) first")
-            with nogil:
-                bad = self._first_bad_id(pid, n)
-            if bad >= 0:
-                raise args.bad_id(ids, bad, self.vocab)
+            self._check_call(ids, pid, n, "feed() was already called: call compute(hidden) first")
             if not ids.shape[0]:
                 raise ValueError("feed_packed needs at least one token that is not masked")
-            self._check_files()
             self._feed(pid, ids.shape[0], <const int64_t *> cnp.PyArray_DATA(st),
                        <const int64_t *> cnp.PyArray_DATA(ln), st.shape[0], bool(draft))
             self._unmask = keep
@@ -761,16 +745,9 @@ cdef class EngineBase:
         h, o = self._io(hidden, out, (T, self.G, self.D))
         cdef int64_t s = args.stream_index(stream, self.n_streams)
         cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(a)
-        cdef int64_t bad
         self._enter()
         try:
-            if self.pn:
-                raise RuntimeError("feed() was called: finish that token with compute(hidden) first")
-            with nogil:
-                bad = self._first_bad_id(pid, T)
-            if bad >= 0:
-                raise args.bad_id(a, bad, self.vocab)
-            self._check_files()
+            self._check_call(a, pid, T, "feed() was called: finish that token with compute(hidden) first")
             if T:
                 self._feed(pid, T, &s, &T, 1, False)
                 self._unmask = None
