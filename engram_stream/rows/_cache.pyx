@@ -28,6 +28,26 @@ def _index_entries(int64_t nslots):
     return size
 
 
+cdef extern from "sys/mman.h" nogil:
+    int madvise(void *addr, size_t length, int advice)
+    int MADV_HUGEPAGE
+
+DEF HUGE = 2 << 20
+
+
+def _filled(int64_t n, dtype, fill):
+    """n elements of dtype, all `fill`. A large array asks for transparent huge pages before its
+    pages are touched: a big cache is read at random, and with 4 KiB pages nearly every lookup
+    would also miss the TLB (advice only: refused, it changes nothing)."""
+    a = np.empty(n, dtype)
+    cdef size_t start = a.ctypes.data, end = start + a.nbytes
+    cdef size_t lo = (start + HUGE - 1) & ~(<size_t> HUGE - 1), hi = end & ~(<size_t> HUGE - 1)
+    if hi > lo:
+        madvise(<void *> lo, hi - lo, MADV_HUGEPAGE)
+    a.fill(fill)
+    return a
+
+
 def cache_nbytes(int64_t nslots, int64_t recbytes):
     """RAM a RowCache of nslots rows holds: slots, index (a power of two >= 2 per row),
     keys, pins and counters."""
@@ -57,11 +77,11 @@ cdef class RowCache:
         while (<int64_t> 1 << bits) < size:
             bits += 1
         cdef int64_t stride = slot_bytes(recbytes)
-        index = np.zeros(size, dtype=np.int64)
-        keys = np.full(max(nslots, 1), -1, dtype=np.int64)
-        uses = np.zeros(max(nslots, 1), dtype=np.uint8)
-        pin = np.full(max(nslots, 1), -1, dtype=np.int64)
-        data = np.zeros(max(nslots, 1) * stride + SLOT_ALIGN, dtype=np.uint8)
+        index = _filled(size, np.int64, 0)
+        keys = _filled(max(nslots, 1), np.int64, -1)
+        uses = _filled(max(nslots, 1), np.uint8, 0)
+        pin = _filled(max(nslots, 1), np.int64, -1)
+        data = _filled(max(nslots, 1) * stride + SLOT_ALIGN, np.uint8, 0)
         cdef int64_t off = (-data.ctypes.data) % SLOT_ALIGN
         self._arrays = (index, keys, uses, pin, data)
         self.layer = layer
