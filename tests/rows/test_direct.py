@@ -237,3 +237,64 @@ def test_fork_child_reads_with_threads_of_its_own(shard):
         os._exit(0 if ok else 3)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+# ---- a model's files (rows/direct.py) -----------------------------------------------------------
+V41 = dict(variant="deepseek-v4.1", engram_vocab_size=[211] * 3, max_ngram_size=4, n_embed_per_ngram=512,
+           n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64, hc_mult=2, vocab_size=300,
+           image_token_id=299)
+
+
+@pytest.mark.parametrize("how", ["shards", "scales_in_ram", "packed"])
+def test_a_models_records_from_its_files(tmp_path, how):
+    from engram_stream import EngramConfig, EngramModel
+    from engram_stream.rows import packed
+    from engram_stream.rows.direct import DirectTier
+    from engram_stream.v41 import hf
+    d = tmp_path / "ck"
+    hf.make_synthetic(d, EngramConfig(**V41), seed=4, n_shards=3)
+    model = EngramModel.from_deepseek_v41(d)
+    if how == "packed":
+        packed.pack_rows(model, packed.rows_path(d))
+    files = DirectTier(qd=4, scales_in_ram=how == "scales_in_ram").open(model)
+    assert (files.rows_path is not None) == (how == "packed")
+    for L in V41["layer_ids"]:
+        w = model.layer(L)
+        want = np.concatenate([w.embed_weight, w.embed_scale], axis=1)
+        f = files.files[L]
+        assert (f.nparts, f.rowbytes, f.scalebytes) == ((1 if how == "packed" else 2), 256, 8)
+        rows = np.random.default_rng(L).integers(0, want.shape[0], 300)
+        r = DirectReader(f, files.io)
+        np.testing.assert_array_equal(r.read(rows), want[rows])
+        per_row = r.stats()["reads"] / r.stats()["rows_read"]
+        assert per_row <= (1.0 if how != "shards" else 2.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_demo_records_from_its_file(tmp_path, dtype):
+    from engram_stream import EngramConfig, EngramModel
+    from engram_stream.rows.direct import DirectTier
+    from engram_stream.rows.tiers import record_arrays
+    cfg = EngramConfig(hidden_size=32, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,
+                       engram_vocab_size=[211, 223], layer_ids=[1, 3], vocab_size=500, kernel_size=3)
+    p = str(tmp_path / "m.safetensors")
+    EngramModel.init(cfg, seed=3).save(p, table_dtype=dtype)
+    model = EngramModel.load(p)
+    files = DirectTier(qd=2).open(model)
+    for L in cfg.layer_ids:
+        rows_, scales = record_arrays(model.layer(L))
+        want = rows_ if scales is None else np.concatenate([rows_, scales], axis=1)
+        r = DirectReader(files.files[L], files.io)
+        idx = np.arange(want.shape[0])[::-1]
+        np.testing.assert_array_equal(r.read(idx), want[idx])
+
+
+def test_direct_needs_mapped_tables(tmp_path):
+    from engram_stream import EngramConfig, EngramModel
+    from engram_stream.rows.direct import DirectTier
+    model = EngramModel.init(EngramConfig(**V41), seed=0)
+    with pytest.raises(ValueError, match="mmap=True"):
+        DirectTier().open(model)
+    with pytest.raises(ValueError, match="qd"):
+        DirectTier(qd=0)
+    assert DirectTier.of("direct").qd == 32 and DirectTier.of("other") is None

@@ -1,0 +1,123 @@
+"""tables="direct": a model's rows read with pread from its checkpoint's own files.
+
+    model = EngramModel.from_deepseek_v41(folder, tables="direct", row_cache_mb=4096)
+    model = EngramModel.from_deepseek_v41(folder, tables=DirectTier(qd=64, scales_in_ram=True))
+    model = EngramModel.load("engram.safetensors", tables="direct", row_cache_mb=64)
+
+Where a layer's records come from (record_file):
+  the packed row file beside the checkpoint (`engram-stream pack-rows`: FOLDER/engram_rows.bin,
+      FILE.rows), when it is there and is this checkpoint's (rows.packed.open_rows): one read of
+      one page per missed row;
+  else the checkpoint's own tensors: the table's rows and, apart, their scales (V4.1's
+      embed.weight and embed.scale: two reads per missed row), at the offsets where the loader
+      mapped them; scales_in_ram=True copies the scales into RAM first (V4.1-Flash: ~6 GB), so a
+      miss is one read again.
+
+The reads themselves (page planning, O_DIRECT, the I/O pool) are rows/_direct.pyx; one IOPool
+serves every layer and engine of a model.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from ..io.files import MappedFile, mapping_of
+from . import packed
+from ._direct import FilePart, IOPool, MemPart, RecordFile
+from .tiers import record_arrays
+
+
+class DirectTier:
+    """How a model reads its rows from disk (tables=DirectTier(...); tables="direct" is DirectTier()).
+
+    qd: reads in flight per batch (qd - 1 I/O threads and the caller); scales_in_ram: hold the
+    rows' scales in RAM when no packed row file is used (one read per miss instead of two);
+    rows_file: "auto" (use the packed row file when it is there and matches), False (never), or
+    a path; o_direct: bypass the page cache where the file system allows it."""
+
+    def __init__(self, qd=32, scales_in_ram=False, rows_file="auto", o_direct=True):
+        if not isinstance(qd, int) or isinstance(qd, bool) or not 1 <= qd <= 256:
+            raise ValueError(f"qd (reads in flight) must be an int in [1, 256], got {qd!r}")
+        if not (rows_file in ("auto", False, None) or isinstance(rows_file, (str, os.PathLike))):
+            raise ValueError(f"rows_file must be 'auto', False or a path, got {rows_file!r}")
+        self.qd, self.scales_in_ram, self.rows_file, self.o_direct = qd, bool(scales_in_ram), rows_file, bool(o_direct)
+
+    def __repr__(self):
+        return (f"DirectTier(qd={self.qd}, scales_in_ram={self.scales_in_ram}, rows_file={self.rows_file!r}, "
+                f"o_direct={self.o_direct})")
+
+    @classmethod
+    def of(cls, tables):
+        """tables= as given to a loader: "direct" -> DirectTier(); a DirectTier as is; else None."""
+        if isinstance(tables, cls):
+            return tables
+        if isinstance(tables, str) and tables == "direct":
+            return cls()
+        return None
+
+    def open(self, model) -> "DirectFiles":
+        return DirectFiles(model, self)
+
+
+def _extent(a):
+    """(path, byte offset) of array `a` in the file it is a mapped view of."""
+    mm = mapping_of(a)
+    if not isinstance(mm, MappedFile):
+        raise ValueError("tables='direct' reads the checkpoint's files: load it with mmap=True "
+                         "(its tables must be views of the mapped file)")
+    base = np.frombuffer(mm, np.uint8, 1).ctypes.data
+    return mm.path, a.ctypes.data - base
+
+
+def record_file(model, layer, tier, rows_at=None) -> RecordFile:
+    """The RecordFile of one layer's records (see the module doc). rows_at: {layer: (offset,
+    per_group, group_bytes)} of a packed row file already opened (open_rows), or None."""
+    w = model.layer(layer)
+    rows, scales = record_arrays(w)
+    n, rb = rows.shape[0], rows.shape[1]
+    sb = 0 if scales is None else scales.shape[1]
+    if rows_at is not None:
+        off, per, gb = rows_at[layer]
+        return RecordFile(n, [FilePart(tier.rows_path, off, rb + sb, per, gb)], rowbytes=rb, direct=tier.o_direct)
+    path, off = _extent(w.table)
+    parts = [FilePart(path, off, rb)]
+    if scales is not None:
+        if tier.scales_in_ram:
+            parts.append(MemPart(np.array(scales)))  # a copy: RAM, not the mapping
+        else:
+            spath, soff = _extent(w.table_scale)
+            parts.append(FilePart(spath, soff, sb))
+    return RecordFile(n, parts, rowbytes=rb, direct=tier.o_direct)
+
+
+class DirectFiles:
+    """A model's direct-read files: one RecordFile per layer and one IOPool (model.row_tiers
+    holds it; every engine's reader shares them)."""
+
+    def __init__(self, model, tier: DirectTier):
+        self.tier = tier
+        self.rows_path, rows_at = None, None
+        if tier.rows_file not in (False, None):
+            if tier.rows_file == "auto":
+                src = getattr(model, "source", None)
+                cand = packed.rows_path(src) if src is not None else None
+                path = cand if cand is not None and os.path.exists(cand) else None
+            else:
+                path = os.fspath(tier.rows_file)
+            if path is not None:
+                rows_at = packed.open_rows(model, path)  # refuses a file that is not this checkpoint's
+                self.rows_path = path
+        tier_view = _TierView(tier, self.rows_path)
+        self.files = {L: record_file(model, L, tier_view, rows_at) for L in model.cfg.layer_ids}
+        self.io = IOPool(tier.qd)
+
+    def describe(self) -> dict:
+        return {L: f.describe() for L, f in self.files.items()}
+
+
+class _TierView:
+    """A DirectTier with the row file path chosen for one model."""
+
+    def __init__(self, tier, rows_path):
+        self.scales_in_ram, self.o_direct, self.rows_path = tier.scales_in_ram, tier.o_direct, rows_path
