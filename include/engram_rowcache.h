@@ -15,8 +15,11 @@
  *
  * Pinning: es_rc_plan marks the slots a pending step will read with the current
  * epoch; the hand skips them, so rows fetched for a step cannot evict each other
- * before the gather. Stateless functions over a struct the caller owns; nothing
- * here allocates or fails loudly (a full-of-pins cache returns -1).
+ * before the gather. A cache shared by several readers (engines on different
+ * threads, under the owner's lock) pins by count instead: refs[s] > 0 while any
+ * reader still reads slot s, so no reader's rows are evicted by another's fills.
+ * Stateless functions over a struct the caller owns; nothing here allocates or
+ * fails loudly (a full-of-pins cache returns -1).
  */
 #ifndef ENGRAM_ROWCACHE_H
 #define ENGRAM_ROWCACHE_H
@@ -34,6 +37,7 @@ typedef struct {
     int64_t *keys;         /* [nslots] absolute row held, -1 = free */
     uint8_t *uses;         /* [nslots] CLOCK counter, 0..3 */
     int64_t *pin;          /* [nslots] epoch the slot is pinned for */
+    int32_t *refs;         /* [nslots] readers still reading the slot (shared caches), or NULL */
     char *data;            /* [nslots * stride] records */
     int64_t hand, used, epoch;
     int64_t hits, misses, evictions, bytes_fetched;
@@ -81,7 +85,7 @@ static inline int64_t es_rc_victim(es_rowcache *c) {
     for (int64_t n = 0; n < 5 * c->nslots; n++) {  /* 4 passes bring any counter to 0 */
         int64_t s = c->hand;
         c->hand = (s + 1 == c->nslots) ? 0 : s + 1;
-        if (c->pin[s] == c->epoch) continue;
+        if (c->pin[s] == c->epoch || (c->refs && c->refs[s] > 0)) continue;
         if (c->uses[s]) { c->uses[s]--; continue; }
         es_rc_unindex(c, c->keys[s]);
         c->keys[s] = -1;

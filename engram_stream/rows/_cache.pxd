@@ -1,6 +1,6 @@
 # The RAM row cache: include/engram_rowcache.h holds the lookup and CLOCK rules; RowCache
 # owns the slots and index and is borrowed (as &cache.c) by a StreamEngine's gather.
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint8_t
 
 cdef extern from "engram_rowcache.h" nogil:
     ctypedef struct es_rowcache:
@@ -10,6 +10,7 @@ cdef extern from "engram_rowcache.h" nogil:
         int64_t *keys
         uint8_t *uses
         int64_t *pin
+        int32_t *refs
         char *data
         int64_t hand, used, epoch
         int64_t hits, misses, evictions, bytes_fetched

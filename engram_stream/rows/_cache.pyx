@@ -8,7 +8,7 @@ an engine has one owner, so the cache needs no lock).
 """
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int32_t, int64_t, uint8_t
 from libc.string cimport memcpy
 
 cnp.import_array()
@@ -52,12 +52,12 @@ def cache_nbytes(int64_t nslots, int64_t recbytes):
     """RAM a RowCache of nslots rows holds: slots, index (a power of two >= 2 per row),
     keys, pins and counters."""
     n = max(nslots, 1)
-    return n * slot_bytes(recbytes) + SLOT_ALIGN + _index_entries(nslots) * 8 + n * (8 + 8 + 1)
+    return n * slot_bytes(recbytes) + SLOT_ALIGN + _index_entries(nslots) * 8 + n * (8 + 8 + 4 + 1)
 
 
 def slots_for(int64_t budget_bytes, int64_t recbytes):
     """The most rows a cache can hold within budget_bytes (everything counted)."""
-    n = max(0, budget_bytes // (slot_bytes(recbytes) + 2 * 8 + 8 + 8 + 1))
+    n = max(0, budget_bytes // (slot_bytes(recbytes) + 2 * 8 + 8 + 8 + 4 + 1))
     while n > 0 and cache_nbytes(n, recbytes) > budget_bytes:
         n = min(n - 1, _index_entries(n) // 4)  # the most rows the next smaller index serves
     return n
@@ -81,9 +81,10 @@ cdef class RowCache:
         keys = _filled(max(nslots, 1), np.int64, -1)
         uses = _filled(max(nslots, 1), np.uint8, 0)
         pin = _filled(max(nslots, 1), np.int64, -1)
+        refs = _filled(max(nslots, 1), np.int32, 0)
         data = _filled(max(nslots, 1) * stride + SLOT_ALIGN, np.uint8, 0)
         cdef int64_t off = (-data.ctypes.data) % SLOT_ALIGN
-        self._arrays = (index, keys, uses, pin, data)
+        self._arrays = (index, keys, uses, pin, data, refs)
         self.layer = layer
         if totals is not None and not (isinstance(totals, np.ndarray) and totals.dtype == np.int64
                                        and totals.shape == (4,)):
@@ -95,6 +96,7 @@ cdef class RowCache:
         self.c.keys = <int64_t *> cnp.PyArray_DATA(keys)
         self.c.uses = <uint8_t *> cnp.PyArray_DATA(uses)
         self.c.pin = <int64_t *> cnp.PyArray_DATA(pin)
+        self.c.refs = <int32_t *> cnp.PyArray_DATA(refs)
         self.c.data = <char *> cnp.PyArray_DATA(data) + off
         self.c.hand = self.c.used = self.c.epoch = 0
         self.c.hits = self.c.misses = self.c.evictions = self.c.bytes_fetched = 0
