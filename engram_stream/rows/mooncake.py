@@ -139,19 +139,29 @@ class BoundedCalls:
                 box.append(None)
             done.set()
 
-    def call(self, timeout, fn, *args):
-        """fn(*args) on the worker; TimeoutError when it takes longer than timeout (it keeps running)."""
+    def start(self, fn, *args):
+        """Queue fn(*args) on the worker and return at once: a handle for finish()."""
         if self._q is None:
             self._q = queue.SimpleQueue()
             threading.Thread(target=self._worker, args=(self._q,), name=self.name, daemon=True).start()
         box, done = [], threading.Event()
         self._q.put((fn, args, box, done))
-        if not done.wait(timeout):
+        return box, done, time.monotonic()
+
+    def finish(self, handle, timeout):
+        """The started call's result (or its exception); TimeoutError when it has run longer than
+        `timeout` seconds since start() (it keeps running)."""
+        box, done, t0 = handle
+        if not done.wait(max(0.0, t0 + timeout - time.monotonic())):
             self._q = None  # that thread is stuck in fn: leave it there
             raise TimeoutError(f"no answer within {timeout} s")
         if len(box) == 2:
             raise box[0]
         return box[0]
+
+    def call(self, timeout, fn, *args):
+        """fn(*args) on the worker; TimeoutError when it takes longer than timeout (it keeps running)."""
+        return self.finish(self.start(fn, *args), timeout)
 
 
 # ---- Mooncake Store -----------------------------------------------------------------------------
@@ -382,6 +392,7 @@ class RemoteRows:
         self.offsets = np.asarray(w.offsets, dtype=np.int64)
         self.keys = [store_key(layer, h) for h in range(len(self.offsets))]
         self.stage = None
+        self._pending = None
         self._calls = BoundedCalls(f"engram-l{layer}-fetch")
         self.totals = {"fetches": 0, "fetch_seconds": 0.0} if totals is None else totals
 
@@ -409,6 +420,18 @@ class RemoteRows:
     def fetch(self, uniq) -> np.ndarray:
         """Read rows `uniq` (absolute, sorted, distinct int64) into the staging buffer: row
         uniq[k] lands at stage[k]. One get_into_ranges call; raises TierError on anything short."""
+        self.start(uniq)
+        return self.finish()
+
+    def start(self, uniq):
+        """Start reading rows `uniq` (as fetch) and return at once; finish() waits for them. One
+        read in flight per reader: one started and never finished (its call was abandoned) is
+        waited for first and dropped."""
+        if self._pending is not None:
+            try:
+                self.finish()
+            except TierError:
+                pass
         n = len(uniq)
         stage = self.staging(n)
         store = self.tier.store
@@ -423,9 +446,18 @@ class RemoteRows:
         dst = [list(range(a * st, b * st, st)) for a, b in zip(starts, ends)]
         src = [(local[a:b] * rb).tolist() for a, b in zip(starts, ends)]
         sizes = [[rb] * (b - a) for a, b in zip(starts, ends)]
-        t0 = time.perf_counter()
+        handle = self._calls.start(store.get_into_ranges, [base], [keys], [dst], [src], [sizes])
+        self._pending = (handle, n, stage, store, keys, starts, ends, time.perf_counter())
+
+    def finish(self) -> np.ndarray:
+        """Wait for the started read (bounded by the tier's timeout from its start): the staging
+        buffer, row uniq[k] at stage[k]; TierError on a timeout or anything short."""
+        if self._pending is None:
+            raise RuntimeError("RemoteRows.finish: no read was started")
+        (handle, n, stage, store, keys, starts, ends, t0), self._pending = self._pending, None
+        rb = self.recbytes
         try:
-            res = self._calls.call(self.tier.timeout, store.get_into_ranges, [base], [keys], [dst], [src], [sizes])
+            res = self._calls.finish(handle, self.tier.timeout)
         except TimeoutError:
             # the call may still write into this buffer later: it is never reused nor freed
             _keep_forever(stage, store)
