@@ -160,15 +160,15 @@ class EngramModel:
         mmap=True (the default): tables are read-only zero-copy views of the file, so only the
         rows a decode touches come into RAM (the file must not change while the model lives);
         mmap=False reads everything into RAM.
-        tables: a row tier (rows.MooncakeTier) to read table rows from (weights still come from
-        the file, whose tables are then mapped and never read); row_cache_mb: a RAM cache of
-        whole rows in front of the rows' source (engram_stream.rows; demo variant)."""
+        tables: where table rows are read from (weights always come from the file): None (the
+        mapped tables), "direct" or a rows.DirectTier (pread from the checkpoint's files, O_DIRECT
+        where the file system allows it; the packed row file when there is one), or a
+        rows.MooncakeTier. row_cache_mb: the model's RAM cache of whole rows in front of them,
+        shared by every engine (engram_stream.rows)."""
         path = os.fspath(path)
         variant = next((v for v in VARIANTS.values() if v.is_checkpoint(path)), None)
         if variant is None:
             raise ValueError(f"{path}: not a checkpoint of any variant")
-        if (tables is not None or row_cache_mb) and not variant.row_tiers:
-            raise ValueError(f"row tiers (tables=, row_cache_mb=) do not serve the {variant.name} engine yet")
         try:
             model = cls(*variant.load(path, mmap=mmap or tables is not None))
         except CheckpointError:
@@ -179,10 +179,15 @@ class EngramModel:
                                           f"not one of its files") from None
             raise
         model.source = path
+        return model._with_tiers(tables, row_cache_mb)
+
+    def _with_tiers(self, tables, row_cache_mb):
         if tables is not None or row_cache_mb:
+            if not self.variant.row_tiers:
+                raise ValueError(f"row tiers (tables=, row_cache_mb=) do not serve the {self.variant.name} engine")
             from .rows.tiers import RowTiers
-            model.row_tiers = RowTiers(model, row_cache_mb or 0, tables)
-        return model
+            self.row_tiers = RowTiers(self, row_cache_mb or 0, tables)
+        return self
 
     def row_cache_stats(self) -> dict:
         """Row cache counters summed over this model's engines: hits, misses, bytes_fetched,
@@ -191,14 +196,16 @@ class EngramModel:
         return (self.row_tiers or RowTiers(self)).stats()
 
     @classmethod
-    def from_deepseek_v41(cls, ckpt_dir, mmap: bool = True, compression=None):
+    def from_deepseek_v41(cls, ckpt_dir, mmap: bool = True, compression=None, tables=None, row_cache_mb=None):
         """A deepseek-v4.1 model from its HF folder (config.json, model.safetensors.index.json, the
         shards, tokenizer.json): only the layers.{L}.engram.* tensors are read, the tables are
-        mapped in place. compression: a lookup to use instead of building it from tokenizer.json."""
+        mapped in place. compression: a lookup to use instead of building it from tokenizer.json.
+        tables, row_cache_mb: where the rows are read from and the RAM row cache, as in load()
+        (e.g. tables="direct", row_cache_mb=4096: rows read from disk, a 4 GiB cache)."""
         from .v41 import hf
-        model = cls(*hf.load(ckpt_dir, mmap=mmap, compression=compression))
+        model = cls(*hf.load(ckpt_dir, mmap=mmap or tables is not None, compression=compression))
         model.source = os.fspath(ckpt_dir)
-        return model
+        return model._with_tiers(tables, row_cache_mb)
 
 
 def _check_weight_dtype(variant, dtype) -> str:

@@ -102,7 +102,7 @@ VARIANTS = {
         save=_v41_save, save_init=_v41_save_init, is_checkpoint=os.path.isdir, folder_of=v41_hf.folder_of,
         describe=lambda cfg: f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv",
         step_weights=lambda w: w.wkv_weight,
-        weight_dtypes=("float8_e4m3fn",), row_tiers=False),
+        weight_dtypes=("float8_e4m3fn",), row_tiers=True),
 }
 
 

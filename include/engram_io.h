@@ -319,7 +319,7 @@ static int es_io_cmp64(const void *a, const void *b) {
 /* u = the distinct values of rows[n], sorted (u: room for n). Returns their count. */
 static inline int64_t es_io_unique(const int64_t *rows, int64_t n, int64_t *u) {
     if (n == 0) return 0;
-    memcpy(u, rows, (size_t)n * sizeof(int64_t));
+    if (u != rows) memcpy(u, rows, (size_t)n * sizeof(int64_t));
     qsort(u, (size_t)n, sizeof(int64_t), es_io_cmp64);
     int64_t m = 1;
     for (int64_t i = 1; i < n; i++)

@@ -1,5 +1,6 @@
 # The RAM row cache: include/engram_rowcache.h holds the lookup and CLOCK rules; RowCache
 # owns the slots and index and is borrowed (as &cache.c) by a StreamEngine's gather.
+from cpython.pythread cimport PyThread_type_lock
 from libc.stdint cimport int32_t, int64_t, uint8_t
 
 cdef extern from "engram_rowcache.h" nogil:
@@ -27,6 +28,7 @@ cdef extern from "engram_rowcache.h" nogil:
 
 cdef class RowCache:
     cdef es_rowcache c
+    cdef PyThread_type_lock lock   # taken by readers that share the cache (rows/_source.pyx CachedRows)
     cdef readonly object layer
     cdef object _arrays            # the numpy buffers the struct's pointers point into
     cdef object __weakref__        # RowTiers tracks live caches for row_cache_stats()

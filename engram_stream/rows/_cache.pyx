@@ -10,15 +10,19 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t, uint8_t
 from libc.string cimport memcpy
+from cpython.pythread cimport PyThread_allocate_lock, PyThread_free_lock
 
 cnp.import_array()
 
-SLOT_ALIGN = 64  # one slot starts on a cache line: a row read touches no extra line
+SLOT_ALIGN = 64  # the slots start on a cache line
 
 
 def slot_bytes(int64_t recbytes):
-    """Bytes one cached row costs in slots (its record rounded up to 64)."""
-    return -(-recbytes // SLOT_ALIGN) * SLOT_ALIGN
+    """Bytes one cached row costs in slots: its record rounded up to a cache line (64) when that
+    costs at most an eighth more, else to 8 bytes. A line-aligned record touches no extra line,
+    but V4.1's 264-byte record would take 320 bytes: 21% fewer rows in the same RAM."""
+    cdef int64_t line = (recbytes + 63) // 64 * 64
+    return line if 8 * (line - recbytes) <= recbytes else (recbytes + 7) // 8 * 8
 
 
 def _index_entries(int64_t nslots):
@@ -57,10 +61,16 @@ def cache_nbytes(int64_t nslots, int64_t recbytes):
 
 def slots_for(int64_t budget_bytes, int64_t recbytes):
     """The most rows a cache can hold within budget_bytes (everything counted)."""
-    n = max(0, budget_bytes // (slot_bytes(recbytes) + 2 * 8 + 8 + 8 + 4 + 1))
-    while n > 0 and cache_nbytes(n, recbytes) > budget_bytes:
-        n = min(n - 1, _index_entries(n) // 4)  # the most rows the next smaller index serves
-    return n
+    if cache_nbytes(0, recbytes) > budget_bytes:
+        return 0
+    lo, hi = 0, max(0, budget_bytes // (slot_bytes(recbytes) + 2 * 8 + 8 + 8 + 4 + 1))
+    while lo < hi:  # cache_nbytes grows with n: the last n that fits
+        mid = (lo + hi + 1) // 2
+        if cache_nbytes(mid, recbytes) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 cdef class RowCache:
@@ -98,10 +108,15 @@ cdef class RowCache:
         self.c.pin = <int64_t *> cnp.PyArray_DATA(pin)
         self.c.refs = <int32_t *> cnp.PyArray_DATA(refs)
         self.c.data = <char *> cnp.PyArray_DATA(data) + off
+        self.lock = PyThread_allocate_lock()
+        if self.lock == NULL:
+            raise MemoryError("RowCache: no lock")
         self.c.hand = self.c.used = self.c.epoch = 0
         self.c.hits = self.c.misses = self.c.evictions = self.c.bytes_fetched = 0
 
     def __dealloc__(self):
+        if self.lock != NULL:
+            PyThread_free_lock(self.lock)
         if self._totals is not None:
             self._totals += (self.c.hits, self.c.misses, self.c.bytes_fetched, self.c.evictions)
 

@@ -68,6 +68,7 @@ cdef class DirectReader:
     cdef readonly int64_t reads, bytes_read, rows_read, calls
     cdef readonly double wait_seconds
     cdef object hist                    # int64[WAIT_BUCKETS]: wait() times, 8 buckets an octave from 1 us
+    cdef object totals                  # int64[TOTALS] shared with other readers (or None)
     cdef int _grow(self, int64_t n) except -1
     cdef int submit(self, const int64_t *rows, int64_t n) except -1
     cdef int wait(self) except -1

@@ -236,8 +236,12 @@ cdef class DirectReader:
     at once), wait() finishes it (raises on a failed read), record(row) points at a read record
     until the next submit. read(rows) does all three for Python callers."""
 
-    def __cinit__(self, RecordFile file, IOPool io, stride=None):
+    def __cinit__(self, RecordFile file, IOPool io, stride=None, totals=None):
         self.file, self.io = file, io
+        if totals is not None and not (isinstance(totals, np.ndarray) and totals.dtype == np.int64
+                                       and totals.shape == (TOTALS,)):
+            raise ValueError(f"totals must be an int64[{TOTALS}] array (new_totals())")
+        self.totals = totals
         self.stride = file.recbytes if stride is None else int(stride)
         if self.stride < file.recbytes:
             raise ValueError(f"stride {self.stride} < record bytes {file.recbytes}")
@@ -315,7 +319,14 @@ cdef class DirectReader:
         self.bytes_read += self.job.bytes
         self.wait_seconds += dt
         cdef int b = 0 if dt <= 1e-6 else <int> (8 * log2(dt * 1e6))
-        self.hist[min(b, WAIT_BUCKETS - 1)] += 1
+        b = min(b, WAIT_BUCKETS - 1)
+        self.hist[b] += 1
+        if self.totals is not None:
+            t = self.totals
+            t[0] += self.job.nspans
+            t[1] += self.job.bytes
+            t[2] += self.m if e == 0 else 0
+            t[3 + b] += 1
         if e == 0:
             self.rows_read += self.m
             return 0
@@ -350,6 +361,21 @@ cdef class DirectReader:
         """reads (preads), bytes_read, rows_read (distinct rows), calls, wait_seconds, wait_hist."""
         return {"reads": self.reads, "bytes_read": self.bytes_read, "rows_read": self.rows_read,
                 "calls": self.calls, "wait_seconds": self.wait_seconds, "wait_hist": self.hist.copy()}
+
+
+TOTALS = 3 + WAIT_BUCKETS   # a totals array: reads, bytes_read, rows_read, then the wait histogram
+
+
+def new_totals():
+    """Counters several DirectReaders add to (a model's readers of one layer): int64[TOTALS]."""
+    return np.zeros(TOTALS, np.int64)
+
+
+def totals_summary(totals):
+    """{reads, bytes_read, rows_read, read_wait_p50, read_wait_p99} of a totals array."""
+    t = np.asarray(totals)
+    return {"reads": int(t[0]), "bytes_read": int(t[1]), "rows_read": int(t[2]),
+            "read_wait_p50": wait_percentile(t[3:], 0.5), "read_wait_p99": wait_percentile(t[3:], 0.99)}
 
 
 def wait_percentile(hist, q):

@@ -5,6 +5,7 @@
 from libc.stdint cimport int64_t
 
 from engram_stream.rows._cache cimport RowCache
+from engram_stream.rows._direct cimport DirectReader
 
 
 cdef class RowSource:
@@ -35,15 +36,36 @@ cdef class MappedRows(RowSource):
 
 
 cdef class CachedRows(RowSource):
-    """The RAM row cache (rows/_cache.pyx) in front of a MappedRows (misses copied from the
-    mapping) or of a remote reader (misses fetched in one batch by a Python callable)."""
+    """A layer's RAM row cache (shared by every engine of the model: locked, pins by count) in
+    front of a MappedRows (misses copied from the mapping), a DirectReader (misses read from
+    disk) or a remote reader (misses fetched in one batch)."""
     cdef RowCache cache
-    cdef MappedRows local              # the table the misses are copied from, or None
-    cdef object fetch                  # remote: fetch(uniq rows) -> uint8[>= len, stride] staging, or None
-    cdef object _stage                 # the staging array of the last submit (src points into it)
-    cdef const char **src              # [cap] each row's record (a slot, the staging buffer)
-    cdef int64_t *mpos                 # [cap] positions that missed
-    cdef int64_t cap
-    cdef const int64_t *sub_rows       # remote: the rows of the last submit() (resolve() takes pieces of them)
+    cdef MappedRows local              # misses copied from it at resolve(), or None
+    cdef DirectReader reader           # misses read from files: started at submit(), or None
+    cdef object remote                 # misses fetched: remote.start(uniq) at submit(), remote.finish() -> staging
+    cdef object _stage                 # the remote staging array while src may point into it
+    cdef const char *stage             # the read records, record k of uniq[k]
+    cdef int64_t sstride               # bytes from one staged record to the next
+    cdef const char **src              # [cap] each submitted position's record
+    cdef int64_t *pins                 # [2 cap] slots this reader pinned (refs[s] once per entry)
+    cdef int64_t npins
+    cdef int64_t *mpos                 # [cap] submitted positions that missed
+    cdef int64_t *uniq                 # [cap] the distinct missed rows, sorted
+    cdef int64_t *slot_of              # [cap] the slot uniq[k] was admitted to (-1: none)
+    cdef int64_t m, nu, cap
+    cdef const int64_t *sub_rows       # the rows of the last submit() (resolve() takes pieces of them)
     cdef int64_t sub_n
+    cdef bint pending                  # misses being read (submit()), not admitted yet
     cdef int _grow(self, int64_t n) except -1
+    cdef void _unpin(self) noexcept
+    cdef int _admit(self) except -1
+    cdef void _drop(self) noexcept
+
+
+cdef class DirectRows(RowSource):
+    """Rows read from files (a DirectReader) with no cache: submit() starts the reads, resolve()
+    waits and points into the reader's records."""
+    cdef DirectReader reader
+    cdef const int64_t *sub_rows
+    cdef int64_t sub_n
+    cdef bint pending

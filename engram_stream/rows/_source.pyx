@@ -2,7 +2,9 @@
 """Row sources (the seam between engines and the places rows live; _source.pxd has the contract).
 
     MappedRows   the table in memory or mapped from the checkpoint: pointers into it, nothing to fail
-    CachedRows   the RAM row cache in front of a MappedRows, or of a remote reader (rows.mooncake)
+    DirectRows   rows read from the checkpoint's files (rows/_direct.pyx): pread, O_DIRECT, an I/O pool
+    CachedRows   the model's RAM row cache of a layer (shared by its engines) in front of a
+                 MappedRows, a DirectReader or a remote reader (rows.mooncake)
 
 An engine hashes a call's tokens, hands the rows to submit() (a remote source reads its misses
 there: Decoder.begin starts every layer's reads before any layer runs), then per chunk asks
@@ -10,12 +12,14 @@ resolve() for each row's data and scale pointers, gathers without the GIL, and r
 """
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int64_t
+from libc.stdint cimport int32_t, int64_t
 from libc.stdlib cimport free, realloc
 from libc.string cimport memcpy
 
-from engram_stream.rows._cache cimport (RowCache, es_rc_hit, es_rc_insert, es_rc_peek, es_rc_plan,
-                                        es_rc_admit)
+from cpython.pythread cimport PyThread_acquire_lock, PyThread_release_lock, PyThread_type_lock, WAIT_LOCK
+
+from engram_stream.rows._cache cimport RowCache, es_rc_hit, es_rc_insert, es_rc_peek, es_rowcache
+from engram_stream.rows._direct cimport DirectReader, es_io_find, es_io_unique
 
 cnp.import_array()
 
@@ -113,104 +117,300 @@ cdef class MappedRows(RowSource):
 
 
 cdef class CachedRows(RowSource):
-    """A RowCache (one engine's: an engine has one owner, so the cache needs no lock) in front of
-    `local` (a MappedRows: a miss is copied from it) or of `fetch` (remote: fetch(uniq) reads the
-    distinct missed rows, sorted, into a staging array uint8[>= len(uniq), cache stride] and may
-    raise; it is called once per submit, with the GIL).
+    """A layer's RowCache in front of where its misses come from; the cache is the model's, shared
+    by every engine of the layer (and so by every stream), and this object is one engine's reader
+    of it (one owner). Exactly one source of misses:
 
-    Every row a resolve() hands out is pinned until the next one, so the rows of one chunk never
-    evict each other; when every slot is pinned a row is read from the mapping (or the staging
-    buffer) instead."""
+      local=MappedRows    a miss is copied from the mapping at resolve()
+      reader=DirectReader submit() plans the rows against the cache and starts reading the
+                          distinct misses from disk (the I/O pool runs while the engine goes on:
+                          Decoder.begin starts every layer's reads); resolve() waits for them
+      remote=RemoteRows   the same with one batched remote read (rows.mooncake: start/finish)
 
-    def __cinit__(self, RowCache cache, MappedRows local=None, fetch=None, rowbytes=None, scalebytes=0,
-                  nrows=None):
-        if (local is None) == (fetch is None):
-            raise ValueError("CachedRows needs exactly one of local (a MappedRows) and fetch (a remote reader)")
-        self.cache, self.local, self.fetch = cache, local, fetch
+    Sharing: every change to the cache happens under its lock; a slot some reader still reads is
+    pinned by count (refs), so no engine's fills evict another's rows. A call's pins last until
+    this reader's next submit() (reader, remote) or release() (local). When every slot is pinned
+    a row is read from the mapping or the staged records instead."""
+
+    def __cinit__(self, RowCache cache, MappedRows local=None, DirectReader reader=None, remote=None,
+                  rowbytes=None, scalebytes=0, nrows=None):
+        if (local is not None) + (reader is not None) + (remote is not None) != 1:
+            raise ValueError("CachedRows needs exactly one of local (a MappedRows), reader (a DirectReader) "
+                             "and remote (a reader with start/finish)")
+        self.cache, self.local, self.reader, self.remote = cache, local, reader, remote
         if local is not None:
             self.nrows, self.rowbytes, self.scalebytes = local.nrows, local.rowbytes, local.scalebytes
+        elif reader is not None:
+            self.nrows, self.rowbytes = reader.file.nrows, reader.file.rowbytes
+            self.scalebytes = reader.file.scalebytes
         else:
             self.nrows, self.rowbytes, self.scalebytes = nrows, rowbytes, scalebytes
         if self.rowbytes + self.scalebytes != cache.recbytes:
             raise ValueError(f"CachedRows: the cache holds {cache.recbytes}-byte records, rows are "
                              f"{self.rowbytes}+{self.scalebytes} bytes")
-        self.fallible = fetch is not None
+        self.fallible = local is None
 
     def __dealloc__(self):
+        self._drop()
+        self._unpin()
         free(self.src)
+        free(self.pins)
         free(self.mpos)
+        free(self.uniq)
+        free(self.slot_of)
 
     cdef int _grow(self, int64_t n) except -1:
-        cdef void *a
-        cdef void *b
-        if n > self.cap:
-            a = realloc(self.src, max(n, 1) * sizeof(char *))
-            if a == NULL:
-                raise MemoryError("CachedRows: scratch")
-            self.src = <const char **> a
-            b = realloc(self.mpos, max(n, 1) * sizeof(int64_t))
-            if b == NULL:
-                raise MemoryError("CachedRows: scratch")
-            self.mpos = <int64_t *> b
-            self.cap = n
+        if n <= self.cap:
+            return 0
+        cdef int64_t cap = max(n, 2 * self.cap, 64)
+        cdef void *a = realloc(self.src, cap * sizeof(char *))
+        if a == NULL:
+            raise MemoryError("CachedRows: scratch")
+        self.src = <const char **> a
+        a = realloc(self.pins, 2 * cap * sizeof(int64_t))
+        if a == NULL:
+            raise MemoryError("CachedRows: scratch")
+        self.pins = <int64_t *> a
+        a = realloc(self.mpos, cap * sizeof(int64_t))
+        if a == NULL:
+            raise MemoryError("CachedRows: scratch")
+        self.mpos = <int64_t *> a
+        a = realloc(self.uniq, cap * sizeof(int64_t))
+        if a == NULL:
+            raise MemoryError("CachedRows: scratch")
+        self.uniq = <int64_t *> a
+        a = realloc(self.slot_of, cap * sizeof(int64_t))
+        if a == NULL:
+            raise MemoryError("CachedRows: scratch")
+        self.slot_of = <int64_t *> a
+        self.cap = cap
         return 0
 
+    cdef void _unpin(self) noexcept:
+        """Drop every pin this reader holds."""
+        cdef int64_t i, n = self.npins
+        cdef int32_t *refs = self.cache.c.refs
+        cdef PyThread_type_lock lock = self.cache.lock
+        if n == 0:
+            return
+        with nogil:
+            PyThread_acquire_lock(lock, WAIT_LOCK)
+            for i in range(n):
+                refs[self.pins[i]] -= 1
+            PyThread_release_lock(lock)
+        self.npins = 0
+
+    cdef void _drop(self) noexcept:
+        """Reads started and never admitted (an aborted call): wait for them, keep nothing."""
+        if not self.pending:
+            return
+        self.pending = False
+        try:
+            if self.reader is not None:
+                self.reader.wait()
+            else:
+                self.remote.finish()
+        except BaseException:
+            pass
+        self._stage = None
+
     cdef int submit(self, const int64_t *rows, int64_t n) except -1:
-        if self.fetch is None:
-            return 0
-        # remote: plan against the cache (hits pinned), read the distinct misses in one batch,
-        # admit them (pinned); resolve() then only points at the records
+        cdef int64_t i, s, k, nu, m = 0, npins = 0
+        cdef es_rowcache *c = &self.cache.c
+        cdef PyThread_type_lock lock = self.cache.lock
+        if self.local is not None:
+            return 0  # misses are copied at resolve()
+        self._drop()
+        self._unpin()  # the previous call's rows
         self.sub_rows, self.sub_n = NULL, 0
         self._grow(n)
-        self._stage = self.cache.plan_fetch(rows, n, self.src, self.mpos, self.fetch)  # read until the next submit
+        with nogil:
+            PyThread_acquire_lock(lock, WAIT_LOCK)
+            for i in range(n):
+                s = es_rc_peek(c, rows[i])
+                if s >= 0:
+                    self.src[i] = es_rc_hit(c, s)
+                    c.refs[s] += 1
+                    self.pins[npins] = s
+                    npins += 1
+                else:
+                    self.src[i] = NULL
+                    self.mpos[m] = i
+                    m += 1
+            c.misses += m
+            PyThread_release_lock(lock)
+            for i in range(m):
+                self.uniq[i] = rows[self.mpos[i]]
+            nu = es_io_unique(self.uniq, m, self.uniq)
+        self.npins, self.m, self.nu = npins, m, nu
         self.sub_rows, self.sub_n = rows, n
+        if nu:
+            try:
+                if self.reader is not None:
+                    self.reader.submit(self.uniq, nu)
+                else:
+                    self.remote.start(np.asarray(<int64_t[:nu]> self.uniq).copy())
+            except BaseException:
+                self._unpin()
+                self.sub_rows, self.sub_n = NULL, 0
+                raise
+            self.pending = True
+        return 0
+
+    cdef int _admit(self) except -1:
+        """The started reads are done: each distinct missed row into the cache (pinned), every
+        missed position pointed at its record. A failed read unpins the call and raises."""
+        cdef int64_t i, j, k, s, npins = self.npins
+        cdef int64_t rb = self.cache.c.recbytes
+        cdef es_rowcache *c = &self.cache.c
+        cdef PyThread_type_lock lock = self.cache.lock
+        self.pending = False
+        try:
+            if self.reader is not None:
+                self.reader.wait()
+                self.stage, self.sstride = self.reader.stage, self.reader.stride
+            else:
+                st = self.remote.finish()
+                self._stage = st
+                self.stage, self.sstride = <const char *> cnp.PyArray_DATA(st), st.strides[0]
+        except BaseException:
+            self._unpin()
+            self.sub_rows, self.sub_n = NULL, 0
+            raise
+        with nogil:
+            PyThread_acquire_lock(lock, WAIT_LOCK)
+            for k in range(self.nu):
+                s = es_rc_peek(c, self.uniq[k])  # another engine may have brought it meanwhile
+                if s < 0:
+                    s = es_rc_insert(c, self.uniq[k])
+                    if s >= 0:
+                        memcpy(c.data + s * c.stride, self.stage + k * self.sstride, rb)
+                        c.bytes_fetched += rb
+                if s >= 0:
+                    c.refs[s] += 1
+                    self.pins[npins] = s
+                    npins += 1
+                self.slot_of[k] = s
+            PyThread_release_lock(lock)
+            for j in range(self.m):
+                i = self.mpos[j]
+                k = es_io_find(self.uniq, self.nu, self.sub_rows[i])
+                s = self.slot_of[k]
+                self.src[i] = (c.data + s * c.stride) if s >= 0 else (self.stage + k * self.sstride)
+        self.npins = npins
         return 0
 
     cdef int resolve(self, const int64_t *rows, int64_t n, const char **dp, const char **sp) except -1:
-        cdef int64_t i, s
+        cdef int64_t i, s, off, npins
         cdef const char *p
         cdef int64_t rb = self.rowbytes, sb = self.scalebytes
+        cdef es_rowcache *c = &self.cache.c
+        cdef PyThread_type_lock lock = self.cache.lock
         cdef MappedRows m = self.local
-        cdef int64_t off
-        if self.fetch is not None:
+        if m is None:
             # the records planned by submit(): `rows` is a piece of the rows it was given
             off = rows - self.sub_rows
             if self.sub_rows == NULL or off < 0 or off + n > self.sub_n:
                 raise RuntimeError("CachedRows.resolve: these rows were not submitted")
+            if self.pending:
+                self._admit()
             with nogil:
                 for i in range(n):
                     dp[i] = self.src[off + i]
                     sp[i] = self.src[off + i] + rb if sb else NULL
             return 0
+        self._unpin()
+        self._grow(n)
+        npins = 0
         with nogil:
-            self.cache.c.epoch += 1  # pins of this resolve
+            PyThread_acquire_lock(lock, WAIT_LOCK)
             for i in range(n):
-                s = es_rc_peek(&self.cache.c, rows[i])
+                s = es_rc_peek(c, rows[i])
                 if s >= 0:
-                    p = es_rc_hit(&self.cache.c, s)
+                    p = es_rc_hit(c, s)
                 else:
-                    self.cache.c.misses += 1
-                    s = es_rc_insert(&self.cache.c, rows[i])
+                    c.misses += 1
+                    s = es_rc_insert(c, rows[i])
                     if s >= 0:
-                        p = self.cache.c.data + s * self.cache.c.stride
+                        p = c.data + s * c.stride
                         memcpy(<char *> p, m.data + rows[i] * rb, rb)
                         if sb:
                             memcpy(<char *> p + rb, m.scale + rows[i] * sb, sb)
-                        self.cache.c.bytes_fetched += self.cache.c.recbytes
+                        c.bytes_fetched += c.recbytes
                 if s >= 0:
-                    self.cache.c.pin[s] = self.cache.c.epoch
+                    c.refs[s] += 1
+                    self.pins[npins] = s
+                    npins += 1
                     dp[i] = p
                     sp[i] = p + rb if sb else NULL
-                else:  # every slot pinned by this resolve: read the table itself
+                else:  # every slot pinned: read the table itself
                     dp[i] = m.data + rows[i] * rb
                     sp[i] = m.scale + rows[i] * sb if sb else NULL
+            PyThread_release_lock(lock)
+        self.npins = npins
         return 0
+
+    cdef void release(self) noexcept:
+        if self.local is not None:
+            self._unpin()
 
     cdef int64_t prefetch(self, const int64_t *rows, int64_t n) noexcept:
         cdef int64_t failed = 0, i
         if self.local is None:
-            return 0  # remote rows were read by submit()
-        for i in range(n):  # only the pages of rows the cache lacks
+            return 0  # those rows are being read since submit()
+        for i in range(n):  # only the pages of rows the cache lacks (a racy peek: advice only)
             if es_rc_peek(&self.cache.c, rows[i]) < 0:
                 failed += self.local.prefetch(rows + i, 1)
         return failed
+
+
+cdef class DirectRows(RowSource):
+    """A table's rows read from its files without a cache (tables="direct", row_cache_mb=0):
+    submit() starts reading the call's distinct rows (de-duplicated by page, O_DIRECT, the I/O
+    pool), resolve() waits for them and points into the reader's records (valid until the next
+    submit)."""
+
+    def __cinit__(self, DirectReader reader):
+        self.reader = reader
+        self.nrows, self.rowbytes = reader.file.nrows, reader.file.rowbytes
+        self.scalebytes = reader.file.scalebytes
+        self.fallible = True
+
+    def __dealloc__(self):
+        if self.pending:
+            try:
+                self.reader.wait()
+            except BaseException:
+                pass
+
+    cdef int submit(self, const int64_t *rows, int64_t n) except -1:
+        if self.pending:  # an aborted call's reads: wait, keep nothing
+            self.pending = False
+            try:
+                self.reader.wait()
+            except BaseException:
+                pass
+        self.sub_rows, self.sub_n = NULL, 0
+        self.reader.submit(rows, n)
+        self.pending = True
+        self.sub_rows, self.sub_n = rows, n
+        return 0
+
+    cdef int resolve(self, const int64_t *rows, int64_t n, const char **dp, const char **sp) except -1:
+        cdef int64_t i, off = rows - self.sub_rows, rb = self.rowbytes, sb = self.scalebytes
+        cdef const char *p
+        if self.sub_rows == NULL or off < 0 or off + n > self.sub_n:
+            raise RuntimeError("DirectRows.resolve: these rows were not submitted")
+        if self.pending:
+            self.pending = False
+            try:
+                self.reader.wait()
+            except BaseException:
+                self.sub_rows, self.sub_n = NULL, 0
+                raise
+        with nogil:
+            for i in range(n):
+                p = self.reader.record(rows[i])
+                dp[i] = p
+                sp[i] = p + rb if sb else NULL
+        return 0

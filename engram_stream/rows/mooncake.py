@@ -43,6 +43,7 @@ import queue
 import socket
 import threading
 import time
+import weakref
 from urllib.parse import urlparse
 
 import numpy as np
@@ -219,6 +220,7 @@ class MooncakeTier:
         self.store = None
         self.stuck = False    # a call timed out and may still run inside the client (see close)
         self._calls = BoundedCalls("engram-mooncake")
+        self._readers = weakref.WeakSet()   # RemoteRows of this tier (close waits for their reads)
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_host)
         # setup() blocks ~90 s on an address that does not answer: check both first.
         mhost, mport = _host_port(master)
@@ -276,6 +278,8 @@ class MooncakeTier:
         left open (it goes away with the process, which waits for nothing)."""
         if self.store is None:
             return
+        for reader in list(self._readers):  # reads still running inside the client: wait for them
+            reader.drop()
         store, self.store = self.store, None
         if not self.stuck:
             store.close()
@@ -375,7 +379,9 @@ class MooncakeTier:
 
     def rows(self, model, layer, totals=None) -> "RemoteRows":
         self._open()
-        return RemoteRows(self, model, layer, totals)
+        reader = RemoteRows(self, model, layer, totals)
+        self._readers.add(reader)
+        return reader
 
 
 class RemoteRows:
@@ -427,11 +433,7 @@ class RemoteRows:
         """Start reading rows `uniq` (as fetch) and return at once; finish() waits for them. One
         read in flight per reader: one started and never finished (its call was abandoned) is
         waited for first and dropped."""
-        if self._pending is not None:
-            try:
-                self.finish()
-            except TierError:
-                pass
+        self.drop()
         n = len(uniq)
         stage = self.staging(n)
         store = self.tier.store
@@ -448,6 +450,14 @@ class RemoteRows:
         sizes = [[rb] * (b - a) for a, b in zip(starts, ends)]
         handle = self._calls.start(store.get_into_ranges, [base], [keys], [dst], [src], [sizes])
         self._pending = (handle, n, stage, store, keys, starts, ends, time.perf_counter())
+
+    def drop(self):
+        """Wait for a started read nobody finished (an aborted call; close()) and keep nothing."""
+        if self._pending is not None:
+            try:
+                self.finish()
+            except TierError:
+                pass
 
     def finish(self) -> np.ndarray:
         """Wait for the started read (bounded by the tier's timeout from its start): the staging

@@ -15,7 +15,8 @@ import weakref
 import numpy as np
 
 from ._cache import RowCache, cache_nbytes, slots_for
-from ._source import CachedRows, MappedRows
+from ._direct import DirectReader, new_totals, totals_summary
+from ._source import CachedRows, DirectRows, MappedRows
 
 
 # ---- row records --------------------------------------------------------------------------------
@@ -40,79 +41,84 @@ def record_layout(w):
 class RowTiers:
     """The row source and RAM budget of a loaded model (model.row_tiers).
 
-    row_cache_mb: the model's whole cache budget (at most what caching every row costs: a larger
-    one caches the tables whole), split over layers in proportion to their table bytes; each
-    engine of a layer owns a cache of that layer's share (one engine, one owner: the cache needs
-    no lock; a second engine of the same layer gets a cache of its own).
-    tier: None (rows from the model's own table) or a MooncakeTier."""
+    row_cache_mb: the model's cache budget (MiB; at most what caching every row costs: a larger
+    one caches the tables whole), split over layers in proportion to their table bytes: one
+    RowCache per layer, made at the first engine of the layer and shared by every engine and
+    stream of the model (its own lock; pins by count). tables: None (the mapped tables),
+    "direct" or a DirectTier (rows read from the checkpoint's files: rows/direct.py), or a
+    MooncakeTier."""
 
     def __init__(self, model, row_cache_mb=0, tier=None):
+        from .direct import DirectTier
         if (not isinstance(row_cache_mb, (int, float)) or isinstance(row_cache_mb, bool)
                 or not math.isfinite(row_cache_mb) or row_cache_mb < 0):
             raise ValueError(f"row_cache_mb must be a finite number >= 0, got {row_cache_mb!r}")
-        if tier is not None and not callable(getattr(tier, "rows", None)):
-            raise TypeError(f"tables= takes a row tier (a MooncakeTier), got {type(tier).__name__}")
+        direct = DirectTier.of(tier)
+        if tier is not None and direct is None and not callable(getattr(tier, "rows", None)):
+            raise TypeError(f"tables= takes \"direct\", a DirectTier or a MooncakeTier, got {tier!r}")
         self.model_ref = weakref.ref(model)
         self.tier = tier
-        table_bytes = {L: model.layer(L).table.nbytes + (0 if model.layer(L).table_scale is None
-                                                          else model.layer(L).table_scale.nbytes)
-                       for L in model.cfg.layer_ids}
-        whole = {L: cache_nbytes(model.layer(L).table.shape[0], sum(record_layout(model.layer(L))))
+        layouts = {L: record_layout(model.layer(L)) for L in model.cfg.layer_ids}
+        table_bytes = {L: model.plan.table_rows[L] * sum(layouts[L]) for L in model.cfg.layer_ids}
+        whole = {L: cache_nbytes(model.plan.table_rows[L], sum(layouts[L]))
                  for L in table_bytes}  # a layer's cache holding every row
         total, asked = sum(table_bytes.values()), int(row_cache_mb * (1 << 20))
         self.budget = min(asked, sum(whole.values()))
         self.layer_budget = (whole if asked >= sum(whole.values()) else
                              {L: min(whole[L], self.budget * b // max(1, total)) for L, b in table_bytes.items()})
-        self.caches = weakref.WeakSet()                        # live ones
-        self.retired = {L: np.zeros(4, np.int64) for L in table_bytes}  # counters of caches gone
-        self.remote = {"fetches": 0, "fetch_seconds": 0.0}      # every remote read of this model
-        if tier is not None:
+        self.caches = {}                                          # layer -> the shared RowCache
+        self.read_totals = {L: new_totals() for L in table_bytes}  # every DirectReader of the layer adds here
+        self.remote = {"fetches": 0, "fetch_seconds": 0.0}        # every remote read of this model
+        self.direct = direct.open(model) if direct is not None else None
+        if tier is not None and direct is None:
             tier.check_published(model)
 
     def for_model(self, model) -> "RowTiers":
         """The same budget and row source for another model of the same tables (a
-        with_weight_dtype copy)."""
+        with_weight_dtype copy; its caches are its own)."""
         return RowTiers(model, self.budget / (1 << 20), self.tier)
 
+    def cache(self, layer) -> RowCache:
+        """The layer's shared RowCache (made at the first call)."""
+        if layer not in self.caches:
+            rowbytes, scalebytes = record_layout(self.model_ref().layer(layer))
+            rec = rowbytes + scalebytes
+            self.caches[layer] = RowCache(slots_for(self.layer_budget[layer], rec), rec, layer)
+        return self.caches[layer]
+
     def source_for(self, layer):
-        """The RowSource one engine of `layer` reads through: its own cache (of the layer's share
-        of the budget) in front of the local table or of the remote tier."""
+        """The RowSource one engine of `layer` reads through: the layer's shared cache (when the
+        budget gives it slots) in front of the mapped table, the files or the remote tier."""
         model = self.model_ref()
         w = model.layer(layer)
-        cache = self.new_cache(layer)
+        cache = self.cache(layer)
+        if self.direct is not None:
+            reader = DirectReader(self.direct.files[layer], self.direct.io, totals=self.read_totals[layer])
+            return CachedRows(cache, reader=reader) if cache.nslots else DirectRows(reader)
         if self.tier is None:
             local = MappedRows(w.table, w.table_scale)
             return CachedRows(cache, local=local) if cache.nslots else local
         rowbytes, scalebytes = record_layout(w)
         remote = self.tier.rows(model, layer, self.remote)
-        return CachedRows(cache, fetch=remote.fetch, rowbytes=rowbytes, scalebytes=scalebytes,
+        return CachedRows(cache, remote=remote, rowbytes=rowbytes, scalebytes=scalebytes,
                           nrows=model.plan.table_rows[layer])
 
-    def new_cache(self, layer) -> RowCache:
-        """A RowCache of this layer's share of the budget (for one engine)."""
-        model = self.model_ref()
-        rowbytes, scalebytes = record_layout(model.layer(layer))
-        cache = RowCache(slots_for(self.layer_budget[layer], rowbytes + scalebytes), rowbytes + scalebytes, layer,
-                         self.retired[layer])
-        self.caches.add(cache)
-        return cache
-
-    def new_source(self, layer):
-        """The remote rows of a layer for one engine (its own staging buffer), or None (local)."""
-        if self.tier is None:
-            return None
-        return self.tier.rows(self.model_ref(), layer, self.remote)
-
     def stats(self) -> dict:
+        """Per layer ("layers") and in total: the cache's hits, misses, bytes_fetched, evictions,
+        rows_cached, capacity_rows, cache_bytes; reads from disk (reads: preads, bytes_read,
+        rows_read, read_wait_p50 / _p99: seconds a call waited for its rows); remote fetches."""
         counters = RowCache.COUNTERS
-        sizes = ("rows_cached", "capacity_rows", "cache_bytes")  # of the live caches
-        per = {L: dict(zip(counters, map(int, t)), **dict.fromkeys(sizes, 0)) for L, t in self.retired.items()}
-        for c in list(self.caches):
-            for k, v in c.stats().items():
-                per[c.layer][k] += v
-        out = {k: sum(p[k] for p in per.values()) for k in counters + sizes}
+        sizes = ("rows_cached", "capacity_rows", "cache_bytes")
+        per = {}
+        for L in self.layer_budget:
+            c = self.caches.get(L)
+            st = c.stats() if c is not None else dict.fromkeys(counters + sizes, 0)
+            per[L] = {k: int(st[k]) for k in counters + sizes}
+            per[L].update(totals_summary(self.read_totals[L]))
+        out = {k: sum(p[k] for p in per.values()) for k in counters + sizes + ("reads", "bytes_read", "rows_read")}
+        out.update({k: v for k, v in totals_summary(sum(self.read_totals.values())).items() if k.startswith("read_wait")})
         out["layers"] = per
         out["budget_bytes"] = self.budget
-        if self.tier is not None:
+        if self.tier is not None and self.direct is None:
             out.update(self.remote)
         return out
