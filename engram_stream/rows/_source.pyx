@@ -281,11 +281,11 @@ cdef class CachedRows(RowSource):
             PyThread_acquire_lock(lock, WAIT_LOCK)
             for k in range(self.nu):
                 s = es_rc_peek(c, self.uniq[k])  # another engine may have brought it meanwhile
+                c.bytes_fetched += rb  # brought from the source, cached or not
                 if s < 0:
                     s = es_rc_insert(c, self.uniq[k])
                     if s >= 0:
                         memcpy(c.data + s * c.stride, self.stage + k * self.sstride, rb)
-                        c.bytes_fetched += rb
                 if s >= 0:
                     c.refs[s] += 1
                     self.pins[npins] = s

@@ -278,8 +278,9 @@ class MooncakeTier:
         left open (it goes away with the process, which waits for nothing)."""
         if self.store is None:
             return
-        for reader in list(self._readers):  # reads still running inside the client: wait for them
-            reader.drop()
+        for reader in list(self._readers):  # reads still running inside the client: let them end
+            if not reader.settle():
+                self.stuck = True
         store, self.store = self.store, None
         if not self.stuck:
             store.close()
@@ -450,6 +451,15 @@ class RemoteRows:
         sizes = [[rb] * (b - a) for a, b in zip(starts, ends)]
         handle = self._calls.start(store.get_into_ranges, [base], [keys], [dst], [src], [sizes])
         self._pending = (handle, n, stage, store, keys, starts, ends, time.perf_counter())
+
+    def settle(self) -> bool:
+        """Wait (bounded by the timeout from its start) until a started read has ended, keeping
+        its result for finish(): the tier can then close its client under no running call.
+        False when it is still running."""
+        if self._pending is None:
+            return True
+        box, done, t0 = self._pending[0]
+        return done.wait(max(0.0, t0 + self.tier.timeout - time.monotonic()))
 
     def drop(self):
         """Wait for a started read nobody finished (an aborted call; close()) and keep nothing."""

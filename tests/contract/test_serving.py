@@ -212,10 +212,12 @@ def test_commit_costs_little_next_to_its_call():
 
 # ---- all or nothing across layers ------------------------------------------------------------------
 class FakeTier:
-    """A row tier that serves a model's own table rows, and fails on demand (layers in .down)."""
+    """A row tier that serves a model's own table rows, and fails on demand (layers in .down):
+    when the read is started (fail_at "start": begin) or when it is waited for ("finish": the
+    layer's call)."""
 
-    def __init__(self):
-        self.down = set()
+    def __init__(self, fail_at="start"):
+        self.down, self.fail_at = set(), fail_at
 
     def check_published(self, model):
         pass
@@ -230,23 +232,33 @@ class _FakeRows:
         t = np.ascontiguousarray(w.table).view(np.uint8).reshape(w.table.shape[0], -1)
         if w.table_scale is not None:
             t = np.concatenate([t, np.ascontiguousarray(w.table_scale).view(np.uint8).reshape(t.shape[0], -1)], 1)
-        self.records, self.tier, self.layer = t, tier, layer
+        self.records, self.tier, self.layer, self.uniq = t, tier, layer, None
 
-    def fetch(self, uniq):
-        if self.layer in self.tier.down:
+    def _check(self, when):
+        if self.layer in self.tier.down and self.tier.fail_at == when:
             raise TierError(f"layer {self.layer} is down")
+
+    def start(self, uniq):
+        self._check("start")
+        self.uniq = uniq
+
+    def finish(self):
+        uniq, self.uniq = self.uniq, None
+        self._check("finish")
         out = np.zeros((len(uniq), slot_bytes(self.records.shape[1])), np.uint8)
         out[:, :self.records.shape[1]] = self.records[uniq]
         return out
 
 
+@pytest.mark.parametrize("fail_at", ["start", "finish"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_decoder_begin_is_all_or_nothing(variant):
-    """Layer B's rows cannot be read after layer A's were: begin raises, every layer stands as
-    before it, and the same begin works once the rows are back; outputs equal the oracle."""
+def test_decoder_call_is_all_or_nothing(variant, fail_at):
+    """Layer B's rows cannot be read after layer A's were (refused at begin, or failing while
+    layer B waits for them after layer A ran): TierError, every layer stands as before the begin,
+    and the same call works once the rows are back; outputs equal the oracle."""
     base = model_of(variant)
     model = EngramModel(base.cfg, base.plan, base.layers)
-    tier = FakeTier()
+    tier = FakeTier(fail_at)
     model.row_tiers = RowTiers(model, 0, tier)
     La, Lb = model.cfg.layer_ids
     dec = model.decoder(2)
@@ -260,6 +272,8 @@ def test_decoder_begin_is_all_or_nothing(variant):
             tier.down = {Lb}
             with pytest.raises(TierError):
                 dec.begin(ids[:, p])
+                dec.layer(La, hid[:, p])
+                dec.layer(Lb, hid[:, p])
             assert not dec.pending()
             after = dec.snapshot()
             for L in (La, Lb):

@@ -147,6 +147,7 @@ def test_calls_after_close_raise_tier_error(mooncake, tmp_path):
         dec.layer(L, np.zeros((DEMO["hc_mult"], DEMO["hidden_size"]), np.float32))
     with pytest.raises(TierError, match="closed"):
         dec.begin(7)
+        dec.layer(m.cfg.layer_ids[0], np.zeros((DEMO["hc_mult"], DEMO["hidden_size"]), np.float32))
 
 
 def test_stopped_master_at_connect_is_refused_in_time():
@@ -183,7 +184,9 @@ for L in model.cfg.layer_ids:
 print("ready", flush=True)
 sys.stdin.readline()          # the test breaks a server now
 try:
-    dec.begin(7)
+    dec.begin(7)  # starts the reads; a layer waits for them
+    for L in model.cfg.layer_ids:
+        dec.layer(L, np.zeros((model.cfg.hc_mult, model.cfg.hidden_size), np.float32))
     print("no error", flush=True)
 except TierError as e:
     print("TierError", flush=True)

@@ -313,9 +313,11 @@ def test_dead_store_raises_in_bounded_time_then_works_again(own_store, ckpts, fa
     else:
         mc.kill_store()
     t0 = time.monotonic()
-    with pytest.raises(TierError):
+    with pytest.raises(TierError):  # the reads start at begin; a layer waiting for its rows gets the error
         dec.begin(ids[10])
+        dec.layer(1, hid[10])
     assert time.monotonic() - t0 < tier.timeout + 3
+    assert dec.pending() == []
     _same_state(before, _state(dec))  # the refused token changed nothing
     # the store comes back (empty: the master held the objects' metadata); publish again
     if fault == "stop_master":
