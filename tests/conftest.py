@@ -258,3 +258,19 @@ def tier(mooncake):
     wait_until_writable(t)
     yield t
     t.close()
+
+
+@pytest.fixture
+def own_store():
+    """(LocalMooncake, MooncakeTier) of a test's own servers (a test that kills or stops them)."""
+    mooncake_or_skip()
+    from engram_stream.mooncake_servers import LocalMooncake, wait_until_writable
+    from engram_stream.tiers import MooncakeTier
+    mc = LocalMooncake(segment_mb=32).start()
+    try:
+        t = MooncakeTier(master=mc.master, metadata=mc.metadata, timeout=4)
+        wait_until_writable(t)
+        yield mc, t
+        t.close()
+    finally:
+        mc.stop()

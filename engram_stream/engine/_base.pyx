@@ -846,6 +846,11 @@ cdef class EngineBase:
             self.busy = False
 
     @property
+    def _hidden_shape(self):
+        """(G, D): one token's hidden."""
+        return (self.G, self.D)
+
+    @property
     def pending_compute(self):
         return self.pn > 0
 

@@ -24,6 +24,8 @@ as before it; a layer() whose rows cannot be read puts every layer back as befor
 from __future__ import annotations
 
 from ..errors import LayerError
+from ..plan import as_ids
+from . import args
 from ..io.files import mapping_of
 
 
@@ -134,10 +136,18 @@ class Decoder:
         return {L: self.layer(L, hiddens[L]) for L in self.engines}
 
     def prefill(self, ids, hiddens: dict, stream: int = 0) -> dict:
-        """A prompt on one stream for every layer: {layer: hidden[T, G, D]} -> {layer: out}."""
+        """A prompt on one stream for every layer: {layer: hidden[T, G, D]} -> {layer: out}.
+        One packed call of one segment (as each engine's prefill): every layer's rows are handed
+        to its source before any layer runs, and a failed read leaves every layer as before."""
         self._check_hiddens(hiddens)
         self._no_pending("prefill()")
-        return {L: e.prefill(ids, hiddens[L], stream=stream) for L, e in self.engines.items()}
+        a = as_ids(ids, 1, "ids")
+        args.stream_index(stream, self.n_streams)
+        if a.shape[0] == 0:
+            return {L: e.prefill(a, hiddens[L], stream=stream) for L, e in self.engines.items()}
+        hid = {L: e._io(hiddens[L], None, (a.shape[0],) + e._hidden_shape)[0] for L, e in self.engines.items()}
+        self.begin_packed(a, [stream], [a.shape[0]])  # every hidden checked first: no layer is left pending
+        return {L: self.layer(L, hid[L]) for L in self.engines}
 
     def reset(self, stream=None):
         """Forget one stream's history (or every stream's, which also drops a begun token)."""

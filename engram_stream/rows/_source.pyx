@@ -49,6 +49,12 @@ cdef class RowSource:
         return (f"{type(self).__name__}(rows={self.nrows}, record={self.rowbytes}+{self.scalebytes} bytes, "
                 f"fallible={bool(self.fallible)})")
 
+    @property
+    def reading(self):
+        """True between a submit() whose rows are still being read and the resolve() that waits
+        for them (Decoder.begin leaves every layer's source reading)."""
+        return False
+
     def read(self, rows):
         """uint8[len(rows), rowbytes + scalebytes]: the records of `rows` as an engine reads them
         (tests, tools; one resolve)."""
@@ -158,6 +164,10 @@ cdef class CachedRows(RowSource):
         free(self.mpos)
         free(self.uniq)
         free(self.slot_of)
+
+    @property
+    def reading(self):
+        return bool(self.pending)
 
     cdef int _grow(self, int64_t n) except -1:
         if n <= self.cap:
@@ -375,6 +385,10 @@ cdef class DirectRows(RowSource):
         self.nrows, self.rowbytes = reader.file.nrows, reader.file.rowbytes
         self.scalebytes = reader.file.scalebytes
         self.fallible = True
+
+    @property
+    def reading(self):
+        return bool(self.pending)
 
     def __dealloc__(self):
         if self.pending:

@@ -217,7 +217,7 @@ class FakeTier:
     layer's call)."""
 
     def __init__(self, fail_at="start"):
-        self.down, self.fail_at = set(), fail_at
+        self.down, self.fail_at, self.log = set(), fail_at, []
 
     def check_published(self, model):
         pass
@@ -240,10 +240,12 @@ class _FakeRows:
 
     def start(self, uniq):
         self._check("start")
+        self.tier.log.append(("start", self.layer))
         self.uniq = uniq
 
     def finish(self):
         uniq, self.uniq = self.uniq, None
+        self.tier.log.append(("finish", self.layer))
         self._check("finish")
         out = np.zeros((len(uniq), slot_bytes(self.records.shape[1])), np.uint8)
         out[:, :self.records.shape[1]] = self.records[uniq]
@@ -285,6 +287,73 @@ def test_decoder_call_is_all_or_nothing(variant, fail_at):
             outs[L].append(dec.layer(L, hid[:, p]))
     for L in (La, Lb):
         close(np.stack(outs[L], 1), model.forward(L, ids, hid))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_layers_reads_start_before_any_layer_runs(variant):
+    """begin() and prefill() start every layer's reads (the sources' start) before any layer
+    waits for its rows; each layer waits only for its own, in the order the layers run."""
+    base = model_of(variant)
+    model = EngramModel(base.cfg, base.plan, base.layers)
+    tier = FakeTier()
+    model.row_tiers = RowTiers(model, 0.01, tier)
+    La, Lb = model.cfg.layer_ids
+    dec = model.decoder(2)
+    rng = np.random.default_rng(2)
+    ids = variant_ids(model, rng, (2, 3))
+    hid = rng.standard_normal((2, 3, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+    dec.begin(ids[:, 0])
+    assert tier.log == [("start", La), ("start", Lb)]
+    assert all(dec.engines[L].row_source.reading for L in (La, Lb))
+    dec.layer(La, hid[:, 0])
+    assert tier.log[2:] == [("finish", La)] and dec.engines[Lb].row_source.reading
+    dec.layer(Lb, hid[:, 0])
+    assert tier.log[3:] == [("finish", Lb)]
+    del tier.log[:]
+    p_ids = variant_ids(model, rng, (40,))
+    p_hid = rng.standard_normal((40, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+    dec.prefill(p_ids, {La: p_hid, Lb: p_hid}, stream=1)
+    assert tier.log == [("start", La), ("start", Lb), ("finish", La), ("finish", Lb)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decoder_prefill_is_all_or_nothing(variant):
+    """A prompt whose last layer's rows fail after the first layer ran: TierError, every layer
+    as before; the same prefill then gives the oracle's outputs (each engine's own prefill)."""
+    base = model_of(variant)
+    model = EngramModel(base.cfg, base.plan, base.layers)
+    tier = FakeTier("finish")
+    model.row_tiers = RowTiers(model, 0, tier)
+    La, Lb = model.cfg.layer_ids
+    dec = model.decoder(3)
+    rng = np.random.default_rng(4)
+    ids = variant_ids(model, rng, (3, 2))
+    hid = rng.standard_normal((3, 2, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+    for p in range(2):
+        dec.begin(ids[:, p])
+        for L in (La, Lb):
+            dec.layer(L, hid[:, p])
+    p_ids = variant_ids(model, rng, (70,))
+    p_hid = {L: rng.standard_normal((70, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+             for L in (La, Lb)}
+    before = dec.snapshot()
+    tier.down = {Lb}
+    with pytest.raises(TierError):
+        dec.prefill(p_ids, p_hid, stream=1)
+    assert not dec.pending()
+    after = dec.snapshot()
+    for L in (La, Lb):
+        for k in before[L].names:
+            assert np.array_equal(getattr(before[L], k), getattr(after[L], k)), (L, k)
+    tier.down = set()
+    got = dec.prefill(p_ids, p_hid, stream=1)
+    ref = base.decoder(3)  # the mapped tables, each engine's own prefill
+    ref.restore(before)
+    for L in (La, Lb):
+        np.testing.assert_array_equal(got[L], ref.engines[L].prefill(p_ids, p_hid[L], stream=1))
+    with pytest.raises(ValueError):  # a bad hidden for the last layer: refused before any layer is fed
+        dec.prefill(p_ids, {La: p_hid[La], Lb: p_hid[Lb][:5]}, stream=0)
+    assert not dec.pending()
 
 
 # ---- the rows alone ---------------------------------------------------------------------------------

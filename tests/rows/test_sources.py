@@ -247,3 +247,92 @@ def test_a_truncated_file_is_refused(saved, tmp_path):
     os.truncate(path, os.path.getsize(path) // 2)
     with pytest.raises(FileChangedError):
         step(dec, np.array([5, 6]), hid, {L: [] for L in model.cfg.layer_ids})
+
+
+def test_begin_starts_every_layers_disk_reads(saved):
+    """Decoder.begin hands every layer's rows to its source before any layer runs: every
+    layer's source is reading after begin, and still is for the last layer after the first ran."""
+    path = saved["v41"]
+    for kw in (dict(tables="direct"), dict(tables="direct", row_cache_mb=0.004)):
+        model = load(path, **kw)
+        ids, hid, _, _ = inputs(model, 3, 2, 1, seed=4)
+        dec = model.decoder(n_streams=3)
+        dec.begin(ids[0])
+        La, Lb = model.cfg.layer_ids
+        assert dec.engines[La].row_source.reading and dec.engines[Lb].row_source.reading
+        dec.layer(La, hid[0])
+        assert not dec.engines[La].row_source.reading and dec.engines[Lb].row_source.reading
+        dec.layer(Lb, hid[0])
+
+
+# ---- V4.1 (and the demo) through a Mooncake Store: the tests' own servers ----------------------
+@pytest.mark.mooncake
+@pytest.mark.parametrize("name", list(MODELS))
+def test_mooncake_tier_decodes_bit_identically(tier, saved, name):
+    path = saved[name]
+    tier.publish(load(path))
+    small = 0.004 if "flash" not in name else 0.05
+    for S in (1, 17):
+        want = run(load(path), S)
+        for mb in (0, small, 64):
+            model = load(path, tables=tier, row_cache_mb=mb)
+            assert_identical(run(model, S), want)
+            st = model.row_cache_stats()
+            assert st["fetches"] > 0 and st["misses"] > 0 and st["bytes_fetched"] > 0
+            if mb:
+                assert st["hits"] > 0
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("fault", ["kill_store", "stop_store"])
+def test_mooncake_v41_store_down_refuses_then_continues_exactly(own_store, saved, fault):
+    """The store server dies (or stops) mid-decode of a V4.1 model: the token is refused with
+    TierError within the timeout, every layer as before; once a store is back and the rows
+    published again, the same decoder continues bit-identically to the mapped tables."""
+    import signal
+    import time
+    from engram_stream.errors import TierError
+    from engram_stream.mooncake_servers import wait_until_writable
+    mc, tier = own_store
+    path = saved["v41-flash-rows"]
+    local = load(path)
+    tier.publish(local)
+    S, T = 3, 14
+    ids, hid, _, _ = inputs(local, S, T, 1, seed=9)
+    want = run_steps(local, ids, hid)
+    model = load(path, tables=tier, row_cache_mb=0.05)
+    dec = model.decoder(n_streams=S)
+    got = {L: [] for L in model.cfg.layer_ids}
+    for t in range(6):
+        step(dec, ids[t], hid[t], got)
+    snap = dec.snapshot()
+    if fault == "kill_store":
+        mc.kill_store()
+    else:
+        os.kill(mc.store_proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(TierError):
+        step(dec, ids[6], hid[6], {L: [] for L in got})
+    assert time.monotonic() - t0 < tier.timeout + 3
+    assert dec.pending() == []
+    after = dec.snapshot()
+    for L in model.cfg.layer_ids:
+        for k in snap[L].names:
+            np.testing.assert_array_equal(getattr(after[L], k), getattr(snap[L], k))
+    if fault == "kill_store":
+        mc.start_store()
+    else:
+        os.kill(mc.store_proc.pid, signal.SIGCONT)
+    wait_until_writable(tier)
+    end = time.monotonic() + 30  # the master drops a dead server's memory after its client ttl
+    while True:
+        try:
+            tier.publish(local)
+            break
+        except TierError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.5)
+    for t in range(6, T):
+        step(dec, ids[t], hid[t], got)
+    assert_identical(got, want)

@@ -262,20 +262,6 @@ def test_cli_publish(tier, ckpts, mooncake, capsys):
 
 
 # ---- faults: a store of our own, killed and restarted -------------------------------------------
-@pytest.fixture
-def own_store():
-    conftest.mooncake_or_skip()
-    from engram_stream.mooncake_servers import LocalMooncake, wait_until_writable
-    from engram_stream.tiers import MooncakeTier
-    mc = LocalMooncake(segment_mb=32).start()
-    try:
-        t = MooncakeTier(master=mc.master, metadata=mc.metadata, timeout=4)
-        wait_until_writable(t)
-        yield mc, t
-        t.close()
-    finally:
-        mc.stop()
-
 
 def _state(dec):
     return {L: (e.tokens_seen.copy(), e.snapshot()) for L, e in dec.engines.items()}
