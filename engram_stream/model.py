@@ -195,6 +195,31 @@ class EngramModel:
         from .rows.tiers import RowTiers
         return (self.row_tiers or RowTiers(self)).stats()
 
+    def warm(self, token_ids, chunk: int = 4096) -> dict:
+        """Seed the row cache with the rows a prompt reads: token_ids (int array, or the path of
+        a .npy or whitespace-separated text file of ids) are hashed as one stream, chunk tokens
+        at a time, and every layer's rows are read through its row source (every layer's reads
+        start before any is waited for), so the model's shared cache holds them as far as its
+        budget goes. Nothing else of the model changes. Returns row_cache_stats()."""
+        if isinstance(token_ids, (str, os.PathLike)):
+            p = os.fspath(token_ids)
+            token_ids = np.load(p) if p.endswith(".npy") else np.loadtxt(p, dtype=np.int64, ndmin=1)
+        ids = as_ids(np.asarray(token_ids).ravel(), 1, "token_ids")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+        bad = np.flatnonzero(ids >= self.cfg.vocab_size)
+        if bad.size:  # refused before any read
+            raise ValueError(f"token_ids[{bad[0]}] = {ids[bad[0]]} is not < vocab_size {self.cfg.vocab_size}: "
+                             f"pass this model's token ids")
+        engines = {L: self.stream(L, 1) for L in self.cfg.layer_ids}
+        for a in range(0, ids.shape[0], chunk):
+            part = np.ascontiguousarray(ids[a:a + chunk])
+            for e in engines.values():
+                e.feed_packed(part, [0], [part.shape[0]])
+            for e in engines.values():
+                e.fetch()
+        return self.row_cache_stats()
+
     @classmethod
     def from_deepseek_v41(cls, ckpt_dir, mmap: bool = True, compression=None, tables=None, row_cache_mb=None):
         """A deepseek-v4.1 model from its HF folder (config.json, model.safetensors.index.json, the

@@ -725,6 +725,33 @@ cdef class EngineBase:
             self.busy = False
         return o
 
+    def fetch(self):
+        """Second half of a call that wants only its rows brought in, after feed() / feed_packed():
+        the row source reads them (a row cache keeps them) and nothing is computed; the windows
+        stay where feed() moved them. Raises as compute() would when the rows cannot be read
+        (every slot of the call put back). model.warm() seeds the row cache this way."""
+        cdef int64_t t0 = 0, nb
+        self._enter()
+        try:
+            if not self.pn:
+                raise RuntimeError("fetch() needs feed(token_ids) first")
+            self._check_files()
+            try:
+                while t0 < self.pn:
+                    nb = min(self.chunk, self.pn - t0)
+                    self.src.resolve(self.rbuf + t0 * self.H, nb * self.H, self.dp, self.sp)
+                    self.src.release()
+                    t0 += nb
+            except BaseException:
+                self.src.release()
+                self._rollback()
+                raise
+            self._record_extra(False, False)  # nothing computed: the variant's state did not move
+            self.pn = 0
+            self._pending_n = 0
+        finally:
+            self.busy = False
+
     def _abort(self):
         """Put every slot of the last call back as before it (the Decoder's all-or-nothing token:
         a later layer's read failed). A no-op when the last call left no record."""

@@ -336,3 +336,33 @@ def test_mooncake_v41_store_down_refuses_then_continues_exactly(own_store, saved
     for t in range(6, T):
         step(dec, ids[t], hid[t], got)
     assert_identical(got, want)
+
+
+@pytest.mark.parametrize("name", ["demo-int8", "v41"])
+def test_warm_seeds_the_cache_with_a_prompts_rows(saved, name, tmp_path):
+    """model.warm(prompt): every row the prompt reads is cached (the numpy hash is the oracle),
+    so decoding that prompt then reads nothing from disk and gives the mapped tables' outputs."""
+    path = saved[name]
+    ref = load(path)
+    rng = np.random.default_rng(11)
+    p_ids = variant_ids(ref, rng, (300,))
+    p_hid = rng.standard_normal((300, ref.cfg.hc_mult, ref.cfg.hidden_size), dtype=np.float32)
+    want = ref.decoder().prefill(p_ids, {L: p_hid for L in ref.cfg.layer_ids})
+    model = load(path, tables="direct", row_cache_mb=64)
+    f = tmp_path / "ids.txt"
+    f.write_text(" ".join(map(str, p_ids.tolist())))
+    st = model.warm(str(f), chunk=70)
+    rows = ref.plan.hash_numpy(p_ids[None], layers=list(ref.cfg.layer_ids))
+    for L in ref.cfg.layer_ids:
+        cached = model.row_tiers.caches[L].rows()
+        want_rows = np.unique(rows[L][0] + ref.plan.offsets[L])
+        np.testing.assert_array_equal(cached, want_rows)
+        assert st["layers"][L]["rows_read"] == want_rows.size
+    reads = st["reads"]
+    got = model.decoder().prefill(p_ids, {L: p_hid for L in model.cfg.layer_ids})
+    for L in want:
+        np.testing.assert_array_equal(got[L], want[L])
+    after = model.row_cache_stats()
+    assert after["reads"] == reads and after["misses"] == st["misses"]  # all hits
+    with pytest.raises(ValueError, match="vocab_size"):
+        model.warm([1, ref.cfg.vocab_size])
