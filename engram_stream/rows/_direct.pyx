@@ -318,8 +318,7 @@ cdef class DirectReader:
         self.reads += self.job.nspans
         self.bytes_read += self.job.bytes
         self.wait_seconds += dt
-        cdef int b = 0 if dt <= 1e-6 else <int> (8 * log2(dt * 1e6))
-        b = min(b, WAIT_BUCKETS - 1)
+        cdef int b = _bucket(dt)
         self.hist[b] += 1
         if self.totals is not None:
             t = self.totals
@@ -364,6 +363,21 @@ cdef class DirectReader:
 
 
 TOTALS = 3 + WAIT_BUCKETS   # a totals array: reads, bytes_read, rows_read, then the wait histogram
+
+
+cdef inline int _bucket(double dt) noexcept:
+    """The wait histogram's bucket of dt seconds: 8 an octave from 1 us."""
+    cdef int b = 0 if dt <= 1e-6 else <int> (8 * log2(dt * 1e6))
+    return min(b, WAIT_BUCKETS - 1)
+
+
+def add_read(totals, int64_t reads, int64_t nbytes, int64_t rows, double wait_seconds):
+    """Count one finished batch of a reader that is not a DirectReader (a remote store's) in a
+    totals array: its reads, bytes, distinct rows and the time its caller waited."""
+    totals[0] += reads
+    totals[1] += nbytes
+    totals[2] += rows
+    totals[3 + _bucket(wait_seconds)] += 1
 
 
 def new_totals():

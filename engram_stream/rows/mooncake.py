@@ -50,6 +50,7 @@ import numpy as np
 
 from ..errors import TierError
 from ._cache import slot_bytes
+from ._direct import add_read
 from .tiers import record_arrays, record_layout
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -378,9 +379,9 @@ class MooncakeTier:
                             f"the store holds another model's rows. tier.publish(model) to replace them")
         reader.close()
 
-    def rows(self, model, layer, totals=None) -> "RemoteRows":
+    def rows(self, model, layer, totals=None, read_totals=None) -> "RemoteRows":
         self._open()
-        reader = RemoteRows(self, model, layer, totals)
+        reader = RemoteRows(self, model, layer, totals, read_totals)
         self._readers.add(reader)
         return reader
 
@@ -390,7 +391,7 @@ class RemoteRows:
     buffer and a bounded, checked, de-duplicated batched read into it. totals: a dict whose
     "fetches" and "fetch_seconds" count every read."""
 
-    def __init__(self, tier, model, layer, totals=None):
+    def __init__(self, tier, model, layer, totals=None, read_totals=None):
         w = model.layer(layer)
         rowbytes, scalebytes = record_layout(w)
         self.tier, self.layer = tier, layer
@@ -402,6 +403,7 @@ class RemoteRows:
         self._pending = None
         self._calls = BoundedCalls(f"engram-l{layer}-fetch")
         self.totals = {"fetches": 0, "fetch_seconds": 0.0} if totals is None else totals
+        self.read_totals = read_totals  # rows._direct.new_totals(): reads, bytes, rows, wait histogram
 
     def close(self):
         """Unregister the staging buffer (not one a timed-out read may still write into)."""
@@ -476,6 +478,7 @@ class RemoteRows:
             raise RuntimeError("RemoteRows.finish: no read was started")
         (handle, n, stage, store, keys, starts, ends, t0), self._pending = self._pending, None
         rb = self.recbytes
+        w0 = time.perf_counter()
         try:
             res = self._calls.finish(handle, self.tier.timeout)
         except TimeoutError:
@@ -495,6 +498,8 @@ class RemoteRows:
             ok = False
         if not ok:
             raise TierError(f"Mooncake read of {n} rows of layer {self.layer} failed: {_first_error(res, rb)}")
+        if self.read_totals is not None:  # one batched get: a read of n rows
+            add_read(self.read_totals, 1, n * rb, n, time.perf_counter() - w0)
         return stage
 
 

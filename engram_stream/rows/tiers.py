@@ -99,14 +99,15 @@ class RowTiers:
             local = MappedRows(w.table, w.table_scale)
             return CachedRows(cache, local=local) if cache.nslots else local
         rowbytes, scalebytes = record_layout(w)
-        remote = self.tier.rows(model, layer, self.remote)
+        remote = self.tier.rows(model, layer, self.remote, read_totals=self.read_totals[layer])
         return CachedRows(cache, remote=remote, rowbytes=rowbytes, scalebytes=scalebytes,
                           nrows=model.plan.table_rows[layer])
 
     def stats(self) -> dict:
         """Per layer ("layers") and in total: the cache's hits, misses, bytes_fetched, evictions,
-        rows_cached, capacity_rows, cache_bytes; reads from disk (reads: preads, bytes_read,
-        rows_read, read_wait_p50 / _p99: seconds a call waited for its rows); remote fetches."""
+        rows_cached, capacity_rows, cache_bytes; reads from disk or the store (reads: preads or
+        batched gets, bytes_read, rows_read, read_wait_p50 / _p99: seconds a call waited for its
+        rows); a store's fetches and fetch_seconds."""
         counters = RowCache.COUNTERS
         sizes = ("rows_cached", "capacity_rows", "cache_bytes")
         per = {}

@@ -222,7 +222,7 @@ class FakeTier:
     def check_published(self, model):
         pass
 
-    def rows(self, model, layer, totals):
+    def rows(self, model, layer, totals, read_totals=None):
         return _FakeRows(self, model, layer)
 
 

@@ -279,6 +279,8 @@ def test_mooncake_tier_decodes_bit_identically(tier, saved, name):
             assert_identical(run(model, S), want)
             st = model.row_cache_stats()
             assert st["fetches"] > 0 and st["misses"] > 0 and st["bytes_fetched"] > 0
+            assert st["reads"] == st["fetches"] and st["bytes_read"] == st["bytes_fetched"]
+            assert 0 < st["read_wait_p50"] <= st["read_wait_p99"]
             if mb:
                 assert st["hits"] > 0
 
