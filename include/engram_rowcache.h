@@ -13,11 +13,10 @@
  * to 3 passes. A hit only bumps a byte (no list to relink), so the lookup stays a
  * few loads in the nogil step.
  *
- * Pinning: es_rc_plan marks the slots a pending step will read with the current
- * epoch; the hand skips them, so rows fetched for a step cannot evict each other
- * before the gather. A cache shared by several readers (engines on different
- * threads, under the owner's lock) pins by count instead: refs[s] > 0 while any
- * reader still reads slot s, so no reader's rows are evicted by another's fills.
+ * Pinning: a cache is shared by every reader of its layer (engines on different
+ * threads, under the owner's lock: rows/_source.pyx CachedRows), and pins by count:
+ * refs[s] > 0 while any reader still reads slot s, so the hand skips it and no
+ * reader's rows are evicted by its own or another's fills.
  * Stateless functions over a struct the caller owns; nothing here allocates or
  * fails loudly (a full-of-pins cache returns -1).
  */
@@ -36,10 +35,9 @@ typedef struct {
     int64_t *index;        /* [mask + 1] slot + 1, 0 = empty */
     int64_t *keys;         /* [nslots] absolute row held, -1 = free */
     uint8_t *uses;         /* [nslots] CLOCK counter, 0..3 */
-    int64_t *pin;          /* [nslots] epoch the slot is pinned for */
-    int32_t *refs;         /* [nslots] readers still reading the slot (shared caches), or NULL */
+    int32_t *refs;         /* [nslots] readers still reading the slot */
     char *data;            /* [nslots * stride] records */
-    int64_t hand, used, epoch;
+    int64_t hand, used;
     int64_t hits, misses, evictions, bytes_fetched;
 } es_rowcache;
 
@@ -85,7 +83,7 @@ static inline int64_t es_rc_victim(es_rowcache *c) {
     for (int64_t n = 0; n < 5 * c->nslots; n++) {  /* 4 passes bring any counter to 0 */
         int64_t s = c->hand;
         c->hand = (s + 1 == c->nslots) ? 0 : s + 1;
-        if (c->pin[s] == c->epoch || (c->refs && c->refs[s] > 0)) continue;
+        if (c->refs[s] > 0) continue;
         if (c->uses[s]) { c->uses[s]--; continue; }
         es_rc_unindex(c, c->keys[s]);
         c->keys[s] = -1;
@@ -128,49 +126,6 @@ static inline const char *es_rc_row(es_rowcache *c, int64_t row, const char *tab
     if (scale) memcpy(d + rowbytes, scale + row * scalebytes, (size_t)scalebytes);
     c->bytes_fetched += c->recbytes;
     return d;
-}
-
-/* Remote source, before a step: src[i] = the cached record of rows[i] (its slot pinned
- * until the next plan), or NULL; the positions that missed go to miss_pos. Returns their count. */
-static inline int64_t es_rc_plan(es_rowcache *c, const int64_t *rows, int64_t n, const char **src,
-                                 int64_t *miss_pos) {
-    int64_t m = 0;
-    c->epoch++;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t s = es_rc_peek(c, rows[i]);
-        if (s >= 0) {
-            c->pin[s] = c->epoch;
-            src[i] = es_rc_hit(c, s);
-        } else {
-            src[i] = NULL;
-            miss_pos[m++] = i;
-            c->misses++;
-        }
-    }
-    return m;
-}
-
-/* Remote source, after the fetch: uniq[nu] (sorted, distinct) were fetched into
- * stage + k * stride. Each goes into the cache (pinned; skipped when every slot is
- * pinned), and every missed position reads its record from the stage. */
-static inline void es_rc_admit(es_rowcache *c, const int64_t *uniq, int64_t nu, const char *stage,
-                               const int64_t *rows, const int64_t *miss_pos, int64_t m, const char **src) {
-    for (int64_t k = 0; k < nu; k++) {
-        int64_t s = es_rc_insert(c, uniq[k]);
-        if (s >= 0) {
-            c->pin[s] = c->epoch;
-            memcpy(c->data + s * c->stride, stage + k * c->stride, (size_t)c->recbytes);
-        }
-    }
-    c->bytes_fetched += nu * c->recbytes;
-    for (int64_t j = 0; j < m; j++) {
-        int64_t i = miss_pos[j], r = rows[i], lo = 0, hi = nu - 1;
-        while (lo < hi) {  /* uniq holds r: binary search */
-            int64_t mid = (lo + hi) >> 1;
-            if (uniq[mid] < r) lo = mid + 1; else hi = mid;
-        }
-        src[i] = stage + lo * c->stride;
-    }
 }
 
 #endif /* ENGRAM_ROWCACHE_H */

@@ -1,5 +1,5 @@
 # The RAM row cache: include/engram_rowcache.h holds the lookup and CLOCK rules; RowCache
-# owns the slots and index and is borrowed (as &cache.c) by a StreamEngine's gather.
+# owns the slots, index and lock; the row sources (rows/_source.pyx) read and fill it.
 from cpython.pythread cimport PyThread_type_lock
 from libc.stdint cimport int32_t, int64_t, uint8_t
 
@@ -10,20 +10,15 @@ cdef extern from "engram_rowcache.h" nogil:
         int64_t *index
         int64_t *keys
         uint8_t *uses
-        int64_t *pin
         int32_t *refs
         char *data
-        int64_t hand, used, epoch
+        int64_t hand, used
         int64_t hits, misses, evictions, bytes_fetched
     int64_t es_rc_peek(const es_rowcache *c, int64_t row) noexcept
     const char *es_rc_hit(es_rowcache *c, int64_t s) noexcept
     int64_t es_rc_insert(es_rowcache *c, int64_t row) noexcept
     const char *es_rc_row(es_rowcache *c, int64_t row, const char *table, int64_t rowbytes,
                           const char *scale, int64_t scalebytes) noexcept
-    int64_t es_rc_plan(es_rowcache *c, const int64_t *rows, int64_t n, const char **src,
-                       int64_t *miss_pos) noexcept
-    void es_rc_admit(es_rowcache *c, const int64_t *uniq, int64_t nu, const char *stage,
-                     const int64_t *rows, const int64_t *miss_pos, int64_t m, const char **src) noexcept
 
 
 cdef class RowCache:
@@ -33,5 +28,3 @@ cdef class RowCache:
     cdef object _arrays            # the numpy buffers the struct's pointers point into
     cdef object __weakref__        # RowTiers tracks live caches for row_cache_stats()
     cdef object _totals            # int64[4] the counters are added to when the cache goes away
-
-    cdef object plan_fetch(self, const int64_t *rows, int64_t n, const char **src, int64_t *miss_pos, fetch)

@@ -1,10 +1,9 @@
 # cython: language_level=3
 """RowCache: a fixed RAM budget of whole table rows in front of a table source.
 
-The rules (open-addressing index keyed by absolute row, GCLOCK eviction, pins for
-a pending remote step) are in include/engram_rowcache.h; this class owns the
-memory. A StreamEngine reads through it without the GIL (one engine, one cache:
-an engine has one owner, so the cache needs no lock).
+The rules (open-addressing index keyed by absolute row, GCLOCK eviction, pins by
+count) are in include/engram_rowcache.h; this class owns the memory and the lock its
+readers (rows/_source.pyx CachedRows: every engine of the layer) take to change it.
 """
 import numpy as np
 cimport numpy as cnp
@@ -54,16 +53,16 @@ def _filled(int64_t n, dtype, fill):
 
 def cache_nbytes(int64_t nslots, int64_t recbytes):
     """RAM a RowCache of nslots rows holds: slots, index (a power of two >= 2 per row),
-    keys, pins and counters."""
+    keys, use counters and pin counts."""
     n = max(nslots, 1)
-    return n * slot_bytes(recbytes) + SLOT_ALIGN + _index_entries(nslots) * 8 + n * (8 + 8 + 4 + 1)
+    return n * slot_bytes(recbytes) + SLOT_ALIGN + _index_entries(nslots) * 8 + n * (8 + 4 + 1)
 
 
 def slots_for(int64_t budget_bytes, int64_t recbytes):
     """The most rows a cache can hold within budget_bytes (everything counted)."""
     if cache_nbytes(0, recbytes) > budget_bytes:
         return 0
-    lo, hi = 0, max(0, budget_bytes // (slot_bytes(recbytes) + 2 * 8 + 8 + 8 + 4 + 1))
+    lo, hi = 0, max(0, budget_bytes // (slot_bytes(recbytes) + 2 * 8 + 8 + 4 + 1))
     while lo < hi:  # cache_nbytes grows with n: the last n that fits
         mid = (lo + hi + 1) // 2
         if cache_nbytes(mid, recbytes) <= budget_bytes:
@@ -90,11 +89,10 @@ cdef class RowCache:
         index = _filled(size, np.int64, 0)
         keys = _filled(max(nslots, 1), np.int64, -1)
         uses = _filled(max(nslots, 1), np.uint8, 0)
-        pin = _filled(max(nslots, 1), np.int64, -1)
         refs = _filled(max(nslots, 1), np.int32, 0)
         data = _filled(max(nslots, 1) * stride + SLOT_ALIGN, np.uint8, 0)
         cdef int64_t off = (-data.ctypes.data) % SLOT_ALIGN
-        self._arrays = (index, keys, uses, pin, data, refs)
+        self._arrays = (index, keys, uses, data, refs)
         self.layer = layer
         if totals is not None and not (isinstance(totals, np.ndarray) and totals.dtype == np.int64
                                        and totals.shape == (4,)):
@@ -105,13 +103,12 @@ cdef class RowCache:
         self.c.index = <int64_t *> cnp.PyArray_DATA(index)
         self.c.keys = <int64_t *> cnp.PyArray_DATA(keys)
         self.c.uses = <uint8_t *> cnp.PyArray_DATA(uses)
-        self.c.pin = <int64_t *> cnp.PyArray_DATA(pin)
         self.c.refs = <int32_t *> cnp.PyArray_DATA(refs)
         self.c.data = <char *> cnp.PyArray_DATA(data) + off
         self.lock = PyThread_allocate_lock()
         if self.lock == NULL:
             raise MemoryError("RowCache: no lock")
-        self.c.hand = self.c.used = self.c.epoch = 0
+        self.c.hand = self.c.used = 0
         self.c.hits = self.c.misses = self.c.evictions = self.c.bytes_fetched = 0
 
     def __dealloc__(self):
@@ -149,31 +146,6 @@ cdef class RowCache:
         keys = self._arrays[1][:self.c.used]
         return np.sort(keys[keys >= 0])
 
-    cdef object plan_fetch(self, const int64_t *rows, int64_t n, const char **src, int64_t *miss_pos, fetch):
-        """A remote step's rows: src[i] = the record of rows[i], from a cache slot (pinned until the
-        next plan) or from the staging buffer `fetch(uniq)` fills and returns (uint8 [>= len(uniq),
-        stride], record k = row uniq[k]; uniq: the distinct missed rows, sorted). Whatever fetch
-        raises propagates before any row is used (miss_pos: scratch of n entries). Returns the
-        staging array (keep it while src is read), or None when every row was a hit."""
-        cdef int64_t m, nu
-        with nogil:
-            m = es_rc_plan(&self.c, rows, n, src, miss_pos)
-        if m == 0:
-            return None
-        r = np.asarray(<int64_t[:n]> <int64_t *> rows)
-        uniq = np.unique(r[np.asarray(<int64_t[:m]> miss_pos)])
-        stage = fetch(uniq)
-        if not (isinstance(stage, np.ndarray) and stage.dtype == np.uint8 and stage.ndim == 2
-                and stage.shape[0] >= uniq.shape[0] and stage.shape[1] == self.c.stride
-                and stage.flags.c_contiguous):
-            raise ValueError(f"fetch must return a C-contiguous uint8 [>= {uniq.shape[0]}, {self.c.stride}] array")
-        cdef const int64_t *pu = <const int64_t *> cnp.PyArray_DATA(uniq)
-        cdef const char *ps = <const char *> cnp.PyArray_DATA(stage)
-        nu = uniq.shape[0]
-        with nogil:
-            es_rc_admit(&self.c, pu, nu, ps, rows, miss_pos, m, src)
-        return stage
-
     def touch(self, rows):
         """Look every row of `rows` up in order, as an engine's reads would (a miss takes a slot,
         CLOCK evicting), without any bytes: the hit-rate model of a cache this size (recbytes 0
@@ -191,32 +163,6 @@ cdef class RowCache:
                     self.c.misses += 1
                     es_rc_insert(&self.c, pr[i])
         return hits
-
-    def read_batch(self, rows, cnp.ndarray records):
-        """Read `rows` as one remote step does (plan, one fetch of the distinct misses from
-        `records`, admit, gather). Returns uint8[len(rows), recbytes] and the rows fetched."""
-        r = np.ascontiguousarray(rows, dtype=np.int64).ravel()
-        if r.size and (r.min() < 0 or r.max() >= records.shape[0]):
-            raise IndexError("rows out of range")
-        cdef int64_t n = r.shape[0], i, rb = self.c.recbytes
-        src_arr = np.zeros(max(n, 1), dtype=np.uintp)
-        mpos = np.empty(max(n, 1), dtype=np.int64)
-        fetched = []
-
-        def fetch(uniq):
-            fetched.append(uniq.copy())
-            stage = np.zeros((uniq.shape[0], self.c.stride), dtype=np.uint8)
-            stage[:, :rb] = records[uniq]
-            fetched.append(stage)  # keep it alive until the gather below
-            return stage
-
-        cdef const char **src = <const char **> cnp.PyArray_DATA(src_arr)
-        self.plan_fetch(<const int64_t *> cnp.PyArray_DATA(r), n, src, <int64_t *> cnp.PyArray_DATA(mpos), fetch)
-        out = np.empty((n, rb), dtype=np.uint8)
-        cdef char *po = <char *> cnp.PyArray_DATA(out)
-        for i in range(n):
-            memcpy(po + i * rb, src[i], rb)
-        return out, (fetched[0] if fetched else np.empty(0, np.int64))
 
     def read(self, rows, cnp.ndarray records):
         """Read `rows` through the cache from `records` (uint8[N, recbytes], standing in for a

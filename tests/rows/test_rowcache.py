@@ -109,22 +109,27 @@ def test_budget_and_layout():
 @settings(max_examples=100, deadline=None)
 @given(nslots=st.integers(0, 30), nrows=st.integers(1, 120), recbytes=st.integers(1, 70),
        seed=st.integers(0, 2**32 - 1), batches=st.integers(1, 12), size=st.integers(1, 50))
-def test_remote_batches_are_exact_fetch_each_miss_once_and_pin_their_hits(nslots, nrows, recbytes, seed,
-                                                                          batches, size):
-    """A remote step's path (plan, one fetch of the distinct misses, admit, gather), with a cache
-    that may be far smaller than a batch: every record right, every missed row fetched exactly
-    once per batch, and the batch's own fills never evict the rows it hit."""
+def test_batches_through_a_reader_are_exact_read_each_miss_once_and_pin_their_hits(nslots, nrows, recbytes, seed,
+                                                                                  batches, size):
+    """A call's path through the cache in front of a reader (submit: hits pinned, the distinct
+    misses read in one batch; resolve: admitted, pinned), with a cache that may be far smaller
+    than a batch: every record right, every missed row read exactly once per batch, and the
+    batch's own fills never evict the rows it hit."""
+    from engram_stream.rows._direct import DirectReader, IOPool, MemPart, RecordFile
+    from engram_stream.rows._source import CachedRows
     rng = np.random.default_rng(seed)
     records = rng.integers(0, 256, (nrows, recbytes), dtype=np.uint8)
     cache = RowCache(nslots, recbytes)
+    reader = DirectReader(RecordFile(nrows, [MemPart(records)]), IOPool(2))
+    src = CachedRows(cache, reader=reader)
     for _ in range(batches):
         rows = (rng.zipf(1.3, size) - 1) % nrows
         cached_before = set(cache.rows().tolist())
-        out, fetched = cache.read_batch(rows, records)
-        np.testing.assert_array_equal(out, records[rows])
-        want = sorted(set(rows.tolist()) - cached_before)
-        np.testing.assert_array_equal(fetched, want)  # distinct, sorted, only the misses
+        read_before = reader.stats()["rows_read"]
+        np.testing.assert_array_equal(src.read(rows), records[rows])
+        want = set(rows.tolist()) - cached_before
+        assert reader.stats()["rows_read"] - read_before == len(want)  # only the misses, once each
         hit = set(rows.tolist()) & cached_before
-        assert hit <= set(cache.rows().tolist())     # pinned for the step
+        assert hit <= set(cache.rows().tolist())     # pinned for the call
     s = cache.stats()
     assert s["hits"] + s["misses"] == batches * size
