@@ -183,8 +183,6 @@ class EngramModel:
 
     def _with_tiers(self, tables, row_cache_mb):
         if tables is not None or row_cache_mb:
-            if not self.variant.row_tiers:
-                raise ValueError(f"row tiers (tables=, row_cache_mb=) do not serve the {self.variant.name} engine")
             from .rows.tiers import RowTiers
             self.row_tiers = RowTiers(self, row_cache_mb or 0, tables)
         return self

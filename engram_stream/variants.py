@@ -52,7 +52,6 @@ class Variant:
     describe: Callable
     step_weights: Callable
     weight_dtypes: tuple      # what with_weight_dtype accepts
-    row_tiers: bool           # its engine reads rows through rows.tiers (row cache, row sources)
 
 
 def _demo_save_init(cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None, progress=None,
@@ -92,7 +91,7 @@ VARIANTS = {
         folder_of=lambda path: None,
         describe=lambda cfg: f"conv {cfg.kernel_size} taps x dilation {cfg.max_ngram_size}",
         step_weights=lambda w: w.proj_w,
-        weight_dtypes=demo_weights.WEIGHT_DTYPES, row_tiers=True),
+        weight_dtypes=demo_weights.WEIGHT_DTYPES),
     V41: Variant(
         name=V41, weights=v41_weights.V41LayerWeights, validate_layer=v41_weights.validate_layer,
         init_layers=v41_weights.init_layers, from_state_dict=v41_weights.layer_from_state_dict,
@@ -102,7 +101,7 @@ VARIANTS = {
         save=_v41_save, save_init=_v41_save_init, is_checkpoint=os.path.isdir, folder_of=v41_hf.folder_of,
         describe=lambda cfg: f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv",
         step_weights=lambda w: w.wkv_weight,
-        weight_dtypes=("float8_e4m3fn",), row_tiers=True),
+        weight_dtypes=("float8_e4m3fn",)),
 }
 
 

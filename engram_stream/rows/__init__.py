@@ -1,9 +1,12 @@
-"""Where table rows come from: the mapped table (mapped.py), the RAM row cache (_cache.pyx,
-include/engram_rowcache.h), a Mooncake Store (mooncake.py); tiers.py puts them together for
-one model. `engram_stream.tiers` is this package."""
+"""Where table rows come from: the mapped table (mapped.py), the checkpoint's files read
+directly (direct.py, _direct.pyx, include/engram_io.h; the packed row file: packed.py), the
+RAM row cache (_cache.pyx, include/engram_rowcache.h), a Mooncake Store (mooncake.py);
+tiers.py puts them together for one model, _source.pyx is the seam the engines read through.
+`engram_stream.tiers` is this package."""
 from ..errors import TierError
+from .direct import DirectTier
 from .mooncake import MooncakeTier, RemoteRows, head_records, store_key, wait_for_port
 from .tiers import RowTiers, record_layout
 
-__all__ = ["MooncakeTier", "RemoteRows", "RowTiers", "TierError", "head_records", "record_layout", "store_key",
-           "wait_for_port"]
+__all__ = ["DirectTier", "MooncakeTier", "RemoteRows", "RowTiers", "TierError", "head_records", "record_layout",
+           "store_key", "wait_for_port"]
