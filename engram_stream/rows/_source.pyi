@@ -1,11 +1,12 @@
 # Type stubs of the compiled row sources (engram_stream/rows/_source.pyx). Keep in step with the
 # .pyx: tests/cli/test_packaging.py checks that every public name is declared here.
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import numpy.typing as npt
 
 from engram_stream.rows._cache import RowCache
+from engram_stream.rows._direct import DirectReader
 
 class RowSource:
     """Where an engine's rows come from (the seam: submit, resolve, release, prefetch in C)."""
@@ -14,6 +15,8 @@ class RowSource:
     rowbytes: int    # bytes of a row's data
     scalebytes: int  # bytes of its scale (0: none)
     fallible: bool   # reads can fail (remote, disk)
+    @property
+    def reading(self) -> bool: ...  # reads submitted and not yet waited for
     def read(self, rows: npt.ArrayLike) -> npt.NDArray[np.uint8]: ...  # [n, rowbytes + scalebytes]
 
 class MappedRows(RowSource):
@@ -22,8 +25,18 @@ class MappedRows(RowSource):
     def __init__(self, data: np.ndarray, scale: Optional[np.ndarray] = None) -> None: ...
 
 class CachedRows(RowSource):
-    """The RAM row cache in front of a MappedRows or of a remote reader."""
+    """A layer's shared RAM row cache in front of a MappedRows, a DirectReader or a remote reader
+    (start(uniq) / finish() -> staging records)."""
 
-    def __init__(self, cache: RowCache, local: Optional[MappedRows] = None,
-                 fetch: Optional[Callable[[np.ndarray], np.ndarray]] = None, rowbytes: Optional[int] = None,
-                 scalebytes: int = 0, nrows: Optional[int] = None) -> None: ...
+    def __init__(self, cache: RowCache, local: Optional[MappedRows] = None, reader: Optional[DirectReader] = None,
+                 remote: Any = None, rowbytes: Optional[int] = None, scalebytes: int = 0,
+                 nrows: Optional[int] = None) -> None: ...
+    @property
+    def reading(self) -> bool: ...
+
+class DirectRows(RowSource):
+    """Rows read from files (a DirectReader) with no cache."""
+
+    def __init__(self, reader: DirectReader) -> None: ...
+    @property
+    def reading(self) -> bool: ...

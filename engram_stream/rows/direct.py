@@ -25,7 +25,7 @@ import numpy as np
 from ..io.files import MappedFile, mapping_of
 from . import packed
 from ._direct import FilePart, IOPool, MemPart, RecordFile
-from .tiers import record_arrays
+from .records import record_arrays
 
 
 class DirectTier:

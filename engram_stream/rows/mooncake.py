@@ -51,7 +51,7 @@ import numpy as np
 from ..errors import TierError
 from ._cache import slot_bytes
 from ._direct import add_read
-from .tiers import record_arrays, record_layout
+from .records import record_arrays, record_layout
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 FINGERPRINT_FORMAT = 1

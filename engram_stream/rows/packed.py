@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..io.files import atomic_output, open_regular
-from .tiers import record_arrays
+from .records import record_arrays
 
 PAGE = 4096
 MAGIC = b"ENGRROWS"

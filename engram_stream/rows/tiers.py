@@ -1,11 +1,11 @@
 """The rows a model's engines read: the RAM row cache and the row source behind it.
 
-    model = EngramModel.load(path, row_cache_mb=64)                # a cache in front of the file
-    model = EngramModel.load(path, tables=tier, row_cache_mb=64)   # rows from a MooncakeTier
+    model = EngramModel.load(path, row_cache_mb=64)                    # a cache in front of the file
+    model = EngramModel.load(path, tables="direct", row_cache_mb=64)   # rows read from the files
+    model = EngramModel.load(path, tables=tier, row_cache_mb=64)       # rows from a MooncakeTier
 
-Row records. A row travels and is cached as its bytes in the table's dtype, followed
-for int8 tables by its float32 scale: the gather converts a record exactly as it
-converts a table row, so every source gives the same floats bit for bit.
+Rows travel and are cached as records (records.py): the gather converts a record exactly as
+it converts a table row, so every source gives the same floats bit for bit.
 """
 from __future__ import annotations
 
@@ -17,25 +17,8 @@ import numpy as np
 from ._cache import RowCache, cache_nbytes, slots_for
 from ._direct import DirectReader, new_totals, totals_summary
 from ._source import CachedRows, DirectRows, MappedRows
-
-
-# ---- row records --------------------------------------------------------------------------------
-def record_arrays(w):
-    """(rows, scales) of layer weights `w` as byte views: uint8 [N, row bytes] and uint8 [N, scale
-    bytes] (None without scales): demo int8 tables have a float32 scale per row, V4.1 tables
-    8 e8m0 bytes. A record is a row's bytes followed by its scale's."""
-    t = np.ascontiguousarray(w.table)
-    rows = t.reshape(t.shape[0], -1).view(np.uint8)
-    if w.table_scale is None:
-        return rows, None
-    s = np.ascontiguousarray(w.table_scale)
-    return rows, s.reshape(s.shape[0], -1).view(np.uint8)
-
-
-def record_layout(w):
-    """(row bytes, scale bytes) of one row record of layer weights `w`."""
-    rows, scales = record_arrays(w)
-    return rows.shape[1], (0 if scales is None else scales.shape[1])
+from .direct import DirectTier
+from .records import record_arrays, record_layout  # noqa: F401 (also their import path here)
 
 
 class RowTiers:
@@ -49,7 +32,6 @@ class RowTiers:
     MooncakeTier."""
 
     def __init__(self, model, row_cache_mb=0, tier=None):
-        from .direct import DirectTier
         if (not isinstance(row_cache_mb, (int, float)) or isinstance(row_cache_mb, bool)
                 or not math.isfinite(row_cache_mb) or row_cache_mb < 0):
             raise ValueError(f"row_cache_mb must be a finite number >= 0, got {row_cache_mb!r}")
