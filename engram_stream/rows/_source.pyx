@@ -287,13 +287,17 @@ cdef class CachedRows(RowSource):
             self._unpin()
             self.sub_rows, self.sub_n = NULL, 0
             raise
+        cdef bint full = False
         with nogil:
             PyThread_acquire_lock(lock, WAIT_LOCK)
             for k in range(self.nu):
                 s = es_rc_peek(c, self.uniq[k])  # another engine may have brought it meanwhile
                 c.bytes_fetched += rb  # brought from the source, cached or not
-                if s < 0:
+                if s < 0 and not full:
+                    # every slot pinned: none frees up while this loop only adds pins, so stop
+                    # asking (each failed ask scans the whole clock)
                     s = es_rc_insert(c, self.uniq[k])
+                    full = s < 0
                     if s >= 0:
                         memcpy(c.data + s * c.stride, self.stage + k * self.sstride, rb)
                 if s >= 0:
@@ -317,6 +321,7 @@ cdef class CachedRows(RowSource):
         cdef es_rowcache *c = &self.cache.c
         cdef PyThread_type_lock lock = self.cache.lock
         cdef MappedRows m = self.local
+        cdef bint full = False
         if m is None:
             # the records planned by submit(): `rows` is a piece of the rows it was given
             off = rows - self.sub_rows
@@ -340,7 +345,8 @@ cdef class CachedRows(RowSource):
                     p = es_rc_hit(c, s)
                 else:
                     c.misses += 1
-                    s = es_rc_insert(c, rows[i])
+                    s = es_rc_insert(c, rows[i]) if not full else -1
+                    full = s < 0  # every slot pinned: stays so for this call (see _admit)
                     if s >= 0:
                         p = c.data + s * c.stride
                         memcpy(<char *> p, m.data + rows[i] * rb, rb)
