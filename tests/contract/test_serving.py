@@ -430,6 +430,9 @@ def test_packed_calls_allocate_nothing_with_out():
     import json
     import os
     from conftest import ROOT, run_python
+    if "asan" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("allocation counts are the optimized build's: CI's sanitized -O0 build (bounds checks, "
+                    "interceptors) allocates where the release build does not; CI's first run covers it")
     r = run_python(["-c", _ALLOC, os.path.join(ROOT, "tests")], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
