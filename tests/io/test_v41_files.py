@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -388,15 +389,26 @@ def test_symlinked_shards_as_hf_caches_build_them_load(tmp_path):
     assert np.array_equal(back.forward(4, ids, h), m.forward(4, ids, h))
 
 
-def test_an_index_naming_both_prefixes_for_a_layer_is_refused(tmp_path):
+@pytest.mark.parametrize("where", ["index only", "shards hold both"])
+def test_an_index_naming_both_prefixes_for_a_layer_is_refused(tmp_path, where):
     """layers.L.engram.* and model.layers.L.engram.* in one index: which is the model's? Refused,
-    naming both, instead of silently picking one."""
+    naming both, instead of silently picking one ("shards hold both": every tensor of layer 4 is
+    in the folder under both names, in shards of their own; the `model.` ones were loaded
+    without a word)."""
     _, folder = _saved_small(tmp_path)
-
-    def edit(w):
-        w["model.layers.4.engram.q_weight"] = w["layers.4.engram.q_weight"]
-    _edit_index(folder, edit)
-    with pytest.raises(hf_v41.HFCheckpointError, match="layers.4.engram.q_weight.*model.layers.4.engram.q_weight"):
+    wm = _weight_map(folder)
+    renamed = {}   # model.layers.4.engram.* -> the copy of its shard that holds it under that name
+    if where == "shards hold both":
+        for i, shard in enumerate(sorted({s for n, s in wm.items() if n.startswith("layers.4.")})):
+            copy = f"model-extra-{i}.safetensors"
+            shutil.copyfile(folder / shard, folder / copy)
+            _edit_header(folder / copy, lambda hdr: hdr.update({f"model.{n}": hdr.pop(n) for n in list(hdr)
+                                                                if n.startswith("layers.4.")}))
+            renamed.update({f"model.{n}": copy for n, s in wm.items() if s == shard and n.startswith("layers.4.")})
+    else:
+        renamed["model.layers.4.engram.q_weight"] = wm["layers.4.engram.q_weight"]
+    _edit_index(folder, lambda w: w.update(renamed))
+    with pytest.raises(hf_v41.HFCheckpointError, match=r"'layers\.4\.engram\.([\w.]+)' and 'model\.layers\.4\.engram\.\1'"):
         EngramModel.from_deepseek_v41(folder)
 
 
