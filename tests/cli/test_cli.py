@@ -433,6 +433,31 @@ def test_readme_shows_the_commands_and_examples():
         assert needle in readme, needle
 
 
+def test_readme_says_which_defaults_it_means_and_what_the_build_costs():
+    """A newcomer read "the demo's defaults" as D=1024 with a 2.6 GB table in one place and
+    `engram-stream demo`'s D=256 in another, and was not told the build's time: each claim is held
+    to the code it describes."""
+    from engram_stream import EngramConfig, HashPlan
+    from engram_stream.cli import DEMO_CONFIG
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert "demo's default" not in readme           # which demo: the two meanings are named apart
+    quick = readme.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert re.search(r"about [\d.]+ min on \d cores", quick), quick   # the build's time, where it is paid
+    assert len(re.findall(r"pip install", quick)) == 1, quick          # one build, not two
+    demo_d = re.search(r"engram-stream demo .*\(D=(\d+)\)", quick)
+    assert demo_d and int(demo_d[1]) == DEMO_CONFIG["hidden_size"], quick
+    # the snippet marked "EngramConfig's defaults" is EngramConfig(); the prose's D and table size too
+    call = re.search(r"cfg  = (EngramConfig\([^)]*\))\s*# EngramConfig's defaults", readme)
+    assert call and eval(call[1], {"EngramConfig": EngramConfig}) == EngramConfig()
+    d, gb = re.search(r"EngramConfig's default, the public demo module's: D=(\d+) and a ([\d.]+) GB float32 table "
+                      r"per\s+layer", readme).groups()
+    cfg = EngramConfig()
+    plan = HashPlan(cfg)
+    assert int(d) == cfg.hidden_size
+    assert all(round(plan.table_rows[L] * cfg.head_dim * 4 / 1e9, 1) == float(gb) for L in cfg.layer_ids)
+
+
 def test_bench_readme_has_no_machine_specific_paths():
     with open(os.path.join(ROOT, "bench", "README.md")) as f:
         text = f.read()
