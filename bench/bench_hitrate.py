@@ -161,7 +161,7 @@ def unlimited(plan, layer, ids, chunk=1 << 16):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=8_000_000)
-    ap.add_argument("--sizes", default="0.5,1,2,5,10,25", help="cache sizes, % of a layer's table rows")
+    ap.add_argument("--sizes", default="0.5,1,2,5,10,25", help="cache sizes, %% of a layer's table rows")
     ap.add_argument("--streams", default="1,4,16")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=os.path.join(HERE, "hitrate.png"))
