@@ -45,6 +45,8 @@ cdef class EngineBase:
 
     # the batch between feed and compute (a call's tokens, grouped in segments of one stream)
     cdef int64_t pn                    # tokens hashed, not yet computed (0: nothing pending)
+    cdef int64_t window                # tokens whose rows one submit() hands over (a multiple of chunk)
+    cdef int64_t sub_end               # the pending batch's tokens [.., sub_end) are submitted
     cdef int64_t npieces               # segments of the pending batch
     cdef int64_t tcap                  # tokens the buffers below hold
     cdef int64_t *rbuf                 # [tcap, H] absolute rows
@@ -87,6 +89,7 @@ cdef class EngineBase:
     cdef int _feed(self, const int64_t *ids, int64_t N, const int64_t *streams, const int64_t *lengths,
                    int64_t K, bint draft) except -1
     cdef int _compute(self, const float *hid, float *out) except -1
+    cdef int _resolve(self, int64_t t0, int64_t nb) except -1
     cdef void _record(self, bint draft) noexcept nogil
     cdef void _rollback(self) noexcept nogil
     cdef void _reset_stream(self, int64_t s) noexcept nogil

@@ -8,7 +8,8 @@ more). step() is S segments of one token, prefill() one segment, step_packed() a
 A call runs in two halves, which feed()/compute() expose separately:
   feed     check the ids, hash every token of every segment through its slot's window (the
            window advances, the rows are known), hand the rows to the row source (submit: a
-           remote source reads them now, so the Decoder starts every layer's reads first)
+           remote source reads them now, so the Decoder starts every layer's reads first; a
+           long prompt's rows go in windows of SUBMIT_ROWS, the next at the chunk that needs it)
   compute  per chunk of tokens: the row source resolves the rows' pointers, then the variant's
            hook gathers, projects and runs the tails without the GIL
 
@@ -45,6 +46,8 @@ cdef extern from "engram_step.h" nogil:
 
 MAX_THREADS = ES_MAX_THREADS
 MAX_FILES = 16        # mapped files one engine reads (a V4.1 layer spans at most a few shards)
+SUBMIT_ROWS = 1 << 16  # rows one submit() hands a source: a long prompt goes in windows of whole
+                       # chunks, so a source's scratch (its staged records) stays ~20 MB, not the prompt's
 _EMPTY_I64 = np.empty(0, np.int64)
 _EMPTY_F64 = np.empty(0, np.float64)
 
@@ -155,6 +158,7 @@ cdef class EngineBase:
         self.slot_seg = <int64_t *> _regrow(NULL, S * sizeof(int64_t))
         self.mark = <uint8_t *> _regrow(NULL, S * sizeof(uint8_t))
         memset(self.mark, 0, S)
+        self.window = max(1, SUBMIT_ROWS // (chunk * self.H)) * chunk
         self.dp = <const char **> _regrow(NULL, chunk * self.H * sizeof(char *))
         self.sp = <const char **> _regrow(NULL, chunk * self.H * sizeof(char *))
         self._step_threads = 1
@@ -357,11 +361,24 @@ cdef class EngineBase:
         with nogil:
             self._hash_segments(ids)
         self.pn = N
-        try:
-            self.src.submit(self.rbuf, N * self.H)
+        try:  # the first window now (the Decoder feeds every layer before any computes)
+            self.sub_end = min(N, self.window)
+            self.src.submit(self.rbuf, self.sub_end * self.H)
         except BaseException:
             self._rollback()
             raise
+        return 0
+
+    cdef int _resolve(self, int64_t t0, int64_t nb) except -1:
+        """The rows of tokens [t0, t0+nb) (a chunk) resolved into dp/sp; the next window is
+        submitted first when the chunk starts past the last one (windows are whole chunks)."""
+        cdef int64_t n
+        if t0 >= self.sub_end:
+            self.src.release()
+            n = min(self.window, self.pn - t0)
+            self.src.submit(self.rbuf + t0 * self.H, n * self.H)
+            self.sub_end = t0 + n
+        self.src.resolve(self.rbuf + t0 * self.H, nb * self.H, self.dp, self.sp)
         return 0
 
     cdef int _compute(self, const float *hid, float *out) except -1:
@@ -373,7 +390,7 @@ cdef class EngineBase:
             self._grow_chunk(min(self.chunk, self.pn), threads)
             while t0 < self.pn:
                 nb = min(self.chunk, self.pn - t0)
-                self.src.resolve(self.rbuf + t0 * self.H, nb * self.H, self.dp, self.sp)
+                self._resolve(t0, nb)
                 with nogil:
                     self._chunk(t0, nb, hid + t0 * self.C, out + t0 * self.C, threads)
                 self.src.release()
@@ -639,7 +656,7 @@ cdef class EngineBase:
                 try:
                     while t0 < n:
                         nb = min(self.chunk, n - t0)
-                        self.src.resolve(self.rbuf + t0 * self.H, nb * self.H, self.dp, self.sp)
+                        self._resolve(t0, nb)
                         with nogil:
                             self._gather_rows(nb, po + t0 * self.E, self.E, self._prefill_threads)
                         self.src.release()
@@ -739,7 +756,7 @@ cdef class EngineBase:
             try:
                 while t0 < self.pn:
                     nb = min(self.chunk, self.pn - t0)
-                    self.src.resolve(self.rbuf + t0 * self.H, nb * self.H, self.dp, self.sp)
+                    self._resolve(t0, nb)
                     self.src.release()
                     t0 += nb
             except BaseException:
