@@ -13,6 +13,7 @@ _Hidden = npt.ArrayLike
 
 MAX_THREADS: int  # ES_MAX_THREADS: the most threads a call splits over
 MAX_FILES: int    # mapped files one engine checks before its reads
+SUBMIT_ROWS: int  # rows one submit() hands a row source (a long call goes in windows of whole chunks)
 
 def view(a: np.ndarray, dtype: Any, shape: tuple, what: str) -> np.ndarray: ...
 
