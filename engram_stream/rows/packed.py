@@ -93,6 +93,16 @@ def _groups(rows, scales, lay, g0, g1):
     return out.reshape(-1)
 
 
+def _layer_chunks(model, L, lay):
+    """Layer L's part of the row file as the checkpoint's bytes make it, CHUNK_PAGES at a time
+    (what pack_rows writes and verify_rows digests)."""
+    rows, scales = record_arrays(model.layer(L))
+    groups = lay["pages"] * PAGE // lay["group_bytes"]
+    step = max(1, CHUNK_PAGES * PAGE // lay["group_bytes"])
+    for g in range(0, groups, step):
+        yield _groups(rows, scales, lay, g, min(groups, g + step))
+
+
 def pack_rows(model, path=None, progress=None, before_write=None) -> dict:
     """Write model's row file at `path` (default: rows_path of the file the model was loaded
     from, see model.source), verified, atomically; returns its header. progress(done, total)
@@ -113,12 +123,8 @@ def pack_rows(model, path=None, progress=None, before_write=None) -> dict:
         f.write(b"\0" * PAGE)  # the header goes in last, once the digests are known
         for L in model.cfg.layer_ids:
             lay = head["layers"][str(L)]
-            rows, scales = record_arrays(model.layer(L))
             h = hashlib.blake2b(digest_size=32)
-            groups = lay["pages"] * PAGE // lay["group_bytes"]
-            step = max(1, CHUNK_PAGES * PAGE // lay["group_bytes"])
-            for g in range(0, groups, step):
-                chunk = _groups(rows, scales, lay, g, min(groups, g + step))
+            for chunk in _layer_chunks(model, L, lay):
                 h.update(chunk)
                 chunk.tofile(f)
                 done += chunk.nbytes
@@ -242,12 +248,9 @@ def verify_rows(model, path) -> dict:
         res = {}
         for L in model.cfg.layer_ids:
             lay = head["layers"][str(L)]
-            rows, scales = record_arrays(model.layer(L))
             h = hashlib.blake2b(digest_size=32)
-            groups = lay["pages"] * PAGE // lay["group_bytes"]
-            step = max(1, CHUNK_PAGES * PAGE // lay["group_bytes"])
-            for g in range(0, groups, step):
-                h.update(_groups(rows, scales, lay, g, min(groups, g + step)))
+            for chunk in _layer_chunks(model, L, lay):
+                h.update(chunk)
             want = h.hexdigest()
             res[L] = want == lay["digest"] == _layer_digest(fd, lay)
     finally:
