@@ -31,13 +31,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
 
-import torch  # noqa: E402
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402
-
 from common import machine  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.v41 import hf as hf_v41  # noqa: E402
-from engram_stream.integrations.transformers import attach  # noqa: E402
+
+try:  # the transformers extra; without it --help still works and a run says what to install
+    import torch
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    from engram_stream.integrations.transformers import attach
+except ImportError as e:
+    torch = None
+    MISSING = e
 
 
 def v4_model(hidden, hc, layers, dtype, vocab=300, small=True):
@@ -142,6 +146,9 @@ def main():
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--json")
     a = ap.parse_args()
+    if torch is None:
+        sys.exit(f"bench_transformers.py needs torch and transformers ({MISSING}): "
+                 "pip install -c .ci/constraints.txt '.[transformers]'")
     torch.set_num_threads(1)
     import transformers
     info = machine(torch=torch.__version__, transformers=transformers.__version__)

@@ -37,13 +37,13 @@ import time
 
 import ml_dtypes
 import numpy as np
-import torch
 
 try:
+    import torch
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Model
-except ImportError as e:  # transformers missing, or older than DeepSeek-V4
-    raise ImportError("engram_stream.integrations.transformers needs transformers with DeepSeek-V4 "
-                      "(5.24 or later): pip install 'engram_stream[transformers]'") from e
+except ImportError as e:  # torch or transformers missing, or transformers older than DeepSeek-V4
+    raise ImportError(f"engram_stream.integrations.transformers needs torch and transformers with DeepSeek-V4 "
+                      f"(5.24 or later) ({e}): pip install 'engram_stream[transformers]'") from e
 
 from ..model import EngramModel
 

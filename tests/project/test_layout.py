@@ -112,16 +112,35 @@ def test_the_static_check_sees_a_circle(tmp_path):
     assert "engram_stream.rows._cache" in edges["engram_stream.rows.tiers"]
 
 
+# Modules that import a framework of an optional extra: {module: (packages it needs, the extra)}.
+NEEDS_EXTRA = {"engram_stream.integrations.transformers": (("torch", "transformers"), "transformers")}
+
+
+def _absent(packages):
+    import importlib.util
+    return [p for p in packages if importlib.util.find_spec(p) is None]
+
+
 def test_every_module_imports_alone():
-    """Each module imported first, in a fresh interpreter: an order-dependent circle fails here."""
+    """Each module imported first, in a fresh interpreter: an order-dependent circle fails here.
+    A module of an optional extra whose framework is absent fails with an ImportError that says
+    which extra to install (as after `pip install '.[test]'` alone)."""
     from concurrent.futures import ThreadPoolExecutor
     code = "import importlib, sys; importlib.import_module(sys.argv[1])"
 
     def run(name):
         r = subprocess.run([sys.executable, "-c", code, name], cwd="/", capture_output=True, text=True, timeout=120)
-        return name, r.returncode, r.stderr.strip().splitlines()[-1:]
+        return name, r.returncode, (r.stderr.strip().splitlines() or [""])[-1]
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        bad = {n: err for n, rc, err in pool.map(run, sorted(_modules())) if rc != 0}
+        results = list(pool.map(run, sorted(_modules())))
+    bad = {}
+    for name, rc, err in results:
+        packages, extra = NEEDS_EXTRA.get(name, ((), None))
+        if _absent(packages):
+            if not (rc != 0 and err.startswith("ImportError") and f"engram_stream[{extra}]" in err):
+                bad[name] = f"without {_absent(packages)}: {err or 'imported'}"
+        elif rc != 0:
+            bad[name] = err
     assert not bad, bad
 
 
