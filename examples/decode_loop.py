@@ -4,7 +4,9 @@
 """
 import numpy as np
 
-from tiny_lm import TinyLM, engram_model
+from tiny_lm import TinyLM, engram_model, usage
+
+usage(__doc__)
 
 lm, model = TinyLM(), engram_model()
 dec = model.decoder()                  # one StreamEngine per Engram layer, one token clock

@@ -8,7 +8,9 @@ training can start from the frozen model without disturbing it.
 """
 import numpy as np
 
-from tiny_lm import TinyLM, engram_model
+from tiny_lm import TinyLM, engram_model, usage
+
+usage(__doc__)
 
 lm = TinyLM()
 model = engram_model(graft_zero_init=True)

@@ -2,14 +2,16 @@
 
     python examples/mmap_serving.py [path.safetensors]   (default: a temp folder, removed at the end)
 """
+import argparse
 import dataclasses
 import os
-import sys
 import tempfile
 
 import numpy as np
 
-from engram_stream import EngramModel, checkpoint, store
+from engram_stream import EngramModel
+from engram_stream.demo import checkpoint
+from engram_stream.rows import mapped as store
 from tiny_lm import CONFIG
 
 # The tiny LM's geometry with big tables (2 layers x ~50 MiB in float16): far more rows than a
@@ -39,8 +41,11 @@ def serve(path, tokens=200):
           f"({resident / table:.1%})")
 
 
-if len(sys.argv) > 1:
-    serve(sys.argv[1])
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("path", nargs="?", help="checkpoint file to write and serve (default: a temp folder, removed at the end)")
+path = ap.parse_args().path
+if path:
+    serve(path)
 else:
     with tempfile.TemporaryDirectory() as tmp:
         serve(os.path.join(tmp, "engram.safetensors"))

@@ -4,7 +4,9 @@
 """
 import numpy as np
 
-from tiny_lm import CONFIG, engram_model
+from tiny_lm import CONFIG, engram_model, usage
+
+usage(__doc__)
 
 model = engram_model()
 dec = model.decoder()

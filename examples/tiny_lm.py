@@ -3,9 +3,16 @@
 Not a real LM: random frozen weights, so the examples can show the wiring
 (hyper-connection streams, where the Engram output is added) in a few lines.
 """
+import argparse
+
 import numpy as np
 
 from engram_stream import EngramConfig, EngramModel
+
+
+def usage(doc):
+    """An example's command line: no arguments; --help prints the example's docstring."""
+    argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 CONFIG = EngramConfig(engram_vocab_size=[5003, 5003], max_ngram_size=3, n_embed_per_ngram=64,
                       n_head_per_ngram=4, layer_ids=[1, 3], pad_id=0, kernel_size=4,

@@ -113,6 +113,20 @@ def test_examples_run(script, needle, tmp_path):
     assert needle in r.stdout
 
 
+@pytest.mark.parametrize("script", sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py")
+                                          and f not in ("tiny_lm.py", "transformers_generate.py")))
+def test_examples_help_writes_nothing(script, tmp_path):
+    """`--help` answers with a usage and writes no file (an example once took it for its output path)."""
+    import shutil
+    work = tmp_path / "examples"
+    shutil.copytree(os.path.join(ROOT, "examples"), work)
+    before = set(os.listdir(work))
+    r = subprocess.run([sys.executable, script, "--help"], cwd=work, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "usage" in r.stdout.lower() or "python examples/" in r.stdout
+    assert set(os.listdir(work)) - before <= {"__pycache__"}
+
+
 # ---- init: paths first, flat memory, size first, progress on a terminal, SIGTERM, stale temps ------------
 # 2 layers x 8 heads x ~100k rows of 64 floats: ~0.4 GB of float32 tables, a few seconds to write.
 BIG_INIT = dict(SMALL, engram_vocab_size=[100003, 100003], n_embed_per_ngram=256, hidden_size=32)
