@@ -17,6 +17,8 @@ from engram_stream import EngineSnapshot, EngramModel
 from engram_stream.errors import FileChangedError
 from conftest import close, make_model, make_v41_model, variant_ids
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 VARIANTS = ["demo", "v41"]
 
 

@@ -10,6 +10,8 @@ import pytest
 from conftest import make_model
 from engram_stream import EngramConfig, EngramModel
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 V41 = dict(variant="deepseek-v4.1", engram_vocab_size=[211] * 3, max_ngram_size=4, n_embed_per_ngram=64,
            n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64, hc_mult=2, vocab_size=300,

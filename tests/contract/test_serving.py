@@ -18,6 +18,8 @@ from engram_stream.rows import RowTiers
 from engram_stream.rows._cache import slot_bytes
 from conftest import close, hypothesis_settings, make_model, make_v41_model, variant_ids
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 HYP = hypothesis_settings(20)
 VARIANTS = ["demo", "v41"]
 

@@ -21,7 +21,7 @@ from engram_stream.plan import draw_multipliers, is_prime, min_chain_rows
 from conftest import run_python
 from pyref import py_rows, to_signed
 
-pytestmark = pytest.mark.usefixtures("each_isa")  # every kernel path (tests/conftest.py)
+pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every kernel path (tests/conftest.py)
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])

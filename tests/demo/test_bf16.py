@@ -6,7 +6,7 @@ import pytest
 
 from engram_stream import EngramConfig, EngramModel
 
-pytestmark = pytest.mark.usefixtures("each_isa")  # every kernel path (tests/conftest.py)
+pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every kernel path (tests/conftest.py)
 
 RTOL, ATOL = 2e-4, 2e-5
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -13,6 +13,8 @@ import pytest
 from conftest import close
 from conftest import make_model as shared_make_model
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 LAYERS = (1, 4, 9)
 
 

@@ -31,7 +31,7 @@ from engram_stream import EngineSnapshot
 from conftest import (ROOT, close, dense_compression, hypothesis_settings, make_model,  # noqa: F401 (shared)
                       random_inputs, run_python)
 
-pytestmark = pytest.mark.usefixtures("each_isa")  # every kernel path (tests/conftest.py)
+pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every kernel path (tests/conftest.py)
 
 HYP = hypothesis_settings(30)
 inputs = random_inputs

@@ -13,6 +13,8 @@ from engram_stream._hash import MAX_KERNEL_SIZE
 from conftest import close, make_model
 from conftest import random_inputs as inputs
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 
 # ---- 1. config values bounded by what the kernels support ----------------------------------------
 def test_huge_kernel_size_refused_by_the_config():

@@ -19,6 +19,8 @@ import pytest
 from engram_stream import EngramConfig, HashPlan
 from conftest import ATOL, ROOT, RTOL
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 DATA = os.path.join(ROOT, "tests", "data")
 GENERATOR = os.path.join(ROOT, "tools", "gen_goldens.py")
 GOLDENS = sorted(p for p in glob.glob(os.path.join(DATA, "golden_*.npz"))

@@ -2,8 +2,12 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
 from soak import soak  # noqa: E402  (bench/soak.py: a bench tool, not part of the package)
+
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
 
 def test_soak_constant_memory_and_exact():

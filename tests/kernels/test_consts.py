@@ -1,5 +1,6 @@
 """The constants C, Cython and Python share have one source, include/engram_consts.h
 (DESIGN.md section 8): the values Python sees equal the header's text."""
+import pytest
 import os
 import re
 
@@ -8,6 +9,8 @@ import numpy as np
 import engram_stream
 from engram_stream import _engine, _hash, reference
 from engram_stream.config import EngramConfig
+
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
 
 def header_values():

@@ -23,6 +23,8 @@ from engram_stream.v41 import _engine as k
 from engram_stream.v41 import reference as ref
 from conftest import close, run_python
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 each_path = pytest.mark.usefixtures("each_isa")  # the test once per kernel path the CPU runs
 
 CODES = np.arange(256, dtype=np.uint8)

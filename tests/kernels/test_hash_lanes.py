@@ -16,7 +16,7 @@ from engram_stream import EngramConfig, HashPlan
 from engram_stream import plan as plan_mod
 from pyref import py_rows
 
-pytestmark = pytest.mark.usefixtures("each_isa")  # every kernel path (tests/conftest.py)
+pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every kernel path (tests/conftest.py)
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 FP_MAX = 1 << 21  # primes below it take the division-free mod (ES_FP_PRIME_MAX)

@@ -13,6 +13,8 @@ import engram_stream
 from engram_stream import _isa
 from conftest import run_python
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 INCLUDE = engram_stream.get_include()
 
 STEP_CHECK = """

@@ -14,6 +14,8 @@ import pytest
 from engram_stream.errors import FileChangedError
 from engram_stream.rows._direct import DirectReader, FilePart, IOPool, MemPart, RecordFile, wait_percentile
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 PAGE = 4096
 
 

@@ -5,6 +5,8 @@ from hypothesis import given, settings, strategies as st
 
 from engram_stream._rowcache import RowCache, cache_nbytes, slot_bytes, slots_for
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 
 def gclock_model(nslots, stream):
     """A plain-Python GCLOCK with the header's rules: free slots first; the hand skips a slot

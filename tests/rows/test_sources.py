@@ -19,6 +19,8 @@ from engram_stream.rows.direct import DirectTier
 
 from conftest import make_model, make_v41_model, variant_ids
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 MODELS = {
     "demo-f32": lambda: make_model(G=2, n=3, K=3, D=16, comp=True, seed=5, vocab=60),
     "demo-int8": lambda: make_model(G=2, n=3, K=3, D=16, comp=True, seed=6, vocab=60, table_dtype="int8"),

@@ -19,6 +19,8 @@ from engram_stream.cli import main
 
 import conftest
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 CFG = dict(hidden_size=64, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,
            engram_vocab_size=[211, 223], layer_ids=[1, 3], vocab_size=500, kernel_size=3)
 S = 3

@@ -25,7 +25,7 @@ from engram_stream import reference_v41 as ref
 from engram_stream._engine_v41 import V41EngineSnapshot, V41StreamEngine
 from conftest import close, dense_compression, hypothesis_settings, make_v41_model
 
-pytestmark = pytest.mark.usefixtures("each_isa")  # every test once per kernel path the CPU runs
+pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every test once per kernel path the CPU runs
 
 HYP = hypothesis_settings(25)
 IMG = 299  # the DEAD (image) token id of the models below

@@ -17,6 +17,8 @@ from engram_stream import reference_v41 as ref
 from engram_stream.v41 import V41LayerWeights
 from pyref import py_rows
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 # inference/config.json of DeepSeek-V4.1-Flash: the Engram keys and the ones it reads
 FLASH_HF = {"vocab_size": 129280, "dim": 5120, "norm_eps": 1e-20, "hc_mult": 4,
             "engram_layer_ids": [1, 14], "engram_vocab_size": 16000000,

@@ -14,6 +14,8 @@ from conftest import ROOT, run_python
 from engram_stream import EngramConfig, EngramModel, build_compression, compression
 from engram_stream.v41 import hf as hf_v41
 
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
 pytest.importorskip("tokenizers")
 
 
