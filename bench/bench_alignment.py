@@ -1,4 +1,4 @@
-"""Step time vs the 64-byte alignment of the packed projection panels (model.aligned_zeros).
+"""Step time vs the 64-byte alignment of the packed projection panels (demo.weights.aligned_zeros).
 
     python bench/bench_alignment.py            # D=256, G=4 (weights in L2: the loads weigh most)
     options: --steps N (4000)  --rounds R (16)  --hidden D (256)
@@ -27,7 +27,7 @@ def main():
     args, cfg, ids, h, out = setup(__doc__, 4000, 16)
     import engram_stream
     from engram_stream import EngramModel
-    from engram_stream.model import aligned_zeros
+    from engram_stream.demo.weights import aligned_zeros
     base = EngramModel.init(cfg, seed=0)
     w0 = base.layer(1)
     wp, bp, cw = w0.packed()

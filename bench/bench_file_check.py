@@ -62,7 +62,8 @@ def rotating_rounds(engines, ids, h, out, rounds):
 
 def main():
     args, cfg, ids, h, out = setup(__doc__, 20000, 7)
-    from engram_stream import EngramModel, store
+    from engram_stream import EngramModel
+    from engram_stream.rows import mapped as store
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "m.safetensors")
         EngramModel.init(cfg, seed=0).save(path)

@@ -90,7 +90,7 @@ def decode(model, tokens, hiddens, sim, prefetch, track=None):
     """feed -> [prefetch] -> [simulated compute] -> compute, per token. Returns per-token times:
     layer (feed + prefetch + compute: the layer's own work, page-fault stalls included),
     prefetch, compute, total (with the simulated compute)."""
-    from engram_stream import store
+    from engram_stream.rows import mapped as store
     w = model.layers[LAYER]
     eng = model.stream(LAYER)
     if track is not None:
@@ -157,7 +157,8 @@ def ab_worker(spec):
 def worker(spec):
     if spec.get("ab"):
         return ab_worker(spec)
-    from engram_stream import EngramModel, store
+    from engram_stream import EngramModel
+    from engram_stream.rows import mapped as store
     path = spec["path"]
     if spec.get("cold"):
         store.evict_file(path)
@@ -224,7 +225,8 @@ def run_worker(spec, hold=False):
 # parent
 # ------------------------------------------------------------------------------------------------
 def build(cfg, d):
-    from engram_stream import EngramModel, checkpoint
+    from engram_stream import EngramModel
+    from engram_stream.demo import checkpoint
     f32, f16 = os.path.join(d, "engram_f32.safetensors"), os.path.join(d, "engram_f16.safetensors")
     if os.path.exists(f32) and os.path.exists(f16):
         print(f"reusing {f32}, {f16}")

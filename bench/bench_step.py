@@ -41,7 +41,7 @@ import checkout  # noqa: E402  (this checkout when built in place, else the inst
 checkout.use()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engram_stream import EngramConfig, EngramModel, kernel_isa  # noqa: E402
-from engram_stream import _isa  # noqa: E402
+from engram_stream.engine import isa as _isa  # noqa: E402
 
 try:
     import torch  # noqa: E402
@@ -183,7 +183,7 @@ def cpus_got(run, acc):
 
 
 def on_isa(isa, run):
-    """`run` with the kernels on path `isa` (engram_stream._isa): paths compared in one run."""
+    """`run` with the kernels on path `isa` (engram_stream.engine.isa): paths compared in one run."""
     def r(n):
         _isa.use_isa(isa)
         try:
@@ -499,10 +499,10 @@ def fma_floor_per_token(cfg, meta):
 
 
 def register_fma_gflops(isa, threads, rounds=20_000_000):
-    """The register-only FMA rate of path `isa` (engram_stream._engine._fma_chains: 12
+    """The register-only FMA rate of path `isa` (engram_stream.demo._engine._fma_chains: 12
     vector multiply-add chains, no memory) on `threads` threads at once, GFLOP/s in all,
     best of 3. The sgemm floor above is a library's kernel; this is the FMA units' own."""
-    from engram_stream import _engine
+    from engram_stream.demo import _engine
     best = 0.0
     for _ in range(3):
         done = [0] * threads
@@ -532,7 +532,7 @@ class FmaRunner:
         self.isa, self.threads, self.rounds, self.flops = isa, threads, rounds, 0
 
     def __call__(self, n):
-        from engram_stream import _engine
+        from engram_stream.demo import _engine
         for _ in range(n):
             done = [0] * self.threads
 

@@ -124,7 +124,8 @@ def own_memory_cgroup():
 
 def cgroup_worker(path, mode, toks_path, frac, cg):
     """In a fresh process: join cgroup `cg`, set up, cap the cgroup at footprint + budget, go."""
-    from engram_stream import EngramModel, store
+    from engram_stream import EngramModel
+    from engram_stream.rows import mapped as store
     with open(os.path.join(cg, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
     toks = np.load(toks_path)
@@ -199,7 +200,7 @@ def sec_simulated(path, n_tokens, frac, res):
     from collections import OrderedDict
 
     from engram_stream import EngramModel
-    from engram_stream._rowcache import RowCache, slots_for
+    from engram_stream.rows._cache import RowCache, slots_for
     model = EngramModel.load(path)
     t = model.layer(LAYER).table
     budget = int(budget_mb(model, frac) * 2**20)
@@ -237,8 +238,8 @@ def sec_remote(path, toks, frac, res):
         print("4. skipped: the mooncake extra is not installed")
         return
     from engram_stream import EngramModel
-    from engram_stream.mooncake_servers import LocalMooncake, wait_until_writable
-    from engram_stream.tiers import MooncakeTier
+    from engram_stream.rows.mooncake_servers import LocalMooncake, wait_until_writable
+    from engram_stream.rows import MooncakeTier
     local = EngramModel.load(path)
     seg_mb = int(table_bytes(local) * 1.3 / 2**20) + 64
     with LocalMooncake(segment_mb=seg_mb) as mc:

@@ -36,8 +36,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
 
-from engram_stream import EngramModel, hf_v41  # noqa: E402
-from engram_stream import _engine_v41 as k  # noqa: E402
+from engram_stream import EngramModel  # noqa: E402
+from engram_stream.v41 import hf as hf_v41  # noqa: E402
+from engram_stream.v41 import _engine as k  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
 from common import machine  # noqa: E402
 
@@ -261,7 +262,8 @@ def section_prefill(model, T, reps, paths):
 COLD = r"""
 import json, sys, time
 import numpy as np
-from engram_stream import EngramModel, store  # (PYTHONPATH: the package checkout.use() chose)
+from engram_stream import EngramModel
+from engram_stream.rows import mapped as store  # (PYTHONPATH: the package checkout.use() chose)
 d, steps = {d!r}, {steps}
 for f in __import__("os").listdir(d):
     if f.endswith(".safetensors"):

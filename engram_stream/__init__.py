@@ -3,29 +3,19 @@
 The map of the package (which file holds what) is the README's "Where things are";
 DESIGN.md at the repository root explains why it is laid out so.
 """
-import importlib as _importlib
 import os as _os
-import sys as _sys
 
 from .compression import build_compression
 from .config import EngramConfig
 from .model import EngramModel
 from .plan import HashPlan
-from .demo._engine import EngineSnapshot, StreamEngine
+from .demo._engine import StreamEngine
+from .engine.snapshot import EngineSnapshot
 from .engine.isa import kernel_isa
 
 __all__ = ["EngramConfig", "HashPlan", "EngramModel", "StreamEngine", "EngineSnapshot",
            "build_compression", "get_include", "kernel_isa"]
 __version__ = "0.1.0"
-
-# Old import paths: `import engram_stream.<old>` gives the module now at <new>.
-_MOVED = {"checkpoint": "demo.checkpoint", "reference": "demo.reference", "_engine": "demo._engine",
-          "hf_v41": "v41.hf", "reference_v41": "v41.reference", "_engine_v41": "v41._engine",
-          "store": "rows.mapped", "tiers": "rows", "_rowcache": "rows._cache",
-          "mooncake_servers": "rows.mooncake_servers", "decoder": "engine.decoder", "engine_args": "engine.args",
-          "_isa": "engine.isa"}
-for _old, _new in _MOVED.items():
-    _sys.modules[f"{__name__}.{_old}"] = globals()[_old] = _importlib.import_module(f"{__name__}.{_new}")
 
 
 def get_include() -> str:

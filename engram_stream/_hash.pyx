@@ -134,7 +134,7 @@ def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=Fa
     return out
 
 
-# The kernel path of this module (engram_stream._isa sets every module's) ----------
+# The kernel path of this module (engram_stream.engine.isa sets every module's) ----------
 
 def _isa_set(int level):
     """Run the kernels of `level` (0 baseline, 1 avx2, 2 avx512); False if the CPU cannot."""

@@ -12,7 +12,6 @@ import os
 import numpy as np
 
 from .config import EngramConfig
-from .demo.weights import LayerWeights, aligned_zeros  # noqa: F401 (their old home)
 from .engine.args import check_hidden
 from .errors import CheckpointError
 from .io.files import check_file

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from . import _hash
-from .config import MAX_TABLE_ROWS, EngramConfig, min_chain_rows  # noqa: F401 (min_chain_rows: its old home)
+from .config import MAX_TABLE_ROWS, EngramConfig
 from .errors import LayerError
 
 PRIME_1 = 10007  # layer seed stride of the reference

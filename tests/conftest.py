@@ -84,7 +84,7 @@ LOOPBACK_ONLY = _loopback_only_network()
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_user_cache(tmp_path_factory):
-    """Tests never write the user's cache folder (engram_stream.hf_v41.cached_compression): the
+    """Tests never write the user's cache folder (engram_stream.v41.hf.cached_compression): the
     session, and every subprocess it starts, caches under a temp folder."""
     before = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg_cache"))
@@ -122,7 +122,7 @@ def make_model(G=2, n=3, K=3, D=13, nh=2, hd=3, vocab=40, layers=(1, 4), evs=Non
     table float32/float16/int8; table(L, array) -> array may replace a layer's table (e.g.
     with a file-backed copy)."""
     from engram_stream import EngramConfig, EngramModel
-    from engram_stream.model import LayerWeights
+    from engram_stream.demo.weights import LayerWeights
     rng = np.random.default_rng(seed + 12345)
     cfg = EngramConfig(engram_vocab_size=list(evs) if evs else [31 + 10 * i for i in range(n - 1)],
                        max_ngram_size=n, n_embed_per_ngram=nh * hd, n_head_per_ngram=nh,
@@ -203,13 +203,13 @@ def _kernel_isas():
     forced = os.environ.get("ENGRAM_STREAM_ISA", "").strip().lower()
     if forced:
         return [forced]
-    from engram_stream._isa import supported_isas
+    from engram_stream.engine.isa import supported_isas
     return list(supported_isas())
 
 
 def pytest_report_header(config):
     """Which engram_stream is tested, which kernel paths the each_isa tests run here, and why the others cannot."""
-    from engram_stream._isa import ISA_NAMES, cpu_isas, supported_isas
+    from engram_stream.engine.isa import ISA_NAMES, cpu_isas, supported_isas
     run = _kernel_isas()
     why = {n: ("ENGRAM_STREAM_ISA names another" if n in supported_isas() else
                "this build lacks it" if n in cpu_isas() else "this CPU lacks it") for n in ISA_NAMES if n not in run}
@@ -221,7 +221,7 @@ def pytest_report_header(config):
 def each_isa(request):
     """Run a module's tests once per kernel path (`pytestmark = pytest.mark.usefixtures("each_isa")`):
     every path is held to the numpy oracle."""
-    from engram_stream import _isa
+    from engram_stream.engine import isa as _isa
     before = _isa.kernel_isa()
     _isa.use_isa(request.param)
     yield request.param
@@ -232,7 +232,7 @@ def each_isa(request):
 def mooncake_or_skip():
     """Skip unless the mooncake extra and its server binaries are installed."""
     pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
-    from engram_stream.mooncake_servers import _binary
+    from engram_stream.rows.mooncake_servers import _binary
     try:
         _binary("mooncake_master"), _binary("mooncake_client")
     except FileNotFoundError as e:
@@ -243,7 +243,7 @@ def mooncake_or_skip():
 def mooncake():
     """A mooncake_master and one store server on free loopback ports, for the session."""
     mooncake_or_skip()
-    from engram_stream.mooncake_servers import LocalMooncake
+    from engram_stream.rows.mooncake_servers import LocalMooncake
     mc = LocalMooncake(segment_mb=64)
     mc.start()
     yield mc
@@ -252,8 +252,8 @@ def mooncake():
 
 @pytest.fixture(scope="session")
 def tier(mooncake):
-    from engram_stream.mooncake_servers import wait_until_writable
-    from engram_stream.tiers import MooncakeTier
+    from engram_stream.rows.mooncake_servers import wait_until_writable
+    from engram_stream.rows import MooncakeTier
     t = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, local_host="127.0.0.1", timeout=5)
     wait_until_writable(t)
     yield t
@@ -264,8 +264,8 @@ def tier(mooncake):
 def own_store():
     """(LocalMooncake, MooncakeTier) of a test's own servers (a test that kills or stops them)."""
     mooncake_or_skip()
-    from engram_stream.mooncake_servers import LocalMooncake, wait_until_writable
-    from engram_stream.tiers import MooncakeTier
+    from engram_stream.rows.mooncake_servers import LocalMooncake, wait_until_writable
+    from engram_stream.rows import MooncakeTier
     mc = LocalMooncake(segment_mb=32).start()
     try:
         t = MooncakeTier(master=mc.master, metadata=mc.metadata, timeout=4)

@@ -5,7 +5,6 @@ from typing import Any
 import numpy as np
 
 from engram_stream.engine._base import EngineBase
-from engram_stream.engine.snapshot import EngineSnapshot
 
 PREFILL_CHUNK: int  # tokens per GEMM of a call
 

@@ -21,7 +21,6 @@ from engram_stream._consts cimport ES_MAX_KERNEL_SIZE, ES_PREFILL_CHUNK
 from engram_stream._hash cimport es_isa_now, es_isa_set
 from engram_stream.engine import isa as _isa
 from engram_stream.engine._base import view
-from engram_stream.engine.snapshot import EngineSnapshot  # noqa: F401 (its old home)
 
 cnp.import_array()
 

@@ -25,7 +25,8 @@ from ..errors import CheckpointError
 from ..io import safetensors
 from ..io.files import check_file
 from ..io.safetensors import CODES, DTYPES, MAX_HEADER, PAGE, SafetensorsFile, Tensor, read_header  # noqa: F401
-from ..plan import HashPlan, min_chain_rows
+from ..config import min_chain_rows
+from ..plan import HashPlan
 from .weights import TABLE_DTYPES, LayerWeights, init_layers
 
 FORMAT, FORMAT_VERSION = "engram_stream", "1"

@@ -29,7 +29,7 @@ def forward(cfg, rows, layer, hidden):
     """Engram output for one layer.
 
     rows    int64[B, T, H]   head-local rows from HashPlan.hash / hash_numpy
-    layer   LayerWeights     (model.LayerWeights: table, key_w, key_b, value_w, ...)
+    layer   LayerWeights     (demo.weights.LayerWeights: table, key_w, key_b, value_w, ...)
     hidden  float32[B, T, G, D]
     returns float32[B, T, G, D]  (the caller adds the residual)
     """

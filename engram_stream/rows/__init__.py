@@ -2,7 +2,7 @@
 directly (direct.py, _direct.pyx, include/engram_io.h; the packed row file: packed.py), the
 RAM row cache (_cache.pyx, include/engram_rowcache.h), a Mooncake Store (mooncake.py);
 tiers.py puts them together for one model, _source.pyx is the seam the engines read through.
-`engram_stream.tiers` is this package."""
+`engram_stream.rows` is this package."""
 from ..errors import TierError
 from .direct import DirectTier
 from .mooncake import MooncakeTier, RemoteRows, head_records, store_key, wait_for_port

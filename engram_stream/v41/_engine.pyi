@@ -6,7 +6,6 @@ import numpy as np
 import numpy.typing as npt
 
 from engram_stream.engine._base import EngineBase
-from engram_stream.engine.snapshot import EngineSnapshot
 
 _Ids = Union[int, np.integer, Sequence[int], npt.NDArray[np.integer]]
 _F32 = npt.NDArray[np.float32]
@@ -21,7 +20,6 @@ def act_quant(x: _F32) -> Tuple[_F32, _F32]: ...
 def fp8_linear(x: _F32, weight: _U8, scale: _U8, threads: int = 1, plain: bool = False) -> _F32: ...
 def read_bytes(a: _U8) -> int: ...
 
-V41EngineSnapshot = EngineSnapshot  # one snapshot type for both variants
 
 class V41StreamEngine(EngineBase):
     """The deepseek-v4.1 streaming engine of one layer: `model.stream(layer, n_streams)`."""

@@ -17,7 +17,6 @@ from engram_stream._hash cimport es_isa_now, es_isa_set
 from engram_stream.engine import args
 from engram_stream.engine import isa as _isa
 from engram_stream.engine._base import view
-from engram_stream.engine.snapshot import EngineSnapshot
 from engram_stream.io.files import mapping_of
 from engram_stream.rows.mapped import advise
 
@@ -166,8 +165,6 @@ cdef class V41StreamEngine(EngineBase):
                    self.M, &self.ybuf[0, 0], threads, scratch if nb > 1 else NULL)
         self._tokens(_tail_part, t0, hid, out, nb, threads)
 
-
-V41EngineSnapshot = EngineSnapshot  # one snapshot type for both variants (its old name)
 
 
 # ---- the kernels alone, for tests and benchmarks ------------------------------------------

@@ -230,7 +230,7 @@ def test_init_refuses_a_size_beyond_free_disk(tmp_path, capsys, monkeypatch):
 
 def test_init_errors_name_the_users_path_not_the_temp_file(tmp_path, capsys, monkeypatch):
     import errno
-    from engram_stream import checkpoint
+    from engram_stream.demo import checkpoint
 
     def replace(src, dst):  # the final rename fails, as on a file system that refuses it
         raise OSError(errno.EIO, os.strerror(errno.EIO), src, None, dst)
@@ -424,7 +424,8 @@ def test_mmap_serving_example_reads_a_fraction_of_its_tables_and_cleans_up():
 
 # ---- docs ----------------------------------------------------------------------------------------------
 def test_public_methods_have_real_docstrings():
-    from engram_stream import EngramConfig, EngramModel, checkpoint
+    from engram_stream import EngramConfig, EngramModel
+    from engram_stream.demo import checkpoint
     for f, words in ((EngramModel.save, ["table_dtype", "atomic"]), (EngramModel.load, ["mmap=True", "default"]),
                      (EngramModel.layer, ["KeyError", "read-only"]), (EngramConfig.to_dict, ["fields"]),
                      (checkpoint.save_init, ["flat memory"])):

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from engram_stream import EngramConfig, HashPlan
 from engram_stream import _hash
-from engram_stream.plan import draw_multipliers, is_prime, min_chain_rows
+from engram_stream.config import min_chain_rows
+from engram_stream.plan import draw_multipliers, is_prime
 from conftest import run_python
 from pyref import py_rows, to_signed
 

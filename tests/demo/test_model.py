@@ -523,7 +523,7 @@ def test_callers_arrays_keep_their_flags_and_small_ones_are_copied():
         assert sds[L]["multi_head_embedding.embedding.weight"].flags.writeable   # the caller's, untouched
         mult[L][0] = 11                                                        # changing the caller's copy ...
         assert model.plan.multipliers[L].tolist() == [3, 5, 7]                 # ... does not reach the plan
-    from engram_stream.model import LayerWeights
+    from engram_stream.demo.weights import LayerWeights
     w = model.layer(cfg.layer_ids[0])
     offsets = np.array(w.offsets)
     lw = LayerWeights(cfg, offsets, w.table, w.proj_w, w.proj_b, w.norm1, w.norm2, w.conv_norm, w.conv_w)

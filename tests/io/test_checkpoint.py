@@ -11,9 +11,11 @@ import sys
 import numpy as np
 import pytest
 
-from engram_stream import EngramConfig, EngramModel, HashPlan, checkpoint, store
+from engram_stream import EngramConfig, EngramModel, HashPlan
+from engram_stream.demo import checkpoint
+from engram_stream.rows import mapped as store
 from engram_stream.io import files
-from engram_stream.checkpoint import CheckpointError
+from engram_stream.demo.checkpoint import CheckpointError
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 from safetensors import safe_open  # noqa: E402
@@ -388,7 +390,8 @@ PROBE = r"""
 import json, sys
 import memray
 import numpy as np
-from engram_stream import EngramModel, store
+from engram_stream import EngramModel
+from engram_stream.rows import mapped as store
 
 def status():
     out = {}
@@ -604,7 +607,7 @@ def test_missing_file(tmp_path):
 
 NOT_REGULAR = r"""
 import os, sys
-from engram_stream import checkpoint
+from engram_stream.demo import checkpoint
 d = sys.argv[1]
 os.mkfifo(os.path.join(d, "fifo"))
 for path in (os.path.join(d, "fifo"), "/dev/zero", d):
@@ -628,7 +631,7 @@ SLOW_CHAIN = r"""
 import json, sys, time
 import numpy as np
 from safetensors.numpy import save_file
-from engram_stream import checkpoint
+from engram_stream.demo import checkpoint
 H, E = 2 * 20000, 2 * 20000      # 20000 heads per order near 2**61: minutes of prime search
 cfg = dict(engram_vocab_size=[2 ** 61, 2 ** 61], max_ngram_size=3, n_embed_per_ngram=20000,
            n_head_per_ngram=20000, layer_ids=[0], pad_id=0, seed=0, kernel_size=2, hidden_size=1,

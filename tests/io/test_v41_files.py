@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engram_stream import EngramConfig, EngramModel, build_compression
-from engram_stream import hf_v41
+from engram_stream.v41 import hf as hf_v41
 from conftest import run_python
 
 SMALL = dict(variant="deepseek-v4.1", engram_vocab_size=[211, 211, 211], max_ngram_size=4,
@@ -225,7 +225,7 @@ def test_cli_inspect_v41_folder(tmp_path, capsys):
 
 
 def test_cli_demo_v41_folder(tmp_path, capsys):
-    pytest.importorskip("engram_stream._engine_v41")  # the V4.1 streaming engine (its own branch)
+    pytest.importorskip("engram_stream.v41._engine")  # the V4.1 streaming engine (its own branch)
     from engram_stream.cli import main
     EngramModel.init(EngramConfig(**SMALL), seed=0).save(tmp_path / "ckpt")
     assert main(["demo", "--checkpoint", str(tmp_path / "ckpt"), "--tokens", "40"]) == 0
@@ -234,7 +234,7 @@ def test_cli_demo_v41_folder(tmp_path, capsys):
 
 def test_readme_v41_snippet_runs(tmp_path):
     """The README's V4.1 decode, run on a tiny synthetic folder in place of the real one."""
-    pytest.importorskip("engram_stream._engine_v41")
+    pytest.importorskip("engram_stream.v41._engine")
     readme = open(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "README.md")).read()
     block = readme.split("## DeepSeek-V4.1", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     EngramModel.init(EngramConfig(**{**SMALL, "layer_ids": [1, 14]}), seed=0).save(tmp_path)
@@ -244,7 +244,7 @@ def test_readme_v41_snippet_runs(tmp_path):
 
 
 def test_forward_refuses_a_shard_rewritten_after_mapping(tmp_path):
-    from engram_stream.store import FileChangedError
+    from engram_stream.rows.mapped import FileChangedError
     m = EngramModel.init(EngramConfig(**SMALL), seed=0)
     m.save(tmp_path)
     back = EngramModel.from_deepseek_v41(tmp_path)

@@ -7,7 +7,9 @@ import re
 import numpy as np
 
 import engram_stream
-from engram_stream import _engine, _hash, reference
+from engram_stream import _hash
+from engram_stream.demo import _engine
+from engram_stream.demo import reference
 from engram_stream.config import EngramConfig
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang

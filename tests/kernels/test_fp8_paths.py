@@ -1,6 +1,6 @@
 """The float8 kernels of the V4.1 engine (include/engram_fp8.h, engram_fp8_kern.h) on every
 kernel path the CPU runs (the each_isa fixture; the pytest header says which paths ran),
-held to the numpy oracle (engram_stream.reference_v41) and to ml_dtypes: every e4m3 code,
+held to the numpy oracle (engram_stream.v41.reference) and to ml_dtypes: every e4m3 code,
 NaN codes, power-of-two scales down to 2^-127 (subnormal products and results: no flush to
 zero anywhere), the plain scalar C the benchmarks compare with, Flash's row width, and the
 path chosen by ENGRAM_STREAM_ISA in a fresh process as by use_isa.

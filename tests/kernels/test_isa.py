@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import engram_stream
-from engram_stream import _isa
+from engram_stream.engine import isa as _isa
 from conftest import run_python
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
@@ -60,7 +60,7 @@ def test_fma_chains_run_on_every_path():
     """The register-only FMA loop bench_step times for its floor: 12 chains of one vector
     a path, and the loop really runs (a removed one would print a peak of 10^5 GMAC/s)."""
     import time
-    from engram_stream import _engine
+    from engram_stream.demo import _engine
     lanes = {"baseline": 4, "avx2": 8, "avx512": 16}
     before = _isa.kernel_isa()
     try:

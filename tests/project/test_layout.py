@@ -163,3 +163,15 @@ def test_readme_map_names_every_module():
     want = {os.path.relpath(p, ROOT)[:-len(os.path.splitext(p)[1])] for p in _modules().values()}
     want = {w for w in want if not w.endswith("__init__")}
     assert not sorted(want - listed), sorted(want - listed)
+
+
+@pytest.mark.parametrize("name", ["checkpoint", "reference", "_engine", "hf_v41", "reference_v41", "_engine_v41",
+                                  "store", "tiers", "_rowcache", "mooncake_servers", "decoder", "engine_args", "_isa"])
+def test_one_name_per_module(name):
+    """A module has one import path: the top package holds no aliases of modules that live in
+    its subpackages (engram_stream.demo.checkpoint is not also engram_stream.checkpoint)."""
+    import importlib.util
+    import engram_stream
+    assert importlib.util.find_spec(f"engram_stream.{name}") is None
+    assert f"engram_stream.{name}" not in sys.modules
+    assert not hasattr(engram_stream, name)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engram_stream._rowcache import RowCache, cache_nbytes, slot_bytes, slots_for
+from engram_stream.rows._cache import RowCache, cache_nbytes, slot_bytes, slots_for
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 

@@ -296,7 +296,7 @@ def test_mooncake_v41_store_down_refuses_then_continues_exactly(own_store, saved
     import signal
     import time
     from engram_stream.errors import TierError
-    from engram_stream.mooncake_servers import wait_until_writable
+    from engram_stream.rows.mooncake_servers import wait_until_writable
     mc, tier = own_store
     path = saved["v41-flash-rows"]
     local = load(path)

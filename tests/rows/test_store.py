@@ -8,7 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from engram_stream import EngramConfig, EngramModel, checkpoint, store
+from engram_stream import EngramConfig, EngramModel
+from engram_stream.demo import checkpoint
+from engram_stream.rows import mapped as store
 
 PAGE = store.PAGE
 # One layer, head_dim 64 (256-byte float32 rows), a ~17 MB table.
@@ -249,7 +251,8 @@ def test_residency_rows_touched(files):
 CHANGED = r"""
 import os, sys
 import numpy as np
-from engram_stream import EngramConfig, EngramModel, store
+from engram_stream import EngramConfig, EngramModel
+from engram_stream.rows import mapped as store
 cfg = EngramConfig(engram_vocab_size=[4099, 4099], max_ngram_size=3, n_embed_per_ngram=512, n_head_per_ngram=8,
                    layer_ids=[3], pad_id=2, kernel_size=4, hidden_size=32, hc_mult=2, vocab_size=1000)
 d, mode = sys.argv[1], sys.argv[2]

@@ -242,7 +242,7 @@ def test_with_weight_dtype_keeps_the_remote_source(tier, ckpts):
 
 @pytest.mark.mooncake
 def test_unpublished_or_mismatched_tables_are_refused(tier, ckpts):
-    from engram_stream.tiers import TierError
+    from engram_stream.rows import TierError
     other = EngramConfig(**dict(CFG, layer_ids=[7]))
     path = ckpts["float32"] + ".l7.safetensors"
     EngramModel.init(other, seed=0).save(path)
@@ -279,8 +279,8 @@ def _same_state(a, b):
 @pytest.mark.mooncake
 @pytest.mark.parametrize("fault", ["kill_master", "stop_master", "kill_store"])
 def test_dead_store_raises_in_bounded_time_then_works_again(own_store, ckpts, fault):
-    from engram_stream.mooncake_servers import wait_until_writable
-    from engram_stream.tiers import TierError
+    from engram_stream.rows.mooncake_servers import wait_until_writable
+    from engram_stream.rows import TierError
     mc, tier = own_store
     local = EngramModel.load(ckpts["float32"])
     tier.publish(local)

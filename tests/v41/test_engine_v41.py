@@ -1,5 +1,5 @@
 """V41StreamEngine (engram_stream/_engine_v41.pyx, include/engram_fp8.h) against the numpy
-oracle of the deepseek-v4.1 variant (EngramModel.forward -> engram_stream.reference_v41),
+oracle of the deepseek-v4.1 variant (EngramModel.forward -> engram_stream.v41.reference),
 token by token, on every kernel path the CPU runs (the each_isa fixture: baseline, avx2,
 avx512; tests/test_fp8_paths.py has the paths' own checks).
 
@@ -20,9 +20,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engram_stream import EngramConfig, EngramModel
-from engram_stream import _engine_v41 as k
-from engram_stream import reference_v41 as ref
-from engram_stream._engine_v41 import V41EngineSnapshot, V41StreamEngine
+from engram_stream.v41 import _engine as k
+from engram_stream.v41 import reference as ref
+from engram_stream.engine.snapshot import EngineSnapshot
+from engram_stream.v41._engine import V41StreamEngine
 from conftest import close, dense_compression, hypothesis_settings, make_v41_model
 
 pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every test once per kernel path the CPU runs
@@ -391,7 +392,7 @@ def test_snapshot_restore_replays_exactly(model):
     other = model.stream(1, n_streams=S)  # another engine of the same layer takes it too
     other.restore(snap)
     assert np.array_equal(other.step(ids[:, 4], h[:, 4]), first[0])
-    assert isinstance(snap, V41EngineSnapshot) and snap.nbytes == S * 3 * 8 + S * 8 + S * model.cfg.n_heads * 8
+    assert isinstance(snap, EngineSnapshot) and snap.nbytes == S * 3 * 8 + S * 8 + S * model.cfg.n_heads * 8
 
 
 def test_snapshot_refused_state_unchanged(model):
@@ -402,8 +403,8 @@ def test_snapshot_refused_state_unchanged(model):
                      (model.stream(1, n_streams=3).snapshot(), ValueError),
                      (make_model(seed=5).stream(1, n_streams=2).snapshot(), ValueError),
                      ("nope", TypeError),
-                     (V41EngineSnapshot(good.fingerprint, hist=np.zeros((2, 2), np.int64), seen=good.seen), ValueError),
-                     (V41EngineSnapshot(good.fingerprint, hist=good.hist, seen=-np.ones(2, np.int64)), ValueError)]:
+                     (EngineSnapshot(good.fingerprint, hist=np.zeros((2, 2), np.int64), seen=good.seen), ValueError),
+                     (EngineSnapshot(good.fingerprint, hist=good.hist, seen=-np.ones(2, np.int64)), ValueError)]:
         with pytest.raises(err):
             eng.restore(bad)
         assert np.array_equal(eng.snapshot().hist, good.hist) and eng.tokens_seen.tolist() == [1, 1]
@@ -464,7 +465,7 @@ def test_bad_input_refused_state_unchanged(model):
         assert not eng.pending_compute
     got = np.stack([eng.step(int(ids[t]), h[t]) for t in range(1, 6)])
     close(got, want[1:])
-    with pytest.raises(AttributeError):  # the path is the kernel selector's (engram_stream._isa.use_isa)
+    with pytest.raises(AttributeError):  # the path is the kernel selector's (engram_stream.engine.isa.use_isa)
         eng.isa = "avx2"
 
 
@@ -532,7 +533,7 @@ def test_steady_state_step_allocates_nothing(model):
 def test_mapped_checkpoint_decoder_prefetch_and_residency(model, tmp_path):
     """A V4.1 checkpoint mapped from disk: the Decoder prefetches (madvise) the fed rows, the
     outputs still equal the oracle's, and residency counts the rows the engine touched."""
-    from engram_stream import store
+    from engram_stream.rows import mapped as store
     model.save(tmp_path / "ckpt")
     mm = EngramModel.load(tmp_path / "ckpt", mmap=True)
     assert store.is_file_backed(mm.layer(1).table)

@@ -79,7 +79,7 @@ def test_tiny_scales_layer_pins_the_activation_quantizer():
     """Layer 14 of the hc1 case has tiny rows (every block's amax < 1e-4): the quantizer rounds
     there, the gate sees the rounded key, and the delta (about 1e-8, so compared relative to its
     own scale) follows the reference only when the quantizer is emulated exactly."""
-    from engram_stream import reference_v41 as ref
+    from engram_stream.v41 import reference as ref
     path = next(p for p in GOLDENS if _name(p) == "hc1_tiny_scales")
     cfg, comp, d = _load(path)
     model = _model(cfg, comp, d)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engram_stream import EngramConfig, EngramModel, HashPlan
-from engram_stream import reference_v41 as ref
+from engram_stream.v41 import reference as ref
 from engram_stream.v41 import V41LayerWeights
 from pyref import py_rows
 
