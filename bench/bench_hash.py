@@ -39,7 +39,7 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 
 from engram_stream import EngramConfig, HashPlan  # noqa: E402
-from engram_stream.config import V41  # noqa: E402
+from engram_stream.v41.config import V41  # noqa: E402
 from engram_stream import _hash, kernel_isa  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
 

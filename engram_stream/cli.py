@@ -17,7 +17,8 @@ import time
 import numpy as np
 
 from . import __version__
-from .config import DEMO, EngramConfig
+from . import variants
+from .config import EngramConfig
 
 DEMO_CONFIG = dict(engram_vocab_size=[20011, 20011], max_ngram_size=3, n_embed_per_ngram=128,
                    n_head_per_ngram=4, layer_ids=[1, 15], pad_id=2, seed=0, kernel_size=4,
@@ -109,13 +110,14 @@ def cmd_inspect(args):
 
 
 def _read_config(path) -> EngramConfig:
-    """EngramConfig fields as JSON, or a deepseek-v4.1 model's own config.json (its engram_* keys)."""
+    """EngramConfig fields as JSON, or a model's own Hugging Face config.json (deepseek-v4.1's
+    engram_* keys: a variant that reads config.json recognizes it)."""
     try:
         with open(path) as f:
             d = json.load(f)
     except json.JSONDecodeError as e:
         raise CliError(f"{path}: not valid JSON ({e})") from None
-    if isinstance(d, dict) and ("engram_n_heads" in d or "engram_layer_ids" in d):
+    if any(v.reads_hf_config and v.reads_hf_config(d) for v in variants.variants()):
         return EngramConfig.from_hf_config(d)
     return EngramConfig.from_dict(d)
 
@@ -123,12 +125,14 @@ def _read_config(path) -> EngramConfig:
 def cmd_init(args):
     """Write a checkpoint of random weights; tables are drawn and written in pieces (flat memory)."""
     from .io.files import remove_stale_temps
-    from .variants import variant_of
     cfg = _read_config(args.config)  # the inputs (cheap), then the output path: all before any real work
-    variant = variant_of(cfg)
-    folder = variant.is_checkpoint is os.path.isdir  # a checkpoint that is a folder (deepseek-v4.1's HF layout)
-    if folder and args.table_dtype is not None:
-        raise CliError(f"--table-dtype is for {DEMO} checkpoints: a {cfg.variant} checkpoint keeps its float8 tables")
+    variant = variants.variant_of(cfg)
+    folder = variant.folder_checkpoint
+    if args.table_dtype is not None and args.table_dtype not in variant.table_dtypes:
+        takers = [v.name for v in variants.variants() if args.table_dtype in v.table_dtypes]
+        raise CliError(f"--table-dtype {args.table_dtype} is for {' and '.join(takers)} checkpoints: a {cfg.variant} "
+                       f"checkpoint keeps its tables as they are" if not variant.table_dtypes else
+                       f"--table-dtype {args.table_dtype}: a {cfg.variant} checkpoint takes {variant.table_dtypes}")
     if folder and args.output.endswith(".safetensors"):
         raise CliError(f"{args.output}: a {cfg.variant} checkpoint is a folder (config.json, index, shards): "
                        f"give a folder name, not a .safetensors file")
@@ -417,26 +421,24 @@ CONFIG_FIELDS = {
     "hidden_size": "backbone width D",
     "hc_mult": "hyper-connection streams G (1: a plain residual stream)",
     "vocab_size": "tokenizer vocab (length of a compression lookup)",
-    "variant": "\"demo-v1\" (the public demo module) or \"deepseek-v4.1\" (written as a folder, float8 tables)",
-    "norm_eps": "deepseek-v4.1: eps of the q/k gate's norm (null: 1e-20, Flash's)",
-    "image_token_id": "deepseek-v4.1: the DEAD (image) token: gate 0, cuts the n-gram history (null: 129264)",
-    "num_embeddings": "deepseek-v4.1: table rows per layer the checkpoint declares, checked (null: not declared)",
-    "compressed_vocab_size": "deepseek-v4.1: ids of the compression, checked (null: not declared)",
-}
+}  # the variants' own fields: their registry entries' field_help
 
 
 def _config_help() -> str:
+    readers = [v.name for v in variants.variants() if v.reads_hf_config]
     lines = ["config file: one JSON object of EngramConfig fields; a missing field takes its default",
              "(EngramConfig's, the public demo module's: D=1024 and a 2.6 GB float32 table per layer), or a",
-             "deepseek-v4.1 model's own config.json (its engram_* keys). Fields:"]
+             f"model's own Hugging Face config.json ({', '.join(readers)}: its engram_* keys). Fields:"]
+    helps = dict(CONFIG_FIELDS, variant=" or ".join(json.dumps(v.name) + (" (written as a folder)" if v.folder_checkpoint
+                                                                              else "") for v in variants.variants()))
+    for v in variants.variants():
+        helps.update(v.field_help)
     for f in dataclasses.fields(EngramConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {f.name:<21} {json.dumps(default):<18} {CONFIG_FIELDS.get(f.name, '')}")
-    lines += ["example: {\"engram_vocab_size\": [20011, 20011], \"hidden_size\": 256, \"n_embed_per_ngram\": 128,",
-              "          \"n_head_per_ngram\": 4, \"vocab_size\": 32000}",
-              "deepseek-v4.1: {\"variant\": \"deepseek-v4.1\", \"engram_vocab_size\": [211, 211, 211], \"max_ngram_size\": 4,",
-              "          \"n_embed_per_ngram\": 64, \"n_head_per_ngram\": 2, \"hidden_size\": 64, \"vocab_size\": 300,",
-              "          \"image_token_id\": 299}  (-o names a folder)"]
+        lines.append(f"  {f.name:<21} {json.dumps(default):<18} {helps.get(f.name, '')}")
+    for v in variants.variants():
+        lines.append(f"{v.name}: {json.dumps(v.example_config)}" + ("  (-o names a folder)" if v.folder_checkpoint
+                                                                     else ""))
     return "\n".join(lines)
 
 

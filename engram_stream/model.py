@@ -16,7 +16,8 @@ from .engine.args import check_hidden
 from .errors import CheckpointError
 from .io.files import check_file
 from .plan import HashPlan, as_ids
-from .variants import VARIANTS, variant_of
+from .variants import get as get_variant
+from .variants import variant_of, variants
 
 
 def _check_state_dicts(cfg, state_dicts):
@@ -92,8 +93,7 @@ class EngramModel:
         name = _check_weight_dtype(self.variant, dtype)
         if name == self.weight_dtype:
             return self
-        from .demo.weights import with_weight_dtype
-        new = type(self)(self.cfg, self.plan, with_weight_dtype(self.cfg, self.layers, name))
+        new = type(self)(self.cfg, self.plan, self.variant.with_weight_dtype(self.cfg, self.layers, name))
         new.source = self.source
         if self.row_tiers is not None:
             new.row_tiers = self.row_tiers.for_model(new)
@@ -165,13 +165,13 @@ class EngramModel:
         rows.MooncakeTier. row_cache_mb: the model's RAM cache of whole rows in front of them,
         shared by every engine (engram_stream.rows)."""
         path = os.fspath(path)
-        variant = next((v for v in VARIANTS.values() if v.is_checkpoint(path)), None)
+        variant = next((v for v in variants() if v.is_checkpoint(path)), None)
         if variant is None:
             raise ValueError(f"{path}: not a checkpoint of any variant")
         try:
             model = cls(*variant.load(path, mmap=mmap or tables is not None))
         except CheckpointError:
-            for v in VARIANTS.values():  # a file of another variant's checkpoint folder: say what to pass
+            for v in variants():  # a file of another variant's checkpoint folder: say what to pass
                 folder = v.folder_of(path)
                 if folder is not None:
                     raise CheckpointError(f"{path}: this is a file of the {v.name} folder {folder}: pass the folder, "
@@ -224,8 +224,8 @@ class EngramModel:
         mapped in place. compression: a lookup to use instead of building it from tokenizer.json.
         tables, row_cache_mb: where the rows are read from and the RAM row cache, as in load()
         (e.g. tables="direct", row_cache_mb=4096: rows read from disk, a 4 GiB cache)."""
-        from .v41 import hf
-        model = cls(*hf.load(ckpt_dir, mmap=mmap or tables is not None, compression=compression))
+        load = get_variant("deepseek-v4.1").load   # a thin entry of the public API: the registry's loader
+        model = cls(*load(ckpt_dir, mmap=mmap or tables is not None, compression=compression))
         model.source = os.fspath(ckpt_dir)
         return model._with_tiers(tables, row_cache_mb)
 

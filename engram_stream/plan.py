@@ -5,9 +5,9 @@ Two hash paths, pinned bit-equal by the tests:
   hash        the fast path: compression and hashing in nogil Cython (_hash.pyx)
               with the C kernels the streaming engine shares.
 
-The deepseek-v4.1 variant (DESIGN.md 4) adds DEAD tokens: compression maps the image
-token id (and any negative, i.e. unknown, id) to DEAD, and a DEAD entry, like a slot
-before the start, turns itself and every older entry of the window into pad (the latch).
+A config with a DEAD token (image_token_id; deepseek-v4.1, DESIGN.md 4) adds DEAD positions:
+compression maps that id (and any negative, i.e. unknown, id) to DEAD, and a DEAD entry, like
+a slot before the start, turns itself and every older entry of the window into pad (the latch).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from .config import MAX_TABLE_ROWS, EngramConfig
 from .errors import LayerError
 
 PRIME_1 = 10007  # layer seed stride of the reference
-DEAD = -1  # V4.1: a compressed window entry that blocks history (image token, unknown, before start)
+DEAD = -1  # a compressed window entry that blocks history (image token, unknown, before start)
 # Positions x layers below which plan.hash stays on one thread: a hand-off costs more than it
 # saves there (bench_hash's [8, 4096] x 2 layers, ~0.5 ms on one core, ran slower on two threads
 # of the shared 2-core machine), and the caller's core is the only one surely free.
@@ -186,14 +186,13 @@ class HashPlan:
             for L, a in arrays.items():
                 arrays[L] = None if a is None else frozen(a)
         self.lookup = None if self.lookup is None else frozen(self.lookup)
-        self.v41 = cfg.image_token_id is not None  # DEAD tokens and their latch (the V4.1 module)
-        self.dead_id = cfg.image_token_id if self.v41 else None  # raw id of a DEAD position
-        if self.v41:
-            self._check_declared_sizes()
+        self.latch = cfg.image_token_id is not None  # DEAD tokens and their latch
+        self.dead_id = cfg.image_token_id  # raw id of a DEAD position (None: there are none)
+        self._check_declared_sizes()
 
     def _check_declared_sizes(self):
-        """V4.1 refuses to serve when the config's declared table rows or compressed vocab differ
-        from what this plan derives: every row would be silently rehashed."""
+        """Refuse to serve when the config's declared table rows or compressed vocab differ from
+        what this plan derives: every row would be silently rehashed."""
         cfg = self.cfg
         if cfg.num_embeddings is not None:
             for L, want in zip(cfg.layer_ids, cfg.num_embeddings):
@@ -219,12 +218,12 @@ class HashPlan:
         return self._compress(a.reshape(1, -1)).reshape(a.shape)
 
     def _compress(self, a):
-        return _hash.compress(a, self.lookup, self.cfg.vocab_size, self.dead_id)  # V4.1: DEAD = -1
+        return _hash.compress(a, self.lookup, self.cfg.vocab_size, self.dead_id)  # DEAD = -1
 
     def dead_mask(self, ids) -> np.ndarray:
-        """bool, same shape: the positions whose gate is 0 (V4.1: id == image_token_id; demo: none)."""
+        """bool, same shape: the positions whose gate is 0 (id == image_token_id; none without a DEAD token)."""
         a = as_ids(ids, np.ndim(ids))
-        return a == self.dead_id if self.v41 else np.zeros(a.shape, bool)
+        return a == self.dead_id if self.latch else np.zeros(a.shape, bool)
 
     def hash(self, ids, layers=None, out=None) -> dict:
         """{layer: int64[B, T, H]} head-local rows for raw ids[B, T] (fast path).
@@ -259,7 +258,7 @@ class HashPlan:
         def run(job):
             L, b0, b1 = job
             _hash.hash_compressed(c[b0:b1], self.multipliers[L], self.head_primes[L], n, h, self.pad_id,
-                                  res[L][b0:b1], self.head_fp[L], latch=self.v41)
+                                  res[L][b0:b1], self.head_fp[L], latch=self.latch)
 
         workers = _hash_workers()
         if workers > 1 and a.size * len(layers) >= PARALLEL_MIN_POSITIONS and B * len(layers) > 1:
@@ -281,7 +280,7 @@ class HashPlan:
             x[pos] = self.lookup[x[pos]]
         B, T = x.shape
         n_max = self.cfg.max_ngram_size
-        if self.v41:
+        if self.latch:
             shifted = self._latched_windows(a, x)
         else:
             shifted = [np.pad(x, ((0, 0), (k, 0)), constant_values=self.pad_id)[:, :T] for k in range(n_max)]
@@ -298,7 +297,7 @@ class HashPlan:
         return out
 
     def _latched_windows(self, raw, x):
-        """V4.1 windows, the reference's expression: for shift s, blocked |= (pos < s) | DEAD(t-s);
+        """Windows with DEAD tokens, the V4.1 reference's expression: for shift s, blocked |= (pos < s) | DEAD(t-s);
         a blocked shift reads pad."""
         B, T = x.shape
         dead = (raw < 0) | (raw == self.dead_id)
@@ -313,7 +312,7 @@ class HashPlan:
         return shifted
 
     def hash_lookback(self, ids, lookback, layers=None, numpy=False) -> dict:
-        """The stateless form (V4.1; vLLM's lookback window): rows of ids[B, T] given the raw ids
+        """The stateless form (vLLM's lookback window): rows of ids[B, T] given the raw ids
         just before them, lookback[B, max_ngram-1] newest first, -1 where unknown (before the start:
         it blocks history like DEAD). Same as hashing the concatenated sequence."""
         a = as_ids(ids, 2)
@@ -321,8 +320,9 @@ class HashPlan:
         if lb.shape != (a.shape[0], self.cfg.max_ngram_size - 1):
             raise ValueError(f"lookback must have shape ({a.shape[0]}, {self.cfg.max_ngram_size - 1}), "
                              f"got {lb.shape}")
-        if not self.v41 and (lb < 0).any():
-            raise ValueError("lookback: unknown (-1) entries need the deepseek-v4.1 variant")
+        if not self.latch and (lb < 0).any():
+            raise ValueError("lookback: unknown (-1) entries need a config with a DEAD token (image_token_id, "
+                             "as deepseek-v4.1's)")
         seq = np.concatenate([lb[:, ::-1], a], axis=1)
         rows = (self.hash_numpy if numpy else self.hash)(seq, layers=layers)
         return {L: np.ascontiguousarray(r[:, lb.shape[1]:]) for L, r in rows.items()}

@@ -1,110 +1,118 @@
-"""The variant registry: everything that differs between the two Engram modules, in one place.
+"""The variant registry: everything that differs between Engram modules, one entry a variant.
 
-A variant is one folder (engram_stream/demo, engram_stream/v41) plus one entry here. EngramModel,
-the CLI and the tests ask the registry (`variant_of(cfg)`, `VARIANTS`), never `cfg.variant`.
+A variant is one folder (engram_stream/demo, engram_stream/v41) whose variant.py builds its
+`Variant` and registers it here; EngramConfig, HashPlan, EngramModel and the CLI ask the
+registry (`get(name)`, `variant_of(cfg)`, `registered()`), never a variant's name. This module
+imports nothing of the package, so the config (below every variant) can ask it too. The
+package's __init__ imports the built-in variants' variant.py; another variant registers itself
+the same way (tests/contract/test_toy_variant.py does, from a test file).
 
+Config (EngramConfig asks these):
+    config_fields    the optional EngramConfig fields this variant uses (None for every other)
+    validate_config  (cfg, put): the variant's own rules after the common ones; put(name, value)
+                     sets a field (defaults, normalized values)
+    reads_hf_config  (dict) -> bool: a Hugging Face config.json of this variant's models, or None
+    from_hf_config   (cls, dict, overrides) -> EngramConfig from such a config.json, or None
+    to_hf_config     (cfg) -> the config.json keys, or None
+    field_help       {field: text} of its own fields, for `engram-stream init --help`
+    example_config   a small config of this variant (dict of fields), for help texts and tests
+Weights and files:
     weights          the class of one layer's weights (what the engine reads)
     validate_layer   (cfg, plan, L, w): shapes and dtypes the engine relies on
     init_layers      (cfg, plan, seed, graft_zero_init) -> {L: weights}, random
     from_state_dict  (cfg, plan, L, state_dict) -> weights: the reference module's names
-    forward          (cfg, w, rows, dead, hidden) -> float32 delta: the numpy oracle
-    engine           the streaming engine class: engine(model, layer, n_streams)
-    load / save      the checkpoint format: load(path, mmap) -> (cfg, plan, layers);
+    weight_dtypes    what with_weight_dtype accepts; with_weight_dtype (cfg, layers, name) -> layers
+    load / save      the checkpoint format: load(path, mmap, compression=None) -> (cfg, plan, layers);
                      save(cfg, plan, layers, path, table_dtype, progress)
     save_init        (cfg, path, seed, graft_zero_init, compression, table_dtype, progress, before_write)
+    table_dtypes     what save/save_init take as table_dtype (empty: the tables stay as they are)
     is_checkpoint    (path) -> bool: a checkpoint of this variant's format
-    folder_of        (path) -> the checkpoint folder file `path` is part of, or None (for "pass the folder")
+    folder_checkpoint  a checkpoint is a folder (else one file)
+    folder_of        (path) -> the checkpoint folder file `path` is part of, or None
+Computing:
+    forward          (cfg, w, rows, dead, hidden) -> float32 delta: the numpy oracle
+    engine           the streaming engine class: engine(model, layer, n_streams)
     describe         (cfg) -> str: the variant's own geometry, for `engram-stream inspect`
     step_weights     (w) -> the weight matrix one step reads whole (`engram-stream bench`'s floor)
 """
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
-from .config import DEMO, V41
-from .demo import checkpoint as demo_checkpoint
-from .demo import reference as demo_reference
-from .demo import weights as demo_weights
-from .demo._engine import StreamEngine
-from .plan import HashPlan
-from .v41 import hf as v41_hf
-from .v41 import reference as v41_reference
-from .v41 import weights as v41_weights
-from .v41._engine import V41StreamEngine
+DEFAULT = "demo-v1"   # EngramConfig's default variant: the public demo module
 
 
 @dataclass(frozen=True)
 class Variant:
     name: str
+    # config
+    config_fields: tuple
+    validate_config: Callable
+    example_config: dict
+    # weights and files
     weights: type
     validate_layer: Callable
     init_layers: Callable
     from_state_dict: Callable
-    forward: Callable
-    engine: type
+    weight_dtypes: tuple
+    with_weight_dtype: Callable
     load: Callable
     save: Callable
     save_init: Callable
+    table_dtypes: tuple
     is_checkpoint: Callable
+    folder_checkpoint: bool
     folder_of: Callable
+    # computing
+    forward: Callable
+    engine: type
     describe: Callable
     step_weights: Callable
-    weight_dtypes: tuple      # what with_weight_dtype accepts
+    # optional
+    reads_hf_config: Optional[Callable] = None
+    from_hf_config: Optional[Callable] = None
+    to_hf_config: Optional[Callable] = None
+    field_help: dict = field(default_factory=dict)
 
 
-def _demo_save_init(cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None, progress=None,
-                    before_write=None):
-    return demo_checkpoint.save_init(cfg, path, seed, graft_zero_init, compression, table_dtype, progress,
-                                     before_write)
+_REGISTRY: dict = {}
 
 
-def _v41_table_dtype(table_dtype):
-    if table_dtype is not None:
-        raise ValueError(f"table_dtype={table_dtype!r}: a {V41} checkpoint keeps its float8 tables (table_dtype is for "
-                         f"{DEMO} checkpoints)")
+def register(variant: Variant) -> Variant:
+    """Add a variant (its name must be new); returns it."""
+    if not isinstance(variant, Variant):
+        raise TypeError(f"register takes a Variant, got {type(variant).__name__}")
+    if variant.name in _REGISTRY and _REGISTRY[variant.name] is not variant:
+        raise ValueError(f"a variant named {variant.name!r} is registered already")
+    _REGISTRY[variant.name] = variant
+    return variant
 
 
-def _v41_save(cfg, plan, layers, path, table_dtype=None, progress=None):
-    _v41_table_dtype(table_dtype)
-    return v41_hf.save(cfg, plan, layers, path, progress=progress)
+def unregister(name: str):
+    """Take a variant out again (a test's own variant, at its end)."""
+    _REGISTRY.pop(name, None)
 
 
-def _v41_save_init(cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None, progress=None,
-                   before_write=None):
-    _v41_table_dtype(table_dtype)
-    plan = HashPlan(cfg, compression=compression)
-    return v41_hf.save(cfg, plan, v41_weights.init_layers(cfg, plan, seed, graft_zero_init), path,
-                       progress=progress, before_write=before_write)
+def registered() -> tuple:
+    """The names of every registered variant, in registration order."""
+    return tuple(_REGISTRY)
 
 
-VARIANTS = {
-    DEMO: Variant(
-        name=DEMO, weights=demo_weights.LayerWeights, validate_layer=demo_weights.validate_layer,
-        init_layers=lambda cfg, plan, seed, zero: demo_weights.init_layers(cfg, plan, seed, zero),
-        from_state_dict=demo_weights.layer_from_state_dict,
-        forward=lambda cfg, w, rows, dead, hidden: demo_reference.forward(cfg, rows, w, hidden),
-        engine=StreamEngine, load=demo_checkpoint.load,
-        save=demo_checkpoint.save,
-        save_init=_demo_save_init, is_checkpoint=lambda path: not os.path.isdir(path),
-        folder_of=lambda path: None,
-        describe=lambda cfg: f"conv {cfg.kernel_size} taps x dilation {cfg.max_ngram_size}",
-        step_weights=lambda w: w.proj_w,
-        weight_dtypes=demo_weights.WEIGHT_DTYPES),
-    V41: Variant(
-        name=V41, weights=v41_weights.V41LayerWeights, validate_layer=v41_weights.validate_layer,
-        init_layers=v41_weights.init_layers, from_state_dict=v41_weights.layer_from_state_dict,
-        forward=lambda cfg, w, rows, dead, hidden: v41_reference.forward(cfg, rows, dead, w, hidden),
-        engine=V41StreamEngine,
-        load=lambda path, mmap=True: v41_hf.load(path, mmap=mmap),
-        save=_v41_save, save_init=_v41_save_init, is_checkpoint=os.path.isdir, folder_of=v41_hf.folder_of,
-        describe=lambda cfg: f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv",
-        step_weights=lambda w: w.wkv_weight,
-        weight_dtypes=("float8_e4m3fn",)),
-}
+def variants() -> tuple:
+    """Every registered Variant, in registration order."""
+    return tuple(_REGISTRY.values())
+
+
+def get(name) -> Variant:
+    """The entry of variant `name`; an unknown name raises ValueError naming the known ones."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"EngramConfig.variant must be one of {registered()}, got {name!r}") from None
 
 
 def variant_of(cfg) -> Variant:
     """The registry entry of cfg.variant."""
-    return VARIANTS[cfg.variant]
+    return get(cfg.variant)
+

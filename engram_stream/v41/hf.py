@@ -25,12 +25,13 @@ import re
 
 import numpy as np
 
-from ..config import V41, EngramConfig, min_chain_rows
+from ..config import EngramConfig, min_chain_rows
 from ..errors import HFCheckpointError
 from ..io import safetensors
 from ..io.files import atomic_folder, atomic_output, open_regular
 from ..io.safetensors import DTYPES, MAX_HEADER, SafetensorsFile, Tensor  # noqa: F401 (Tensor: writers' API)
 from ..plan import HashPlan
+from .config import V41
 from .weights import NAMES, RAW, V41LayerWeights, random_e4m3, shapes
 
 INDEX = "model.safetensors.index.json"

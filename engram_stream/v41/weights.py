@@ -9,8 +9,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from ..config import V41, V41_BLOCK, EngramConfig
+from ..config import EngramConfig
 from ..plan import frozen
+from .config import V41, V41_BLOCK
 
 E4M3, E8M0, BF16 = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e8m0fnu),
                     np.dtype(ml_dtypes.bfloat16))

@@ -1,0 +1,46 @@
+"""The deepseek-v4.1 variant's registry entry: Hugging Face folders of float8 shards, the wkv
+projection and the q/k gate, DEAD tokens (config.py holds its config rules)."""
+import os
+
+from .. import variants
+from ..plan import HashPlan
+from . import config, hf, reference, weights
+from ._engine import V41StreamEngine
+
+
+def _no_table_dtype(table_dtype):
+    if table_dtype is not None:
+        raise ValueError(f"table_dtype={table_dtype!r}: a {config.V41} checkpoint keeps its float8 tables")
+
+
+def _save(cfg, plan, layers, path, table_dtype=None, progress=None):
+    _no_table_dtype(table_dtype)
+    return hf.save(cfg, plan, layers, path, progress=progress)
+
+
+def _save_init(cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None, progress=None,
+               before_write=None):
+    _no_table_dtype(table_dtype)
+    plan = HashPlan(cfg, compression=compression)
+    return hf.save(cfg, plan, weights.init_layers(cfg, plan, seed, graft_zero_init), path,
+                   progress=progress, before_write=before_write)
+
+
+def _with_weight_dtype(cfg, layers, name):
+    return layers   # weight_dtypes has only the float8 it holds
+
+
+VARIANT = variants.register(variants.Variant(
+    name=config.V41, config_fields=config.FIELDS, validate_config=config.validate,
+    example_config=config.EXAMPLE, field_help=config.FIELD_HELP,
+    reads_hf_config=config.reads_hf_config, from_hf_config=config.from_hf_config, to_hf_config=config.to_hf_config,
+    weights=weights.V41LayerWeights, validate_layer=weights.validate_layer,
+    init_layers=weights.init_layers, from_state_dict=weights.layer_from_state_dict,
+    weight_dtypes=("float8_e4m3fn",), with_weight_dtype=_with_weight_dtype,
+    load=lambda path, mmap=True, compression=None: hf.load(path, mmap=mmap, compression=compression),
+    save=_save, save_init=_save_init, table_dtypes=(),
+    is_checkpoint=os.path.isdir, folder_checkpoint=True, folder_of=hf.folder_of,
+    forward=lambda cfg, w, rows, dead, hidden: reference.forward(cfg, rows, dead, w, hidden),
+    engine=V41StreamEngine,
+    describe=lambda cfg: f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv",
+    step_weights=lambda w: w.wkv_weight))
