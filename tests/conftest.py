@@ -160,6 +160,35 @@ def make_v41_model(G=2, D=64, n=4, nh=2, hd=32, vocab=300, img=V41_IMG, layers=(
     return EngramModel.init(cfg, seed=seed, compression=dense_compression(vocab, rng) if comp else None)
 
 
+# The contract suites' models: a small one of every registered variant. The built-in variants have
+# theirs here (non-trivial norms, a compression); any other variant is made from its registry
+# entry's example_config (tests/contract/test_toy_variant.py registers one).
+CONTRACT_MODELS = {
+    "demo-v1": lambda seed=3, **kw: make_model(G=2, n=3, K=3, D=16, comp=True, seed=seed, vocab=60, **kw),
+    "deepseek-v4.1": lambda seed=0, **kw: make_v41_model(seed=seed, **kw),
+}
+
+
+def contract_variants() -> list:
+    """The names of every registered variant: the contract suites run on each."""
+    from engram_stream import variants
+    return list(variants.registered())
+
+
+def contract_model(variant, seed=None, **kw):
+    """A small model of a registered variant, for the contract suites."""
+    from engram_stream import EngramConfig, EngramModel, variants
+    if variant in CONTRACT_MODELS:
+        return CONTRACT_MODELS[variant](**kw) if seed is None else CONTRACT_MODELS[variant](seed=seed, **kw)
+    return EngramModel.init(EngramConfig(**variants.get(variant).example_config), seed=seed or 0)
+
+
+def checkpoint_path(model, folder, name="ckpt"):
+    """Where a test saves `model`: a folder for a variant whose checkpoints are folders, else a file."""
+    from engram_stream import variants
+    return folder / (name if variants.variant_of(model.cfg).folder_checkpoint else f"{name}.st")
+
+
 def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
     """Random ids for either variant: some negative (demo: they pass through; V4.1: DEAD in the
     window), and for V4.1 image (DEAD) tokens, also at the start and in runs."""

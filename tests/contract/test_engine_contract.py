@@ -15,17 +15,15 @@ import pytest
 
 from engram_stream import EngineSnapshot, EngramModel
 from engram_stream.errors import FileChangedError
-from conftest import close, make_model, make_v41_model, variant_ids
+from conftest import checkpoint_path, close, contract_model, contract_variants, variant_ids
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
-VARIANTS = ["demo", "v41"]
+VARIANTS = contract_variants()   # every registered variant
 
 
 def _model(variant, **kw):
-    if variant == "demo":
-        return make_model(G=2, n=3, K=3, D=16, comp=True, seed=3, vocab=60, **kw)
-    return make_v41_model(**kw)
+    return contract_model(variant, **kw)
 
 
 @pytest.fixture(params=VARIANTS, scope="module")
@@ -127,7 +125,7 @@ def test_out_overlapping_hidden_is_refused_and_changes_nothing(model):
 def _saved(variant, tmp_path):
     tmp_path.mkdir(parents=True, exist_ok=True)
     m = _model(variant)
-    path = tmp_path / ("m.st" if variant == "demo" else "ckpt")
+    path = checkpoint_path(m, tmp_path)
     m.save(path)
     return EngramModel.load(path, mmap=True), path
 
@@ -173,7 +171,7 @@ def test_a_changed_file_is_refused_by_every_call(variant, how, tmp_path):
                 fh.write(b"\x7f")
         for name, call in CALLS.items():
             e = engines[name]
-            OUT[0] = d / ("copy.st" if variant == "demo" else "copy")
+            OUT[0] = checkpoint_path(m, d, "copy")
             with pytest.raises(FileChangedError, match=str(f.name)):
                 call(m, e, L, ids, h)
             if name != "forward" and name != "save":
@@ -241,7 +239,7 @@ def test_a_snapshot_restores_into_the_same_model_saved_and_loaded(variant, tmp_p
     for p in range(4):
         eng.step(int(ids[0, p]), hid[0, p])
     snap = eng.snapshot()
-    path = tmp_path / ("m.st" if variant == "demo" else "ckpt")
+    path = checkpoint_path(m, tmp_path)
     m.save(path)
     back = EngramModel.load(path).stream(L)
     back.restore(snap)

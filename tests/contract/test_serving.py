@@ -16,18 +16,16 @@ from engram_stream import EngramModel
 from engram_stream.errors import TierError
 from engram_stream.rows import RowTiers
 from engram_stream.rows._cache import slot_bytes
-from conftest import close, hypothesis_settings, make_model, make_v41_model, variant_ids
+from conftest import close, contract_model, contract_variants, hypothesis_settings, variant_ids
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
 HYP = hypothesis_settings(20)
-VARIANTS = ["demo", "v41"]
+VARIANTS = contract_variants()   # every registered variant
 
 
-def _model(variant, seed=3):
-    if variant == "demo":
-        return make_model(G=2, n=3, K=3, D=16, comp=True, seed=seed, vocab=60)
-    return make_v41_model(seed=seed)
+def _model(variant, seed=None):
+    return contract_model(variant, seed=seed)
 
 
 _MODELS = {}
@@ -200,7 +198,7 @@ def test_commit_rules(variant):
 
 def test_commit_costs_little_next_to_its_call():
     """Bounded rollback: the commit touches only the slots of the call (no engine copy)."""
-    model = model_of("demo")
+    model = model_of("demo-v1")
     eng = model.stream(model.cfg.layer_ids[0], 16)
     rng = np.random.default_rng(0)
     ids = variant_ids(model, rng, (80,))
@@ -400,8 +398,8 @@ import numpy as np, memray
 sys.path.insert(0, sys.argv[1])
 from conftest import make_model, make_v41_model
 res = {}
-for variant in ("demo", "v41"):
-    model = make_model(G=2, n=3, K=3, D=136, vocab=60, layers=(1,)) if variant == "demo" else make_v41_model(D=128)
+for variant, model in (("demo-v1", make_model(G=2, n=3, K=3, D=136, vocab=60, layers=(1,))),
+                       ("deepseek-v4.1", make_v41_model(D=128))):
     G, D = model.cfg.hc_mult, model.cfg.hidden_size
     eng = model.stream(1, 4)
     rng = np.random.default_rng(0)
@@ -438,7 +436,7 @@ def test_packed_calls_allocate_nothing_with_out():
     r = run_python(["-c", _ALLOC, os.path.join(ROOT, "tests")], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    for variant in VARIANTS:
+    for variant in ("demo-v1", "deepseek-v4.1"):
         n, nbytes = res[f"{variant}_out"]
         assert n <= 2 and nbytes < 4096, res
         assert res[f"{variant}_no_out"][0] >= 300, res
