@@ -1,7 +1,7 @@
 """engram_stream: a streaming inference engine for Engram (DeepSeek's conditional n-gram memory).
 
-The map of the package (which file holds what) is the README's "Where things are";
-DESIGN.md at the repository root explains why it is laid out so.
+The map of the package (which file holds what) and why it is laid out so: DESIGN.md at the
+repository root (section 12, Layout).
 """
 import os as _os
 

@@ -1,5 +1,5 @@
 """The package's shape: imports go one way (no circle), every module imports on its own, and
-the README's map of where things are names every module and only files that exist."""
+the map of where things are (DESIGN.md 12) names every module and only files that exist."""
 import ast
 import os
 import re
@@ -144,21 +144,22 @@ def test_every_module_imports_alone():
     assert not bad, bad
 
 
-def _readme_map():
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+def _layout_map():
+    """The map of where things are: DESIGN.md's Layout section."""
+    with open(os.path.join(ROOT, "DESIGN.md"), encoding="utf-8") as f:
         text = f.read()
-    section = text.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    section = text.split("## 12. Layout", 1)[1].split("\n## ", 1)[0]
     return section, set(re.findall(r"`([\w./-]+\.(?:py|pyx|pxd|h|md|txt))`", section))
 
 
-def test_readme_map_names_real_files():
-    _, files = _readme_map()
+def test_layout_map_names_real_files():
+    _, files = _layout_map()
     missing = sorted(f for f in files if not os.path.exists(os.path.join(ROOT, f)))
     assert not missing, missing
 
 
-def test_readme_map_names_every_module():
-    section, files = _readme_map()
+def test_layout_map_names_every_module():
+    section, files = _layout_map()
     listed = {f[:-len(os.path.splitext(f)[1])] for f in files}
     want = {os.path.relpath(p, ROOT)[:-len(os.path.splitext(p)[1])] for p in _modules().values()}
     want = {w for w in want if not w.endswith("__init__")}
