@@ -1,4 +1,4 @@
-"""What the changed-file check costs a decode step (issue 12 item 5).
+"""What the changed-file check (one fstat before every call reads a mapped table) costs a decode step.
 
     python bench/bench_file_check.py            # small dims (D=256: the check weighs most)
     options: --steps N (20000)  --rounds R (7)  --hidden D (256)

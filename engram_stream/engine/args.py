@@ -1,7 +1,7 @@
 """Argument checks of the streaming engines' public calls, in one place.
 
 Every check runs before an engine changes any state, so a refused call leaves it as it was.
-Used by both engines (StreamEngine in _engine.pyx, V41StreamEngine in _engine_v41.pyx).
+Used by both engines (StreamEngine in demo/_engine.pyx, V41StreamEngine in v41/_engine.pyx).
 """
 from __future__ import annotations
 

@@ -171,7 +171,7 @@ print("peak", int(peak) * 1024, rc)
 
 def test_init_memory_stays_flat_whatever_the_table_size(tmp_path):
     """Peak RSS of a fresh process writing ~0.4 GB of tables stays far below the tables' size
-    (they used to be built whole in RAM first)."""
+    (the tables are drawn and written in pieces, never built whole in RAM)."""
     tables = _table_bytes(BIG_INIT)
     out = tmp_path / "big.safetensors"
     r = run_python(["-c", VMHWM, "init", str(_cfg_file(tmp_path, BIG_INIT)), "-o", str(out), "--quiet"],
@@ -373,7 +373,7 @@ def test_init_help_documents_the_config_file_and_both_seeds(capsys):
 def test_build_compression_writes_exactly_the_path_it_reports(tmp_path, capsys):
     pytest.importorskip("tokenizers")
     tok = _tokenizer(tmp_path)
-    out = tmp_path / "lookup"  # no .npy suffix: np.save(name) used to write lookup.npy
+    out = tmp_path / "lookup"  # no .npy suffix: np.save(name) would write lookup.npy
     assert main(["build-compression", str(tok), "-o", str(out)]) == 0
     assert f"wrote {out}:" in capsys.readouterr().out
     assert out.exists() and not (tmp_path / "lookup.npy").exists()

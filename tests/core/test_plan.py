@@ -637,7 +637,7 @@ def test_fp_and_division_mod_paths(vocab, n_head, fp):
             assert got[L][:, :5].tolist() == py_rows(ids[:, :5], None, 3, plan.multipliers[L], plan.primes[L])
 
 
-# --- the private _hash functions check their arguments (issue 12 item 10) --------------------------
+# --- the private _hash functions check their arguments --------------------------
 def _hash_args():
     primes = np.array([5, 7, 11, 13], np.int64)
     return (np.arange(12, dtype=np.int64).reshape(2, 6), np.array([3, 5, 7], np.int64), primes, 3, 2, 0)

@@ -253,9 +253,9 @@ def test_reset_all_and_single_stream():
 
 def test_reset_one_stream_while_feed_pending():
     """After feed(ids), reset(0) must either be refused (RuntimeError, compute then finishes the
-    token) or leave streams 1.. consistent. (Regression: reset(s) used to clear `pending` for all
-    streams although feed had already pushed the token into streams 1..'s hash windows, so their
-    next outputs matched neither the sequence with that token nor the one without it.)"""
+    token) or leave streams 1.. consistent: clearing `pending` for all streams after feed pushed the
+    token into streams 1..'s hash windows would leave their next outputs matching neither the
+    sequence with that token nor the one without it."""
     model = make_model(G=2, n=3, K=3, D=8, seed=16)
     ids, hid = inputs(model, 3, 20, np.random.default_rng(6))
     want = model.forward(1, ids, hid)

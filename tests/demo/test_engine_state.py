@@ -1,5 +1,5 @@
-"""The engine's state rules and its hardening (DESIGN.md, "The streaming engine"; issue 12
-items 1, 2, 4, 6, 7): each test here failed on the engine before the typed-memoryview pass."""
+"""The engine's state rules and its hardening (DESIGN.md 7, the streaming engines): state in
+typed memoryviews, checks before state, refused calls that change nothing."""
 from __future__ import annotations
 
 import sys

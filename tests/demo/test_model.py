@@ -485,7 +485,7 @@ def test_forward_nan_is_local(small):
             np.testing.assert_array_equal(out[0, t, g0], clean[0, t, g0])
 
 
-# --- shared read-only (issue 12 item 8) --------------------------------------------------------------
+# --- shared read-only --------------------------------------------------------------
 LAYER_ARRAYS = ("offsets", "table", "proj_w", "proj_b", "key_w", "key_b", "value_w", "value_b", "norm1", "norm2",
                 "conv_norm", "conv_w")
 

@@ -12,7 +12,7 @@ import pytest
 import engram_stream
 from conftest import ROOT, checkout
 
-# the package this session tests, as "installed" for a copy of the checkout that has no build
+# the package under test, as "installed" for a copy of the checkout that has no build
 PACKAGE_DIR = os.path.dirname(os.path.dirname(engram_stream.__file__))
 SKIP = shutil.ignore_patterns(".git", ".ci-venv", "build", "dist", "*.egg-info", "__pycache__", ".hypothesis",
                               ".pytest_cache", "*.so", "*.c", "*.bin", "out", "data")

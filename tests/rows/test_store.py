@@ -247,7 +247,7 @@ def test_residency_rows_touched(files):
     assert "rows_touched" not in store.residency(cold)[L]
 
 
-# ---- a mapped file changed under a loaded model (issue 12 item 5) --------------------------------------
+# ---- a mapped file changed under a loaded model --------------------------------------
 CHANGED = r"""
 import os, sys
 import numpy as np
