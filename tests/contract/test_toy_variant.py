@@ -43,8 +43,8 @@ def test_the_contract_suites_pass_on_a_variant_registered_here():
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                         "-p", "test_toy_variant", "-k", TOY,
                         os.path.join(HERE, "test_engine_contract.py"), os.path.join(HERE, "test_serving.py")],
-                       cwd=os.path.dirname(os.path.dirname(HERE)), env=env, capture_output=True, text=True,
-                       timeout=600)
+                       cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    # (cwd: not the repository root, whose unbuilt engram_stream/ would shadow the installed package)
     tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-2000:]
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     passed = int(tail.split(" passed")[0].split()[-1])
