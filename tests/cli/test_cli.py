@@ -379,6 +379,56 @@ def test_profile_keeps_its_capture_explains_and_starts_cold(tmp_path):
     assert " resident 0.0 -> " in r.stdout  # evicted before the decode: nothing of the table in RAM
 
 
+def _tiny_v41_folder(path, tokenizer=False):
+    from engram_stream.v41 import hf
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from make_v41_checkpoint import TINY
+    from engram_stream import EngramConfig
+    hf.make_synthetic(str(path), EngramConfig(**TINY), n_shards=3, tokenizer=tokenizer)
+    return path
+
+
+def _read_all(paths):
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(1 << 20):
+                pass
+
+
+def test_evict_drops_every_file_a_v41_model_maps(tmp_path):
+    from engram_stream import EngramModel
+    from engram_stream.rows import mapped, packed
+    folder = _tiny_v41_folder(tmp_path / "v41")
+    model = EngramModel.load(str(folder))
+    shards = sorted(str(folder / f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    assert sorted(mapped.mapped_files(model)) == shards and len(shards) == 3
+    packed.pack_rows(model, packed.rows_path(str(folder)))
+    arrays = [a for w in model.layers.values() for a in w.file_arrays() if mapped.is_file_backed(a)]
+    _read_all(shards + [packed.rows_path(str(folder))])
+    for a in arrays:
+        mapped.touch(a)
+    assert sum(mapped.resident_bytes(a) for a in arrays) == sum(a.nbytes for a in arrays)
+    evicted = mapped.evict(model)
+    assert sorted(evicted) == sorted(shards + [packed.rows_path(str(folder))])
+    assert sum(mapped.resident_bytes(a) for a in arrays) == 0  # mincore: no page of any shard cached
+    with open(packed.rows_path(str(folder)), "rb") as f:  # the row file too (a fresh mapping's mincore)
+        import mmap
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        assert mapped.resident_bytes(np.frombuffer(mm, np.uint8)) == 0
+        del mm
+
+
+def test_profile_cold_evicts_a_v41_folder(tmp_path):
+    pytest.importorskip("memray")
+    folder = _tiny_v41_folder(tmp_path / "v41")
+    _read_all(str(folder / f) for f in os.listdir(folder))  # all of it in the page cache
+    r = _cli(["profile", str(folder), "--steps", "5", "--cold"])
+    assert r.returncode == 0, r.stderr
+    assert "3 files evicted" in r.stdout, r.stdout
+    tables = re.findall(r"table [\d.]+ MiB, resident ([\d.]+) -> ", r.stdout)
+    assert tables == ["0.0", "0.0"], r.stdout  # before the decode, after the eviction
+
+
 def test_bench_repeats_and_shows_the_spread(capsys):
     assert main(["bench", "--steps", "20", "--streams", "2", "--repeat", "3"]) == 0
     out = capsys.readouterr().out
