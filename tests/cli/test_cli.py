@@ -605,3 +605,69 @@ def test_a_bad_layer_is_a_clean_message(tmp_path, capsys):
     assert main(["bench", "--checkpoint", str(path), "--layer", "7"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("engram-stream: error: layer 7 is not an Engram layer") and "'" not in err.split(":", 2)[2][:3]
+
+
+# ---- README claims held to the code -------------------------------------------------------------------
+def _readme():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+def test_readme_imports_exist_under_one_package_name():
+    """The README named the row sources both engram_stream.rows and engram_stream.tiers: one name,
+    and every `from engram_stream... import ...` it shows imports."""
+    import importlib
+    readme = _readme()
+    assert "engram_stream.tiers" not in readme and "engram_stream.mooncake_servers" not in readme
+    for mod, names in re.findall(r"^from (engram_stream[\w.]*) import ([\w, ]+)$", readme, re.M):
+        m = importlib.import_module(mod)
+        for name in names.split(","):
+            assert hasattr(m, name.strip()), (mod, name)
+    for dotted in re.findall(r"`(engram_stream(?:\.\w+)+)`", readme):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+            break
+
+
+def test_readme_says_plan_hash_rows_are_head_local():
+    from engram_stream import EngramConfig, HashPlan
+    readme = _readme()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("plan.hash(ids[B, T])"))
+    assert "head-local" in line and "plan.offsets[L][h] + r" in line, line
+    plan = HashPlan(EngramConfig(**SMALL))
+    ids = np.random.default_rng(0).integers(0, SMALL["vocab_size"], (3, 50))
+    for L, rows in plan.hash(ids).items():
+        primes = np.asarray(plan.head_primes[L])
+        assert (rows >= 0).all() and (rows < primes).all()          # within each head's own table
+        assert (plan.offsets[L] + rows < plan.table_rows[L]).all()
+        assert (rows.max(axis=(0, 1)) >= primes // 2).all() and plan.offsets[L][1] > 0  # not absolute
+
+
+def test_readme_warns_that_the_transformers_extra_pulls_cuda_torch():
+    readme = _readme()
+    section = readme.split("## DeepSeek-V4.1 in transformers", 1)[1].split("```", 1)[0]
+    assert "CUDA" in section and "--index-url https://download.pytorch.org/whl/cpu" in section, section
+    with open(os.path.join(ROOT, ".ci", "constraints.txt")) as f:
+        pin = re.search(r"^torch==([\w.+]+)$", f.read(), re.M)[1]
+    assert f"torch=={pin} --index-url" in section   # the version CI runs
+
+
+def test_a_demo_file_given_to_from_deepseek_v41_says_what_it_is(tmp_path):
+    from engram_stream import EngramModel
+    from engram_stream.errors import CheckpointError
+    ckpt = tmp_path / "m.safetensors"
+    assert main(["init", str(_cfg_file(tmp_path)), "-o", str(ckpt), "--quiet"]) == 0
+    with pytest.raises(CheckpointError, match=r"single-file checkpoint .*EngramModel\.load\("):
+        EngramModel.from_deepseek_v41(str(ckpt))
+    folder = _tiny_v41_folder(tmp_path / "v41")
+    shard = next(folder.glob("*.safetensors"))
+    with pytest.raises(CheckpointError, match="pass the folder"):
+        EngramModel.from_deepseek_v41(str(shard))
+    with pytest.raises(CheckpointError, match="no config.json: not a deepseek-v4.1 folder"):
+        EngramModel.from_deepseek_v41(str(tmp_path))
