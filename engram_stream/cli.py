@@ -341,9 +341,8 @@ def cmd_profile(args):
     if args.cold and not args.checkpoint:
         raise CliError("--cold needs a checkpoint (the built-in demo model lives in RAM)")
     capture = _check_output(args.output, args.force, inputs=[args.checkpoint]) if args.output else None
-    if args.cold:
-        store.evict_file(args.checkpoint)  # before mapping it: mapped pages could not be dropped
     model = EngramModel.load(args.checkpoint, mmap=True) if args.checkpoint else _model_for_demo(args)
+    evicted = store.evict(model) if args.cold else []  # every file it maps: a folder's shards, the row file
     cfg = model.cfg
     G, D = cfg.hc_mult, cfg.hidden_size
     rng = np.random.default_rng(args.seed)
@@ -368,7 +367,8 @@ def cmd_profile(args):
         peak, total = reader.metadata.peak_memory, reader.metadata.total_allocations
     after = store.proc_status()
     print(f"decoded {args.steps} tokens x {len(cfg.layer_ids)} layers in {dt:.2f} s (under memray)"
-          + (", cold start: the file was evicted from the page cache first" if args.cold else ""))
+          + (f", cold start: {len(evicted)} file{'s' * (len(evicted) != 1)} evicted from the page cache first"
+             if args.cold else ""))
     print(f"heap: peak {peak / 2**10:,.1f} KiB over the decode, {total} allocations")
     print("  (memray: native allocations made while decoding, the engines already built; the engine "
           "allocates nothing per token, so 0 is the expected result; Python's small-object allocator "

@@ -187,8 +187,25 @@ class EngramModel:
         return self
 
     def row_cache_stats(self) -> dict:
-        """Row cache counters summed over this model's engines: hits, misses, bytes_fetched,
-        evictions, rows_cached, ... and per layer ("layers"). All zero without a row cache."""
+        """Row cache counters summed over this model's engines, and per layer ("layers"); all
+        zero without a row cache. Every field has one meaning whatever the source behind the cache
+        (engram_stream.rows.tiers.STATS_FIELDS; DESIGN.md's table):
+
+        hits           count   lookups (a row of one position and head) served without a read of
+                               their own: cached, or read for an earlier position of the same call
+        misses         count   rows read from the source for the cache (once per call)
+        bytes_fetched  bytes   misses x record bytes (a row then its scale: 264 for V4.1)
+        evictions      count   rows dropped to make room
+        rows_cached, capacity_rows   count   rows in the cache now, rows it can hold
+        cache_bytes    bytes   the cache's RAM: its capacity, allocated whole (not the rows in it)
+        reads          count   preads (tables="direct") or a store's batched gets; 0 when mapped
+        bytes_read     bytes   what those reads transferred: whole 4 KiB pages for preads (a
+                               264-byte record costs a page), the records' bytes from a store
+        rows_read      count   distinct rows those reads brought
+        read_wait_p50, read_wait_p99   seconds   time a call waited for its reads
+        budget_bytes   bytes   row_cache_mb as the caches split it: at most budget_cap_bytes
+        budget_cap_bytes bytes what caching every row costs (a larger row_cache_mb is cut to it)
+        fetches, fetch_seconds   count, seconds   a Mooncake Store's gets and their total time"""
         from .rows.tiers import RowTiers
         return (self.row_tiers or RowTiers(self)).stats()
 

@@ -247,11 +247,15 @@ cdef class CachedRows(RowSource):
                     self.src[i] = NULL
                     self.mpos[m] = i
                     m += 1
-            c.misses += m
             PyThread_release_lock(lock)
             for i in range(m):
                 self.uniq[i] = rows[self.mpos[i]]
             nu = es_io_unique(self.uniq, m, self.uniq)
+            if m:  # a miss is a row read; its repeats in this call are served by that read: hits,
+                PyThread_acquire_lock(lock, WAIT_LOCK)  # as the mapped source counts them
+                c.misses += nu
+                c.hits += m - nu
+                PyThread_release_lock(lock)
         self.npins, self.m, self.nu = npins, m, nu
         self.sub_rows, self.sub_n = rows, n
         if nu:

@@ -11,6 +11,7 @@ is a plain memory read; this module only talks to the kernel about its pages:
                             RowPrefetcher(t) is the same bound to one table, for a decode loop
   resident_bytes(a)         how much of `a` is in RAM (mincore: the page cache for file pages)
   evict_file(path)          drop the file's unmapped pages from the page cache (cold start)
+  evict(model)              release() and evict_file() every file the model maps (a cold start)
   release(model)            unmap this process's table pages (they stay cached until evicted)
   residency(model)          {layer: {"table_bytes", "resident_bytes", "file_backed"[, "rows_touched"]}}
   track_rows(engine)        a bitmap the engine marks with every row it reads (for rows_touched)
@@ -126,6 +127,37 @@ def evict_file(path):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def mapped_files(model) -> list:
+    """Paths of every file the model's layers map (a demo file, a V4.1 folder's shards), in order."""
+    paths = []
+    for w in model.layers.values():
+        for a in w.file_arrays():
+            mm = mapping_of(a)
+            if isinstance(mm, MappedFile) and mm.path not in paths:
+                paths.append(mm.path)
+    return paths
+
+
+def evict(model) -> list:
+    """A cold start for a loaded model: unmap this process's pages of every file the model maps
+    (MADV_DONTNEED on the whole mappings: clean file pages, nothing is lost) and drop those files
+    and the packed row file beside the checkpoint (when there is one) from the page cache.
+    Returns the paths evicted. Pages another process maps stay (the kernel keeps them)."""
+    from . import packed
+    paths = mapped_files(model)
+    for w in model.layers.values():
+        for a in w.file_arrays():
+            if isinstance(mapping_of(a), MappedFile):
+                advise(a, "dontneed")
+    source = getattr(model, "source", None)
+    rows = packed.rows_path(source) if source is not None else None
+    if rows is not None and os.path.isfile(rows):
+        paths.append(rows)
+    for path in paths:
+        evict_file(path)
+    return paths
 
 
 def _tables(model):

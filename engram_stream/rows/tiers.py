@@ -21,6 +21,38 @@ from .direct import DirectTier
 from .records import record_arrays, record_layout  # noqa: F401 (also their import path here)
 
 
+# Every field of row_cache_stats(): its unit and its one meaning, whichever source is behind the
+# cache (DESIGN.md's table of them is checked against this). A lookup is one row of one position
+# (token, head) of one layer; a record is a row's bytes then its scale's (264 bytes for V4.1).
+STATS_FIELDS = {
+    "hits": "lookups, count: served without a read of their own: the row was cached, or a read "
+            "for an earlier position of the same call brought it",
+    "misses": "rows, count: rows the source read for the cache (a row once per call; its repeats "
+              "in that call are hits)",
+    "bytes_fetched": "bytes: records the source delivered to the cache, misses x record bytes",
+    "evictions": "rows, count: rows the cache dropped to make room",
+    "rows_cached": "rows, count: rows in the cache now",
+    "capacity_rows": "rows, count: rows the cache can hold",
+    "cache_bytes": "bytes: RAM the cache holds, its capacity (slots, index, keys, pins: allocated "
+                   "whole when the cache is made), not the bytes of the rows in it",
+    "reads": "operations, count: reads behind the cache: preads (tables=\"direct\") or batched "
+             "gets (a Mooncake Store); 0 for the mapped tables (page faults are not counted)",
+    "bytes_read": "bytes: what those reads transferred: whole 4 KiB pages for preads (one 264-byte "
+                  "record costs a page), the records' own bytes for a store's gets",
+    "rows_read": "rows, count: distinct rows those reads brought",
+    "read_wait_p50": "seconds: the median time a call waited for its reads (within 5%)",
+    "read_wait_p99": "seconds: the 99th percentile of that wait (within 5%)",
+    "budget_bytes": "bytes: the budget the caches split: row_cache_mb, at most budget_cap_bytes",
+    "budget_cap_bytes": "bytes: what caching every row of every layer costs; a larger row_cache_mb "
+                        "caches the tables whole and is cut to this",
+    "fetches": "operations, count (a Mooncake Store only): batched gets issued",
+    "fetch_seconds": "seconds (a Mooncake Store only): the gets' total time, start to end",
+    "layers": "{layer: that layer's hits .. read_wait_p99}",
+}
+LAYER_FIELDS = ("hits", "misses", "bytes_fetched", "evictions", "rows_cached", "capacity_rows", "cache_bytes",
+                "reads", "bytes_read", "rows_read", "read_wait_p50", "read_wait_p99")
+
+
 class RowTiers:
     """The row source and RAM budget of a loaded model (model.row_tiers).
 
@@ -45,8 +77,9 @@ class RowTiers:
         whole = {L: cache_nbytes(model.plan.table_rows[L], sum(layouts[L]))
                  for L in table_bytes}  # a layer's cache holding every row
         total, asked = sum(table_bytes.values()), int(row_cache_mb * (1 << 20))
-        self.budget = min(asked, sum(whole.values()))
-        self.layer_budget = (whole if asked >= sum(whole.values()) else
+        self.cap = sum(whole.values())
+        self.budget = min(asked, self.cap)
+        self.layer_budget = (whole if asked >= self.cap else
                              {L: min(whole[L], self.budget * b // max(1, total)) for L, b in table_bytes.items()})
         self.caches = {}                                          # layer -> the shared RowCache
         self.read_totals = {L: new_totals() for L in table_bytes}  # every DirectReader of the layer adds here
@@ -86,10 +119,7 @@ class RowTiers:
                           nrows=model.plan.table_rows[layer])
 
     def stats(self) -> dict:
-        """Per layer ("layers") and in total: the cache's hits, misses, bytes_fetched, evictions,
-        rows_cached, capacity_rows, cache_bytes; reads from disk or the store (reads: preads or
-        batched gets, bytes_read, rows_read, read_wait_p50 / _p99: seconds a call waited for its
-        rows); a store's fetches and fetch_seconds."""
+        """Per layer ("layers") and in total: the fields of STATS_FIELDS (units and meanings there)."""
         counters = RowCache.COUNTERS
         sizes = ("rows_cached", "capacity_rows", "cache_bytes")
         per = {}
@@ -102,6 +132,7 @@ class RowTiers:
         out.update({k: v for k, v in totals_summary(sum(self.read_totals.values())).items() if k.startswith("read_wait")})
         out["layers"] = per
         out["budget_bytes"] = self.budget
+        out["budget_cap_bytes"] = self.cap
         if self.tier is not None and self.direct is None:
             out.update(self.remote)
         return out

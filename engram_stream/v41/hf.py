@@ -294,11 +294,27 @@ def cached_compression(tokenizer_json, decode="backend", cache=None):
     return lookup
 
 
+def _not_a_folder(path) -> str:
+    """What a file given where a deepseek-v4.1 folder belongs is, and what takes it."""
+    folder = folder_of(path)
+    if folder is not None:
+        return f"{path}: a file of the deepseek-v4.1 folder {folder}: pass the folder"
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) == 8 and 0 < int.from_bytes(head, "little") < MAX_HEADER:
+        return (f"{path}: a single-file checkpoint (safetensors; the demo-v1 variant's format), not a deepseek-v4.1 "
+                f"folder: load it with EngramModel.load({path!r})")
+    return f"{path}: a file, not a deepseek-v4.1 folder (config.json, {INDEX}, the shards, tokenizer.json)"
+
+
 def read_config(ckpt_dir) -> EngramConfig:
     """The folder's config.json as an EngramConfig; any problem a HFCheckpointError naming it."""
     path = os.path.join(ckpt_dir, "config.json")
+    if os.path.isfile(ckpt_dir):
+        raise HFCheckpointError(_not_a_folder(ckpt_dir))
     if not os.path.isfile(path):
-        raise HFCheckpointError(f"{ckpt_dir}: no config.json")
+        raise HFCheckpointError(f"{ckpt_dir}: no config.json: not a deepseek-v4.1 folder (config.json, "
+                                f"{INDEX}, the shards, tokenizer.json)")
     with open_regular(path, lambda m: _err(path, m)) as f:
         try:
             hf = json.loads(f.read(MAX_HEADER + 1))

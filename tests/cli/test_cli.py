@@ -393,6 +393,56 @@ def test_profile_keeps_its_capture_explains_and_starts_cold(tmp_path):
     assert " resident 0.0 -> " in r.stdout  # evicted before the decode: nothing of the table in RAM
 
 
+def _tiny_v41_folder(path, tokenizer=False):
+    from engram_stream.v41 import hf
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from make_v41_checkpoint import TINY
+    from engram_stream import EngramConfig
+    hf.make_synthetic(str(path), EngramConfig(**TINY), n_shards=3, tokenizer=tokenizer)
+    return path
+
+
+def _read_all(paths):
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(1 << 20):
+                pass
+
+
+def test_evict_drops_every_file_a_v41_model_maps(tmp_path):
+    from engram_stream import EngramModel
+    from engram_stream.rows import mapped, packed
+    folder = _tiny_v41_folder(tmp_path / "v41")
+    model = EngramModel.load(str(folder))
+    shards = sorted(str(folder / f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    assert sorted(mapped.mapped_files(model)) == shards and len(shards) == 3
+    packed.pack_rows(model, packed.rows_path(str(folder)))
+    arrays = [a for w in model.layers.values() for a in w.file_arrays() if mapped.is_file_backed(a)]
+    _read_all(shards + [packed.rows_path(str(folder))])
+    for a in arrays:
+        mapped.touch(a)
+    assert sum(mapped.resident_bytes(a) for a in arrays) == sum(a.nbytes for a in arrays)
+    evicted = mapped.evict(model)
+    assert sorted(evicted) == sorted(shards + [packed.rows_path(str(folder))])
+    assert sum(mapped.resident_bytes(a) for a in arrays) == 0  # mincore: no page of any shard cached
+    with open(packed.rows_path(str(folder)), "rb") as f:  # the row file too (a fresh mapping's mincore)
+        import mmap
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        assert mapped.resident_bytes(np.frombuffer(mm, np.uint8)) == 0
+        del mm
+
+
+def test_profile_cold_evicts_a_v41_folder(tmp_path):
+    pytest.importorskip("memray")
+    folder = _tiny_v41_folder(tmp_path / "v41")
+    _read_all(str(folder / f) for f in os.listdir(folder))  # all of it in the page cache
+    r = _cli(["profile", str(folder), "--steps", "5", "--cold"])
+    assert r.returncode == 0, r.stderr
+    assert "3 files evicted" in r.stdout, r.stdout
+    tables = re.findall(r"table [\d.]+ MiB, resident ([\d.]+) -> ", r.stdout)
+    assert tables == ["0.0", "0.0"], r.stdout  # before the decode, after the eviction
+
+
 def test_bench_repeats_and_shows_the_spread(capsys):
     assert main(["bench", "--steps", "20", "--streams", "2", "--repeat", "3"]) == 0
     out = capsys.readouterr().out
@@ -570,3 +620,69 @@ def test_a_bad_layer_is_a_clean_message(tmp_path, capsys):
     assert main(["bench", "--checkpoint", str(path), "--layer", "7"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("engram-stream: error: layer 7 is not an Engram layer") and "'" not in err.split(":", 2)[2][:3]
+
+
+# ---- README claims held to the code -------------------------------------------------------------------
+def _readme():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read()
+
+
+def test_readme_imports_exist_under_one_package_name():
+    """The README named the row sources both engram_stream.rows and engram_stream.tiers: one name,
+    and every `from engram_stream... import ...` it shows imports."""
+    import importlib
+    readme = _readme()
+    assert "engram_stream.tiers" not in readme and "engram_stream.mooncake_servers" not in readme
+    for mod, names in re.findall(r"^from (engram_stream[\w.]*) import ([\w, ]+)$", readme, re.M):
+        m = importlib.import_module(mod)
+        for name in names.split(","):
+            assert hasattr(m, name.strip()), (mod, name)
+    for dotted in re.findall(r"`(engram_stream(?:\.\w+)+)`", readme):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable prefix, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+            break
+
+
+def test_readme_says_plan_hash_rows_are_head_local():
+    from engram_stream import EngramConfig, HashPlan
+    readme = _readme()
+    line = next(ln for ln in readme.splitlines() if ln.startswith("plan.hash(ids[B, T])"))
+    assert "head-local" in line and "plan.offsets[L][h] + r" in line, line
+    plan = HashPlan(EngramConfig(**SMALL))
+    ids = np.random.default_rng(0).integers(0, SMALL["vocab_size"], (3, 50))
+    for L, rows in plan.hash(ids).items():
+        primes = np.asarray(plan.head_primes[L])
+        assert (rows >= 0).all() and (rows < primes).all()          # within each head's own table
+        assert (plan.offsets[L] + rows < plan.table_rows[L]).all()
+        assert (rows.max(axis=(0, 1)) >= primes // 2).all() and plan.offsets[L][1] > 0  # not absolute
+
+
+def test_readme_warns_that_the_transformers_extra_pulls_cuda_torch():
+    readme = _readme()
+    section = readme.split("## DeepSeek-V4.1 in transformers", 1)[1].split("```", 1)[0]
+    assert "CUDA" in section and "--index-url https://download.pytorch.org/whl/cpu" in section, section
+    with open(os.path.join(ROOT, ".ci", "constraints.txt")) as f:
+        pin = re.search(r"^torch==([\w.+]+)$", f.read(), re.M)[1]
+    assert f"torch=={pin} --index-url" in section   # the version CI runs
+
+
+def test_a_demo_file_given_to_from_deepseek_v41_says_what_it_is(tmp_path):
+    from engram_stream import EngramModel
+    from engram_stream.errors import CheckpointError
+    ckpt = tmp_path / "m.safetensors"
+    assert main(["init", str(_cfg_file(tmp_path)), "-o", str(ckpt), "--quiet"]) == 0
+    with pytest.raises(CheckpointError, match=r"single-file checkpoint .*EngramModel\.load\("):
+        EngramModel.from_deepseek_v41(str(ckpt))
+    folder = _tiny_v41_folder(tmp_path / "v41")
+    shard = next(folder.glob("*.safetensors"))
+    with pytest.raises(CheckpointError, match="pass the folder"):
+        EngramModel.from_deepseek_v41(str(shard))
+    with pytest.raises(CheckpointError, match="no config.json: not a deepseek-v4.1 folder"):
+        EngramModel.from_deepseek_v41(str(tmp_path))

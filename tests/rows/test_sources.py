@@ -174,6 +174,76 @@ def test_stats_per_layer(saved):
     assert st["reads"] * 33 <= st["bytes_read"] <= st["reads"] * 256 * 1024  # pages (the last one of a file short)
 
 
+def _lookups(model, ids):
+    """{layer: (lookups, distinct rows)} of ids read as one stream: the numpy hash is the oracle."""
+    rows = model.plan.hash_numpy(np.asarray(ids)[None], layers=list(model.cfg.layer_ids))
+    return {L: (r.size, np.unique(r[0] + model.plan.offsets[L]).size) for L, r in rows.items()}
+
+
+@pytest.mark.parametrize("name", ["demo-int8", "v41-flash-rows"])
+def test_stats_fields_mean_one_thing_across_sources_and_calls(saved, name):
+    """hits, misses and bytes_fetched count the same whichever source is behind the cache and
+    however the ids arrive (warm's one long call, a prefill, token by token): a miss is a row
+    read once, every other lookup (a repeat in the same call too) a hit."""
+    from engram_stream.rows.tiers import LAYER_FIELDS, STATS_FIELDS
+    path = saved[name]
+    ref = load(path)
+    rng = np.random.default_rng(3)
+    ids = np.tile(rng.integers(0, min(200, ref.cfg.vocab_size - 1), 40), 3)  # every row repeated, in and across calls
+    want = _lookups(ref, ids)
+    hid = rng.standard_normal((ids.size, ref.cfg.hc_mult, ref.cfg.hidden_size), dtype=np.float32)
+    for tables in (None, "direct"):
+        for how in ("warm", "prefill", "steps"):
+            model = load(path, tables=tables, row_cache_mb=64)
+            if how == "warm":
+                model.warm(ids)
+            elif how == "prefill":
+                model.decoder().prefill(ids, {L: hid for L in model.cfg.layer_ids})
+            else:
+                dec = model.decoder()
+                for t, tok in enumerate(ids):
+                    dec.begin(int(tok))
+                    for L in model.cfg.layer_ids:
+                        dec.layer(L, hid[t])
+            st = model.row_cache_stats()
+            assert set(st) == set(STATS_FIELDS) - {"fetches", "fetch_seconds"}, (tables, how)
+            for L, (lookups, distinct) in want.items():
+                s = st["layers"][L]
+                assert set(s) == set(LAYER_FIELDS)
+                rec = model.row_tiers.caches[L].recbytes
+                got = (s["hits"], s["misses"], s["bytes_fetched"], s["rows_cached"])
+                assert got == (lookups - distinct, distinct, distinct * rec, distinct), (tables, how, L)
+                assert s["cache_bytes"] >= s["capacity_rows"] * rec  # the capacity, not the rows in it
+                if tables == "direct":
+                    assert s["rows_read"] == distinct and s["bytes_read"] > s["reads"] * 2048 > distinct * rec  # pages
+                else:
+                    assert s["reads"] == s["rows_read"] == s["bytes_read"] == 0
+
+
+def test_stats_expose_the_budget_cap(saved):
+    model = load(saved["v41"], row_cache_mb=1e6)
+    st = model.row_cache_stats()
+    assert 0 < st["budget_bytes"] == st["budget_cap_bytes"] < 1e6 * 2**20
+    small = load(saved["v41"], row_cache_mb=0.01).row_cache_stats()
+    assert small["budget_bytes"] == int(0.01 * 2**20) and small["budget_cap_bytes"] == st["budget_cap_bytes"]
+
+
+def test_every_stats_field_is_documented_with_its_unit():
+    from engram_stream.rows.tiers import STATS_FIELDS
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "DESIGN.md")) as f:
+        design = f.read()
+    doc = EngramModel.row_cache_stats.__doc__
+    units = ("count", "bytes", "seconds", "layer")
+    for k, meaning in STATS_FIELDS.items():
+        assert any(u in meaning.split(":")[0] for u in units), k
+        assert k in doc, k
+        row = next((ln for ln in design.splitlines() if ln.startswith("| ") and f"`{k}`" in ln.split("|")[1]), None)
+        assert row is not None, k
+        if k != "layers":
+            assert row.split("|")[2].strip(), k  # a unit
+
+
 def _break_reads(model, layer):
     """Point layer's scale file descriptor at /proc/self/mem (reads at its offsets: EIO); return a
     function that puts it back."""
