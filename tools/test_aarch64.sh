@@ -96,7 +96,12 @@ mkdir -p "$BUILD"
     CFLAGS="-I$ROOT/usr/include/python3.11 -I$ROOT/usr/include -I$NPINC" LDFLAGS="" \
     SETUPTOOLS_EXT_SUFFIX=.cpython-311-aarch64-linux-gnu.so \
     nice -n 10 "$PYTHON" setup.py -q build_ext --inplace -j 2 >build.log 2>&1) || { cat "$BUILD/build.log"; exit 1; }
-if file "$BUILD"/engram_stream/_hash*.so | grep -qv aarch64; then echo "not an aarch64 build" >&2; exit 1; fi
+"$PYTHON" - "$BUILD" <<'EOF' || exit 1
+import glob, struct, sys  # every extension is an ELF for EM_AARCH64 (183)
+sos = glob.glob(sys.argv[1] + "/engram_stream/**/*.so", recursive=True)
+bad = [p for p in sos if struct.unpack("<H", open(p, "rb").read(20)[18:20])[0] != 183]
+sys.exit(f"not aarch64 builds: {bad}" if bad or not sos else 0)
+EOF
 
 # ---- the suites under qemu ---------------------------------------------------------------------------
 # The arm64 python as a host script (QEMU_CPU picks the CPU model): what sys.executable names (qemu -0),
