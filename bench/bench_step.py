@@ -500,7 +500,7 @@ def fma_floor_per_token(cfg, meta):
 
 def register_fma_gflops(isa, threads, rounds=20_000_000):
     """The register-only FMA rate of path `isa` (engram_stream.demo._engine._fma_chains: 12
-    vector multiply-add chains, no memory) on `threads` threads at once, GFLOP/s in all,
+    vector multiply-add chains, 16 on neon, no memory) on `threads` threads at once, GFLOP/s in all,
     best of 3. The sgemm floor above is a library's kernel; this is the FMA units' own."""
     from engram_stream.demo import _engine
     best = 0.0

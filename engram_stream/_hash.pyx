@@ -137,7 +137,7 @@ def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=Fa
 # The kernel path of this module (engram_stream.engine.isa sets every module's) ----------
 
 def _isa_set(int level):
-    """Run the kernels of `level` (0 baseline, 1 avx2, 2 avx512); False if the CPU cannot."""
+    """Run the kernels of `level` (0 baseline, 1 avx2, 2 avx512, 3 neon); False if the CPU cannot."""
     return es_isa_set(level) == 0
 
 
@@ -148,3 +148,8 @@ def _isa_get():
 def _isa_cpu_best():
     """The best level this CPU and build run."""
     return es_isa_cpu_best()
+
+
+def _isa_runs(int level):
+    """Whether this CPU and build run `level`."""
+    return es_isa_runs(level) != 0

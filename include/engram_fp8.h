@@ -21,13 +21,14 @@
  * of the fp32 additions differs (FMA or multiply then add: the same, the products being exact).
  *
  * Paths: the kernels follow es_isa (engram_isa.h) like the demo's, so ENGRAM_STREAM_ISA and
- * engram_stream._isa.use_isa choose them for both variants. baseline and avx2 are one template
+ * engram_stream._isa.use_isa choose them for both variants. baseline, avx2 and neon are one template
  * (engram_fp8_kern.h): e4m3 widened exactly in registers (avx2: through fp16 bits and F16C,
- * the value times 2^-8 with the 2^8 folded into the block scale; baseline: through float32
- * bits, portable C that GCC and clang vectorize for SSE2 / NEON). The avx512 path is its own
+ * the value times 2^-8 with the 2^8 folded into the block scale; neon: the same fp16 bits by
+ * SSHLL and FCVTL; baseline: through float32 bits, portable C that GCC and clang vectorize for
+ * SSE2 / NEON). The avx512 path is its own
  * code below (the fp16 widening on 512-bit registers, 16-lane FMAs); its gathers and quantizer
  * are the avx2 copies (exact: the same bits), its gate tail the plain one. NaN codes: the x86
- * projections read those of wkv (0x7f/0xff) as +-480 (checkpoints hold none); the baseline and
+ * and neon projections read those of wkv (0x7f/0xff) as +-480 (checkpoints hold none); the baseline and
  * every path's gathers read NaN, as the reference. The *_plain functions are the portable
  * scalar C (the reference of the benchmarks). Nothing here allocates (the caller passes the
  * scratch; thread starts that fail run inline) and nothing fails.
@@ -234,6 +235,24 @@ static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int 
 #define ES8_GR 4
 #define ES8_MG 8
 #define ES8_XR 6
+#define ES8_XV 2
+#define ES8_XR1 12
+#define ES8_KB 256
+#define ES8_KB_FEW 512
+#define ES8_FEW 32
+#define ES8_XCOLS 2
+#include "engram_fp8_kern.h"
+#endif
+#if ES_NEON_PATHS
+#define ES_SFX neon /* 32 registers: the GEMV 2 rows at once (4 spill: bench/inner_loops.py); tiles of 8
+                     * rows x 2 token vectors */
+#define ES_TGT ES_TARGET_NEON
+#define ES_VW 4
+#define ES_F16C 0
+#define ES_NEON 1
+#define ES8_GR 2
+#define ES8_MG 8
+#define ES8_XR 8
 #define ES8_XV 2
 #define ES8_XR1 12
 #define ES8_KB 256
@@ -463,12 +482,18 @@ static inline void es8_gather(const uint8_t *w, const uint8_t *sc, int hd, const
 #if ES_X86_PATHS
     if (es8_isa() >= ES_ISA_AVX2) { es8_gather_avx2(w, sc, hd, rows, H, e); return; } /* avx512 too: exact */
 #endif
+#if ES_NEON_PATHS
+    if (es8_isa() == ES_ISA_NEON) { es8_gather_neon(w, sc, hd, rows, H, e); return; }
+#endif
     es8_gather_baseline(w, sc, hd, rows, H, e);
 }
 
 static inline void es8_act_quant(const float *x, int n, float *qx, float *s) {
 #if ES_X86_PATHS
     if (es8_isa() >= ES_ISA_AVX2) { es8_act_quant_avx2(x, n, qx, s); return; } /* avx512 too: the same bits */
+#endif
+#if ES_NEON_PATHS
+    if (es8_isa() == ES_ISA_NEON) { es8_act_quant_neon(x, n, qx, s); return; }
 #endif
     es8_act_quant_baseline(x, n, qx, s);
 }
@@ -481,6 +506,9 @@ static inline void es8_gate_tail(const float *kv, const float *hid, const float 
 #if ES_X86_PATHS
         case ES_ISA_AVX512: es8_gate_tail_plain(kv, hid, qw, kw, G, D, eps, dead, out); break;
         case ES_ISA_AVX2: es8_gate_tail_avx2(kv, hid, qw, kw, G, D, eps, dead, out); break;
+#endif
+#if ES_NEON_PATHS
+        case ES_ISA_NEON: es8_gate_tail_neon(kv, hid, qw, kw, G, D, eps, dead, out); break;
 #endif
         default: es8_gate_tail_baseline(kv, hid, qw, kw, G, D, eps, dead, out); break;
     }
@@ -517,7 +545,7 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const fl
                                  const uint8_t *W, const uint8_t *WS, int M, float *Y, int64_t g0, int64_t g1,
                                  float *scratch) {
     const int nb = E / ES8_BLOCK;
-    /* the x86 widenings read value * 2^-8: 2^8 folded into the block scale (the baseline's: exact) */
+    /* the x86 and NEON widenings read value * 2^-8: 2^8 folded into the block scale (the baseline's: exact) */
     const float f = isa == ES_ISA_BASELINE ? 1.0f : 256.0f;
     float wsf[nb];
     for (int64_t g = g0; g < g1; g++) {
@@ -535,6 +563,9 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const fl
                 break;
             }
             case ES_ISA_AVX2: es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
+#endif
+#if ES_NEON_PATHS
+            case ES_ISA_NEON: es8_group_neon(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
 #endif
             default: es8_group_baseline(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
         }
@@ -582,11 +613,17 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
         lanes = isa == ES_ISA_AVX512 ? 16 : isa == ES_ISA_AVX2 ? es8_xlanes_avx2 : lanes;
         mg = isa == ES_ISA_AVX512 ? 0 : isa == ES_ISA_AVX2 ? es8_mg_avx2 : mg;
 #endif
+#if ES_NEON_PATHS
+        if (isa == ES_ISA_NEON) lanes = es8_xlanes_neon, mg = es8_mg_neon;
+#endif
         xt = scratch;
         if (S <= mg) {  /* a few tokens on the template paths: each in its GEMV's order */
             for (int64_t t = 0; t < S; t++) {
 #if ES_X86_PATHS
                 if (isa == ES_ISA_AVX2) { es8_gemv_layout_avx2(qx + t * ldq, E, xt + t * (E + 16)); continue; }
+#endif
+#if ES_NEON_PATHS
+                if (isa == ES_ISA_NEON) { es8_gemv_layout_neon(qx + t * ldq, E, xt + t * (E + 16)); continue; }
 #endif
                 es8_gemv_layout_baseline(qx + t * ldq, E, xt + t * (E + 16));
             }
@@ -600,6 +637,9 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
     if (S == 1 && isa == ES_ISA_BASELINE) qx = (es8_gemv_layout_baseline(qx, E, q1), q1);
 #if ES_X86_PATHS
     if (S == 1 && isa == ES_ISA_AVX2) qx = (es8_gemv_layout_avx2(qx, E, q1), q1);
+#endif
+#if ES_NEON_PATHS
+    if (S == 1 && isa == ES_ISA_NEON) qx = (es8_gemv_layout_neon(qx, E, q1), q1);
 #endif
     es8_wkv_args a = {isa, E, M, qx, ldq, S, W, WS, Y, xt, scratch ? scratch + es8_xt_floats(S, E) : 0, ng, 0};
     es_parallel(nthreads, nthreads, es8_wkv_part, &a);  /* one range per thread: its scratch slot */

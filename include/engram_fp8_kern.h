@@ -6,6 +6,8 @@
  *   ES_VW     floats per vector: 4 (16 bytes: SSE2 / NEON) or 8 (AVX2)
  *   ES_F16C   1: e4m3 widened through fp16 bits and F16C (the value times 2^-8; the caller folds
  *             2^8 into the block scale, ES8_WIDEN_FOLD); 0: through float32 bits, portable C
+ *   ES_NEON   1 (aarch64 ASIMD): through fp16 bits as F16C, by SSHLL #7 and FCVTL, in order;
+ *             0 when not defined
  *   ES8_GR    weight rows the one-token GEMV streams at once
  *   ES8_MG    tokens up to which the many-token projection widens in registers (es8_mgemv, at most 8)
  *   ES8_XR    weight rows of a many-token tile (ES8_XR x ES8_XV vector accumulators)
@@ -24,11 +26,15 @@
  * subnormals, and F16C widens those exactly). Portable: the float32 s 000eeee mmm..., the
  * value times 2^-120 (subnormal in float32 for e = 0: exact, and the multiply by 2^120 that
  * follows is exact).
+ * NEON: SSHLL #7 sign-extends and shifts 8 bytes in one instruction, then the same mask, FCVTL.
  * The NaN codes (s 1111 111) read as +-480 that way: the portable widening and the gathers set
  * their exponent to all ones (NaN, as the reference); the F16C projection does not (as the
  * avx512 path: checkpoints hold none, and on a CPU whose conversions bound the GEMV the fix
  * would cost a third of its time).
  */
+#ifndef ES_NEON
+#define ES_NEON 0
+#endif
 #define ES8_CAT2(a, b) a##_##b
 #define ES8_CAT(a, b) ES8_CAT2(a, b)
 #define ES8_SF(name) ES8_CAT(name, ES_SFX)
@@ -41,7 +47,28 @@ enum { ES8_SF(es8_xlanes) = ES_VW, /* tokens per packed vector (es8_pack_tokens)
        ES8_SF(es8_mg) = ES8_MG };   /* tokens up to which es8_mgemv runs */
 
 #if !ES_F16C && ES_VW != 4
-#error "the portable widening works on 4-lane vectors"
+#error "the portable and NEON widenings work on 4-lane vectors"
+#endif
+
+#if ES_NEON
+/* 16 e4m3 bytes -> v[0..4) in order, the values times 2^-8 (fp16 bits: SSHLL #7 gives
+ * s s eeee mmm 0000000, the mask 0xbf80 clears the second sign bit, FCVTL widens exactly);
+ * nan: the NaN codes read NaN (magnitude 0x3f80 + 0x80 carries into bit 14: exponent all ones). */
+ES8_KI void ES8_SF(es8_widen16n)(const uint8_t *p, ES8_SF(es8_vf) *v, const int nan) {
+    const int8x16_t x = vreinterpretq_s8_u8(vld1q_u8(p));
+    const int16x8_t m = vdupq_n_s16((int16_t)0xbf80);
+    int16x8_t h[2] = {vandq_s16(vshll_n_s8(vget_low_s8(x), 7), m), vandq_s16(vshll_high_n_s8(x, 7), m)};
+#pragma GCC unroll 2
+    for (int i = 0; i < 2; i++) {
+        if (nan) {
+            const int16x8_t t = vaddq_s16(vandq_s16(h[i], vdupq_n_s16(0x3f80)), vdupq_n_s16(0x80));
+            h[i] = vorrq_s16(h[i], vandq_s16(t, vdupq_n_s16(0x4000)));
+        }
+        const float16x8_t f = vreinterpretq_f16_s16(h[i]);
+        v[2 * i] = (ES8_SF(es8_vf))vcvt_f32_f16(vget_low_f16(f));
+        v[2 * i + 1] = (ES8_SF(es8_vf))vcvt_high_f32_f16(f);
+    }
+}
 #endif
 
 /* 16 e4m3 bytes at p -> v[0 .. ES8_NV) in the order the GEMVs read them (es8_gemv_layout):
@@ -53,7 +80,9 @@ enum { ES8_SF(es8_xlanes) = ES_VW, /* tokens per packed vector (es8_pack_tokens)
  * float32 bits sign << 31 | (b & 0x7f) << 20 by two shifts, two masks and an or (SSE2 has no
  * byte sign extension: the compilers lowered one to scalar code), NaN codes read NaN. */
 ES8_KI void ES8_SF(es8_widen16g)(const uint8_t *p, ES8_SF(es8_vf) *v) {
-#if ES_F16C
+#if ES_NEON
+    ES8_SF(es8_widen16n)(p, v, 0);
+#elif ES_F16C
     const __m128i m = _mm_set1_epi16((short)0xbf80), x = _mm_loadu_si128((const __m128i *)p);
     v[0] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), m));
     v[1] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(x, 1), m));
@@ -87,6 +116,8 @@ ES8_KI void ES8_SF(es8_widen16)(const uint8_t *p, ES8_SF(es8_vf) *v, const int n
     }
     v[0] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm256_castsi256_si128(h));
     v[1] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+#elif ES_NEON
+    ES8_SF(es8_widen16n)(p, v, nan);
 #else
     typedef ES8_SF(es8_vf) vf;
     vf g[4];
@@ -97,7 +128,7 @@ ES8_KI void ES8_SF(es8_widen16)(const uint8_t *p, ES8_SF(es8_vf) *v, const int n
 #endif
 }
 
-#if ES_F16C
+#if ES_F16C || ES_NEON
 #define ES8_WIDEN_FOLD 256.0f /* the widened values are value * 2^-8 */
 #else
 #define ES8_WIDEN_FOLD 1.0f
@@ -157,10 +188,13 @@ static ES_TGT void ES8_SF(es8_act_quant)(const float *x, int n, float *qx, float
 /* ---- the wkv projection ------------------------------------------------------------------ */
 
 /* The activation in the order es8_widen16g gives the weights: per 16 values, F16C: the even
- * k, then the odd; portable: k = j, j + 4, j + 8, j + 12 for j = 0..3. */
+ * k, then the odd; portable: k = j, j + 4, j + 8, j + 12 for j = 0..3; NEON: in order. */
 static ES_TGT void ES8_SF(es8_gemv_layout)(const float *qx, int E, float *q) {
     for (int k = 0; k < E; k += 16)
-#if ES_F16C
+#if ES_NEON
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++) q[k + i] = qx[k + i];
+#elif ES_F16C
 #pragma GCC unroll 8
         for (int i = 0; i < 8; i++) {
             q[k + i] = qx[k + 2 * i];
@@ -443,6 +477,7 @@ static ES_TGT void ES8_SF(es8_gate_tail)(const float *kv, const float *hid, cons
 #undef ES_TGT
 #undef ES_VW
 #undef ES_F16C
+#undef ES_NEON
 #undef ES8_GR
 #undef ES8_MG
 #undef ES8_XR

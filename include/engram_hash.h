@@ -136,6 +136,15 @@ _Static_assert(ES_HASH_SCRATCH >= 8 * (ES_MAX_NGRAM - 1), "a block holds at leas
 #define ES_SFENCE() _mm_sfence()
 #include "engram_hash_kern.h"
 #endif /* ES_X86_PATHS */
+#if ES_NEON_PATHS
+#define ES_SFX neon
+#define ES_TGT ES_TARGET_NEON
+#define ES_VD 2
+#define ES_CVT 1 /* FCVTZS / SCVTF: double <-> int64 lanes */
+#define ES_STREAM(p, v) (*(p) = (v))
+#define ES_SFENCE() ((void)0)
+#include "engram_hash_kern.h"
+#endif
 
 /* All H = (max_ngram-1)*n_head head-local rows of one position. win[k] is the compressed
  * id at t-k (k < max_ngram; pads already filled in). */

@@ -3,7 +3,7 @@
  *   ES_SFX   the suffix of this copy's names (baseline, avx2, avx512)
  *   ES_TGT   its target attribute (empty for the baseline)
  *   ES_VD    64-bit lanes per vector (2, 4, or 8 with 64-byte vectors)
- *   ES_CVT   1 when the ISA converts double <-> int64 lanes in one instruction (AVX-512DQ)
+ *   ES_CVT   1 when the ISA converts double <-> int64 lanes in one instruction (AVX-512DQ, NEON)
  *   ES_STREAM(p, v), ES_SFENCE()  a streaming store of one vector to aligned p, and the fence
  *            that orders such stores (plain store and nothing where the ISA has none)
  * No include guard: including it again with other settings is the point; it undefines

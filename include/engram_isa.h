@@ -5,6 +5,8 @@
  *   ES_ISA_BASELINE  plain C + GCC vector extensions, any CPU (x86-64 SSE2, aarch64 NEON, ...)
  *   ES_ISA_AVX2      AVX2 + FMA + F16C (x86-64-v3)
  *   ES_ISA_AVX512    AVX-512 F/BW/VL/DQ (64-byte vectors) + the above
+ *   ES_ISA_NEON      aarch64 ASIMD (every ARMv8-A CPU): arm_neon.h widenings (FCVTL), tiles
+ *                    sized for its 32 vector registers; the aarch64 builds' second copy
  * A public kernel name (es_gemm_range, es_hash_window, ...) is a switch on es_isa, a
  * per-extension static set by es_isa_set() from engram_stream/_isa.py, so the
  * environment (ENGRAM_STREAM_ISA) and the tests can force any path the CPU supports.
@@ -18,6 +20,7 @@
 #define ES_ISA_BASELINE 0
 #define ES_ISA_AVX2 1
 #define ES_ISA_AVX512 2
+#define ES_ISA_NEON 3
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(ES_NO_X86_PATHS)
 #define ES_X86_PATHS 1
@@ -25,6 +28,20 @@
 #define ES_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #else
 #define ES_X86_PATHS 0
+#endif
+/* The neon copy: aarch64 with GCC or clang (ASIMD is part of ARMv8-A; getauxval(AT_HWCAP) says
+ * whether the OS runs it, as the x86 builtins check XCR0). */
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(ES_NO_NEON_PATHS)
+#include <arm_neon.h>
+#include <sys/auxv.h>
+#define ES_NEON_PATHS 1
+#if defined(__clang__) /* ASIMD is in every AArch64 target's default features; clang's target() syntax varies */
+#define ES_TARGET_NEON
+#else
+#define ES_TARGET_NEON __attribute__((target("+simd")))
+#endif
+#else
+#define ES_NEON_PATHS 0
 #endif
 
 /* The path every kernel of this extension runs (one static per translation unit); -1
@@ -41,12 +58,26 @@ static inline int es_isa_cpu_best(void) {
         return ES_ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ES_ISA_AVX2;
 #endif
+#if ES_NEON_PATHS
+#ifndef HWCAP_ASIMD
+#define HWCAP_ASIMD (1 << 1)
+#endif
+    if (getauxval(AT_HWCAP) & HWCAP_ASIMD) return ES_ISA_NEON;
+#endif
     return ES_ISA_BASELINE;
 }
 
-/* Select a level; refused (-1, nothing changes) above what the CPU or this build runs. */
+/* Whether this CPU and build run `level`: the baseline, and the levels of this architecture up
+ * to the best (the neon level is above the x86 ones in number only). */
+static inline int es_isa_runs(int level) {
+    const int best = es_isa_cpu_best();
+    if (level == ES_ISA_BASELINE || level == best) return 1;
+    return best != ES_ISA_NEON && level > ES_ISA_BASELINE && level < best;
+}
+
+/* Select a level; refused (-1, nothing changes) where the CPU or this build does not run it. */
 static inline int es_isa_set(int level) {
-    if (level < ES_ISA_BASELINE || level > es_isa_cpu_best()) return -1;
+    if (!es_isa_runs(level)) return -1;
     es_isa = level;
     return 0;
 }
@@ -57,7 +88,7 @@ static inline int es_isa_now(void) {
     return es_isa;
 }
 
-/* Call the copy of `name` (name_baseline, name_avx2, name_avx512) that es_isa selects. */
+/* Call the copy of `name` (name_baseline, name_avx2, name_avx512; name_neon) that es_isa selects. */
 #if ES_X86_PATHS
 #define ES_DISPATCH(name, args)                              \
     do {                                                     \
@@ -66,6 +97,12 @@ static inline int es_isa_now(void) {
             case ES_ISA_AVX2: name##_avx2 args; break;       \
             default: name##_baseline args; break;            \
         }                                                    \
+    } while (0)
+#elif ES_NEON_PATHS
+#define ES_DISPATCH(name, args)                                              \
+    do {                                                                     \
+        if (es_isa_now() == ES_ISA_NEON) name##_neon args;                   \
+        else name##_baseline args;                                           \
     } while (0)
 #else
 #define ES_DISPATCH(name, args) name##_baseline args

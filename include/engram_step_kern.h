@@ -8,9 +8,17 @@
  *   ES_GP    panels the one-row GEMV streams at once (concurrent memory streams)
  *   ES_GP_BF16  the same for bfloat16 weights (half the bytes a panel: more panels)
  *   ES_F16C  1 where F16C converts half floats (x86 copies), 0 for the portable conversion
+ *   ES_NEON  1 in the aarch64 ASIMD copy (FCVTL converts half floats); 0 when not defined
+ *   ES_CHAINS  es_fma_chains's independent chains (12 when not defined)
  * No include guard: including it again with other settings is the point; it undefines
  * these parameters at its end.
  */
+#ifndef ES_NEON
+#define ES_NEON 0
+#endif
+#ifndef ES_CHAINS
+#define ES_CHAINS 12
+#endif
 #define ES_SK_CAT2(a, b) a##_##b
 #define ES_SK_CAT(a, b) ES_SK_CAT2(a, b)
 #define ES_SF(name) ES_SK_CAT(name, ES_SFX)
@@ -56,6 +64,12 @@ static ES_TGT void ES_SF(es_gather_f16)(const uint16_t *table, int hd, const int
         int d = 0;
 #if ES_F16C
         for (; d + 8 <= hd; d += 8) _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + d))));
+#elif ES_NEON
+        for (; d + 8 <= hd; d += 8) {
+            const float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(src + d));
+            vst1q_f32(dst + d, vcvt_f32_f16(vget_low_f16(h)));
+            vst1q_f32(dst + d + 4, vcvt_high_f32_f16(h));
+        }
 #endif
         for (; d < hd; d++) dst[d] = es_half_to_float(src[d]);
     }
@@ -203,25 +217,25 @@ static ES_TGT void ES_SF(es_tail_y)(const es_tail_params *P, const float *proj, 
 }
 
 /* ---- the register-only FMA rate (bench/bench_step.py's floor) ---------------------
- * n rounds of 12 independent vector multiply-add chains, nothing loaded or stored: what this
- * path's FMA units do per second with no memory in the way (12 chains cover the latency of
- * two FMA ports). The chains start from different values (equal ones get merged by the
- * compiler into one chain, which times the FMA latency instead) and their sum goes to *sink
- * so the loop stays. Returns the float multiply-adds done. */
+ * n rounds of ES_CHAINS independent vector multiply-add chains, nothing loaded or stored: what
+ * this path's FMA units do per second with no memory in the way (12 chains cover the latency of
+ * two FMA ports; 16 the four 128-bit FMA pipes of latency 4 of Neoverse V2 / Cortex-X925). The
+ * chains start from different values (equal ones get merged by the compiler into one chain,
+ * which times the FMA latency instead) and their sum goes to *sink so the loop stays. Returns the float multiply-adds done. */
 static ES_TGT int64_t ES_SF(es_fma_chains)(int64_t n, float *sink) {
     typedef ES_SF(es_vf) vf;
-    vf a[12];
+    vf a[ES_CHAINS];
     const vf x = (vf){0} + 0.999f, y = (vf){0} + 1e-7f;
-    for (int i = 0; i < 12; i++) a[i] = (vf){0} + (float)i;
+    for (int i = 0; i < ES_CHAINS; i++) a[i] = (vf){0} + (float)i;
     for (int64_t k = 0; k < n; k++)
-#pragma GCC unroll 12
-        for (int i = 0; i < 12; i++) a[i] = a[i] * x + y;
+#pragma GCC unroll 16
+        for (int i = 0; i < ES_CHAINS; i++) a[i] = a[i] * x + y;
     vf s = (vf){0};
-    for (int i = 0; i < 12; i++) s += a[i];
+    for (int i = 0; i < ES_CHAINS; i++) s += a[i];
     float r = 0;
     for (int i = 0; i < ES_VW; i++) r += s[i];
     *(volatile float *)sink = r; /* a store the compiler must do: the loop stays */
-    return n * 12 * ES_VW;
+    return n * ES_CHAINS * ES_VW;
 }
 
 #undef ES_TVW
@@ -240,3 +254,5 @@ static ES_TGT int64_t ES_SF(es_fma_chains)(int64_t n, float *sink) {
 #undef ES_GP
 #undef ES_GP_BF16
 #undef ES_F16C
+#undef ES_NEON
+#undef ES_CHAINS

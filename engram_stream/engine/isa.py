@@ -1,4 +1,4 @@
-"""Which kernel path runs: "avx512", "avx2" or "baseline" (include/engram_isa.h).
+"""Which kernel path runs: "avx512", "avx2", "neon" (aarch64) or "baseline" (include/engram_isa.h).
 
 Every extension module carries each kernel compiled per instruction set and a selector
 of its own; this module keeps them all on one path. At import the path is the best the
@@ -8,22 +8,23 @@ switches at run time: the tests run the kernels on every path the machine suppor
 from __future__ import annotations
 
 import os
+import platform
 import warnings
 
 from .. import _hash
 
-ISA_NAMES = ("baseline", "avx2", "avx512")  # index = the C level (ES_ISA_*)
+ISA_NAMES = ("baseline", "avx2", "avx512", "neon")  # index = the C level (ES_ISA_*)
 ENV = "ENGRAM_STREAM_ISA"
 _modules = [_hash]  # every extension with dispatched kernels: each engine module calls register() at import
 
 
 def supported_isas() -> tuple:
     """The paths this CPU and build run, slowest first."""
-    return ISA_NAMES[:_hash._isa_cpu_best() + 1]
+    return tuple(n for i, n in enumerate(ISA_NAMES) if _hash._isa_runs(i))
 
 
 def kernel_isa() -> str:
-    """The path the kernels run now: "avx512", "avx2" or "baseline"."""
+    """The path the kernels run now: "avx512", "avx2", "neon" or "baseline"."""
     return ISA_NAMES[_hash._isa_get()]
 
 
@@ -53,10 +54,14 @@ _CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c",
                                                            "avx512vl", "avx512dq")}
 
 
-def cpu_isas(cpuinfo: str = "/proc/cpuinfo") -> tuple:
+def cpu_isas(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) -> tuple:
     """The paths this CPU has, whatever this build carries (a build without the x86 paths, e.g.
     by a compiler without target attributes, runs baseline on any CPU), from the kernel's CPU
-    flags; ("baseline",) where they cannot be read."""
+    flags; ("baseline",) where they cannot be read. Every aarch64 CPU has neon (ASIMD), and
+    under qemu-user /proc/cpuinfo describes the host, so aarch64 does not read it. machine:
+    platform.machine() when None."""
+    if (machine or platform.machine()).lower() in ("aarch64", "arm64"):
+        return ("baseline", "neon")
     try:
         with open(cpuinfo) as f:
             flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
@@ -77,7 +82,8 @@ def warn_if_slower_than_cpu(what: str) -> bool:
         return False
     _warned = True
     warnings.warn(f"{what} runs its portable baseline kernels: this CPU has {faster[-1]}, which this build of "
-                  f"engram_stream lacks (built without the x86 paths: GCC or clang on x86-64 builds them)",
+                  f"engram_stream lacks (built without the vector paths: GCC or clang on x86-64 or aarch64 "
+                  f"builds them)",
                   RuntimeWarning, stacklevel=2)
     return True
 

@@ -66,15 +66,15 @@ def test_projection_reads_every_code_and_tiny_scales_exactly(each_isa, one_token
     sc = np.array([[127, 0], [120, 131], [0, 0], [10, 127], [127, 1], [118, 0], [0, 127], [5, 6]], np.uint8)
     x = np.eye(K, dtype=np.float32) * np.float32(2.0 ** -13)
     values = ref.e4m3(w)
-    x86 = each_isa in ("avx2", "avx512")
-    if x86:
+    f16 = each_isa in ("avx2", "avx512", "neon")  # widened through fp16 bits: the NaN codes read +-480
+    if f16:
         values = np.where(NAN_CODES[w], np.where(w & 0x80, -480.0, 480.0), values).astype(np.float32)
     scaled = values * np.repeat(np.repeat(ref.e8m0(sc), 32, 0), 32, 1)
     if one_token:
         got = np.stack([k.fp8_linear(x[i:i + 1], w, sc)[0] for i in range(K)])
     else:
         got = k.fp8_linear(x, w, sc)
-    if x86:  # no NaN: each output is its one product, exact (added to +0: no -0)
+    if f16:  # no NaN: each output is its one product, exact (added to +0: no -0)
         bits_equal(got, (scaled * np.float32(2.0 ** -13)).T + np.float32(0))
     else:  # NaN codes as the oracle reads them: a row holding one is NaN for every token
         want = ref.fp8_linear(x, w, sc)
@@ -174,10 +174,13 @@ def test_baseline_on_a_faster_cpu_warns_once(monkeypatch):
 def test_cpu_isas_read_the_cpu_flags(tmp_path):
     f = tmp_path / "cpuinfo"
     f.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma f16c\n")
-    assert _isa.cpu_isas(str(f)) == ("baseline", "avx2")
+    assert _isa.cpu_isas(str(f), "x86_64") == ("baseline", "avx2")
     f.write_text("flags\t: sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq\n")
-    assert _isa.cpu_isas(str(f)) == ("baseline", "avx2", "avx512")
+    assert _isa.cpu_isas(str(f), "x86_64") == ("baseline", "avx2", "avx512")
     f.write_text("flags\t: sse2 avx2 fma\n")  # no F16C: not the avx2 path
-    assert _isa.cpu_isas(str(f)) == ("baseline",)
-    assert _isa.cpu_isas(str(tmp_path / "missing")) == ("baseline",)
+    assert _isa.cpu_isas(str(f), "x86_64") == ("baseline",)
+    assert _isa.cpu_isas(str(tmp_path / "missing"), "x86_64") == ("baseline",)
+    # aarch64: every CPU has ASIMD; the file is not read (under qemu-user it describes the host)
+    f.write_text("flags\t: sse2 avx2 fma f16c\n")
+    assert _isa.cpu_isas(str(f), "aarch64") == _isa.cpu_isas(str(tmp_path / "missing"), "aarch64") == ("baseline", "neon")
     assert set(_isa.supported_isas()) <= set(_isa.cpu_isas()) or not os.path.exists("/proc/cpuinfo")
