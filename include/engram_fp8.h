@@ -198,6 +198,27 @@ static inline void es8_gate_tail_plain(const float *kv, const float *hid, const 
     }
 }
 
+/* ---- vdpbf16ps, emulated: the reference of the bf16 path -------------------------------------- */
+
+/* One fp32 lane of vdpbf16ps as Intel documents it (SDM: VDPBF16PS) and as measured on AMD Zen
+ * 5: acc += a1*b1, rounded to nearest even, then += a0*b0, rounded again (the odd pair first;
+ * each step fused: the product exact), inputs (the bf16 factors and acc) that are denormal
+ * read as zero of their sign, a denormal result of either step flushed to zero of its sign;
+ * MXCSR neither read nor written. NaN: a NaN (x86 keeps the first NaN operand's payload; only
+ * NaN-ness is part of this reference). */
+static inline float es8_flush(float x) {
+    const uint32_t u = es8_bits(x);
+    return (u & 0x7f800000u) ? x : es8_from_bits(u & 0x80000000u);
+}
+static inline float es8_dpbf16_lane(float acc, uint16_t a0, uint16_t a1, uint16_t b0, uint16_t b1) {
+#define ES8_BF(h) es8_flush(es8_from_bits((uint32_t)(h) << 16))
+    float t = es8_flush(acc);
+    t = es8_flush(fmaf(ES8_BF(a1), ES8_BF(b1), t));
+    t = es8_flush(fmaf(ES8_BF(a0), ES8_BF(b0), t));
+#undef ES8_BF
+    return t;
+}
+
 /* ---- the vector paths: one template per instruction set (engram_fp8_kern.h) --------------- */
 
 /* xt[(t/lanes)*E*lanes + k*lanes + t%lanes] = qx[t*ldq + k]: the tokens packed `lanes` per
@@ -454,6 +475,340 @@ static ES8_T512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, 
 #endif
 
 
+/* ---- the bf16 path (AVX512_BF16 + VBMI) -------------------------------------------------------
+ * Every e4m3 value is a normal bf16 (the subnormals m * 2^-9 too), and so is every quantized
+ * activation (an e4m3 value times a power of two >= 2^-22): widened exactly, their products in
+ * vdpbf16ps are exact and only the fp32 additions differ from the avx512 path: in pairs, the odd
+ * k of a pair first, each rounded (es8_dpbf16_lane). Widening: two 128-byte tables (the bf16
+ * bits of the 128 magnitudes, low and high bytes) through vpermt2b, the sign or-ed in; the
+ * NaN codes read NaN, as the oracle. The block scales are folded in as on the avx512 path
+ * (one token: into the activation, s_x * s_w; several: s_x into the activation, s_w into the
+ * widened rows, on float32 and back, exact): so the one difference in value from the
+ * reference is DAZ/FTZ: a folded factor or a sum below 2^-126 reads as zero (the reference
+ * keeps float32 subnormals; with real scales nothing comes near). The widening leaves the 64
+ * values of a chunk in the order of the unpacks (es8_bf16_pos); the activations are laid out
+ * the same, and a pair of the dot product is two neighbouring positions. */
+
+/* Where value k lands: the unpacks interleave within 128-bit lanes, so a 64-value chunk holds
+ * k = 0-7, 16-23, 32-39, 48-55, then 8-15, 24-31, 40-47, 56-63. */
+static inline int es8_bf16_pos(int k) {
+    const int j = k & 15, lane = (k >> 4) & 3;
+    return (k & ~63) + (j < 8 ? 8 * lane + j : 32 + 8 * lane + j - 8);
+}
+
+#if ES8_HAVE_AVX512
+#define ES8_TBF16 ES_TARGET_BF16
+
+/* The bf16 bits of e4m3 magnitudes 0..127: low bytes, then high bytes (0x7f: NaN 0x7fc0). */
+static const uint8_t es8_bf16_tab[256] __attribute__((aligned(64))) = {
+    0x00, 0x00, 0x80, 0xc0, 0x00, 0x20, 0x40, 0x60, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10,
+    0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10, 0x20, 0x30,
+    0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10, 0x20, 0x30, 0x40, 0x50,
+    0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70,
+    0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90,
+    0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0,
+    0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0,
+    0xe0, 0xc0,
+    0x00, 0x3b, 0x3b, 0x3b, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3d, 0x3d,
+    0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3e, 0x3e, 0x3e, 0x3e,
+    0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f,
+    0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
+    0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
+    0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
+    0x42, 0x42, 0x42, 0x42, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43,
+    0x43, 0x7f
+};
+
+ES8_INLINE ES8_TBF16 void es8_bf16_tables(__m512i t[4]) {
+    for (int i = 0; i < 4; i++) t[i] = _mm512_load_si512((const void *)(es8_bf16_tab + 64 * i));
+}
+
+/* 64 e4m3 bytes -> 64 bf16 in two vectors (the order of es8_bf16_pos), exact. */
+ES8_INLINE ES8_TBF16 void es8_widen64_bf16(__m512i x, const __m512i t[4], __m512i *a, __m512i *b) {
+    const __m512i lo = _mm512_permutex2var_epi8(t[0], x, t[1]);  /* 7 index bits: the magnitude */
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t[2], x, t[3]), x,
+                                                 _mm512_set1_epi8((char)0x80), 0xf8);  /* | x & 0x80 */
+    *a = _mm512_unpacklo_epi8(lo, hi);
+    *b = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* The bytes of a row chunk at p: 64, or the last 32 of a row (the rest read as code 0). */
+ES8_INLINE ES8_TBF16 __m512i es8_load64(const uint8_t *p, int full) {
+    return full ? _mm512_loadu_si512((const void *)p) : _mm512_maskz_loadu_epi8(0xffffffffull, p);
+}
+
+/* dst[es8_bf16_pos(k)] = bf16(x[k] * f[k / 32]) (f NULL: 1) for k < E, zero up to E rounded up
+ * to 64. The values are e4m3 values times powers of two: exact (denormal ones read 0: DAZ). */
+static ES8_TBF16 void es8_bf16_act(const float *x, int E, const float *f, uint16_t *dst) {
+    const __m512i ia = _mm512_setr_epi32(0x10000, 0x30002, 0x50004, 0x70006, 0x110010, 0x130012, 0x150014,
+                                         0x170016, 0x210020, 0x230022, 0x250024, 0x270026, 0x310030, 0x330032,
+                                         0x350034, 0x370036);
+    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(8));
+    for (int k = 0; k < E; k += 64) {
+        const int full = E - k >= 64;
+        __m512 v[4];
+        for (int i = 0; i < 4; i++) v[i] = full || i < 2 ? _mm512_loadu_ps(x + k + 16 * i) : _mm512_setzero_ps();
+        if (f) {
+            const __m512 f0 = _mm512_set1_ps(f[k >> 5]), f1 = full ? _mm512_set1_ps(f[(k >> 5) + 1]) : f0;
+            v[0] = _mm512_mul_ps(v[0], f0), v[1] = _mm512_mul_ps(v[1], f0);
+            v[2] = _mm512_mul_ps(v[2], f1), v[3] = _mm512_mul_ps(v[3], f1);
+        }
+        const __m512i w01 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]), w23 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
+        _mm512_storeu_si512((void *)(dst + k), _mm512_permutex2var_epi16(w01, ia, w23));
+        _mm512_storeu_si512((void *)(dst + k + 32), _mm512_permutex2var_epi16(w01, ib, w23));
+    }
+}
+
+/* bf16 v (pairs in dwords) times s (float32 per dword), back to bf16: exact for the products
+ * of e4m3 values and powers of two (their low 16 bits are zero); a denormal one keeps its
+ * high bits, read as zero by vdpbf16ps. */
+ES8_INLINE ES8_TBF16 __m512i es8_bf16_scale(__m512i v, __m512 s) {
+    const __m512i m = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 ev = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), s);
+    const __m512 od = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, m)), s);
+    return _mm512_ternarylogic_epi32(_mm512_castps_si512(od), _mm512_srli_epi32(_mm512_castps_si512(ev), 16), m,
+                                     0xe4);  /* od where m, else ev >> 16 */
+}
+
+/* One token, R rows (a constant at each call site): the GEMV of es8_gemv512 on bf16, the
+ * weights widened by the tables, qs the activation with both scales (es8_bf16_act). */
+ES8_INLINE ES8_TBF16 void es8_gemv_bf16(const uint8_t *w, const int R, const uint16_t *qs, int E, float *y,
+                                        const __m512i t[4]) {
+    __m512 acc[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int k = 0; k < E; k += 64) {
+        const int full = E - k >= 64;
+        const __m512bh qa = (__m512bh)_mm512_loadu_si512((const void *)(qs + k));
+        const __m512bh qb = (__m512bh)_mm512_loadu_si512((const void *)(qs + k + 32));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (int64_t)r * E + k;
+            _mm_prefetch((const char *)(p + ES8_PREFETCH), _MM_HINT_T0);
+            __m512i a, b;
+            es8_widen64_bf16(es8_load64(p, full), t, &a, &b);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, qa);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)b, qb);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+/* es8_widen_rows on bf16: R rows widened by the tables, times their block scales (wsf), k
+ * block by k block: the block at k0 at wb + 32*k0, its row r at + r*ES8_KBLOCK (bf16 in
+ * es8_bf16_pos order, a last block's tail zero to a multiple of 64). */
+static ES8_TBF16 void es8_widen_rows_bf16(const uint8_t *w, int R, int E, const float *wsf, uint16_t *wb,
+                                          const __m512i t[4]) {
+    for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
+        const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK;
+        for (int64_t r = 0; r < R; r++) {
+            uint16_t *dst = wb + (int64_t)ES8_BLOCK * k0 + r * ES8_KBLOCK;
+            for (int k = 0; k < kw; k += 64) {
+                const int full = kw - k >= 64, b0 = (k0 + k) >> 5;
+                const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(wsf[b0]), _mm256_set1_ps(wsf[full ? b0 + 1 : b0]), 1);
+                __m512i a, b;
+                es8_widen64_bf16(es8_load64(w + r * E + k0 + k, full), t, &a, &b);
+                _mm512_storeu_si512((void *)(dst + k), es8_bf16_scale(a, s));
+                _mm512_storeu_si512((void *)(dst + k + 32), es8_bf16_scale(b, s));
+            }
+        }
+    }
+}
+
+/* es8_tile512 on bf16 (2..15 tokens, along k): R widened rows (w, row stride ES8_KBLOCK) x T
+ * tokens (x: es8_bf16_act rows, stride ldx) over n positions (a multiple of 32). */
+ES8_INLINE ES8_TBF16 void es8_tile_bf16(const uint16_t *w, const int R, const uint16_t *x, int64_t ldx,
+                                        const int T, int n, float *part, int first, float *y, int64_t ldy) {
+    __m512 acc[ES8_TILE_ROWS][ES8_TILE_TOKENS];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) acc[r][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (r * T + t) * 16);
+    for (int k = 0; k < n; k += 32) {
+        __m512i wv[ES8_TILE_ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_si512((const void *)(w + r * ES8_KBLOCK + k));
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            __m512i xv = _mm512_loadu_si512((const void *)(x + t * ldx + k));
+            __asm__("" : "+v"(xv));  /* one load per token, not one per multiply-add */
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)wv[r], (__m512bh)xv);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int t = 0; t < T; t++) {
+            if (y) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
+            else _mm512_storeu_ps(part + (r * T + t) * 16, acc[r][t]);
+        }
+}
+
+/* es8_xtile512 on bf16 (16 tokens and more, in the lanes): R widened rows x V vectors of 16
+ * tokens (xt: [pair][16 tokens] dwords of two bf16 per vector, vectors ldv dwords apart) over
+ * np pairs of positions: each row's pair broadcast into a vdpbf16ps with the 16 tokens' pairs
+ * (32 multiply-adds an instruction). part, y, nt, pf as there. */
+ES8_INLINE ES8_TBF16 void es8_xtile_bf16(const uint16_t *w, const int R, const uint32_t *xt, int64_t ldv,
+                                         const int V, int np, float *part, int64_t ldp, int first, float *y,
+                                         int64_t ldy, int64_t nt, const uint8_t *pf) {
+    __m512 acc[16][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * ldp + v * 16);
+    for (int p = 0; p < np; p++) {
+        if (pf && !(p & 1)) _mm_prefetch((const char *)pf + p * 32, _MM_HINT_T1);  /* 4 KiB per 256 k */
+        __m512bh xv[2];
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) xv[v] = (__m512bh)_mm512_loadu_si512((const void *)(xt + v * ldv + p * 16));
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            uint32_t pair;
+            memcpy(&pair, w + r * ES8_KBLOCK + 2 * p, 4);
+            const __m512bh wb = (__m512bh)_mm512_set1_epi32((int)pair);
+#pragma GCC unroll 2
+            for (int v = 0; v < V; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv[v], wb);
+        }
+    }
+    if (!y) {
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+            for (int v = 0; v < V; v++) _mm512_storeu_ps(part + r * ldp + v * 16, acc[r][v]);
+        return;
+    }
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)ldy));
+#pragma GCC unroll 2
+    for (int v = 0; v < V; v++) {
+        const int64_t left = nt - v * 16;
+        const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) _mm512_mask_i32scatter_ps(y + v * 16 * ldy + r, m, idx, acc[r][v], 4);
+    }
+}
+
+/* The bf16 tokens of a call: below ES8_XT_MIN, rows of es8_bf16_act (es8_bf16_ldb apart);
+ * from it, packed for the lanes, [S/16][E64/2 pairs][16] dwords (the lanes past S zero). */
+static inline int64_t es8_bf16_ldb(int E) { return (int64_t)((E + 63) & ~63) + 32; }
+static ES8_TBF16 void es8_bf16_tokens(const float *qx, int64_t ldq, int64_t S, int E, uint16_t *xb) {
+    const int64_t ldb = es8_bf16_ldb(E);
+    if (S < ES8_XT_MIN) {
+        for (int64_t t = 0; t < S; t++) es8_bf16_act(qx + t * ldq, E, 0, xb + t * ldb);
+        return;
+    }
+    const int64_t np = (E + 63) / 64 * 32, nv = (S + 15) / 16;
+    uint32_t *xt = (uint32_t *)xb;
+    uint16_t row[ldb] __attribute__((aligned(64)));
+    memset(xt + (nv - 1) * np * 16, 0, sizeof(uint32_t) * np * 16);
+    for (int64_t t = 0; t < S; t++) {
+        es8_bf16_act(qx + t * ldq, E, 0, row);
+        uint32_t *dst = xt + (t / 16) * np * 16 + t % 16;
+        for (int64_t p = 0; p < np; p++) memcpy(dst + p * 16, row + 2 * p, 4);
+    }
+}
+
+/* es8_group_avx512 on the bf16 path: xb the tokens of es8_bf16_tokens (S > 1), qx the one
+ * token (S == 1). */
+static ES8_TBF16 void es8_group_bf16(const uint8_t *w, int R, const float *qx, const uint16_t *xb, int64_t S,
+                                     int E, const float *wsf, float *y, int64_t ldy, float *scratch,
+                                     const uint8_t *next, int64_t nnext) {
+    __m512i t[4];
+    es8_bf16_tables(t);
+    if (S == 1) {
+        uint16_t qs[(E + 63) & ~63] __attribute__((aligned(64)));
+        es8_bf16_act(qx, E, wsf, qs);
+        int r = 0;
+        for (; r + 4 <= R; r += 4) es8_gemv_bf16(w + (int64_t)r * E, 4, qs, E, y + r, t);
+        for (; r < R; r++) es8_gemv_bf16(w + (int64_t)r * E, 1, qs, E, y + r, t);
+        return;
+    }
+    uint16_t *wf = (uint16_t *)scratch;
+    float *part = scratch + (int64_t)ES8_BLOCK * (E + ES8_KBLOCK);
+    es8_widen_rows_bf16(w, R, E, wsf, wf, t);
+    const uint8_t *pf = next, *pf_end = next + nnext;
+#define ES8_PF (pf < pf_end ? (pf += 4096) - 4096 : 0)
+    if (S >= ES8_XT_MIN) {  /* tokens in the lanes: row tiles of 16 x one vector, or 12 x two */
+        const int64_t nv = (S + 15) / 16, ldp = nv * 16, ldv = (E + 63) / 64 * 32 * 16;
+        const uint32_t *xt = (const uint32_t *)xb;
+        const int VV = nv > 1 ? 2 : 1, RB = VV == 2 ? ES8_XT_ROWS : 16;
+#define ES8_X(rows, v) case rows: es8_xtile_bf16(wr, rows, x, ldv, v, np, pr, ldp, first, yr, ldy, nt, ES8_PF); break;
+        for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
+            const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = k0 == 0, np = (kw + 63) / 64 * 32;
+            const uint16_t *wb = wf + (int64_t)ES8_BLOCK * k0;
+            for (int64_t j0 = 0, V; j0 < nv; j0 += V) {
+                V = nv - j0 < VV ? 1 : VV;
+                const uint32_t *x = xt + j0 * ldv + (int64_t)k0 / 2 * 16;
+                const int64_t nt = S - j0 * 16;
+                for (int r = 0; r < R; r += RB) {
+                    const int rows = R - r < RB ? R - r : RB;
+                    const uint16_t *wr = wb + (int64_t)r * ES8_KBLOCK;
+                    float *pr = part + r * ldp + j0 * 16, *yr = k0 + kw == E ? y + j0 * 16 * ldy + r : 0;
+                    if (V == 2) {
+                        switch (rows) { ES8_X(1, 2) ES8_X(2, 2) ES8_X(3, 2) ES8_X(4, 2) ES8_X(5, 2) ES8_X(6, 2)
+                                        ES8_X(7, 2) ES8_X(8, 2) ES8_X(9, 2) ES8_X(10, 2) ES8_X(11, 2)
+                                        ES8_X(12, 2) default: break; }
+                    } else {
+                        switch (rows) { ES8_X(1, 1) ES8_X(2, 1) ES8_X(3, 1) ES8_X(4, 1) ES8_X(5, 1) ES8_X(6, 1)
+                                        ES8_X(7, 1) ES8_X(8, 1) ES8_X(9, 1) ES8_X(10, 1) ES8_X(11, 1)
+                                        ES8_X(12, 1) ES8_X(13, 1) ES8_X(14, 1) ES8_X(15, 1) ES8_X(16, 1)
+                                        default: break; }
+                    }
+                }
+            }
+        }
+#undef ES8_X
+#undef ES8_PF
+        return;
+    }
+#undef ES8_PF
+    const int64_t ldb = es8_bf16_ldb(E);
+#define ES8_T(rows, t) case t: es8_tile_bf16(wr, rows, x, ldb, t, n, pr, first, yr, ldy); break;
+#define ES8_TS(rows) switch (T) { ES8_T(rows, 1) ES8_T(rows, 2) ES8_T(rows, 3) ES8_T(rows, 4) \
+                                  ES8_T(rows, 5) ES8_T(rows, 6) ES8_T(rows, 7) ES8_T(rows, 8) default: break; }
+    for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {  /* S < ES8_XT_MIN tokens, along k */
+        const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = k0 == 0, n = (kw + 63) & ~63;
+        const uint16_t *wb = wf + (int64_t)ES8_BLOCK * k0;
+        for (int64_t t0 = 0; t0 < S; t0 += ES8_TILE_TOKENS) {
+            const int T = S - t0 < ES8_TILE_TOKENS ? (int)(S - t0) : ES8_TILE_TOKENS;
+            const uint16_t *x = xb + t0 * ldb + k0;
+            float *pt = part + t0 * ES8_BLOCK * 16;
+            for (int r = 0; r < R; r += ES8_TILE_ROWS) {
+                const uint16_t *wr = wb + (int64_t)r * ES8_KBLOCK;
+                float *pr = pt + (int64_t)r * T * 16, *yr = k0 + kw == E ? y + t0 * ldy + r : 0;
+                if (r + ES8_TILE_ROWS <= R) { ES8_TS(ES8_TILE_ROWS) }
+                else { ES8_TS(1) }
+            }
+        }
+    }
+#undef ES8_TS
+#undef ES8_T
+}
+
+/* acc[i] = vdpbf16ps lane i of (acc, a, b) for n lanes (a, b: 2n bf16): the real instruction
+ * (the CPU must have it), or es8_dpbf16_lane (emulate). The tests hold one to the other. */
+static ES8_TBF16 void es8_dpbf16_real(float *acc, const uint16_t *a, const uint16_t *b, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512i va = _mm512_maskz_loadu_epi32(m, a + 2 * i), vb = _mm512_maskz_loadu_epi32(m, b + 2 * i);
+        _mm512_mask_storeu_ps(acc + i, m, _mm512_dpbf16_ps(_mm512_maskz_loadu_ps(m, acc + i), (__m512bh)va, (__m512bh)vb));
+    }
+}
+#endif
+
+static inline int es8_dpbf16(float *acc, const uint16_t *a, const uint16_t *b, int64_t n, int emulate) {
+    if (emulate) {
+        for (int64_t i = 0; i < n; i++) acc[i] = es8_dpbf16_lane(acc[i], a[2 * i], a[2 * i + 1], b[2 * i], b[2 * i + 1]);
+        return 0;
+    }
+#if ES8_HAVE_AVX512
+    if (es_isa_cpu_best() >= ES_ISA_BF16) { es8_dpbf16_real(acc, a, b, n); return 0; }
+#endif
+    return -1;
+}
+
 /* ---- dispatch -------------------------------------------------------------------------------- */
 
 /* The path the float8 kernels take now: the es_isa level (engram_isa.h). */
@@ -479,6 +834,7 @@ static inline void es8_gate_tail(const float *kv, const float *hid, const float 
                                  float eps, int dead, float *out) {
     switch (es8_isa()) {
 #if ES_X86_PATHS
+        case ES_ISA_BF16:
         case ES_ISA_AVX512: es8_gate_tail_plain(kv, hid, qw, kw, G, D, eps, dead, out); break;
         case ES_ISA_AVX2: es8_gate_tail_avx2(kv, hid, qw, kw, G, D, eps, dead, out); break;
 #endif
@@ -517,8 +873,8 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const fl
                                  const uint8_t *W, const uint8_t *WS, int M, float *Y, int64_t g0, int64_t g1,
                                  float *scratch) {
     const int nb = E / ES8_BLOCK;
-    /* the x86 widenings read value * 2^-8: 2^8 folded into the block scale (the baseline's: exact) */
-    const float f = isa == ES_ISA_BASELINE ? 1.0f : 256.0f;
+    /* the fp16 widenings read value * 2^-8: 2^8 folded into the block scale (baseline, bf16: exact) */
+    const float f = isa == ES_ISA_AVX2 || isa == ES_ISA_AVX512 ? 256.0f : 1.0f;
     float wsf[nb];
     for (int64_t g = g0; g < g1; g++) {
         const int64_t r0 = g * ES8_BLOCK;
@@ -529,6 +885,10 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const fl
         const uint8_t *next = rn ? W + (r0 + R) * E : 0;
         switch (isa) {
 #if ES_X86_PATHS
+            case ES_ISA_BF16:
+                es8_group_bf16(W + r0 * E, R, qx, (const uint16_t *)xt, S, E, wsf, Y + r0, M, scratch,
+                               W + (r0 + R) * E, (int64_t)rn * E);
+                break;
             case ES_ISA_AVX512: {
                 es8_group_avx512(W + r0 * E, R, qx, ldq, S >= ES8_XT_MIN ? xt : 0, S, E, wsf, Y + r0, M, scratch,
                                  W + (r0 + R) * E, (int64_t)rn * E);
@@ -576,6 +936,12 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
     const int64_t ng = (M + ES8_BLOCK - 1) / ES8_BLOCK;
     if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;  /* the scratch holds nthreads slots */
     if (nthreads > ng) nthreads = (int)ng;
+#if ES8_HAVE_AVX512
+    if (isa == ES_ISA_BF16 && scratch && S > 1) {  /* the tokens in bf16 (es8_bf16_tokens) */
+        xt = scratch;
+        es8_bf16_tokens(qx, ldq, S, E, (uint16_t *)xt);
+    } else
+#endif
     if (scratch && S > 1) {  /* the tokens in the lanes: 16 a vector on avx512 (from ES8_XT_MIN tokens) */
         int lanes = es8_xlanes_baseline, mg = es8_mg_baseline;
 #if ES_X86_PATHS
