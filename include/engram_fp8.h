@@ -971,6 +971,16 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
     es_parallel(nthreads, nthreads, es8_wkv_part, &a);  /* one range per thread: its scratch slot */
 }
 
+/* The register-only peak of the projection's own multiply-add on the running path: vdpbf16ps
+ * chains on bf16 (32 products an instruction), else the path's FMA chains (es_fma_chains).
+ * n rounds; returns the multiply-adds done. */
+static inline int64_t es8_mac_chains(int64_t n, float *sink) {
+#if ES_X86_PATHS
+    if (es8_isa() == ES_ISA_BF16) return es_dpbf16_chains(n, sink);
+#endif
+    return es_fma_chains(n, sink);
+}
+
 /* ---- the bandwidth floor ------------------------------------------------------------ */
 
 /* XOR of n bytes read once, 256 bytes per iteration into four independent vector lanes: the

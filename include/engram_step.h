@@ -162,14 +162,11 @@ static ES_TARGET_BF16 int64_t es_dpbf16_chains(int64_t n, float *sink) {
 }
 #endif
 
-/* The running path's register-only multiply-add rate (es_fma_chains in engram_step_kern.h; on
- * the bf16 path its own instruction, es_dpbf16_chains): n rounds; returns the float
- * multiply-adds done, their sum in *sink. */
+/* The running path's register-only FMA rate (es_fma_chains in engram_step_kern.h; bf16: the
+ * avx512 one, the demo's kernels being those): n rounds; returns the float multiply-adds done,
+ * their sum in *sink. */
 static inline int64_t es_fma_chains(int64_t n, float *sink) {
     int64_t done = 0;
-#if ES_X86_PATHS
-    if (es_isa_now() == ES_ISA_BF16) return es_dpbf16_chains(n, sink);
-#endif
     ES_DISPATCH(done = es_fma_chains, (n, sink));
     return done;
 }

@@ -24,6 +24,7 @@ cdef extern from "engram_fp8.h" nogil:
     void es8_gate_tail(const float *kv, const float *hid, const float *qw, const float *kw, int G, int D,
                        float eps, int dead, float *out) noexcept
     uint64_t es8_read_bytes(const uint8_t *p, int64_t n) noexcept
+    int64_t es8_mac_chains(int64_t n, float *sink) noexcept
     int es8_dpbf16(float *acc, const uint16_t *a, const uint16_t *b, int64_t n, int emulate) noexcept
 
 cdef extern from "engram_step.h" nogil:

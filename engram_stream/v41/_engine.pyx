@@ -270,6 +270,17 @@ def dpbf16(acc, a, b, bint emulate=False):
     return np.asarray(o)
 
 
+def _mac_chains(int64_t rounds):
+    """n rounds of the register-only multiply-add chains of the running path's projection
+    (es8_mac_chains, no GIL: vdpbf16ps on bf16, else the FMA chains): the multiply-adds done.
+    bench_v41.py's floor of the float8 projection."""
+    cdef float sink = 0
+    cdef int64_t done
+    with nogil:
+        done = es8_mac_chains(rounds, &sink)
+    return done
+
+
 def read_bytes(const uint8_t[::1] a):
     """Read every byte of `a` once (XOR of 64-byte lines): the memory-bandwidth floor of a step."""
     cdef uint64_t r = 0
