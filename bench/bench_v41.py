@@ -127,8 +127,12 @@ def section_plain(model, paths, reps):
         for isa in paths:
             runs[isa] = (lambda isa: lambda: on_path(isa, lambda: k.fp8_linear(x, W, WS)))(isa)
         times = {n: [] for n in runs}
-        for r in range(reps):
-            for n in runs:
+        names = list(runs)
+        for f in runs.values():  # warm
+            f()
+        for r in range(reps):  # the order rotating: no path always runs first after the scalar loop
+            for j in range(len(names)):  # (measured on Zen 5: a path's first calls after it up to 8x slower)
+                n = names[(r + j) % len(names)]
                 t0 = time.perf_counter()
                 runs[n]()
                 times[n].append(time.perf_counter() - t0)

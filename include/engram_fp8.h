@@ -56,9 +56,9 @@
 #define ES8_BLOCK 32          /* values per activation scale, weight block edge, table row scale */
 #define ES8_E4M3_MAX 448.0f
 #define ES8_AMAX_MIN 1e-4f
-#define ES8_TILE_TOKENS 8     /* avx512: tokens per register tile along k (2..15 tokens) */
-#define ES8_TILE_ROWS 2       /* avx512: weight rows per such tile (2 x 8 = 16 zmm accumulators) */
-#define ES8_XT_MIN 16         /* avx512: tokens from which they go in the lanes instead (es8_xtile512) */
+#define ES8_XT_MIN 9          /* avx512, bf16: tokens from which they go in the 16 lanes (es8_xtile512); below,
+                               * from 2: the avx2 es8_mgemv, es8_mgemv_bf16 (measured faster than widened
+                               * rows: 2.6x at 2 tokens, and lanes beat tiles along k from 9 on Zen 5) */
 #define ES8_XT_ROWS 12        /* avx512: weight rows per tile of two 16-token vectors (24 accumulators) */
 #define ES8_KBLOCK 256        /* avx512: k per block of the many-token projection (its widened rows: L1) */
 #define ES8_MAX_THREADS ES_MAX_THREADS
@@ -266,6 +266,10 @@ static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int 
 
 /* ---- the avx512 path ----------------------------------------------------------------------- */
 
+#if ES_X86_PATHS
+_Static_assert(ES8_XT_MIN - 1 <= es8_mg_avx2, "avx512 runs the avx2 es8_mgemv below ES8_XT_MIN tokens");
+#endif
+
 #if ES8_HAVE_AVX512
 /* 16 e4m3 bytes -> 16 floats equal to value * 2^-8 (see the top of this file). */
 ES8_INLINE ES8_T512 __m512 es8_widen16(const uint8_t *p) {
@@ -317,39 +321,6 @@ static ES8_T512 void es8_widen_rows(const uint8_t *w, int R, int E, const float 
     }
 }
 
-/* The micro-kernel of the many-token projection: R widened rows (w, row stride ES8_KBLOCK) x T
- * tokens (x, row stride ldx) over n values of k, R*T 16-lane accumulators along k (R and T
- * are constants at each call site, so the tile stays in registers). part: the R*T vectors
- * of partial sums carried across k blocks (read unless first; written unless y). y: the
- * reduced sums y[t*ldy + r] after the last k block, else NULL. */
-ES8_INLINE ES8_T512 void es8_tile512(const float *w, const int R, const float *x, int64_t ldx,
-                                     const int T, int n, float *part, int first, float *y, int64_t ldy) {
-    __m512 acc[ES8_TILE_ROWS][ES8_TILE_TOKENS];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) acc[r][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (r * T + t) * 16);
-    for (int k = 0; k < n; k += 16) {
-        __m512 wv[ES8_TILE_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + r * ES8_KBLOCK + k);
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) {
-            __m512 xv = _mm512_loadu_ps(x + t * ldx + k);
-            __asm__("" : "+v"(xv));  /* one load per token, not one per FMA (load ports) */
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) {
-            if (y) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
-            else _mm512_storeu_ps(part + (r * T + t) * 16, acc[r][t]);
-        }
-}
-
 /* The micro-kernel with tokens in the lanes (ES8_XT_MIN tokens or more): R widened rows (w,
  * row stride ES8_KBLOCK) x V vectors of 16 tokens (xt, packed [k][16] per vector, vectors ldv
  * apart) over n values of k: each weight is broadcast into an FMA with the 16 tokens' values
@@ -394,12 +365,11 @@ ES8_INLINE ES8_T512 void es8_xtile512(const float *w, const int R, const float *
     }
 }
 
-/* One group of R <= 32 rows for S tokens (qx rows at stride ldq; xt: the same packed by
- * es8_pack_tokens, or NULL below ES8_XT_MIN tokens). One token: a GEMV straight from the
- * float8 bytes, the block scales folded into the activation once. Several: the rows widened
- * once into scratch, then over k blocks of ES8_KBLOCK (a block of widened rows, 32 KiB, and
- * a token tile stay in L1) tiles of tokens in the lanes (xt), or below ES8_XT_MIN tokens, of
- * ES8_TILE_ROWS rows x ES8_TILE_TOKENS tokens along k (16 lanes of few tokens would idle). */
+/* One group of R <= 32 rows for S tokens (S = 1 or S >= ES8_XT_MIN; qx rows at stride ldq;
+ * xt: the same packed by es8_pack_tokens). One token: a GEMV straight from the float8 bytes,
+ * the block scales folded into the activation once. Several: the rows widened once into
+ * scratch, then over k blocks of ES8_KBLOCK (a block of widened rows, 32 KiB, and a token
+ * tile stay in L1) tiles of tokens in the lanes. */
 static ES8_T512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, int64_t ldq, const float *xt,
                                       int64_t S, int E, const float *wsf, float *y, int64_t ldy, float *scratch,
                                       const uint8_t *next, int64_t nnext) {
@@ -419,7 +389,7 @@ static ES8_T512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, 
      * along k the same cost 15% at 8 tokens, so not there) */
     const uint8_t *pf = next, *pf_end = next + nnext;
 #define ES8_PF (pf < pf_end ? (pf += 4096) - 4096 : 0)
-    if (xt) {  /* tokens in the lanes: row tiles of 16 x one vector, or 8 x two */
+    {  /* tokens in the lanes: row tiles of 16 x one vector, or 12 x two */
         const int64_t nv = (S + 15) / 16, ldp = nv * 16, ldv = (int64_t)E * 16;
         const int VV = nv > 1 ? 2 : 1, RB = VV == 2 ? ES8_XT_ROWS : 16;
 #define ES8_X(rows, v) case rows: es8_xtile512(wr, rows, x, ldv, v, kw, pr, ldp, first, yr, ldy, nt, ES8_PF); break;
@@ -451,26 +421,6 @@ static ES8_T512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, 
 #undef ES8_PF
         return;
     }
-#define ES8_T(rows, t) case t: es8_tile512(wr, rows, x, ldq, t, kw, pr, first, yr, ldy); break;
-#define ES8_TS(rows) switch (T) { ES8_T(rows, 1) ES8_T(rows, 2) ES8_T(rows, 3) ES8_T(rows, 4) \
-                                  ES8_T(rows, 5) ES8_T(rows, 6) ES8_T(rows, 7) ES8_T(rows, 8) default: break; }
-    for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {  /* S < ES8_XT_MIN tokens */
-        const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = k0 == 0;
-        const float *wb = wf + (int64_t)ES8_BLOCK * k0;
-        for (int64_t t0 = 0; t0 < S; t0 += ES8_TILE_TOKENS) {
-            const int T = S - t0 < ES8_TILE_TOKENS ? (int)(S - t0) : ES8_TILE_TOKENS;
-            const float *x = qx + t0 * ldq + k0;
-            float *pt = part + t0 * ES8_BLOCK * 16;
-            for (int r = 0; r < R; r += ES8_TILE_ROWS) {
-                const float *wr = wb + (int64_t)r * ES8_KBLOCK;
-                float *pr = pt + (int64_t)r * T * 16, *yr = k0 + kw == E ? y + t0 * ldy + r : 0;
-                if (r + ES8_TILE_ROWS <= R) { ES8_TS(ES8_TILE_ROWS) }
-                else { ES8_TS(1) }   /* ES8_TILE_ROWS is 2: one row left */
-            }
-        }
-    }
-#undef ES8_TS
-#undef ES8_T
 }
 #endif
 
@@ -616,37 +566,42 @@ static ES8_TBF16 void es8_widen_rows_bf16(const uint8_t *w, int R, int E, const 
     }
 }
 
-/* es8_tile512 on bf16 (2..15 tokens, along k): R widened rows (w, row stride ES8_KBLOCK) x T
- * tokens (x: es8_bf16_act rows, stride ldx) over n positions (a multiple of 32). */
-ES8_INLINE ES8_TBF16 void es8_tile_bf16(const uint16_t *w, const int R, const uint16_t *x, int64_t ldx,
-                                        const int T, int n, float *part, int first, float *y, int64_t ldy) {
-    __m512 acc[ES8_TILE_ROWS][ES8_TILE_TOKENS];
-#pragma GCC unroll 4
+/* 2..8 tokens (T, a constant at each call site), R = 1 or 2 rows: each 64 bytes of a row
+ * widened once in registers (the tables) and multiplied with every token's 64 values (qs: T
+ * rows of es8_bf16_act with both scales, ldq apart): no widened copy, so few tokens stay as
+ * memory-bound as the one-token GEMV (as the avx2 es8_mgemv). y[t*ldy + r]. */
+ES8_INLINE ES8_TBF16 void es8_mgemv_bf16(const uint8_t *w, const int R, const uint16_t *qs, int64_t ldq,
+                                         const int T, int E, float *y, int64_t ldy, const __m512i t[4]) {
+    __m512 acc[2][8];
+#pragma GCC unroll 2
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < T; t++) acc[r][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (r * T + t) * 16);
-    for (int k = 0; k < n; k += 32) {
-        __m512i wv[ES8_TILE_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_si512((const void *)(w + r * ES8_KBLOCK + k));
+        for (int j = 0; j < T; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int k = 0; k < E; k += 64) {
+        const int full = E - k >= 64;
+        __m512i a[2], b[2];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (int64_t)r * E + k;
+            _mm_prefetch((const char *)(p + ES8_PREFETCH), _MM_HINT_T0);
+            es8_widen64_bf16(es8_load64(p, full), t, &a[r], &b[r]);
+        }
 #pragma GCC unroll 8
-        for (int t = 0; t < T; t++) {
-            __m512i xv = _mm512_loadu_si512((const void *)(x + t * ldx + k));
-            __asm__("" : "+v"(xv));  /* one load per token, not one per multiply-add */
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)wv[r], (__m512bh)xv);
+        for (int j = 0; j < T; j++) {
+            const __m512bh qa = (__m512bh)_mm512_loadu_si512((const void *)(qs + j * ldq + k));
+            const __m512bh qb = (__m512bh)_mm512_loadu_si512((const void *)(qs + j * ldq + k + 32));
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++)
+                acc[r][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r][j], (__m512bh)a[r], qa), (__m512bh)b[r], qb);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 2
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int t = 0; t < T; t++) {
-            if (y) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
-            else _mm512_storeu_ps(part + (r * T + t) * 16, acc[r][t]);
-        }
+        for (int j = 0; j < T; j++) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-/* es8_xtile512 on bf16 (16 tokens and more, in the lanes): R widened rows x V vectors of 16
+/* es8_xtile512 on bf16 (ES8_XT_MIN tokens and more, in the lanes): R widened rows x V vectors of 16
  * tokens (xt: [pair][16 tokens] dwords of two bf16 per vector, vectors ldv dwords apart) over
  * np pairs of positions: each row's pair broadcast into a vdpbf16ps with the 16 tokens' pairs
  * (32 multiply-adds an instruction). part, y, nt, pf as there. */
@@ -690,18 +645,16 @@ ES8_INLINE ES8_TBF16 void es8_xtile_bf16(const uint16_t *w, const int R, const u
     }
 }
 
-/* The bf16 tokens of a call: below ES8_XT_MIN, rows of es8_bf16_act (es8_bf16_ldb apart);
- * from it, packed for the lanes, [S/16][E64/2 pairs][16] dwords (the lanes past S zero). */
+/* Rows of es8_bf16_act (2..8 tokens, per group) are this many bf16 apart: E rounded up to 64
+ * and a line (E * 2 bytes is often a multiple of 4 KiB: the rows would share L1 sets). */
 static inline int64_t es8_bf16_ldb(int E) { return (int64_t)((E + 63) & ~63) + 32; }
+
+/* The tokens of a call (S >= ES8_XT_MIN) in bf16 packed for the lanes: [S/16][E64/2 pairs][16]
+ * dwords of two bf16 (positions of es8_bf16_pos), the lanes past S zero. */
 static ES8_TBF16 void es8_bf16_tokens(const float *qx, int64_t ldq, int64_t S, int E, uint16_t *xb) {
-    const int64_t ldb = es8_bf16_ldb(E);
-    if (S < ES8_XT_MIN) {
-        for (int64_t t = 0; t < S; t++) es8_bf16_act(qx + t * ldq, E, 0, xb + t * ldb);
-        return;
-    }
     const int64_t np = (E + 63) / 64 * 32, nv = (S + 15) / 16;
     uint32_t *xt = (uint32_t *)xb;
-    uint16_t row[ldb] __attribute__((aligned(64)));
+    uint16_t row[es8_bf16_ldb(E)] __attribute__((aligned(64)));
     memset(xt + (nv - 1) * np * 16, 0, sizeof(uint32_t) * np * 16);
     for (int64_t t = 0; t < S; t++) {
         es8_bf16_act(qx + t * ldq, E, 0, row);
@@ -710,10 +663,12 @@ static ES8_TBF16 void es8_bf16_tokens(const float *qx, int64_t ldq, int64_t S, i
     }
 }
 
-/* es8_group_avx512 on the bf16 path: xb the tokens of es8_bf16_tokens (S > 1), qx the one
- * token (S == 1). */
-static ES8_TBF16 void es8_group_bf16(const uint8_t *w, int R, const float *qx, const uint16_t *xb, int64_t S,
-                                     int E, const float *wsf, float *y, int64_t ldy, float *scratch,
+/* es8_group_avx512 on the bf16 path: qx the tokens (rows ldq apart), xb the same packed by
+ * es8_bf16_tokens (S >= ES8_XT_MIN). One token: the GEMV, both scales in the activation; 2..8:
+ * es8_mgemv_bf16 on the tokens scaled for this group (in scratch); more: the rows widened into
+ * scratch with s_w, tiles of rows x tokens in the lanes. */
+static ES8_TBF16 void es8_group_bf16(const uint8_t *w, int R, const float *qx, int64_t ldq, const uint16_t *xb,
+                                     int64_t S, int E, const float *wsf, float *y, int64_t ldy, float *scratch,
                                      const uint8_t *next, int64_t nnext) {
     __m512i t[4];
     es8_bf16_tables(t);
@@ -725,12 +680,23 @@ static ES8_TBF16 void es8_group_bf16(const uint8_t *w, int R, const float *qx, c
         for (; r < R; r++) es8_gemv_bf16(w + (int64_t)r * E, 1, qs, E, y + r, t);
         return;
     }
+    if (S < ES8_XT_MIN) {
+        uint16_t *qs = (uint16_t *)scratch;
+        const int64_t ldb = es8_bf16_ldb(E);
+        for (int64_t j = 0; j < S; j++) es8_bf16_act(qx + j * ldq, E, wsf, qs + j * ldb);
+#define ES8_M(n) case n: for (r = 0; r + 2 <= R; r += 2) es8_mgemv_bf16(w + (int64_t)r * E, 2, qs, ldb, n, E, y + r, ldy, t); \
+                         if (r < R) es8_mgemv_bf16(w + (int64_t)r * E, 1, qs, ldb, n, E, y + r, ldy, t); break;
+        int r;
+        switch (S) { ES8_M(2) ES8_M(3) ES8_M(4) ES8_M(5) ES8_M(6) ES8_M(7) ES8_M(8) default: break; }
+#undef ES8_M
+        return;
+    }
     uint16_t *wf = (uint16_t *)scratch;
     float *part = scratch + (int64_t)ES8_BLOCK * (E + ES8_KBLOCK);
     es8_widen_rows_bf16(w, R, E, wsf, wf, t);
     const uint8_t *pf = next, *pf_end = next + nnext;
 #define ES8_PF (pf < pf_end ? (pf += 4096) - 4096 : 0)
-    if (S >= ES8_XT_MIN) {  /* tokens in the lanes: row tiles of 16 x one vector, or 12 x two */
+    {  /* tokens in the lanes: row tiles of 16 x one vector, or 12 x two */
         const int64_t nv = (S + 15) / 16, ldp = nv * 16, ldv = (E + 63) / 64 * 32 * 16;
         const uint32_t *xt = (const uint32_t *)xb;
         const int VV = nv > 1 ? 2 : 1, RB = VV == 2 ? ES8_XT_ROWS : 16;
@@ -763,28 +729,6 @@ static ES8_TBF16 void es8_group_bf16(const uint8_t *w, int R, const float *qx, c
 #undef ES8_PF
         return;
     }
-#undef ES8_PF
-    const int64_t ldb = es8_bf16_ldb(E);
-#define ES8_T(rows, t) case t: es8_tile_bf16(wr, rows, x, ldb, t, n, pr, first, yr, ldy); break;
-#define ES8_TS(rows) switch (T) { ES8_T(rows, 1) ES8_T(rows, 2) ES8_T(rows, 3) ES8_T(rows, 4) \
-                                  ES8_T(rows, 5) ES8_T(rows, 6) ES8_T(rows, 7) ES8_T(rows, 8) default: break; }
-    for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {  /* S < ES8_XT_MIN tokens, along k */
-        const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = k0 == 0, n = (kw + 63) & ~63;
-        const uint16_t *wb = wf + (int64_t)ES8_BLOCK * k0;
-        for (int64_t t0 = 0; t0 < S; t0 += ES8_TILE_TOKENS) {
-            const int T = S - t0 < ES8_TILE_TOKENS ? (int)(S - t0) : ES8_TILE_TOKENS;
-            const uint16_t *x = xb + t0 * ldb + k0;
-            float *pt = part + t0 * ES8_BLOCK * 16;
-            for (int r = 0; r < R; r += ES8_TILE_ROWS) {
-                const uint16_t *wr = wb + (int64_t)r * ES8_KBLOCK;
-                float *pr = pt + (int64_t)r * T * 16, *yr = k0 + kw == E ? y + t0 * ldy + r : 0;
-                if (r + ES8_TILE_ROWS <= R) { ES8_TS(ES8_TILE_ROWS) }
-                else { ES8_TS(1) }
-            }
-        }
-    }
-#undef ES8_TS
-#undef ES8_T
 }
 
 /* acc[i] = vdpbf16ps lane i of (acc, a, b) for n lanes (a, b: 2n bf16): the real instruction
@@ -886,14 +830,14 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const fl
         switch (isa) {
 #if ES_X86_PATHS
             case ES_ISA_BF16:
-                es8_group_bf16(W + r0 * E, R, qx, (const uint16_t *)xt, S, E, wsf, Y + r0, M, scratch,
+                es8_group_bf16(W + r0 * E, R, qx, ldq, (const uint16_t *)xt, S, E, wsf, Y + r0, M, scratch,
                                W + (r0 + R) * E, (int64_t)rn * E);
                 break;
-            case ES_ISA_AVX512: {
-                es8_group_avx512(W + r0 * E, R, qx, ldq, S >= ES8_XT_MIN ? xt : 0, S, E, wsf, Y + r0, M, scratch,
-                                 W + (r0 + R) * E, (int64_t)rn * E);
+            case ES_ISA_AVX512:  /* 2..8 tokens: the avx2 es8_mgemv (the same fp16 widening and scales) */
+                if (S > 1 && S < ES8_XT_MIN) es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn);
+                else es8_group_avx512(W + r0 * E, R, qx, ldq, xt, S, E, wsf, Y + r0, M, scratch, W + (r0 + R) * E,
+                                      (int64_t)rn * E);
                 break;
-            }
             case ES_ISA_AVX2: es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
 #endif
             default: es8_group_baseline(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
@@ -937,29 +881,26 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
     if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;  /* the scratch holds nthreads slots */
     if (nthreads > ng) nthreads = (int)ng;
 #if ES8_HAVE_AVX512
-    if (isa == ES_ISA_BF16 && scratch && S > 1) {  /* the tokens in bf16 (es8_bf16_tokens) */
-        xt = scratch;
-        es8_bf16_tokens(qx, ldq, S, E, (uint16_t *)xt);
+    if (isa == ES_ISA_BF16) {  /* many tokens in bf16 for the lanes; 2..8 read qx (es8_group_bf16) */
+        if (scratch && S >= ES8_XT_MIN) es8_bf16_tokens(qx, ldq, S, E, (uint16_t *)(xt = scratch));
     } else
 #endif
     if (scratch && S > 1) {  /* the tokens in the lanes: 16 a vector on avx512 (from ES8_XT_MIN tokens) */
         int lanes = es8_xlanes_baseline, mg = es8_mg_baseline;
 #if ES_X86_PATHS
         lanes = isa == ES_ISA_AVX512 ? 16 : isa == ES_ISA_AVX2 ? es8_xlanes_avx2 : lanes;
-        mg = isa == ES_ISA_AVX512 ? 0 : isa == ES_ISA_AVX2 ? es8_mg_avx2 : mg;
+        mg = isa == ES_ISA_AVX512 ? ES8_XT_MIN - 1 : isa == ES_ISA_AVX2 ? es8_mg_avx2 : mg;
 #endif
         xt = scratch;
         if (S <= mg) {  /* a few tokens on the template paths: each in its GEMV's order */
             for (int64_t t = 0; t < S; t++) {
 #if ES_X86_PATHS
-                if (isa == ES_ISA_AVX2) { es8_gemv_layout_avx2(qx + t * ldq, E, xt + t * (E + 16)); continue; }
+                if (isa != ES_ISA_BASELINE) { es8_gemv_layout_avx2(qx + t * ldq, E, xt + t * (E + 16)); continue; }
 #endif
                 es8_gemv_layout_baseline(qx + t * ldq, E, xt + t * (E + 16));
             }
-        } else if (isa != ES_ISA_AVX512 || S >= ES8_XT_MIN) {
-            es8_pack_tokens(qx, ldq, S, E, xt, lanes);
         } else {
-            xt = 0;
+            es8_pack_tokens(qx, ldq, S, E, xt, lanes);
         }
     }
     float q1[S == 1 ? E : 1];  /* one token on the template paths: in their GEMV's order, once per call */

@@ -7,7 +7,6 @@ from engram_stream.engine._base cimport EngineBase
 
 cdef extern from "engram_fp8.h" nogil:
     int ES8_BLOCK
-    int ES8_TILE_TOKENS
     int ES8_MAX_THREADS
     int ES8_PREFILL_CHUNK
     int ES8_MAX_E

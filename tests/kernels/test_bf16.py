@@ -126,8 +126,8 @@ def _flush(x):
 
 
 @needs_bf16
-@pytest.mark.parametrize("one_token", [False, True])
-def test_bf16_projection_reads_every_code_exactly(on_bf16, one_token):
+@pytest.mark.parametrize("tokens", [1, 4, 64])
+def test_bf16_projection_reads_every_code_exactly(on_bf16, tokens):
     """One-hot activations read single weights back: all 256 codes (zeros, subnormals, +-448,
     the NaN codes read NaN as the oracle), block scales 2^-127 .. 2^4. Each output is one
     product, bit for bit the emulation's vdpbf16ps of its two factors: where a factor or the
@@ -140,11 +140,11 @@ def test_bf16_projection_reads_every_code_exactly(on_bf16, one_token):
     qx = (q * np.repeat(a_scale, 32, 1)).max(axis=1)                # each token's one value, as quantized
     values = ref.e4m3(w)                                            # NaN for the NaN codes
     s = np.repeat(np.repeat(ref.e8m0(sc), 32, 0), 32, 1)
-    if one_token:  # the GEMV: both scales on the activation
-        got = np.stack([k.fp8_linear(x[i:i + 1], w, sc)[0] for i in range(K)])
+    if tokens < 9:  # the GEMVs of 1 and 2..8 tokens: both scales on the activation
+        got = np.concatenate([k.fp8_linear(x[i:i + tokens], w, sc) for i in range(0, K, tokens)])
         factor = _flush(qx[None, :] * s)                 # [M, K]: this k's activation times s_w
         pa, pb = (values.view(np.uint32) >> 16).astype(np.uint16), (factor.view(np.uint32) >> 16).astype(np.uint16)
-    else:          # several tokens: s_w on the widened weights
+    else:          # 9 and more tokens: s_w on the widened weights
         got = k.fp8_linear(x, w, sc)
         factor = _flush(values * s)
         pa, pb = (factor.view(np.uint32) >> 16).astype(np.uint16), (qx[None, :].repeat(M, 0).view(np.uint32) >> 16).astype(np.uint16)
@@ -166,7 +166,7 @@ def test_bf16_projection_reads_every_code_exactly(on_bf16, one_token):
 
 
 @needs_bf16
-@pytest.mark.parametrize("S", [1, 3, 16, 40])
+@pytest.mark.parametrize("S", [1, 3, 8, 9, 40])
 def test_bf16_edge_codes_against_the_oracle(on_bf16, S):
     """Rows of zeros (+-0), subnormals, the largest values (+-448) and ordinary codes, real
     block scales, activations of mixed magnitude (so a block's max quantizes to +-448):
