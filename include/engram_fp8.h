@@ -448,6 +448,7 @@ static inline int es8_bf16_pos(int k) {
 
 #if ES8_HAVE_AVX512
 #define ES8_TBF16 ES_TARGET_BF16
+#define ES8_GR_BF16 8 /* rows the one-token GEMV streams at once (measured: 0.84x the time of 4 on Zen 5) */
 
 /* The bf16 bits of e4m3 magnitudes 0..127: low bytes, then high bytes (0x7f: NaN 0x7fc0). */
 static const uint8_t es8_bf16_tab[256] __attribute__((aligned(64))) = {
@@ -520,18 +521,18 @@ ES8_INLINE ES8_TBF16 __m512i es8_bf16_scale(__m512i v, __m512 s) {
                                      0xe4);  /* od where m, else ev >> 16 */
 }
 
-/* One token, R rows (a constant at each call site): the GEMV of es8_gemv512 on bf16, the
- * weights widened by the tables, qs the activation with both scales (es8_bf16_act). */
+/* One token, R rows (a constant at each call site, up to ES8_GR_BF16): the GEMV of es8_gemv512
+ * on bf16, the weights widened by the tables, qs the activation with both scales (es8_bf16_act). */
 ES8_INLINE ES8_TBF16 void es8_gemv_bf16(const uint8_t *w, const int R, const uint16_t *qs, int E, float *y,
                                         const __m512i t[4]) {
-    __m512 acc[4][2];
-#pragma GCC unroll 4
+    __m512 acc[ES8_GR_BF16][2];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int k = 0; k < E; k += 64) {
         const int full = E - k >= 64;
         const __m512bh qa = (__m512bh)_mm512_loadu_si512((const void *)(qs + k));
         const __m512bh qb = (__m512bh)_mm512_loadu_si512((const void *)(qs + k + 32));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             const uint8_t *p = w + (int64_t)r * E + k;
             _mm_prefetch((const char *)(p + ES8_PREFETCH), _MM_HINT_T0);
@@ -541,7 +542,7 @@ ES8_INLINE ES8_TBF16 void es8_gemv_bf16(const uint8_t *w, const int R, const uin
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)b, qb);
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
@@ -676,7 +677,7 @@ static ES8_TBF16 void es8_group_bf16(const uint8_t *w, int R, const float *qx, i
         uint16_t qs[(E + 63) & ~63] __attribute__((aligned(64)));
         es8_bf16_act(qx, E, wsf, qs);
         int r = 0;
-        for (; r + 4 <= R; r += 4) es8_gemv_bf16(w + (int64_t)r * E, 4, qs, E, y + r, t);
+        for (; r + ES8_GR_BF16 <= R; r += ES8_GR_BF16) es8_gemv_bf16(w + (int64_t)r * E, ES8_GR_BF16, qs, E, y + r, t);
         for (; r < R; r++) es8_gemv_bf16(w + (int64_t)r * E, 1, qs, E, y + r, t);
         return;
     }
