@@ -10,7 +10,7 @@
  *                         stay float8 and are widened in registers (memory-bound GEMV). Several:
  *                         the rows of a 32-row group are widened to float32 into scratch, k
  *                         block by k block, and every token reads them, the tokens in the
- *                         vector lanes (on AVX-512 below 16 tokens: along k)
+ *                         vector lanes (up to 8 tokens: widened in registers, no copy)
  *   es8_gate_tail         the gate (rstd, eps 1e-20, signed sqrt, sigmoid; 0 at DEAD) times the
  *                         shared value, for the G streams of one token
  *
@@ -25,10 +25,12 @@
  * (engram_fp8_kern.h): e4m3 widened exactly in registers (avx2: through fp16 bits and F16C,
  * the value times 2^-8 with the 2^8 folded into the block scale; baseline: through float32
  * bits, portable C that GCC and clang vectorize for SSE2 / NEON). The avx512 path is its own
- * code below (the fp16 widening on 512-bit registers, 16-lane FMAs); its gathers and quantizer
- * are the avx2 copies (exact: the same bits), its gate tail the plain one. NaN codes: the x86
- * projections read those of wkv (0x7f/0xff) as +-480 (checkpoints hold none); the baseline and
- * every path's gathers read NaN, as the reference. The *_plain functions are the portable
+ * code below (the fp16 widening on 512-bit registers, 16-lane FMAs; 2..8 tokens: the avx2
+ * es8_mgemv); its gathers and quantizer are the avx2 copies (exact: the same bits), its gate
+ * tail the plain one. The bf16 path (AVX512_BF16) is the avx512 one with the projection on
+ * vdpbf16ps (e4m3 widened through byte tables; see its section). NaN codes: the fp16
+ * projections (avx2, avx512) read those of wkv (0x7f/0xff) as +-480 (checkpoints hold none);
+ * the baseline, bf16 and every path's gathers read NaN, as the reference. The *_plain functions are the portable
  * scalar C (the reference of the benchmarks). Nothing here allocates (the caller passes the
  * scratch; thread starts that fail run inline) and nothing fails.
  */
@@ -385,8 +387,7 @@ static ES8_T512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, 
     float *wf = scratch, *part = scratch + (int64_t)ES8_BLOCK * (E + ES8_KBLOCK);
     es8_widen_rows(w, R, E, wsf, wf);
     /* tokens in the lanes: the next group's bytes (nnext from next) are requested 4 KiB per
-     * tile while these rows compute, so its widening reads L2 (measured: 5% at 16 tokens;
-     * along k the same cost 15% at 8 tokens, so not there) */
+     * tile while these rows compute, so its widening reads L2 (measured: 5% at 16 tokens) */
     const uint8_t *pf = next, *pf_end = next + nnext;
 #define ES8_PF (pf < pf_end ? (pf += 4096) - 4096 : 0)
     {  /* tokens in the lanes: row tiles of 16 x one vector, or 12 x two */
@@ -788,8 +789,8 @@ static inline void es8_gate_tail(const float *kv, const float *hid, const float 
 }
 
 /* Scratch of the many-token projection (S > 1), in floats: the tokens packed for the lanes,
- * shared, then per thread the path's own (avx512: a group's widened rows [32, E + ES8_KBLOCK]
- * and partial sums, [16, 32, 16] along k or [32, S rounded up to 16] in the lanes; the template
+ * shared, then per thread the path's own (avx512, bf16: a group's widened rows [32, E + ES8_KBLOCK]
+ * and partial sums [32, S rounded up to 16]; bf16 2..8 tokens: their scaled rows there; the template
  * paths: a k block of widened rows [32, ES8_KB] and the sums [32, S rounded up]). Sized
  * for every path, so a path switched between sizing and use still fits. */
 static inline int64_t es8_xt_floats(int64_t S, int E) { return S > 1 ? (S + 15) / 16 * 16 * (E + 16) : 0; }

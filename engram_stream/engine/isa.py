@@ -58,7 +58,9 @@ _CPU_FLAGS["bf16"] = _CPU_FLAGS["avx512"] + ("avx512vbmi", "avx512_bf16")
 # (bench/bench_v41.py, its rows side by side), so it is the default there; elsewhere avx512
 # stays the default and ENGRAM_STREAM_ISA=bf16 asks for it.
 BF16_FASTER = {
-    ("AuthenticAMD", 26): "Zen 5: step 0.85x, 16 streams 0.80x, prefill 512 0.58x of avx512 (2 vCPUs)",
+    # Zen 5 (EPYC, 2 vCPUs, bench_v41.py two runs, load 3.6-5.9): bf16 / avx512 time, step 0.56-1.03x,
+    # 16 streams 0.45-0.59x, prefill 512 0.56-0.59x; its vdpbf16ps peak 1.8-2.0x the vfmadd zmm one
+    ("AuthenticAMD", 26): "AMD Zen 5",
 }
 
 

@@ -8,7 +8,7 @@ path chosen by ENGRAM_STREAM_ISA in a fresh process as by use_isa.
 Where a path departs from the reference, on purpose: the fp16 projections (avx2, avx512) read
 the NaN codes of wkv (0x7f, 0xff) as +-480 (checkpoints hold none; see engram_fp8_kern.h);
 baseline and bf16 read NaN, as the oracle, and every path's gathers read table NaN codes as NaN.
-bf16 reads a factor or sum below 2^-126 as zero (vdpbf16ps: DAZ/FTZ; test_bf16.py).
+bf16 reads a factor or sum below 2^-126 as zero (vdpbf16ps: DAZ/FTZ; test_bf16_path.py).
 """
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_projection_reads_every_code_and_tiny_scales_exactly(each_isa, one_token
         got = k.fp8_linear(x, w, sc)
     if x86:  # no NaN: each output is its one product, exact (added to +0: no -0)
         bits_equal(got, (scaled * np.float32(2.0 ** -13)).T + np.float32(0))
-    elif each_isa == "bf16":  # DAZ/FTZ: the oracle's subnormals read 0 (test_bf16.py: the emulation's bits)
+    elif each_isa == "bf16":  # DAZ/FTZ: the oracle's subnormals read 0 (test_bf16_path.py: the emulation's bits)
         want = ref.fp8_linear(x, w, sc)
         tiny = np.abs(want) < np.finfo(np.float32).tiny
         bits_equal(got[~tiny], want[~tiny])
