@@ -58,8 +58,8 @@ _CPU_FLAGS["bf16"] = _CPU_FLAGS["avx512"] + ("avx512vbmi", "avx512_bf16")
 # (bench/bench_v41.py, its rows side by side), so it is the default there; elsewhere avx512
 # stays the default and ENGRAM_STREAM_ISA=bf16 asks for it.
 BF16_FASTER = {
-    # Zen 5 (EPYC, 2 vCPUs, bench_v41.py two runs, load 3.6-5.9): bf16 / avx512 time, step 0.56-1.03x,
-    # 16 streams 0.45-0.59x, prefill 512 0.56-0.59x; its vdpbf16ps peak 1.8-2.0x the vfmadd zmm one
+    # Zen 5 (EPYC, 2 vCPUs, bench_v41.py, three runs, load 0.2-5.9): bf16 / avx512 time, step
+    # 0.56-1.03x, 16 streams 0.45-0.59x, prefill 512 0.56-0.59x; its vdpbf16ps peak ~1.9x vfmadd zmm's
     ("AuthenticAMD", 26): "AMD Zen 5",
 }
 
