@@ -167,8 +167,26 @@ def engine_runner(model, S=1, threads=1):
 
 STEP_THREADS = (1, 2)  # engine.step_threads of the 16-stream rows
 FMA_RUNNERS = {}  # (isa, threads) -> FmaRunner
-BEST_ISA = kernel_isa()
-OTHER_ISAS = [i for i in reversed(_isa.supported_isas()) if i != BEST_ISA and i != "baseline"]
+# The demo's kernels on the bf16 path are its avx512 ones (only V4.1's projection has a bf16
+# copy): that path is measured in bench_v41.py, not here.
+BEST_ISA = "avx512" if kernel_isa() == "bf16" else kernel_isa()
+OTHER_ISAS = [i for i in reversed(_isa.supported_isas()) if i not in (BEST_ISA, "baseline", "bf16")]
+
+
+def side_by_side(rep, key, rows):
+    """rows {what: {isa: times}}: each path's median beside the others' in one line, a wider
+    path (later in ISA_NAMES) slower than a narrower one by more than 2% flagged LOSES; the
+    flags go to rep.data[key]."""
+    losses = []
+    for what, by in rows.items():
+        order = sorted(by, key=_isa.ISA_NAMES.index)
+        m = {i: med(by[i]) for i in order}
+        flags = [f"{w} {m[w] / m[n]:.2f}x of {n}" for j, n in enumerate(order) for w in order[j + 1:]
+                 if m[w] > 1.02 * m[n]]
+        losses += [f"{what}: {f}" for f in flags]
+        rep.note(f"side by side  {what:<44s} " + "  ".join(f"{i} {fmt_t(m[i]).strip()}" for i in order)
+                 + ("   LOSES: " + "; ".join(flags) if flags else ""))
+    rep.data[key] = losses
 
 
 def cpus_got(run, acc):
@@ -341,6 +359,13 @@ def step_section(rep, key, model, reps, target, streams16=False):
                              [x / 16 for x in t[k]], f"[{got:.2f} CPUs]")
         if HAVE_TORCH:
             rep.time(f"{key}.torch16", "torch incremental, 16 streams: one step", t["torch16"])
+        rows = {"step, float32 weights": {BEST_ISA: t["engine"], **{i: t[f"engine[{i}]"] for i in OTHER_ISAS}},
+                "step, bf16 weights": {BEST_ISA: t["engine_bf16"], **{i: t[f"engine_bf16[{i}]"] for i in OTHER_ISAS}}}
+        for wname, wdesc in (("", "float32"), ("_bf16", "bf16")):
+            for th in STEP_THREADS:
+                rows[f"16 streams, {wdesc} weights, {th} thread(s)"] = {
+                    isa: t[f"engine16{wname}_t{th}{sfx}"] for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]}
+        side_by_side(rep, f"{key}.wider_path_loses", rows)
         a = rep.time(f"{key}.floor16_e@W.T", f"floor: numpy e[16,{E}] @ W.T (view)", t["floor16_e@W.T"])
         b = rep.time(f"{key}.floor16_e@WT", f"floor: numpy e[16,{E}] @ WT (contiguous)", t["floor16_e@WT"])
         t["floor16"] = t["floor16_e@W.T"] if a <= b else t["floor16_e@WT"]
@@ -478,6 +503,9 @@ def prefill_section(rep, key, model, reps, T):
     for isa in OTHER_ISAS:
         rep.time(f"{key}.engine[{isa}]", f"engine prefill, {T} tokens ({engine_threads} threads), {isa} kernels",
                  t[f"engine[{isa}]"])
+    side_by_side(rep, f"{key}.wider_path_loses",
+                 {f"prefill {T}, {engine_threads} threads": {BEST_ISA: t["engine"],
+                                                            **{i: t[f"engine[{i}]"] for i in OTHER_ISAS}}})
     if HAVE_TORCH:
         rep.time(f"{key}.torch_default", f"torch batch forward, default threads ({default_threads})",
                  t["torch_default"])
@@ -528,16 +556,17 @@ class FmaRunner:
     once (`rounds` each a call), so a floor is measured in the same rotation as what it floors
     (a shared machine's load moves both alike). gflops(seconds per call) converts its times."""
 
-    def __init__(self, isa, threads, rounds=4_000_000):
+    def __init__(self, isa, threads, rounds=4_000_000, chains=None):
+        from engram_stream.demo import _engine
         self.isa, self.threads, self.rounds, self.flops = isa, threads, rounds, 0
+        self.chains = chains or _engine._fma_chains  # (bench_v41: the projection's own, vdpbf16ps on bf16)
 
     def __call__(self, n):
-        from engram_stream.demo import _engine
         for _ in range(n):
             done = [0] * self.threads
 
             def work(i):
-                done[i] = _engine._fma_chains(self.rounds)
+                done[i] = self.chains(self.rounds)
             pool = [threading.Thread(target=work, args=(i,)) for i in range(self.threads)]
             _isa.use_isa(self.isa)
             try:
@@ -555,6 +584,7 @@ class FmaRunner:
 
 def main(argv=None):
     global DEFAULT_TORCH_THREADS
+    _isa.use_isa(BEST_ISA)  # (bf16 by default: the demo runs its avx512 kernels there)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small-table demo geometry, fewer repetitions")
     ap.add_argument("--json", metavar="PATH", help="write every number here")

@@ -14,9 +14,12 @@ one run (rounds interleaved; the machine is shared, so absolute times are indica
   plain     the float8 projection (fp8_linear, one thread) on each path vs plain scalar C
             (fp8_linear(plain=True)), 1 and 16 tokens on 2048 rows of wkv: not slower
   kernel    fp8_linear, one thread, at 16 and 256 tokens: GFLOP/s against the path's
-            register-only FMA peak of one core (es_fma_chains, bench_step.register_fma_gflops)
+            register-only peak of its own multiply-add on one core (es_fma_chains: vfmadd, or
+            vdpbf16ps on the bf16 path; bench_step.register_fma_gflops)
   prefill   eng.prefill on 512 tokens (all cores) vs the register-only FMA floor of all cores
             (2*T*25600*6144 FLOPs at the path's peak, measured with every core at once)
+  side by side  every row above, each path beside the others; a wider path that is slower
+            than a narrower one (by more than 2%) is flagged (goal: none)
                                                                    goal <= 1.3x
             and vs a torch CPU implementation of the reference module with dequantized weights
   cold      a fresh process maps the checkpoint (its pages evicted first), 2000 decode steps:
@@ -125,8 +128,12 @@ def section_plain(model, paths, reps):
         for isa in paths:
             runs[isa] = (lambda isa: lambda: on_path(isa, lambda: k.fp8_linear(x, W, WS)))(isa)
         times = {n: [] for n in runs}
-        for r in range(reps):
-            for n in runs:
+        names = list(runs)
+        for f in runs.values():  # warm
+            f()
+        for r in range(reps):  # the order rotating: no path always runs first after the scalar loop
+            for j in range(len(names)):  # (measured on Zen 5: a path's first calls after it up to 8x slower)
+                n = names[(r + j) % len(names)]
                 t0 = time.perf_counter()
                 runs[n]()
                 times[n].append(time.perf_counter() - t0)
@@ -138,8 +145,9 @@ def section_plain(model, paths, reps):
 
 
 def fma_runner(isa, threads, rounds):
-    """bench_step.FmaRunner: the path's register-only FMA chains on `threads` threads at once, a
-    contender timed in the same rounds as what it floors."""
+    """bench_step.FmaRunner with the projection's own multiply-add chains (_mac_chains: vfmadd,
+    vdpbf16ps on bf16) on `threads` threads at once, a contender timed in the same rounds as
+    what it floors."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     try:
@@ -147,7 +155,7 @@ def fma_runner(isa, threads, rounds):
     finally:  # (it pins OPENBLAS_NUM_THREADS at import)
         os.environ.clear()
         os.environ.update(env)
-    return bench_step.FmaRunner(isa, threads, rounds)
+    return bench_step.FmaRunner(isa, threads, rounds, chains=k._mac_chains)
 
 
 def timed(f):
@@ -259,6 +267,38 @@ def section_prefill(model, T, reps, paths):
     return res
 
 
+def side_by_side(res, paths):
+    """Every path's figure of each row beside the others' (times: lower is better), and the rows
+    where a wider path (later in engine.isa.ISA_NAMES) is slower than a narrower one by more than
+    2%: returns those as "row: wide x.xx of narrow"."""
+    order = sorted(paths, key=_isa.ISA_NAMES.index)
+    rows = []
+    st, pl, kn, pf = (res.get(n, {}) for n in ("step", "plain", "kernel", "prefill"))
+    for th in (1, 2):
+        if st:
+            rows.append((f"step, one stream, {th} thread(s), ms", {p: st[p][f"step1_t{th}_ms"] for p in order}))
+            rows.append((f"step, 16 streams, {th} thread(s), ms", {p: st[p][f"step16_t{th}_ms"] for p in order}))
+    for S in (1, 16):
+        if pl:
+            rows.append((f"fp8_linear {S} token(s), 2048 rows, 1 thread, ms", {p: pl[f"S{S}_{p}_ms"] for p in order}))
+    for S in (16, 256):
+        if kn:
+            rows.append((f"fp8_linear {S} tokens, wkv, 1 thread, ms",
+                         {p: 2 * res["wkv_rows_x_e"] * S / kn[p][f"S{S}_GFLOPs"] / 1e6 for p in order}))
+    if pf:
+        rows.append((f"prefill {pf['T']}, {pf['threads']} threads, ms", {p: pf[p]["s"] * 1e3 for p in order}))
+    losses = []
+    width = max(len(r[0]) for r in rows) if rows else 0
+    print("side by side (" + ", ".join(order) + "): a wider path slower than a narrower one is flagged")
+    for name, v in rows:
+        flags = [f"{w} {v[w] / v[n]:.2f}x of {n}" for i, n in enumerate(order) for w in order[i + 1:]
+                 if v[w] > 1.02 * v[n]]
+        losses += [f"{name}: {f}" for f in flags]
+        print(f"  {name:<{width}}  " + "  ".join(f"{p} {v[p]:9.3f}" for p in order)
+              + ("   LOSES: " + "; ".join(flags) if flags else ""))
+    return losses
+
+
 COLD = r"""
 import json, sys, time
 import numpy as np
@@ -336,6 +376,9 @@ def main():
     if "prefill" in sections:
         res["prefill"] = section_prefill(model, 256 if a.quick else 512, 1 if a.quick else 3, paths)
         print("prefill", json.dumps(res["prefill"]))
+    M, E = model.layer(LAYER).wkv_weight.shape
+    res["wkv_rows_x_e"] = int(M) * int(E)
+    res["wider_path_loses"] = side_by_side(res, paths)
     res["loadavg_end"] = os.getloadavg()
     if a.json:
         with open(a.json, "w") as f:

@@ -10,7 +10,7 @@
  *                         stay float8 and are widened in registers (memory-bound GEMV). Several:
  *                         the rows of a 32-row group are widened to float32 into scratch, k
  *                         block by k block, and every token reads them, the tokens in the
- *                         vector lanes (on AVX-512 below 16 tokens: along k)
+ *                         vector lanes (up to 8 tokens: widened in registers, no copy)
  *   es8_gate_tail         the gate (rstd, eps 1e-20, signed sqrt, sigmoid; 0 at DEAD) times the
  *                         shared value, for the G streams of one token
  *
@@ -21,15 +21,17 @@
  * of the fp32 additions differs (FMA or multiply then add: the same, the products being exact).
  *
  * Paths: the kernels follow es_isa (engram_isa.h) like the demo's, so ENGRAM_STREAM_ISA and
- * engram_stream._isa.use_isa choose them for both variants. baseline, avx2 and neon are one template
+ * engram_stream.engine.isa.use_isa choose them for both variants. baseline, avx2 and neon are one template
  * (engram_fp8_kern.h): e4m3 widened exactly in registers (avx2: through fp16 bits and F16C,
  * the value times 2^-8 with the 2^8 folded into the block scale; neon: the same fp16 bits by
  * SSHLL and FCVTL; baseline: through float32 bits, portable C that GCC and clang vectorize for
- * SSE2 / NEON). The avx512 path is its own
- * code below (the fp16 widening on 512-bit registers, 16-lane FMAs); its gathers and quantizer
- * are the avx2 copies (exact: the same bits), its gate tail the plain one. NaN codes: the x86
- * and neon projections read those of wkv (0x7f/0xff) as +-480 (checkpoints hold none); the baseline and
- * every path's gathers read NaN, as the reference. The *_plain functions are the portable
+ * SSE2 / NEON). The avx512 path is its own code below (the fp16 widening on 512-bit registers,
+ * 16-lane FMAs; 2..8 tokens: the avx2 es8_mgemv); its gathers and quantizer are the avx2 copies
+ * (exact: the same bits), its gate tail the plain one. The bf16 path (AVX512_BF16) is the avx512
+ * one with the projection on vdpbf16ps (e4m3 widened through byte tables; see its section). NaN
+ * codes: the fp16 projections (avx2, avx512, neon) read those of wkv (0x7f/0xff) as +-480
+ * (checkpoints hold none); the baseline, bf16 and every path's gathers read NaN, as the reference.
+ * The *_plain functions are the portable
  * scalar C (the reference of the benchmarks). Nothing here allocates (the caller passes the
  * scratch; thread starts that fail run inline) and nothing fails.
  */
@@ -57,9 +59,9 @@
 #define ES8_BLOCK 32          /* values per activation scale, weight block edge, table row scale */
 #define ES8_E4M3_MAX 448.0f
 #define ES8_AMAX_MIN 1e-4f
-#define ES8_TILE_TOKENS 8     /* avx512: tokens per register tile along k (2..15 tokens) */
-#define ES8_TILE_ROWS 2       /* avx512: weight rows per such tile (2 x 8 = 16 zmm accumulators) */
-#define ES8_XT_MIN 16         /* avx512: tokens from which they go in the lanes instead (es8_xtile512) */
+#define ES8_XT_MIN 9          /* avx512, bf16: tokens from which they go in the 16 lanes (es8_xtile512); below,
+                               * from 2: the avx2 es8_mgemv, es8_mgemv_bf16 (measured faster than widened
+                               * rows: 2.6x at 2 tokens, and lanes beat tiles along k from 9 on Zen 5) */
 #define ES8_XT_ROWS 12        /* avx512: weight rows per tile of two 16-token vectors (24 accumulators) */
 #define ES8_KBLOCK 256        /* avx512: k per block of the many-token projection (its widened rows: L1) */
 #define ES8_MAX_THREADS ES_MAX_THREADS
@@ -199,6 +201,27 @@ static inline void es8_gate_tail_plain(const float *kv, const float *hid, const 
     }
 }
 
+/* ---- vdpbf16ps, emulated: the reference of the bf16 path -------------------------------------- */
+
+/* One fp32 lane of vdpbf16ps as Intel documents it (SDM: VDPBF16PS) and as measured on AMD Zen
+ * 5: acc += a1*b1, rounded to nearest even, then += a0*b0, rounded again (the odd pair first;
+ * each step fused: the product exact), inputs (the bf16 factors and acc) that are denormal
+ * read as zero of their sign, a denormal result of either step flushed to zero of its sign;
+ * MXCSR neither read nor written. NaN: a NaN (x86 keeps the first NaN operand's payload; only
+ * NaN-ness is part of this reference). */
+static inline float es8_flush(float x) {
+    const uint32_t u = es8_bits(x);
+    return (u & 0x7f800000u) ? x : es8_from_bits(u & 0x80000000u);
+}
+static inline float es8_dpbf16_lane(float acc, uint16_t a0, uint16_t a1, uint16_t b0, uint16_t b1) {
+#define ES8_BF(h) es8_flush(es8_from_bits((uint32_t)(h) << 16))
+    float t = es8_flush(acc);
+    t = es8_flush(fmaf(ES8_BF(a1), ES8_BF(b1), t));
+    t = es8_flush(fmaf(ES8_BF(a0), ES8_BF(b0), t));
+#undef ES8_BF
+    return t;
+}
+
 /* ---- the vector paths: one template per instruction set (engram_fp8_kern.h) --------------- */
 
 /* xt[(t/lanes)*E*lanes + k*lanes + t%lanes] = qx[t*ldq + k]: the tokens packed `lanes` per
@@ -264,6 +287,10 @@ static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int 
 
 /* ---- the avx512 path ----------------------------------------------------------------------- */
 
+#if ES_X86_PATHS
+_Static_assert(ES8_XT_MIN - 1 <= es8_mg_avx2, "avx512 runs the avx2 es8_mgemv below ES8_XT_MIN tokens");
+#endif
+
 #if ES8_HAVE_AVX512
 /* 16 e4m3 bytes -> 16 floats equal to value * 2^-8 (see the top of this file). */
 ES8_INLINE ES8_T512 __m512 es8_widen16(const uint8_t *p) {
@@ -315,39 +342,6 @@ static ES8_T512 void es8_widen_rows(const uint8_t *w, int R, int E, const float 
     }
 }
 
-/* The micro-kernel of the many-token projection: R widened rows (w, row stride ES8_KBLOCK) x T
- * tokens (x, row stride ldx) over n values of k, R*T 16-lane accumulators along k (R and T
- * are constants at each call site, so the tile stays in registers). part: the R*T vectors
- * of partial sums carried across k blocks (read unless first; written unless y). y: the
- * reduced sums y[t*ldy + r] after the last k block, else NULL. */
-ES8_INLINE ES8_T512 void es8_tile512(const float *w, const int R, const float *x, int64_t ldx,
-                                     const int T, int n, float *part, int first, float *y, int64_t ldy) {
-    __m512 acc[ES8_TILE_ROWS][ES8_TILE_TOKENS];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) acc[r][t] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (r * T + t) * 16);
-    for (int k = 0; k < n; k += 16) {
-        __m512 wv[ES8_TILE_ROWS];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) wv[r] = _mm512_loadu_ps(w + r * ES8_KBLOCK + k);
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) {
-            __m512 xv = _mm512_loadu_ps(x + t * ldx + k);
-            __asm__("" : "+v"(xv));  /* one load per token, not one per FMA (load ports) */
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv, acc[r][t]);
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-        for (int t = 0; t < T; t++) {
-            if (y) y[t * ldy + r] = _mm512_reduce_add_ps(acc[r][t]);
-            else _mm512_storeu_ps(part + (r * T + t) * 16, acc[r][t]);
-        }
-}
-
 /* The micro-kernel with tokens in the lanes (ES8_XT_MIN tokens or more): R widened rows (w,
  * row stride ES8_KBLOCK) x V vectors of 16 tokens (xt, packed [k][16] per vector, vectors ldv
  * apart) over n values of k: each weight is broadcast into an FMA with the 16 tokens' values
@@ -392,12 +386,11 @@ ES8_INLINE ES8_T512 void es8_xtile512(const float *w, const int R, const float *
     }
 }
 
-/* One group of R <= 32 rows for S tokens (qx rows at stride ldq; xt: the same packed by
- * es8_pack_tokens, or NULL below ES8_XT_MIN tokens). One token: a GEMV straight from the
- * float8 bytes, the block scales folded into the activation once. Several: the rows widened
- * once into scratch, then over k blocks of ES8_KBLOCK (a block of widened rows, 32 KiB, and
- * a token tile stay in L1) tiles of tokens in the lanes (xt), or below ES8_XT_MIN tokens, of
- * ES8_TILE_ROWS rows x ES8_TILE_TOKENS tokens along k (16 lanes of few tokens would idle). */
+/* One group of R <= 32 rows for S tokens (S = 1 or S >= ES8_XT_MIN; qx rows at stride ldq;
+ * xt: the same packed by es8_pack_tokens). One token: a GEMV straight from the float8 bytes,
+ * the block scales folded into the activation once. Several: the rows widened once into
+ * scratch, then over k blocks of ES8_KBLOCK (a block of widened rows, 32 KiB, and a token
+ * tile stay in L1) tiles of tokens in the lanes. */
 static ES8_T512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, int64_t ldq, const float *xt,
                                       int64_t S, int E, const float *wsf, float *y, int64_t ldy, float *scratch,
                                       const uint8_t *next, int64_t nnext) {
@@ -413,11 +406,10 @@ static ES8_T512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, 
     float *wf = scratch, *part = scratch + (int64_t)ES8_BLOCK * (E + ES8_KBLOCK);
     es8_widen_rows(w, R, E, wsf, wf);
     /* tokens in the lanes: the next group's bytes (nnext from next) are requested 4 KiB per
-     * tile while these rows compute, so its widening reads L2 (measured: 5% at 16 tokens;
-     * along k the same cost 15% at 8 tokens, so not there) */
+     * tile while these rows compute, so its widening reads L2 (measured: 5% at 16 tokens) */
     const uint8_t *pf = next, *pf_end = next + nnext;
 #define ES8_PF (pf < pf_end ? (pf += 4096) - 4096 : 0)
-    if (xt) {  /* tokens in the lanes: row tiles of 16 x one vector, or 8 x two */
+    {  /* tokens in the lanes: row tiles of 16 x one vector, or 12 x two */
         const int64_t nv = (S + 15) / 16, ldp = nv * 16, ldv = (int64_t)E * 16;
         const int VV = nv > 1 ? 2 : 1, RB = VV == 2 ? ES8_XT_ROWS : 16;
 #define ES8_X(rows, v) case rows: es8_xtile512(wr, rows, x, ldv, v, kw, pr, ldp, first, yr, ldy, nt, ES8_PF); break;
@@ -449,29 +441,338 @@ static ES8_T512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, 
 #undef ES8_PF
         return;
     }
-#define ES8_T(rows, t) case t: es8_tile512(wr, rows, x, ldq, t, kw, pr, first, yr, ldy); break;
-#define ES8_TS(rows) switch (T) { ES8_T(rows, 1) ES8_T(rows, 2) ES8_T(rows, 3) ES8_T(rows, 4) \
-                                  ES8_T(rows, 5) ES8_T(rows, 6) ES8_T(rows, 7) ES8_T(rows, 8) default: break; }
-    for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {  /* S < ES8_XT_MIN tokens */
-        const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = k0 == 0;
-        const float *wb = wf + (int64_t)ES8_BLOCK * k0;
-        for (int64_t t0 = 0; t0 < S; t0 += ES8_TILE_TOKENS) {
-            const int T = S - t0 < ES8_TILE_TOKENS ? (int)(S - t0) : ES8_TILE_TOKENS;
-            const float *x = qx + t0 * ldq + k0;
-            float *pt = part + t0 * ES8_BLOCK * 16;
-            for (int r = 0; r < R; r += ES8_TILE_ROWS) {
-                const float *wr = wb + (int64_t)r * ES8_KBLOCK;
-                float *pr = pt + (int64_t)r * T * 16, *yr = k0 + kw == E ? y + t0 * ldy + r : 0;
-                if (r + ES8_TILE_ROWS <= R) { ES8_TS(ES8_TILE_ROWS) }
-                else { ES8_TS(1) }   /* ES8_TILE_ROWS is 2: one row left */
-            }
-        }
-    }
-#undef ES8_TS
-#undef ES8_T
 }
 #endif
 
+
+/* ---- the bf16 path (AVX512_BF16 + VBMI) -------------------------------------------------------
+ * Every e4m3 value is a normal bf16 (the subnormals m * 2^-9 too), and so is every quantized
+ * activation (an e4m3 value times a power of two >= 2^-22): widened exactly, their products in
+ * vdpbf16ps are exact and only the fp32 additions differ from the avx512 path: in pairs, the odd
+ * k of a pair first, each rounded (es8_dpbf16_lane). Widening: two 128-byte tables (the bf16
+ * bits of the 128 magnitudes, low and high bytes) through vpermt2b, the sign or-ed in; the
+ * NaN codes read NaN, as the oracle. The block scales are folded in as on the avx512 path
+ * (one token: into the activation, s_x * s_w; several: s_x into the activation, s_w into the
+ * widened rows, on float32 and back, exact): so the one difference in value from the
+ * reference is DAZ/FTZ: a folded factor or a sum below 2^-126 reads as zero (the reference
+ * keeps float32 subnormals; with real scales nothing comes near). The widening leaves the 64
+ * values of a chunk in the order of the unpacks (es8_bf16_pos); the activations are laid out
+ * the same, and a pair of the dot product is two neighbouring positions. */
+
+/* Where value k lands: the unpacks interleave within 128-bit lanes, so a 64-value chunk holds
+ * k = 0-7, 16-23, 32-39, 48-55, then 8-15, 24-31, 40-47, 56-63. */
+static inline int es8_bf16_pos(int k) {
+    const int j = k & 15, lane = (k >> 4) & 3;
+    return (k & ~63) + (j < 8 ? 8 * lane + j : 32 + 8 * lane + j - 8);
+}
+
+#if ES8_HAVE_AVX512
+#define ES8_TBF16 ES_TARGET_BF16
+#define ES8_GR_BF16 8 /* rows the one-token GEMV streams at once (measured: 0.84x the time of 4 on Zen 5) */
+
+/* The bf16 bits of e4m3 magnitudes 0..127: low bytes, then high bytes (0x7f: NaN 0x7fc0). */
+static const uint8_t es8_bf16_tab[256] __attribute__((aligned(64))) = {
+    0x00, 0x00, 0x80, 0xc0, 0x00, 0x20, 0x40, 0x60, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10,
+    0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10, 0x20, 0x30,
+    0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10, 0x20, 0x30, 0x40, 0x50,
+    0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70,
+    0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90,
+    0xa0, 0xb0, 0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0,
+    0xc0, 0xd0, 0xe0, 0xf0, 0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xa0, 0xb0, 0xc0, 0xd0,
+    0xe0, 0xc0,
+    0x00, 0x3b, 0x3b, 0x3b, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3c, 0x3d, 0x3d,
+    0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3d, 0x3e, 0x3e, 0x3e, 0x3e,
+    0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3e, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f,
+    0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
+    0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
+    0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
+    0x42, 0x42, 0x42, 0x42, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43,
+    0x43, 0x7f
+};
+
+ES8_INLINE ES8_TBF16 void es8_bf16_tables(__m512i t[4]) {
+    for (int i = 0; i < 4; i++) t[i] = _mm512_load_si512((const void *)(es8_bf16_tab + 64 * i));
+}
+
+/* 64 e4m3 bytes -> 64 bf16 in two vectors (the order of es8_bf16_pos), exact. */
+ES8_INLINE ES8_TBF16 void es8_widen64_bf16(__m512i x, const __m512i t[4], __m512i *a, __m512i *b) {
+    const __m512i lo = _mm512_permutex2var_epi8(t[0], x, t[1]);  /* 7 index bits: the magnitude */
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t[2], x, t[3]), x,
+                                                 _mm512_set1_epi8((char)0x80), 0xf8);  /* | x & 0x80 */
+    *a = _mm512_unpacklo_epi8(lo, hi);
+    *b = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* The bytes of a row chunk at p: 64, or the last 32 of a row (the rest read as code 0). */
+ES8_INLINE ES8_TBF16 __m512i es8_load64(const uint8_t *p, int full) {
+    return full ? _mm512_loadu_si512((const void *)p) : _mm512_maskz_loadu_epi8(0xffffffffull, p);
+}
+
+/* dst[es8_bf16_pos(k)] = bf16(x[k] * f[k / 32]) (f NULL: 1) for k < E, zero up to E rounded up
+ * to 64. The values are e4m3 values times powers of two: exact (denormal ones read 0: DAZ). */
+static ES8_TBF16 void es8_bf16_act(const float *x, int E, const float *f, uint16_t *dst) {
+    const __m512i ia = _mm512_setr_epi32(0x10000, 0x30002, 0x50004, 0x70006, 0x110010, 0x130012, 0x150014,
+                                         0x170016, 0x210020, 0x230022, 0x250024, 0x270026, 0x310030, 0x330032,
+                                         0x350034, 0x370036);
+    const __m512i ib = _mm512_add_epi16(ia, _mm512_set1_epi16(8));
+    for (int k = 0; k < E; k += 64) {
+        const int full = E - k >= 64;
+        __m512 v[4];
+        for (int i = 0; i < 4; i++) v[i] = full || i < 2 ? _mm512_loadu_ps(x + k + 16 * i) : _mm512_setzero_ps();
+        if (f) {
+            const __m512 f0 = _mm512_set1_ps(f[k >> 5]), f1 = full ? _mm512_set1_ps(f[(k >> 5) + 1]) : f0;
+            v[0] = _mm512_mul_ps(v[0], f0), v[1] = _mm512_mul_ps(v[1], f0);
+            v[2] = _mm512_mul_ps(v[2], f1), v[3] = _mm512_mul_ps(v[3], f1);
+        }
+        const __m512i w01 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]), w23 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
+        _mm512_storeu_si512((void *)(dst + k), _mm512_permutex2var_epi16(w01, ia, w23));
+        _mm512_storeu_si512((void *)(dst + k + 32), _mm512_permutex2var_epi16(w01, ib, w23));
+    }
+}
+
+/* bf16 v (pairs in dwords) times s (float32 per dword), back to bf16: exact for the products
+ * of e4m3 values and powers of two (their low 16 bits are zero); a denormal one keeps its
+ * high bits, read as zero by vdpbf16ps. */
+ES8_INLINE ES8_TBF16 __m512i es8_bf16_scale(__m512i v, __m512 s) {
+    const __m512i m = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 ev = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), s);
+    const __m512 od = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, m)), s);
+    return _mm512_ternarylogic_epi32(_mm512_castps_si512(od), _mm512_srli_epi32(_mm512_castps_si512(ev), 16), m,
+                                     0xe4);  /* od where m, else ev >> 16 */
+}
+
+/* One token, R rows (a constant at each call site, up to ES8_GR_BF16): the GEMV of es8_gemv512
+ * on bf16, the weights widened by the tables, qs the activation with both scales (es8_bf16_act). */
+ES8_INLINE ES8_TBF16 void es8_gemv_bf16(const uint8_t *w, const int R, const uint16_t *qs, int E, float *y,
+                                        const __m512i t[4]) {
+    __m512 acc[ES8_GR_BF16][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int k = 0; k < E; k += 64) {
+        const int full = E - k >= 64;
+        const __m512bh qa = (__m512bh)_mm512_loadu_si512((const void *)(qs + k));
+        const __m512bh qb = (__m512bh)_mm512_loadu_si512((const void *)(qs + k + 32));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (int64_t)r * E + k;
+            _mm_prefetch((const char *)(p + ES8_PREFETCH), _MM_HINT_T0);
+            __m512i a, b;
+            es8_widen64_bf16(es8_load64(p, full), t, &a, &b);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)a, qa);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)b, qb);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+/* es8_widen_rows on bf16: R rows widened by the tables, times their block scales (wsf), k
+ * block by k block: the block at k0 at wb + 32*k0, its row r at + r*ES8_KBLOCK (bf16 in
+ * es8_bf16_pos order, a last block's tail zero to a multiple of 64). */
+static ES8_TBF16 void es8_widen_rows_bf16(const uint8_t *w, int R, int E, const float *wsf, uint16_t *wb,
+                                          const __m512i t[4]) {
+    for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
+        const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK;
+        for (int64_t r = 0; r < R; r++) {
+            uint16_t *dst = wb + (int64_t)ES8_BLOCK * k0 + r * ES8_KBLOCK;
+            for (int k = 0; k < kw; k += 64) {
+                const int full = kw - k >= 64, b0 = (k0 + k) >> 5;
+                const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(wsf[b0]), _mm256_set1_ps(wsf[full ? b0 + 1 : b0]), 1);
+                __m512i a, b;
+                es8_widen64_bf16(es8_load64(w + r * E + k0 + k, full), t, &a, &b);
+                _mm512_storeu_si512((void *)(dst + k), es8_bf16_scale(a, s));
+                _mm512_storeu_si512((void *)(dst + k + 32), es8_bf16_scale(b, s));
+            }
+        }
+    }
+}
+
+/* 2..8 tokens (T, a constant at each call site), R = 1 or 2 rows: each 64 bytes of a row
+ * widened once in registers (the tables) and multiplied with every token's 64 values (qs: T
+ * rows of es8_bf16_act with both scales, ldq apart): no widened copy, so few tokens stay as
+ * memory-bound as the one-token GEMV (as the avx2 es8_mgemv). y[t*ldy + r]. */
+ES8_INLINE ES8_TBF16 void es8_mgemv_bf16(const uint8_t *w, const int R, const uint16_t *qs, int64_t ldq,
+                                         const int T, int E, float *y, int64_t ldy, const __m512i t[4]) {
+    __m512 acc[2][8];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int j = 0; j < T; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int k = 0; k < E; k += 64) {
+        const int full = E - k >= 64;
+        __m512i a[2], b[2];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = w + (int64_t)r * E + k;
+            _mm_prefetch((const char *)(p + ES8_PREFETCH), _MM_HINT_T0);
+            es8_widen64_bf16(es8_load64(p, full), t, &a[r], &b[r]);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < T; j++) {
+            const __m512bh qa = (__m512bh)_mm512_loadu_si512((const void *)(qs + j * ldq + k));
+            const __m512bh qb = (__m512bh)_mm512_loadu_si512((const void *)(qs + j * ldq + k + 32));
+#pragma GCC unroll 2
+            for (int r = 0; r < R; r++)
+                acc[r][j] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r][j], (__m512bh)a[r], qa), (__m512bh)b[r], qb);
+        }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int j = 0; j < T; j++) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+/* es8_xtile512 on bf16 (ES8_XT_MIN tokens and more, in the lanes): R widened rows x V vectors of 16
+ * tokens (xt: [pair][16 tokens] dwords of two bf16 per vector, vectors ldv dwords apart) over
+ * np pairs of positions: each row's pair broadcast into a vdpbf16ps with the 16 tokens' pairs
+ * (32 multiply-adds an instruction). part, y, nt, pf as there. */
+ES8_INLINE ES8_TBF16 void es8_xtile_bf16(const uint16_t *w, const int R, const uint32_t *xt, int64_t ldv,
+                                         const int V, int np, float *part, int64_t ldp, int first, float *y,
+                                         int64_t ldy, int64_t nt, const uint8_t *pf) {
+    __m512 acc[16][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * ldp + v * 16);
+    for (int p = 0; p < np; p++) {
+        if (pf && !(p & 1)) _mm_prefetch((const char *)pf + p * 32, _MM_HINT_T1);  /* 4 KiB per 256 k */
+        __m512bh xv[2];
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) xv[v] = (__m512bh)_mm512_loadu_si512((const void *)(xt + v * ldv + p * 16));
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) {
+            uint32_t pair;
+            memcpy(&pair, w + r * ES8_KBLOCK + 2 * p, 4);
+            const __m512bh wb = (__m512bh)_mm512_set1_epi32((int)pair);
+#pragma GCC unroll 2
+            for (int v = 0; v < V; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv[v], wb);
+        }
+    }
+    if (!y) {
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+            for (int v = 0; v < V; v++) _mm512_storeu_ps(part + r * ldp + v * 16, acc[r][v]);
+        return;
+    }
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)ldy));
+#pragma GCC unroll 2
+    for (int v = 0; v < V; v++) {
+        const int64_t left = nt - v * 16;
+        const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++) _mm512_mask_i32scatter_ps(y + v * 16 * ldy + r, m, idx, acc[r][v], 4);
+    }
+}
+
+/* Rows of es8_bf16_act (2..8 tokens, per group) are this many bf16 apart: E rounded up to 64
+ * and a line (E * 2 bytes is often a multiple of 4 KiB: the rows would share L1 sets). */
+static inline int64_t es8_bf16_ldb(int E) { return (int64_t)((E + 63) & ~63) + 32; }
+
+/* The tokens of a call (S >= ES8_XT_MIN) in bf16 packed for the lanes: [S/16][E64/2 pairs][16]
+ * dwords of two bf16 (positions of es8_bf16_pos), the lanes past S zero. */
+static ES8_TBF16 void es8_bf16_tokens(const float *qx, int64_t ldq, int64_t S, int E, uint16_t *xb) {
+    const int64_t np = (E + 63) / 64 * 32, nv = (S + 15) / 16;
+    uint32_t *xt = (uint32_t *)xb;
+    uint16_t row[es8_bf16_ldb(E)] __attribute__((aligned(64)));
+    memset(xt + (nv - 1) * np * 16, 0, sizeof(uint32_t) * np * 16);
+    for (int64_t t = 0; t < S; t++) {
+        es8_bf16_act(qx + t * ldq, E, 0, row);
+        uint32_t *dst = xt + (t / 16) * np * 16 + t % 16;
+        for (int64_t p = 0; p < np; p++) memcpy(dst + p * 16, row + 2 * p, 4);
+    }
+}
+
+/* es8_group_avx512 on the bf16 path: qx the tokens (rows ldq apart), xb the same packed by
+ * es8_bf16_tokens (S >= ES8_XT_MIN). One token: the GEMV, both scales in the activation; 2..8:
+ * es8_mgemv_bf16 on the tokens scaled for this group (in scratch); more: the rows widened into
+ * scratch with s_w, tiles of rows x tokens in the lanes. */
+static ES8_TBF16 void es8_group_bf16(const uint8_t *w, int R, const float *qx, int64_t ldq, const uint16_t *xb,
+                                     int64_t S, int E, const float *wsf, float *y, int64_t ldy, float *scratch,
+                                     const uint8_t *next, int64_t nnext) {
+    __m512i t[4];
+    es8_bf16_tables(t);
+    if (S == 1) {
+        uint16_t qs[(E + 63) & ~63] __attribute__((aligned(64)));
+        es8_bf16_act(qx, E, wsf, qs);
+        int r = 0;
+        for (; r + ES8_GR_BF16 <= R; r += ES8_GR_BF16) es8_gemv_bf16(w + (int64_t)r * E, ES8_GR_BF16, qs, E, y + r, t);
+        for (; r < R; r++) es8_gemv_bf16(w + (int64_t)r * E, 1, qs, E, y + r, t);
+        return;
+    }
+    if (S < ES8_XT_MIN) {
+        uint16_t *qs = (uint16_t *)scratch;
+        const int64_t ldb = es8_bf16_ldb(E);
+        for (int64_t j = 0; j < S; j++) es8_bf16_act(qx + j * ldq, E, wsf, qs + j * ldb);
+#define ES8_M(n) case n: for (r = 0; r + 2 <= R; r += 2) es8_mgemv_bf16(w + (int64_t)r * E, 2, qs, ldb, n, E, y + r, ldy, t); \
+                         if (r < R) es8_mgemv_bf16(w + (int64_t)r * E, 1, qs, ldb, n, E, y + r, ldy, t); break;
+        int r;
+        switch (S) { ES8_M(2) ES8_M(3) ES8_M(4) ES8_M(5) ES8_M(6) ES8_M(7) ES8_M(8) default: break; }
+#undef ES8_M
+        return;
+    }
+    uint16_t *wf = (uint16_t *)scratch;
+    float *part = scratch + (int64_t)ES8_BLOCK * (E + ES8_KBLOCK);
+    es8_widen_rows_bf16(w, R, E, wsf, wf, t);
+    const uint8_t *pf = next, *pf_end = next + nnext;
+#define ES8_PF (pf < pf_end ? (pf += 4096) - 4096 : 0)
+    {  /* tokens in the lanes: row tiles of 16 x one vector, or 12 x two */
+        const int64_t nv = (S + 15) / 16, ldp = nv * 16, ldv = (E + 63) / 64 * 32 * 16;
+        const uint32_t *xt = (const uint32_t *)xb;
+        const int VV = nv > 1 ? 2 : 1, RB = VV == 2 ? ES8_XT_ROWS : 16;
+#define ES8_X(rows, v) case rows: es8_xtile_bf16(wr, rows, x, ldv, v, np, pr, ldp, first, yr, ldy, nt, ES8_PF); break;
+        for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
+            const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = k0 == 0, np = (kw + 63) / 64 * 32;
+            const uint16_t *wb = wf + (int64_t)ES8_BLOCK * k0;
+            for (int64_t j0 = 0, V; j0 < nv; j0 += V) {
+                V = nv - j0 < VV ? 1 : VV;
+                const uint32_t *x = xt + j0 * ldv + (int64_t)k0 / 2 * 16;
+                const int64_t nt = S - j0 * 16;
+                for (int r = 0; r < R; r += RB) {
+                    const int rows = R - r < RB ? R - r : RB;
+                    const uint16_t *wr = wb + (int64_t)r * ES8_KBLOCK;
+                    float *pr = part + r * ldp + j0 * 16, *yr = k0 + kw == E ? y + j0 * 16 * ldy + r : 0;
+                    if (V == 2) {
+                        switch (rows) { ES8_X(1, 2) ES8_X(2, 2) ES8_X(3, 2) ES8_X(4, 2) ES8_X(5, 2) ES8_X(6, 2)
+                                        ES8_X(7, 2) ES8_X(8, 2) ES8_X(9, 2) ES8_X(10, 2) ES8_X(11, 2)
+                                        ES8_X(12, 2) default: break; }
+                    } else {
+                        switch (rows) { ES8_X(1, 1) ES8_X(2, 1) ES8_X(3, 1) ES8_X(4, 1) ES8_X(5, 1) ES8_X(6, 1)
+                                        ES8_X(7, 1) ES8_X(8, 1) ES8_X(9, 1) ES8_X(10, 1) ES8_X(11, 1)
+                                        ES8_X(12, 1) ES8_X(13, 1) ES8_X(14, 1) ES8_X(15, 1) ES8_X(16, 1)
+                                        default: break; }
+                    }
+                }
+            }
+        }
+#undef ES8_X
+#undef ES8_PF
+        return;
+    }
+}
+
+/* acc[i] = vdpbf16ps lane i of (acc, a, b) for n lanes (a, b: 2n bf16): the real instruction
+ * (the CPU must have it), or es8_dpbf16_lane (emulate). The tests hold one to the other. */
+static ES8_TBF16 void es8_dpbf16_real(float *acc, const uint16_t *a, const uint16_t *b, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
+        const __m512i va = _mm512_maskz_loadu_epi32(m, a + 2 * i), vb = _mm512_maskz_loadu_epi32(m, b + 2 * i);
+        _mm512_mask_storeu_ps(acc + i, m, _mm512_dpbf16_ps(_mm512_maskz_loadu_ps(m, acc + i), (__m512bh)va, (__m512bh)vb));
+    }
+}
+#endif
+
+static inline int es8_dpbf16(float *acc, const uint16_t *a, const uint16_t *b, int64_t n, int emulate) {
+    if (emulate) {
+        for (int64_t i = 0; i < n; i++) acc[i] = es8_dpbf16_lane(acc[i], a[2 * i], a[2 * i + 1], b[2 * i], b[2 * i + 1]);
+        return 0;
+    }
+#if ES8_HAVE_AVX512
+    if (es_isa_cpu_best() >= ES_ISA_BF16) { es8_dpbf16_real(acc, a, b, n); return 0; }
+#endif
+    return -1;
+}
 
 /* ---- dispatch -------------------------------------------------------------------------------- */
 
@@ -504,6 +805,7 @@ static inline void es8_gate_tail(const float *kv, const float *hid, const float 
                                  float eps, int dead, float *out) {
     switch (es8_isa()) {
 #if ES_X86_PATHS
+        case ES_ISA_BF16:
         case ES_ISA_AVX512: es8_gate_tail_plain(kv, hid, qw, kw, G, D, eps, dead, out); break;
         case ES_ISA_AVX2: es8_gate_tail_avx2(kv, hid, qw, kw, G, D, eps, dead, out); break;
 #endif
@@ -515,8 +817,8 @@ static inline void es8_gate_tail(const float *kv, const float *hid, const float 
 }
 
 /* Scratch of the many-token projection (S > 1), in floats: the tokens packed for the lanes,
- * shared, then per thread the path's own (avx512: a group's widened rows [32, E + ES8_KBLOCK]
- * and partial sums, [16, 32, 16] along k or [32, S rounded up to 16] in the lanes; the template
+ * shared, then per thread the path's own (avx512, bf16: a group's widened rows [32, E + ES8_KBLOCK]
+ * and partial sums [32, S rounded up to 16]; bf16 2..8 tokens: their scaled rows there; the template
  * paths: a k block of widened rows [32, ES8_KB] and the sums [32, S rounded up]). Sized
  * for every path, so a path switched between sizing and use still fits. */
 static inline int64_t es8_xt_floats(int64_t S, int E) { return S > 1 ? (S + 15) / 16 * 16 * (E + 16) : 0; }
@@ -545,8 +847,9 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const fl
                                  const uint8_t *W, const uint8_t *WS, int M, float *Y, int64_t g0, int64_t g1,
                                  float *scratch) {
     const int nb = E / ES8_BLOCK;
-    /* the x86 and NEON widenings read value * 2^-8: 2^8 folded into the block scale (the baseline's: exact) */
-    const float f = isa == ES_ISA_BASELINE ? 1.0f : 256.0f;
+    /* the fp16 widenings (avx2, avx512, neon) read value * 2^-8: 2^8 folded into the block scale
+     * (baseline, bf16: exact) */
+    const float f = isa == ES_ISA_AVX2 || isa == ES_ISA_AVX512 || isa == ES_ISA_NEON ? 256.0f : 1.0f;
     float wsf[nb];
     for (int64_t g = g0; g < g1; g++) {
         const int64_t r0 = g * ES8_BLOCK;
@@ -557,11 +860,15 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const fl
         const uint8_t *next = rn ? W + (r0 + R) * E : 0;
         switch (isa) {
 #if ES_X86_PATHS
-            case ES_ISA_AVX512: {
-                es8_group_avx512(W + r0 * E, R, qx, ldq, S >= ES8_XT_MIN ? xt : 0, S, E, wsf, Y + r0, M, scratch,
-                                 W + (r0 + R) * E, (int64_t)rn * E);
+            case ES_ISA_BF16:
+                es8_group_bf16(W + r0 * E, R, qx, ldq, (const uint16_t *)xt, S, E, wsf, Y + r0, M, scratch,
+                               W + (r0 + R) * E, (int64_t)rn * E);
                 break;
-            }
+            case ES_ISA_AVX512:  /* 2..8 tokens: the avx2 es8_mgemv (the same fp16 widening and scales) */
+                if (S > 1 && S < ES8_XT_MIN) es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn);
+                else es8_group_avx512(W + r0 * E, R, qx, ldq, xt, S, E, wsf, Y + r0, M, scratch, W + (r0 + R) * E,
+                                      (int64_t)rn * E);
+                break;
             case ES_ISA_AVX2: es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
 #endif
 #if ES_NEON_PATHS
@@ -607,11 +914,16 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
     const int64_t ng = (M + ES8_BLOCK - 1) / ES8_BLOCK;
     if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;  /* the scratch holds nthreads slots */
     if (nthreads > ng) nthreads = (int)ng;
+#if ES8_HAVE_AVX512
+    if (isa == ES_ISA_BF16) {  /* many tokens in bf16 for the lanes; 2..8 read qx (es8_group_bf16) */
+        if (scratch && S >= ES8_XT_MIN) es8_bf16_tokens(qx, ldq, S, E, (uint16_t *)(xt = scratch));
+    } else
+#endif
     if (scratch && S > 1) {  /* the tokens in the lanes: 16 a vector on avx512 (from ES8_XT_MIN tokens) */
         int lanes = es8_xlanes_baseline, mg = es8_mg_baseline;
 #if ES_X86_PATHS
         lanes = isa == ES_ISA_AVX512 ? 16 : isa == ES_ISA_AVX2 ? es8_xlanes_avx2 : lanes;
-        mg = isa == ES_ISA_AVX512 ? 0 : isa == ES_ISA_AVX2 ? es8_mg_avx2 : mg;
+        mg = isa == ES_ISA_AVX512 ? ES8_XT_MIN - 1 : isa == ES_ISA_AVX2 ? es8_mg_avx2 : mg;
 #endif
 #if ES_NEON_PATHS
         if (isa == ES_ISA_NEON) lanes = es8_xlanes_neon, mg = es8_mg_neon;
@@ -620,17 +932,15 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
         if (S <= mg) {  /* a few tokens on the template paths: each in its GEMV's order */
             for (int64_t t = 0; t < S; t++) {
 #if ES_X86_PATHS
-                if (isa == ES_ISA_AVX2) { es8_gemv_layout_avx2(qx + t * ldq, E, xt + t * (E + 16)); continue; }
+                if (isa != ES_ISA_BASELINE) { es8_gemv_layout_avx2(qx + t * ldq, E, xt + t * (E + 16)); continue; }
 #endif
 #if ES_NEON_PATHS
                 if (isa == ES_ISA_NEON) { es8_gemv_layout_neon(qx + t * ldq, E, xt + t * (E + 16)); continue; }
 #endif
                 es8_gemv_layout_baseline(qx + t * ldq, E, xt + t * (E + 16));
             }
-        } else if (isa != ES_ISA_AVX512 || S >= ES8_XT_MIN) {
-            es8_pack_tokens(qx, ldq, S, E, xt, lanes);
         } else {
-            xt = 0;
+            es8_pack_tokens(qx, ldq, S, E, xt, lanes);
         }
     }
     float q1[S == 1 ? E : 1];  /* one token on the template paths: in their GEMV's order, once per call */
@@ -643,6 +953,16 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
 #endif
     es8_wkv_args a = {isa, E, M, qx, ldq, S, W, WS, Y, xt, scratch ? scratch + es8_xt_floats(S, E) : 0, ng, 0};
     es_parallel(nthreads, nthreads, es8_wkv_part, &a);  /* one range per thread: its scratch slot */
+}
+
+/* The register-only peak of the projection's own multiply-add on the running path: vdpbf16ps
+ * chains on bf16 (32 products an instruction), else the path's FMA chains (es_fma_chains).
+ * n rounds; returns the multiply-adds done. */
+static inline int64_t es8_mac_chains(int64_t n, float *sink) {
+#if ES_X86_PATHS
+    if (es8_isa() == ES_ISA_BF16) return es_dpbf16_chains(n, sink);
+#endif
+    return es_fma_chains(n, sink);
 }
 
 /* ---- the bandwidth floor ------------------------------------------------------------ */

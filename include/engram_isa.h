@@ -7,6 +7,8 @@
  *   ES_ISA_AVX512    AVX-512 F/BW/VL/DQ (64-byte vectors) + the above
  *   ES_ISA_NEON      aarch64 ASIMD (every ARMv8-A CPU): arm_neon.h widenings (FCVTL), tiles
  *                    sized for its 32 vector registers; the aarch64 builds' second copy
+ *   ES_ISA_BF16      the above + AVX512_BF16 and VBMI: the V4.1 float8 projection multiplies
+ *                    with vdpbf16ps (engram_fp8.h); every other kernel runs its avx512 copy
  * A public kernel name (es_gemm_range, es_hash_window, ...) is a switch on es_isa, a
  * per-extension static set by es_isa_set() from engram_stream/_isa.py, so the
  * environment (ENGRAM_STREAM_ISA) and the tests can force any path the CPU supports.
@@ -20,12 +22,15 @@
 #define ES_ISA_BASELINE 0
 #define ES_ISA_AVX2 1
 #define ES_ISA_AVX512 2
-#define ES_ISA_NEON 3
+#define ES_ISA_BF16 3
+#define ES_ISA_NEON 4
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(ES_NO_X86_PATHS)
 #define ES_X86_PATHS 1
 #define ES_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define ES_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define ES_TARGET_BF16 \
+    __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16,avx2,fma,f16c")))
 #else
 #define ES_X86_PATHS 0
 #endif
@@ -55,7 +60,8 @@ static inline int es_isa_cpu_best(void) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return ES_ISA_AVX512;
+        return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16") ? ES_ISA_BF16
+                                                                                            : ES_ISA_AVX512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ES_ISA_AVX2;
 #endif
 #if ES_NEON_PATHS
@@ -82,17 +88,20 @@ static inline int es_isa_set(int level) {
     return 0;
 }
 
-/* The selected level (the best one if none was set yet). */
+/* The selected level (if none was set yet: the best one, bf16 excepted: engine/isa.py chooses
+ * it by a table of the CPUs where it measured faster). */
 static inline int es_isa_now(void) {
-    if (es_isa < 0) es_isa = es_isa_cpu_best();
+    if (es_isa < 0) es_isa = es_isa_cpu_best() == ES_ISA_BF16 ? ES_ISA_AVX512 : es_isa_cpu_best();
     return es_isa;
 }
 
-/* Call the copy of `name` (name_baseline, name_avx2, name_avx512; name_neon) that es_isa selects. */
+/* Call the copy of `name` (name_baseline, name_avx2, name_avx512; name_neon) that es_isa selects
+ * (bf16: the avx512 copy; the kernels with a bf16 copy dispatch themselves). */
 #if ES_X86_PATHS
 #define ES_DISPATCH(name, args)                              \
     do {                                                     \
         switch (es_isa_now()) {                                    \
+            case ES_ISA_BF16:                                \
             case ES_ISA_AVX512: name##_avx512 args; break;   \
             case ES_ISA_AVX2: name##_avx2 args; break;       \
             default: name##_baseline args; break;            \

@@ -119,7 +119,7 @@ static inline float es_half_to_float(uint16_t h) {
 /* Rows per GEMM micro-tile of the running path (the packing of es_pack_rows). */
 static inline int es_gemm_mr(void) {
 #if ES_X86_PATHS
-    if (es_isa_now() == ES_ISA_AVX512) return es_mr_avx512;
+    if (es_isa_now() >= ES_ISA_AVX512) return es_mr_avx512;  /* bf16 too */
     if (es_isa_now() == ES_ISA_AVX2) return es_mr_avx2;
 #endif
 #if ES_NEON_PATHS
@@ -163,8 +163,26 @@ static inline void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E,
                   es_maybe_pack(X, ldx, B, E, xpack));
 }
 
-/* The running path's register-only FMA rate (es_fma_chains in engram_step_kern.h): n rounds;
- * returns the float multiply-adds done, their sum in *sink. */
+#if ES_X86_PATHS
+/* The bf16 path's multiply-add: 12 chains of vdpbf16ps zmm (32 bf16 products each), n rounds;
+ * returns the multiply-adds done, their sum in *sink. */
+static ES_TARGET_BF16 int64_t es_dpbf16_chains(int64_t n, float *sink) {
+    __m512 a[12];
+    const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3380); /* 1, 2^-24 */
+    for (int i = 0; i < 12; i++) a[i] = _mm512_set1_ps((float)i);
+    for (int64_t k = 0; k < n; k++)
+#pragma GCC unroll 12
+        for (int i = 0; i < 12; i++) a[i] = _mm512_dpbf16_ps(a[i], x, y);
+    __m512 s = a[0];
+    for (int i = 1; i < 12; i++) s = _mm512_add_ps(s, a[i]);
+    *(volatile float *)sink = _mm512_reduce_add_ps(s); /* a store the compiler must do: the loop stays */
+    return n * 12 * 32;
+}
+#endif
+
+/* The running path's register-only FMA rate (es_fma_chains in engram_step_kern.h; bf16: the
+ * avx512 one, the demo's kernels being those): n rounds; returns the float multiply-adds done,
+ * their sum in *sink. */
 static inline int64_t es_fma_chains(int64_t n, float *sink) {
     int64_t done = 0;
     ES_DISPATCH(done = es_fma_chains, (n, sink));

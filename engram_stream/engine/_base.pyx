@@ -825,7 +825,7 @@ cdef class EngineBase:
     # ---- threads, rows, files ------------------------------------------------------------------
     @property
     def isa(self):
-        """The kernel path this engine runs now: "avx512", "avx2" or "baseline", the one
+        """The kernel path this engine runs now: "bf16", "avx512", "avx2" or "baseline", the one
         engram_stream.kernel_isa() names (ENGRAM_STREAM_ISA, engine.isa.use_isa)."""
         return _isa.ISA_NAMES[es_isa_now()]
 

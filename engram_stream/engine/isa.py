@@ -1,9 +1,10 @@
-"""Which kernel path runs: "avx512", "avx2", "neon" (aarch64) or "baseline" (include/engram_isa.h).
+"""Which kernel path runs: "bf16", "avx512", "avx2", "neon" (aarch64) or "baseline" (include/engram_isa.h).
 
 Every extension module carries each kernel compiled per instruction set and a selector
 of its own; this module keeps them all on one path. At import the path is the best the
-CPU runs, or the one ENGRAM_STREAM_ISA names (refused if the CPU lacks it). use_isa()
-switches at run time: the tests run the kernels on every path the machine supports.
+CPU runs (bf16 only on the CPUs of BF16_FASTER, where it measured faster than avx512), or
+the one ENGRAM_STREAM_ISA names (refused if the CPU lacks it). use_isa() switches at run
+time: the tests run the kernels on every path the machine supports.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import warnings
 
 from .. import _hash
 
-ISA_NAMES = ("baseline", "avx2", "avx512", "neon")  # index = the C level (ES_ISA_*)
+ISA_NAMES = ("baseline", "avx2", "avx512", "bf16", "neon")  # index = the C level (ES_ISA_*)
 ENV = "ENGRAM_STREAM_ISA"
 _modules = [_hash]  # every extension with dispatched kernels: each engine module calls register() at import
 
@@ -24,7 +25,7 @@ def supported_isas() -> tuple:
 
 
 def kernel_isa() -> str:
-    """The path the kernels run now: "avx512", "avx2", "neon" or "baseline"."""
+    """The path the kernels run now: "bf16", "avx512", "avx2", "neon" or "baseline"."""
     return ISA_NAMES[_hash._isa_get()]
 
 
@@ -52,6 +53,16 @@ def register(module) -> None:
 # /proc/cpuinfo flags each path needs (as engram_isa.h's es_isa_cpu_best: AVX-512 F/BW/VL/DQ)
 _CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw",
                                                            "avx512vl", "avx512dq")}
+_CPU_FLAGS["bf16"] = _CPU_FLAGS["avx512"] + ("avx512vbmi", "avx512_bf16")
+
+# (vendor_id, cpu family) of /proc/cpuinfo where the bf16 path measured faster than avx512
+# (bench/bench_v41.py, its rows side by side), so it is the default there; elsewhere avx512
+# stays the default and ENGRAM_STREAM_ISA=bf16 asks for it.
+BF16_FASTER = {
+    # Zen 5 (EPYC, 2 vCPUs, bench_v41.py, three runs, load 0.2-5.9): bf16 / avx512 time, step
+    # 0.56-1.03x, 16 streams 0.45-0.59x, prefill 512 0.56-0.59x; its vdpbf16ps peak ~1.9x vfmadd zmm's
+    ("AuthenticAMD", 26): "AMD Zen 5",
+}
 
 
 def cpu_isas(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) -> tuple:
@@ -67,7 +78,35 @@ def cpu_isas(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) -> tupl
             flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
     except OSError:
         flags = set()
-    return ("baseline",) + tuple(n for n in ("avx2", "avx512") if set(_CPU_FLAGS[n]) <= flags)
+    return ("baseline",) + tuple(n for n in ("avx2", "avx512", "bf16") if set(_CPU_FLAGS[n]) <= flags)
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> tuple:
+    """(vendor_id, cpu family) of the first processor in /proc/cpuinfo; ("", -1) where unread."""
+    vendor, family = "", -1
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id" and not vendor:
+                    vendor = value.strip()
+                elif key == "cpu family" and family < 0:
+                    family = int(value.strip()) if value.strip().isdigit() else -1
+                elif not line.strip() and vendor:
+                    break
+    except OSError:
+        pass
+    return vendor, family
+
+
+def default_isa() -> str:
+    """The path chosen when ENGRAM_STREAM_ISA is unset: the best this CPU and build run, but
+    bf16 only on a CPU of BF16_FASTER (else avx512)."""
+    best = supported_isas()[-1]
+    if best == "bf16" and cpu_model() not in BF16_FASTER:
+        return "avx512"
+    return best
 
 
 _warned = False
@@ -91,7 +130,7 @@ def warn_if_slower_than_cpu(what: str) -> bool:
 def _from_environment() -> None:
     name = os.environ.get(ENV, "").strip().lower()
     if not name:
-        use_isa(supported_isas()[-1])
+        use_isa(default_isa())
         return
     try:
         use_isa(name)

@@ -1,13 +1,12 @@
 # The deepseek-v4.1 streaming engine's C state. Kernels: include/engram_fp8.h (float8 rows,
 # activation quantization, the wkv projection, the gate; on the path es_isa selects, as the
 # demo's) and include/engram_hash.h (the hash).
-from libc.stdint cimport int64_t, uint8_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint64_t
 
 from engram_stream.engine._base cimport EngineBase
 
 cdef extern from "engram_fp8.h" nogil:
     int ES8_BLOCK
-    int ES8_TILE_TOKENS
     int ES8_MAX_THREADS
     int ES8_PREFILL_CHUNK
     int ES8_MAX_E
@@ -24,6 +23,8 @@ cdef extern from "engram_fp8.h" nogil:
     void es8_gate_tail(const float *kv, const float *hid, const float *qw, const float *kw, int G, int D,
                        float eps, int dead, float *out) noexcept
     uint64_t es8_read_bytes(const uint8_t *p, int64_t n) noexcept
+    int64_t es8_mac_chains(int64_t n, float *sink) noexcept
+    int es8_dpbf16(float *acc, const uint16_t *a, const uint16_t *b, int64_t n, int emulate) noexcept
 
 cdef extern from "engram_step.h" nogil:
     ctypedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1) noexcept nogil

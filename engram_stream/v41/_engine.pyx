@@ -10,7 +10,7 @@ when `out=` is given. Oracle: EngramModel.forward (engram_stream.v41.reference).
 """
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport INT32_MAX, int64_t, uint8_t, uint64_t
+from libc.stdint cimport INT32_MAX, int64_t, uint8_t, uint16_t, uint64_t
 from libc.string cimport memcpy
 
 from engram_stream._hash cimport es_isa_now, es_isa_set
@@ -245,6 +245,38 @@ def fp8_linear(const float[:, ::1] x, const uint8_t[:, ::1] weight, const uint8_
             es8_wkv_mt(&qv[0, 0], qv.shape[1], S, <int> K, &weight[0, 0], &scale[0, 0], <int> M, &yv[0, 0],
                        threads, &scratch[0])
     return y
+
+def dpbf16(acc, a, b, bint emulate=False):
+    """vdpbf16ps lane by lane: acc float32[n] + the bf16 pairs of a and b (uint16 bits [n, 2]):
+    the real instruction, or with emulate its emulation (es8_dpbf16_lane, what the tests hold the
+    instruction and the bf16 path to). RuntimeError: the CPU lacks the instruction."""
+    acc, a, b = (np.array(acc, dtype=np.float32).reshape(-1), np.ascontiguousarray(a, dtype=np.uint16),
+                 np.ascontiguousarray(b, dtype=np.uint16))
+    if a.shape != (acc.shape[0], 2) or b.shape != a.shape:
+        raise ValueError(f"dpbf16: acc [n], a and b [n, 2] (got {acc.shape}, {a.shape}, {b.shape})")
+    cdef float[::1] o = acc
+    cdef const uint16_t[:, ::1] av = a
+    cdef const uint16_t[:, ::1] bv = b
+    cdef int64_t n = o.shape[0]
+    cdef int rc = 0
+    if n:
+        with nogil:
+            rc = es8_dpbf16(&o[0], &av[0, 0], &bv[0, 0], n, emulate)
+    if rc:
+        raise RuntimeError("dpbf16: this CPU lacks AVX512_BF16 (emulate=True runs the emulation)")
+    return np.asarray(o)
+
+
+def _mac_chains(int64_t rounds):
+    """n rounds of the register-only multiply-add chains of the running path's projection
+    (es8_mac_chains, no GIL: vdpbf16ps on bf16, else the FMA chains): the multiply-adds done.
+    bench_v41.py's floor of the float8 projection."""
+    cdef float sink = 0
+    cdef int64_t done
+    with nogil:
+        done = es8_mac_chains(rounds, &sink)
+    return done
+
 
 def read_bytes(const uint8_t[::1] a):
     """Read every byte of `a` once (XOR of 64-byte lines): the memory-bandwidth floor of a step."""
