@@ -18,6 +18,8 @@ class RowSource:
     @property
     def reading(self) -> bool: ...  # reads submitted and not yet waited for
     def read(self, rows: npt.ArrayLike) -> npt.NDArray[np.uint8]: ...  # [n, rowbytes + scalebytes]
+    # rows int [n] or [T, k] (negative: a zero record) -> out uint8 rows.shape + (record bytes,)
+    def read_into(self, rows: npt.ArrayLike, out: npt.NDArray[np.uint8]) -> None: ...
 
 class MappedRows(RowSource):
     """A table in memory or mapped from its file: pointers straight into it."""
