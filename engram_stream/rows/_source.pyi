@@ -8,6 +8,8 @@ import numpy.typing as npt
 from engram_stream.rows._cache import RowCache
 from engram_stream.rows._direct import DirectReader
 
+READ_WINDOW: int  # rows read_into hands one submit()
+
 class RowSource:
     """Where an engine's rows come from (the seam: submit, resolve, release, prefetch in C)."""
 
