@@ -130,12 +130,7 @@ def hash_ids(layout, i, T, rng):
 
 
 def both_lookups(stock, mine, ids, part, dtype):
-    rec = 256 + 8 if dtype == torch.uint8 else 256
-    a = torch.full((ids.shape[0], part, rec), 3, dtype=dtype)
-    b = torch.full((ids.shape[0], part, rec), 3, dtype=dtype)
-    stock.lookup(ids, a)
-    mine.lookup(ids, b)
-    return a, b
+    return lookup(stock, ids, part, dtype), lookup(mine, ids, part, dtype)
 
 
 def configure(st, monkeypatch, path, how, settings):
@@ -146,31 +141,64 @@ def configure(st, monkeypatch, path, how, settings):
         st.extra = {plugin.KEY: settings}
 
 
+@pytest.fixture(scope="module")
+def expected(E, ckpt):
+    """{path: (layout, {layer: table bytes}, [(layer, ids, dtype, vLLM's out)])}: the calls and
+    what vLLM's stock embeddings give (the interpreter is slow: run once per checkpoint)."""
+    from _pytest.monkeypatch import MonkeyPatch
+    mp = MonkeyPatch()
+    mp.setattr(E, "get_engram_dp_size", lambda: 1)
+    mp.setattr(E, "get_tensor_model_parallel_world_size", lambda: 1)
+    mp.setattr(E, "get_tensor_model_parallel_rank", lambda: 0)
+    mp.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(multi_processor_count=4))
+    mp.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    out = {}
+    try:
+        for path in [ckpt["plain"]]:  # the other folder is its copy (with the row file)
+            layout = layout_of(E, path)
+            stock = stock_embeddings(E, path, layout)
+            rng = np.random.default_rng(1)
+            calls = []
+            for i, L in enumerate(layout.layer_ids):
+                part = stock[L].part_n_hash_cols
+                for T in (1, 16, 300):
+                    ids = hash_ids(layout, i, T, rng)
+                    for dtype in (torch.uint8, torch.bfloat16):
+                        calls.append((L, ids, dtype, lookup(stock[L], ids, part, dtype)))
+                calls.append((L, torch.full((4, stock[L].n_hash_cols), -1, dtype=torch.int32), torch.bfloat16, None))
+            sizes = {L: e.weight.numel() + e.weight_scale_inv.numel() for L, e in stock.items()}
+            out[path] = out[ckpt["rows"]] = (layout, sizes, calls)
+    finally:
+        mp.undo()
+    return out
+
+
+def lookup(emb, ids, part, dtype):
+    o = torch.full((ids.shape[0], part, 256 + 8 if dtype == torch.uint8 else 256), 3, dtype=dtype)
+    emb.lookup(ids, o)
+    return o
+
+
 @pytest.mark.parametrize("source", list(SOURCES))
-def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, ckpt, monkeypatch, source):
+def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, ckpt, expected, monkeypatch, source):
     path = ckpt["rows" if "packed" in source else "plain"]
-    layout = layout_of(E, path)
-    stock = stock_embeddings(E, path, layout)
+    layout, table_bytes, calls = expected[path]
     configure(vllm_env, monkeypatch, path, "env" if "cache" in source else "additional_config", SOURCES[source])
     mine = plugin_embeddings(E, layout)
-    rng = np.random.default_rng(1)
-    for i, L in enumerate(layout.layer_ids):
-        m = mine[L]
+    for L, m in mine.items():
         assert isinstance(m, plugin.embedding_class()) and isinstance(m, E.ParallelEngramEmbedding)
         if "packed" in source:
             assert m.model.row_tiers.direct.rows_path == packed.rows_path(path)
-        table_bytes = stock[L].weight.numel() + stock[L].weight_scale_inv.numel()
         own = sum(p.numel() * p.element_size() for p in list(m.parameters()) + list(m.buffers()))
-        assert own < table_bytes // 100
-        for T in (1, 16, 300):
-            ids = hash_ids(layout, i, T, rng)
-            for dtype in (torch.uint8, torch.bfloat16):
-                for _ in ("cold", "warm"):
-                    a, b = both_lookups(stock[L], m, ids, m.part_n_hash_cols, dtype)
-                    assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (source, L, T, dtype)
-        dead = torch.full((4, m.n_hash_cols), -1, dtype=torch.int32)
-        a, b = both_lookups(stock[L], m, dead, m.part_n_hash_cols, torch.bfloat16)
-        assert not b.view(torch.int16).any() and torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert own < table_bytes[L] // 100
+    for L, ids, dtype, want in calls:
+        m = mine[L]
+        for _ in ("cold", "warm"):
+            got = lookup(m, ids, m.part_n_hash_cols, dtype)
+            if want is None:  # every id -1: zeros
+                assert not got.view(torch.int16).any()
+            else:
+                assert torch.equal(want.view(torch.uint8), got.view(torch.uint8)), (source, L, ids.shape, dtype)
     st = m.row_cache_stats()
     if SOURCES[source].get("row_cache_mb"):
         assert st["hits"] > 0 and st["misses"] > 0
@@ -232,12 +260,27 @@ def test_bad_settings_are_refused_with_the_value(E, vllm_env, ckpt, monkeypatch)
         plugin_embeddings(E, layout_of(E, ckpt["plain"]))
 
 
-def test_the_entry_point_is_declared():
+def test_vllm_finds_the_entry_point_and_it_is_inert_unconfigured(tmp_path, monkeypatch):
+    """pyproject's entry point, as the installed package's metadata, is what vLLM's plugin loader
+    finds and calls; without settings, vLLM's embedding is its own."""
+    import sys
     import tomllib
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     meta = tomllib.load(open(os.path.join(root, "pyproject.toml"), "rb"))
-    group = meta["project"]["entry-points"]["vllm.general_plugins"]
+    group = meta["project"]["entry-points"][DEFAULT_PLUGINS_GROUP]
     assert group == {"engram_stream": "engram_stream.integrations.vllm:register"}
+    info = tmp_path / "engram_stream_test_metadata-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: engram-stream-test-metadata\nVersion: 0\n")
+    (info / "entry_points.txt").write_text(f"[{DEFAULT_PLUGINS_GROUP}]\n" +
+                                           "".join(f"{k} = {v}\n" for k, v in group.items()))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(plugin.ENV, raising=False)
+    found = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)
+    assert found["engram_stream"] is plugin.register
+    found["engram_stream"]()
+    assert sys.modules["vllm.models.deepseek_v41.common.engram"].Engram._create_embedding._engram_stream
 
 
 # ---- the codes where vLLM's kernel, Triton's interpreter and engram_stream's oracle differ ----------
