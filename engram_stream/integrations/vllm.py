@@ -237,15 +237,25 @@ def _patch_engram(E):
             return original(self, layout, layer_hash_index)
         model = open_model(s, getattr(getattr(config, "model_config", None), "model", None))
         engram_config = config.engram_config
+        offload = bool(engram_config is not None and engram_config.cpu_offload)
+        if not offload and _cuda():
+            raise ValueError(f"{ENV}: keep vLLM's engram_config cpu_offload=true (the default): the plugin's "
+                             f"lookups are host work, run at the eager boundary of vLLM's prefetch (inline, a "
+                             f"CUDA graph would replay stale rows)")
         emb = embedding_class()(
             model, layout.layer_ids[layer_hash_index], layout.num_embeddings[layer_hash_index], layout.head_dim,
             tuple(size for order in layout.primes[layer_hash_index] for size in order),
-            cpu_offload=bool(engram_config is not None and engram_config.cpu_offload))
+            cpu_offload=offload)
         _serving = True
         return emb
 
     _create_embedding._engram_stream = True
     E.Engram._create_embedding = _create_embedding
+
+
+def _cuda():
+    import torch
+    return torch.cuda.is_available()
 
 
 def _patch_loader(W):

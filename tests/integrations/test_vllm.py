@@ -258,6 +258,10 @@ def test_bad_settings_are_refused_with_the_value(E, vllm_env, ckpt, monkeypatch)
     vllm_env.model = "deepseek-ai/DeepSeek-V4.1-Flash"  # a hub name, not a folder
     with pytest.raises(ValueError, match='give "checkpoint"'):
         plugin_embeddings(E, layout_of(E, ckpt["plain"]))
+    vllm_env.model = ckpt["plain"]
+    monkeypatch.setattr(plugin, "_cuda", lambda: True)  # cpu_offload=False on a CUDA machine: inline lookups
+    with pytest.raises(ValueError, match="cpu_offload=true"):
+        plugin_embeddings(E, layout_of(E, ckpt["plain"]))
 
 
 def test_vllm_finds_the_entry_point_and_it_is_inert_unconfigured(tmp_path, monkeypatch):
