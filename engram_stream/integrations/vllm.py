@@ -108,10 +108,10 @@ def open_model(s, default_checkpoint):
     key = (os.path.realpath(ckpt), s["tables"], float(s["row_cache_mb"]), json.dumps(s["mooncake"], sort_keys=True))
     with _lock:
         if key not in _models:
-            from engram_stream import EngramModel
+            from ..model import EngramModel
             tables = None if s["tables"] == "mapped" else "direct"
             if s["mooncake"] is not None:
-                from engram_stream.rows import MooncakeTier
+                from ..rows import MooncakeTier
                 mc = s["mooncake"]
                 tables = MooncakeTier(master=mc["master"], metadata=mc["metadata"],
                                       local_host=mc.get("local_host", "127.0.0.1"))

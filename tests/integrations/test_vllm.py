@@ -74,10 +74,16 @@ def vllm_env(E, monkeypatch):
     monkeypatch.setattr(E, "get_tensor_model_parallel_rank", lambda: st.rank)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(multi_processor_count=4))
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
-    config = lambda: types.SimpleNamespace(engram_config=EngramConfig(cpu_offload=False),  # noqa: E731
-                                           model_config=types.SimpleNamespace(model=st.model),
-                                           additional_config=st.extra)
+    config = lambda: types.SimpleNamespace(  # noqa: E731
+        engram_config=EngramConfig(cpu_offload=False), model_config=types.SimpleNamespace(model=st.model),
+        additional_config=st.extra, scheduler_config=types.SimpleNamespace(max_num_batched_tokens=512),
+        lora_config=None)
     monkeypatch.setattr(E, "get_current_vllm_config", config)
+    import vllm.model_executor.layers.linear as linear
+    import vllm.model_executor.parameter as parameter
+    for mod in (linear, parameter):  # the Engram's wkv (a ColumnParallelLinear) on TP 1
+        monkeypatch.setattr(mod, "get_tensor_model_parallel_world_size", lambda: 1, raising=False)
+        monkeypatch.setattr(mod, "get_tensor_model_parallel_rank", lambda: 0, raising=False)
     monkeypatch.delenv(plugin.ENV, raising=False)
     plugin.register()
     monkeypatch.setattr(plugin, "_serving", False)
@@ -229,6 +235,60 @@ def test_tensor_parallel_shards_give_vllms_bytes(E, vllm_env, ckpt, monkeypatch,
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         if rank == 1:
             assert not b[:, -1].view(torch.int16).any()  # the padded head
+
+
+def engram_layer(E, path, layout, i):
+    """vLLM's Engram module of layout.layer_ids[i] (no quantization config: wkv a bf16
+    ColumnParallelLinear holding the checkpoint's wkv dequantized), its other weights from the
+    checkpoint; its embedding whatever Engram._create_embedding makes."""
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    L = layout.layer_ids[i]
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    c = types.SimpleNamespace(**cfg, hidden_size=cfg["dim"], rms_norm_eps=cfg["norm_eps"])
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # as vLLM builds a bf16 model
+    try:
+        layer = E.Engram(c, None, layout, i, False, f"layers.{L}.engram")
+    finally:
+        torch.set_default_dtype(dtype)
+    t = {n[len(f"layers.{L}.engram."):]: w for n, w in
+         safetensors_weights_iterator(sorted(glob.glob(os.path.join(path, "*.safetensors"))), False)
+         if n.startswith(f"layers.{L}.engram.")}
+    w = t["wkv.weight"].view(torch.uint8).numpy()
+    sc = np.repeat(np.repeat(v41_reference.e8m0(t["wkv.scale"].view(torch.uint8).numpy()), 32, 0), 32, 1)
+    layer.wkv.weight.data.copy_(torch.from_numpy(v41_reference.e4m3(w) * sc[:w.shape[0], :w.shape[1]]))
+    layer.q_weight.data.copy_(t["q_weight"])
+    layer.k_weight.data.copy_(t["k_weight"])
+    if type(layer.embed_tokens) is E.ParallelEngramEmbedding:
+        layer.embed_tokens.weight.data.copy_(t["embed.weight"])
+        layer.embed_tokens.weight_scale_inv.data.copy_(t["embed.scale"].view(torch.uint8))
+    return layer
+
+
+def test_a_whole_engram_layer_is_the_same_with_the_plugin(E, vllm_env, ckpt, monkeypatch):
+    """vLLM's Engram layer with vLLM's embedding and with the plugin's: prepare_embeddings (the
+    staging rows), embed() and the wkv projection, as Engram.forward runs them, give the same
+    bits. The fused gate kernel after wkv (_fused_engram_post_wkv_kernel) does not run in
+    Triton's interpreter (a scalar & block load mask: "mask has unsupported dtype"); its inputs
+    are equal, and its output is vLLM's own on both sides."""
+    path = ckpt["plain"]
+    layout = layout_of(E, path)
+    rng = np.random.default_rng(9)
+    T = 20
+    hashes = [hash_ids(layout, i, T, rng) for i in range(len(layout.layer_ids))]
+    outs = {}
+    for how in ("vllm", "plugin"):
+        if how == "plugin":
+            configure(vllm_env, monkeypatch, path, "env", {"tables": "direct", "row_cache_mb": 0.2})
+        outs[how] = []
+        for i in range(len(layout.layer_ids)):
+            layer = engram_layer(E, path, layout, i)
+            assert isinstance(layer.embed_tokens, plugin.embedding_class()) == (how == "plugin")
+            layer.prepare_embeddings(hashes[i])
+            outs[how].append(layer.wkv(layer.embed(hashes[i]).flatten(-2)))
+    for a, b in zip(outs["vllm"], outs["plugin"]):
+        assert a.dtype == torch.bfloat16 and a.shape == (T, 3 * 32) and a.abs().sum() > 0
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def test_loader_skips_the_tables_only_when_serving(E, vllm_env, ckpt, monkeypatch):
