@@ -186,6 +186,19 @@ class EngramModel:
             self.row_tiers = RowTiers(self, row_cache_mb or 0, tables)
         return self
 
+    def row_source(self, layer):
+        """A RowSource of `layer`'s table as an engine of this model reads it (the model's shared
+        row cache in front of its tables, the files or the store; the mapped table without
+        tiers): source.read_into(rows, out) fills a caller's buffer with row records by row id.
+        One reader: a thread takes its own."""
+        if layer not in self.cfg.layer_ids:
+            raise KeyError(f"layer {layer} is not an Engram layer of this model (layers: {self.cfg.layer_ids})")
+        if self.row_tiers is not None:
+            return self.row_tiers.source_for(layer)
+        from .rows._source import MappedRows
+        w = self.layer(layer)
+        return MappedRows(w.table, w.table_scale)
+
     def row_cache_stats(self) -> dict:
         """Row cache counters summed over this model's engines, and per layer ("layers"); all
         zero without a row cache. Every field has one meaning whatever the source behind the cache

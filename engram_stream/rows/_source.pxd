@@ -26,6 +26,10 @@ cdef class RowSource:
     # A hint for rows that will be resolved soon (mapped files: madvise WILLNEED the pages the
     # row cache lacks). Returns the calls that failed (advice only: never raises).
     cdef int64_t prefetch(self, const int64_t *rows, int64_t n) noexcept
+    # read_into's copy of n rows (all in range) to dst[i] (rowbytes + scalebytes each), with dp/sp
+    # [n] scratch: submit, resolve, copy, release (a MappedRows copies from the table itself).
+    cdef int _copy_rows(self, const int64_t *rows, int64_t n, char **dst, const char **dp,
+                        const char **sp) except -1
 
 
 cdef class MappedRows(RowSource):

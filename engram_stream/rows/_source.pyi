@@ -8,6 +8,8 @@ import numpy.typing as npt
 from engram_stream.rows._cache import RowCache
 from engram_stream.rows._direct import DirectReader
 
+READ_WINDOW: int  # rows read_into hands one submit()
+
 class RowSource:
     """Where an engine's rows come from (the seam: submit, resolve, release, prefetch in C)."""
 
@@ -18,6 +20,8 @@ class RowSource:
     @property
     def reading(self) -> bool: ...  # reads submitted and not yet waited for
     def read(self, rows: npt.ArrayLike) -> npt.NDArray[np.uint8]: ...  # [n, rowbytes + scalebytes]
+    # rows int [n] or [T, k] (negative: a zero record) -> out uint8 rows.shape + (record bytes,)
+    def read_into(self, rows: npt.ArrayLike, out: npt.NDArray[np.uint8]) -> None: ...
 
 class MappedRows(RowSource):
     """A table in memory or mapped from its file: pointers straight into it."""

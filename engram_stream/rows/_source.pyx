@@ -14,7 +14,7 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t
 from libc.stdlib cimport free, realloc
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 from cpython.pythread cimport PyThread_acquire_lock, PyThread_release_lock, PyThread_type_lock, WAIT_LOCK
 
@@ -22,6 +22,8 @@ from engram_stream.rows._cache cimport RowCache, es_rc_hit, es_rc_insert, es_rc_
 from engram_stream.rows._direct cimport DirectReader, es_io_find, es_io_unique
 
 cnp.import_array()
+
+READ_WINDOW = 1 << 16  # rows read_into hands one submit() (as the engines' SUBMIT_ROWS)
 
 cdef extern from "engram_step.h" nogil:
     void es_prefetch_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n) noexcept
@@ -57,27 +59,79 @@ cdef class RowSource:
 
     def read(self, rows):
         """uint8[len(rows), rowbytes + scalebytes]: the records of `rows` as an engine reads them
-        (tests, tools; one resolve)."""
+        (tests, tools)."""
         r = np.ascontiguousarray(rows, dtype=np.int64).ravel()
         if r.size and (r.min() < 0 or r.max() >= self.nrows):
             raise IndexError(f"rows out of range for a table of {self.nrows} rows")
-        cdef int64_t n = r.shape[0], i, rb = self.rowbytes, sb = self.scalebytes
-        dp = np.zeros(max(n, 1), dtype=np.uintp)
-        sp = np.zeros(max(n, 1), dtype=np.uintp)
-        out = np.empty((n, rb + sb), dtype=np.uint8)
-        cdef const char **pd = <const char **> cnp.PyArray_DATA(dp)
-        cdef const char **ps = <const char **> cnp.PyArray_DATA(sp)
-        cdef char *po = <char *> cnp.PyArray_DATA(out)
-        self.submit(<const int64_t *> cnp.PyArray_DATA(r), n)
-        self.resolve(<const int64_t *> cnp.PyArray_DATA(r), n, pd, ps)
-        try:
+        out = np.empty((r.shape[0], self.rowbytes + self.scalebytes), dtype=np.uint8)
+        self.read_into(r, out)
+        return out
+
+    def read_into(self, rows, out):
+        """Fill `out` with the records of `rows` (a serving caller's bulk read: vLLM's lookup).
+
+        rows: integers, [n] or [T, k]; a negative row gives a record of zeros (the caller's "no
+        row": vLLM's -1 and ids outside its shard). out: writeable uint8 of shape rows.shape +
+        (rowbytes + scalebytes,) whose last axis is contiguous; its other axes may have any
+        strides (a slice of a larger staging buffer). The rows go through submit/resolve in
+        windows of READ_WINDOW (a source's scratch stays bounded); nothing is made per row."""
+        cdef int64_t rec = self.rowbytes + self.scalebytes
+        a = np.asarray(rows)
+        if a.dtype.kind not in "iu" or a.ndim not in (1, 2):
+            raise TypeError(f"read_into: rows must be integers of 1 or 2 dimensions, got {a.dtype} {a.shape}")
+        if (not isinstance(out, np.ndarray) or out.dtype != np.uint8 or not out.flags.writeable
+                or out.shape != a.shape + (rec,) or (rec > 1 and out.size and out.strides[a.ndim] != 1)):
+            raise ValueError(f"read_into: out must be a writeable uint8 array of shape {a.shape + (rec,)} with "
+                             f"its last axis contiguous, got {getattr(out, 'dtype', type(out))} "
+                             f"{getattr(out, 'shape', '')}")
+        r = np.ascontiguousarray(a, dtype=np.int64)
+        if r.size and r.max() >= self.nrows:
+            raise IndexError(f"read_into: row {int(r.max())} is out of range for a table of {self.nrows} rows "
+                             f"(ids are rows of this layer's table; a negative id reads zeros)")
+        cdef int64_t n = r.size, k = a.shape[1] if a.ndim == 2 else 1, i, m = 0, w0, nb
+        cdef int64_t s0 = out.strides[0], s1 = out.strides[1] if a.ndim == 2 else 0
+        if n == 0:
+            return
+        vr = np.empty(n, dtype=np.int64)
+        dd = np.empty(n, dtype=np.uintp)
+        cdef int64_t W = min(n, READ_WINDOW)
+        dp = np.empty(W, dtype=np.uintp)
+        sp = np.empty(W, dtype=np.uintp)
+        cdef const int64_t *pr = <const int64_t *> cnp.PyArray_DATA(r)
+        cdef int64_t *pv = <int64_t *> cnp.PyArray_DATA(vr)
+        cdef char **pd = <char **> cnp.PyArray_DATA(dd)
+        cdef char *base = <char *> cnp.PyArray_DATA(out)
+        cdef char *d
+        with nogil:
             for i in range(n):
-                memcpy(po + i * (rb + sb), pd[i], rb)
-                if sb:
-                    memcpy(po + i * (rb + sb) + rb, ps[i], sb)
+                d = base + (i // k) * s0 + (i % k) * s1
+                if pr[i] < 0:
+                    memset(d, 0, rec)
+                else:
+                    pv[m] = pr[i]
+                    pd[m] = d
+                    m += 1
+        w0 = 0
+        while w0 < m:
+            nb = min(W, m - w0)
+            self._copy_rows(pv + w0, nb, pd + w0, <const char **> cnp.PyArray_DATA(dp),
+                            <const char **> cnp.PyArray_DATA(sp))
+            w0 += nb
+
+    cdef int _copy_rows(self, const int64_t *rows, int64_t n, char **dst, const char **dp,
+                        const char **sp) except -1:
+        cdef int64_t i, rb = self.rowbytes, sb = self.scalebytes
+        self.submit(rows, n)
+        self.resolve(rows, n, dp, sp)
+        try:
+            with nogil:
+                for i in range(n):
+                    memcpy(dst[i], dp[i], rb)
+                    if sb:
+                        memcpy(dst[i] + rb, sp[i], sb)
         finally:
             self.release()
-        return out
+        return 0
 
 
 cdef class MappedRows(RowSource):
@@ -111,6 +165,17 @@ cdef class MappedRows(RowSource):
             for i in range(n):
                 dp[i] = self.data + rows[i] * self.rowbytes
                 sp[i] = self.scale + rows[i] * self.scalebytes if self.scale != NULL else NULL
+        return 0
+
+    cdef int _copy_rows(self, const int64_t *rows, int64_t n, char **dst, const char **dp,
+                        const char **sp) except -1:
+        cdef int64_t i, rb = self.rowbytes, sb = self.scalebytes
+        with nogil:  # straight from the table: no pointers to resolve
+            es_prefetch_rows(self.data, rb, rows, n)
+            for i in range(n):
+                memcpy(dst[i], self.data + rows[i] * rb, rb)
+                if sb:
+                    memcpy(dst[i] + rb, self.scale + rows[i] * sb, sb)
         return 0
 
     cdef int64_t prefetch(self, const int64_t *rows, int64_t n) noexcept:

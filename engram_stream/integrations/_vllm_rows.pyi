@@ -1,0 +1,6 @@
+# Type stubs of engram_stream/integrations/_vllm_rows.pyx (keep in step with it).
+import numpy as np
+import numpy.typing as npt
+
+# records uint8 [T, k, head_dim + head_dim/32] -> out uint16 (bf16 bits) [T, k, head_dim], as vLLM's kernel
+def records_to_bf16(records: npt.NDArray[np.uint8], out: npt.NDArray[np.uint16]) -> None: ...

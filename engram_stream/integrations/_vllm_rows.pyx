@@ -1,0 +1,53 @@
+# cython: language_level=3
+"""V4.1 row records -> bf16 rows exactly as vLLM 0.33.0's Engram lookup kernel makes them.
+
+vLLM's kernel (vllm/models/deepseek_v41/common/engram.py, _engram_lookup_kernel) widens each
+e4m3 value to float32 and multiplies it by the float32 whose bits are the e8m0 byte shifted into
+the exponent field (byte << 23), then rounds to bf16 (nearest, ties to even). That differs from
+the checkpoint's value 2^(byte - 127) at two scale bytes: 0 gives a zero scale (+-0, not
+2^-127) and 255 gives +inf (+-inf, NaN for a zero value; not NaN). The e4m3 codes 0x7f / 0xff
+are NaN (float8_e4m3fn, as on the GPU; Triton's CPU interpreter reads them as +-480)."""
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t
+from libc.string cimport memcpy
+
+cnp.import_array()
+
+cdef extern from "engram_fp8.h" nogil:
+    float es8_e4m3(uint8_t b)
+
+
+cdef inline uint16_t _bf16(float v) noexcept nogil:
+    cdef uint32_t u
+    memcpy(&u, &v, 4)
+    if (u & 0x7fffffff) > 0x7f800000:  # NaN: stays a (quiet) NaN of the same sign
+        return <uint16_t> ((u >> 16) | 0x40)
+    return <uint16_t> ((u + 0x7fff + ((u >> 16) & 1)) >> 16)
+
+
+def records_to_bf16(const uint8_t[:, :, ::1] records, uint16_t[:, :, ::1] out):
+    """out[t, h, :] (bf16 bits) = vLLM's dequantization of records[t, h] (head_dim e4m3 bytes,
+    then head_dim / 32 e8m0 bytes). out's leading axes may have any strides."""
+    cdef int64_t T = records.shape[0], k = records.shape[1], D = out.shape[2], nb = D // 32
+    if out.shape[0] != T or out.shape[1] != k or D % 32 or records.shape[2] != D + nb:
+        raise ValueError(f"records_to_bf16: records {tuple(records.shape)[:3]} do not match out "
+                         f"{tuple(out.shape)[:3]} (records of head_dim + head_dim/32 bytes)")
+    cdef float lut[256]
+    cdef int64_t t, h, b, i
+    cdef uint32_t bits
+    cdef float f
+    cdef const uint8_t *r
+    cdef uint16_t *o
+    with nogil:
+        for i in range(256):
+            lut[i] = es8_e4m3(<uint8_t> i)
+        for t in range(T):
+            for h in range(k):
+                r = &records[t, h, 0]
+                o = &out[t, h, 0]
+                for b in range(nb):
+                    bits = (<uint32_t> r[D + b]) << 23
+                    memcpy(&f, &bits, 4)
+                    for i in range(b * 32, b * 32 + 32):
+                        o[i] = _bf16(lut[r[i]] * f)

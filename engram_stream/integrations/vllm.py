@@ -1,0 +1,309 @@
+"""engram_stream as the Engram row store of vLLM 0.33.0 (DeepSeek-V4.1): a general plugin.
+
+    pip install engram_stream vllm==0.33.0
+    ENGRAM_STREAM_VLLM='{"tables": "direct", "row_cache_mb": 4096}' vllm serve /models/DeepSeek-V4.1-Flash
+
+vLLM loads the entry point `engram_stream = "engram_stream.integrations.vllm:register"` (group
+vllm.general_plugins) in every process. register() changes nothing vLLM does unless the
+settings are given, as a JSON object in the environment variable ENGRAM_STREAM_VLLM or in
+vLLM's additional_config["engram_stream"] (--additional-config '{"engram_stream": {...}}'):
+
+    checkpoint    the V4.1 folder the rows are read from (default: the folder vLLM loads)
+    tables        "mapped" (the checkpoint's shards mapped; the page cache holds what is read)
+                  or "direct" (pread / O_DIRECT from the shards or the packed row file
+                  engram_rows.bin: `engram-stream pack-rows DIR`)
+    row_cache_mb  the RAM row cache (MiB) of the process, split over the Engram layers
+    mooncake      {"master": "host:port", "metadata": "http://...", "local_host": "..."}: rows
+                  from a Mooncake Store the tables were published to (MooncakeTier.publish)
+
+When set, each Engram layer's embedding (vLLM's ParallelEngramEmbedding) is a
+StreamEngramEmbedding: it allocates no table (no parameter, no buffer), vLLM's loader skips the
+`layers.L.engram.embed.weight|scale` tensors (should_skip_weight) before reading them, and
+lookup(indices, out, background) fills `out` from engram_stream's row source of the layer: uint8
+out takes the 264-byte records (256 e4m3 + 8 e8m0 bytes per head) as they are, bf16 out the rows
+dequantized as vLLM's kernel does (_vllm_rows.records_to_bf16: the bytes vLLM gives). Ids
+outside this rank's heads or rows, and -1, give zeros, as in vLLM. The rows are this rank's
+heads (TP shards as vLLM's); every rank reads its own rows (no DP exchange: dp_size 1, as
+vLLM's DP-shared host table), so the embedding's forward() and vLLM's staging need no
+collective. row_cache_stats() of an embedding (or stats()) gives the cache's counters.
+
+What runs where: vLLM hashes on its device (NgramHashState); lookup() copies this rank's ids to
+the host, reads the rows (the row cache, then the files or the store; a direct source's I/O
+pool threads read while the caller waits), converts them on the host and copies them to `out`
+(a device `out` through a pinned staging buffer, on the caller's current stream).
+"""
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import re
+import sys
+import threading
+
+import numpy as np
+
+ENV = "ENGRAM_STREAM_VLLM"
+KEY = "engram_stream"  # in vLLM's additional_config
+ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+LOADER_MODULE = "vllm.model_executor.model_loader.weight_utils"
+TABLE_TENSOR = re.compile(r"(?:^|\.)engram\.embed\.(?:weight|scale)$")  # as vLLM's _ENGRAM_WEIGHT_RE
+SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake")
+
+_lock = threading.Lock()
+_models = {}            # settings key -> the EngramModel serving this process's lookups
+_serving = False        # a StreamEngramEmbedding was made: the loader skips the table tensors
+_embedding_class = None
+
+
+def parse_settings(value, where):
+    """The settings dict of a JSON object (a str) or a dict; errors name the bad key or value."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{where}: not JSON ({e}); give an object such as "
+                             f'{{"tables": "direct", "row_cache_mb": 1024}}') from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: must be a JSON object with keys {SETTINGS}, got {value!r}")
+    unknown = set(value) - set(SETTINGS)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; the keys are {SETTINGS}")
+    s = {"checkpoint": value.get("checkpoint"), "tables": value.get("tables", "mapped"),
+         "row_cache_mb": value.get("row_cache_mb", 0), "mooncake": value.get("mooncake")}
+    if s["tables"] not in ("mapped", "direct"):
+        raise ValueError(f'{where}: "tables" must be "mapped" or "direct", got {s["tables"]!r}')
+    mb = s["row_cache_mb"]
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb >= 0:
+        raise ValueError(f'{where}: "row_cache_mb" must be a number >= 0 (MiB), got {mb!r}')
+    mc = s["mooncake"]
+    if mc is not None and not (isinstance(mc, dict) and "master" in mc and "metadata" in mc):
+        raise ValueError(f'{where}: "mooncake" must be an object with "master" and "metadata" '
+                         f'(and optionally "local_host"), got {mc!r}')
+    if s["checkpoint"] is not None and not os.path.isdir(s["checkpoint"]):
+        raise ValueError(f'{where}: "checkpoint" {s["checkpoint"]!r} is not a folder (a V4.1 checkpoint folder)')
+    return s
+
+
+def settings(vllm_config=None):
+    """The plugin's settings, or None when it is not configured: ENGRAM_STREAM_VLLM first, then
+    vllm_config.additional_config["engram_stream"]."""
+    env = os.environ.get(ENV)
+    if env:
+        return parse_settings(env, ENV)
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    if isinstance(extra, dict) and extra.get(KEY) is not None:
+        return parse_settings(extra[KEY], f'additional_config["{KEY}"]')
+    return None
+
+
+def open_model(s, default_checkpoint):
+    """The process's EngramModel of settings s (one per distinct settings: the layers share it
+    and its row cache)."""
+    ckpt = s["checkpoint"] or default_checkpoint
+    if not ckpt or not os.path.isdir(ckpt):
+        raise ValueError(f"{ENV}: vLLM's model {default_checkpoint!r} is not a local folder: give "
+                         f'"checkpoint" (the V4.1 folder holding layers.L.engram.* and tokenizer.json)')
+    key = (os.path.realpath(ckpt), s["tables"], float(s["row_cache_mb"]), json.dumps(s["mooncake"], sort_keys=True))
+    with _lock:
+        if key not in _models:
+            from ..model import EngramModel
+            tables = None if s["tables"] == "mapped" else "direct"
+            if s["mooncake"] is not None:
+                from ..rows import MooncakeTier
+                mc = s["mooncake"]
+                tables = MooncakeTier(master=mc["master"], metadata=mc["metadata"],
+                                      local_host=mc.get("local_host", "127.0.0.1"))
+            _models[key] = EngramModel.from_deepseek_v41(ckpt, tables=tables, row_cache_mb=s["row_cache_mb"] or None)
+        return _models[key]
+
+
+def stats():
+    """Row cache and read counters of every model this process serves from ({checkpoint: ...})."""
+    with _lock:
+        return {k[0]: m.row_cache_stats() for k, m in _models.items()}
+
+
+def embedding_class():
+    """StreamEngramEmbedding (made once: it subclasses vLLM's ParallelEngramEmbedding)."""
+    global _embedding_class
+    if _embedding_class is not None:
+        return _embedding_class
+    import torch
+    from torch import nn
+    E = sys.modules.get(ENGRAM_MODULE) or __import__(ENGRAM_MODULE, fromlist=["_"])
+    from ._vllm_rows import records_to_bf16
+
+    class StreamEngramEmbedding(E.ParallelEngramEmbedding):
+        """vLLM's Engram embedding of one layer with its rows from engram_stream (no table)."""
+
+        def __init__(self, model, layer, num_embeddings, dim, head_sizes, block_size=32, cpu_offload=False):
+            nn.Module.__init__(self)
+            primes = [int(p) for p in model.plan.head_primes[layer]]
+            if tuple(primes) != tuple(head_sizes) or model.plan.table_rows[layer] != num_embeddings:
+                raise ValueError(f"{ENV}: the checkpoint {model.source!r} layer {layer} has heads of {primes} rows, "
+                                 f"vLLM's config {list(head_sizes)}: give the checkpoint vLLM serves")
+            if dim != model.cfg.head_dim or block_size != 32:
+                raise ValueError(f"{ENV}: head_dim {dim} / block {block_size}: the checkpoint's rows are "
+                                 f"{model.cfg.head_dim} values with one e8m0 scale per 32")
+            self.model, self.layer = model, layer
+            self.cpu_offload, self.dp_shared_memory, self.use_thp = cpu_offload, False, False
+            self.dp_size, self.peer_rows, self._packed = 1, 0, None
+            self.num_embeddings, self.dim, self.block_size = num_embeddings, dim, block_size
+            self.n_hash_cols = len(head_sizes)
+            self.tp_size = E.get_tensor_model_parallel_world_size()
+            rank = E.get_tensor_model_parallel_rank()
+            self.part_n_hash_cols = -(-self.n_hash_cols // self.tp_size)
+            if (self.tp_size - 1) * self.part_n_hash_cols >= self.n_hash_cols:
+                raise ValueError(f"Engram sharding leaves ranks without hash heads: {self.n_hash_cols} heads "
+                                 f"over {self.tp_size} shards")
+            self.head_start = rank * self.part_n_hash_cols
+            self.vocab_start_idx = sum(head_sizes[:self.head_start])
+            self.vocab_end_idx = sum(head_sizes[:self.head_start + self.part_n_hash_cols])
+            self.part_num_embeddings = self.vocab_end_idx - self.vocab_start_idx
+            self.source = model.row_source(layer)
+            self.recbytes = self.source.rowbytes + self.source.scalebytes
+            self._records = np.empty(0, np.uint8)  # scratch of bf16 lookups (grown, kept)
+            self._staging = None                   # pinned host rows of a device `out`
+            self._lookup_lock = threading.Lock()
+
+        def extra_repr(self):
+            return (f"layer={self.layer}, heads={self.head_start}..{self.head_start + self.part_n_hash_cols} "
+                    f"of {self.n_hash_cols}, rows from engram_stream ({type(self.source).__name__})")
+
+        def row_cache_stats(self):
+            return self.model.row_cache_stats()
+
+        def _rows(self, indices):
+            """int64 [T, part] table rows of this rank's heads (-1: zeros)."""
+            a = indices[:, self.head_start:self.head_start + self.part_n_hash_cols]
+            a = (a.cpu() if a.device.type != "cpu" else a).numpy()
+            rows = np.full((a.shape[0], self.part_n_hash_cols), -1, np.int64)
+            owned = (a >= self.vocab_start_idx) & (a < self.vocab_end_idx)
+            rows[:, :a.shape[1]] = np.where(owned, a, -1)
+            return rows
+
+        def _scratch(self, T):
+            need = T * self.part_n_hash_cols * self.recbytes
+            if self._records.size < need:
+                self._records = np.empty(need, np.uint8)
+            return self._records[:need].reshape(T, self.part_n_hash_cols, self.recbytes)
+
+        def lookup(self, indices, out, background=False):
+            """vLLM's lookup: out[t, h] = the row of indices[t, head_start + h] of this rank's
+            heads, as uint8 records or bf16 (vLLM's rounding); zeros where no row. background
+            (a call on vLLM's prefetch stream) reads the same way: the host does the work."""
+            T = indices.shape[0]
+            if not T * self.part_n_hash_cols:
+                return
+            with self._lookup_lock:
+                rows = self._rows(indices)
+                host = out if out.device.type == "cpu" else self._host(out)
+                if host.dtype == torch.uint8:
+                    self.source.read_into(rows, host.numpy())
+                elif host.dtype == torch.bfloat16:
+                    rec = self._scratch(T)
+                    self.source.read_into(rows, rec)
+                    records_to_bf16(rec, host.view(torch.int16).numpy().view(np.uint16))
+                else:
+                    raise TypeError(f"lookup: out must be bfloat16 rows or uint8 records, got {out.dtype}")
+                if host is not out:
+                    out.copy_(host, non_blocking=True)
+
+        def _host(self, out):
+            """A pinned host tensor shaped as `out` (kept and reused)."""
+            st = self._staging
+            if st is None or st.dtype != out.dtype or st.numel() < out.numel():
+                st = self._staging = torch.empty(out.numel(), dtype=out.dtype, pin_memory=True)
+            return st[:out.numel()].view(out.shape)
+
+    _embedding_class = StreamEngramEmbedding
+    return _embedding_class
+
+
+# ---- the hooks -----------------------------------------------------------------------------------
+def _patch_engram(E):
+    """Engram._create_embedding makes a StreamEngramEmbedding when the plugin is configured."""
+    original = E.Engram._create_embedding
+    if getattr(original, "_engram_stream", False):
+        return
+
+    def _create_embedding(self, layout, layer_hash_index):
+        global _serving
+        config = E.get_current_vllm_config()
+        s = settings(config)
+        if s is None:
+            return original(self, layout, layer_hash_index)
+        model = open_model(s, getattr(getattr(config, "model_config", None), "model", None))
+        engram_config = config.engram_config
+        offload = bool(engram_config is not None and engram_config.cpu_offload)
+        if not offload and _cuda():
+            raise ValueError(f"{ENV}: keep vLLM's engram_config cpu_offload=true (the default): the plugin's "
+                             f"lookups are host work, run at the eager boundary of vLLM's prefetch (inline, a "
+                             f"CUDA graph would replay stale rows)")
+        emb = embedding_class()(
+            model, layout.layer_ids[layer_hash_index], layout.num_embeddings[layer_hash_index], layout.head_dim,
+            tuple(size for order in layout.primes[layer_hash_index] for size in order),
+            cpu_offload=offload)
+        _serving = True
+        return emb
+
+    _create_embedding._engram_stream = True
+    E.Engram._create_embedding = _create_embedding
+
+
+def _cuda():
+    import torch
+    return torch.cuda.is_available()
+
+
+def _patch_loader(W):
+    """should_skip_weight skips the Engram tables once this process serves them."""
+    original = W.should_skip_weight
+    if getattr(original, "_engram_stream", False):
+        return
+
+    def should_skip_weight(weight_name, local_expert_ids):
+        if _serving and TABLE_TENSOR.search(weight_name):
+            return True
+        return original(weight_name, local_expert_ids)
+
+    should_skip_weight._engram_stream = True
+    W.should_skip_weight = should_skip_weight
+
+
+_PATCHES = {ENGRAM_MODULE: _patch_engram, LOADER_MODULE: _patch_loader}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches vLLM's two modules right after they are imported (the plugin loads before them,
+    and importing them here would import the V4.1 model in every vLLM process)."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in _PATCHES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module, patch = spec.loader.exec_module, _PATCHES[name]
+
+        def exec_and_patch(module):
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def register():
+    """vLLM's entry point (every process). Nothing of vLLM changes unless the settings are given
+    (ENGRAM_STREAM_VLLM here, or additional_config["engram_stream"] at the model's build): the
+    hooks defer to vLLM's own code. A bad ENGRAM_STREAM_VLLM fails here, naming the value."""
+    if os.environ.get(ENV):
+        parse_settings(os.environ[ENV], ENV)
+    for name, patch in _PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
