@@ -441,12 +441,12 @@ def _config_help() -> str:
 
 
 def cmd_publish(args):
-    """Every layer's table rows into a Mooncake Store (EngramStore layout: engram:l{L}:h{h})."""
+    """Every layer's table rows into a Mooncake Store (EngramStore layout under a name: engram:{name}:l{L}:h{h})."""
     from .model import EngramModel
     from .rows import MooncakeTier
     model = EngramModel.load(args.checkpoint, mmap=True)
     tier = MooncakeTier(master=args.master, metadata=args.metadata, local_host=args.local_host,
-                        connect_timeout=args.connect_timeout)
+                        connect_timeout=args.connect_timeout, name=args.name)
     t0 = time.perf_counter()
     try:
         n = tier.publish(model)
@@ -454,7 +454,7 @@ def cmd_publish(args):
         tier.close()
     dt = time.perf_counter() - t0
     print(f"published {len(model.cfg.layer_ids)} layers x {model.cfg.n_heads} heads, {n / 2**20:,.1f} MiB "
-          f"in {dt:.2f} s to {args.master}")
+          f"in {dt:.2f} s to {args.master} under the name {tier.name_of(model)!r}")
     return 0
 
 
@@ -566,6 +566,9 @@ def build_parser():
     s.add_argument("--metadata", required=True, help="metadata server URL, e.g. http://HOST:8080/metadata")
     s.add_argument("--local-host", default="127.0.0.1", help="this client's address")
     s.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the store")
+    s.add_argument("--name", default=None,
+                   help="the name in every key (default: the model's fingerprint, so models and revisions share a "
+                        "store; load with MooncakeTier(name=...) the same; \"\": EngramStore's own engram:l{L}:h{h})")
 
     s = command("pack-rows", cmd_pack_rows, "write the packed row file beside a checkpoint (one read per missed row)")
     s.add_argument("checkpoint", help="a deepseek-v4.1 folder (writes FOLDER/engram_rows.bin) or a checkpoint file "

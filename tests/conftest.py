@@ -260,6 +260,18 @@ def tier(mooncake):
     t.close()
 
 
+@pytest.fixture(scope="session")
+def bare_tier(mooncake):
+    """A tier on the session's servers under EngramStore's own keys (name="": engram:l{L}:h{h})."""
+    from engram_stream.mooncake_servers import wait_until_writable
+    from engram_stream.tiers import MooncakeTier
+    t = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, local_host="127.0.0.1", timeout=5,
+                     name="")
+    wait_until_writable(t)
+    yield t
+    t.close()
+
+
 @pytest.fixture
 def own_store():
     """(LocalMooncake, MooncakeTier) of a test's own servers (a test that kills or stops them)."""

@@ -11,14 +11,20 @@ scale's bytes (demo int8 tables: a float32; V4.1: 8 e8m0 bytes, so 264-byte reco
 gather converts a record exactly as it converts a table row, so every tier gives the same
 floats bit for bit.
 
-Store layout (Mooncake's EngramStore): one object per head, key `engram:l{L}:h{h}`, holding
+Store layout (Mooncake's EngramStore): one object per head, key `engram:{name}:l{L}:h{h}`, holding
 that head's records [N_h, record bytes] contiguous (N_h = the head's prime). That is EngramStore's
 byte-row layout (Mooncake #4065: `row_bytes` 264 for V4.1, 256 FP8 bytes then 8 E8M0 bytes);
 float32 tables are byte-identical to what 0.3.13's float32 EngramStore writes. Beside the heads,
-`engram:l{L}:fingerprint` (JSON) names what was published: the layout and a digest of sampled
+`engram:{name}:l{L}:fingerprint` (JSON) names what was published: the layout and a digest of sampled
 records. A model loading with tables=tier is refused unless the store holds its layout and the
 store's bytes of those sampled rows equal its own (another model's rows of the same shape are
 refused, whoever published them).
+
+Names. Every key of a model carries a name, so that several models (or revisions of one) share
+a store: MooncakeTier(name=None) names each model by model_name(model), a digest of its config
+and of its fingerprints' sampled records (two checkpoints of different rows get different
+names, one checkpoint the same name on every host); name="..." puts every model the tier
+serves under that name; name="" is EngramStore's own keys, `engram:l{L}:h{h}` (one model a store).
 
 Reads. An engine in remote mode hashes a token at feed(), looks its rows up in the
 RAM cache, and fetches the misses before the nogil gather in ONE `get_into_ranges`
@@ -69,12 +75,27 @@ def head_records(model, layer, h) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([rows[lo:hi], scales[lo:hi]], axis=1))
 
 
-def store_key(layer, h) -> str:
-    return f"engram:l{layer}:h{h}"
+def _prefix(name) -> str:
+    return f"engram:{name}:" if name else "engram:"
 
 
-def fingerprint_key(layer) -> str:
-    return f"engram:l{layer}:fingerprint"
+def store_key(layer, h, name="") -> str:
+    """The key of head h of `layer` under `name` ("": EngramStore's own `engram:l{L}:h{h}`)."""
+    return f"{_prefix(name)}l{layer}:h{h}"
+
+
+def fingerprint_key(layer, name="") -> str:
+    return f"{_prefix(name)}l{layer}:fingerprint"
+
+
+def model_name(model) -> str:
+    """The name a model's keys get by default: "m" and 16 hex digits of a digest of its config
+    and every layer's fingerprint (layout and sampled records)."""
+    d = hashlib.blake2b(digest_size=8)
+    d.update(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
+    for L in model.cfg.layer_ids:
+        d.update(json.dumps(fingerprint(model, L), sort_keys=True).encode())
+    return "m" + d.hexdigest()
 
 
 def sample_rows(n_h, layer, h) -> np.ndarray:
@@ -207,10 +228,15 @@ class MooncakeTier:
     (mooncake_master's HTTP metadata server, e.g. "http://127.0.0.1:8080/metadata");
     local_host: this client's address. This client lends the store no memory (rows live in
     the store servers). timeout: seconds any one store call may take before TierError;
-    connect_timeout: the same for reaching the servers and setting the client up."""
+    connect_timeout: the same for reaching the servers and setting the client up.
+    name: the name in every key (see the module doc): None, each model's model_name(); a
+    string of letters, digits, "_", "-", "."; "" EngramStore's own keys (one model a store)."""
 
     def __init__(self, master, metadata, local_host="127.0.0.1", protocol="tcp", timeout=20.0,
-                 connect_timeout=10.0):
+                 connect_timeout=10.0, name=None):
+        if name is not None and (not isinstance(name, str) or not all(c.isalnum() or c in "_-." for c in name)):
+            raise ValueError(f"name must be None or a string of letters, digits, '_', '-', '.', got {name!r}")
+        self.name = name
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -250,7 +276,12 @@ class MooncakeTier:
         self.store = store
 
     def __repr__(self):
-        return f"MooncakeTier(master={self.master!r}, metadata={self.metadata!r}, local_host={self.local_host!r})"
+        return (f"MooncakeTier(master={self.master!r}, metadata={self.metadata!r}, local_host={self.local_host!r}, "
+                f"name={self.name!r})")
+
+    def name_of(self, model) -> str:
+        """The name `model`'s keys carry in this tier."""
+        return model_name(model) if self.name is None else self.name
 
     def _call(self, what, fn, *args, timeout=None, client=None, keep=()):
         """fn(*args) bounded by the timeout; TierError when it takes longer (the client and what
@@ -295,11 +326,11 @@ class MooncakeTier:
         head in EngramStore's layout, then the layer's fingerprint. Returns the bytes written.
         A head's records are built contiguous in RAM for the write (N_h x record bytes)."""
         store = self._open()
-        written = 0
+        written, name = 0, self.name_of(model)
         for L in (model.cfg.layer_ids if layers is None else layers):
             for h in range(model.cfg.n_heads):
                 rec = head_records(model, L, h)
-                ptr, n, key = rec.ctypes.data, rec.nbytes, store_key(L, h)
+                ptr, n, key = rec.ctypes.data, rec.nbytes, store_key(L, h, name)
                 self._check(self._call("register_buffer", store.register_buffer, ptr, n),
                             f"register_buffer ({n} bytes)")
                 ok = False
@@ -318,17 +349,16 @@ class MooncakeTier:
                 written += n
                 if progress is not None:
                     progress(L, h, written)
-            fp = json.dumps(fingerprint(model, L), sort_keys=True).encode()
-            self._check(self._call(f"upsert of {fingerprint_key(L)}", store.upsert, fingerprint_key(L), fp),
-                        f"upsert of {fingerprint_key(L)}")
+            fp, key = json.dumps(fingerprint(model, L), sort_keys=True).encode(), fingerprint_key(L, name)
+            self._check(self._call(f"upsert of {key}", store.upsert, key, fp), f"upsert of {key}")
         self.check_published(model, layers)
         return written
 
-    def published(self, layer):
-        """The fingerprint publish() wrote for `layer` (a dict), or None when there is none (e.g.
-        tables written by EngramStore.populate)."""
+    def published(self, layer, name=""):
+        """The fingerprint publish() wrote for `layer` under `name` (a dict; name: name_of(model)),
+        or None when there is none (e.g. tables written by EngramStore.populate)."""
         store = self._open()
-        key = fingerprint_key(layer)
+        key = fingerprint_key(layer, name)
         if self._call(f"get_size of {key}", store.get_size, key) <= 0:
             return None
         raw = self._call(f"get of {key}", store.get, key)
@@ -345,15 +375,17 @@ class MooncakeTier:
         another model's rows of the same shape, whoever published them (a fingerprint left by an
         earlier publish does not decide: the rows do)."""
         store = self._open()
+        name = self.name_of(model)
         for L in (model.cfg.layer_ids if layers is None else layers):
             rowbytes, scalebytes = record_layout(model.layer(L))
             for h in range(model.cfg.n_heads):
                 want = int(model.plan.head_primes[L][h]) * (rowbytes + scalebytes)
-                got = self._call(f"get_size of {store_key(L, h)}", store.get_size, store_key(L, h))
+                key = store_key(L, h, name)
+                got = self._call(f"get_size of {key}", store.get_size, key)
                 if got != want:
-                    raise TierError(f"Mooncake object {store_key(L, h)}: {got} bytes, expected {want} "
-                                    f"(not published, or published from another table dtype): tier.publish(model)")
-            theirs, mine = self.published(L), fingerprint(model, L)
+                    raise TierError(f"Mooncake object {key}: {got} bytes, expected {want} (not published under "
+                                    f"the name {name!r}, or published from another table dtype): tier.publish(model)")
+            theirs, mine = self.published(L, name), fingerprint(model, L)
             if theirs is not None:
                 bad = [k for k in ("format", "variant", "layer", "heads", "rowbytes", "scalebytes")
                        if theirs.get(k) != mine[k]]
@@ -398,7 +430,8 @@ class RemoteRows:
         self.recbytes = rowbytes + scalebytes
         self.stride = slot_bytes(self.recbytes)
         self.offsets = np.asarray(w.offsets, dtype=np.int64)
-        self.keys = [store_key(layer, h) for h in range(len(self.offsets))]
+        name = tier.name_of(model)
+        self.keys = [store_key(layer, h, name) for h in range(len(self.offsets))]
         self.stage = None
         self._pending = None
         self._calls = BoundedCalls(f"engram-l{layer}-fetch")
