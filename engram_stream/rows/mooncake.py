@@ -60,6 +60,7 @@ from ._direct import add_read
 from .records import record_arrays, record_layout
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+LOG_LEVEL = "ERROR"   # the client's default MC_LOG_LEVEL here
 FINGERPRINT_FORMAT = 1
 SAMPLES_PER_HEAD = 8
 
@@ -143,13 +144,19 @@ def _keep_forever(*objs):
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
 
 
+_RUNNING = {}   # {done event: deadline (time.monotonic)} of every call started and not ended
+
+
 class BoundedCalls:
     """Calls run one at a time on a daemon thread, each waited for at most `timeout` seconds. A
     call that times out keeps its thread (it may never return: a stopped master); the next call
-    gets a new thread. Daemon threads: nothing joins them at exit."""
+    gets a new thread. Daemon threads: nothing joins them at exit, but the exit handler waits
+    for a running call until `bound` seconds from its start (_close_at_exit: a call that
+    returns while the interpreter finalizes aborts the process)."""
 
-    def __init__(self, name):
+    def __init__(self, name, bound):
         self.name = name
+        self.bound = float(bound)
         self._q = None
 
     def _worker(self, q):
@@ -160,6 +167,7 @@ class BoundedCalls:
             except BaseException as e:  # handed to the caller
                 box.append(e)
                 box.append(None)
+            _RUNNING.pop(done, None)
             done.set()
 
     def start(self, fn, *args):
@@ -168,8 +176,10 @@ class BoundedCalls:
             self._q = queue.SimpleQueue()
             threading.Thread(target=self._worker, args=(self._q,), name=self.name, daemon=True).start()
         box, done = [], threading.Event()
+        t0 = time.monotonic()
+        _RUNNING[done] = t0 + self.bound
         self._q.put((fn, args, box, done))
-        return box, done, time.monotonic()
+        return box, done, t0
 
     def finish(self, handle, timeout):
         """The started call's result (or its exception); TimeoutError when it has run longer than
@@ -188,6 +198,63 @@ class BoundedCalls:
 
 
 # ---- Mooncake Store -----------------------------------------------------------------------------
+_OPEN = weakref.WeakSet()   # tiers whose client is open: closed at exit (_close_at_exit)
+_AT_EXIT = []
+_FAULTS = []                # a store call failed or timed out in this process (see _close_at_exit)
+
+
+def _fault():
+    _FAULTS.append(True)
+
+
+EXIT_GRACE = 5.0   # seconds past its bound the exit handler waits for a running call
+
+
+def _wait_for_running_calls():
+    """Wait for every call still running inside a client, each until EXIT_GRACE past its bound:
+    a dead store server's call ends with an error a little after the tier's timeout (the client's
+    own retries); a stopped master's never ends, and costs the exit that wait."""
+    for done, deadline in list(_RUNNING.items()):
+        done.wait(max(0.0, deadline + EXIT_GRACE - time.monotonic()))
+
+
+def _close_at_exit():
+    """Close every open tier's client before the interpreter and Mooncake's C++ runtime tear
+    down: a client left open at exit (reads done or abandoned, buffers registered) makes that
+    teardown abort the process ("terminate called without an active exception"). Registered
+    after mooncake.store is imported, so it runs before any exit handler of Mooncake's own.
+
+    After a fault (a failed or timed-out call: a dead server), closing is not enough: Mooncake's
+    transport keeps threads of the broken connection, or the call that timed out still runs (its
+    client cannot be closed under it), and the C++ static destructors that run in exit() after
+    the interpreter is gone abort on them. So the process then ends in exit()'s first handler
+    with the status exit() was given (glibc's on_exit hands it to _exit), skipping the C runtime
+    handlers registered before it: Python has finished by then (its files are flushed).
+    A call still running when the interpreter finalizes would abort it as it returns (its thread
+    is ended inside C++ code that may not be unwound), so the calls are waited for first, each
+    within its bound."""
+    _wait_for_running_calls()
+    for tier in list(_OPEN):
+        try:
+            tier.close()
+        except Exception:  # a client in a bad state: the others still close
+            pass
+    if _FAULTS:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        if hasattr(libc, "on_exit"):  # glibc; musl has none: its exit is left as it is
+            end = ctypes.cast(libc._exit, ctypes.c_void_p)
+            libc.on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            libc.on_exit(end, None)   # called as _exit(status, NULL): the extra argument is ignored
+
+
+def _register_close_at_exit():
+    if not _AT_EXIT:
+        import atexit
+        atexit.register(_close_at_exit)
+        _AT_EXIT.append(True)
+
+
 def _host_port(addr):
     host, _, port = addr.rpartition(":")
     return host or "127.0.0.1", int(port)
@@ -237,6 +304,9 @@ class MooncakeTier:
         if name is not None and (not isinstance(name, str) or not all(c.isalnum() or c in "_-." for c in name)):
             raise ValueError(f"name must be None or a string of letters, digits, '_', '-', '.', got {name!r}")
         self.name = name
+        # Mooncake's client logs every connection and retry at INFO (~25 lines a publish): errors
+        # only, unless the user set MC_LOG_LEVEL (MC_LOG_LEVEL=INFO shows everything)
+        os.environ.setdefault("MC_LOG_LEVEL", LOG_LEVEL)
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -246,7 +316,7 @@ class MooncakeTier:
         self.timeout, self.connect_timeout = float(timeout), float(connect_timeout)
         self.store = None
         self.stuck = False    # a call timed out and may still run inside the client (see close)
-        self._calls = BoundedCalls("engram-mooncake")
+        self._calls = BoundedCalls("engram-mooncake", max(self.timeout, self.connect_timeout))
         self._readers = weakref.WeakSet()   # RemoteRows of this tier (close waits for their reads)
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_host)
         # setup() blocks ~90 s on an address that does not answer: check both first.
@@ -274,6 +344,8 @@ class MooncakeTier:
         if rc != 0:
             raise TierError(f"Mooncake setup(master={master}, metadata={metadata}) failed with code {rc}")
         self.store = store
+        _register_close_at_exit()
+        _OPEN.add(self)
 
     def __repr__(self):
         return (f"MooncakeTier(master={self.master!r}, metadata={self.metadata!r}, local_host={self.local_host!r}, "
@@ -291,6 +363,7 @@ class MooncakeTier:
             return self._calls.call(t, fn, *args)
         except TimeoutError:
             self.stuck = True
+            _fault()
             _keep_forever(client if client is not None else self.store, *keep)
             raise TierError(f"Mooncake {what}: no answer within {t} s (a stopped or unreachable master or "
                             f"store server)") from None
@@ -314,11 +387,13 @@ class MooncakeTier:
             if not reader.settle():
                 self.stuck = True
         store, self.store = self.store, None
+        _OPEN.discard(self)
         if not self.stuck:
             store.close()
 
     def _check(self, rc, what):
         if rc != 0:
+            _fault()
             raise TierError(f"Mooncake {what} failed with code {rc}")
 
     def publish(self, model, layers=None, progress=None) -> int:
@@ -434,7 +509,7 @@ class RemoteRows:
         self.keys = [store_key(layer, h, name) for h in range(len(self.offsets))]
         self.stage = None
         self._pending = None
-        self._calls = BoundedCalls(f"engram-l{layer}-fetch")
+        self._calls = BoundedCalls(f"engram-l{layer}-fetch", tier.timeout)
         self.totals = {"fetches": 0, "fetch_seconds": 0.0} if totals is None else totals
         self.read_totals = read_totals  # rows._direct.new_totals(): reads, bytes, rows, wait histogram
 
@@ -517,6 +592,7 @@ class RemoteRows:
         except TimeoutError:
             # the call may still write into this buffer later: it is never reused nor freed
             _keep_forever(stage, store)
+            _fault()
             self.tier.stuck = True
             self.stage = None
             raise TierError(f"Mooncake read of {n} rows of layer {self.layer}: no answer within "
@@ -530,6 +606,7 @@ class RemoteRows:
         except TypeError:
             ok = False
         if not ok:
+            _fault()
             raise TierError(f"Mooncake read of {n} rows of layer {self.layer} failed: {_first_error(res, rb)}")
         if self.read_totals is not None:  # one batched get: a read of n rows
             add_read(self.read_totals, 1, n * rb, n, time.perf_counter() - w0)
