@@ -142,7 +142,7 @@ def cmd_init(args):
         print(f"removed {stale} (left by a process that no longer runs)", file=sys.stderr)
     what = (f"folder ({cfg.variant} Hugging Face layout: config.json, index, shards), float8 tables" if folder
             else f"{args.table_dtype or 'float32'} tables")
-    bar = _Progress() if not args.quiet and sys.stderr.isatty() else None
+    bar = progress_bar(args.quiet)
 
     def before_write(total):  # the size is known, nothing is written yet
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(output))).free
@@ -162,7 +162,7 @@ def cmd_init(args):
             raise CliError(f"{output}: {e.strerror or e}") from None
         finally:
             if bar is not None:
-                print(file=sys.stderr)
+                bar.end()
     size = (sum(os.path.getsize(os.path.join(output, f)) for f in os.listdir(output)) if folder
             else os.path.getsize(output))
     print(f"wrote {output} ({_size(size)}, {what}, weights seed {args.weight_seed})")
@@ -230,17 +230,29 @@ def _load_lookup(path):
 
 
 class _Progress:
-    """stderr bar, one update per percent (only created when stderr is a terminal)."""
+    """stderr bar, one update per percent (only created when stderr is a terminal).
+    unit: "bytes" (the total shown as a size) or a word counted ("repeats")."""
 
-    def __init__(self):
-        self.last = -1
+    def __init__(self, unit="bytes"):
+        self.last, self.unit = -1, unit
 
     def __call__(self, done, total):
         pct = int(100 * done / total) if total else 100
         if pct != self.last:
             self.last = pct
             bar = "#" * (40 * pct // 100)
-            print(f"\r[{bar:<40}] {pct:3d}% of {_size(total)}", end="", file=sys.stderr, flush=True)
+            of = _size(total) if self.unit == "bytes" else f"{total} {self.unit}"
+            print(f"\r[{bar:<40}] {pct:3d}% of {of}", end="", file=sys.stderr, flush=True)
+
+    def end(self):
+        print(file=sys.stderr, flush=True)
+
+
+def progress_bar(quiet=False, unit="bytes"):
+    """The progress of a long step, for every command and tool that has one: a stderr bar
+    (progress(done, total); .end() closes the line) when stderr is a terminal and not quiet,
+    else None (pipes and logs get the final lines only)."""
+    return _Progress(unit) if not quiet and sys.stderr.isatty() else None
 
 
 def cmd_build_compression(args):
@@ -306,9 +318,16 @@ def cmd_bench(args):
 
     one, many = stepper(1), stepper(args.streams)
     runs = {"floor": [], "one": [], "many": []}
-    for _ in range(args.repeat):  # interleaved, so a load change hits all three alike
-        for name, f in (("floor", floor), ("one", one), ("many", many)):
+    bar = progress_bar(args.quiet, unit="measurements")
+    todo = 3 * args.repeat
+    for r in range(args.repeat):  # interleaved, so a load change hits all three alike
+        for k, (name, f) in enumerate((("floor", floor), ("one", one), ("many", many))):
+            if bar is not None:
+                bar(3 * r + k, todo)
             runs[name].append(f())
+    if bar is not None:
+        bar(todo, todo)
+        bar.end()
     t = {k: np.array(v) for k, v in runs.items()}
     med = {k: float(np.median(v)) for k, v in t.items()}
 
@@ -443,20 +462,24 @@ def _config_help() -> str:
 
 
 def cmd_publish(args):
-    """Every layer's table rows into a Mooncake Store (EngramStore layout: engram:l{L}:h{h})."""
+    """Every layer's table rows into a Mooncake Store (EngramStore layout under a name: engram:{name}:l{L}:h{h})."""
     from .model import EngramModel
-    from .rows import MooncakeTier
+    from .rows import MooncakeTier, record_layout
     model = EngramModel.load(args.checkpoint, mmap=True)
     tier = MooncakeTier(master=args.master, metadata=args.metadata, local_host=args.local_host,
-                        connect_timeout=args.connect_timeout)
+                        connect_timeout=args.connect_timeout, name=args.name)
+    total = sum(model.plan.table_rows[L] * sum(record_layout(model.layer(L))) for L in model.cfg.layer_ids)
+    bar = progress_bar(args.quiet)
     t0 = time.perf_counter()
     try:
-        n = tier.publish(model)
+        n = tier.publish(model, progress=None if bar is None else lambda L, h, written: bar(written, total))
     finally:
         tier.close()
+        if bar is not None:
+            bar.end()
     dt = time.perf_counter() - t0
     print(f"published {len(model.cfg.layer_ids)} layers x {model.cfg.n_heads} heads, {n / 2**20:,.1f} MiB "
-          f"in {dt:.2f} s to {args.master}")
+          f"in {dt:.2f} s to {args.master} under the name {tier.name_of(model)!r}")
     return 0
 
 
@@ -476,7 +499,7 @@ def cmd_pack_rows(args):
         return 0 if all(res.values()) else 1
     if os.path.lexists(path) and not args.force:
         raise CliError(f"{path}: exists; pass --force to write it again (or --verify to check it)")
-    bar = _Progress() if not args.quiet and sys.stderr.isatty() else None
+    bar = progress_bar(args.quiet)
 
     def before_write(total):
         free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
@@ -491,7 +514,7 @@ def cmd_pack_rows(args):
             head = packed.pack_rows(model, path, progress=bar, before_write=before_write)
         finally:
             if bar is not None:
-                print(file=sys.stderr)
+                bar.end()
     lay = next(iter(head["layers"].values()))
     print(f"wrote {path} ({_size(head['size'])}, {len(head['layers'])} layers, {lay['rowbytes'] + lay['scalebytes']}"
           f"-byte records, {lay['per_group']} per page, verified) in {time.perf_counter() - t0:.1f} s")
@@ -544,7 +567,8 @@ def build_parser():
     s.add_argument("-o", "--output", required=True, help="file to write, exactly this name (.npy format)")
     s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
 
-    s = command("bench", cmd_bench, "engine step vs its floor, 1 vs N streams (quick; bench/ has the suite)")
+    s = command("bench", cmd_bench, "engine step vs its floor, 1 vs N streams (seconds on the built-in model; "
+                                    "minutes at Flash dims: fewer --steps / --repeat to shorten; bench/ has the suite)")
     s.add_argument("--checkpoint", default=None,
                    help="bench this model instead of the built-in one: a checkpoint file or a deepseek-v4.1 folder")
     s.add_argument("--layer", type=int, default=None, help="the Engram layer to bench (default: the first)")
@@ -552,6 +576,7 @@ def build_parser():
     s.add_argument("--streams", type=_count(2), default=16, help="streams of the multi-stream engine")
     s.add_argument("--repeat", type=_count(1), default=5, help="measurements of each, to show the spread")
     s.add_argument("--seed", type=_count(0), default=0, help="seed of the weights and inputs")
+    s.add_argument("--quiet", action="store_true", help="no progress bar on a terminal")
 
     s = command("profile", cmd_profile, "memray heap, RSS and table residency of a decode")
     s.add_argument("checkpoint", nargs="?", help="checkpoint to decode from (default: the built-in demo model)")
@@ -568,6 +593,10 @@ def build_parser():
     s.add_argument("--metadata", required=True, help="metadata server URL, e.g. http://HOST:8080/metadata")
     s.add_argument("--local-host", default="127.0.0.1", help="this client's address")
     s.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the store")
+    s.add_argument("--quiet", action="store_true", help="no progress bar on a terminal")
+    s.add_argument("--name", default=None,
+                   help="the name in every key (default: the model's fingerprint, so models and revisions share a "
+                        "store; load with MooncakeTier(name=...) the same; \"\": EngramStore's own engram:l{L}:h{h})")
 
     s = command("pack-rows", cmd_pack_rows, "write the packed row file beside a checkpoint (one read per missed row)")
     s.add_argument("checkpoint", help="a deepseek-v4.1 folder (writes FOLDER/engram_rows.bin) or a checkpoint file "

@@ -11,14 +11,20 @@ scale's bytes (demo int8 tables: a float32; V4.1: 8 e8m0 bytes, so 264-byte reco
 gather converts a record exactly as it converts a table row, so every tier gives the same
 floats bit for bit.
 
-Store layout (Mooncake's EngramStore): one object per head, key `engram:l{L}:h{h}`, holding
+Store layout (Mooncake's EngramStore): one object per head, key `engram:{name}:l{L}:h{h}`, holding
 that head's records [N_h, record bytes] contiguous (N_h = the head's prime). That is EngramStore's
 byte-row layout (Mooncake #4065: `row_bytes` 264 for V4.1, 256 FP8 bytes then 8 E8M0 bytes);
 float32 tables are byte-identical to what 0.3.13's float32 EngramStore writes. Beside the heads,
-`engram:l{L}:fingerprint` (JSON) names what was published: the layout and a digest of sampled
+`engram:{name}:l{L}:fingerprint` (JSON) names what was published: the layout and a digest of sampled
 records. A model loading with tables=tier is refused unless the store holds its layout and the
 store's bytes of those sampled rows equal its own (another model's rows of the same shape are
 refused, whoever published them).
+
+Names. Every key of a model carries a name, so that several models (or revisions of one) share
+a store: MooncakeTier(name=None) names each model by model_name(model), a digest of its config
+and of its fingerprints' sampled records (two checkpoints of different rows get different
+names, one checkpoint the same name on every host); name="..." puts every model the tier
+serves under that name; name="" is EngramStore's own keys, `engram:l{L}:h{h}` (one model a store).
 
 Reads. An engine in remote mode hashes a token at feed(), looks its rows up in the
 RAM cache, and fetches the misses before the nogil gather in ONE `get_into_ranges`
@@ -54,6 +60,7 @@ from ._direct import add_read
 from .records import record_arrays, record_layout
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+LOG_LEVEL = "ERROR"   # the client's default MC_LOG_LEVEL here
 FINGERPRINT_FORMAT = 1
 SAMPLES_PER_HEAD = 8
 
@@ -69,12 +76,27 @@ def head_records(model, layer, h) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([rows[lo:hi], scales[lo:hi]], axis=1))
 
 
-def store_key(layer, h) -> str:
-    return f"engram:l{layer}:h{h}"
+def _prefix(name) -> str:
+    return f"engram:{name}:" if name else "engram:"
 
 
-def fingerprint_key(layer) -> str:
-    return f"engram:l{layer}:fingerprint"
+def store_key(layer, h, name="") -> str:
+    """The key of head h of `layer` under `name` ("": EngramStore's own `engram:l{L}:h{h}`)."""
+    return f"{_prefix(name)}l{layer}:h{h}"
+
+
+def fingerprint_key(layer, name="") -> str:
+    return f"{_prefix(name)}l{layer}:fingerprint"
+
+
+def model_name(model) -> str:
+    """The name a model's keys get by default: "m" and 16 hex digits of a digest of its config
+    and every layer's fingerprint (layout and sampled records)."""
+    d = hashlib.blake2b(digest_size=8)
+    d.update(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
+    for L in model.cfg.layer_ids:
+        d.update(json.dumps(fingerprint(model, L), sort_keys=True).encode())
+    return "m" + d.hexdigest()
 
 
 def sample_rows(n_h, layer, h) -> np.ndarray:
@@ -122,13 +144,19 @@ def _keep_forever(*objs):
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
 
 
+_RUNNING = {}   # {done event: deadline (time.monotonic)} of every call started and not ended
+
+
 class BoundedCalls:
     """Calls run one at a time on a daemon thread, each waited for at most `timeout` seconds. A
     call that times out keeps its thread (it may never return: a stopped master); the next call
-    gets a new thread. Daemon threads: nothing joins them at exit."""
+    gets a new thread. Daemon threads: nothing joins them at exit, but the exit handler waits
+    for a running call until `bound` seconds from its start (_close_at_exit: a call that
+    returns while the interpreter finalizes aborts the process)."""
 
-    def __init__(self, name):
+    def __init__(self, name, bound):
         self.name = name
+        self.bound = float(bound)
         self._q = None
 
     def _worker(self, q):
@@ -139,6 +167,7 @@ class BoundedCalls:
             except BaseException as e:  # handed to the caller
                 box.append(e)
                 box.append(None)
+            _RUNNING.pop(done, None)
             done.set()
 
     def start(self, fn, *args):
@@ -147,8 +176,10 @@ class BoundedCalls:
             self._q = queue.SimpleQueue()
             threading.Thread(target=self._worker, args=(self._q,), name=self.name, daemon=True).start()
         box, done = [], threading.Event()
+        t0 = time.monotonic()
+        _RUNNING[done] = t0 + self.bound
         self._q.put((fn, args, box, done))
-        return box, done, time.monotonic()
+        return box, done, t0
 
     def finish(self, handle, timeout):
         """The started call's result (or its exception); TimeoutError when it has run longer than
@@ -167,6 +198,63 @@ class BoundedCalls:
 
 
 # ---- Mooncake Store -----------------------------------------------------------------------------
+_OPEN = weakref.WeakSet()   # tiers whose client is open: closed at exit (_close_at_exit)
+_AT_EXIT = []
+_FAULTS = []                # a store call failed or timed out in this process (see _close_at_exit)
+
+
+def _fault():
+    _FAULTS.append(True)
+
+
+EXIT_GRACE = 5.0   # seconds past its bound the exit handler waits for a running call
+
+
+def _wait_for_running_calls():
+    """Wait for every call still running inside a client, each until EXIT_GRACE past its bound:
+    a dead store server's call ends with an error a little after the tier's timeout (the client's
+    own retries); a stopped master's never ends, and costs the exit that wait."""
+    for done, deadline in list(_RUNNING.items()):
+        done.wait(max(0.0, deadline + EXIT_GRACE - time.monotonic()))
+
+
+def _close_at_exit():
+    """Close every open tier's client before the interpreter and Mooncake's C++ runtime tear
+    down: a client left open at exit (reads done or abandoned, buffers registered) makes that
+    teardown abort the process ("terminate called without an active exception"). Registered
+    after mooncake.store is imported, so it runs before any exit handler of Mooncake's own.
+
+    After a fault (a failed or timed-out call: a dead server), closing is not enough: Mooncake's
+    transport keeps threads of the broken connection, or the call that timed out still runs (its
+    client cannot be closed under it), and the C++ static destructors that run in exit() after
+    the interpreter is gone abort on them. So the process then ends in exit()'s first handler
+    with the status exit() was given (glibc's on_exit hands it to _exit), skipping the C runtime
+    handlers registered before it: Python has finished by then (its files are flushed).
+    A call still running when the interpreter finalizes would abort it as it returns (its thread
+    is ended inside C++ code that may not be unwound), so the calls are waited for first, each
+    within its bound."""
+    _wait_for_running_calls()
+    for tier in list(_OPEN):
+        try:
+            tier.close()
+        except Exception:  # a client in a bad state: the others still close
+            pass
+    if _FAULTS:
+        import ctypes
+        libc = ctypes.CDLL(None)
+        if hasattr(libc, "on_exit"):  # glibc; musl has none: its exit is left as it is
+            end = ctypes.cast(libc._exit, ctypes.c_void_p)
+            libc.on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            libc.on_exit(end, None)   # called as _exit(status, NULL): the extra argument is ignored
+
+
+def _register_close_at_exit():
+    if not _AT_EXIT:
+        import atexit
+        atexit.register(_close_at_exit)
+        _AT_EXIT.append(True)
+
+
 def _host_port(addr):
     host, _, port = addr.rpartition(":")
     return host or "127.0.0.1", int(port)
@@ -207,10 +295,18 @@ class MooncakeTier:
     (mooncake_master's HTTP metadata server, e.g. "http://127.0.0.1:8080/metadata");
     local_host: this client's address. This client lends the store no memory (rows live in
     the store servers). timeout: seconds any one store call may take before TierError;
-    connect_timeout: the same for reaching the servers and setting the client up."""
+    connect_timeout: the same for reaching the servers and setting the client up.
+    name: the name in every key (see the module doc): None, each model's model_name(); a
+    string of letters, digits, "_", "-", "."; "" EngramStore's own keys (one model a store)."""
 
     def __init__(self, master, metadata, local_host="127.0.0.1", protocol="tcp", timeout=20.0,
-                 connect_timeout=10.0):
+                 connect_timeout=10.0, name=None):
+        if name is not None and (not isinstance(name, str) or not all(c.isalnum() or c in "_-." for c in name)):
+            raise ValueError(f"name must be None or a string of letters, digits, '_', '-', '.', got {name!r}")
+        self.name = name
+        # Mooncake's client logs every connection and retry at INFO (~25 lines a publish): errors
+        # only, unless the user set MC_LOG_LEVEL (MC_LOG_LEVEL=INFO shows everything)
+        os.environ.setdefault("MC_LOG_LEVEL", LOG_LEVEL)
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -220,7 +316,7 @@ class MooncakeTier:
         self.timeout, self.connect_timeout = float(timeout), float(connect_timeout)
         self.store = None
         self.stuck = False    # a call timed out and may still run inside the client (see close)
-        self._calls = BoundedCalls("engram-mooncake")
+        self._calls = BoundedCalls("engram-mooncake", max(self.timeout, self.connect_timeout))
         self._readers = weakref.WeakSet()   # RemoteRows of this tier (close waits for their reads)
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_host)
         # setup() blocks ~90 s on an address that does not answer: check both first.
@@ -248,9 +344,16 @@ class MooncakeTier:
         if rc != 0:
             raise TierError(f"Mooncake setup(master={master}, metadata={metadata}) failed with code {rc}")
         self.store = store
+        _register_close_at_exit()
+        _OPEN.add(self)
 
     def __repr__(self):
-        return f"MooncakeTier(master={self.master!r}, metadata={self.metadata!r}, local_host={self.local_host!r})"
+        return (f"MooncakeTier(master={self.master!r}, metadata={self.metadata!r}, local_host={self.local_host!r}, "
+                f"name={self.name!r})")
+
+    def name_of(self, model) -> str:
+        """The name `model`'s keys carry in this tier."""
+        return model_name(model) if self.name is None else self.name
 
     def _call(self, what, fn, *args, timeout=None, client=None, keep=()):
         """fn(*args) bounded by the timeout; TierError when it takes longer (the client and what
@@ -260,6 +363,7 @@ class MooncakeTier:
             return self._calls.call(t, fn, *args)
         except TimeoutError:
             self.stuck = True
+            _fault()
             _keep_forever(client if client is not None else self.store, *keep)
             raise TierError(f"Mooncake {what}: no answer within {t} s (a stopped or unreachable master or "
                             f"store server)") from None
@@ -283,11 +387,13 @@ class MooncakeTier:
             if not reader.settle():
                 self.stuck = True
         store, self.store = self.store, None
+        _OPEN.discard(self)
         if not self.stuck:
             store.close()
 
     def _check(self, rc, what):
         if rc != 0:
+            _fault()
             raise TierError(f"Mooncake {what} failed with code {rc}")
 
     def publish(self, model, layers=None, progress=None) -> int:
@@ -295,11 +401,11 @@ class MooncakeTier:
         head in EngramStore's layout, then the layer's fingerprint. Returns the bytes written.
         A head's records are built contiguous in RAM for the write (N_h x record bytes)."""
         store = self._open()
-        written = 0
+        written, name = 0, self.name_of(model)
         for L in (model.cfg.layer_ids if layers is None else layers):
             for h in range(model.cfg.n_heads):
                 rec = head_records(model, L, h)
-                ptr, n, key = rec.ctypes.data, rec.nbytes, store_key(L, h)
+                ptr, n, key = rec.ctypes.data, rec.nbytes, store_key(L, h, name)
                 self._check(self._call("register_buffer", store.register_buffer, ptr, n),
                             f"register_buffer ({n} bytes)")
                 ok = False
@@ -318,17 +424,16 @@ class MooncakeTier:
                 written += n
                 if progress is not None:
                     progress(L, h, written)
-            fp = json.dumps(fingerprint(model, L), sort_keys=True).encode()
-            self._check(self._call(f"upsert of {fingerprint_key(L)}", store.upsert, fingerprint_key(L), fp),
-                        f"upsert of {fingerprint_key(L)}")
+            fp, key = json.dumps(fingerprint(model, L), sort_keys=True).encode(), fingerprint_key(L, name)
+            self._check(self._call(f"upsert of {key}", store.upsert, key, fp), f"upsert of {key}")
         self.check_published(model, layers)
         return written
 
-    def published(self, layer):
-        """The fingerprint publish() wrote for `layer` (a dict), or None when there is none (e.g.
-        tables written by EngramStore.populate)."""
+    def published(self, layer, name=""):
+        """The fingerprint publish() wrote for `layer` under `name` (a dict; name: name_of(model)),
+        or None when there is none (e.g. tables written by EngramStore.populate)."""
         store = self._open()
-        key = fingerprint_key(layer)
+        key = fingerprint_key(layer, name)
         if self._call(f"get_size of {key}", store.get_size, key) <= 0:
             return None
         raw = self._call(f"get of {key}", store.get, key)
@@ -345,15 +450,17 @@ class MooncakeTier:
         another model's rows of the same shape, whoever published them (a fingerprint left by an
         earlier publish does not decide: the rows do)."""
         store = self._open()
+        name = self.name_of(model)
         for L in (model.cfg.layer_ids if layers is None else layers):
             rowbytes, scalebytes = record_layout(model.layer(L))
             for h in range(model.cfg.n_heads):
                 want = int(model.plan.head_primes[L][h]) * (rowbytes + scalebytes)
-                got = self._call(f"get_size of {store_key(L, h)}", store.get_size, store_key(L, h))
+                key = store_key(L, h, name)
+                got = self._call(f"get_size of {key}", store.get_size, key)
                 if got != want:
-                    raise TierError(f"Mooncake object {store_key(L, h)}: {got} bytes, expected {want} "
-                                    f"(not published, or published from another table dtype): tier.publish(model)")
-            theirs, mine = self.published(L), fingerprint(model, L)
+                    raise TierError(f"Mooncake object {key}: {got} bytes, expected {want} (not published under "
+                                    f"the name {name!r}, or published from another table dtype): tier.publish(model)")
+            theirs, mine = self.published(L, name), fingerprint(model, L)
             if theirs is not None:
                 bad = [k for k in ("format", "variant", "layer", "heads", "rowbytes", "scalebytes")
                        if theirs.get(k) != mine[k]]
@@ -398,10 +505,11 @@ class RemoteRows:
         self.recbytes = rowbytes + scalebytes
         self.stride = slot_bytes(self.recbytes)
         self.offsets = np.asarray(w.offsets, dtype=np.int64)
-        self.keys = [store_key(layer, h) for h in range(len(self.offsets))]
+        name = tier.name_of(model)
+        self.keys = [store_key(layer, h, name) for h in range(len(self.offsets))]
         self.stage = None
         self._pending = None
-        self._calls = BoundedCalls(f"engram-l{layer}-fetch")
+        self._calls = BoundedCalls(f"engram-l{layer}-fetch", tier.timeout)
         self.totals = {"fetches": 0, "fetch_seconds": 0.0} if totals is None else totals
         self.read_totals = read_totals  # rows._direct.new_totals(): reads, bytes, rows, wait histogram
 
@@ -484,6 +592,7 @@ class RemoteRows:
         except TimeoutError:
             # the call may still write into this buffer later: it is never reused nor freed
             _keep_forever(stage, store)
+            _fault()
             self.tier.stuck = True
             self.stage = None
             raise TierError(f"Mooncake read of {n} rows of layer {self.layer}: no answer within "
@@ -497,6 +606,7 @@ class RemoteRows:
         except TypeError:
             ok = False
         if not ok:
+            _fault()
             raise TierError(f"Mooncake read of {n} rows of layer {self.layer} failed: {_first_error(res, rb)}")
         if self.read_totals is not None:  # one batched get: a read of n rows
             add_read(self.read_totals, 1, n * rb, n, time.perf_counter() - w0)

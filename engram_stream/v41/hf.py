@@ -35,7 +35,9 @@ from .config import V41
 from .weights import NAMES, RAW, V41LayerWeights, random_e4m3, shapes
 
 INDEX = "model.safetensors.index.json"
-COMPRESSION = "engram_compression.npy"   # written when a model's lookup has no tokenizer.json
+COMPRESSION = "engram_compression.npy"
+MODEL_TYPE = "deepseek_v4"   # config.json's model_type: transformers' DeepseekV4Config
+TOKENIZER_CONFIG = "tokenizer_config.json"   # a tokenizer folder's special tokens, written beside tokenizer.json   # written when a model's lookup has no tokenizer.json
 CHUNK_BYTES = 64 << 20
 # A model's vocab_size may pass its tokenizer's ids (the embedding is padded, e.g. to a multiple
 # of 128) by at most this many ids, or an eighth of them: more is a config.json or tokenizer.json
@@ -370,11 +372,17 @@ def _replaceable(name) -> bool:
     return OWN_FILES.fullmatch(name) is not None
 
 
+def _replaceable_synthetic(name) -> bool:
+    """A synthetic folder replaces what a synthetic write wrote: a save's files and tokenizer_config.json."""
+    return _replaceable(name) or name == TOKENIZER_CONFIG
+
+
 def write(ckpt_dir, cfg, tensors, n_shards=2, tokenizer=None, compression=None, progress=None,
-          before_write=None):
+          before_write=None, replaceable=_replaceable):
     """Write a deepseek-v4.1 folder: config.json, tensors (io.safetensors.Tensor) over n_shards
     shards (largest first, each to the emptiest shard), the index, and tokenizer.json (a
-    tokenizers.Tokenizer, or the path of a tokenizer.json to copy) or the compression lookup as
+    tokenizers.Tokenizer, or the path of a tokenizer.json to copy with the tokenizer_config.json
+    beside it, as a Hugging Face tokenizer folder holds them) or the compression lookup as
     engram_compression.npy. The folder is written beside `ckpt_dir` and swapped in whole
     (io.files.atomic_folder): an existing checkpoint there stays whole until the new one
     replaces it; a folder holding other files is refused (ValueError) before anything is
@@ -391,11 +399,13 @@ def write(ckpt_dir, cfg, tensors, n_shards=2, tokenizer=None, compression=None, 
     index = json.dumps({"metadata": {"total_size": sum(lay.data_bytes for lay in layouts)},
                         "weight_map": {t.name: f for f, ts in zip(files, shards) for t in ts}},
                        indent=2, sort_keys=True).encode()
-    config = json.dumps(cfg.to_hf_config(), indent=2).encode()
+    # model_type as DeepSeek-V4's own config.json has it: transformers loads the folder as that model
+    # (and, without it, takes the tokenizer for a Mistral one and warns about its regex)
+    config = json.dumps({"model_type": MODEL_TYPE, **cfg.to_hf_config()}, indent=2).encode()
     total = sum(lay.nbytes for lay in layouts) + len(index) + len(config)
     if before_write is not None:
         before_write(total)
-    with atomic_folder(ckpt_dir, _replaceable) as tmp:
+    with atomic_folder(ckpt_dir, replaceable) as tmp:
         done = 0
         for name, lay in zip(files, layouts):
             with open(os.path.join(tmp, name), "xb") as f:
@@ -403,11 +413,19 @@ def write(ckpt_dir, cfg, tensors, n_shards=2, tokenizer=None, compression=None, 
         for name, data in ((INDEX, index), ("config.json", config)):
             with open(os.path.join(tmp, name), "xb") as f:
                 f.write(data)
+        if progress is not None:
+            progress(total, total)
         if isinstance(tokenizer, (str, os.PathLike)):  # a tokenizer.json file: copied as it is
             import shutil
             shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.json"))
+            beside = os.path.join(os.path.dirname(os.path.abspath(tokenizer)), TOKENIZER_CONFIG)
+            if os.path.isfile(beside):  # its special tokens (pad, bos, eos): what transformers pads with
+                shutil.copyfile(beside, os.path.join(tmp, TOKENIZER_CONFIG))
         elif tokenizer is not None:
             tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+            with open(os.path.join(tmp, TOKENIZER_CONFIG), "x") as f:
+                json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "unk_token": "<pad>",
+                           "clean_up_tokenization_spaces": False}, f, indent=2)
         elif compression is not None:
             with open(os.path.join(tmp, COMPRESSION), "xb") as f:
                 np.save(f, np.asarray(compression, np.int64), allow_pickle=False)
@@ -458,13 +476,14 @@ def _random_chunks(seed, shape, make):
     return chunks
 
 
-def make_synthetic(ckpt_dir, cfg, seed=0, n_shards=3, tokenizer=True, qk_dtype="BF16", decoys=True):
+def make_synthetic(ckpt_dir, cfg, seed=0, n_shards=3, tokenizer=True, qk_dtype="BF16", decoys=True, progress=None,
+                   before_write=None):
     """A random deepseek-v4.1 checkpoint of config cfg in the HF layout, written chunk by chunk
     (full Flash dims with small tables fit any RAM). tokenizer=True writes a tokenizer.json
     (make_tokenizer; needs the tokenizers package) and declares its compressed vocab; a path
     copies that tokenizer.json instead (e.g. DeepSeek-V4's own: the checkpoint then takes real
     token ids; cfg.vocab_size must cover its ids); decoys adds non-Engram tensors the loader
-    must skip. Returns the config the folder declares."""
+    must skip; progress, before_write: as write(). Returns the config the folder declares."""
     if cfg.variant != V41:
         raise ValueError(f"make_synthetic writes {V41!r} checkpoints, got a {cfg.variant!r} config")
     tok, lookup = None, None
@@ -501,5 +520,6 @@ def make_synthetic(ckpt_dir, cfg, seed=0, n_shards=3, tokenizer=True, qk_dtype="
             tensors.append(Tensor.of(f"layers.{L}.attn_norm.weight", np.ones(D, DTYPES["BF16"])))
     if decoys:
         tensors.append(Tensor.of("embed.weight", np.zeros((8, D), DTYPES["BF16"])))
-    write(ckpt_dir, out_cfg, tensors, n_shards=n_shards, tokenizer=tok)
+    write(ckpt_dir, out_cfg, tensors, n_shards=n_shards, tokenizer=tok, progress=progress, before_write=before_write,
+          replaceable=_replaceable_synthetic)
     return out_cfg

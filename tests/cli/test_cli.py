@@ -686,3 +686,35 @@ def test_a_demo_file_given_to_from_deepseek_v41_says_what_it_is(tmp_path):
         EngramModel.from_deepseek_v41(str(shard))
     with pytest.raises(CheckpointError, match="no config.json: not a deepseek-v4.1 folder"):
         EngramModel.from_deepseek_v41(str(tmp_path))
+
+
+def test_readme_says_how_models_share_a_mooncake_store():
+    import inspect
+    from engram_stream.rows import MooncakeTier, store_key
+    readme = _readme()
+    assert "`engram:{name}:l{L}:h{h}`" in readme and "several models or revisions share one store" in readme
+    assert inspect.signature(MooncakeTier).parameters["name"].default is None   # "defaults to the fingerprint"
+    assert store_key(14, 3, "m0") == "engram:m0:l14:h3" and store_key(14, 3, "") == "engram:l14:h3"
+    assert "--name" in _cli(["publish", "--help"]).stdout
+
+
+def test_long_commands_share_one_progress_bar_and_say_how_long_they_take(monkeypatch):
+    """bench --checkpoint took 5 min at Flash dims under a help that said "quick"; make_v41_checkpoint,
+    bench and publish printed nothing meanwhile: one bar (stderr, a terminal only, not --quiet)."""
+    from engram_stream import cli
+    helps = {name: _cli([name, "--help"]).stdout for name in ("bench", "publish", "init", "pack-rows")}
+    assert "quick" not in helps["bench"] and "minutes at Flash dims" in " ".join(helps["bench"].split())
+    assert all("--quiet" in h for h in helps.values())
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert cli.progress_bar() is not None and cli.progress_bar(quiet=True) is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert cli.progress_bar() is None
+    with open(os.path.join(ROOT, "tools", "make_v41_checkpoint.py")) as f:
+        assert "progress_bar(" in f.read()   # the tool's bar is the commands' own
+
+
+def test_bench_shows_its_progress_on_a_terminal(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert main(["bench", "--steps", "5", "--streams", "2", "--repeat", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "100% of 6 measurements" in err, err

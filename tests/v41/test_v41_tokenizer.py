@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -182,3 +183,63 @@ def test_make_v41_checkpoint_refuses_a_vocab_below_the_tokenizer(tmp_path, real_
                     "--tokenizer", real_tokenizer[0], "--vocab-size", "1000"], timeout=300)
     assert r.returncode != 0 and "has 129280 ids but vocab_size is 1000" in r.stderr
     shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
+
+
+def _tool(args, **kw):
+    return run_python([os.path.join(ROOT, "tools", "make_v41_checkpoint.py"), *args], timeout=300, **kw)
+
+
+def test_make_v41_checkpoint_writes_a_tokenizer_folder_transformers_pads_with(tmp_path, real_tokenizer):
+    """The folder the README tells you to make serves the README's transformers snippet: its
+    tokenizer loads from the folder with a pad token, pads a batch, and says nothing."""
+    pytest.importorskip("transformers")
+    path, ds = real_tokenizer
+    out = tmp_path / "ckpt"
+    r = _tool([str(out), "--tiny", "--layers", "1", "3", "--tokenizer", path])
+    assert r.returncode == 0, r.stderr
+    assert EngramModel.from_deepseek_v41(out).cfg.layer_ids == [1, 3]   # --layers with --tiny
+    code = ("import logging, sys, warnings\n"
+            "warnings.simplefilter('always')\n"
+            "from transformers import AutoTokenizer\n"
+            "tok = AutoTokenizer.from_pretrained(sys.argv[1], padding_side='left')\n"
+            "b = tok(['The capital of France is', 'Engram'], return_tensors='np', padding=True)\n"
+            "print(tok.pad_token, b['input_ids'].shape[0], b['attention_mask'][1].tolist(), sep='|')\n")
+    r = run_python(["-c", code, str(out)], timeout=300)
+    assert r.returncode == 0, r.stderr
+    pad, rows, mask = r.stdout.strip().split("|")
+    assert pad == "<｜end▁of▁sentence｜>" and rows == "2"   # DeepSeek-V4's pad token (its tokenizer_config.json)
+    assert mask.startswith("[0") and mask.endswith("1]")   # left padding
+    assert r.stderr.strip() == "", r.stderr                 # no regex warning, no padding refusal
+    # an existing folder is refused without --force, as init refuses
+    before = (out / "config.json").read_bytes()
+    r = _tool([str(out), "--tiny"])
+    assert r.returncode != 0 and "--force" in r.stderr and (out / "config.json").read_bytes() == before
+    r = _tool([str(out), "--tiny", "--force", "--quiet"])
+    assert r.returncode == 0, r.stderr
+    assert EngramModel.from_deepseek_v41(out).cfg.layer_ids == [1, 4] and r.stdout.count("\n") == 1
+
+
+def test_make_v41_checkpoint_shows_progress_on_a_terminal_only(tmp_path):
+    import pty
+    master, slave = pty.openpty()
+    try:
+        r = _tool([str(tmp_path / "a"), "--tiny"], capture_output=False, stdout=subprocess.DEVNULL, stderr=slave)
+        os.close(slave)
+        slave = None
+        err = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            err += chunk
+    finally:
+        if slave is not None:
+            os.close(slave)
+        os.close(master)
+    assert r.returncode == 0
+    assert b"100% of" in err and b"] " in err, err[-500:]
+    r = _tool([str(tmp_path / "b"), "--tiny"])   # a pipe: no bar
+    assert r.returncode == 0 and "%" not in r.stderr and "writing" in r.stdout
