@@ -317,6 +317,25 @@ def own_store():
         mc.stop()
 
 
+# ---- what a run skipped, for the run that has the extras (.ci/run) ---------------------------------
+SKIPPED_FILE = os.environ.get("ENGRAM_STREAM_SKIPPED_FILE")  # a path: every skipped test's id, one a line
+
+
+def _record_skip(report):
+    if SKIPPED_FILE and report.skipped:
+        with open(SKIPPED_FILE, "a", encoding="utf-8") as f:
+            f.write(report.nodeid + "\n")
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call"):
+        _record_skip(report)
+
+
+def pytest_collectreport(report):
+    _record_skip(report)   # a module skipped whole (importorskip at its top)
+
+
 # ---- exit after Mooncake tests --------------------------------------------------------------------
 def pytest_sessionfinish(session, exitstatus):
     session.config._engram_exitstatus = int(exitstatus)
