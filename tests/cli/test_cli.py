@@ -718,3 +718,9 @@ def test_bench_shows_its_progress_on_a_terminal(monkeypatch, capsys):
     assert main(["bench", "--steps", "5", "--streams", "2", "--repeat", "2"]) == 0
     err = capsys.readouterr().err
     assert "100% of 6 measurements" in err, err
+
+
+def test_readme_reads_in_five_minutes():
+    """At most 1,500 words (about five minutes); the detail is DESIGN.md's (section 14)."""
+    words = len(_readme().split())
+    assert words <= 1500, words
