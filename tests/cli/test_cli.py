@@ -635,7 +635,11 @@ def test_readme_imports_exist_under_one_package_name():
     readme = _readme()
     assert "engram_stream.tiers" not in readme and "engram_stream.mooncake_servers" not in readme
     for mod, names in re.findall(r"^from (engram_stream[\w.]*) import ([\w, ]+)$", readme, re.M):
-        m = importlib.import_module(mod)
+        try:
+            m = importlib.import_module(mod)
+        except ImportError as e:   # an integration whose framework is not installed says which extra
+            assert "pip install 'engram_stream[" in str(e), (mod, e)
+            continue
         for name in names.split(","):
             assert hasattr(m, name.strip()), (mod, name)
     for dotted in re.findall(r"`(engram_stream(?:\.\w+)+)`", readme):
