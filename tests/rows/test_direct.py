@@ -239,6 +239,44 @@ def test_fork_child_reads_with_threads_of_its_own(shard):
     assert os.waitstatus_to_exitcode(status) == 0
 
 
+_FIRST_READS = """
+import sys, threading, numpy as np
+from engram_stream.rows._direct import DirectReader, FilePart, IOPool, RecordFile
+w, woff, s, soff, N = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+f = RecordFile(N, [FilePart(w, woff, 256), FilePart(s, soff, 8)], rowbytes=256)
+want = DirectReader(f, IOPool(1)).read(np.arange(N))
+for rnd in range(40):
+    io = IOPool(8)
+    readers = [DirectReader(f, io) for _ in range(4)]
+    go, bad = threading.Barrier(4), []
+    def run(i):
+        rows = np.random.default_rng(rnd * 4 + i).integers(0, N, 400)
+        go.wait()
+        try:
+            if not np.array_equal(readers[i].read(rows), want[rows]):
+                bad.append((rnd, i, "wrong bytes"))
+        except Exception as e:
+            bad.append((rnd, i, repr(e)))
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in ts: t.start()
+    for t in ts: t.join()
+    assert not bad, bad
+    assert io.threads == 7, io.threads
+print("ok")
+"""
+
+
+def test_first_reads_on_several_threads_start_one_set_of_threads(shard, tmp_path):
+    """Four threads making the first reads of a fresh pool at once: the pool starts its qd - 1
+    threads once (one caller starts them, the others wait), every read is right. In a
+    subprocess: the race it guards against corrupted the heap or crashed."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _FIRST_READS, shard["wfile"], str(shard["woff"]), shard["sfile"],
+                        str(shard["soff"]), str(shard["N"])], capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stdout.strip()) == (0, "ok"), r.stderr[-2000:]
+
+
 # ---- a model's files (rows/direct.py) -----------------------------------------------------------
 V41 = dict(variant="deepseek-v4.1", engram_vocab_size=[211] * 3, max_ngram_size=4, n_embed_per_ngram=512,
            n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64, hc_mult=2, vocab_size=300,
