@@ -8,6 +8,7 @@ import numpy.typing as npt
 
 PAGE: int
 MAX_QD: int
+MAX_PART_BYTES: int
 WAIT_BUCKETS: int
 TOTALS: int
 

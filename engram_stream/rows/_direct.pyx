@@ -36,6 +36,9 @@ cdef extern from "stdlib.h" nogil:
 
 PAGE = ES_IO_PAGE
 MAX_QD = ES_IO_MAX_QD
+# The largest record part read from a file: one record's pages (its bytes and up to a page of
+# alignment before them) must fit one read's buffer of ES_IO_SPAN_MAX bytes.
+MAX_PART_BYTES = ES_IO_SPAN_MAX - ES_IO_PAGE + 1
 WAIT_BUCKETS = 240          # read-wait histogram: 8 buckets per octave from 1 us
 
 
@@ -164,6 +167,10 @@ cdef class RecordFile:
                     paths.append(None)
                     direct_in.append(False)
                 elif isinstance(p, FilePart):
+                    if p.nbytes > MAX_PART_BYTES:
+                        raise ValueError(f"{p.path}: a record part of {p.nbytes} bytes is more than one direct read "
+                                         f"holds ({MAX_PART_BYTES} bytes: the I/O buffers' {ES_IO_SPAN_MAX} less a "
+                                         f"page of alignment); read this table mapped (tables=None) instead")
                     if p.path not in self._fds:
                         fd, d = _open(p.path, direct)
                         self._fds[p.path] = (fd, d)

@@ -277,6 +277,25 @@ def test_first_reads_on_several_threads_start_one_set_of_threads(shard, tmp_path
     assert (r.returncode, r.stdout.strip()) == (0, "ok"), r.stderr[-2000:]
 
 
+def test_records_up_to_one_reads_buffer_are_read_larger_ones_refused(tmp_path):
+    """A record part is read by one pread into a buffer of SPAN_MAX bytes: the largest part that
+    fits at any alignment (SPAN_MAX - PAGE + 1 bytes) reads right at every page offset; one
+    byte more is refused when the file is opened, naming the size (it overflowed the buffer)."""
+    nb, N = SPAN_MAX - PAGE + 1, 5
+    path = tmp_path / "big.bin"
+    for off in (0, PAGE - 1, 17):
+        data = _file(path, off + N * nb, off)
+        want = data[off:].reshape(N, nb)
+        r = DirectReader(RecordFile(N, [FilePart(path, off, nb)]), IOPool(3))
+        rows = np.array([4, 0, 2, 3, 1, 1])
+        np.testing.assert_array_equal(r.read(rows), want[rows])
+    _file(path, N * (nb + 1), 1)
+    with pytest.raises(ValueError, match=f"{nb + 1} bytes.*tables=None"):
+        RecordFile(N, [FilePart(path, 0, nb + 1)])
+    from engram_stream.rows._direct import MAX_PART_BYTES
+    assert MAX_PART_BYTES == nb
+
+
 # ---- a model's files (rows/direct.py) -----------------------------------------------------------
 V41 = dict(variant="deepseek-v4.1", engram_vocab_size=[211] * 3, max_ngram_size=4, n_embed_per_ngram=512,
            n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64, hc_mult=2, vocab_size=300,
