@@ -461,6 +461,9 @@ cdef class EngineBase:
             if lv[k] < 1:
                 bad, why = k, 3
                 break
+            if lv[k] > N - total:  # the sum so far stays <= N: no int64 wrap can pass the check
+                bad, why = k, 4
+                break
             total += lv[k]
         for k in range(sv.shape[0]):  # the marks go back whatever happened
             if 0 <= sv[k] < self.n_streams:
@@ -471,6 +474,9 @@ cdef class EngineBase:
             raise ValueError(f"streams must be distinct within a call, got {st.tolist()}")
         if why == 3:
             raise ValueError(f"every segment needs at least one token, got lengths {ln.tolist()}")
+        if why == 4:
+            raise ValueError(f"lengths[{bad}] = {lv[bad]} takes the lengths past the {N} token ids given "
+                             f"(lengths {ln.tolist()} must sum to {N})")
         if total != N:
             raise ValueError(f"lengths sum to {total} but {N} token ids were given")
         return st, ln

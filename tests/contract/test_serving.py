@@ -172,6 +172,28 @@ def test_a_left_padded_row_equals_the_row_alone(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_lengths_whose_sum_wraps_int64_are_refused(variant):
+    """lengths that wrap an int64 sum round to N ([2**63-1, 2**63-1, 3] for N = 1) are refused by
+    step_packed, lookup_packed and Decoder.begin_packed, naming the length; nothing changes."""
+    model = model_of(variant)
+    L = model.cfg.layer_ids[0]
+    G, D = model.cfg.hc_mult, model.cfg.hidden_size
+    ids = variant_ids(model, np.random.default_rng(8), (1,))
+    h = np.zeros((1, G, D), np.float32)
+    big = 2 ** 63 - 1
+    eng, dec = model.stream(L, 3), model.decoder(3)
+    calls = [lambda ln: eng.step_packed(ids, h, [0, 1, 2], ln), lambda ln: eng.lookup_packed(ids, [0, 1, 2], ln),
+             lambda ln: dec.begin_packed(ids, [0, 1, 2], ln)]
+    for call in calls:
+        for ln in ([big, big, 3], [1, big, 2 ** 63 - 1], [2, 1, 1]):
+            with pytest.raises(ValueError, match=f"lengths\\[[01]\\] = {ln[0] if ln[0] > 1 else big}"):
+                call(ln)
+    assert eng.tokens_seen.tolist() == [0, 0, 0] and not dec.pending()
+    eng.step_packed(ids, h, [1], [1])
+    assert eng.tokens_seen.tolist() == [0, 1, 0]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_commit_rules(variant):
     model = model_of(variant)
     L = model.cfg.layer_ids[0]
