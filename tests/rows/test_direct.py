@@ -355,3 +355,26 @@ def test_direct_needs_mapped_tables(tmp_path):
     with pytest.raises(ValueError, match="qd"):
         DirectTier(qd=0)
     assert DirectTier.of("direct").qd == 32 and DirectTier.of("other") is None
+
+
+def test_direct_model_reads_its_own_files_after_chdir(tmp_path, monkeypatch):
+    """A model loaded by a relative path keeps its files: after chdir to a folder holding another
+    checkpoint of the same name, with_weight_dtype() reads the first model's rows."""
+    from engram_stream import EngramConfig, EngramModel
+    from engram_stream.rows.tiers import record_arrays
+    cfg = EngramConfig(hidden_size=32, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,
+                       engram_vocab_size=[211, 223], layer_ids=[1, 3], vocab_size=500, kernel_size=3)
+    for name, seed in (("a", 1), ("b", 2)):
+        (tmp_path / name).mkdir()
+        EngramModel.init(cfg, seed=seed).save(str(tmp_path / name / "m.safetensors"))
+    monkeypatch.chdir(tmp_path / "a")
+    model = EngramModel.load("m.safetensors", tables="direct")
+    monkeypatch.chdir(tmp_path / "b")
+    bf = model.with_weight_dtype("bfloat16")
+    for L in cfg.layer_ids:
+        want = record_arrays(model.layer(L))[0]
+        f = bf.row_tiers.direct.files[L]
+        rows = np.arange(want.shape[0])
+        np.testing.assert_array_equal(DirectReader(f, bf.row_tiers.direct.io).read(rows), want[rows])
+        assert all(os.path.isabs(p) for p in f.paths if p)
+    assert model.source == str(tmp_path / "a" / "m.safetensors")
