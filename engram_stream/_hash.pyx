@@ -148,3 +148,9 @@ def _isa_get():
 def _isa_cpu_best():
     """The best level this CPU and build run."""
     return es_isa_cpu_best()
+
+
+def _isa_best_of(int feats):
+    """The best level of a CPU with the feature bits `feats` (engram_isa.h ES_CPU_*: 1 AVX2, 2 FMA,
+    4 F16C, 8 AVX-512 F/BW/VL/DQ) in this build."""
+    return es_isa_best_of(feats)
