@@ -37,3 +37,4 @@ cdef extern from "engram_isa.h" nogil:
     int es_isa_set(int level) noexcept
     int es_isa_cpu_best() noexcept
     int es_isa_runs(int level) noexcept
+    int es_isa_best_of(int feats) noexcept

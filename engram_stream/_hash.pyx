@@ -153,3 +153,9 @@ def _isa_cpu_best():
 def _isa_runs(int level):
     """Whether this CPU and build run `level`."""
     return es_isa_runs(level) != 0
+
+
+def _isa_best_of(int feats):
+    """The best level of a CPU with the feature bits `feats` (engram_isa.h ES_CPU_*: 1 AVX2, 2 FMA,
+    4 F16C, 8 AVX-512 F/BW/VL/DQ, 16 AVX512_BF16 + VBMI) in this build."""
+    return es_isa_best_of(feats)

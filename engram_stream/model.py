@@ -177,7 +177,7 @@ class EngramModel:
                     raise CheckpointError(f"{path}: this is a file of the {v.name} folder {folder}: pass the folder, "
                                           f"not one of its files") from None
             raise
-        model.source = path
+        model.source = os.path.abspath(path)  # files opened later (tables="direct") are this folder's
         return model._with_tiers(tables, row_cache_mb)
 
     def _with_tiers(self, tables, row_cache_mb):
@@ -256,7 +256,7 @@ class EngramModel:
         (e.g. tables="direct", row_cache_mb=4096: rows read from disk, a 4 GiB cache)."""
         load = get_variant("deepseek-v4.1").load   # a thin entry of the public API: the registry's loader
         model = cls(*load(ckpt_dir, mmap=mmap or tables is not None, compression=compression))
-        model.source = os.fspath(ckpt_dir)
+        model.source = os.path.abspath(ckpt_dir)  # files opened later (tables="direct") are this folder's
         return model._with_tiers(tables, row_cache_mb)
 
 

@@ -21,7 +21,8 @@
  *
  * Errors are returned, never raised: a failed read (errno) or a short one (the file ends
  * before a needed byte: ES_IO_SHORT) marks the job; its records must not be used.
- * Threads start at the first job (and again in a forked child, whose pool has no threads).
+ * Threads start at the first job (and again in a forked child, whose pool has no threads), by
+ * one caller at a time: the others wait until it is done (es_io_pool_start).
  */
 #ifndef ENGRAM_IO_H
 #define ENGRAM_IO_H
@@ -152,6 +153,7 @@ typedef struct {
     es_io_job *head, *tail;  /* jobs with spans nobody took yet */
     int nthreads;            /* threads wanted (qd - 1) */
     int started, stop;
+    int starting;            /* a caller is starting the threads (the lock is released while it waits) */
     pid_t pid;               /* the process whose threads these are (fork: start again) */
     pthread_t th[ES_IO_MAX_QD];
     char *bufs;              /* nthreads * ES_IO_SPAN_MAX, page aligned */
@@ -236,14 +238,20 @@ static inline void es_io_pool_afterfork(es_io_pool *pl) {
     if (pl->pid == now) return;
     pl->pid = now;
     pl->started = 0;
+    pl->starting = 0;
     pl->head = pl->tail = NULL;
     pthread_mutex_init(&pl->mu, NULL);
     pthread_cond_init(&pl->more, NULL);
     pthread_cond_init(&pl->fin, NULL);
 }
 
-/* Start the threads this process lacks (at the first job). Under mu. */
+/* Start the threads this process lacks (at the first job). Under mu. It waits for each thread
+ * with mu released, so a second caller arriving then waits for the first to finish instead of
+ * starting threads of its own (two starters would hand two threads one slot and buffer). */
 static inline void es_io_pool_start(es_io_pool *pl) {
+    while (pl->starting) pthread_cond_wait(&pl->fin, &pl->mu);
+    if (pl->started >= pl->nthreads || pl->stop) return;
+    pl->starting = 1;
     while (pl->started < pl->nthreads && !pl->stop) {
         int want = pl->started + 1;
         if (pthread_create(&pl->th[pl->started], NULL, es_io_worker, pl) != 0) {
@@ -252,6 +260,8 @@ static inline void es_io_pool_start(es_io_pool *pl) {
         }
         while (pl->started < want) pthread_cond_wait(&pl->fin, &pl->mu);
     }
+    pl->starting = 0;
+    pthread_cond_broadcast(&pl->fin);
 }
 
 /* Stop and join the threads (no job may be pending). */

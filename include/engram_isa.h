@@ -27,6 +27,7 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(ES_NO_X86_PATHS)
 #define ES_X86_PATHS 1
+#include <cpuid.h>
 #define ES_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define ES_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 #define ES_TARGET_BF16 \
@@ -53,16 +54,38 @@
  * until set: the first dispatch then takes the best the CPU runs. */
 static int es_isa = -1;
 
+/* The CPU features the paths need, as bits (es_isa_best_of takes them: testable on any CPU). */
+#define ES_CPU_AVX2 1
+#define ES_CPU_FMA 2
+#define ES_CPU_F16C 4
+#define ES_CPU_AVX512 8 /* F, BW, VL and DQ together */
+#define ES_CPU_BF16 16  /* AVX512_BF16 and VBMI (the bf16 path's vdpbf16ps and vpermt2b) */
+
+/* The best level a CPU with `feats` runs: the AVX2 copies use F16C too (bfloat16/half converts). */
+static inline int es_isa_best_of(int feats) {
+#if ES_X86_PATHS
+    int v3 = ES_CPU_AVX2 | ES_CPU_FMA | ES_CPU_F16C;
+    if ((feats & (v3 | ES_CPU_AVX512 | ES_CPU_BF16)) == (v3 | ES_CPU_AVX512 | ES_CPU_BF16)) return ES_ISA_BF16;
+    if ((feats & (v3 | ES_CPU_AVX512)) == (v3 | ES_CPU_AVX512)) return ES_ISA_AVX512;
+    if ((feats & v3) == v3) return ES_ISA_AVX2;
+#endif
+    (void)feats;
+    return ES_ISA_BASELINE;
+}
+
 /* The best level this CPU (and OS: the builtins check XCR0 for the AVX states) runs. */
 static inline int es_isa_cpu_best(void) {
+    int feats = 0;
 #if ES_X86_PATHS
     __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) feats |= ES_CPU_AVX2;
+    if (__builtin_cpu_supports("fma")) feats |= ES_CPU_FMA;
+    unsigned a, b, c, d; /* F16C: CPUID.1:ECX bit 29 (clang's builtin does not know "f16c") */
+    if (__get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29))) feats |= ES_CPU_F16C;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16") ? ES_ISA_BF16
-                                                                                            : ES_ISA_AVX512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ES_ISA_AVX2;
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        feats |= ES_CPU_AVX512;
+    if (__builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16")) feats |= ES_CPU_BF16;
 #endif
 #if ES_NEON_PATHS
 #ifndef HWCAP_ASIMD
@@ -70,7 +93,7 @@ static inline int es_isa_cpu_best(void) {
 #endif
     if (getauxval(AT_HWCAP) & HWCAP_ASIMD) return ES_ISA_NEON;
 #endif
-    return ES_ISA_BASELINE;
+    return es_isa_best_of(feats);
 }
 
 /* Whether this CPU and build run `level`: the baseline, and the levels of this architecture up

@@ -92,6 +92,7 @@ cdef class EngineBase:
     cdef int _resolve(self, int64_t t0, int64_t nb) except -1
     cdef void _record(self, bint draft) noexcept nogil
     cdef void _rollback(self) noexcept nogil
+    cdef bint _in_record(self, int64_t s) noexcept
     cdef void _reset_stream(self, int64_t s) noexcept nogil
     cdef int _threads(self) noexcept nogil
     cdef void _push(self, int64_t s, int64_t e) noexcept nogil

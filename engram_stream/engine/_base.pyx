@@ -461,6 +461,9 @@ cdef class EngineBase:
             if lv[k] < 1:
                 bad, why = k, 3
                 break
+            if lv[k] > N - total:  # the sum so far stays <= N: no int64 wrap can pass the check
+                bad, why = k, 4
+                break
             total += lv[k]
         for k in range(sv.shape[0]):  # the marks go back whatever happened
             if 0 <= sv[k] < self.n_streams:
@@ -471,6 +474,9 @@ cdef class EngineBase:
             raise ValueError(f"streams must be distinct within a call, got {st.tolist()}")
         if why == 3:
             raise ValueError(f"every segment needs at least one token, got lengths {ln.tolist()}")
+        if why == 4:
+            raise ValueError(f"lengths[{bad}] = {lv[bad]} takes the lengths past the {N} token ids given "
+                             f"(lengths {ln.tolist()} must sum to {N})")
         if total != N:
             raise ValueError(f"lengths sum to {total} but {N} token ids were given")
         return st, ln
@@ -727,12 +733,7 @@ cdef class EngineBase:
         try:
             if not self.pn:
                 raise RuntimeError("compute() needs feed(token_ids) first")
-            N = self._pending_n if self._pending_n else self.pn
-            if self._pending_n == 0 and self.n_streams == 1 and np.ndim(hidden) == 2:
-                shape = (self.G, self.D)
-            else:
-                shape = (N, self.G, self.D)
-            h, o = self._io(hidden, out, shape)
+            h, o = self._io(hidden, out, self._pending_shape(hidden))
             self._check_files()
             self._compute_unmasked(h, o)
             self._pending_n = 0
@@ -741,6 +742,23 @@ cdef class EngineBase:
         finally:
             self.busy = False
         return o
+
+    cdef bint _in_record(self, int64_t s) noexcept:
+        """Slot s is one of the last call's recorded segments (commit or a rollback would move it)."""
+        cdef int64_t k
+        if not self.has_record:
+            return False
+        for k in range(self.npieces):
+            if self.seg_stream[k] == s:
+                return True
+        return False
+
+    def _pending_shape(self, hidden):
+        """The hidden shape compute() takes for the fed batch: [N, G, D] after feed_packed(),
+        [S, G, D] after feed() (or [G, D] on a one-stream engine given a 2-d hidden)."""
+        if self._pending_n == 0 and self.n_streams == 1 and np.ndim(hidden) == 2:
+            return (self.G, self.D)
+        return (self._pending_n if self._pending_n else self.pn, self.G, self.D)
 
     def fetch(self):
         """Second half of a call that wants only its rows brought in, after feed() / feed_packed():
@@ -818,7 +836,8 @@ cdef class EngineBase:
                 raise RuntimeError("feed() was called: compute(hidden) first, or reset() all streams")
             else:
                 self._reset_stream(stream)
-            self.has_record = self.draft = False
+            if stream is None or self._in_record(stream):
+                self.has_record = self.draft = False  # the last call's record names this slot: void
         finally:
             self.busy = False
 

@@ -23,6 +23,8 @@ as before it; a layer() whose rows cannot be read puts every layer back as befor
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import LayerError
 from ..plan import as_ids
 from . import args
@@ -44,6 +46,7 @@ class Decoder:
         self.prefetch = {L: (prefetch is True) or (prefetch == "auto" and mapping_of(model.layer(L).table) is not None)
                          for L in self.engines}
         self._ran = []   # layers that ran for the current batch (a later layer's failure puts them back)
+        self._empty = None  # a begun batch with no token to feed: (its step_packed arguments, layers left)
 
     @property
     def layers(self):
@@ -51,7 +54,8 @@ class Decoder:
 
     def pending(self):
         """Layers that still have to run for the current batch."""
-        return [L for L, e in self.engines.items() if e.pending_compute]
+        left = self._empty[1] if self._empty else ()
+        return [L for L, e in self.engines.items() if e.pending_compute or L in left]
 
     def _no_pending(self, what):
         left = self.pending()
@@ -74,6 +78,7 @@ class Decoder:
                 e._abort()
             raise
         self._ran = []
+        self._empty = None
 
     def begin(self, token_ids):
         """A new token (per stream): hash every layer now and hand each its rows. All or nothing:
@@ -87,8 +92,18 @@ class Decoder:
     def begin_packed(self, token_ids, streams, lengths, draft=False, masked=None):
         """A serving batch for every layer (see the engines' step_packed): segment k is lengths[k]
         tokens of slot streams[k]; then layer(L, hidden[N, G, D]) for each layer, and after a
-        draft, commit(accepted). All or nothing, as begin()."""
-        self._feed_all(lambda e: e.feed_packed(token_ids, streams, lengths, draft=draft, masked=masked))
+        draft, commit(accepted). All or nothing, as begin(). A batch with no token left to feed
+        (none given, or every position masked where masked positions are skipped) is taken as
+        step_packed takes it: each layer's call returns its zeros."""
+        self._no_pending("begin()")
+        e0 = self.engines[self.layers[0]]
+        ids = as_ids(token_ids, 1, "token_ids")
+        st, ln = e0._segments(streams, lengths, ids.shape[0])
+        if e0._masked(ids, st, ln, masked)[0].shape[0] == 0:
+            self._ran = []
+            self._empty = ((ids, st, ln, bool(draft), masked), set(self.engines))
+            return
+        self._feed_all(lambda e: e.feed_packed(ids, st, ln, draft=draft, masked=masked))
 
     def layer(self, layer, hidden, out=None):
         """Layer `layer`'s Engram output for the current batch (hidden [G, D], [S, G, D] or, after
@@ -97,16 +112,21 @@ class Decoder:
         e = self.engines.get(layer)
         if e is None:
             raise LayerError(f"layer {layer!r} is not an Engram layer (layers={self.layers})")
+        if self._empty and layer in self._empty[1]:
+            (ids, st, ln, draft, masked), left = self._empty
+            out = e.step_packed(ids, hidden, st, ln, out=out, draft=draft, masked=masked)
+            left.discard(layer)
+            self._ran.append(layer)
+            return out
         if not e.pending_compute:
             raise RuntimeError(f"layer({layer!r}) needs begin(token_ids) first (each layer runs once per token)")
+        # the caller's arrays first, whatever they raise: nothing has changed, call again
+        h, o = e._io(hidden, out, e._pending_shape(hidden))
         try:
-            out = e.compute(hidden, out=out)
-        except (ValueError, TypeError):  # the caller's arguments: nothing changed, call again
-            raise
-        except BaseException:
+            out = e.compute(h, out=o)
+        except BaseException:  # its rows could not be read: every layer back as before the begin
             for other in self.engines.values():
-                if other is not e:
-                    other._abort()
+                other._abort()
             self._ran = []
             raise
         self._ran.append(layer)
@@ -132,8 +152,14 @@ class Decoder:
         """begin() then every layer in order: {layer: hidden} -> {layer: output}.
         (A real model feeds each layer the hidden state its earlier layers produced.)"""
         self._check_hiddens(hiddens)
+        self._no_pending("step()")
+        S = self.n_streams
+        hid = {}
+        for L, e in self.engines.items():  # every hidden checked before any layer is fed
+            shape = e._hidden_shape if S == 1 and np.ndim(hiddens[L]) == 2 else (S,) + e._hidden_shape
+            hid[L] = e._io(hiddens[L], None, shape)[0]
         self.begin(token_ids)
-        return {L: self.layer(L, hiddens[L]) for L in self.engines}
+        return {L: self.layer(L, hid[L]) for L in self.engines}
 
     def prefill(self, ids, hiddens: dict, stream: int = 0) -> dict:
         """A prompt on one stream for every layer: {layer: hidden[T, G, D]} -> {layer: out}.
@@ -153,6 +179,8 @@ class Decoder:
         """Forget one stream's history (or every stream's, which also drops a begun token)."""
         if stream is not None:
             self._no_pending("reset(stream) (or reset() every stream)")
+        else:
+            self._empty = None
         for e in self.engines.values():
             e.reset(stream)
 

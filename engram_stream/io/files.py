@@ -275,7 +275,7 @@ class MappedFile(mmap.mmap):
 
     def __new__(cls, fd, st, path):
         self = super().__new__(cls, fd, st.st_size, access=mmap.ACCESS_READ)
-        self.path, self.stamp = path, _stamp(st)
+        self.path, self.stamp = os.path.abspath(path), _stamp(st)  # reopened later (direct reads): cwd may move
         self.fd = os.dup(fd)  # the mapping's own fd is not reachable; fstat needs one (engines too)
         weakref.finalize(self, os.close, self.fd)
         return self

@@ -51,6 +51,10 @@ cdef class RecordFile:
     cdef readonly object paths          # the files' paths (messages, FileChangedError)
     cdef readonly object direct         # per file part: O_DIRECT in effect
     cdef object _fds, _stamps, _keep
+    cdef int nfds
+    cdef int fdv[ES_IO_MAX_PARTS]           # the open files, and their (dev, ino, size, mtime_ns) at open
+    cdef int64_t stampv[ES_IO_MAX_PARTS][4]
+    cdef int check_fast(self) except -1
     cdef object __weakref__
 
 

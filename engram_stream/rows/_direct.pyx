@@ -26,6 +26,7 @@ from libc.math cimport log2
 from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
+from posix.stat cimport fstat, struct_stat
 
 from engram_stream.errors import FileChangedError
 
@@ -36,6 +37,9 @@ cdef extern from "stdlib.h" nogil:
 
 PAGE = ES_IO_PAGE
 MAX_QD = ES_IO_MAX_QD
+# The largest record part read from a file: one record's pages (its bytes and up to a page of
+# alignment before them) must fit one read's buffer of ES_IO_SPAN_MAX bytes.
+MAX_PART_BYTES = ES_IO_SPAN_MAX - ES_IO_PAGE + 1
 WAIT_BUCKETS = 240          # read-wait histogram: 8 buckets per octave from 1 us
 
 
@@ -164,6 +168,10 @@ cdef class RecordFile:
                     paths.append(None)
                     direct_in.append(False)
                 elif isinstance(p, FilePart):
+                    if p.nbytes > MAX_PART_BYTES:
+                        raise ValueError(f"{p.path}: a record part of {p.nbytes} bytes is more than one direct read "
+                                         f"holds ({MAX_PART_BYTES} bytes: the I/O buffers' {ES_IO_SPAN_MAX} less a "
+                                         f"page of alignment); read this table mapped (tables=None) instead")
                     if p.path not in self._fds:
                         fd, d = _open(p.path, direct)
                         self._fds[p.path] = (fd, d)
@@ -196,6 +204,31 @@ cdef class RecordFile:
             raise ValueError(f"rowbytes {self.rowbytes} must be in (0, {self.recbytes}]")
         self.scalebytes = self.recbytes - self.rowbytes
         self.paths, self.direct = tuple(paths), tuple(direct_in)
+        self._restamp(False)
+
+    def _restamp(self, bint now=True):
+        """Take the open files' stamps (now=True: as they are now; tests use it after pointing
+        a descriptor at a failing device, which check() would otherwise call another file)."""
+        cdef int i
+        self.nfds = 0
+        for path, (fd, _) in self._fds.items():
+            if now:
+                self._stamps[path] = _stamp(os.fstat(fd))
+            self.fdv[self.nfds] = fd
+            for i in range(4):
+                self.stampv[self.nfds][i] = self._stamps[path][i]
+            self.nfds += 1
+
+    cdef int check_fast(self) except -1:
+        """check() at the cost of one fstat a file (before every batch of reads)."""
+        cdef struct_stat st
+        cdef int i
+        for i in range(self.nfds):
+            if (fstat(self.fdv[i], &st) != 0 or <int64_t> st.st_dev != self.stampv[i][0]
+                    or <int64_t> st.st_ino != self.stampv[i][1] or <int64_t> st.st_size != self.stampv[i][2]
+                    or <int64_t> st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec != self.stampv[i][3]):
+                self.check()  # raises, with the message
+        return 0
 
     def _close(self):
         for fd, _ in (self._fds or {}).values():
@@ -292,6 +325,7 @@ cdef class DirectReader:
                     break
         if bad >= 0:
             raise IndexError(f"row {rows[bad]} out of range for a table of {N} rows")
+        self.file.check_fast()  # a file rewritten in place since it was opened: FileChangedError
         self._grow(n)
         with nogil:
             self.m = es_io_unique(rows, n, self.u)

@@ -11,11 +11,18 @@ read of one page serves a row, with O_DIRECT or not.
     engram-stream pack-rows DIR            # writes DIR/engram_rows.bin (a demo file F: F.rows)
     pack_rows(model, rows_path(DIR))       # the same from Python
 
-Layout: page 0 holds the header (8 magic bytes, the JSON length as a little-endian u64, the
-JSON); each layer's pages follow, starting on a page boundary:
+Layout: the header's pages come first (8 magic bytes, the JSON length as a little-endian u64,
+the JSON; as many pages as it needs: one for a few layers, more for many); each layer's pages
+follow, starting on a page boundary:
 
     {"format": 1, "page": 4096, "variant": ..., "layers": {"L": {"offset", "rows", "rowbytes",
-     "scalebytes", "per_group", "group_bytes", "pages", "digest"}}}
+     "scalebytes", "per_group", "group_bytes", "pages", "digest"}},
+     "source": {"FILE": [size, mtime_ns], ...}}
+
+`source`: the checkpoint files the rows were packed from (names relative to the checkpoint's
+folder) as they stood then: a checkpoint saved again since (its files' size or mtime differ)
+has its row file refused at open (RowsFileError: pack-rows --force), whatever rows sampling
+would catch; the shards' own FileChangedError check compares the same stamps.
 
 `digest` is the BLAKE2b of the layer's pages as written. pack_rows computes it from the
 checkpoint's own bytes while it writes, reads the file back from disk (the written pages dropped
@@ -64,9 +71,37 @@ def group_layout(recbytes):
     return 1, -(-recbytes // PAGE) * PAGE
 
 
+def source_stamps(model) -> dict | None:
+    """{file name: [size, mtime_ns]} of the mapped checkpoint files holding model's rows (names
+    relative to the checkpoint's folder), as they were mapped; None when a table is in RAM."""
+    from ..io.files import mapping_of
+    out = {}
+    for L in model.cfg.layer_ids:
+        w = model.layer(L)
+        for a in (w.table, getattr(w, "table_scale", None)):
+            if a is None:
+                continue
+            mm = mapping_of(a)
+            if mm is None or not hasattr(mm, "stamp"):
+                return None
+            out[os.path.basename(mm.path)] = [int(mm.stamp[2]), int(mm.stamp[3])]
+    return out
+
+
 def plan(model) -> dict:
-    """The header of model's row file (digests not yet known): offsets, sizes, layouts."""
-    layers, off = {}, PAGE
+    """The header of model's row file (digests not yet known): offsets, sizes, layouts. The
+    header takes as many pages as its JSON needs (the layers start after it)."""
+    source, hpages = source_stamps(model), 1
+    while True:
+        head = _plan_from(model, hpages * PAGE, source)
+        need = -(-len(_header_text(head, digests=True)) // PAGE)
+        if need <= hpages:
+            return head
+        hpages = need
+
+
+def _plan_from(model, first, source) -> dict:
+    layers, off = {}, first
     for L in model.cfg.layer_ids:
         rows, scales = record_arrays(model.layer(L))
         rb, sb = rows.shape[1], 0 if scales is None else scales.shape[1]
@@ -76,7 +111,13 @@ def plan(model) -> dict:
         layers[str(L)] = {"offset": off, "rows": n, "rowbytes": rb, "scalebytes": sb, "per_group": per,
                           "group_bytes": gb, "pages": pages, "digest": None}
         off += pages * PAGE
-    return {"format": FORMAT, "page": PAGE, "variant": model.cfg.variant, "layers": layers, "size": off}
+    return {"format": FORMAT, "page": PAGE, "variant": model.cfg.variant, "layers": layers, "size": off,
+            "source": source}
+
+
+def _header_pages(head) -> int:
+    """Pages before the first layer (the header's)."""
+    return min((lay["offset"] for lay in head["layers"].values()), default=head["size"]) // PAGE
 
 
 def _groups(rows, scales, lay, g0, g1):
@@ -120,7 +161,7 @@ def pack_rows(model, path=None, progress=None, before_write=None) -> dict:
         before_write(total)
     done = 0
     with atomic_output(path) as f:
-        f.write(b"\0" * PAGE)  # the header goes in last, once the digests are known
+        f.write(b"\0" * (_header_pages(head) * PAGE))  # the header goes in last, once the digests are known
         for L in model.cfg.layer_ids:
             lay = head["layers"][str(L)]
             h = hashlib.blake2b(digest_size=32)
@@ -139,12 +180,20 @@ def pack_rows(model, path=None, progress=None, before_write=None) -> dict:
     return head
 
 
-def _header_bytes(head) -> bytes:
+def _header_text(head, digests=False) -> bytes:
+    """MAGIC, the length, the JSON (digests=True: as long as it will be once the digests are in)."""
+    if digests:
+        head = dict(head, layers={L: dict(lay, digest="0" * 64) for L, lay in head["layers"].items()})
     text = json.dumps(head, sort_keys=True).encode()
-    b = MAGIC + struct.pack("<Q", len(text)) + text
-    if len(b) > PAGE:
-        raise ValueError(f"row file header of {len(b)} bytes does not fit a page")
-    return b + b"\0" * (PAGE - len(b))
+    return MAGIC + struct.pack("<Q", len(text)) + text
+
+
+def _header_bytes(head) -> bytes:
+    b = _header_text(head)
+    room = _header_pages(head) * PAGE
+    if len(b) > room:  # plan() sized it: a digest of another length would be a bug here
+        raise ValueError(f"row file header of {len(b)} bytes does not fit its {room}")
+    return b + b"\0" * (room - len(b))
 
 
 def _layer_digest(fd, lay, drop_cache=False) -> str:
@@ -181,21 +230,43 @@ def read_header(path) -> dict:
     """The header of a row file (RowsFileError when it is not one)."""
     path = os.fspath(path)
     with open_regular(path, lambda m: RowsFileError(f"{path}: {m}")) as f:
-        b = f.read(PAGE)
+        b = f.read(16)
         size = os.fstat(f.fileno()).st_size
-    if len(b) < 16 or b[:8] != MAGIC:
-        raise RowsFileError(f"{path}: not a packed row file (no {MAGIC!r} magic)")
-    n = struct.unpack("<Q", b[8:16])[0]
+        if len(b) < 16 or b[:8] != MAGIC:
+            raise RowsFileError(f"{path}: not a packed row file (no {MAGIC!r} magic)")
+        n = struct.unpack("<Q", b[8:16])[0]
+        text = f.read(n) if n <= size - 16 else b""
     try:
-        head = json.loads(b[16:16 + n]) if n <= PAGE - 16 else None
+        head = json.loads(text) if len(text) == n else None
     except (UnicodeDecodeError, ValueError):
         head = None
-    if not isinstance(head, dict) or head.get("format") != FORMAT or head.get("page") != PAGE \
-            or not isinstance(head.get("layers"), dict):
-        raise RowsFileError(f"{path}: unreadable row file header (format {FORMAT} expected): pack it again")
+    if not _header_ok(head):
+        raise RowsFileError(f"{path}: unreadable row file header (format {FORMAT} expected): "
+                            f"pack it again (engram-stream pack-rows --force)")
     if head.get("size") != size:
         raise RowsFileError(f"{path}: {size} bytes, its header says {head.get('size')}: pack it again")
     return head
+
+
+_LAYER_INTS = ("offset", "rows", "rowbytes", "scalebytes", "per_group", "group_bytes", "pages")
+
+
+def _header_ok(head) -> bool:
+    """A header of this format whose every field has its type (so a damaged one is a
+    RowsFileError, never an AttributeError or TypeError further on)."""
+    def uint(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if not (isinstance(head, dict) and head.get("format") == FORMAT and head.get("page") == PAGE
+            and isinstance(head.get("variant"), str) and uint(head.get("size"))
+            and isinstance(head.get("layers"), dict)):
+        return False
+    src = head.get("source")
+    if src is not None and not (isinstance(src, dict) and all(
+            isinstance(v, list) and len(v) == 2 and all(uint(x) for x in v) for v in src.values())):
+        return False
+    return all(isinstance(lay, dict) and all(uint(lay.get(k)) for k in _LAYER_INTS)
+               and lay["per_group"] > 0 and lay["group_bytes"] > 0 and isinstance(lay.get("digest"), str)
+               for lay in head["layers"].values())
 
 
 def _sample_rows(n, L):
@@ -213,7 +284,13 @@ def open_rows(model, path) -> dict:
     bytes (RowsFileError names what differs and the fix)."""
     path = os.fspath(path)
     head = read_header(path)
-    fix = f"run `engram-stream pack-rows` on the checkpoint again, or delete {path}"
+    fix = f"run `engram-stream pack-rows --force` on the checkpoint again, or delete {path}"
+    have, was = source_stamps(model), head.get("source")
+    if have is not None and was is not None and have != was:
+        what = next((f"{k}: {was.get(k)} -> {have.get(k)} (size, mtime_ns)" for k in sorted(set(have) | set(was))
+                     if have.get(k) != was.get(k)), "")
+        raise RowsFileError(f"{path}: packed from checkpoint files that have changed since ({what}): its rows "
+                            f"may be stale: {fix}")
     if head.get("variant") != model.cfg.variant or sorted(head["layers"]) != sorted(map(str, model.cfg.layer_ids)):
         raise RowsFileError(f"{path}: holds {head.get('variant')} layers {sorted(head['layers'])}, the model has "
                             f"{model.cfg.variant} layers {model.cfg.layer_ids}: {fix}")

@@ -10,6 +10,8 @@ it converts a table row, so every source gives the same floats bit for bit.
 from __future__ import annotations
 
 import math
+import numbers
+import threading
 import weakref
 
 import numpy as np
@@ -64,9 +66,10 @@ class RowTiers:
     MooncakeTier."""
 
     def __init__(self, model, row_cache_mb=0, tier=None):
-        if (not isinstance(row_cache_mb, (int, float)) or isinstance(row_cache_mb, bool)
+        if (not isinstance(row_cache_mb, numbers.Real) or isinstance(row_cache_mb, (bool, np.bool_))
                 or not math.isfinite(row_cache_mb) or row_cache_mb < 0):
             raise ValueError(f"row_cache_mb must be a finite number >= 0, got {row_cache_mb!r}")
+        row_cache_mb = float(row_cache_mb)  # numpy's numbers too (np.int64(64))
         direct = DirectTier.of(tier)
         if tier is not None and direct is None and not callable(getattr(tier, "rows", None)):
             raise TypeError(f"tables= takes \"direct\", a DirectTier or a MooncakeTier, got {tier!r}")
@@ -82,6 +85,7 @@ class RowTiers:
         self.layer_budget = (whole if asked >= self.cap else
                              {L: min(whole[L], self.budget * b // max(1, total)) for L, b in table_bytes.items()})
         self.caches = {}                                          # layer -> the shared RowCache
+        self._caches_lock = threading.Lock()                      # engines are made on any thread
         self.read_totals = {L: new_totals() for L in table_bytes}  # every DirectReader of the layer adds here
         self.remote = {"fetches": 0, "fetch_seconds": 0.0}        # every remote read of this model
         self.direct = direct.open(model) if direct is not None else None
@@ -94,12 +98,14 @@ class RowTiers:
         return RowTiers(model, self.budget / (1 << 20), self.tier)
 
     def cache(self, layer) -> RowCache:
-        """The layer's shared RowCache (made at the first call)."""
-        if layer not in self.caches:
-            rowbytes, scalebytes = record_layout(self.model_ref().layer(layer))
-            rec = rowbytes + scalebytes
-            self.caches[layer] = RowCache(slots_for(self.layer_budget[layer], rec), rec, layer)
-        return self.caches[layer]
+        """The layer's shared RowCache (made at the first call, once: under a lock, so engines
+        made on several threads at once share one)."""
+        with self._caches_lock:
+            if layer not in self.caches:
+                rowbytes, scalebytes = record_layout(self.model_ref().layer(layer))
+                rec = rowbytes + scalebytes
+                self.caches[layer] = RowCache(slots_for(self.layer_budget[layer], rec), rec, layer)
+            return self.caches[layer]
 
     def source_for(self, layer):
         """The RowSource one engine of `layer` reads through: the layer's shared cache (when the

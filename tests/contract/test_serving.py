@@ -172,6 +172,158 @@ def test_a_left_padded_row_equals_the_row_alone(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_lengths_whose_sum_wraps_int64_are_refused(variant):
+    """lengths that wrap an int64 sum round to N ([2**63-1, 2**63-1, 3] for N = 1) are refused by
+    step_packed, lookup_packed and Decoder.begin_packed, naming the length; nothing changes."""
+    model = model_of(variant)
+    L = model.cfg.layer_ids[0]
+    G, D = model.cfg.hc_mult, model.cfg.hidden_size
+    ids = variant_ids(model, np.random.default_rng(8), (1,))
+    h = np.zeros((1, G, D), np.float32)
+    big = 2 ** 63 - 1
+    eng, dec = model.stream(L, 3), model.decoder(3)
+    calls = [lambda ln: eng.step_packed(ids, h, [0, 1, 2], ln), lambda ln: eng.lookup_packed(ids, [0, 1, 2], ln),
+             lambda ln: dec.begin_packed(ids, [0, 1, 2], ln)]
+    for call in calls:
+        for ln in ([big, big, 3], [1, big, 2 ** 63 - 1], [2, 1, 1]):
+            with pytest.raises(ValueError, match=f"lengths\\[[01]\\] = {ln[0] if ln[0] > 1 else big}"):
+                call(ln)
+    assert eng.tokens_seen.tolist() == [0, 0, 0] and not dec.pending()
+    eng.step_packed(ids, h, [1], [1])
+    assert eng.tokens_seen.tolist() == [0, 1, 0]
+
+
+class _Unreadable:
+    """A hidden whose conversion raises what a framework's tensor may raise (not a ValueError)."""
+
+    def __array__(self, *a, **k):
+        raise RuntimeError("this tensor cannot be read")
+
+
+def _same_state(a, b):
+    for L in a:
+        for k in a[L].names:
+            assert np.array_equal(getattr(a[L], k), getattr(b[L], k)), (L, k)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decoder_layer_given_an_unreadable_hidden_changes_nothing(variant):
+    """Decoder.layer with a hidden that raises on conversion (any exception): nothing changes,
+    the layer stays pending, the others as they were; calling it again with a good hidden
+    gives the oracle's outputs (the demo's conv ring included)."""
+    model = model_of(variant)
+    La, Lb = model.cfg.layer_ids
+    G, D = model.cfg.hc_mult, model.cfg.hidden_size
+    rng = np.random.default_rng(9)
+    ids = variant_ids(model, rng, (2, 5))
+    hid = rng.standard_normal((2, 5, G, D)).astype(np.float32)
+    dec = model.decoder(2)
+    outs = {La: [], Lb: []}
+    for p in range(5):
+        dec.begin(ids[:, p])
+        if p == 2:
+            with pytest.raises(RuntimeError, match="cannot be read"):
+                dec.layer(La, _Unreadable())
+            assert dec.pending() == [La, Lb]
+        outs[La].append(dec.layer(La, hid[:, p]))
+        if p == 3:
+            with pytest.raises(RuntimeError, match="cannot be read"):
+                dec.layer(Lb, _Unreadable())
+            assert dec.pending() == [Lb]
+        outs[Lb].append(dec.layer(Lb, hid[:, p]))
+    for L in (La, Lb):
+        close(np.stack(outs[L], 1), model.forward(L, ids, hid))
+
+
+@pytest.mark.parametrize("bad", ["shape", "unreadable"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decoder_step_checks_every_hidden_before_any_layer_runs(variant, bad):
+    """Decoder.step with a bad hidden for its last layer: refused before any layer is fed (no
+    layer advanced or pending); the same step with good hiddens then equals the oracle."""
+    model = model_of(variant)
+    La, Lb = model.cfg.layer_ids
+    G, D = model.cfg.hc_mult, model.cfg.hidden_size
+    rng = np.random.default_rng(10)
+    ids = variant_ids(model, rng, (2, 3))
+    hid = rng.standard_normal((2, 3, G, D)).astype(np.float32)
+    dec = model.decoder(2)
+    outs = {La: [], Lb: []}
+    for p in range(3):
+        if p == 1:
+            before = dec.snapshot()
+            wrong = hid[:, p, :, :-1] if bad == "shape" else _Unreadable()
+            with pytest.raises((ValueError, RuntimeError)):
+                dec.step(ids[:, p], {La: hid[:, p], Lb: wrong})
+            assert not dec.pending()
+            _same_state(before, dec.snapshot())
+        for L, o in dec.step(ids[:, p], {La: hid[:, p], Lb: hid[:, p]}).items():
+            outs[L].append(o)
+    for L in (La, Lb):
+        close(np.stack(outs[L], 1), model.forward(L, ids, hid))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reset_of_a_slot_outside_the_draft_keeps_its_record(variant):
+    """reset(stream=i) of a slot the last draft call did not name leaves that call's record:
+    commit() still works and leaves the slots as the accepted tokens alone would (engine and
+    Decoder); a reset of a slot the call named voids the record (commit refuses)."""
+    model = model_of(variant)
+    L = model.cfg.layer_ids[0]
+    G, D = model.cfg.hc_mult, model.cfg.hidden_size
+    rng = np.random.default_rng(11)
+    ids = variant_ids(model, rng, (5,))
+    h = rng.standard_normal((5, G, D)).astype(np.float32)
+    nxt, hn = variant_ids(model, rng, (2,)), rng.standard_normal((2, G, D)).astype(np.float32)
+    want = model.stream(L, 3)
+    want.step_packed(np.concatenate([ids[:2], ids[3:4]]), np.concatenate([h[:2], h[3:4]]), [0, 1], [2, 1])
+    want_next = want.step_packed(nxt, hn, [0, 1], [1, 1])
+    eng, dec = model.stream(L, 3), model.decoder(3)
+    eng.step_packed(ids, h, [0, 1], [3, 2], draft=True)
+    dec.begin_packed(ids, [0, 1], [3, 2], draft=True)
+    for Ld in dec.layers:
+        dec.layer(Ld, h)
+    eng.reset(stream=2)
+    dec.reset(stream=2)
+    eng.commit([2, 1])
+    dec.commit([2, 1])
+    assert eng.tokens_seen.tolist() == [2, 1, 0]
+    close(eng.step_packed(nxt, hn, [0, 1], [1, 1]), want_next)
+    dec.begin_packed(nxt, [0, 1], [1, 1])
+    close(dec.layer(L, hn), want_next)
+    eng.step_packed(ids, h, [0, 1], [3, 2], draft=True)
+    eng.reset(stream=1)
+    with pytest.raises(RuntimeError, match="draft"):
+        eng.commit([2, 1])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decoder_begin_packed_takes_the_batches_step_packed_takes(variant):
+    """An empty batch and an all-masked one: Decoder.begin_packed takes them as step_packed
+    does (the same outputs, the same commit)."""
+    model = model_of(variant)
+    G, D = model.cfg.hc_mult, model.cfg.hidden_size
+    rng = np.random.default_rng(12)
+    dec = model.decoder(2)
+    dec.begin_packed(np.zeros(0, np.int64), [], [])
+    assert dec.pending() == list(dec.layers)
+    for L in dec.layers:
+        assert dec.layer(L, np.zeros((0, G, D), np.float32)).shape == (0, G, D)
+    assert not dec.pending()
+    ids = variant_ids(model, rng, (4,))
+    h = rng.standard_normal((4, G, D)).astype(np.float32)
+    masked = np.ones(4, bool)
+    engs = {L: model.stream(L, 2) for L in dec.layers}
+    dec.begin_packed(ids, [1, 0], [3, 1], draft=True, masked=masked)
+    for L, e in engs.items():
+        want = e.step_packed(ids, h, [1, 0], [3, 1], draft=True, masked=masked)
+        np.testing.assert_array_equal(dec.layer(L, h), want)
+        e.commit([2, 1])
+    dec.commit([2, 1])
+    for L, e in engs.items():
+        assert dec.engines[L].tokens_seen.tolist() == e.tokens_seen.tolist()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_commit_rules(variant):
     model = model_of(variant)
     L = model.cfg.layer_ids[0]

@@ -162,3 +162,16 @@ def test_headers_compile_for_aarch64():
 def test_headers_compile_with_clang():
     _compile_only("clang")
     _compile_only("clang", "-DES_NO_X86_PATHS")
+
+
+def test_a_path_needs_every_feature_its_copies_use():
+    """es_isa_best_of: avx2 needs AVX2, FMA and F16C (the copies convert halves with F16C), avx512
+    those and AVX-512 F/BW/VL/DQ; a CPU lacking one runs the path below."""
+    from engram_stream import _hash
+    AVX2, FMA, F16C, AVX512 = 1, 2, 4, 8
+    if _hash._isa_best_of(AVX2 | FMA | F16C | AVX512) == 0:  # a build without the x86 copies
+        pytest.skip("this build carries the baseline path only")
+    best = {0: 0, AVX2 | FMA: 0, AVX2 | F16C: 0, FMA | F16C: 0, AVX2 | FMA | F16C: 1,
+            AVX2 | FMA | AVX512: 0, AVX2 | FMA | F16C | AVX512: 2, AVX512: 0}
+    for feats, level in best.items():
+        assert _hash._isa_best_of(feats) == level, feats

@@ -187,7 +187,8 @@ def test_refusals(shard, tmp_path):
 
 
 def test_truncated_file_is_refused_not_served(shard, tmp_path):
-    """A file cut short after it was opened: the read comes short, the change is named."""
+    """A file cut short after it was opened: refused before any read (every batch from then
+    on, as a mapped file is), the change named."""
     import shutil
     w = shutil.copy(shard["wfile"], tmp_path / "w.bin")
     N = shard["N"]
@@ -197,7 +198,8 @@ def test_truncated_file_is_refused_not_served(shard, tmp_path):
     os.truncate(w, shard["woff"] + 100 * 256)
     with pytest.raises(FileChangedError, match="truncated"):
         r.read([5, N - 1, N - 2])
-    np.testing.assert_array_equal(r.read([5]), shard["rec"][[5]])  # rows still in the file still read
+    with pytest.raises(FileChangedError, match="truncated"):
+        r.read([5])
 
 
 def test_device_errors_are_reported(shard):
@@ -210,6 +212,7 @@ def test_device_errors_are_reported(shard):
     mem = os.open("/proc/self/mem", os.O_RDONLY)
     try:
         os.dup2(mem, fd)
+        f._restamp()  # the same file to its change check: only its reads fail
         with pytest.raises(OSError) as e:
             r.read([1, 2, 3, 400])
         assert e.value.errno == errno.EIO and shard["sfile"] in str(e.value)
@@ -239,6 +242,63 @@ def test_fork_child_reads_with_threads_of_its_own(shard):
         os._exit(0 if ok else 3)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+_FIRST_READS = """
+import sys, threading, numpy as np
+from engram_stream.rows._direct import DirectReader, FilePart, IOPool, RecordFile
+w, woff, s, soff, N = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+f = RecordFile(N, [FilePart(w, woff, 256), FilePart(s, soff, 8)], rowbytes=256)
+want = DirectReader(f, IOPool(1)).read(np.arange(N))
+for rnd in range(40):
+    io = IOPool(8)
+    readers = [DirectReader(f, io) for _ in range(4)]
+    go, bad = threading.Barrier(4), []
+    def run(i):
+        rows = np.random.default_rng(rnd * 4 + i).integers(0, N, 400)
+        go.wait()
+        try:
+            if not np.array_equal(readers[i].read(rows), want[rows]):
+                bad.append((rnd, i, "wrong bytes"))
+        except Exception as e:
+            bad.append((rnd, i, repr(e)))
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in ts: t.start()
+    for t in ts: t.join()
+    assert not bad, bad
+    assert io.threads == 7, io.threads
+print("ok")
+"""
+
+
+def test_first_reads_on_several_threads_start_one_set_of_threads(shard, tmp_path):
+    """Four threads making the first reads of a fresh pool at once: the pool starts its qd - 1
+    threads once (one caller starts them, the others wait), every read is right. In a
+    subprocess: the race it guards against corrupted the heap or crashed."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _FIRST_READS, shard["wfile"], str(shard["woff"]), shard["sfile"],
+                        str(shard["soff"]), str(shard["N"])], capture_output=True, text=True, timeout=300)
+    assert (r.returncode, r.stdout.strip()) == (0, "ok"), r.stderr[-2000:]
+
+
+def test_records_up_to_one_reads_buffer_are_read_larger_ones_refused(tmp_path):
+    """A record part is read by one pread into a buffer of SPAN_MAX bytes: the largest part that
+    fits at any alignment (SPAN_MAX - PAGE + 1 bytes) reads right at every page offset; one
+    byte more is refused when the file is opened, naming the size (it overflowed the buffer)."""
+    nb, N = SPAN_MAX - PAGE + 1, 5
+    path = tmp_path / "big.bin"
+    for off in (0, PAGE - 1, 17):
+        data = _file(path, off + N * nb, off)
+        want = data[off:].reshape(N, nb)
+        r = DirectReader(RecordFile(N, [FilePart(path, off, nb)]), IOPool(3))
+        rows = np.array([4, 0, 2, 3, 1, 1])
+        np.testing.assert_array_equal(r.read(rows), want[rows])
+    _file(path, N * (nb + 1), 1)
+    with pytest.raises(ValueError, match=f"{nb + 1} bytes.*tables=None"):
+        RecordFile(N, [FilePart(path, 0, nb + 1)])
+    from engram_stream.rows._direct import MAX_PART_BYTES
+    assert MAX_PART_BYTES == nb
 
 
 # ---- a model's files (rows/direct.py) -----------------------------------------------------------
@@ -300,3 +360,26 @@ def test_direct_needs_mapped_tables(tmp_path):
     with pytest.raises(ValueError, match="qd"):
         DirectTier(qd=0)
     assert DirectTier.of("direct").qd == 32 and DirectTier.of("other") is None
+
+
+def test_direct_model_reads_its_own_files_after_chdir(tmp_path, monkeypatch):
+    """A model loaded by a relative path keeps its files: after chdir to a folder holding another
+    checkpoint of the same name, with_weight_dtype() reads the first model's rows."""
+    from engram_stream import EngramConfig, EngramModel
+    from engram_stream.rows.tiers import record_arrays
+    cfg = EngramConfig(hidden_size=32, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,
+                       engram_vocab_size=[211, 223], layer_ids=[1, 3], vocab_size=500, kernel_size=3)
+    for name, seed in (("a", 1), ("b", 2)):
+        (tmp_path / name).mkdir()
+        EngramModel.init(cfg, seed=seed).save(str(tmp_path / name / "m.safetensors"))
+    monkeypatch.chdir(tmp_path / "a")
+    model = EngramModel.load("m.safetensors", tables="direct")
+    monkeypatch.chdir(tmp_path / "b")
+    bf = model.with_weight_dtype("bfloat16")
+    for L in cfg.layer_ids:
+        want = record_arrays(model.layer(L))[0]
+        f = bf.row_tiers.direct.files[L]
+        rows = np.arange(want.shape[0])
+        np.testing.assert_array_equal(DirectReader(f, bf.row_tiers.direct.io).read(rows), want[rows])
+        assert all(os.path.isabs(p) for p in f.paths if p)
+    assert model.source == str(tmp_path / "a" / "m.safetensors")

@@ -80,13 +80,14 @@ def test_demo_row_file(tmp_path, dtype):
 
 
 def test_a_row_file_of_other_weights_is_refused(v41_dir, tmp_path):
-    """Same config, other weights: the sampled rows differ."""
+    """Same config, other weights: refused (their files are not the ones packed, and the
+    sampled rows differ)."""
     other = tmp_path / "other"
     hf_v41.make_synthetic(other, EngramConfig(**V41), seed=9, n_shards=2)
     theirs = EngramModel.from_deepseek_v41(other)
     packed.pack_rows(theirs, packed.rows_path(other))
     ours = EngramModel.from_deepseek_v41(v41_dir)
-    with pytest.raises(RowsFileError, match="differs from the checkpoint"):
+    with pytest.raises(RowsFileError, match="differs from the checkpoint|changed since"):
         packed.open_rows(ours, packed.rows_path(other))
     other_cfg = EngramModel.init(EngramConfig(**dict(V41, layer_ids=[1, 5])), seed=1)
     with pytest.raises(RowsFileError, match="layers"):
@@ -111,6 +112,83 @@ def test_damaged_files_are_refused(v41_dir, tmp_path):
     bad = tmp_path / "flip"
     bad.write_bytes(bytes(flip))
     assert packed.verify_rows(model, bad) == {1: True, 4: False}
+
+
+def test_a_row_file_of_a_checkpoint_saved_again_is_refused(v41_dir, tmp_path):
+    """The row file records its checkpoint files' size and mtime: after one of them is written
+    again (same bytes even: what sampling cannot see) the row file is refused, naming the file
+    and pack-rows --force; packed again it is used."""
+    import shutil
+    d = tmp_path / "ck"
+    shutil.copytree(v41_dir, d)
+    packed.pack_rows(EngramModel.from_deepseek_v41(d), packed.rows_path(d))
+    EngramModel.from_deepseek_v41(d, tables="direct")  # unchanged: used
+    shard = sorted(p for p in os.listdir(d) if p.endswith(".safetensors"))[0]
+    st = os.stat(d / shard)
+    os.utime(d / shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(RowsFileError, match=f"{shard}.*pack-rows --force"):
+        EngramModel.from_deepseek_v41(d, tables="direct")
+    packed.pack_rows(EngramModel.from_deepseek_v41(d), packed.rows_path(d))
+    assert EngramModel.from_deepseek_v41(d, tables="direct").row_tiers.direct.rows_path == packed.rows_path(d)
+
+
+def test_a_row_file_rewritten_under_a_running_model_is_noticed(v41_dir, tmp_path):
+    """The row file is checked before every read like the shards: rewritten in place, the
+    next read raises FileChangedError (nothing read from it is served)."""
+    import shutil
+    from engram_stream.errors import FileChangedError
+    d = tmp_path / "ck"
+    shutil.copytree(v41_dir, d)
+    packed.pack_rows(EngramModel.from_deepseek_v41(d), packed.rows_path(d))
+    model = EngramModel.from_deepseek_v41(d, tables="direct")
+    L = V41["layer_ids"][0]
+    eng = model.stream(L)
+    G, D = V41["hc_mult"], V41["hidden_size"]
+    eng.step(5, np.ones((G, D), np.float32))
+    with open(packed.rows_path(d), "r+b") as f:
+        f.seek(2 * PAGE)
+        f.write(b"\xff" * 64)
+    with pytest.raises(FileChangedError, match="engram_rows.bin"):
+        eng.step(7, np.ones((G, D), np.float32))
+
+
+def test_a_24_layer_checkpoint_packs(tmp_path):
+    """24 layers: the header takes two pages; it is written, read and used."""
+    cfg = EngramConfig(**dict(V41, layer_ids=list(range(1, 25)), engram_vocab_size=[31] * 3))
+    d = tmp_path / "ck"
+    hf_v41.make_synthetic(d, cfg, seed=2, n_shards=2)
+    model = EngramModel.from_deepseek_v41(d)
+    head = packed.pack_rows(model, packed.rows_path(d))
+    assert min(lay["offset"] for lay in head["layers"].values()) == 2 * PAGE
+    assert packed.read_header(packed.rows_path(d)) == head
+    assert all(packed.verify_rows(model, packed.rows_path(d)).values())
+    direct = EngramModel.from_deepseek_v41(d, tables="direct")
+    for L in (1, 24):
+        np.testing.assert_array_equal(records_in_file(packed.rows_path(d), head, L)[:5],
+                                      np.concatenate([model.layer(L).embed_weight[:5].view(np.uint8),
+                                                      model.layer(L).embed_scale[:5].view(np.uint8)], axis=1))
+    assert direct.row_tiers.direct.rows_path == packed.rows_path(d)
+
+
+def test_a_header_of_wrong_types_is_a_rows_file_error(v41_dir, tmp_path):
+    """A header that parses but whose fields have other types is refused as RowsFileError."""
+    import json
+    import struct
+    model = EngramModel.from_deepseek_v41(v41_dir)
+    path = str(tmp_path / "rows.bin")
+    head = packed.pack_rows(model, path)
+    data = open(path, "rb").read()
+    lay1 = head["layers"]["1"]
+    for bad in (dict(head, layers={"1": 7, "4": head["layers"]["4"]}), dict(head, layers=[1, 4]),
+                dict(head, layers=dict(head["layers"], **{"1": dict(lay1, rows="3")})),
+                dict(head, layers=dict(head["layers"], **{"1": dict(lay1, per_group=0)})),
+                dict(head, variant=None), dict(head, size="x"), dict(head, source=[1])):
+        text = json.dumps(bad).encode()
+        blob = packed.MAGIC + struct.pack("<Q", len(text)) + text
+        p = tmp_path / "bad.bin"
+        p.write_bytes(blob + data[len(blob):])
+        with pytest.raises(RowsFileError, match="header"):
+            packed.open_rows(model, p)
 
 
 def test_pack_is_atomic(v41_dir, tmp_path, monkeypatch):

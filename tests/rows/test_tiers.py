@@ -122,6 +122,38 @@ def test_row_cache_mb_must_be_a_finite_number(ckpts, mb):
         EngramModel.load(ckpts["float32"], row_cache_mb=mb)
 
 
+def test_row_cache_mb_takes_numpy_numbers(ckpts):
+    want = EngramModel.load(ckpts["float32"], row_cache_mb=64).row_cache_stats()["budget_bytes"]
+    for mb in (np.int64(64), np.float32(64), np.uint16(64)):
+        assert EngramModel.load(ckpts["float32"], row_cache_mb=mb).row_cache_stats()["budget_bytes"] == want
+    with pytest.raises(ValueError, match="row_cache_mb"):
+        EngramModel.load(ckpts["float32"], row_cache_mb=np.bool_(True))
+
+
+def test_engines_made_on_several_threads_share_one_cache(ckpts):
+    """RowTiers.cache() makes a layer's cache once, however many threads ask at the same time."""
+    import sys
+    import threading
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: the race, if any, shows in a few rounds
+    try:
+        for _ in range(30):
+            model = EngramModel.load(ckpts["float32"], row_cache_mb=0.05)
+            go, got = threading.Barrier(6), []
+
+            def make():
+                go.wait()
+                got.append(model.row_tiers.cache(CFG["layer_ids"][0]))
+            ts = [threading.Thread(target=make) for _ in range(6)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            assert len(got) == 6 and all(c is got[0] for c in got)
+    finally:
+        sys.setswitchinterval(switch)
+
+
 def test_row_cache_budget_is_capped_at_the_tables(ckpts):
     """A budget past the tables' bytes (1e6 MB: a MemoryError at stream()) caches them whole."""
     from engram_stream.rows._cache import cache_nbytes
