@@ -26,7 +26,11 @@ Positions where attention_mask is 0 (left padding) take no part in any n-gram an
 is: a padded row gets exactly what the same row run alone gets. Image tokens
 (engram_model.cfg.image_token_id) are DEAD, as in the reference. Beam search and other
 generation modes that reorder the batch between steps are not supported (the streams would not
-follow the reordered rows); greedy and sampled decoding are.
+follow the reordered rows): generate(num_beams > 1) is refused; greedy and sampled decoding are.
+A forward that continues a sequence must continue the one the streams hold: its cache's length
+must equal the positions the streams have seen, so a prompt cache reused for a second question
+(a copy of the system prompt's cache) is refused rather than continuing the first question's
+history; start such a sequence from position 0 (or run the shared prefix again).
 
 Loading the released DeepSeek-V4.1 weights for both sides: see attach().
 """
@@ -137,14 +141,16 @@ class _Runner:
         self.todo = set()         # Engram layers still to run in this forward
         self.sel = None           # flat indices of the real tokens (None: all of them)
         self.shape = None         # (B, S) of this forward
+        self.pos = 0              # positions of the current sequence the streams have seen (padding too)
         self.counts = {"forwards": 0, "prefill_tokens": 0, "decode_steps": 0, "seconds": 0.0}
 
     def reset(self):
         if self.dec is not None:
             self.dec.reset()
-        self.live, self.todo = False, set()
+        self.live, self.todo, self.pos = False, set(), 0
 
-    def begin(self, ids, real, new):
+    def begin(self, ids, real, new, past=None):
+        """past: the cache's length before this forward (None: no cache to compare)."""
         if self.todo:  # the last forward stopped between Engram layers: they disagree now
             self.reset()
         B, S = ids.shape
@@ -155,6 +161,11 @@ class _Runner:
         if not new and B != self.dec.n_streams:
             raise ValueError(f"batch size changed mid-sequence: {B} rows, the sequence began with "
                              f"{self.dec.n_streams} (a new sequence starts at position 0)")
+        if not new and past is not None and past != self.pos:
+            raise ValueError(f"the cache holds {past} positions but the Engram's streams have seen {self.pos} of "
+                             f"their sequence: a cache reused or copied from another point (a shared prompt's "
+                             f"cache given to a second question) would continue another history; start the "
+                             f"sequence from position 0, or run the shared prefix again")
         flat = real.reshape(-1)
         per_row = real.sum(1)
         streams = np.flatnonzero(per_row)
@@ -169,6 +180,7 @@ class _Runner:
             self.dec.begin_packed(ids.reshape(-1) if self.sel is None else ids.reshape(-1)[self.sel],
                                   streams, per_row[streams])
         self.live = True
+        self.pos = (0 if new else self.pos) + S
         self.shape, self.todo = (B, S), set(self.dec.layers)
         self.counts["forwards"] += 1
         step = S == 1 and self.sel is None
@@ -207,6 +219,19 @@ class EngramHandle:
             self._hooks.append(inner.layers[L].register_forward_pre_hook(functools.partial(self._layer, L),
                                                                          with_kwargs=True))
         inner._engram_stream_handle = self
+        self._generate = None
+        if callable(getattr(hf_model, "generate", None)):  # refuses what the streams cannot follow
+            self._generate = hf_model.generate
+            hf_model.generate = self._checked_generate
+
+    def _checked_generate(self, *args, **kwargs):
+        gc = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        beams = kwargs.get("num_beams", getattr(gc, "num_beams", 1)) or 1
+        if beams > 1:
+            raise ValueError(f"generate(num_beams={beams}): beam search reorders the batch between steps and the "
+                             f"Engram's streams would not follow it; use greedy or sampled decoding (num_beams=1), "
+                             f"or detach() the Engram")
+        return self._generate(*args, **kwargs)
 
     def __repr__(self):
         state = "attached" if self.attached else "detached"
@@ -229,6 +254,9 @@ class EngramHandle:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self._generate is not None:
+            self.model.__dict__.pop("generate", None)  # the class's generate again
+            self._generate = None
         if getattr(self._inner, "_engram_stream_handle", None) is self:
             self._inner._engram_stream_handle = None
         self._run.reset()
@@ -266,13 +294,14 @@ class EngramHandle:
             raise ValueError(f"the Engram reads padding from a 2-D attention_mask [batch, length] of 0/1, got "
                              f"{type(mask).__name__} {tuple(getattr(mask, 'shape', ()))} for input_ids {(B, S)}")
         pos = _arg(args, kwargs, "position_ids", 2)
+        cache = kwargs.get("cache", kwargs.get("past_key_values", args[3] if len(args) > 3 else None))
+        past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else None
         if pos is None:
-            cache = kwargs.get("cache", kwargs.get("past_key_values", args[3] if len(args) > 3 else None))
-            new = cache is None or cache.get_seq_length() == 0
+            new = cache is None or past == 0
         else:
             p = np.broadcast_to(pos.detach().cpu().numpy(), (B, S))
             new = bool(real.any()) and int(p[real].min()) == 0
-        self._run.begin(ids.detach().cpu().numpy().astype(np.int64, copy=False), real, new)
+        self._run.begin(ids.detach().cpu().numpy().astype(np.int64, copy=False), real, new, past)
 
     def _apply(self, L, args, kwargs):
         h = args[0] if args else kwargs["hidden_states"]

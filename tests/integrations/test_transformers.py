@@ -538,3 +538,40 @@ def test_example_runs():
     assert len(without) == len(with_) == 2 and all(a != b for a, b in zip(without, with_))
     assert "<img> <img> <img>" in r.stdout and "11 multi-stream decode steps" in r.stdout
     assert re.search(r"time per token .*: [\d.]+ ms without Engram, [\d.]+ ms with", r.stdout)
+
+
+def test_a_reused_prompt_cache_is_refused_not_continued(engram):
+    """A system prompt's cache copied for each question: the first question continues the
+    prompt's history (the streams saw exactly the cache's positions); the second copy's length
+    no longer matches the streams (they hold the first question): refused, naming both."""
+    import copy
+    model = hf_model()
+    system = torch.tensor([[5, 17, 33, 8, 91, 4]])
+    q1, q2 = torch.tensor([[12, 40, 7]]), torch.tensor([[66, 3, 21, 9]])
+    with attach(model, engram[2]), torch.no_grad():
+        cache = model(input_ids=system, use_cache=True).cache
+        first = model.generate(input_ids=torch.cat([system, q1], 1), cache=copy.deepcopy(cache),
+                               max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        with pytest.raises(ValueError, match="cache holds 6 positions but the Engram's streams have seen 11"):
+            model.generate(input_ids=torch.cat([system, q2], 1), cache=copy.deepcopy(cache),
+                           max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    with torch.no_grad(), attach(model, engram[2]):   # the same question from position 0: what it should be
+        whole = model.generate(input_ids=torch.cat([system, q1], 1), max_new_tokens=3, min_new_tokens=3,
+                               do_sample=False)
+    assert torch.equal(first, whole)
+
+
+def test_beam_search_is_refused(engram):
+    model = hf_model()
+    ids, mask = batch(PROMPTS[:1])
+    with attach(model, engram[2]), torch.no_grad():
+        with pytest.raises(ValueError, match="num_beams=3"):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, num_beams=3)
+        model.generation_config.num_beams = 2
+        try:
+            with pytest.raises(ValueError, match="num_beams=2"):
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2)
+        finally:
+            model.generation_config.num_beams = 1
+        assert generate(model, ids, mask, n=2).sequences.shape == (1, ids.shape[1] + 2)
+    assert "generate" not in model.__dict__   # detach gave the model its own generate back
