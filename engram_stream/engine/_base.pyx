@@ -530,7 +530,8 @@ cdef class EngineBase:
         tokens (speculative decoding); a new call without commit accepts everything.
         masked: bool[N], positions that take no part in any n-gram (left padding): V4.1 reads
         them as DEAD (gate 0, history cut), the demo skips them (state untouched, output 0);
-        either way a padded row equals the same row run alone."""
+        either way a left-padded new request equals the same row run alone (on a slot that
+        continues, V4.1's DEAD cuts its history as a DEAD token would; the demo's skip keeps it)."""
         ids = as_ids(token_ids, 1, "token_ids")
         N = ids.shape[0]
         st, ln = self._segments(streams, lengths, N)

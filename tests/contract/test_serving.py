@@ -324,6 +324,33 @@ def test_decoder_begin_packed_takes_the_batches_step_packed_takes(variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_masked_positions_on_a_continuing_slot(variant):
+    """What the README says of masked= on a slot with history: V4.1 reads a masked position as a
+    DEAD token (its history cut: equal to the forward with the image id there, output 0 there),
+    the demo skips it (equal to the forward without it)."""
+    model = model_of(variant)
+    L = model.cfg.layer_ids[0]
+    G, D = model.cfg.hc_mult, model.cfg.hidden_size
+    rng = np.random.default_rng(14)
+    ids = variant_ids(model, rng, (10,), p_dead=0.0, p_neg=0.0)
+    hid = rng.standard_normal((10, G, D)).astype(np.float32)
+    eng = model.stream(L)
+    first = eng.step_packed(ids[:6], hid[:6], [0], [6])
+    masked = np.zeros(4, bool)
+    masked[1] = True
+    rest = eng.step_packed(ids[6:], hid[6:], [0], [4], masked=masked)
+    assert not rest[1].any()
+    got = np.concatenate([first, rest])
+    if model.cfg.image_token_id is not None:   # a variant with DEAD tokens (deepseek-v4.1)
+        dead = ids.copy()
+        dead[7] = model.cfg.image_token_id
+        close(got, model.forward(L, dead[None], hid[None])[0])
+    else:
+        keep = np.arange(10) != 7
+        close(got[keep], model.forward(L, ids[keep][None], hid[keep][None])[0])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_commit_rules(variant):
     model = model_of(variant)
     L = model.cfg.layer_ids[0]
