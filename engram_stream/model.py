@@ -129,9 +129,10 @@ class EngramModel:
             check_file(arr)
         return self.variant.forward(self.cfg, w, rows, self.plan.dead_mask(a), h)
 
-    def stream(self, layer, n_streams: int = 1):
-        """The streaming engine of one layer: a StreamEngine (demo) or V41StreamEngine."""
-        return self.variant.engine(self, layer, n_streams)
+    def stream(self, layer, n_streams: int = 1, rows=None):
+        """The streaming engine of one layer: a StreamEngine (demo) or V41StreamEngine. rows: the
+        RowSource it reads the layer's table rows through (default: row_source(layer))."""
+        return self.variant.engine(self, layer, n_streams, rows=rows)
 
     def decoder(self, n_streams: int = 1, prefetch="auto"):
         """Every layer's engine behind one per-token driver (engram_stream.engine.decoder)."""
@@ -181,9 +182,8 @@ class EngramModel:
         return model._with_tiers(tables, row_cache_mb)
 
     def _with_tiers(self, tables, row_cache_mb):
-        if tables is not None or row_cache_mb:
-            from .rows.tiers import RowTiers
-            self.row_tiers = RowTiers(self, row_cache_mb or 0, tables)
+        from .rows.tiers import RowTiers
+        self.row_tiers = RowTiers(self, row_cache_mb or 0, tables)
         return self
 
     def row_source(self, layer):
@@ -195,7 +195,7 @@ class EngramModel:
             raise KeyError(f"layer {layer} is not an Engram layer of this model (layers: {self.cfg.layer_ids})")
         if self.row_tiers is not None:
             return self.row_tiers.source_for(layer)
-        from .rows._source import MappedRows
+        from .rows._source import MappedRows  # a model made in memory: its tables are RAM arrays
         w = self.layer(layer)
         return MappedRows(w.table, w.table_scale)
 

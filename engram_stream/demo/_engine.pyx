@@ -89,8 +89,8 @@ cdef class StreamEngine(EngineBase):
     Negative ids pass through uncompressed (as in the reference); masked positions of
     step_packed are skipped (no part in the hash windows or the conv rings, output 0)."""
 
-    def __cinit__(self, model, layer, int n_streams=1):
-        self._setup(model, layer, n_streams, ES_PREFILL_CHUNK, False)
+    def __cinit__(self, model, layer, int n_streams=1, rows=None):
+        self._setup(model, layer, n_streams, ES_PREFILL_CHUNK, False, rows)
 
     def __dealloc__(self):
         free(self.ebuf); free(self.ybuf); free(self.pbuf); free(self.xbuf); free(self.gbuf)

@@ -77,7 +77,7 @@ cdef class EngineBase:
     cdef int _step_threads, _prefill_threads
 
     # ---- the rules (base) ----
-    cdef int _setup(self, model, layer, int n_streams, int64_t chunk, bint latch) except -1
+    cdef int _setup(self, model, layer, int n_streams, int64_t chunk, bint latch, rows) except -1
     cdef int _grow_tokens(self, int64_t n) except -1
     cdef int _check_files(self) except -1
     cdef int _check_call(self, object ids, const int64_t *pid, int64_t n, str pending) except -1

@@ -96,7 +96,7 @@ cdef class EngineBase:
         free(self.seg_stream); free(self.seg_start); free(self.seg_len); free(self.slot_seg); free(self.mark)
         free(self.dp); free(self.sp)
 
-    cdef int _setup(self, model, layer, int n_streams, int64_t chunk, bint latch) except -1:
+    cdef int _setup(self, model, layer, int n_streams, int64_t chunk, bint latch, rows) except -1:
         """Everything the variants share, then the variant's _init_variant(weights). Called by
         the subclass's __cinit__ (a base __cinit__ cannot reach the subclass's hooks)."""
         if n_streams < 1:
@@ -139,8 +139,15 @@ cdef class EngineBase:
             for j, v in enumerate(f.stamp):
                 self.stamps[i][j] = v
 
-        tiers = getattr(model, "row_tiers", None)
-        self.src = tiers.source_for(layer) if tiers is not None else MappedRows(w.table, w.table_scale)
+        if rows is None:
+            rows = model.row_source(layer)
+        if not isinstance(rows, RowSource):
+            raise TypeError(f"rows must be a RowSource (engram_stream.rows), got {type(rows).__name__}")
+        if (<RowSource> rows).bound and not isinstance(rows, MappedRows):
+            raise ValueError("this RowSource already feeds an engine (it keeps one call's rows): give each "
+                             "engine its own, model.row_source(layer)")
+        self.src = rows
+        self.src.bound = True
         if self.src.nrows != plan.table_rows[layer]:
             raise ValueError(f"layer {layer}: the row source has {self.src.nrows} rows, the plan "
                              f"{plan.table_rows[layer]}")

@@ -28,14 +28,14 @@ import numpy as np
 from ..errors import LayerError
 from ..plan import as_ids
 from . import args
-from ..io.files import mapping_of
 
 
 class Decoder:
     """Per-layer engines behind one clock.
 
-    prefetch: "auto" (ask each layer's row source to page the rows in at begin when its table
-    is a mapped file, i.e. an mmap checkpoint), True (always), False (never)."""
+    prefetch: "auto" or True (at begin, ask each layer's row source to bring the rows near: a
+    mapped file pages them in, a cache asks its source for the rows it lacks, a source that
+    started reading at feed does nothing more), False (never ask)."""
 
     def __init__(self, model, n_streams: int = 1, prefetch="auto"):
         if prefetch not in ("auto", True, False):
@@ -43,8 +43,7 @@ class Decoder:
         self.model = model
         self.n_streams = n_streams
         self.engines = {L: model.stream(L, n_streams) for L in model.cfg.layer_ids}
-        self.prefetch = {L: (prefetch is True) or (prefetch == "auto" and mapping_of(model.layer(L).table) is not None)
-                         for L in self.engines}
+        self.prefetch = prefetch is not False
         self._ran = []   # layers that ran for the current batch (a later layer's failure puts them back)
         self._empty = None  # a begun batch with no token to feed: (its step_packed arguments, layers left)
 
@@ -71,7 +70,7 @@ class Decoder:
             for L, e in self.engines.items():
                 feed(e)
                 fed.append(e)
-                if self.prefetch[L]:
+                if self.prefetch:
                     e.prefetch()
         except BaseException:
             for e in fed:

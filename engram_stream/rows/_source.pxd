@@ -13,18 +13,21 @@ cdef class RowSource:
     cdef readonly int64_t rowbytes     # bytes of a row's data
     cdef readonly int64_t scalebytes   # bytes of its scale (0: none)
     cdef readonly bint fallible        # resolve()/submit() may raise: engines keep what a rollback needs
+    cdef public bint bound             # an engine reads through it (one engine a source, but a MappedRows)
 
     # The rows a call will need (every chunk of it): start reading the missing ones now (a
     # mapped table: pull them toward the CPU). Called with the GIL; may raise (nothing is used).
     cdef int submit(self, const int64_t *rows, int64_t n) except -1
-    # dp[i] / sp[i]: rows[i]'s data and scale (NULL without scales), valid until release().
-    # Reads what is still missing; raises TierError / OSError with nothing used. `rows` is the
-    # array given to the last submit() or a piece of it (a chunk of the call's tokens).
+    # dp[i] / sp[i]: rows[i]'s data and scale (NULL without scales), valid until the next
+    # submit(). Reads what is still missing; raises TierError / OSError with nothing used. `rows`
+    # is the array given to the last submit() or a piece of it (a chunk of the call's tokens).
     cdef int resolve(self, const int64_t *rows, int64_t n, const char **dp, const char **sp) except -1
-    # The pointers of the last resolve() are no longer read.
+    # The pointers of the last resolve() are no longer read (a source that holds something for
+    # one resolve lets it go here; none of these does).
     cdef void release(self) noexcept
-    # A hint for rows that will be resolved soon (mapped files: madvise WILLNEED the pages the
-    # row cache lacks). Returns the calls that failed (advice only: never raises).
+    # A hint for rows that will be resolved soon; the source decides what helps (a mapped file:
+    # madvise WILLNEED of their pages; a cache: only of the rows it lacks; others: nothing).
+    # Returns the calls that failed (advice only: never raises).
     cdef int64_t prefetch(self, const int64_t *rows, int64_t n) noexcept
     # read_into's copy of n rows (all in range) to dst[i] (rowbytes + scalebytes each), with dp/sp
     # [n] scratch: submit, resolve, copy, release (a MappedRows copies from the table itself).
@@ -36,34 +39,8 @@ cdef class MappedRows(RowSource):
     """A table in memory (RAM or a mapped file): pointers straight into it."""
     cdef const char *data              # row r at data + r * rowbytes
     cdef const char *scale             # its scale at scale + r * scalebytes, or NULL
+    cdef readonly bint paged           # a view of a mapped file: prefetch() asks the kernel for pages
     cdef object _keep                  # the arrays the pointers point into
-
-
-cdef class CachedRows(RowSource):
-    """A layer's RAM row cache (shared by every engine of the model: locked, pins by count) in
-    front of a MappedRows (misses copied from the mapping), a DirectReader (misses read from
-    disk) or a remote reader (misses fetched in one batch)."""
-    cdef RowCache cache
-    cdef MappedRows local              # misses copied from it at resolve(), or None
-    cdef DirectReader reader           # misses read from files: started at submit(), or None
-    cdef object remote                 # misses fetched: remote.start(uniq) at submit(), remote.finish() -> staging
-    cdef object _stage                 # the remote staging array while src may point into it
-    cdef const char *stage             # the read records, record k of uniq[k]
-    cdef int64_t sstride               # bytes from one staged record to the next
-    cdef const char **src              # [cap] each submitted position's record
-    cdef int64_t *pins                 # [2 cap] slots this reader pinned (refs[s] once per entry)
-    cdef int64_t npins
-    cdef int64_t *mpos                 # [cap] submitted positions that missed
-    cdef int64_t *uniq                 # [cap] the distinct missed rows, sorted
-    cdef int64_t *slot_of              # [cap] the slot uniq[k] was admitted to (-1: none)
-    cdef int64_t m, nu, cap
-    cdef const int64_t *sub_rows       # the rows of the last submit() (resolve() takes pieces of them)
-    cdef int64_t sub_n
-    cdef bint pending                  # misses being read (submit()), not admitted yet
-    cdef int _grow(self, int64_t n) except -1
-    cdef void _unpin(self) noexcept
-    cdef int _admit(self) except -1
-    cdef void _drop(self) noexcept
 
 
 cdef class DirectRows(RowSource):
@@ -73,3 +50,40 @@ cdef class DirectRows(RowSource):
     cdef const int64_t *sub_rows
     cdef int64_t sub_n
     cdef bint pending
+
+
+cdef class RecordSource(RowSource):
+    """A source whose records arrive in one batch per call from Python code (a store, a service,
+    a test's toy): subclasses define start(rows) and finish() (see _source.pyx)."""
+    cdef int64_t *uniq                 # [cap] the distinct rows of the last submit(), sorted
+    cdef int64_t nu, cap
+    cdef object _stage                 # what finish() returned: record k of uniq[k] at stage[k]
+    cdef const char *stage
+    cdef int64_t sstride
+    cdef bint pending                  # started, finish() not called yet
+    cdef bint ready                    # finish() returned: resolve() may point into the stage
+    cdef void _drop(self) noexcept
+
+
+cdef class CachedRows(RowSource):
+    """A layer's RAM row cache (shared by every engine of the model: locked, pins by count) in
+    front of any other RowSource: the distinct misses of a call are that source's own
+    submit/resolve, copied into the cache as they arrive."""
+    cdef RowCache cache
+    cdef readonly RowSource source     # where misses come from
+    cdef const char **srcd             # [cap] each submitted position's data
+    cdef const char **srcs             # [cap] and its scale
+    cdef const char **udp              # [cap] the source's pointers of uniq[k]'s data
+    cdef const char **usp              # [cap] and of its scale
+    cdef int64_t *pins                 # [2 cap] slots this reader pinned (refs[s] once per entry)
+    cdef int64_t npins
+    cdef int64_t *mpos                 # [cap] submitted positions that missed
+    cdef int64_t *uniq                 # [cap] the distinct missed rows, sorted
+    cdef int64_t *slot_of              # [cap] the slot uniq[k] was admitted to (-1: none)
+    cdef int64_t m, nu, cap
+    cdef const int64_t *sub_rows       # the rows of the last submit() (resolve() takes pieces of them)
+    cdef int64_t sub_n
+    cdef bint pending                  # misses asked of the source, not admitted yet
+    cdef int _grow(self, int64_t n) except -1
+    cdef void _unpin(self) noexcept
+    cdef int _admit(self) except -1

@@ -1,14 +1,16 @@
 # cython: language_level=3
 """Row sources (the seam between engines and the places rows live; _source.pxd has the contract).
 
-    MappedRows   the table in memory or mapped from the checkpoint: pointers into it, nothing to fail
-    DirectRows   rows read from the checkpoint's files (rows/_direct.pyx): pread, O_DIRECT, an I/O pool
-    CachedRows   the model's RAM row cache of a layer (shared by its engines) in front of a
-                 MappedRows, a DirectReader or a remote reader (rows.mooncake)
+    MappedRows    the table in memory or mapped from the checkpoint: pointers into it, nothing to fail
+    DirectRows    rows read from the checkpoint's files (rows/_direct.pyx): pread, O_DIRECT, an I/O pool
+    RecordSource  records fetched in one batch a call by Python code: subclass it with start(rows)
+                  and finish() (rows.mooncake.RemoteRows; a toy source in a test file)
+    CachedRows    the model's RAM row cache of a layer (shared by its engines) in front of any of them
 
-An engine hashes a call's tokens, hands the rows to submit() (a remote source reads its misses
-there: Decoder.begin starts every layer's reads before any layer runs), then per chunk asks
-resolve() for each row's data and scale pointers, gathers without the GIL, and release()s them.
+An engine hashes a call's tokens, hands the rows to submit() (a remote or disk source starts
+reading there: Decoder.begin starts every layer's reads before any layer runs), then per chunk
+asks resolve() for each row's data and scale pointers, gathers without the GIL, and release()s
+them. Which places a model reads is rows/tiers.py's choice (tables=), not the engines'.
 """
 import numpy as np
 cimport numpy as cnp
@@ -20,6 +22,7 @@ from cpython.pythread cimport PyThread_acquire_lock, PyThread_release_lock, PyTh
 
 from engram_stream.rows._cache cimport RowCache, es_rc_hit, es_rc_insert, es_rc_peek, es_rowcache
 from engram_stream.rows._direct cimport DirectReader, es_io_find, es_io_unique
+from engram_stream.io.files import mapping_of
 
 cnp.import_array()
 
@@ -30,6 +33,13 @@ cdef extern from "engram_step.h" nogil:
     int64_t es_advise_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n,
                            int advice) noexcept
     int MADV_WILLNEED
+
+
+cdef void *_regrow(void *p, size_t nbytes) except NULL:
+    cdef void *a = realloc(p, nbytes if nbytes else 1)
+    if a == NULL:
+        raise MemoryError(f"row source scratch of {nbytes} bytes")
+    return a
 
 
 cdef class RowSource:
@@ -134,9 +144,11 @@ cdef class RowSource:
         return 0
 
 
+
 cdef class MappedRows(RowSource):
     """`data`: the table as any C-contiguous array of `nrows` rows; `scale`: its per-row scales
-    (None: none). Both are borrowed read-only (a RAM array or a view of a mapped file)."""
+    (None: none). Both are borrowed read-only (a RAM array or a view of a mapped file: then, and
+    only then, prefetch() asks the kernel to page rows in)."""
 
     def __cinit__(self, data, scale=None):
         if not (isinstance(data, np.ndarray) and data.flags.c_contiguous and data.ndim >= 1):
@@ -152,6 +164,7 @@ cdef class MappedRows(RowSource):
             self.scalebytes = scale.nbytes // max(self.nrows, 1)
             self.scale = <const char *> cnp.PyArray_DATA(scale)
         self.fallible = False
+        self.paged = mapping_of(data) is not None
         self._keep = (data, scale)
 
     cdef int submit(self, const int64_t *rows, int64_t n) except -1:
@@ -180,6 +193,8 @@ cdef class MappedRows(RowSource):
 
     cdef int64_t prefetch(self, const int64_t *rows, int64_t n) noexcept:
         cdef int64_t failed
+        if not self.paged:
+            return 0  # RAM: nothing to page in
         with nogil:
             failed = es_advise_rows(self.data, self.rowbytes, rows, n, MADV_WILLNEED)
             if self.scale != NULL:  # scales live on other pages
@@ -187,273 +202,10 @@ cdef class MappedRows(RowSource):
         return failed
 
 
-cdef class CachedRows(RowSource):
-    """A layer's RowCache in front of where its misses come from; the cache is the model's, shared
-    by every engine of the layer (and so by every stream), and this object is one engine's reader
-    of it (one owner). Exactly one source of misses:
-
-      local=MappedRows    a miss is copied from the mapping at resolve()
-      reader=DirectReader submit() plans the rows against the cache and starts reading the
-                          distinct misses from disk (the I/O pool runs while the engine goes on:
-                          Decoder.begin starts every layer's reads); resolve() waits for them
-      remote=RemoteRows   the same with one batched remote read (rows.mooncake: start/finish)
-
-    Sharing: every change to the cache happens under its lock; a slot some reader still reads is
-    pinned by count (refs), so no engine's fills evict another's rows. A call's pins last until
-    this reader's next submit() (reader, remote) or release() (local). When every slot is pinned
-    a row is read from the mapping or the staged records instead."""
-
-    def __cinit__(self, RowCache cache, MappedRows local=None, DirectReader reader=None, remote=None,
-                  rowbytes=None, scalebytes=0, nrows=None):
-        if (local is not None) + (reader is not None) + (remote is not None) != 1:
-            raise ValueError("CachedRows needs exactly one of local (a MappedRows), reader (a DirectReader) "
-                             "and remote (a reader with start/finish)")
-        self.cache, self.local, self.reader, self.remote = cache, local, reader, remote
-        if local is not None:
-            self.nrows, self.rowbytes, self.scalebytes = local.nrows, local.rowbytes, local.scalebytes
-        elif reader is not None:
-            self.nrows, self.rowbytes = reader.file.nrows, reader.file.rowbytes
-            self.scalebytes = reader.file.scalebytes
-        else:
-            self.nrows, self.rowbytes, self.scalebytes = nrows, rowbytes, scalebytes
-        if self.rowbytes + self.scalebytes != cache.recbytes:
-            raise ValueError(f"CachedRows: the cache holds {cache.recbytes}-byte records, rows are "
-                             f"{self.rowbytes}+{self.scalebytes} bytes")
-        self.fallible = local is None
-
-    def __dealloc__(self):
-        self._drop()
-        self._unpin()
-        free(self.src)
-        free(self.pins)
-        free(self.mpos)
-        free(self.uniq)
-        free(self.slot_of)
-
-    @property
-    def reading(self):
-        return bool(self.pending)
-
-    cdef int _grow(self, int64_t n) except -1:
-        if n <= self.cap:
-            return 0
-        cdef int64_t cap = max(n, 2 * self.cap, 64)
-        cdef void *a = realloc(self.src, cap * sizeof(char *))
-        if a == NULL:
-            raise MemoryError("CachedRows: scratch")
-        self.src = <const char **> a
-        a = realloc(self.pins, 2 * cap * sizeof(int64_t))
-        if a == NULL:
-            raise MemoryError("CachedRows: scratch")
-        self.pins = <int64_t *> a
-        a = realloc(self.mpos, cap * sizeof(int64_t))
-        if a == NULL:
-            raise MemoryError("CachedRows: scratch")
-        self.mpos = <int64_t *> a
-        a = realloc(self.uniq, cap * sizeof(int64_t))
-        if a == NULL:
-            raise MemoryError("CachedRows: scratch")
-        self.uniq = <int64_t *> a
-        a = realloc(self.slot_of, cap * sizeof(int64_t))
-        if a == NULL:
-            raise MemoryError("CachedRows: scratch")
-        self.slot_of = <int64_t *> a
-        self.cap = cap
-        return 0
-
-    cdef void _unpin(self) noexcept:
-        """Drop every pin this reader holds."""
-        cdef int64_t i, n = self.npins
-        cdef int32_t *refs = self.cache.c.refs
-        cdef PyThread_type_lock lock = self.cache.lock
-        if n == 0:
-            return
-        with nogil:
-            PyThread_acquire_lock(lock, WAIT_LOCK)
-            for i in range(n):
-                refs[self.pins[i]] -= 1
-            PyThread_release_lock(lock)
-        self.npins = 0
-
-    cdef void _drop(self) noexcept:
-        """Reads started and never admitted (an aborted call): wait for them, keep nothing."""
-        if not self.pending:
-            return
-        self.pending = False
-        try:
-            if self.reader is not None:
-                self.reader.wait()
-            else:
-                self.remote.finish()
-        except BaseException:
-            pass
-        self._stage = None
-
-    cdef int submit(self, const int64_t *rows, int64_t n) except -1:
-        cdef int64_t i, s, k, nu, m = 0, npins = 0
-        cdef es_rowcache *c = &self.cache.c
-        cdef PyThread_type_lock lock = self.cache.lock
-        if self.local is not None:
-            return 0  # misses are copied at resolve()
-        self._drop()
-        self._unpin()  # the previous call's rows
-        self.sub_rows, self.sub_n = NULL, 0
-        self._grow(n)
-        with nogil:
-            PyThread_acquire_lock(lock, WAIT_LOCK)
-            for i in range(n):
-                s = es_rc_peek(c, rows[i])
-                if s >= 0:
-                    self.src[i] = es_rc_hit(c, s)
-                    c.refs[s] += 1
-                    self.pins[npins] = s
-                    npins += 1
-                else:
-                    self.src[i] = NULL
-                    self.mpos[m] = i
-                    m += 1
-            PyThread_release_lock(lock)
-            for i in range(m):
-                self.uniq[i] = rows[self.mpos[i]]
-            nu = es_io_unique(self.uniq, m, self.uniq)
-            if m:  # a miss is a row read; its repeats in this call are served by that read: hits,
-                PyThread_acquire_lock(lock, WAIT_LOCK)  # as the mapped source counts them
-                c.misses += nu
-                c.hits += m - nu
-                PyThread_release_lock(lock)
-        self.npins, self.m, self.nu = npins, m, nu
-        self.sub_rows, self.sub_n = rows, n
-        if nu:
-            try:
-                if self.reader is not None:
-                    self.reader.submit(self.uniq, nu)
-                else:
-                    self.remote.start(np.asarray(<int64_t[:nu]> self.uniq).copy())
-            except BaseException:
-                self._unpin()
-                self.sub_rows, self.sub_n = NULL, 0
-                raise
-            self.pending = True
-        return 0
-
-    cdef int _admit(self) except -1:
-        """The started reads are done: each distinct missed row into the cache (pinned), every
-        missed position pointed at its record. A failed read unpins the call and raises."""
-        cdef int64_t i, j, k, s, npins = self.npins
-        cdef int64_t rb = self.cache.c.recbytes
-        cdef es_rowcache *c = &self.cache.c
-        cdef PyThread_type_lock lock = self.cache.lock
-        self.pending = False
-        try:
-            if self.reader is not None:
-                self.reader.wait()
-                self.stage, self.sstride = self.reader.stage, self.reader.stride
-            else:
-                st = self.remote.finish()
-                self._stage = st
-                self.stage, self.sstride = <const char *> cnp.PyArray_DATA(st), st.strides[0]
-        except BaseException:
-            self._unpin()
-            self.sub_rows, self.sub_n = NULL, 0
-            raise
-        cdef bint full = False
-        with nogil:
-            PyThread_acquire_lock(lock, WAIT_LOCK)
-            for k in range(self.nu):
-                s = es_rc_peek(c, self.uniq[k])  # another engine may have brought it meanwhile
-                c.bytes_fetched += rb  # brought from the source, cached or not
-                if s < 0 and not full:
-                    # every slot pinned: none frees up while this loop only adds pins, so stop
-                    # asking (each failed ask scans the whole clock)
-                    s = es_rc_insert(c, self.uniq[k])
-                    full = s < 0
-                    if s >= 0:
-                        memcpy(c.data + s * c.stride, self.stage + k * self.sstride, rb)
-                if s >= 0:
-                    c.refs[s] += 1
-                    self.pins[npins] = s
-                    npins += 1
-                self.slot_of[k] = s
-            PyThread_release_lock(lock)
-            for j in range(self.m):
-                i = self.mpos[j]
-                k = es_io_find(self.uniq, self.nu, self.sub_rows[i])
-                s = self.slot_of[k]
-                self.src[i] = (c.data + s * c.stride) if s >= 0 else (self.stage + k * self.sstride)
-        self.npins = npins
-        return 0
-
-    cdef int resolve(self, const int64_t *rows, int64_t n, const char **dp, const char **sp) except -1:
-        cdef int64_t i, s, off, npins
-        cdef const char *p
-        cdef int64_t rb = self.rowbytes, sb = self.scalebytes
-        cdef es_rowcache *c = &self.cache.c
-        cdef PyThread_type_lock lock = self.cache.lock
-        cdef MappedRows m = self.local
-        cdef bint full = False
-        if m is None:
-            # the records planned by submit(): `rows` is a piece of the rows it was given
-            off = rows - self.sub_rows
-            if self.sub_rows == NULL or off < 0 or off + n > self.sub_n:
-                raise RuntimeError("CachedRows.resolve: these rows were not submitted")
-            if self.pending:
-                self._admit()
-            with nogil:
-                for i in range(n):
-                    dp[i] = self.src[off + i]
-                    sp[i] = self.src[off + i] + rb if sb else NULL
-            return 0
-        self._unpin()
-        self._grow(n)
-        npins = 0
-        with nogil:
-            PyThread_acquire_lock(lock, WAIT_LOCK)
-            for i in range(n):
-                s = es_rc_peek(c, rows[i])
-                if s >= 0:
-                    p = es_rc_hit(c, s)
-                else:
-                    c.misses += 1
-                    s = es_rc_insert(c, rows[i]) if not full else -1
-                    full = s < 0  # every slot pinned: stays so for this call (see _admit)
-                    if s >= 0:
-                        p = c.data + s * c.stride
-                        memcpy(<char *> p, m.data + rows[i] * rb, rb)
-                        if sb:
-                            memcpy(<char *> p + rb, m.scale + rows[i] * sb, sb)
-                        c.bytes_fetched += c.recbytes
-                if s >= 0:
-                    c.refs[s] += 1
-                    self.pins[npins] = s
-                    npins += 1
-                    dp[i] = p
-                    sp[i] = p + rb if sb else NULL
-                else:  # every slot pinned: read the table itself
-                    dp[i] = m.data + rows[i] * rb
-                    sp[i] = m.scale + rows[i] * sb if sb else NULL
-            PyThread_release_lock(lock)
-        self.npins = npins
-        return 0
-
-    cdef void release(self) noexcept:
-        if self.local is not None:
-            self._unpin()
-
-    cdef int64_t prefetch(self, const int64_t *rows, int64_t n) noexcept:
-        cdef int64_t failed = 0, i
-        if self.local is None:
-            return 0  # those rows are being read since submit()
-        for i in range(n):  # only the pages of rows the cache lacks (a racy peek: advice only)
-            if es_rc_peek(&self.cache.c, rows[i]) < 0:
-                failed += self.local.prefetch(rows + i, 1)
-        return failed
-
-
 cdef class DirectRows(RowSource):
-    """A table's rows read from its files without a cache (tables="direct", row_cache_mb=0):
-    submit() starts reading the call's distinct rows (de-duplicated by page, O_DIRECT, the I/O
-    pool), resolve() waits for them and points into the reader's records (valid until the next
-    submit)."""
+    """A table's rows read from its files (tables="direct"): submit() starts reading the call's
+    distinct rows (de-duplicated by page, O_DIRECT, the I/O pool), resolve() waits for them and
+    points into the reader's records (valid until the next submit)."""
 
     def __cinit__(self, DirectReader reader):
         self.reader = reader
@@ -503,3 +255,301 @@ cdef class DirectRows(RowSource):
                 dp[i] = p
                 sp[i] = p + rb if sb else NULL
         return 0
+
+
+cdef class RecordSource(RowSource):
+    """Rows whose records come in one batch a call from Python code. Subclass it and define
+
+        start(rows)   rows: int64[n], sorted, distinct, all in range: begin fetching their
+                      records and return (the engine goes on meanwhile); raise to refuse
+        finish()      wait for them: uint8 [>= n, >= rowbytes + scalebytes] (rows may be
+                      strided), record k of rows[k] at [k]; raise (TierError, OSError) on
+                      anything short: nothing is used
+
+    and call RecordSource.__init__(self, nrows, rowbytes, scalebytes) first. One fetch is in
+    flight per source (a start() whose finish() was never asked - an aborted call - is finished
+    and dropped before the next). The array finish() returns is read until the next start()."""
+
+    def __init__(self, nrows, rowbytes, scalebytes=0):
+        if not (nrows >= 0 and rowbytes > 0 and scalebytes >= 0):
+            raise ValueError(f"RecordSource: nrows {nrows!r}, rowbytes {rowbytes!r}, scalebytes {scalebytes!r}: "
+                             f"need nrows >= 0, rowbytes > 0, scalebytes >= 0")
+        self.nrows, self.rowbytes, self.scalebytes = nrows, rowbytes, scalebytes
+        self.fallible = True
+
+    def __dealloc__(self):
+        free(self.uniq)
+
+    @property
+    def reading(self):
+        return bool(self.pending)
+
+    def start(self, rows):
+        raise NotImplementedError(f"{type(self).__name__}.start(rows)")
+
+    def finish(self):
+        raise NotImplementedError(f"{type(self).__name__}.finish()")
+
+    cdef void _drop(self) noexcept:
+        if self.pending:
+            self.pending = False
+            try:
+                self.finish()
+            except BaseException:
+                pass
+        self.ready = False
+        self._stage = None
+
+    cdef int submit(self, const int64_t *rows, int64_t n) except -1:
+        cdef void *a
+        self._drop()
+        self.nu = 0
+        if n > self.cap:
+            a = realloc(self.uniq, n * sizeof(int64_t))
+            if a == NULL:
+                raise MemoryError(f"{type(self).__name__}: scratch of {n} rows")
+            self.uniq, self.cap = <int64_t *> a, n
+        with nogil:
+            memcpy(self.uniq, rows, n * sizeof(int64_t))
+            self.nu = es_io_unique(self.uniq, n, self.uniq)
+        if self.nu:
+            self.start(np.asarray(<int64_t[:self.nu]> self.uniq).copy())
+            self.pending = True
+        else:
+            self.ready = True
+        return 0
+
+    cdef int resolve(self, const int64_t *rows, int64_t n, const char **dp, const char **sp) except -1:
+        cdef int64_t i, k, rb = self.rowbytes, sb = self.scalebytes, rec = self.rowbytes + self.scalebytes
+        cdef const char *p
+        cdef bint bad = False
+        if self.pending:
+            self.pending = False
+            st = self.finish()
+            if (not isinstance(st, np.ndarray) or st.dtype != np.uint8 or st.ndim != 2
+                    or st.shape[0] < self.nu or st.shape[1] < rec or st.strides[1] != 1):
+                raise ValueError(f"{type(self).__name__}.finish() must return uint8 [>= {self.nu}, >= {rec}] "
+                                 f"with contiguous records, got {getattr(st, 'dtype', type(st))} "
+                                 f"{getattr(st, 'shape', '')}")
+            self._stage = st
+            self.stage, self.sstride = <const char *> cnp.PyArray_DATA(st), st.strides[0]
+            self.ready = True
+        if not self.ready:
+            raise RuntimeError(f"{type(self).__name__}.resolve: no rows were submitted")
+        with nogil:
+            for i in range(n):
+                k = es_io_find(self.uniq, self.nu, rows[i])
+                if k < 0 or k >= self.nu or self.uniq[k] != rows[i]:
+                    bad = True
+                    break
+                p = self.stage + k * self.sstride
+                dp[i] = p
+                sp[i] = p + rb if sb else NULL
+        if bad:
+            raise RuntimeError(f"{type(self).__name__}.resolve: these rows were not submitted")
+        return 0
+
+
+cdef class CachedRows(RowSource):
+    """A layer's RowCache in front of `source`, any other RowSource. The cache is the model's,
+    shared by every engine of the layer (and so by every stream); this object is one engine's
+    reader of it (one owner). submit() plans the call's rows against the cache and hands the
+    distinct misses to the source's own submit() (a disk or remote source starts reading them:
+    Decoder.begin starts every layer's reads); the first resolve() resolves them from the source
+    and copies them into the cache.
+
+    Sharing: every change to the cache happens under its lock; a slot some reader still reads is
+    pinned by count (refs), so no engine's fills evict another's rows. A call's pins last until
+    this reader's next submit(). When every slot is pinned a row is read where the source put it."""
+
+    def __cinit__(self, RowCache cache, RowSource source):
+        if source is None or isinstance(source, CachedRows):
+            raise TypeError(f"CachedRows: source must be a RowSource that is not itself cached, got {source!r}")
+        if source.rowbytes + source.scalebytes != cache.recbytes:
+            raise ValueError(f"CachedRows: the cache holds {cache.recbytes}-byte records, rows are "
+                             f"{source.rowbytes}+{source.scalebytes} bytes")
+        self.cache, self.source = cache, source
+        self.nrows, self.rowbytes, self.scalebytes = source.nrows, source.rowbytes, source.scalebytes
+        self.fallible = source.fallible
+
+    def __dealloc__(self):
+        self._unpin()
+        free(self.srcd)
+        free(self.srcs)
+        free(self.udp)
+        free(self.usp)
+        free(self.pins)
+        free(self.mpos)
+        free(self.uniq)
+        free(self.slot_of)
+
+    @property
+    def reading(self):
+        return bool(self.pending)
+
+    cdef int _grow(self, int64_t n) except -1:
+        if n <= self.cap:
+            return 0
+        cdef int64_t cap = max(n, 2 * self.cap, 64)
+        self.srcd = <const char **> _regrow(self.srcd, cap * sizeof(char *))
+        self.srcs = <const char **> _regrow(self.srcs, cap * sizeof(char *))
+        self.udp = <const char **> _regrow(self.udp, cap * sizeof(char *))
+        self.usp = <const char **> _regrow(self.usp, cap * sizeof(char *))
+        self.pins = <int64_t *> _regrow(self.pins, 2 * cap * sizeof(int64_t))
+        self.mpos = <int64_t *> _regrow(self.mpos, cap * sizeof(int64_t))
+        self.uniq = <int64_t *> _regrow(self.uniq, cap * sizeof(int64_t))
+        self.slot_of = <int64_t *> _regrow(self.slot_of, cap * sizeof(int64_t))
+        self.cap = cap
+        return 0
+
+    cdef void _unpin(self) noexcept:
+        """Drop every pin this reader holds."""
+        cdef int64_t i, n = self.npins
+        cdef int32_t *refs = self.cache.c.refs
+        cdef PyThread_type_lock lock = self.cache.lock
+        if n == 0:
+            return
+        with nogil:
+            PyThread_acquire_lock(lock, WAIT_LOCK)
+            for i in range(n):
+                refs[self.pins[i]] -= 1
+            PyThread_release_lock(lock)
+        self.npins = 0
+
+    cdef int submit(self, const int64_t *rows, int64_t n) except -1:
+        cdef int64_t i, s, nu, m = 0, npins = 0
+        cdef es_rowcache *c = &self.cache.c
+        cdef PyThread_type_lock lock = self.cache.lock
+        self.pending = False  # an aborted call's misses: the source drops them at its next submit
+        self._unpin()  # the previous call's rows
+        self.sub_rows, self.sub_n = NULL, 0
+        self._grow(n)
+        with nogil:
+            PyThread_acquire_lock(lock, WAIT_LOCK)
+            for i in range(n):
+                s = es_rc_peek(c, rows[i])
+                if s >= 0:
+                    self.srcd[i] = es_rc_hit(c, s)
+                    self.srcs[i] = self.srcd[i] + self.rowbytes
+                    c.refs[s] += 1
+                    self.pins[npins] = s
+                    npins += 1
+                else:
+                    self.srcd[i] = NULL
+                    self.mpos[m] = i
+                    m += 1
+            PyThread_release_lock(lock)
+            for i in range(m):
+                self.uniq[i] = rows[self.mpos[i]]
+            nu = es_io_unique(self.uniq, m, self.uniq)
+            if m:  # a miss is a row read; its repeats in this call are served by that read: hits
+                PyThread_acquire_lock(lock, WAIT_LOCK)
+                c.misses += nu
+                c.hits += m - nu
+                PyThread_release_lock(lock)
+        self.npins, self.m, self.nu = npins, m, nu
+        if nu:
+            try:
+                self.source.submit(self.uniq, nu)
+            except BaseException:
+                self._unpin()
+                raise
+            self.pending = True
+        self.sub_rows, self.sub_n = rows, n
+        return 0
+
+    cdef int _admit(self) except -1:
+        """Resolve the distinct misses from the source, each into the cache (pinned), every
+        missed position pointed at its record. A failed read unpins the call and raises."""
+        cdef int64_t i, j, k, s, npins = self.npins
+        cdef int64_t rb = self.rowbytes, sb = self.scalebytes
+        cdef es_rowcache *c = &self.cache.c
+        cdef PyThread_type_lock lock = self.cache.lock
+        cdef char *slot
+        self.pending = False
+        try:
+            self.source.resolve(self.uniq, self.nu, self.udp, self.usp)
+        except BaseException:
+            self._unpin()
+            self.sub_rows, self.sub_n = NULL, 0
+            raise
+        cdef bint full = False
+        with nogil:
+            PyThread_acquire_lock(lock, WAIT_LOCK)
+            for k in range(self.nu):
+                s = es_rc_peek(c, self.uniq[k])  # another engine may have brought it meanwhile
+                c.bytes_fetched += c.recbytes  # brought from the source, cached or not
+                if s < 0 and not full:
+                    # every slot pinned: none frees up while this loop only adds pins, so stop
+                    # asking (each failed ask scans the whole clock)
+                    s = es_rc_insert(c, self.uniq[k])
+                    full = s < 0
+                    if s >= 0:
+                        slot = c.data + s * c.stride
+                        memcpy(slot, self.udp[k], rb)
+                        if sb:
+                            memcpy(slot + rb, self.usp[k], sb)
+                if s >= 0:
+                    c.refs[s] += 1
+                    self.pins[npins] = s
+                    npins += 1
+                self.slot_of[k] = s
+            PyThread_release_lock(lock)
+            for j in range(self.m):
+                i = self.mpos[j]
+                k = es_io_find(self.uniq, self.nu, self.sub_rows[i])
+                s = self.slot_of[k]
+                if s >= 0:
+                    self.srcd[i] = c.data + s * c.stride
+                    self.srcs[i] = self.srcd[i] + rb
+                else:  # not cached: where the source put it (valid until its next submit)
+                    self.srcd[i] = self.udp[k]
+                    self.srcs[i] = self.usp[k]
+        self.npins = npins
+        return 0
+
+    cdef int resolve(self, const int64_t *rows, int64_t n, const char **dp, const char **sp) except -1:
+        cdef int64_t i, off = rows - self.sub_rows
+        cdef int64_t rb = self.rowbytes, sb = self.scalebytes
+        # the records planned by submit(): `rows` is a piece of the rows it was given
+        if self.sub_rows == NULL or off < 0 or off + n > self.sub_n:
+            raise RuntimeError("CachedRows.resolve: these rows were not submitted")
+        if self.pending:
+            self._admit()
+        with nogil:
+            for i in range(n):
+                dp[i] = self.srcd[off + i]
+                sp[i] = self.srcs[off + i] if sb else NULL
+        return 0
+
+    cdef int64_t prefetch(self, const int64_t *rows, int64_t n) noexcept:
+        cdef int64_t failed = 0, i
+        if self.pending:  # the call's distinct misses, as handed to the source at submit()
+            return self.source.prefetch(self.uniq, self.nu)
+        for i in range(n):  # only the rows the cache lacks (a racy peek: advice only)
+            if es_rc_peek(&self.cache.c, rows[i]) < 0:
+                failed += self.source.prefetch(rows + i, 1)
+        return failed
+
+
+class RowTier:
+    """Where a model's table rows live, as a loader's tables= names it: the mapped tables
+    (rows.mapped.MappedTier; tables=None), the checkpoint's files (rows.direct.DirectTier;
+    tables="direct"), a Mooncake Store (rows.mooncake.MooncakeTier), or a class of your own.
+    open(model) is called once for each model loaded with it."""
+
+    def open(self, model) -> "OpenTier":
+        raise NotImplementedError(f"{type(self).__name__}.open(model)")
+
+
+class OpenTier:
+    """One model's rows in a RowTier. source(layer, read_totals) makes the RowSource one engine of
+    `layer` reads through (the model's RowTiers puts its RAM row cache in front); read_totals is
+    the layer's rows._direct.new_totals() array a source adds its reads to, or None. stats():
+    fields this tier adds to row_cache_stats() (rows.tiers.STATS_FIELDS)."""
+
+    def source(self, layer, read_totals=None) -> RowSource:
+        raise NotImplementedError(f"{type(self).__name__}.source(layer, read_totals)")
+
+    def stats(self) -> dict:
+        return {}

@@ -24,11 +24,12 @@ import numpy as np
 
 from ..io.files import MappedFile, mapping_of
 from . import packed
-from ._direct import FilePart, IOPool, MemPart, RecordFile
+from ._direct import DirectReader, FilePart, IOPool, MemPart, RecordFile
+from ._source import DirectRows, OpenTier, RowTier
 from .records import record_arrays
 
 
-class DirectTier:
+class DirectTier(RowTier):
     """How a model reads its rows from disk (tables=DirectTier(...); tables="direct" is DirectTier()).
 
     qd: reads in flight per batch (qd - 1 I/O threads and the caller); scales_in_ram: hold the
@@ -46,15 +47,6 @@ class DirectTier:
     def __repr__(self):
         return (f"DirectTier(qd={self.qd}, scales_in_ram={self.scales_in_ram}, rows_file={self.rows_file!r}, "
                 f"o_direct={self.o_direct})")
-
-    @classmethod
-    def of(cls, tables):
-        """tables= as given to a loader: "direct" -> DirectTier(); a DirectTier as is; else None."""
-        if isinstance(tables, cls):
-            return tables
-        if isinstance(tables, str) and tables == "direct":
-            return cls()
-        return None
 
     def open(self, model) -> "DirectFiles":
         return DirectFiles(model, self)
@@ -91,9 +83,9 @@ def record_file(model, layer, tier, rows_at=None) -> RecordFile:
     return RecordFile(n, parts, rowbytes=rb, direct=tier.o_direct)
 
 
-class DirectFiles:
+class DirectFiles(OpenTier):
     """A model's direct-read files: one RecordFile per layer and one IOPool (model.row_tiers
-    holds it; every engine's reader shares them)."""
+    holds it as its open_tier; every engine's reader shares them)."""
 
     def __init__(self, model, tier: DirectTier):
         self.tier = tier
@@ -111,6 +103,10 @@ class DirectFiles:
         tier_view = _TierView(tier, self.rows_path)
         self.files = {L: record_file(model, L, tier_view, rows_at) for L in model.cfg.layer_ids}
         self.io = IOPool(tier.qd)
+
+    def source(self, layer, read_totals=None) -> DirectRows:
+        """One engine's reader of the layer's records (its reads add to read_totals)."""
+        return DirectRows(DirectReader(self.files[layer], self.io, totals=read_totals))
 
     def describe(self) -> dict:
         return {L: f.describe() for L, f in self.files.items()}

@@ -16,6 +16,8 @@ is a plain memory read; this module only talks to the kernel about its pages:
   residency(model)          {layer: {"table_bytes", "resident_bytes", "file_backed"[, "rows_touched"]}}
   track_rows(engine)        a bitmap the engine marks with every row it reads (for rows_touched)
   touch(a)                  fault every page of `a` in (warm-up, tests)
+  MappedTier                tables=None: engines read the tables in memory (MappedRows), their
+                            files advised MADV_RANDOM when opened
 
 EngramModel.load(mmap=True) already advises MADV_RANDOM (and POSIX_FADV_RANDOM on its reads).
 
@@ -33,6 +35,7 @@ import os
 import numpy as np
 
 from ..io.files import FileChangedError, MappedFile, check_file, file_check, mapping_of  # noqa: F401
+from ._source import MappedRows, OpenTier, RowTier
 
 PAGE = mmap.PAGESIZE
 ADVICE = {"normal": mmap.MADV_NORMAL, "random": mmap.MADV_RANDOM, "sequential": mmap.MADV_SEQUENTIAL,
@@ -269,3 +272,29 @@ def prefetch(model, rows_by_layer: dict) -> int:
         w = model.layers[L]
         n += prefetch_rows(w.table, rows, w.table_scale)
     return n
+
+
+class MappedTier(RowTier):
+    """The tables where the loader put them (tables=None): in RAM, or views of the mapped
+    checkpoint, whose pages are advised MADV_RANDOM (a cold gather must not read ahead) and paged
+    in by prefetch() (MADV_WILLNEED of the rows a call reads)."""
+
+    def __repr__(self):
+        return "MappedTier()"
+
+    def open(self, model) -> "MappedTables":
+        return MappedTables(model)
+
+
+class MappedTables(OpenTier):
+    """One model's mapped tables: each engine's MappedRows points into them."""
+
+    def __init__(self, model):
+        self.layers = {L: (model.layer(L).table, model.layer(L).table_scale) for L in model.cfg.layer_ids}
+        for arrays in self.layers.values():
+            for a in arrays:
+                if a is not None and a.nbytes and mapping_of(a) is not None:
+                    advise(a, "random")
+
+    def source(self, layer, read_totals=None) -> MappedRows:
+        return MappedRows(*self.layers[layer])

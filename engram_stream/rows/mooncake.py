@@ -57,6 +57,7 @@ import numpy as np
 from ..errors import TierError
 from ._cache import slot_bytes
 from ._direct import add_read
+from ._source import OpenTier, RecordSource, RowTier
 from .records import record_arrays, record_layout
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -288,7 +289,7 @@ def _answers(host, port, request, timeout) -> bool:
         return True
 
 
-class MooncakeTier:
+class MooncakeTier(RowTier):
     """A Mooncake Store (a running mooncake_master and its store servers) as a row tier.
 
     master: "HOST:PORT" of mooncake_master; metadata: the transfer engine's metadata URL
@@ -486,6 +487,11 @@ class MooncakeTier:
                             f"the store holds another model's rows. tier.publish(model) to replace them")
         reader.close()
 
+    def open(self, model) -> "StoreTables":
+        """A model loading with tables=this tier: refused unless the store holds its rows."""
+        self.check_published(model)
+        return StoreTables(self, model)
+
     def rows(self, model, layer, totals=None, read_totals=None) -> "RemoteRows":
         self._open()
         reader = RemoteRows(self, model, layer, totals, read_totals)
@@ -493,14 +499,30 @@ class MooncakeTier:
         return reader
 
 
-class RemoteRows:
-    """One engine's reader of one layer's rows from a MooncakeTier: a registered staging
-    buffer and a bounded, checked, de-duplicated batched read into it. totals: a dict whose
-    "fetches" and "fetch_seconds" count every read."""
+class StoreTables(OpenTier):
+    """One model's rows in a MooncakeTier: each engine's RemoteRows reads them; every read of the
+    model counts in stats() (fetches, fetch_seconds)."""
+
+    def __init__(self, tier, model):
+        self.tier, self.model_ref = tier, weakref.ref(model)
+        self.totals = {"fetches": 0, "fetch_seconds": 0.0}
+
+    def source(self, layer, read_totals=None) -> "RemoteRows":
+        return self.tier.rows(self.model_ref(), layer, self.totals, read_totals)
+
+    def stats(self) -> dict:
+        return dict(self.totals)
+
+
+class RemoteRows(RecordSource):
+    """One engine's reader of one layer's rows from a MooncakeTier (a RecordSource: start/finish):
+    a registered staging buffer and a bounded, checked, de-duplicated batched read into it.
+    totals: a dict whose "fetches" and "fetch_seconds" count every read."""
 
     def __init__(self, tier, model, layer, totals=None, read_totals=None):
         w = model.layer(layer)
         rowbytes, scalebytes = record_layout(w)
+        super().__init__(int(model.plan.table_rows[layer]), rowbytes, scalebytes)
         self.tier, self.layer = tier, layer
         self.recbytes = rowbytes + scalebytes
         self.stride = slot_bytes(self.recbytes)

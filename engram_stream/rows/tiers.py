@@ -4,7 +4,9 @@
     model = EngramModel.load(path, tables="direct", row_cache_mb=64)   # rows read from the files
     model = EngramModel.load(path, tables=tier, row_cache_mb=64)       # rows from a MooncakeTier
 
-Rows travel and are cached as records (records.py): the gather converts a record exactly as
+tables= names a RowTier (rows/_source.pyx: where rows live; open(model) gives the OpenTier that
+makes each engine's RowSource); RowTiers puts the model's shared RAM row cache in front of every
+source it makes. Rows travel and are cached as records (records.py): the gather converts a record exactly as
 it converts a table row, so every source gives the same floats bit for bit.
 """
 from __future__ import annotations
@@ -17,9 +19,10 @@ import weakref
 import numpy as np
 
 from ._cache import RowCache, cache_nbytes, slots_for
-from ._direct import DirectReader, new_totals, totals_summary
-from ._source import CachedRows, DirectRows, MappedRows
+from ._direct import new_totals, totals_summary
+from ._source import CachedRows, RowTier
 from .direct import DirectTier
+from .mapped import MappedTier
 from .records import record_arrays, record_layout  # noqa: F401 (also their import path here)
 
 
@@ -55,26 +58,34 @@ LAYER_FIELDS = ("hits", "misses", "bytes_fetched", "evictions", "rows_cached", "
                 "reads", "bytes_read", "rows_read", "read_wait_p50", "read_wait_p99")
 
 
+def as_tier(tables) -> RowTier:
+    """tables= as a loader takes it: None (the mapped tables), "direct", or a RowTier."""
+    if tables is None:
+        return MappedTier()
+    if isinstance(tables, str) and tables == "direct":
+        return DirectTier()
+    if isinstance(tables, RowTier):
+        return tables
+    raise TypeError(f"tables= takes None (the mapped tables), \"direct\" or a RowTier (a DirectTier, a "
+                    f"MooncakeTier, a subclass of engram_stream.rows.RowTier), got {tables!r}")
+
+
 class RowTiers:
     """The row source and RAM budget of a loaded model (model.row_tiers).
 
     row_cache_mb: the model's cache budget (MiB; at most what caching every row costs: a larger
     one caches the tables whole), split over layers in proportion to their table bytes: one
     RowCache per layer, made at the first engine of the layer and shared by every engine and
-    stream of the model (its own lock; pins by count). tables: None (the mapped tables),
-    "direct" or a DirectTier (rows read from the checkpoint's files: rows/direct.py), or a
-    MooncakeTier."""
+    stream of the model (its own lock; pins by count). tables: see as_tier(); tier is the
+    RowTier, open_tier what its open(model) gave."""
 
-    def __init__(self, model, row_cache_mb=0, tier=None):
+    def __init__(self, model, row_cache_mb=0, tables=None):
         if (not isinstance(row_cache_mb, numbers.Real) or isinstance(row_cache_mb, (bool, np.bool_))
                 or not math.isfinite(row_cache_mb) or row_cache_mb < 0):
             raise ValueError(f"row_cache_mb must be a finite number >= 0, got {row_cache_mb!r}")
         row_cache_mb = float(row_cache_mb)  # numpy's numbers too (np.int64(64))
-        direct = DirectTier.of(tier)
-        if tier is not None and direct is None and not callable(getattr(tier, "rows", None)):
-            raise TypeError(f"tables= takes \"direct\", a DirectTier or a MooncakeTier, got {tier!r}")
+        self.tier = as_tier(tables)
         self.model_ref = weakref.ref(model)
-        self.tier = tier
         layouts = {L: record_layout(model.layer(L)) for L in model.cfg.layer_ids}
         table_bytes = {L: model.plan.table_rows[L] * sum(layouts[L]) for L in model.cfg.layer_ids}
         whole = {L: cache_nbytes(model.plan.table_rows[L], sum(layouts[L]))
@@ -86,14 +97,11 @@ class RowTiers:
                              {L: min(whole[L], self.budget * b // max(1, total)) for L, b in table_bytes.items()})
         self.caches = {}                                          # layer -> the shared RowCache
         self._caches_lock = threading.Lock()                      # engines are made on any thread
-        self.read_totals = {L: new_totals() for L in table_bytes}  # every DirectReader of the layer adds here
-        self.remote = {"fetches": 0, "fetch_seconds": 0.0}        # every remote read of this model
-        self.direct = direct.open(model) if direct is not None else None
-        if tier is not None and direct is None:
-            tier.check_published(model)
+        self.read_totals = {L: new_totals() for L in table_bytes}  # every reader of the layer adds here
+        self.open_tier = self.tier.open(model)
 
     def for_model(self, model) -> "RowTiers":
-        """The same budget and row source for another model of the same tables (a
+        """The same budget and row tier for another model of the same tables (a
         with_weight_dtype copy; its caches are its own)."""
         return RowTiers(model, self.budget / (1 << 20), self.tier)
 
@@ -108,21 +116,11 @@ class RowTiers:
             return self.caches[layer]
 
     def source_for(self, layer):
-        """The RowSource one engine of `layer` reads through: the layer's shared cache (when the
-        budget gives it slots) in front of the mapped table, the files or the remote tier."""
-        model = self.model_ref()
-        w = model.layer(layer)
+        """The RowSource one engine of `layer` reads through: the tier's source of the layer,
+        behind the layer's shared cache when the budget gives it slots."""
+        src = self.open_tier.source(layer, self.read_totals[layer])
         cache = self.cache(layer)
-        if self.direct is not None:
-            reader = DirectReader(self.direct.files[layer], self.direct.io, totals=self.read_totals[layer])
-            return CachedRows(cache, reader=reader) if cache.nslots else DirectRows(reader)
-        if self.tier is None:
-            local = MappedRows(w.table, w.table_scale)
-            return CachedRows(cache, local=local) if cache.nslots else local
-        rowbytes, scalebytes = record_layout(w)
-        remote = self.tier.rows(model, layer, self.remote, read_totals=self.read_totals[layer])
-        return CachedRows(cache, remote=remote, rowbytes=rowbytes, scalebytes=scalebytes,
-                          nrows=model.plan.table_rows[layer])
+        return CachedRows(cache, src) if cache.nslots else src
 
     def stats(self) -> dict:
         """Per layer ("layers") and in total: the fields of STATS_FIELDS (units and meanings there)."""
@@ -139,6 +137,5 @@ class RowTiers:
         out["layers"] = per
         out["budget_bytes"] = self.budget
         out["budget_cap_bytes"] = self.cap
-        if self.tier is not None and self.direct is None:
-            out.update(self.remote)
+        out.update(self.open_tier.stats())
         return out

@@ -17,8 +17,6 @@ from engram_stream._hash cimport es_isa_now, es_isa_set
 from engram_stream.engine import args
 from engram_stream.engine import isa as _isa
 from engram_stream.engine._base import view
-from engram_stream.io.files import mapping_of
-from engram_stream.rows.mapped import advise
 
 cnp.import_array()
 
@@ -92,10 +90,10 @@ cdef class V41StreamEngine(EngineBase):
     before the start are DEAD): the latch is re-derived from it at every token.
     """
 
-    def __cinit__(self, model, layer, int n_streams=1):
+    def __cinit__(self, model, layer, int n_streams=1, rows=None):
         if model.cfg.image_token_id is None:
             raise ValueError(f"V41StreamEngine needs a deepseek-v4.1 model, got variant {model.cfg.variant!r}")
-        self._setup(model, layer, n_streams, ES8_PREFILL_CHUNK, True)
+        self._setup(model, layer, n_streams, ES8_PREFILL_CHUNK, True, rows)
 
     cdef int _init_variant(self, w) except -1:
         cfg = self.model.cfg
@@ -111,9 +109,6 @@ cdef class V41StreamEngine(EngineBase):
         self.ws = view(w.wkv_scale, np.uint8, ((self.M + B - 1) // B, self.E // B), f"layer {self.layer} wkv_scale")
         self.qw = view(w.q_weight, np.float32, (self.G, self.D), f"layer {self.layer} q_weight")
         self.kw = view(w.k_weight, np.float32, (self.G, self.D), f"layer {self.layer} k_weight")
-        for a in (w.embed_weight, w.embed_scale):  # rows are read at random: a cold gather must not read ahead
-            if mapping_of(a) is not None and a.nbytes:
-                advise(a, "random")
         _isa.warn_if_slower_than_cpu("the DeepSeek-V4.1 engine")
         self._grow_chunk(self.n_streams, 1)
         return 0

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from engram_stream import EngramModel
 from engram_stream.errors import TierError
-from engram_stream.rows import RowTiers
+from engram_stream.rows import OpenTier, RecordSource, RowTier, RowTiers, record_layout
 from engram_stream.rows._cache import slot_bytes
 from conftest import close, contract_model, contract_variants, hypothesis_settings, variant_ids
 
@@ -390,7 +390,7 @@ def test_commit_costs_little_next_to_its_call():
 
 
 # ---- all or nothing across layers ------------------------------------------------------------------
-class FakeTier:
+class FakeTier(RowTier):
     """A row tier that serves a model's own table rows, and fails on demand (layers in .down):
     when the read is started (fail_at "start": begin) or when it is waited for ("finish": the
     layer's call)."""
@@ -398,19 +398,25 @@ class FakeTier:
     def __init__(self, fail_at="start"):
         self.down, self.fail_at, self.log = set(), fail_at, []
 
-    def check_published(self, model):
-        pass
-
-    def rows(self, model, layer, totals, read_totals=None):
-        return _FakeRows(self, model, layer)
+    def open(self, model):
+        return _FakeTables(self, model)
 
 
-class _FakeRows:
+class _FakeTables(OpenTier):
+    def __init__(self, tier, model):
+        self.tier, self.model = tier, model
+
+    def source(self, layer, read_totals=None):
+        return _FakeRows(self.tier, self.model, layer)
+
+
+class _FakeRows(RecordSource):
     def __init__(self, tier, model, layer):
         w = model.layer(layer)
         t = np.ascontiguousarray(w.table).view(np.uint8).reshape(w.table.shape[0], -1)
         if w.table_scale is not None:
             t = np.concatenate([t, np.ascontiguousarray(w.table_scale).view(np.uint8).reshape(t.shape[0], -1)], 1)
+        super().__init__(t.shape[0], *record_layout(w))
         self.records, self.tier, self.layer, self.uniq = t, tier, layer, None
 
     def _check(self, when):

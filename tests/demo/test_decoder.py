@@ -197,9 +197,10 @@ def test_decoder_construction():
         model.decoder(prefetch="sometimes")
     with pytest.raises(ValueError):
         model.decoder(n_streams=0)
-    dec = model.decoder(prefetch=False)
-    assert dec.prefetch == {L: False for L in LAYERS}
-    assert model.decoder().prefetch == {L: False for L in LAYERS}   # in-RAM tables: auto is off
+    assert model.decoder(prefetch=False).prefetch is False
+    dec = model.decoder()
+    assert dec.prefetch is True   # asks every begin; in-RAM tables: the source has nothing to page in
+    assert all(not dec.engines[L].row_source.paged for L in LAYERS)
 
 
 # ---- prefill ---------------------------------------------------------------------------------
@@ -359,12 +360,12 @@ def test_engine_prefetch_in_ram():
         with pytest.raises(RuntimeError):
             eng.prefetch()                           # after compute: nothing pending
     dec = model.decoder(3, prefetch=True)            # prefetch on every begin(), in-RAM tables
-    assert all(dec.prefetch.values())
+    assert dec.prefetch is True
     run_tokens(dec, ids, hid, want, range(10), 3)
 
 
 def test_file_backed_tables_prefetch(tmp_path):
-    """Tables on np.memmap: prefetch='auto' turns on, madvise succeeds, outputs unchanged."""
+    """Tables on np.memmap: the mapped source pages rows in, madvise succeeds, outputs unchanged."""
     def to_file(L, table):
         m = np.memmap(tmp_path / f"table{L}.bin", dtype=table.dtype, mode="w+", shape=table.shape)
         m[:] = table
@@ -378,7 +379,7 @@ def test_file_backed_tables_prefetch(tmp_path):
         np.testing.assert_array_equal(model.layers[L].table, ref.layers[L].table)
     ids, hid, want = inputs(ref, 2, 15, seed=14)
     dec = model.decoder(2)
-    assert dec.prefetch == {L: True for L in LAYERS}
+    assert all(dec.engines[L].row_source.paged for L in LAYERS)
     run_tokens(dec, ids, hid, want, range(10), 2)
     dec.begin(ids[:, 10])
     for L in LAYERS:

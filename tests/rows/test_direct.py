@@ -358,7 +358,10 @@ def test_direct_needs_mapped_tables(tmp_path):
         DirectTier().open(model)
     with pytest.raises(ValueError, match="qd"):
         DirectTier(qd=0)
-    assert DirectTier.of("direct").qd == 32 and DirectTier.of("other") is None
+    from engram_stream.rows.tiers import as_tier
+    assert isinstance(as_tier("direct"), DirectTier) and as_tier("direct").qd == 32
+    with pytest.raises(TypeError, match="RowTier"):
+        as_tier("other")
 
 
 def test_direct_model_reads_its_own_files_after_chdir(tmp_path, monkeypatch):
@@ -377,8 +380,8 @@ def test_direct_model_reads_its_own_files_after_chdir(tmp_path, monkeypatch):
     bf = model.with_weight_dtype("bfloat16")
     for L in cfg.layer_ids:
         want = record_arrays(model.layer(L))[0]
-        f = bf.row_tiers.direct.files[L]
+        f = bf.row_tiers.open_tier.files[L]
         rows = np.arange(want.shape[0])
-        np.testing.assert_array_equal(DirectReader(f, bf.row_tiers.direct.io).read(rows), want[rows])
+        np.testing.assert_array_equal(DirectReader(f, bf.row_tiers.open_tier.io).read(rows), want[rows])
         assert all(os.path.isabs(p) for p in f.paths if p)
     assert model.source == str(tmp_path / "a" / "m.safetensors")

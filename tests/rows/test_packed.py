@@ -129,7 +129,7 @@ def test_a_row_file_of_a_checkpoint_saved_again_is_refused(v41_dir, tmp_path):
     with pytest.raises(RowsFileError, match=f"{shard}.*pack-rows --force"):
         EngramModel.from_deepseek_v41(d, tables="direct")
     packed.pack_rows(EngramModel.from_deepseek_v41(d), packed.rows_path(d))
-    assert EngramModel.from_deepseek_v41(d, tables="direct").row_tiers.direct.rows_path == packed.rows_path(d)
+    assert EngramModel.from_deepseek_v41(d, tables="direct").row_tiers.open_tier.rows_path == packed.rows_path(d)
 
 
 def test_a_row_file_rewritten_under_a_running_model_is_noticed(v41_dir, tmp_path):
@@ -167,7 +167,7 @@ def test_a_24_layer_checkpoint_packs(tmp_path):
         np.testing.assert_array_equal(records_in_file(packed.rows_path(d), head, L)[:5],
                                       np.concatenate([model.layer(L).embed_weight[:5].view(np.uint8),
                                                       model.layer(L).embed_scale[:5].view(np.uint8)], axis=1))
-    assert direct.row_tiers.direct.rows_path == packed.rows_path(d)
+    assert direct.row_tiers.open_tier.rows_path == packed.rows_path(d)
 
 
 def test_a_header_of_wrong_types_is_a_rows_file_error(v41_dir, tmp_path):

@@ -76,7 +76,7 @@ def source_model(path, tmp_path, what):
         (shutil.copytree if os.path.isdir(path) else shutil.copyfile)(path, copy)
         packed.pack_rows(load(copy), packed.rows_path(copy))
         model = load(copy, **kw)
-        assert model.row_tiers.direct.rows_path == packed.rows_path(copy)
+        assert model.row_tiers.open_tier.rows_path == packed.rows_path(copy)
         return model
     return load(path, **kw)
 

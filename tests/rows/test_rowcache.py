@@ -118,12 +118,12 @@ def test_batches_through_a_reader_are_exact_read_each_miss_once_and_pin_their_hi
     than a batch: every record right, every missed row read exactly once per batch, and the
     batch's own fills never evict the rows it hit."""
     from engram_stream.rows._direct import DirectReader, IOPool, MemPart, RecordFile
-    from engram_stream.rows._source import CachedRows
+    from engram_stream.rows._source import CachedRows, DirectRows
     rng = np.random.default_rng(seed)
     records = rng.integers(0, 256, (nrows, recbytes), dtype=np.uint8)
     cache = RowCache(nslots, recbytes)
     reader = DirectReader(RecordFile(nrows, [MemPart(records)]), IOPool(2))
-    src = CachedRows(cache, reader=reader)
+    src = CachedRows(cache, DirectRows(reader))
     for _ in range(batches):
         rows = (rng.zipf(1.3, size) - 1) % nrows
         cached_before = set(cache.rows().tolist())

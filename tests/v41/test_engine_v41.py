@@ -244,6 +244,7 @@ def _with_config(model, cfg):
     class Model:
         plan = model.plan
         layer = staticmethod(model.layer)
+        row_source = staticmethod(model.row_source)
     m = Model()
     m.cfg = cfg
     return m
@@ -541,7 +542,7 @@ def test_mapped_checkpoint_decoder_prefetch_and_residency(model, tmp_path):
     ids = token_ids(rng, (1, 12))
     hs = {L: hiddens(rng, mm, (1, 12)) for L in (1, 4)}
     dec = mm.decoder()
-    assert all(dec.prefetch.values())
+    assert all(dec.engines[L].row_source.paged for L in (1, 4))
     bitmap = store.track_rows(dec.engines[1])
     for t in range(12):
         got = dec.step(int(ids[0, t]), {L: hs[L][0, t] for L in (1, 4)})
