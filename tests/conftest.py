@@ -189,6 +189,76 @@ def checkpoint_path(model, folder, name="ckpt"):
     return folder / (name if variants.variant_of(model.cfg).folder_checkpoint else f"{name}.st")
 
 
+# ---- the row-source contract (tests/contract/test_row_sources.py) -----------------------------------
+# Checkpoints of both record layouts, and every place a model's rows can come from, as the load
+# arguments that select it. A test file may add a source here (tests/contract/test_toy_source.py).
+ROW_MODELS = {
+    "demo-f32": lambda: make_model(G=2, n=3, K=3, D=16, comp=True, seed=5, vocab=60),
+    "demo-int8": lambda: make_model(G=2, n=3, K=3, D=16, comp=True, seed=6, vocab=60, table_dtype="int8"),
+    "v41": lambda: make_v41_model(seed=7),
+    "v41-flash-rows": lambda: make_v41_model(seed=8, hd=256, D=32),  # the 264-byte record
+}
+SMALL_CACHE = "small"   # row_cache_mb far below the rows one call reads: evictions within a call
+ROW_SOURCES = {
+    "mapped": {},
+    "cache on the mapping": dict(row_cache_mb=SMALL_CACHE),
+    "direct": dict(tables="direct"),
+    "direct+cache": dict(tables="direct", row_cache_mb=SMALL_CACHE),
+    "scales in RAM+cache": dict(tables="direct-scales-in-ram", row_cache_mb=SMALL_CACHE),
+    "packed row file": dict(tables="direct", packed=True),
+    "packed row file+cache": dict(tables="direct", row_cache_mb=SMALL_CACHE, packed=True),
+    "mooncake": dict(tables="mooncake"),
+    "mooncake+cache": dict(tables="mooncake", row_cache_mb=SMALL_CACHE),
+}
+
+
+def load_checkpoint(path, **kw):
+    """A saved ROW_MODELS checkpoint (a demo file or a V4.1 folder) loaded with `kw`."""
+    from engram_stream import EngramModel
+    if os.path.isdir(path):
+        return EngramModel.from_deepseek_v41(path, **kw)
+    return EngramModel.load(path, **kw)
+
+
+@pytest.fixture(scope="session")
+def row_checkpoints(tmp_path_factory):
+    """{name: path}: each of ROW_MODELS saved (a file for the demo, an HF folder for V4.1)."""
+    d = tmp_path_factory.mktemp("row-models")
+    out = {}
+    for name, make in ROW_MODELS.items():
+        path = str(d / (name + (".safetensors" if name.startswith("demo") else "")))
+        make().save(path)
+        out[name] = path
+    return out
+
+
+def row_source_model(path, what, tmp_path, request):
+    """The checkpoint at `path` loaded to read its rows from ROW_SOURCES[what] (packing a row file
+    beside a copy, publishing to the session's Mooncake Store, as the entry asks)."""
+    import shutil
+    from engram_stream.rows import packed
+    from engram_stream.rows.direct import DirectTier
+    kw = dict(ROW_SOURCES[what])
+    if kw.get("row_cache_mb") == SMALL_CACHE:
+        kw["row_cache_mb"] = 0.05 if os.path.isdir(path) else 0.004
+    if kw.pop("packed", False):
+        copy = os.path.join(tempfile.mkdtemp(dir=tmp_path), os.path.basename(path))
+        (shutil.copytree if os.path.isdir(path) else shutil.copyfile)(path, copy)
+        packed.pack_rows(load_checkpoint(copy), packed.rows_path(copy))
+        model = load_checkpoint(copy, **kw)
+        assert model.row_tiers.open_tier.rows_path == packed.rows_path(copy)
+        return model
+    if kw.get("tables") == "direct-scales-in-ram":
+        kw["tables"] = DirectTier(scales_in_ram=True)
+    elif kw.get("tables") == "mooncake":
+        tier = request.getfixturevalue("tier")
+        tier.publish(load_checkpoint(path))
+        kw["tables"] = tier
+    elif callable(kw.get("tables")):
+        kw["tables"] = kw["tables"]()
+    return load_checkpoint(path, **kw)
+
+
 def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
     """Random ids for either variant: some negative (demo: they pass through; V4.1: DEAD in the
     window), and for V4.1 image (DEAD) tokens, also at the start and in runs."""
@@ -198,6 +268,41 @@ def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
         ids[rng.random(shape) < p_dead] = cfg.image_token_id
     ids[rng.random(shape) < p_neg] = -rng.integers(1, 5)
     return ids
+
+
+def decode_inputs(model, S, T, P, seed):
+    """Steps ids [T, S] (every 5th step the same id in all streams: each row S times in the batch),
+    hidden [T, S, G, D]; a prompt of P ids and its hidden."""
+    rng = np.random.default_rng(seed)
+    cfg = model.cfg
+    ids = variant_ids(model, rng, (T, S))
+    ids[::5] = ids[::5, :1]
+    hid = rng.standard_normal((T, S, cfg.hc_mult, cfg.hidden_size), dtype=np.float32)
+    p_ids = variant_ids(model, rng, (P,))
+    p_hid = rng.standard_normal((P, cfg.hc_mult, cfg.hidden_size), dtype=np.float32)
+    return ids, hid, p_ids, p_hid
+
+
+def decode_run(model, S, T=25, P=300, seed=0):
+    """A prompt prefilled on the last stream (it spans prefill chunks), then T steps of every
+    stream: {layer: [outputs]}."""
+    ids, hid, p_ids, p_hid = decode_inputs(model, S, T, P, seed)
+    dec = model.decoder(n_streams=S)
+    outs = {L: [] for L in model.cfg.layer_ids}
+    for L, y in dec.prefill(p_ids, {L: p_hid for L in outs}, stream=S - 1).items():
+        outs[L].append(y)
+    for t in range(T):
+        dec.begin(ids[t] if S > 1 else int(ids[t, 0]))
+        for L in outs:
+            outs[L].append(dec.layer(L, hid[t] if S > 1 else hid[t, 0]).copy())
+    return outs
+
+
+def assert_decoded_identically(got, want):
+    for L in want:
+        assert len(got[L]) == len(want[L])
+        for a, b in zip(got[L], want[L]):
+            np.testing.assert_array_equal(a, b)  # bit for bit
 
 
 def random_inputs(model, S, T, rng, neg=True):

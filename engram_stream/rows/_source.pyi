@@ -17,6 +17,7 @@ class RowSource:
     rowbytes: int    # bytes of a row's data
     scalebytes: int  # bytes of its scale (0: none)
     fallible: bool   # reads can fail (remote, disk)
+    bound: bool      # an engine reads through it (one engine a source, but a MappedRows)
     @property
     def reading(self) -> bool: ...  # reads submitted and not yet waited for
     def read(self, rows: npt.ArrayLike) -> npt.NDArray[np.uint8]: ...  # [n, rowbytes + scalebytes]
@@ -26,15 +27,15 @@ class RowSource:
 class MappedRows(RowSource):
     """A table in memory or mapped from its file: pointers straight into it."""
 
+    paged: bool  # a view of a mapped file: prefetch() asks the kernel for the rows' pages
     def __init__(self, data: np.ndarray, scale: Optional[np.ndarray] = None) -> None: ...
 
 class CachedRows(RowSource):
-    """A layer's shared RAM row cache in front of a MappedRows, a DirectReader or a remote reader
-    (start(uniq) / finish() -> staging records)."""
+    """A layer's shared RAM row cache in front of any other RowSource (its misses are that
+    source's own submit/resolve)."""
 
-    def __init__(self, cache: RowCache, local: Optional[MappedRows] = None, reader: Optional[DirectReader] = None,
-                 remote: Any = None, rowbytes: Optional[int] = None, scalebytes: int = 0,
-                 nrows: Optional[int] = None) -> None: ...
+    source: RowSource
+    def __init__(self, cache: RowCache, source: RowSource) -> None: ...
     @property
     def reading(self) -> bool: ...
 
@@ -44,3 +45,23 @@ class DirectRows(RowSource):
     def __init__(self, reader: DirectReader) -> None: ...
     @property
     def reading(self) -> bool: ...
+
+class RecordSource(RowSource):
+    """Records fetched in one batch a call by Python code: subclass with start(rows) and finish()."""
+
+    def __init__(self, nrows: int, rowbytes: int, scalebytes: int = 0) -> None: ...
+    @property
+    def reading(self) -> bool: ...
+    def start(self, rows: npt.NDArray[np.int64]) -> None: ...  # sorted, distinct, in range
+    def finish(self) -> npt.NDArray[np.uint8]: ...  # [>= n, >= record bytes], record k of rows[k]
+
+class OpenTier:
+    """One model's rows in a RowTier: source(layer, read_totals) makes one engine's RowSource."""
+
+    def source(self, layer: int, read_totals: Any = None) -> RowSource: ...
+    def stats(self) -> dict: ...
+
+class RowTier:
+    """Where a model's rows live (a loader's tables=): open(model) -> OpenTier."""
+
+    def open(self, model: Any) -> OpenTier: ...

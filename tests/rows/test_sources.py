@@ -1,9 +1,8 @@
-"""Decoding through every row source is bit-identical to the mapped tables, for both variants:
-rows read from the checkpoint's files (tables="direct": the shards, the packed row file,
-scales held in RAM), the model's shared RAM row cache in front of the files or of the mapped
-table, at 1..17 streams, with a prompt across prefill chunks, DEAD tokens, negative ids and rows
-repeated in a batch. Faults of the files (a device error, a truncated file) refuse the call and
-leave every layer as it was; the same calls then continue exactly."""
+"""What the row sources do beyond the contract (tests/contract/test_row_sources.py): the packed
+row file read once per row, one cache shared by engines and threads, the stats, faults of the
+files (a device error, a truncated file) and of a Mooncake Store refusing the call and leaving
+every layer as it was (the same calls then continue exactly), warm(), prompts longer than a
+submit window."""
 from __future__ import annotations
 
 import os
@@ -17,106 +16,15 @@ from engram_stream.errors import FileChangedError
 from engram_stream.rows import packed
 from engram_stream.rows.direct import DirectTier
 
-from conftest import make_model, make_v41_model, variant_ids
+from conftest import assert_decoded_identically as assert_identical, decode_inputs as inputs, decode_run as run
+from conftest import load_checkpoint as load, variant_ids
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
-MODELS = {
-    "demo-f32": lambda: make_model(G=2, n=3, K=3, D=16, comp=True, seed=5, vocab=60),
-    "demo-int8": lambda: make_model(G=2, n=3, K=3, D=16, comp=True, seed=6, vocab=60, table_dtype="int8"),
-    "v41": lambda: make_v41_model(seed=7),
-    "v41-flash-rows": lambda: make_v41_model(seed=8, hd=256, D=32),  # the 264-byte record
-}
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """{name: path}: each model saved (a file for the demo, an HF folder for V4.1)."""
-    d = tmp_path_factory.mktemp("sources")
-    out = {}
-    for name, make in MODELS.items():
-        path = str(d / (name + (".safetensors" if name.startswith("demo") else "")))
-        make().save(path)
-        out[name] = path
-    return out
-
-
-def load(path, **kw):
-    if os.path.isdir(path):
-        return EngramModel.from_deepseek_v41(path, **kw)
-    return EngramModel.load(path, **kw)
-
-
-def inputs(model, S, T, P, seed):
-    """Steps ids [T, S] (every 5th step the same id in all streams: each row S times in the batch),
-    hidden [T, S, G, D]; a prompt of P ids and its hidden."""
-    rng = np.random.default_rng(seed)
-    cfg = model.cfg
-    ids = variant_ids(model, rng, (T, S))
-    ids[::5] = ids[::5, :1]
-    hid = rng.standard_normal((T, S, cfg.hc_mult, cfg.hidden_size), dtype=np.float32)
-    p_ids = variant_ids(model, rng, (P,))
-    p_hid = rng.standard_normal((P, cfg.hc_mult, cfg.hidden_size), dtype=np.float32)
-    return ids, hid, p_ids, p_hid
-
-
-def run(model, S, T=25, P=300, seed=0):
-    """A prompt prefilled on the last stream (it spans prefill chunks), then T steps of every
-    stream: {layer: [outputs]}."""
-    ids, hid, p_ids, p_hid = inputs(model, S, T, P, seed)
-    dec = model.decoder(n_streams=S)
-    outs = {L: [] for L in model.cfg.layer_ids}
-    for L, y in dec.prefill(p_ids, {L: p_hid for L in outs}, stream=S - 1).items():
-        outs[L].append(y)
-    for t in range(T):
-        dec.begin(ids[t] if S > 1 else int(ids[t, 0]))
-        for L in outs:
-            outs[L].append(dec.layer(L, hid[t] if S > 1 else hid[t, 0]).copy())
-    return outs
-
-
-def assert_identical(got, want):
-    for L in want:
-        assert len(got[L]) == len(want[L])
-        for a, b in zip(got[L], want[L]):
-            np.testing.assert_array_equal(a, b)  # bit for bit
-
-
-def sources(path, small_mb):
-    return {
-        "direct": dict(tables="direct"),
-        "direct+cache": dict(tables="direct", row_cache_mb=small_mb),
-        "direct+big cache": dict(tables="direct", row_cache_mb=64),
-        "direct qd1": dict(tables=DirectTier(qd=1)),
-        "scales in RAM": dict(tables=DirectTier(scales_in_ram=True), row_cache_mb=small_mb),
-        "buffered": dict(tables=DirectTier(o_direct=False)),
-        "cache on the mapping": dict(row_cache_mb=small_mb),
-    }
-
-
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("S", [1, 3, 17])
-def test_every_source_decodes_bit_identically(saved, name, S):
-    path = saved[name]
-    want = run(load(path), S)
-    small = 0.004 if "flash" not in name else 0.05   # far fewer slots than the rows a run reads
-    for what, kw in sources(path, small).items():
-        model = load(path, **kw)
-        got = run(model, S)
-        assert_identical(got, want)
-        st = model.row_cache_stats()
-        if kw.get("tables") is not None:
-            assert st["reads"] > 0 and st["rows_read"] > 0, what
-        if kw.get("row_cache_mb"):
-            assert st["hits"] > 0 and st["misses"] > 0, what
-            if kw["row_cache_mb"] == small:
-                assert st["evictions"] > 0, what
-
-
 @pytest.mark.parametrize("name", ["demo-int8", "v41-flash-rows"])
-def test_packed_row_file_is_used_and_reads_once_per_row(saved, name, tmp_path):
+def test_packed_row_file_is_used_and_reads_once_per_row(row_checkpoints, name, tmp_path):
     import shutil
-    src = saved[name]
+    src = row_checkpoints[name]
     path = str(tmp_path / os.path.basename(src))
     (shutil.copytree if os.path.isdir(src) else shutil.copyfile)(src, path)
     want = run(load(path), 3)
@@ -131,10 +39,10 @@ def test_packed_row_file_is_used_and_reads_once_per_row(saved, name, tmp_path):
     assert cached.row_cache_stats()["reads"] <= cached.row_cache_stats()["misses"]
 
 
-def test_the_cache_is_shared_by_engines_and_threads(saved):
+def test_the_cache_is_shared_by_engines_and_threads(row_checkpoints):
     """Two decoders of one model on two threads read through the layer's one cache: both exact;
     the second decoder of the same ids hits what the first brought in."""
-    path = saved["v41"]
+    path = row_checkpoints["v41"]
     want = run(load(path), 3, seed=1)
     model = load(path, tables="direct", row_cache_mb=64)
     assert_identical(run(model, 3, seed=1), want)
@@ -163,8 +71,8 @@ def test_the_cache_is_shared_by_engines_and_threads(saved):
     assert st["capacity_rows"] and len(model.row_tiers.caches) == len(model.cfg.layer_ids)
 
 
-def test_stats_per_layer(saved):
-    model = load(saved["v41"], tables="direct", row_cache_mb=0.004)
+def test_stats_per_layer(row_checkpoints):
+    model = load(row_checkpoints["v41"], tables="direct", row_cache_mb=0.004)
     run(model, 3)
     st = model.row_cache_stats()
     for k in ("hits", "misses", "evictions", "reads", "bytes_read", "read_wait_p50", "read_wait_p99"):
@@ -181,12 +89,12 @@ def _lookups(model, ids):
 
 
 @pytest.mark.parametrize("name", ["demo-int8", "v41-flash-rows"])
-def test_stats_fields_mean_one_thing_across_sources_and_calls(saved, name):
+def test_stats_fields_mean_one_thing_across_sources_and_calls(row_checkpoints, name):
     """hits, misses and bytes_fetched count the same whichever source is behind the cache and
     however the ids arrive (warm's one long call, a prefill, token by token): a miss is a row
     read once, every other lookup (a repeat in the same call too) a hit."""
     from engram_stream.rows.tiers import LAYER_FIELDS, STATS_FIELDS
-    path = saved[name]
+    path = row_checkpoints[name]
     ref = load(path)
     rng = np.random.default_rng(3)
     ids = np.tile(rng.integers(0, min(200, ref.cfg.vocab_size - 1), 40), 3)  # every row repeated, in and across calls
@@ -220,11 +128,11 @@ def test_stats_fields_mean_one_thing_across_sources_and_calls(saved, name):
                     assert s["reads"] == s["rows_read"] == s["bytes_read"] == 0
 
 
-def test_stats_expose_the_budget_cap(saved):
-    model = load(saved["v41"], row_cache_mb=1e6)
+def test_stats_expose_the_budget_cap(row_checkpoints):
+    model = load(row_checkpoints["v41"], row_cache_mb=1e6)
     st = model.row_cache_stats()
     assert 0 < st["budget_bytes"] == st["budget_cap_bytes"] < 1e6 * 2**20
-    small = load(saved["v41"], row_cache_mb=0.01).row_cache_stats()
+    small = load(row_checkpoints["v41"], row_cache_mb=0.01).row_cache_stats()
     assert small["budget_bytes"] == int(0.01 * 2**20) and small["budget_cap_bytes"] == st["budget_cap_bytes"]
 
 
@@ -264,10 +172,10 @@ def _break_reads(model, layer):
 
 
 @pytest.mark.parametrize("cache_mb", [0, 0.004])
-def test_a_failed_read_refuses_the_call_and_changes_nothing(saved, cache_mb):
+def test_a_failed_read_refuses_the_call_and_changes_nothing(row_checkpoints, cache_mb):
     """A device error (EIO) while a call's rows are read: OSError, every layer as before the
     call, and once the device is back the same calls give exactly the mapped tables' outputs."""
-    path = saved["v41"]
+    path = row_checkpoints["v41"]
     S, T = 3, 12
     ids, hid, _, _ = inputs(load(path), S, T, 1, seed=3)
     ref = load(path)
@@ -310,10 +218,10 @@ def run_steps(model, ids, hid):
     return outs
 
 
-def test_a_truncated_file_is_refused(saved, tmp_path):
+def test_a_truncated_file_is_refused(row_checkpoints, tmp_path):
     import shutil
     path = str(tmp_path / "m.safetensors")
-    shutil.copyfile(saved["demo-int8"], path)
+    shutil.copyfile(row_checkpoints["demo-int8"], path)
     model = load(path, tables="direct")
     dec = model.decoder(n_streams=2)
     hid = np.zeros((2, model.cfg.hc_mult, model.cfg.hidden_size), np.float32)
@@ -323,10 +231,10 @@ def test_a_truncated_file_is_refused(saved, tmp_path):
         step(dec, np.array([5, 6]), hid, {L: [] for L in model.cfg.layer_ids})
 
 
-def test_begin_starts_every_layers_disk_reads(saved):
+def test_begin_starts_every_layers_disk_reads(row_checkpoints):
     """Decoder.begin hands every layer's rows to its source before any layer runs: every
     layer's source is reading after begin, and still is for the last layer after the first ran."""
-    path = saved["v41"]
+    path = row_checkpoints["v41"]
     for kw in (dict(tables="direct"), dict(tables="direct", row_cache_mb=0.004)):
         model = load(path, **kw)
         ids, hid, _, _ = inputs(model, 3, 2, 1, seed=4)
@@ -341,28 +249,8 @@ def test_begin_starts_every_layers_disk_reads(saved):
 
 # ---- V4.1 (and the demo) through a Mooncake Store: the tests' own servers ----------------------
 @pytest.mark.mooncake
-@pytest.mark.parametrize("name", list(MODELS))
-def test_mooncake_tier_decodes_bit_identically(tier, saved, name):
-    path = saved[name]
-    tier.publish(load(path))
-    small = 0.004 if "flash" not in name else 0.05
-    for S in (1, 17):
-        want = run(load(path), S)
-        for mb in (0, small, 64):
-            model = load(path, tables=tier, row_cache_mb=mb)
-            assert_identical(run(model, S), want)
-            st = model.row_cache_stats()
-            assert st["fetches"] > 0 and st["reads"] == st["fetches"] and st["bytes_read"] > 0
-            assert 0 < st["read_wait_p50"] <= st["read_wait_p99"]
-            if mb:  # the cache's counters (no cache: none, as for every source)
-                assert st["hits"] > 0 and st["misses"] > 0 and st["bytes_read"] == st["bytes_fetched"]
-            else:
-                assert st["hits"] == st["misses"] == st["bytes_fetched"] == 0
-
-
-@pytest.mark.mooncake
 @pytest.mark.parametrize("fault", ["kill_store", "stop_store"])
-def test_mooncake_v41_store_down_refuses_then_continues_exactly(own_store, saved, fault):
+def test_mooncake_v41_store_down_refuses_then_continues_exactly(own_store, row_checkpoints, fault):
     """The store server dies (or stops) mid-decode of a V4.1 model: the token is refused with
     TierError within the timeout, every layer as before; once a store is back and the rows
     published again, the same decoder continues bit-identically to the mapped tables."""
@@ -371,7 +259,7 @@ def test_mooncake_v41_store_down_refuses_then_continues_exactly(own_store, saved
     from engram_stream.errors import TierError
     from engram_stream.rows.mooncake_servers import wait_until_writable
     mc, tier = own_store
-    path = saved["v41-flash-rows"]
+    path = row_checkpoints["v41-flash-rows"]
     local = load(path)
     tier.publish(local)
     S, T = 3, 14
@@ -416,10 +304,10 @@ def test_mooncake_v41_store_down_refuses_then_continues_exactly(own_store, saved
 
 
 @pytest.mark.parametrize("name", ["demo-int8", "v41"])
-def test_warm_seeds_the_cache_with_a_prompts_rows(saved, name, tmp_path):
+def test_warm_seeds_the_cache_with_a_prompts_rows(row_checkpoints, name, tmp_path):
     """model.warm(prompt): every row the prompt reads is cached (the numpy hash is the oracle),
     so decoding that prompt then reads nothing from disk and gives the mapped tables' outputs."""
-    path = saved[name]
+    path = row_checkpoints[name]
     ref = load(path)
     rng = np.random.default_rng(11)
     p_ids = variant_ids(ref, rng, (300,))
@@ -446,11 +334,11 @@ def test_warm_seeds_the_cache_with_a_prompts_rows(saved, name, tmp_path):
 
 
 @pytest.mark.parametrize("name,P", [("v41", 11000), ("demo-int8", 16500)])
-def test_a_prompt_longer_than_a_submit_window(saved, name, P):
+def test_a_prompt_longer_than_a_submit_window(row_checkpoints, name, P):
     """A prompt whose rows exceed one submit (65536 rows: the next window is handed over at the
     chunk that needs it) decodes bit-identically through the files, with and without a cache
     far smaller than the prompt, and through the decoder's prefill of every layer."""
-    path = saved[name]
+    path = row_checkpoints[name]
     ref = load(path)
     rng = np.random.default_rng(13)
     ids = variant_ids(ref, rng, (P,))

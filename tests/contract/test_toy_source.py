@@ -1,0 +1,95 @@
+"""A place for rows written in this file alone (no shared file names it) passes the row-source
+contract suite (test_row_sources.py), bare and behind the RAM row cache.
+
+The toy keeps a layer's records in a Python dict of bytes (as a key-value service would) and
+serves them through RecordSource's two calls: start(rows) looks them up, finish() hands the batch
+over. It is added to conftest.ROW_SOURCES only in a pytest run of its own (this file loaded as a
+plugin, `-p test_toy_source` with ENGRAM_STREAM_TOY_SOURCE=1)."""
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import conftest
+from engram_stream.rows import OpenTier, RecordSource, RowTier
+from engram_stream.rows._direct import add_read
+from engram_stream.rows.records import record_arrays
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class ToyTier(RowTier):
+    def open(self, model):
+        return ToyTables(model)
+
+
+class ToyTables(OpenTier):
+    def __init__(self, model):
+        self.store = {}
+        for L in model.cfg.layer_ids:
+            rows, scales = record_arrays(model.layer(L))
+            rec = rows if scales is None else np.concatenate([rows, scales], axis=1)
+            self.store[L] = ({r: rec[r].tobytes() for r in range(rec.shape[0])}, rows.shape[1],
+                             0 if scales is None else scales.shape[1])
+
+    def source(self, layer, read_totals=None):
+        return ToyRows(*self.store[layer], read_totals)
+
+
+class ToyRows(RecordSource):
+    def __init__(self, records, rowbytes, scalebytes, read_totals):
+        super().__init__(len(records), rowbytes, scalebytes)
+        self.records, self.read_totals, self.batch = records, read_totals, None
+
+    def start(self, rows):
+        self.t0 = time.perf_counter()
+        self.batch = b"".join(self.records[int(r)] for r in rows)
+        self.n = len(rows)
+
+    def finish(self):
+        out = np.frombuffer(self.batch, np.uint8).reshape(self.n, -1)
+        if self.read_totals is not None:  # one batched read of n records
+            add_read(self.read_totals, 1, out.nbytes, self.n, time.perf_counter() - self.t0)
+        return out
+
+
+def pytest_configure(config):
+    """Loaded as the plugin of the suite's own run: the toy joins the sources (here, once pytest
+    has imported tests/conftest.py itself, so the suite sees the same ROW_SOURCES)."""
+    if os.environ.get("ENGRAM_STREAM_TOY_SOURCE") == "1":
+        import conftest as suite
+        suite.ROW_SOURCES["toy"] = dict(tables=ToyTier)
+        suite.ROW_SOURCES["toy+cache"] = dict(tables=ToyTier, row_cache_mb=suite.SMALL_CACHE)
+
+
+def test_the_row_source_contract_passes_on_a_source_written_here():
+    env = {**os.environ, "ENGRAM_STREAM_TOY_SOURCE": "1",
+           "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)] + sys.path)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                        "-p", "test_toy_source", "-k", "toy", os.path.join(HERE, "test_row_sources.py")],
+                       cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    # (cwd: not the repository root, whose unbuilt engram_stream/ would shadow the installed package)
+    tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-2000:]
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    passed = int(tail.split(" passed")[0].split()[-1])
+    assert passed >= 16 and "failed" not in tail and "error" not in tail, tail   # the suite ran on the toy
+
+
+def test_the_toy_is_not_a_source_in_this_run():
+    assert not any(k.startswith("toy") for k in conftest.ROW_SOURCES)
+
+
+def test_a_toy_that_returns_short_records_is_refused(row_checkpoints):
+    """finish() giving fewer records than asked: ValueError naming what it must return, no read."""
+    class Short(ToyRows):
+        def finish(self):
+            return super().finish()[:-1]
+    model = conftest.load_checkpoint(row_checkpoints["v41"], tables=ToyTier())
+    L = model.cfg.layer_ids[0]
+    t = model.row_tiers.open_tier.store[L]
+    src = Short(*t, None)
+    with pytest.raises(ValueError, match=r"finish\(\) must return uint8"):
+        src.read(np.array([0, 1, 2]))
