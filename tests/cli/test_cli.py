@@ -94,8 +94,15 @@ def test_build_compression_command(tmp_path, capsys):
     assert lookup[v["café"]] == lookup[v["cafe"]] != lookup[v["hello"]]
 
 
+def _console_script(args, **kw):
+    """The engram-stream console script as pip writes it: pyproject.toml's entry point, called."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        module, func = re.search(r'^engram-stream = "([\w.]+):(\w+)"', f.read(), re.M).groups()
+    return run_python(["-c", f"import sys; from {module} import {func}; sys.exit({func}())", *args], **kw)
+
+
 def test_console_script_entry_point():
-    r = run_python(["-m", "engram_stream.cli", "demo", "--tokens", "20"], timeout=120)
+    r = _console_script(["demo", "--tokens", "20"], timeout=120)
     assert r.returncode == 0, r.stderr
     assert ": OK" in r.stdout
 
@@ -344,6 +351,32 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"engram-stream {engram_stream.__version__}"
+
+
+def _unsupported_isa():
+    from engram_stream.engine.isa import ISA_NAMES, supported_isas
+    return next(n for n in ISA_NAMES if n not in supported_isas())  # neon on x86, the x86 paths on aarch64
+
+
+@pytest.mark.parametrize("bad", ["sse9", "unsupported"])
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["inspect", "--help"], ["demo", "--tokens", "3"]])
+def test_a_bad_engram_stream_isa_is_one_line_and_status_2(argv, bad):
+    """`import engram_stream` refuses an ENGRAM_STREAM_ISA this CPU does not run; the command says
+    so in one line naming the value, the paths this CPU runs and the fix, for every command."""
+    from engram_stream.engine.isa import default_isa, supported_isas
+    bad = _unsupported_isa() if bad == "unsupported" else bad
+    r = _console_script(argv, env=dict(os.environ, ENGRAM_STREAM_ISA=bad), timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    line = r.stderr.strip()
+    assert line.startswith(f"engram-stream: error: ENGRAM_STREAM_ISA={bad!r}: ") and "Traceback" not in line
+    assert line.endswith(f"unset ENGRAM_STREAM_ISA (then {default_isa()} runs, the best here) or set it to one "
+                         f"this CPU runs: {', '.join(supported_isas())}"), line
+
+
+def test_a_bad_engram_stream_isa_with_debug_shows_the_traceback():
+    r = _console_script(["--version", "--debug"], env=dict(os.environ, ENGRAM_STREAM_ISA=_unsupported_isa()),
+                        timeout=120)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "IsaEnvironmentError: ENGRAM_STREAM_ISA=" in r.stderr
 
 
 def test_every_option_has_help_and_shows_its_default(capsys):
