@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engram_stream.cli import main
-from conftest import ROOT, run_python
+from conftest import ROOT, run_python, run_python_on_a_terminal
 
 SMALL = dict(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_ngram=32, n_head_per_ngram=4,
              layer_ids=[1, 4], pad_id=2, seed=0, kernel_size=4, hidden_size=24, hc_mult=4, vocab_size=500)
@@ -288,34 +288,16 @@ def test_init_removes_stale_temp_files_of_dead_processes(tmp_path, capsys):
 
 
 def test_init_prints_the_size_first_and_progress_only_on_a_terminal(tmp_path):
-    import pty
-    import select
     cfg, out = _cfg_file(tmp_path), tmp_path / "m.safetensors"
     r = _cli(["init", str(cfg), "-o", str(out)])  # stderr is a pipe: no bar
     assert r.returncode == 0, r.stderr
     first = r.stdout.splitlines()[0]
     assert first.startswith(f"writing {out}: ") and "MiB" in first
     assert "%" not in r.stderr and "\r" not in r.stderr
-    master, slave = pty.openpty()  # stderr is a terminal: a bar from 0% to 100%
-    p = subprocess.Popen([sys.executable, "-m", "engram_stream.cli", "init", str(cfg), "-o", str(out), "--force"],
-                         cwd=tempfile.gettempdir(), stdout=subprocess.PIPE, stderr=slave)
-    os.close(slave)
-    seen = b""
-    while True:
-        if select.select([master], [], [], 1)[0]:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            seen += chunk
-        elif p.poll() is not None:
-            break
-    p.wait(timeout=120)
-    os.close(master)
-    assert p.returncode == 0
-    assert b"  0% of" in seen and b"100% of" in seen
+    r = run_python_on_a_terminal(["-m", "engram_stream.cli", "init", str(cfg), "-o", str(out), "--force"],
+                                 timeout=120)
+    assert r.returncode == 0, r.stderr[-500:]  # stderr is a terminal: a bar from 0% to 100%
+    assert "  0% of" in r.stderr and "100% of" in r.stderr
 
 
 # ---- argument checking, help, --version, --debug anywhere -------------------------------------------------
