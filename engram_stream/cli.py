@@ -1,7 +1,9 @@
 """The engram-stream command: demo, inspect, init, build-compression, bench, profile, publish, pack-rows.
 
 Errors print one line (`engram-stream: error: ...`) and exit 1 (bad arguments: argparse's
-usage line and exit 2); --debug, anywhere on the line, shows the traceback instead.
+usage line and exit 2; an ENGRAM_STREAM_ISA that `import engram_stream` refuses: one line and exit
+2 too, from the console script, _engram_stream_launcher.py); --debug, anywhere on the line, shows
+the traceback instead.
 """
 from __future__ import annotations
 

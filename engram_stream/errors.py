@@ -21,6 +21,12 @@ class FileChangedError(EngramStreamError, RuntimeError):
     """A mapped file was truncated or rewritten in place after it was mapped."""
 
 
+class IsaEnvironmentError(EngramStreamError, RuntimeError):
+    """ENGRAM_STREAM_ISA names a kernel path this CPU (or build) does not run: `import
+    engram_stream` refuses it (engine/isa.py), and the engram-stream command prints it as its
+    one-line usage error (_engram_stream_launcher.py)."""
+
+
 class TierError(EngramStreamError, RuntimeError):
     """A row source failed (store unreachable, short read, timeout, closed): nothing it
     returned was used and the engine is as it was before the call."""

@@ -320,6 +320,48 @@ def run_python(args, cwd=None, **kw):
     return subprocess.run([sys.executable, *args], cwd=cwd or tempfile.gettempdir(), **kw)
 
 
+def run_python_on_a_terminal(args, timeout=300):
+    """run_python with stderr on a terminal (a pseudo-terminal: where progress bars show) and
+    stdout a pipe. Both are read while it runs, so a long bar cannot fill the terminal's buffer
+    and stall it. Returns a CompletedProcess whose stderr is what the terminal showed (text)."""
+    import pty
+    import select
+    import time
+    master, slave = pty.openpty()
+    try:
+        p = subprocess.Popen([sys.executable, *args], cwd=tempfile.gettempdir(), stdout=subprocess.PIPE,
+                             stderr=slave)
+    finally:
+        os.close(slave)
+    out_fd = p.stdout.fileno()
+    chunks = {master: [], out_fd: []}
+    reading = set(chunks)
+    deadline = time.monotonic() + timeout
+    try:
+        while reading:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(p.args, timeout)
+            for fd in select.select(sorted(reading), [], [], left)[0]:
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:  # EIO: the terminal's last writer closed it
+                    chunk = b""
+                if chunk:
+                    chunks[fd].append(chunk)
+                else:
+                    reading.discard(fd)
+        p.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        p.stdout.close()
+        os.close(master)
+    out, err = (b"".join(chunks[fd]).decode(errors="replace") for fd in (out_fd, master))
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
 def perturbed(model, rng):
     """The same model with non-trivial norm weights and biases, like trained ones (a model's
     arrays are read-only: the changed ones are new arrays)."""

@@ -13,6 +13,7 @@ import platform
 import warnings
 
 from .. import _hash
+from ..errors import IsaEnvironmentError
 
 ISA_NAMES = ("baseline", "avx2", "avx512", "bf16", "neon")  # index = the C level (ES_ISA_*)
 ENV = "ENGRAM_STREAM_ISA"
@@ -135,7 +136,8 @@ def _from_environment() -> None:
     try:
         use_isa(name)
     except (ValueError, RuntimeError) as e:
-        raise RuntimeError(f"{ENV}={os.environ[ENV]!r}: {e}") from None
+        raise IsaEnvironmentError(f"{ENV}={os.environ[ENV]!r}: {e}; unset {ENV} (then {default_isa()} runs, the "
+                                  f"best here) or set it to one this CPU runs: {', '.join(supported_isas())}") from None
 
 
 _from_environment()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engram_stream.cli import main
-from conftest import ROOT, run_python
+from conftest import ROOT, run_python, run_python_on_a_terminal
 
 SMALL = dict(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_ngram=32, n_head_per_ngram=4,
              layer_ids=[1, 4], pad_id=2, seed=0, kernel_size=4, hidden_size=24, hc_mult=4, vocab_size=500)
@@ -94,8 +94,15 @@ def test_build_compression_command(tmp_path, capsys):
     assert lookup[v["café"]] == lookup[v["cafe"]] != lookup[v["hello"]]
 
 
+def _console_script(args, **kw):
+    """The engram-stream console script as pip writes it: pyproject.toml's entry point, called."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        module, func = re.search(r'^engram-stream = "([\w.]+):(\w+)"', f.read(), re.M).groups()
+    return run_python(["-c", f"import sys; from {module} import {func}; sys.exit({func}())", *args], **kw)
+
+
 def test_console_script_entry_point():
-    r = run_python(["-m", "engram_stream.cli", "demo", "--tokens", "20"], timeout=120)
+    r = _console_script(["demo", "--tokens", "20"], timeout=120)
     assert r.returncode == 0, r.stderr
     assert ": OK" in r.stdout
 
@@ -281,34 +288,16 @@ def test_init_removes_stale_temp_files_of_dead_processes(tmp_path, capsys):
 
 
 def test_init_prints_the_size_first_and_progress_only_on_a_terminal(tmp_path):
-    import pty
-    import select
     cfg, out = _cfg_file(tmp_path), tmp_path / "m.safetensors"
     r = _cli(["init", str(cfg), "-o", str(out)])  # stderr is a pipe: no bar
     assert r.returncode == 0, r.stderr
     first = r.stdout.splitlines()[0]
     assert first.startswith(f"writing {out}: ") and "MiB" in first
     assert "%" not in r.stderr and "\r" not in r.stderr
-    master, slave = pty.openpty()  # stderr is a terminal: a bar from 0% to 100%
-    p = subprocess.Popen([sys.executable, "-m", "engram_stream.cli", "init", str(cfg), "-o", str(out), "--force"],
-                         cwd=tempfile.gettempdir(), stdout=subprocess.PIPE, stderr=slave)
-    os.close(slave)
-    seen = b""
-    while True:
-        if select.select([master], [], [], 1)[0]:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            seen += chunk
-        elif p.poll() is not None:
-            break
-    p.wait(timeout=120)
-    os.close(master)
-    assert p.returncode == 0
-    assert b"  0% of" in seen and b"100% of" in seen
+    r = run_python_on_a_terminal(["-m", "engram_stream.cli", "init", str(cfg), "-o", str(out), "--force"],
+                                 timeout=120)
+    assert r.returncode == 0, r.stderr[-500:]  # stderr is a terminal: a bar from 0% to 100%
+    assert "  0% of" in r.stderr and "100% of" in r.stderr
 
 
 # ---- argument checking, help, --version, --debug anywhere -------------------------------------------------
@@ -344,6 +333,32 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"engram-stream {engram_stream.__version__}"
+
+
+def _unsupported_isa():
+    from engram_stream.engine.isa import ISA_NAMES, supported_isas
+    return next(n for n in ISA_NAMES if n not in supported_isas())  # neon on x86, the x86 paths on aarch64
+
+
+@pytest.mark.parametrize("bad", ["sse9", "unsupported"])
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["inspect", "--help"], ["demo", "--tokens", "3"]])
+def test_a_bad_engram_stream_isa_is_one_line_and_status_2(argv, bad):
+    """`import engram_stream` refuses an ENGRAM_STREAM_ISA this CPU does not run; the command says
+    so in one line naming the value, the paths this CPU runs and the fix, for every command."""
+    from engram_stream.engine.isa import default_isa, supported_isas
+    bad = _unsupported_isa() if bad == "unsupported" else bad
+    r = _console_script(argv, env=dict(os.environ, ENGRAM_STREAM_ISA=bad), timeout=120)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    line = r.stderr.strip()
+    assert line.startswith(f"engram-stream: error: ENGRAM_STREAM_ISA={bad!r}: ") and "Traceback" not in line
+    assert line.endswith(f"unset ENGRAM_STREAM_ISA (then {default_isa()} runs, the best here) or set it to one "
+                         f"this CPU runs: {', '.join(supported_isas())}"), line
+
+
+def test_a_bad_engram_stream_isa_with_debug_shows_the_traceback():
+    r = _console_script(["--version", "--debug"], env=dict(os.environ, ENGRAM_STREAM_ISA=_unsupported_isa()),
+                        timeout=120)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "IsaEnvironmentError: ENGRAM_STREAM_ISA=" in r.stderr
 
 
 def test_every_option_has_help_and_shows_its_default(capsys):

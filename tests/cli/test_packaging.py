@@ -35,7 +35,8 @@ def test_sdist_carries_tests_data_tools_and_no_build_products(tmp_path):
     (archive,) = os.listdir(tmp_path / "dist")
     with tarfile.open(tmp_path / "dist" / archive) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
-    need = {"LICENSE", "MANIFEST.in", "README.md", "pyproject.toml", "setup.py", "engram_stream/py.typed",
+    need = {"LICENSE", "MANIFEST.in", "README.md", "pyproject.toml", "setup.py", "_engram_stream_launcher.py",
+            "engram_stream/py.typed",
             "engram_stream/demo/_engine.pyi", "engram_stream/_hash.pyi", "engram_stream/v41/_engine.pyi",
             "engram_stream/rows/_cache.pyi", "engram_stream/rows/_direct.pyi", *_source_files()}
     assert not need - names, sorted(need - names)

@@ -206,18 +206,32 @@ def _same_state(a, b):
             assert np.array_equal(getattr(a[L], k), getattr(b[L], k)), (L, k)
 
 
+def _inputs(model, rng, S, T):
+    """ids [S, T] of the model's variant (variant_ids) and float32 hiddens [S, T, G, D]."""
+    ids = variant_ids(model, rng, (S, T))
+    return ids, rng.standard_normal((S, T, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+
+
+def _two_streams_two_layers(variant, seed, T):
+    """The model of `variant`, its two layers, ids and hiddens of 2 streams x T tokens, and a
+    Decoder of 2 slots."""
+    model = model_of(variant)
+    ids, hid = _inputs(model, np.random.default_rng(seed), 2, T)
+    return model, tuple(model.cfg.layer_ids), ids, hid, model.decoder(2)
+
+
+def _close_to_the_oracle(model, outs, ids, hid):
+    """outs {layer: its outputs, position by position}, for every layer, against the oracle's."""
+    for L in model.cfg.layer_ids:
+        close(np.stack(outs[L], 1), model.forward(L, ids, hid))
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decoder_layer_given_an_unreadable_hidden_changes_nothing(variant):
     """Decoder.layer with a hidden that raises on conversion (any exception): nothing changes,
     the layer stays pending, the others as they were; calling it again with a good hidden
     gives the oracle's outputs (the demo's conv ring included)."""
-    model = model_of(variant)
-    La, Lb = model.cfg.layer_ids
-    G, D = model.cfg.hc_mult, model.cfg.hidden_size
-    rng = np.random.default_rng(9)
-    ids = variant_ids(model, rng, (2, 5))
-    hid = rng.standard_normal((2, 5, G, D)).astype(np.float32)
-    dec = model.decoder(2)
+    model, (La, Lb), ids, hid, dec = _two_streams_two_layers(variant, seed=9, T=5)
     outs = {La: [], Lb: []}
     for p in range(5):
         dec.begin(ids[:, p])
@@ -231,8 +245,7 @@ def test_decoder_layer_given_an_unreadable_hidden_changes_nothing(variant):
                 dec.layer(Lb, _Unreadable())
             assert dec.pending() == [Lb]
         outs[Lb].append(dec.layer(Lb, hid[:, p]))
-    for L in (La, Lb):
-        close(np.stack(outs[L], 1), model.forward(L, ids, hid))
+    _close_to_the_oracle(model, outs, ids, hid)
 
 
 @pytest.mark.parametrize("bad", ["shape", "unreadable"])
@@ -240,13 +253,7 @@ def test_decoder_layer_given_an_unreadable_hidden_changes_nothing(variant):
 def test_decoder_step_checks_every_hidden_before_any_layer_runs(variant, bad):
     """Decoder.step with a bad hidden for its last layer: refused before any layer is fed (no
     layer advanced or pending); the same step with good hiddens then equals the oracle."""
-    model = model_of(variant)
-    La, Lb = model.cfg.layer_ids
-    G, D = model.cfg.hc_mult, model.cfg.hidden_size
-    rng = np.random.default_rng(10)
-    ids = variant_ids(model, rng, (2, 3))
-    hid = rng.standard_normal((2, 3, G, D)).astype(np.float32)
-    dec = model.decoder(2)
+    model, (La, Lb), ids, hid, dec = _two_streams_two_layers(variant, seed=10, T=3)
     outs = {La: [], Lb: []}
     for p in range(3):
         if p == 1:
@@ -258,8 +265,7 @@ def test_decoder_step_checks_every_hidden_before_any_layer_runs(variant, bad):
             _same_state(before, dec.snapshot())
         for L, o in dec.step(ids[:, p], {La: hid[:, p], Lb: hid[:, p]}).items():
             outs[L].append(o)
-    for L in (La, Lb):
-        close(np.stack(outs[L], 1), model.forward(L, ids, hid))
+    _close_to_the_oracle(model, outs, ids, hid)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -437,21 +443,25 @@ class _FakeRows(RecordSource):
         return out
 
 
+def _on_a_fake_tier(variant, tier, row_cache_mb=0):
+    """(the model of `variant`, a copy of it whose rows come through `tier`)."""
+    base = model_of(variant)
+    model = EngramModel(base.cfg, base.plan, base.layers)
+    model.row_tiers = RowTiers(model, row_cache_mb, tier)
+    return base, model
+
+
 @pytest.mark.parametrize("fail_at", ["start", "finish"])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decoder_call_is_all_or_nothing(variant, fail_at):
     """Layer B's rows cannot be read after layer A's were (refused at begin, or failing while
     layer B waits for them after layer A ran): TierError, every layer stands as before the begin,
     and the same call works once the rows are back; outputs equal the oracle."""
-    base = model_of(variant)
-    model = EngramModel(base.cfg, base.plan, base.layers)
     tier = FakeTier(fail_at)
-    model.row_tiers = RowTiers(model, 0, tier)
+    _, model = _on_a_fake_tier(variant, tier)
     La, Lb = model.cfg.layer_ids
     dec = model.decoder(2)
-    rng = np.random.default_rng(6)
-    ids = variant_ids(model, rng, (2, 6))
-    hid = rng.standard_normal((2, 6, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+    ids, hid = _inputs(model, np.random.default_rng(6), 2, 6)
     outs = {L: [] for L in (La, Lb)}
     for p in range(6):
         if p == 3:
@@ -462,31 +472,24 @@ def test_decoder_call_is_all_or_nothing(variant, fail_at):
                 dec.layer(La, hid[:, p])
                 dec.layer(Lb, hid[:, p])
             assert not dec.pending()
-            after = dec.snapshot()
-            for L in (La, Lb):
-                for k in before[L].names:
-                    assert np.array_equal(getattr(before[L], k), getattr(after[L], k)), (L, k)
+            _same_state(before, dec.snapshot())
             tier.down = set()
         dec.begin(ids[:, p])
         for L in (La, Lb):
             outs[L].append(dec.layer(L, hid[:, p]))
-    for L in (La, Lb):
-        close(np.stack(outs[L], 1), model.forward(L, ids, hid))
+    _close_to_the_oracle(model, outs, ids, hid)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_layers_reads_start_before_any_layer_runs(variant):
     """begin() and prefill() start every layer's reads (the sources' start) before any layer
     waits for its rows; each layer waits only for its own, in the order the layers run."""
-    base = model_of(variant)
-    model = EngramModel(base.cfg, base.plan, base.layers)
     tier = FakeTier()
-    model.row_tiers = RowTiers(model, 0.01, tier)
+    _, model = _on_a_fake_tier(variant, tier, 0.01)
     La, Lb = model.cfg.layer_ids
     dec = model.decoder(2)
     rng = np.random.default_rng(2)
-    ids = variant_ids(model, rng, (2, 3))
-    hid = rng.standard_normal((2, 3, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+    ids, hid = _inputs(model, rng, 2, 3)
     dec.begin(ids[:, 0])
     assert tier.log == [("start", La), ("start", Lb)]
     assert all(dec.engines[L].row_source.reading for L in (La, Lb))
@@ -505,15 +508,12 @@ def test_every_layers_reads_start_before_any_layer_runs(variant):
 def test_decoder_prefill_is_all_or_nothing(variant):
     """A prompt whose last layer's rows fail after the first layer ran: TierError, every layer
     as before; the same prefill then gives the oracle's outputs (each engine's own prefill)."""
-    base = model_of(variant)
-    model = EngramModel(base.cfg, base.plan, base.layers)
     tier = FakeTier("finish")
-    model.row_tiers = RowTiers(model, 0, tier)
+    base, model = _on_a_fake_tier(variant, tier)
     La, Lb = model.cfg.layer_ids
     dec = model.decoder(3)
     rng = np.random.default_rng(4)
-    ids = variant_ids(model, rng, (3, 2))
-    hid = rng.standard_normal((3, 2, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+    ids, hid = _inputs(model, rng, 3, 2)
     for p in range(2):
         dec.begin(ids[:, p])
         for L in (La, Lb):
@@ -526,10 +526,7 @@ def test_decoder_prefill_is_all_or_nothing(variant):
     with pytest.raises(TierError):
         dec.prefill(p_ids, p_hid, stream=1)
     assert not dec.pending()
-    after = dec.snapshot()
-    for L in (La, Lb):
-        for k in before[L].names:
-            assert np.array_equal(getattr(before[L], k), getattr(after[L], k)), (L, k)
+    _same_state(before, dec.snapshot())
     tier.down = set()
     got = dec.prefill(p_ids, p_hid, stream=1)
     ref = base.decoder(3)  # the mapped tables, each engine's own prefill

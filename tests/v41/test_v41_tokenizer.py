@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_python
+from conftest import ROOT, run_python, run_python_on_a_terminal
 from engram_stream import EngramConfig, EngramModel, build_compression, compression
 from engram_stream.v41 import hf as hf_v41
 
@@ -185,8 +184,11 @@ def test_make_v41_checkpoint_refuses_a_vocab_below_the_tokenizer(tmp_path, real_
     shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)
 
 
+TOOL = os.path.join(ROOT, "tools", "make_v41_checkpoint.py")
+
+
 def _tool(args, **kw):
-    return run_python([os.path.join(ROOT, "tools", "make_v41_checkpoint.py"), *args], timeout=300, **kw)
+    return run_python([TOOL, *args], timeout=300, **kw)
 
 
 def test_make_v41_checkpoint_writes_a_tokenizer_folder_transformers_pads_with(tmp_path, real_tokenizer):
@@ -220,26 +222,8 @@ def test_make_v41_checkpoint_writes_a_tokenizer_folder_transformers_pads_with(tm
 
 
 def test_make_v41_checkpoint_shows_progress_on_a_terminal_only(tmp_path):
-    import pty
-    master, slave = pty.openpty()
-    try:
-        r = _tool([str(tmp_path / "a"), "--tiny"], capture_output=False, stdout=subprocess.DEVNULL, stderr=slave)
-        os.close(slave)
-        slave = None
-        err = b""
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            err += chunk
-    finally:
-        if slave is not None:
-            os.close(slave)
-        os.close(master)
-    assert r.returncode == 0
-    assert b"100% of" in err and b"] " in err, err[-500:]
+    r = run_python_on_a_terminal([TOOL, str(tmp_path / "a"), "--tiny"])
+    assert r.returncode == 0, r.stderr[-500:]
+    assert "100% of" in r.stderr and "] " in r.stderr, r.stderr[-500:]
     r = _tool([str(tmp_path / "b"), "--tiny"])   # a pipe: no bar
     assert r.returncode == 0 and "%" not in r.stderr and "writing" in r.stdout
