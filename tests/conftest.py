@@ -259,6 +259,39 @@ def row_source_model(path, what, tmp_path, request):
     return load_checkpoint(path, **kw)
 
 
+def run_suite_with_plugin(plugin, env_var, files, keyword):
+    """Run contract suites (files of tests/contract) in a pytest of their own with a test file
+    loaded as a plugin (`-p plugin`, env_var=1: it registers its toy there), the tests named by
+    `keyword` only. Returns how many passed; asserts the run was green. cwd is tests/contract,
+    not the repository root, whose unbuilt engram_stream/ would shadow the installed package."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "contract")
+    env = {**os.environ, env_var: "1", "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here)] + sys.path)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                        "-p", plugin, "-k", keyword] + [os.path.join(here, f) for f in files],
+                       cwd=here, env=env, capture_output=True, text=True, timeout=600)
+    tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-2000:]
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "failed" not in tail and "error" not in tail, tail
+    return int(tail.split(" passed")[0].split()[-1])
+
+
+def publish_when_back(tier, model, seconds):
+    """tier.publish(model) once a restarted store takes it: the master drops a dead store
+    server's memory only after its client ttl, so writes fail (TierError) for a while."""
+    import time
+    from engram_stream.rows import TierError
+    from engram_stream.rows.mooncake_servers import wait_until_writable
+    wait_until_writable(tier)
+    end = time.monotonic() + seconds
+    while True:
+        try:
+            return tier.publish(model)
+        except TierError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.5)
+
+
 def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
     """Random ids for either variant: some negative (demo: they pass through; V4.1: DEAD in the
     window), and for V4.1 image (DEAD) tokens, also at the start and in runs."""

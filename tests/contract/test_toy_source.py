@@ -6,8 +6,6 @@ serves them through RecordSource's two calls: start(rows) looks them up, finish(
 over. It is added to conftest.ROW_SOURCES only in a pytest run of its own (this file loaded as a
 plugin, `-p test_toy_source` with ENGRAM_STREAM_TOY_SOURCE=1)."""
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -17,9 +15,6 @@ import conftest
 from engram_stream.rows import OpenTier, RecordSource, RowTier
 from engram_stream.rows._direct import add_read
 from engram_stream.rows.records import record_arrays
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 class ToyTier(RowTier):
     def open(self, model):
@@ -66,16 +61,8 @@ def pytest_configure(config):
 
 
 def test_the_row_source_contract_passes_on_a_source_written_here():
-    env = {**os.environ, "ENGRAM_STREAM_TOY_SOURCE": "1",
-           "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)] + sys.path)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                        "-p", "test_toy_source", "-k", "toy", os.path.join(HERE, "test_row_sources.py")],
-                       cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
-    # (cwd: not the repository root, whose unbuilt engram_stream/ would shadow the installed package)
-    tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-2000:]
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    passed = int(tail.split(" passed")[0].split()[-1])
-    assert passed >= 16 and "failed" not in tail and "error" not in tail, tail   # the suite ran on the toy
+    passed = conftest.run_suite_with_plugin("test_toy_source", "ENGRAM_STREAM_TOY_SOURCE", ["test_row_sources.py"], "toy")
+    assert passed >= 16   # every test of the suite ran on the toy, bare and cached
 
 
 def test_the_toy_is_not_a_source_in_this_run():

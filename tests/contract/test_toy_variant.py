@@ -7,15 +7,14 @@ file loaded as a plugin, `-p test_toy_variant` with ENGRAM_STREAM_TOY=1), so the
 registry holds the built-in variants alone."""
 import dataclasses
 import os
-import subprocess
-import sys
 
 import pytest
 
 from engram_stream import EngramConfig, EngramModel, variants
 
+from conftest import run_suite_with_plugin
+
 TOY = "toy-v0"
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _validate(cfg, put):
@@ -38,17 +37,9 @@ if os.environ.get("ENGRAM_STREAM_TOY") == "1":   # loaded as the plugin of the s
 
 
 def test_the_contract_suites_pass_on_a_variant_registered_here():
-    env = {**os.environ, "ENGRAM_STREAM_TOY": "1",
-           "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE)] + sys.path)}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                        "-p", "test_toy_variant", "-k", TOY,
-                        os.path.join(HERE, "test_engine_contract.py"), os.path.join(HERE, "test_serving.py")],
-                       cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
-    # (cwd: not the repository root, whose unbuilt engram_stream/ would shadow the installed package)
-    tail = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else r.stderr[-2000:]
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    passed = int(tail.split(" passed")[0].split()[-1])
-    assert passed >= 20 and "failed" not in tail and "error" not in tail, tail   # the suites ran on the toy
+    passed = run_suite_with_plugin("test_toy_variant", "ENGRAM_STREAM_TOY",
+                                   ["test_engine_contract.py", "test_serving.py"], TOY)
+    assert passed >= 20   # the suites ran on the toy
 
 
 def test_the_toy_is_not_registered_in_this_run():

@@ -17,7 +17,7 @@ from engram_stream.rows import packed
 from engram_stream.rows.direct import DirectTier
 
 from conftest import assert_decoded_identically as assert_identical, decode_inputs as inputs, decode_run as run
-from conftest import load_checkpoint as load, variant_ids
+from conftest import load_checkpoint as load, publish_when_back, variant_ids
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
@@ -257,7 +257,6 @@ def test_mooncake_v41_store_down_refuses_then_continues_exactly(own_store, row_c
     import signal
     import time
     from engram_stream.errors import TierError
-    from engram_stream.rows.mooncake_servers import wait_until_writable
     mc, tier = own_store
     path = row_checkpoints["v41-flash-rows"]
     local = load(path)
@@ -288,16 +287,7 @@ def test_mooncake_v41_store_down_refuses_then_continues_exactly(own_store, row_c
         mc.start_store()
     else:
         os.kill(mc.store_proc.pid, signal.SIGCONT)
-    wait_until_writable(tier)
-    end = time.monotonic() + 30  # the master drops a dead server's memory after its client ttl
-    while True:
-        try:
-            tier.publish(local)
-            break
-        except TierError:
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.5)
+    publish_when_back(tier, local, 30)
     for t in range(6, T):
         step(dec, ids[t], hid[t], got)
     assert_identical(got, want)

@@ -315,7 +315,6 @@ def _same_state(a, b):
 @pytest.mark.mooncake
 @pytest.mark.parametrize("fault", ["kill_master", "stop_master", "kill_store"])
 def test_dead_store_raises_in_bounded_time_then_works_again(own_store, ckpts, fault):
-    from engram_stream.rows.mooncake_servers import wait_until_writable
     from engram_stream.rows import TierError
     mc, tier = own_store
     local = EngramModel.load(ckpts["float32"])
@@ -350,16 +349,7 @@ def test_dead_store_raises_in_bounded_time_then_works_again(own_store, ckpts, fa
         mc.start_master()
     else:
         mc.start_store()
-    wait_until_writable(tier)
-    end = time.monotonic() + 20  # a dead store server's memory is dropped by the master after client_ttl
-    while True:
-        try:
-            tier.publish(local)
-            break
-        except TierError:
-            if time.monotonic() > end:
-                raise
-            time.sleep(0.5)
+    conftest.publish_when_back(tier, local, 20)
     for t in range(10, 30):
         dec.begin(ids[t])
         got.append(dec.layer(1, hid[t]).copy())
