@@ -29,9 +29,10 @@ collective. row_cache_stats() of an embedding (or stats()) gives the cache's cou
 
 What runs where: vLLM hashes on its device (NgramHashState) at forward entry, then calls every
 Engram layer's prepare_embeddings before the first decoder layer; with cpu_offload (vLLM's
-default) that is lookup(..., background=True) on its prefetch stream. lookup() copies this
-rank's ids to the host and hands the rows to the embedding's two lanes (threads of the plugin,
-each with its own row source) and returns: every layer's reads are in flight at once. A lane
+default) that is lookup(..., background=True) on its prefetch stream. lookup() queues the copy
+of this rank's ids to a pinned host buffer (an event after it), hands the rows to the
+embedding's two lanes (threads of the plugin, each with its own row source) and returns without
+waiting for the device: every layer's reads start as soon as the hashes reach the host. A lane
 reads the rows (the row cache, then the files or the store; a direct source's I/O pool threads
 do the preads), converts them on the host and writes them to `out` (a device `out`: to a pinned
 staging buffer). vLLM's wait for the layer's rows (Engram._finish_prefetch, patched) joins the
@@ -180,6 +181,7 @@ def embedding_class():
             self._pending_copy = None              # (host rows, device out) copied at wait()
             self._copied = None                    # a CUDA event: the staging's last copy is done
             self._staging = None                   # pinned host rows of a device `out`
+            self._ids_pinned = None                # pinned host ids of a device background lookup
             self._lookup_lock = threading.RLock()
 
         def extra_repr(self):
@@ -189,19 +191,41 @@ def embedding_class():
         def row_cache_stats(self):
             return self.model.row_cache_stats()
 
-        def _rows(self, indices):
-            """int64 [T, part] table rows of this rank's heads (-1: zeros)."""
+        def _rows(self, indices, rows=None):
+            """int64 [T, part] table rows of this rank's heads (-1: zeros), into `rows` if given."""
             a = indices[:, self.head_start:self.head_start + self.part_n_hash_cols]
             a = (a.cpu() if a.device.type != "cpu" else a).numpy()
-            rows = np.full((a.shape[0], self.part_n_hash_cols), -1, np.int64)
+            if rows is None:
+                rows = np.empty((a.shape[0], self.part_n_hash_cols), np.int64)
+            rows[:, a.shape[1]:] = -1
             owned = (a >= self.vocab_start_idx) & (a < self.vocab_end_idx)
             rows[:, :a.shape[1]] = np.where(owned, a, -1)
             return rows
 
-        def _fill(self, lane, rows, host):
+        def _ids_to_host(self, indices):
+            """This rank's columns of device `indices` copied to a pinned buffer on the current
+            stream without waiting, and an event recorded after the copy: a lane waits for it,
+            so a background lookup does not block the host on the device's hash kernel."""
+            a = indices[:, self.head_start:self.head_start + self.part_n_hash_cols]
+            buf = self._ids_pinned
+            if buf is None or buf.numel() < a.numel():
+                buf = self._ids_pinned = torch.empty(max(a.numel(), 1), dtype=a.dtype, pin_memory=True)
+            host = buf[:a.numel()].view(a.shape)
+            host.copy_(a, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            return host, ready
+
+        def _rows_when_ready(self, ids, ready, rows):
+            ready.synchronize()
+            self._rows(ids, rows)
+
+        def _fill(self, lane, rows, host, rows_ready=None):
             """One window: its records read into `host` (uint8) or through the lane's scratch
             converted to bf16. Runs on a lane's thread or the caller's; the GIL is released
-            while the rows are read and converted."""
+            while the rows are read and converted. rows_ready: the future that fills `rows`."""
+            if rows_ready is not None:
+                rows_ready.result()
             source, scratch = lane[1], lane[2]
             if host.dtype == np.uint8:
                 source.read_into(rows, host)
@@ -240,25 +264,36 @@ def embedding_class():
                 raise TypeError(f"lookup: out must be bfloat16 rows or uint8 records, got {out.dtype}")
             with self._lookup_lock:
                 self.wait()                       # the previous lookup's rows (and its staging)
-                rows = self._rows(indices)
+                lanes, rows_ready = None, None
+                if background and indices.device.type != "cpu":
+                    lanes = self._lane_set()
+                    rows = np.empty((T, self.part_n_hash_cols), np.int64)
+                    rows_ready = lanes[0][0].submit(self._rows_when_ready, *self._ids_to_host(indices), rows)
+                    self._pending.append(rows_ready)
+                else:
+                    rows = self._rows(indices)
                 host = out if out.device.type == "cpu" else self._host(out)
                 dst = host.numpy() if host.dtype == torch.uint8 else host.view(torch.int16).numpy().view(np.uint16)
                 if host is not out:
                     self._pending_copy = (host, out)
                 if not background and T <= self.window:
                     self._fill(self._inline, rows, dst)
-                    self.wait()
+                    if host is not out:
+                        self.wait()
                     return
-                lanes = self._lane_set()
+                lanes = lanes or self._lane_set()
                 for k, t0 in enumerate(range(0, T, self.window)):
                     t1 = min(T, t0 + self.window)
-                    self._pending.append(lanes[k % 2][0].submit(self._fill, lanes[k % 2], rows[t0:t1], dst[t0:t1]))
+                    self._pending.append(lanes[k % 2][0].submit(self._fill, lanes[k % 2], rows[t0:t1], dst[t0:t1],
+                                                                rows_ready))
                 if not background:
                     self.wait()
 
         def wait(self):
             """Block until the lookup in flight has filled `out` (a device `out`: its copy from
             the pinned staging is queued on the current stream). Raises what a read raised."""
+            if not self._pending and self._pending_copy is None:
+                return                            # nothing in flight (a decode step's inline lookup)
             with self._lookup_lock:
                 pending, self._pending = self._pending, []
                 error = None

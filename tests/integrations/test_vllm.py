@@ -330,10 +330,10 @@ class Gate:
         self.event, self.entered, self.background = threading.Event(), threading.Semaphore(0), []
         fill, lookup = type(emb)._fill.__get__(emb), type(emb).lookup.__get__(emb)
 
-        def gated_fill(lane, rows, host):
+        def gated_fill(*args):
             self.entered.release()
             assert self.event.wait(30), "the gate was never opened"
-            return fill(lane, rows, host)
+            return fill(*args)
 
         def recording_lookup(indices, out, background=False):
             self.background.append(background)
@@ -377,7 +377,7 @@ def test_a_background_read_error_is_raised_where_vllm_waits(E, vllm_env, ckpt, e
     configure(vllm_env, monkeypatch, path, "env", {"tables": "direct"})
     m = plugin_embeddings(E, layout)[calls[0][0]]
 
-    def failing(lane, rows, host):
+    def failing(*args):
         raise OSError(5, "injected read error")
 
     monkeypatch.setattr(m, "_fill", failing)
