@@ -35,6 +35,9 @@ PY=$VENV/bin/python
     sniffio==1.3.1 starlette==1.10.0 sympy==1.14.0 tokenizers==0.23.3 tqdm==4.70.1 \
     transformers==5.24.0 truststore==0.10.5 typer==0.29.2 typing-inspection==0.4.5 \
     typing_extensions==4.16.0 urllib3==2.8.0 uvloop==0.23.0 xgrammar==0.2.9 yarl==1.25.1
+# the plugin's Mooncake test: the store's client and its server binaries (CPU build; needs
+# Debian's libibverbs1); its deps (aiohttp, requests: pinned above; msgpack) leave torch alone
+"$PY" -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 cd "$ROOT"
 "$PY" setup.py -q build_ext --inplace -j 2
 TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_vllm.py

@@ -5,7 +5,8 @@ tensors, with cpu_offload=False and stubs for the tensor-parallel rank and the d
 vLLM's stock ParallelEngramEmbedding is filled by vLLM's own loader (safetensors_weights_iterator
 and the parameters' weight_loader) from a tiny V4.1 checkpoint; the plugin's embedding (made by
 vLLM's Engram._create_embedding, patched by register()) reads the same checkpoint through each
-row source. Both lookups must give the same bytes: uint8 records and bf16 rows, cold and warm,
+row source (Mooncake: the real test servers, marked `mooncake`). Both lookups must give the same
+bytes: uint8 records and bf16 rows, cold and warm, in the background (the lanes) and not,
 -1 ids, ids outside the rank's rows, repeated rows, padded heads of a TP shard. The e4m3 NaN
 codes and the e8m0 bytes 0 and 255, where vLLM's kernel, Triton's interpreter and engram_stream's
 dequantization differ, are pinned in a test of their own. Skipped without vLLM (tools/ci_vllm.sh
@@ -213,6 +214,30 @@ def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, ckpt, expected, monkeypatc
     if SOURCES[source]["tables"] == "direct":
         assert st["reads"] > 0
     assert plugin.stats()[os.path.realpath(path)]["layers"].keys() == set(layout.layer_ids)
+
+
+@pytest.mark.mooncake
+def test_plugin_lookup_from_mooncake_gives_vllms_bytes(E, vllm_env, ckpt, expected, monkeypatch, tier, mooncake):
+    """"mooncake": the rows from a real Mooncake Store (the session's test servers) the checkpoint
+    was published to, behind the row cache: vLLM's bytes cold and warm, background and not."""
+    path = ckpt["plain"]
+    layout, _, calls = expected[path]
+    tier.publish(EngramModel.from_deepseek_v41(path))
+    configure(vllm_env, monkeypatch, path, "env", {"tables": "mapped", "row_cache_mb": 0.2, "mooncake": {
+        "master": mooncake.master, "metadata": mooncake.metadata, "local_host": "127.0.0.1"}})
+    mine = plugin_embeddings(E, layout)
+    for L, ids, dtype, want in calls:
+        m = mine[L]
+        for background in (False, True):
+            got = torch.full((ids.shape[0], m.part_n_hash_cols, 264 if dtype == torch.uint8 else 256), 3, dtype=dtype)
+            m.lookup(ids, got, background=background)
+            m.wait()
+            if want is None:
+                assert not got.view(torch.int16).any()
+            else:
+                assert torch.equal(want.view(torch.uint8), got.view(torch.uint8)), (L, ids.shape, dtype)
+    st = plugin.stats()[os.path.realpath(path)]
+    assert st["fetches"] > 0 and st["misses"] > 0 and st["hits"] > 0
 
 
 @pytest.mark.parametrize("rank", [0, 1])
