@@ -93,7 +93,8 @@ def parallel(monkeypatch):
 
 
 def layout_of(path):
-    cfg = json.load(open(os.path.join(path, "config.json")))
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
     return E.EngramLayout.from_config(types.SimpleNamespace(**cfg))
 
 
