@@ -17,9 +17,10 @@ rounds interleaved; the machine is shared, absolute times indicative only):
           background=True) of every layer, then the waits), uniform random rows: preads per
           second against fio's 4 KiB random reads at the same queue depth on the same file.
           Goal: >= 0.7x.
-  memory  the serving process's VmRSS with a 1 GiB row cache (cut to what caching every row of
-          the bench checkpoint costs) after the cold lookups, beside the table bytes vLLM would
-          pin in host RAM (the bench checkpoint's; DeepSeek-V4.1: 189 GiB).
+  memory  (in cold's run) the serving process with a 1 GiB row cache (cut to what caching every
+          row of the bench checkpoint costs): RssAnon before the plugin's sources, what the row
+          cache adds when it is made, what 4096-token lookups add; beside the table bytes vLLM
+          would pin in host RAM (the bench checkpoint's; DeepSeek-V4.1: 189 GiB).
 """
 import argparse
 import json
@@ -102,9 +103,15 @@ def section_warm(a, res):
 BATCHES = (("decode: 16 requests x 1 token", 16), ("prompt chunk: 4096 tokens", 4096))
 
 
-def vm_rss():
+def status():
+    """VmRSS and RssAnon of this process, bytes."""
+    out = {}
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        for line in f:
+            key = line.split(":")[0]
+            if key in ("VmRSS", "RssAnon"):
+                out[key] = int(line.split()[1]) * 1024
+    return out
 
 
 def section_cold(a, res):
@@ -122,7 +129,6 @@ def section_cold(a, res):
     files = [rows_file] + sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors"))
     rng = np.random.default_rng(5)
     rounds = {name: [] for name, _ in BATCHES}
-    rss0 = vm_rss()
     model = None
     for r in range(a.rounds):
         for name, T in BATCHES:
@@ -172,24 +178,32 @@ def section_cold(a, res):
     del model
     # the serving process with a 1 GiB row cache: the cold lookups again through one model
     model = EngramModel.from_deepseek_v41(d, tables=DirectTier(qd=a.qd), row_cache_mb=1024)
+    before = status()
     embs = []
     for L in model.cfg.layer_ids:
         sizes = tuple(int(p) for p in plan.head_primes[L])
         embs.append((plugin.embedding_class()(model, L, plan.table_rows[L], 256, sizes),
                      np.asarray(plan.offsets[L], np.int64), np.asarray(sizes, np.int64)))
-    out_rows = torch.empty(4096, len(embs[0][2]), 256, dtype=torch.bfloat16)
+    made = status()                       # the row cache is allocated (whole) with the first source
+    out_rows = torch.zeros(4096, len(embs[0][2]), 256, dtype=torch.bfloat16)   # vLLM's staging, not ours
+    base = status()
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < 4 * a.seconds:
         for e, off, n in embs:
             e.lookup(torch.from_numpy((off + rng.integers(0, n, (4096, len(n)))).astype(np.int32)), out_rows)
     st = model.row_cache_stats()
-    rss = vm_rss()
-    res["memory"] = {"vm_rss": rss, "vm_rss_before_model": rss0, "cache_budget_bytes": st["budget_bytes"],
-                     "rows_cached": st["rows_cached"], "capacity_rows": st["capacity_rows"],
-                     "table_bytes_vllm_pins": table, "v41_table_bytes_vllm_pins": 189 << 30}
+    after = status()
+    res["memory"] = {"vm_rss": after["VmRSS"], "rss_anon_before_model": before["RssAnon"],
+                     "rss_anon_cache": made["RssAnon"] - before["RssAnon"],
+                     "rss_anon_lookups": after["RssAnon"] - base["RssAnon"],
+                     "cache_budget_bytes": st["budget_bytes"], "rows_cached": st["rows_cached"],
+                     "capacity_rows": st["capacity_rows"], "table_bytes_vllm_pins": table,
+                     "v41_table_bytes_vllm_pins": 189 << 30}
     m = res["memory"]
-    print(f"memory: VmRSS {rss / 2**20:,.0f} MiB (before the model {rss0 / 2**20:,.0f} MiB) with a row cache of "
-          f"{m['cache_budget_bytes'] / 2**20:,.0f} MiB (1 GiB asked, cut to every row: {st['rows_cached']:,} of "
+    print(f"memory: VmRSS {after['VmRSS'] / 2**20:,.0f} MiB; RssAnon {before['RssAnon'] / 2**20:,.0f} MiB before "
+          f"the model's sources (torch, vLLM), +{m['rss_anon_cache'] / 2**20:,.0f} MiB as the row cache of "
+          f"{m['cache_budget_bytes'] / 2**20:,.0f} MiB is made (1 GiB asked, cut to every row), "
+          f"+{m['rss_anon_lookups'] / 2**20:,.0f} MiB over the 4096-token lookups ({st['rows_cached']:,} of "
           f"{st['capacity_rows']:,} rows cached); vLLM would pin the table: {table / 2**20:,.0f} MiB "
           f"(V4.1: 189 GiB)", flush=True)
 
