@@ -1,5 +1,6 @@
 #!/bin/sh
-# CI step: vLLM 0.33.0 on CPU and the vLLM plugin's tests (tests/integrations/test_vllm.py).
+# CI step: vLLM 0.33.0 and SGLang 0.5.23 on CPU and the serving integrations' tests
+# (tests/integrations/test_vllm.py, tests/integrations/test_sglang.py).
 #
 #   tools/ci_vllm.sh            # makes its own venv ($TMPDIR/engram-stream-ci-vllm-venv)
 #   tools/ci_vllm.sh VENV       # installs into the venv VENV (the CI venv), then tests
@@ -35,6 +36,16 @@ PY=$VENV/bin/python
     sniffio==1.3.1 starlette==1.10.0 sympy==1.14.0 tokenizers==0.23.3 tqdm==4.70.1 \
     transformers==5.24.0 truststore==0.10.5 typer==0.29.2 typing-inspection==0.4.5 \
     typing_extensions==4.16.0 urllib3==2.8.0 uvloop==0.23.0 xgrammar==0.2.9 yarl==1.25.1
+# the plugin's Mooncake test: the store's client and its server binaries (CPU build; needs
+# Debian's libibverbs1); its deps (aiohttp, requests: pinned above; msgpack) leave torch alone
+"$PY" -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+# SGLang 0.5.23 for tests/integrations/test_sglang.py: --no-deps, with the (CPU) packages
+# its import of sglang.srt.layers.engram needs (torchvision, which has no CPU wheel here, is
+# stubbed by the test)
+"$PY" -m pip install -q --no-deps "sglang==0.5.23" orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1 \
+    dill==0.4.1 sentencepiece==0.2.3 compressed-tensors==0.20.1 loguru==0.7.3 gguf==0.19.0
 cd "$ROOT"
 "$PY" setup.py -q build_ext --inplace -j 2
 TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_vllm.py
+# a process of its own: its torchvision stub stays out of the vLLM tests
+CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_sglang.py

@@ -1,12 +1,13 @@
 # cython: language_level=3
-"""V4.1 row records -> bf16 rows exactly as vLLM 0.33.0's Engram lookup kernel makes them.
+"""V4.1 row records -> bf16 rows exactly as the serving engines' Engram lookup kernels make them
+(vLLM 0.33.0's _engram_lookup_kernel; SGLang 0.5.23's _engram_gather_kernel).
 
-vLLM's kernel (vllm/models/deepseek_v41/common/engram.py, _engram_lookup_kernel) widens each
-e4m3 value to float32 and multiplies it by the float32 whose bits are the e8m0 byte shifted into
-the exponent field (byte << 23), then rounds to bf16 (nearest, ties to even). That differs from
-the checkpoint's value 2^(byte - 127) at two scale bytes: 0 gives a zero scale (+-0, not
-2^-127) and 255 gives +inf (+-inf, NaN for a zero value; not NaN). The e4m3 codes 0x7f / 0xff
-are NaN (float8_e4m3fn, as on the GPU; Triton's CPU interpreter reads them as +-480)."""
+Both kernels widen each e4m3 value to float32 and multiply it by the float32 whose bits are the
+e8m0 byte shifted into the exponent field (byte << 23), then round to bf16 (nearest, ties to
+even). That differs from the checkpoint's value 2^(byte - 127) at two scale bytes: 255 gives
++inf (+-inf, NaN for a zero value; not NaN), and 0 gives vLLM a zero scale (+-0, not 2^-127),
+while SGLang's kernel maps 0 to 2^-127 (zero_scale). The e4m3 codes 0x7f / 0xff are NaN
+(float8_e4m3fn, as on the GPU; Triton's CPU interpreter reads them as +-480)."""
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t
@@ -26,9 +27,10 @@ cdef inline uint16_t _bf16(float v) noexcept nogil:
     return <uint16_t> ((u + 0x7fff + ((u >> 16) & 1)) >> 16)
 
 
-def records_to_bf16(const uint8_t[:, :, ::1] records, uint16_t[:, :, ::1] out):
-    """out[t, h, :] (bf16 bits) = vLLM's dequantization of records[t, h] (head_dim e4m3 bytes,
-    then head_dim / 32 e8m0 bytes). out's leading axes may have any strides."""
+def records_to_bf16(const uint8_t[:, :, ::1] records, uint16_t[:, :, ::1] out, float zero_scale=0.0):
+    """out[t, h, :] (bf16 bits) = the kernels' dequantization of records[t, h] (head_dim e4m3
+    bytes, then head_dim / 32 e8m0 bytes); the e8m0 byte 0 scales by zero_scale (vLLM: 0,
+    SGLang: 2^-127). out's leading axes may have any strides."""
     cdef int64_t T = records.shape[0], k = records.shape[1], D = out.shape[2], nb = D // 32
     if out.shape[0] != T or out.shape[1] != k or D % 32 or records.shape[2] != D + nb:
         raise ValueError(f"records_to_bf16: records {tuple(records.shape)[:3]} do not match out "
@@ -49,5 +51,7 @@ def records_to_bf16(const uint8_t[:, :, ::1] records, uint16_t[:, :, ::1] out):
                 for b in range(nb):
                     bits = (<uint32_t> r[D + b]) << 23
                     memcpy(&f, &bits, 4)
+                    if bits == 0:
+                        f = zero_scale
                     for i in range(b * 32, b * 32 + 32):
                         o[i] = _bf16(lut[r[i]] * f)

@@ -27,10 +27,18 @@ heads (TP shards as vLLM's); every rank reads its own rows (no DP exchange: dp_s
 vLLM's DP-shared host table), so the embedding's forward() and vLLM's staging need no
 collective. row_cache_stats() of an embedding (or stats()) gives the cache's counters.
 
-What runs where: vLLM hashes on its device (NgramHashState); lookup() copies this rank's ids to
-the host, reads the rows (the row cache, then the files or the store; a direct source's I/O
-pool threads read while the caller waits), converts them on the host and copies them to `out`
-(a device `out` through a pinned staging buffer, on the caller's current stream).
+What runs where: vLLM hashes on its device (NgramHashState) at forward entry, then calls every
+Engram layer's prepare_embeddings before the first decoder layer; with cpu_offload (vLLM's
+default) that is lookup(..., background=True) on its prefetch stream. lookup() queues the copy
+of this rank's ids to a pinned host buffer (an event after it), hands the rows to the
+embedding's two lanes (threads of the plugin, each with its own row source) and returns without
+waiting for the device: every layer's reads start as soon as the hashes reach the host. A lane
+reads the rows (the row cache, then the files or the store; a direct source's I/O pool threads
+do the preads), converts them on the host and writes them to `out` (a device `out`: to a pinned
+staging buffer). vLLM's wait for the layer's rows (Engram._finish_prefetch, patched) joins the
+lanes and queues the staging's copy to `out` on the current stream. A chunk longer than
+`window` tokens goes in windows alternating between the lanes: one window's reads in flight
+while the other's are converted.
 """
 from __future__ import annotations
 
@@ -50,6 +58,7 @@ ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 LOADER_MODULE = "vllm.model_executor.model_loader.weight_utils"
 TABLE_TENSOR = re.compile(r"(?:^|\.)engram\.embed\.(?:weight|scale)$")  # as vLLM's _ENGRAM_WEIGHT_RE
 SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake")
+WINDOW_ROWS = 1 << 14   # rows of one window of a long lookup (its records: 4 MiB of scratch a lane)
 
 _lock = threading.Lock()
 _models = {}            # settings key -> the EngramModel serving this process's lookups
@@ -164,9 +173,16 @@ def embedding_class():
             self.part_num_embeddings = self.vocab_end_idx - self.vocab_start_idx
             self.source = model.row_source(layer)
             self.recbytes = self.source.rowbytes + self.source.scalebytes
-            self._records = np.empty(0, np.uint8)  # scratch of bf16 lookups (grown, kept)
+            # tokens of one window: a long prompt chunk's windows alternate between two lanes
+            self.window = max(1, WINDOW_ROWS // self.part_n_hash_cols)
+            self._inline = (None, self.source, [np.empty(0, np.uint8)])  # a lane without a thread
+            self._lanes = None                     # (executor, its RowSource, its record scratch) x 2
+            self._pending = []                     # futures of the lookup in flight
+            self._pending_copy = None              # (host rows, device out) copied at wait()
+            self._copied = None                    # a CUDA event: the staging's last copy is done
             self._staging = None                   # pinned host rows of a device `out`
-            self._lookup_lock = threading.Lock()
+            self._ids_pinned = None                # pinned host ids of a device background lookup
+            self._lookup_lock = threading.RLock()
 
         def extra_repr(self):
             return (f"layer={self.layer}, heads={self.head_start}..{self.head_start + self.part_n_hash_cols} "
@@ -175,44 +191,131 @@ def embedding_class():
         def row_cache_stats(self):
             return self.model.row_cache_stats()
 
-        def _rows(self, indices):
-            """int64 [T, part] table rows of this rank's heads (-1: zeros)."""
+        def _rows(self, indices, rows=None):
+            """int64 [T, part] table rows of this rank's heads (-1: zeros), into `rows` if given."""
             a = indices[:, self.head_start:self.head_start + self.part_n_hash_cols]
             a = (a.cpu() if a.device.type != "cpu" else a).numpy()
-            rows = np.full((a.shape[0], self.part_n_hash_cols), -1, np.int64)
+            if rows is None:
+                rows = np.empty((a.shape[0], self.part_n_hash_cols), np.int64)
+            rows[:, a.shape[1]:] = -1
             owned = (a >= self.vocab_start_idx) & (a < self.vocab_end_idx)
             rows[:, :a.shape[1]] = np.where(owned, a, -1)
             return rows
 
-        def _scratch(self, T):
-            need = T * self.part_n_hash_cols * self.recbytes
-            if self._records.size < need:
-                self._records = np.empty(need, np.uint8)
-            return self._records[:need].reshape(T, self.part_n_hash_cols, self.recbytes)
+        def _ids_to_host(self, indices):
+            """This rank's columns of device `indices` copied to a pinned buffer on the current
+            stream without waiting, and an event recorded after the copy: a lane waits for it,
+            so a background lookup does not block the host on the device's hash kernel."""
+            a = indices[:, self.head_start:self.head_start + self.part_n_hash_cols]
+            buf = self._ids_pinned
+            if buf is None or buf.numel() < a.numel():
+                buf = self._ids_pinned = torch.empty(max(a.numel(), 1), dtype=a.dtype, pin_memory=True)
+            host = buf[:a.numel()].view(a.shape)
+            host.copy_(a, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            return host, ready
+
+        def _rows_when_ready(self, ids, ready, rows):
+            ready.synchronize()
+            self._rows(ids, rows)
+
+        def _fill(self, lane, rows, host, rows_ready=None):
+            """One window: its records read into `host` (uint8) or through the lane's scratch
+            converted to bf16. Runs on a lane's thread or the caller's; the GIL is released
+            while the rows are read and converted. rows_ready: the future that fills `rows`."""
+            if rows_ready is not None:
+                rows_ready.result()
+            source, scratch = lane[1], lane[2]
+            if host.dtype == np.uint8:
+                source.read_into(rows, host)
+                return
+            need = rows.size * self.recbytes
+            if scratch[0].size < need:
+                scratch[0] = np.empty(need, np.uint8)
+            rec = scratch[0][:need].reshape(rows.shape[0], self.part_n_hash_cols, self.recbytes)
+            source.read_into(rows, rec)
+            records_to_bf16(rec, host)
+
+        def _lane_set(self):
+            if self._lanes is None:
+                from concurrent.futures import ThreadPoolExecutor
+                self._lanes = [(ThreadPoolExecutor(1, thread_name_prefix=f"engram-rows-L{self.layer}"),
+                                src, scratch)
+                               for src, scratch in ((self.source, self._inline[2]),
+                                                    (self.model.row_source(self.layer), [np.empty(0, np.uint8)]))]
+            return self._lanes
 
         def lookup(self, indices, out, background=False):
             """vLLM's lookup: out[t, h] = the row of indices[t, head_start + h] of this rank's
-            heads, as uint8 records or bf16 (vLLM's rounding); zeros where no row. background
-            (a call on vLLM's prefetch stream) reads the same way: the host does the work."""
+            heads, as uint8 records or bf16 (vLLM's rounding); zeros where no row.
+
+            background=True (Engram._start_prefetch, at forward entry for every layer) returns
+            once the rows are handed to this embedding's two lanes (threads, each its own row
+            source): every layer's reads are in flight before the first layer runs, and
+            Engram._finish_prefetch, where vLLM waits for the rows, calls wait(). A chunk of more
+            than `window` tokens is read in windows alternating between the lanes, so one
+            window's reads are in flight while the other's are copied and converted; a shorter
+            lookup without background runs on the caller's thread."""
             T = indices.shape[0]
             if not T * self.part_n_hash_cols:
                 return
+            if out.dtype not in (torch.uint8, torch.bfloat16):
+                raise TypeError(f"lookup: out must be bfloat16 rows or uint8 records, got {out.dtype}")
             with self._lookup_lock:
-                rows = self._rows(indices)
-                host = out if out.device.type == "cpu" else self._host(out)
-                if host.dtype == torch.uint8:
-                    self.source.read_into(rows, host.numpy())
-                elif host.dtype == torch.bfloat16:
-                    rec = self._scratch(T)
-                    self.source.read_into(rows, rec)
-                    records_to_bf16(rec, host.view(torch.int16).numpy().view(np.uint16))
+                self.wait()                       # the previous lookup's rows (and its staging)
+                lanes, rows_ready = None, None
+                if background and indices.device.type != "cpu":
+                    lanes = self._lane_set()
+                    rows = np.empty((T, self.part_n_hash_cols), np.int64)
+                    rows_ready = lanes[0][0].submit(self._rows_when_ready, *self._ids_to_host(indices), rows)
+                    self._pending.append(rows_ready)
                 else:
-                    raise TypeError(f"lookup: out must be bfloat16 rows or uint8 records, got {out.dtype}")
+                    rows = self._rows(indices)
+                host = out if out.device.type == "cpu" else self._host(out)
+                dst = host.numpy() if host.dtype == torch.uint8 else host.view(torch.int16).numpy().view(np.uint16)
                 if host is not out:
+                    self._pending_copy = (host, out)
+                if not background and T <= self.window:
+                    self._fill(self._inline, rows, dst)
+                    if host is not out:
+                        self.wait()
+                    return
+                lanes = lanes or self._lane_set()
+                for k, t0 in enumerate(range(0, T, self.window)):
+                    t1 = min(T, t0 + self.window)
+                    self._pending.append(lanes[k % 2][0].submit(self._fill, lanes[k % 2], rows[t0:t1], dst[t0:t1],
+                                                                rows_ready))
+                if not background:
+                    self.wait()
+
+        def wait(self):
+            """Block until the lookup in flight has filled `out` (a device `out`: its copy from
+            the pinned staging is queued on the current stream). Raises what a read raised."""
+            if not self._pending and self._pending_copy is None:
+                return                            # nothing in flight (a decode step's inline lookup)
+            with self._lookup_lock:
+                pending, self._pending = self._pending, []
+                error = None
+                for f in pending:                 # every window finishes before the staging is reused
+                    try:
+                        f.result()
+                    except BaseException as e:  # noqa: BLE001  (the first error is raised below)
+                        error = error or e
+                copy, self._pending_copy = self._pending_copy, None
+                if error is not None:
+                    raise error
+                if copy is not None:
+                    host, out = copy
                     out.copy_(host, non_blocking=True)
+                    self._copied = torch.cuda.Event()
+                    self._copied.record()
 
         def _host(self, out):
-            """A pinned host tensor shaped as `out` (kept and reused)."""
+            """A pinned host tensor shaped as `out` (kept and reused once its last copy is done)."""
+            if self._copied is not None:
+                self._copied.synchronize()
+                self._copied = None
             st = self._staging
             if st is None or st.dtype != out.dtype or st.numel() < out.numel():
                 st = self._staging = torch.empty(out.numel(), dtype=out.dtype, pin_memory=True)
@@ -251,6 +354,25 @@ def _patch_engram(E):
 
     _create_embedding._engram_stream = True
     E.Engram._create_embedding = _create_embedding
+    _patch_wait(E)
+
+
+def _patch_wait(E):
+    """Engram._finish_prefetch, where vLLM waits for a layer's background lookup, first waits for
+    the plugin's lanes (and queues the rows' copy to the device), in the same eager segment."""
+    original = E.Engram._finish_prefetch
+    if getattr(original, "_engram_stream", False):
+        return
+    body = getattr(original, "__wrapped__", original)   # inside vLLM's eager_break_during_capture
+
+    def _finish_prefetch(self, event):
+        if _embedding_class is not None and isinstance(self.embed_tokens, _embedding_class):
+            self.embed_tokens.wait()
+        return body(self, event)
+
+    wrapped = E.eager_break_during_capture(_finish_prefetch)
+    wrapped._engram_stream = True
+    E.Engram._finish_prefetch = wrapped
 
 
 def _cuda():

@@ -27,6 +27,7 @@ from libc.stdint cimport int64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 from posix.stat cimport fstat, struct_stat
+from posix.unistd cimport close
 
 from engram_stream.errors import FileChangedError
 
@@ -231,8 +232,10 @@ cdef class RecordFile:
         return 0
 
     def _close(self):
+        # close(2) itself, not os.close: __dealloc__ may run at interpreter exit, after the
+        # os module's globals are cleared
         for fd, _ in (self._fds or {}).values():
-            os.close(fd)
+            close(fd)
         self._fds = {}
 
     def __dealloc__(self):

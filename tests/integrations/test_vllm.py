@@ -5,17 +5,20 @@ tensors, with cpu_offload=False and stubs for the tensor-parallel rank and the d
 vLLM's stock ParallelEngramEmbedding is filled by vLLM's own loader (safetensors_weights_iterator
 and the parameters' weight_loader) from a tiny V4.1 checkpoint; the plugin's embedding (made by
 vLLM's Engram._create_embedding, patched by register()) reads the same checkpoint through each
-row source. Both lookups must give the same bytes: uint8 records and bf16 rows, cold and warm,
+row source (Mooncake: the real test servers, marked `mooncake`). Both lookups must give the same
+bytes: uint8 records and bf16 rows, cold and warm, in the background (the lanes) and not,
 -1 ids, ids outside the rank's rows, repeated rows, padded heads of a TP shard. The e4m3 NaN
 codes and the e8m0 bytes 0 and 255, where vLLM's kernel, Triton's interpreter and engram_stream's
 dequantization differ, are pinned in a test of their own. Skipped without vLLM (tools/ci_vllm.sh
 installs it)."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import shutil
+import threading
 import types
 
 import numpy as np
@@ -68,14 +71,14 @@ def vllm_env(E, monkeypatch):
     """vLLM's engram module on one CPU process: TP world `tp` (set by .tp/.rank), DP size 1, a
     device with 4 SMs, and a current VllmConfig with cpu_offload=False and additional_config."""
     from vllm.config.engram import EngramConfig
-    st = types.SimpleNamespace(tp=1, rank=0, extra={}, model=None)
+    st = types.SimpleNamespace(tp=1, rank=0, extra={}, model=None, offload=False)
     monkeypatch.setattr(E, "get_engram_dp_size", lambda: 1)
     monkeypatch.setattr(E, "get_tensor_model_parallel_world_size", lambda: st.tp)
     monkeypatch.setattr(E, "get_tensor_model_parallel_rank", lambda: st.rank)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(multi_processor_count=4))
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
     config = lambda: types.SimpleNamespace(  # noqa: E731
-        engram_config=EngramConfig(cpu_offload=False), model_config=types.SimpleNamespace(model=st.model),
+        engram_config=EngramConfig(cpu_offload=st.offload), model_config=types.SimpleNamespace(model=st.model),
         additional_config=st.extra, scheduler_config=types.SimpleNamespace(max_num_batched_tokens=512),
         lora_config=None)
     monkeypatch.setattr(E, "get_current_vllm_config", config)
@@ -213,6 +216,30 @@ def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, ckpt, expected, monkeypatc
     assert plugin.stats()[os.path.realpath(path)]["layers"].keys() == set(layout.layer_ids)
 
 
+@pytest.mark.mooncake
+def test_plugin_lookup_from_mooncake_gives_vllms_bytes(E, vllm_env, ckpt, expected, monkeypatch, tier, mooncake):
+    """"mooncake": the rows from a real Mooncake Store (the session's test servers) the checkpoint
+    was published to, behind the row cache: vLLM's bytes cold and warm, background and not."""
+    path = ckpt["plain"]
+    layout, _, calls = expected[path]
+    tier.publish(EngramModel.from_deepseek_v41(path))
+    configure(vllm_env, monkeypatch, path, "env", {"tables": "mapped", "row_cache_mb": 0.2, "mooncake": {
+        "master": mooncake.master, "metadata": mooncake.metadata, "local_host": "127.0.0.1"}})
+    mine = plugin_embeddings(E, layout)
+    for L, ids, dtype, want in calls:
+        m = mine[L]
+        for background in (False, True):
+            got = torch.full((ids.shape[0], m.part_n_hash_cols, 264 if dtype == torch.uint8 else 256), 3, dtype=dtype)
+            m.lookup(ids, got, background=background)
+            m.wait()
+            if want is None:
+                assert not got.view(torch.int16).any()
+            else:
+                assert torch.equal(want.view(torch.uint8), got.view(torch.uint8)), (L, ids.shape, dtype)
+    st = plugin.stats()[os.path.realpath(path)]
+    assert st["fetches"] > 0 and st["misses"] > 0 and st["hits"] > 0
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_tensor_parallel_shards_give_vllms_bytes(E, vllm_env, ckpt, monkeypatch, rank):
     """TP 2 of 9 columns: rank 0 heads 0..4, rank 1 heads 5..8 and a padded head (zeros); ids of
@@ -289,6 +316,137 @@ def test_a_whole_engram_layer_is_the_same_with_the_plugin(E, vllm_env, ckpt, mon
     for a, b in zip(outs["vllm"], outs["plugin"]):
         assert a.dtype == torch.bfloat16 and a.shape == (T, 3 * 32) and a.abs().sum() > 0
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+class FakeStreams:
+    """torch.cuda's streams and events as vLLM's prefetch path uses them, on CPU: they record
+    which calls were made (the CPU runs everything in order, so they need do nothing)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None):
+                pass
+
+            def wait_stream(self, other):
+                fake.calls.append("wait_stream")
+
+            def wait_event(self, event):
+                fake.calls.append("wait_event")
+
+        class Event:
+            def record(self, stream=None):
+                fake.calls.append("record")
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+
+
+class Gate:
+    """Holds every lane's fill of an embedding until opened: what ran while it was closed ran
+    before any row was read."""
+
+    def __init__(self, emb, monkeypatch):
+        self.event, self.entered, self.background = threading.Event(), threading.Semaphore(0), []
+        fill, lookup = type(emb)._fill.__get__(emb), type(emb).lookup.__get__(emb)
+
+        def gated_fill(*args):
+            self.entered.release()
+            assert self.event.wait(30), "the gate was never opened"
+            return fill(*args)
+
+        def recording_lookup(indices, out, background=False):
+            self.background.append(background)
+            return lookup(indices, out, background)
+
+        monkeypatch.setattr(emb, "_fill", gated_fill)
+        monkeypatch.setattr(emb, "lookup", recording_lookup)
+
+
+def test_a_background_lookup_returns_before_its_rows_are_read(E, vllm_env, ckpt, expected, monkeypatch):
+    """lookup(background=True) hands the rows to the lanes and returns; wait() gives vLLM's bytes.
+    A 300-token lookup with a 64-token window: 5 windows over both lanes, each held at the gate
+    until the lookup has returned."""
+    path = ckpt["plain"]
+    layout, _, calls = expected[path]
+    configure(vllm_env, monkeypatch, path, "env", {"tables": "direct", "row_cache_mb": 0.2})
+    mine = plugin_embeddings(E, layout)
+    for L, ids, dtype, want in calls:
+        if want is None:
+            continue
+        m = mine[L]
+        monkeypatch.setattr(m, "window", 64)
+        gate = Gate(m, monkeypatch)
+        out = torch.full(want.shape, 3, dtype=dtype)
+        m.lookup(ids, out, background=True)
+        windows = -(-ids.shape[0] // 64)
+        assert len(m._pending) == windows
+        assert gate.entered.acquire(timeout=30)       # a lane is reading (held) while we run
+        assert torch.equal(out, torch.full(want.shape, 3, dtype=dtype))   # no row written yet
+        gate.event.set()
+        m.wait()
+        assert not m._pending
+        assert torch.equal(want.view(torch.uint8), out.view(torch.uint8)), (L, ids.shape, dtype)
+    threads = {t.name for t in threading.enumerate()}
+    assert any(n.startswith(f"engram-rows-L{L}") for n in threads for L in layout.layer_ids)
+
+
+def test_a_background_read_error_is_raised_where_vllm_waits(E, vllm_env, ckpt, expected, monkeypatch):
+    path = ckpt["plain"]
+    layout, _, calls = expected[path]
+    configure(vllm_env, monkeypatch, path, "env", {"tables": "direct"})
+    m = plugin_embeddings(E, layout)[calls[0][0]]
+
+    def failing(*args):
+        raise OSError(5, "injected read error")
+
+    monkeypatch.setattr(m, "_fill", failing)
+    L, ids, dtype, want = calls[4]
+    m.lookup(ids, torch.empty(want.shape, dtype=dtype), background=True)
+    with pytest.raises(OSError, match="injected"):
+        m.wait()
+    m.wait()  # the error is raised once; nothing is left in flight
+
+
+def test_vllms_prefetch_path_waits_for_the_plugins_lanes(E, vllm_env, ckpt, monkeypatch):
+    """vLLM's Engram layers with cpu_offload (on CPU with stub streams): prepare_embeddings of
+    every layer (Engram._start_prefetch: lookup(background=True)) returns while every layer's
+    rows are still held at the gate; embed() (Engram._finish_prefetch, where vLLM waits) gives
+    the rows of vLLM's own embedding, bit for bit, after the wkv projection."""
+    path = ckpt["plain"]
+    layout = layout_of(E, path)
+    rng = np.random.default_rng(9)
+    T = 20
+    hashes = [hash_ids(layout, i, T, rng) for i in range(len(layout.layer_ids))]
+    want = []
+    for i in range(len(layout.layer_ids)):
+        layer = engram_layer(E, path, layout, i)
+        layer.prepare_embeddings(hashes[i])
+        want.append(layer.wkv(layer.embed(hashes[i]).flatten(-2)))
+    streams = FakeStreams(monkeypatch)
+    vllm_env.offload = True
+    configure(vllm_env, monkeypatch, path, "env", {"tables": "direct", "row_cache_mb": 0.2})
+    layers = [engram_layer(E, path, layout, i) for i in range(len(layout.layer_ids))]
+    gates = [Gate(layer.embed_tokens, monkeypatch) for layer in layers]
+    for layer, h in zip(layers, hashes):
+        assert layer._prefetch_stream is not None   # vLLM's offload path
+        layer.prepare_embeddings(h)
+    for g in gates:
+        assert g.background == [True] and g.entered.acquire(timeout=30)
+    assert streams.calls.count("record") == len(layers)
+    for g in gates:
+        g.event.set()
+    for layer, h, w in zip(layers, hashes, want):
+        got = layer.wkv(layer.embed(h).flatten(-2))
+        assert not layer.embed_tokens._pending
+        assert torch.equal(w.view(torch.int16), got.view(torch.int16))
+    assert streams.calls.count("wait_event") == len(layers)
+    assert E.Engram._finish_prefetch._engram_stream
 
 
 def test_loader_skips_the_tables_only_when_serving(E, vllm_env, ckpt, monkeypatch):
