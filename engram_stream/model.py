@@ -202,8 +202,8 @@ class EngramModel:
         return MappedRows(w.table, w.table_scale)
 
     def row_cache_stats(self) -> dict:
-        """Row cache counters summed over this model's engines, and per layer ("layers"); all
-        zero without a row cache. Every field has one meaning whatever the source behind the cache
+        """Row cache counters summed over this model's engines (with host_cache: over every
+        process sharing the host's cache), and per layer ("layers"); all zero without a row cache. Every field has one meaning whatever the source behind the cache
         (engram_stream.rows.tiers.STATS_FIELDS; DESIGN.md's table):
 
         hits           count   lookups (a row of one position and head) served without a read of
@@ -212,7 +212,7 @@ class EngramModel:
         bytes_fetched  bytes   misses x record bytes (a row then its scale: 264 for V4.1)
         evictions      count   rows dropped to make room
         rows_cached, capacity_rows   count   rows in the cache now, rows it can hold
-        cache_bytes    bytes   the cache's RAM: its capacity, allocated whole (not the rows in it)
+        cache_bytes    bytes   the cache's RAM: its capacity, reserved whole (not the rows in it)
         reads          count   preads (tables="direct") or a store's batched gets; 0 when mapped
         bytes_read     bytes   what those reads transferred: whole 4 KiB pages for preads (a
                                264-byte record costs a page), the records' bytes from a store

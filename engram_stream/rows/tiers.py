@@ -38,8 +38,8 @@ STATS_FIELDS = {
     "evictions": "rows, count: rows the cache dropped to make room",
     "rows_cached": "rows, count: rows in the cache now",
     "capacity_rows": "rows, count: rows the cache can hold",
-    "cache_bytes": "bytes: RAM the cache holds, its capacity (slots, index, keys, pins: allocated "
-                   "whole when the cache is made), not the bytes of the rows in it",
+    "cache_bytes": "bytes: RAM the cache holds, its capacity (head, slots, index, keys, pins: "
+                   "reserved whole when the cache is made), not the bytes of the rows in it",
     "reads": "operations, count: reads behind the cache: preads (tables=\"direct\") or batched "
              "gets (a Mooncake Store); 0 for the mapped tables (page faults are not counted)",
     "bytes_read": "bytes: what those reads transferred: whole 4 KiB pages for preads (one 264-byte "
