@@ -46,6 +46,7 @@ cdef class RowCache:
     cdef char *base                # the region: head, index, keys, refs, uses, slots
     cdef size_t mapped
     cdef int fd                    # the host file, flock'ed shared while this process uses it (-1: none)
+    cdef int pid                   # the process that attached it (a forked child does not detach it)
     cdef object __weakref__        # RowTiers tracks live caches for row_cache_stats()
     cdef object _totals            # int64[4] the counters are added to when the cache goes away
     cdef int _map(self, int fd, int64_t total) except -1

@@ -19,7 +19,7 @@ from libc.stdint cimport int32_t, int64_t, uint8_t
 from libc.string cimport memcpy, memset, strerror
 from posix.mman cimport MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
 from posix.stat cimport fstat, stat, struct_stat
-from posix.unistd cimport close, unlink
+from posix.unistd cimport close, getpid, unlink
 
 cnp.import_array()
 
@@ -97,6 +97,7 @@ cdef class RowCache:
 
     def __cinit__(self, int64_t nslots, int64_t recbytes, layer=None, totals=None, host=None, identity=""):
         self.fd = -1
+        self.pid = getpid()
         if nslots < 0 or recbytes < 0:
             raise ValueError(f"RowCache needs nslots >= 0 and recbytes >= 0, got {nslots}, {recbytes}")
         if totals is not None and not (isinstance(totals, np.ndarray) and totals.dtype == np.int64
@@ -265,8 +266,9 @@ cdef class RowCache:
                 self._totals += (h.hits, h.misses, h.bytes_fetched, h.evictions)
             munmap(self.base, self.mapped)
         if self.fd >= 0:
-            # the last user (no other holds its flock) removes the file, if `path` still names it
-            if flock(self.fd, LOCK_EX | LOCK_NB) == 0 and fstat(self.fd, &a) == 0 \
+            # the last user (no other holds its flock) removes the file, if `path` still names it;
+            # a forked child shares its parent's open file and flock: it only closes its copy
+            if self.pid == getpid() and flock(self.fd, LOCK_EX | LOCK_NB) == 0 and fstat(self.fd, &a) == 0 \
                     and stat(<const char *> self.host, &b) == 0 and a.st_ino == b.st_ino and a.st_dev == b.st_dev:
                 unlink(<const char *> self.host)
             close(self.fd)

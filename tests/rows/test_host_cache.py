@@ -408,6 +408,22 @@ def test_two_attachments_share_rows_and_the_last_removes_the_file():
             os.unlink(path)
 
 
+def test_a_forked_child_going_away_leaves_its_parents_file():
+    path = shm_path()
+    try:
+        a = RowCache(16, 8, host=path, identity="x")
+        pid = os.fork()
+        if pid == 0:  # the child shares the parent's open file and its flock: dropping it detaches nothing
+            del a
+            os._exit(0 if os.path.exists(path) else 1)
+        assert os.waitpid(pid, 0)[1] == 0 and os.path.exists(path)
+        del a
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def test_layout_and_identity_mismatches_are_refused_and_unused_files_replaced():
     path = shm_path()
     try:
