@@ -210,7 +210,6 @@ cdef class RowCache:
         is this one's. A file nobody uses that holds another layout is removed (0)."""
         cdef bint alone = True
         cdef es_rc_head h
-        cdef int64_t i
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -228,7 +227,6 @@ cdef class RowCache:
             raw = os.pread(fd, sizeof(es_rc_head), 0)
             memset(&h, 0, sizeof(h))
             memcpy(&h, <const char *> raw, len(raw))
-            _layout(self.c.nslots, self.c.recbytes, &i)
             theirs = {"format": (h.magic == ES_RC_MAGIC, h.version), "bytes": (st.st_size, h.total_bytes),
                       "rows": h.nslots, "record bytes": h.recbytes,
                       "identity": h.identity[:ES_RC_IDENTITY - 1].split(b"\0")[0].decode(errors="replace")}
