@@ -153,7 +153,7 @@ class EngramModel:
                                  progress=progress)
 
     @classmethod
-    def load(cls, path, mmap: bool = True, tables=None, row_cache_mb=None):
+    def load(cls, path, mmap: bool = True, tables=None, row_cache_mb=None, host_cache=None):
         """Read a checkpoint written by save() (or `engram-stream init`): a file (demo) or a
         folder (a deepseek-v4.1 HF checkpoint, as from_deepseek_v41). Every header field,
         shape and the prime chain are checked; a bad file raises CheckpointError.
@@ -164,7 +164,9 @@ class EngramModel:
         mapped tables), "direct" or a rows.DirectTier (pread from the checkpoint's files, O_DIRECT
         where the file system allows it; the packed row file when there is one), or a
         rows.MooncakeTier. row_cache_mb: the model's RAM cache of whole rows in front of them,
-        shared by every engine (engram_stream.rows)."""
+        shared by every engine (engram_stream.rows). host_cache: a name ("vllm") that makes
+        that cache the host's: every process loading the same model with the same row_cache_mb
+        and host_cache shares one cache (files under /dev/shm), one budget and its stats."""
         path = os.fspath(path)
         variant = next((v for v in variants() if v.is_checkpoint(path)), None)
         if variant is None:
@@ -179,11 +181,11 @@ class EngramModel:
                                           f"not one of its files") from None
             raise
         model.source = os.path.abspath(path)  # files opened later (tables="direct") are this folder's
-        return model._with_tiers(tables, row_cache_mb)
+        return model._with_tiers(tables, row_cache_mb, host_cache)
 
-    def _with_tiers(self, tables, row_cache_mb):
+    def _with_tiers(self, tables, row_cache_mb, host_cache):
         from .rows.tiers import RowTiers
-        self.row_tiers = RowTiers(self, row_cache_mb or 0, tables)
+        self.row_tiers = RowTiers(self, row_cache_mb or 0, tables, host_cache)
         return self
 
     def row_source(self, layer):
@@ -200,8 +202,8 @@ class EngramModel:
         return MappedRows(w.table, w.table_scale)
 
     def row_cache_stats(self) -> dict:
-        """Row cache counters summed over this model's engines, and per layer ("layers"); all
-        zero without a row cache. Every field has one meaning whatever the source behind the cache
+        """Row cache counters summed over this model's engines (with host_cache: over every
+        process sharing the host's cache), and per layer ("layers"); all zero without a row cache. Every field has one meaning whatever the source behind the cache
         (engram_stream.rows.tiers.STATS_FIELDS; DESIGN.md's table):
 
         hits           count   lookups (a row of one position and head) served without a read of
@@ -210,7 +212,7 @@ class EngramModel:
         bytes_fetched  bytes   misses x record bytes (a row then its scale: 264 for V4.1)
         evictions      count   rows dropped to make room
         rows_cached, capacity_rows   count   rows in the cache now, rows it can hold
-        cache_bytes    bytes   the cache's RAM: its capacity, allocated whole (not the rows in it)
+        cache_bytes    bytes   the cache's RAM: its capacity, reserved whole (not the rows in it)
         reads          count   preads (tables="direct") or a store's batched gets; 0 when mapped
         bytes_read     bytes   what those reads transferred: whole 4 KiB pages for preads (a
                                264-byte record costs a page), the records' bytes from a store
@@ -248,16 +250,18 @@ class EngramModel:
         return self.row_cache_stats()
 
     @classmethod
-    def from_deepseek_v41(cls, ckpt_dir, mmap: bool = True, compression=None, tables=None, row_cache_mb=None):
+    def from_deepseek_v41(cls, ckpt_dir, mmap: bool = True, compression=None, tables=None, row_cache_mb=None,
+                          host_cache=None):
         """A deepseek-v4.1 model from its HF folder (config.json, model.safetensors.index.json, the
         shards, tokenizer.json): only the layers.{L}.engram.* tensors are read, the tables are
         mapped in place. compression: a lookup to use instead of building it from tokenizer.json.
-        tables, row_cache_mb: where the rows are read from and the RAM row cache, as in load()
-        (e.g. tables="direct", row_cache_mb=4096: rows read from disk, a 4 GiB cache)."""
+        tables, row_cache_mb, host_cache: where the rows are read from, the RAM row cache and
+        whether it is the host's, as in load() (e.g. tables="direct", row_cache_mb=4096: rows
+        read from disk, a 4 GiB cache)."""
         load = get_variant("deepseek-v4.1").load   # a thin entry of the public API: the registry's loader
         model = cls(*load(ckpt_dir, mmap=mmap or tables is not None, compression=compression))
         model.source = os.path.abspath(ckpt_dir)  # files opened later (tables="direct") are this folder's
-        return model._with_tiers(tables, row_cache_mb)
+        return model._with_tiers(tables, row_cache_mb, host_cache)
 
 
 def _check_weight_dtype(variant, dtype) -> str:

@@ -19,12 +19,60 @@
  * reader's rows are evicted by its own or another's fills.
  * Stateless functions over a struct the caller owns; nothing here allocates or
  * fails loudly (a full-of-pins cache returns -1).
+ *
+ * One region: a head (es_rc_head: layout, identity, lock, CLOCK hand, counters), then the
+ * index, keys, refs, uses and the slots (es_rc_layout). A process's own cache has it in
+ * anonymous memory; a host's cache (rows/_cache.pyx, host=) has it in a file under /dev/shm
+ * that every process of the host maps, so ranks share one budget and a row one read brought
+ * is a hit for all. The struct is each process's view: pointers into its mapping of the
+ * region, plus a working copy of the head's hand, used and counters, loaded by es_rc_lock and
+ * stored by es_rc_unlock. So every rule below runs unchanged on either kind, and those fields
+ * are read or changed only between the two calls.
  */
 #ifndef ENGRAM_ROWCACHE_H
 #define ENGRAM_ROWCACHE_H
 
+#include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+
+#define ES_RC_MAGIC 0x45534843524f5753ull  /* "SWORCHSE" */
+#define ES_RC_VERSION 1
+#define ES_RC_IDENTITY 96                  /* bytes of the identity string, NUL included */
+
+/* The shared part of a cache: its layout (attachers check every field), then the lock and
+ * the state the rules change. The lock is a process-shared robust pthread mutex, not a spin
+ * lock: a call holds it over up to a window of rows (65536 peeks) and a host runs more ranks
+ * than cores, so a waiter must sleep in the kernel rather than spin on a core the holder
+ * needs; and a rank killed while holding it (SIGKILL, the OOM killer) hands the next taker
+ * EOWNERDEAD from the kernel, where a spin lock would stay taken for good (es_rc_lock). */
+typedef struct {
+    uint64_t magic;
+    int64_t version, head_bytes, total_bytes;
+    int64_t nslots, recbytes, stride, entries;
+    char identity[ES_RC_IDENTITY];  /* what the rows are (model and layer): attachers compare it */
+    pthread_mutex_t mu;
+    int64_t hand, used;
+    int64_t hits, misses, evictions, bytes_fetched;
+    int64_t recoveries;             /* times a taker found the lock's holder dead (es_rc_lock) */
+} es_rc_head;
+
+/* Byte offsets of the region's parts (every part 64-aligned); returns the region's bytes. */
+static inline int64_t es_rc_layout(int64_t nslots, int64_t stride, int64_t entries, int64_t *o_index,
+                                   int64_t *o_keys, int64_t *o_refs, int64_t *o_uses, int64_t *o_data) {
+    int64_t n = nslots > 0 ? nslots : 1, at = ((int64_t)sizeof(es_rc_head) + 63) / 64 * 64;
+#define ES_RC_PART(o, bytes) do { *(o) = at; at += ((bytes) + 63) / 64 * 64; } while (0)
+    ES_RC_PART(o_index, entries * 8);
+    ES_RC_PART(o_keys, n * 8);
+    ES_RC_PART(o_refs, n * 4);
+    ES_RC_PART(o_uses, n);
+    ES_RC_PART(o_data, n * stride);
+#undef ES_RC_PART
+    return at;
+}
 
 typedef struct {
     int64_t nslots;        /* rows it can hold (may be 0: every lookup misses) */
@@ -37,9 +85,78 @@ typedef struct {
     uint8_t *uses;         /* [nslots] CLOCK counter, 0..3 */
     int32_t *refs;         /* [nslots] readers still reading the slot */
     char *data;            /* [nslots * stride] records */
-    int64_t hand, used;
+    int64_t hand, used;    /* working copies of the head's: valid between es_rc_lock and es_rc_unlock */
     int64_t hits, misses, evictions, bytes_fetched;
+    es_rc_head *head;
 } es_rowcache;
+
+/* Forget every row (a dead lock holder may have left the index half changed or a slot half
+ * filled): no slot is indexed, and every slot is taken through the CLOCK, which skips the ones
+ * live readers still pin (their refs stay; a dead reader's stay too: DESIGN.md section 10). */
+static inline void es_rc_forget(es_rowcache *c) {
+    int64_t n = c->nslots > 0 ? c->nslots : 1;
+    memset(c->index, 0, (size_t)(c->mask + 1) * sizeof(int64_t));
+    for (int64_t s = 0; s < n; s++) c->keys[s] = -1;
+    memset(c->uses, 0, (size_t)n);
+    c->head->hand = 0;
+    c->head->used = c->nslots;
+}
+
+static inline void es_rc_lock(es_rowcache *c) {
+    es_rc_head *h = c->head;
+    int e = pthread_mutex_lock(&h->mu);
+    if (e == EOWNERDEAD) {  /* its holder died inside: what it was changing cannot be trusted */
+        es_rc_forget(c);
+        h->recoveries++;
+        e = pthread_mutex_consistent(&h->mu);
+    }
+    if (e != 0) {  /* unreachable with the protocol above (every EOWNERDEAD is made consistent) */
+        fprintf(stderr, "engram_stream: the row cache lock failed (%s): cannot go on safely\n", strerror(e));
+        abort();
+    }
+    c->hand = h->hand;
+    c->used = h->used;
+    c->hits = h->hits;
+    c->misses = h->misses;
+    c->evictions = h->evictions;
+    c->bytes_fetched = h->bytes_fetched;
+}
+
+static inline void es_rc_unlock(es_rowcache *c) {
+    es_rc_head *h = c->head;
+    h->hand = c->hand;
+    h->used = c->used;
+    h->hits = c->hits;
+    h->misses = c->misses;
+    h->evictions = c->evictions;
+    h->bytes_fetched = c->bytes_fetched;
+    pthread_mutex_unlock(&h->mu);
+}
+
+/* A fresh head for a region of `total` bytes (index zeroed by the caller's fresh memory; keys
+ * set free here). Returns 0 or an errno of the mutex's setup. */
+static inline int es_rc_init_head(es_rowcache *c, int64_t head_bytes, int64_t total, const char *identity) {
+    es_rc_head *h = c->head;
+    pthread_mutexattr_t a;
+    int e = pthread_mutexattr_init(&a);
+    if (!e) e = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    if (!e) e = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    if (!e) e = pthread_mutex_init(&h->mu, &a);
+    pthread_mutexattr_destroy(&a);
+    if (e) return e;
+    h->version = ES_RC_VERSION;
+    h->head_bytes = head_bytes;
+    h->total_bytes = total;
+    h->nslots = c->nslots;
+    h->recbytes = c->recbytes;
+    h->stride = c->stride;
+    h->entries = c->mask + 1;
+    strncpy(h->identity, identity, ES_RC_IDENTITY - 1);
+    for (int64_t s = 0; s < (c->nslots > 0 ? c->nslots : 1); s++) c->keys[s] = -1;
+    h->hand = h->used = h->hits = h->misses = h->evictions = h->bytes_fetched = h->recoveries = 0;
+    h->magic = ES_RC_MAGIC;  /* last: a head with the magic is whole */
+    return 0;
+}
 
 static inline int64_t es_rc_home(const es_rowcache *c, int64_t row) {
     return (int64_t)(((uint64_t)row * 0x9E3779B97F4A7C15ull) >> c->shift) & c->mask;
@@ -85,9 +202,11 @@ static inline int64_t es_rc_victim(es_rowcache *c) {
         c->hand = (s + 1 == c->nslots) ? 0 : s + 1;
         if (c->refs[s] > 0) continue;
         if (c->uses[s]) { c->uses[s]--; continue; }
-        es_rc_unindex(c, c->keys[s]);
-        c->keys[s] = -1;
-        c->evictions++;
+        if (c->keys[s] >= 0) {  /* -1: a slot es_rc_forget freed */
+            es_rc_unindex(c, c->keys[s]);
+            c->keys[s] = -1;
+            c->evictions++;
+        }
         return s;
     }
     return -1;

@@ -395,6 +395,12 @@ def run_python_on_a_terminal(args, timeout=300):
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
+def start_python(args, cwd=None, **kw):
+    """subprocess.Popen([sys.executable, *args]) from a folder outside the checkout (a process
+    the test talks to while it runs)."""
+    return subprocess.Popen([sys.executable, *args], cwd=cwd or tempfile.gettempdir(), **kw)
+
+
 def perturbed(model, rng):
     """The same model with non-trivial norm weights and biases, like trained ones (a model's
     arrays are read-only: the changed ones are new arrays)."""

@@ -13,6 +13,10 @@ vLLM's additional_config["engram_stream"] (--additional-config '{"engram_stream"
                   or "direct" (pread / O_DIRECT from the shards or the packed row file
                   engram_rows.bin: `engram-stream pack-rows DIR`)
     row_cache_mb  the RAM row cache (MiB) of the process, split over the Engram layers
+    host_cache    a name ("vllm"): the row cache is the host's, one for every process (the
+                  data-parallel ranks) with the same settings, row_cache_mb its one budget
+                  (files under /dev/shm; EngramModel.load's host_cache). Default: none, each
+                  process has its own cache
     mooncake      {"master": "host:port", "metadata": "http://...", "local_host": "..."}: rows
                   from a Mooncake Store the tables were published to (MooncakeTier.publish)
 
@@ -57,7 +61,7 @@ KEY = "engram_stream"  # in vLLM's additional_config
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 LOADER_MODULE = "vllm.model_executor.model_loader.weight_utils"
 TABLE_TENSOR = re.compile(r"(?:^|\.)engram\.embed\.(?:weight|scale)$")  # as vLLM's _ENGRAM_WEIGHT_RE
-SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake")
+SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake", "host_cache")
 WINDOW_ROWS = 1 << 14   # rows of one window of a long lookup (its records: 4 MiB of scratch a lane)
 
 _lock = threading.Lock()
@@ -80,7 +84,8 @@ def parse_settings(value, where):
     if unknown:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)}; the keys are {SETTINGS}")
     s = {"checkpoint": value.get("checkpoint"), "tables": value.get("tables", "mapped"),
-         "row_cache_mb": value.get("row_cache_mb", 0), "mooncake": value.get("mooncake")}
+         "row_cache_mb": value.get("row_cache_mb", 0), "mooncake": value.get("mooncake"),
+         "host_cache": value.get("host_cache")}
     if s["tables"] not in ("mapped", "direct"):
         raise ValueError(f'{where}: "tables" must be "mapped" or "direct", got {s["tables"]!r}')
     mb = s["row_cache_mb"]
@@ -90,6 +95,11 @@ def parse_settings(value, where):
     if mc is not None and not (isinstance(mc, dict) and "master" in mc and "metadata" in mc):
         raise ValueError(f'{where}: "mooncake" must be an object with "master" and "metadata" '
                          f'(and optionally "local_host"), got {mc!r}')
+    hc = s["host_cache"]
+    from ..rows.tiers import HOST_CACHE_NAME
+    if hc is not None and not (isinstance(hc, str) and HOST_CACHE_NAME.fullmatch(hc) and mb):
+        raise ValueError(f'{where}: "host_cache" must be a name of 1 to 64 letters, digits, "_", "." or "-" '
+                         f'and needs "row_cache_mb" > 0 (the host\'s budget), got {hc!r}')
     if s["checkpoint"] is not None and not os.path.isdir(s["checkpoint"]):
         raise ValueError(f'{where}: "checkpoint" {s["checkpoint"]!r} is not a folder (a V4.1 checkpoint folder)')
     return s
@@ -114,7 +124,8 @@ def open_model(s, default_checkpoint):
     if not ckpt or not os.path.isdir(ckpt):
         raise ValueError(f"{ENV}: vLLM's model {default_checkpoint!r} is not a local folder: give "
                          f'"checkpoint" (the V4.1 folder holding layers.L.engram.* and tokenizer.json)')
-    key = (os.path.realpath(ckpt), s["tables"], float(s["row_cache_mb"]), json.dumps(s["mooncake"], sort_keys=True))
+    key = (os.path.realpath(ckpt), s["tables"], float(s["row_cache_mb"]), json.dumps(s["mooncake"], sort_keys=True),
+           s["host_cache"])
     with _lock:
         if key not in _models:
             from ..model import EngramModel
@@ -124,7 +135,8 @@ def open_model(s, default_checkpoint):
                 mc = s["mooncake"]
                 tables = MooncakeTier(master=mc["master"], metadata=mc["metadata"],
                                       local_host=mc.get("local_host", "127.0.0.1"))
-            _models[key] = EngramModel.from_deepseek_v41(ckpt, tables=tables, row_cache_mb=s["row_cache_mb"] or None)
+            _models[key] = EngramModel.from_deepseek_v41(ckpt, tables=tables, row_cache_mb=s["row_cache_mb"] or None,
+                                                         host_cache=s["host_cache"])
         return _models[key]
 
 

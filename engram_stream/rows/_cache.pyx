@@ -2,18 +2,29 @@
 """RowCache: a fixed RAM budget of whole table rows in front of a table source.
 
 The rules (open-addressing index keyed by absolute row, GCLOCK eviction, pins by
-count) are in include/engram_rowcache.h; this class owns the memory and the lock its
-readers (rows/_source.pyx CachedRows: every engine of the layer) take to change it.
+count) and the region's layout and lock are in include/engram_rowcache.h; this class owns
+the region its readers (rows/_source.pyx CachedRows: every engine of the layer) change
+under that lock: the process's own memory, or one file under /dev/shm that every process of
+a host maps (host=: a host's ranks share one budget, and a row one of them read is a hit for
+all; DESIGN.md section 10 has the protocol).
 """
 import numpy as np
 cimport numpy as cnp
+import fcntl
+import os
+import secrets
+
+from libc.errno cimport errno
 from libc.stdint cimport int32_t, int64_t, uint8_t
-from libc.string cimport memcpy
-from cpython.pythread cimport PyThread_allocate_lock, PyThread_free_lock
+from libc.string cimport memcpy, memset, strerror
+from posix.mman cimport MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
+from posix.stat cimport fstat, stat, struct_stat
+from posix.unistd cimport close, getpid, unlink
 
 cnp.import_array()
 
 SLOT_ALIGN = 64  # the slots start on a cache line
+HOST_TRIES = 64  # attaches that may lose a race with a last user removing the file
 
 
 def slot_bytes(int64_t recbytes):
@@ -35,27 +46,21 @@ cdef extern from "sys/mman.h" nogil:
     int madvise(void *addr, size_t length, int advice)
     int MADV_HUGEPAGE
 
-DEF HUGE = 2 << 20
+cdef extern from "sys/file.h" nogil:
+    int flock(int fd, int operation)
+    int LOCK_EX, LOCK_NB
 
+cdef int64_t HUGE = 2 << 20
 
-def _filled(int64_t n, dtype, fill):
-    """n elements of dtype, all `fill`. A large array asks for transparent huge pages before its
-    pages are touched: a big cache is read at random, and with 4 KiB pages nearly every lookup
-    would also miss the TLB (advice only: refused, it changes nothing)."""
-    a = np.empty(n, dtype)
-    cdef size_t start = a.ctypes.data, end = start + a.nbytes
-    cdef size_t lo = (start + HUGE - 1) & ~(<size_t> HUGE - 1), hi = end & ~(<size_t> HUGE - 1)
-    if hi > lo:
-        madvise(<void *> lo, hi - lo, MADV_HUGEPAGE)
-    a.fill(fill)
-    return a
+cdef int64_t _layout(int64_t nslots, int64_t recbytes, int64_t *o) noexcept:
+    return es_rc_layout(nslots, slot_bytes(recbytes), _index_entries(nslots), o, o + 1, o + 2, o + 3, o + 4)
 
 
 def cache_nbytes(int64_t nslots, int64_t recbytes):
-    """RAM a RowCache of nslots rows holds: slots, index (a power of two >= 2 per row),
-    keys, use counters and pin counts."""
-    n = max(nslots, 1)
-    return n * slot_bytes(recbytes) + SLOT_ALIGN + _index_entries(nslots) * 8 + n * (8 + 4 + 1)
+    """RAM a RowCache of nslots rows holds: head (layout, lock, counters), index (a power of
+    two >= 2 per row), keys, pin counts, use counters and slots, each part on its own lines."""
+    cdef int64_t o[5]
+    return _layout(nslots, recbytes, o)
 
 
 def slots_for(int64_t budget_bytes, int64_t recbytes):
@@ -72,50 +77,199 @@ def slots_for(int64_t budget_bytes, int64_t recbytes):
     return lo
 
 
+def _mismatch(path, dict theirs, dict ours):
+    diff = ", ".join(f"{k} {theirs[k]!r} (this process: {ours[k]!r})" for k in ours if theirs[k] != ours[k])
+    return ValueError(
+        f"{os.fsdecode(path)}: the host row cache there holds another layout, and processes use it: {diff}. "
+        f"Every process sharing a host cache must load the same model with the same row_cache_mb: give "
+        f"this one their settings, or another host_cache name (a file no process uses is replaced)")
+
+
 cdef class RowCache:
     """A cache of `nslots` row records of `recbytes` bytes each (layer: a label for stats;
-    totals: an int64[4] that hits, misses, bytes_fetched, evictions are added to at the end)."""
+    totals: an int64[4] that hits, misses, bytes_fetched, evictions are added to at the end).
+    host: a path under /dev/shm naming the host's cache of these rows (identity: what they are,
+    e.g. model and layer, at most 95 bytes): the first process creates it, the others attach
+    (the same nslots, recbytes and identity, else ValueError), the last one to go removes it;
+    stats() are then the host's (every process's lookups)."""
 
     COUNTERS = ("hits", "misses", "bytes_fetched", "evictions")
 
-    def __cinit__(self, int64_t nslots, int64_t recbytes, layer=None, totals=None):
+    def __cinit__(self, int64_t nslots, int64_t recbytes, layer=None, totals=None, host=None, identity=""):
+        self.fd = -1
+        self.pid = getpid()
         if nslots < 0 or recbytes < 0:
             raise ValueError(f"RowCache needs nslots >= 0 and recbytes >= 0, got {nslots}, {recbytes}")
+        if totals is not None and not (isinstance(totals, np.ndarray) and totals.dtype == np.int64
+                                       and totals.shape == (4,)):
+            raise ValueError("totals must be an int64[4] array")
+        if totals is not None and host is not None:
+            raise ValueError("totals= is for a process's own cache: a host cache's counters are the host's")
+        ident = identity.encode()
+        if len(ident) >= ES_RC_IDENTITY or b"\0" in ident:
+            raise ValueError(f"RowCache identity must be at most {ES_RC_IDENTITY - 1} bytes, no NUL: {identity!r}")
         cdef int64_t size = _index_entries(nslots)
         cdef int bits = 0
         while (<int64_t> 1 << bits) < size:
             bits += 1
-        cdef int64_t stride = slot_bytes(recbytes)
-        index = _filled(size, np.int64, 0)
-        keys = _filled(max(nslots, 1), np.int64, -1)
-        uses = _filled(max(nslots, 1), np.uint8, 0)
-        refs = _filled(max(nslots, 1), np.int32, 0)
-        data = _filled(max(nslots, 1) * stride + SLOT_ALIGN, np.uint8, 0)
-        cdef int64_t off = (-data.ctypes.data) % SLOT_ALIGN
-        self._arrays = (index, keys, uses, data, refs)
+        cdef int64_t o[5]
+        cdef int64_t total = _layout(nslots, recbytes, o)
         self.layer = layer
-        if totals is not None and not (isinstance(totals, np.ndarray) and totals.dtype == np.int64
-                                       and totals.shape == (4,)):
-            raise ValueError("totals must be an int64[4] array")
         self._totals = totals
-        self.c.nslots, self.c.recbytes, self.c.stride = nslots, recbytes, stride
+        self.c.nslots, self.c.recbytes, self.c.stride = nslots, recbytes, slot_bytes(recbytes)
         self.c.mask, self.c.shift = size - 1, 64 - bits
-        self.c.index = <int64_t *> cnp.PyArray_DATA(index)
-        self.c.keys = <int64_t *> cnp.PyArray_DATA(keys)
-        self.c.uses = <uint8_t *> cnp.PyArray_DATA(uses)
-        self.c.refs = <int32_t *> cnp.PyArray_DATA(refs)
-        self.c.data = <char *> cnp.PyArray_DATA(data) + off
-        self.lock = PyThread_allocate_lock()
-        if self.lock == NULL:
-            raise MemoryError("RowCache: no lock")
-        self.c.hand = self.c.used = 0
-        self.c.hits = self.c.misses = self.c.evictions = self.c.bytes_fetched = 0
+        if host is None:
+            self._map(-1, total)
+            err = es_rc_init_head(&self.c, o[0], total, ident)
+            if err:
+                raise OSError(err, f"RowCache: the lock: {strerror(err).decode()}")
+            return
+        path = os.fsencode(host)
+        for _ in range(HOST_TRIES):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                if self._create(path, total, ident):
+                    break
+                continue
+            if self._join(fd, path, total, ident):
+                break
+        else:
+            raise RuntimeError(f"{host}: could not attach the host row cache in {HOST_TRIES} tries (its last users "
+                               f"kept removing it): try again")
+        self.host = path
+
+    cdef int _map(self, int fd, int64_t total) except -1:
+        """Map the region (fd -1: the process's own zeroed memory) and point the struct into it.
+        Pages come in as they are touched; a large region asks for transparent huge pages first:
+        a big cache is read at random, and with 4 KiB pages nearly every lookup would also miss
+        the TLB (advice only: refused, it changes nothing)."""
+        cdef int64_t o[5]
+        cdef void *p
+        if fd < 0:
+            p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        else:
+            p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+        if p == MAP_FAILED:
+            raise OSError(errno, f"RowCache: cannot map {total} bytes for {self.c.nslots} rows: "
+                                 f"{strerror(errno).decode()}")
+        self.base, self.mapped = <char *> p, total
+        if total >= 2 * HUGE:
+            madvise(p, total, MADV_HUGEPAGE)
+        _layout(self.c.nslots, self.c.recbytes, o)
+        self.c.head = <es_rc_head *> p
+        self.c.index = <int64_t *> (self.base + o[0])
+        self.c.keys = <int64_t *> (self.base + o[1])
+        self.c.refs = <int32_t *> (self.base + o[2])
+        self.c.uses = <uint8_t *> (self.base + o[3])
+        self.c.data = self.base + o[4]
+        return 0
+
+    cdef int _create(self, bytes path, int64_t total, bytes identity) except -1:
+        """A fresh host file, made whole under a temporary name and then linked to `path` (link
+        never replaces: of two processes creating at once one wins, the other attaches to it).
+        1: this process made it and uses it; 0: another made it first."""
+        cdef int64_t o[5]
+        tmp = path + b".%d.%s.tmp" % (os.getpid(), secrets.token_hex(4).encode())
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # in use by this process from the start
+            try:  # every page now: a full /dev/shm fails here, not as a SIGBUS at some later read
+                os.posix_fallocate(fd, 0, total)
+            except OSError as e:
+                raise OSError(e.errno, f"{os.fsdecode(path)}: no room for a host row cache of {total} bytes "
+                                       f"({e.strerror}): see df -h {os.path.dirname(os.fsdecode(path))}; a "
+                                       f"smaller row_cache_mb or a larger /dev/shm (docker --shm-size)") from None
+            self._map(fd, total)
+            _layout(self.c.nslots, self.c.recbytes, o)
+            err = es_rc_init_head(&self.c, o[0], total, identity)
+            if err:
+                raise OSError(err, f"RowCache: the lock: {strerror(err).decode()}")
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                munmap(self.base, self.mapped)
+                self.base = NULL
+                os.close(fd)
+                return 0
+        except BaseException:
+            if self.base != NULL:
+                munmap(self.base, self.mapped)
+                self.base = NULL
+            os.close(fd)
+            raise
+        finally:
+            os.unlink(tmp)
+        self.fd = fd
+        return 1
+
+    cdef int _join(self, int fd, bytes path, int64_t total, bytes identity) except -1:
+        """Attach the host file open at fd: flock it shared (exclusive first: a process that gets
+        it is the only user, so pins left in it are a dead process's), check that `path` still
+        names it (a last user may have removed it meanwhile: 0, try again) and that its layout
+        is this one's. A file nobody uses that holds another layout is removed (0)."""
+        cdef bint alone = True
+        cdef es_rc_head h
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                alone = False
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            st = os.fstat(fd)
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+            if now is None or (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
+                os.close(fd)
+                return 0
+            raw = os.pread(fd, sizeof(es_rc_head), 0)
+            memset(&h, 0, sizeof(h))
+            memcpy(&h, <const char *> raw, len(raw))
+            theirs = {"format": (h.magic == ES_RC_MAGIC, h.version), "bytes": (st.st_size, h.total_bytes),
+                      "rows": h.nslots, "record bytes": h.recbytes,
+                      "identity": h.identity[:ES_RC_IDENTITY - 1].split(b"\0")[0].decode(errors="replace")}
+            ours = {"format": (True, ES_RC_VERSION), "bytes": (total, total), "rows": self.c.nslots,
+                    "record bytes": self.c.recbytes, "identity": identity.decode()}
+            if theirs != ours:
+                if alone:
+                    os.unlink(path)
+                    os.close(fd)
+                    return 0
+                raise _mismatch(path, theirs, ours)
+            self._map(fd, total)
+            if alone:  # no process uses it: pins in it were left by dead ones
+                es_rc_lock(&self.c)
+                memset(self.c.refs, 0, max(self.c.nslots, 1) * sizeof(int32_t))
+                es_rc_unlock(&self.c)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+        except BaseException:
+            if self.base != NULL:
+                munmap(self.base, self.mapped)
+                self.base = NULL
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            raise
+        self.fd = fd
+        return 1
 
     def __dealloc__(self):
-        if self.lock != NULL:
-            PyThread_free_lock(self.lock)
-        if self._totals is not None:
-            self._totals += (self.c.hits, self.c.misses, self.c.bytes_fetched, self.c.evictions)
+        cdef struct_stat a, b
+        if self.base != NULL:
+            if self._totals is not None:
+                h = self.c.head
+                self._totals += (h.hits, h.misses, h.bytes_fetched, h.evictions)
+            munmap(self.base, self.mapped)
+        if self.fd >= 0:
+            # the last user (no other holds its flock) removes the file, if `path` still names it;
+            # a forked child shares its parent's open file and flock: it only closes its copy
+            if self.pid == getpid() and flock(self.fd, LOCK_EX | LOCK_NB) == 0 and fstat(self.fd, &a) == 0 \
+                    and stat(<const char *> self.host, &b) == 0 and a.st_ino == b.st_ino and a.st_dev == b.st_dev:
+                unlink(<const char *> self.host)
+            close(self.fd)
 
     @property
     def nslots(self):
@@ -127,23 +281,48 @@ cdef class RowCache:
 
     @property
     def nbytes(self):
-        """RAM the cache holds (slots, index, keys, counters, pins)."""
-        return sum(a.nbytes for a in self._arrays)
+        """RAM the cache holds (head, index, keys, pins, counters, slots)."""
+        return self.mapped
+
+    @property
+    def recoveries(self):
+        """Times a process took the lock over from a holder that died holding it (the rows were
+        dropped then: es_rc_forget)."""
+        return self.c.head.recoveries
 
     def stats(self):
-        return {"hits": self.c.hits, "misses": self.c.misses, "bytes_fetched": self.c.bytes_fetched,
-                "evictions": self.c.evictions, "rows_cached": self.c.used,
-                "capacity_rows": self.c.nslots, "cache_bytes": self.nbytes}
+        """The counters (a host cache: every process's) and sizes."""
+        es_rc_lock(&self.c)
+        out = {"hits": self.c.hits, "misses": self.c.misses, "bytes_fetched": self.c.bytes_fetched,
+               "evictions": self.c.evictions, "rows_cached": self._cached(),
+               "capacity_rows": self.c.nslots, "cache_bytes": self.nbytes}
+        es_rc_unlock(&self.c)
+        return out
+
+    cdef int64_t _cached(self) noexcept:
+        """Rows held (under the lock). Every slot below `used` holds one, unless a recovery freed
+        some (es_rc_forget): count them then."""
+        cdef int64_t s, n = 0
+        if self.c.head.recoveries == 0:
+            return self.c.used
+        for s in range(self.c.used):
+            n += self.c.keys[s] >= 0
+        return n
 
     def __contains__(self, row):
         return es_rc_peek(&self.c, row) >= 0
 
     def __len__(self):
-        return self.c.used
+        es_rc_lock(&self.c)
+        n = self._cached()
+        es_rc_unlock(&self.c)
+        return n
 
     def rows(self):
         """int64: the rows cached now (sorted)."""
-        keys = self._arrays[1][:self.c.used]
+        es_rc_lock(&self.c)
+        keys = np.asarray(<int64_t[:max(self.c.used, 1)]> self.c.keys)[:self.c.used].copy()
+        es_rc_unlock(&self.c)
         return np.sort(keys[keys >= 0])
 
     def touch(self, rows):
@@ -154,6 +333,7 @@ cdef class RowCache:
         cdef const int64_t *pr = <const int64_t *> cnp.PyArray_DATA(r)
         cdef int64_t i, s, n = r.shape[0], hits = 0
         with nogil:
+            es_rc_lock(&self.c)
             for i in range(n):
                 s = es_rc_peek(&self.c, pr[i])
                 if s >= 0:
@@ -162,6 +342,7 @@ cdef class RowCache:
                 else:
                     self.c.misses += 1
                     es_rc_insert(&self.c, pr[i])
+            es_rc_unlock(&self.c)
         return hits
 
     def read(self, rows, cnp.ndarray records):
@@ -180,9 +361,11 @@ cdef class RowCache:
         cdef int64_t i, n = r.shape[0], rb = self.c.recbytes
         cdef const char *p
         with nogil:
+            es_rc_lock(&self.c)
             for i in range(n):
                 p = es_rc_row(&self.c, pr[i], tab, rb, NULL, 0)
                 if p == NULL:
                     p = tab + pr[i] * rb
                 memcpy(po + i * rb, p, rb)
+            es_rc_unlock(&self.c)
         return out

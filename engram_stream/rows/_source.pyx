@@ -18,9 +18,7 @@ from libc.stdint cimport int32_t, int64_t
 from libc.stdlib cimport free, realloc
 from libc.string cimport memcpy, memset
 
-from cpython.pythread cimport PyThread_acquire_lock, PyThread_release_lock, PyThread_type_lock, WAIT_LOCK
-
-from engram_stream.rows._cache cimport RowCache, es_rc_hit, es_rc_insert, es_rc_peek, es_rowcache
+from engram_stream.rows._cache cimport RowCache, es_rc_hit, es_rc_insert, es_rc_lock, es_rc_peek, es_rc_unlock, es_rowcache
 from engram_stream.rows._direct cimport DirectReader, es_io_find, es_io_unique
 from engram_stream.io.files import mapping_of
 
@@ -406,26 +404,24 @@ cdef class CachedRows(RowSource):
         """Drop every pin this reader holds."""
         cdef int64_t i, n = self.npins
         cdef int32_t *refs = self.cache.c.refs
-        cdef PyThread_type_lock lock = self.cache.lock
         if n == 0:
             return
         with nogil:
-            PyThread_acquire_lock(lock, WAIT_LOCK)
+            es_rc_lock(&self.cache.c)
             for i in range(n):
                 refs[self.pins[i]] -= 1
-            PyThread_release_lock(lock)
+            es_rc_unlock(&self.cache.c)
         self.npins = 0
 
     cdef int submit(self, const int64_t *rows, int64_t n) except -1:
         cdef int64_t i, s, nu, m = 0, npins = 0
         cdef es_rowcache *c = &self.cache.c
-        cdef PyThread_type_lock lock = self.cache.lock
         self.pending = False  # an aborted call's misses: the source drops them at its next submit
         self._unpin()  # the previous call's rows
         self.sub_rows, self.sub_n = NULL, 0
         self._grow(n)
         with nogil:
-            PyThread_acquire_lock(lock, WAIT_LOCK)
+            es_rc_lock(&self.cache.c)
             for i in range(n):
                 s = es_rc_peek(c, rows[i])
                 if s >= 0:
@@ -438,15 +434,15 @@ cdef class CachedRows(RowSource):
                     self.srcd[i] = NULL
                     self.mpos[m] = i
                     m += 1
-            PyThread_release_lock(lock)
+            es_rc_unlock(&self.cache.c)
             for i in range(m):
                 self.uniq[i] = rows[self.mpos[i]]
             nu = es_io_unique(self.uniq, m, self.uniq)
             if m:  # a miss is a row read; its repeats in this call are served by that read: hits
-                PyThread_acquire_lock(lock, WAIT_LOCK)
+                es_rc_lock(&self.cache.c)
                 c.misses += nu
                 c.hits += m - nu
-                PyThread_release_lock(lock)
+                es_rc_unlock(&self.cache.c)
         self.npins, self.m, self.nu = npins, m, nu
         if nu:
             try:
@@ -464,7 +460,6 @@ cdef class CachedRows(RowSource):
         cdef int64_t i, j, k, s, npins = self.npins
         cdef int64_t rb = self.rowbytes, sb = self.scalebytes
         cdef es_rowcache *c = &self.cache.c
-        cdef PyThread_type_lock lock = self.cache.lock
         cdef char *slot
         self.pending = False
         try:
@@ -475,7 +470,7 @@ cdef class CachedRows(RowSource):
             raise
         cdef bint full = False
         with nogil:
-            PyThread_acquire_lock(lock, WAIT_LOCK)
+            es_rc_lock(&self.cache.c)
             for k in range(self.nu):
                 s = es_rc_peek(c, self.uniq[k])  # another engine may have brought it meanwhile
                 c.bytes_fetched += c.recbytes  # brought from the source, cached or not
@@ -494,7 +489,7 @@ cdef class CachedRows(RowSource):
                     self.pins[npins] = s
                     npins += 1
                 self.slot_of[k] = s
-            PyThread_release_lock(lock)
+            es_rc_unlock(&self.cache.c)
             for j in range(self.m):
                 i = self.mpos[j]
                 k = es_io_find(self.uniq, self.nu, self.sub_rows[i])

@@ -3,6 +3,7 @@
     model = EngramModel.load(path, row_cache_mb=64)                    # a cache in front of the file
     model = EngramModel.load(path, tables="direct", row_cache_mb=64)   # rows read from the files
     model = EngramModel.load(path, tables=tier, row_cache_mb=64)       # rows from a MooncakeTier
+    model = EngramModel.load(path, row_cache_mb=64, host_cache="vllm") # one cache for the host's processes
 
 tables= names a RowTier (rows/_source.pyx: where rows live; open(model) gives the OpenTier that
 makes each engine's RowSource); RowTiers puts the model's shared RAM row cache in front of every
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import re
 import threading
 import weakref
 
@@ -38,8 +41,8 @@ STATS_FIELDS = {
     "evictions": "rows, count: rows the cache dropped to make room",
     "rows_cached": "rows, count: rows in the cache now",
     "capacity_rows": "rows, count: rows the cache can hold",
-    "cache_bytes": "bytes: RAM the cache holds, its capacity (slots, index, keys, pins: allocated "
-                   "whole when the cache is made), not the bytes of the rows in it",
+    "cache_bytes": "bytes: RAM the cache holds, its capacity (head, slots, index, keys, pins: "
+                   "reserved whole when the cache is made), not the bytes of the rows in it",
     "reads": "operations, count: reads behind the cache: preads (tables=\"direct\") or batched "
              "gets (a Mooncake Store); 0 for the mapped tables (page faults are not counted)",
     "bytes_read": "bytes: what those reads transferred: whole 4 KiB pages for preads (one 264-byte "
@@ -54,6 +57,15 @@ STATS_FIELDS = {
     "fetch_seconds": "seconds (a Mooncake Store only): the gets' total time, start to end",
     "layers": "{layer: that layer's hits .. read_wait_p99}",
 }
+HOST_CACHE_DIR = "/dev/shm"  # a host cache's files: engram-rows-{name}-{model_name}-l{layer}
+HOST_CACHE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def host_cache_path(name, model_id, layer) -> str:
+    """The file of one layer's host cache (model_id: rows.mooncake.model_name of the model)."""
+    return os.path.join(HOST_CACHE_DIR, f"engram-rows-{name}-{model_id}-l{layer}")
+
+
 LAYER_FIELDS = ("hits", "misses", "bytes_fetched", "evictions", "rows_cached", "capacity_rows", "cache_bytes",
                 "reads", "bytes_read", "rows_read", "read_wait_p50", "read_wait_p99")
 
@@ -77,15 +89,26 @@ class RowTiers:
     one caches the tables whole), split over layers in proportion to their table bytes: one
     RowCache per layer, made at the first engine of the layer and shared by every engine and
     stream of the model (its own lock; pins by count). tables: see as_tier(); tier is the
-    RowTier, open_tier what its open(model) gave."""
+    RowTier, open_tier what its open(model) gave. host_cache: a name the processes of one host
+    give to share one cache per layer (a file under /dev/shm each: the same budget, a row one
+    process read is a hit for all, and stats() counts every process's lookups); None: the caches
+    are this process's."""
 
-    def __init__(self, model, row_cache_mb=0, tables=None):
+    def __init__(self, model, row_cache_mb=0, tables=None, host_cache=None):
         if (not isinstance(row_cache_mb, numbers.Real) or isinstance(row_cache_mb, (bool, np.bool_))
                 or not math.isfinite(row_cache_mb) or row_cache_mb < 0):
             raise ValueError(f"row_cache_mb must be a finite number >= 0, got {row_cache_mb!r}")
         row_cache_mb = float(row_cache_mb)  # numpy's numbers too (np.int64(64))
         self.tier = as_tier(tables)
+        if host_cache is not None and (not isinstance(host_cache, str) or not HOST_CACHE_NAME.fullmatch(host_cache)):
+            raise ValueError(f"host_cache must be a name of 1 to 64 letters, digits, '_', '.' or '-' (it names "
+                             f"files under {HOST_CACHE_DIR}), got {host_cache!r}")
+        if host_cache is not None and not row_cache_mb:
+            raise ValueError(f"host_cache={host_cache!r} shares the row cache, and row_cache_mb is 0: give the "
+                             f"host's budget as row_cache_mb (MiB, the same in every process)")
         self.model_ref = weakref.ref(model)
+        self.host_cache = host_cache
+        self.model_id = None  # rows.mooncake.model_name, at the first host cache
         layouts = {L: record_layout(model.layer(L)) for L in model.cfg.layer_ids}
         table_bytes = {L: model.plan.table_rows[L] * sum(layouts[L]) for L in model.cfg.layer_ids}
         whole = {L: cache_nbytes(model.plan.table_rows[L], sum(layouts[L]))
@@ -103,16 +126,27 @@ class RowTiers:
     def for_model(self, model) -> "RowTiers":
         """The same budget and row tier for another model of the same tables (a
         with_weight_dtype copy; its caches are its own)."""
-        return RowTiers(model, self.budget / (1 << 20), self.tier)
+        return RowTiers(model, self.budget / (1 << 20), self.tier, self.host_cache)
 
     def cache(self, layer) -> RowCache:
         """The layer's shared RowCache (made at the first call, once: under a lock, so engines
-        made on several threads at once share one)."""
+        made on several threads at once share one); with host_cache, the host's (attached, or
+        created by the first process)."""
         with self._caches_lock:
             if layer not in self.caches:
-                rowbytes, scalebytes = record_layout(self.model_ref().layer(layer))
+                model = self.model_ref()
+                rowbytes, scalebytes = record_layout(model.layer(layer))
                 rec = rowbytes + scalebytes
-                self.caches[layer] = RowCache(slots_for(self.layer_budget[layer], rec), rec, layer)
+                nslots = slots_for(self.layer_budget[layer], rec)
+                host = identity = None
+                if self.host_cache is not None and nslots:
+                    if self.model_id is None:
+                        from .mooncake import model_name
+                        self.model_id = model_name(model)
+                    host = host_cache_path(self.host_cache, self.model_id, layer)
+                    identity = f"{self.model_id}:l{layer}"
+                self.caches[layer] = (RowCache(nslots, rec, layer) if host is None else
+                                      RowCache(nslots, rec, layer, host=host, identity=identity))
             return self.caches[layer]
 
     def source_for(self, layer):

@@ -1,0 +1,463 @@
+"""One row cache per host (host_cache=): processes of one host share a cache per layer, mapped
+from a file under /dev/shm. Held to the plain model's rows and outputs, bit for bit; every test
+checks that it leaves no file in /dev/shm.
+
+The multi-process tests drive worker processes (WORKER, started outside the checkout) one
+command at a time, so the order of their reads is the test's: a row one worker read is then a
+hit for the next.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import select
+import signal
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from engram_stream import EngramConfig, EngramModel
+from engram_stream.rows._cache import RowCache, cache_nbytes
+from engram_stream.rows.tiers import HOST_CACHE_DIR
+
+import conftest
+
+pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
+
+if not os.path.isdir(HOST_CACHE_DIR):
+    pytest.skip(f"no {HOST_CACHE_DIR} on this system", allow_module_level=True)
+
+CFG = dict(hidden_size=64, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,
+           engram_vocab_size=[30011, 30013], layer_ids=[1, 3], vocab_size=500, kernel_size=3)
+S = 3
+REPLY_SECONDS = 120  # a worker's answer to one command (a deadlocked one never answers)
+
+WORKER = r'''
+import json, mmap, os, signal, sys
+import numpy as np
+from engram_stream import EngramModel
+
+model = None
+sources = {}
+
+
+def host_stats():
+    s = model.row_cache_stats()
+    out = {k: s[k] for k in ("hits", "misses", "rows_cached", "capacity_rows", "cache_bytes", "budget_bytes")}
+    out["recoveries"] = sum(c.recoveries for c in model.row_tiers.caches.values())
+    out["layers"] = {str(L): {k: v[k] for k in ("hits", "misses", "rows_cached", "capacity_rows")}
+                     for L, v in s["layers"].items()}
+    return out
+
+
+def mapping_kb(prefix):
+    """Rss and Pss (kB) of this process's mappings of files starting with prefix."""
+    rss = pss = 0
+    mine = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                mine = len(head) >= 6 and head[5].startswith(prefix)
+            elif mine and head[0] == "Rss:":
+                rss += int(head[1])
+            elif mine and head[0] == "Pss:":
+                pss += int(head[1])
+    return {"rss_kb": rss, "pss_kb": pss}
+
+
+for line in sys.stdin:
+    cmd = json.loads(line)
+    op, reply = cmd["op"], {}
+    try:
+        if op == "load":
+            model = EngramModel.load(cmd["path"], tables=cmd.get("tables"), row_cache_mb=cmd["mb"],
+                                     host_cache=cmd["host"])
+            for L in model.cfg.layer_ids:
+                model.row_tiers.cache(L)
+            reply = host_stats()
+        elif op == "read":
+            L = cmd["layer"]
+            src = sources.setdefault(L, model.row_source(L))  # one reader per layer: its pins persist
+            np.save(cmd["out"], src.read(np.load(cmd["rows"])))
+            reply = host_stats()
+        elif op == "decode":
+            ids, hid = np.load(cmd["ids"]), np.load(cmd["hid"])
+            dec = model.decoder(n_streams=ids.shape[1])
+            outs = {str(L): [] for L in model.cfg.layer_ids}
+            for t in range(len(ids)):
+                dec.begin(ids[t])
+                for L in model.cfg.layer_ids:
+                    outs[str(L)].append(dec.layer(L, hid[t]).copy())
+            np.savez(cmd["out"], **{L: np.stack(v) for L, v in outs.items()})
+            reply = host_stats()
+        elif op == "stats":
+            reply = host_stats()
+        elif op == "rss":
+            reply = mapping_kb(cmd["prefix"])
+        elif op == "spin":
+            # read a row from a table whose pages fault, inside the cache's lock: the fault's handler
+            # returns, the copy faults again, and the process spins holding the lock until killed
+            cache = model.row_tiers.cache(cmd["layer"])
+            signal.signal(signal.SIGSEGV, lambda *a: None)
+            signal.signal(signal.SIGBUS, lambda *a: None)
+            nrows = cmd["row"] + 1
+            buf = mmap.mmap(-1, nrows * cache.recbytes, prot=0)
+            faulting = np.frombuffer(buf, np.uint8).reshape(nrows, cache.recbytes)
+            sys.stdout.write(json.dumps({"spinning": True}) + "\n")
+            sys.stdout.flush()
+            cache.read([cmd["row"]], faulting)
+        elif op == "exit":
+            break
+    except Exception as e:
+        reply = {"error": f"{type(e).__name__}: {e}"}
+    sys.stdout.write(json.dumps(reply) + "\n")
+    sys.stdout.flush()
+'''
+
+
+class Worker:
+    def __init__(self, folder):
+        script = os.path.join(folder, "worker.py")
+        if not os.path.exists(script):
+            with open(script, "w") as f:
+                f.write(WORKER)
+        self.folder = folder
+        self.err = open(os.path.join(folder, f"worker-{uuid.uuid4().hex[:6]}.err"), "w+")
+        self.p = conftest.start_python([script], stdin=-1, stdout=-1, stderr=self.err, text=True, bufsize=1)
+
+    def send(self, **cmd):
+        self.p.stdin.write(json.dumps(cmd) + "\n")
+        self.p.stdin.flush()
+        return self.reply()
+
+    def reply(self, seconds=REPLY_SECONDS):
+        ready, _, _ = select.select([self.p.stdout], [], [], seconds)
+        if not ready:
+            raise AssertionError(f"worker {self.p.pid} gave no answer in {seconds} s (deadlocked?)")
+        line = self.p.stdout.readline()
+        if not line:
+            self.err.seek(0)
+            raise AssertionError(f"worker {self.p.pid} ended: {self.err.read()[-2000:]}")
+        return json.loads(line)
+
+    def read(self, layer, rows):
+        name = uuid.uuid4().hex[:8]
+        rp, op = os.path.join(self.folder, f"r{name}.npy"), os.path.join(self.folder, f"o{name}.npy")
+        np.save(rp, np.asarray(rows, np.int64))
+        st = self.send(op="read", layer=layer, rows=rp, out=op)
+        assert "error" not in st, st["error"]
+        return np.load(op), st
+
+    def close(self):
+        if self.p.poll() is None:
+            try:
+                self.send(op="exit")
+            except (AssertionError, OSError):
+                pass
+        try:
+            self.p.wait(30)
+        except Exception:
+            self.p.kill()
+            self.p.wait()
+        for f in (self.p.stdin, self.p.stdout, self.err):
+            f.close()
+
+    def kill(self):
+        os.kill(self.p.pid, signal.SIGKILL)
+        self.p.wait(30)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("host_cache")
+    model = EngramModel.init(EngramConfig(**CFG), seed=3)
+    return model.save(str(d / "m.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    return EngramModel.load(ckpt)
+
+
+@pytest.fixture
+def host(tmp_path):
+    """A host-cache name of this test only; after the test no file of it is left in /dev/shm."""
+    name = f"test{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    workers = []
+
+    def start(n=1):
+        new = [Worker(str(tmp_path)) for _ in range(n)]
+        workers.extend(new)
+        return new
+
+    yield name, start
+    for w in workers:
+        w.close()
+    left = glob.glob(os.path.join(HOST_CACHE_DIR, f"engram-rows-{name}-*"))
+    for f in left:
+        os.unlink(f)
+    assert not left, f"files left in {HOST_CACHE_DIR}: {left}"
+
+
+def table_rows(model, L):
+    return int(model.plan.table_rows[L])
+
+
+def test_four_processes_share_one_cache_and_its_stats(ckpt, plain, host):
+    name, start = host
+    ws = start(4)
+    loads = [w.send(op="load", path=ckpt, mb=8, host=name) for w in ws]
+    assert all("error" not in s for s in loads), loads
+    files = sorted(glob.glob(os.path.join(HOST_CACHE_DIR, f"engram-rows-{name}-*")))
+    assert len(files) == len(CFG["layer_ids"])  # one file per layer, whoever made it
+    rng = np.random.default_rng(0)
+    L = CFG["layer_ids"][0]
+    rows = rng.choice(table_rows(plain, L), 5000, replace=False)
+    want = plain.row_source(L).read(rows)
+    got, st = ws[0].read(L, rows)
+    np.testing.assert_array_equal(got, want)
+    assert st["misses"] == 5000 and st["hits"] == 0
+    for k, w in enumerate(ws[1:], 1):  # a row the first read is a hit for every other process
+        got, st = w.read(L, rows[::-1])
+        np.testing.assert_array_equal(got, want[::-1])
+        assert st["misses"] == 5000 and st["hits"] == 5000 * k
+    assert ws[0].send(op="stats")["hits"] == 15000  # the host's counters, seen from any process
+    # each process's rows go into the one cache: misses of one process's new rows, hits for the next
+    more = rng.choice(table_rows(plain, L), 3000, replace=False)
+    ws[3].read(L, more)
+    before = ws[1].send(op="stats")
+    got, after = ws[1].read(L, more)
+    np.testing.assert_array_equal(got, plain.row_source(L).read(more))
+    assert after["misses"] == before["misses"] and after["hits"] == before["hits"] + 3000
+
+
+def plain_decode(model, ids, hid):
+    dec = model.decoder(n_streams=ids.shape[1])
+    outs = {L: [] for L in model.cfg.layer_ids}
+    for t in range(len(ids)):
+        dec.begin(ids[t])
+        for L in outs:
+            outs[L].append(dec.layer(L, hid[t]).copy())
+    return {L: np.stack(v) for L, v in outs.items()}
+
+
+@pytest.mark.parametrize("tables", [None, "direct"])
+def test_decodes_are_the_plain_models_and_the_second_process_only_hits(ckpt, plain, host, tmp_path, tables):
+    name, start = host
+    ws = start(4)
+    for w in ws:
+        assert "error" not in w.send(op="load", path=ckpt, mb=8, host=name, tables=tables)
+    rng = np.random.default_rng(1)
+    T = 40
+    ids = ((rng.zipf(1.3, (T, S)) + 3) % CFG["vocab_size"]).astype(np.int64)
+    hid = rng.standard_normal((T, S, CFG["hc_mult"], CFG["hidden_size"]), dtype=np.float32)
+    np.save(tmp_path / "ids.npy", ids)
+    np.save(tmp_path / "hid.npy", hid)
+    want = plain_decode(plain, ids, hid)
+    stats = []
+    for k, w in enumerate(ws):
+        out = str(tmp_path / f"dec{k}.npz")
+        st = w.send(op="decode", ids=str(tmp_path / "ids.npy"), hid=str(tmp_path / "hid.npy"), out=out)
+        assert "error" not in st, st
+        got = np.load(out)
+        for L in CFG["layer_ids"]:
+            np.testing.assert_array_equal(got[str(L)], want[L])  # bit for bit
+        stats.append(st)
+    lookups = T * S * plain.cfg.n_heads * len(CFG["layer_ids"])
+    assert stats[0]["misses"] > 0
+    for k in range(1, 4):  # the first process's rows are all cached: the others only hit
+        assert stats[k]["misses"] == stats[0]["misses"]
+        assert stats[k]["hits"] + stats[k]["misses"] == (k + 1) * lookups
+
+
+def test_combined_memory_of_four_processes_is_one_budget(ckpt, plain, host):
+    """Every process reads every row (the caches fill up); the pages of the host's files are
+    counted once: the processes' Pss of them sums to at most the budget (and 256 kB), while
+    each process maps nearly all of it (Rss)."""
+    name, start = host
+    mb = 6
+    ws = start(4)
+    for w in ws:
+        assert "error" not in w.send(op="load", path=ckpt, mb=mb, host=name)
+    rng = np.random.default_rng(2)
+    for w in ws:
+        for L in CFG["layer_ids"]:
+            w.read(L, rng.permutation(table_rows(plain, L)))
+    st = ws[0].send(op="stats")
+    assert st["rows_cached"] == st["capacity_rows"]  # full
+    prefix = os.path.join(HOST_CACHE_DIR, f"engram-rows-{name}-")
+    kb = [w.send(op="rss", prefix=prefix) for w in ws]
+    budget_kb = mb * 1024
+    pss = sum(k["pss_kb"] for k in kb)
+    assert st["cache_bytes"] <= mb << 20
+    assert pss <= budget_kb + 256, kb  # one copy: 4 private caches would hold 4 budgets
+    assert min(k["rss_kb"] for k in kb) >= 0.9 * st["cache_bytes"] / 1024, kb  # each maps the whole cache
+
+
+def test_a_process_killed_holding_the_lock_does_not_stop_the_others(ckpt, plain, host):
+    """A worker is SIGKILLed inside the lock, in the middle of filling a slot (its row taken,
+    its bytes never copied): the next taker recovers the lock (EOWNERDEAD) and drops the rows,
+    so no one reads the half-filled slot; the others go on, exact."""
+    name, start = host
+    a, b, spinner = start(3)
+    for w in (a, b, spinner):
+        assert "error" not in w.send(op="load", path=ckpt, mb=4, host=name)
+    L = CFG["layer_ids"][0]
+    rows = np.arange(0, 4000, 3)
+    a.read(L, rows)
+    victim = 1  # not cached: the spinner's read takes a slot for it, then faults copying its bytes
+    assert victim not in rows
+    spinner.p.stdin.write(json.dumps({"op": "spin", "layer": L, "row": victim}) + "\n")
+    spinner.p.stdin.flush()
+    assert spinner.reply() == {"spinning": True}
+    time.sleep(0.5)
+    assert spinner.p.poll() is None  # spinning, in the lock
+    spinner.kill()
+    check = np.concatenate([[victim], rows])
+    got, st = b.read(L, check)  # a deadlock would never answer (Worker.reply's timeout)
+    np.testing.assert_array_equal(got, plain.row_source(L).read(check))
+    assert st["recoveries"] == 1
+    got, st2 = a.read(L, check)  # after the recovery the cache works again: all hits
+    np.testing.assert_array_equal(got, plain.row_source(L).read(check))
+    assert st2["misses"] == st["misses"] and st2["hits"] == st["hits"] + len(check)
+
+
+def test_pins_of_a_killed_process_leak_and_reads_stay_exact(ckpt, plain, host):
+    """tables="direct": a reader's pins last until its next call. A worker pins every slot and
+    is SIGKILLed: its pins stay (DESIGN.md section 10), the others read every row from the
+    files, exact, without waiting; a process that then finds the file with no user in it
+    clears the pins."""
+    name, start = host
+    a, b = start(2)
+    mb = 0.1
+    for w in (a, b):
+        assert "error" not in w.send(op="load", path=ckpt, mb=mb, host=name, tables="direct")
+    L = CFG["layer_ids"][0]
+    rng = np.random.default_rng(4)
+    rows = rng.choice(table_rows(plain, L), 4000, replace=False)
+    _, st = a.read(L, rows)
+    cap = st["layers"][str(L)]["capacity_rows"]
+    assert 0 < cap < 2000 and st["layers"][str(L)]["rows_cached"] == cap  # every slot taken, pinned by a's call
+    a.kill()
+    other = np.setdiff1d(rng.choice(table_rows(plain, L), 3000, replace=False), rows)
+    for _ in range(2):  # every slot pinned: nothing is cached, every row comes from the files
+        got, st2 = b.read(L, other)
+        np.testing.assert_array_equal(got, plain.row_source(L).read(other))
+    assert st2["misses"] == st["misses"] + 2 * len(other)
+    got, st3 = b.read(L, rows)  # the rows the dead process pinned are still cached, bytes intact
+    np.testing.assert_array_equal(got, plain.row_source(L).read(rows))
+    assert st3["hits"] == st2["hits"] + cap
+    b.close()  # the last user: the file is removed
+    assert not glob.glob(os.path.join(HOST_CACHE_DIR, f"engram-rows-{name}-*"))
+
+
+def test_a_file_left_by_dead_processes_is_reused_with_its_pins_cleared(ckpt, plain, host):
+    name, start = host
+    a, = start(1)
+    assert "error" not in a.send(op="load", path=ckpt, mb=0.1, host=name, tables="direct")
+    L = CFG["layer_ids"][0]
+    rows = np.random.default_rng(5).choice(table_rows(plain, L), 4000, replace=False)
+    _, st = a.read(L, rows)  # every slot pinned
+    a.kill()  # the only user dies: its files stay, pins and all
+    assert glob.glob(os.path.join(HOST_CACHE_DIR, f"engram-rows-{name}-*"))
+    b, = start(1)
+    st_b = b.send(op="load", path=ckpt, mb=0.1, host=name, tables="direct")
+    assert st_b["misses"] == st["misses"]  # the same cache, its counters kept
+    other = np.setdiff1d(np.arange(6000, 7000), rows)[:300]
+    b.read(L, other)
+    got, st2 = b.read(L, other[::-1])  # b's pins of the first read went with its second: all cached
+    np.testing.assert_array_equal(got, plain.row_source(L).read(other[::-1]))
+    assert st2["hits"] == st_b["hits"] + len(other)
+
+
+def test_a_layout_mismatch_is_refused_with_the_file_and_the_fix(ckpt, host):
+    name, start = host
+    a, b = start(2)
+    assert "error" not in a.send(op="load", path=ckpt, mb=4, host=name)
+    err = b.send(op="load", path=ckpt, mb=2, host=name)["error"]
+    assert "ValueError" in err and os.path.join(HOST_CACHE_DIR, f"engram-rows-{name}-") in err
+    assert "row_cache_mb" in err and "rows" in err
+    assert "error" not in b.send(op="load", path=ckpt, mb=4, host=name)  # the same settings attach
+
+
+# ---- RowCache(host=) in one process: two attachments are two users ------------------------------
+def shm_path():
+    return os.path.join(HOST_CACHE_DIR, f"engram-rows-test{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def test_two_attachments_share_rows_and_the_last_removes_the_file():
+    path = shm_path()
+    records = np.random.default_rng(0).integers(0, 256, (500, 24), dtype=np.uint8)
+    try:
+        a = RowCache(64, 24, host=path, identity="x:l1")
+        b = RowCache(64, 24, host=path, identity="x:l1")
+        np.testing.assert_array_equal(a.read([3, 4, 5], records), records[[3, 4, 5]])
+        np.testing.assert_array_equal(b.read([5, 4, 3], records), records[[5, 4, 3]])
+        assert b.stats()["hits"] == 3 and a.stats() == b.stats()
+        assert a.nbytes == cache_nbytes(64, 24) and os.path.getsize(path) == a.nbytes
+        del a
+        assert os.path.exists(path)  # b still uses it
+        del b
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_a_forked_child_going_away_leaves_its_parents_file():
+    path = shm_path()
+    try:
+        a = RowCache(16, 8, host=path, identity="x")
+        pid = os.fork()
+        if pid == 0:  # the child shares the parent's open file and its flock: dropping it detaches nothing
+            del a
+            os._exit(0 if os.path.exists(path) else 1)
+        assert os.waitpid(pid, 0)[1] == 0 and os.path.exists(path)
+        del a
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_layout_and_identity_mismatches_are_refused_and_unused_files_replaced():
+    path = shm_path()
+    try:
+        a = RowCache(64, 24, host=path, identity="x:l1")
+        for nslots, rec, ident, what in [(65, 24, "x:l1", "rows"), (64, 32, "x:l1", "record bytes"),
+                                         (64, 24, "y:l1", "identity")]:
+            with pytest.raises(ValueError, match=what) as e:
+                RowCache(nslots, rec, host=path, identity=ident)
+            assert path in str(e.value) and "host_cache" in str(e.value)
+        del a
+        with open(path, "wb") as f:  # a file no process uses, not a cache: replaced
+            f.write(b"not a row cache")
+        c = RowCache(8, 8, host=path, identity="z")
+        assert c.read([1], np.ones((2, 8), np.uint8)).tolist() == [[1] * 8]
+        del c
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_bad_host_cache_arguments(ckpt):
+    with pytest.raises(ValueError, match="host_cache"):
+        EngramModel.load(ckpt, row_cache_mb=1, host_cache="a/b")
+    with pytest.raises(ValueError, match="row_cache_mb"):
+        EngramModel.load(ckpt, host_cache="fine")
+    with pytest.raises(ValueError, match="totals"):
+        RowCache(4, 8, totals=np.zeros(4, np.int64), host=shm_path())
+
+
+def test_vllm_settings_take_host_cache():
+    from engram_stream.integrations.vllm import parse_settings
+    assert parse_settings('{"row_cache_mb": 64, "host_cache": "vllm"}', "env")["host_cache"] == "vllm"
+    assert parse_settings('{"row_cache_mb": 64}', "env")["host_cache"] is None
+    for bad in ('{"row_cache_mb": 64, "host_cache": "a b"}', '{"host_cache": "vllm"}'):
+        with pytest.raises(ValueError, match="host_cache"):
+            parse_settings(bad, "env")
