@@ -367,6 +367,20 @@ def random_inputs(model, S, T, rng, neg=True):
     return ids, hid
 
 
+def native_allocations(run):
+    """[count, bytes] of the native allocations memray.Tracker records while run() runs (frees and
+    unmaps not counted). For the allocation tests' subprocesses, which import this file."""
+    import memray
+    fn = os.path.join(tempfile.mkdtemp(), "t.bin")
+    with memray.Tracker(fn):
+        run()
+    frees = {memray.AllocatorType.FREE, memray.AllocatorType.MUNMAP}
+    recs = [r for r in memray.FileReader(fn).get_allocation_records()
+            if memray.AllocatorType(r.allocator) not in frees]
+    os.unlink(fn)
+    return [len(recs), sum(r.size for r in recs)]
+
+
 def run_python(args, cwd=None, **kw):
     """subprocess.run([sys.executable, *args]) from a folder outside the checkout."""
     kw.setdefault("capture_output", True)
