@@ -44,16 +44,6 @@ def config(quick):
     return EngramConfig(layer_ids=[LAYER])
 
 
-def proc_status(pid="self"):
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("RssAnon", "RssFile", "VmHWM", "VmRSS"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
 def smaps_rollup(pid):
     out = {}
     with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -166,7 +156,7 @@ def worker(spec):
     tokens = rng.integers(0, spec["vocab"], spec["steps"])
     hiddens = rng.standard_normal((64,) + tuple(spec["hidden_shape"])).astype(np.float32)
     sim = make_sim(spec.get("compute_ms", 0))
-    res = {"before": proc_status()}
+    res = {"before": store.proc_status()}
     tracker = None
     if spec.get("trace"):
         import memray
@@ -178,7 +168,7 @@ def worker(spec):
     w = model.layers[LAYER]
     res["table_bytes"] = int(w.table.nbytes)
     res["resident_after_load"] = store.resident_bytes(w.table)
-    res["after_load"] = proc_status()
+    res["after_load"] = store.proc_status()
     res["passes"], track = [], []
     for _ in range(spec.get("passes", 1)):
         t = decode(model, tokens, hiddens, sim, spec.get("prefetch"), track if not res["passes"] else None)
@@ -186,7 +176,7 @@ def worker(spec):
     rep = store.residency(model, touched={LAYER: track[0]})[LAYER]
     res["resident_after_decode"] = rep["resident_bytes"]
     res["rows_touched"] = rep["rows_touched"]
-    res["after_decode"] = proc_status()
+    res["after_decode"] = store.proc_status()
     if tracker is not None:
         tracker.__exit__(None, None, None)
         import memray
@@ -199,7 +189,7 @@ def worker(spec):
         store.advise(w.table, "sequential")
         store.touch(w.table)
         res["resident_full"] = store.resident_bytes(w.table)
-        res["after_touch"] = proc_status()
+        res["after_touch"] = store.proc_status()
     if spec.get("hold"):  # stay alive (mapped) until the parent has read our smaps
         print(json.dumps(res), flush=True)
         sys.stdin.readline()

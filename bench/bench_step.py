@@ -372,6 +372,18 @@ def step_section(rep, key, model, reps, target, streams16=False):
     return t
 
 
+def released_together(workers, barrier):
+    """Start the workers (threads or processes that wait at `barrier` first), pass the barrier with
+    them; wall seconds from there until the last one has joined."""
+    for w in workers:
+        w.start()
+    barrier.wait()
+    t = time.perf_counter()
+    for w in workers:
+        w.join()
+    return time.perf_counter() - t
+
+
 def thread_section(rep, key, model, reps, n_steps):
     """One engine doing n steps (on a worker thread) vs two engines on two threads, n each.
     Also the CPUs the threads actually got (sum of thread CPU time / wall): on a shared
@@ -389,14 +401,7 @@ def thread_section(rep, key, model, reps, n_steps):
             c = time.thread_time()
             engines[i](n_steps)
             cpu[i] = time.thread_time() - c
-        ths = [threading.Thread(target=work, args=(i,)) for i in range(k)]
-        for th in ths:
-            th.start()
-        barrier.wait()
-        t = time.perf_counter()
-        for th in ths:
-            th.join()
-        w = time.perf_counter() - t
+        w = released_together([threading.Thread(target=work, args=(i,)) for i in range(k)], barrier)
         return w, sum(cpu) / w
 
     def wall_proc():
@@ -409,14 +414,7 @@ def thread_section(rep, key, model, reps, n_steps):
             engines[i](n_steps // 10 + 1)  # absorb the copy-on-write faults before the clock
             barrier.wait()
             engines[i](n_steps)
-        ps = [ctx.Process(target=work, args=(i,)) for i in range(2)]
-        for p in ps:
-            p.start()
-        barrier.wait()
-        t = time.perf_counter()
-        for p in ps:
-            p.join()
-        return time.perf_counter() - t
+        return released_together([ctx.Process(target=work, args=(i,)) for i in range(2)], barrier)
 
     one, two, c1, c2, procs = [], [], [], [], []
     for i in range(reps):

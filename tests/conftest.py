@@ -303,6 +303,27 @@ def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
     return ids
 
 
+def variant_hidden(model, rng, shape):
+    """Random hidden states float32[*shape, G, D] for `model`."""
+    return rng.standard_normal(tuple(shape) + (model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+
+
+def variant_inputs(model, seed, shape):
+    """variant_ids and variant_hidden of `shape` (S, T) or (T,), drawn in that order from one
+    generator seeded with `seed`."""
+    rng = np.random.default_rng(seed)
+    return variant_ids(model, rng, shape), variant_hidden(model, rng, shape)
+
+
+def stepped(model, layer, ids, hid, n):
+    """An engine of `layer` over the S streams of ids [S, T] that has stepped their first n tokens
+    (hid [S, T, G, D])."""
+    eng = model.stream(layer, n_streams=ids.shape[0])
+    for t in range(n):
+        eng.step(ids[:, t], hid[:, t])
+    return eng
+
+
 def decode_inputs(model, S, T, P, seed):
     """Steps ids [T, S] (every 5th step the same id in all streams: each row S times in the batch),
     hidden [T, S, G, D]; a prompt of P ids and its hidden."""
@@ -344,6 +365,20 @@ def random_inputs(model, S, T, rng, neg=True):
     ids = rng.integers(-3 if neg else 0, cfg.vocab_size, (S, T)).astype(np.int64)
     hid = rng.standard_normal((S, T, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
     return ids, hid
+
+
+def native_allocations(run):
+    """[count, bytes] of the native allocations memray.Tracker records while run() runs (frees and
+    unmaps not counted). For the allocation tests' subprocesses, which import this file."""
+    import memray
+    fn = os.path.join(tempfile.mkdtemp(), "t.bin")
+    with memray.Tracker(fn):
+        run()
+    frees = {memray.AllocatorType.FREE, memray.AllocatorType.MUNMAP}
+    recs = [r for r in memray.FileReader(fn).get_allocation_records()
+            if memray.AllocatorType(r.allocator) not in frees]
+    os.unlink(fn)
+    return [len(recs), sum(r.size for r in recs)]
 
 
 def run_python(args, cwd=None, **kw):

@@ -164,24 +164,27 @@ cdef class V41StreamEngine(EngineBase):
 
 # ---- the kernels alone, for tests and benchmarks ------------------------------------------
 
-def decode_e4m3(const uint8_t[::1] raw):
-    """float32 values of float8_e4m3fn bytes (the kernels' scalar decoder)."""
+ctypedef float (*_byte_decoder)(uint8_t b) noexcept nogil
+
+
+cdef object _decoded(const uint8_t[::1] raw, _byte_decoder decode):
+    """float32[len(raw)]: decode applied to every byte."""
     out = np.empty(raw.shape[0], dtype=np.float32)
     cdef float[::1] o = out
     cdef Py_ssize_t i
     for i in range(raw.shape[0]):
-        o[i] = es8_e4m3(raw[i])
+        o[i] = decode(raw[i])
     return out
+
+
+def decode_e4m3(const uint8_t[::1] raw):
+    """float32 values of float8_e4m3fn bytes (the kernels' scalar decoder)."""
+    return _decoded(raw, es8_e4m3)
 
 
 def decode_e8m0(const uint8_t[::1] raw):
     """float32 values of float8_e8m0fnu bytes: 2**(byte - 127)."""
-    out = np.empty(raw.shape[0], dtype=np.float32)
-    cdef float[::1] o = out
-    cdef Py_ssize_t i
-    for i in range(raw.shape[0]):
-        o[i] = es8_e8m0(raw[i])
-    return out
+    return _decoded(raw, es8_e8m0)
 
 
 def gather_rows(const uint8_t[:, ::1] weight, const uint8_t[:, ::1] scale, const int64_t[::1] rows):

@@ -15,7 +15,8 @@ import pytest
 
 from engram_stream import EngineSnapshot, EngramModel
 from engram_stream.errors import FileChangedError
-from conftest import checkpoint_path, close, contract_model, contract_variants, variant_ids
+from conftest import (checkpoint_path, close, contract_model, contract_variants, stepped, variant_hidden,
+                      variant_ids, variant_inputs)
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
@@ -29,10 +30,6 @@ def _model(variant, **kw):
 @pytest.fixture(params=VARIANTS, scope="module")
 def model(request):
     return _model(request.param)
-
-
-def _hid(model, rng, shape):
-    return rng.standard_normal(tuple(shape) + (model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
 
 
 def _state(eng):
@@ -50,7 +47,7 @@ def test_a_refused_call_inside_a_call_does_not_change_its_token(model):
     h.__array__) must not make it hash `other`: the scalar id lives in the call."""
     L = model.cfg.layer_ids[0]
     eng, ref = model.stream(L), model.stream(L)
-    h = _hid(model, np.random.default_rng(0), ())
+    h = variant_hidden(model, np.random.default_rng(0), ())
 
     class Sneaky:
         def __array__(self, dtype=None, copy=None):
@@ -66,8 +63,7 @@ def test_a_refused_call_inside_a_call_does_not_change_its_token(model):
 def test_one_engine_two_threads_is_refused_not_corrupted(model):
     L = model.cfg.layer_ids[0]
     eng = model.stream(L, 2)
-    rng = np.random.default_rng(1)
-    ids, hid = variant_ids(model, rng, (2, 40)), _hid(model, rng, (2, 40))
+    ids, hid = variant_inputs(model, 1, (2, 40))
     want = model.forward(L, ids, hid)
     refused, done, errors = [0], threading.Event(), []
 
@@ -100,10 +96,8 @@ def test_one_engine_two_threads_is_refused_not_corrupted(model):
 def test_out_overlapping_hidden_is_refused_and_changes_nothing(model):
     L = model.cfg.layer_ids[0]
     G, D = model.cfg.hc_mult, model.cfg.hidden_size
-    rng = np.random.default_rng(2)
-    ids, hid = variant_ids(model, rng, (3, 4)), _hid(model, rng, (3, 4))
-    eng = model.stream(L, 3)
-    eng.step(ids[:, 0], hid[:, 0])
+    ids, hid = variant_inputs(model, 2, (3, 4))
+    eng = stepped(model, L, ids, hid, 1)
     before = _state(eng)
     buf = np.zeros(4 * G * D, np.float32)
     h = buf[:3 * G * D].reshape(3, G, D)
@@ -160,7 +154,7 @@ def test_a_changed_file_is_refused_by_every_call(variant, how, tmp_path):
         from engram_stream.io.files import mapping_of  # the layer whose engine reads that file
         L = next(L for L in m.cfg.layer_ids
                  if any(getattr(mapping_of(a), "path", None) == str(f) for a in m.layer(L).file_arrays()))
-        ids, h = variant_ids(m, rng, (6,)), _hid(m, rng, (6,))
+        ids, h = variant_ids(m, rng, (6,)), variant_hidden(m, rng, (6,))
         engines = {name: m.stream(L) for name in CALLS}
         size = os.path.getsize(f)
         with open(f, "r+b") as fh:
@@ -183,8 +177,7 @@ def test_rows_before_any_token_after_prefill_and_after_feed(model):
     L, H = model.cfg.layer_ids[-1], model.cfg.n_heads
     eng = model.stream(L, 2)
     np.testing.assert_array_equal(eng.rows, np.full((2, H), -1))  # no token yet: -1, not garbage
-    rng = np.random.default_rng(5)
-    ids, hid = variant_ids(model, rng, (1, 300)), _hid(model, rng, (1, 300))  # more than one chunk
+    ids, hid = variant_inputs(model, 5, (1, 300))  # more than one chunk
     want = model.plan.hash_numpy(ids)[L][0] + model.plan.offsets[L]
     eng.prefill(ids[0, :9], hid[0, :9], stream=1)
     np.testing.assert_array_equal(eng.rows[1], want[8])               # the LAST token's rows
@@ -203,11 +196,8 @@ def test_rows_before_any_token_after_prefill_and_after_feed(model):
 # ---- snapshots ------------------------------------------------------------------------------------------
 def test_snapshot_damage_and_foreign_snapshots_are_refused_state_unchanged(model):
     L = model.cfg.layer_ids[0]
-    rng = np.random.default_rng(6)
-    ids, hid = variant_ids(model, rng, (3, 8)), _hid(model, rng, (3, 8))
-    eng = model.stream(L, 3)
-    for p in range(3):
-        eng.step(ids[:, p], hid[:, p])
+    ids, hid = variant_inputs(model, 6, (3, 8))
+    eng = stepped(model, L, ids, hid, 3)
     good = eng.snapshot()
     arrays = {k: getattr(good, k) for k in good.names}
     bad = [model.stream(model.cfg.layer_ids[-1], 3).snapshot(), model.stream(L, 2).snapshot(), "nope"]
@@ -233,8 +223,7 @@ def test_a_snapshot_restores_into_the_same_model_saved_and_loaded(variant, tmp_p
     config.json, and the reloaded model must still take the snapshot."""
     m = _model(variant)
     L = m.cfg.layer_ids[0]
-    rng = np.random.default_rng(7)
-    ids, hid = variant_ids(m, rng, (1, 10)), _hid(m, rng, (1, 10))
+    ids, hid = variant_inputs(m, 7, (1, 10))
     eng = m.stream(L)
     for p in range(4):
         eng.step(int(ids[0, p]), hid[0, p])
@@ -251,10 +240,8 @@ def test_refused_calls_change_nothing(model):
     L = model.cfg.layer_ids[0]
     V = model.cfg.vocab_size
     G, D = model.cfg.hc_mult, model.cfg.hidden_size
-    rng = np.random.default_rng(8)
-    ids, hid = variant_ids(model, rng, (2, 6)), _hid(model, rng, (2, 6))
-    eng = model.stream(L, 2)
-    eng.step(ids[:, 0], hid[:, 0])
+    ids, hid = variant_inputs(model, 8, (2, 6))
+    eng = stepped(model, L, ids, hid, 1)
     before = _state(eng)
     h2 = np.zeros((2, G, D), np.float32)
     for call in [lambda: eng.step(np.array([1, V]), h2),                       # id past the vocab
@@ -277,11 +264,8 @@ def test_refused_calls_change_nothing(model):
 
 def test_reset_one_stream_and_all(model):
     L = model.cfg.layer_ids[0]
-    rng = np.random.default_rng(9)
-    ids, hid = variant_ids(model, rng, (2, 10)), _hid(model, rng, (2, 10))
-    eng = model.stream(L, 2)
-    for p in range(5):
-        eng.step(ids[:, p], hid[:, p])
+    ids, hid = variant_inputs(model, 9, (2, 10))
+    eng = stepped(model, L, ids, hid, 5)
     eng.reset(0)
     assert eng.tokens_seen.tolist() == [0, 5]
     got = np.stack([eng.step(ids[:, p], hid[:, p]) for p in range(5, 10)], 1)

@@ -35,6 +35,16 @@ def inputs(model, S, T, seed):
     return ids, hid, want
 
 
+def decoding(S, T, seed, steps=0, **kw):
+    """make_model(seed=seed, **kw), its inputs(S, T, seed) and a decoder of S streams that has
+    decoded tokens [0, steps) through run_tokens: (model, dec, ids, hid, want)."""
+    model = make_model(seed=seed, **kw)
+    ids, hid, want = inputs(model, S, T, seed=seed)
+    dec = model.decoder(S)
+    run_tokens(dec, ids, hid, want, range(steps), S)
+    return model, dec, ids, hid, want
+
+
 def tok(ids, t, S):
     """The token argument of step t: a scalar for one stream, ids[S] otherwise."""
     return ids[0, t] if S == 1 else ids[:, t]
@@ -56,9 +66,7 @@ def run_tokens(dec, ids, hid, want, ts, S):
 # ---- begin / layer ------------------------------------------------------------------------------
 @pytest.mark.parametrize("S", [1, 3])
 def test_begin_layer_equals_engines_and_batch(S):
-    model = make_model(seed=1)
-    ids, hid, want = inputs(model, S, 30, seed=1)
-    dec = model.decoder(n_streams=S)
+    model, dec, ids, hid, want = decoding(S, 30, seed=1)
     assert dec.layers == LAYERS and dec.n_streams == S
     engines = {L: model.stream(L, S) for L in LAYERS}
     for t in range(30):
@@ -80,9 +88,7 @@ def test_begin_layer_equals_engines_and_batch(S):
 
 
 def test_step_dict_equals_batch():
-    model = make_model(seed=2, G=3, D=8, n=4, K=2)
-    ids, hid, want = inputs(model, 2, 20, seed=2)
-    dec = model.decoder(2)
+    model, dec, ids, hid, want = decoding(2, 20, seed=2, G=3, D=8, n=4, K=2)
     for t in range(20):
         outs = dec.step(ids[:, t], {L: hid[L][:, t] for L in LAYERS})
         assert sorted(outs) == sorted(LAYERS)
@@ -97,10 +103,7 @@ def test_step_dict_equals_batch():
 
 
 def test_begin_twice_names_the_layers_and_misuse():
-    model = make_model(seed=3)
-    ids, hid, want = inputs(model, 1, 12, seed=3)
-    dec = model.decoder()
-    run_tokens(dec, ids, hid, want, range(4), 1)
+    model, dec, ids, hid, want = decoding(1, 12, seed=3, steps=4)
     dec.begin(ids[0, 4])
     close(dec.layer(4, hid[4][0, 4]), want[4][0, 4])
     with pytest.raises(RuntimeError) as exc:
@@ -121,10 +124,7 @@ def test_begin_twice_names_the_layers_and_misuse():
 
 
 def test_begin_bad_id_changes_nothing():
-    model = make_model(seed=4)
-    ids, hid, want = inputs(model, 3, 10, seed=4)
-    dec = model.decoder(3)
-    run_tokens(dec, ids, hid, want, range(3), 3)
+    model, dec, ids, hid, want = decoding(3, 10, seed=4, steps=3)
     for bad in (np.array([0, model.cfg.vocab_size, 1]), np.array([1, 2]), 5, np.array([1.0, 2.0, 3.0])):
         with pytest.raises((ValueError, TypeError)):
             dec.begin(bad)
@@ -148,10 +148,7 @@ class _Flaky:
 def test_begin_is_all_or_nothing():
     """The ids are read once and checked for every layer before any layer is fed: a value
     that changes between reads cannot leave some layers fed and the others not."""
-    model = make_model(seed=4)
-    ids, hid, want = inputs(model, 1, 6, seed=4)
-    dec = model.decoder()
-    run_tokens(dec, ids, hid, want, range(3), 1)
+    model, dec, ids, hid, want = decoding(1, 6, seed=4, steps=3)
     try:
         dec.begin(_Flaky(int(ids[0, 3]), model.cfg.vocab_size + 5))
     except ValueError:
@@ -166,9 +163,7 @@ def test_begin_is_all_or_nothing():
 def test_decoder_errors_name_its_own_calls():
     """Errors speak of begin()/layer() (the decoder's calls), not of the engines' feed()/compute();
     a list where the per-layer dict belongs is a TypeError that says so."""
-    model = make_model(seed=5)
-    ids, hid, want = inputs(model, 1, 3, seed=5)
-    dec = model.decoder()
+    model, dec, ids, hid, want = decoding(1, 3, seed=5)
     h = hid[1][0, 0]
 
     def refused(exc_type, call, *words):
@@ -206,9 +201,7 @@ def test_decoder_construction():
 # ---- prefill ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("T0", [1, 150])
 def test_prefill_then_step(T0):
-    model = make_model(seed=6, K=4)
-    ids, hid, want = inputs(model, 2, T0 + 15, seed=6)
-    dec = model.decoder(2)
+    model, dec, ids, hid, want = decoding(2, T0 + 15, seed=6, K=4)
     for s in (1, 0):  # each stream's prompt, one at a time
         outs = dec.prefill(ids[s, :T0], {L: hid[L][s, :T0] for L in LAYERS}, stream=s)
         for L in LAYERS:
@@ -221,10 +214,7 @@ def test_prefill_then_step(T0):
 
 
 def test_prefill_single_stream_after_steps():
-    model = make_model(seed=7, n=2, K=5)
-    ids, hid, want = inputs(model, 1, 60, seed=7)
-    dec = model.decoder()
-    run_tokens(dec, ids, hid, want, range(5), 1)
+    model, dec, ids, hid, want = decoding(1, 60, seed=7, steps=5, n=2, K=5)
     outs = dec.prefill(ids[0, 5:40], {L: hid[L][0, 5:40] for L in LAYERS})
     for L in LAYERS:
         close(outs[L], want[L][0, 5:40])
@@ -233,10 +223,7 @@ def test_prefill_single_stream_after_steps():
 
 # ---- reset / snapshot / restore ----------------------------------------------------------------------
 def test_reset_one_stream_and_all():
-    model = make_model(seed=8)
-    ids, hid, want = inputs(model, 3, 24, seed=8)
-    dec = model.decoder(3)
-    run_tokens(dec, ids, hid, want, range(8), 3)
+    model, dec, ids, hid, want = decoding(3, 24, seed=8, steps=8)
     dec.reset(1)
     for L in LAYERS:
         assert dec.engines[L].tokens_seen.tolist() == [8, 0, 8]
@@ -251,10 +238,7 @@ def test_reset_one_stream_and_all():
 
 
 def test_snapshot_restore_replay_exact():
-    model = make_model(seed=9, G=1, D=24)
-    ids, hid, want = inputs(model, 2, 30, seed=9)
-    dec = model.decoder(2)
-    run_tokens(dec, ids, hid, want, range(6), 2)
+    model, dec, ids, hid, want = decoding(2, 30, seed=9, steps=6, G=1, D=24)
     snap = dec.snapshot()
     assert sorted(snap) == sorted(LAYERS)
 
@@ -275,10 +259,7 @@ def test_snapshot_restore_replay_exact():
 
 
 def test_restore_checks_every_layer_before_changing_any():
-    model = make_model(seed=10)
-    ids, hid, want = inputs(model, 2, 20, seed=10)
-    dec = model.decoder(2)
-    run_tokens(dec, ids, hid, want, range(3), 2)
+    model, dec, ids, hid, want = decoding(2, 20, seed=10, steps=3)
     old = dec.snapshot()                                   # valid, but 3 tokens old
     run_tokens(dec, ids, hid, want, range(3, 8), 2)
     foreign = make_model(seed=10, D=14).decoder(2).snapshot()

@@ -24,7 +24,8 @@ from engram_stream.v41 import _engine as k
 from engram_stream.v41 import reference as ref
 from engram_stream.engine.snapshot import EngineSnapshot
 from engram_stream.v41._engine import V41StreamEngine
-from conftest import close, dense_compression, hypothesis_settings, make_v41_model
+from conftest import (close, dense_compression, hypothesis_settings, make_v41_model, stepped,
+                      variant_hidden, variant_ids, variant_inputs)
 
 pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every test once per kernel path the CPU runs
 
@@ -34,18 +35,6 @@ IMG = 299  # the DEAD (image) token id of the models below
 
 def make_model(**kw):
     return make_v41_model(**kw)
-
-
-def token_ids(rng, shape, vocab=300, img=IMG, p_dead=0.15, p_neg=0.05):
-    """Random ids with DEAD tokens (also at the start and in runs) and negative ids."""
-    ids = rng.integers(0, vocab, shape)
-    ids[rng.random(shape) < p_dead] = img
-    ids[rng.random(shape) < p_neg] = -rng.integers(1, 5)
-    return ids
-
-
-def hiddens(rng, model, shape):
-    return rng.standard_normal(shape + (model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -164,13 +153,11 @@ def test_fp8_linear_refuses_bad_shapes():
 # ---- the engine against the oracle ------------------------------------------------------------------
 
 def test_single_stream_matches_batch(model):
-    rng = np.random.default_rng(1)
     T = 60
-    ids = token_ids(rng, T)
+    ids, h = variant_inputs(model, 1, (T,))
     ids[:2] = IMG                 # DEAD at the start, twice
     ids[30:34] = IMG              # a run
     ids[40] = -1                  # an unknown id
-    h = hiddens(rng, model, (T,))
     want = model.forward(4, ids[None], h[None])[0]
     eng = model.stream(4)
     got = np.stack([eng.step(int(t), h[i]) for i, t in enumerate(ids)])
@@ -182,12 +169,10 @@ def test_single_stream_matches_batch(model):
 @pytest.mark.parametrize("S", range(2, 18))
 def test_multi_stream_matches_batch(model, S):
     """2..17 streams: tiles along k (2..15) and in the lanes (16, 17: a partial vector); the
-    DEAD tokens of token_ids land inside those tiles. step_threads 2 on odd counts."""
-    rng = np.random.default_rng(S)
+    DEAD tokens of variant_ids land inside those tiles. step_threads 2 on odd counts."""
     T = 6
-    ids = token_ids(rng, (S, T))
+    ids, h = variant_inputs(model, S, (S, T))
     ids[S // 2, 2] = IMG                      # at least one DEAD token inside a tile
-    h = hiddens(rng, model, (S, T))
     want = model.forward(1, ids, h)
     eng = model.stream(1, n_streams=S)
     eng.step_threads = 1 + S % 2
@@ -206,15 +191,15 @@ def test_step_and_prefill_threads_are_bitwise_equal():
     m = make_model(G=2, D=96, layers=(1,))
     rng = np.random.default_rng(5)
     for S in (3, 20):
-        ids = token_ids(rng, (S, 4))
-        h = hiddens(rng, m, (S, 4))
+        ids = variant_ids(m, rng, (S, 4))
+        h = variant_hidden(m, rng, (S, 4))
         outs = []
         for threads in (1, 2, 3):
             eng = m.stream(1, n_streams=S)
             eng.step_threads = threads
             outs.append(np.stack([eng.step(ids[:, t], h[:, t]) for t in range(4)]))
         assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
-    ids, h = token_ids(rng, 40), hiddens(rng, m, (40,))
+    ids, h = variant_ids(m, rng, (40,)), variant_hidden(m, rng, (40,))
     outs = []
     for threads in (1, 2):
         eng = m.stream(1)
@@ -293,8 +278,8 @@ def test_random_configs_match_batch(c, S, T, data):
     img = data.draw(st.integers(0, c["vocab"] - 1).filter(lambda i: i != 2))  # not the pad id
     m = make_model(img=img, layers=(3,), **c)
     rng = np.random.default_rng(data.draw(st.integers(0, 2 ** 32 - 1)))
-    ids = token_ids(rng, (S, T), vocab=c["vocab"], img=img, p_dead=0.25, p_neg=0.1)
-    h = hiddens(rng, m, (S, T))
+    ids = variant_ids(m, rng, (S, T), p_dead=0.25, p_neg=0.1)
+    h = variant_hidden(m, rng, (S, T))
     want = m.forward(3, ids, h)
     eng = m.stream(3, n_streams=S)
     got = np.stack([eng.step(ids[:, t], h[:, t]) for t in range(T)], axis=1)
@@ -307,10 +292,8 @@ def test_random_configs_match_batch(c, S, T, data):
 def test_prefill_then_step(model, T0, threads):
     """prefill over chunk boundaries (256: 300 and 530 leave 44 and 18 tokens in the last
     chunk), then steps continue the same sequence."""
-    rng = np.random.default_rng(T0)
     T = T0 + 5
-    ids = token_ids(rng, T)
-    h = hiddens(rng, model, (T,))
+    ids, h = variant_inputs(model, T0, (T,))
     want = model.forward(1, ids[None], h[None])[0]
     eng = model.stream(1)
     eng.prefill_threads = threads
@@ -323,13 +306,10 @@ def test_prefill_then_step(model, T0, threads):
 
 
 def test_prefill_one_stream_of_many_leaves_the_others(model):
-    rng = np.random.default_rng(3)
     S, T = 3, 10
-    ids = token_ids(rng, (S, T))
-    h = hiddens(rng, model, (S, T))
+    ids, h = variant_inputs(model, 3, (S, T))
     want = model.forward(1, ids, h)
-    eng = model.stream(1, n_streams=S)
-    eng.step(ids[:, 0], h[:, 0])
+    eng = stepped(model, 1, ids, h, 1)
     before = eng.snapshot()
     close(eng.prefill(ids[1, 1:], h[1, 1:], stream=1), want[1, 1:])
     after = eng.snapshot()
@@ -339,10 +319,8 @@ def test_prefill_one_stream_of_many_leaves_the_others(model):
 
 
 def test_feed_compute_equals_step_and_rows(model):
-    rng = np.random.default_rng(4)
     S, T = 3, 8
-    ids = token_ids(rng, (S, T))
-    h = hiddens(rng, model, (S, T))
+    ids, h = variant_inputs(model, 4, (S, T))
     want = model.forward(4, ids, h)
     rows = model.plan.hash_numpy(ids, layers=[4])[4] + model.layer(4).offsets
     eng = model.stream(4, n_streams=S)
@@ -377,13 +355,9 @@ def test_track_rows_marks_the_rows_read(model):
 
 
 def test_snapshot_restore_replays_exactly(model):
-    rng = np.random.default_rng(5)
     S, T = 2, 12
-    ids = token_ids(rng, (S, T))
-    h = hiddens(rng, model, (S, T))
-    eng = model.stream(1, n_streams=S)
-    for t in range(4):
-        eng.step(ids[:, t], h[:, t])
+    ids, h = variant_inputs(model, 5, (S, T))
+    eng = stepped(model, 1, ids, h, 4)
     snap = eng.snapshot()
     first = [eng.step(ids[:, t], h[:, t]).copy() for t in range(4, T)]
     eng.restore(snap)
@@ -412,13 +386,9 @@ def test_snapshot_refused_state_unchanged(model):
 
 
 def test_reset_one_stream_among_many(model):
-    rng = np.random.default_rng(6)
     S, T = 3, 9
-    ids = token_ids(rng, (S, T))
-    h = hiddens(rng, model, (S, T))
-    eng = model.stream(4, n_streams=S)
-    for t in range(5):
-        eng.step(ids[:, t], h[:, t])
+    ids, h = variant_inputs(model, 6, (S, T))
+    eng = stepped(model, 4, ids, h, 5)
     eng.reset(1)
     assert eng.tokens_seen.tolist() == [5, 0, 5]
     # stream 1 starts over: its next tokens are a fresh sequence
@@ -437,9 +407,7 @@ def test_reset_one_stream_among_many(model):
 
 
 def test_bad_input_refused_state_unchanged(model):
-    rng = np.random.default_rng(7)
-    ids = token_ids(rng, 6)
-    h = hiddens(rng, model, (6,))
+    ids, h = variant_inputs(model, 7, (6,))
     want = model.forward(1, ids[None], h[None])[0]
     eng = model.stream(1)
     eng.step(int(ids[0]), h[0])
@@ -492,8 +460,8 @@ def test_engine_names_the_running_path(model, each_isa):
 def test_decoder_runs_v41_layers(model):
     rng = np.random.default_rng(9)
     S, T = 2, 10
-    ids = token_ids(rng, (S, T))
-    hs = {L: hiddens(rng, model, (S, T)) for L in (1, 4)}
+    ids = variant_ids(model, rng, (S, T))
+    hs = {L: variant_hidden(model, rng, (S, T)) for L in (1, 4)}
     want = {L: model.forward(L, ids, hs[L]) for L in (1, 4)}
     dec = model.decoder(n_streams=S)
     for t in range(4):
@@ -539,8 +507,8 @@ def test_mapped_checkpoint_decoder_prefetch_and_residency(model, tmp_path):
     mm = EngramModel.load(tmp_path / "ckpt", mmap=True)
     assert store.is_file_backed(mm.layer(1).table)
     rng = np.random.default_rng(11)
-    ids = token_ids(rng, (1, 12))
-    hs = {L: hiddens(rng, mm, (1, 12)) for L in (1, 4)}
+    ids = variant_ids(mm, rng, (1, 12))
+    hs = {L: variant_hidden(mm, rng, (1, 12)) for L in (1, 4)}
     dec = mm.decoder()
     assert all(dec.engines[L].row_source.paged for L in (1, 4))
     bitmap = store.track_rows(dec.engines[1])
