@@ -710,8 +710,8 @@ def test_a_demo_file_given_to_from_deepseek_v41_says_what_it_is(tmp_path):
 def test_readme_says_how_models_share_a_mooncake_store():
     import inspect
     from engram_stream.rows import MooncakeTier, store_key
-    readme = _readme()
-    assert "`engram:{name}:l{L}:h{h}`" in readme and "several models or revisions share one store" in readme
+    readme = " ".join(_readme().split())
+    assert "`engram:{name}:l{L}:h{h}`" in readme and "models and revisions share one store" in readme
     assert inspect.signature(MooncakeTier).parameters["name"].default is None   # "defaults to the fingerprint"
     assert store_key(14, 3, "m0") == "engram:m0:l14:h3" and store_key(14, 3, "") == "engram:l14:h3"
     assert "--name" in _cli(["publish", "--help"]).stdout
