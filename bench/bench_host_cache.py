@@ -51,21 +51,6 @@ def checkpoint():
     return path
 
 
-def mapping_kb(prefix):
-    rss = pss = 0
-    mine = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-                mine = len(head) >= 6 and head[5].startswith(prefix)
-            elif mine and head[0] == "Rss:":
-                rss += int(head[1])
-            elif mine and head[0] == "Pss:":
-                pss += int(head[1])
-    return rss, pss
-
-
 def rank(k, path, mb, host, reads, batch, barrier, out):
     from engram_stream import EngramModel
     from engram_stream.rows.tiers import HOST_CACHE_DIR
@@ -86,7 +71,9 @@ def rank(k, path, mb, host, reads, batch, barrier, out):
     dt = time.perf_counter() - t0
     barrier.wait()  # every rank done: the caches are as full as they get
     st = model.row_cache_stats()
-    rss, pss = mapping_kb(os.path.join(HOST_CACHE_DIR, f"engram-rows-{host}-")) if host else (0, 0)
+    from engram_stream.rows.mapped import mapping_bytes
+    m = mapping_bytes(os.path.join(HOST_CACHE_DIR, f"engram-rows-{host}-")) if host else {"rss": 0, "pss": 0}
+    rss, pss = m["rss"] // 1024, m["pss"] // 1024
     out.put({"rank": k, "seconds": dt, "hits": st["hits"], "misses": st["misses"],
              "cache_bytes": st["cache_bytes"], "rss_kb": rss, "pss_kb": pss})
     barrier.wait()  # measured while every rank still maps the cache

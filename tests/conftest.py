@@ -292,6 +292,33 @@ def publish_when_back(tier, model, seconds):
             time.sleep(0.5)
 
 
+# ---- the serving plugins' tests (tests/integrations/test_vllm.py, test_sglang.py) -------------------
+PLUGIN_SOURCES = {   # the plugins' settings (their JSON) for each source they read rows from
+    "mapped": {"tables": "mapped"},
+    "mapped+cache": {"tables": "mapped", "row_cache_mb": 0.2},
+    "direct": {"tables": "direct"},
+    "direct+cache": {"tables": "direct", "row_cache_mb": 0.2},
+    "packed row file+cache": {"tables": "direct", "row_cache_mb": 0.2},
+}
+
+
+@pytest.fixture(scope="session")
+def plugin_checkpoints(tmp_path_factory):
+    """A V4.1 folder: 3 heads per order (9 columns: a TP shard of 2 ranks has a padded head),
+    head_dim 256 (the 264-byte record), and its copy with the packed row file:
+    {"plain": folder, "rows": its copy}."""
+    import shutil
+    from engram_stream import EngramModel
+    from engram_stream.rows import packed
+    d = tmp_path_factory.mktemp("plugins")
+    path = str(d / "v41")
+    make_v41_model(seed=11, nh=3, hd=256, D=32).save(path)
+    with_rows = str(d / "v41-rows")
+    shutil.copytree(path, with_rows)
+    packed.pack_rows(EngramModel.from_deepseek_v41(with_rows), packed.rows_path(with_rows))
+    return {"plain": path, "rows": with_rows}
+
+
 def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
     """Random ids for either variant: some negative (demo: they pass through; V4.1: DEAD in the
     window), and for V4.1 image (DEAD) tokens, also at the start and in runs."""

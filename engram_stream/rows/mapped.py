@@ -16,6 +16,7 @@ is a plain memory read; this module only talks to the kernel about its pages:
   residency(model)          {layer: {"table_bytes", "resident_bytes", "file_backed"[, "rows_touched"]}}
   track_rows(engine)        a bitmap the engine marks with every row it reads (for rows_touched)
   touch(a)                  fault every page of `a` in (warm-up, tests)
+  mapping_bytes(prefix)     Rss and Pss of this process's mappings of some files (/proc/self/smaps)
   MappedTier                tables=None: engines read the tables in memory (MappedRows), their
                             files advised MADV_RANDOM when opened
 
@@ -108,6 +109,23 @@ def resident_bytes(a: np.ndarray) -> int:
     if n > 1:
         per_page[-1] = end - (first + (n - 1) * PAGE)
     return int(per_page[(vec & 1).astype(bool)].sum())
+
+
+def mapping_bytes(prefix, pid="self") -> dict:
+    """{"rss", "pss"}: bytes of process PID's mappings of files whose path starts with prefix
+    (/proc/PID/smaps: Rss counts every page it maps, Pss shares each page among its mappers)."""
+    rss = pss = 0
+    mine = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):  # a mapping's line
+                mine = len(head) >= 6 and head[5].startswith(prefix)
+            elif mine and head[0] == "Rss:":
+                rss += int(head[1]) * 1024
+            elif mine and head[0] == "Pss:":
+                pss += int(head[1]) * 1024
+    return {"rss": rss, "pss": pss}
 
 
 def proc_status(pid="self") -> dict:

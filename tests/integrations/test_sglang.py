@@ -15,7 +15,6 @@ import importlib.machinery
 import importlib.util
 import json
 import os
-import shutil
 import sys
 import types
 
@@ -55,32 +54,13 @@ if importlib.util.find_spec("torchvision") is None:
     _stub_torchvision()
 E = pytest.importorskip("sglang.srt.layers.engram")
 
-from engram_stream import EngramModel  # noqa: E402
 from engram_stream.rows import packed  # noqa: E402
 
-from conftest import make_v41_model  # noqa: E402
+from conftest import PLUGIN_SOURCES  # noqa: E402
 
 plugin = pytest.importorskip("engram_stream.integrations.sglang")
 
-SOURCES = {
-    "mapped": {"tables": "mapped"},
-    "mapped+cache": {"tables": "mapped", "row_cache_mb": 0.2},
-    "direct": {"tables": "direct"},
-    "direct+cache": {"tables": "direct", "row_cache_mb": 0.2},
-    "packed row file+cache": {"tables": "direct", "row_cache_mb": 0.2},
-}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """A V4.1 folder of 9 hash columns, head_dim 256, and its copy with the packed row file."""
-    d = tmp_path_factory.mktemp("sglang")
-    path = str(d / "v41")
-    make_v41_model(seed=11, nh=3, hd=256, D=32).save(path)
-    with_rows = str(d / "v41-rows")
-    shutil.copytree(path, with_rows)
-    packed.pack_rows(EngramModel.from_deepseek_v41(with_rows), packed.rows_path(with_rows))
-    return {"plain": path, "rows": with_rows}
+SOURCES = PLUGIN_SOURCES
 
 
 @pytest.fixture
@@ -134,10 +114,10 @@ def bits(t):
 
 
 @pytest.mark.parametrize("source", list(SOURCES))
-def test_sglang_engram_builds_the_plugins_embedding_with_sglangs_bits(ckpt, parallel, source):
+def test_sglang_engram_builds_the_plugins_embedding_with_sglangs_bits(plugin_checkpoints, parallel, source):
     """install(); SGLang's Engram (its __init__ builds the embedding) holds no table, and its
     embed_rows() (the forward's lookup) gives the bits of SGLang's own embedding, cold and warm."""
-    path = ckpt["rows" if "packed" in source else "plain"]
+    path = plugin_checkpoints["rows" if "packed" in source else "plain"]
     layout = layout_of(path)
     stock = stock_embeddings(path, layout)
     plugin.install({"checkpoint": path, **SOURCES[source]})
@@ -166,10 +146,10 @@ def test_sglang_engram_builds_the_plugins_embedding_with_sglangs_bits(ckpt, para
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_tensor_parallel_row_ranges_give_sglangs_bits(ckpt, parallel, rank):
+def test_tensor_parallel_row_ranges_give_sglangs_bits(plugin_checkpoints, parallel, rank):
     """TP 2: each rank's rows (shard_range: 9 columns do not split in 2, so an equal-row split
     that cuts a head) and zeros for the other rank's; the two ranks' rows sum to every row."""
-    path = ckpt["plain"]
+    path = plugin_checkpoints["plain"]
     parallel.tp_size, parallel.tp_rank = 2, rank
     layout = layout_of(path)
     stock = stock_embeddings(path, layout)
@@ -185,17 +165,17 @@ def test_tensor_parallel_row_ranges_give_sglangs_bits(ckpt, parallel, rank):
         assert other.any() and (~other).any() and not bits(got[other]).any()
 
 
-def test_install_refuses_bad_settings_with_the_value(ckpt, parallel, monkeypatch):
+def test_install_refuses_bad_settings_with_the_value(plugin_checkpoints, parallel, monkeypatch):
     monkeypatch.delenv(plugin.ENV, raising=False)
     with pytest.raises(ValueError, match=plugin.ENV):
         plugin.install()
     with pytest.raises(ValueError, match='give "checkpoint"'):
         plugin.install({"tables": "direct"})
     with pytest.raises(ValueError, match='"tables" must be'):
-        plugin.install({"checkpoint": ckpt["plain"], "tables": "ram"})
-    monkeypatch.setenv(plugin.ENV, json.dumps({"checkpoint": ckpt["plain"]}))
+        plugin.install({"checkpoint": plugin_checkpoints["plain"], "tables": "ram"})
+    monkeypatch.setenv(plugin.ENV, json.dumps({"checkpoint": plugin_checkpoints["plain"]}))
     assert plugin.install() is E.EngramEmbedding
-    layout = layout_of(ckpt["plain"])
+    layout = layout_of(plugin_checkpoints["plain"])
     with pytest.raises(ValueError, match="give the checkpoint SGLang serves"):
         E.EngramEmbedding(layout.num_embeddings[0] + 1, 256, layout.layer_ids[0], layout.column_bounds(0))
     plugin.uninstall()

@@ -17,7 +17,6 @@ import contextlib
 import glob
 import json
 import os
-import shutil
 import threading
 import types
 
@@ -34,30 +33,11 @@ from engram_stream import EngramModel  # noqa: E402
 from engram_stream.rows import packed  # noqa: E402
 from engram_stream.v41 import reference as v41_reference  # noqa: E402
 
-from conftest import make_v41_model  # noqa: E402
+from conftest import PLUGIN_SOURCES  # noqa: E402
 
 plugin = pytest.importorskip("engram_stream.integrations.vllm")
 
-SOURCES = {
-    "mapped": {"tables": "mapped"},
-    "mapped+cache": {"tables": "mapped", "row_cache_mb": 0.2},
-    "direct": {"tables": "direct"},
-    "direct+cache": {"tables": "direct", "row_cache_mb": 0.2},
-    "packed row file+cache": {"tables": "direct", "row_cache_mb": 0.2},
-}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    """A V4.1 folder: 3 heads per order (9 columns: a TP shard of 2 ranks has a padded head),
-    head_dim 256 (the 264-byte record), and its copy with the packed row file."""
-    d = tmp_path_factory.mktemp("vllm")
-    path = str(d / "v41")
-    make_v41_model(seed=11, nh=3, hd=256, D=32).save(path)
-    with_rows = str(d / "v41-rows")
-    shutil.copytree(path, with_rows)
-    packed.pack_rows(EngramModel.from_deepseek_v41(with_rows), packed.rows_path(with_rows))
-    return {"plain": path, "rows": with_rows}
+SOURCES = PLUGIN_SOURCES
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +131,7 @@ def configure(st, monkeypatch, path, how, settings):
 
 
 @pytest.fixture(scope="module")
-def expected(E, ckpt):
+def expected(E, plugin_checkpoints):
     """{path: (layout, {layer: table bytes}, [(layer, ids, dtype, vLLM's out)])}: the calls and
     what vLLM's stock embeddings give (the interpreter is slow: run once per checkpoint)."""
     from _pytest.monkeypatch import MonkeyPatch
@@ -163,7 +143,7 @@ def expected(E, ckpt):
     mp.setattr(torch.accelerator, "current_device_index", lambda: 0)
     out = {}
     try:
-        for path in [ckpt["plain"]]:  # the other folder is its copy (with the row file)
+        for path in [plugin_checkpoints["plain"]]:  # the other folder is its copy (with the row file)
             layout = layout_of(E, path)
             stock = stock_embeddings(E, path, layout)
             rng = np.random.default_rng(1)
@@ -176,7 +156,7 @@ def expected(E, ckpt):
                         calls.append((L, ids, dtype, lookup(stock[L], ids, part, dtype)))
                 calls.append((L, torch.full((4, stock[L].n_hash_cols), -1, dtype=torch.int32), torch.bfloat16, None))
             sizes = {L: e.weight.numel() + e.weight_scale_inv.numel() for L, e in stock.items()}
-            out[path] = out[ckpt["rows"]] = (layout, sizes, calls)
+            out[path] = out[plugin_checkpoints["rows"]] = (layout, sizes, calls)
     finally:
         mp.undo()
     return out
@@ -189,8 +169,8 @@ def lookup(emb, ids, part, dtype):
 
 
 @pytest.mark.parametrize("source", list(SOURCES))
-def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, ckpt, expected, monkeypatch, source):
-    path = ckpt["rows" if "packed" in source else "plain"]
+def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, plugin_checkpoints, expected, monkeypatch, source):
+    path = plugin_checkpoints["rows" if "packed" in source else "plain"]
     layout, table_bytes, calls = expected[path]
     configure(vllm_env, monkeypatch, path, "env" if "cache" in source else "additional_config", SOURCES[source])
     mine = plugin_embeddings(E, layout)
@@ -217,10 +197,10 @@ def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, ckpt, expected, monkeypatc
 
 
 @pytest.mark.mooncake
-def test_plugin_lookup_from_mooncake_gives_vllms_bytes(E, vllm_env, ckpt, expected, monkeypatch, tier, mooncake):
+def test_plugin_lookup_from_mooncake_gives_vllms_bytes(E, vllm_env, plugin_checkpoints, expected, monkeypatch, tier, mooncake):
     """"mooncake": the rows from a real Mooncake Store (the session's test servers) the checkpoint
     was published to, behind the row cache: vLLM's bytes cold and warm, background and not."""
-    path = ckpt["plain"]
+    path = plugin_checkpoints["plain"]
     layout, _, calls = expected[path]
     tier.publish(EngramModel.from_deepseek_v41(path))
     configure(vllm_env, monkeypatch, path, "env", {"tables": "mapped", "row_cache_mb": 0.2, "mooncake": {
@@ -241,10 +221,10 @@ def test_plugin_lookup_from_mooncake_gives_vllms_bytes(E, vllm_env, ckpt, expect
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_tensor_parallel_shards_give_vllms_bytes(E, vllm_env, ckpt, monkeypatch, rank):
+def test_tensor_parallel_shards_give_vllms_bytes(E, vllm_env, plugin_checkpoints, monkeypatch, rank):
     """TP 2 of 9 columns: rank 0 heads 0..4, rank 1 heads 5..8 and a padded head (zeros); ids of
     the other rank's rows read zeros."""
-    path = ckpt["plain"]
+    path = plugin_checkpoints["plain"]
     vllm_env.tp, vllm_env.rank = 2, rank
     layout = layout_of(E, path)
     stock = stock_embeddings(E, path, layout)
@@ -292,13 +272,13 @@ def engram_layer(E, path, layout, i):
     return layer
 
 
-def test_a_whole_engram_layer_is_the_same_with_the_plugin(E, vllm_env, ckpt, monkeypatch):
+def test_a_whole_engram_layer_is_the_same_with_the_plugin(E, vllm_env, plugin_checkpoints, monkeypatch):
     """vLLM's Engram layer with vLLM's embedding and with the plugin's: prepare_embeddings (the
     staging rows), embed() and the wkv projection, as Engram.forward runs them, give the same
     bits. The fused gate kernel after wkv (_fused_engram_post_wkv_kernel) does not run in
     Triton's interpreter (a scalar & block load mask: "mask has unsupported dtype"); its inputs
     are equal, and its output is vLLM's own on both sides."""
-    path = ckpt["plain"]
+    path = plugin_checkpoints["plain"]
     layout = layout_of(E, path)
     rng = np.random.default_rng(9)
     T = 20
@@ -368,11 +348,11 @@ class Gate:
         monkeypatch.setattr(emb, "lookup", recording_lookup)
 
 
-def test_a_background_lookup_returns_before_its_rows_are_read(E, vllm_env, ckpt, expected, monkeypatch):
+def test_a_background_lookup_returns_before_its_rows_are_read(E, vllm_env, plugin_checkpoints, expected, monkeypatch):
     """lookup(background=True) hands the rows to the lanes and returns; wait() gives vLLM's bytes.
     A 300-token lookup with a 64-token window: 5 windows over both lanes, each held at the gate
     until the lookup has returned."""
-    path = ckpt["plain"]
+    path = plugin_checkpoints["plain"]
     layout, _, calls = expected[path]
     configure(vllm_env, monkeypatch, path, "env", {"tables": "direct", "row_cache_mb": 0.2})
     mine = plugin_embeddings(E, layout)
@@ -396,8 +376,8 @@ def test_a_background_lookup_returns_before_its_rows_are_read(E, vllm_env, ckpt,
     assert any(n.startswith(f"engram-rows-L{L}") for n in threads for L in layout.layer_ids)
 
 
-def test_a_background_read_error_is_raised_where_vllm_waits(E, vllm_env, ckpt, expected, monkeypatch):
-    path = ckpt["plain"]
+def test_a_background_read_error_is_raised_where_vllm_waits(E, vllm_env, plugin_checkpoints, expected, monkeypatch):
+    path = plugin_checkpoints["plain"]
     layout, _, calls = expected[path]
     configure(vllm_env, monkeypatch, path, "env", {"tables": "direct"})
     m = plugin_embeddings(E, layout)[calls[0][0]]
@@ -413,12 +393,12 @@ def test_a_background_read_error_is_raised_where_vllm_waits(E, vllm_env, ckpt, e
     m.wait()  # the error is raised once; nothing is left in flight
 
 
-def test_vllms_prefetch_path_waits_for_the_plugins_lanes(E, vllm_env, ckpt, monkeypatch):
+def test_vllms_prefetch_path_waits_for_the_plugins_lanes(E, vllm_env, plugin_checkpoints, monkeypatch):
     """vLLM's Engram layers with cpu_offload (on CPU with stub streams): prepare_embeddings of
     every layer (Engram._start_prefetch: lookup(background=True)) returns while every layer's
     rows are still held at the gate; embed() (Engram._finish_prefetch, where vLLM waits) gives
     the rows of vLLM's own embedding, bit for bit, after the wkv projection."""
-    path = ckpt["plain"]
+    path = plugin_checkpoints["plain"]
     layout = layout_of(E, path)
     rng = np.random.default_rng(9)
     T = 20
@@ -449,9 +429,9 @@ def test_vllms_prefetch_path_waits_for_the_plugins_lanes(E, vllm_env, ckpt, monk
     assert E.Engram._finish_prefetch._engram_stream
 
 
-def test_loader_skips_the_tables_only_when_serving(E, vllm_env, ckpt, monkeypatch):
+def test_loader_skips_the_tables_only_when_serving(E, vllm_env, plugin_checkpoints, monkeypatch):
     from vllm.model_executor.model_loader import weight_utils
-    path = ckpt["plain"]
+    path = plugin_checkpoints["plain"]
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     names = lambda: {n for n, _ in weight_utils.safetensors_weights_iterator(files, False)}  # noqa: E731
     tables = {n for n in names() if plugin.TABLE_TENSOR.search(n)}
@@ -464,7 +444,7 @@ def test_loader_skips_the_tables_only_when_serving(E, vllm_env, ckpt, monkeypatc
     assert not names() & tables and names()  # the rest is still read
 
 
-def test_bad_settings_are_refused_with_the_value(E, vllm_env, ckpt, monkeypatch):
+def test_bad_settings_are_refused_with_the_value(E, vllm_env, plugin_checkpoints, monkeypatch):
     for bad, msg in (('{"tables": "ram"}', '"tables" must be'), ("[1]", "JSON object"), ("{", "not JSON"),
                      ('{"row_cache_mb": -1}', "row_cache_mb"), ('{"cache": 1}', "unknown keys"),
                      ('{"checkpoint": "/nonexistent"}', "is not a folder"),
@@ -475,11 +455,11 @@ def test_bad_settings_are_refused_with_the_value(E, vllm_env, ckpt, monkeypatch)
     monkeypatch.setenv(plugin.ENV, '{"tables": "mapped"}')
     vllm_env.model = "deepseek-ai/DeepSeek-V4.1-Flash"  # a hub name, not a folder
     with pytest.raises(ValueError, match='give "checkpoint"'):
-        plugin_embeddings(E, layout_of(E, ckpt["plain"]))
-    vllm_env.model = ckpt["plain"]
+        plugin_embeddings(E, layout_of(E, plugin_checkpoints["plain"]))
+    vllm_env.model = plugin_checkpoints["plain"]
     monkeypatch.setattr(plugin, "_cuda", lambda: True)  # cpu_offload=False on a CUDA machine: inline lookups
     with pytest.raises(ValueError, match="cpu_offload=true"):
-        plugin_embeddings(E, layout_of(E, ckpt["plain"]))
+        plugin_embeddings(E, layout_of(E, plugin_checkpoints["plain"]))
 
 
 def test_vllm_finds_the_entry_point_and_it_is_inert_unconfigured(tmp_path, monkeypatch):

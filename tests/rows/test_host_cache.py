@@ -55,18 +55,9 @@ def host_stats():
 
 def mapping_kb(prefix):
     """Rss and Pss (kB) of this process's mappings of files starting with prefix."""
-    rss = pss = 0
-    mine = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-                mine = len(head) >= 6 and head[5].startswith(prefix)
-            elif mine and head[0] == "Rss:":
-                rss += int(head[1])
-            elif mine and head[0] == "Pss:":
-                pss += int(head[1])
-    return {"rss_kb": rss, "pss_kb": pss}
+    from engram_stream.rows.mapped import mapping_bytes
+    m = mapping_bytes(prefix)
+    return {"rss_kb": m["rss"] // 1024, "pss_kb": m["pss"] // 1024}
 
 
 for line in sys.stdin:
@@ -385,73 +376,66 @@ def test_a_layout_mismatch_is_refused_with_the_file_and_the_fix(ckpt, host):
 
 
 # ---- RowCache(host=) in one process: two attachments are two users ------------------------------
+@pytest.fixture
 def shm_path():
-    return os.path.join(HOST_CACHE_DIR, f"engram-rows-test{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    """A fresh path under /dev/shm for one test's cache file, removed after it whatever happens."""
+    path = os.path.join(HOST_CACHE_DIR, f"engram-rows-test{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    yield path
+    if os.path.exists(path):
+        os.unlink(path)
 
 
-def test_two_attachments_share_rows_and_the_last_removes_the_file():
-    path = shm_path()
+def test_two_attachments_share_rows_and_the_last_removes_the_file(shm_path):
+    path = shm_path
     records = np.random.default_rng(0).integers(0, 256, (500, 24), dtype=np.uint8)
-    try:
-        a = RowCache(64, 24, host=path, identity="x:l1")
-        b = RowCache(64, 24, host=path, identity="x:l1")
-        np.testing.assert_array_equal(a.read([3, 4, 5], records), records[[3, 4, 5]])
-        np.testing.assert_array_equal(b.read([5, 4, 3], records), records[[5, 4, 3]])
-        assert b.stats()["hits"] == 3 and a.stats() == b.stats()
-        assert a.nbytes == cache_nbytes(64, 24) and os.path.getsize(path) == a.nbytes
+    a = RowCache(64, 24, host=path, identity="x:l1")
+    b = RowCache(64, 24, host=path, identity="x:l1")
+    np.testing.assert_array_equal(a.read([3, 4, 5], records), records[[3, 4, 5]])
+    np.testing.assert_array_equal(b.read([5, 4, 3], records), records[[5, 4, 3]])
+    assert b.stats()["hits"] == 3 and a.stats() == b.stats()
+    assert a.nbytes == cache_nbytes(64, 24) and os.path.getsize(path) == a.nbytes
+    del a
+    assert os.path.exists(path)  # b still uses it
+    del b
+    assert not os.path.exists(path)
+
+
+def test_a_forked_child_going_away_leaves_its_parents_file(shm_path):
+    path = shm_path
+    a = RowCache(16, 8, host=path, identity="x")
+    pid = os.fork()
+    if pid == 0:  # the child shares the parent's open file and its flock: dropping it detaches nothing
         del a
-        assert os.path.exists(path)  # b still uses it
-        del b
-        assert not os.path.exists(path)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
+        os._exit(0 if os.path.exists(path) else 1)
+    assert os.waitpid(pid, 0)[1] == 0 and os.path.exists(path)
+    del a
+    assert not os.path.exists(path)
 
 
-def test_a_forked_child_going_away_leaves_its_parents_file():
-    path = shm_path()
-    try:
-        a = RowCache(16, 8, host=path, identity="x")
-        pid = os.fork()
-        if pid == 0:  # the child shares the parent's open file and its flock: dropping it detaches nothing
-            del a
-            os._exit(0 if os.path.exists(path) else 1)
-        assert os.waitpid(pid, 0)[1] == 0 and os.path.exists(path)
-        del a
-        assert not os.path.exists(path)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
+def test_layout_and_identity_mismatches_are_refused_and_unused_files_replaced(shm_path):
+    path = shm_path
+    a = RowCache(64, 24, host=path, identity="x:l1")
+    for nslots, rec, ident, what in [(65, 24, "x:l1", "rows"), (64, 32, "x:l1", "record bytes"),
+                                     (64, 24, "y:l1", "identity")]:
+        with pytest.raises(ValueError, match=what) as e:
+            RowCache(nslots, rec, host=path, identity=ident)
+        assert path in str(e.value) and "host_cache" in str(e.value)
+    del a
+    with open(path, "wb") as f:  # a file no process uses, not a cache: replaced
+        f.write(b"not a row cache")
+    c = RowCache(8, 8, host=path, identity="z")
+    assert c.read([1], np.ones((2, 8), np.uint8)).tolist() == [[1] * 8]
+    del c
+    assert not os.path.exists(path)
 
 
-def test_layout_and_identity_mismatches_are_refused_and_unused_files_replaced():
-    path = shm_path()
-    try:
-        a = RowCache(64, 24, host=path, identity="x:l1")
-        for nslots, rec, ident, what in [(65, 24, "x:l1", "rows"), (64, 32, "x:l1", "record bytes"),
-                                         (64, 24, "y:l1", "identity")]:
-            with pytest.raises(ValueError, match=what) as e:
-                RowCache(nslots, rec, host=path, identity=ident)
-            assert path in str(e.value) and "host_cache" in str(e.value)
-        del a
-        with open(path, "wb") as f:  # a file no process uses, not a cache: replaced
-            f.write(b"not a row cache")
-        c = RowCache(8, 8, host=path, identity="z")
-        assert c.read([1], np.ones((2, 8), np.uint8)).tolist() == [[1] * 8]
-        del c
-        assert not os.path.exists(path)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
-
-
-def test_bad_host_cache_arguments(ckpt):
+def test_bad_host_cache_arguments(ckpt, shm_path):
     with pytest.raises(ValueError, match="host_cache"):
         EngramModel.load(ckpt, row_cache_mb=1, host_cache="a/b")
     with pytest.raises(ValueError, match="row_cache_mb"):
         EngramModel.load(ckpt, host_cache="fine")
     with pytest.raises(ValueError, match="totals"):
-        RowCache(4, 8, totals=np.zeros(4, np.int64), host=shm_path())
+        RowCache(4, 8, totals=np.zeros(4, np.int64), host=shm_path)
 
 
 def test_vllm_settings_take_host_cache():
