@@ -4,6 +4,7 @@
     python bench/bench_step.py                 # full run (builds one 2.6 GB demo table, ~15 s)
     python bench/bench_step.py --quick         # demo geometry with a small table, fewer repetitions
     python bench/bench_step.py --json out.json # also save every number
+    python bench/bench_step.py --busy 1        # beside a busy loop (--busy-cpu 1: pinned to CPU 1)
 
 Every comparison is measured side by side in one run: the contenders of a group take
 turns (the order rotates every repetition), each turn a block of calls sized to ~30 ms;
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import add_busy_args, busy_loops  # noqa: E402
 from engram_stream import EngramConfig, EngramModel, kernel_isa  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
 
@@ -583,7 +585,6 @@ class FmaRunner:
 
 
 def main(argv=None):
-    global DEFAULT_TORCH_THREADS
     _isa.use_isa(BEST_ISA)  # (bf16 by default: the demo runs its avx512 kernels there)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small-table demo geometry, fewer repetitions")
@@ -591,7 +592,14 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="repetitions per group (default 15, quick 5)")
     ap.add_argument("--skip", action="append", default=[],
                     choices=["small", "demo", "threads", "prefill"], help="skip a section (repeatable)")
+    add_busy_args(ap)
     args = ap.parse_args(argv)
+    with busy_loops(args.busy, args.busy_cpu) as busy:
+        return bench(args, busy)
+
+
+def bench(args, busy):
+    global DEFAULT_TORCH_THREADS
     reps = args.reps or (5 if args.quick else 15)
     target = 0.01 if args.quick else 0.03
     rep = Report()
@@ -603,12 +611,13 @@ def main(argv=None):
             "machine": platform.processor() or platform.machine(), "numpy": np.__version__,
             "torch": torch.__version__ if HAVE_TORCH else None, "torch_default_threads": DEFAULT_TORCH_THREADS,
             "loadavg_start": load0, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
-            "kernel_isa": BEST_ISA, "other_isas": OTHER_ISAS}
+            "kernel_isa": BEST_ISA, "other_isas": OTHER_ISAS, **busy}
     print(f"bench_step: kernels {BEST_ISA} (rows marked [isa]: the same engines on that path; "
           f"ENGRAM_STREAM_ISA chooses the main one)")
     print(f"bench_step: {'quick' if args.quick else 'full'} run, {reps} interleaved repetitions per group; "
           f"{os.cpu_count()} CPUs, load average {load0[0]:.2f}; torch "
-          f"{meta['torch'] or 'not installed'} (default threads {DEFAULT_TORCH_THREADS})")
+          f"{meta['torch'] or 'not installed'} (default threads {DEFAULT_TORCH_THREADS})"
+          + (f"; {busy['busy']} busy loop(s) beside it (CPU {busy['busy_cpu']})" if busy["busy"] else ""))
 
     rep.section("check: peers and engine == model.forward, token by token (rtol 2e-4, atol 2e-5)")
     t0 = time.perf_counter()
