@@ -19,7 +19,8 @@ Sections
   threads   two engines on two threads vs one engine (same model), N steps each; the CPUs
             the threads got, and (diagnostic) the same with two forked processes
   prefill   eng.prefill on 2048 tokens vs the torch batch forward of the reference module
-            (goal >= 2x, all cores) and vs the register-only FMA floor of all cores (goal <= 1.25x)
+            (goal >= 2x, all cores) and vs the register-only FMA floor of all cores (goal <= 1.25x);
+            the one-thread prefill vs one core's floor beside it
   16 streams per token are also held to the register-only FMA floor of the step's cores
             (es_fma_chains of the path: goal <= 1.3x); the sgemm floor is printed beside
 """
@@ -467,6 +468,9 @@ def prefill_section(rep, key, model, reps, T):
     for isa in [BEST_ISA] + OTHER_ISAS:  # the floors, in the same rotation: ~0.1-0.3 s a call
         runs[f"fma[{isa}]"] = FMA_RUNNERS.setdefault((isa, engine_threads, "prefill"),
                                                      FmaRunner(isa, engine_threads, rounds=20_000_000))
+    # one core's floor beside the one-thread prefill: the kernel's distance from its peak, which
+    # a machine whose second core is busy leaves measurable
+    runs["fma_1"] = FMA_RUNNERS.setdefault((BEST_ISA, 1, "prefill"), FmaRunner(BEST_ISA, 1, rounds=20_000_000))
     default_threads = None
     if HAVE_TORCH:
         default_threads = DEFAULT_TORCH_THREADS
@@ -742,6 +746,12 @@ def bench(args, busy):
                       f"engine ({isa}, {cores} threads) / register-only FMA floor", t[f"engine{sfx}"],
                       rfloor, "<= 1.25x", lambda r: r <= 1.25,
                       summ=f"prefill {T}: engine / register FMA floor [{isa}]")
+            peaks = FMA_RUNNERS[(BEST_ISA, 1, "prefill")].gflops(t["fma_1"])
+            meta[f"register_fma_gflops_1t_prefill[{BEST_ISA}]"] = peaks
+            ratio(f"prefill.engine_1_over_register_fma_floor_1[{BEST_ISA}]",
+                  f"engine ({BEST_ISA}, 1 thread) / register-only FMA floor of 1 core", t["engine_1"],
+                  [T * 2 * M * E / (g * 1e9) for g in peaks], None, None,
+                  summ=f"prefill {T}: engine 1 thread / FMA floor 1 core [{BEST_ISA}]")
             if HAVE_TORCH:
                 n = DEFAULT_TORCH_THREADS
                 ratio("prefill.torch_default_over_engine", f"torch ({n} threads) / engine", t["torch_default"],
