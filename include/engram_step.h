@@ -12,14 +12,13 @@
  * Written with GCC vector extensions (GCC, clang). The GEMM, the tail and the gathers are compiled
  * once per instruction set from engram_step_kern.h and picked by es_isa (engram_isa.h):
  * one build runs on any CPU, and ENGRAM_STREAM_ISA / the tests can force each path.
- * Nothing here raises; the one allocation is a thread split's counter (es_parallel_pieces).
+ * Nothing here allocates or raises.
  */
 #ifndef ENGRAM_STEP_H
 #define ENGRAM_STEP_H
 
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
 #include <sys/mman.h>
@@ -199,10 +198,10 @@ static inline int64_t es_fma_chains(int64_t n, float *sink) {
  * taken is done: it waits for the workers inside a piece, never for one that has not started
  * (on a loaded machine a started thread may wait milliseconds for a core; it finds no piece
  * left and exits). So a worker touches fn and ctx only inside a piece, and the counter lives
- * on the heap until the last worker leaves (a thread that cannot start, or no memory for the
- * counter: the caller takes every piece). Work split into independent items (output panels,
+ * in a static slot until the last worker leaves (a thread that cannot start, or no free slot:
+ * the caller takes every piece). Work split into independent items (output panels,
  * tokens, streams) gives results bitwise equal to one thread, whoever computes a piece.
- * No state survives a call but the late workers' counters, which they free.
+ * No state survives a call but the late workers' slots, which they free.
  * es_parallel: the same in at most nthreads contiguous pieces (fn is called at most
  * nthreads times: a caller may hand each call its own scratch). */
 #define ES_MAX_THREADS 16
@@ -215,9 +214,26 @@ typedef struct {
     int64_t next;  /* the first item no worker has taken (atomic) */
     int active;    /* started workers not yet out of es_pieces_run (atomic; changed under mu) */
     int refs;      /* the caller and the started workers not yet gone (atomic): the last frees */
+    int used;      /* the slot is taken (atomic) */
     pthread_mutex_t mu;
     pthread_cond_t idle; /* active fell to 0 */
 } es_pieces;
+
+/* The counters of the splits in flight, a fixed set per extension module: a call takes no
+ * memory (the steady state allocates nothing), and a split that finds every slot held by late
+ * workers runs on the caller alone. (A forked child keeps the slots its parent's late workers
+ * held: at most this many splits there run on one thread.) */
+#define ES_PIECES_SLOTS 64
+static es_pieces es_pieces_slots[ES_PIECES_SLOTS] __attribute__((unused));
+
+static es_pieces *es_pieces_take(void) {
+    for (int i = 0; i < ES_PIECES_SLOTS; i++) {
+        int z = 0;
+        if (__atomic_compare_exchange_n(&es_pieces_slots[i].used, &z, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+            return &es_pieces_slots[i];
+    }
+    return 0;
+}
 
 static void es_pieces_run(es_pieces *w) {
     for (;;) {
@@ -231,7 +247,7 @@ static void es_pieces_release(es_pieces *w) {
     if (__atomic_sub_fetch(&w->refs, 1, __ATOMIC_ACQ_REL) == 0) {
         pthread_cond_destroy(&w->idle);
         pthread_mutex_destroy(&w->mu);
-        free(w);
+        __atomic_store_n(&w->used, 0, __ATOMIC_RELEASE);
     }
 }
 
@@ -256,12 +272,12 @@ static inline void es_parallel_pieces(int nthreads, int64_t n, int64_t grain, es
     if (grain <= 0) grain = (n + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
     if (grain < 1) grain = 1;
     if (nthreads > (n + grain - 1) / grain) nthreads = (int)((n + grain - 1) / grain);
-    es_pieces *w = nthreads > 1 ? (es_pieces *)malloc(sizeof(es_pieces)) : 0;
+    es_pieces *w = nthreads > 1 ? es_pieces_take() : 0;
     if (!w) {
         if (n > 0) fn(ctx, 0, n);
         return;
     }
-    *w = (es_pieces){fn, ctx, n, grain, 0, 0, nthreads};
+    w->fn = fn, w->ctx = ctx, w->n = n, w->grain = grain, w->next = 0, w->active = 0, w->refs = nthreads;
     pthread_mutex_init(&w->mu, 0);
     pthread_cond_init(&w->idle, 0);
     pthread_attr_t attr;
