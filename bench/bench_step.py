@@ -4,6 +4,7 @@
     python bench/bench_step.py                 # full run (builds one 2.6 GB demo table, ~15 s)
     python bench/bench_step.py --quick         # demo geometry with a small table, fewer repetitions
     python bench/bench_step.py --json out.json # also save every number
+    python bench/bench_step.py --busy 1        # beside a busy loop (--busy-cpu 1: pinned to CPU 1)
 
 Every comparison is measured side by side in one run: the contenders of a group take
 turns (the order rotates every repetition), each turn a block of calls sized to ~30 ms;
@@ -18,7 +19,8 @@ Sections
   threads   two engines on two threads vs one engine (same model), N steps each; the CPUs
             the threads got, and (diagnostic) the same with two forked processes
   prefill   eng.prefill on 2048 tokens vs the torch batch forward of the reference module
-            (goal >= 2x, all cores) and vs the register-only FMA floor of all cores (goal <= 1.25x)
+            (goal >= 2x, all cores) and vs the register-only FMA floor of all cores (goal <= 1.25x);
+            the one-thread prefill vs one core's floor beside it
   16 streams per token are also held to the register-only FMA floor of the step's cores
             (es_fma_chains of the path: goal <= 1.3x); the sgemm floor is printed beside
 """
@@ -40,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import add_busy_args, busy_loops  # noqa: E402
 from engram_stream import EngramConfig, EngramModel, kernel_isa  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
 
@@ -463,6 +466,9 @@ def prefill_section(rep, key, model, reps, T):
     for isa in [BEST_ISA] + OTHER_ISAS:  # the floors, in the same rotation: ~0.1-0.3 s a call
         runs[f"fma[{isa}]"] = FMA_RUNNERS.setdefault((isa, engine_threads, "prefill"),
                                                      FmaRunner(isa, engine_threads, rounds=20_000_000))
+    # one core's floor beside the one-thread prefill: the kernel's distance from its peak, which
+    # a machine whose second core is busy leaves measurable
+    runs["fma_1"] = FMA_RUNNERS.setdefault((BEST_ISA, 1, "prefill"), FmaRunner(BEST_ISA, 1, rounds=20_000_000))
     default_threads = None
     if HAVE_TORCH:
         default_threads = DEFAULT_TORCH_THREADS
@@ -581,7 +587,6 @@ class FmaRunner:
 
 
 def main(argv=None):
-    global DEFAULT_TORCH_THREADS
     _isa.use_isa(BEST_ISA)  # (bf16 by default: the demo runs its avx512 kernels there)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small-table demo geometry, fewer repetitions")
@@ -589,7 +594,14 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=None, help="repetitions per group (default 15, quick 5)")
     ap.add_argument("--skip", action="append", default=[],
                     choices=["small", "demo", "threads", "prefill"], help="skip a section (repeatable)")
+    add_busy_args(ap)
     args = ap.parse_args(argv)
+    with busy_loops(args.busy, args.busy_cpu) as busy:
+        return bench(args, busy)
+
+
+def bench(args, busy):
+    global DEFAULT_TORCH_THREADS
     reps = args.reps or (5 if args.quick else 15)
     target = 0.01 if args.quick else 0.03
     rep = Report()
@@ -601,12 +613,13 @@ def main(argv=None):
             "machine": platform.processor() or platform.machine(), "numpy": np.__version__,
             "torch": torch.__version__ if HAVE_TORCH else None, "torch_default_threads": DEFAULT_TORCH_THREADS,
             "loadavg_start": load0, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
-            "kernel_isa": BEST_ISA, "other_isas": OTHER_ISAS}
+            "kernel_isa": BEST_ISA, "other_isas": OTHER_ISAS, **busy}
     print(f"bench_step: kernels {BEST_ISA} (rows marked [isa]: the same engines on that path; "
           f"ENGRAM_STREAM_ISA chooses the main one)")
     print(f"bench_step: {'quick' if args.quick else 'full'} run, {reps} interleaved repetitions per group; "
           f"{os.cpu_count()} CPUs, load average {load0[0]:.2f}; torch "
-          f"{meta['torch'] or 'not installed'} (default threads {DEFAULT_TORCH_THREADS})")
+          f"{meta['torch'] or 'not installed'} (default threads {DEFAULT_TORCH_THREADS})"
+          + (f"; {busy['busy']} busy loop(s) beside it (CPU {busy['busy_cpu']})" if busy["busy"] else ""))
 
     rep.section("check: peers and engine == model.forward, token by token (rtol 2e-4, atol 2e-5)")
     t0 = time.perf_counter()
@@ -731,6 +744,12 @@ def main(argv=None):
                       f"engine ({isa}, {cores} threads) / register-only FMA floor", t[f"engine{sfx}"],
                       rfloor, "<= 1.25x", lambda r: r <= 1.25,
                       summ=f"prefill {T}: engine / register FMA floor [{isa}]")
+            peaks = FMA_RUNNERS[(BEST_ISA, 1, "prefill")].gflops(t["fma_1"])
+            meta[f"register_fma_gflops_1t_prefill[{BEST_ISA}]"] = peaks
+            ratio(f"prefill.engine_1_over_register_fma_floor_1[{BEST_ISA}]",
+                  f"engine ({BEST_ISA}, 1 thread) / register-only FMA floor of 1 core", t["engine_1"],
+                  [T * 2 * M * E / (g * 1e9) for g in peaks], None, None,
+                  summ=f"prefill {T}: engine 1 thread / FMA floor 1 core [{BEST_ISA}]")
             if HAVE_TORCH:
                 n = DEFAULT_TORCH_THREADS
                 ratio("prefill.torch_default_over_engine", f"torch ({n} threads) / engine", t["torch_default"],

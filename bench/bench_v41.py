@@ -5,6 +5,7 @@ wkv [25600, 6144] float8), table rows scaled down, from a synthetic checkpoint i
     flock /tmp/bench.lock python bench/bench_v41.py                # ~1.3 GB table, all sections
     flock /tmp/bench.lock python bench/bench_v41.py --quick        # fewer repetitions / tokens
     flock /tmp/bench.lock python bench/bench_v41.py --paths avx2   # only these kernel paths
+    flock /tmp/bench.lock python bench/bench_v41.py --busy 1       # beside a busy loop (--busy-cpu C: pinned)
 
 Every kernel path this CPU runs is measured (--paths: a subset), each ratio side by side in
 one run (rounds interleaved; the machine is shared, so absolute times are indicative only):
@@ -43,7 +44,7 @@ from engram_stream import EngramModel  # noqa: E402
 from engram_stream.v41 import hf as hf_v41  # noqa: E402
 from engram_stream.v41 import _engine as k  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
-from common import machine  # noqa: E402
+from common import add_busy_args, busy_loops, machine  # noqa: E402
 
 LAYER = 1
 
@@ -350,14 +351,20 @@ def main():
     ap.add_argument("--paths", default=",".join(reversed(_isa.supported_isas())),
                     help="kernel paths to measure (default: every one this CPU runs)")
     ap.add_argument("--json")
+    add_busy_args(ap)
     a = ap.parse_args()
     paths = [p for p in a.paths.split(",") if p]
     for p in paths:
         if p not in _isa.supported_isas():
             ap.error(f"--paths: {p!r} is not a path this CPU and build run ({', '.join(_isa.supported_isas())})")
     d = ensure_checkpoint(a.dir, a.engram_vocab_size)
+    with busy_loops(a.busy, a.busy_cpu) as busy:  # (the checkpoint written without them)
+        bench(a, paths, d, busy)
+
+
+def bench(a, paths, d, busy):
     res = {"machine": machine(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv), "paths": paths,
-           "loadavg_start": os.getloadavg()}
+           "loadavg_start": os.getloadavg(), **busy}
     print(json.dumps(res["machine"]))
     sections = a.sections.split(",")
     if "cold" in sections:  # first: nothing of the file is mapped by this process yet

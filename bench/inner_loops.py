@@ -48,7 +48,7 @@ KERNELS = {
 }
 AVX512 = {"fp8 gemv (1 token)": "es8_gemv512(w, 4, q, E, y);",
           "fp8 widen rows (>8 tokens)": "es8_widen_rows(w, 32, E, q, y);",
-          "fp8 tile (>8 tokens)": "es8_xtile512(q, 12, y, E * 16, 2, 256, y, 64, 1, 0, 0, 0, 0);"}
+          "fp8 tile (>8 tokens)": "es8_xtile_avx512(q, 12, y, E * 16, 2, 256, y, 64, 1, 0, 0, 0, 0);"}
 # per path: (ES8_GR, ES8_XR, ES8_XV, ES_VW, ES_MR, ES_TP) as engram_fp8.h and engram_step.h set them
 PARAMS = {"baseline": dict(GR=2, XR=6, XV=2, VW=4, MR=3, TP=1), "avx2": dict(GR=4, XR=6, XV=2, VW=8, MR=6, TP=1),
           "avx512": dict(GR=4, XR=12, XV=2, VW=16, MR=8, TP=2), "neon": dict(GR=2, XR=8, XV=2, VW=4, MR=6, TP=1)}

@@ -28,7 +28,8 @@
  * SSE2 / NEON). The avx512 path is its own code below (the fp16 widening on 512-bit registers,
  * 16-lane FMAs; 2..8 tokens: the avx2 es8_mgemv); its gathers and quantizer are the avx2 copies
  * (exact: the same bits), its gate tail the plain one. The bf16 path (AVX512_BF16) is the avx512
- * one with the projection on vdpbf16ps (e4m3 widened through byte tables; see its section). NaN
+ * one with the projection on vdpbf16ps (e4m3 widened through byte tables; see its section). The
+ * many-token tiles of both, once the rows are widened, are one template (engram_fp8_tiles.h). NaN
  * codes: the fp16 projections (avx2, avx512, neon) read those of wkv (0x7f/0xff) as +-480
  * (checkpoints hold none); the baseline, bf16 and every path's gathers read NaN, as the reference.
  * The *_plain functions are the portable
@@ -59,7 +60,7 @@
 #define ES8_BLOCK 32          /* values per activation scale, weight block edge, table row scale */
 #define ES8_E4M3_MAX 448.0f
 #define ES8_AMAX_MIN 1e-4f
-#define ES8_XT_MIN 9          /* avx512, bf16: tokens from which they go in the 16 lanes (es8_xtile512); below,
+#define ES8_XT_MIN 9          /* avx512, bf16: tokens from which they go in the 16 lanes (es8_xtile_avx512); below,
                                * from 2: the avx2 es8_mgemv, es8_mgemv_bf16 (measured faster than widened
                                * rows: 2.6x at 2 tokens, and lanes beat tiles along k from 9 on Zen 5) */
 #define ES8_XT_ROWS 12        /* avx512: weight rows per tile of two 16-token vectors (24 accumulators) */
@@ -342,49 +343,17 @@ static ES8_T512 void es8_widen_rows(const uint8_t *w, int R, int E, const float 
     }
 }
 
-/* The micro-kernel with tokens in the lanes (ES8_XT_MIN tokens or more): R widened rows (w,
- * row stride ES8_KBLOCK) x V vectors of 16 tokens (xt, packed [k][16] per vector, vectors ldv
- * apart) over n values of k: each weight is broadcast into an FMA with the 16 tokens' values
- * at its k, so a loaded byte feeds 4x more FMAs than along k. part: R x 16V partial sums
- * (row stride ldp) carried across k blocks; y: after the last block, the nt valid tokens'
- * sums, y[t*ldy + r] (t < nt), else NULL. */
-ES8_INLINE ES8_T512 void es8_xtile512(const float *w, const int R, const float *xt, int64_t ldv,
-                                      const int V, int n, float *part, int64_t ldp, int first, float *y,
-                                      int64_t ldy, int64_t nt, const uint8_t *pf) {
-    __m512 acc[16][2];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-        for (int v = 0; v < V; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * ldp + v * 16);
-    for (int k = 0; k < n; k++) {
-        if (pf && !(k & 3)) _mm_prefetch((const char *)pf + k * 16, _MM_HINT_T1);  /* 4 KiB per 256 k */
-        __m512 xv[2];
-#pragma GCC unroll 2
-        for (int v = 0; v < V; v++) xv[v] = _mm512_loadu_ps(xt + v * ldv + k * 16);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++) {
-            const __m512 wb = _mm512_set1_ps(w[r * ES8_KBLOCK + k]);
-#pragma GCC unroll 2
-            for (int v = 0; v < V; v++) acc[r][v] = _mm512_fmadd_ps(wb, xv[v], acc[r][v]);
-        }
-    }
-    if (!y) {
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-            for (int v = 0; v < V; v++) _mm512_storeu_ps(part + r * ldp + v * 16, acc[r][v]);
-        return;
-    }
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32((int)ldy));
-#pragma GCC unroll 2
-    for (int v = 0; v < V; v++) {
-        const int64_t left = nt - v * 16;
-        const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++) _mm512_mask_i32scatter_ps(y + v * 16 * ldy + r, m, idx, acc[r][v], 4);
-    }
-}
+/* The tiles with tokens in the lanes (ES8_XT_MIN tokens or more): es8_xtile_avx512, es8_tiles_avx512. */
+#define ES8_TS avx512
+#define ES8_TT ES8_T512
+#define ES8_KPU 1
+#define ES8_KPAD 1
+#define ES8_TW float
+#define ES8_TX float
+#define ES8_XLOAD(p) _mm512_loadu_ps(p)
+#define ES8_WB(p) _mm512_set1_ps(*(p))
+#define ES8_MAC(acc, x, wb) _mm512_fmadd_ps(wb, x, acc)
+#include "engram_fp8_tiles.h"
 
 /* One group of R <= 32 rows for S tokens (S = 1 or S >= ES8_XT_MIN; qx rows at stride ldq;
  * xt: the same packed by es8_pack_tokens). One token: a GEMV straight from the float8 bytes,
@@ -405,42 +374,9 @@ static ES8_T512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, 
     }
     float *wf = scratch, *part = scratch + (int64_t)ES8_BLOCK * (E + ES8_KBLOCK);
     es8_widen_rows(w, R, E, wsf, wf);
-    /* tokens in the lanes: the next group's bytes (nnext from next) are requested 4 KiB per
-     * tile while these rows compute, so its widening reads L2 (measured: 5% at 16 tokens) */
-    const uint8_t *pf = next, *pf_end = next + nnext;
-#define ES8_PF (pf < pf_end ? (pf += 4096) - 4096 : 0)
-    {  /* tokens in the lanes: row tiles of 16 x one vector, or 12 x two */
-        const int64_t nv = (S + 15) / 16, ldp = nv * 16, ldv = (int64_t)E * 16;
-        const int VV = nv > 1 ? 2 : 1, RB = VV == 2 ? ES8_XT_ROWS : 16;
-#define ES8_X(rows, v) case rows: es8_xtile512(wr, rows, x, ldv, v, kw, pr, ldp, first, yr, ldy, nt, ES8_PF); break;
-        for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
-            const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = k0 == 0;
-            const float *wb = wf + (int64_t)ES8_BLOCK * k0;
-            for (int64_t j0 = 0, V; j0 < nv; j0 += V) {
-                V = nv - j0 < VV ? 1 : VV;  /* an odd last vector alone */
-                const float *x = xt + j0 * ldv + (int64_t)k0 * 16;
-                const int64_t nt = S - j0 * 16;
-                for (int r = 0; r < R; r += RB) {
-                    const int rows = R - r < RB ? R - r : RB;
-                    const float *wr = wb + (int64_t)r * ES8_KBLOCK;
-                    float *pr = part + r * ldp + j0 * 16, *yr = k0 + kw == E ? y + j0 * 16 * ldy + r : 0;
-                    if (V == 2) {
-                        switch (rows) { ES8_X(1, 2) ES8_X(2, 2) ES8_X(3, 2) ES8_X(4, 2) ES8_X(5, 2) ES8_X(6, 2)
-                                        ES8_X(7, 2) ES8_X(8, 2) ES8_X(9, 2) ES8_X(10, 2) ES8_X(11, 2)
-                                        ES8_X(12, 2) default: break; }
-                    } else {
-                        switch (rows) { ES8_X(1, 1) ES8_X(2, 1) ES8_X(3, 1) ES8_X(4, 1) ES8_X(5, 1) ES8_X(6, 1)
-                                        ES8_X(7, 1) ES8_X(8, 1) ES8_X(9, 1) ES8_X(10, 1) ES8_X(11, 1)
-                                        ES8_X(12, 1) ES8_X(13, 1) ES8_X(14, 1) ES8_X(15, 1) ES8_X(16, 1)
-                                        default: break; }
-                    }
-                }
-            }
-        }
-#undef ES8_X
-#undef ES8_PF
-        return;
-    }
+    /* the next group's bytes are requested while these rows compute, so its widening reads L2
+     * (measured: 5% at 16 tokens) */
+    es8_tiles_avx512(wf, R, xt, S, E, part, y, ldy, next, nnext);
 }
 #endif
 
@@ -622,49 +558,26 @@ ES8_INLINE ES8_TBF16 void es8_mgemv_bf16(const uint8_t *w, const int R, const ui
         for (int j = 0; j < T; j++) y[j * ldy + r] = _mm512_reduce_add_ps(acc[r][j]);
 }
 
-/* es8_xtile512 on bf16 (ES8_XT_MIN tokens and more, in the lanes): R widened rows x V vectors of 16
- * tokens (xt: [pair][16 tokens] dwords of two bf16 per vector, vectors ldv dwords apart) over
- * np pairs of positions: each row's pair broadcast into a vdpbf16ps with the 16 tokens' pairs
- * (32 multiply-adds an instruction). part, y, nt, pf as there. */
-ES8_INLINE ES8_TBF16 void es8_xtile_bf16(const uint16_t *w, const int R, const uint32_t *xt, int64_t ldv,
-                                         const int V, int np, float *part, int64_t ldp, int first, float *y,
-                                         int64_t ldy, int64_t nt, const uint8_t *pf) {
-    __m512 acc[16][2];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-        for (int v = 0; v < V; v++) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * ldp + v * 16);
-    for (int p = 0; p < np; p++) {
-        if (pf && !(p & 1)) _mm_prefetch((const char *)pf + p * 32, _MM_HINT_T1);  /* 4 KiB per 256 k */
-        __m512bh xv[2];
-#pragma GCC unroll 2
-        for (int v = 0; v < V; v++) xv[v] = (__m512bh)_mm512_loadu_si512((const void *)(xt + v * ldv + p * 16));
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++) {
-            uint32_t pair;
-            memcpy(&pair, w + r * ES8_KBLOCK + 2 * p, 4);
-            const __m512bh wb = (__m512bh)_mm512_set1_epi32((int)pair);
-#pragma GCC unroll 2
-            for (int v = 0; v < V; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv[v], wb);
-        }
-    }
-    if (!y) {
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-            for (int v = 0; v < V; v++) _mm512_storeu_ps(part + r * ldp + v * 16, acc[r][v]);
-        return;
-    }
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32((int)ldy));
-#pragma GCC unroll 2
-    for (int v = 0; v < V; v++) {
-        const int64_t left = nt - v * 16;
-        const __mmask16 m = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++) _mm512_mask_i32scatter_ps(y + v * 16 * ldy + r, m, idx, acc[r][v], 4);
-    }
+/* A pair of bf16 weights (positions 2p, 2p + 1 of a widened row) broadcast to 16 lanes. */
+ES8_INLINE ES8_TBF16 __m512bh es8_pair16(const uint32_t *p) {
+    uint32_t u;
+    memcpy(&u, p, 4);  /* (the rows are uint16_t: no uint32_t access) */
+    return (__m512bh)_mm512_set1_epi32((int)u);
 }
+
+/* The tiles on bf16 (es8_xtile_bf16, es8_tiles_bf16): a unit is a pair of positions, each row's
+ * pair broadcast into a vdpbf16ps with the 16 tokens' pairs (32 multiply-adds an instruction);
+ * the tokens packed by es8_bf16_tokens. */
+#define ES8_TS bf16
+#define ES8_TT ES8_TBF16
+#define ES8_KPU 2
+#define ES8_KPAD 64
+#define ES8_TW uint32_t
+#define ES8_TX uint32_t
+#define ES8_XLOAD(p) ((__m512bh)_mm512_loadu_si512((const void *)(p)))
+#define ES8_WB(p) es8_pair16(p)
+#define ES8_MAC(acc, x, wb) _mm512_dpbf16_ps(acc, x, wb)
+#include "engram_fp8_tiles.h"
 
 /* Rows of es8_bf16_act (2..8 tokens, per group) are this many bf16 apart: E rounded up to 64
  * and a line (E * 2 bytes is often a multiple of 4 KiB: the rows would share L1 sets). */
@@ -715,41 +628,7 @@ static ES8_TBF16 void es8_group_bf16(const uint8_t *w, int R, const float *qx, i
     uint16_t *wf = (uint16_t *)scratch;
     float *part = scratch + (int64_t)ES8_BLOCK * (E + ES8_KBLOCK);
     es8_widen_rows_bf16(w, R, E, wsf, wf, t);
-    const uint8_t *pf = next, *pf_end = next + nnext;
-#define ES8_PF (pf < pf_end ? (pf += 4096) - 4096 : 0)
-    {  /* tokens in the lanes: row tiles of 16 x one vector, or 12 x two */
-        const int64_t nv = (S + 15) / 16, ldp = nv * 16, ldv = (E + 63) / 64 * 32 * 16;
-        const uint32_t *xt = (const uint32_t *)xb;
-        const int VV = nv > 1 ? 2 : 1, RB = VV == 2 ? ES8_XT_ROWS : 16;
-#define ES8_X(rows, v) case rows: es8_xtile_bf16(wr, rows, x, ldv, v, np, pr, ldp, first, yr, ldy, nt, ES8_PF); break;
-        for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
-            const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = k0 == 0, np = (kw + 63) / 64 * 32;
-            const uint16_t *wb = wf + (int64_t)ES8_BLOCK * k0;
-            for (int64_t j0 = 0, V; j0 < nv; j0 += V) {
-                V = nv - j0 < VV ? 1 : VV;
-                const uint32_t *x = xt + j0 * ldv + (int64_t)k0 / 2 * 16;
-                const int64_t nt = S - j0 * 16;
-                for (int r = 0; r < R; r += RB) {
-                    const int rows = R - r < RB ? R - r : RB;
-                    const uint16_t *wr = wb + (int64_t)r * ES8_KBLOCK;
-                    float *pr = part + r * ldp + j0 * 16, *yr = k0 + kw == E ? y + j0 * 16 * ldy + r : 0;
-                    if (V == 2) {
-                        switch (rows) { ES8_X(1, 2) ES8_X(2, 2) ES8_X(3, 2) ES8_X(4, 2) ES8_X(5, 2) ES8_X(6, 2)
-                                        ES8_X(7, 2) ES8_X(8, 2) ES8_X(9, 2) ES8_X(10, 2) ES8_X(11, 2)
-                                        ES8_X(12, 2) default: break; }
-                    } else {
-                        switch (rows) { ES8_X(1, 1) ES8_X(2, 1) ES8_X(3, 1) ES8_X(4, 1) ES8_X(5, 1) ES8_X(6, 1)
-                                        ES8_X(7, 1) ES8_X(8, 1) ES8_X(9, 1) ES8_X(10, 1) ES8_X(11, 1)
-                                        ES8_X(12, 1) ES8_X(13, 1) ES8_X(14, 1) ES8_X(15, 1) ES8_X(16, 1)
-                                        default: break; }
-                    }
-                }
-            }
-        }
-#undef ES8_X
-#undef ES8_PF
-        return;
-    }
+    es8_tiles_bf16((const uint32_t *)wf, R, (const uint32_t *)xb, S, E, part, y, ldy, next, nnext);
 }
 
 /* acc[i] = vdpbf16ps lane i of (acc, a, b) for n lanes (a, b: 2n bf16): the real instruction

@@ -192,12 +192,16 @@ static inline int64_t es_fma_chains(int64_t n, float *sink) {
 /* ---- work over threads -------------------------------------------------------------
  * es_parallel_pieces runs fn(ctx, i0, i1) over [0, n) in pieces of `grain` items that
  * nthreads workers take in turn from a shared counter: the calling thread and threads
- * started for this call, joined before it returns (a start costs ~15 us: callers use it for
- * work of ~100 us and more). Taking pieces, not fixed halves, keeps a split no slower than
- * one thread when a worker gets no core (a shared machine): the others take its pieces; a
- * thread that cannot start takes none. Work split into independent items (output panels,
+ * started for this call (a start costs ~15 us: callers use it for work of ~100 us and more).
+ * Taking pieces, not fixed halves, keeps a split no slower than one thread when a worker gets
+ * no core (a shared machine): the others take its pieces. The caller returns once every piece
+ * taken is done: it waits for the workers inside a piece, never for one that has not started
+ * (on a loaded machine a started thread may wait milliseconds for a core; it finds no piece
+ * left and exits). So a worker touches fn and ctx only inside a piece, and the counter lives
+ * in a static slot until the last worker leaves (a thread that cannot start, or no free slot:
+ * the caller takes every piece). Work split into independent items (output panels,
  * tokens, streams) gives results bitwise equal to one thread, whoever computes a piece.
- * No state survives a call, so there is nothing to redo after fork().
+ * No state survives a call but the late workers' slots, which they free.
  * es_parallel: the same in at most nthreads contiguous pieces (fn is called at most
  * nthreads times: a caller may hand each call its own scratch). */
 #define ES_MAX_THREADS 16
@@ -207,16 +211,58 @@ typedef struct {
     es_range_fn fn;
     void *ctx;
     int64_t n, grain;
-    int64_t next; /* the first item no worker has taken (atomic) */
+    int64_t next;  /* the first item no worker has taken (atomic) */
+    int active;    /* started workers not yet out of es_pieces_run (atomic; changed under mu) */
+    int refs;      /* the caller and the started workers not yet gone (atomic): the last frees */
+    int used;      /* the slot is taken (atomic) */
+    pthread_mutex_t mu;
+    pthread_cond_t idle; /* active fell to 0 */
 } es_pieces;
 
-static void *es_pieces_run(void *arg) {
-    es_pieces *w = (es_pieces *)arg;
+/* The counters of the splits in flight, a fixed set per extension module: a call takes no
+ * memory (the steady state allocates nothing), and a split that finds every slot held by late
+ * workers runs on the caller alone. (A forked child keeps the slots its parent's late workers
+ * held: at most this many splits there run on one thread.) */
+#define ES_PIECES_SLOTS 64
+static es_pieces es_pieces_slots[ES_PIECES_SLOTS] __attribute__((unused));
+
+static es_pieces *es_pieces_take(void) {
+    for (int i = 0; i < ES_PIECES_SLOTS; i++) {
+        int z = 0;
+        if (__atomic_compare_exchange_n(&es_pieces_slots[i].used, &z, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+            return &es_pieces_slots[i];
+    }
+    return 0;
+}
+
+static void es_pieces_run(es_pieces *w) {
     for (;;) {
-        const int64_t i0 = __atomic_fetch_add(&w->next, w->grain, __ATOMIC_RELAXED);
-        if (i0 >= w->n) return 0;
+        const int64_t i0 = __atomic_fetch_add(&w->next, w->grain, __ATOMIC_SEQ_CST);
+        if (i0 >= w->n) return;
         w->fn(w->ctx, i0, i0 + w->grain < w->n ? i0 + w->grain : w->n);
     }
+}
+
+static void es_pieces_release(es_pieces *w) {
+    if (__atomic_sub_fetch(&w->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+        pthread_cond_destroy(&w->idle);
+        pthread_mutex_destroy(&w->mu);
+        __atomic_store_n(&w->used, 0, __ATOMIC_RELEASE);
+    }
+}
+
+/* A worker: active before its first take, so a caller that found the counter spent and then
+ * active 0 knows no piece is still being computed (seq_cst: a take that got a piece precedes
+ * the caller's last take, and the increment precedes that take). */
+static void *es_pieces_worker(void *arg) {
+    es_pieces *w = (es_pieces *)arg;
+    __atomic_add_fetch(&w->active, 1, __ATOMIC_SEQ_CST);
+    es_pieces_run(w);
+    pthread_mutex_lock(&w->mu);
+    if (__atomic_sub_fetch(&w->active, 1, __ATOMIC_SEQ_CST) == 0) pthread_cond_signal(&w->idle);
+    pthread_mutex_unlock(&w->mu);
+    es_pieces_release(w);
+    return 0;
 }
 
 /* grain <= 0: about 4 pieces a thread. */
@@ -226,17 +272,27 @@ static inline void es_parallel_pieces(int nthreads, int64_t n, int64_t grain, es
     if (grain <= 0) grain = (n + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
     if (grain < 1) grain = 1;
     if (nthreads > (n + grain - 1) / grain) nthreads = (int)((n + grain - 1) / grain);
-    if (nthreads <= 1) {
+    es_pieces *w = nthreads > 1 ? es_pieces_take() : 0;
+    if (!w) {
         if (n > 0) fn(ctx, 0, n);
         return;
     }
-    es_pieces w = {fn, ctx, n, grain, 0};
-    pthread_t tid[ES_MAX_THREADS];
-    int started[ES_MAX_THREADS];
-    for (int i = 1; i < nthreads; i++) started[i] = pthread_create(&tid[i], 0, es_pieces_run, &w) == 0;
-    es_pieces_run(&w);
-    for (int i = 1; i < nthreads; i++)
-        if (started[i]) pthread_join(tid[i], 0);
+    w->fn = fn, w->ctx = ctx, w->n = n, w->grain = grain, w->next = 0, w->active = 0, w->refs = nthreads;
+    pthread_mutex_init(&w->mu, 0);
+    pthread_cond_init(&w->idle, 0);
+    pthread_attr_t attr;
+    const int detach = pthread_attr_init(&attr) == 0;
+    if (detach) pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    for (int i = 1; i < nthreads; i++) {
+        pthread_t tid;
+        if (!detach || pthread_create(&tid, &attr, es_pieces_worker, w) != 0) es_pieces_release(w);
+    }
+    if (detach) pthread_attr_destroy(&attr);
+    es_pieces_run(w);
+    pthread_mutex_lock(&w->mu);
+    while (__atomic_load_n(&w->active, __ATOMIC_SEQ_CST) > 0) pthread_cond_wait(&w->idle, &w->mu);
+    pthread_mutex_unlock(&w->mu);
+    es_pieces_release(w);
 }
 
 static inline void es_parallel(int nthreads, int64_t n, es_range_fn fn, void *ctx) {

@@ -928,6 +928,51 @@ def test_prefill_threads_bitwise_equal(dtype):
         assert all(np.array_equal(a, b) for a, b in zip(st, states[0]))
 
 
+_ONE_CPU = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from conftest import make_model
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # every thread of the split on one CPU
+    def threads():
+        with open("/proc/self/status") as f:
+            return int(next(line.split()[1] for line in f if line.startswith("Threads:")))
+    before = threads()  # (the BLAS library's own threads)
+    model = make_model(G=2, n=3, K=4, D=200, nh=2, hd=8, comp=True, seed=5)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, model.cfg.vocab_size, (40, 16))
+    hid = rng.standard_normal((16, 2, 200)).astype(np.float32)
+    one, two = model.stream(1, 16), model.stream(1, 16)
+    two.step_threads = 2
+    for t in range(len(ids)):
+        assert np.array_equal(two.step(ids[t], hid), one.step(ids[t], hid))
+    p1, p2 = model.stream(1), model.stream(1)
+    p1.prefill_threads, p2.prefill_threads = 1, 2
+    pid = rng.integers(0, model.cfg.vocab_size, 300)
+    phid = rng.standard_normal((300, 2, 200)).astype(np.float32)
+    for _ in range(10):
+        assert np.array_equal(p2.prefill(pid, phid), p1.prefill(pid, phid))
+    for _ in range(200):  # the workers that started after their call returned find nothing and exit
+        if threads() == before:
+            break
+        time.sleep(0.01)
+    print(threads() - before)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not os.path.exists("/proc/self/status"),
+                    reason="needs Linux CPU affinity and /proc")
+def test_thread_split_on_one_cpu_bitwise_equal_and_leaves_no_threads():
+    """Two threads on one CPU: a worker often starts only after the caller took every piece,
+    and the caller returns without it (es_parallel_pieces). The 16-stream steps and prefills
+    keep the bits of one thread, and every late worker exits."""
+    from engram_stream.engine import isa
+    r = run_python(["-c", _ONE_CPU, os.path.join(ROOT, "tests")], timeout=120,
+                   env=dict(os.environ, ENGRAM_STREAM_ISA=isa.kernel_isa()))  # the path of this run
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split()[-1] == "0", r.stdout  # no thread left over
+
+
 # ---- steady-state allocation ---------------------------------------------------------------------
 N_ALLOC = 2000
 
