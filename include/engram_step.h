@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <pthread.h>
+#include <time.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -190,109 +191,192 @@ static inline int64_t es_fma_chains(int64_t n, float *sink) {
 }
 
 /* ---- work over threads -------------------------------------------------------------
- * es_parallel_pieces runs fn(ctx, i0, i1) over [0, n) in pieces of `grain` items that
- * nthreads workers take in turn from a shared counter: the calling thread and threads
- * started for this call (a start costs ~15 us: callers use it for work of ~100 us and more).
+ * A team is the workers of one call (a step, a chunk loop): es_team_open starts nthreads - 1
+ * threads, es_team_run hands every one of them a split, fn(ctx, i0, i1) over [0, n) in pieces
+ * of `grain` items taken in turn from a shared counter by the caller and the workers present,
+ * and es_team_close lets them go. Starting them once per call, not once per split, keeps a
+ * thread's start (15-25 us on a 2-vCPU VM, bench/NOTES.md) off every split but the first,
+ * and the caller's work before its first split overlaps it.
  * Taking pieces, not fixed halves, keeps a split no slower than one thread when a worker gets
- * no core (a shared machine): the others take its pieces. The caller returns once every piece
- * taken is done: it waits for the workers inside a piece, never for one that has not started
- * (on a loaded machine a started thread may wait milliseconds for a core; it finds no piece
- * left and exits). So a worker touches fn and ctx only inside a piece, and the counter lives
- * in a static slot until the last worker leaves (a thread that cannot start, or no free slot:
- * the caller takes every piece). Work split into independent items (output panels,
- * tokens, streams) gives results bitwise equal to one thread, whoever computes a piece.
- * No state survives a call but the late workers' slots, which they free.
- * es_parallel: the same in at most nthreads contiguous pieces (fn is called at most
- * nthreads times: a caller may hand each call its own scratch). */
+ * no core (a shared machine): the others take its pieces. es_team_run returns once every piece
+ * taken is done: it waits for the workers inside the split, never for one that has not started
+ * or is between splits. Between splits a worker spins ES_TEAM_SPIN_NS, then sleeps until the
+ * next split or the close; after the close it exits (a thread that starts late finds the team
+ * closed and exits). No thread outlives the call by more than its own exit, nothing is
+ * allocated (the teams live in static slots; a thread that cannot start, or no free slot: the
+ * caller takes every piece), and work split into independent items gives results bitwise equal
+ * to one thread, whoever computes a piece.
+ * es_parallel_pieces: a team of one split. es_parallel: the same in at most nthreads
+ * contiguous pieces (fn is called at most nthreads times: a caller may hand each call its own
+ * scratch). */
 #define ES_MAX_THREADS 16
+#define ES_TEAM_SPIN_NS 200000
 
 typedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1);
 typedef struct {
-    es_range_fn fn;
+    pthread_mutex_t mu;
+    pthread_cond_t posted; /* a split was posted, or the team closed */
+    pthread_cond_t idle;   /* active fell to 0 */
+    es_range_fn fn;        /* the current split (written under mu before seq moves) */
     void *ctx;
     int64_t n, grain;
-    int64_t next;  /* the first item no worker has taken (atomic) */
-    int active;    /* started workers not yet out of es_pieces_run (atomic; changed under mu) */
-    int refs;      /* the caller and the started workers not yet gone (atomic): the last frees */
-    int used;      /* the slot is taken (atomic) */
-    pthread_mutex_t mu;
-    pthread_cond_t idle; /* active fell to 0 */
-} es_pieces;
+    int64_t next;          /* the first item of the split no one has taken (atomic) */
+    unsigned seq;          /* splits posted (under mu; spinners read it atomically) */
+    int closed;            /* (under mu; spinners read it atomically) */
+    int active;            /* workers inside the current split (under mu) */
+    int sleepers;          /* workers waiting on posted (under mu) */
+    int nthreads;
+    int refs;              /* the caller and the started workers not yet gone (atomic): the last frees */
+    int used;              /* the slot is taken (atomic) */
+} es_team;
 
-/* The counters of the splits in flight, a fixed set per extension module: a call takes no
- * memory (the steady state allocates nothing), and a split that finds every slot held by late
- * workers runs on the caller alone. (A forked child keeps the slots its parent's late workers
- * held: at most this many splits there run on one thread.) */
-#define ES_PIECES_SLOTS 64
-static es_pieces es_pieces_slots[ES_PIECES_SLOTS] __attribute__((unused));
+/* The teams in flight, a fixed set per extension module: a call takes no memory, and a call
+ * that finds every slot held runs on the caller alone. (A forked child keeps the slots its
+ * parent's late workers held: at most this many calls there run on one thread.) */
+#define ES_TEAM_SLOTS 64
+static es_team es_team_slots[ES_TEAM_SLOTS] __attribute__((unused));
 
-static es_pieces *es_pieces_take(void) {
-    for (int i = 0; i < ES_PIECES_SLOTS; i++) {
-        int z = 0;
-        if (__atomic_compare_exchange_n(&es_pieces_slots[i].used, &z, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
-            return &es_pieces_slots[i];
-    }
-    return 0;
+static inline void es_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
 }
 
-static void es_pieces_run(es_pieces *w) {
+static inline int64_t es_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void es_team_take(es_team *t) {
     for (;;) {
-        const int64_t i0 = __atomic_fetch_add(&w->next, w->grain, __ATOMIC_SEQ_CST);
-        if (i0 >= w->n) return;
-        w->fn(w->ctx, i0, i0 + w->grain < w->n ? i0 + w->grain : w->n);
+        const int64_t i0 = __atomic_fetch_add(&t->next, t->grain, __ATOMIC_RELAXED);
+        if (i0 >= t->n) return;
+        t->fn(t->ctx, i0, i0 + t->grain < t->n ? i0 + t->grain : t->n);
     }
 }
 
-static void es_pieces_release(es_pieces *w) {
-    if (__atomic_sub_fetch(&w->refs, 1, __ATOMIC_ACQ_REL) == 0) {
-        pthread_cond_destroy(&w->idle);
-        pthread_mutex_destroy(&w->mu);
-        __atomic_store_n(&w->used, 0, __ATOMIC_RELEASE);
+static void es_team_release(es_team *t) {
+    if (__atomic_sub_fetch(&t->refs, 1, __ATOMIC_ACQ_REL) == 0) {
+        pthread_cond_destroy(&t->idle);
+        pthread_cond_destroy(&t->posted);
+        pthread_mutex_destroy(&t->mu);
+        __atomic_store_n(&t->used, 0, __ATOMIC_RELEASE);
     }
 }
 
-/* A worker: active before its first take, so a caller that found the counter spent and then
- * active 0 knows no piece is still being computed (seq_cst: a take that got a piece precedes
- * the caller's last take, and the increment precedes that take). */
-static void *es_pieces_worker(void *arg) {
-    es_pieces *w = (es_pieces *)arg;
-    __atomic_add_fetch(&w->active, 1, __ATOMIC_SEQ_CST);
-    es_pieces_run(w);
-    pthread_mutex_lock(&w->mu);
-    if (__atomic_sub_fetch(&w->active, 1, __ATOMIC_SEQ_CST) == 0) pthread_cond_signal(&w->idle);
-    pthread_mutex_unlock(&w->mu);
-    es_pieces_release(w);
+/* A worker: it joins each split under mu (so it reads the split's fields the caller wrote
+ * under mu, and the caller's wait counts it), takes pieces, leaves; between splits it spins,
+ * then sleeps. */
+static void *es_team_worker(void *arg) {
+    es_team *t = (es_team *)arg;
+    unsigned seen = 0;
+    pthread_mutex_lock(&t->mu);
+    while (!t->closed) {
+        if (t->seq == seen) {
+            pthread_mutex_unlock(&t->mu);
+            const int64_t until = es_now_ns() + ES_TEAM_SPIN_NS;
+            for (int i = 0;; i++) {
+                if (__atomic_load_n(&t->seq, __ATOMIC_RELAXED) != seen || __atomic_load_n(&t->closed, __ATOMIC_RELAXED)) break;
+                if ((i & 63) == 63 && es_now_ns() > until) break;
+                es_cpu_relax();
+            }
+            pthread_mutex_lock(&t->mu);
+            if (!t->closed && t->seq == seen) {
+                t->sleepers++;
+                pthread_cond_wait(&t->posted, &t->mu);
+                t->sleepers--;
+            }
+            continue;
+        }
+        seen = t->seq;
+        t->active++;
+        pthread_mutex_unlock(&t->mu);
+        es_team_take(t);
+        pthread_mutex_lock(&t->mu);
+        if (--t->active == 0) pthread_cond_signal(&t->idle);
+    }
+    pthread_mutex_unlock(&t->mu);
+    es_team_release(t);
     return 0;
 }
 
-/* grain <= 0: about 4 pieces a thread. */
+/* NULL (the caller alone) for nthreads <= 1 or no free slot. */
+static inline es_team *es_team_open(int nthreads) {
+    if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
+    if (nthreads <= 1) return 0;
+    es_team *t = 0;
+    for (int i = 0; i < ES_TEAM_SLOTS && !t; i++) {
+        int z = 0;
+        if (__atomic_compare_exchange_n(&es_team_slots[i].used, &z, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+            t = &es_team_slots[i];
+    }
+    if (!t) return 0;
+    pthread_mutex_init(&t->mu, 0);
+    pthread_cond_init(&t->posted, 0);
+    pthread_cond_init(&t->idle, 0);
+    t->fn = 0, t->ctx = 0, t->n = 0, t->grain = 1, t->next = 0, t->seq = 0, t->closed = 0, t->active = 0;
+    t->sleepers = 0, t->nthreads = nthreads, t->refs = nthreads;
+    pthread_attr_t attr;
+    const int detach = pthread_attr_init(&attr) == 0;
+    if (detach) pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    for (int i = 1; i < nthreads; i++) {
+        pthread_t tid;
+        if (!detach || pthread_create(&tid, &attr, es_team_worker, t) != 0) es_team_release(t);
+    }
+    if (detach) pthread_attr_destroy(&attr);
+    return t;
+}
+
+/* One split on the team (NULL: on the caller). nthreads: the threads this split is worth
+ * (<= 1: the caller alone, the workers keep waiting); grain <= 0: about 4 pieces a thread. */
+static inline void es_team_run(es_team *t, int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) {
+    if (t && nthreads > t->nthreads) nthreads = t->nthreads;
+    if (nthreads < 1) nthreads = 1;
+    if (grain <= 0) grain = (n + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
+    if (grain < 1) grain = 1;
+    if (!t || nthreads <= 1 || n <= grain) {
+        if (n > 0) fn(ctx, 0, n);
+        return;
+    }
+    pthread_mutex_lock(&t->mu);
+    t->fn = fn, t->ctx = ctx, t->n = n, t->grain = grain;
+    __atomic_store_n(&t->next, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&t->seq, t->seq + 1, __ATOMIC_RELAXED);
+    if (t->sleepers) pthread_cond_broadcast(&t->posted);
+    pthread_mutex_unlock(&t->mu);
+    es_team_take(t);
+    pthread_mutex_lock(&t->mu);
+    while (t->active > 0) pthread_cond_wait(&t->idle, &t->mu);
+    pthread_mutex_unlock(&t->mu);
+}
+
+static inline void es_team_close(es_team *t) {
+    if (!t) return;
+    pthread_mutex_lock(&t->mu);
+    __atomic_store_n(&t->closed, 1, __ATOMIC_RELAXED);
+    if (t->sleepers) pthread_cond_broadcast(&t->posted);
+    pthread_mutex_unlock(&t->mu);
+    es_team_release(t);
+}
+
 static inline void es_parallel_pieces(int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) {
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
     if (nthreads < 1) nthreads = 1;
     if (grain <= 0) grain = (n + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
     if (grain < 1) grain = 1;
     if (nthreads > (n + grain - 1) / grain) nthreads = (int)((n + grain - 1) / grain);
-    es_pieces *w = nthreads > 1 ? es_pieces_take() : 0;
-    if (!w) {
-        if (n > 0) fn(ctx, 0, n);
-        return;
-    }
-    w->fn = fn, w->ctx = ctx, w->n = n, w->grain = grain, w->next = 0, w->active = 0, w->refs = nthreads;
-    pthread_mutex_init(&w->mu, 0);
-    pthread_cond_init(&w->idle, 0);
-    pthread_attr_t attr;
-    const int detach = pthread_attr_init(&attr) == 0;
-    if (detach) pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    for (int i = 1; i < nthreads; i++) {
-        pthread_t tid;
-        if (!detach || pthread_create(&tid, &attr, es_pieces_worker, w) != 0) es_pieces_release(w);
-    }
-    if (detach) pthread_attr_destroy(&attr);
-    es_pieces_run(w);
-    pthread_mutex_lock(&w->mu);
-    while (__atomic_load_n(&w->active, __ATOMIC_SEQ_CST) > 0) pthread_cond_wait(&w->idle, &w->mu);
-    pthread_mutex_unlock(&w->mu);
-    es_pieces_release(w);
+    es_team *t = es_team_open(nthreads);
+    es_team_run(t, nthreads, n, grain, fn, ctx);
+    es_team_close(t);
+}
+
+/* A split on the call's team when it has one, else on threads of its own. */
+static inline void es_split(es_team *team, int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) {
+    if (team) es_team_run(team, nthreads, n, grain, fn, ctx);
+    else es_parallel_pieces(nthreads, n, grain, fn, ctx);
 }
 
 static inline void es_parallel(int nthreads, int64_t n, es_range_fn fn, void *ctx) {
@@ -319,14 +403,15 @@ static void es_gemm_job_run(void *arg, int64_t p0, int64_t p1) {
 }
 
 static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
-                                     const float *biasp, int M, float *Y, float *xpack, int nthreads) {
+                                     const float *biasp, int M, float *Y, float *xpack, int nthreads,
+                                     es_team *team) {
     if (nthreads <= 1 || B < 2) { es_gemm_packed(X, ldx, B, E, Wp, wbf16, biasp, M, Y, xpack); return; }
     es_gemm_job j = {X, Wp, biasp, es_maybe_pack(X, ldx, B, E, xpack), Y, ldx, B, E, M, wbf16};
     /* pieces of whole ES_TP-panel tiles (a tile of fewer panels is slower) */
     const int64_t np = (M + ES_PANEL - 1) / ES_PANEL;
     int64_t grain = (np + 8 * (int64_t)nthreads - 1) / (8 * (int64_t)nthreads);
     grain = (grain + 3) & ~(int64_t)3;
-    es_parallel_pieces(nthreads, np, grain, es_gemm_job_run, &j);
+    es_split(team, nthreads, np, grain, es_gemm_job_run, &j);
 }
 
 /* ---- the per-token tail ----------------------------------------------------------
@@ -386,13 +471,13 @@ static void es_tails_xy_run(void *arg, int64_t i0, int64_t i1) {
  * then the convs; on one thread x then conv token by token, in order (the same bits). */
 static inline void es_tails_mt(const es_tail_params *P, int64_t n, const float *Y, int64_t ldy, const float *hid,
                                float *out, float *X, float *gates, const float *const *taps, float *const *xdst,
-                               int chained, int nthreads) {
+                               int chained, int nthreads, es_team *team) {
     es_tails_job j = {P, Y, ldy, hid, out, X, gates, taps, xdst};
     if (chained && nthreads > 1) { /* (one thread: token by token below, its rows still in cache) */
-        es_parallel_pieces(nthreads, n, 0, es_tails_x_run, &j);
-        es_parallel_pieces(nthreads, n, 0, es_tails_y_run, &j);
+        es_split(team, nthreads, n, 0, es_tails_x_run, &j);
+        es_split(team, nthreads, n, 0, es_tails_y_run, &j);
     } else {
-        es_parallel_pieces(nthreads, n, 0, es_tails_xy_run, &j);
+        es_split(team, nthreads, n, 0, es_tails_xy_run, &j);
     }
 }
 /* ---- gathering a token's rows ---------------------------------------------------- */

@@ -15,12 +15,15 @@ cdef extern from "engram_step.h" nogil:
         const float *n3
         const float *cw
     ctypedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1) noexcept nogil
-    void es_parallel_pieces(int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) noexcept
+    ctypedef struct es_team:
+        pass
+    void es_split(es_team *team, int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) noexcept
     void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
-                           const float *biasp, int M, float *Y, float *xpack, int nthreads) noexcept
+                           const float *biasp, int M, float *Y, float *xpack, int nthreads,
+                           es_team *team) noexcept
     void es_tails_mt(const es_tail_params *P, int64_t n, const float *Y, int64_t ldy, const float *hid,
                      float *out, float *X, float *gates, const float **taps, float **xdst,
-                     int chained, int nthreads) noexcept
+                     int chained, int nthreads, es_team *team) noexcept
     int ES_MAX_THREADS
     int64_t es_fma_chains(int64_t n, float *sink) noexcept
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept

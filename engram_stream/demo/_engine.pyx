@@ -54,7 +54,7 @@ def _fma_chains(int64_t rounds):
 
 
 cdef struct GatherWork:
-    # what a chunk's gathers read and write (es_parallel_pieces' ctx): token i's H rows are
+    # what a chunk's gathers read and write (es_split's ctx): token i's H rows are
     # records at dp[i*H + j] (its scale at sp[...] for int8 tables), converted into e + i*lde
     const char **dp
     const char **sp
@@ -99,6 +99,7 @@ cdef class StreamEngine(EngineBase):
     cdef int _init_variant(self, w) except -1:
         cfg = self.model.cfg
         self.K, self.conv_len = cfg.kernel_size, cfg.conv_len
+        self.teamed = True  # _chunk runs its gather, GEMM and tails on the call's workers
         self.ldx = self.E + 16
         if self.K > ES_MAX_KERNEL_SIZE:  # EngramConfig refuses these already
             raise ValueError(f"kernel_size <= {ES_MAX_KERNEL_SIZE} is what the engine supports")
@@ -178,7 +179,7 @@ cdef class StreamEngine(EngineBase):
         cdef bint chained = False
         g.dp, g.sp, g.e, g.lde = self.dp, self.sp, self.ebuf, self.ldx
         g.kind, g.hd, g.H = self.table_kind, self.hd, self.H
-        es_parallel_pieces(threads if nb >= 32 else 1, nb, 0, _gather_part, &g)
+        es_split(<es_team *> self.team, threads if (nb >= 32 or self.team != NULL) else 1, nb, 0, _gather_part, &g)
         c = 0  # the taps, piece by piece (they read the ring as it is before this chunk)
         while c < nb:
             s, c0 = self.tstream[t0 + c], c
@@ -195,10 +196,10 @@ cdef class StreamEngine(EngineBase):
                                                          &self.conv_state[s, (p + j - d + L) % L, 0])
                     self.xdst[c0 + j] = &self.conv_state[s, p, 0]
         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0], self.M,
-                          self.ybuf, self.pbuf, threads if (not chained or nb >= 32) else 1)
+                          self.ybuf, self.pbuf, threads if (not chained or nb >= 32) else 1, <es_team *> self.team)
         es_tails_mt(&self.tp, nb, self.ybuf, self.M, hid, out, self.xbuf, self.gbuf, self.taps,
                     NULL if (chained or not L) else self.xdst, chained,
-                    threads if (nb >= 8 or (not chained and nb >= 2)) else 1)
+                    threads if (nb >= 8 or (not chained and nb >= 2)) else 1, <es_team *> self.team)
         c = 0  # the rings move (a draft first keeps the x a later token of its call overwrites)
         while c < nb:
             s, c0 = self.tstream[t0 + c], c
@@ -219,7 +220,7 @@ cdef class StreamEngine(EngineBase):
         cdef GatherWork g
         g.dp, g.sp, g.e, g.lde = self.dp, self.sp, dst, ld
         g.kind, g.hd, g.H = self.table_kind, self.hd, self.H
-        es_parallel_pieces(threads if nb >= 32 else 1, nb, 0, _gather_part, &g)
+        es_split(NULL, threads if nb >= 32 else 1, nb, 0, _gather_part, &g)
 
     cdef void _save_x(self, int64_t t0, int64_t c0, int64_t plen) noexcept nogil:
         """Draft: of the chunk's piece [c0, c0+plen), the tokens whose ring slot a later token of

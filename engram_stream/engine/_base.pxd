@@ -75,6 +75,10 @@ cdef class EngineBase:
 
     cdef bint busy                     # a call is running (one owner at a time)
     cdef int _step_threads, _prefill_threads
+    cdef bint teamed                   # the variant's _chunk runs its splits on self.team
+    cdef void *team                    # es_team * of the call in flight (NULL: none, or one thread)
+    cdef void _team_open(self, int threads) noexcept nogil
+    cdef void _team_close(self) noexcept nogil
 
     # ---- the rules (base) ----
     cdef int _setup(self, model, layer, int n_streams, int64_t chunk, bint latch, rows) except -1

@@ -42,6 +42,10 @@ cnp.import_array()
 
 cdef extern from "engram_step.h" nogil:
     int ES_MAX_THREADS
+    ctypedef struct es_team:
+        pass
+    es_team *es_team_open(int nthreads) noexcept
+    void es_team_close(es_team *t) noexcept
     void es_mark_rows(uint8_t *bitmap, const int64_t *rows, int64_t n) noexcept
 
 MAX_THREADS = ES_MAX_THREADS
@@ -393,8 +397,11 @@ cdef class EngineBase:
         A failure (a read, scratch) puts every slot of the call back and raises."""
         cdef int64_t t0 = 0, nb
         cdef int threads = self._threads()
+        cdef bint own = self.team == NULL
         try:
             self._grow_chunk(min(self.chunk, self.pn), threads)
+            if own and self.pn > 1:
+                self._team_open(threads)
             while t0 < self.pn:
                 nb = min(self.chunk, self.pn - t0)
                 self._resolve(t0, nb)
@@ -406,8 +413,22 @@ cdef class EngineBase:
             self.src.release()
             self._rollback()
             raise
+        finally:
+            if own:
+                self._team_close()
         self.pn = 0
         return 0
+
+    cdef void _team_open(self, int threads) noexcept nogil:
+        """The workers of this call (a variant whose splits run on them, threads > 1): closed by
+        the call before it returns (_team_close), so no thread outlives it."""
+        if self.teamed and threads > 1 and self.team == NULL:
+            self.team = es_team_open(threads)
+
+    cdef void _team_close(self) noexcept nogil:
+        if self.team != NULL:
+            es_team_close(<es_team *> self.team)
+            self.team = NULL
 
     # ---- checks -----------------------------------------------------------------------------
     cdef _enter(self):
@@ -521,9 +542,12 @@ cdef class EngineBase:
         h, o = self._io(hidden, out, shape)
         self._enter()
         try:
+            if self.n_streams > 1:  # the workers start while the tokens are hashed and their rows found
+                self._team_open(self._step_threads)
             self._feed_steps(ids, single, "feed() was called: finish that token with compute(hidden) first")
             self._compute(<const float *> cnp.PyArray_DATA(h), <float *> cnp.PyArray_DATA(o))
         finally:
+            self._team_close()
             self.busy = False
         return o
 
