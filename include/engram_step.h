@@ -222,6 +222,7 @@ typedef struct {
     int64_t n, grain;
     int64_t next;          /* the first item of the split no one has taken (atomic) */
     unsigned seq;          /* splits posted (under mu; spinners read it atomically) */
+    unsigned shut;         /* the last split whose pieces were all taken (under mu) */
     int closed;            /* (under mu; spinners read it atomically) */
     int active;            /* workers inside the current split (under mu) */
     int sleepers;          /* workers waiting on posted (under mu) */
@@ -235,6 +236,13 @@ typedef struct {
  * parent's late workers held: at most this many calls there run on one thread.) */
 #define ES_TEAM_SLOTS 64
 static es_team es_team_slots[ES_TEAM_SLOTS] __attribute__((unused));
+
+/* The slots held now: by a call's team, or by its workers still on their way out. */
+static inline int es_team_slots_held(void) {
+    int k = 0;
+    for (int i = 0; i < ES_TEAM_SLOTS; i++) k += __atomic_load_n(&es_team_slots[i].used, __ATOMIC_ACQUIRE);
+    return k;
+}
 
 static inline void es_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -292,6 +300,7 @@ static void *es_team_worker(void *arg) {
             continue;
         }
         seen = t->seq;
+        if (t->shut == seen) continue; /* every piece taken: wait for the next split */
         t->active++;
         pthread_mutex_unlock(&t->mu);
         es_team_take(t);
@@ -317,7 +326,7 @@ static inline es_team *es_team_open(int nthreads) {
     pthread_mutex_init(&t->mu, 0);
     pthread_cond_init(&t->posted, 0);
     pthread_cond_init(&t->idle, 0);
-    t->fn = 0, t->ctx = 0, t->n = 0, t->grain = 1, t->next = 0, t->seq = 0, t->closed = 0, t->active = 0;
+    t->fn = 0, t->ctx = 0, t->n = 0, t->grain = 1, t->next = 0, t->seq = 0, t->shut = 0, t->closed = 0, t->active = 0;
     t->sleepers = 0, t->nthreads = nthreads, t->refs = nthreads;
     pthread_attr_t attr;
     const int detach = pthread_attr_init(&attr) == 0;
@@ -330,13 +339,20 @@ static inline es_team *es_team_open(int nthreads) {
     return t;
 }
 
+/* grain <= 0: about 4 pieces a thread. */
+static inline int64_t es_grain(int nthreads, int64_t n, int64_t grain) {
+    if (grain <= 0) grain = (n + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
+    return grain < 1 ? 1 : grain;
+}
+
 /* One split on the team (NULL: on the caller). nthreads: the threads this split is worth
- * (<= 1: the caller alone, the workers keep waiting); grain <= 0: about 4 pieces a thread. */
+ * (<= 1: the caller alone, the workers keep waiting); grain as es_grain. Once the caller finds
+ * the counter spent it shuts the split (shut = seq, under mu): a worker that comes later does
+ * not join it, so none is still taking when the next split rewrites fn, ctx and the counter. */
 static inline void es_team_run(es_team *t, int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) {
     if (t && nthreads > t->nthreads) nthreads = t->nthreads;
     if (nthreads < 1) nthreads = 1;
-    if (grain <= 0) grain = (n + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
-    if (grain < 1) grain = 1;
+    grain = es_grain(nthreads, n, grain);
     if (!t || nthreads <= 1 || n <= grain) {
         if (n > 0) fn(ctx, 0, n);
         return;
@@ -349,6 +365,7 @@ static inline void es_team_run(es_team *t, int nthreads, int64_t n, int64_t grai
     pthread_mutex_unlock(&t->mu);
     es_team_take(t);
     pthread_mutex_lock(&t->mu);
+    t->shut = t->seq;
     while (t->active > 0) pthread_cond_wait(&t->idle, &t->mu);
     pthread_mutex_unlock(&t->mu);
 }
@@ -365,8 +382,7 @@ static inline void es_team_close(es_team *t) {
 static inline void es_parallel_pieces(int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) {
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
     if (nthreads < 1) nthreads = 1;
-    if (grain <= 0) grain = (n + 4 * (int64_t)nthreads - 1) / (4 * (int64_t)nthreads);
-    if (grain < 1) grain = 1;
+    grain = es_grain(nthreads, n, grain);
     if (nthreads > (n + grain - 1) / grain) nthreads = (int)((n + grain - 1) / grain);
     es_team *t = es_team_open(nthreads);
     es_team_run(t, nthreads, n, grain, fn, ctx);

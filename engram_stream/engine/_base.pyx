@@ -46,6 +46,7 @@ cdef extern from "engram_step.h" nogil:
         pass
     es_team *es_team_open(int nthreads) noexcept
     void es_team_close(es_team *t) noexcept
+    int es_team_slots_held() noexcept
     void es_mark_rows(uint8_t *bitmap, const int64_t *rows, int64_t n) noexcept
 
 MAX_THREADS = ES_MAX_THREADS
@@ -419,6 +420,15 @@ cdef class EngineBase:
         self.pn = 0
         return 0
 
+    cdef int _packed_threads(self, ln) except -1:
+        """_threads() of a packed call whose segment lengths are ln (int64[K]), before its feed."""
+        cdef const int64_t *pl = <const int64_t *> cnp.PyArray_DATA(ln)
+        cdef int64_t k
+        for k in range(ln.shape[0]):
+            if pl[k] > 1:
+                return self._prefill_threads
+        return self._step_threads
+
     cdef void _team_open(self, int threads) noexcept nogil:
         """The workers of this call (a variant whose splits run on them, threads > 1): closed by
         the call before it returns (_team_close), so no thread outlives it."""
@@ -573,6 +583,8 @@ cdef class EngineBase:
         self._enter()
         try:
             self._check_call(ids, pid, n, "feed() was called: finish that batch with compute(hidden) first")
+            if n > 1 and self.teamed:  # the workers start while the tokens are hashed and their rows found
+                self._team_open(self._packed_threads(ln))
             if ids.shape[0]:
                 self._feed(pid, ids.shape[0], <const int64_t *> cnp.PyArray_DATA(st),
                            <const int64_t *> cnp.PyArray_DATA(ln), st.shape[0], bool(draft))
@@ -584,6 +596,7 @@ cdef class EngineBase:
                 if keep is not None:
                     o[...] = 0
         finally:
+            self._team_close()
             self.busy = False
         return o
 
@@ -1033,6 +1046,12 @@ def _isa_set(int level):
 
 def _isa_get():
     return es_isa_now()
+
+
+def _teams_held():
+    """Team slots held now (the calls' workers, engine/_base): 0 once every call has returned
+    and its workers have exited."""
+    return es_team_slots_held()
 
 
 _isa.register(__import__("sys").modules[__name__])  # this module's kernels follow the one selector

@@ -952,11 +952,15 @@ _ONE_CPU = textwrap.dedent("""
     phid = rng.standard_normal((300, 2, 200)).astype(np.float32)
     for _ in range(10):
         assert np.array_equal(p2.prefill(pid, phid), p1.prefill(pid, phid))
+    st, ln = np.arange(16), np.ones(16, np.int64)
+    for t in range(80):  # more calls than there are team slots (64)
+        assert np.array_equal(two.step_packed(ids[t % 40], hid, st, ln), one.step_packed(ids[t % 40], hid, st, ln))
     for _ in range(200):  # the workers that started after their call returned find nothing and exit
         if threads() == before:
             break
         time.sleep(0.01)
-    print(threads() - before)
+    from engram_stream.engine import _base
+    print(_base._teams_held(), threads() - before)
 """)
 
 
@@ -964,13 +968,13 @@ _ONE_CPU = textwrap.dedent("""
                     reason="needs Linux CPU affinity and /proc")
 def test_thread_split_on_one_cpu_bitwise_equal_and_leaves_no_threads():
     """Two threads on one CPU: a worker often starts only after the caller took every piece,
-    and the caller returns without it (es_parallel_pieces). The 16-stream steps and prefills
-    keep the bits of one thread, and every late worker exits."""
+    and the caller returns without it (es_team_run). The 16-stream steps, packed steps and
+    prefills keep the bits of one thread; every late worker exits and frees its team's slot."""
     from engram_stream.engine import isa
     r = run_python(["-c", _ONE_CPU, os.path.join(ROOT, "tests")], timeout=120,
                    env=dict(os.environ, ENGRAM_STREAM_ISA=isa.kernel_isa()))  # the path of this run
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split()[-1] == "0", r.stdout  # no thread left over
+    assert r.stdout.split()[-2:] == ["0", "0"], r.stdout  # no team slot held, no thread left over
 
 
 # ---- steady-state allocation ---------------------------------------------------------------------
