@@ -224,7 +224,7 @@ typedef struct {
     unsigned seq;          /* splits posted (under mu; spinners read it atomically) */
     unsigned shut;         /* the last split whose pieces were all taken (under mu) */
     int closed;            /* (under mu; spinners read it atomically) */
-    int active;            /* workers inside the current split (under mu) */
+    int active;            /* workers inside the current split (changed under mu; atomic) */
     int sleepers;          /* workers waiting on posted (under mu) */
     int nthreads;
     int refs;              /* the caller and the started workers not yet gone (atomic): the last frees */
@@ -301,11 +301,11 @@ static void *es_team_worker(void *arg) {
         }
         seen = t->seq;
         if (t->shut == seen) continue; /* every piece taken: wait for the next split */
-        t->active++;
+        __atomic_add_fetch(&t->active, 1, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&t->mu);
         es_team_take(t);
-        pthread_mutex_lock(&t->mu);
-        if (--t->active == 0) pthread_cond_signal(&t->idle);
+        pthread_mutex_lock(&t->mu); /* (release: the caller that reads active 0 sees the pieces) */
+        if (__atomic_sub_fetch(&t->active, 1, __ATOMIC_ACQ_REL) == 0) pthread_cond_signal(&t->idle);
     }
     pthread_mutex_unlock(&t->mu);
     es_team_release(t);
@@ -366,8 +366,19 @@ static inline void es_team_run(es_team *t, int nthreads, int64_t n, int64_t grai
     es_team_take(t);
     pthread_mutex_lock(&t->mu);
     t->shut = t->seq;
-    while (t->active > 0) pthread_cond_wait(&t->idle, &t->mu);
     pthread_mutex_unlock(&t->mu);
+    /* the workers inside it end their last piece about when the caller does: spin for them
+     * first (a sleeping caller's wake-up costs 10-30 us on a VM), then sleep */
+    const int64_t until = es_now_ns() + ES_TEAM_SPIN_NS;
+    for (int i = 0; __atomic_load_n(&t->active, __ATOMIC_ACQUIRE) > 0; i++) {
+        if ((i & 63) == 63 && es_now_ns() > until) break;
+        es_cpu_relax();
+    }
+    if (__atomic_load_n(&t->active, __ATOMIC_ACQUIRE) > 0) {
+        pthread_mutex_lock(&t->mu);
+        while (__atomic_load_n(&t->active, __ATOMIC_ACQUIRE) > 0) pthread_cond_wait(&t->idle, &t->mu);
+        pthread_mutex_unlock(&t->mu);
+    }
 }
 
 static inline void es_team_close(es_team *t) {
