@@ -200,13 +200,18 @@ static inline int64_t es_fma_chains(int64_t n, float *sink) {
  * Taking pieces, not fixed halves, keeps a split no slower than one thread when a worker gets
  * no core (a shared machine): the others take its pieces. es_team_run returns once every piece
  * taken is done: it waits for the workers inside the split, never for one that has not started
- * or is between splits. Between splits a worker spins ES_TEAM_SPIN_NS, then sleeps until the
- * next split or the close; after the close it exits (a thread that starts late finds the team
+ * or is between splits. Between splits a worker spins the team's spin_ns, then sleeps until the
+ * next split or the close, and at a split's end the caller spins as long for the workers still
+ * in it (a wake-up costs 10-30 us on a VM; a call's team: ES_TEAM_SPIN_NS); after the close a
+ * worker exits (a thread that starts late finds the team
  * closed and exits). No thread outlives the call by more than its own exit, nothing is
  * allocated (the teams live in static slots; a thread that cannot start, or no free slot: the
  * caller takes every piece), and work split into independent items gives results bitwise equal
  * to one thread, whoever computes a piece.
- * es_parallel_pieces: a team of one split. es_parallel: the same in at most nthreads
+ * es_parallel_pieces: a team of one split, with no spin (nothing follows the split, and on the
+ * 2-vCPU Zen 5 a caller spinning 200 us for the other half of a 4 ms GEMV made it 5.2-5.5 ms
+ * against 4.0-4.8 when it sleeps: the spin costs the other core more than a wake-up costs).
+ * es_parallel: the same in at most nthreads
  * contiguous pieces (fn is called at most nthreads times: a caller may hand each call its own
  * scratch). */
 #define ES_MAX_THREADS 16
@@ -227,6 +232,7 @@ typedef struct {
     int active;            /* workers inside the current split (changed under mu; atomic) */
     int sleepers;          /* workers waiting on posted (under mu) */
     int nthreads;
+    int64_t spin_ns;       /* how long a worker between splits, and the caller at a split's end, spin */
     int refs;              /* the caller and the started workers not yet gone (atomic): the last frees */
     int used;              /* the slot is taken (atomic) */
 } es_team;
@@ -285,7 +291,7 @@ static void *es_team_worker(void *arg) {
     while (!t->closed) {
         if (t->seq == seen) {
             pthread_mutex_unlock(&t->mu);
-            const int64_t until = es_now_ns() + ES_TEAM_SPIN_NS;
+            const int64_t until = es_now_ns() + t->spin_ns;
             for (int i = 0;; i++) {
                 if (__atomic_load_n(&t->seq, __ATOMIC_RELAXED) != seen || __atomic_load_n(&t->closed, __ATOMIC_RELAXED)) break;
                 if ((i & 63) == 63 && es_now_ns() > until) break;
@@ -313,7 +319,7 @@ static void *es_team_worker(void *arg) {
 }
 
 /* NULL (the caller alone) for nthreads <= 1 or no free slot. */
-static inline es_team *es_team_open(int nthreads) {
+static inline es_team *es_team_open(int nthreads, int64_t spin_ns) {
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
     if (nthreads <= 1) return 0;
     es_team *t = 0;
@@ -327,7 +333,7 @@ static inline es_team *es_team_open(int nthreads) {
     pthread_cond_init(&t->posted, 0);
     pthread_cond_init(&t->idle, 0);
     t->fn = 0, t->ctx = 0, t->n = 0, t->grain = 1, t->next = 0, t->seq = 0, t->shut = 0, t->closed = 0, t->active = 0;
-    t->sleepers = 0, t->nthreads = nthreads, t->refs = nthreads;
+    t->sleepers = 0, t->nthreads = nthreads, t->spin_ns = spin_ns, t->refs = nthreads;
     pthread_attr_t attr;
     const int detach = pthread_attr_init(&attr) == 0;
     if (detach) pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
@@ -368,8 +374,8 @@ static inline void es_team_run(es_team *t, int nthreads, int64_t n, int64_t grai
     t->shut = t->seq;
     pthread_mutex_unlock(&t->mu);
     /* the workers inside it end their last piece about when the caller does: spin for them
-     * first (a sleeping caller's wake-up costs 10-30 us on a VM), then sleep */
-    const int64_t until = es_now_ns() + ES_TEAM_SPIN_NS;
+     * first (spin_ns), then sleep */
+    const int64_t until = es_now_ns() + t->spin_ns;
     for (int i = 0; __atomic_load_n(&t->active, __ATOMIC_ACQUIRE) > 0; i++) {
         if ((i & 63) == 63 && es_now_ns() > until) break;
         es_cpu_relax();
@@ -395,7 +401,7 @@ static inline void es_parallel_pieces(int nthreads, int64_t n, int64_t grain, es
     if (nthreads < 1) nthreads = 1;
     grain = es_grain(nthreads, n, grain);
     if (nthreads > (n + grain - 1) / grain) nthreads = (int)((n + grain - 1) / grain);
-    es_team *t = es_team_open(nthreads);
+    es_team *t = es_team_open(nthreads, 0);
     es_team_run(t, nthreads, n, grain, fn, ctx);
     es_team_close(t);
 }

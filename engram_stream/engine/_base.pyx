@@ -44,7 +44,8 @@ cdef extern from "engram_step.h" nogil:
     int ES_MAX_THREADS
     ctypedef struct es_team:
         pass
-    es_team *es_team_open(int nthreads) noexcept
+    int64_t ES_TEAM_SPIN_NS
+    es_team *es_team_open(int nthreads, int64_t spin_ns) noexcept
     void es_team_close(es_team *t) noexcept
     int es_team_slots_held() noexcept
     void es_mark_rows(uint8_t *bitmap, const int64_t *rows, int64_t n) noexcept
@@ -433,7 +434,7 @@ cdef class EngineBase:
         """The workers of this call (a variant whose splits run on them, threads > 1): closed by
         the call before it returns (_team_close), so no thread outlives it."""
         if self.teamed and threads > 1 and self.team == NULL:
-            self.team = es_team_open(threads)
+            self.team = es_team_open(threads, ES_TEAM_SPIN_NS)
 
     cdef void _team_close(self) noexcept nogil:
         if self.team != NULL:
