@@ -99,7 +99,8 @@ cdef class StreamEngine(EngineBase):
     cdef int _init_variant(self, w) except -1:
         cfg = self.model.cfg
         self.K, self.conv_len = cfg.kernel_size, cfg.conv_len
-        self.teamed = True  # _chunk runs its gather, GEMM and tails on the call's workers
+        self.teamed = True  # _chunk runs its gather, GEMM and tails on the call's workers (started
+                            # by step, step_packed of decode steps, or _chunk's first split)
         self.ldx = self.E + 16
         if self.K > ES_MAX_KERNEL_SIZE:  # EngramConfig refuses these already
             raise ValueError(f"kernel_size <= {ES_MAX_KERNEL_SIZE} is what the engine supports")
@@ -179,6 +180,8 @@ cdef class StreamEngine(EngineBase):
         cdef bint chained = False
         g.dp, g.sp, g.e, g.lde = self.dp, self.sp, self.ebuf, self.ldx
         g.kind, g.hd, g.H = self.table_kind, self.hd, self.H
+        if nb >= 8:  # the tails split at least: the call's workers start here unless they run already
+            self._team_open(threads)
         es_split(<es_team *> self.team, threads if (nb >= 32 or self.team != NULL) else 1, nb, 0, _gather_part, &g)
         c = 0  # the taps, piece by piece (they read the ring as it is before this chunk)
         while c < nb:
@@ -195,6 +198,8 @@ cdef class StreamEngine(EngineBase):
                         self.taps[(c0 + j) * k1 + kk] = (self.xbuf + (c0 + j - d) * self.C if j >= d else
                                                          &self.conv_state[s, (p + j - d + L) % L, 0])
                     self.xdst[c0 + j] = &self.conv_state[s, p, 0]
+        if not chained and nb >= 2:  # decode steps of several streams: the GEMM and the tails split
+            self._team_open(threads)
         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0], self.M,
                           self.ybuf, self.pbuf, threads if (not chained or nb >= 32) else 1, <es_team *> self.team)
         es_tails_mt(&self.tp, nb, self.ybuf, self.M, hid, out, self.xbuf, self.gbuf, self.taps,

@@ -77,7 +77,7 @@ cdef class EngineBase:
     cdef int _step_threads, _prefill_threads
     cdef bint teamed                   # the variant's _chunk runs its splits on self.team
     cdef void *team                    # es_team * of the call in flight (NULL: none, or one thread)
-    cdef int _packed_threads(self, ln) except -1
+    cdef bint _decode_only(self, ln) except -1
     cdef void _team_open(self, int threads) noexcept nogil
     cdef void _team_close(self) noexcept nogil
 

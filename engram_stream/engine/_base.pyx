@@ -399,11 +399,9 @@ cdef class EngineBase:
         A failure (a read, scratch) puts every slot of the call back and raises."""
         cdef int64_t t0 = 0, nb
         cdef int threads = self._threads()
-        cdef bint own = self.team == NULL
+        cdef bint own = self.team == NULL  # (a teamed variant's _chunk may open one: closed here)
         try:
             self._grow_chunk(min(self.chunk, self.pn), threads)
-            if own and self.pn > 1:
-                self._team_open(threads)
             while t0 < self.pn:
                 nb = min(self.chunk, self.pn - t0)
                 self._resolve(t0, nb)
@@ -421,18 +419,19 @@ cdef class EngineBase:
         self.pn = 0
         return 0
 
-    cdef int _packed_threads(self, ln) except -1:
-        """_threads() of a packed call whose segment lengths are ln (int64[K]), before its feed."""
+    cdef bint _decode_only(self, ln) except -1:
+        """Every segment of a packed call one token (ln: its lengths, int64[K]), before its feed."""
         cdef const int64_t *pl = <const int64_t *> cnp.PyArray_DATA(ln)
         cdef int64_t k
         for k in range(ln.shape[0]):
             if pl[k] > 1:
-                return self._prefill_threads
-        return self._step_threads
+                return False
+        return True
 
     cdef void _team_open(self, int threads) noexcept nogil:
-        """The workers of this call (a variant whose splits run on them, threads > 1): closed by
-        the call before it returns (_team_close), so no thread outlives it."""
+        """The workers of this call (a variant whose splits run on them, threads > 1; nothing when
+        they run already): closed by the call before it returns (_team_close), so no thread
+        outlives it. Opened only for a call that splits: a start costs 15-25 us."""
         if self.teamed and threads > 1 and self.team == NULL:
             self.team = es_team_open(threads, ES_TEAM_SPIN_NS)
 
@@ -584,8 +583,8 @@ cdef class EngineBase:
         self._enter()
         try:
             self._check_call(ids, pid, n, "feed() was called: finish that batch with compute(hidden) first")
-            if n > 1 and self.teamed:  # the workers start while the tokens are hashed and their rows found
-                self._team_open(self._packed_threads(ln))
+            if n > 1 and self.teamed and self._decode_only(ln):  # the workers start while the tokens
+                self._team_open(self._step_threads)              # are hashed and their rows found
             if ids.shape[0]:
                 self._feed(pid, ids.shape[0], <const int64_t *> cnp.PyArray_DATA(st),
                            <const int64_t *> cnp.PyArray_DATA(ln), st.shape[0], bool(draft))
