@@ -203,17 +203,15 @@ static inline int64_t es_fma_chains(int64_t n, float *sink) {
  * or is between splits. Between splits a worker spins the team's spin_ns, then sleeps until the
  * next split or the close, and at a split's end the caller spins as long for the workers still
  * in it (a wake-up costs 10-30 us on a VM; a call's team: ES_TEAM_SPIN_NS); after the close a
- * worker exits (a thread that starts late finds the team
- * closed and exits). No thread outlives the call by more than its own exit, nothing is
+ * worker exits (a thread that starts late finds the team closed and exits). No thread outlives the call by more than its own exit, nothing is
  * allocated (the teams live in static slots; a thread that cannot start, or no free slot: the
  * caller takes every piece), and work split into independent items gives results bitwise equal
  * to one thread, whoever computes a piece.
  * es_parallel_pieces: a team of one split, with no spin (nothing follows the split, and on the
  * 2-vCPU Zen 5 a caller spinning 200 us for the other half of a 4 ms GEMV made it 5.2-5.5 ms
  * against 4.0-4.8 when it sleeps: the spin costs the other core more than a wake-up costs).
- * es_parallel: the same in at most nthreads
- * contiguous pieces (fn is called at most nthreads times: a caller may hand each call its own
- * scratch). */
+ * es_parallel: the same in at most nthreads contiguous pieces (fn is called at most nthreads
+ * times: a caller may hand each call its own scratch). */
 #define ES_MAX_THREADS 16
 #define ES_TEAM_SPIN_NS 200000
 
@@ -264,6 +262,13 @@ static inline int64_t es_now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+/* One turn of a bounded spin: 0 once `until` (es_now_ns) has passed, checked every 64 turns. */
+static inline int es_spin_turn(int *turn, int64_t until) {
+    if ((++*turn & 63) == 0 && es_now_ns() > until) return 0;
+    es_cpu_relax();
+    return 1;
+}
+
 static void es_team_take(es_team *t) {
     for (;;) {
         const int64_t i0 = __atomic_fetch_add(&t->next, t->grain, __ATOMIC_RELAXED);
@@ -292,11 +297,9 @@ static void *es_team_worker(void *arg) {
         if (t->seq == seen) {
             pthread_mutex_unlock(&t->mu);
             const int64_t until = es_now_ns() + t->spin_ns;
-            for (int i = 0;; i++) {
-                if (__atomic_load_n(&t->seq, __ATOMIC_RELAXED) != seen || __atomic_load_n(&t->closed, __ATOMIC_RELAXED)) break;
-                if ((i & 63) == 63 && es_now_ns() > until) break;
-                es_cpu_relax();
-            }
+            int turn = 0;
+            while (__atomic_load_n(&t->seq, __ATOMIC_RELAXED) == seen && !__atomic_load_n(&t->closed, __ATOMIC_RELAXED)
+                   && es_spin_turn(&turn, until)) {}
             pthread_mutex_lock(&t->mu);
             if (!t->closed && t->seq == seen) {
                 t->sleepers++;
@@ -376,10 +379,8 @@ static inline void es_team_run(es_team *t, int nthreads, int64_t n, int64_t grai
     /* the workers inside it end their last piece about when the caller does: spin for them
      * first (spin_ns), then sleep */
     const int64_t until = es_now_ns() + t->spin_ns;
-    for (int i = 0; __atomic_load_n(&t->active, __ATOMIC_ACQUIRE) > 0; i++) {
-        if ((i & 63) == 63 && es_now_ns() > until) break;
-        es_cpu_relax();
-    }
+    int turn = 0;
+    while (__atomic_load_n(&t->active, __ATOMIC_ACQUIRE) > 0 && es_spin_turn(&turn, until)) {}
     if (__atomic_load_n(&t->active, __ATOMIC_ACQUIRE) > 0) {
         pthread_mutex_lock(&t->mu);
         while (__atomic_load_n(&t->active, __ATOMIC_ACQUIRE) > 0) pthread_cond_wait(&t->idle, &t->mu);
