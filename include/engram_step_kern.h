@@ -151,6 +151,10 @@ static ES_TGT void ES_SF(es_tail_x)(const es_tail_params *P, const float *proj, 
         vf a = {0}, b = {0};
         int d = 0;
         for (; d + ES_TVW <= D; d += ES_TVW) {
+            if (!(d & 15)) { /* a line ahead (engram_step.h, es_tail_prefetch_head) */
+                __builtin_prefetch(k + d + ES_TAIL_PF, 0, 3);
+                __builtin_prefetch(h + d + ES_TAIL_PF, 0, 3);
+            }
             vf kv = *(const vf *)(k + d), hv = *(const vf *)(h + d);
             a += kv * kv;
             b += hv * hv;
@@ -200,6 +204,10 @@ static ES_TGT void ES_SF(es_tail_y)(const es_tail_params *P, const float *proj, 
         int d = 0;
         for (; d + ES_TVW <= D; d += ES_TVW) {
             const int64_t c = c0 + d;
+            if (!(d & 15)) {
+                for (int i = 0; i < K - 1; i++) __builtin_prefetch(taps[i] + c + ES_TAIL_PF, 0, 3);
+                __builtin_prefetch(o + d + ES_TAIL_PF, 1, 3);
+            }
             const vf xv = *(const vf *)(x + c);
             vf y = *(const vf *)(wlast + c) * xv;
             for (int i = 0; i < K - 1; i++) y += *(const vf *)(P->cw + i * C + c) * *(const vf *)(taps[i] + c);

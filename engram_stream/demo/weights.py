@@ -7,6 +7,7 @@ and a streaming step does all G+1 projections in one pass over the weights.
 from __future__ import annotations
 
 import math
+import mmap
 
 import ml_dtypes
 import numpy as np
@@ -43,14 +44,29 @@ def reference_shapes(cfg, plan, layer: int) -> dict:
     return shapes
 
 
+HUGE_PAGE = 2 << 20
+
+
 def aligned_zeros(shape, dtype, align=64) -> np.ndarray:
     """Zeros whose data starts on an `align`-byte boundary. numpy's allocator leaves it to
     chance (16, 32, 48 or 0 mod 64): with packed panels off a 64-byte boundary AVX-512 steps
-    measured 1.6x slower (bench/bench_alignment.py)."""
+    measured 1.6x slower (bench/bench_alignment.py). Arrays of a huge page or more come from
+    an anonymous map whose aligned 2 MiB pages are advised MADV_HUGEPAGE: the GEMM streams
+    every page of its panels each step, and 20 MiB in 4 KiB pages is more than the TLB holds
+    (16 streams on 2 threads: ~4% faster, bench/NOTES.md)."""
     dtype = np.dtype(dtype)
     n = math.prod(np.atleast_1d(shape).tolist()) * dtype.itemsize
-    buf = np.zeros(n + align, np.uint8)
-    start = -buf.ctypes.data % align
+    if n < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        buf = np.zeros(n + align, np.uint8)
+        start = -buf.ctypes.data % align
+        return buf[start:start + n].view(dtype).reshape(shape)
+    m = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zeros, taken as written
+    buf = np.frombuffer(m, np.uint8)
+    start = -buf.ctypes.data % HUGE_PAGE  # a multiple of the page size, so of align
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE, start, n - n % HUGE_PAGE)
+    except OSError:  # a kernel without transparent huge pages: 4 KiB pages, same bytes
+        pass
     return buf[start:start + n].view(dtype).reshape(shape)
 
 

@@ -9,6 +9,8 @@ plan.multipliers (themselves pinned independently in test_plan.py).
 from __future__ import annotations
 
 import math
+import mmap
+import os
 
 import numpy as np
 import pytest
@@ -529,6 +531,34 @@ def test_callers_arrays_keep_their_flags_and_small_ones_are_copied():
     lw = LayerWeights(cfg, offsets, w.table, w.proj_w, w.proj_b, w.norm1, w.norm2, w.conv_norm, w.conv_w)
     offsets[:] = 10 ** 12
     assert lw.offsets.tolist() == w.offsets.tolist()
+
+
+def _vm_flags(addr):
+    """The VmFlags of the mapping holding addr (/proc/self/smaps), or None."""
+    lo = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                a, b = (int(x, 16) for x in head.split("-"))
+                lo = a <= addr < b
+            elif lo and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    return None
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.exists("/proc/self/smaps"),
+                    reason="needs Linux's MADV_HUGEPAGE and /proc/self/smaps")
+def test_large_packed_arrays_are_advised_huge_pages():
+    """Panels of 2 MiB or more (the demo's 20 MiB) are streamed whole every step: their aligned
+    2 MiB pages are advised MADV_HUGEPAGE ("hg" in the mapping's VmFlags), the partial tail not."""
+    from engram_stream.demo.weights import HUGE_PAGE, aligned_zeros
+    big = aligned_zeros((HUGE_PAGE // 4 * 3 + 100,), np.float32)
+    assert big.ctypes.data % HUGE_PAGE == 0 and not big.any()
+    assert "hg" in _vm_flags(big.ctypes.data)
+    assert "hg" in _vm_flags(big.ctypes.data + 2 * HUGE_PAGE - 4096)      # the last whole huge page
+    assert "hg" not in _vm_flags(big[-1:].ctypes.data)                     # the partial tail: 4 KiB pages
+    assert aligned_zeros((1000, 16), np.float32).ctypes.data % 64 == 0   # small: numpy's heap, aligned
 
 
 def test_packed_weights_start_on_a_64_byte_boundary():
