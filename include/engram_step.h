@@ -23,6 +23,9 @@
 #include <pthread.h>
 #include <time.h>
 #include <sys/mman.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 #include <unistd.h>
 
 #include "engram_isa.h"
@@ -192,19 +195,19 @@ static inline int64_t es_fma_chains(int64_t n, float *sink) {
 }
 
 /* ---- work over threads -------------------------------------------------------------
- * A team is the workers of one call (a step, a chunk loop): es_team_open starts nthreads - 1
+ * A team is the workers of a caller (its calls' splits): es_team_open starts nthreads - 1
  * threads, es_team_run hands every one of them a split, fn(ctx, i0, i1) over [0, n) in pieces
  * of `grain` items taken in turn from a shared counter by the caller and the workers present,
- * and es_team_close lets them go. Starting them once per call, not once per split, keeps a
- * thread's start (15-25 us on a 2-vCPU VM, bench/NOTES.md) off every split but the first,
- * and the caller's work before its first split overlaps it.
+ * and es_team_close lets them go. A calling thread keeps its team across calls (es_team_keep
+ * below), so a thread's start (15-25 us on a 2-vCPU VM, bench/NOTES.md) is off every split and
+ * every call but its first, and the caller's work before its first split overlaps the wake-up.
  * Taking pieces, not fixed halves, keeps a split no slower than one thread when a worker gets
  * no core (a shared machine): the others take its pieces. es_team_run returns once every piece
  * taken is done: it waits for the workers inside the split, never for one that has not started
  * or is between splits. Between splits a worker spins the team's spin_ns, then sleeps until the
  * next split or the close, and at a split's end the caller spins as long for the workers still
  * in it (a wake-up costs 10-30 us on a VM; a call's team: ES_TEAM_SPIN_NS); after the close a
- * worker exits (a thread that starts late finds the team closed and exits). No thread outlives the call by more than its own exit, nothing is
+ * worker exits (a thread that starts late finds the team closed and exits). Nothing is
  * allocated (the teams live in static slots; a thread that cannot start, or no free slot: the
  * caller takes every piece), and work split into independent items gives results bitwise equal
  * to one thread, whoever computes a piece.
@@ -228,6 +231,7 @@ typedef struct {
     unsigned seq;          /* splits posted (under mu; spinners read it atomically) */
     unsigned shut;         /* the last split whose pieces were all taken (under mu) */
     int closed;            /* (under mu; spinners read it atomically) */
+    int parked;            /* between calls of a kept team: workers sleep, not spin (under mu; atomic) */
     int active;            /* workers inside the current split (changed under mu; atomic) */
     int sleepers;          /* workers waiting on posted (under mu) */
     int nthreads;
@@ -293,6 +297,9 @@ static void es_team_release(es_team *t) {
 static void *es_team_worker(void *arg) {
     es_team *t = (es_team *)arg;
     unsigned seen = 0;
+#ifdef __linux__
+    prctl(PR_SET_NAME, "engram-worker", 0, 0, 0); /* what top -H and /proc/<pid>/task/<tid>/comm show */
+#endif
     pthread_mutex_lock(&t->mu);
     while (!t->closed) {
         if (t->seq == seen) {
@@ -300,7 +307,7 @@ static void *es_team_worker(void *arg) {
             const int64_t until = es_now_ns() + t->spin_ns;
             int turn = 0;
             while (__atomic_load_n(&t->seq, __ATOMIC_RELAXED) == seen && !__atomic_load_n(&t->closed, __ATOMIC_RELAXED)
-                   && es_spin_turn(&turn, until)) {}
+                   && !__atomic_load_n(&t->parked, __ATOMIC_RELAXED) && es_spin_turn(&turn, until)) {}
             pthread_mutex_lock(&t->mu);
             if (!t->closed && t->seq == seen) {
                 t->sleepers++;
@@ -337,6 +344,7 @@ static inline es_team *es_team_open(int nthreads, int64_t spin_ns) {
     pthread_cond_init(&t->posted, 0);
     pthread_cond_init(&t->idle, 0);
     t->fn = 0, t->ctx = 0, t->n = 0, t->grain = 1, t->next = 0, t->seq = 0, t->shut = 0, t->closed = 0, t->active = 0;
+    t->parked = 0;
     t->sleepers = 0, t->nthreads = nthreads, t->spin_ns = spin_ns, t->refs = nthreads;
     pthread_attr_t attr;
     const int detach = pthread_attr_init(&attr) == 0;
@@ -396,6 +404,67 @@ static inline void es_team_close(es_team *t) {
     if (t->sleepers) pthread_cond_broadcast(&t->posted);
     pthread_mutex_unlock(&t->mu);
     es_team_release(t);
+}
+
+/* ---- a calling thread's kept team ------------------------------------------------
+ * A worker's start costs its caller ~20 us (pthread_create on the 2-vCPU VM: clone and the
+ * signal masks around it), 4% of a 16-stream step. So the workers a thread's calls use are
+ * kept: es_team_keep gives the calling thread its team (started by its first call that
+ * splits, again when the thread count changes), woken for the call (a futex wake; they start
+ * spinning while the caller hashes), and es_team_put parks it at the call's end: its workers
+ * sleep between calls, taking no CPU from what the caller runs next. A thread's team is closed
+ * when the thread exits (a key destructor) and forgotten in a forked child (which has none of
+ * its workers; the slot stays held there). A call made while the thread's team is in use (a
+ * nested one) gets a team of its own, closed by its es_team_put. */
+static __thread es_team *es_kept_team;
+static __thread int es_kept_busy;
+static pthread_key_t es_kept_key;
+static pthread_once_t es_kept_once = PTHREAD_ONCE_INIT;
+static int es_kept_ok;
+
+static void es_kept_exit(void *t) { es_team_close((es_team *)t); } /* the thread is leaving */
+static void es_kept_forget(void) { es_kept_team = 0, es_kept_busy = 0; } /* a forked child */
+static void es_kept_init(void) {
+    es_kept_ok = pthread_key_create(&es_kept_key, es_kept_exit) == 0 && pthread_atfork(0, 0, es_kept_forget) == 0;
+}
+
+static inline void es_team_park(es_team *t, int parked) {
+    pthread_mutex_lock(&t->mu);
+    __atomic_store_n(&t->parked, parked, __ATOMIC_RELAXED);
+    if (!parked && t->sleepers) pthread_cond_broadcast(&t->posted);
+    pthread_mutex_unlock(&t->mu);
+}
+
+/* NULL (the caller alone) as es_team_open. */
+static inline es_team *es_team_keep(int nthreads, int64_t spin_ns) {
+    if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
+    if (nthreads <= 1) return 0;
+    pthread_once(&es_kept_once, es_kept_init);
+    if (!es_kept_ok || es_kept_busy) return es_team_open(nthreads, spin_ns);
+    es_team *t = es_kept_team;
+    if (t && (t->nthreads != nthreads || t->spin_ns != spin_ns)) {
+        es_team_close(t);
+        es_kept_team = t = 0;
+    }
+    if (t) {
+        es_team_park(t, 0);
+    } else {
+        if (!(t = es_team_open(nthreads, spin_ns))) return 0;
+        if (pthread_setspecific(es_kept_key, t) != 0) return t; /* kept nowhere: es_team_put closes it */
+        es_kept_team = t;
+    }
+    es_kept_busy = 1;
+    return t;
+}
+
+static inline void es_team_put(es_team *t) {
+    if (!t) return;
+    if (t == es_kept_team) {
+        es_team_park(t, 1);
+        es_kept_busy = 0;
+    } else {
+        es_team_close(t);
+    }
 }
 
 static inline void es_parallel_pieces(int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) {

@@ -45,8 +45,8 @@ cdef extern from "engram_step.h" nogil:
     ctypedef struct es_team:
         pass
     int64_t ES_TEAM_SPIN_NS
-    es_team *es_team_open(int nthreads, int64_t spin_ns) noexcept
-    void es_team_close(es_team *t) noexcept
+    es_team *es_team_keep(int nthreads, int64_t spin_ns) noexcept
+    void es_team_put(es_team *t) noexcept
     int es_team_slots_held() noexcept
     void es_mark_rows(uint8_t *bitmap, const int64_t *rows, int64_t n) noexcept
 
@@ -430,14 +430,15 @@ cdef class EngineBase:
 
     cdef void _team_open(self, int threads) noexcept nogil:
         """The workers of this call (a variant whose splits run on them, threads > 1; nothing when
-        they run already): closed by the call before it returns (_team_close), so no thread
-        outlives it. Opened only for a call that splits: a start costs 15-25 us."""
+        they run already): the calling thread's kept team (es_team_keep: started by its first
+        call that splits, woken for this one), parked by the call before it returns
+        (_team_close), so no worker spins between calls. Taken only for a call that splits."""
         if self.teamed and threads > 1 and self.team == NULL:
-            self.team = es_team_open(threads, ES_TEAM_SPIN_NS)
+            self.team = es_team_keep(threads, ES_TEAM_SPIN_NS)
 
     cdef void _team_close(self) noexcept nogil:
         if self.team != NULL:
-            es_team_close(<es_team *> self.team)
+            es_team_put(<es_team *> self.team)
             self.team = NULL
 
     # ---- checks -----------------------------------------------------------------------------
@@ -1049,8 +1050,8 @@ def _isa_get():
 
 
 def _teams_held():
-    """Team slots held now (the calls' workers, engine/_base): 0 once every call has returned
-    and its workers have exited."""
+    """Team slots held now (engine/_base): one for each thread whose calls keep a team (until
+    it exits), and a nested call's while its workers exit."""
     return es_team_slots_held()
 
 
