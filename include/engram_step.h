@@ -423,7 +423,10 @@ static pthread_once_t es_kept_once = PTHREAD_ONCE_INIT;
 static int es_kept_ok;
 
 static void es_kept_exit(void *t) { es_team_close((es_team *)t); } /* the thread is leaving */
-static void es_kept_forget(void) { es_kept_team = 0, es_kept_busy = 0; } /* a forked child */
+static void es_kept_forget(void) { /* a forked child */
+    es_kept_team = 0, es_kept_busy = 0;
+    pthread_setspecific(es_kept_key, 0); /* so its exit does not close the parent's team */
+}
 static void es_kept_init(void) {
     es_kept_ok = pthread_key_create(&es_kept_key, es_kept_exit) == 0 && pthread_atfork(0, 0, es_kept_forget) == 0;
 }
@@ -443,8 +446,9 @@ static inline es_team *es_team_keep(int nthreads, int64_t spin_ns) {
     if (!es_kept_ok || es_kept_busy) return es_team_open(nthreads, spin_ns);
     es_team *t = es_kept_team;
     if (t && (t->nthreads != nthreads || t->spin_ns != spin_ns)) {
-        es_team_close(t);
+        es_team_close(t); /* (its slot may go to another thread now: the key forgets it too) */
         es_kept_team = t = 0;
+        pthread_setspecific(es_kept_key, 0);
     }
     if (t) {
         es_team_park(t, 0);
