@@ -87,7 +87,8 @@ cdef class StreamEngine(EngineBase):
     """The demo variant's streaming engine of one layer: `model.stream(layer, n_streams)`.
     Calls: see EngineBase (step, prefill, step_packed/commit, feed/compute, reset, snapshot).
     Negative ids pass through uncompressed (as in the reference); masked positions of
-    step_packed are skipped (no part in the hash windows or the conv rings, output 0)."""
+    step_packed are no tokens (EngineBase: no part in the hash windows or the conv rings,
+    output 0)."""
 
     def __cinit__(self, model, layer, int n_streams=1, rows=None):
         self._setup(model, layer, n_streams, ES_PREFILL_CHUNK, False, rows)

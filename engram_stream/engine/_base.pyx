@@ -570,10 +570,9 @@ cdef class EngineBase:
 
         draft=True: commit(accepted) may then cut each segment back to its first accepted[k]
         tokens (speculative decoding); a new call without commit accepts everything.
-        masked: bool[N], positions that take no part in any n-gram (left padding): V4.1 reads
-        them as DEAD (gate 0, history cut), the demo skips them (state untouched, output 0);
-        either way a left-padded new request equals the same row run alone (on a slot that
-        continues, V4.1's DEAD cuts its history as a DEAD token would; the demo's skip keeps it)."""
+        masked: bool[N], padding: positions that are no token on any variant. They take no part
+        in any n-gram and leave their slot untouched (output 0): a slot fed [a, b, pad, pad, c, d]
+        with the pads masked equals the slot fed [a, b, c, d], fresh or with history."""
         ids = as_ids(token_ids, 1, "token_ids")
         N = ids.shape[0]
         st, ln = self._segments(streams, lengths, N)
@@ -602,9 +601,9 @@ cdef class EngineBase:
         return o
 
     def _masked(self, ids, st, ln, masked):
-        """(ids, streams, lengths, keep) with the masked positions applied: DEAD ids for a
-        variant that reads them so (V4.1), else the positions taken out (keep: what stays, for
-        compute to scatter back; segments left empty are dropped)."""
+        """(ids, streams, lengths, keep) with the masked positions taken out before the hash, the
+        same on every variant: padding is no token, so it reaches no window and no variant state
+        (keep: what stays, for compute to scatter back; segments left empty are dropped)."""
         if masked is None:
             return ids, st, ln, None
         m = np.asarray(masked)
@@ -613,8 +612,6 @@ cdef class EngineBase:
                              f"{getattr(m, 'dtype', type(masked).__name__)} {m.shape}")
         if not m.any():
             return ids, st, ln, None
-        if self.latch:
-            return np.where(m, self.dead_id, ids), st, ln, None
         keep = ~m
         per = np.add.reduceat(keep.astype(np.int64), np.concatenate([[0], np.cumsum(ln)[:-1]])) if ln.size else ln
         live = per > 0

@@ -92,8 +92,8 @@ class Decoder:
         """A serving batch for every layer (see the engines' step_packed): segment k is lengths[k]
         tokens of slot streams[k]; then layer(L, hidden[N, G, D]) for each layer, and after a
         draft, commit(accepted). All or nothing, as begin(). A batch with no token left to feed
-        (none given, or every position masked where masked positions are skipped) is taken as
-        step_packed takes it: each layer's call returns its zeros."""
+        (none given, or every position masked) is taken as step_packed takes it: each layer's
+        call returns its zeros."""
         self._no_pending("begin()")
         e0 = self.engines[self.layers[0]]
         ids = as_ids(token_ids, 1, "token_ids")

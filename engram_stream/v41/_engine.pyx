@@ -85,8 +85,8 @@ cdef class V41StreamEngine(EngineBase):
     Calls: see EngineBase (step, prefill, step_packed/commit, feed/compute, reset, snapshot).
 
     Returns the Engram delta gate * value (the caller adds h). The image token id is DEAD (gate
-    0, blocks history), negative ids block history too; masked positions of step_packed are
-    DEAD. Per stream it keeps only the window (newest first: compressed ids, -1 = DEAD; slots
+    0, blocks history), negative ids block history too; masked positions of step_packed are no
+    tokens (EngineBase: skipped, output 0). Per stream it keeps only the window (newest first: compressed ids, -1 = DEAD; slots
     before the start are DEAD): the latch is re-derived from it at every token.
     """
 

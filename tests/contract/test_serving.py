@@ -97,7 +97,7 @@ def run_schedule(model, L, S, seed, n_calls=12, draft_p=0.4, chunk_max=9, mask_p
         else:
             out = eng.step_packed(ids, hid, streams, lengths, draft=draft, masked=masked)
         if masked is not None:
-            assert not out[masked].any()  # a masked position's delta is 0 (demo: skipped; V4.1: DEAD)
+            assert not out[masked].any()  # a masked position is no token: its delta is 0
         skip_commit = draft and rng.random() < 0.2   # a new call without commit accepts everything
         accepted = [a for _, _, a in segs] if draft and not skip_commit else lengths
         if draft and not skip_commit:
@@ -106,9 +106,8 @@ def run_schedule(model, L, S, seed, n_calls=12, draft_p=0.4, chunk_max=9, mask_p
         for (s, toks, _), a in zip(segs, accepted):
             req = slots[s]
             for j in range(a):
-                keep = masked is None or not masked[i + j]
-                if keep or model.cfg.image_token_id is not None:   # V4.1: a masked token is DEAD
-                    req.ids.append(int(toks[j]) if keep else model.cfg.image_token_id)
+                if masked is None or not masked[i + j]:   # the request never had a masked position
+                    req.ids.append(int(toks[j]))
                     req.hid.append(hid[i + j])
                     req.out.append(out[i + j])
             pos[s] += a
@@ -329,31 +328,120 @@ def test_decoder_begin_packed_takes_the_batches_step_packed_takes(variant):
         assert dec.engines[L].tokens_seen.tolist() == e.tokens_seen.tolist()
 
 
+def _hold_the_same(a, b, exact=True):
+    """Two engines (or Decoders) whose every slot holds the same state: every snapshot array equal
+    (exact=False: the float ones within the tolerance, for states computed in other batches, whose
+    GEMMs may sum in another order)."""
+    sa, sb = a.snapshot(), b.snapshot()
+    for x, y in ((sa, sb),) if not isinstance(sa, dict) else ((sa[L], sb[L]) for L in sa):
+        for name in x.names:
+            u, v = getattr(x, name), getattr(y, name)
+            if exact or not np.issubdtype(np.asarray(u).dtype, np.floating):
+                np.testing.assert_array_equal(u, v, err_msg=name)
+            else:
+                close(u, v, err_msg=name)
+
+
+def _padded_batch(model, rng, history):
+    """Slot 1 fed [a, b, PAD, PAD, c, d] (the pads masked) beside a decode step of slot 0, after
+    `history` tokens on both slots; and the same batch without the pads."""
+    G, D = model.cfg.hc_mult, model.cfg.hidden_size
+    hist = variant_ids(model, rng, (2, history))
+    hist_h = rng.standard_normal((2, history, G, D)).astype(np.float32)
+    x = variant_ids(model, rng, (1,), p_dead=0.0, p_neg=0.0)
+    a, b, c, d = variant_ids(model, rng, (4,), p_dead=0.0, p_neg=0.0)
+    pad = variant_ids(model, rng, (2,), p_dead=0.0, p_neg=0.0)   # real ids: padding is not a token
+    ids = np.array([x[0], a, b, pad[0], pad[1], c, d], np.int64)
+    hid = rng.standard_normal((7, G, D)).astype(np.float32)
+    masked = np.array([False, False, False, True, True, False, False])
+    return hist, hist_h, (ids, hid, [0, 1], [1, 6], masked), (ids[~masked], hid[~masked], [0, 1], [1, 4])
+
+
+def _feed_history(eng, hist, hist_h, decoder):
+    for s in range(hist.shape[0]):
+        if not hist.shape[1]:
+            continue
+        if decoder:
+            eng.begin_packed(hist[s], [s], [hist.shape[1]])
+            for L in eng.layers:
+                eng.layer(L, hist_h[s])
+        else:
+            eng.step_packed(hist[s], hist_h[s], [s], [hist.shape[1]])
+
+
+def _run(eng, decoder, ids, hid, streams, lengths, masked=None, draft=False):
+    if not decoder:
+        return {None: eng.step_packed(ids, hid, streams, lengths, draft=draft, masked=masked)}
+    eng.begin_packed(ids, streams, lengths, draft=draft, masked=masked)
+    return {L: eng.layer(L, hid) for L in eng.layers}
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_masked_positions_on_a_continuing_slot(variant):
-    """What the README says of masked= on a slot with history: V4.1 reads a masked position as a
-    DEAD token (its history cut: equal to the forward with the image id there, output 0 there),
-    the demo skips it (equal to the forward without it)."""
+@pytest.mark.parametrize("history", [0, 5], ids=["fresh", "continuing"])
+@pytest.mark.parametrize("via", ["step_packed", "decoder"])
+def test_a_masked_position_takes_no_part_in_any_ngram(variant, history, via):
+    """One rule on every variant: a masked position is not a token. A slot fed [a, b, PAD, PAD,
+    c, d] with the pads masked returns what the slot fed [a, b, c, d] returns at a, b, c, d
+    (bit for bit: the same tokens in the same GEMM), 0 at the pads, and is left in the same
+    state (windows, tokens seen, rows, the variant's own), on a fresh slot and on one with
+    history."""
     model = model_of(variant)
     L = model.cfg.layer_ids[0]
-    G, D = model.cfg.hc_mult, model.cfg.hidden_size
-    rng = np.random.default_rng(14)
-    ids = variant_ids(model, rng, (10,), p_dead=0.0, p_neg=0.0)
-    hid = rng.standard_normal((10, G, D)).astype(np.float32)
-    eng = model.stream(L)
-    first = eng.step_packed(ids[:6], hid[:6], [0], [6])
-    masked = np.zeros(4, bool)
-    masked[1] = True
-    rest = eng.step_packed(ids[6:], hid[6:], [0], [4], masked=masked)
-    assert not rest[1].any()
-    got = np.concatenate([first, rest])
-    if model.cfg.image_token_id is not None:   # a variant with DEAD tokens (deepseek-v4.1)
-        dead = ids.copy()
-        dead[7] = model.cfg.image_token_id
-        close(got, model.forward(L, dead[None], hid[None])[0])
-    else:
-        keep = np.arange(10) != 7
-        close(got[keep], model.forward(L, ids[keep][None], hid[keep][None])[0])
+    decoder = via == "decoder"
+    make = (lambda: model.decoder(2)) if decoder else (lambda: model.stream(L, 2))
+    rng = np.random.default_rng(31 + history)
+    hist, hist_h, padded, plain = _padded_batch(model, rng, history)
+    got_eng, want_eng = make(), make()
+    _feed_history(got_eng, hist, hist_h, decoder)
+    _feed_history(want_eng, hist, hist_h, decoder)
+    masked = padded[4]
+    got = _run(got_eng, decoder, *padded)
+    want = _run(want_eng, decoder, *plain)
+    for k in got:
+        assert not got[k][masked].any()
+        np.testing.assert_array_equal(got[k][~masked], want[k])
+    _hold_the_same(got_eng, want_eng)
+    nxt = variant_ids(model, rng, (2,), p_dead=0.0, p_neg=0.0)
+    h = rng.standard_normal((2, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+    got, want = _run(got_eng, decoder, nxt, h, [0, 1], [1, 1]), _run(want_eng, decoder, nxt, h, [0, 1], [1, 1])
+    for k in got:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("via", ["step_packed", "decoder"])
+def test_a_draft_with_masked_positions_commits_as_its_tokens(variant, via):
+    """commit(accepted) counts the call's positions, masked ones included: keeping the first
+    accepted[1] positions of [a, b, PAD, PAD, c, d] leaves the slot as the tokens among them
+    alone would (a snapshot equal to it, the next token equal)."""
+    model = model_of(variant)
+    L = model.cfg.layer_ids[0]
+    decoder = via == "decoder"
+    make = (lambda: model.decoder(2)) if decoder else (lambda: model.stream(L, 2))
+    rng = np.random.default_rng(47)
+    hist, hist_h, padded, plain = _padded_batch(model, rng, 4)
+    masked = padded[4]
+    kept_of = np.cumsum(~masked[1:])   # unmasked tokens among slot 1's first k + 1 positions
+    for acc in range(7):
+        got_eng, want_eng = make(), make()
+        _feed_history(got_eng, hist, hist_h, decoder)
+        _feed_history(want_eng, hist, hist_h, decoder)
+        _run(got_eng, decoder, *padded, draft=True)
+        got_eng.commit([1, acc])
+        n = int(kept_of[acc - 1]) if acc else 0
+        ids, hid = plain[0][:1 + n], plain[1][:1 + n]
+        _run(want_eng, decoder, ids, hid, [0, 1] if n else [0], [1, n] if n else [1])
+        _hold_the_same(got_eng, want_eng, exact=False)
+        snap = got_eng.snapshot()
+        nxt = variant_ids(model, rng, (2,), p_dead=0.0, p_neg=0.0)
+        h = rng.standard_normal((2, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+        got, want = _run(got_eng, decoder, nxt, h, [0, 1], [1, 1]), _run(want_eng, decoder, nxt, h, [0, 1], [1, 1])
+        for k in got:
+            close(got[k], want[k])
+        got_eng.restore(snap)   # the snapshot taken after the commit holds that state
+        again = _run(got_eng, decoder, nxt, h, [0, 1], [1, 1])
+        for k in got:
+            np.testing.assert_array_equal(again[k], got[k])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

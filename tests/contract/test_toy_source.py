@@ -6,6 +6,7 @@ serves them through RecordSource's two calls: start(rows) looks them up, finish(
 over. It is added to conftest.ROW_SOURCES only in a pytest run of its own (this file loaded as a
 plugin, `-p test_toy_source` with ENGRAM_STREAM_TOY_SOURCE=1)."""
 import os
+import re
 import time
 
 import numpy as np
@@ -60,9 +61,24 @@ def pytest_configure(config):
         suite.ROW_SOURCES["toy+cache"] = dict(tables=ToyTier, row_cache_mb=suite.SMALL_CACHE)
 
 
+def _with_source(node_id, source, other):
+    """node_id with its source parameter `source` put as `other`; None when it has no such one."""
+    head, sep, params = node_id.partition("[")
+    new, n = re.subn(r"(?<![^-])" + re.escape(source) + r"(?![^-\]])", lambda _: other, params)
+    return head + sep + new if n == 1 else None
+
+
 def test_the_row_source_contract_passes_on_a_source_written_here():
-    passed = conftest.run_suite_with_plugin("test_toy_source", "ENGRAM_STREAM_TOY_SOURCE", ["test_row_sources.py"], "toy")
-    assert passed >= 16   # every test of the suite ran on the toy, bare and cached
+    """Every case the suite runs on a source (each one it runs on the mapped tables) runs on the
+    toy, bare and cached, and passes: none left out of the collection, none skipped."""
+    run = ("test_toy_source", "ENGRAM_STREAM_TOY_SOURCE", ["test_row_sources.py"])
+    mapped = [i for i in conftest.collect_suite_with_plugin(*run) if _with_source(i, "mapped", "mapped")]
+    want = {_with_source(i, "mapped", toy) for i in mapped for toy in ("toy", "toy+cache")}
+    assert len(mapped) >= 8 and len(want) == 2 * len(mapped)
+    assert set(conftest.collect_suite_with_plugin(*run, keyword="toy")) == want
+    counts = conftest.run_suite_counts(*run, "toy")
+    assert counts.get("passed") == len(want) and not set(counts) - {"passed", "deselected", "warning", "warnings"}, \
+        counts
 
 
 def test_the_toy_is_not_a_source_in_this_run():

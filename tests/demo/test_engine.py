@@ -171,11 +171,13 @@ def test_multi_stream_matches_batch(c, S, T, data):
     assert eng.tokens_seen.tolist() == [T] * S
 
 
-def test_where_a_key_cancels_the_oracle_is_off_and_the_engine_within_its_error():
+def test_where_a_key_cancels_the_engine_is_within_the_oracles_own_error():
     """A draw of the test above: at D = 1, stream 5's key projection at t = 1 sums to -3.7e-6
-    from terms of size ~1, and the float32 oracle's output there is 8e-4 (relative) off the
-    float64 one, beyond the tolerance; each kernel path is off by about as much in its own
-    summation order, within the oracle's error plus the tolerance (close_or_truer)."""
+    from terms of size ~1, so every float32 summation order lands its own distance from the
+    float64 result: numpy's oracle is 8e-4 (relative) off it with one BLAS and within the
+    tolerance with another. The engine is held to the float64 result, no farther than the
+    oracle is plus the tolerance; how far the oracle is belongs to the platform's BLAS, not
+    to the engine, and is not asserted."""
     c = dict(G=1, n=3, K=4, D=1, nh=2, hd=5, vocab=52, layers=(0,), evs=[110, 72], comp=True, seed=3562, pad=20)
     model = make_model(**c)
     ids, hid = inputs(model, 6, 35, np.random.default_rng(c["seed"] + 1))  # (the draw's T = 35)
@@ -183,8 +185,8 @@ def test_where_a_key_cancels_the_oracle_is_off_and_the_engine_within_its_error()
     eng = model.stream(0, n_streams=6)
     eng.step(ids[:, 0], hid[:, 0])
     got = eng.step(ids[:, 1], hid[:, 1])[5]
-    assert (np.abs(want - exact) > ATOL + RTOL * np.abs(exact)).all()  # the oracle is the one off
-    close_or_truer(got, want, exact)
+    bound = np.abs(want - exact) + ATOL + RTOL * np.abs(exact)
+    assert (np.abs(got - exact) <= bound).all(), (got, want, exact)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8"])
