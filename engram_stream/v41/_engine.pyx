@@ -86,8 +86,9 @@ cdef class V41StreamEngine(EngineBase):
 
     Returns the Engram delta gate * value (the caller adds h). The image token id is DEAD (gate
     0, blocks history), negative ids block history too; masked positions of step_packed are no
-    tokens (EngineBase: skipped, output 0). Per stream it keeps only the window (newest first: compressed ids, -1 = DEAD; slots
-    before the start are DEAD): the latch is re-derived from it at every token.
+    tokens (EngineBase: skipped, output 0). Per stream it keeps only the window (newest first:
+    compressed ids, -1 = DEAD; slots before the start are DEAD): the latch is re-derived from it
+    at every token.
     """
 
     def __cinit__(self, model, layer, int n_streams=1, rows=None):
