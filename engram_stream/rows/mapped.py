@@ -150,7 +150,7 @@ def read_rows(a: np.ndarray, rows) -> np.ndarray:
     n = a.shape[0]
     if not (rows.min() >= 0 and rows.max() < n):
         raise IndexError(f"read_rows: rows outside [0, {n})")
-    rb = a.strides[0] if a.ndim > 1 else a.itemsize
+    rb = a.itemsize * int(np.prod(a.shape[1:]))          # a row's bytes (strides[0] of one row may be anything)
     out = np.empty((rows.size,) + a.shape[1:], dtype=a.dtype)
     if not rb:
         return out

@@ -358,6 +358,8 @@ def test_a_remote_model_reads_nothing_of_its_local_tables(tier, tmp_path, varian
     tier.publish(load(path, mmap=False))   # read into RAM: no mapping keeps the file's pages
     for f in files:
         mapped.evict_file(f)
+    if _cached_table_pages(load(path)):
+        pytest.skip("posix_fadvise(DONTNEED) does not evict this file system's pages (tmpfs?)")
     model = load(path, tables=tier)
     assert _cached_table_pages(model) == 0
     rng = np.random.default_rng(0)
