@@ -461,10 +461,11 @@ class MooncakeTier(RowTier):
         another model's rows of the same shape, whoever published them (a fingerprint left by an
         earlier publish does not decide: the rows do). Returns the name the model's keys carry."""
         store = self._open()
-        # every layer's sample read once, for the name and each layer's checks
-        samples = {L: sampled_records(model, L) for L in model.cfg.layer_ids}
+        layers = model.cfg.layer_ids if layers is None else layers
+        # each sample read once, for the name (the default one digests every layer's) and the checks
+        samples = {L: sampled_records(model, L) for L in (model.cfg.layer_ids if self.name is None else layers)}
         name = self.name_of(model, samples)
-        for L in (model.cfg.layer_ids if layers is None else layers):
+        for L in layers:
             rowbytes, scalebytes = record_layout(model.layer(L))
             for h in range(model.cfg.n_heads):
                 want = int(model.plan.head_primes[L][h]) * (rowbytes + scalebytes)

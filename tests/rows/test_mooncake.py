@@ -337,8 +337,8 @@ def _cached_table_pages(model) -> int:
 @pytest.mark.parametrize("variant", ["demo", "v41"])
 def test_a_remote_model_reads_nothing_of_its_local_tables(tier, tmp_path, variant):
     """tables=MooncakeTier: the identity check runs at load and reads its sampled rows by pread
-    (no read-ahead, their pages dropped from the page cache again); stream() and the steps read
-    every row from the store. From a cold page cache, not one page of the local tables is cached
+    (no read-ahead, their pages dropped from the page cache again); stream(), the steps and a
+    decoder read every row from the store. From a cold page cache, not one page of the local tables is cached
     after load, stream() and steps (the check read 100+ pages through the mapping, and a V4.1
     engine's first step ~750 through read-ahead from wkv into the table beside it)."""
     from engram_stream.rows import mapped
@@ -367,6 +367,11 @@ def test_a_remote_model_reads_nothing_of_its_local_tables(tier, tmp_path, varian
         eng = model.stream(L)
         for tok in rng.integers(0, cfg.vocab_size - 1, 6).tolist():
             eng.step(tok, rng.standard_normal((cfg.hc_mult, cfg.hidden_size), dtype=np.float32))
+    dec = model.decoder()   # its begin() asks each layer's source to prefetch
+    for tok in rng.integers(0, cfg.vocab_size - 1, 3).tolist():
+        dec.begin(tok)
+        for L in cfg.layer_ids:
+            dec.layer(L, rng.standard_normal((cfg.hc_mult, cfg.hidden_size), dtype=np.float32))
     assert _cached_table_pages(model) == 0
     assert model.row_cache_stats()["fetches"] > 0
     with pytest.raises(TierError, match="not published"):   # a store without this model's rows: refused by load
