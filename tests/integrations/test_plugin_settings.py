@@ -55,3 +55,15 @@ def test_a_deeply_nested_object_passed_as_a_dict_is_shown_briefly():
         deep = [deep]
     with pytest.raises(ValueError, match=r'"checkpoint" must be .* got an object nested too deeply to show'):
         parse_settings({"checkpoint": deep}, "additional_config")
+
+
+def test_sglangs_install_names_its_own_variable(monkeypatch):
+    from engram_stream.integrations import sglang
+    monkeypatch.setenv(sglang.ENV, '{"row_cache_mb": 1e400}')
+    with pytest.raises(ValueError, match=f'^{sglang.ENV}: "row_cache_mb" must be a finite number .* got inf'):
+        sglang.install()
+    monkeypatch.setenv(sglang.ENV, "[" * 10 ** 5)
+    with pytest.raises(ValueError, match=f"^{sglang.ENV}: JSON nested too deeply"):
+        sglang.install()
+    with pytest.raises(ValueError, match=r'^install\(\): "checkpoint" must be .* got \[\'/x\'\]'):
+        sglang.install({"checkpoint": ["/x"]})
