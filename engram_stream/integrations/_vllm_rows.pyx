@@ -27,31 +27,43 @@ cdef inline uint16_t _bf16(float v) noexcept nogil:
     return <uint16_t> ((u + 0x7fff + ((u >> 16) & 1)) >> 16)
 
 
-def records_to_bf16(const uint8_t[:, :, ::1] records, uint16_t[:, :, ::1] out, float zero_scale=0.0):
+def records_to_bf16(const uint8_t[:, :, :] records, uint16_t[:, :, :] out, float zero_scale=0.0):
     """out[t, h, :] (bf16 bits) = the kernels' dequantization of records[t, h] (head_dim e4m3
     bytes, then head_dim / 32 e8m0 bytes); the e8m0 byte 0 scales by zero_scale (vLLM: 0,
-    SGLang: 2^-127). out's leading axes may have any strides."""
+    SGLang: 2^-127). Either array may have any strides (out[::2], out[:, 1:4], a column slice
+    of a wider array): every byte is addressed through its array's own strides, within the
+    shapes checked here."""
     cdef int64_t T = records.shape[0], k = records.shape[1], D = out.shape[2], nb = D // 32
     if out.shape[0] != T or out.shape[1] != k or D % 32 or records.shape[2] != D + nb:
         raise ValueError(f"records_to_bf16: records {tuple(records.shape)[:3]} do not match out "
                          f"{tuple(out.shape)[:3]} (records of head_dim + head_dim/32 bytes)")
+    if T == 0 or k == 0 or D == 0:
+        return
     cdef float lut[256]
     cdef int64_t t, h, b, i
     cdef uint32_t bits
+    cdef uint16_t v
     cdef float f
-    cdef const uint8_t *r
-    cdef uint16_t *o
+    # byte strides: out and records need not be contiguous in any axis (a view's strides may
+    # even be odd multiples of a byte: stores go through memcpy, never an aligned uint16 store)
+    cdef Py_ssize_t rs0 = records.strides[0], rs1 = records.strides[1], rs2 = records.strides[2]
+    cdef Py_ssize_t os0 = out.strides[0], os1 = out.strides[1], os2 = out.strides[2]
+    cdef const char *rbase = <const char *> &records[0, 0, 0]
+    cdef char *obase = <char *> &out[0, 0, 0]
+    cdef const char *r
+    cdef char *o
     with nogil:
         for i in range(256):
             lut[i] = es8_e4m3(<uint8_t> i)
         for t in range(T):
             for h in range(k):
-                r = &records[t, h, 0]
-                o = &out[t, h, 0]
+                r = rbase + t * rs0 + h * rs1
+                o = obase + t * os0 + h * os1
                 for b in range(nb):
-                    bits = (<uint32_t> r[D + b]) << 23
+                    bits = (<uint32_t> (<const uint8_t *> (r + (D + b) * rs2))[0]) << 23
                     memcpy(&f, &bits, 4)
                     if bits == 0:
                         f = zero_scale
                     for i in range(b * 32, b * 32 + 32):
-                        o[i] = _bf16(lut[r[i]] * f)
+                        v = _bf16(lut[(<const uint8_t *> (r + i * rs2))[0]] * f)
+                        memcpy(o + i * os2, &v, 2)

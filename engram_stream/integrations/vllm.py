@@ -70,39 +70,57 @@ _serving = False        # a StreamEngramEmbedding was made: the loader skips the
 _embedding_class = None
 
 
+MOONCAKE_KEYS = ("master", "metadata", "local_host")
+
+
 def parse_settings(value, where):
-    """The settings dict of a JSON object (a str) or a dict; errors name the bad key or value."""
+    """The settings dict of a JSON object (a str) or a dict. Every bad value is a ValueError that
+    names `where` (the variable or config entry it came from), the setting, the value and what
+    it may be."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
+        except RecursionError:   # the parser recurses once per level of nesting
+            raise ValueError(f"{where}: JSON nested too deeply to parse ({len(value)} characters); give an "
+                             f'object such as {{"tables": "direct", "row_cache_mb": 1024}}') from None
         except ValueError as e:
             raise ValueError(f"{where}: not JSON ({e}); give an object such as "
                              f'{{"tables": "direct", "row_cache_mb": 1024}}') from None
     if not isinstance(value, dict):
-        raise ValueError(f"{where}: must be a JSON object with keys {SETTINGS}, got {value!r}")
-    unknown = set(value) - set(SETTINGS)
+        raise ValueError(f"{where}: must be a JSON object with keys {SETTINGS}, got {_shown(value)}")
+    unknown = [k for k in value if k not in SETTINGS]
     if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; the keys are {SETTINGS}")
+        raise ValueError(f"{where}: unknown keys {sorted(map(str, unknown))}; the keys are {SETTINGS}")
     s = {"checkpoint": value.get("checkpoint"), "tables": value.get("tables", "mapped"),
          "row_cache_mb": value.get("row_cache_mb", 0), "mooncake": value.get("mooncake"),
          "host_cache": value.get("host_cache")}
-    if s["tables"] not in ("mapped", "direct"):
-        raise ValueError(f'{where}: "tables" must be "mapped" or "direct", got {s["tables"]!r}')
-    mb = s["row_cache_mb"]
-    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb >= 0:
-        raise ValueError(f'{where}: "row_cache_mb" must be a number >= 0 (MiB), got {mb!r}')
+    if not (isinstance(s["tables"], str) and s["tables"] in ("mapped", "direct")):
+        raise ValueError(f'{where}: "tables" must be "mapped" or "direct", got {_shown(s["tables"])}')
+    from ..rows.tiers import HOST_CACHE_NAME, check_row_cache_mb
+    s["row_cache_mb"] = check_row_cache_mb(s["row_cache_mb"], f'{where}: "row_cache_mb"')
     mc = s["mooncake"]
-    if mc is not None and not (isinstance(mc, dict) and "master" in mc and "metadata" in mc):
-        raise ValueError(f'{where}: "mooncake" must be an object with "master" and "metadata" '
-                         f'(and optionally "local_host"), got {mc!r}')
+    if mc is not None and not (isinstance(mc, dict) and "master" in mc and "metadata" in mc
+                               and all(k in MOONCAKE_KEYS and isinstance(v, str) and v for k, v in mc.items())):
+        raise ValueError(f'{where}: "mooncake" must be an object with "master" and "metadata" (and optionally '
+                         f'"local_host"), each a non-empty string, got {_shown(mc)}')
     hc = s["host_cache"]
-    from ..rows.tiers import HOST_CACHE_NAME
-    if hc is not None and not (isinstance(hc, str) and HOST_CACHE_NAME.fullmatch(hc) and mb):
+    if hc is not None and not (isinstance(hc, str) and HOST_CACHE_NAME.fullmatch(hc) and s["row_cache_mb"]):
         raise ValueError(f'{where}: "host_cache" must be a name of 1 to 64 letters, digits, "_", "." or "-" '
-                         f'and needs "row_cache_mb" > 0 (the host\'s budget), got {hc!r}')
-    if s["checkpoint"] is not None and not os.path.isdir(s["checkpoint"]):
-        raise ValueError(f'{where}: "checkpoint" {s["checkpoint"]!r} is not a folder (a V4.1 checkpoint folder)')
+                         f'and needs "row_cache_mb" > 0 (the host\'s budget), got {_shown(hc)}')
+    ck = s["checkpoint"]
+    if ck is not None and not (isinstance(ck, str) and ck and "\0" not in ck and os.path.isdir(ck)):
+        raise ValueError(f'{where}: "checkpoint" must be the path of a V4.1 checkpoint folder (a string), got '
+                         f'{_shown(ck)}' + (": it is not a folder" if isinstance(ck, str) else ""))
     return s
+
+
+def _shown(value) -> str:
+    """repr(value), cut to a length a message can carry."""
+    try:
+        r = repr(value)
+    except RecursionError:
+        return "an object nested too deeply to show"
+    return r if len(r) <= 200 else f"{r[:200]}... ({len(r)} characters)"
 
 
 def settings(vllm_config=None):
@@ -124,7 +142,7 @@ def open_model(s, default_checkpoint):
     if not ckpt or not os.path.isdir(ckpt):
         raise ValueError(f"{ENV}: vLLM's model {default_checkpoint!r} is not a local folder: give "
                          f'"checkpoint" (the V4.1 folder holding layers.L.engram.* and tokenizer.json)')
-    key = (os.path.realpath(ckpt), s["tables"], float(s["row_cache_mb"]), json.dumps(s["mooncake"], sort_keys=True),
+    key = (os.path.realpath(ckpt), s["tables"], s["row_cache_mb"], json.dumps(s["mooncake"], sort_keys=True),
            s["host_cache"])
     with _lock:
         if key not in _models:

@@ -156,11 +156,11 @@ class SafetensorsFile:
         self.f = open_regular(self.path, lambda m: error(f"{self.path}: {m}"))
         try:
             st = os.fstat(self.f.fileno())
+            if mmap and random_access:  # before the header's read: its read-ahead would pull in the first tables' pages
+                os.posix_fadvise(self.f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # our reads of small tensors too
             self.header = read_header(self.f, st.st_size, self.path, error)
             self.tensors = self.header.tensors
             if mmap:
-                if random_access:
-                    os.posix_fadvise(self.f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # our reads of small tensors too
                 self.mm = MappedFile(self.f.fileno(), st, self.path)
                 if random_access:
                     self.mm.madvise(_mmap.MADV_RANDOM)

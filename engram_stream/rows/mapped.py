@@ -10,6 +10,7 @@ is a plain memory read; this module only talks to the kernel about its pages:
   prefetch_rows(t, rows)    MADV_WILLNEED on the pages of the rows a token will read (async reads);
                             RowPrefetcher(t) is the same bound to one table, for a decode loop
   resident_bytes(a)         how much of `a` is in RAM (mincore: the page cache for file pages)
+  read_rows(a, rows)        a few rows by pread, the mapping untouched and the page cache left as it was
   evict_file(path)          drop the file's unmapped pages from the page cache (cold start)
   evict(model)              release() and evict_file() every file the model maps (a cold start)
   release(model)            unmap this process's table pages (they stay cached until evicted)
@@ -109,6 +110,72 @@ def resident_bytes(a: np.ndarray) -> int:
     if n > 1:
         per_page[-1] = end - (first + (n - 1) * PAGE)
     return int(per_page[(vec & 1).astype(bool)].sum())
+
+
+def _resident_pages(first: int, n: int) -> np.ndarray:
+    """mincore of n pages from page address `first`: bool[n], True where the page is in RAM."""
+    vec = np.zeros(n, dtype=np.uint8)
+    if _libc.mincore(first, n * PAGE, vec.ctypes.data) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mincore: {os.strerror(e)}")
+    return (vec & 1).astype(bool)
+
+
+def _own_descriptor(mm: MappedFile) -> int:
+    """A new open file description of the mapped file (the inode mapped, not whatever its path
+    names now): advice given to it changes nothing of the mapping's or anyone else's reads."""
+    try:
+        return os.open(f"/proc/self/fd/{mm.fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no /proc: the path, when it still names the file mapped
+        mm.check()
+        fd = os.open(mm.path, os.O_RDONLY | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != mm.stamp[:2]:
+            os.close(fd)
+            raise FileChangedError(f"{mm.path}: replaced after it was mapped: load it again")
+        return fd
+
+
+def read_rows(a: np.ndarray, rows) -> np.ndarray:
+    """a[rows] (rows: ints indexing a's first axis) as a new C-contiguous array, without touching
+    the mapping when `a` is a C-contiguous view of a mapped file: each row is read with pread on a
+    descriptor of its own advised POSIX_FADV_RANDOM (only the rows' pages are read, no read-ahead
+    around them), and the pages that were not in the page cache before are dropped from it again
+    (POSIX_FADV_DONTNEED), so looking a few rows up leaves the file's pages as it found them.
+    Any other array is indexed in memory."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    mm = mapping_of(a)
+    if not isinstance(mm, MappedFile) or not a.flags.c_contiguous or a.ndim < 1 or not rows.size:
+        return np.ascontiguousarray(a[rows])
+    n = a.shape[0]
+    if not (rows.min() >= 0 and rows.max() < n):
+        raise IndexError(f"read_rows: rows outside [0, {n})")
+    rb = a.itemsize * int(np.prod(a.shape[1:]))          # a row's bytes (strides[0] of one row may be anything)
+    out = np.empty((rows.size,) + a.shape[1:], dtype=a.dtype)
+    if not rb:
+        return out
+    mm.check()   # a file truncated since it was mapped: refused, as every read of the mapping is
+    base = np.frombuffer(mm, np.uint8, 1).ctypes.data
+    off0 = _addr(a) - base                              # a's first byte in the file
+    first = (off0 + rows * rb) // PAGE                  # each row's page span in the file
+    last = (off0 + rows * rb + rb - 1) // PAGE
+    pages = np.unique(np.concatenate([np.arange(f, e + 1) for f, e in zip(first.tolist(), last.tolist())]))
+    cold = [p for p in pages.tolist() if not _resident_pages(base + p * PAGE, 1)[0]]   # the mapping starts at offset 0
+    dst = out.reshape(rows.size, -1).view(np.uint8)
+    fd = _own_descriptor(mm)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for k, r in enumerate(rows.tolist()):
+            got = os.pread(fd, rb, off0 + r * rb)
+            if len(got) != rb:
+                mm.check()
+                raise FileChangedError(f"{mm.path}: ends before row {r} of a table it maps")
+            dst[k] = np.frombuffer(got, np.uint8)
+        for p in cold:
+            os.posix_fadvise(fd, p * PAGE, PAGE, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return out
 
 
 def mapping_bytes(prefix, pid="self") -> dict:

@@ -90,13 +90,15 @@ def fingerprint_key(layer, name="") -> str:
     return f"{_prefix(name)}l{layer}:fingerprint"
 
 
-def model_name(model) -> str:
+def model_name(model, samples=None) -> str:
     """The name a model's keys get by default: "m" and 16 hex digits of a digest of its config
-    and every layer's fingerprint (layout and sampled records)."""
+    and every layer's fingerprint (layout and sampled records). samples: {layer:
+    sampled_records(model, layer)} already read, or None."""
+    samples = samples or {}
     d = hashlib.blake2b(digest_size=8)
     d.update(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
     for L in model.cfg.layer_ids:
-        d.update(json.dumps(fingerprint(model, L), sort_keys=True).encode())
+        d.update(json.dumps(fingerprint(model, L, samples.get(L)), sort_keys=True).encode())
     return "m" + d.hexdigest()
 
 
@@ -107,22 +109,30 @@ def sample_rows(n_h, layer, h) -> np.ndarray:
 
 
 def sampled_records(model, layer):
-    """{head: (head-local rows, their records uint8 [k, record bytes])} of the fingerprint's sample."""
+    """{head: (head-local rows, their records uint8 [k, record bytes])} of the fingerprint's sample.
+    A model whose tables are a mapped file gets the rows by pread (rows.mapped.read_rows): a
+    model that reads its rows from a store checks them at load without bringing its local table
+    into the page cache."""
+    from .mapped import read_rows
     rows, scales = record_arrays(model.layer(layer))
-    out = {}
-    for h, n_h in enumerate(model.plan.head_primes[layer]):
-        local = sample_rows(int(n_h), layer, h)
-        a = int(model.layer(layer).offsets[h]) + local
-        rec = rows[a] if scales is None else np.concatenate([rows[a], scales[a]], axis=1)
-        out[h] = (local, np.ascontiguousarray(rec))
+    heads = [sample_rows(int(n_h), layer, h) for h, n_h in enumerate(model.plan.head_primes[layer])]
+    absolute = np.concatenate([int(model.layer(layer).offsets[h]) + local for h, local in enumerate(heads)])
+    rec = read_rows(rows, absolute)
+    if scales is not None:
+        rec = np.concatenate([rec, read_rows(scales, absolute)], axis=1)
+    out, at = {}, 0
+    for h, local in enumerate(heads):
+        out[h] = (local, np.ascontiguousarray(rec[at:at + local.size]))
+        at += local.size
     return out
 
 
-def fingerprint(model, layer) -> dict:
-    """What publish() writes beside a layer's heads: layout and a digest of the sampled records."""
+def fingerprint(model, layer, samples=None) -> dict:
+    """What publish() writes beside a layer's heads: layout and a digest of the sampled records
+    (samples: sampled_records(model, layer) already read, or None)."""
     rowbytes, scalebytes = record_layout(model.layer(layer))
     d = hashlib.blake2b(digest_size=16)
-    for h, (local, rec) in sampled_records(model, layer).items():
+    for h, (local, rec) in (samples or sampled_records(model, layer)).items():
         d.update(local.tobytes())
         d.update(rec.tobytes())
     return {"format": FINGERPRINT_FORMAT, "variant": model.cfg.variant, "layer": int(layer),
@@ -352,9 +362,9 @@ class MooncakeTier(RowTier):
         return (f"MooncakeTier(master={self.master!r}, metadata={self.metadata!r}, local_host={self.local_host!r}, "
                 f"name={self.name!r})")
 
-    def name_of(self, model) -> str:
-        """The name `model`'s keys carry in this tier."""
-        return model_name(model) if self.name is None else self.name
+    def name_of(self, model, samples=None) -> str:
+        """The name `model`'s keys carry in this tier (samples: as model_name's)."""
+        return model_name(model, samples) if self.name is None else self.name
 
     def _call(self, what, fn, *args, timeout=None, client=None, keep=()):
         """fn(*args) bounded by the timeout; TierError when it takes longer (the client and what
@@ -449,10 +459,13 @@ class MooncakeTier(RowTier):
         size, a published fingerprint (when there is one) of the same layout, and the store's bytes
         of the fingerprint's sampled rows equal to the model's. The last check is what refuses
         another model's rows of the same shape, whoever published them (a fingerprint left by an
-        earlier publish does not decide: the rows do)."""
+        earlier publish does not decide: the rows do). Returns the name the model's keys carry."""
         store = self._open()
-        name = self.name_of(model)
-        for L in (model.cfg.layer_ids if layers is None else layers):
+        layers = model.cfg.layer_ids if layers is None else layers
+        # each sample read once, for the name (the default one digests every layer's) and the checks
+        samples = {L: sampled_records(model, L) for L in (model.cfg.layer_ids if self.name is None else layers)}
+        name = self.name_of(model, samples)
+        for L in layers:
             rowbytes, scalebytes = record_layout(model.layer(L))
             for h in range(model.cfg.n_heads):
                 want = int(model.plan.head_primes[L][h]) * (rowbytes + scalebytes)
@@ -461,7 +474,7 @@ class MooncakeTier(RowTier):
                 if got != want:
                     raise TierError(f"Mooncake object {key}: {got} bytes, expected {want} (not published under "
                                     f"the name {name!r}, or published from another table dtype): tier.publish(model)")
-            theirs, mine = self.published(L, name), fingerprint(model, L)
+            theirs, mine = self.published(L, name), fingerprint(model, L, samples[L])
             if theirs is not None:
                 bad = [k for k in ("format", "variant", "layer", "heads", "rowbytes", "scalebytes")
                        if theirs.get(k) != mine[k]]
@@ -469,12 +482,12 @@ class MooncakeTier(RowTier):
                     raise TierError(f"Mooncake layer {L}: the store's fingerprint differs from this model's in "
                                     f"{', '.join(bad)}: it holds another model's rows. tier.publish(model) to "
                                     f"replace them")
-            self._check_samples(model, L)
+            self._check_samples(model, L, samples[L], name)
+        return name
 
-    def _check_samples(self, model, L):
+    def _check_samples(self, model, L, samples, name):
         """The store's bytes of the fingerprint's sampled rows against the model's own."""
-        samples = sampled_records(model, L)
-        reader = RemoteRows(self, model, L)
+        reader = RemoteRows(self, model, L, name=name)
         offsets = model.layer(L).offsets
         absolute = np.concatenate([int(offsets[h]) + local for h, (local, _) in samples.items()])
         order = np.argsort(absolute, kind="stable")
@@ -488,13 +501,15 @@ class MooncakeTier(RowTier):
         reader.close()
 
     def open(self, model) -> "StoreTables":
-        """A model loading with tables=this tier: refused unless the store holds its rows."""
-        self.check_published(model)
-        return StoreTables(self, model)
+        """A model loading with tables=this tier: refused unless the store holds its rows. The
+        check reads the sampled rows of the model's own tables (by pread: rows.mapped.read_rows);
+        nothing after it reads them: its engines' rows all come from the store."""
+        return StoreTables(self, model, self.check_published(model))
 
-    def rows(self, model, layer, totals=None, read_totals=None) -> "RemoteRows":
+    def rows(self, model, layer, totals=None, read_totals=None, name=None) -> "RemoteRows":
+        """One engine's reader of `layer` (name: the model's name in this tier, when known)."""
         self._open()
-        reader = RemoteRows(self, model, layer, totals, read_totals)
+        reader = RemoteRows(self, model, layer, totals, read_totals, name)
         self._readers.add(reader)
         return reader
 
@@ -503,12 +518,12 @@ class StoreTables(OpenTier):
     """One model's rows in a MooncakeTier: each engine's RemoteRows reads them; every read of the
     model counts in stats() (fetches, fetch_seconds)."""
 
-    def __init__(self, tier, model):
-        self.tier, self.model_ref = tier, weakref.ref(model)
+    def __init__(self, tier, model, name):
+        self.tier, self.model_ref, self.name = tier, weakref.ref(model), name
         self.totals = {"fetches": 0, "fetch_seconds": 0.0}
 
     def source(self, layer, read_totals=None) -> "RemoteRows":
-        return self.tier.rows(self.model_ref(), layer, self.totals, read_totals)
+        return self.tier.rows(self.model_ref(), layer, self.totals, read_totals, self.name)
 
     def stats(self) -> dict:
         return dict(self.totals)
@@ -519,7 +534,7 @@ class RemoteRows(RecordSource):
     a registered staging buffer and a bounded, checked, de-duplicated batched read into it.
     totals: a dict whose "fetches" and "fetch_seconds" count every read."""
 
-    def __init__(self, tier, model, layer, totals=None, read_totals=None):
+    def __init__(self, tier, model, layer, totals=None, read_totals=None, name=None):
         w = model.layer(layer)
         rowbytes, scalebytes = record_layout(w)
         super().__init__(int(model.plan.table_rows[layer]), rowbytes, scalebytes)
@@ -527,7 +542,7 @@ class RemoteRows(RecordSource):
         self.recbytes = rowbytes + scalebytes
         self.stride = slot_bytes(self.recbytes)
         self.offsets = np.asarray(w.offsets, dtype=np.int64)
-        name = tier.name_of(model)
+        name = tier.name_of(model) if name is None else name
         self.keys = [store_key(layer, h, name) for h in range(len(self.offsets))]
         self.stage = None
         self._pending = None

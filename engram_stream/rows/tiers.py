@@ -66,6 +66,27 @@ def host_cache_path(name, model_id, layer) -> str:
     return os.path.join(HOST_CACHE_DIR, f"engram-rows-{name}-{model_id}-l{layer}")
 
 
+# The largest row_cache_mb: 2**63 bytes. Any budget above the tables' size caches them whole, so
+# a larger number asks for nothing more, and its bytes would no longer fit a size.
+ROW_CACHE_MB_MAX = 1 << 43
+
+
+def check_row_cache_mb(value, what="row_cache_mb") -> float:
+    """row_cache_mb as a float of MiB, or a ValueError naming `what` (the argument, or the setting
+    and where it came from), the value and the valid range. One check for every entry that takes
+    a budget (EngramModel.load, from_deepseek_v41, the serving plugins' settings)."""
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+          and 0 <= value <= ROW_CACHE_MB_MAX)   # compared exactly: False for NaN, inf and 10**400
+    if not ok:
+        shown = repr(value)
+        if len(shown) > 40:
+            shown = shown[:20] + f"... ({len(shown)} characters)"
+        raise ValueError(f"{what} must be a finite number of MiB from 0 (no row cache) to 2**43, got {shown}: "
+                         f"give the RAM the row cache may take (a budget above the tables' size caches them "
+                         f"whole)")
+    return float(value)   # numpy's numbers too (np.int64(64))
+
+
 LAYER_FIELDS = ("hits", "misses", "bytes_fetched", "evictions", "rows_cached", "capacity_rows", "cache_bytes",
                 "reads", "bytes_read", "rows_read", "read_wait_p50", "read_wait_p99")
 
@@ -95,10 +116,7 @@ class RowTiers:
     are this process's."""
 
     def __init__(self, model, row_cache_mb=0, tables=None, host_cache=None):
-        if (not isinstance(row_cache_mb, numbers.Real) or isinstance(row_cache_mb, (bool, np.bool_))
-                or not math.isfinite(row_cache_mb) or row_cache_mb < 0):
-            raise ValueError(f"row_cache_mb must be a finite number >= 0, got {row_cache_mb!r}")
-        row_cache_mb = float(row_cache_mb)  # numpy's numbers too (np.int64(64))
+        row_cache_mb = check_row_cache_mb(row_cache_mb)
         self.tier = as_tier(tables)
         if host_cache is not None and (not isinstance(host_cache, str) or not HOST_CACHE_NAME.fullmatch(host_cache)):
             raise ValueError(f"host_cache must be a name of 1 to 64 letters, digits, '_', '.' or '-' (it names "
@@ -108,7 +126,12 @@ class RowTiers:
                              f"host's budget as row_cache_mb (MiB, the same in every process)")
         self.model_ref = weakref.ref(model)
         self.host_cache = host_cache
-        self.model_id = None  # rows.mooncake.model_name, at the first host cache
+        # rows.mooncake.model_name names a host cache's files; it reads sampled rows of the
+        # tables, so it is taken here, at load, and no engine made later touches the tables
+        self.model_id = None
+        if host_cache is not None:
+            from .mooncake import model_name
+            self.model_id = model_name(model)
         layouts = {L: record_layout(model.layer(L)) for L in model.cfg.layer_ids}
         table_bytes = {L: model.plan.table_rows[L] * sum(layouts[L]) for L in model.cfg.layer_ids}
         whole = {L: cache_nbytes(model.plan.table_rows[L], sum(layouts[L]))
@@ -118,6 +141,16 @@ class RowTiers:
         self.budget = min(asked, self.cap)
         self.layer_budget = (whole if asked >= self.cap else
                              {L: min(whole[L], self.budget * b // max(1, total)) for L, b in table_bytes.items()})
+        if host_cache is not None:
+            # a layer whose share holds no row would have no host cache at all: every process
+            # would read all of that layer's rows, which the budget was given to avoid
+            short = [L for L in table_bytes if not slots_for(self.layer_budget[L], sum(layouts[L]))]
+            if short:
+                need = max(-(-cache_nbytes(1, sum(layouts[L])) * total // table_bytes[L]) for L in table_bytes)
+                raise ValueError(f"host_cache={host_cache!r}: row_cache_mb={row_cache_mb!r} leaves layer "
+                                 f"{short[0]}'s cache no room for one row (the budget is split over the layers "
+                                 f"by their table bytes): give row_cache_mb >= "
+                                 f"{math.ceil(need / (1 << 20) * 1000) / 1000:g}")
         self.caches = {}                                          # layer -> the shared RowCache
         self._caches_lock = threading.Lock()                      # engines are made on any thread
         self.read_totals = {L: new_totals() for L in table_bytes}  # every reader of the layer adds here
@@ -140,9 +173,6 @@ class RowTiers:
                 nslots = slots_for(self.layer_budget[layer], rec)
                 host = identity = None
                 if self.host_cache is not None and nslots:
-                    if self.model_id is None:
-                        from .mooncake import model_name
-                        self.model_id = model_name(model)
                     host = host_cache_path(self.host_cache, self.model_id, layer)
                     identity = f"{self.model_id}:l{layer}"
                 self.caches[layer] = (RowCache(nslots, rec, layer) if host is None else

@@ -142,7 +142,10 @@ def _open_shards(ckpt_dir, names, mmap, stack) -> dict:
                 continue
             path = os.path.join(ckpt_dir, shard)
             try:
-                files[shard] = stack.enter_context(SafetensorsFile(path, HFCheckpointError, mmap=mmap))
+                # random access: a fault on a weight must not read ahead into the tables beside it
+                # (rows from a store or by pread never need those pages)
+                files[shard] = stack.enter_context(SafetensorsFile(path, HFCheckpointError, mmap=mmap,
+                                                                   random_access=True))
             except FileNotFoundError:
                 raise _err(path, f"missing (the index names it for {full!r})") from None
     return files
@@ -349,6 +352,11 @@ def load(ckpt_dir, mmap=True, compression=None):
                 raise _err(path, f"tensor {layer['embed.weight'][0]!r} has {rows[L]} rows, the prime chain of "
                                  f"config.json needs {plan.table_rows[L]}")
             t = {short: files[shard].array(full) for short, (full, shard) in layer.items()}
+            if mmap:  # every engine reads wkv whole: one read of exactly its pages, not a fault a page
+                from ..rows.mapped import advise, mapping_of
+                for short in ("wkv.weight", "wkv.scale"):
+                    if mapping_of(t[short]) is not None and t[short].nbytes:
+                        advise(t[short], "willneed")
             layers[L] = V41LayerWeights(cfg, plan.offsets[L], t["embed.weight"], t["embed.scale"],
                                         t["wkv.weight"], t["wkv.scale"], np.asarray(t["q_weight"], np.float32),
                                         np.asarray(t["k_weight"], np.float32))

@@ -438,6 +438,19 @@ def test_bad_host_cache_arguments(ckpt, shm_path):
         RowCache(4, 8, totals=np.zeros(4, np.int64), host=shm_path)
 
 
+def test_a_host_cache_too_small_for_one_row_is_refused(ckpt, host):
+    """host_cache with a budget whose share leaves a layer no room for one row: refused at load,
+    naming the value and the least budget that works (which then makes a cache of every layer)."""
+    import re
+    name, _ = host
+    with pytest.raises(ValueError, match=r"row_cache_mb=1e-09 leaves layer \d+'s cache no room for one row") as e:
+        EngramModel.load(ckpt, row_cache_mb=1e-9, host_cache=name)
+    least = float(re.search(r">= ([0-9.e+-]+)", str(e.value)).group(1))
+    m = EngramModel.load(ckpt, row_cache_mb=least, host_cache=name)
+    assert all(m.row_tiers.cache(L).nslots >= 1 for L in m.cfg.layer_ids)
+    del m
+
+
 def test_vllm_settings_take_host_cache():
     from engram_stream.integrations.vllm import parse_settings
     assert parse_settings('{"row_cache_mb": 64, "host_cache": "vllm"}', "env")["host_cache"] == "vllm"

@@ -315,3 +315,64 @@ def test_publish_is_quiet_unless_asked(mooncake, tmp_path):
         assert r.returncode == 0 and "published 2 layers" in r.stdout, r.stderr
         lines[level] = [ln for ln in r.stderr.splitlines() if ln[:1] == "I"]
     assert lines[None] == [] and len(lines["INFO"]) > 5
+
+
+def _cached_table_pages(model) -> int:
+    """Pages of the model's mapped tables in the page cache (mincore), each array's first and
+    last page left out: those it may share with the weights beside it, which load and the
+    engines read."""
+    from engram_stream.rows import mapped
+    n = 0
+    for L in model.cfg.layer_ids:
+        for a in (model.layer(L).table, model.layer(L).table_scale):
+            if a is None:
+                continue
+            assert mapped.is_file_backed(a)
+            first, length = mapped._pages(a)
+            if length // mapped.PAGE > 2:
+                n += int(mapped._resident_pages(first + mapped.PAGE, length // mapped.PAGE - 2).sum())
+    return n
+
+
+@pytest.mark.parametrize("variant", ["demo", "v41"])
+def test_a_remote_model_reads_nothing_of_its_local_tables(tier, tmp_path, variant):
+    """tables=MooncakeTier: the identity check runs at load and reads its sampled rows by pread
+    (no read-ahead, their pages dropped from the page cache again); stream(), the steps and a
+    decoder read every row from the store. From a cold page cache, not one page of the local tables is cached
+    after load, stream() and steps (the check read 100+ pages through the mapping, and a V4.1
+    engine's first step ~750 through read-ahead from wkv into the table beside it)."""
+    from engram_stream.rows import mapped
+    if variant == "demo":
+        cfg = EngramConfig(**dict(DEMO, engram_vocab_size=[20011, 20021]))   # ~1250 pages a table
+        path, other = str(tmp_path / "m.safetensors"), str(tmp_path / "o.safetensors")
+        EngramModel.init(cfg, seed=5).save(path)
+        EngramModel.init(cfg, seed=6).save(other)
+        load, files = EngramModel.load, [path]
+    else:
+        cfg = EngramConfig(**dict(V41, engram_vocab_size=[2003] * 3))            # ~800 pages a table
+        path, other = str(tmp_path / "m"), str(tmp_path / "o")
+        hf_v41.make_synthetic(path, cfg, seed=5, n_shards=2)
+        hf_v41.make_synthetic(other, cfg, seed=6, n_shards=2)
+        load = EngramModel.from_deepseek_v41
+        files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+    tier.publish(load(path, mmap=False))   # read into RAM: no mapping keeps the file's pages
+    for f in files:
+        mapped.evict_file(f)
+    if _cached_table_pages(load(path)):
+        pytest.skip("posix_fadvise(DONTNEED) does not evict this file system's pages (tmpfs?)")
+    model = load(path, tables=tier)
+    assert _cached_table_pages(model) == 0
+    rng = np.random.default_rng(0)
+    for L in cfg.layer_ids:
+        eng = model.stream(L)
+        for tok in rng.integers(0, cfg.vocab_size - 1, 6).tolist():
+            eng.step(tok, rng.standard_normal((cfg.hc_mult, cfg.hidden_size), dtype=np.float32))
+    dec = model.decoder()   # its begin() asks each layer's source to prefetch
+    for tok in rng.integers(0, cfg.vocab_size - 1, 3).tolist():
+        dec.begin(tok)
+        for L in cfg.layer_ids:
+            dec.layer(L, rng.standard_normal((cfg.hc_mult, cfg.hidden_size), dtype=np.float32))
+    assert _cached_table_pages(model) == 0
+    assert model.row_cache_stats()["fetches"] > 0
+    with pytest.raises(TierError, match="not published"):   # a store without this model's rows: refused by load
+        load(other, tables=tier)

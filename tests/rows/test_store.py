@@ -136,6 +136,30 @@ def test_cold_touch_grows_resident(files):
     assert rep == {"table_bytes": t.nbytes, "resident_bytes": r_many, "file_backed": True}
 
 
+def test_read_rows_reads_by_pread_and_leaves_the_page_cache_as_it_was(files):
+    """read_rows: a few rows of a mapped table, equal to indexing it, without faulting the
+    mapping and with the pages it read dropped again; an already cached page stays cached."""
+    _, _, i8 = files
+    in_ram = EngramModel.load(i8, mmap=False).layers[L]
+    cold = _cold(i8)
+    t, s = cold.layers[L].table, cold.layers[L].table_scale
+    rows = np.array([0, 5, 5, t.shape[0] // 2, t.shape[0] - 1])
+    for a, want in ((t, in_ram.table), (s, in_ram.table_scale)):
+        before = store.resident_bytes(a)                     # an edge page load read beside it, at most
+        assert before <= 2 * store.PAGE
+        got = store.read_rows(a, rows)
+        assert got.flags.c_contiguous and got.dtype == a.dtype
+        np.testing.assert_array_equal(got, want[rows])
+        assert store.resident_bytes(a) == before
+    store.touch(t[:1])                                       # a page cached before: left cached
+    store.read_rows(t, [0])
+    assert store.resident_bytes(t[:1]) == t[:1].nbytes
+    ram = np.arange(12.0).reshape(4, 3)                      # ordinary memory: indexed
+    np.testing.assert_array_equal(store.read_rows(ram, [3, 1]), ram[[3, 1]])
+    with pytest.raises(IndexError):
+        store.read_rows(t, [t.shape[0]])
+
+
 def test_release_and_evict(files):
     m, f32, _ = files
     cold = _cold(f32)

@@ -122,6 +122,17 @@ def test_row_cache_mb_must_be_a_finite_number(ckpts, mb):
         EngramModel.load(ckpts["float32"], row_cache_mb=mb)
 
 
+@pytest.mark.parametrize("mb", [1e308, 10 ** 400, 2 ** 43 + 1, float("nan")])
+def test_row_cache_mb_past_its_range_is_a_value_error_naming_it(ckpts, mb):
+    """Finite but past any size (1e308 MiB overflowed into a bare OverflowError) or an int past
+    float's range: the same ValueError, with the argument, the value and the range."""
+    with pytest.raises(ValueError, match=r"row_cache_mb must be a finite number of MiB from 0 \(no row cache\) "
+                                         r"to 2\*\*43, got "):
+        EngramModel.load(ckpts["float32"], row_cache_mb=mb)
+    whole = EngramModel.load(ckpts["float32"], row_cache_mb=2 ** 43).row_cache_stats()   # the largest: every row
+    assert whole["budget_bytes"] == whole["budget_cap_bytes"]
+
+
 def test_row_cache_mb_takes_numpy_numbers(ckpts):
     want = EngramModel.load(ckpts["float32"], row_cache_mb=64).row_cache_stats()["budget_bytes"]
     for mb in (np.int64(64), np.float32(64), np.uint16(64)):

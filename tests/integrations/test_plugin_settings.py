@@ -1,0 +1,69 @@
+"""The serving plugins' settings (integrations.vllm.parse_settings, also SGLang's): every bad
+value is a ValueError naming where it came from, the setting, the value and what it may be.
+Needs neither vLLM nor SGLang."""
+from __future__ import annotations
+
+import pytest
+
+from engram_stream.integrations.vllm import ENV, parse_settings
+
+
+@pytest.mark.parametrize("text, shown", [('{"row_cache_mb": Infinity}', "inf"), ('{"row_cache_mb": 1e400}', "inf"),
+                                         ('{"row_cache_mb": NaN}', "nan"), ('{"row_cache_mb": -Infinity}', "-inf"),
+                                         ('{"row_cache_mb": 1e300}', "1e+300"),
+                                         ('{"row_cache_mb": 1' + "0" * 400 + '}', "10000000000000000000..."),
+                                         ('{"row_cache_mb": "64"}', "'64'"), ('{"row_cache_mb": true}', "True")])
+def test_row_cache_mb_out_of_range_names_the_variable_value_and_range(text, shown):
+    with pytest.raises(ValueError) as e:
+        parse_settings(text, ENV)
+    msg = str(e.value)
+    assert msg.startswith(f'{ENV}: "row_cache_mb" must be a finite number of MiB from 0 (no row cache) to 2**43')
+    assert f"got {shown}" in msg and len(msg) < 400
+
+
+def test_good_row_cache_mb_passes_as_a_float():
+    assert parse_settings('{"row_cache_mb": 64}', ENV)["row_cache_mb"] == 64.0
+    assert parse_settings({"row_cache_mb": 0.5}, "additional_config")["row_cache_mb"] == 0.5
+    assert parse_settings("{}", ENV)["row_cache_mb"] == 0.0
+
+
+@pytest.mark.parametrize("value, match", [
+    ('{"checkpoint": ["/x"]}', r'"checkpoint" must be the path of a V4\.1 checkpoint folder \(a string\), got \[\'/x\'\]'),
+    ('{"checkpoint": 7}', r'"checkpoint" must be .* got 7'),
+    ('{"checkpoint": "/nonexistent"}', "got '/nonexistent': it is not a folder"),
+    ('{"checkpoint": "a\\u0000b"}', r'"checkpoint" must be'),
+    ('{"tables": ["direct"]}', r'"tables" must be "mapped" or "direct", got \[\'direct\'\]'),
+    ('{"mooncake": {"master": 1, "metadata": "http://x"}}', r'"mooncake" must be .* non-empty string'),
+    ('{"mooncake": {"master": "h:1", "metadata": "http://x", "port": 3}}', r'"mooncake" must be'),
+    ('{"host_cache": ["vllm"], "row_cache_mb": 64}', r'"host_cache" must be a name'),
+])
+def test_values_of_the_wrong_type_are_value_errors(value, match):
+    with pytest.raises(ValueError, match=f"^{ENV}: .*{match}"):
+        parse_settings(value, ENV)
+
+
+@pytest.mark.parametrize("depth", [10 ** 5, 10 ** 6])
+def test_deeply_nested_json_is_a_value_error_naming_the_source(depth):
+    for text in ("[" * depth, '{"checkpoint": ' + "[" * depth + "]" * depth + "}"):
+        with pytest.raises(ValueError, match=f"^{ENV}: JSON nested too deeply to parse"):
+            parse_settings(text, ENV)
+
+
+def test_a_deeply_nested_object_passed_as_a_dict_is_shown_briefly():
+    deep = []
+    for _ in range(10 ** 5):
+        deep = [deep]
+    with pytest.raises(ValueError, match=r'"checkpoint" must be .* got an object nested too deeply to show'):
+        parse_settings({"checkpoint": deep}, "additional_config")
+
+
+def test_sglangs_install_names_its_own_variable(monkeypatch):
+    from engram_stream.integrations import sglang
+    monkeypatch.setenv(sglang.ENV, '{"row_cache_mb": 1e400}')
+    with pytest.raises(ValueError, match=f'^{sglang.ENV}: "row_cache_mb" must be a finite number .* got inf'):
+        sglang.install()
+    monkeypatch.setenv(sglang.ENV, "[" * 10 ** 5)
+    with pytest.raises(ValueError, match=f"^{sglang.ENV}: JSON nested too deeply"):
+        sglang.install()
+    with pytest.raises(ValueError, match=r'^install\(\): "checkpoint" must be .* got \[\'/x\'\]'):
+        sglang.install({"checkpoint": ["/x"]})
