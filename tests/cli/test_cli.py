@@ -653,7 +653,7 @@ def test_readme_imports_exist_under_one_package_name():
         try:
             m = importlib.import_module(mod)
         except ImportError as e:   # an integration whose framework is not installed says which extra
-            assert "pip install 'engram_stream[" in str(e), (mod, e)
+            assert "pip install '.[" in str(e), (mod, e)
             continue
         for name in names.split(","):
             assert hasattr(m, name.strip()), (mod, name)

@@ -137,7 +137,7 @@ def test_every_module_imports_alone():
     for name, rc, err in results:
         packages, extra = NEEDS_EXTRA.get(name, ((), None))
         if _absent(packages):
-            if not (rc != 0 and err.startswith("ImportError") and f"engram_stream[{extra}]" in err):
+            if not (rc != 0 and err.startswith("ImportError") and f"'.[{extra}]'" in err):
                 bad[name] = f"without {_absent(packages)}: {err or 'imported'}"
         elif rc != 0:
             bad[name] = err
