@@ -28,6 +28,8 @@ The API (this package's __all__):
                        prefill, step_packed, commit, reset, snapshot -> EngineSnapshot, restore
     Decoder            every layer: begin / begin_packed, layer, commit, reset,
                        snapshot -> DecoderSnapshot, restore
+    EngineSnapshot     an engine's per-stream state (snapshot, try a draft, restore)
+    DecoderSnapshot    a Decoder's: {layer: EngineSnapshot}
     HashPlan           the n-gram hash: multipliers, primes, offsets, hash(ids)
     build_compression  tokenizer.json -> the token compression lookup
     kernel_isa         the kernel path that runs (ENGRAM_STREAM_ISA chooses another)

@@ -385,7 +385,7 @@ def cmd_bench(args):
     steps(f"warming up: the floor once, then 1 and {args.streams} streams {min(n, 20)} steps each, not timed")
     floor()   # its first pass faults in the mapped weights: not a measurement
     one, many = stepper(1), stepper(args.streams)
-    steps(f"measuring: {args.repeat} repeats of the floor, 1 and {args.streams} streams, {n} steps each")
+    steps(f"measuring: {args.repeat} repeat{'s' * (args.repeat != 1)} of the floor, 1 and {args.streams} streams, {n} steps each")
     runs = {"floor": [], "one": [], "many": []}
     bar = progress_bar(args.quiet, unit="measurements")
     todo = 3 * args.repeat
