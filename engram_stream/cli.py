@@ -86,8 +86,9 @@ def _load_for(args, steps):
     """The model a demo or bench runs: --checkpoint (mapped), else the built-in one."""
     from .model import EngramModel
     if args.checkpoint:
-        steps(f"loading {args.checkpoint} (tables mapped; a V4.1 folder's compression is built from its "
-              f"tokenizer.json once, then cached)")
+        steps(f"loading {args.checkpoint} (tables mapped" + ("; the compression: built from tokenizer.json the "
+                                                           "first time, then read from the user's cache)"
+                                                           if os.path.isdir(args.checkpoint) else ")"))
         return EngramModel.load(args.checkpoint, mmap=True)
     steps("building the built-in model (random weights)")
     return _model_for_demo(args)

@@ -702,7 +702,9 @@ def test_a_bad_layer_is_a_clean_message(tmp_path, capsys):
         model.stream(7)
     assert str(e.value).startswith("layer 7 is not an Engram layer")
     assert main(["bench", "--checkpoint", str(path), "--layer", "7"]) == 1
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err.splitlines()   # the progress lines (loading ...), then the error
+    assert [ln for ln in err if ln.startswith("engram-stream: error:")] == err[-1:]
+    err = err[-1]
     assert err.startswith("engram-stream: error: layer 7 is not an Engram layer") and "'" not in err.split(":", 2)[2][:3]
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -121,11 +122,15 @@ def test_readme_v41_commands_run_as_written(tmp_path):
     for folder in [lines[0][2], *made]:
         model = EngramModel.from_deepseek_v41(str(tmp_path / folder))
         assert model.cfg.hidden_size == 5120 and model.cfg.hc_mult == 4   # Flash dims, as the README says
+        del model
+        shutil.rmtree(tmp_path / folder)   # about 0.5 GB each: not left in pytest's kept temp folders
 
 
 def test_make_v41_checkpoint_help_matches_the_readme_flags():
     """The flags the README's V4.1 commands pass are the tool's and the command's own."""
-    for words in _bash_lines(_section("DeepSeek-V4.1")):
+    lines = _bash_lines(_section("DeepSeek-V4.1"))
+    assert len(lines) >= 2, lines
+    for words in lines:
         if words[0] == "python":
             argv = [sys.executable, os.path.join(ROOT, words[1]), "--help"]
         else:
@@ -173,7 +178,8 @@ def test_readme_vllm_says_what_it_needs_and_what_has_run():
     section = _section("Serving V4.1 with vLLM")
     flat = " ".join(section.split())
     assert "cpu_offload" in flat and "CUDA" in flat                 # what the plugin requires
-    assert "nothing on a GPU yet" in flat and "tools/ci_vllm.sh" in flat and "Triton's interpreter" in flat
+    assert "nothing has run on a gpu yet" in flat.lower() and "tools/ci_vllm.sh" in flat
+    assert "Triton's interpreter" in flat
     src = _read("engram_stream", "integrations", "vllm.py")
     assert "cpu_offload=true" in src   # the refusal the README describes is the plugin's
 
@@ -189,25 +195,19 @@ def test_readme_vllm_settings_parse():
     assert plugin.parse_settings(extra[plugin.KEY], "README")["row_cache_mb"] == 4096
 
 
-# ---- row_cache_stats: every field with its unit -------------------------------------------------------------
-def test_readme_gives_every_row_cache_stats_field_its_unit():
-    """The README listed "hits, misses, reads, bytes, read waits": each field of row_cache_stats()
-    is named there under its unit, the unit STATS_FIELDS gives it."""
+# ---- row_cache_stats: its units -----------------------------------------------------------------------------
+def test_readme_gives_row_cache_stats_units_and_where_each_field_is():
+    """The README listed "hits, misses, reads, bytes, read waits" with no unit: it names the units
+    the fields come in, each the unit of some field, and points to the docstring that gives
+    every field its own."""
+    from engram_stream import EngramModel
     from engram_stream.rows.tiers import STATS_FIELDS
-    readme = " ".join(_read("README.md").split())
-    para = readme[readme.index("`row_cache_stats()`: "):]
-    para = para[:para.index("help(EngramModel.row_cache_stats)")]
-    spans = {u: para.index(f" {u} `") for u in ("counts", "bytes", "seconds")}
-    order = sorted(spans, key=spans.get)
-
-    def unit_in_readme(field):
-        at = para.index(f"`{field}`")
-        return [u for u in order if spans[u] < at][-1]
-    for field, meaning in STATS_FIELDS.items():
-        if field == "layers":
-            assert '("layers")' in readme
-            continue
-        unit = meaning.split(":")[0].split("(")[0].split(",")[-1].strip()
-        want = {"count": "counts", "bytes": "bytes", "seconds": "seconds"}[unit]
-        assert f"`{field}`" in para, field
-        assert unit_in_readme(field) == want, (field, unit_in_readme(field), want)
+    line = next(ln for ln in _read("README.md").splitlines() if ln.startswith("model.row_cache_stats()"))
+    comment = line.split("#", 1)[1]
+    named = re.findall(r"\b(counts|bytes|seconds)\b", comment)
+    used = {m.split(":")[0].split("(")[0].split(",")[-1].strip() for f, m in STATS_FIELDS.items() if f != "layers"}
+    assert {n.rstrip("s") if n == "counts" else n for n in named} == used, (named, used)
+    assert "help()" in comment and "per layer" in comment
+    doc = EngramModel.row_cache_stats.__doc__
+    for field in STATS_FIELDS:
+        assert field in doc, field
