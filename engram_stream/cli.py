@@ -112,7 +112,7 @@ def cmd_demo(args):
     outs = {L: np.empty((T, G, D), np.float32) for L in cfg.layer_ids}
     dec = model.decoder()
     # Untimed tokens first: the first steps fault in the mapped weights and rows and fill the
-    # caches, so a timed first step measured that (several times a warm step), not the decode.
+    # caches; timed, they would measure that (several times a warm step), not the decode.
     warm = min(T, WARMUP_TOKENS)
     steps(f"warming up: {warm} tokens x {len(cfg.layer_ids)} layers, not timed")
     for tok in rng.integers(0, cfg.vocab_size, size=warm):
