@@ -1,7 +1,46 @@
-"""engram_stream: a streaming inference engine for Engram (DeepSeek's conditional n-gram memory).
+"""engram_stream: a streaming inference engine for Engram, DeepSeek's conditional n-gram memory.
 
-The map of the package (which file holds what) and why it is laid out so: DESIGN.md at the
-repository root (section 12, Layout).
+A decode loop hands it one token and one hidden state at a time and gets the Engram output back,
+equal to the reference module, with tables mapped from disk, read directly, held in a RAM row
+cache or in a Mooncake Store. Both the public demo module and DeepSeek-V4.1's are served.
+
+Quick start:
+
+    import numpy as np
+    from engram_stream import EngramConfig, EngramModel
+
+    cfg = EngramConfig(hidden_size=256, n_embed_per_ngram=128, n_head_per_ngram=4,
+                       engram_vocab_size=[20011, 20011], vocab_size=32000)
+    model = EngramModel.init(cfg, seed=0)        # or EngramModel.load(path) / from_deepseek_v41(folder)
+    dec = model.decoder()                        # every Engram layer behind one clock
+    h = np.zeros((cfg.hc_mult, cfg.hidden_size), np.float32)
+    for tok in [5, 17, 42]:
+        dec.begin(tok)                           # hash every layer, start reading their rows
+        y = {L: dec.layer(L, h) for L in dec.layers}   # the Engram delta: the caller adds h + y
+
+The API (this package's __all__):
+
+    EngramConfig       the module's hyperparameters (EngramConfig.from_hf_config: V4.1's config.json)
+    EngramModel        weights and tables: init, load, save, from_deepseek_v41, forward (the numpy
+                       oracle), stream(layer) -> a layer's engine, decoder() -> Decoder,
+                       row_cache_stats(), warm()
+    StreamEngine       the demo module's engine of one layer (V4.1's has the same methods): step,
+                       prefill, step_packed, commit, reset, snapshot -> EngineSnapshot, restore
+    Decoder            every layer: begin / begin_packed, layer, commit, reset,
+                       snapshot -> DecoderSnapshot, restore
+    EngineSnapshot     an engine's per-stream state (snapshot, try a draft, restore)
+    DecoderSnapshot    a Decoder's: {layer: EngineSnapshot}
+    HashPlan           the n-gram hash: multipliers, primes, offsets, hash(ids)
+    build_compression  tokenizer.json -> the token compression lookup
+    kernel_isa         the kernel path that runs (ENGRAM_STREAM_ISA chooses another)
+    get_include        the C headers' folder
+
+Beside it: engram_stream.rows (row sources and tiers: DirectTier, MooncakeTier, RowSource),
+engram_stream.errors (the error classes), engram_stream.integrations.transformers (attach),
+engram_stream.integrations.vllm (the vLLM plugin), engram_stream.integrations.sglang, and the
+engram-stream command (engram_stream.cli). Modules whose names start with "_" are the compiled
+kernels behind these names, not an API. README.md is the user's guide; DESIGN.md (the
+repository's) the contract, and in section 12 the map of every file.
 """
 import os as _os
 
@@ -12,11 +51,12 @@ from .v41 import variant as _v41  # noqa: F401
 from .model import EngramModel
 from .plan import HashPlan
 from .demo._engine import StreamEngine
-from .engine.snapshot import EngineSnapshot
+from .engine.decoder import Decoder
+from .engine.snapshot import DecoderSnapshot, EngineSnapshot
 from .engine.isa import kernel_isa
 
-__all__ = ["EngramConfig", "HashPlan", "EngramModel", "StreamEngine", "EngineSnapshot",
-           "build_compression", "get_include", "kernel_isa"]
+__all__ = ["EngramConfig", "HashPlan", "EngramModel", "StreamEngine", "EngineSnapshot", "Decoder",
+           "DecoderSnapshot", "build_compression", "get_include", "kernel_isa"]
 __version__ = "0.1.0"
 
 

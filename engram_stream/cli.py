@@ -27,6 +27,9 @@ DEMO_CONFIG = dict(engram_vocab_size=[20011, 20011], max_ngram_size=3, n_embed_p
                    hidden_size=256, hc_mult=4, vocab_size=32000)
 
 
+WARMUP_TOKENS = 32   # demo: untimed tokens before the timed decode
+
+
 class CliError(Exception):
     """A user-facing error: printed as one line."""
 
@@ -48,11 +51,54 @@ def _kernels():
     return f"{run} ({'; '.join(note)}; {isa.ENV} chooses)"
 
 
+def _cpu() -> str:
+    """The CPU model ("model name" in /proc/cpuinfo, else what the platform module knows) and the
+    CPUs this process may run on: every figure the commands print depends on both."""
+    import platform
+    name = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Model") and value.strip():  # x86; some aarch64 boards
+                    name = value.strip()
+                    break
+    except OSError:
+        pass
+    name = name or platform.processor() or "unknown model"
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{name} ({platform.machine()}, {usable} CPU{'s' * (usable != 1)} usable)"
+
+
+class _Steps:
+    """One stderr line as each long step starts (loading, warming up, decoding, checking), so a
+    command that runs for seconds says what it waits for; stdout keeps the results only."""
+
+    def __init__(self, quiet=False):
+        self.quiet = quiet
+
+    def __call__(self, what):
+        if not self.quiet:
+            print(f"{what} ...", file=sys.stderr, flush=True)
+
+
+def _load_for(args, steps):
+    """The model a demo or bench runs: --checkpoint (mapped), else the built-in one."""
+    from .model import EngramModel
+    if args.checkpoint:
+        steps(f"loading {args.checkpoint} (tables mapped" + ("; the compression: built from tokenizer.json the "
+                                                           "first time, then read from the user's cache)"
+                                                           if os.path.isdir(args.checkpoint) else ")"))
+        return EngramModel.load(args.checkpoint, mmap=True)
+    steps("building the built-in model (random weights)")
+    return _model_for_demo(args)
+
+
 def cmd_demo(args):
     """Decode tokens through every layer's streaming engine and check them against the batch path
     (the built-in model, or --checkpoint: a checkpoint file or a deepseek-v4.1 folder)."""
-    from .model import EngramModel
-    model = EngramModel.load(args.checkpoint, mmap=True) if args.checkpoint else _model_for_demo(args)
+    steps = _Steps(args.quiet)
+    model = _load_for(args, steps)
     cfg = model.cfg
     rng = np.random.default_rng(args.seed)
     T, G, D = args.tokens, cfg.hc_mult, cfg.hidden_size
@@ -62,22 +108,34 @@ def cmd_demo(args):
     hidden = {L: rng.standard_normal((T, G, D), dtype=np.float32) for L in cfg.layer_ids}
     print(f"model: {model}")
     print(f"kernels: {_kernels()}")
+    print(f"cpu: {_cpu()}")
     outs = {L: np.empty((T, G, D), np.float32) for L in cfg.layer_ids}
-    t0 = time.perf_counter()
     dec = model.decoder()
+    # Untimed tokens first: the first steps fault in the mapped weights and rows and fill the
+    # caches; timed, they would measure that (several times a warm step), not the decode.
+    warm = min(T, WARMUP_TOKENS)
+    steps(f"warming up: {warm} tokens x {len(cfg.layer_ids)} layers, not timed")
+    for tok in rng.integers(0, cfg.vocab_size, size=warm):
+        dec.begin(int(tok))
+        for L in cfg.layer_ids:
+            dec.layer(L, hidden[L][0], out=outs[L][0])
+    dec.reset()
+    steps(f"decoding {T} tokens x {len(cfg.layer_ids)} layers")
+    t0 = time.perf_counter()
     for t in range(T):
         dec.begin(int(ids[t]))
         for L in cfg.layer_ids:
             dec.layer(L, hidden[L][t], out=outs[L][t])
     dt = time.perf_counter() - t0
+    print(f"decoded {T} tokens x {len(cfg.layer_ids)} layers in {dt * 1e3:.1f} ms: "
+          f"{T / dt:,.0f} tokens/s ({dt / T / len(cfg.layer_ids) * 1e6:.1f} us per layer step)", flush=True)
     worst = 0.0
     for L in cfg.layer_ids:
+        steps(f"checking layer {L} against the batch path (the numpy oracle: slower than the decode)")
         ref = model.forward(L, ids[None], hidden[L][None])[0]
         err = np.abs(outs[L] - ref) / (2e-5 + 2e-4 * np.abs(ref))
         worst = max(worst, float(err.max()))
     ok = worst <= 1.0
-    print(f"decoded {T} tokens x {len(cfg.layer_ids)} layers in {dt * 1e3:.1f} ms: "
-          f"{T / dt:,.0f} tokens/s ({dt / T / len(cfg.layer_ids) * 1e6:.1f} us per layer step)")
     print(f"check against the batch path (atol 2e-5 + rtol 2e-4): {'OK' if ok else 'FAILED'} "
           f"(worst error {worst:.3f} of tolerance)")
     return 0 if ok else 1
@@ -88,10 +146,17 @@ def cmd_inspect(args):
     from .model import EngramModel
     model = EngramModel.load(args.checkpoint, mmap=True)
     cfg, plan = model.cfg, model.plan
+    from .rows import packed
     path = args.checkpoint
-    size = (sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) if os.path.isdir(path)
-            else os.path.getsize(path))
-    print(f"checkpoint: {path} ({size / 2**20:,.1f} MiB)")
+    rows = packed.rows_path(path)   # the packed row file: its own line, not in the checkpoint's size
+    files = ([os.path.join(path, f) for f in os.listdir(path)] if os.path.isdir(path) else [path])
+    size = sum(os.path.getsize(f) for f in files if os.path.isfile(f) and f != rows)
+    print(f"checkpoint: {path} ({size / 2**20:,.1f} MiB{', without the row file' if os.path.exists(rows) else ''})")
+    if os.path.exists(rows):
+        print(f"row file: {rows} ({os.path.getsize(rows) / 2**20:,.1f} MiB, packed rows: one read a missed row "
+              f"with tables=\"direct\")")
+    else:
+        print(f"row file: none ({rows} once engram-stream pack-rows {path} writes it)")
     print(f"kernels: {_kernels()}")
     print("config: " + json.dumps(cfg.to_dict()))
     tail = model.variant.describe(cfg)
@@ -271,8 +336,8 @@ def cmd_build_compression(args):
 def cmd_bench(args):
     """A short in-process comparison, repeated: engine step vs a floor, 1 vs N streams (the built-in
     model, or --checkpoint: a checkpoint file or a deepseek-v4.1 folder, mapped)."""
-    from .model import EngramModel
-    model = EngramModel.load(args.checkpoint, mmap=True) if args.checkpoint else _model_for_demo(args)
+    steps = _Steps(args.quiet)
+    model = _load_for(args, steps)
     cfg = model.cfg
     L = cfg.layer_ids[0] if args.layer is None else model.plan.check_layer(args.layer)
     G, D = cfg.hc_mult, cfg.hidden_size
@@ -300,6 +365,10 @@ def cmd_bench(args):
         WT = np.ascontiguousarray(W.T)
         e = rng.standard_normal(W.shape[1], dtype=np.float32)
 
+        def touch():
+            W @ e
+            e @ WT
+
         def floor():
             t0 = time.perf_counter()
             for _ in range(n):
@@ -312,13 +381,21 @@ def cmd_bench(args):
         label = f"read of its {W.nbytes / 2**20:,.1f} MiB of weights"
         words = W.reshape(-1).view(np.uint8)[:W.nbytes // 8 * 8].view(np.uint64)
 
+        def touch():
+            np.bitwise_or.reduce(words)
+
         def floor():
             t0 = time.perf_counter()
             for _ in range(n):
                 np.bitwise_or.reduce(words)
             return (time.perf_counter() - t0) / n
 
+    steps(f"warming up: the floor's pass once, then 1 and {args.streams} streams {min(n, 20)} steps each, "
+          f"not timed")
+    touch()   # the first pass over the weights faults in a mapped checkpoint's pages: not a measurement
     one, many = stepper(1), stepper(args.streams)
+    steps(f"measuring: {args.repeat} repeat{'s' * (args.repeat != 1)} of the floor, 1 and {args.streams} "
+          f"streams, {n} steps each")
     runs = {"floor": [], "one": [], "many": []}
     bar = progress_bar(args.quiet, unit="measurements")
     todo = 3 * args.repeat
@@ -338,6 +415,7 @@ def cmd_bench(args):
     what = f"{args.checkpoint}, layer {L}" if args.checkpoint else "the demo model; bench/ has the full suite"
     print(f"config: D={D} G={G} H={cfg.n_heads}x{cfg.head_dim} ({what})")
     print(f"kernels: {_kernels()}")
+    print(f"cpu: {_cpu()}")
     print(f"median of {args.repeat} repeats of {n} steps each, [min .. max] over the repeats; "
           f"ratios are medians of per-repeat ratios")
     rows = [(label, "floor", ""),
@@ -386,14 +464,20 @@ def cmd_profile(args):
         dt = time.perf_counter() - t0
         reader = memray.FileReader(path)
         peak, total = reader.metadata.peak_memory, reader.metadata.total_allocations
+        sites = _allocation_sites(reader)
     after = store.proc_status()
     print(f"decoded {args.steps} tokens x {len(cfg.layer_ids)} layers in {dt:.2f} s (under memray)"
           + (f", cold start: {len(evicted)} file{'s' * (len(evicted) != 1)} evicted from the page cache first"
              if args.cold else ""))
-    print(f"heap: peak {peak / 2**10:,.1f} KiB over the decode, {total} allocations")
-    print("  (memray: native allocations made while decoding, the engines already built; the engine "
-          "allocates nothing per token, so 0 is the expected result; Python's small-object allocator "
-          "is not traced)")
+    n_calls = args.steps * (1 + len(cfg.layer_ids))
+    print(f"heap: {total} allocation{'s' * (total != 1)} during the decode loop ({n_calls} calls: begin and "
+          f"{len(cfg.layer_ids)} layer calls a token), {total / args.steps:.3g} a token; at most "
+          f"{_bytes(peak)} held at once")
+    print("  (memray: the process's native allocations between the loop's start and end, the engines built "
+          "before it; Python's small-object allocator is not traced. A count that grows with --steps is "
+          "allocated per token; one that stays the same is not)")
+    for where, (count, nbytes) in sites[:3]:
+        print(f"  {count} allocation{'s' * (count != 1)}, {_bytes(nbytes)}: {where}")
     for k, what in (("RssAnon", "anonymous memory: heap and arrays"),
                     ("RssFile", "mapped file pages: an mmap table's rows as they come in")):
         print(f"{k}: {before.get(k, 0) / 2**20:,.1f} -> {after.get(k, 0) / 2**20:,.1f} MiB ({what})")
@@ -404,6 +488,28 @@ def cmd_profile(args):
     if capture:
         print(f"memray capture: {capture} (memray stats / memray flamegraph {capture})")
     return 0
+
+
+def _bytes(n) -> str:
+    return f"{n} bytes" if n < 2**10 else f"{n / 2**10:,.1f} KiB" if n < 2**20 else _size(n)
+
+
+def _allocation_sites(reader, limit=100_000):
+    """[(where, (allocations, bytes))] of a memray capture, most allocations first: where is the
+    innermost Python frame ("file:line function"), so the profile names what allocated."""
+    import memray
+    freeing = {memray.AllocatorType.FREE, memray.AllocatorType.PYMALLOC_FREE, memray.AllocatorType.MUNMAP}
+    sites = {}
+    for k, rec in enumerate(reader.get_allocation_records()):
+        if k >= limit:
+            break
+        if rec.allocator in freeing:
+            continue
+        frames = rec.stack_trace(max_stacks=1)
+        where = f"{frames[0][1]}:{frames[0][2]} {frames[0][0]}" if frames else "no Python frame (a native thread)"
+        count, nbytes = sites.get(where, (0, 0))
+        sites[where] = (count + rec.n_allocations, nbytes + rec.size)
+    return sorted(sites.items(), key=lambda kv: -kv[1][0])
 
 
 def _count(lo):
@@ -543,6 +649,7 @@ def build_parser():
                    help="decode this model instead: a checkpoint file or a deepseek-v4.1 folder (config.json, shards)")
     s.add_argument("--tokens", type=_count(1), default=300, help="tokens to decode")
     s.add_argument("--seed", type=_count(0), default=0, help="seed of the weights, ids and hidden states")
+    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr (the results only)")
 
     s = command("inspect", cmd_inspect, "config, geometry, tables and residency of a checkpoint")
     s.add_argument("checkpoint", help="a checkpoint written by init or EngramModel.save, or a deepseek-v4.1 "
@@ -578,7 +685,7 @@ def build_parser():
     s.add_argument("--streams", type=_count(2), default=16, help="streams of the multi-stream engine")
     s.add_argument("--repeat", type=_count(1), default=5, help="measurements of each, to show the spread")
     s.add_argument("--seed", type=_count(0), default=0, help="seed of the weights and inputs")
-    s.add_argument("--quiet", action="store_true", help="no progress bar on a terminal")
+    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr, no progress bar on a terminal")
 
     s = command("profile", cmd_profile, "memray heap, RSS and table residency of a decode")
     s.add_argument("checkpoint", nargs="?", help="checkpoint to decode from (default: the built-in demo model)")

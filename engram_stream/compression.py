@@ -51,7 +51,7 @@ __all__ = ["build_compression", "compress_stats", "save_compression"]
 
 _SENTINEL = "\ue000"  # private-use char protecting a lone " " from Strip
 _IMPORT_MSG = ("build_compression needs the optional 'tokenizers' package: "
-               "pip install 'engram_stream[tokenizers]'")
+               "pip install '.[tokenizers]' from the engram_stream checkout")
 
 
 def _tokenizers():

@@ -23,11 +23,14 @@ as before it; a layer() whose rows cannot be read puts every layer back as befor
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from ..errors import LayerError
 from ..plan import as_ids
 from . import args
+from .snapshot import DecoderSnapshot
 
 
 class Decoder:
@@ -183,15 +186,20 @@ class Decoder:
         for e in self.engines.values():
             e.reset(stream)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> DecoderSnapshot:
+        """Every layer's per-stream state (a DecoderSnapshot: {layer: EngineSnapshot}, a few KB)."""
         self._no_pending("snapshot()")
-        return {L: e.snapshot() for L, e in self.engines.items()}
+        return DecoderSnapshot({L: e.snapshot() for L, e in self.engines.items()})
 
-    def restore(self, snapshot: dict):
-        if not isinstance(snapshot, dict):
-            raise TypeError(f"restore() takes a Decoder.snapshot() (a dict), got {type(snapshot).__name__}")
+    def restore(self, snapshot: DecoderSnapshot):
+        """Put back a snapshot() of this decoder or of one with the same layers, config, hash plan
+        and stream count; every layer is checked before any changes. A plain dict {layer:
+        EngineSnapshot} is taken too."""
+        if not isinstance(snapshot, Mapping):
+            raise TypeError(f"restore() takes a DecoderSnapshot (Decoder.snapshot()), got {type(snapshot).__name__}")
         if sorted(snapshot) != sorted(self.engines):
-            raise ValueError("snapshot must be a Decoder.snapshot() of a decoder with the same layers")
+            raise ValueError(f"snapshot has layers {sorted(snapshot)}, this decoder {sorted(self.engines)}: "
+                             f"restore a Decoder.snapshot() of a decoder with the same layers")
         for L, e in self.engines.items():  # check all before changing any
             e._check_snapshot(snapshot[L])
         for L, e in self.engines.items():

@@ -47,7 +47,7 @@ try:
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Model
 except ImportError as e:  # torch or transformers missing, or transformers older than DeepSeek-V4
     raise ImportError(f"engram_stream.integrations.transformers needs torch and transformers with DeepSeek-V4 "
-                      f"(5.24 or later) ({e}): pip install 'engram_stream[transformers]'") from e
+                      f"(5.24 or later) ({e}): pip install '.[transformers]' from the engram_stream checkout") from e
 
 from ..model import EngramModel
 

@@ -1,7 +1,12 @@
 """engram_stream as the Engram row store of vLLM 0.33.0 (DeepSeek-V4.1): a general plugin.
 
-    pip install engram_stream vllm==0.33.0
+    pip install . vllm==0.33.0     # from the engram_stream checkout, on a CUDA machine
     ENGRAM_STREAM_VLLM='{"tables": "direct", "row_cache_mb": 4096}' vllm serve /models/DeepSeek-V4.1-Flash
+
+On CUDA the plugin needs vLLM's engram_config.cpu_offload left true (vLLM's default): its
+lookups are host work, run at the eager boundary of vLLM's prefetch, and inline a CUDA graph
+would replay stale rows, so it refuses cpu_offload=false there. Tested on CPU only, vLLM's
+kernels in Triton's interpreter (tools/ci_vllm.sh); nothing of it has run on a GPU yet.
 
 vLLM loads the entry point `engram_stream = "engram_stream.integrations.vllm:register"` (group
 vllm.general_plugins) in every process. register() changes nothing vLLM does unless the

@@ -321,7 +321,7 @@ class MooncakeTier(RowTier):
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
-            raise ImportError(f"MooncakeTier needs {MOONCAKE_PIN} (pip install 'engram_stream[mooncake]'; "
+            raise ImportError(f"MooncakeTier needs {MOONCAKE_PIN} (pip install '.[mooncake]' from the engram_stream checkout; "
                               f"it needs the Debian package libibverbs1): {e}") from None
         self.master, self.metadata, self.local_host = master, metadata, local_host
         self.timeout, self.connect_timeout = float(timeout), float(connect_timeout)

@@ -31,7 +31,7 @@ def _binary(name):
     here = os.path.join(os.path.dirname(sys.executable), name)
     path = here if os.path.exists(here) else shutil.which(name)
     if path is None:
-        raise FileNotFoundError(f"{name} not found (pip install 'engram_stream[mooncake]')")
+        raise FileNotFoundError(f"{name} not found (pip install '.[mooncake]' from the engram_stream checkout)")
     return path
 
 

@@ -404,8 +404,77 @@ def test_profile_keeps_its_capture_explains_and_starts_cold(tmp_path):
     r = _cli(["profile", str(ckpt), "--steps", "30", "--cold", "-o", str(capture)])
     assert r.returncode == 0, r.stderr
     assert memray.FileReader(str(capture)).metadata.total_allocations >= 0  # a readable capture, kept
-    assert "expected result" in r.stdout and "cold start" in r.stdout and str(capture) in r.stdout
+    assert "allocated per token" in r.stdout and "cold start" in r.stdout and str(capture) in r.stdout
     assert " resident 0.0 -> " in r.stdout  # evicted before the decode: nothing of the table in RAM
+
+
+def test_profile_heap_line_says_what_it_counted(tmp_path):
+    """The heap line said "peak 0.7 KiB, 1 allocations ... so 0 is the expected result": it
+    gives the count memray recorded, per token, the most held at once, and where they were made,
+    and claims no expected value."""
+    memray = pytest.importorskip("memray")
+    capture = tmp_path / "decode.bin"
+    r = _cli(["profile", "--steps", "40", "-o", str(capture)])
+    assert r.returncode == 0, r.stderr
+    meta = memray.FileReader(str(capture)).metadata
+    heap = next(ln for ln in r.stdout.splitlines() if ln.startswith("heap: "))
+    n = meta.total_allocations
+    assert heap.startswith(f"heap: {n} allocation{'s' * (n != 1)} during the decode loop (120 calls: "), heap
+    assert f"{n / 40:.3g} a token" in heap and "held at once" in heap
+    assert "expected" not in r.stdout
+    sites = re.findall(r"^  (\d+) allocations?, .+: (\S+):(\d+) (\w+)$", r.stdout, re.M)
+    assert sum(int(c) for c, *_ in sites) <= n and (sites or n == 0), r.stdout
+    for _, path, line, func in sites:
+        assert os.path.exists(path) and int(line) > 0 and func, (path, line, func)
+
+
+def test_demo_and_bench_show_progress_on_stderr_name_the_cpu_and_warm_up():
+    """`demo --checkpoint` of a V4.1 folder was silent for 15 s and its first figure ran cold:
+    each long step says so on stderr as it starts (stdout keeps the results), the CPU model is
+    printed beside the kernel path, and untimed tokens run before the timed decode."""
+    from engram_stream.cli import WARMUP_TOKENS, _cpu
+    with open("/proc/cpuinfo") as f:
+        names = [ln.split(":", 1)[1].strip() for ln in f if ln.split(":", 1)[0].strip() == "model name"]
+    cpu = _cpu()
+    if names:
+        assert cpu.startswith(names[0] + " ("), cpu
+    assert f"{len(os.sched_getaffinity(0))} CPU" in cpu
+    r = _cli(["demo", "--tokens", "20"])
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.splitlines()
+    kernels = next(k for k, ln in enumerate(out) if ln.startswith("kernels: "))
+    assert out[kernels + 1] == f"cpu: {cpu}"
+    assert not any(ln.endswith("...") for ln in out)               # progress stays off stdout
+    steps = [ln for ln in r.stderr.splitlines() if ln.endswith(" ...")]
+    assert [s.split()[0].rstrip(":") for s in steps] == ["building", "warming", "decoding", "checking", "checking"], steps
+    assert steps[1].startswith(f"warming up: {min(20, WARMUP_TOKENS)} tokens") and WARMUP_TOKENS > 0
+    assert _cli(["demo", "--tokens", "20", "--quiet"]).stderr == ""
+    r = _cli(["bench", "--steps", "5", "--repeat", "1", "--streams", "2"])
+    assert r.returncode == 0, r.stderr
+    assert f"cpu: {cpu}" in r.stdout.splitlines()
+    steps = [ln.split()[0].rstrip(":") for ln in r.stderr.splitlines() if ln.endswith(" ...")]
+    assert steps == ["building", "warming", "measuring"], r.stderr
+    assert _cli(["bench", "--steps", "5", "--repeat", "1", "--streams", "2", "--quiet"]).stderr == ""
+
+
+def test_inspect_names_the_row_file_apart_from_the_checkpoint(tmp_path):
+    """inspect counted the packed row file in the checkpoint's size without naming it: the row
+    file has a line of its own, with its path, and the checkpoint's size is the rest."""
+    from engram_stream import EngramModel
+    from engram_stream.rows import packed
+    folder = _tiny_v41_folder(tmp_path / "v41")
+    rows = packed.rows_path(str(folder))
+    r = _cli(["inspect", str(folder)])
+    assert r.returncode == 0, r.stderr
+    assert f"row file: none ({rows} once engram-stream pack-rows {folder} writes it)" in r.stdout
+    before = re.search(r"^checkpoint: .* \(([\d,.]+) MiB\)$", r.stdout, re.M)[1]
+    packed.pack_rows(EngramModel.load(str(folder)), rows)
+    r = _cli(["inspect", str(folder)])
+    assert r.returncode == 0, r.stderr
+    assert re.search(rf"^checkpoint: {re.escape(str(folder))} \({re.escape(before)} MiB, without the row file\)$",
+                     r.stdout, re.M), r.stdout
+    size = os.path.getsize(rows) / 2**20
+    assert f"row file: {rows} ({size:,.1f} MiB, " in r.stdout, r.stdout
 
 
 def _tiny_v41_folder(path, tokenizer=False):
@@ -633,7 +702,9 @@ def test_a_bad_layer_is_a_clean_message(tmp_path, capsys):
         model.stream(7)
     assert str(e.value).startswith("layer 7 is not an Engram layer")
     assert main(["bench", "--checkpoint", str(path), "--layer", "7"]) == 1
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err.splitlines()   # the progress lines (loading ...), then the error
+    assert [ln for ln in err if ln.startswith("engram-stream: error:")] == err[-1:]
+    err = err[-1]
     assert err.startswith("engram-stream: error: layer 7 is not an Engram layer") and "'" not in err.split(":", 2)[2][:3]
 
 
@@ -653,7 +724,7 @@ def test_readme_imports_exist_under_one_package_name():
         try:
             m = importlib.import_module(mod)
         except ImportError as e:   # an integration whose framework is not installed says which extra
-            assert "pip install 'engram_stream[" in str(e), (mod, e)
+            assert "pip install '.[" in str(e), (mod, e)
             continue
         for name in names.split(","):
             assert hasattr(m, name.strip()), (mod, name)

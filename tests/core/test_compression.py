@@ -251,7 +251,7 @@ def test_bad_inputs(tmp_path):
 
 def test_missing_tokenizers_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` raise ImportError
-    with pytest.raises(ImportError, match=re.escape("pip install 'engram_stream[tokenizers]'")):
+    with pytest.raises(ImportError, match=re.escape("pip install '.[tokenizers]'")):
         build_compression("tokenizer.json")
 
 

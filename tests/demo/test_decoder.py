@@ -258,6 +258,32 @@ def test_snapshot_restore_replay_exact():
     run_tokens(other, ids, hid, want, range(18, 30), 2)
 
 
+def test_a_decoder_snapshot_is_a_type_of_its_own_as_an_engines_is():
+    """engine.snapshot() gave an EngineSnapshot, decoder.snapshot() a bare dict: the decoder's is
+    a DecoderSnapshot, a read-only mapping of layer -> EngineSnapshot, and restore() takes it."""
+    from engram_stream import DecoderSnapshot, EngineSnapshot
+    model, dec, ids, hid, want = decoding(2, 12, seed=12, steps=4)
+    snap = dec.snapshot()
+    assert type(snap) is DecoderSnapshot and not isinstance(snap, dict)
+    assert sorted(snap) == sorted(LAYERS) and len(snap) == len(LAYERS) and snap.layers == list(dec.engines)
+    assert all(isinstance(snap[L], EngineSnapshot) for L in LAYERS)
+    assert snap.nbytes == sum(snap[L].nbytes for L in LAYERS) > 0
+    assert repr(snap) == f"DecoderSnapshot(layers={list(dec.engines)}, n_streams=2, {snap.nbytes} bytes)"
+    with pytest.raises(TypeError):
+        snap[LAYERS[0]] = None                             # read-only
+    with pytest.raises(TypeError, match="EngineSnapshot"):
+        DecoderSnapshot({1: "not a snapshot"})
+    run_tokens(dec, ids, hid, want, range(4, 8), 2)
+    dec.restore(snap)                                      # back to 4 tokens, then the same outputs again
+    for L in LAYERS:
+        assert dec.engines[L].tokens_seen.tolist() == [4, 4]
+    run_tokens(dec, ids, hid, want, range(4, 12), 2)
+    dec.restore(dict(snap))                                # a plain {layer: EngineSnapshot} is taken too
+    run_tokens(dec, ids, hid, want, range(4, 6), 2)
+    with pytest.raises(TypeError, match="DecoderSnapshot"):
+        dec.restore(snap[LAYERS[0]])                       # one layer's snapshot is not a decoder's
+
+
 def test_restore_checks_every_layer_before_changing_any():
     model, dec, ids, hid, want = decoding(2, 20, seed=10, steps=3)
     old = dec.snapshot()                                   # valid, but 3 tokens old

@@ -137,7 +137,7 @@ def test_every_module_imports_alone():
     for name, rc, err in results:
         packages, extra = NEEDS_EXTRA.get(name, ((), None))
         if _absent(packages):
-            if not (rc != 0 and err.startswith("ImportError") and f"engram_stream[{extra}]" in err):
+            if not (rc != 0 and err.startswith("ImportError") and f"'.[{extra}]'" in err):
                 bad[name] = f"without {_absent(packages)}: {err or 'imported'}"
         elif rc != 0:
             bad[name] = err
@@ -176,3 +176,30 @@ def test_one_name_per_module(name):
     assert importlib.util.find_spec(f"engram_stream.{name}") is None
     assert f"engram_stream.{name}" not in sys.modules
     assert not hasattr(engram_stream, name)
+
+
+def test_the_package_docstring_is_a_quick_start_and_names_the_api():
+    """help(engram_stream) showed two lines and a list of modules, private ones among them: the
+    docstring is a quick start that runs and names every name of __all__, and __all__ is exactly
+    the package's public names (its submodules aside)."""
+    import pydoc
+    import textwrap
+    import types
+
+    import engram_stream
+    public = {n for n in dir(engram_stream)
+              if not n.startswith("_") and not isinstance(getattr(engram_stream, n), types.ModuleType)}
+    assert sorted(engram_stream.__all__) == sorted(public)
+    assert {"Decoder", "DecoderSnapshot", "EngineSnapshot"} <= set(engram_stream.__all__)
+    doc = engram_stream.__doc__
+    api = doc.split("The API", 1)[1].split("\n\n", 1)[1].split("\n\n", 1)[0]
+    listed = {ln.split()[0] for ln in api.splitlines() if ln.startswith("    ") and not ln.startswith("     ")}
+    assert listed == set(engram_stream.__all__), (listed, engram_stream.__all__)
+    for sub in ("engram_stream.rows", "engram_stream.integrations.transformers", "engram_stream.integrations.vllm",
+                "engram_stream.cli"):
+        assert sub in doc, sub
+    quick = textwrap.dedent(doc.split("Quick start:\n", 1)[1].split("\nThe API", 1)[0])
+    scope = {}
+    exec(quick, scope)
+    assert scope["y"][1].shape == (scope["cfg"].hc_mult, scope["cfg"].hidden_size)
+    assert "Quick start" in pydoc.render_doc(engram_stream)
