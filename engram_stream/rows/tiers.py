@@ -12,6 +12,7 @@ it converts a table row, so every source gives the same floats bit for bit.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import os
@@ -57,13 +58,46 @@ STATS_FIELDS = {
     "fetch_seconds": "seconds (a Mooncake Store only): the gets' total time, start to end",
     "layers": "{layer: that layer's hits .. read_wait_p99}",
 }
-HOST_CACHE_DIR = "/dev/shm"  # a host cache's files: engram-rows-{name}-{model_name}-l{layer}
+HOST_CACHE_DIR = "/dev/shm"  # a host cache's files: engram-rows-{name}-{model_name}-t{tables_id}-l{layer}
 HOST_CACHE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def host_cache_path(name, model_id, layer) -> str:
-    """The file of one layer's host cache (model_id: rows.mooncake.model_name of the model)."""
+    """The file of one layer's host cache (model_id: host_model_id of the model)."""
     return os.path.join(HOST_CACHE_DIR, f"engram-rows-{name}-{model_id}-l{layer}")
+
+
+def tables_id(model) -> str:
+    """16 hex digits that tell this model's table rows from any other's on this host.
+    model_name() digests the config and 8 sampled rows a head: a fine-tune that leaves those rows
+    alone has the same name, and sharing a cache by it would serve one model's rows to the
+    other. A table mapped from a file counts as that file's stamp as it was mapped (device,
+    inode, size, mtime: io.files.MappedFile) and its ctime, which no one can set (an inode used
+    again, with a forged mtime, still differs): two files of a host differ, one file saved again
+    differs, and the processes mapping one file agree without reading it. A table in RAM counts
+    as a digest of its bytes (read once, at the first host cache: about 1 s a GB)."""
+    from ..io.files import mapping_of
+    d = hashlib.blake2b(digest_size=8)
+    for L in model.cfg.layer_ids:
+        w = model.layer(L)
+        for a in (w.table, getattr(w, "table_scale", None)):
+            if a is None:
+                continue
+            d.update(f"{L} {a.dtype.str} {a.shape}".encode())
+            mm = mapping_of(a)
+            if mm is not None and hasattr(mm, "stamp"):
+                d.update(f" file {tuple(mm.stamp)} {os.fstat(mm.fd).st_ctime_ns};".encode())
+            else:
+                d.update(b" bytes ")
+                d.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return d.hexdigest()
+
+
+def host_model_id(model) -> str:
+    """What names a model's host cache files and heads: its model_name (the Mooncake keys' name)
+    and its tables_id (which rows, exactly)."""
+    from .mooncake import model_name
+    return f"{model_name(model)}-t{tables_id(model)}"
 
 
 LAYER_FIELDS = ("hits", "misses", "bytes_fetched", "evictions", "rows_cached", "capacity_rows", "cache_bytes",
@@ -108,7 +142,7 @@ class RowTiers:
                              f"host's budget as row_cache_mb (MiB, the same in every process)")
         self.model_ref = weakref.ref(model)
         self.host_cache = host_cache
-        self.model_id = None  # rows.mooncake.model_name, at the first host cache
+        self.model_id = None  # host_model_id, at the first host cache
         layouts = {L: record_layout(model.layer(L)) for L in model.cfg.layer_ids}
         table_bytes = {L: model.plan.table_rows[L] * sum(layouts[L]) for L in model.cfg.layer_ids}
         whole = {L: cache_nbytes(model.plan.table_rows[L], sum(layouts[L]))
@@ -141,8 +175,7 @@ class RowTiers:
                 host = identity = None
                 if self.host_cache is not None and nslots:
                     if self.model_id is None:
-                        from .mooncake import model_name
-                        self.model_id = model_name(model)
+                        self.model_id = host_model_id(model)
                     host = host_cache_path(self.host_cache, self.model_id, layer)
                     identity = f"{self.model_id}:l{layer}"
                 self.caches[layer] = (RowCache(nslots, rec, layer) if host is None else
