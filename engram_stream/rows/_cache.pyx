@@ -88,9 +88,9 @@ def _mismatch(path, dict theirs, dict ours):
 
 def _untrusted(path, st, why):
     p = os.fsdecode(path)
-    found = "gone" if st is None else f"owner uid {st.st_uid}, mode {oct(S_IMODE(st.st_mode))}"
     return PermissionError(
-        f"{p}: refusing the host row cache file there: {why} ({found}; this process runs as uid "
+        f"{p}: refusing the host row cache file there: {why} (owner uid {st.st_uid}, mode "
+        f"{oct(S_IMODE(st.st_mode))}; this process runs as uid "
         f"{os.geteuid()}). A host cache file must be a regular file (not a link) owned by the user of the "
         f"processes sharing it and writable by no one else: any local user can create files in "
         f"{os.path.dirname(p)}, and one who made this one could plant rows or hold its lock. Remove it "
