@@ -145,16 +145,25 @@ static inline void es_rc_unlock(es_rowcache *c) {
     pthread_mutex_unlock(&h->mu);
 }
 
-/* A fresh head for a region of `total` bytes (index zeroed by the caller's fresh memory; keys
- * set free here). Returns 0 or an errno of the mutex's setup. */
-static inline int es_rc_init_head(es_rowcache *c, int64_t head_bytes, int64_t total, const char *identity) {
-    es_rc_head *h = c->head;
+/* The head's lock made afresh: process-shared and robust, unlocked. Only where no other process
+ * can be using it (a fresh region, or one its only user attaches: a lock's bytes cannot be asked
+ * whether they are process-shared and robust, and zeroed ones would pass for a free lock whose
+ * waiters across processes are never woken). Returns 0 or an errno of the mutex's setup. */
+static inline int es_rc_init_lock(es_rc_head *h) {
     pthread_mutexattr_t a;
     int e = pthread_mutexattr_init(&a);
     if (!e) e = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
     if (!e) e = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
     if (!e) e = pthread_mutex_init(&h->mu, &a);
     pthread_mutexattr_destroy(&a);
+    return e;
+}
+
+/* A fresh head for a region of `total` bytes (index zeroed by the caller's fresh memory; keys
+ * set free here). Returns 0 or an errno of the mutex's setup. */
+static inline int es_rc_init_head(es_rowcache *c, int64_t head_bytes, int64_t total, const char *identity) {
+    es_rc_head *h = c->head;
+    int e = es_rc_init_lock(h);
     if (e) return e;
     h->version = ES_RC_VERSION;
     h->head_bytes = head_bytes;
@@ -180,8 +189,8 @@ static inline int64_t es_rc_home(const es_rowcache *c, int64_t row) {
  * a writer that is not this code). 1: the lock can be taken (a dead holder's is recovered as
  * es_rc_lock does) and every rule's ranges and the index hold (each entry names a distinct slot
  * below used holding a row, reached from its home without an empty entry between; every held row
- * indexed): the rows are kept. 0: the caller rebuilds the region whole. seen: nslots bytes of
- * scratch. Ends within a bounded walk (a sound index's probes are short; past 8 per entry the
+ * indexed): the rows are kept, and the caller makes the lock afresh (es_rc_init_lock). 0: the
+ * caller rebuilds the region whole. seen: nslots bytes of scratch. Ends within a bounded walk (a sound index's probes are short; past 8 per entry the
  * rows are not worth the time and 0 is returned). */
 static inline int es_rc_sound(es_rowcache *c, uint8_t *seen) {
     es_rc_head *h = c->head;

@@ -298,9 +298,10 @@ cdef class RowCache:
             if alone:  # no process uses it: pins in it were left by dead ones, and garbage is dropped
                 seen = np.empty(max(self.c.nslots, 1), np.uint8)
                 if es_rc_sound(&self.c, <uint8_t *> cnp.PyArray_DATA(seen)):
-                    es_rc_lock(&self.c)
                     memset(self.c.refs, 0, max(self.c.nslots, 1) * sizeof(int32_t))
-                    es_rc_unlock(&self.c)
+                    err = es_rc_init_lock(self.c.head)
+                    if err:
+                        raise OSError(err, f"RowCache: the lock: {strerror(err).decode()}")
                 else:  # nobody can be in it: made again in place, as _create makes it (its rows dropped)
                     _layout(self.c.nslots, self.c.recbytes, o)
                     memset(self.base + o[0], 0, o[4] - o[0])

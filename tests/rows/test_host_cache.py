@@ -522,6 +522,7 @@ words = np.frombuffer(bytes(data[:head_bytes]), np.int64)
 at = next(i for i in range(20, len(words) - 1) if words[i] == st["hits"] and words[i + 1] == st["misses"])
 hand, used = 8 * (at - 2), 8 * (at - 1)
 entries = 128  # the index of 64 slots: a power of two >= 2 per slot
+lock = bytes(data[160:hand])   # the mutex follows the identity, 160 bytes in: a free one's bytes
 index = np.frombuffer(data, np.int64, entries, head_bytes).copy()
 if kind == "index full":       # every entry names a slot that holds a row: no empty entry ends a probe
     index[:] = 1 + np.arange(entries) % 40
@@ -530,8 +531,10 @@ elif kind == "index garbage":  # entries naming slots far outside the region
 elif kind == "hand and used":
     data[hand:hand + 8] = (2**40).to_bytes(8, "little", signed=True)
     data[used:used + 8] = (-5).to_bytes(8, "little", signed=True)
-elif kind == "lock":           # the mutex's bytes, garbage: it follows the identity, 160 bytes in
+elif kind == "lock":           # the mutex's bytes, garbage
     data[160:hand] = b"\xff" * (hand - 160)
+elif kind == "lock zeroed":    # a free lock, but neither process-shared nor robust: made afresh
+    data[160:hand] = bytes(hand - 160)
 data[head_bytes:head_bytes + 8 * entries] = index.tobytes()
 if alone:   # a file no process uses: the last user gone, the garbage left for the next to find
     del a
@@ -551,15 +554,20 @@ for _ in range(3):
     assert np.array_equal(got, records[more]), "wrong rows"
     assert 0 <= len(b) <= 64 and 0 <= b.stats()["rows_cached"] <= 64, (len(b), b.stats())
     assert set(b.rows().tolist()) <= set(more.tolist())
+if alone:
+    with open(path, "rb") as f:
+        assert f.read(hand)[160:] == lock, "the lock was not made afresh"
 print("ok", b.recoveries)
 '''
 
 
 # (not a garbage lock in a file in use: its users would have met it first)
 @pytest.mark.parametrize("kind, alone", [(k, a) for k in ("index full", "index garbage", "hand and used", "lock")
-                                         for a in ("alone", "in use") if (k, a) != ("lock", "in use")])
+                                         for a in ("alone", "in use") if (k, a) != ("lock", "in use")]
+                         + [("lock zeroed", "alone")])
 def test_a_corrupt_cache_file_gives_exact_rows_and_never_hangs(shm_path, tmp_path, kind, alone):
-    """A file whose head is whole but whose index, CLOCK hand, slot count or lock is garbage:
+    """A file whose head is whole but whose index, CLOCK hand, slot count or lock is garbage
+    (or zeroed: a lock that works in one process, whose waiters in another are never woken):
     every lookup ends (bounded probes, ranges checked), rows come back exact, and the garbage is
     dropped (the region rebuilt by a process that finds no other user in it, the rows forgotten
     under the lock by one that does). Run in a child: a hang fails the test, not CI."""
