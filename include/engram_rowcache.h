@@ -57,7 +57,7 @@ typedef struct {
     pthread_mutex_t mu;
     int64_t hand, used;
     int64_t hits, misses, evictions, bytes_fetched;
-    int64_t recoveries;             /* times a taker found the lock's holder dead (es_rc_lock) */
+    int64_t recoveries;             /* times the rows were forgotten (es_rc_forget): a dead lock holder, garbage */
 } es_rc_head;
 
 /* Byte offsets of the region's parts (every part 64-aligned); returns the region's bytes. */
@@ -91,15 +91,24 @@ typedef struct {
 } es_rowcache;
 
 /* Forget every row (a dead lock holder may have left the index half changed or a slot half
- * filled): no slot is indexed, and every slot is taken through the CLOCK, which skips the ones
- * live readers still pin (their refs stay; a dead reader's stay too: DESIGN.md section 10). */
+ * filled; a probe met an entry no rule could have left): no slot is indexed, and every slot is
+ * taken through the CLOCK, which skips the ones live readers still pin (their refs stay; a dead
+ * reader's stay too: DESIGN.md section 10). Sets the working copies and the head's alike, so it
+ * may run at the lock or anywhere between es_rc_lock and es_rc_unlock. */
 static inline void es_rc_forget(es_rowcache *c) {
     int64_t n = c->nslots > 0 ? c->nslots : 1;
     memset(c->index, 0, (size_t)(c->mask + 1) * sizeof(int64_t));
     for (int64_t s = 0; s < n; s++) c->keys[s] = -1;
     memset(c->uses, 0, (size_t)n);
-    c->head->hand = 0;
-    c->head->used = c->nslots;
+    c->hand = c->head->hand = 0;
+    c->used = c->head->used = c->nslots;
+    c->head->recoveries++;
+}
+
+/* An index entry that names a slot (1..nslots; 0 is empty). Anything else is garbage: a file
+ * written by something other than these rules. Every probe checks it before it dereferences. */
+static inline int es_rc_entry_ok(const es_rowcache *c, int64_t e) {
+    return (uint64_t)(e - 1) < (uint64_t)c->nslots;
 }
 
 static inline void es_rc_lock(es_rowcache *c) {
@@ -107,7 +116,6 @@ static inline void es_rc_lock(es_rowcache *c) {
     int e = pthread_mutex_lock(&h->mu);
     if (e == EOWNERDEAD) {  /* its holder died inside: what it was changing cannot be trusted */
         es_rc_forget(c);
-        h->recoveries++;
         e = pthread_mutex_consistent(&h->mu);
     }
     if (e != 0) {  /* unreachable with the protocol above (every EOWNERDEAD is made consistent) */
@@ -120,6 +128,10 @@ static inline void es_rc_lock(es_rowcache *c) {
     c->misses = h->misses;
     c->evictions = h->evictions;
     c->bytes_fetched = h->bytes_fetched;
+    /* the CLOCK indexes slots by hand and used: out of range they would read and write outside
+     * the region, so a head no rule could have left drops the rows instead */
+    if (c->hand < 0 || c->hand >= (c->nslots > 0 ? c->nslots : 1) || c->used < 0 || c->used > c->nslots)
+        es_rc_forget(c);
 }
 
 static inline void es_rc_unlock(es_rowcache *c) {
@@ -133,16 +145,25 @@ static inline void es_rc_unlock(es_rowcache *c) {
     pthread_mutex_unlock(&h->mu);
 }
 
-/* A fresh head for a region of `total` bytes (index zeroed by the caller's fresh memory; keys
- * set free here). Returns 0 or an errno of the mutex's setup. */
-static inline int es_rc_init_head(es_rowcache *c, int64_t head_bytes, int64_t total, const char *identity) {
-    es_rc_head *h = c->head;
+/* The head's lock made afresh: process-shared and robust, unlocked. Only where no other process
+ * can be using it (a fresh region, or one its only user attaches: a lock's bytes cannot be asked
+ * whether they are process-shared and robust, and zeroed ones would pass for a free lock whose
+ * waiters across processes are never woken). Returns 0 or an errno of the mutex's setup. */
+static inline int es_rc_init_lock(es_rc_head *h) {
     pthread_mutexattr_t a;
     int e = pthread_mutexattr_init(&a);
     if (!e) e = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
     if (!e) e = pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
     if (!e) e = pthread_mutex_init(&h->mu, &a);
     pthread_mutexattr_destroy(&a);
+    return e;
+}
+
+/* A fresh head for a region of `total` bytes (index zeroed by the caller's fresh memory; keys
+ * set free here). Returns 0 or an errno of the mutex's setup. */
+static inline int es_rc_init_head(es_rowcache *c, int64_t head_bytes, int64_t total, const char *identity) {
+    es_rc_head *h = c->head;
+    int e = es_rc_init_lock(h);
     if (e) return e;
     h->version = ES_RC_VERSION;
     h->head_bytes = head_bytes;
@@ -162,29 +183,82 @@ static inline int64_t es_rc_home(const es_rowcache *c, int64_t row) {
     return (int64_t)(((uint64_t)row * 0x9E3779B97F4A7C15ull) >> c->shift) & c->mask;
 }
 
-/* The slot holding `row`, or -1. Changes nothing. */
+/* The region as the process attaching it as its only user found it (no live process maps it:
+ * rows/_cache.pyx holds its flock exclusive), so nothing changes it meanwhile and any of it may be
+ * what no rule leaves: a garbage lock, hand, used, index, key or use counter (a bug, a torn copy,
+ * a writer that is not this code). 1: the lock can be taken (a dead holder's is recovered as
+ * es_rc_lock does) and every rule's ranges and the index hold (each entry names a distinct slot
+ * below used holding a row, reached from its home without an empty entry between; every held row
+ * indexed): the rows are kept, and the caller makes the lock afresh (es_rc_init_lock). 0: the
+ * caller rebuilds the region whole. seen: nslots bytes of scratch. Ends within a bounded walk (a sound index's probes are short; past 8 per entry the
+ * rows are not worth the time and 0 is returned). */
+static inline int es_rc_sound(es_rowcache *c, uint8_t *seen) {
+    es_rc_head *h = c->head;
+    int64_t n = c->nslots, E = c->mask + 1, budget = 8 * E;
+    int e = pthread_mutex_trylock(&h->mu);
+    if (e == EOWNERDEAD) {
+        es_rc_forget(c);
+        e = pthread_mutex_consistent(&h->mu);
+        if (e) pthread_mutex_unlock(&h->mu);
+    }
+    if (e) return 0;  /* EBUSY with no live user, EINVAL, ENOTRECOVERABLE: no one could take it */
+    int ok = h->entries == E && h->stride == c->stride && h->hand >= 0 && h->hand < (n > 0 ? n : 1)
+             && h->used >= 0 && h->used <= n && h->hits >= 0 && h->misses >= 0 && h->evictions >= 0
+             && h->bytes_fetched >= 0 && h->recoveries >= 0;
+    if (ok) memset(seen, 0, (size_t)(n > 0 ? n : 1));
+    for (int64_t s = 0; ok && s < n; s++)
+        ok = c->uses[s] <= 3 && c->keys[s] >= -1 && (s < h->used || c->keys[s] == -1);
+    for (int64_t i = 0; ok && i < E; i++) {
+        int64_t x = c->index[i];
+        if (x == 0) continue;
+        if (x < 1 || x > h->used || seen[x - 1] || c->keys[x - 1] < 0) { ok = 0; break; }
+        seen[x - 1] = 1;
+        for (int64_t j = es_rc_home(c, c->keys[x - 1]); ok && j != i; j = (j + 1) & c->mask)
+            ok = c->index[j] != 0 && --budget >= 0;
+    }
+    for (int64_t s = 0; ok && s < n; s++) ok = seen[s] || c->keys[s] < 0;
+    pthread_mutex_unlock(&h->mu);
+    return ok;
+}
+
+/* The slot holding `row`, or -1. Changes nothing (prefetch advice calls it without the lock).
+ * At most mask + 1 probes, and an entry that names no slot ends the walk (-1): a garbage index
+ * costs misses, never a hang or a read outside the region; the insert that follows the miss
+ * walks the same entries and drops them (es_rc_free_entry). */
 static inline int64_t es_rc_peek(const es_rowcache *c, int64_t row) {
     if (c->nslots == 0) return -1;
     int64_t i = es_rc_home(c, row);
-    for (;;) {
+    for (int64_t n = 0; n <= c->mask; n++) {
         int64_t e = c->index[i];
-        if (e == 0) return -1;
+        if (e == 0 || !es_rc_entry_ok(c, e)) return -1;
         if (c->keys[e - 1] == row) return e - 1;
         i = (i + 1) & c->mask;
     }
+    return -1;
 }
 
-/* Drop `row` (held by some slot) from the index: backward-shift deletion. */
-static inline void es_rc_unindex(es_rowcache *c, int64_t row) {
-    int64_t i = es_rc_home(c, row);
-    while (c->keys[c->index[i] - 1] != row) i = (i + 1) & c->mask;
+/* Drop `row` (held by some slot) from the index: backward-shift deletion. 0, or -1 when the index
+ * is garbage (the row not found within mask + 1 probes, an entry naming no slot, no empty entry
+ * ending the shift): the caller forgets every row. Every loop ends within mask + 1 steps. */
+static inline int es_rc_unindex(es_rowcache *c, int64_t row) {
+    int64_t i = es_rc_home(c, row), steps = 0, e;
+    for (;;) {
+        e = c->index[i];
+        if (!es_rc_entry_ok(c, e) || ++steps > c->mask + 1) return -1;
+        if (c->keys[e - 1] == row) break;
+        i = (i + 1) & c->mask;
+    }
     int64_t j = i;
+    steps = 0;
     for (;;) {
         c->index[i] = 0;
         for (;;) {
             j = (j + 1) & c->mask;
-            if (c->index[j] == 0) return;
-            int64_t k = es_rc_home(c, c->keys[c->index[j] - 1]);
+            if (++steps > c->mask + 1) return -1;
+            e = c->index[j];
+            if (e == 0) return 0;
+            if (!es_rc_entry_ok(c, e)) return -1;
+            int64_t k = es_rc_home(c, c->keys[e - 1]);
             /* entry j may move back to i unless its home lies cyclically in (i, j] */
             if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
             break;
@@ -203,7 +277,10 @@ static inline int64_t es_rc_victim(es_rowcache *c) {
         if (c->refs[s] > 0) continue;
         if (c->uses[s]) { c->uses[s]--; continue; }
         if (c->keys[s] >= 0) {  /* -1: a slot es_rc_forget freed */
-            es_rc_unindex(c, c->keys[s]);
+            if (es_rc_unindex(c, c->keys[s]) < 0) {
+                es_rc_forget(c);  /* frees s too: it is not pinned, so it is this row's */
+                return s;
+            }
             c->keys[s] = -1;
             c->evictions++;
         }
@@ -212,14 +289,28 @@ static inline int64_t es_rc_victim(es_rowcache *c) {
     return -1;
 }
 
+/* The empty index entry for `row`: the first after its home. A garbage index (an entry naming no
+ * slot, or no empty entry within mask + 1 probes: a sound index is at most half full) is
+ * forgotten and the home returned. */
+static inline int64_t es_rc_free_entry(es_rowcache *c, int64_t row) {
+    int64_t i = es_rc_home(c, row);
+    for (int64_t n = 0; n <= c->mask; n++) {
+        int64_t e = c->index[i];
+        if (e == 0) return i;
+        if (!es_rc_entry_ok(c, e)) break;
+        i = (i + 1) & c->mask;
+    }
+    es_rc_forget(c);
+    return es_rc_home(c, row);
+}
+
 /* Take a slot for `row` (not cached): the caller fills c->data + slot * stride. -1 if none. */
 static inline int64_t es_rc_insert(es_rowcache *c, int64_t row) {
     int64_t s = es_rc_victim(c);
     if (s < 0) return -1;
+    int64_t i = es_rc_free_entry(c, row);  /* before the slot is keyed: a forget there frees keys */
     c->keys[s] = row;
     c->uses[s] = 0;
-    int64_t i = es_rc_home(c, row);
-    while (c->index[i]) i = (i + 1) & c->mask;
     c->index[i] = s + 1;
     return s;
 }

@@ -30,6 +30,8 @@ cdef extern from "engram_rowcache.h" nogil:
     int64_t es_rc_layout(int64_t nslots, int64_t stride, int64_t entries, int64_t *o_index, int64_t *o_keys,
                          int64_t *o_refs, int64_t *o_uses, int64_t *o_data) noexcept
     int es_rc_init_head(es_rowcache *c, int64_t head_bytes, int64_t total, const char *identity) noexcept
+    int es_rc_sound(es_rowcache *c, uint8_t *seen) noexcept
+    int es_rc_init_lock(es_rc_head *h) noexcept
     void es_rc_lock(es_rowcache *c) noexcept
     void es_rc_unlock(es_rowcache *c) noexcept
     int64_t es_rc_peek(const es_rowcache *c, int64_t row) noexcept

@@ -13,12 +13,13 @@ cimport numpy as cnp
 import fcntl
 import os
 import secrets
+from stat import S_IMODE, S_ISLNK, S_ISREG
 
 from libc.errno cimport errno
 from libc.stdint cimport int32_t, int64_t, uint8_t
 from libc.string cimport memcpy, memset, strerror
 from posix.mman cimport MAP_ANONYMOUS, MAP_FAILED, MAP_PRIVATE, MAP_SHARED, PROT_READ, PROT_WRITE, mmap, munmap
-from posix.stat cimport fstat, stat, struct_stat
+from posix.stat cimport fstat, lstat, struct_stat
 from posix.unistd cimport close, getpid, unlink
 
 cnp.import_array()
@@ -85,13 +86,66 @@ def _mismatch(path, dict theirs, dict ours):
         f"this one their settings, or another host_cache name (a file no process uses is replaced)")
 
 
+def _untrusted(path, st, why):
+    p = os.fsdecode(path)
+    return PermissionError(
+        f"{p}: refusing the host row cache file there: {why} (owner uid {st.st_uid}, mode "
+        f"{oct(S_IMODE(st.st_mode))}; this process runs as uid "
+        f"{os.geteuid()}). A host cache file must be a regular file (not a link) owned by the user of the "
+        f"processes sharing it and writable by no one else: any local user can create files in "
+        f"{os.path.dirname(p)}, and one who made this one could plant rows or hold its lock. Remove it "
+        f"(rm {p}) if it is a stale file of yours, or choose another host_cache name")
+
+
+def _distrust(st):
+    """Why a host cache file with this (l)stat cannot be trusted, or None."""
+    if S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if not S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return "owned by another user"
+    if st.st_mode & 0o022:
+        return "writable by group or others"
+    return None
+
+
+def _open_trusted(path):
+    """The host cache file at `path` open read-write, or None when there is none. A file is
+    refused (PermissionError, not removed) unless this user owns it, no one else can write it and
+    it is a regular file reached without a symbolic link: checked on the open file before it is
+    locked or read, so a planted file can neither serve its rows nor hold this process in flock.
+    Refused rather than replaced: in a sticky /dev/shm only its owner (or root) may remove it,
+    and what another user put there is not this process's to delete."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a symbolic link; EISDIR; EACCES: another user's file
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        why = _distrust(st)
+        if why is None:
+            raise
+        raise _untrusted(path, st, why) from None
+    st = os.fstat(fd)
+    why = _distrust(st)
+    if why is not None:
+        os.close(fd)
+        raise _untrusted(path, st, why)
+    return fd
+
+
 cdef class RowCache:
     """A cache of `nslots` row records of `recbytes` bytes each (layer: a label for stats;
     totals: an int64[4] that hits, misses, bytes_fetched, evictions are added to at the end).
     host: a path under /dev/shm naming the host's cache of these rows (identity: what they are,
     e.g. model and layer, at most 95 bytes): the first process creates it, the others attach
     (the same nslots, recbytes and identity, else ValueError), the last one to go removes it;
-    stats() are then the host's (every process's lookups)."""
+    stats() are then the host's (every process's lookups). A file there that another user could
+    have written (or a link) is refused: PermissionError."""
 
     COUNTERS = ("hits", "misses", "bytes_fetched", "evictions")
 
@@ -126,9 +180,8 @@ cdef class RowCache:
             return
         path = os.fsencode(host)
         for _ in range(HOST_TRIES):
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            except FileNotFoundError:
+            fd = _open_trusted(path)
+            if fd is None:
                 if self._create(path, total, ident):
                     break
                 continue
@@ -171,8 +224,9 @@ cdef class RowCache:
         1: this process made it and uses it; 0: another made it first."""
         cdef int64_t o[5]
         tmp = path + b".%d.%s.tmp" % (os.getpid(), secrets.token_hex(4).encode())
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
+            os.fchmod(fd, 0o600)  # whatever the umask: its user reads and writes it, no one else
             fcntl.flock(fd, fcntl.LOCK_SH)  # in use by this process from the start
             try:  # every page now: a full /dev/shm fails here, not as a SIGBUS at some later read
                 os.posix_fallocate(fd, 0, total)
@@ -207,9 +261,11 @@ cdef class RowCache:
         """Attach the host file open at fd: flock it shared (exclusive first: a process that gets
         it is the only user, so pins left in it are a dead process's), check that `path` still
         names it (a last user may have removed it meanwhile: 0, try again) and that its layout
-        is this one's. A file nobody uses that holds another layout is removed (0)."""
+        is this one's. A file nobody uses that holds another layout is removed (0); one that
+        holds this layout is checked whole (es_rc_sound) and rebuilt if any of it is garbage."""
         cdef bint alone = True
         cdef es_rc_head h
+        cdef int64_t o[5]
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -218,7 +274,7 @@ cdef class RowCache:
                 fcntl.flock(fd, fcntl.LOCK_SH)
             st = os.fstat(fd)
             try:
-                now = os.stat(path)
+                now = os.lstat(path)
             except FileNotFoundError:
                 now = None
             if now is None or (now.st_ino, now.st_dev) != (st.st_ino, st.st_dev):
@@ -239,10 +295,20 @@ cdef class RowCache:
                     return 0
                 raise _mismatch(path, theirs, ours)
             self._map(fd, total)
-            if alone:  # no process uses it: pins in it were left by dead ones
-                es_rc_lock(&self.c)
-                memset(self.c.refs, 0, max(self.c.nslots, 1) * sizeof(int32_t))
-                es_rc_unlock(&self.c)
+            if alone:  # no process uses it: pins in it were left by dead ones, and garbage is dropped
+                seen = np.empty(max(self.c.nslots, 1), np.uint8)
+                if es_rc_sound(&self.c, <uint8_t *> cnp.PyArray_DATA(seen)):
+                    memset(self.c.refs, 0, max(self.c.nslots, 1) * sizeof(int32_t))
+                    err = es_rc_init_lock(self.c.head)
+                    if err:
+                        raise OSError(err, f"RowCache: the lock: {strerror(err).decode()}")
+                else:  # nobody can be in it: made again in place, as _create makes it (its rows dropped)
+                    _layout(self.c.nslots, self.c.recbytes, o)
+                    memset(self.base + o[0], 0, o[4] - o[0])
+                    err = es_rc_init_head(&self.c, o[0], total, identity)
+                    if err:
+                        raise OSError(err, f"RowCache: the lock: {strerror(err).decode()}")
+                    self.c.head.recoveries = 1
                 fcntl.flock(fd, fcntl.LOCK_SH)
         except BaseException:
             if self.base != NULL:
@@ -267,7 +333,7 @@ cdef class RowCache:
             # the last user (no other holds its flock) removes the file, if `path` still names it;
             # a forked child shares its parent's open file and flock: it only closes its copy
             if self.pid == getpid() and flock(self.fd, LOCK_EX | LOCK_NB) == 0 and fstat(self.fd, &a) == 0 \
-                    and stat(<const char *> self.host, &b) == 0 and a.st_ino == b.st_ino and a.st_dev == b.st_dev:
+                    and lstat(<const char *> self.host, &b) == 0 and a.st_ino == b.st_ino and a.st_dev == b.st_dev:
                 unlink(<const char *> self.host)
             close(self.fd)
 
@@ -286,8 +352,8 @@ cdef class RowCache:
 
     @property
     def recoveries(self):
-        """Times a process took the lock over from a holder that died holding it (the rows were
-        dropped then: es_rc_forget)."""
+        """Times the rows were dropped (es_rc_forget): a process took the lock over from a holder
+        that died holding it, or met garbage in the region (a rebuilt region starts at 1)."""
         return self.c.head.recoveries
 
     def stats(self):
@@ -310,7 +376,10 @@ cdef class RowCache:
         return n
 
     def __contains__(self, row):
-        return es_rc_peek(&self.c, row) >= 0
+        es_rc_lock(&self.c)
+        s = es_rc_peek(&self.c, row)
+        es_rc_unlock(&self.c)
+        return s >= 0
 
     def __len__(self):
         es_rc_lock(&self.c)

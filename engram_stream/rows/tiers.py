@@ -12,6 +12,7 @@ it converts a table row, so every source gives the same floats bit for bit.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import os
@@ -57,12 +58,12 @@ STATS_FIELDS = {
     "fetch_seconds": "seconds (a Mooncake Store only): the gets' total time, start to end",
     "layers": "{layer: that layer's hits .. read_wait_p99}",
 }
-HOST_CACHE_DIR = "/dev/shm"  # a host cache's files: engram-rows-{name}-{model_name}-l{layer}
+HOST_CACHE_DIR = "/dev/shm"  # a host cache's files: engram-rows-{name}-{model_name}-t{tables_id}-l{layer}
 HOST_CACHE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def host_cache_path(name, model_id, layer) -> str:
-    """The file of one layer's host cache (model_id: rows.mooncake.model_name of the model)."""
+    """The file of one layer's host cache (model_id: host_model_id of the model)."""
     return os.path.join(HOST_CACHE_DIR, f"engram-rows-{name}-{model_id}-l{layer}")
 
 
@@ -85,6 +86,39 @@ def check_row_cache_mb(value, what="row_cache_mb") -> float:
                          f"give the RAM the row cache may take (a budget above the tables' size caches them "
                          f"whole)")
     return float(value)   # numpy's numbers too (np.int64(64))
+
+
+def tables_id(model) -> str:
+    """16 hex digits that tell this model's table rows from any other's on this host.
+    model_name() digests the config and 8 sampled rows a head: a fine-tune that leaves those rows
+    alone has the same name, and sharing a cache by it would serve one model's rows to the
+    other. A table mapped from a file counts as that file's stamp as it was mapped (device,
+    inode, size, mtime: io.files.MappedFile) and its ctime, which no one can set (an inode used
+    again, with a forged mtime, still differs): two files of a host differ, one file saved again
+    differs, and the processes mapping one file agree without reading it. A table in RAM counts
+    as a digest of its bytes (read once, at the first host cache: about 1 s a GB)."""
+    from ..io.files import mapping_of
+    d = hashlib.blake2b(digest_size=8)
+    for L in model.cfg.layer_ids:
+        w = model.layer(L)
+        for a in (w.table, getattr(w, "table_scale", None)):
+            if a is None:
+                continue
+            d.update(f"{L} {a.dtype.str} {a.shape}".encode())
+            mm = mapping_of(a)
+            if mm is not None and hasattr(mm, "stamp"):
+                d.update(f" file {tuple(mm.stamp)} {os.fstat(mm.fd).st_ctime_ns};".encode())
+            else:
+                d.update(b" bytes ")
+                d.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    return d.hexdigest()
+
+
+def host_model_id(model) -> str:
+    """What names a model's host cache files and heads: its model_name (the Mooncake keys' name)
+    and its tables_id (which rows, exactly)."""
+    from .mooncake import model_name
+    return f"{model_name(model)}-t{tables_id(model)}"
 
 
 LAYER_FIELDS = ("hits", "misses", "bytes_fetched", "evictions", "rows_cached", "capacity_rows", "cache_bytes",
@@ -126,12 +160,10 @@ class RowTiers:
                              f"host's budget as row_cache_mb (MiB, the same in every process)")
         self.model_ref = weakref.ref(model)
         self.host_cache = host_cache
-        # rows.mooncake.model_name names a host cache's files; it reads sampled rows of the
-        # tables, so it is taken here, at load, and no engine made later touches the tables
-        self.model_id = None
-        if host_cache is not None:
-            from .mooncake import model_name
-            self.model_id = model_name(model)
+        # host_model_id names a host cache's files; model_name reads sampled rows of the tables
+        # (and a table in RAM is digested whole), so it is taken here, at load, and no engine
+        # made later touches the tables
+        self.model_id = host_model_id(model) if host_cache is not None else None
         layouts = {L: record_layout(model.layer(L)) for L in model.cfg.layer_ids}
         table_bytes = {L: model.plan.table_rows[L] * sum(layouts[L]) for L in model.cfg.layer_ids}
         whole = {L: cache_nbytes(model.plan.table_rows[L], sum(layouts[L]))

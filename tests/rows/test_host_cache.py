@@ -13,6 +13,7 @@ import json
 import os
 import select
 import signal
+import subprocess
 import time
 import uuid
 
@@ -458,3 +459,181 @@ def test_vllm_settings_take_host_cache():
     for bad in ('{"row_cache_mb": 64, "host_cache": "a b"}', '{"host_cache": "vllm"}'):
         with pytest.raises(ValueError, match="host_cache"):
             parse_settings(bad, "env")
+
+
+# ---- files nobody should trust: planted by another user, or garbage --------------------------------
+def _a_real_cache_file(path, records, rows):
+    """The bytes of a host cache file that holds `rows` (made at `path`, copied, then removed)."""
+    a = RowCache(64, 24, host=path, identity="x:l1")
+    a.read(rows, records)
+    with open(path, "rb") as f:
+        data = f.read()
+    del a
+    assert not os.path.exists(path)
+    return data
+
+
+def _plant(path, data, mode):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, mode)  # past the umask
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["writable by all", "another user's", "a symlink"])
+def test_a_planted_cache_file_is_refused_not_trusted(shm_path, how):
+    """A file at a host cache's name that another local user could have written (or holds the
+    lock of) is refused before it is locked or mapped, with the file, what was found and the fix."""
+    if how == "another user's" and os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    path, rng = shm_path, np.random.default_rng(7)
+    theirs = rng.integers(0, 256, (500, 24), dtype=np.uint8)  # the planter's rows
+    data = _a_real_cache_file(path, theirs, np.arange(40))
+    target = path + ".target"
+    try:
+        if how == "writable by all":
+            _plant(path, data, 0o666)
+        elif how == "another user's":
+            _plant(path, data, 0o600)
+            os.chown(path, 65534, 65534)
+        else:
+            _plant(target, data, 0o600)
+            os.symlink(target, path)
+        ours = rng.integers(0, 256, (500, 24), dtype=np.uint8)
+        with pytest.raises(PermissionError) as e:
+            c = RowCache(64, 24, host=path, identity="x:l1")
+            c.read(np.arange(40), ours)  # what a trusting process would serve: the planter's rows
+        msg = str(e.value)
+        assert path in msg and "host_cache" in msg and f"rm {path}" in msg
+        assert ("symbolic link" in msg) if how == "a symlink" else ("mode 0o6" in msg and "uid" in msg)
+        assert os.path.lexists(path)  # not ours to remove
+    finally:
+        for p in (path, target):
+            if os.path.lexists(p):
+                os.unlink(p)
+
+
+CORRUPT = r'''
+import os, sys, numpy as np
+from engram_stream.rows._cache import RowCache
+
+path, kind, alone = sys.argv[1], sys.argv[2], sys.argv[3] == "alone"
+rng = np.random.default_rng(9)
+records = rng.integers(0, 256, (5000, 24), dtype=np.uint8)
+rows = rng.choice(5000, 40, replace=False)
+a = RowCache(64, 24, host=path, identity="x:l1")
+a.read(rows, records)
+a.read(rows[:7], records)
+st = a.stats()
+with open(path, "rb") as f:
+    data = bytearray(f.read())
+head_bytes = int(np.frombuffer(data, np.int64, 1, 16)[0])  # where the index starts
+# hand and used sit just before the counters: find hits and misses by the values stats() gives
+words = np.frombuffer(bytes(data[:head_bytes]), np.int64)
+at = next(i for i in range(20, len(words) - 1) if words[i] == st["hits"] and words[i + 1] == st["misses"])
+hand, used = 8 * (at - 2), 8 * (at - 1)
+entries = 128  # the index of 64 slots: a power of two >= 2 per slot
+lock = bytes(data[160:hand])   # the mutex follows the identity, 160 bytes in: a free one's bytes
+index = np.frombuffer(data, np.int64, entries, head_bytes).copy()
+if kind == "index full":       # every entry names a slot that holds a row: no empty entry ends a probe
+    index[:] = 1 + np.arange(entries) % 40
+elif kind == "index garbage":  # entries naming slots far outside the region
+    index[:] = rng.integers(-2**62, 2**62, entries)
+elif kind == "hand and used":
+    data[hand:hand + 8] = (2**40).to_bytes(8, "little", signed=True)
+    data[used:used + 8] = (-5).to_bytes(8, "little", signed=True)
+elif kind == "lock":           # the mutex's bytes, garbage
+    data[160:hand] = b"\xff" * (hand - 160)
+elif kind == "lock zeroed":    # a free lock, but neither process-shared nor robust: made afresh
+    data[160:hand] = bytes(hand - 160)
+data[head_bytes:head_bytes + 8 * entries] = index.tobytes()
+if alone:   # a file no process uses: the last user gone, the garbage left for the next to find
+    del a
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, bytes(data))
+    os.close(fd)
+    b = RowCache(64, 24, host=path, identity="x:l1")
+else:       # garbage written into a file in use, between two holds of its lock
+    fd = os.open(path, os.O_WRONLY)
+    os.pwrite(fd, bytes(data[hand:used + 8]), hand)
+    os.pwrite(fd, bytes(data[head_bytes:head_bytes + 8 * entries]), head_bytes)
+    os.close(fd)
+    b = RowCache(64, 24, host=path, identity="x:l1")
+more = np.concatenate([rows, rng.choice(5000, 300)])
+for _ in range(3):
+    got = b.read(more, records)
+    assert np.array_equal(got, records[more]), "wrong rows"
+    assert 0 <= len(b) <= 64 and 0 <= b.stats()["rows_cached"] <= 64, (len(b), b.stats())
+    assert set(b.rows().tolist()) <= set(more.tolist())
+if alone:
+    with open(path, "rb") as f:
+        assert f.read(hand)[160:] == lock, "the lock was not made afresh"
+print("ok", b.recoveries)
+'''
+
+
+# (not a garbage lock in a file in use: its users would have met it first)
+@pytest.mark.parametrize("kind, alone", [(k, a) for k in ("index full", "index garbage", "hand and used", "lock")
+                                         for a in ("alone", "in use") if (k, a) != ("lock", "in use")]
+                         + [("lock zeroed", "alone")])
+def test_a_corrupt_cache_file_gives_exact_rows_and_never_hangs(shm_path, tmp_path, kind, alone):
+    """A file whose head is whole but whose index, CLOCK hand, slot count or lock is garbage
+    (or zeroed: a lock that works in one process, whose waiters in another are never woken):
+    every lookup ends (bounded probes, ranges checked), rows come back exact, and the garbage is
+    dropped (the region rebuilt by a process that finds no other user in it, the rows forgotten
+    under the lock by one that does). Run in a child: a hang fails the test, not CI."""
+    script = tmp_path / "corrupt.py"
+    script.write_text(CORRUPT)
+    try:
+        r = conftest.run_python([str(script), shm_path, kind, alone], timeout=60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{kind} ({alone}): the lookups did not end in 60 s") from None
+    assert r.returncode == 0 and r.stdout.startswith("ok"), (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
+# ---- two checkpoints, one host cache name --------------------------------------------------------
+def _fine_tuned(model):
+    """The model with every table row changed except the ones model_name() samples: the same
+    config and fingerprint, other rows."""
+    from engram_stream.rows.mooncake import sample_rows
+    layers = {}
+    for L, w in model.layers.items():
+        keep = np.zeros(w.table.shape[0], bool)
+        for h, n_h in enumerate(model.plan.head_primes[L]):
+            keep[int(w.offsets[h]) + sample_rows(int(n_h), L, h)] = True
+        table = np.array(w.table)
+        table[~keep] = -table[~keep] + 0.5
+        layers[L] = w.replace(model.cfg, table=table)
+    return EngramModel(model.cfg, model.plan, layers)
+
+
+@pytest.mark.parametrize("mmap", [True, False], ids=["mapped", "in RAM"])
+def test_checkpoints_differing_only_in_unsampled_rows_get_their_own_host_caches(ckpt, plain, host, tmp_path, mmap):
+    import gc
+    from engram_stream.rows.mooncake import model_name
+    name, _ = host
+    tuned_path = _fine_tuned(plain).save(str(tmp_path / "tuned.safetensors"))
+    tuned = EngramModel.load(tuned_path)
+    assert model_name(tuned) == model_name(plain)  # what the Mooncake keys are named by: the same
+    L = CFG["layer_ids"][0]
+    rows = np.arange(0, table_rows(plain, L), 7)
+    assert not np.array_equal(plain.row_source(L).read(rows), tuned.row_source(L).read(rows))
+    a = EngramModel.load(ckpt, mmap=mmap, row_cache_mb=8, host_cache=name)
+    b = EngramModel.load(tuned_path, mmap=mmap, row_cache_mb=8, host_cache=name)
+    np.testing.assert_array_equal(a.row_source(L).read(rows), plain.row_source(L).read(rows))
+    np.testing.assert_array_equal(b.row_source(L).read(rows), tuned.row_source(L).read(rows))
+    assert b.row_cache_stats()["hits"] == 0  # nothing of a's is b's
+    rng = np.random.default_rng(11)
+    T = 12
+    ids = ((rng.zipf(1.3, (T, S)) + 3) % CFG["vocab_size"]).astype(np.int64)
+    hid = rng.standard_normal((T, S, CFG["hc_mult"], CFG["hidden_size"]), dtype=np.float32)
+    for served, model in ((a, plain), (b, tuned)):
+        got, want = plain_decode(served, ids, hid), plain_decode(model, ids, hid)
+        for layer in CFG["layer_ids"]:
+            np.testing.assert_array_equal(got[layer], want[layer])
+    files = glob.glob(os.path.join(HOST_CACHE_DIR, f"engram-rows-{name}-*"))
+    assert len(files) == 2 * len(CFG["layer_ids"])
+    del a, b
+    gc.collect()
