@@ -7,6 +7,8 @@ hidden each was computed with), compared with the outputs the engine returned fo
 rejected draft token's output is never compared; the tokens after it must not see it."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -333,7 +335,7 @@ def _hold_the_same(a, b, exact=True):
     (exact=False: the float ones within the tolerance, for states computed in other batches, whose
     GEMMs may sum in another order)."""
     sa, sb = a.snapshot(), b.snapshot()
-    for x, y in ((sa, sb),) if not isinstance(sa, dict) else ((sa[L], sb[L]) for L in sa):
+    for x, y in ((sa, sb),) if not isinstance(sa, Mapping) else ((sa[L], sb[L]) for L in sa):
         for name in x.names:
             u, v = getattr(x, name), getattr(y, name)
             if exact or not np.issubdtype(np.asarray(u).dtype, np.floating):
