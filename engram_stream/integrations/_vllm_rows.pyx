@@ -27,31 +27,50 @@ cdef inline uint16_t _bf16(float v) noexcept nogil:
     return <uint16_t> ((u + 0x7fff + ((u >> 16) & 1)) >> 16)
 
 
+cdef void bf16_lut(float *lut) noexcept nogil:
+    """lut[b] = the e4m3 byte b widened to float32 (NaN codes as on the GPU)."""
+    cdef int i
+    for i in range(256):
+        lut[i] = es8_e4m3(<uint8_t> i)
+
+
+cdef inline void _record_bf16(const uint8_t *r, uint16_t *o, int64_t D, const float *lut,
+                              float zero_scale) noexcept nogil:
+    cdef int64_t b, i, nb = D // 32
+    cdef uint32_t bits
+    cdef float f
+    for b in range(nb):
+        bits = (<uint32_t> r[D + b]) << 23
+        memcpy(&f, &bits, 4)
+        if bits == 0:
+            f = zero_scale
+        for i in range(b * 32, b * 32 + 32):
+            o[i] = _bf16(lut[r[i]] * f)
+
+
+cdef void records_bf16(const uint8_t *records, uint16_t *out, int64_t n, int64_t D,
+                       float zero_scale) noexcept nogil:
+    """n contiguous records (D + D/32 bytes) -> n contiguous bf16 rows of D (the C path of
+    records_to_bf16: the capturable lookup's host function converts with it)."""
+    cdef float lut[256]
+    cdef int64_t j
+    bf16_lut(lut)
+    for j in range(n):
+        _record_bf16(records + j * (D + D // 32), out + j * D, D, lut, zero_scale)
+
+
 def records_to_bf16(const uint8_t[:, :, ::1] records, uint16_t[:, :, ::1] out, float zero_scale=0.0):
     """out[t, h, :] (bf16 bits) = the kernels' dequantization of records[t, h] (head_dim e4m3
     bytes, then head_dim / 32 e8m0 bytes); the e8m0 byte 0 scales by zero_scale (vLLM: 0,
     SGLang: 2^-127). out's leading axes may have any strides."""
-    cdef int64_t T = records.shape[0], k = records.shape[1], D = out.shape[2], nb = D // 32
-    if out.shape[0] != T or out.shape[1] != k or D % 32 or records.shape[2] != D + nb:
+    cdef int64_t T = records.shape[0], k = records.shape[1], D = out.shape[2]
+    if out.shape[0] != T or out.shape[1] != k or D % 32 or records.shape[2] != D + D // 32:
         raise ValueError(f"records_to_bf16: records {tuple(records.shape)[:3]} do not match out "
                          f"{tuple(out.shape)[:3]} (records of head_dim + head_dim/32 bytes)")
     cdef float lut[256]
-    cdef int64_t t, h, b, i
-    cdef uint32_t bits
-    cdef float f
-    cdef const uint8_t *r
-    cdef uint16_t *o
+    cdef int64_t t, h
     with nogil:
-        for i in range(256):
-            lut[i] = es8_e4m3(<uint8_t> i)
+        bf16_lut(lut)
         for t in range(T):
             for h in range(k):
-                r = &records[t, h, 0]
-                o = &out[t, h, 0]
-                for b in range(nb):
-                    bits = (<uint32_t> r[D + b]) << 23
-                    memcpy(&f, &bits, 4)
-                    if bits == 0:
-                        f = zero_scale
-                    for i in range(b * 32, b * 32 + 32):
-                        o[i] = _bf16(lut[r[i]] * f)
+                _record_bf16(&records[t, h, 0], &out[t, h, 0], D, lut, zero_scale)
