@@ -90,60 +90,92 @@ def check_startup(vllm_config, emb):
                          f"{FULL_GRAPH_FLAGS}, or serve the rows from tables \"mapped\" / \"direct\"")
 
 
-# ---- the host function's launch ----------------------------------------------------------------
-def _libcudart():
-    """The CUDA runtime torch loaded (its path from /proc/self/maps), or None."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rsplit(None, 1)[-1]
-                if "/libcudart.so" in path:
-                    return ctypes.CDLL(path)
-    except OSError:
-        pass
-    return None
+# ---- the CUDA driver calls ----------------------------------------------------------------------
+class _Driver:
+    """The few CUDA driver calls of the stream-ordered lookup, through libcuda.so.1 (ctypes: no
+    CUDA toolkit at build time; the driver is there wherever torch runs CUDA). The current
+    context is the one torch's runtime made current on this thread (its primary context)."""
 
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        P, S, U = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint
+        self._f = {}
+        for name, args in (("cuMemHostAlloc", [ctypes.POINTER(P), S, U]),
+                           ("cuMemcpyDtoHAsync_v2", [P, ctypes.c_uint64, S, P]),
+                           ("cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, P, S, P]),
+                           ("cuLaunchHostFunc", [P, P, P]),
+                           ("cuThreadExchangeStreamCaptureMode", [ctypes.POINTER(ctypes.c_int)])):
+            f = getattr(lib, name)
+            f.argtypes, f.restype = args, ctypes.c_int
+            self._f[name] = f
 
-def _launcher():
-    """launch(stream_handle, fn, data): cudaLaunchHostFunc of torch's CUDA runtime, else the
-    driver's cuLaunchHostFunc (libcuda.so.1); either is captured as a host node."""
-    global _launch
-    if _launch is not None:
-        return _launch
-    lib = _libcudart()
-    name = "cudaLaunchHostFunc"
-    if lib is None or not hasattr(lib, name):
-        lib, name = ctypes.CDLL("libcuda.so.1"), "cuLaunchHostFunc"
-    f = getattr(lib, name)
-    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    f.restype = ctypes.c_int
-
-    def launch(stream, fn, data):
-        rc = f(stream, fn, data)
+    def _call(self, name, *args):
+        rc = self._f[name](*args)
         if rc != 0:
-            raise RuntimeError(f"engram_stream: {name} failed with error {rc}")
+            raise RuntimeError(f"engram_stream: the CUDA driver's {name} failed with CUresult {rc}")
 
-    _launch = launch
-    return launch
+    def host_alloc(self, nbytes):
+        """Pinned, portable host memory (never freed: a graph may name it for the process's life).
+        Allowed during a stream capture: the thread's capture mode is relaxed around it."""
+        p = ctypes.c_void_p()
+        mode = ctypes.c_int(2)                     # CU_STREAM_CAPTURE_MODE_RELAXED
+        self._call("cuThreadExchangeStreamCaptureMode", ctypes.byref(mode))
+        try:
+            self._call("cuMemHostAlloc", ctypes.byref(p), max(int(nbytes), 1), 0x01)   # PORTABLE
+        finally:
+            self._call("cuThreadExchangeStreamCaptureMode", ctypes.byref(mode))
+        return p.value
+
+    def d2h(self, dst, src, nbytes, stream):
+        self._call("cuMemcpyDtoHAsync_v2", dst, src, nbytes, stream)
+
+    def h2d(self, dst, src, nbytes, stream):
+        self._call("cuMemcpyHtoDAsync_v2", dst, src, nbytes, stream)
+
+    def host_func(self, stream, fn, data):
+        self._call("cuLaunchHostFunc", stream, fn, data)
+
+
+_driver = None
+
+
+def driver():
+    global _driver
+    if _driver is None:
+        _driver = _Driver()
+    return _driver
+
+
+def _pinned_array(shape, dtype):
+    """A numpy array over pinned host memory (driver().host_alloc)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    p = driver().host_alloc(nbytes)
+    return np.frombuffer((ctypes.c_uint8 * max(nbytes, 1)).from_address(p), np.uint8)[:nbytes].view(dtype).reshape(shape)
 
 
 # ---- the stream-ordered lookup -----------------------------------------------------------------
 def _context(emb, T, out, ids_dtype):
-    """The embedding's HostLookup of T tokens into out's dtype (made once, kept: a captured
-    graph names its buffers)."""
+    """The embedding's context of T tokens into out's dtype, made once and kept (a captured
+    graph names its buffers): (pinned ids, pinned staging, HostLookup, device ids, device out or
+    None). On CPU tensors (tests) the host buffers are plain memory and there are no device ones."""
     import torch
     key = (T, out.dtype, ids_dtype)
     ctxs = emb.__dict__.setdefault("_graph_contexts", {})
     got = ctxs.get(key)
     if got is not None:
         return got
-    pin = out.device.type == "cuda"
     k = emb.part_n_hash_cols
-    ids = torch.full((T, k), -1, dtype=ids_dtype, pin_memory=pin)
-    staging = torch.zeros(tuple(out.shape), dtype=out.dtype, pin_memory=pin)
-    st = staging.numpy() if out.dtype == torch.uint8 else staging.view(torch.int16).numpy().view(np.uint16)
-    ctx = HostLookup(emb.source, ids.numpy(), st, emb.vocab_start_idx, emb.vocab_end_idx, 0.0)
-    got = ctxs[key] = (ids, staging, ctx)
+    np_ids = np.int64 if ids_dtype == torch.int64 else np.int32
+    np_st = np.uint8 if out.dtype == torch.uint8 else np.uint16
+    cuda = out.device.type == "cuda"
+    ids = _pinned_array((T, k), np_ids) if cuda else np.empty((T, k), np_ids)
+    staging = _pinned_array(tuple(out.shape), np_st) if cuda else np.empty(tuple(out.shape), np_st)
+    ids.fill(-1)
+    staging.fill(0)
+    ctx = HostLookup(emb.source, ids, staging, emb.vocab_start_idx, emb.vocab_end_idx, 0.0)
+    dev_ids = torch.empty((T, k), dtype=ids_dtype, device=out.device) if cuda else None
+    got = ctxs[key] = (ids, staging, ctx, dev_ids)
     with _contexts_lock:
         _contexts.append(ctx)
     return got
@@ -151,8 +183,9 @@ def _context(emb, T, out, ids_dtype):
 
 def stream_lookup(emb, indices, out):
     """out <- the rows of indices (as the plugin's lookup) as stream-ordered work on the current
-    stream: the ids' copy, the host node, the staging's copy. Captured, a graph replays all
-    three on the replay's ids. On CPU tensors the host function runs here, between the copies."""
+    stream: the ids' copy to pinned memory, the host node, the staging's copy to `out`.
+    Captured, a graph replays all three on the replay's ids. On CPU tensors the host function
+    runs here, between the copies (the tests' stand-in for the stream)."""
     import torch
     T, k = indices.shape[0], emb.part_n_hash_cols
     if not T * k:
@@ -166,27 +199,36 @@ def stream_lookup(emb, indices, out):
         a = a.to(ids_dtype)
     if a.shape[1] < k:   # the padded heads of the last TP shard: no rows
         a = torch.nn.functional.pad(a, (0, k - a.shape[1]), value=-1)
-    ids, staging, ctx = _context(emb, T, out, ids_dtype)   # staging: contiguous, out any strides
+    ids, staging, ctx, dev_ids = _context(emb, T, out, ids_dtype)
+    st = torch.from_numpy(staging)
+    if out.dtype == torch.bfloat16:
+        st = st.view(torch.bfloat16)
     if indices.device.type == "cpu":
         ctx.check()
-        ids.copy_(a)
+        torch.from_numpy(ids).copy_(a)
         ctx.run()
-        out.copy_(staging)
+        out.copy_(st)
         ctx.check()
         return
     if not capturing():
         ctx.check()
-    ids.copy_(a, non_blocking=True)
-    _launcher()(torch.cuda.current_stream().cuda_stream, host_fn_address(), ctx.address)
-    out.copy_(staging, non_blocking=True)
+    d = driver()
+    stream = torch.cuda.current_stream().cuda_stream
+    dev_ids.copy_(a)                                          # this rank's columns, contiguous, on the device
+    d.d2h(ids.ctypes.data, dev_ids.data_ptr(), ids.nbytes, stream)
+    d.host_func(stream, host_fn_address(), ctx.address)
+    if out.is_contiguous():
+        d.h2d(out.data_ptr(), staging.ctypes.data, staging.nbytes, stream)
+    else:
+        raise ValueError("lookup: a captured lookup needs a contiguous out (vLLM's staged rows are)")
 
 
 def check_embedding(emb):
     """Raise what the host nodes of this embedding's contexts recorded (an eager lookup's check)."""
     ctxs = emb.__dict__.get("_graph_contexts")
     if ctxs:
-        for _, _, ctx in ctxs.values():
-            ctx.check()
+        for entry in ctxs.values():
+            entry[2].check()
 
 
 def check_errors():

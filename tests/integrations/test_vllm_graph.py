@@ -81,7 +81,7 @@ def test_full_mode_lookup_is_stream_ordered_and_gives_vllms_bytes(E, vllm_env, p
     for m in mine.values():
         assert m._lanes is None and not m._pending and m._pending_copy is None
         assert {key[0] for key in m._graph_contexts} == {1, 16, 300, 4}
-        assert all(ctx.calls > 0 for _, _, ctx in m._graph_contexts.values())
+        assert all(ctx.calls > 0 for _, _, ctx, _ in m._graph_contexts.values())
 
 
 @pytest.mark.parametrize("mode", ["FULL", "PIECEWISE"])
@@ -190,7 +190,7 @@ def test_a_host_node_error_is_raised_at_the_next_replay(E, vllm_env, plugin_chec
     assert not ran
     assert B.BreakableCUDAGraphWrapper._replay(wrapper, entry, (), {}) == "out" and ran == [1]
     # the layer's own contexts: checked at its next eager lookup
-    m._graph_contexts[("bad",)] = (None, None, bad)
+    m._graph_contexts[("bad",)] = (None, None, bad, None)
     bad.run()
     with pytest.raises(IndexError, match="past the table"):
         lookup(m, ids, m.part_n_hash_cols, torch.bfloat16)
