@@ -195,3 +195,28 @@ def test_a_host_node_error_is_raised_at_the_next_replay(E, vllm_env, plugin_chec
     with pytest.raises(IndexError, match="past the table"):
         lookup(m, ids, m.part_n_hash_cols, torch.bfloat16)
     lookup(m, ids, m.part_n_hash_cols, torch.bfloat16)   # cleared
+
+
+def test_a_capture_takes_the_stream_path_in_any_mode(E, vllm_env, plugin_checkpoints, monkeypatch):
+    """Inside a capture (torch.cuda.is_current_stream_capturing(), stubbed: no CUDA here) the
+    lookup is the stream-ordered one whatever the forward's mode (a lanes lookup there would be
+    host work done once); a capture that begins with the layer's lanes still in flight is
+    refused, not served."""
+    path = plugin_checkpoints["plain"]
+    layout = layout_of(E, path)
+    configure(vllm_env, monkeypatch, path, "env", {"tables": "mapped"})
+    m = plugin_embeddings(E, layout)[layout.layer_ids[0]]
+    ids = hash_ids(layout, 0, 5, np.random.default_rng(4))
+    want = lookup(m, ids, m.part_n_hash_cols, torch.bfloat16)      # the lanes' (inline) bytes
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for mode in ("PIECEWISE", "NONE"):
+        with forward(mode):
+            assert vllm_graph.lookup_path() == "stream"
+            got = lookup(m, ids, m.part_n_hash_cols, torch.bfloat16)
+        assert torch.equal(want.view(torch.int16), got.view(torch.int16))
+    assert len(m._graph_contexts) == 1 and m._lanes is None
+    m._pending_copy = (got, got)
+    with pytest.raises(RuntimeError, match="capture began with this layer's rows in flight"):
+        lookup(m, ids, m.part_n_hash_cols, torch.bfloat16)
+    m._pending_copy = None
