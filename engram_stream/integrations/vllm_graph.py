@@ -16,8 +16,8 @@ and a replay repeats only its device work. So there the lookup is stream-ordered
 
 which a graph captures and every replay repeats on the replay's ids. The same three steps run
 eagerly (not capturing) in FULL mode, so FULL mode has one path. A context (pinned ids,
-pinned staging, the C view of the row source, scratch, the error slot) is made per (tokens,
-dtype) and kept for the embedding's life: a captured graph holds its addresses. A read that
+pinned staging, a device ids buffer, the C view of the row source, scratch, the error slot) is
+made per (tokens, out dtype, ids dtype) and kept for the embedding's life: a captured graph holds its addresses. A read that
 fails in the host node is recorded in the slot (its rows served as zeros) and raised at the
 next eager check: the next eager lookup of the layer, or the next replay of a breakable graph
 (BreakableCUDAGraphWrapper._replay, patched).
@@ -33,11 +33,9 @@ from ._vllm_graph import HostLookup, graph_capable, host_fn_address
 
 FULL_GRAPH_FLAGS = ("--compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}' (-cc.cudagraph_mode=PIECEWISE), "
                     "or --enforce-eager")
-REPLAY_MODULE = "vllm.compilation.breakable_cudagraph"
 
 _contexts = []          # every HostLookup made (checked at each eager check); they live as long as the process
 _contexts_lock = threading.Lock()
-_launch = None
 
 
 # ---- which path --------------------------------------------------------------------------------
