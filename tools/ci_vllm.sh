@@ -1,6 +1,6 @@
 #!/bin/sh
 # CI step: vLLM 0.33.0 and SGLang 0.5.23 on CPU and the serving integrations' tests
-# (tests/integrations/test_vllm.py, tests/integrations/test_sglang.py).
+# (tests/integrations/test_vllm.py, test_vllm_graph.py, tests/integrations/test_sglang.py).
 #
 #   tools/ci_vllm.sh            # makes its own venv ($TMPDIR/engram-stream-ci-vllm-venv)
 #   tools/ci_vllm.sh VENV       # installs into the venv VENV (the CI venv), then tests
@@ -46,6 +46,7 @@ PY=$VENV/bin/python
     dill==0.4.1 sentencepiece==0.2.3 compressed-tensors==0.20.1 loguru==0.7.3 gguf==0.19.0
 cd "$ROOT"
 "$PY" setup.py -q build_ext --inplace -j 2
-TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_vllm.py
+TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_vllm.py \
+    tests/integrations/test_vllm_graph.py
 # a process of its own: its torchvision stub stays out of the vLLM tests
 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_sglang.py

@@ -27,6 +27,38 @@ cdef inline uint16_t _bf16(float v) noexcept nogil:
     return <uint16_t> ((u + 0x7fff + ((u >> 16) & 1)) >> 16)
 
 
+cdef void bf16_lut(float *lut) noexcept nogil:
+    """lut[b] = the e4m3 byte b widened to float32 (NaN codes as on the GPU)."""
+    cdef int i
+    for i in range(256):
+        lut[i] = es8_e4m3(<uint8_t> i)
+
+
+cdef inline void _record_bf16(const uint8_t *r, uint16_t *o, int64_t D, const float *lut,
+                              float zero_scale) noexcept nogil:
+    cdef int64_t b, i, nb = D // 32
+    cdef uint32_t bits
+    cdef float f
+    for b in range(nb):
+        bits = (<uint32_t> r[D + b]) << 23
+        memcpy(&f, &bits, 4)
+        if bits == 0:
+            f = zero_scale
+        for i in range(b * 32, b * 32 + 32):
+            o[i] = _bf16(lut[r[i]] * f)
+
+
+cdef void records_bf16(const uint8_t *records, uint16_t *out, int64_t n, int64_t D,
+                       float zero_scale) noexcept nogil:
+    """n contiguous records (D + D/32 bytes) -> n contiguous bf16 rows of D (the C path of
+    records_to_bf16: the capturable lookup's host function converts with it)."""
+    cdef float lut[256]
+    cdef int64_t j
+    bf16_lut(lut)
+    for j in range(n):
+        _record_bf16(records + j * (D + D // 32), out + j * D, D, lut, zero_scale)
+
+
 def records_to_bf16(const uint8_t[:, :, :] records, uint16_t[:, :, :] out, float zero_scale=0.0):
     """out[t, h, :] (bf16 bits) = the kernels' dequantization of records[t, h] (head_dim e4m3
     bytes, then head_dim / 32 e8m0 bytes); the e8m0 byte 0 scales by zero_scale (vLLM: 0,
@@ -45,7 +77,8 @@ def records_to_bf16(const uint8_t[:, :, :] records, uint16_t[:, :, :] out, float
     cdef uint16_t v
     cdef float f
     # byte strides: out and records need not be contiguous in any axis (a view's strides may
-    # even be odd multiples of a byte: stores go through memcpy, never an aligned uint16 store)
+    # even be odd multiples of a byte: such stores go through memcpy); a record and its bf16 row
+    # each contiguous, and the row aligned, take the host function's own routine
     cdef Py_ssize_t rs0 = records.strides[0], rs1 = records.strides[1], rs2 = records.strides[2]
     cdef Py_ssize_t os0 = out.strides[0], os1 = out.strides[1], os2 = out.strides[2]
     cdef const char *rbase = <const char *> &records[0, 0, 0]
@@ -53,12 +86,14 @@ def records_to_bf16(const uint8_t[:, :, :] records, uint16_t[:, :, :] out, float
     cdef const char *r
     cdef char *o
     with nogil:
-        for i in range(256):
-            lut[i] = es8_e4m3(<uint8_t> i)
+        bf16_lut(lut)
         for t in range(T):
             for h in range(k):
                 r = rbase + t * rs0 + h * rs1
                 o = obase + t * os0 + h * os1
+                if rs2 == 1 and os2 == 2 and not (<size_t> o) & 1:
+                    _record_bf16(<const uint8_t *> r, <uint16_t *> o, D, lut, zero_scale)
+                    continue
                 for b in range(nb):
                     bits = (<uint32_t> (<const uint8_t *> (r + (D + b) * rs2))[0]) << 23
                     memcpy(&f, &bits, 4)

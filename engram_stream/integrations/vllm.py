@@ -178,6 +178,7 @@ def embedding_class():
     from torch import nn
     E = sys.modules.get(ENGRAM_MODULE) or __import__(ENGRAM_MODULE, fromlist=["_"])
     from ._vllm_rows import records_to_bf16
+    from . import vllm_graph as graph
 
     class StreamEngramEmbedding(E.ParallelEngramEmbedding):
         """vLLM's Engram embedding of one layer with its rows from engram_stream (no table)."""
@@ -297,6 +298,15 @@ def embedding_class():
                 return
             if out.dtype not in (torch.uint8, torch.bfloat16):
                 raise TypeError(f"lookup: out must be bfloat16 rows or uint8 records, got {out.dtype}")
+            if graph.lookup_path() == "stream":   # a CUDA graph captures it, or FULL mode: vllm_graph.py
+                with self._lookup_lock:
+                    if graph.capturing():
+                        if self._pending or self._pending_copy is not None:
+                            raise RuntimeError("lookup: a CUDA graph capture began with this layer's rows in flight")
+                    else:
+                        self.wait()
+                    return graph.stream_lookup(self, indices, out)
+            graph.check_embedding(self)
             with self._lookup_lock:
                 self.wait()                       # the previous lookup's rows (and its staging)
                 lanes, rows_ready = None, None
@@ -384,6 +394,8 @@ def _patch_engram(E):
             model, layout.layer_ids[layer_hash_index], layout.num_embeddings[layer_hash_index], layout.head_dim,
             tuple(size for order in layout.primes[layer_hash_index] for size in order),
             cpu_offload=offload)
+        from .vllm_graph import check_startup
+        check_startup(config, emb)   # FULL CUDA graphs and rows that need the GIL: refused here
         _serving = True
         return emb
 
@@ -430,7 +442,13 @@ def _patch_loader(W):
     W.should_skip_weight = should_skip_weight
 
 
-_PATCHES = {ENGRAM_MODULE: _patch_engram, LOADER_MODULE: _patch_loader}
+def _patch_replay(B):
+    from .vllm_graph import patch_replay
+    patch_replay(B)
+
+
+_PATCHES = {ENGRAM_MODULE: _patch_engram, LOADER_MODULE: _patch_loader,
+            "vllm.compilation.breakable_cudagraph": _patch_replay}
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):

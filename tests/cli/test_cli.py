@@ -755,12 +755,15 @@ def test_readme_says_plan_hash_rows_are_head_local():
 
 
 def test_readme_warns_that_the_transformers_extra_pulls_cuda_torch():
+    """The transformers section warns of PyPI's CUDA torch and points to the CPU install above it,
+    which installs the torch CI runs (tests/project/test_readme.py holds that line itself)."""
     readme = _readme()
-    section = readme.split("## DeepSeek-V4.1 in transformers", 1)[1].split("```", 1)[0]
-    assert "CUDA" in section and "--index-url https://download.pytorch.org/whl/cpu" in section, section
+    head, rest = readme.split("## DeepSeek-V4.1 in transformers", 1)
+    section = rest.split("```", 1)[0]
+    assert "CUDA" in section and "CPU torch first" in section, section
     with open(os.path.join(ROOT, ".ci", "constraints.txt")) as f:
         pin = re.search(r"^torch==([\w.+]+)$", f.read(), re.M)[1]
-    assert f"torch=={pin} --index-url" in section   # the version CI runs
+    assert f"torch=={pin} --index-url https://download.pytorch.org/whl/cpu" in head   # the version CI runs
 
 
 def test_a_demo_file_given_to_from_deepseek_v41_says_what_it_is(tmp_path):
