@@ -42,6 +42,8 @@
 typedef struct {
     int G, D, K;       /* K: conv taps; the first K-1 read earlier values, the last x(t) */
     float inv_sqrt_d;  /* 1/sqrt(D), the gate's scale */
+    float eps_qk;      /* RMSNorm eps of the keys and the hidden (the demo: ES_EPS_KEY; Qwen: rms_norm_eps) */
+    float eps_conv;    /* RMSNorm eps of the ShortConv input (the demo: ES_EPS_CONV) */
     const float *n1;   /* [G, D] key RMSNorm weights */
     const float *n2;   /* [G, D] hidden RMSNorm weights */
     const float *n3;   /* [G, D] ShortConv RMSNorm weights */

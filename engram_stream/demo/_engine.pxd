@@ -10,6 +10,8 @@ cdef extern from "engram_step.h" nogil:
     ctypedef struct es_tail_params:
         int G, D, K
         float inv_sqrt_d
+        float eps_qk
+        float eps_conv
         const float *n1
         const float *n2
         const float *n3

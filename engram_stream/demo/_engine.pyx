@@ -129,6 +129,7 @@ cdef class StreamEngine(EngineBase):
         self.n3 = view(w.conv_norm, np.float32, (self.G, self.D), f"layer {self.layer} conv_norm")
         self.tp.G, self.tp.D, self.tp.K = self.G, self.D, self.K
         self.tp.inv_sqrt_d = <float> (1.0 / sqrt(<double> self.D))
+        self.tp.eps_qk, self.tp.eps_conv = w.eps_qk, w.eps_conv  # the variant's (weights carry them)
         self.tp.n1 = &self.n1[0, 0]
         self.tp.n2 = &self.n2[0, 0]
         self.tp.n3 = &self.n3[0, 0]

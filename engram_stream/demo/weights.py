@@ -12,6 +12,7 @@ import mmap
 import ml_dtypes
 import numpy as np
 
+from .._hash import EPS_CONV, EPS_KEY  # include/engram_consts.h: the demo module's fixed eps
 from ..plan import frozen
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -76,7 +77,14 @@ class LayerWeights:
 
     Every array is a read-only view (engines read them through raw pointers while they run):
     large arrays given here are shared, not copied, so do not write to your own originals
-    under a live engine; the small integer offsets are copied."""
+    under a live engine; the small integer offsets are copied.
+
+    eps_qk / eps_conv: the RMSNorm eps of keys and hidden / of the ShortConv input, what the
+    engine's tails and the oracle use (the demo module's constants; a variant that reuses these
+    weights with its own eps sets them, as qwen3.8-flash-next does)."""
+
+    eps_qk = float(EPS_KEY)
+    eps_conv = float(EPS_CONV)
 
     def __init__(self, cfg, offsets, table, proj_w, proj_b, norm1, norm2, conv_norm, conv_w,
                  table_scale=None):

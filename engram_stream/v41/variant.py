@@ -41,6 +41,6 @@ VARIANT = variants.register(variants.Variant(
     save=_save, save_init=_save_init, table_dtypes=(),
     is_checkpoint=os.path.isdir, folder_checkpoint=True, folder_of=hf.folder_of,
     forward=lambda cfg, w, rows, dead, hidden: reference.forward(cfg, rows, dead, w, hidden),
-    engine=V41StreamEngine,
+    engine=V41StreamEngine, history="dead",
     describe=lambda cfg: f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv",
     step_weights=lambda w: w.wkv_weight))
