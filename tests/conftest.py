@@ -320,13 +320,16 @@ def plugin_checkpoints(tmp_path_factory):
 
 
 def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
-    """Random ids for either variant: some negative (demo: they pass through; V4.1: DEAD in the
-    window), and for V4.1 image (DEAD) tokens, also at the start and in runs."""
+    """Random ids for any variant: some negative (demo: they pass through; V4.1: DEAD in the
+    window), and for V4.1 image (DEAD) tokens, for Qwen EOS tokens, also at the start and in runs."""
     cfg = model.cfg
     ids = rng.integers(0, cfg.vocab_size, shape).astype(np.int64)
     if cfg.image_token_id is not None:
         ids[rng.random(shape) < p_dead] = cfg.image_token_id
     ids[rng.random(shape) < p_neg] = -rng.integers(1, 5)
+    from engram_stream import variants
+    if variants.variant_of(cfg).history == "separator":  # Qwen: EOS ends a document, also at the start and in runs
+        ids[rng.random(shape) < p_dead] = cfg.pad_id
     return ids
 
 

@@ -15,6 +15,10 @@ def _load(path, mmap=True, compression=None):
     return hf.load(path, mmap=mmap)
 
 
+def _save(cfg, plan, layers, path, table_dtype=None, progress=None):
+    return hf.save(cfg, plan, layers, path, table_dtype=table_dtype, progress=progress)
+
+
 def _save_init(cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None, progress=None,
                before_write=None):
     if compression is not None:
@@ -32,7 +36,7 @@ VARIANT = variants.register(variants.Variant(
     init_layers=lambda cfg, plan, seed, zero: weights.init_layers(cfg, plan, seed, zero),
     from_state_dict=weights.layer_from_state_dict,
     weight_dtypes=("float32", "bfloat16"), with_weight_dtype=with_weight_dtype,
-    load=_load, save=hf.save, save_init=_save_init, table_dtypes=("float32", "bfloat16"),
+    load=_load, save=_save, save_init=_save_init, table_dtypes=("float32", "bfloat16"),
     is_checkpoint=hf.is_checkpoint, folder_checkpoint=True, folder_of=hf.folder_of,
     forward=lambda cfg, w, rows, dead, hidden: reference.forward(cfg, rows, w, hidden),
     engine=StreamEngine, describe=config.describe, step_weights=lambda w: w.proj_w,
