@@ -34,7 +34,7 @@ from ..io.safetensors import MAX_HEADER, SafetensorsFile, Tensor
 from ..plan import HashPlan
 from ..v41.hf import weight_map  # the index reader is the same for every Hugging Face folder
 from .config import QWEN, reads_hf_config
-from .weights import NAMES, TABLE, PLEWeights
+from .weights import BUFFERS, NAMES, TABLE, PLEWeights
 
 INDEX = "model.safetensors.index.json"
 PLE_NAME = re.compile(r"(model\.language_model\.|model\.|)layers\.(\d+)\.ple\.(.+)")
@@ -176,6 +176,13 @@ def load(folder, mmap=True):
                 if a.shape != shape:
                     raise _err(files[shard].path, f"tensor {full!r}: shape {a.shape}, expected {shape}")
                 arr[short] = a if a.dtype == BF16 and short.endswith("proj.weight") else np.asarray(a, np.float32)
+            planned = dict(zip(BUFFERS, (plan.multipliers[L], plan.head_primes[L], plan.offsets[L])))
+            for short, mine in planned.items():  # transformers saves its buffers: they must be this plan's
+                if short in layer:
+                    full, shard = layer[short]
+                    if not np.array_equal(files[shard].read(full), mine):
+                        raise _err(files[shard].path, f"tensor {full!r} disagrees with config.json's hash plan "
+                                                      f"({mine[:4].tolist()}...)")
             table = _table(folder, L, cfg, plan, _table_parts(folder, L, layer), files)
             layers[L] = PLEWeights(cfg, plan.offsets[L], table, arr["key_proj.weight"], arr["value_proj.weight"],
                                    arr["norm_key.weight"], arr["norm_query.weight"], arr["norm_conv.weight"],
