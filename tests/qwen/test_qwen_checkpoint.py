@@ -158,3 +158,4 @@ def test_cli_init_writes_a_folder_that_loads(tmp_path):
     want = EngramModel.init(model.cfg, seed=0)  # init's default weight seed
     for L in model.cfg.layer_ids:
         close(model.forward(L, ids, hid), want.forward(L, ids, hid))
+
