@@ -37,6 +37,12 @@ def _is_checkpoint(path):
     return not any(v.reads_hf_config and v.reads_hf_config(d) for v in variants.variants() if v.name != config.V41)
 
 
+def _folder_of(path):
+    """The V4.1 folder a file belongs to (hf.folder_of), not another variant's folder."""
+    folder = hf.folder_of(path)
+    return folder if folder is not None and _is_checkpoint(folder) else None
+
+
 def hf_config_of(folder):
     """The parsed config.json of a folder, or None (absent, not JSON, not an object)."""
     import json
@@ -61,7 +67,7 @@ VARIANT = variants.register(variants.Variant(
     weight_dtypes=("float8_e4m3fn",), with_weight_dtype=_with_weight_dtype,
     load=lambda path, mmap=True, compression=None: hf.load(path, mmap=mmap, compression=compression),
     save=_save, save_init=_save_init, table_dtypes=(),
-    is_checkpoint=_is_checkpoint, folder_checkpoint=True, folder_of=hf.folder_of,
+    is_checkpoint=_is_checkpoint, folder_checkpoint=True, folder_of=_folder_of,
     forward=lambda cfg, w, rows, dead, hidden: reference.forward(cfg, rows, dead, w, hidden),
     engine=V41StreamEngine, history="dead",
     describe=lambda cfg: f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv",

@@ -159,3 +159,11 @@ def test_cli_init_writes_a_folder_that_loads(tmp_path):
     for L in model.cfg.layer_ids:
         close(model.forward(L, ids, hid), want.forward(L, ids, hid))
 
+
+
+def test_a_file_of_the_folder_names_the_qwen_folder(tmp_path):
+    from engram_stream.cli import main
+    EngramModel.init(EngramConfig.from_hf_config(HF), seed=0).save(tmp_path / "q")
+    with pytest.raises(CheckpointError, match="qwen3.8-flash-next folder"):
+        EngramModel.load(tmp_path / "q" / "config.json")
+    assert main(["inspect", str(tmp_path / "q")]) == 0
