@@ -8,13 +8,17 @@ load() reads only the PLE tensors of the layers in ple_layer_ids: `<prefix>layer
 (decoder layers are numbered from 0 in the names, ple_layer_ids from 1; the prefix "",
 "model." or "model.language_model."), the table as `ple_embedding.ngram_embedding.weight` or in
 parts `ple_embedding.ngram_embedding.shard_{i}.weight`, i = 0..n-1, concatenated by rows in the
-order of i (transformers' loader does the same). Tables stay mapped when they can: one tensor,
+order of i (transformers' loader does the same). vLLM's quantized tables load too: FP8 (float8_e4m3fn
+parts, a global `ngram_embedding.weight_scale`) and NVFP4 (packed E2M1 parts, `shard_{i}.weight_scale`
+E4M3 block scales, a global `weight_scale_2`), dequantized into float32 RAM exactly as vLLM 0.33.0
+dequantizes rows for bfloat16 activations (fp8_rows, nvfp4_rows). Tables stay mapped when they can: one tensor,
 or parts lying back to back in one file, of float32 or float16; parts spread over files are
 concatenated in RAM, and bfloat16 tables are widened to float32 in RAM (exact: the demo kernels
 gather float32, float16 and int8 rows). key_proj / value_proj stay bfloat16 when stored so (the
 engine's GEMM widens them); norms and taps are read as float32.
 save() writes the flat layout: config.json, the tensors under "model.layers.{L-1}.ple." with the
-table in table_parts parts, two shards and the index, swapped in whole.
+table in table_parts parts of ceil(rows / table_parts) rows (vLLM's loader wants exactly these),
+one shard a layer and the index, swapped in whole.
 """
 from __future__ import annotations
 
@@ -38,7 +42,8 @@ from .weights import BUFFERS, NAMES, TABLE, PLEWeights
 
 INDEX = "model.safetensors.index.json"
 PLE_NAME = re.compile(r"(model\.language_model\.|model\.|)layers\.(\d+)\.ple\.(.+)")
-PART = re.compile(re.escape(TABLE[:-len(".weight")]) + r"\.shard_(\d+)\.weight")
+EMB = TABLE[:-len(".weight")]  # ple_embedding.ngram_embedding
+PART = re.compile(re.escape(EMB) + r"\.shard_(\d+)\.(weight|weight_scale)")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 OWN_FILES = re.compile(r"(config\.json|model\.safetensors\.index\.json|model(-\d+-of-\d+)?\.safetensors)"
                        r"(\.tmp-\d+(\.[0-9a-f]+)?)?")
@@ -103,24 +108,31 @@ def _ple_names(folder, cfg, wm) -> dict:
     return out
 
 
-def _table_parts(folder, L, names) -> list:
-    """[(tensor name, shard)] of layer L's table, in row order."""
-    parts = {int(m.group(1)): v for k, v in names.items() if (m := PART.fullmatch(k))}
-    if TABLE in names:
+def _table_parts(folder, L, names, suffix="weight") -> list:
+    """[(tensor name, shard)] of layer L's table (suffix "weight") or of its per-row NVFP4 block
+    scales ("weight_scale"), in row order; [] when there are no scale parts."""
+    parts = {int(m.group(1)): v for k, v in names.items() if (m := PART.fullmatch(k)) and m.group(2) == suffix}
+    whole = f"{EMB}.{suffix}"
+    if whole in names and suffix == "weight":
         if parts:
-            raise _err(folder, f"layer {L}: both {TABLE} and its shard_* parts")
-        return [names[TABLE]]
+            raise _err(folder, f"layer {L}: both {whole} and its shard_* parts")
+        return [names[whole]]
     if not parts:
+        if suffix != "weight":
+            return []
         raise _err(folder, f"layer {L} has no {TABLE} (nor its shard_* parts)")
     if sorted(parts) != list(range(len(parts))):
         raise _err(folder, f"layer {L}: table parts {sorted(parts)[:8]}... are not shard_0..shard_{len(parts) - 1}")
     return [parts[i] for i in range(len(parts))]
 
 
-def _table(folder, L, cfg, plan, parts, files):
+def _table(folder, L, cfg, plan, parts, files, names):
     """Layer L's table as one array: a view of the mapping when it is one tensor or parts back to
     back in one file, else a concatenation in RAM; bfloat16 widened to float32."""
     infos = [(files[shard], files[shard].info(full)) for full, shard in parts]
+    codes = {t.code for _, t in infos}
+    if codes == {"F8_E4M3"} or codes == {"U8"}:
+        return _dequantized(folder, L, cfg, plan, parts, infos, files, names)
     dtypes = {t.dtype for _, t in infos}
     if len(dtypes) != 1 or next(iter(dtypes)) not in (np.float32, np.float16, BF16):
         raise _err(folder, f"layer {L} table: float32, float16 or bfloat16 parts of one dtype, got {sorted(map(str, dtypes))}")
@@ -142,6 +154,81 @@ def _table(folder, L, cfg, plan, parts, files):
     r = 0
     for (full, shard), (_, t) in zip(parts, infos):
         out[r:r + t.shape[0]] = files[shard].array(full)
+        r += t.shape[0]
+    return out
+
+
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                np.float32)  # an NVFP4 nibble: sign bit 3, magnitude bits 0-2
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+NVFP4_BLOCK = 16
+
+
+def _global_scale(folder, L, names, files, short):
+    if short not in names:
+        raise _err(folder, f"layer {L}: a quantized table needs its global scale {short}")
+    full, shard = names[short]
+    a = np.asarray(files[shard].read(full), np.float32).reshape(-1)
+    if a.size != 1:
+        raise _err(files[shard].path, f"tensor {full!r}: one global scale, got {a.size} values")
+    return np.float32(a[0])
+
+
+def fp8_rows(raw, scale):
+    """vLLM 0.33.0's FP8 PLE rows (Qwen4ExpPLEFp8EmbeddingMethod.dequantize with bfloat16
+    activations): bf16(bf16(e4m3) * bf16(scale)); float32 arrays of bf16 values."""
+    s = np.float32(np.asarray(scale, np.float32).astype(BF16))
+    v = np.asarray(raw, np.uint8).view(E4M3).astype(np.float32)
+    return (v * s).astype(BF16).astype(np.float32)
+
+
+def nvfp4_rows(packed, block_scales, global_scale):
+    """vLLM 0.33.0's NVFP4 PLE rows (_lookup_nvfp4_ple_embedding_kernel: two E2M1 values a byte,
+    the low nibble the even element; one E4M3 scale per 16 values; value = e2m1 * scale * global
+    in float32, stored as bfloat16); float32 arrays of bf16 values."""
+    packed = np.asarray(packed, np.uint8)
+    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    scales = np.asarray(block_scales, np.uint8).view(E4M3).astype(np.float32)
+    v = E2M1[codes] * np.repeat(scales, NVFP4_BLOCK, axis=1)   # exact: 3 bits times 4 bits
+    return (v * np.float32(global_scale)).astype(BF16).astype(np.float32)
+
+
+def _dequantized(folder, L, cfg, plan, parts, infos, files, names):
+    """An FP8 (float8_e4m3fn parts and one global weight_scale) or NVFP4 (uint8 parts of packed
+    E2M1, shard_i.weight_scale parts of E4M3 block scales, one global weight_scale_2) table,
+    dequantized part by part into float32 RAM as vLLM 0.33.0 dequantizes rows. transformers
+    has no quantized PLE tables: these are vLLM's formats."""
+    hd, nvfp4 = cfg.head_dim, next(iter(infos))[1].code == "U8"
+    width = hd // 2 if nvfp4 else hd
+    for f, t in infos:
+        if len(t.shape) != 2 or t.shape[1] != width:
+            raise _err(f.path, f"a part of layer {L}'s {'NVFP4' if nvfp4 else 'FP8'} table has shape {t.shape}: "
+                               f"rows of {width} bytes expected")
+    rows = sum(t.shape[0] for _, t in infos)
+    if rows != plan.table_rows[L]:
+        raise _err(folder, f"layer {L} table has {rows} rows, config.json's primes padded to "
+                           f"x{cfg.table_rows_multiple} need {plan.table_rows[L]}")
+    out = np.empty((rows, hd), np.float32)
+    if not nvfp4:
+        scale = _global_scale(folder, L, names, files, f"{EMB}.weight_scale")
+        r = 0
+        for (full, shard), (_, t) in zip(parts, infos):
+            out[r:r + t.shape[0]] = fp8_rows(files[shard].array(full), scale)
+            r += t.shape[0]
+        return out
+    if hd % NVFP4_BLOCK:
+        raise _err(folder, f"layer {L}: an NVFP4 table needs rows of a multiple of {NVFP4_BLOCK} values, not {hd}")
+    g = _global_scale(folder, L, names, files, f"{EMB}.weight_scale_2")
+    scales = _table_parts(folder, L, names, "weight_scale")
+    if len(scales) != len(parts):
+        raise _err(folder, f"layer {L}: {len(parts)} NVFP4 table parts but {len(scales)} weight_scale parts")
+    r = 0
+    for (full, shard), (sfull, sshard), (_, t) in zip(parts, scales, infos):
+        st = files[sshard].info(sfull)
+        if st.code != "F8_E4M3" or tuple(st.shape) != (t.shape[0], hd // NVFP4_BLOCK):
+            raise _err(files[sshard].path, f"tensor {sfull!r}: E4M3 block scales of shape "
+                                           f"{(t.shape[0], hd // NVFP4_BLOCK)} expected, got {st.code} {st.shape}")
+        out[r:r + t.shape[0]] = nvfp4_rows(files[shard].array(full), files[sshard].array(sfull), g)
         r += t.shape[0]
     return out
 
@@ -183,7 +270,7 @@ def load(folder, mmap=True):
                     if not np.array_equal(files[shard].read(full), mine):
                         raise _err(files[shard].path, f"tensor {full!r} disagrees with config.json's hash plan "
                                                       f"({mine[:4].tolist()}...)")
-            table = _table(folder, L, cfg, plan, _table_parts(folder, L, layer), files)
+            table = _table(folder, L, cfg, plan, _table_parts(folder, L, layer), files, layer)
             layers[L] = PLEWeights(cfg, plan.offsets[L], table, arr["key_proj.weight"], arr["value_proj.weight"],
                                    arr["norm_key.weight"], arr["norm_query.weight"], arr["norm_conv.weight"],
                                    arr["conv1d.weight"])
@@ -214,9 +301,9 @@ def save(cfg, plan, layers, path, table_dtype=None, progress=None, before_write=
         pre = f"model.layers.{L - 1}.ple."
         dtype = BF16 if table_dtype == "bfloat16" else np.dtype(np.float32) if table_dtype else np.dtype(w.table.dtype)
         rows = plan.table_rows[L]
-        parts = min(cfg.table_parts, rows)
-        bounds = [rows * i // parts for i in range(parts + 1)]  # sizes differ by at most one row
-        for i in range(parts):
+        size = -(-rows // cfg.table_parts)  # vLLM's shard size: ceil; the last parts may be short or empty
+        bounds = [min(rows, size * i) for i in range(cfg.table_parts + 1)]
+        for i in range(cfg.table_parts):
             tensors.append(_table_tensor(f"{pre}{TABLE[:-len('.weight')]}.shard_{i}.weight", w.table,
                                          bounds[i], bounds[i + 1], dtype))
         for short in ("key_proj.weight", "value_proj.weight"):

@@ -167,3 +167,77 @@ def test_a_file_of_the_folder_names_the_qwen_folder(tmp_path):
     with pytest.raises(CheckpointError, match="qwen3.8-flash-next folder"):
         EngramModel.load(tmp_path / "q" / "config.json")
     assert main(["inspect", str(tmp_path / "q")]) == 0
+
+
+# --- vLLM's quantized tables --------------------------------------------------------------------------
+def _quantized_folder(tmp_path, kind, seed=9):
+    """A folder whose tables are FP8 (vLLM: float8_e4m3fn parts, one global weight_scale) or NVFP4
+    (uint8 parts of packed E2M1, shard_i.weight_scale E4M3 block scales, a global weight_scale_2),
+    head_dim 16; returns (folder, {L: the raw arrays})."""
+    cfg = EngramConfig.from_hf_config({**HF, "ple_embed_dim": 64})
+    tensors = _tensors(EngramModel.init(cfg, seed=seed), "model.")
+    rng = np.random.default_rng(seed)
+    raw = {}
+    for L in cfg.layer_ids:
+        pre = f"model.layers.{L - 1}.ple.ple_embedding.ngram_embedding"
+        parts = [f"{pre}.shard_{i}.weight" for i in range(cfg.table_parts)]
+        rows = [len(tensors[k]) for k in parts]
+        for k in parts:
+            del tensors[k]
+        n = sum(rows)
+        if kind == "fp8":
+            codes = rng.integers(0, 256, (n, 16), dtype=np.uint8)
+            codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes
+            scale = np.array([0.0123], np.float32)
+            raw[L] = (codes, scale)
+            tensors[f"{pre}.weight_scale"] = scale
+        else:
+            codes = rng.integers(0, 256, (n, 8), dtype=np.uint8)
+            bs = rng.integers(0x20, 0x50, (n, 1), dtype=np.uint8)  # e4m3 block scales around 1
+            scale2 = np.array([0.37], np.float32)
+            raw[L] = (codes, bs, scale2)
+            tensors[f"{pre}.weight_scale_2"] = scale2
+        r = 0
+        for i, m in enumerate(rows):
+            tensors[f"{pre}.shard_{i}.weight"] = codes[r:r + m]
+            if kind == "nvfp4":
+                tensors[f"{pre}.shard_{i}.weight_scale"] = bs[r:r + m]
+            r += m
+    folder = tmp_path / kind
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**HF, "ple_embed_dim": 64}))
+    e4m3 = lambda k: ".shard_" in k and (k.endswith(".weight_scale") or kind == "fp8")  # noqa: E731
+    items = [safetensors.Tensor.of(k, np.ascontiguousarray(v), code="F8_E4M3" if e4m3(k) else None)
+             for k, v in tensors.items()]
+    safetensors.write(folder / "model.safetensors", items)
+    return folder, raw
+
+
+def test_fp8_tables_as_vllm_dequantizes_them(tmp_path):
+    """vLLM: embeddings.to(bf16) * weight_scale.to(bf16), in torch."""
+    torch = pytest.importorskip("torch")
+    folder, raw = _quantized_folder(tmp_path, "fp8")
+    model = EngramModel.load(folder)
+    for L, (codes, scale) in raw.items():
+        want = (torch.from_numpy(codes).view(torch.float8_e4m3fn).to(torch.bfloat16)
+                * torch.from_numpy(scale).to(torch.bfloat16)).float().numpy()
+        np.testing.assert_array_equal(model.layer(L).table, want)
+    ids, hid = inputs(model.cfg, seed=10)
+    eng = model.stream(1)
+    close(np.stack([eng.step(int(t), h) for t, h in zip(ids[0], hid[0])]), model.forward(1, ids, hid)[0])
+
+
+def test_nvfp4_tables_as_vllm_dequantizes_them(tmp_path):
+    """vLLM's NVFP4 lookup, written out in torch: low nibble first, E2M1 magnitudes, one E4M3
+    scale per 16 values, times the global scale in float32, stored as bf16."""
+    torch = pytest.importorskip("torch")
+    folder, raw = _quantized_folder(tmp_path, "nvfp4")
+    model = EngramModel.load(folder)
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    for L, (codes, bs, scale2) in raw.items():
+        c = torch.from_numpy(codes).long()
+        nib = torch.stack([c & 0xF, c >> 4], dim=-1).reshape(len(codes), -1)
+        v = lut[nib & 7] * torch.where((nib & 8) != 0, -1.0, 1.0)
+        s = torch.from_numpy(bs).view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
+        want = (v * s * torch.from_numpy(scale2)).to(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(model.layer(L).table, want)
