@@ -157,3 +157,15 @@ def test_prefill_then_steps_and_packed_segments_equal_the_oracle():
     close(np.concatenate(out0 + [np.stack(steps())]), want[0])
     eng.restore(snap)  # back to where slot 0's prompt ended: the same steps give the same outputs
     close(np.stack(steps()), want[0, 150:])
+
+
+def test_bfloat16_projections_equal_the_oracle_on_the_same_weights():
+    model = small_model(seed=2).with_weight_dtype("bfloat16")
+    L = 5
+    w = model.layer(L)
+    assert w.key_proj.dtype.name == w.value_proj.dtype.name == "bfloat16"
+    assert np.array_equal(w.norm_key_w, small_model(seed=2).layer(L).norm_key_w)  # the rest is kept
+    rng = np.random.default_rng(6)
+    ids, hid = eos_ids(rng, (2, 30)), hidden(rng, (2, 30), model.cfg)
+    eng = model.stream(L, n_streams=2)
+    close(np.stack([eng.step(ids[:, t], hid[:, t]) for t in range(30)], 1), model.forward(L, ids, hid))
