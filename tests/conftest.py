@@ -169,6 +169,13 @@ CONTRACT_MODELS = {
 }
 
 
+def make_qwen_model(seed=0):
+    """A small qwen3.8-flash-next model (the variant's example config: EOS 299, padded tables)."""
+    from engram_stream import EngramConfig, EngramModel
+    from engram_stream.qwen.config import EXAMPLE
+    return EngramModel.init(EngramConfig(**EXAMPLE), seed=seed)
+
+
 def contract_variants() -> list:
     """The names of every registered variant: the contract suites run on each."""
     from engram_stream import variants
@@ -197,6 +204,7 @@ ROW_MODELS = {
     "demo-int8": lambda: make_model(G=2, n=3, K=3, D=16, comp=True, seed=6, vocab=60, table_dtype="int8"),
     "v41": lambda: make_v41_model(seed=7),
     "v41-flash-rows": lambda: make_v41_model(seed=8, hd=256, D=32),  # the 264-byte record
+    "qwen": lambda: make_qwen_model(seed=9),
 }
 SMALL_CACHE = "small"   # row_cache_mb far below the rows one call reads: evictions within a call
 ROW_SOURCES = {
@@ -213,9 +221,9 @@ ROW_SOURCES = {
 
 
 def load_checkpoint(path, **kw):
-    """A saved ROW_MODELS checkpoint (a demo file or a V4.1 folder) loaded with `kw`."""
-    from engram_stream import EngramModel
-    if os.path.isdir(path):
+    """A saved ROW_MODELS checkpoint (a demo file, a V4.1 or a Qwen folder) loaded with `kw`."""
+    from engram_stream import EngramModel, variants
+    if os.path.isdir(path) and variants.get("deepseek-v4.1").is_checkpoint(path):
         return EngramModel.from_deepseek_v41(path, **kw)
     return EngramModel.load(path, **kw)
 
