@@ -30,6 +30,7 @@ cdef extern from "engram_step.h" nogil:
     int64_t es_fma_chains(int64_t n, float *sink) noexcept
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_f16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
+    void es_gather_bf16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_i8(const int8_t *table, const float *scale, int hd, const int64_t *rows, int H,
                       float *e) noexcept
 

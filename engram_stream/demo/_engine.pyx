@@ -10,6 +10,7 @@ This file is the one home of the ring's rules (DESIGN.md, "The streaming engine"
 each tap reads, where x(t) goes, how pos advances, what reset, rollback and commit do. The C
 headers only do stateless vector math on the pointers given here. Oracle: EngramModel.forward.
 """
+import ml_dtypes
 import numpy as np
 cimport numpy as cnp
 from libc.math cimport sqrt
@@ -25,6 +26,7 @@ from engram_stream.engine._base import view
 cnp.import_array()
 
 PREFILL_CHUNK = ES_PREFILL_CHUNK  # tokens per GEMM of a call (include/engram_consts.h)
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 cdef inline void *_regrow(void *p, size_t nbytes) except NULL:
@@ -79,6 +81,8 @@ cdef void _gather_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
                 es_gather_f32(<const float *> p, w.hd, &zero, 1, e)
             elif w.kind == 1:
                 es_gather_f16(<const uint16_t *> p, w.hd, &zero, 1, e)
+            elif w.kind == 3:
+                es_gather_bf16(<const uint16_t *> p, w.hd, &zero, 1, e)
             else:
                 es_gather_i8(<const int8_t *> p, <const float *> w.sp[i * w.H + j], w.hd, &zero, 1, e)
 
@@ -107,11 +111,13 @@ cdef class StreamEngine(EngineBase):
         cdef int64_t P = (self.M + 15) // 16
         wp, bp, cw = w.packed()
         table = w.table
-        if not isinstance(table, np.ndarray) or table.dtype not in (np.float32, np.float16, np.int8):
+        if not isinstance(table, np.ndarray) or table.dtype not in (np.float32, np.float16, np.int8, _BF16):
             raise ValueError(f"layer {self.layer}: unsupported table {type(table).__name__} "
                              f"{getattr(table, 'dtype', '')}")
         view(table, table.dtype, (self.src.nrows, self.hd), f"layer {self.layer} table")
-        self.table_kind = 0 if table.dtype == np.float32 else 1 if table.dtype == np.float16 else 2
+        # gather kinds (engram_step.h es_gather_job): bfloat16 tables are qwen3.8-flash-next's (the demo's
+        # files hold float32, float16 or int8)
+        self.table_kind = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int8): 2, _BF16: 3}[table.dtype]
         if self.table_kind == 2 and w.table_scale is None:
             raise ValueError(f"layer {self.layer}: an int8 table needs its per-row table_scale")
         if self.src.rowbytes != self.hd * table.dtype.itemsize or self.src.scalebytes != (4 if self.table_kind == 2 else 0):

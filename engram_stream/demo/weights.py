@@ -232,8 +232,9 @@ def check_weight_dtype(dtype) -> str:
     return name
 
 
-def validate_layer(cfg, plan, L, w):
-    """Shapes and dtypes the engine's raw-pointer code relies on."""
+def validate_layer(cfg, plan, L, w, table_dtypes=TABLE_DTYPES):
+    """Shapes and dtypes the engine's raw-pointer code relies on; table_dtypes: what the variant's
+    tables may be (the engine also gathers bfloat16, qwen3.8-flash-next's)."""
     if not isinstance(w, LayerWeights):
         raise TypeError(f"layer {L}: expected LayerWeights, got {type(w).__name__}")
     G, D, E, K = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim, cfg.kernel_size
@@ -244,8 +245,8 @@ def validate_layer(cfg, plan, L, w):
         a = getattr(w, name)
         if not isinstance(a, np.ndarray) or a.shape != shape:
             raise ValueError(f"layer {L} {name}: expected shape {shape}, got {getattr(a, 'shape', type(a).__name__)}")
-    if w.table.dtype.name not in TABLE_DTYPES:
-        raise ValueError(f"layer {L} table: dtype must be one of {TABLE_DTYPES}, got {w.table.dtype}")
+    if w.table.dtype.name not in table_dtypes:
+        raise ValueError(f"layer {L} table: dtype must be one of {table_dtypes}, got {w.table.dtype}")
     if (w.table.dtype == np.int8) != (w.table_scale is not None):
         raise ValueError(f"layer {L} table: int8 tables need a per-row float32 table_scale (and only they)")
     if w.table_scale is not None and np.shape(w.table_scale) != (plan.table_rows[L],):

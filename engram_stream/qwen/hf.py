@@ -12,9 +12,8 @@ order of i (transformers' loader does the same). vLLM's quantized tables load to
 parts, a global `ngram_embedding.weight_scale`) and NVFP4 (packed E2M1 parts, `shard_{i}.weight_scale`
 E4M3 block scales, a global `weight_scale_2`), dequantized into float32 RAM exactly as vLLM 0.33.0
 dequantizes rows for bfloat16 activations (fp8_rows, nvfp4_rows). Tables stay mapped when they can: one tensor,
-or parts lying back to back in one file, of float32 or float16; parts spread over files are
-concatenated in RAM, and bfloat16 tables are widened to float32 in RAM (exact: the demo kernels
-gather float32, float16 and int8 rows). key_proj / value_proj stay bfloat16 when stored so (the
+or parts lying back to back in one file, of float32, float16 or bfloat16 (the engine gathers each);
+parts spread over files are concatenated in RAM. key_proj / value_proj stay bfloat16 when stored so (the
 engine's GEMM widens them); norms and taps are read as float32.
 save() writes the flat layout: config.json, the tensors under "model.layers.{L-1}.ple." with the
 table in table_parts parts of ceil(rows / table_parts) rows (vLLM's loader wants exactly these),
@@ -128,7 +127,7 @@ def _table_parts(folder, L, names, suffix="weight") -> list:
 
 def _table(folder, L, cfg, plan, parts, files, names):
     """Layer L's table as one array: a view of the mapping when it is one tensor or parts back to
-    back in one file, else a concatenation in RAM; bfloat16 widened to float32."""
+    back in one file, else a concatenation in RAM (quantized tables: _dequantized)."""
     infos = [(files[shard], files[shard].info(full)) for full, shard in parts]
     codes = {t.code for _, t in infos}
     if codes == {"F8_E4M3"} or codes == {"U8"}:
@@ -148,9 +147,9 @@ def _table(folder, L, cfg, plan, parts, files, names):
     f0 = infos[0][0]
     adjacent = all(f is f0 for f, _ in infos) and all(
         a.start + a.nbytes == b.start for (_, a), (_, b) in zip(infos, infos[1:]))
-    if adjacent and f0.mm is not None and dtype != BF16:
+    if adjacent and f0.mm is not None:
         return np.frombuffer(f0.mm, dtype, rows * hd, infos[0][1].start).reshape(rows, hd)
-    out = np.empty((rows, hd), np.float32 if dtype == BF16 else dtype)
+    out = np.empty((rows, hd), dtype)
     r = 0
     for (full, shard), (_, t) in zip(parts, infos):
         out[r:r + t.shape[0]] = files[shard].array(full)

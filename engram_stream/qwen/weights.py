@@ -18,6 +18,7 @@ from ..demo.weights import BF16, InitTable, LayerWeights, _to_numpy, weight_dtyp
 from ..demo.weights import validate_layer as _validate_demo_layer
 from ..plan import frozen
 
+TABLE_DTYPES = ("float32", "float16", "bfloat16")  # the demo engine gathers each (bfloat16: the released tables')
 TABLE = "ple_embedding.ngram_embedding.weight"
 NAMES = (TABLE, "key_proj.weight", "value_proj.weight", "norm_key.weight", "norm_query.weight",
          "norm_conv.weight", "conv1d.weight")
@@ -85,7 +86,7 @@ class PLEWeights(LayerWeights):
 def validate_layer(cfg, plan, L, w):
     if not isinstance(w, PLEWeights):
         raise TypeError(f"layer {L}: expected PLEWeights, got {type(w).__name__}")
-    _validate_demo_layer(cfg, plan, L, w)
+    _validate_demo_layer(cfg, plan, L, w, table_dtypes=TABLE_DTYPES)
     if w.eps_qk != cfg.norm_eps:
         raise ValueError(f"layer {L}: weights made for norm eps {w.eps_qk}, the config has {cfg.norm_eps}")
 

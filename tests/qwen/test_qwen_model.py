@@ -169,3 +169,21 @@ def test_bfloat16_projections_equal_the_oracle_on_the_same_weights():
     ids, hid = eos_ids(rng, (2, 30)), hidden(rng, (2, 30), model.cfg)
     eng = model.stream(L, n_streams=2)
     close(np.stack([eng.step(ids[:, t], hid[:, t]) for t in range(30)], 1), model.forward(L, ids, hid))
+
+
+def test_bfloat16_tables_are_gathered_as_they_are():
+    """The released tables are bfloat16: the engine gathers them (no float32 copy), every kernel path."""
+    import ml_dtypes
+    f32 = small_model(seed=3)
+    cfg = f32.cfg
+    bf = EngramModel(cfg, f32.plan, {L: w.replace(cfg, table=w.table.astype(ml_dtypes.bfloat16))
+                                      for L, w in f32.layers.items()})
+    rng = np.random.default_rng(7)
+    ids, hid = eos_ids(rng, (2, 30)), hidden(rng, (2, 30), cfg)
+    for L in cfg.layer_ids:
+        assert bf.layer(L).table.dtype.name == "bfloat16"
+        want = bf.forward(L, ids, hid)
+        assert not np.array_equal(want, f32.forward(L, ids, hid))  # the rounding shows: the rows are bf16
+        eng = bf.stream(L, n_streams=2)
+        close(np.stack([eng.step(ids[:, t], hid[:, t]) for t in range(30)], 1), want)
+        close(bf.stream(L).prefill(ids[1], hid[1]), want[1])
