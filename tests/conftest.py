@@ -169,11 +169,16 @@ CONTRACT_MODELS = {
 }
 
 
-def make_qwen_model(seed=0):
+def make_qwen_model(seed=0, table_dtype="float32"):
     """A small qwen3.8-flash-next model (the variant's example config: EOS 299, padded tables)."""
+    import ml_dtypes
     from engram_stream import EngramConfig, EngramModel
     from engram_stream.qwen.config import EXAMPLE
-    return EngramModel.init(EngramConfig(**EXAMPLE), seed=seed)
+    m = EngramModel.init(EngramConfig(**EXAMPLE), seed=seed)
+    if table_dtype == "bfloat16":
+        m = EngramModel(m.cfg, m.plan, {L: w.replace(m.cfg, table=w.table.astype(ml_dtypes.bfloat16))
+                                        for L, w in m.layers.items()})
+    return m
 
 
 def contract_variants() -> list:
@@ -205,6 +210,7 @@ ROW_MODELS = {
     "v41": lambda: make_v41_model(seed=7),
     "v41-flash-rows": lambda: make_v41_model(seed=8, hd=256, D=32),  # the 264-byte record
     "qwen": lambda: make_qwen_model(seed=9),
+    "qwen-bf16": lambda: make_qwen_model(seed=10, table_dtype="bfloat16"),  # the released tables' dtype
 }
 SMALL_CACHE = "small"   # row_cache_mb far below the rows one call reads: evictions within a call
 ROW_SOURCES = {
