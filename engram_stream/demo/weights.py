@@ -232,19 +232,22 @@ def check_weight_dtype(dtype) -> str:
     return name
 
 
-def validate_layer(cfg, plan, L, w, table_dtypes=TABLE_DTYPES):
+def validate_layer(cfg, plan, L, w, table_dtypes=TABLE_DTYPES, check_table=True):
     """Shapes and dtypes the engine's raw-pointer code relies on; table_dtypes: what the variant's
-    tables may be (the engine also gathers bfloat16, qwen3.8-flash-next's)."""
+    tables may be (the engine also gathers bfloat16, qwen3.8-flash-next's); check_table=False leaves the
+    table to a variant's own check (qwen3.8-flash-next's quantized codes)."""
     if not isinstance(w, LayerWeights):
         raise TypeError(f"layer {L}: expected LayerWeights, got {type(w).__name__}")
     G, D, E, K = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim, cfg.kernel_size
-    want = {"table": (plan.table_rows[L], cfg.head_dim), "offsets": (cfg.n_heads,),
+    want = {"table": (plan.table_rows[L], cfg.head_dim) if check_table else None, "offsets": (cfg.n_heads,),
             "proj_w": ((G + 1) * D, E), "proj_b": ((G + 1) * D,), "norm1": (G, D), "norm2": (G, D),
             "conv_norm": (G, D), "conv_w": (G * D, K)}
     for name, shape in want.items():
         a = getattr(w, name)
-        if not isinstance(a, np.ndarray) or a.shape != shape:
+        if shape is not None and (not isinstance(a, np.ndarray) or a.shape != shape):
             raise ValueError(f"layer {L} {name}: expected shape {shape}, got {getattr(a, 'shape', type(a).__name__)}")
+    if not check_table:
+        return
     if w.table.dtype.name not in table_dtypes:
         raise ValueError(f"layer {L} table: dtype must be one of {table_dtypes}, got {w.table.dtype}")
     if (w.table.dtype == np.int8) != (w.table_scale is not None):

@@ -10,8 +10,8 @@ load() reads only the PLE tensors of the layers in ple_layer_ids: `<prefix>layer
 parts `ple_embedding.ngram_embedding.shard_{i}.weight`, i = 0..n-1, concatenated by rows in the
 order of i (transformers' loader does the same). vLLM's quantized tables load too: FP8 (float8_e4m3fn
 parts, a global `ngram_embedding.weight_scale`) and NVFP4 (packed E2M1 parts, `shard_{i}.weight_scale`
-E4M3 block scales, a global `weight_scale_2`), dequantized into float32 RAM exactly as vLLM 0.33.0
-dequantizes rows for bfloat16 activations (fp8_rows, nvfp4_rows). Tables stay mapped when they can: one tensor,
+E4M3 block scales, a global `weight_scale_2`), kept as their codes, each code's value what vLLM 0.33.0's
+dequantization gives for bfloat16 activations (fp8_lut, nvfp4_lut). Tables stay mapped when they can: one tensor,
 or parts lying back to back in one file, of float32, float16 or bfloat16 (the engine gathers each);
 parts spread over files are concatenated in RAM. key_proj / value_proj stay bfloat16 when stored so (the
 engine's GEMM widens them); norms and taps are read as float32.
@@ -125,36 +125,45 @@ def _table_parts(folder, L, names, suffix="weight") -> list:
     return [parts[i] for i in range(len(parts))]
 
 
-def _table(folder, L, cfg, plan, parts, files, names):
-    """Layer L's table as one array: a view of the mapping when it is one tensor or parts back to
-    back in one file, else a concatenation in RAM (quantized tables: _dequantized)."""
-    infos = [(files[shard], files[shard].info(full)) for full, shard in parts]
-    codes = {t.code for _, t in infos}
-    if codes == {"F8_E4M3"} or codes == {"U8"}:
-        return _dequantized(folder, L, cfg, plan, parts, infos, files, names)
-    dtypes = {t.dtype for _, t in infos}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in (np.float32, np.float16, BF16):
-        raise _err(folder, f"layer {L} table: float32, float16 or bfloat16 parts of one dtype, got {sorted(map(str, dtypes))}")
-    hd = cfg.head_dim
-    for f, t in infos:
-        if len(t.shape) != 2 or t.shape[1] != hd:
-            raise _err(f.path, f"a part of layer {L}'s table has shape {t.shape}: rows of {hd} expected")
+def _joined(parts, infos, files, dtype, width):
+    """The parts as one [rows, width] array: a view of the mapping when they lie back to back in one
+    file, else a concatenation in RAM."""
     rows = sum(t.shape[0] for _, t in infos)
-    if rows != plan.table_rows[L]:
-        raise _err(folder, f"layer {L} table has {rows} rows, config.json's primes padded to "
-                           f"x{cfg.table_rows_multiple} need {plan.table_rows[L]}")
-    dtype = next(iter(dtypes))
     f0 = infos[0][0]
     adjacent = all(f is f0 for f, _ in infos) and all(
         a.start + a.nbytes == b.start for (_, a), (_, b) in zip(infos, infos[1:]))
     if adjacent and f0.mm is not None:
-        return np.frombuffer(f0.mm, dtype, rows * hd, infos[0][1].start).reshape(rows, hd)
-    out = np.empty((rows, hd), dtype)
+        return np.frombuffer(f0.mm, dtype, rows * width, infos[0][1].start).reshape(rows, width)
+    out = np.empty((rows, width), dtype)
     r = 0
     for (full, shard), (_, t) in zip(parts, infos):
         out[r:r + t.shape[0]] = files[shard].array(full)
         r += t.shape[0]
     return out
+
+
+def _check_parts(folder, L, cfg, plan, infos, width, what):
+    for f, t in infos:
+        if len(t.shape) != 2 or t.shape[1] != width:
+            raise _err(f.path, f"a part of layer {L}'s {what} has shape {t.shape}: rows of {width} expected")
+    rows = sum(t.shape[0] for _, t in infos)
+    if rows != plan.table_rows[L]:
+        raise _err(folder, f"layer {L} table has {rows} rows, config.json's primes padded to "
+                           f"x{cfg.table_rows_multiple} need {plan.table_rows[L]}")
+
+
+def _table(folder, L, cfg, plan, parts, files, names):
+    """(table, table_scale, table_lut) of layer L: values (float32, float16, bfloat16), or vLLM's
+    FP8 / NVFP4 codes with the value of each code (_quantized)."""
+    infos = [(files[shard], files[shard].info(full)) for full, shard in parts]
+    codes = {t.code for _, t in infos}
+    if codes == {"F8_E4M3"} or codes == {"U8"}:
+        return _quantized(folder, L, cfg, plan, parts, infos, files, names)
+    dtypes = {t.dtype for _, t in infos}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in (np.float32, np.float16, BF16):
+        raise _err(folder, f"layer {L} table: float32, float16 or bfloat16 parts of one dtype, got {sorted(map(str, dtypes))}")
+    _check_parts(folder, L, cfg, plan, infos, cfg.head_dim, "table")
+    return _joined(parts, infos, files, next(iter(dtypes)), cfg.head_dim), None, None
 
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -173,63 +182,47 @@ def _global_scale(folder, L, names, files, short):
     return np.float32(a[0])
 
 
-def fp8_rows(raw, scale):
-    """vLLM 0.33.0's FP8 PLE rows (Qwen4ExpPLEFp8EmbeddingMethod.dequantize with bfloat16
-    activations): bf16(bf16(e4m3) * bf16(scale)); float32 arrays of bf16 values."""
+def fp8_lut(scale) -> np.ndarray:
+    """float32[256]: the value vLLM 0.33.0 gives each FP8 byte of a table with this global scale
+    (Qwen4ExpPLEFp8EmbeddingMethod.dequantize, bfloat16 activations): bf16(e4m3 * bf16(scale))."""
     s = np.float32(np.asarray(scale, np.float32).astype(BF16))
-    v = np.asarray(raw, np.uint8).view(E4M3).astype(np.float32)
+    v = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
     return (v * s).astype(BF16).astype(np.float32)
 
 
-def nvfp4_rows(packed, block_scales, global_scale):
-    """vLLM 0.33.0's NVFP4 PLE rows (_lookup_nvfp4_ple_embedding_kernel: two E2M1 values a byte,
-    the low nibble the even element; one E4M3 scale per 16 values; value = e2m1 * scale * global
-    in float32, stored as bfloat16); float32 arrays of bf16 values."""
-    packed = np.asarray(packed, np.uint8)
-    codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
-    scales = np.asarray(block_scales, np.uint8).view(E4M3).astype(np.float32)
-    v = E2M1[codes] * np.repeat(scales, NVFP4_BLOCK, axis=1)   # exact: 3 bits times 4 bits
-    return (v * np.float32(global_scale)).astype(BF16).astype(np.float32)
+def nvfp4_lut(global_scale) -> np.ndarray:
+    """float32[256 * 16]: the value vLLM 0.33.0's NVFP4 lookup (_lookup_nvfp4_ple_embedding_kernel)
+    gives a nibble under a block scale byte, at [scale byte * 16 + nibble]: e2m1 * e4m3 (exact in
+    float32) * the global scale in float32, stored as bfloat16."""
+    scales = np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
+    v = scales[:, None] * E2M1[None, :]
+    return (v * np.float32(global_scale)).astype(BF16).astype(np.float32).reshape(-1)
 
 
-def _dequantized(folder, L, cfg, plan, parts, infos, files, names):
-    """An FP8 (float8_e4m3fn parts and one global weight_scale) or NVFP4 (uint8 parts of packed
-    E2M1, shard_i.weight_scale parts of E4M3 block scales, one global weight_scale_2) table,
-    dequantized part by part into float32 RAM as vLLM 0.33.0 dequantizes rows. transformers
-    has no quantized PLE tables: these are vLLM's formats."""
+def _quantized(folder, L, cfg, plan, parts, infos, files, names):
+    """vLLM's quantized tables, kept as their codes (mapped when the parts lie back to back in one
+    file) with the value of every code: FP8, float8_e4m3fn parts and one global weight_scale;
+    NVFP4, uint8 parts of packed E2M1, shard_i.weight_scale parts of E4M3 block scales, one global
+    weight_scale_2. transformers has no quantized PLE tables: these are vLLM's formats."""
     hd, nvfp4 = cfg.head_dim, next(iter(infos))[1].code == "U8"
-    width = hd // 2 if nvfp4 else hd
-    for f, t in infos:
-        if len(t.shape) != 2 or t.shape[1] != width:
-            raise _err(f.path, f"a part of layer {L}'s {'NVFP4' if nvfp4 else 'FP8'} table has shape {t.shape}: "
-                               f"rows of {width} bytes expected")
-    rows = sum(t.shape[0] for _, t in infos)
-    if rows != plan.table_rows[L]:
-        raise _err(folder, f"layer {L} table has {rows} rows, config.json's primes padded to "
-                           f"x{cfg.table_rows_multiple} need {plan.table_rows[L]}")
-    out = np.empty((rows, hd), np.float32)
     if not nvfp4:
-        scale = _global_scale(folder, L, names, files, f"{EMB}.weight_scale")
-        r = 0
-        for (full, shard), (_, t) in zip(parts, infos):
-            out[r:r + t.shape[0]] = fp8_rows(files[shard].array(full), scale)
-            r += t.shape[0]
-        return out
+        _check_parts(folder, L, cfg, plan, infos, hd, "FP8 table")
+        lut = fp8_lut(_global_scale(folder, L, names, files, f"{EMB}.weight_scale"))
+        return _joined(parts, infos, files, np.uint8, hd), None, lut
     if hd % NVFP4_BLOCK:
         raise _err(folder, f"layer {L}: an NVFP4 table needs rows of a multiple of {NVFP4_BLOCK} values, not {hd}")
-    g = _global_scale(folder, L, names, files, f"{EMB}.weight_scale_2")
+    _check_parts(folder, L, cfg, plan, infos, hd // 2, "NVFP4 table")
+    lut = nvfp4_lut(_global_scale(folder, L, names, files, f"{EMB}.weight_scale_2"))
     scales = _table_parts(folder, L, names, "weight_scale")
     if len(scales) != len(parts):
         raise _err(folder, f"layer {L}: {len(parts)} NVFP4 table parts but {len(scales)} weight_scale parts")
-    r = 0
-    for (full, shard), (sfull, sshard), (_, t) in zip(parts, scales, infos):
-        st = files[sshard].info(sfull)
+    sinfos = [(files[shard], files[shard].info(full)) for full, shard in scales]
+    for (f, st), (_, t) in zip(sinfos, infos):
         if st.code != "F8_E4M3" or tuple(st.shape) != (t.shape[0], hd // NVFP4_BLOCK):
-            raise _err(files[sshard].path, f"tensor {sfull!r}: E4M3 block scales of shape "
-                                           f"{(t.shape[0], hd // NVFP4_BLOCK)} expected, got {st.code} {st.shape}")
-        out[r:r + t.shape[0]] = nvfp4_rows(files[shard].array(full), files[sshard].array(sfull), g)
-        r += t.shape[0]
-    return out
+            raise _err(f.path, f"layer {L}: E4M3 block scales of shape {(t.shape[0], hd // NVFP4_BLOCK)} "
+                               f"expected, got {st.code} {st.shape}")
+    return (_joined(parts, infos, files, np.uint8, hd // 2), _joined(scales, sinfos, files, np.uint8, hd // 16),
+            lut)
 
 
 def load(folder, mmap=True):
@@ -269,10 +262,10 @@ def load(folder, mmap=True):
                     if not np.array_equal(files[shard].read(full), mine):
                         raise _err(files[shard].path, f"tensor {full!r} disagrees with config.json's hash plan "
                                                       f"({mine[:4].tolist()}...)")
-            table = _table(folder, L, cfg, plan, _table_parts(folder, L, layer), files, layer)
+            table, scale, lut = _table(folder, L, cfg, plan, _table_parts(folder, L, layer), files, layer)
             layers[L] = PLEWeights(cfg, plan.offsets[L], table, arr["key_proj.weight"], arr["value_proj.weight"],
                                    arr["norm_key.weight"], arr["norm_query.weight"], arr["norm_conv.weight"],
-                                   arr["conv1d.weight"])
+                                   arr["conv1d.weight"], table_scale=scale, table_lut=lut)
     return cfg, plan, layers
 
 
@@ -287,6 +280,16 @@ def _table_tensor(name, table, a, b, dtype):
     return Tensor(name, code, (b - a, table.shape[1]), chunks)
 
 
+class _Values:
+    """A quantized table's values by row slices, for the writer."""
+
+    def __init__(self, w, head_dim):
+        self.w, self.shape = w, (w.table.shape[0], head_dim)
+
+    def __getitem__(self, s):
+        return self.w.table_f32(s)
+
+
 def save(cfg, plan, layers, path, table_dtype=None, progress=None, before_write=None):
     """model.save() for qwen3.8-flash-next: the flat Hugging Face layout (see the module doc), one
     shard a layer, its table's parts back to back (so that a load maps the table as one array)."""
@@ -298,12 +301,14 @@ def save(cfg, plan, layers, path, table_dtype=None, progress=None, before_write=
         shards.append(tensors)
         w = layers[L]
         pre = f"model.layers.{L - 1}.ple."
-        dtype = BF16 if table_dtype == "bfloat16" else np.dtype(np.float32) if table_dtype else np.dtype(w.table.dtype)
+        quantized = w.table_lut is not None  # written as its values (this writer has no quantized formats)
+        dtype = (BF16 if table_dtype == "bfloat16" else np.dtype(np.float32) if table_dtype or quantized
+                 else np.dtype(w.table.dtype))
         rows = plan.table_rows[L]
         size = -(-rows // cfg.table_parts)  # vLLM's shard size: ceil; the last parts may be short or empty
         bounds = [min(rows, size * i) for i in range(cfg.table_parts + 1)]
         for i in range(cfg.table_parts):
-            tensors.append(_table_tensor(f"{pre}{TABLE[:-len('.weight')]}.shard_{i}.weight", w.table,
+            tensors.append(_table_tensor(f"{pre}{EMB}.shard_{i}.weight", _Values(w, cfg.head_dim) if quantized else w.table,
                                          bounds[i], bounds[i + 1], dtype))
         for short in ("key_proj.weight", "value_proj.weight"):
             a = w.key_proj if short.startswith("key") else w.value_proj

@@ -43,10 +43,18 @@ def one_plus(w) -> np.ndarray:
 class PLEWeights(LayerWeights):
     """One PLE layer: the demo's LayerWeights (what the engine reads) built from the module's arrays,
     which it keeps: key_proj [G*D, E], value_proj [D, E] (views of proj_w), norm_key, norm_query,
-    norm_conv (the raw w of x * (1 + w), float32 [G*D])."""
+    norm_conv (the raw w of x * (1 + w), float32 [G*D]).
+
+    A table is float32, float16 or bfloat16 values [rows, head_dim], or vLLM's quantized codes with
+    table_lut, the value of each code (float32, what vLLM's dequantization gives): FP8, uint8
+    [rows, head_dim] and table_lut[256]; NVFP4, uint8 [rows, head_dim/2] (two E2M1 nibbles a byte, the
+    low one first), table_scale uint8 [rows, head_dim/16] (an E4M3 byte per 16 values) and
+    table_lut[scale byte * 16 + nibble]."""
+
+    table_lut = None
 
     def __init__(self, cfg, offsets, table, key_proj, value_proj, norm_key, norm_query, norm_conv, conv_w,
-                 table_scale=None):
+                 table_scale=None, table_lut=None):
         G, D = cfg.hc_mult, cfg.hidden_size
         dtype = weight_dtype_of(key_proj)
         proj_w = np.concatenate([np.asarray(key_proj, dtype), np.asarray(value_proj, dtype)])
@@ -59,6 +67,7 @@ class PLEWeights(LayerWeights):
                          conv_norm=one_plus(self.norm_conv_w).reshape(G, D),
                          conv_w=np.asarray(conv_w, np.float32).reshape(G * D, cfg.kernel_size),
                          table_scale=table_scale)
+        self.table_lut = None if table_lut is None else frozen(table_lut, np.float32)
         self.key_proj = self.proj_w[:G * D]
         self.value_proj = self.proj_w[G * D:]
         self.eps_qk = self.eps_conv = float(cfg.norm_eps)
@@ -72,7 +81,24 @@ class PLEWeights(LayerWeights):
         proj_w = arrays.get("proj_w", self.proj_w)
         return PLEWeights(cfg, self.offsets, arrays.get("table", self.table), proj_w[:G * D], proj_w[G * D:],
                           self.norm_key_w, self.norm_query_w, self.norm_conv_w, self.conv_w,
-                          table_scale=arrays.get("table_scale", self.table_scale))
+                          table_scale=arrays.get("table_scale", self.table_scale),
+                          table_lut=None if "table" in arrays else self.table_lut)
+
+    @property
+    def table_format(self) -> str:
+        """The table's dtype name, or "fp8" / "nvfp4" for vLLM's codes."""
+        return self.table.dtype.name if self.table_lut is None else "nvfp4" if self.table_scale is not None else "fp8"
+
+    def table_f32(self, rows) -> np.ndarray:
+        """Rows of the table as float32 (codes through table_lut)."""
+        if self.table_lut is None:
+            return super().table_f32(rows)
+        t = np.asarray(self.table[rows])
+        if self.table_scale is None:
+            return self.table_lut[t]
+        codes = np.stack([t & 0xF, t >> 4], axis=-1).reshape(*t.shape[:-1], -1)  # the low nibble first
+        scales = np.repeat(np.asarray(self.table_scale[rows]).astype(np.int64), 16, axis=-1)
+        return self.table_lut[scales * 16 + codes]
 
     def state_dict(self, cfg) -> dict:
         """The module's parameters (numpy; float32 table), Qwen4ExpTextPLELayer's names."""
@@ -86,7 +112,20 @@ class PLEWeights(LayerWeights):
 def validate_layer(cfg, plan, L, w):
     if not isinstance(w, PLEWeights):
         raise TypeError(f"layer {L}: expected PLEWeights, got {type(w).__name__}")
-    _validate_demo_layer(cfg, plan, L, w, table_dtypes=TABLE_DTYPES)
+    _validate_demo_layer(cfg, plan, L, w, table_dtypes=TABLE_DTYPES, check_table=w.table_lut is None)
+    if w.table_lut is not None:
+        rows, hd, nv = plan.table_rows[L], cfg.head_dim, w.table_scale is not None
+        want = {"table": (rows, hd // 2 if nv else hd), "table_scale": (rows, hd // 16) if nv else None,
+                "table_lut": (4096 if nv else 256,)}
+        for name, shape in want.items():
+            a = getattr(w, name)
+            if shape is not None and not (isinstance(a, np.ndarray) and a.shape == shape and a.flags.c_contiguous
+                                          and a.dtype == (np.float32 if name == "table_lut" else np.uint8)):
+                raise ValueError(f"layer {L} {name} of an {w.table_format} table: expected "
+                                 f"{'float32' if name == 'table_lut' else 'uint8'} {shape}, got "
+                                 f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+        if nv and hd % 16:
+            raise ValueError(f"layer {L}: an NVFP4 table needs head_dim a multiple of 16, got {hd}")
     if w.eps_qk != cfg.norm_eps:
         raise ValueError(f"layer {L}: weights made for norm eps {w.eps_qk}, the config has {cfg.norm_eps}")
 

@@ -13,6 +13,7 @@ import pytest
 from engram_stream import EngramConfig, EngramModel
 from engram_stream.errors import CheckpointError
 from engram_stream.io import safetensors
+from engram_stream.io.files import MappedFile, mapping_of
 from conftest import close
 
 pytestmark = pytest.mark.native
@@ -197,12 +198,11 @@ def _quantized_folder(tmp_path, kind, seed=9):
             scale2 = np.array([0.37], np.float32)
             raw[L] = (codes, bs, scale2)
             tensors[f"{pre}.weight_scale_2"] = scale2
-        r = 0
-        for i, m in enumerate(rows):
-            tensors[f"{pre}.shard_{i}.weight"] = codes[r:r + m]
-            if kind == "nvfp4":
-                tensors[f"{pre}.shard_{i}.weight_scale"] = bs[r:r + m]
-            r += m
+        bounds = np.cumsum([0] + rows)
+        for i in range(len(rows)):  # the parts back to back in the file (then the scale parts): mapped
+            tensors[f"{pre}.shard_{i}.weight"] = codes[bounds[i]:bounds[i + 1]]
+        for i in range(len(rows) if kind == "nvfp4" else 0):
+            tensors[f"{pre}.shard_{i}.weight_scale"] = bs[bounds[i]:bounds[i + 1]]
     folder = tmp_path / kind
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**HF, "ple_embed_dim": 64}))
@@ -221,7 +221,9 @@ def test_fp8_tables_as_vllm_dequantizes_them(tmp_path):
     for L, (codes, scale) in raw.items():
         want = (torch.from_numpy(codes).view(torch.float8_e4m3fn).to(torch.bfloat16)
                 * torch.from_numpy(scale).to(torch.bfloat16)).float().numpy()
-        np.testing.assert_array_equal(model.layer(L).table, want)
+        w = model.layer(L)
+        assert w.table_format == "fp8" and w.table.dtype == np.uint8 and isinstance(mapping_of(w.table), MappedFile)
+        np.testing.assert_array_equal(w.table_f32(slice(None)), want)
     ids, hid = inputs(model.cfg, seed=10)
     eng = model.stream(1)
     close(np.stack([eng.step(int(t), h) for t, h in zip(ids[0], hid[0])]), model.forward(1, ids, hid)[0])
@@ -240,4 +242,16 @@ def test_nvfp4_tables_as_vllm_dequantizes_them(tmp_path):
         v = lut[nib & 7] * torch.where((nib & 8) != 0, -1.0, 1.0)
         s = torch.from_numpy(bs).view(torch.float8_e4m3fn).float().repeat_interleave(16, dim=1)
         want = (v * s * torch.from_numpy(scale2)).to(torch.bfloat16).float().numpy()
-        np.testing.assert_array_equal(model.layer(L).table, want)
+        w = model.layer(L)
+        assert w.table_format == "nvfp4" and w.table.shape == (len(codes), 8)
+        assert isinstance(mapping_of(w.table), MappedFile) and isinstance(mapping_of(w.table_scale), MappedFile)
+        np.testing.assert_array_equal(w.table_f32(slice(None)), want)
+    ids, hid = inputs(model.cfg, seed=11)
+    for L in model.cfg.layer_ids:  # the engine gathers the codes: every row source gives the oracle's rows
+        want = model.forward(L, ids, hid)
+        for m in (model, EngramModel.load(folder, row_cache_mb=1), EngramModel.load(folder, tables="direct")):
+            eng = m.stream(L, n_streams=2)
+            close(np.stack([eng.step(ids[:, t], hid[:, t]) for t in range(ids.shape[1])], 1), want)
+    model.save(tmp_path / "values")  # written as the values vLLM gives
+    back = EngramModel.load(tmp_path / "values")
+    np.testing.assert_array_equal(back.layer(1).table, model.layer(1).table_f32(slice(None)))
