@@ -123,13 +123,21 @@ static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_hash_sequence_
         const int nt = T - t0 < blk ? (int)(T - t0) : blk;
         const int nv = (nt + ES_VD - 1) / ES_VD * ES_VD; /* lanes past nt: pad, computed, not stored */
         for (int i = -back; i < 0; i++) w[back + i] = t0 + i >= 0 ? c[t0 + i] : pad;
-        for (int i = 0; i < nv; i++) {
-            const int64_t v = i < nt ? c[t0 + i] : pad;
-            r = (latch == ES_HIST_DEAD && v < 0) ? 0
-                : (latch == ES_HIST_SEP && prev == pad) ? 1 : (r < max_ngram ? r + 1 : r);
-            prev = v; /* lanes past nt only in the last block: nothing reads prev after them */
-            w[back + i] = v;
-            run[i] = r;
+        if (latch == ES_HIST_SEP) { /* its own loop: the plain and DEAD runs keep their one-compare chain */
+            for (int i = 0; i < nv; i++) {
+                const int64_t v = i < nt ? c[t0 + i] : pad;
+                r = prev == pad ? 1 : (r < max_ngram ? r + 1 : r);
+                prev = v; /* lanes past nt only in the last block: nothing reads prev after them */
+                w[back + i] = v;
+                run[i] = r;
+            }
+        } else {
+            for (int i = 0; i < nv; i++) {
+                const int64_t v = i < nt ? c[t0 + i] : pad;
+                r = (latch == ES_HIST_DEAD && v < 0) ? 0 : (r < max_ngram ? r + 1 : r);
+                w[back + i] = v;
+                run[i] = r;
+            }
         }
         for (int i = 0; i < nv; i += ES_VD) {
             vl m = (vl){0};
