@@ -48,6 +48,7 @@ from .compression import build_compression
 from .config import EngramConfig
 from .demo import variant as _demo  # noqa: F401  the built-in variants register themselves (engram_stream.variants)
 from .v41 import variant as _v41  # noqa: F401
+from .qwen import variant as _qwen  # noqa: F401
 from .model import EngramModel
 from .plan import HashPlan
 from .demo._engine import StreamEngine

@@ -30,6 +30,17 @@ cdef inline void latch_window(const int64_t *hist, int n, int64_t pad, int64_t *
         blocked = blocked or hist[k] < 0
         win[k] = pad if blocked else hist[k]
 
+# qwen3.8-flash-next: the separator (DESIGN.md 4b). hist[k] is the id at t-k, pad (its EOS)
+# before the start. A pad entry at k >= 1 ends the document before t: the older entries read pad.
+# The entry at t itself cuts nothing (an EOS keeps the history of the document it ends).
+cdef inline void separator_window(const int64_t *hist, int n, int64_t pad, int64_t *win) noexcept nogil:
+    cdef bint blocked = False
+    cdef int k
+    win[0] = hist[0]
+    for k in range(1, n):
+        win[k] = pad if blocked else hist[k]
+        blocked = blocked or hist[k] == pad
+
 # The kernel path (include/engram_isa.h): one selector per extension module, set through
 # engram_stream._isa so that every extension runs the same path.
 cdef extern from "engram_isa.h" nogil:

@@ -7,8 +7,8 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint64_t
 
-from ._consts cimport (ES_EPS_CONV, ES_EPS_KEY, ES_GATE_CLAMP, ES_MAX_KERNEL_SIZE, ES_MAX_NGRAM,
-                       ES_PREFILL_CHUNK)
+from ._consts cimport (ES_EPS_CONV, ES_EPS_KEY, ES_GATE_CLAMP, ES_HIST_DEAD, ES_HIST_PLAIN, ES_HIST_SEP,
+                       ES_MAX_KERNEL_SIZE, ES_MAX_NGRAM, ES_PREFILL_CHUNK)
 
 cnp.import_array()
 
@@ -19,6 +19,9 @@ EPS_KEY = <double> ES_EPS_KEY           # RMSNorm eps of keys and hidden: float3
 EPS_CONV = <double> ES_EPS_CONV         # RMSNorm eps of the ShortConv norms (float32 1e-5)
 GATE_CLAMP = <double> ES_GATE_CLAMP     # the gate's sqrt(max(|s|, GATE_CLAMP)) (float32 1e-6)
 PREFILL_CHUNK = ES_PREFILL_CHUNK        # prompt tokens per GEMM in StreamEngine.prefill
+HIST_PLAIN = ES_HIST_PLAIN              # history rules of a hash window (HashPlan.history)
+HIST_DEAD = ES_HIST_DEAD
+HIST_SEP = ES_HIST_SEP
 
 
 def compress(const int64_t[:, ::1] ids, const int64_t[::1] lookup, int64_t vocab_size, dead_id=None):
@@ -62,11 +65,14 @@ def fp_moduli(primes):
 
 def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
                     const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,
-                    const double[::1] fp=None, bint latch=False):
+                    const double[::1] fp=None, int latch=ES_HIST_PLAIN):
     """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad).
     fp: fp_moduli(primes) for the division-free path, or None.
-    latch (deepseek-v4.1): -1 entries are DEAD, positions before 0 count as DEAD, and the
-    dead-token latch fills the window (latch_window in _hash.pxd)."""
+    latch: the history rule. HIST_DEAD (deepseek-v4.1): -1 entries are DEAD, positions before 0
+    count as DEAD, and the dead-token latch fills the window (latch_window in _hash.pxd).
+    HIST_SEP (qwen3.8-flash-next): a pad entry ends a document (separator_window)."""
+    if latch not in (ES_HIST_PLAIN, ES_HIST_DEAD, ES_HIST_SEP):
+        raise ValueError(f"hash_compressed: latch must be HIST_PLAIN, HIST_DEAD or HIST_SEP, got {latch}")
     cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b
     cdef int k
     if not 2 <= max_ngram <= ES_MAX_NGRAM:

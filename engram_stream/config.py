@@ -59,13 +59,17 @@ class EngramConfig:
     hc_mult: int = 4
     vocab_size: int = 129280
     variant: str = variants.DEFAULT
-    # optional fields, each used by some variants (None for the others; deepseek-v4.1 uses all four):
-    # the gate's eps, the DEAD (image) token id, the table rows the checkpoint declares per layer and
-    # the compressed vocab it was trained with (both checked by HashPlan before serving)
+    # optional fields, each used by some variants (None for the others; deepseek-v4.1 uses the first
+    # four, qwen3.8-flash-next norm_eps and the last two): the gate's eps, the DEAD (image) token id,
+    # the table rows the checkpoint declares per layer and the compressed vocab it was trained with
+    # (both checked by HashPlan before serving), the multiple a table's rows are padded to, the
+    # parts a checkpoint splits a table into
     norm_eps: float = None
     image_token_id: int = None
     num_embeddings: list = None
     compressed_vocab_size: int = None
+    table_rows_multiple: int = None
+    table_parts: int = None
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -128,7 +132,7 @@ class EngramConfig:
     def from_hf_config(cls, config, **overrides) -> "EngramConfig":
         """A config from a model's Hugging Face config.json (a path, a folder holding one, or the
         parsed dict), read by the registered variant whose models it describes (deepseek-v4.1's
-        engram_* keys)."""
+        engram_* keys, qwen3.8-flash-next's ple_* keys)."""
         if isinstance(config, (str, os.PathLike)):
             path = os.fspath(config)
             if os.path.isdir(path):

@@ -5,9 +5,11 @@ Two hash paths, pinned bit-equal by the tests:
   hash        the fast path: compression and hashing in nogil Cython (_hash.pyx)
               with the C kernels the streaming engine shares.
 
-A config with a DEAD token (image_token_id; deepseek-v4.1, DESIGN.md 4) adds DEAD positions:
-compression maps that id (and any negative, i.e. unknown, id) to DEAD, and a DEAD entry, like
-a slot before the start, turns itself and every older entry of the window into pad (the latch).
+The variant's history rule (variants.Variant.history) says how a window treats older ids.
+"dead" (deepseek-v4.1, DESIGN.md 4): compression maps the DEAD token (image_token_id) and any
+negative (unknown) id to DEAD, and a DEAD entry, like a slot before the start, turns itself and
+every older entry of the window into pad (the latch). "separator" (qwen3.8-flash-next, DESIGN.md
+4b): a pad id (its EOS) ends a document; the positions after it read pad for it and everything older.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ import numpy as np
 from . import _hash
 from .config import MAX_TABLE_ROWS, EngramConfig
 from .errors import LayerError
+from .variants import variant_of
+
+_HIST_CODES = {"plain": _hash.HIST_PLAIN, "dead": _hash.HIST_DEAD, "separator": _hash.HIST_SEP}
 
 PRIME_1 = 10007  # layer seed stride of the reference
 DEAD = -1  # a compressed window entry that blocks history (image token, unknown, before start)
@@ -165,8 +170,10 @@ class HashPlan:
         self.lookup = None if compression is None else validate_compression(compression, cfg.vocab_size)
         self.compressed_vocab = cfg.vocab_size if self.lookup is None else int(self.lookup.max()) + 1
         self.pad_id = cfg.pad_id if self.lookup is None else int(self.lookup[cfg.pad_id])
+        spec = variant_of(cfg)
         if multipliers is None:
-            self.multipliers = draw_multipliers(cfg, self.compressed_vocab)
+            draw = spec.draw_multipliers or draw_multipliers
+            self.multipliers = draw(cfg, self.compressed_vocab)
         else:
             self.multipliers = validate_multipliers(cfg, multipliers)
         self.primes = prime_chain(cfg)
@@ -180,14 +187,18 @@ class HashPlan:
         self.offsets = {L: np.concatenate([[0], np.cumsum(p)[:-1]]).astype(np.int64)
                         for L, p in self.head_primes.items()}
         self.table_rows = {L: int(p.sum()) for L, p in self.head_primes.items()}
+        if spec.table_rows is not None:  # rows past the primes' sum: padding no hash reaches
+            self.table_rows = {L: int(spec.table_rows(cfg, n)) for L, n in self.table_rows.items()}
         # the division-free mod's constants, when the primes are small enough (else None)
         self.head_fp = {L: _hash.fp_moduli(p) for L, p in self.head_primes.items()}
         for arrays in (self.multipliers, self.head_primes, self.offsets, self.head_fp):  # shared read-only
             for L, a in arrays.items():
                 arrays[L] = None if a is None else frozen(a)
         self.lookup = None if self.lookup is None else frozen(self.lookup)
-        self.latch = cfg.image_token_id is not None  # DEAD tokens and their latch
-        self.dead_id = cfg.image_token_id  # raw id of a DEAD position (None: there are none)
+        self.history = spec.history  # "plain", "dead" or "separator" (the module docstring)
+        self.latch = self.history == "dead"  # DEAD tokens and their latch
+        self.separator = self.history == "separator"  # the pad id ends a document
+        self.dead_id = cfg.image_token_id if self.latch else None  # raw id of a DEAD position
         self._check_declared_sizes()
 
     def _check_declared_sizes(self):
@@ -258,7 +269,7 @@ class HashPlan:
         def run(job):
             L, b0, b1 = job
             _hash.hash_compressed(c[b0:b1], self.multipliers[L], self.head_primes[L], n, h, self.pad_id,
-                                  res[L][b0:b1], self.head_fp[L], latch=self.latch)
+                                  res[L][b0:b1], self.head_fp[L], latch=_HIST_CODES[self.history])
 
         workers = _hash_workers()
         if workers > 1 and a.size * len(layers) >= PARALLEL_MIN_POSITIONS and B * len(layers) > 1:
@@ -282,6 +293,8 @@ class HashPlan:
         n_max = self.cfg.max_ngram_size
         if self.latch:
             shifted = self._latched_windows(a, x)
+        elif self.separator:
+            shifted = self._separated_windows(x)
         else:
             shifted = [np.pad(x, ((0, 0), (k, 0)), constant_values=self.pad_id)[:, :T] for k in range(n_max)]
         out = {}
@@ -309,6 +322,18 @@ class HashPlan:
             src_dead = np.pad(dead, ((0, 0), (s, 0)))[:, :T]
             blocked = blocked | (pos < s) | src_dead
             shifted.append(np.where(blocked, self.pad_id, src))
+        return shifted
+
+    def _separated_windows(self, x):
+        """Windows with a separator, transformers' _shift_right_ignore_eos: shift s of position p reads
+        id[p-s] unless a pad id is among ids[p-s .. p-1] or p-s < 0; then it reads pad."""
+        T = x.shape[1]
+        sep = x == self.pad_id
+        cut = np.zeros(x.shape, bool)
+        shifted = [x]
+        for s in range(1, self.cfg.max_ngram_size):
+            cut = cut | np.pad(sep, ((0, 0), (s, 0)), constant_values=True)[:, :T]  # id[p-s] is pad, or p-s < 0
+            shifted.append(np.where(cut, self.pad_id, np.pad(x, ((0, 0), (s, 0)))[:, :T]))
         return shifted
 
     def hash_lookback(self, ids, lookback, layers=None, numpy=False) -> dict:

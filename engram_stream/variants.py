@@ -34,6 +34,14 @@ Computing:
     engine           the streaming engine class: engine(model, layer, n_streams)
     describe         (cfg) -> str: the variant's own geometry, for `engram-stream inspect`
     step_weights     (w) -> the weight matrix one step reads whole (`engram-stream bench`'s floor)
+Hashing (HashPlan asks these; the defaults are the demo's):
+    history          how a window treats the ids before a position: "plain" (before the start:
+                     pad), "dead" (deepseek-v4.1: the DEAD id cuts itself and every older id, its
+                     gate is 0), "separator" (qwen3.8-flash-next: the positions after a pad id
+                     read pad for it and every older id; no gate changes)
+    draw_multipliers (cfg, compressed_vocab) -> {L: int64[max_ngram]}, or None: the demo's draw
+    table_rows       (cfg, rows) -> the rows a layer's table holds given the sum of its primes
+                     (padding), or None: exactly that sum
 """
 from __future__ import annotations
 
@@ -74,6 +82,16 @@ class Variant:
     from_hf_config: Optional[Callable] = None
     to_hf_config: Optional[Callable] = None
     field_help: dict = field(default_factory=dict)
+    history: str = "plain"
+    draw_multipliers: Optional[Callable] = None
+    table_rows: Optional[Callable] = None
+
+    def __post_init__(self):
+        if self.history not in HISTORIES:
+            raise ValueError(f"Variant.history must be one of {HISTORIES}, got {self.history!r}")
+
+
+HISTORIES = ("plain", "dead", "separator")
 
 
 _REGISTRY: dict = {}

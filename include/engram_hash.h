@@ -154,8 +154,9 @@ static inline void es_hash_window(const int64_t *win, const int64_t *mult, int m
 }
 
 /* Rows of a whole sequence of compressed ids c[T] into rows[T][H]. Positions before 0
- * read pad; latch (deepseek-v4.1): a negative id (DEAD) and every older one read pad too,
- * as latch_window (_hash.pxd) does. stream: write with streaming stores where rows are
+ * read pad; latch ES_HIST_DEAD (deepseek-v4.1): a negative id (DEAD) and every older one read
+ * pad too, as latch_window (_hash.pxd) does; ES_HIST_SEP (qwen3.8-flash-next): the positions
+ * after a pad id read pad for it and every older one, as separator_window does. stream: write with streaming stores where rows are
  * aligned to a vector and n_head is a multiple of one (see ES_HASH_STREAM_BYTES). */
 static inline void es_hash_sequence(const int64_t *c, int64_t T, int64_t pad, int latch, const int64_t *mult,
                                     int max_ngram, int n_head, const int64_t *primes, const double *fp,

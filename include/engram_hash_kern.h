@@ -89,8 +89,9 @@ static ES_TGT void ES_HF(es_hash_window)(const int64_t *win, const int64_t *mult
  * positions: first the windows and mixes of ES_VD positions at a time (64-bit lanes, every
  * order), split into hi/lo doubles; then row by row each order's mods, heads across the
  * lanes (a row's H results are written together). The window of position t holds c[t-k]
- * for k < run[t] and pad beyond: run[t] counts the ids back from t to the start (plain) or
- * to the newest negative id, exclusive (latch). */
+ * for k < run[t] and pad beyond: run[t] counts the ids back from t to the start (plain), to
+ * the newest negative id, exclusive (ES_HIST_DEAD), or to the newest pad id before t,
+ * inclusive (ES_HIST_SEP: that id reads pad either way). */
 static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_hash_sequence_core)(
     const int64_t *c, int64_t T, int64_t pad, int latch, const int64_t *mult, int max_ngram, int n_head,
     const int64_t *primes, const double *fp, int64_t *rows, int stream) {
@@ -117,15 +118,26 @@ static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_hash_sequence_
     /* streaming stores need every full vector aligned: rows, and each order's n_head heads */
     stream = stream && fp && (uintptr_t)rows % (ES_VD * 8) == 0 && n_head % ES_VD == 0;
     int64_t r = 0; /* run of the position before the block */
+    int64_t prev = pad; /* the id before the position (ES_HIST_SEP: before the start counts as pad) */
     for (int64_t t0 = 0; t0 < T; t0 += blk) {
         const int nt = T - t0 < blk ? (int)(T - t0) : blk;
         const int nv = (nt + ES_VD - 1) / ES_VD * ES_VD; /* lanes past nt: pad, computed, not stored */
         for (int i = -back; i < 0; i++) w[back + i] = t0 + i >= 0 ? c[t0 + i] : pad;
-        for (int i = 0; i < nv; i++) {
-            const int64_t v = i < nt ? c[t0 + i] : pad;
-            r = (latch && v < 0) ? 0 : (r < max_ngram ? r + 1 : r);
-            w[back + i] = v;
-            run[i] = r;
+        if (latch == ES_HIST_SEP) { /* its own loop: the plain and DEAD runs keep their one-compare chain */
+            for (int i = 0; i < nv; i++) {
+                const int64_t v = i < nt ? c[t0 + i] : pad;
+                r = prev == pad ? 1 : (r < max_ngram ? r + 1 : r);
+                prev = v; /* lanes past nt only in the last block: nothing reads prev after them */
+                w[back + i] = v;
+                run[i] = r;
+            }
+        } else {
+            for (int i = 0; i < nv; i++) {
+                const int64_t v = i < nt ? c[t0 + i] : pad;
+                r = (latch == ES_HIST_DEAD && v < 0) ? 0 : (r < max_ngram ? r + 1 : r);
+                w[back + i] = v;
+                run[i] = r;
+            }
         }
         for (int i = 0; i < nv; i += ES_VD) {
             vl m = (vl){0};

@@ -42,6 +42,8 @@
 typedef struct {
     int G, D, K;       /* K: conv taps; the first K-1 read earlier values, the last x(t) */
     float inv_sqrt_d;  /* 1/sqrt(D), the gate's scale */
+    float eps_qk;      /* RMSNorm eps of the keys and the hidden (the demo: ES_EPS_KEY; Qwen: rms_norm_eps) */
+    float eps_conv;    /* RMSNorm eps of the ShortConv input (the demo: ES_EPS_CONV) */
     const float *n1;   /* [G, D] key RMSNorm weights */
     const float *n2;   /* [G, D] hidden RMSNorm weights */
     const float *n3;   /* [G, D] ShortConv RMSNorm weights */
@@ -617,6 +619,18 @@ static inline void es_gather_f16(const uint16_t *table, int hd, const int64_t *r
     ES_DISPATCH(es_gather_f16, (table, hd, rows, H, e));
 }
 
+/* bfloat16 tables (the top 16 bits of a float32), widened to float32: exact. */
+static inline void es_gather_bf16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) {
+    for (int j = 0; j < H; j++) {
+        const uint16_t *src = table + rows[j] * hd;
+        float *dst = e + (int64_t)j * hd;
+        for (int d = 0; d < hd; d++) {
+            const uint32_t bits = (uint32_t)src[d] << 16;
+            memcpy(dst + d, &bits, sizeof bits);
+        }
+    }
+}
+
 /* int8 rows with one float32 scale per row: value = q * scale. */
 static inline void es_gather_i8(const int8_t *table, const float *scale, int hd, const int64_t *rows, int H,
                                 float *e) {
@@ -624,7 +638,7 @@ static inline void es_gather_i8(const int8_t *table, const float *scale, int hd,
 }
 
 /* n tokens' rows (rows[i*H ..]) into e + i*lde, split over threads. kind: 0 float32,
- * 1 float16, 2 int8 + per-row scale. */
+ * 1 float16, 2 int8 + per-row scale, 3 bfloat16. */
 typedef struct {
     const void *table;
     const float *scale;
@@ -641,6 +655,7 @@ static void es_gather_job_run(void *arg, int64_t i0, int64_t i1) {
         float *e = j->e + i * j->lde;
         if (j->kind == 0) es_gather_f32((const float *)j->table, j->hd, r, j->H, e);
         else if (j->kind == 1) es_gather_f16((const uint16_t *)j->table, j->hd, r, j->H, e);
+        else if (j->kind == 3) es_gather_bf16((const uint16_t *)j->table, j->hd, r, j->H, e);
         else es_gather_i8((const int8_t *)j->table, j->scale, j->hd, r, j->H, e);
     }
 }

@@ -164,7 +164,7 @@ static ES_TGT void ES_SF(es_tail_x)(const es_tail_params *P, const float *proj, 
             sk += k[d] * k[d];
             sh += h[d] * h[d];
         }
-        const float rk = 1.0f / sqrtf(sk / D + ES_EPS_KEY), rh = 1.0f / sqrtf(sh / D + ES_EPS_KEY);
+        const float rk = 1.0f / sqrtf(sk / D + P->eps_qk), rh = 1.0f / sqrtf(sh / D + P->eps_qk);
         a = (vf){0};
         for (d = 0; d + ES_TVW <= D; d += ES_TVW)
             a += (*(const vf *)(k + d) * rk * *(const vf *)(w1 + d)) * (*(const vf *)(h + d) * rh * *(const vf *)(w2 + d));
@@ -181,7 +181,7 @@ static ES_TGT void ES_SF(es_tail_x)(const es_tail_params *P, const float *proj, 
         }
         float ss = ES_SF(es_hsum)(a);
         for (; d < D; d++) ss += (gt * v[d]) * (gt * v[d]);
-        const float r3 = 1.0f / sqrtf(ss / D + ES_EPS_CONV);
+        const float r3 = 1.0f / sqrtf(ss / D + P->eps_conv);
         float *xg = x + (int64_t)g * D;
         for (d = 0; d + ES_TVW <= D; d += ES_TVW) *(vf *)(xg + d) = gt * *(const vf *)(v + d) * r3 * *(const vf *)(w3 + d);
         for (; d < D; d++) xg[d] = gt * v[d] * r3 * w3[d];

@@ -170,6 +170,18 @@ CONTRACT_MODELS = {
 }
 
 
+def make_qwen_model(seed=0, table_dtype="float32"):
+    """A small qwen3.8-flash-next model (the variant's example config: EOS 299, padded tables)."""
+    import ml_dtypes
+    from engram_stream import EngramConfig, EngramModel
+    from engram_stream.qwen.config import EXAMPLE
+    m = EngramModel.init(EngramConfig(**EXAMPLE), seed=seed)
+    if table_dtype == "bfloat16":
+        m = EngramModel(m.cfg, m.plan, {L: w.replace(m.cfg, table=w.table.astype(ml_dtypes.bfloat16))
+                                        for L, w in m.layers.items()})
+    return m
+
+
 def contract_variants() -> list:
     """The names of every registered variant: the contract suites run on each."""
     from engram_stream import variants
@@ -198,6 +210,8 @@ ROW_MODELS = {
     "demo-int8": lambda: make_model(G=2, n=3, K=3, D=16, comp=True, seed=6, vocab=60, table_dtype="int8"),
     "v41": lambda: make_v41_model(seed=7),
     "v41-flash-rows": lambda: make_v41_model(seed=8, hd=256, D=32),  # the 264-byte record
+    "qwen": lambda: make_qwen_model(seed=9),
+    "qwen-bf16": lambda: make_qwen_model(seed=10, table_dtype="bfloat16"),  # the released tables' dtype
 }
 SMALL_CACHE = "small"   # row_cache_mb far below the rows one call reads: evictions within a call
 ROW_SOURCES = {
@@ -214,9 +228,9 @@ ROW_SOURCES = {
 
 
 def load_checkpoint(path, **kw):
-    """A saved ROW_MODELS checkpoint (a demo file or a V4.1 folder) loaded with `kw`."""
-    from engram_stream import EngramModel
-    if os.path.isdir(path):
+    """A saved ROW_MODELS checkpoint (a demo file, a V4.1 or a Qwen folder) loaded with `kw`."""
+    from engram_stream import EngramModel, variants
+    if os.path.isdir(path) and variants.get("deepseek-v4.1").is_checkpoint(path):
         return EngramModel.from_deepseek_v41(path, **kw)
     return EngramModel.load(path, **kw)
 
@@ -340,13 +354,16 @@ def plugin_checkpoints(tmp_path_factory):
 
 
 def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
-    """Random ids for either variant: some negative (demo: they pass through; V4.1: DEAD in the
-    window), and for V4.1 image (DEAD) tokens, also at the start and in runs."""
+    """Random ids for any variant: some negative (demo: they pass through; V4.1: DEAD in the
+    window), and for V4.1 image (DEAD) tokens, for Qwen EOS tokens, also at the start and in runs."""
     cfg = model.cfg
     ids = rng.integers(0, cfg.vocab_size, shape).astype(np.int64)
     if cfg.image_token_id is not None:
         ids[rng.random(shape) < p_dead] = cfg.image_token_id
     ids[rng.random(shape) < p_neg] = -rng.integers(1, 5)
+    from engram_stream import variants
+    if variants.variant_of(cfg).history == "separator":  # Qwen: EOS ends a document, also at the start and in runs
+        ids[rng.random(shape) < p_dead] = cfg.pad_id
     return ids
 
 

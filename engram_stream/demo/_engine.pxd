@@ -10,6 +10,8 @@ cdef extern from "engram_step.h" nogil:
     ctypedef struct es_tail_params:
         int G, D, K
         float inv_sqrt_d
+        float eps_qk
+        float eps_conv
         const float *n1
         const float *n2
         const float *n3
@@ -28,6 +30,7 @@ cdef extern from "engram_step.h" nogil:
     int64_t es_fma_chains(int64_t n, float *sink) noexcept
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_f16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
+    void es_gather_bf16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_i8(const int8_t *table, const float *scale, int hd, const int64_t *rows, int H,
                       float *e) noexcept
 
@@ -35,7 +38,9 @@ cdef extern from "engram_step.h" nogil:
 cdef class StreamEngine(EngineBase):
     cdef int K, conv_len
     cdef int64_t ldx                   # ebuf row stride: E + 16 (see es_gemm_packed)
-    cdef int table_kind                # 0 float32, 1 float16, 2 int8 + per-row scale
+    cdef int table_kind                # 0 float32, 1 float16, 2 int8 + per-row scale, 3 bfloat16, 4 FP8 bytes
+                                       # through a value table, 5 NVFP4 nibbles + E4M3 block scales through one
+    cdef const float[::1] lut          # kinds 4, 5: the value of each code (weights' table_lut; else empty)
 
     # borrowed, read-only model data (typed memoryviews, shapes checked in _init_variant)
     cdef const uint8_t[:, :, ::1] wp   # [ceil(M/16), E, 16 * 4 or 2] packed projection panels' bytes:

@@ -10,6 +10,7 @@ This file is the one home of the ring's rules (DESIGN.md, "The streaming engine"
 each tap reads, where x(t) goes, how pos advances, what reset, rollback and commit do. The C
 headers only do stateless vector math on the pointers given here. Oracle: EngramModel.forward.
 """
+import ml_dtypes
 import numpy as np
 cimport numpy as cnp
 from libc.math cimport sqrt
@@ -25,6 +26,8 @@ from engram_stream.engine._base import view
 cnp.import_array()
 
 PREFILL_CHUNK = ES_PREFILL_CHUNK  # tokens per GEMM of a call (include/engram_consts.h)
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_EMPTY_F32 = np.zeros(1, np.float32)
 
 
 cdef inline void *_regrow(void *p, size_t nbytes) except NULL:
@@ -60,7 +63,22 @@ cdef struct GatherWork:
     const char **sp
     float *e
     int64_t lde
+    const float *lut  # kinds 4, 5: value of each code
     int kind, hd, H
+
+
+cdef inline void _gather_lut8(const uint8_t *p, const float *lut, int hd, float *e) noexcept nogil:
+    """An FP8 row with one global scale: every byte's value is fixed, lut[byte] (qwen3.8-flash-next)."""
+    cdef int d
+    for d in range(hd):
+        e[d] = lut[p[d]]
+
+
+cdef inline void _gather_nvfp4(const uint8_t *p, const uint8_t *s, const float *lut, int hd, float *e) noexcept nogil:
+    """An NVFP4 row: value d is lut[block scale byte * 16 + nibble d]; the low nibble is the even element."""
+    cdef int d
+    for d in range(hd):
+        e[d] = lut[<int> s[d >> 4] * 16 + ((p[d >> 1] >> ((d & 1) * 4)) & 0xF)]
 
 
 cdef void _gather_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
@@ -79,6 +97,12 @@ cdef void _gather_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
                 es_gather_f32(<const float *> p, w.hd, &zero, 1, e)
             elif w.kind == 1:
                 es_gather_f16(<const uint16_t *> p, w.hd, &zero, 1, e)
+            elif w.kind == 3:
+                es_gather_bf16(<const uint16_t *> p, w.hd, &zero, 1, e)
+            elif w.kind == 4:
+                _gather_lut8(<const uint8_t *> p, w.lut, w.hd, e)
+            elif w.kind == 5:
+                _gather_nvfp4(<const uint8_t *> p, <const uint8_t *> w.sp[i * w.H + j], w.lut, w.hd, e)
             else:
                 es_gather_i8(<const int8_t *> p, <const float *> w.sp[i * w.H + j], w.hd, &zero, 1, e)
 
@@ -108,14 +132,27 @@ cdef class StreamEngine(EngineBase):
         cdef int64_t P = (self.M + 15) // 16
         wp, bp, cw = w.packed()
         table = w.table
-        if not isinstance(table, np.ndarray) or table.dtype not in (np.float32, np.float16, np.int8):
-            raise ValueError(f"layer {self.layer}: unsupported table {type(table).__name__} "
-                             f"{getattr(table, 'dtype', '')}")
-        view(table, table.dtype, (self.src.nrows, self.hd), f"layer {self.layer} table")
-        self.table_kind = 0 if table.dtype == np.float32 else 1 if table.dtype == np.float16 else 2
-        if self.table_kind == 2 and w.table_scale is None:
-            raise ValueError(f"layer {self.layer}: an int8 table needs its per-row table_scale")
-        if self.src.rowbytes != self.hd * table.dtype.itemsize or self.src.scalebytes != (4 if self.table_kind == 2 else 0):
+        lut = getattr(w, "table_lut", None)
+        self.lut = _EMPTY_F32
+        if lut is not None:  # qwen3.8-flash-next's FP8 / NVFP4 tables: codes, and the value of each code
+            nv = w.table_scale is not None
+            view(table, np.uint8, (self.src.nrows, self.hd // 2 if nv else self.hd), f"layer {self.layer} table")
+            self.lut = view(lut, np.float32, (4096 if nv else 256,), f"layer {self.layer} table_lut")
+            self.table_kind = 5 if nv else 4
+            rowbytes = self.hd // 2 if nv else self.hd
+            scalebytes = self.hd // 16 if nv else 0
+        else:
+            if not isinstance(table, np.ndarray) or table.dtype not in (np.float32, np.float16, np.int8, _BF16):
+                raise ValueError(f"layer {self.layer}: unsupported table {type(table).__name__} "
+                                 f"{getattr(table, 'dtype', '')}")
+            view(table, table.dtype, (self.src.nrows, self.hd), f"layer {self.layer} table")
+            # gather kinds (engram_step.h es_gather_job): bfloat16 tables are qwen3.8-flash-next's (the demo's
+            # files hold float32, float16 or int8)
+            self.table_kind = {np.dtype(np.float32): 0, np.dtype(np.float16): 1, np.dtype(np.int8): 2, _BF16: 3}[table.dtype]
+            if self.table_kind == 2 and w.table_scale is None:
+                raise ValueError(f"layer {self.layer}: an int8 table needs its per-row table_scale")
+            rowbytes, scalebytes = self.hd * table.dtype.itemsize, (4 if self.table_kind == 2 else 0)
+        if self.src.rowbytes != rowbytes or self.src.scalebytes != scalebytes:
             raise ValueError(f"layer {self.layer}: row records of {self.src.rowbytes}+{self.src.scalebytes} bytes "
                              f"do not fit a {table.dtype} table")
         if wp.dtype.name not in ("float32", "bfloat16"):
@@ -130,6 +167,7 @@ cdef class StreamEngine(EngineBase):
         self.n3 = view(w.conv_norm, np.float32, (self.G, self.D), f"layer {self.layer} conv_norm")
         self.tp.G, self.tp.D, self.tp.K = self.G, self.D, self.K
         self.tp.inv_sqrt_d = <float> (1.0 / sqrt(<double> self.D))
+        self.tp.eps_qk, self.tp.eps_conv = w.eps_qk, w.eps_conv  # the variant's (weights carry them)
         self.tp.n1 = &self.n1[0, 0]
         self.tp.n2 = &self.n2[0, 0]
         self.tp.n3 = &self.n3[0, 0]
@@ -180,7 +218,7 @@ cdef class StreamEngine(EngineBase):
         cdef int k1 = self.K - 1, kk
         cdef bint chained = False
         g.dp, g.sp, g.e, g.lde = self.dp, self.sp, self.ebuf, self.ldx
-        g.kind, g.hd, g.H = self.table_kind, self.hd, self.H
+        g.kind, g.hd, g.H, g.lut = self.table_kind, self.hd, self.H, &self.lut[0]
         if nb >= 8:  # the tails split at least: the call's workers start here unless they run already
             self._team_open(threads)
         es_split(<es_team *> self.team, threads if (nb >= 32 or self.team != NULL) else 1, nb, 0, _gather_part, &g)
@@ -225,7 +263,7 @@ cdef class StreamEngine(EngineBase):
     cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil:
         cdef GatherWork g
         g.dp, g.sp, g.e, g.lde = self.dp, self.sp, dst, ld
-        g.kind, g.hd, g.H = self.table_kind, self.hd, self.H
+        g.kind, g.hd, g.H, g.lut = self.table_kind, self.hd, self.H, &self.lut[0]
         es_split(NULL, threads if nb >= 32 else 1, nb, 0, _gather_part, &g)
 
     cdef void _save_x(self, int64_t t0, int64_t c0, int64_t plen) noexcept nogil:

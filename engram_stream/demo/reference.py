@@ -29,7 +29,8 @@ def forward(cfg, rows, layer, hidden):
     """Engram output for one layer.
 
     rows    int64[B, T, H]   head-local rows from HashPlan.hash / hash_numpy
-    layer   LayerWeights     (demo.weights.LayerWeights: table, key_w, key_b, value_w, ...)
+    layer   LayerWeights     (demo.weights.LayerWeights: table, key_w, key_b, value_w, ..., eps_qk, eps_conv:
+                             EPS_F32 and EPS_CONV for the demo module)
     hidden  float32[B, T, G, D]
     returns float32[B, T, G, D]  (the caller adds the residual)
     """
@@ -40,8 +41,8 @@ def forward(cfg, rows, layer, hidden):
     # 1.6 gate per hyper-connection stream
     gates = []
     for g in range(G):
-        k = rms_norm(e @ layer.key_w[g].T + layer.key_b[g], layer.norm1[g], EPS_F32)
-        q = rms_norm(hidden[:, :, g, :], layer.norm2[g], EPS_F32)
+        k = rms_norm(e @ layer.key_w[g].T + layer.key_b[g], layer.norm1[g], layer.eps_qk)
+        q = rms_norm(hidden[:, :, g, :], layer.norm2[g], layer.eps_qk)
         s = np.sum(k * q, axis=-1, dtype=np.float32) / np.float32(math.sqrt(D))
         s = np.sign(s) * np.sqrt(np.maximum(np.abs(s), np.float32(GATE_CLAMP)))
         gates.append(np.float32(1) / (np.float32(1) + np.exp(-s)))
@@ -49,7 +50,7 @@ def forward(cfg, rows, layer, hidden):
     # 1.7 value: one projection shared by all streams
     v = (gate * (e @ layer.value_w.T + layer.value_b)[:, :, None, :]).astype(np.float32)
     # 1.8 ShortConv: per-stream RMSNorm, channels stream-major, dilated causal taps, SiLU
-    x = np.stack([rms_norm(v[:, :, g, :], layer.conv_norm[g], EPS_CONV) for g in range(G)], axis=2)
+    x = np.stack([rms_norm(v[:, :, g, :], layer.conv_norm[g], layer.eps_conv) for g in range(G)], axis=2)
     x = x.reshape(B, T, G * D)
     K, dil = cfg.kernel_size, cfg.max_ngram_size
     y = np.zeros_like(x)

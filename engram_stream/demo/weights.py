@@ -12,6 +12,7 @@ import mmap
 import ml_dtypes
 import numpy as np
 
+from .._hash import EPS_CONV, EPS_KEY  # include/engram_consts.h: the demo module's fixed eps
 from ..plan import frozen
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -76,7 +77,14 @@ class LayerWeights:
 
     Every array is a read-only view (engines read them through raw pointers while they run):
     large arrays given here are shared, not copied, so do not write to your own originals
-    under a live engine; the small integer offsets are copied."""
+    under a live engine; the small integer offsets are copied.
+
+    eps_qk / eps_conv: the RMSNorm eps of keys and hidden / of the ShortConv input, what the
+    engine's tails and the oracle use (the demo module's constants; a variant that reuses these
+    weights with its own eps sets them, as qwen3.8-flash-next does)."""
+
+    eps_qk = float(EPS_KEY)
+    eps_conv = float(EPS_CONV)
 
     def __init__(self, cfg, offsets, table, proj_w, proj_b, norm1, norm2, conv_norm, conv_w,
                  table_scale=None):
@@ -224,20 +232,24 @@ def check_weight_dtype(dtype) -> str:
     return name
 
 
-def validate_layer(cfg, plan, L, w):
-    """Shapes and dtypes the engine's raw-pointer code relies on."""
+def validate_layer(cfg, plan, L, w, table_dtypes=TABLE_DTYPES, check_table=True):
+    """Shapes and dtypes the engine's raw-pointer code relies on; table_dtypes: what the variant's
+    tables may be (the engine also gathers bfloat16, qwen3.8-flash-next's); check_table=False leaves the
+    table to a variant's own check (qwen3.8-flash-next's quantized codes)."""
     if not isinstance(w, LayerWeights):
         raise TypeError(f"layer {L}: expected LayerWeights, got {type(w).__name__}")
     G, D, E, K = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim, cfg.kernel_size
-    want = {"table": (plan.table_rows[L], cfg.head_dim), "offsets": (cfg.n_heads,),
+    want = {"table": (plan.table_rows[L], cfg.head_dim) if check_table else None, "offsets": (cfg.n_heads,),
             "proj_w": ((G + 1) * D, E), "proj_b": ((G + 1) * D,), "norm1": (G, D), "norm2": (G, D),
             "conv_norm": (G, D), "conv_w": (G * D, K)}
     for name, shape in want.items():
         a = getattr(w, name)
-        if not isinstance(a, np.ndarray) or a.shape != shape:
+        if shape is not None and (not isinstance(a, np.ndarray) or a.shape != shape):
             raise ValueError(f"layer {L} {name}: expected shape {shape}, got {getattr(a, 'shape', type(a).__name__)}")
-    if w.table.dtype.name not in TABLE_DTYPES:
-        raise ValueError(f"layer {L} table: dtype must be one of {TABLE_DTYPES}, got {w.table.dtype}")
+    if not check_table:
+        return
+    if w.table.dtype.name not in table_dtypes:
+        raise ValueError(f"layer {L} table: dtype must be one of {table_dtypes}, got {w.table.dtype}")
     if (w.table.dtype == np.int8) != (w.table_scale is not None):
         raise ValueError(f"layer {L} table: int8 tables need a per-row float32 table_scale (and only they)")
     if w.table_scale is not None and np.shape(w.table_scale) != (plan.table_rows[L],):

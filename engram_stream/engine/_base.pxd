@@ -20,6 +20,7 @@ cdef class EngineBase:
     cdef bint latch                    # DEAD tokens (V4.1): the image id and negative ids block history
     cdef int64_t dead_id               # the raw id whose gate is 0 (V4.1's image token; -1: none)
     cdef int64_t hist_reset            # a window slot before the start: the pad id, or DEAD (-1)
+    cdef bint sep                      # the pad id ends a document (Qwen's EOS): separator_window
 
     # borrowed, read-only hash data (typed memoryviews taken once, shapes checked)
     cdef bint has_lookup

@@ -15,7 +15,8 @@ A call runs in two halves, which feed()/compute() expose separately:
 
 This file is the one home of the rules every variant shares: the one-owner guard, the argument
 checks (all before any state changes; a scalar id lives in the call), the file check before
-every read, the hash window (`hist`, with V4.1's DEAD latch), `seen`, `last_rows`, the pending
+every read, the hash window (`hist`, with the plan's history rule: V4.1's DEAD latch, Qwen's
+separator), `seen`, `last_rows`, the pending
 batch, reset, snapshot/restore (read once, validate, commit), and the record a call leaves so
 that a failed read or a draft's commit can put its slots back. A variant adds its own state
 (the demo's ShortConv ring) through the hooks at the end of _base.pxd.
@@ -30,7 +31,7 @@ from libc.string cimport memcpy, memset
 from posix.stat cimport fstat, struct_stat
 
 from engram_stream._consts cimport ES_MAX_NGRAM
-from engram_stream._hash cimport es_hash_window, es_isa_now, es_isa_set, latch_window
+from engram_stream._hash cimport es_hash_window, es_isa_now, es_isa_set, latch_window, separator_window
 from engram_stream.engine import args
 from engram_stream.engine import isa as _isa
 from engram_stream.engine.snapshot import EngineSnapshot, fingerprint, why_foreign
@@ -120,6 +121,7 @@ cdef class EngineBase:
         self.latch = latch
         self.dead_id = cfg.image_token_id if latch else -1
         self.hist_reset = -1 if latch else self.pad  # V4.1: slots before the start are DEAD
+        self.sep = plan.separator and not latch  # Qwen: a pad id (EOS) in the window cuts what is older
         if self.n > ES_MAX_NGRAM:  # EngramConfig refuses these already
             raise ValueError(f"max_ngram_size <= {ES_MAX_NGRAM} is what the engine supports")
 
@@ -260,7 +262,8 @@ cdef class EngineBase:
 
         The entry is the compressed id (negative ids pass through, DESIGN 1.1); with the latch
         (V4.1) the image id and negative ids are DEAD (-1), and the first DEAD entry of the window
-        turns itself and every older one into pad (latch_window)."""
+        turns itself and every older one into pad (latch_window); with the separator (Qwen) a pad
+        entry older than the token turns every entry older than itself into pad (separator_window)."""
         cdef int64_t full[ES_MAX_NGRAM]
         cdef int64_t win[ES_MAX_NGRAM]
         cdef int64_t *rows = self.rbuf + i * self.H
@@ -277,6 +280,8 @@ cdef class EngineBase:
             full[k] = self.hist[s, k - 1]
         if self.latch:
             latch_window(full, self.n, self.pad, win)
+        elif self.sep:
+            separator_window(full, self.n, self.pad, win)
         else:
             for k in range(self.n):
                 win[k] = full[k]

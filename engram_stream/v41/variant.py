@@ -26,6 +26,34 @@ def _save_init(cfg, path, seed=0, graft_zero_init=False, compression=None, table
                    progress=progress, before_write=before_write)
 
 
+def _is_checkpoint(path):
+    """A folder, unless its config.json describes another variant's models (a Qwen folder): a
+    folder without one is still V4.1's to refuse with its own message."""
+    if not os.path.isdir(path):
+        return False
+    d = hf_config_of(path)
+    if d is None or config.reads_hf_config(d):
+        return True
+    return not any(v.reads_hf_config and v.reads_hf_config(d) for v in variants.variants() if v.name != config.V41)
+
+
+def _folder_of(path):
+    """The V4.1 folder a file belongs to (hf.folder_of), not another variant's folder."""
+    folder = hf.folder_of(path)
+    return folder if folder is not None and _is_checkpoint(folder) else None
+
+
+def hf_config_of(folder):
+    """The parsed config.json of a folder, or None (absent, not JSON, not an object)."""
+    import json
+    try:
+        with open(os.path.join(folder, "config.json"), "rb") as f:
+            d = json.loads(f.read(1 << 20))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
 def _with_weight_dtype(cfg, layers, name):
     return layers   # weight_dtypes has only the float8 it holds
 
@@ -39,8 +67,8 @@ VARIANT = variants.register(variants.Variant(
     weight_dtypes=("float8_e4m3fn",), with_weight_dtype=_with_weight_dtype,
     load=lambda path, mmap=True, compression=None: hf.load(path, mmap=mmap, compression=compression),
     save=_save, save_init=_save_init, table_dtypes=(),
-    is_checkpoint=os.path.isdir, folder_checkpoint=True, folder_of=hf.folder_of,
+    is_checkpoint=_is_checkpoint, folder_checkpoint=True, folder_of=_folder_of,
     forward=lambda cfg, w, rows, dead, hidden: reference.forward(cfg, rows, dead, w, hidden),
-    engine=V41StreamEngine,
+    engine=V41StreamEngine, history="dead",
     describe=lambda cfg: f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv",
     step_weights=lambda w: w.wkv_weight))

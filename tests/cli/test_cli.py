@@ -599,8 +599,7 @@ def test_readme_says_which_defaults_it_means_and_what_the_build_costs():
     # the snippet marked "EngramConfig's defaults" is EngramConfig(); the prose's D and table size too
     call = re.search(r"cfg  = (EngramConfig\([^)]*\))\s*# EngramConfig's defaults", readme)
     assert call and eval(call[1], {"EngramConfig": EngramConfig}) == EngramConfig()
-    d, gb = re.search(r"EngramConfig's default, the public demo module's: D=(\d+) and a ([\d.]+) GB float32 table "
-                      r"per\s+layer", readme).groups()
+    d, gb = re.search(r"defaults: the demo module's, D=(\d+), ([\d.]+) GB\s+float32 tables a layer", readme).groups()
     cfg = EngramConfig()
     plan = HashPlan(cfg)
     assert int(d) == cfg.hidden_size
