@@ -145,10 +145,10 @@ def section_plain(model, paths, reps):
     return res
 
 
-def fma_runner(isa, threads, rounds):
+def fma_runner(isa, threads, rounds, chains=None):
     """bench_step.FmaRunner with the projection's own multiply-add chains (_mac_chains: vfmadd,
-    vdpbf16ps on bf16) on `threads` threads at once, a contender timed in the same rounds as
-    what it floors."""
+    vdpbf16ps on bf16; `chains`: another engine's, e.g. the demo's _fma_chains) on `threads`
+    threads at once, a contender timed in the same rounds as what it floors."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     try:
@@ -156,7 +156,7 @@ def fma_runner(isa, threads, rounds):
     finally:  # (it pins OPENBLAS_NUM_THREADS at import)
         os.environ.clear()
         os.environ.update(env)
-    return bench_step.FmaRunner(isa, threads, rounds, chains=k._mac_chains)
+    return bench_step.FmaRunner(isa, threads, rounds, chains=chains or k._mac_chains)
 
 
 def timed(f):

@@ -86,9 +86,9 @@ def _load_for(args, steps):
     """The model a demo or bench runs: --checkpoint (mapped), else the built-in one."""
     from .model import EngramModel
     if args.checkpoint:
-        steps(f"loading {args.checkpoint} (tables mapped" + ("; the compression: built from tokenizer.json the "
-                                                           "first time, then read from the user's cache)"
-                                                           if os.path.isdir(args.checkpoint) else ")"))
+        variant = next((v for v in variants.variants() if v.is_checkpoint(args.checkpoint)), None)
+        note = getattr(variant, "load_note", "")  # what the variant's load does besides mapping
+        steps(f"loading {args.checkpoint} (tables mapped" + (f"; {note})" if note else ")"))
         return EngramModel.load(args.checkpoint, mmap=True)
     steps("building the built-in model (random weights)")
     return _model_for_demo(args)
@@ -207,8 +207,8 @@ def cmd_init(args):
     output = _check_output(args.output, args.force, inputs=[args.config, args.compression], folder=folder)
     for stale in remove_stale_temps(output):
         print(f"removed {stale} (left by a process that no longer runs)", file=sys.stderr)
-    what = (f"folder ({cfg.variant} Hugging Face layout: config.json, index, shards), float8 tables" if folder
-            else f"{args.table_dtype or 'float32'} tables")
+    tables = f"{args.table_dtype or variant.init_table_dtype} tables"
+    what = f"folder ({cfg.variant} Hugging Face layout: config.json, index, shards), {tables}" if folder else tables
     bar = progress_bar(args.quiet)
 
     def before_write(total):  # the size is known, nothing is written yet
@@ -662,9 +662,10 @@ def build_parser():
                    help="checkpoint to write: a file (demo-v1), a folder (deepseek-v4.1)")
     s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     s.add_argument("--graft-zero", action="store_true", help="zero value projection: output exactly 0")
-    s.add_argument("--table-dtype", choices=["float32", "float16", "int8"], default=None,
-                   help="dtype of the tables in the file (int8: with a float32 scale per row); demo-v1 only "
-                        "(default: float32)")
+    takes = [v for v in variants.variants() if v.table_dtypes]
+    s.add_argument("--table-dtype", choices=sorted({d for v in takes for d in v.table_dtypes}), default=None,
+                   help="dtype of the tables written (int8: with a float32 scale per row): "
+                        + "; ".join(f"{v.name} {', '.join(v.table_dtypes)}" for v in takes) + " (default: float32)")
     s.add_argument("--compression", metavar="LOOKUP.npy",
                    help="a compression lookup written by build-compression (default: identity)")
     s.add_argument("--weight-seed", "--seed", dest="weight_seed", type=_count(0), default=0,

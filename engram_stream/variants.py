@@ -29,6 +29,9 @@ Weights and files:
     is_checkpoint    (path) -> bool: a checkpoint of this variant's format
     folder_checkpoint  a checkpoint is a folder (else one file)
     folder_of        (path) -> the checkpoint folder file `path` is part of, or None
+    load_note        what load does besides mapping the tables, for the CLI's loading line
+                     (e.g. where the compression comes from), or "" for nothing
+    init_table_dtype the table dtype save_init writes when given no table_dtype
 Computing:
     forward          (cfg, w, rows, dead, hidden) -> float32 delta: the numpy oracle
     engine           the streaming engine class: engine(model, layer, n_streams)
@@ -85,6 +88,8 @@ class Variant:
     history: str = "plain"
     draw_multipliers: Optional[Callable] = None
     table_rows: Optional[Callable] = None
+    load_note: str = ""
+    init_table_dtype: str = "float32"
 
     def __post_init__(self):
         if self.history not in HISTORIES:

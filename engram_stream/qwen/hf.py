@@ -32,7 +32,7 @@ import numpy as np
 from ..config import EngramConfig
 from ..errors import HFCheckpointError
 from ..io import safetensors
-from ..io.files import atomic_folder, open_regular
+from ..io.files import atomic_folder, mapping_of, open_regular
 from ..io.safetensors import MAX_HEADER, SafetensorsFile, Tensor
 from ..plan import HashPlan
 from ..v41.hf import weight_map  # the index reader is the same for every Hugging Face folder
@@ -266,6 +266,9 @@ def load(folder, mmap=True):
             layers[L] = PLEWeights(cfg, plan.offsets[L], table, arr["key_proj.weight"], arr["value_proj.weight"],
                                    arr["norm_key.weight"], arr["norm_query.weight"], arr["norm_conv.weight"],
                                    arr["conv1d.weight"], table_scale=scale, table_lut=lut)
+            if mmap and mapping_of(table) is None:
+                layers[L].table_in_ram = ("its parts lie in several files of the folder, so the loader concatenated "
+                                          "them in RAM")
     return cfg, plan, layers
 
 

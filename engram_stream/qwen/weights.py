@@ -52,6 +52,7 @@ class PLEWeights(LayerWeights):
     table_lut[scale byte * 16 + nibble]."""
 
     table_lut = None
+    table_in_ram = None  # why a table loaded with mmap=True is not a view of its file (tables="direct" says)
 
     def __init__(self, cfg, offsets, table, key_proj, value_proj, norm_key, norm_query, norm_conv, conv_w,
                  table_scale=None, table_lut=None):
@@ -79,10 +80,13 @@ class PLEWeights(LayerWeights):
             raise TypeError(f"PLEWeights.replace: {unknown} cannot be replaced (table, table_scale, proj_w can)")
         G, D = cfg.hc_mult, cfg.hidden_size
         proj_w = arrays.get("proj_w", self.proj_w)
-        return PLEWeights(cfg, self.offsets, arrays.get("table", self.table), proj_w[:G * D], proj_w[G * D:],
+        new = PLEWeights(cfg, self.offsets, arrays.get("table", self.table), proj_w[:G * D], proj_w[G * D:],
                           self.norm_key_w, self.norm_query_w, self.norm_conv_w, self.conv_w,
                           table_scale=arrays.get("table_scale", self.table_scale),
                           table_lut=None if "table" in arrays else self.table_lut)
+        if "table" not in arrays:
+            new.table_in_ram = self.table_in_ram
+        return new
 
     @property
     def table_format(self) -> str:

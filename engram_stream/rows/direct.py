@@ -52,12 +52,22 @@ class DirectTier(RowTier):
         return DirectFiles(model, self)
 
 
-def _extent(a):
-    """(path, byte offset) of array `a` in the file it is a mapped view of."""
+def _extent(a, model=None, layer=None):
+    """(path, byte offset) of array `a` in the file it is a mapped view of (else ValueError naming
+    why the layer's table is in RAM and the fix: the packed row file, or mmap=True)."""
     mm = mapping_of(a)
     if not isinstance(mm, MappedFile):
+        why = getattr(model.layer(layer), "table_in_ram", None) if model is not None else None
+        src = getattr(model, "source", None) if model is not None else None
+        if why is not None:
+            raise ValueError(f"tables='direct' reads rows from the checkpoint's files, but layer {layer}'s table is "
+                             f"not a view of one file: {why}. Write the packed row file once, "
+                             f"`engram-stream pack-rows {src or 'FOLDER'}` (direct reads then come from it), or "
+                             f"rewrite the folder with each table's parts back to back in one file: "
+                             f"EngramModel.load(FOLDER).save(NEW_FOLDER)")
         raise ValueError("tables='direct' reads the checkpoint's files: load it with mmap=True "
-                         "(its tables must be views of the mapped file)")
+                         "(its tables must be views of the mapped file), or give it a packed row file "
+                         "(`engram-stream pack-rows`)")
     base = np.frombuffer(mm, np.uint8, 1).ctypes.data
     return mm.path, a.ctypes.data - base
 
@@ -72,7 +82,7 @@ def record_file(model, layer, tier, rows_at=None) -> RecordFile:
     if rows_at is not None:
         off, per, gb = rows_at[layer]
         return RecordFile(n, [FilePart(tier.rows_path, off, rb + sb, per, gb)], rowbytes=rb, direct=tier.o_direct)
-    path, off = _extent(w.table)
+    path, off = _extent(w.table, model, layer)
     parts = [FilePart(path, off, rb)]
     if scales is not None:
         if tier.scales_in_ram:

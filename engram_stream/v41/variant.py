@@ -69,6 +69,7 @@ VARIANT = variants.register(variants.Variant(
     save=_save, save_init=_save_init, table_dtypes=(),
     is_checkpoint=_is_checkpoint, folder_checkpoint=True, folder_of=_folder_of,
     forward=lambda cfg, w, rows, dead, hidden: reference.forward(cfg, rows, dead, w, hidden),
-    engine=V41StreamEngine, history="dead",
+    engine=V41StreamEngine, history="dead", init_table_dtype="float8_e4m3fn",
+    load_note="the compression: built from tokenizer.json the first time, then read from the user's cache",
     describe=lambda cfg: f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv",
     step_weights=lambda w: w.wkv_weight))

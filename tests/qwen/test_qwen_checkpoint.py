@@ -255,3 +255,28 @@ def test_nvfp4_tables_as_vllm_dequantizes_them(tmp_path):
     model.save(tmp_path / "values")  # written as the values vLLM gives
     back = EngramModel.load(tmp_path / "values")
     np.testing.assert_array_equal(back.layer(1).table, model.layer(1).table_f32(slice(None)))
+
+
+def test_direct_names_why_a_table_over_files_is_in_ram_and_reads_the_packed_row_file(tmp_path):
+    """A table whose parts lie in several files is concatenated in RAM: tables="direct" refuses it
+    naming that and pack-rows; with the packed row file written from the RAM table, direct reads
+    the same bytes and the engine the same outputs as the table in RAM."""
+    from engram_stream.cli import main
+    from engram_stream.rows import packed
+    cfg = EngramConfig.from_hf_config(HF)
+    _write_folder(tmp_path / "q", HF, _tensors(EngramModel.init(cfg, seed=9), ""), n_files=3)
+    ram = EngramModel.load(tmp_path / "q")
+    assert all(mapping_of(ram.layer(L).table) is None for L in cfg.layer_ids)  # parts over files: in RAM
+    with pytest.raises(ValueError) as e:
+        EngramModel.load(tmp_path / "q", tables="direct")
+    msg = str(e.value)
+    assert "several files" in msg and "pack-rows" in msg and "mmap=True" not in msg
+    assert main(["pack-rows", str(tmp_path / "q"), "--quiet"]) == 0
+    direct = EngramModel.load(tmp_path / "q", tables="direct", row_cache_mb=1)
+    assert direct.row_tiers.direct.rows_path == packed.rows_path(tmp_path / "q")
+    assert all(packed.verify_rows(direct, packed.rows_path(tmp_path / "q")).values())  # every record's bytes
+    ids, hid = inputs(cfg, seed=10)
+    for L in cfg.layer_ids:
+        a, b = ram.stream(L, n_streams=2), direct.stream(L, n_streams=2)
+        for t in range(ids.shape[1]):
+            np.testing.assert_array_equal(b.step(ids[:, t], hid[:, t]), a.step(ids[:, t], hid[:, t]))

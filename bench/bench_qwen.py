@@ -1,0 +1,265 @@
+#!/usr/bin/env python
+"""The qwen3.8-flash-next engine (Qwen4-Exp's PLE layer) at the released config's dims: hidden
+2560, hc 4, ple_embed_dim 2560 = 16 heads x 160, ngram_size 3, heads_per_ngram 8, conv 4 taps;
+one PLE layer, the table scaled down (ngram_vocab_size_base 20000: the table's size does not
+change a step's compute). The checkpoint is written once in the model's HF layout with bfloat16
+tables and bfloat16 projections, as released; the step, 16-stream and prefill sections measure
+the engine with those bf16 projection weights and again with them widened to float32.
+
+    flock /tmp/bench.lock python bench/bench_qwen.py              # all sections
+    flock /tmp/bench.lock python bench/bench_qwen.py --quick      # fewer repetitions / rounds
+    flock /tmp/bench.lock python bench/bench_qwen.py --sections step,prefill --paths avx2
+
+Ratios of medians, the contenders and their floors side by side in one run (rounds
+interleaved, the order rotating; bench_v41.py's helpers and method, bench/NOTES.md):
+  step      one-stream step (step_threads 1 and 2) vs one read of the projection weights it
+            reads (proj_w: key_proj + value_proj, [12800, 2560]; k.read_bytes, one core)
+                                                                   goal <= 1.2x
+            16 streams per token vs the one-stream step (best of 1 and 2 threads)
+                                                                   goal <= 1/8
+  prefill   eng.prefill of 512 tokens on all cores vs the register-only FMA floor of all cores
+            (2*T*12800*2560 FLOPs at the path's vfmadd peak, es_fma_chains, measured with every
+            core at once in the same rounds)                       goal <= 1.3x
+  direct    tables="direct" (O_DIRECT, qd 32, a row cache of a small fraction of the table):
+            the engine's read path (feed + fetch, 16 streams of random ids, every row a miss),
+            cold (the shard's pages dropped with posix_fadvise DONTNEED before each round) vs
+            fio's 4 KiB random reads on the same file at the same qd  goal >= 0.7x
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_v41 as v  # noqa: E402  (chooses the checkout: tools/checkout.py)
+from bench_direct import device, fio  # noqa: E402
+from common import add_busy_args, busy_loops, machine  # noqa: E402
+from engram_stream import EngramConfig, EngramModel  # noqa: E402
+from engram_stream.demo import _engine as demo_k  # noqa: E402
+from engram_stream.engine import isa as _isa  # noqa: E402
+
+LAYER = 1
+# the released Qwen3.8-Flash-Next text config's PLE keys, one PLE layer, a small table
+RELEASED = {"model_type": "qwen4_exp_text", "vocab_size": 248320, "hidden_size": 2560, "hc_count": 4,
+            "rms_norm_eps": 1e-6, "eos_token_id": 248044, "ple_layer_ids": [LAYER], "ple_embed_dim": 2560,
+            "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 8,
+            "make_ngram_vocab_size_divisible_by": 128, "seed": 1234, "split_ngram_parts": 512}
+
+
+def ensure_checkpoint(d, base):
+    if not os.path.isfile(os.path.join(d, "config.json")):
+        cfg = EngramConfig.from_hf_config({**RELEASED, "ngram_vocab_size_base": base})
+        t0 = time.perf_counter()
+        EngramModel.init(cfg, seed=0).with_weight_dtype("bfloat16").save(d, table_dtype="bfloat16")
+        print(f"wrote {d} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return d
+
+
+def rounds(runs, reps):
+    """{name: [seconds]}: every contender once a round, the order rotating (after one warm call each)."""
+    for f in runs.values():
+        f()
+    times = {n: [] for n in runs}
+    names = list(runs)
+    for r in range(reps):
+        for j in range(len(names)):
+            n = names[(r + j) % len(names)]
+            times[n].append(v.timed(runs[n]))
+    return times
+
+
+def section_step(models, reps, paths):
+    """Per weight dtype and path: the one-stream step (1, 2 threads) and 16 streams (1, 2) beside
+    one read of the projection weights of that dtype, all in the same interleaved rounds."""
+    rng = np.random.default_rng(0)
+    runs, res = {}, {}
+    for dt, model in models.items():
+        w = model.layer(LAYER)
+        G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
+        wb = np.ascontiguousarray(w.proj_w).reshape(-1).view(np.uint8)
+        v.k.read_bytes(np.asarray(w.table).reshape(-1).view(np.uint8))  # the table's pages: rows, not disk reads
+        res[dt] = {"proj_bytes": int(wb.nbytes)}
+        runs[f"{dt}.read"] = (lambda wb: lambda: v.k.read_bytes(wb))(wb)
+        h1 = rng.standard_normal((G, D)).astype(np.float32)
+        h16 = rng.standard_normal((16, G, D)).astype(np.float32)
+        o1, o16 = np.empty_like(h1), np.empty_like(h16)
+        for isa in paths:
+            for th in (1, 2):
+                e1, e16 = model.stream(LAYER), model.stream(LAYER, n_streams=16)
+                e1.step_threads = e16.step_threads = th
+                runs[f"{dt}.{isa}.step1_t{th}"] = (lambda e, isa, h, o: lambda: v.on_path(
+                    isa, lambda: e.step(int(rng.integers(V)), h, out=o)))(e1, isa, h1, o1)
+                runs[f"{dt}.{isa}.step16_t{th}"] = (lambda e, isa, h, o: lambda: v.on_path(
+                    isa, lambda: e.step(rng.integers(0, V, 16), h, out=o)))(e16, isa, h16, o16)
+    times = rounds(runs, reps)
+    med = {n: v.median(t) for n, t in times.items()}
+    for dt in models:
+        rd = med[f"{dt}.read"]
+        res[dt].update(read_ms=rd * 1e3, read_GBps=res[dt]["proj_bytes"] / rd / 1e9)
+        for isa in paths:
+            one = {th: med[f"{dt}.{isa}.step1_t{th}"] for th in (1, 2)}
+            s16 = {th: med[f"{dt}.{isa}.step16_t{th}"] for th in (1, 2)}
+            r = res[dt][isa] = {}
+            for th in (1, 2):
+                r[f"step1_t{th}_ms"] = one[th] * 1e3
+                r[f"step1_t{th}_over_read"] = one[th] / rd
+                r[f"step16_t{th}_ms"] = s16[th] * 1e3
+                r[f"per_token16_t{th}_over_step1_t1"] = s16[th] / 16 / one[1]
+            r["step1_over_read_paired"] = v.median([a / b for a, b in zip(times[f"{dt}.{isa}.step1_t1"],
+                                                                          times[f"{dt}.read"])])
+    return res
+
+
+def section_prefill(models, T, reps, paths):
+    """eng.prefill of T tokens on all cores per weight dtype and path, vs the register-only FMA
+    floor of all cores (the path's vfmadd peak, every core at once), timed in the same rounds."""
+    cores = os.cpu_count() or 1
+    res = {"T": T, "threads": cores, "reps": reps}
+    fma = {isa: v.fma_runner(isa, cores, 40_000_000, chains=demo_k._fma_chains) for isa in paths}
+    t_fma = {isa: [] for isa in paths}
+    t_ours, engs = {}, {}
+    for dt, model in models.items():
+        G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
+        rng = np.random.default_rng(1)
+        ids, hidden = rng.integers(0, V, T), rng.standard_normal((T, G, D)).astype(np.float32)
+        eng = model.stream(LAYER)
+        eng.prefill_threads = cores
+        engs[dt] = (eng, ids, hidden, np.empty_like(hidden))
+        for isa in paths:
+            t_ours[(dt, isa)] = []
+            v.on_path(isa, lambda: eng.prefill(ids, hidden, out=engs[dt][3]))  # warm
+            eng.reset()
+    M, E = models[next(iter(models))].layer(LAYER).proj_w.shape
+    for _ in range(reps):  # every contender and floor once a round
+        for isa in paths:
+            for dt, (eng, ids, hidden, out) in engs.items():
+                eng.reset()
+                t_ours[(dt, isa)].append(v.timed(lambda: v.on_path(isa, lambda: eng.prefill(ids, hidden, out=out))))
+            t_fma[isa].append(v.timed(lambda: fma[isa](1)))
+    for isa in paths:
+        peaks = fma[isa].gflops(t_fma[isa])
+        floors = [2 * M * E * T / (g * 1e9) for g in peaks]
+        res[isa] = {"register_fma_all_cores_GFLOPs": v.median(peaks), "fma_floor_s": v.median(floors)}
+        for dt in models:
+            t = t_ours[(dt, isa)]
+            res[isa][dt] = {"s": v.median(t), "spread_s": [min(t), max(t)],
+                            "over_fma_floor": v.median(t) / v.median(floors),
+                            "over_fma_floor_paired": v.median([a / b for a, b in zip(t, floors)])}
+    return res
+
+
+def section_direct(d, n_rounds, seconds, qd, cache_mb, streams=16):
+    """The engine's read path from disk, cold, vs fio on the same file at the same qd."""
+    from engram_stream.rows import DirectTier
+    from engram_stream.rows import mapped as store
+    shards = sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors"))
+    rng = np.random.default_rng(1)
+    out = []
+    for r in range(n_rounds):
+        model = EngramModel.load(d, tables=DirectTier(qd=qd, rows_file=False), row_cache_mb=cache_mb)
+        rf = model.row_tiers.direct.files[LAYER]
+        path = rf.describe()
+        for s in shards:  # (O_DIRECT reads bypass it anyway: no page of the table starts warm)
+            store.evict_file(s)
+        eng = model.stream(LAYER, streams)
+        V = model.cfg.vocab_size
+        st0 = model.row_cache_stats()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            eng.feed(rng.integers(0, V, streams))
+            eng.fetch()
+        dt = time.perf_counter() - t0
+        st = model.row_cache_stats()
+        reads, rows = st["reads"] - st0["reads"], st["rows_read"] - st0["rows_read"]
+        table = model.plan.table_rows[LAYER] * model.layer(LAYER).table.strides[0]
+        del eng, model
+        f = fio(shards[0], qd, seconds)
+        e = {"fio_iops": f, "reads_per_s": reads / dt, "rows_read_per_s": rows / dt,
+             "reads_per_row_read": reads / max(1, rows), "ratio": reads / dt / f, "file": path,
+             "direct": bool(rf.direct), "table_over_cache": table / (cache_mb * 2**20)}
+        out.append(e)
+        print(f"  round {r}: engine read path {e['reads_per_s']:,.0f} reads/s ({e['reads_per_row_read']:.3f} per "
+              f"row read) | fio {f:,.0f} IOPS | {e['ratio']:.2f}x", flush=True)
+    return {"rounds": out, "qd": qd, "streams": streams, "seconds": seconds, "file": shards[0],
+            "fio_iops": v.median([x["fio_iops"] for x in out]),
+            "reads_per_s": v.median([x["reads_per_s"] for x in out]),
+            "over_fio": v.median([x["reads_per_s"] for x in out]) / v.median([x["fio_iops"] for x in out]),
+            "over_fio_paired": v.median([x["ratio"] for x in out]),
+            "reads_per_row_read": v.median([x["reads_per_row_read"] for x in out]),
+            "device": device(d)}
+
+
+def table(res, paths):
+    """The figures with their goals, one line each."""
+    lines = []
+    st, pf, di = res.get("step"), res.get("prefill"), res.get("direct")
+    for isa in paths:
+        for dt in ("bfloat16", "float32"):
+            if st and dt in st:
+                r = st[dt][isa]
+                lines.append(f"{isa} {dt}: step / read of proj_w ({st[dt]['proj_bytes'] / 2**20:.0f} MiB), 1 / 2 threads: "
+                             f"{r['step1_t1_over_read']:.2f}x / {r['step1_t2_over_read']:.2f}x (goal <= 1.2x)")
+                lines.append(f"{isa} {dt}: 16 streams per token / one stream, 1 / 2 threads: "
+                             f"{r['per_token16_t1_over_step1_t1']:.3f} / {r['per_token16_t2_over_step1_t1']:.3f} "
+                             f"(goal <= 0.125)")
+            if pf and dt in pf.get(isa, {}):
+                lines.append(f"{isa} {dt}: prefill {pf['T']} / FMA floor of {pf['threads']} cores: "
+                             f"{pf[isa][dt]['over_fma_floor']:.2f}x (paired {pf[isa][dt]['over_fma_floor_paired']:.2f}x; "
+                             f"goal <= 1.3x)")
+    if di:
+        lines.append(f"direct, cold, {di['streams']} streams, qd {di['qd']}: engine read path / fio 4 KiB randread: "
+                     f"{di['over_fio']:.2f}x (paired {di['over_fio_paired']:.2f}x; goal >= 0.7x), "
+                     f"{di['reads_per_row_read']:.3f} reads per row")
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default="/tmp/engram_qwen_flash_next")
+    ap.add_argument("--ngram-vocab-size-base", type=int, default=20000)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sections", default="step,prefill,direct")
+    ap.add_argument("--paths", default=_isa.kernel_isa(),
+                    help=f"kernel paths to measure (default: the best, {_isa.kernel_isa()}; this CPU runs "
+                         f"{','.join(_isa.supported_isas())})")
+    ap.add_argument("--qd", type=int, default=32)
+    ap.add_argument("--cache-mb", type=int, default=8)
+    ap.add_argument("--json")
+    add_busy_args(ap)
+    a = ap.parse_args()
+    paths = [p for p in a.paths.split(",") if p]
+    for p in paths:
+        if p not in _isa.supported_isas():
+            ap.error(f"--paths: {p!r} is not a path this CPU and build run ({', '.join(_isa.supported_isas())})")
+    d = ensure_checkpoint(a.dir, a.ngram_vocab_size_base)
+    with busy_loops(a.busy, a.busy_cpu) as busy:
+        res = {"machine": machine(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+               "paths": paths, "loadavg_start": os.getloadavg(), **busy}
+        print(json.dumps(res["machine"]), flush=True)
+        sections = a.sections.split(",")
+        if "direct" in sections:  # first: nothing of the file is mapped by this process yet
+            res["direct"] = section_direct(d, 1 if a.quick else 3, 3 if a.quick else 5, a.qd, a.cache_mb)
+            print("direct", json.dumps(res["direct"]), flush=True)
+        bf16 = EngramModel.load(d, mmap=True)
+        models = {"bfloat16": bf16.with_weight_dtype("bfloat16"), "float32": bf16.with_weight_dtype("float32")}
+        if "step" in sections:
+            res["step"] = section_step(models, 5 if a.quick else 15, paths)
+            print("step", json.dumps(res["step"]), flush=True)
+        if "prefill" in sections:
+            res["prefill"] = section_prefill(models, 256 if a.quick else 512, 1 if a.quick else 3, paths)
+            print("prefill", json.dumps(res["prefill"]), flush=True)
+        res["loadavg_end"] = os.getloadavg()
+    res["table"] = table(res, paths)
+    print(f"\n{res['machine']['cpu']}, {res['machine']['cores']} cores, path(s) {','.join(paths)}, load "
+          f"{res['loadavg_start'][0]:.2f} -> {res['loadavg_end'][0]:.2f}")
+    print("\n".join(res["table"]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
