@@ -200,15 +200,16 @@ def table(res, paths):
         for dt in ("bfloat16", "float32"):
             if st and dt in st:
                 r = st[dt][isa]
-                lines.append(f"{isa} {dt}: step / read of proj_w ({st[dt]['proj_bytes'] / 2**20:.0f} MiB), 1 / 2 threads: "
+                mib = st[dt]["proj_bytes"] / 2**20
+                lines.append(f"{isa} {dt}: step / read of proj_w ({mib:.0f} MiB), 1 / 2 threads: "
                              f"{r['step1_t1_over_read']:.2f}x / {r['step1_t2_over_read']:.2f}x (goal <= 1.2x)")
                 lines.append(f"{isa} {dt}: 16 streams per token / one stream, 1 / 2 threads: "
                              f"{r['per_token16_t1_over_step1_t1']:.3f} / {r['per_token16_t2_over_step1_t1']:.3f} "
                              f"(goal <= 0.125)")
             if pf and dt in pf.get(isa, {}):
+                p = pf[isa][dt]
                 lines.append(f"{isa} {dt}: prefill {pf['T']} / FMA floor of {pf['threads']} cores: "
-                             f"{pf[isa][dt]['over_fma_floor']:.2f}x (paired {pf[isa][dt]['over_fma_floor_paired']:.2f}x; "
-                             f"goal <= 1.3x)")
+                             f"{p['over_fma_floor']:.2f}x (paired {p['over_fma_floor_paired']:.2f}x; goal <= 1.3x)")
     if di:
         lines.append(f"direct, cold, {di['streams']} streams, qd {di['qd']}: engine read path / fio 4 KiB randread: "
                      f"{di['over_fio']:.2f}x (paired {di['over_fio_paired']:.2f}x; goal >= 0.7x), "

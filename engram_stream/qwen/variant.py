@@ -40,4 +40,5 @@ VARIANT = variants.register(variants.Variant(
     is_checkpoint=hf.is_checkpoint, folder_checkpoint=True, folder_of=hf.folder_of,
     forward=lambda cfg, w, rows, dead, hidden: reference.forward(cfg, rows, w, hidden),
     engine=StreamEngine, describe=config.describe, step_weights=lambda w: w.proj_w,
-    history="separator", load_note="raw token ids: no compression, no tokenizer read", draw_multipliers=config.draw_multipliers, table_rows=config.table_rows))
+    history="separator", draw_multipliers=config.draw_multipliers, table_rows=config.table_rows,
+    load_note="raw token ids: no compression, no tokenizer read"))
