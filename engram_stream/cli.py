@@ -96,7 +96,7 @@ def _load_for(args, steps):
 
 def cmd_demo(args):
     """Decode tokens through every layer's streaming engine and check them against the batch path
-    (the built-in model, or --checkpoint: a checkpoint file or a deepseek-v4.1 folder)."""
+    (the built-in model, or --checkpoint: a checkpoint file or a model's Hugging Face folder)."""
     steps = _Steps(args.quiet)
     model = _load_for(args, steps)
     cfg = model.cfg
@@ -335,7 +335,7 @@ def cmd_build_compression(args):
 
 def cmd_bench(args):
     """A short in-process comparison, repeated: engine step vs a floor, 1 vs N streams (the built-in
-    model, or --checkpoint: a checkpoint file or a deepseek-v4.1 folder, mapped)."""
+    model, or --checkpoint: a checkpoint file or a model's Hugging Face folder, mapped)."""
     steps = _Steps(args.quiet)
     model = _load_for(args, steps)
     cfg = model.cfg
@@ -646,7 +646,8 @@ def build_parser():
 
     s = command("demo", cmd_demo, "decode on a built-in model and check it against the batch path")
     s.add_argument("--checkpoint", default=None,
-                   help="decode this model instead: a checkpoint file or a deepseek-v4.1 folder (config.json, shards)")
+                   help="decode this model instead: a checkpoint file or a model's Hugging Face folder "
+                        "(config.json, shards)")
     s.add_argument("--tokens", type=_count(1), default=300, help="tokens to decode")
     s.add_argument("--seed", type=_count(0), default=0, help="seed of the weights, ids and hidden states")
     s.add_argument("--quiet", action="store_true", help="no progress lines on stderr (the results only)")
@@ -680,7 +681,8 @@ def build_parser():
     s = command("bench", cmd_bench, "engine step vs its floor, 1 vs N streams (seconds on the built-in model; "
                                     "minutes at Flash dims: fewer --steps / --repeat to shorten; bench/ has the suite)")
     s.add_argument("--checkpoint", default=None,
-                   help="bench this model instead of the built-in one: a checkpoint file or a deepseek-v4.1 folder")
+                   help="bench this model instead of the built-in one: a checkpoint file or a model's Hugging Face "
+                        "folder")
     s.add_argument("--layer", type=int, default=None, help="the Engram layer to bench (default: the first)")
     s.add_argument("--steps", type=_count(1), default=500, help="steps per measurement")
     s.add_argument("--streams", type=_count(2), default=16, help="streams of the multi-stream engine")
@@ -709,8 +711,8 @@ def build_parser():
                         "store; load with MooncakeTier(name=...) the same; \"\": EngramStore's own engram:l{L}:h{h})")
 
     s = command("pack-rows", cmd_pack_rows, "write the packed row file beside a checkpoint (one read per missed row)")
-    s.add_argument("checkpoint", help="a deepseek-v4.1 folder (writes FOLDER/engram_rows.bin) or a checkpoint file "
-                                      "(writes FILE.rows)")
+    s.add_argument("checkpoint", help="a model's Hugging Face folder (writes FOLDER/engram_rows.bin; a table whose "
+                                      "parts lie in several files too) or a checkpoint file (writes FILE.rows)")
     s.add_argument("--force", action="store_true", help="write it again if it exists")
     s.add_argument("--verify", action="store_true", help="read an existing row file whole and compare it with the "
                                                         "checkpoint instead")
