@@ -65,7 +65,8 @@ ENV = "ENGRAM_STREAM_VLLM"
 KEY = "engram_stream"  # in vLLM's additional_config
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 LOADER_MODULE = "vllm.model_executor.model_loader.weight_utils"
-TABLE_TENSOR = re.compile(r"(?:^|\.)engram\.embed\.(?:weight|scale)$")  # as vLLM's _ENGRAM_WEIGHT_RE
+TABLE_TENSOR = re.compile(r"(?:^|\.)(?:engram\.embed\.(?:weight|scale)"  # V4.1: as vLLM's _ENGRAM_WEIGHT_RE
+                          r"|ple_embedding\.ngram_embedding\.(?:weight|shard_\d+\.(?:weight|weight_scale)))$")  # Qwen4Exp
 SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake", "host_cache")
 WINDOW_ROWS = 1 << 14   # rows of one window of a long lookup (its records: 4 MiB of scratch a lane)
 
@@ -140,15 +141,15 @@ def settings(vllm_config=None):
     return None
 
 
-def open_model(s, default_checkpoint):
+def open_model(s, default_checkpoint, qwen=False):
     """The process's EngramModel of settings s (one per distinct settings: the layers share it
-    and its row cache)."""
+    and its row cache). qwen: a Qwen4Exp folder (EngramModel.load), else a V4.1 one."""
     ckpt = s["checkpoint"] or default_checkpoint
     if not ckpt or not os.path.isdir(ckpt):
         raise ValueError(f"{ENV}: vLLM's model {default_checkpoint!r} is not a local folder: give "
                          f'"checkpoint" (the V4.1 folder holding layers.L.engram.* and tokenizer.json)')
     key = (os.path.realpath(ckpt), s["tables"], s["row_cache_mb"], json.dumps(s["mooncake"], sort_keys=True),
-           s["host_cache"])
+           s["host_cache"], qwen)
     with _lock:
         if key not in _models:
             from ..model import EngramModel
@@ -158,8 +159,8 @@ def open_model(s, default_checkpoint):
                 mc = s["mooncake"]
                 tables = MooncakeTier(master=mc["master"], metadata=mc["metadata"],
                                       local_host=mc.get("local_host", "127.0.0.1"))
-            _models[key] = EngramModel.from_deepseek_v41(ckpt, tables=tables, row_cache_mb=s["row_cache_mb"] or None,
-                                                         host_cache=s["host_cache"])
+            load = EngramModel.load if qwen else EngramModel.from_deepseek_v41
+            _models[key] = load(ckpt, tables=tables, row_cache_mb=s["row_cache_mb"] or None, host_cache=s["host_cache"])
         return _models[key]
 
 
@@ -167,6 +168,12 @@ def stats():
     """Row cache and read counters of every model this process serves from ({checkpoint: ...})."""
     with _lock:
         return {k[0]: m.row_cache_stats() for k, m in _models.items()}
+
+
+def serving(on=True):
+    """Set once a table-less embedding is made: the loader then skips the table tensors."""
+    global _serving
+    _serving = bool(on)
 
 
 def embedding_class():
@@ -442,13 +449,19 @@ def _patch_loader(W):
     W.should_skip_weight = should_skip_weight
 
 
+def _patch_qwen(N):
+    from .vllm_qwen import patch_ngram
+    patch_ngram(N)
+
+
 def _patch_replay(B):
     from .vllm_graph import patch_replay
     patch_replay(B)
 
 
 _PATCHES = {ENGRAM_MODULE: _patch_engram, LOADER_MODULE: _patch_loader,
-            "vllm.compilation.breakable_cudagraph": _patch_replay}
+            "vllm.compilation.breakable_cudagraph": _patch_replay,
+            "vllm.models.qwen4_exp.nvidia.ngram_embedding": _patch_qwen}
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
