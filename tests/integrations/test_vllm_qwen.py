@@ -65,6 +65,9 @@ def vllm_env(N, monkeypatch):
     monkeypatch.setattr(N, "get_current_vllm_config", lambda: types.SimpleNamespace(
         engram_config=VEngramConfig(cpu_offload=False), model_config=types.SimpleNamespace(model=st.model),
         additional_config=st.extra))
+    import vllm.model_executor.parameter as parameter   # the FP8 / NVFP4 parameters' TP rank
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_world_size", lambda: 1, raising=False)
+    monkeypatch.setattr(parameter, "get_tensor_model_parallel_rank", lambda: 0, raising=False)
     monkeypatch.delenv(plugin.ENV, raising=False)
     plugin.register()
     monkeypatch.setattr(plugin, "_serving", False)
@@ -149,11 +152,13 @@ def test_plugin_lookup_is_vllms(N, vllm_env, folders, kind, monkeypatch):
     cfg = hf_config(folder, kind)
     rng = np.random.default_rng(5)
     for dense, layer in enumerate(sorted(cfg.ple_layer_ids)):
+        monkeypatch.setattr(plugin, "_serving", False)   # vLLM's own model: its loader reads every tensor
         stock = build(N, cfg, dense)
         given, loaded = load(stock, folder, layer)
         assert any(".shard_" in n for n in given)
         inputs = requests(cfg, rng, cfg.eos_token_id)
         want = outputs(stock, inputs)
+        assert want[1].float().abs().sum() > 0
         if kind == "fp8":
             assert want[0].dtype == torch.float8_e4m3fn
         for name, settings in SOURCES.items():
