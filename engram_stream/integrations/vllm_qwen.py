@@ -22,8 +22,8 @@ Qwen4ExpPLEDeviceEmbedding or Qwen4ExpPLEPinnedHostEmbedding) is a StreamPLEEmbe
 
 The row ids are vLLM's (compute_ngram_ids); engram_stream's hash gives the same ids
 (tests/integrations/test_vllm_qwen.py compares them). The lookup is synchronous host work
-(supports_prefetch is False whatever engram_config.cpu_offload says): eager only; nothing of it
-has run on a GPU yet.
+(supports_prefetch is False whatever engram_config.cpu_offload says): eager only, so on CUDA
+the plugin refuses a model without enforce_eager; nothing of it has run on a GPU yet.
 """
 from __future__ import annotations
 
@@ -155,6 +155,9 @@ def patch_ngram(N):
         if s is None:
             return original(self, config, embedding_dim, ple_dense_layer_id, max_total_tokens, **kw)
         _check_version()
+        if plugin._cuda() and not getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
+            raise ValueError(f"{plugin.ENV}: Qwen4Exp PLE rows are read by a synchronous host lookup, which a CUDA "
+                             f"graph would capture once and replay stale: serve with --enforce-eager")
         model = plugin.open_model(s, getattr(getattr(vllm_config, "model_config", None), "model", None), qwen=True)
         ids = model.cfg.layer_ids                  # sorted ple_layer_ids: vLLM's dense id indexes them
         if not 0 <= ple_dense_layer_id < len(ids):
