@@ -201,3 +201,29 @@ def test_loader_skips_only_the_table(vllm_env):
     assert skip(pre + "shard_0.weight") and skip(pre + "shard_511.weight_scale") and skip(pre + "weight")
     assert not skip(pre + "weight_scale") and not skip(pre + "weight_scale_2")   # global scales: vLLM's
     assert not skip("model.layers.3.ple.key_proj.weight")
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "fp8", "nvfp4"])
+def test_an_etp_rank_serves_its_rows(N, vllm_env, folders, kind, monkeypatch):
+    """ETP = TP = 2, rank 1 (the all-reduce an identity): vLLM's loader gives the rank its vocabulary
+    range of the shards, its lookup zeros for other rows; the plugin's rank reads the same rows."""
+    import vllm.models.qwen4_exp.common.ngram_embedding as C
+    group = types.SimpleNamespace(world_size=2, rank_in_group=1, all_reduce=lambda x: x)
+    for mod in (N, C):
+        monkeypatch.setattr(mod, "get_etp_group", lambda: group)
+        monkeypatch.setattr(mod, "get_tp_group", lambda: group)
+    folder = folders[kind]
+    cfg = hf_config(folder, kind)
+    inputs = requests(cfg, np.random.default_rng(11), cfg.eos_token_id)
+    monkeypatch.setattr(plugin, "_serving", False)
+    stock = build(N, cfg, 1)
+    load(stock, folder, sorted(cfg.ple_layer_ids)[1])
+    assert stock.ngram_embedding.shard_indices.org_vocab_start_index > 0
+    want = outputs(stock, inputs)
+    vllm_env.model = folder
+    monkeypatch.setenv(plugin.ENV, json.dumps({"tables": "direct", "row_cache_mb": 0.2}))
+    mine = build(N, cfg, 1)
+    load(mine, folder, sorted(cfg.ple_layer_ids)[1])
+    got = outputs(mine, inputs)
+    same_bytes(got[0], want[0])
+    same_bytes(got[1], want[1])
