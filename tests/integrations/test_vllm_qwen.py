@@ -1,4 +1,4 @@
-"""The vLLM plugin's Qwen4Exp side (engram_stream.integrations.vllm_qwen) against vLLM 0.33.0's own
+"""The vLLM plugin's Qwen4Exp side (engram_stream.integrations.vllm, its Qwen4Exp section) against vLLM 0.33.0's own
 PLE n-gram embedding (vllm.models.qwen4_exp.nvidia.ngram_embedding.Qwen4ExpNGramEmbedding), on CPU
 with ETP/TP 1 and the device backend (engram_config.cpu_offload=False).
 
