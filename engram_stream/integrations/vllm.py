@@ -68,8 +68,10 @@ ENV = "ENGRAM_STREAM_VLLM"
 KEY = "engram_stream"  # in vLLM's additional_config
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 LOADER_MODULE = "vllm.model_executor.model_loader.weight_utils"
-TABLE_TENSOR = re.compile(r"(?:^|\.)(?:engram\.embed\.(?:weight|scale)"  # V4.1: as vLLM's _ENGRAM_WEIGHT_RE
-                          r"|ple_embedding\.ngram_embedding\.(?:weight|shard_\d+\.(?:weight|weight_scale)))$")  # Qwen4Exp
+# the tables' tensors: V4.1's (as vLLM's _ENGRAM_WEIGHT_RE), Qwen4Exp's PLE n-gram table and its shards (their
+# NVFP4 block scales too; not the global weight_scale / weight_scale_2, which vLLM loads)
+TABLE_TENSOR = re.compile(r"(?:^|\.)(?:engram\.embed\.(?:weight|scale)"
+                          r"|ple_embedding\.ngram_embedding\.(?:weight|shard_\d+\.(?:weight|weight_scale)))$")
 SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake", "host_cache")
 WINDOW_ROWS = 1 << 14   # rows of one window of a long lookup (its records: 4 MiB of scratch a lane)
 
