@@ -1,13 +1,13 @@
 #!/bin/sh
 # CI step: vLLM 0.33.0 and SGLang 0.5.23 on CPU and the serving integrations' tests
-# (tests/integrations/test_vllm.py, test_vllm_graph.py, tests/integrations/test_sglang.py).
+# (tests/integrations/test_vllm.py, test_vllm_graph.py, test_vllm_qwen.py, tests/integrations/test_sglang.py).
 #
 #   tools/ci_vllm.sh            # makes its own venv ($TMPDIR/engram-stream-ci-vllm-venv)
 #   tools/ci_vllm.sh VENV       # installs into the venv VENV (the CI venv), then tests
 #
 # vLLM goes in with --no-deps (its CUDA deps cannot be met on CPU) beside the CPU torch from
 # /opt/wheels (PIP_FIND_LINKS), with the pure-Python packages its import of the V4.1 Engram
-# module needs and triton; its kernels run in Triton's interpreter (TRITON_INTERPRET=1).
+# module (and of the Qwen4Exp PLE n-gram module) needs and triton; its kernels run in Triton's interpreter (TRITON_INTERPRET=1).
 # The checkout is built in place (python setup.py build_ext --inplace) and tested from its root.
 set -eu
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -47,6 +47,6 @@ PY=$VENV/bin/python
 cd "$ROOT"
 "$PY" setup.py -q build_ext --inplace -j 2
 TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_vllm.py \
-    tests/integrations/test_vllm_graph.py
+    tests/integrations/test_vllm_graph.py tests/integrations/test_vllm_qwen.py
 # a process of its own: its torchvision stub stays out of the vLLM tests
 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_sglang.py
