@@ -63,17 +63,17 @@ def rotating_rounds(engines, ids, h, out, rounds):
 def main():
     args, cfg, ids, h, out = setup(__doc__, 20000, 7)
     from engram_stream import EngramModel
-    from engram_stream.rows import mapped as store
+    from engram_stream.io import files
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "m.safetensors")
         EngramModel.init(cfg, seed=0).save(path)
         mapped, ram = EngramModel.load(path, mmap=True), EngramModel.load(path, mmap=False)
-        assert store.file_check(mapped.layer(1).table) is not None
-        assert store.file_check(ram.layer(1).table) is None
+        assert files.file_check(mapped.layer(1).table) is not None
+        assert files.file_check(ram.layer(1).table) is None
         t = mapped.layer(1).table
         pages = np.frombuffer((ctypes.c_char * t.nbytes).from_address(t.ctypes.data), t.dtype).reshape(t.shape)
         blind = EngramModel(cfg, mapped.plan, {1: mapped.layer(1).replace(cfg, table=pages)})
-        assert store.file_check(blind.layer(1).table) is None
+        assert files.file_check(blind.layer(1).table) is None
         # One packed copy of the weights for all three: its 64-byte alignment, which numpy's
         # allocator leaves to chance (0/16/32/48), changed step times more than the check.
         for m in (blind, ram):

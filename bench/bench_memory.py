@@ -80,12 +80,12 @@ def decode(model, tokens, hiddens, sim, prefetch, track=None):
     """feed -> [prefetch] -> [simulated compute] -> compute, per token. Returns per-token times:
     layer (feed + prefetch + compute: the layer's own work, page-fault stalls included),
     prefetch, compute, total (with the simulated compute)."""
-    from engram_stream.rows import mapped as store
+    from engram_stream.rows import mapped
     w = model.layers[LAYER]
     eng = model.stream(LAYER)
     if track is not None:
-        track.append(store.track_rows(eng))
-    pf = store.RowPrefetcher(w.table, w.table_scale)
+        track.append(mapped.track_rows(eng))
+    pf = mapped.RowPrefetcher(w.table, w.table_scale)
     out = np.empty(hiddens.shape[1:], np.float32)
     t = {k: np.zeros(len(tokens)) for k in ("layer", "prefetch", "compute", "total")}
     for i, tok in enumerate(tokens.tolist()):
@@ -148,15 +148,15 @@ def worker(spec):
     if spec.get("ab"):
         return ab_worker(spec)
     from engram_stream import EngramModel
-    from engram_stream.rows import mapped as store
+    from engram_stream.rows import mapped
     path = spec["path"]
     if spec.get("cold"):
-        store.evict_file(path)
+        mapped.evict_file(path)
     rng = np.random.default_rng(spec.get("seed", 0))
     tokens = rng.integers(0, spec["vocab"], spec["steps"])
     hiddens = rng.standard_normal((64,) + tuple(spec["hidden_shape"])).astype(np.float32)
     sim = make_sim(spec.get("compute_ms", 0))
-    res = {"before": store.proc_status()}
+    res = {"before": mapped.proc_status()}
     tracker = None
     if spec.get("trace"):
         import memray
@@ -167,29 +167,29 @@ def worker(spec):
     res["load_s"] = time.perf_counter() - t0
     w = model.layers[LAYER]
     res["table_bytes"] = int(w.table.nbytes)
-    res["resident_after_load"] = store.resident_bytes(w.table)
-    res["after_load"] = store.proc_status()
+    res["resident_after_load"] = mapped.resident_bytes(w.table)
+    res["after_load"] = mapped.proc_status()
     res["passes"], track = [], []
     for _ in range(spec.get("passes", 1)):
         t = decode(model, tokens, hiddens, sim, spec.get("prefetch"), track if not res["passes"] else None)
         res["passes"].append({k: stats(v) for k, v in t.items()})
-    rep = store.residency(model, touched={LAYER: track[0]})[LAYER]
+    rep = mapped.residency(model, touched={LAYER: track[0]})[LAYER]
     res["resident_after_decode"] = rep["resident_bytes"]
     res["rows_touched"] = rep["rows_touched"]
-    res["after_decode"] = store.proc_status()
+    res["after_decode"] = mapped.proc_status()
     if tracker is not None:
         tracker.__exit__(None, None, None)
         import memray
         recs = list(memray.FileReader(spec["trace"]).get_high_watermark_allocation_records(merge_threads=True))
-        mapped = sum(r.size for r in recs if r.allocator == memray.AllocatorType.MMAP)
-        res["heap_peak"] = sum(r.size for r in recs) - mapped
-        res["mapped_at_peak"] = mapped
+        mmapped = sum(r.size for r in recs if r.allocator == memray.AllocatorType.MMAP)
+        res["heap_peak"] = sum(r.size for r in recs) - mmapped
+        res["mapped_at_peak"] = mmapped
         os.unlink(spec["trace"])
     if spec.get("touch_all"):  # the whole table resident (sequential advice: big reads, not page faults)
-        store.advise(w.table, "sequential")
-        store.touch(w.table)
-        res["resident_full"] = store.resident_bytes(w.table)
-        res["after_touch"] = store.proc_status()
+        mapped.advise(w.table, "sequential")
+        mapped.touch(w.table)
+        res["resident_full"] = mapped.resident_bytes(w.table)
+        res["after_touch"] = mapped.proc_status()
     if spec.get("hold"):  # stay alive (mapped) until the parent has read our smaps
         print(json.dumps(res), flush=True)
         sys.stdin.readline()

@@ -33,6 +33,7 @@ checkout.use()
 
 from common import machine  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
+from engram_stream.io.safetensors import DTYPES  # noqa: E402
 from engram_stream.v41 import hf as hf_v41  # noqa: E402
 
 try:  # the transformers extra; without it --help still works and a run says what to install
@@ -86,7 +87,7 @@ def engines_alone(engram, batch, n, dtype):
     dec = engram.decoder(n_streams=batch)
     rng = np.random.default_rng(1)
     h = torch.randn(batch, cfg.hc_mult, cfg.hidden_size, dtype=dtype)
-    hn = h.view(torch.int16).numpy().view(hf_v41.DTYPES["BF16"]) if dtype == torch.bfloat16 else h.numpy()
+    hn = h.view(torch.int16).numpy().view(DTYPES["BF16"]) if dtype == torch.bfloat16 else h.numpy()
     ids = rng.integers(2, min(cfg.vocab_size, 1000) - 1, (n, batch))
     t0 = time.perf_counter()
     for t in range(n):

@@ -1,6 +1,6 @@
 """Soak: many batched steps hold constant private memory and stay exact.
 
-Run as `python bench/soak.py [--steps 200000] [--streams 8]` (the long soak); tests/test_soak.py
+Run as `python bench/soak.py [--steps 200000] [--streams 8]` (the long soak); tests/demo/test_soak.py
 runs a short one through soak(). The engine's output at token t depends only on tokens
 t-W..t (W = conv_len + max_ngram - 1), so after any number of steps the last outputs must
 equal a batch forward over a window, whose first W positions are warm-up.

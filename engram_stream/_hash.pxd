@@ -1,4 +1,4 @@
-# Declarations of the shared integer kernels (engram_stream/include/engram_hash.h),
+# Declarations of the shared integer kernels (include/engram_hash.h),
 # cimported by _hash.pyx and _engine.pyx.
 from libc.stdint cimport int64_t, uint64_t
 

@@ -51,7 +51,7 @@ Regenerate
     python tools/gen_goldens.py --out DIR # somewhere else
     python tools/gen_goldens.py --only NAME [--only NAME ...]
 
-The script is deterministic (fixed seeds per config); tests/test_goldens.py
+The script is deterministic (fixed seeds per config); tests/demo/test_goldens.py
 re-runs it into a temporary directory and checks it reproduces the committed
 files (integers bit-for-bit, floats to a tight tolerance).
 """

@@ -37,7 +37,7 @@ Each npz holds
   L{L}.out_bf16       float32[B, T, G, D]  the reference's return value bf16(h + gate*value)
 
 Regenerate:  python tools/gen_goldens_v41.py [NAME ...]      (torch and numpy only)
-tests/test_goldens_v41.py re-runs it and compares with the committed files.
+tests/v41/test_goldens_v41.py re-runs it and compares with the committed files.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from ..config import EngramConfig
 from ..errors import CheckpointError
 from ..io import safetensors
 from ..io.files import check_file
-from ..io.safetensors import CODES, DTYPES, MAX_HEADER, PAGE, SafetensorsFile, Tensor, read_header  # noqa: F401
+from ..io.safetensors import CODES, SafetensorsFile, Tensor
 from ..config import min_chain_rows
 from ..plan import HashPlan
 from .weights import TABLE_DTYPES, LayerWeights, init_layers

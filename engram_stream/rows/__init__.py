@@ -9,7 +9,8 @@ from ._source import CachedRows, DirectRows, MappedRows, OpenTier, RecordSource,
 from .direct import DirectTier
 from .mapped import MappedTier
 from .mooncake import MooncakeTier, RemoteRows, head_records, store_key, wait_for_port
-from .tiers import RowTiers, record_layout
+from .records import record_layout
+from .tiers import RowTiers
 
 __all__ = ["CachedRows", "DirectRows", "DirectTier", "MappedRows", "MappedTier", "MooncakeTier", "OpenTier",
            "RecordSource", "RemoteRows", "RowSource", "RowTier", "RowTiers", "TierError", "head_records",

@@ -36,7 +36,8 @@ import os
 
 import numpy as np
 
-from ..io.files import FileChangedError, MappedFile, check_file, file_check, mapping_of  # noqa: F401
+from ..errors import FileChangedError
+from ..io.files import MappedFile, mapping_of
 from ._source import MappedRows, OpenTier, RowTier
 
 PAGE = mmap.PAGESIZE

@@ -27,7 +27,7 @@ from ._direct import new_totals, totals_summary
 from ._source import CachedRows, RowTier
 from .direct import DirectTier
 from .mapped import MappedTier
-from .records import record_arrays, record_layout  # noqa: F401 (also their import path here)
+from .records import record_layout
 
 
 # Every field of row_cache_stats(): its unit and its one meaning, whichever source is behind the

@@ -29,7 +29,7 @@ from ..config import EngramConfig, min_chain_rows
 from ..errors import HFCheckpointError
 from ..io import safetensors
 from ..io.files import atomic_folder, atomic_output, open_regular
-from ..io.safetensors import DTYPES, MAX_HEADER, SafetensorsFile, Tensor  # noqa: F401 (Tensor: writers' API)
+from ..io.safetensors import DTYPES, MAX_HEADER, SafetensorsFile, Tensor
 from ..plan import HashPlan
 from .config import V41
 from .weights import NAMES, RAW, V41LayerWeights, random_e4m3, shapes
@@ -353,7 +353,8 @@ def load(ckpt_dir, mmap=True, compression=None):
                                  f"config.json needs {plan.table_rows[L]}")
             t = {short: files[shard].array(full) for short, (full, shard) in layer.items()}
             if mmap:  # every engine reads wkv whole: one read of exactly its pages, not a fault a page
-                from ..rows.mapped import advise, mapping_of
+                from ..io.files import mapping_of
+                from ..rows.mapped import advise
                 for short in ("wkv.weight", "wkv.scale"):
                     if mapping_of(t[short]) is not None and t[short].nbytes:
                         advise(t[short], "willneed")

@@ -1,4 +1,4 @@
-"""Decoder (engram_stream/decoder.py) and the engine hooks it drives (feed/compute,
+"""Decoder (engram_stream/engine/decoder.py) and the engine hooks it drives (feed/compute,
 prefetch, track_rows), against per-layer engines and the numpy batch path.
 
 The oracle is EngramModel.forward; a decoder's layer output must also equal,

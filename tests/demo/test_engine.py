@@ -1,4 +1,4 @@
-"""StreamEngine (engram_stream/_engine.pyx) against the numpy batch path, token by token.
+"""StreamEngine (engram_stream/demo/_engine.pyx) against the numpy batch path, token by token.
 
 The oracle is EngramModel.forward(L, ids[B, T], hidden[B, T, G, D]). Stream s of an
 engine plays row s of a batch: its output at its p-th token must equal forward's
@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 from engram_stream import EngineSnapshot
 from conftest import (ATOL, ROOT, RTOL, close, dense_compression, hypothesis_settings,  # noqa: F401 (shared)
                       make_model, random_inputs, run_python)
-from engram_stream.demo.reference import EPS_CONV, EPS_F32, GATE_CLAMP
+from engram_stream._hash import EPS_CONV, GATE_CLAMP
+from engram_stream.demo.reference import EPS_F32
 
 pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every kernel path (tests/conftest.py)
 

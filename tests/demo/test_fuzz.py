@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engram_stream import EngramConfig, EngramModel
-from engram_stream.demo.checkpoint import CheckpointError
+from engram_stream.errors import CheckpointError
 
 pytest.importorskip("safetensors")
 

@@ -13,9 +13,9 @@ import pytest
 
 from engram_stream import EngramConfig, EngramModel, HashPlan
 from engram_stream.demo import checkpoint
-from engram_stream.rows import mapped as store
+from engram_stream.rows import mapped
 from engram_stream.io import files
-from engram_stream.demo.checkpoint import CheckpointError
+from engram_stream.errors import CheckpointError
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 from safetensors import safe_open  # noqa: E402
@@ -357,9 +357,9 @@ def test_mmap_tables_are_views_of_the_file(saved):
     m, p = saved
     mm, ram = EngramModel.load(p, mmap=True), EngramModel.load(p, mmap=False)
     t = mm.layers[1].table
-    assert not t.flags.owndata and not t.flags.writeable and store.is_file_backed(t)
-    assert not store.is_file_backed(ram.layers[1].table) and not ram.layers[1].table.flags.writeable
-    assert not store.is_file_backed(mm.layers[1].proj_w)  # weights are small copies
+    assert not t.flags.owndata and not t.flags.writeable and mapped.is_file_backed(t)
+    assert not mapped.is_file_backed(ram.layers[1].table) and not ram.layers[1].table.flags.writeable
+    assert not mapped.is_file_backed(mm.layers[1].proj_w)  # weights are small copies
     # A write to the file shows through the mapping (it would not through a copy).
     hdr, _ = _split(p)
     n = struct.unpack("<Q", open(p, "rb").read(8))[0]
@@ -391,7 +391,7 @@ import json, sys
 import memray
 import numpy as np
 from engram_stream import EngramModel
-from engram_stream.rows import mapped as store
+from engram_stream.rows import mapped
 
 def status():
     out = {}
@@ -406,15 +406,15 @@ before = status()
 with memray.Tracker(trace):
     m = EngramModel.load(path, mmap=use_mmap)
     w = m.layers[2]
-    store.touch(w.table)  # every page of the table resident
+    mapped.touch(w.table)  # every page of the table resident
     eng = m.stream(2)
     for t in range(20):
         eng.step(t, np.ones((m.cfg.hc_mult, m.cfg.hidden_size), np.float32))
 after = status()
 recs = list(memray.FileReader(trace).get_high_watermark_allocation_records(merge_threads=True))
-mapped = sum(r.size for r in recs if r.allocator == memray.AllocatorType.MMAP)
+mmapped = sum(r.size for r in recs if r.allocator == memray.AllocatorType.MMAP)
 print(json.dumps({"anon": after["RssAnon"] - before["RssAnon"], "file": after["RssFile"] - before["RssFile"],
-                  "heap": sum(r.size for r in recs) - mapped, "mapped": mapped}))
+                  "heap": sum(r.size for r in recs) - mmapped, "mapped": mmapped}))
 """
 
 
@@ -454,7 +454,7 @@ def test_mmap_load_memory_limit(big_file):
     hid = np.ones((BIG.hc_mult, BIG.hidden_size), np.float32)
     for t in range(50):
         eng.step(t, hid)
-    assert store.is_file_backed(m.layers[2].table)
+    assert mapped.is_file_backed(m.layers[2].table)
 
 
 # ---- hostile files ------------------------------------------------------------------------------------
@@ -608,12 +608,13 @@ def test_missing_file(tmp_path):
 NOT_REGULAR = r"""
 import os, sys
 from engram_stream.demo import checkpoint
+from engram_stream.errors import CheckpointError
 d = sys.argv[1]
 os.mkfifo(os.path.join(d, "fifo"))
 for path in (os.path.join(d, "fifo"), "/dev/zero", d):
     try:
         checkpoint.load(path)
-    except checkpoint.CheckpointError as e:
+    except CheckpointError as e:
         assert "not a regular file" in str(e), e
     else:
         sys.exit(f"{path} loaded")
@@ -632,6 +633,7 @@ import json, sys, time
 import numpy as np
 from safetensors.numpy import save_file
 from engram_stream.demo import checkpoint
+from engram_stream.errors import CheckpointError
 H, E = 2 * 20000, 2 * 20000      # 20000 heads per order near 2**61: minutes of prime search
 cfg = dict(engram_vocab_size=[2 ** 61, 2 ** 61], max_ngram_size=3, n_embed_per_ngram=20000,
            n_head_per_ngram=20000, layer_ids=[0], pad_id=0, seed=0, kernel_size=2, hidden_size=1,
@@ -648,7 +650,7 @@ save_file(t, sys.argv[1], metadata={"format": "engram_stream", "format_version":
 t0 = time.monotonic()
 try:
     checkpoint.load(sys.argv[1])
-except checkpoint.CheckpointError as e:
+except CheckpointError as e:
     assert "rows" in str(e), e
 else:
     sys.exit("loaded")

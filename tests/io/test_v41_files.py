@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from engram_stream import EngramConfig, EngramModel, build_compression
+from engram_stream.errors import FileChangedError, HFCheckpointError
+from engram_stream.io.safetensors import Tensor
 from engram_stream.v41 import hf as hf_v41
 from conftest import run_python
 
@@ -83,7 +85,7 @@ def test_loader_accepts_model_prefix_f32_qk_and_single_file(tmp_path):
     for L in (1, 4):
         for short in hf_v41.NAMES:
             a = getattr(m.layer(L), short.replace(".", "_"))
-            tensors.append(hf_v41.Tensor.of(f"model.layers.{L}.engram.{short}", a,
+            tensors.append(Tensor.of(f"model.layers.{L}.engram.{short}", a,
                                             code=hf_v41.RAW_CODE.get(short, "F32")))
     hf_v41.write(tmp_path, hf_v41.declared(m.cfg, m.plan), tensors, n_shards=1)
     os.rename(tmp_path / "model-00001-of-00001.safetensors", tmp_path / "model.safetensors")
@@ -125,12 +127,12 @@ def test_truncated_or_missing_shards_are_refused(tmp_path):
     shard = sorted(p for p in os.listdir(tmp_path) if p.endswith(".safetensors"))[0]
     with open(tmp_path / shard, "r+b") as f:
         f.truncate(os.path.getsize(tmp_path / shard) - 100)
-    with pytest.raises(hf_v41.HFCheckpointError, match="past the end of the file"):
+    with pytest.raises(HFCheckpointError, match="past the end of the file"):
         EngramModel.from_deepseek_v41(tmp_path)
     os.remove(tmp_path / shard)
-    with pytest.raises(hf_v41.HFCheckpointError, match="missing"):
+    with pytest.raises(HFCheckpointError, match="missing"):
         EngramModel.from_deepseek_v41(tmp_path)
-    with pytest.raises(hf_v41.HFCheckpointError, match="no config.json"):
+    with pytest.raises(HFCheckpointError, match="no config.json"):
         EngramModel.from_deepseek_v41(tmp_path / "nothing")
 
 
@@ -144,16 +146,16 @@ def test_hostile_shards_are_refused_cleanly(tmp_path):
     saved = (tmp_path / shards[0]).read_bytes()
     os.remove(tmp_path / shards[0])
     os.mkfifo(tmp_path / shards[0])
-    with pytest.raises(hf_v41.HFCheckpointError, match="not a regular file"):
+    with pytest.raises(HFCheckpointError, match="not a regular file"):
         EngramModel.from_deepseek_v41(tmp_path)
     os.remove(tmp_path / shards[0])
     deep = b"[" * 100_000 + b"]" * 100_000
     (tmp_path / shards[0]).write_bytes(len(deep).to_bytes(8, "little") + deep)
-    with pytest.raises(hf_v41.HFCheckpointError, match="not valid JSON"):
+    with pytest.raises(HFCheckpointError, match="not valid JSON"):
         EngramModel.from_deepseek_v41(tmp_path)
     (tmp_path / shards[0]).write_bytes(saved)
     (tmp_path / hf_v41.INDEX).write_text("{" * 100_000)
-    with pytest.raises(hf_v41.HFCheckpointError, match="not a JSON index"):
+    with pytest.raises(HFCheckpointError, match="not a JSON index"):
         EngramModel.from_deepseek_v41(tmp_path)
 
 
@@ -244,7 +246,6 @@ def test_readme_v41_snippet_runs(tmp_path):
 
 
 def test_forward_refuses_a_shard_rewritten_after_mapping(tmp_path):
-    from engram_stream.rows.mapped import FileChangedError
     m = EngramModel.init(EngramConfig(**SMALL), seed=0)
     m.save(tmp_path)
     back = EngramModel.from_deepseek_v41(tmp_path)
@@ -337,7 +338,7 @@ def test_hf_reader_errors_name_the_file_and_the_tensor(tmp_path, case):
         else:
             edit(hdr[name])
     _edit_header(shard, change)
-    with pytest.raises(hf_v41.HFCheckpointError, match=match) as e:
+    with pytest.raises(HFCheckpointError, match=match) as e:
         EngramModel.from_deepseek_v41(folder)
     assert str(shard) in str(e.value) and name in str(e.value)
 
@@ -346,7 +347,7 @@ def test_a_missing_shard_names_the_file_and_a_tensor_it_holds(tmp_path):
     _, folder = _saved_small(tmp_path)
     wm = _weight_map(folder)
     os.remove(folder / wm["layers.1.engram.embed.weight"])
-    with pytest.raises(hf_v41.HFCheckpointError, match="missing") as e:
+    with pytest.raises(HFCheckpointError, match="missing") as e:
         EngramModel.from_deepseek_v41(folder)
     shard = wm["layers.1.engram.embed.weight"]
     assert str(folder / shard) in str(e.value)
@@ -369,7 +370,7 @@ def test_index_names_must_stay_inside_the_folder(tmp_path, bad):
             if s == shard:
                 w[n] = bad
     _edit_index(folder, edit)
-    with pytest.raises(hf_v41.HFCheckpointError, match="weight_map") as e:
+    with pytest.raises(HFCheckpointError, match="weight_map") as e:
         EngramModel.from_deepseek_v41(folder)
     assert hf_v41.INDEX in str(e.value) and repr(bad) in str(e.value)
 
@@ -408,7 +409,7 @@ def test_an_index_naming_both_prefixes_for_a_layer_is_refused(tmp_path, where):
     else:
         renamed["model.layers.4.engram.q_weight"] = wm["layers.4.engram.q_weight"]
     _edit_index(folder, lambda w: w.update(renamed))
-    with pytest.raises(hf_v41.HFCheckpointError, match=r"'layers\.4\.engram\.([\w.]+)' and 'model\.layers\.4\.engram\.\1'"):
+    with pytest.raises(HFCheckpointError, match=r"'layers\.4\.engram\.([\w.]+)' and 'model\.layers\.4\.engram\.\1'"):
         EngramModel.from_deepseek_v41(folder)
 
 
@@ -473,7 +474,7 @@ def test_a_tokenizer_longer_than_vocab_size_is_refused_naming_both(tmp_path):
     hf["vocab_size"] = 299
     hf["image_token_id"] = 298
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(hf_v41.HFCheckpointError, match="299.*300|300.*299"):
+    with pytest.raises(HFCheckpointError, match="299.*300|300.*299"):
         EngramModel.from_deepseek_v41(tmp_path)
 
 

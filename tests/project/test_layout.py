@@ -178,6 +178,19 @@ def test_one_name_per_module(name):
     assert not hasattr(engram_stream, name)
 
 
+def test_a_name_has_one_import_path():
+    """Only a package's __init__ re-exports names: a module imports what it uses and keeps no
+    unused imports for old import paths (no `noqa: F401` outside __init__.py)."""
+    found = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "engram_stream")):
+        for name in files:
+            if name.endswith((".py", ".pyx")) and name != "__init__.py":
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8") as f:
+                    found += [f"{os.path.relpath(path, ROOT)}:{k}" for k, ln in enumerate(f, 1) if "noqa: F401" in ln]
+    assert not found, found
+
+
 def test_the_package_docstring_is_a_quick_start_and_names_the_api():
     """help(engram_stream) showed two lines and a list of modules, private ones among them: the
     docstring is a quick start that runs and names every name of __all__, and __all__ is exactly

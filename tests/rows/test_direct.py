@@ -335,7 +335,7 @@ def test_a_models_records_from_its_files(tmp_path, how):
 def test_demo_records_from_its_file(tmp_path, dtype):
     from engram_stream import EngramConfig, EngramModel
     from engram_stream.rows.direct import DirectTier
-    from engram_stream.rows.tiers import record_arrays
+    from engram_stream.rows.records import record_arrays
     cfg = EngramConfig(hidden_size=32, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,
                        engram_vocab_size=[211, 223], layer_ids=[1, 3], vocab_size=500, kernel_size=3)
     p = str(tmp_path / "m.safetensors")
@@ -368,7 +368,7 @@ def test_direct_model_reads_its_own_files_after_chdir(tmp_path, monkeypatch):
     """A model loaded by a relative path keeps its files: after chdir to a folder holding another
     checkpoint of the same name, with_weight_dtype() reads the first model's rows."""
     from engram_stream import EngramConfig, EngramModel
-    from engram_stream.rows.tiers import record_arrays
+    from engram_stream.rows.records import record_arrays
     cfg = EngramConfig(hidden_size=32, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,
                        engram_vocab_size=[211, 223], layer_ids=[1, 3], vocab_size=500, kernel_size=3)
     for name, seed in (("a", 1), ("b", 2)):

@@ -1,7 +1,7 @@
-"""V41StreamEngine (engram_stream/_engine_v41.pyx, include/engram_fp8.h) against the numpy
+"""V41StreamEngine (engram_stream/v41/_engine.pyx, include/engram_fp8.h) against the numpy
 oracle of the deepseek-v4.1 variant (EngramModel.forward -> engram_stream.v41.reference),
 token by token, on every kernel path the CPU runs (the each_isa fixture: baseline, avx2,
-avx512; tests/test_fp8_paths.py has the paths' own checks).
+avx512; tests/kernels/test_fp8_paths.py has the paths' own checks).
 
 Stream s of an engine plays row s of a batch: its output at its p-th token must equal
 forward's [s, p]. Floats compare with rtol=2e-4, atol=2e-5; integers (rows, tokens_seen,
@@ -502,21 +502,21 @@ def test_steady_state_step_allocates_nothing(model):
 def test_mapped_checkpoint_decoder_prefetch_and_residency(model, tmp_path):
     """A V4.1 checkpoint mapped from disk: the Decoder prefetches (madvise) the fed rows, the
     outputs still equal the oracle's, and residency counts the rows the engine touched."""
-    from engram_stream.rows import mapped as store
+    from engram_stream.rows import mapped
     model.save(tmp_path / "ckpt")
     mm = EngramModel.load(tmp_path / "ckpt", mmap=True)
-    assert store.is_file_backed(mm.layer(1).table)
+    assert mapped.is_file_backed(mm.layer(1).table)
     rng = np.random.default_rng(11)
     ids = variant_ids(mm, rng, (1, 12))
     hs = {L: variant_hidden(mm, rng, (1, 12)) for L in (1, 4)}
     dec = mm.decoder()
     assert all(dec.engines[L].row_source.paged for L in (1, 4))
-    bitmap = store.track_rows(dec.engines[1])
+    bitmap = mapped.track_rows(dec.engines[1])
     for t in range(12):
         got = dec.step(int(ids[0, t]), {L: hs[L][0, t] for L in (1, 4)})
         for L in (1, 4):
             close(got[L], model.forward(L, ids[:, :t + 1], hs[L][:, :t + 1])[0, t])
     rows = np.unique(mm.plan.hash_numpy(ids, layers=[1])[1] + mm.layer(1).offsets)
-    rep = store.residency(mm, touched={1: bitmap})
+    rep = mapped.residency(mm, touched={1: bitmap})
     assert rep[1]["rows_touched"] == rows.size and rep[1]["resident_bytes"] > 0
-    store.release(mm)
+    mapped.release(mm)
