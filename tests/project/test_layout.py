@@ -113,7 +113,8 @@ def test_the_static_check_sees_a_circle(tmp_path):
 
 
 # Modules that import a framework of an optional extra: {module: (packages it needs, the extra)}.
-NEEDS_EXTRA = {"engram_stream.integrations.transformers": (("torch", "transformers"), "transformers")}
+NEEDS_EXTRA = {"engram_stream.integrations.transformers": (("torch", "transformers"), "transformers"),
+               "engram_stream.integrations.transformers_qwen": (("torch", "transformers"), "transformers")}
 
 
 def _absent(packages):

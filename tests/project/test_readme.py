@@ -8,6 +8,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 
 import pytest
@@ -135,7 +136,8 @@ def test_make_v41_checkpoint_help_matches_the_readme_flags():
             argv = [sys.executable, os.path.join(ROOT, words[1]), "--help"]
         else:
             argv = [*_console_script(), words[1], "--help"]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        # from outside the checkout, as a user runs them: the installed package, not the source tree
+        r = subprocess.run(argv, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         for w in words:
             if w.startswith("-"):
