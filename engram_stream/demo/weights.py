@@ -275,14 +275,13 @@ def _to_numpy(x, what):
     return a
 
 
-def layer_from_state_dict(cfg, plan, L, sd) -> LayerWeights:
-    """LayerWeights from the reference module's state_dict of layer L: every key and shape
-    checked, tensors taken as numpy arrays (torch CPU tensors convert through numpy)."""
+def state_dict_arrays(L, sd, want, optional=()) -> dict:
+    """{name: numpy array} of a module's state_dict of layer L: exactly the keys of `want`
+    ({name: shape}) besides any of `optional`, each of its shape (torch CPU tensors convert
+    through numpy); the optional keys are the caller's to check."""
     if not isinstance(sd, dict):
         raise TypeError(f"layer {L} state_dict must be a dict, got {type(sd).__name__}")
-    G, D = cfg.hc_mult, cfg.hidden_size
-    want = reference_shapes(cfg, plan, L)
-    missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+    missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want) - set(optional))
     if missing or unexpected:
         raise ValueError(f"layer {L} state_dict: missing keys {missing}, unexpected keys {unexpected}")
     arr = {}
@@ -291,6 +290,14 @@ def layer_from_state_dict(cfg, plan, L, sd) -> LayerWeights:
         if a.shape != shape:
             raise ValueError(f"layer {L} {k}: expected shape {shape}, got {a.shape}")
         arr[k] = a
+    return arr
+
+
+def layer_from_state_dict(cfg, plan, L, sd) -> LayerWeights:
+    """LayerWeights from the reference module's state_dict of layer L: every key and shape
+    checked, tensors taken as numpy arrays (torch CPU tensors convert through numpy)."""
+    G, D = cfg.hc_mult, cfg.hidden_size
+    arr = state_dict_arrays(L, sd, reference_shapes(cfg, plan, L))
     if not np.array_equal(arr["multi_head_embedding.offsets"], plan.offsets[L]):
         raise ValueError(f"layer {L} multi_head_embedding.offsets disagree with the config's prime "
                          f"chain: {arr['multi_head_embedding.offsets'][:4]}... vs {plan.offsets[L][:4]}...")

@@ -296,6 +296,23 @@ class Layout:
         return done
 
 
+def write_folder_files(folder, shards, blobs, progress=None):
+    """A checkpoint folder's files, each new in `folder` (an atomic_folder's temp): the
+    safetensors files of `shards` ((name, Layout) pairs), then `blobs` ((name, bytes): the index,
+    config.json); progress(done, total) over all of them. Returns the bytes written."""
+    total = sum(lay.nbytes for _, lay in shards) + sum(len(data) for _, data in blobs)
+    done = 0
+    for name, lay in shards:
+        with open(os.path.join(folder, name), "xb") as f:
+            done = lay.write_to(f, progress, done, total)
+    for name, data in blobs:
+        with open(os.path.join(folder, name), "xb") as f:
+            f.write(data)
+    if progress is not None:
+        progress(total, total)
+    return total
+
+
 def write(path, tensors, metadata=None, progress=None, before_write=None):
     """Write one safetensors file at `path`, atomically (io.files.atomic_output: a temp file of
     its own, fsynced, renamed over; temps of dead writers swept). before_write(total_bytes), when

@@ -33,7 +33,7 @@ from ..config import EngramConfig
 from ..errors import HFCheckpointError
 from ..io import safetensors
 from ..io.files import atomic_folder, mapping_of, open_regular
-from ..io.safetensors import MAX_HEADER, SafetensorsFile, Tensor
+from ..io.safetensors import MAX_HEADER, SafetensorsFile, Tensor, write_folder_files
 from ..plan import HashPlan
 from ..v41.hf import weight_map  # the index reader is the same for every Hugging Face folder
 from .config import QWEN, reads_hf_config
@@ -331,13 +331,5 @@ def save(cfg, plan, layers, path, table_dtype=None, progress=None, before_write=
         before_write(total)
     path = os.fspath(path)
     with atomic_folder(path, lambda name: OWN_FILES.fullmatch(name) is not None) as tmp:
-        done = 0
-        for name, lay in zip(files, layouts):
-            with open(os.path.join(tmp, name), "xb") as f:
-                done = lay.write_to(f, progress, done, total)
-        for name, data in ((INDEX, index), ("config.json", config)):
-            with open(os.path.join(tmp, name), "xb") as f:
-                f.write(data)
-        if progress is not None:
-            progress(total, total)
+        write_folder_files(tmp, list(zip(files, layouts)), [(INDEX, index), ("config.json", config)], progress)
     return path

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from ..demo.weights import BF16, InitTable, LayerWeights, _to_numpy, weight_dtype_of
+from ..demo.weights import BF16, InitTable, LayerWeights, _to_numpy, state_dict_arrays, weight_dtype_of
 from ..demo.weights import validate_layer as _validate_demo_layer
 from ..plan import frozen
 
@@ -158,18 +158,7 @@ def layer_from_state_dict(cfg, plan, L, sd) -> PLEWeights:
     """PLEWeights from a Qwen4ExpTextPLELayer's state_dict (torch tensors or numpy arrays): every
     parameter's name and shape checked; the buffers, when present, must be the plan's multipliers,
     primes and offsets."""
-    if not isinstance(sd, dict):
-        raise TypeError(f"layer {L} state_dict must be a dict, got {type(sd).__name__}")
-    want = shapes(cfg, plan, L)
-    missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want) - set(BUFFERS))
-    if missing or unexpected:
-        raise ValueError(f"layer {L} state_dict: missing keys {missing}, unexpected keys {unexpected}")
-    arr = {}
-    for k, shape in want.items():
-        a = _to_numpy(sd[k], f"layer {L} {k}")
-        if a.shape != shape:
-            raise ValueError(f"layer {L} {k}: expected shape {shape}, got {a.shape}")
-        arr[k] = a
+    arr = state_dict_arrays(L, sd, shapes(cfg, plan, L), optional=BUFFERS)
     planned = dict(zip(BUFFERS, (plan.multipliers[L], plan.head_primes[L], plan.offsets[L])))
     for k, mine in planned.items():
         if k in sd and not np.array_equal(_to_numpy(sd[k], f"layer {L} {k}"), mine):

@@ -29,7 +29,7 @@ from ..config import EngramConfig, min_chain_rows
 from ..errors import HFCheckpointError
 from ..io import safetensors
 from ..io.files import atomic_folder, atomic_output, open_regular
-from ..io.safetensors import DTYPES, MAX_HEADER, SafetensorsFile, Tensor
+from ..io.safetensors import DTYPES, MAX_HEADER, SafetensorsFile, Tensor, write_folder_files
 from ..plan import HashPlan
 from .config import V41
 from .weights import NAMES, RAW, V41LayerWeights, random_e4m3, shapes
@@ -415,15 +415,7 @@ def write(ckpt_dir, cfg, tensors, n_shards=2, tokenizer=None, compression=None, 
     if before_write is not None:
         before_write(total)
     with atomic_folder(ckpt_dir, replaceable) as tmp:
-        done = 0
-        for name, lay in zip(files, layouts):
-            with open(os.path.join(tmp, name), "xb") as f:
-                done = lay.write_to(f, progress, done, total)
-        for name, data in ((INDEX, index), ("config.json", config)):
-            with open(os.path.join(tmp, name), "xb") as f:
-                f.write(data)
-        if progress is not None:
-            progress(total, total)
+        write_folder_files(tmp, list(zip(files, layouts)), [(INDEX, index), ("config.json", config)], progress)
         if isinstance(tokenizer, (str, os.PathLike)):  # a tokenizer.json file: copied as it is
             import shutil
             shutil.copyfile(tokenizer, os.path.join(tmp, "tokenizer.json"))
