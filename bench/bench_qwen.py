@@ -231,10 +231,7 @@ def main():
     ap.add_argument("--json")
     add_busy_args(ap)
     a = ap.parse_args()
-    paths = [p for p in a.paths.split(",") if p]
-    for p in paths:
-        if p not in _isa.supported_isas():
-            ap.error(f"--paths: {p!r} is not a path this CPU and build run ({', '.join(_isa.supported_isas())})")
+    paths = v.parse_paths(ap, a.paths)
     d = ensure_checkpoint(a.dir, a.ngram_vocab_size_base)
     with busy_loops(a.busy, a.busy_cpu) as busy:
         res = {"machine": machine(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),

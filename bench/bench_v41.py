@@ -342,6 +342,15 @@ def section_cold(d, steps):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def parse_paths(ap, text):
+    """--paths as a list: every name a kernel path this CPU and build run, else ap.error."""
+    paths = [p for p in text.split(",") if p]
+    for p in paths:
+        if p not in _isa.supported_isas():
+            ap.error(f"--paths: {p!r} is not a path this CPU and build run ({', '.join(_isa.supported_isas())})")
+    return paths
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/engram_v41_flash")
@@ -353,10 +362,7 @@ def main():
     ap.add_argument("--json")
     add_busy_args(ap)
     a = ap.parse_args()
-    paths = [p for p in a.paths.split(",") if p]
-    for p in paths:
-        if p not in _isa.supported_isas():
-            ap.error(f"--paths: {p!r} is not a path this CPU and build run ({', '.join(_isa.supported_isas())})")
+    paths = parse_paths(ap, a.paths)
     d = ensure_checkpoint(a.dir, a.engram_vocab_size)
     with busy_loops(a.busy, a.busy_cpu) as busy:  # (the checkpoint written without them)
         bench(a, paths, d, busy)

@@ -393,21 +393,27 @@ def test_a_background_read_error_is_raised_where_vllm_waits(E, vllm_env, plugin_
     m.wait()  # the error is raised once; nothing is left in flight
 
 
-def test_vllms_prefetch_path_waits_for_the_plugins_lanes(E, vllm_env, plugin_checkpoints, monkeypatch):
-    """vLLM's Engram layers with cpu_offload (on CPU with stub streams): prepare_embeddings of
-    every layer (Engram._start_prefetch: lookup(background=True)) returns while every layer's
-    rows are still held at the gate; embed() (Engram._finish_prefetch, where vLLM waits) gives
-    the rows of vLLM's own embedding, bit for bit, after the wkv projection."""
-    path = plugin_checkpoints["plain"]
+def vllms_own_projected_rows(E, path, T=20):
+    """(layout, hashes, want): T tokens' hash ids for every Engram layer of the checkpoint and
+    vLLM's own embedding of them (its table, no plugin) after the wkv projection, per layer."""
     layout = layout_of(E, path)
     rng = np.random.default_rng(9)
-    T = 20
     hashes = [hash_ids(layout, i, T, rng) for i in range(len(layout.layer_ids))]
     want = []
     for i in range(len(layout.layer_ids)):
         layer = engram_layer(E, path, layout, i)
         layer.prepare_embeddings(hashes[i])
         want.append(layer.wkv(layer.embed(hashes[i]).flatten(-2)))
+    return layout, hashes, want
+
+
+def test_vllms_prefetch_path_waits_for_the_plugins_lanes(E, vllm_env, plugin_checkpoints, monkeypatch):
+    """vLLM's Engram layers with cpu_offload (on CPU with stub streams): prepare_embeddings of
+    every layer (Engram._start_prefetch: lookup(background=True)) returns while every layer's
+    rows are still held at the gate; embed() (Engram._finish_prefetch, where vLLM waits) gives
+    the rows of vLLM's own embedding, bit for bit, after the wkv projection."""
+    path = plugin_checkpoints["plain"]
+    layout, hashes, want = vllms_own_projected_rows(E, path)
     streams = FakeStreams(monkeypatch)
     vllm_env.offload = True
     configure(vllm_env, monkeypatch, path, "env", {"tables": "direct", "row_cache_mb": 0.2})

@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="vLLM is not installed (tools/ci_vllm.sh installs vllm==0.33.0)")
 
 from test_vllm import (E, FakeStreams, configure, engram_layer, expected, hash_ids, layout_of, lookup,  # noqa: E402,F401
+                       vllms_own_projected_rows,
                        plugin, plugin_embeddings, vllm_env, SOURCES)
 
 from engram_stream.integrations import vllm_graph  # noqa: E402
@@ -91,15 +92,7 @@ def test_vllms_capture_takes_the_path_of_its_mode(E, vllm_env, plugin_checkpoint
     ordered one; in PIECEWISE mode _start_prefetch and _finish_prefetch are eager breaks and the
     lanes serve them. embed() gives vLLM's own rows (after wkv) either way."""
     path = plugin_checkpoints["plain"]
-    layout = layout_of(E, path)
-    rng = np.random.default_rng(9)
-    T = 20
-    hashes = [hash_ids(layout, i, T, rng) for i in range(len(layout.layer_ids))]
-    want = []
-    for i in range(len(layout.layer_ids)):
-        layer = engram_layer(E, path, layout, i)
-        layer.prepare_embeddings(hashes[i])
-        want.append(layer.wkv(layer.embed(hashes[i]).flatten(-2)))
+    layout, hashes, want = vllms_own_projected_rows(E, path)
     FakeStreams(monkeypatch)
     vllm_env.offload = True
     configure(vllm_env, monkeypatch, path, "env", {"tables": "direct", "row_cache_mb": 0.2})
