@@ -1,11 +1,12 @@
-"""The serving plugins' settings (integrations.vllm.parse_settings, also SGLang's): every bad
+"""The serving plugins' settings (integrations.serving.parse_settings, vLLM's and SGLang's): every bad
 value is a ValueError naming where it came from, the setting, the value and what it may be.
 Needs neither vLLM nor SGLang."""
 from __future__ import annotations
 
 import pytest
 
-from engram_stream.integrations.vllm import ENV, parse_settings
+from engram_stream.integrations.serving import parse_settings
+from engram_stream.integrations.vllm import ENV
 
 
 @pytest.mark.parametrize("text, shown", [('{"row_cache_mb": Infinity}', "inf"), ('{"row_cache_mb": 1e400}', "inf"),

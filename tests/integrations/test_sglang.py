@@ -190,7 +190,7 @@ def test_nan_codes_and_extreme_scales_are_pinned(parallel):
     ml_dtypes). SGLang's CPU path (torch's float8_e8m0fnu) agrees everywhere but at byte 255:
     NaN there, the kernel's +-inf (NaN for a zero value). e4m3 0x7f / 0xff are NaN on both."""
     import ml_dtypes
-    from engram_stream.integrations._vllm_rows import records_to_bf16
+    from engram_stream.integrations._records import records_to_bf16
     scales = np.array([0, 1, 2, 9, 10, 127, 200, 254, 255], np.uint8)
     n = len(scales)
     w = np.tile(np.arange(256, dtype=np.uint8), (n, 1))

@@ -36,6 +36,7 @@ from engram_stream.v41 import reference as v41_reference  # noqa: E402
 from conftest import PLUGIN_SOURCES  # noqa: E402
 
 plugin = pytest.importorskip("engram_stream.integrations.vllm")
+from engram_stream.integrations import serving  # noqa: E402
 
 SOURCES = PLUGIN_SOURCES
 
@@ -70,7 +71,7 @@ def vllm_env(E, monkeypatch):
     monkeypatch.delenv(plugin.ENV, raising=False)
     plugin.register()
     monkeypatch.setattr(plugin, "_serving", False)
-    monkeypatch.setattr(plugin, "_models", {})
+    monkeypatch.setattr(serving, "_models", {})
     return st
 
 
@@ -193,7 +194,7 @@ def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, plugin_checkpoints, expect
         assert st["hits"] > 0 and st["misses"] > 0
     if SOURCES[source]["tables"] == "direct":
         assert st["reads"] > 0
-    assert plugin.stats()[os.path.realpath(path)]["layers"].keys() == set(layout.layer_ids)
+    assert serving.stats()[os.path.realpath(path)]["layers"].keys() == set(layout.layer_ids)
 
 
 @pytest.mark.mooncake
@@ -216,7 +217,7 @@ def test_plugin_lookup_from_mooncake_gives_vllms_bytes(E, vllm_env, plugin_check
                 assert not got.view(torch.int16).any()
             else:
                 assert torch.equal(want.view(torch.uint8), got.view(torch.uint8)), (L, ids.shape, dtype)
-    st = plugin.stats()[os.path.realpath(path)]
+    st = serving.stats()[os.path.realpath(path)]
     assert st["fetches"] > 0 and st["misses"] > 0 and st["hits"] > 0
 
 
@@ -522,7 +523,7 @@ def test_nan_codes_and_extreme_scales_are_pinned(E, vllm_env):
     stock.lookup(ids, vllm_bf16)
     vllm_bits = vllm_bf16.view(torch.int16).numpy().view(np.uint16)[:, 0]
 
-    from engram_stream.integrations._vllm_rows import records_to_bf16
+    from engram_stream.integrations._records import records_to_bf16
     mine = np.empty((n, 1, 256), np.uint16)
     records_to_bf16(np.concatenate([w, s], axis=1)[:, None].copy(), mine)
     mine = mine[:, 0]
