@@ -181,6 +181,7 @@ def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, plugin_checkpoints, expect
             assert m.model.row_tiers.open_tier.rows_path == packed.rows_path(path)
         own = sum(p.numel() * p.element_size() for p in list(m.parameters()) + list(m.buffers()))
         assert own < table_bytes[L] // 100
+        assert not hasattr(m, "weight") and not hasattr(m, "weight_scale_inv")   # vLLM's meta table, dropped
     for L, ids, dtype, want in calls:
         m = mine[L]
         for _ in ("cold", "warm"):
@@ -493,6 +494,17 @@ def test_vllm_finds_the_entry_point_and_it_is_inert_unconfigured(tmp_path, monke
 
 
 # ---- the codes where vLLM's kernel, Triton's interpreter and engram_stream's oracle differ ----------
+def test_another_vllm_version_is_refused_naming_the_supported_one(E, vllm_env, monkeypatch):
+    """The embedding is built through vLLM's constructor and hooks its methods by name: a vLLM
+    other than the one written against is refused when the class is made, naming both."""
+    import vllm
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.setattr(plugin, "_embedding_class", None)
+    with pytest.raises(RuntimeError, match=r"serves vLLM 0\.33\.0 .* this is vLLM 0\.34\.0: install vllm==0\.33\.0"):
+        plugin.embedding_class()
+
+
+@pytest.mark.native  # drives records_to_bf16 (C over raw pointers): CI's sanitizer stages select it
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf and NaN products, on purpose
 def test_nan_codes_and_extreme_scales_are_pinned(E, vllm_env):
     """Every e4m3 code against the e8m0 bytes 0, 1, 2, 9, 10, 127, 200, 254, 255, through vLLM's
