@@ -24,7 +24,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (tools/ci_vllm.sh inst
 
 from test_vllm import (E, FakeStreams, configure, engram_layer, expected, hash_ids, layout_of, lookup,  # noqa: E402,F401
                        vllms_own_projected_rows,
-                       plugin, plugin_embeddings, vllm_env, SOURCES)
+                       plugin_embeddings, vllm_env, SOURCES)
 
 from engram_stream.integrations import serving, vllm_graph  # noqa: E402
 from engram_stream.rows import RecordSource  # noqa: E402
