@@ -33,6 +33,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+# tests/: the local Mooncake servers (mooncake_servers.LocalMooncake), a test helper the bench shares
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
 
@@ -238,7 +240,7 @@ def sec_remote(path, toks, frac, res):
         print("4. skipped: the mooncake extra is not installed")
         return
     from engram_stream import EngramModel
-    from engram_stream.rows.mooncake_servers import LocalMooncake, wait_until_writable
+    from mooncake_servers import LocalMooncake, wait_until_writable
     from engram_stream.rows import MooncakeTier
     local = EngramModel.load(path)
     seg_mb = int(table_bytes(local) * 1.3 / 2**20) + 64

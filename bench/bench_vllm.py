@@ -47,9 +47,14 @@ def stub_vllm():
     """vLLM's engram module on one CPU process (TP 1), as the tests run it."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    import torch
     import vllm.models.deepseek_v41.common.engram as E
     E.get_tensor_model_parallel_world_size = lambda: 1
     E.get_tensor_model_parallel_rank = lambda: 0
+    E.get_engram_dp_size = lambda: 1
+    # the device queries of vLLM's embedding constructor (the plugin's embedding runs it whole)
+    torch.cuda.get_device_properties = lambda i: types.SimpleNamespace(multi_processor_count=4)
+    torch.accelerator.current_device_index = lambda: 0
     return E
 
 
@@ -58,7 +63,7 @@ def section_warm(a, res):
     from engram_stream.integrations import vllm as plugin
     cfg = flash_config(engram_vocab_size=a.rows, engram_layer_ids=[LAYER])
     ram = EngramModel.init(cfg, seed=0)                      # tables in RAM: lookup_packed's
-    cached = EngramModel.init(cfg, seed=0)._with_tiers(None, 1 << 16)   # every row fits the row cache
+    cached = EngramModel.init(cfg, seed=0)._with_tiers(None, 1 << 16, None)   # every row fits the row cache
     plan = ram.plan
     sizes = tuple(int(p) for p in plan.head_primes[LAYER])
     emb = plugin.embedding_class()(cached, LAYER, plan.table_rows[LAYER], cfg.head_dim, sizes)

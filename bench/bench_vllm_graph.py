@@ -30,7 +30,7 @@ def main():
     from conftest import make_v41_model
     from engram_stream import EngramModel
     from engram_stream.integrations._vllm_graph import HostLookup
-    from engram_stream.integrations._vllm_rows import records_to_bf16
+    from engram_stream.integrations._records import records_to_bf16
     d = tempfile.mkdtemp()
     path = os.path.join(d, "v41")
     make_v41_model(seed=11, nh=3, hd=256, D=32, evs=a.evs).save(path)

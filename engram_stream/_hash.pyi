@@ -1,5 +1,5 @@
 # Type stubs of the compiled hash kernels (engram_stream/_hash.pyx); private: HashPlan is the API.
-# tests/test_packaging.py checks that every public function of the module is declared here.
+# tests/cli/test_packaging.py checks that every public function of the module is declared here.
 from typing import Optional
 
 import numpy as np

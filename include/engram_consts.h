@@ -1,7 +1,7 @@
 /* engram_consts.h: the one source of the constants C, Cython and Python share.
  *
  * Python sees them through engram_stream._hash (MAX_NGRAM, MAX_KERNEL_SIZE, EPS_KEY,
- * EPS_CONV, GATE_CLAMP, PREFILL_CHUNK); tests/test_consts.py checks that the values
+ * EPS_CONV, GATE_CLAMP, PREFILL_CHUNK); tests/kernels/test_consts.py checks that the values
  * there equal the ones written here. Change a value here and nowhere else.
  */
 #ifndef ENGRAM_CONSTS_H

@@ -10,7 +10,7 @@
  *   ES_ISA_BF16      the above + AVX512_BF16 and VBMI: the V4.1 float8 projection multiplies
  *                    with vdpbf16ps (engram_fp8.h); every other kernel runs its avx512 copy
  * A public kernel name (es_gemm_range, es_hash_window, ...) is a switch on es_isa, a
- * per-extension static set by es_isa_set() from engram_stream/_isa.py, so the
+ * per-extension static set by es_isa_set() from engram_stream/engine/isa.py, so the
  * environment (ENGRAM_STREAM_ISA) and the tests can force any path the CPU supports.
  * target_clones is not used: it cannot be forced, and needs glibc's ifunc (not musl).
  * The x86 copies exist only where the compiler has target attributes (GCC, clang) on

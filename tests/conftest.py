@@ -314,7 +314,7 @@ def publish_when_back(tier, model, seconds):
     server's memory only after its client ttl, so writes fail (TierError) for a while."""
     import time
     from engram_stream.rows import TierError
-    from engram_stream.rows.mooncake_servers import wait_until_writable
+    from mooncake_servers import wait_until_writable
     wait_until_writable(tier)
     end = time.monotonic() + seconds
     while True:
@@ -546,7 +546,7 @@ def each_isa(request):
 def mooncake_or_skip():
     """Skip unless the mooncake extra and its server binaries are installed."""
     pytest.importorskip("mooncake.store", reason="the mooncake extra is not installed")
-    from engram_stream.rows.mooncake_servers import _binary
+    from mooncake_servers import _binary
     try:
         _binary("mooncake_master"), _binary("mooncake_client")
     except FileNotFoundError as e:
@@ -557,7 +557,7 @@ def mooncake_or_skip():
 def mooncake():
     """A mooncake_master and one store server on free loopback ports, for the session."""
     mooncake_or_skip()
-    from engram_stream.rows.mooncake_servers import LocalMooncake
+    from mooncake_servers import LocalMooncake
     mc = LocalMooncake(segment_mb=64)
     mc.start()
     yield mc
@@ -566,7 +566,7 @@ def mooncake():
 
 @pytest.fixture(scope="session")
 def tier(mooncake):
-    from engram_stream.rows.mooncake_servers import wait_until_writable
+    from mooncake_servers import wait_until_writable
     from engram_stream.rows import MooncakeTier
     t = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, local_host="127.0.0.1", timeout=5)
     wait_until_writable(t)
@@ -577,7 +577,7 @@ def tier(mooncake):
 @pytest.fixture(scope="session")
 def bare_tier(mooncake):
     """A tier on the session's servers under EngramStore's own keys (name="": engram:l{L}:h{h})."""
-    from engram_stream.rows.mooncake_servers import wait_until_writable
+    from mooncake_servers import wait_until_writable
     from engram_stream.rows import MooncakeTier
     t = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, local_host="127.0.0.1", timeout=5,
                      name="")
@@ -590,7 +590,7 @@ def bare_tier(mooncake):
 def own_store():
     """(LocalMooncake, MooncakeTier) of a test's own servers (a test that kills or stops them)."""
     mooncake_or_skip()
-    from engram_stream.rows.mooncake_servers import LocalMooncake, wait_until_writable
+    from mooncake_servers import LocalMooncake, wait_until_writable
     from engram_stream.rows import MooncakeTier
     mc = LocalMooncake(segment_mb=32).start()
     try:

@@ -31,7 +31,7 @@ from libc.string cimport memcpy, memset
 from posix.stat cimport fstat, struct_stat
 
 from engram_stream.errors import FileChangedError
-from engram_stream.integrations._vllm_rows cimport records_bf16
+from engram_stream.integrations._records cimport records_bf16
 from engram_stream.rows._cache cimport RowCache, es_rc_hit, es_rc_insert, es_rc_lock, es_rc_peek, es_rc_unlock, es_rowcache
 from engram_stream.rows._direct cimport (DirectReader, ES_IO_PAGE, ES_IO_SHORT, ES_IO_SPAN_MAX, RecordFile, es_io_copy_mem,
                                          es_io_find, es_io_job, es_io_part, es_io_plan, es_io_pool, es_io_span, es_io_submit,

@@ -7,9 +7,12 @@ model is built.
 
 SGLang has no general-plugin entry point (its wheel's entry points are console scripts only),
 so install() patches one name: sglang.srt.layers.engram.EngramEmbedding, which Engram.__init__
-constructs, becomes StreamEngramEmbedding, a subclass holding no table. The settings are the
-vLLM plugin's (engram_stream.integrations.vllm.parse_settings: checkpoint, tables,
-row_cache_mb, mooncake), from the argument or the environment variable ENGRAM_STREAM_SGLANG;
+constructs, becomes StreamEngramEmbedding, a subclass built through SGLang's own constructor
+(its row range of the TP rank) whose table is a meta tensor, dropped: it holds no table. SGLang
+other than 0.5.23 is refused (RuntimeError naming the version), and so are SGLang's other table
+layouts (SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE, SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS: ValueError).
+The settings are the vLLM plugin's (integrations.serving.parse_settings: checkpoint, tables,
+row_cache_mb, mooncake, host_cache), from the argument or the environment variable ENGRAM_STREAM_SGLANG;
 "checkpoint" is required (SGLang's model path does not reach the embedding). In a server
 whose model runs in worker processes, call install() in each (the variable is inherited: a
 `sitecustomize` calling install() is one way).
@@ -18,7 +21,7 @@ SGLang's lookups all end in EngramEmbedding._owned_rows(indices): the rows of th
 range (shard_range), zeros for the rest, summed over the TP group by SGLang's all-reduce. The
 subclass answers it from engram_stream's row source of the layer (row cache, mapped or direct
 tables, the packed row file, Mooncake), with SGLang's Triton gather's bf16 bits (e8m0 byte 0
-scales by 2^-127, 255 by +inf; _vllm_rows.records_to_bf16). Ids outside the range, and -1,
+scales by 2^-127, 255 by +inf; integrations._records.records_to_bf16). Ids outside the range, and -1,
 give zeros.
 
 What this does not reach without patching SGLang:
@@ -27,9 +30,9 @@ What this does not reach without patching SGLang:
     tensor) only after the iterator has read it; skipping them unread needs a filter in
     sglang/srt/model_loader (its safetensors iterator), not in the Engram seam.
   * EngramRowStager (SGLANG_OPT_DSV41_ENGRAM_HOST_STAGING) gathers from EngramEmbedding.weight on
-    the scheduler's threads; the subclass reports no shared host table, so SGLang does not build
+    the scheduler's threads; the subclass has no shared host table, so SGLang does not build
     one, and the lookups run in the forward instead.
-  * the peer-shard path (SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS, CUDA VMM) is not used: its table is
+  * the peer-shard path (SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS, CUDA VMM) is refused: its table is
     device memory by design.
 """
 from __future__ import annotations
@@ -38,10 +41,14 @@ import os
 
 import numpy as np
 
-from .vllm import open_model, parse_settings
+from . import serving
 
 ENV = "ENGRAM_STREAM_SGLANG"
+SGLANG_VERSION = "0.5.23"   # the version whose EngramEmbedding is built through its constructor and hooked
 ENGRAM_MODULE = "sglang.srt.layers.engram"
+# SGLang's table layouts other than its plain one (a parameter per rank): each allocates a table
+# (host memory, or peer-mapped device memory) that the rows served here would leave unused
+TABLE_LAYOUTS = ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS")
 ZERO_SCALE = 2.0 ** -127   # SGLang's kernel: "e8m0 has no zero: the exponent byte 0 encodes 2**-127"
 
 _settings = None
@@ -66,7 +73,7 @@ def install(value=None):
         if not value:
             raise ValueError(f"install(): give the settings or set {ENV} to a JSON object such as "
                              f'{{"checkpoint": "/models/DeepSeek-V4.1-Flash", "tables": "direct"}}')
-    s = parse_settings(value, where)
+    s = serving.parse_settings(value, where)
     if s["checkpoint"] is None:
         raise ValueError(f'{where}: give "checkpoint" (the V4.1 folder SGLang serves): SGLang\'s model path '
                          f"does not reach its Engram embedding")
@@ -93,20 +100,20 @@ def embedding_class():
         return _embedding_class
     import importlib
 
+    import sglang
     import torch
-    from torch import nn
+    serving.check_version("SGLang", sglang, SGLANG_VERSION)
     E = importlib.import_module(ENGRAM_MODULE)
     _stock_class = E.EngramEmbedding
-    from ._vllm_rows import records_to_bf16
+    from ._records import records_to_bf16
 
     class StreamEngramEmbedding(_stock_class):
         """SGLang's Engram embedding of one layer with its rows from engram_stream (no table)."""
 
         def __init__(self, num_embeddings, dim, layer_id, column_bounds):
-            nn.Module.__init__(self)
             if _settings is None:
                 raise RuntimeError(f"{ENGRAM_MODULE}.EngramEmbedding is engram_stream's: call install() first")
-            model = open_model(_settings, None)
+            model = serving.open_model(_settings, None, ENV)
             sizes = [int(p) for p in model.plan.head_primes[layer_id]] if layer_id in model.cfg.layer_ids else None
             if sizes is None or tuple(np.concatenate([[0], np.cumsum(sizes)])) != tuple(column_bounds) \
                     or model.plan.table_rows[layer_id] != num_embeddings:
@@ -115,13 +122,16 @@ def embedding_class():
                                  f"SGLang serves")
             if dim != model.cfg.head_dim:
                 raise ValueError(f"{ENV}: head_dim {dim}, the checkpoint's {model.cfg.head_dim}")
-            self.dim, self.model, self.layer = dim, model, layer_id
-            parallel = E.get_parallel()
-            self.tp_size = parallel.tp_size
-            self.row_start, row_end = E.shard_range(num_embeddings, column_bounds, parallel.tp_rank, self.tp_size)
-            self.rows = row_end - self.row_start
-            self.host_table, self.peer = None, None
-            self._sort_host_reads, self.staged_by_scheduler = False, False
+            on = [name for name in TABLE_LAYOUTS if getattr(E.envs, name).get()]
+            if on:
+                raise ValueError(f"{ENV}: {on[0]} is set: SGLang would allocate a table engram_stream's rows leave "
+                                 f"unused; unset it (the rows come from engram_stream's row source)")
+            # SGLang's constructor, whole (its row range of this TP rank: shard_range); its table is a
+            # meta tensor here (no memory), dropped below: SGLang's loader finds no parameter to fill
+            with torch.device("meta"):
+                super().__init__(num_embeddings, dim, layer_id, column_bounds)
+            del self.weight, self.scale
+            self.model, self.layer = model, layer_id
             self.source = model.row_source(layer_id)
             self.recbytes = self.source.rowbytes + self.source.scalebytes
             self._records = np.empty(0, np.uint8)   # scratch (grown, kept)
@@ -132,9 +142,6 @@ def embedding_class():
 
         def row_cache_stats(self):
             return self.model.row_cache_stats()
-
-        def finish_load(self, label):
-            pass                                   # nothing loaded: no table
 
         def _owned_rows(self, indices):
             """bf16 [*indices.shape, dim]: the rows of this rank's range, zeros elsewhere."""

@@ -11,7 +11,8 @@ kernels in Triton's interpreter (tools/ci_vllm.sh); nothing of it has run on a G
 vLLM loads the entry point `engram_stream = "engram_stream.integrations.vllm:register"` (group
 vllm.general_plugins) in every process. register() changes nothing vLLM does unless the
 settings are given, as a JSON object in the environment variable ENGRAM_STREAM_VLLM or in
-vLLM's additional_config["engram_stream"] (--additional-config '{"engram_stream": {...}}'):
+vLLM's additional_config["engram_stream"] (--additional-config '{"engram_stream": {...}}'); they are
+parsed by integrations.serving.parse_settings, as SGLang's are:
 
     checkpoint    the V4.1 folder the rows are read from (default: the folder vLLM loads)
     tables        "mapped" (the checkpoint's shards mapped; the page cache holds what is read)
@@ -26,15 +27,17 @@ vLLM's additional_config["engram_stream"] (--additional-config '{"engram_stream"
                   from a Mooncake Store the tables were published to (MooncakeTier.publish)
 
 When set, each Engram layer's embedding (vLLM's ParallelEngramEmbedding) is a
-StreamEngramEmbedding: it allocates no table (no parameter, no buffer), vLLM's loader skips the
+StreamEngramEmbedding, built through vLLM's own constructor (its head sharding, its checks) with
+its table on the meta device, then dropped: it allocates no table (no parameter, no buffer). vLLM
+other than 0.33.0 is refused (RuntimeError naming the version). vLLM's loader skips the
 `layers.L.engram.embed.weight|scale` tensors (should_skip_weight) before reading them, and
 lookup(indices, out, background) fills `out` from engram_stream's row source of the layer: uint8
 out takes the 264-byte records (256 e4m3 + 8 e8m0 bytes per head) as they are, bf16 out the rows
-dequantized as vLLM's kernel does (_vllm_rows.records_to_bf16: the bytes vLLM gives). Ids
+dequantized as vLLM's kernel does (integrations._records.records_to_bf16: the bytes vLLM gives). Ids
 outside this rank's heads or rows, and -1, give zeros, as in vLLM. The rows are this rank's
 heads (TP shards as vLLM's); every rank reads its own rows (no DP exchange: dp_size 1, as
 vLLM's DP-shared host table), so the embedding's forward() and vLLM's staging need no
-collective. row_cache_stats() of an embedding (or stats()) gives the cache's counters.
+collective. row_cache_stats() of an embedding (or serving.stats()) gives the cache's counters.
 
 A Qwen4Exp model's PLE n-gram tables (bf16, FP8, NVFP4) are served too, from the folder
 EngramModel.load reads: see "Qwen4Exp" below (vLLM 0.33.0's Qwen4ExpNGramEmbedding; eager only).
@@ -56,7 +59,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import json
 import os
 import re
 import sys
@@ -64,74 +66,21 @@ import threading
 
 import numpy as np
 
+from . import serving
+
 ENV = "ENGRAM_STREAM_VLLM"
 KEY = "engram_stream"  # in vLLM's additional_config
+VLLM_VERSION = "0.33.0"   # the version whose classes are built through their constructors and whose seams are hooked
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 LOADER_MODULE = "vllm.model_executor.model_loader.weight_utils"
 # the tables' tensors: V4.1's (as vLLM's _ENGRAM_WEIGHT_RE), Qwen4Exp's PLE n-gram table and its shards (their
 # NVFP4 block scales too; not the global weight_scale / weight_scale_2, which vLLM loads)
 TABLE_TENSOR = re.compile(r"(?:^|\.)(?:engram\.embed\.(?:weight|scale)"
                           r"|ple_embedding\.ngram_embedding\.(?:weight|shard_\d+\.(?:weight|weight_scale)))$")
-SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake", "host_cache")
 WINDOW_ROWS = 1 << 14   # rows of one window of a long lookup (its records: 4 MiB of scratch a lane)
 
-_lock = threading.Lock()
-_models = {}            # settings key -> the EngramModel serving this process's lookups
 _serving = False        # a StreamEngramEmbedding was made: the loader skips the table tensors
 _embedding_class = None
-
-
-MOONCAKE_KEYS = ("master", "metadata", "local_host")
-
-
-def parse_settings(value, where):
-    """The settings dict of a JSON object (a str) or a dict. Every bad value is a ValueError that
-    names `where` (the variable or config entry it came from), the setting, the value and what
-    it may be."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except RecursionError:   # the parser recurses once per level of nesting
-            raise ValueError(f"{where}: JSON nested too deeply to parse ({len(value)} characters); give an "
-                             f'object such as {{"tables": "direct", "row_cache_mb": 1024}}') from None
-        except ValueError as e:
-            raise ValueError(f"{where}: not JSON ({e}); give an object such as "
-                             f'{{"tables": "direct", "row_cache_mb": 1024}}') from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{where}: must be a JSON object with keys {SETTINGS}, got {_shown(value)}")
-    unknown = [k for k in value if k not in SETTINGS]
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(map(str, unknown))}; the keys are {SETTINGS}")
-    s = {"checkpoint": value.get("checkpoint"), "tables": value.get("tables", "mapped"),
-         "row_cache_mb": value.get("row_cache_mb", 0), "mooncake": value.get("mooncake"),
-         "host_cache": value.get("host_cache")}
-    if not (isinstance(s["tables"], str) and s["tables"] in ("mapped", "direct")):
-        raise ValueError(f'{where}: "tables" must be "mapped" or "direct", got {_shown(s["tables"])}')
-    from ..rows.tiers import HOST_CACHE_NAME, check_row_cache_mb
-    s["row_cache_mb"] = check_row_cache_mb(s["row_cache_mb"], f'{where}: "row_cache_mb"')
-    mc = s["mooncake"]
-    if mc is not None and not (isinstance(mc, dict) and "master" in mc and "metadata" in mc
-                               and all(k in MOONCAKE_KEYS and isinstance(v, str) and v for k, v in mc.items())):
-        raise ValueError(f'{where}: "mooncake" must be an object with "master" and "metadata" (and optionally '
-                         f'"local_host"), each a non-empty string, got {_shown(mc)}')
-    hc = s["host_cache"]
-    if hc is not None and not (isinstance(hc, str) and HOST_CACHE_NAME.fullmatch(hc) and s["row_cache_mb"]):
-        raise ValueError(f'{where}: "host_cache" must be a name of 1 to 64 letters, digits, "_", "." or "-" '
-                         f'and needs "row_cache_mb" > 0 (the host\'s budget), got {_shown(hc)}')
-    ck = s["checkpoint"]
-    if ck is not None and not (isinstance(ck, str) and ck and "\0" not in ck and os.path.isdir(ck)):
-        raise ValueError(f'{where}: "checkpoint" must be the path of a V4.1 checkpoint folder (a string), got '
-                         f'{_shown(ck)}' + (": it is not a folder" if isinstance(ck, str) else ""))
-    return s
-
-
-def _shown(value) -> str:
-    """repr(value), cut to a length a message can carry."""
-    try:
-        r = repr(value)
-    except RecursionError:
-        return "an object nested too deeply to show"
-    return r if len(r) <= 200 else f"{r[:200]}... ({len(r)} characters)"
 
 
 def settings(vllm_config=None):
@@ -139,46 +88,11 @@ def settings(vllm_config=None):
     vllm_config.additional_config["engram_stream"]."""
     env = os.environ.get(ENV)
     if env:
-        return parse_settings(env, ENV)
+        return serving.parse_settings(env, ENV)
     extra = getattr(vllm_config, "additional_config", None) or {}
     if isinstance(extra, dict) and extra.get(KEY) is not None:
-        return parse_settings(extra[KEY], f'additional_config["{KEY}"]')
+        return serving.parse_settings(extra[KEY], f'additional_config["{KEY}"]')
     return None
-
-
-def open_model(s, default_checkpoint, qwen=False):
-    """The process's EngramModel of settings s (one per distinct settings: the layers share it
-    and its row cache). qwen: a Qwen4Exp folder (EngramModel.load), else a V4.1 one."""
-    ckpt = s["checkpoint"] or default_checkpoint
-    if not ckpt or not os.path.isdir(ckpt):
-        raise ValueError(f"{ENV}: vLLM's model {default_checkpoint!r} is not a local folder: give "
-                         f'"checkpoint" (the V4.1 folder holding layers.L.engram.* and tokenizer.json)')
-    key = (os.path.realpath(ckpt), s["tables"], s["row_cache_mb"], json.dumps(s["mooncake"], sort_keys=True),
-           s["host_cache"], qwen)
-    with _lock:
-        if key not in _models:
-            from ..model import EngramModel
-            tables = None if s["tables"] == "mapped" else "direct"
-            if s["mooncake"] is not None:
-                from ..rows import MooncakeTier
-                mc = s["mooncake"]
-                tables = MooncakeTier(master=mc["master"], metadata=mc["metadata"],
-                                      local_host=mc.get("local_host", "127.0.0.1"))
-            load = EngramModel.load if qwen else EngramModel.from_deepseek_v41
-            _models[key] = load(ckpt, tables=tables, row_cache_mb=s["row_cache_mb"] or None, host_cache=s["host_cache"])
-        return _models[key]
-
-
-def stats():
-    """Row cache and read counters of every model this process serves from ({checkpoint: ...})."""
-    with _lock:
-        return {k[0]: m.row_cache_stats() for k, m in _models.items()}
-
-
-def serving(on=True):
-    """Set once a table-less embedding is made: the loader then skips the table tensors."""
-    global _serving
-    _serving = bool(on)
 
 
 def embedding_class():
@@ -186,17 +100,16 @@ def embedding_class():
     global _embedding_class
     if _embedding_class is not None:
         return _embedding_class
+    _check_version()
     import torch
-    from torch import nn
     E = sys.modules.get(ENGRAM_MODULE) or __import__(ENGRAM_MODULE, fromlist=["_"])
-    from ._vllm_rows import records_to_bf16
+    from ._records import records_to_bf16
     from . import vllm_graph as graph
 
     class StreamEngramEmbedding(E.ParallelEngramEmbedding):
         """vLLM's Engram embedding of one layer with its rows from engram_stream (no table)."""
 
         def __init__(self, model, layer, num_embeddings, dim, head_sizes, block_size=32, cpu_offload=False):
-            nn.Module.__init__(self)
             primes = [int(p) for p in model.plan.head_primes[layer]]
             if tuple(primes) != tuple(head_sizes) or model.plan.table_rows[layer] != num_embeddings:
                 raise ValueError(f"{ENV}: the checkpoint {model.source!r} layer {layer} has heads of {primes} rows, "
@@ -204,21 +117,20 @@ def embedding_class():
             if dim != model.cfg.head_dim or block_size != 32:
                 raise ValueError(f"{ENV}: head_dim {dim} / block {block_size}: the checkpoint's rows are "
                                  f"{model.cfg.head_dim} values with one e8m0 scale per 32")
+            # every rank reads its own rows from the host, as vLLM's DP-shared host table: vLLM's
+            # dp_shared_memory (which needs cpu_offload) gives dp_size 1, so no DP exchange
+            dp = E.get_engram_dp_size()
+            if dp > 1 and not cpu_offload:
+                raise ValueError(f"{ENV}: an Engram data-parallel group of {dp} ranks reads its rows from the "
+                                 f"host: keep vLLM's engram_config cpu_offload=true (the default)")
+            # vLLM's constructor, whole (its head sharding over the TP ranks, its checks); the table it
+            # allocates on the default device is a meta tensor here (no memory), dropped below: no
+            # parameter for vLLM's loader to fill
+            with torch.device("meta"):
+                super().__init__(num_embeddings, dim, tuple(head_sizes), block_size, cpu_offload=cpu_offload,
+                                 dp_shared_memory=dp > 1, use_thp=False)
+            del self.weight, self.weight_scale_inv
             self.model, self.layer = model, layer
-            self.cpu_offload, self.dp_shared_memory, self.use_thp = cpu_offload, False, False
-            self.dp_size, self.peer_rows, self._packed = 1, 0, None
-            self.num_embeddings, self.dim, self.block_size = num_embeddings, dim, block_size
-            self.n_hash_cols = len(head_sizes)
-            self.tp_size = E.get_tensor_model_parallel_world_size()
-            rank = E.get_tensor_model_parallel_rank()
-            self.part_n_hash_cols = -(-self.n_hash_cols // self.tp_size)
-            if (self.tp_size - 1) * self.part_n_hash_cols >= self.n_hash_cols:
-                raise ValueError(f"Engram sharding leaves ranks without hash heads: {self.n_hash_cols} heads "
-                                 f"over {self.tp_size} shards")
-            self.head_start = rank * self.part_n_hash_cols
-            self.vocab_start_idx = sum(head_sizes[:self.head_start])
-            self.vocab_end_idx = sum(head_sizes[:self.head_start + self.part_n_hash_cols])
-            self.part_num_embeddings = self.vocab_end_idx - self.vocab_start_idx
             self.source = model.row_source(layer)
             self.recbytes = self.source.rowbytes + self.source.scalebytes
             # tokens of one window: a long prompt chunk's windows alternate between two lanes
@@ -395,7 +307,7 @@ def _patch_engram(E):
         s = settings(config)
         if s is None:
             return original(self, layout, layer_hash_index)
-        model = open_model(s, getattr(getattr(config, "model_config", None), "model", None))
+        model = serving.open_model(s, getattr(getattr(config, "model_config", None), "model", None), ENV)
         engram_config = config.engram_config
         offload = bool(engram_config is not None and engram_config.cpu_offload)
         if not offload and _cuda():
@@ -483,7 +395,6 @@ def _patch_replay(B):
 # (supports_prefetch is False whatever engram_config.cpu_offload says): eager only, so on CUDA
 # the plugin refuses a model without enforce_eager; nothing of it has run on a GPU yet.
 COMMON_MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
-VLLM_VERSION = "0.33.0"   # the version whose Qwen4Exp classes and seams are patched
 
 _stream_class = None
 _methods = {}            # vLLM PLE embedding method class -> its subclass whose embedding() reads our rows
@@ -491,10 +402,7 @@ _methods = {}            # vLLM PLE embedding method class -> its subclass whose
 
 def _check_version():
     import vllm
-    v = getattr(vllm, "__version__", "")
-    if not v.startswith(VLLM_VERSION):
-        raise RuntimeError(f"engram_stream's vLLM plugin serves Qwen4Exp PLE tables on vLLM {VLLM_VERSION} "
-                           f"(its Qwen4ExpPLEEmbedding seams), this is vLLM {v}")
+    serving.check_version("vLLM", vllm, VLLM_VERSION)
 
 
 def stream_method(method):
@@ -608,7 +516,8 @@ def _patch_qwen(N):
         if plugin._cuda() and not getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
             raise ValueError(f"{plugin.ENV}: Qwen4Exp PLE rows are read by a synchronous host lookup, which a CUDA "
                              f"graph would capture once and replay stale: serve with --enforce-eager")
-        model = plugin.open_model(s, getattr(getattr(vllm_config, "model_config", None), "model", None), qwen=True)
+        model = serving.open_model(s, getattr(getattr(vllm_config, "model_config", None), "model", None), plugin.ENV,
+                                   qwen=True)
         ids = model.cfg.layer_ids                  # sorted ple_layer_ids: vLLM's dense id indexes them
         if not 0 <= ple_dense_layer_id < len(ids):
             raise ValueError(f"{plugin.ENV}: vLLM's PLE layer {ple_dense_layer_id} is not one of the checkpoint "
@@ -625,7 +534,8 @@ def _patch_qwen(N):
             original(self, config, embedding_dim, ple_dense_layer_id, max_total_tokens, **kw)
         finally:
             N.Qwen4ExpPLEDeviceEmbedding, N.Qwen4ExpPLEPinnedHostEmbedding = saved
-        plugin.serving(True)
+        global _serving
+        _serving = True
 
     __init__._engram_stream = True
     N.Qwen4ExpNGramEmbedding.__init__ = __init__
@@ -661,7 +571,7 @@ def register():
     (ENGRAM_STREAM_VLLM here, or additional_config["engram_stream"] at the model's build): the
     hooks defer to vLLM's own code. A bad ENGRAM_STREAM_VLLM fails here, naming the value."""
     if os.environ.get(ENV):
-        parse_settings(os.environ[ENV], ENV)
+        serving.parse_settings(os.environ[ENV], ENV)
     for name, patch in _PATCHES.items():
         if name in sys.modules:
             patch(sys.modules[name])

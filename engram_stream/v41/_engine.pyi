@@ -1,5 +1,5 @@
 # Type stubs of the compiled deepseek-v4.1 engine (engram_stream/v41/_engine.pyx). Keep in step
-# with the .pyx: tests/test_packaging.py checks that every public name is declared here.
+# with the .pyx: tests/cli/test_packaging.py checks that every public name is declared here.
 from typing import Any, Optional, Sequence, Tuple, Union
 
 import numpy as np

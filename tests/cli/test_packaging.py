@@ -93,7 +93,7 @@ def _stub_names(module_name):
 @pytest.mark.parametrize("module_name", ["engram_stream.engine._base", "engram_stream.demo._engine",
                                          "engram_stream._hash", "engram_stream.v41._engine",
                                          "engram_stream.rows._cache", "engram_stream.rows._source",
-                                         "engram_stream.rows._direct", "engram_stream.integrations._vllm_rows"])
+                                         "engram_stream.rows._direct", "engram_stream.integrations._records"])
 def test_stubs_declare_every_public_name(module_name):
     """The .pyi (shipped with py.typed) must list exactly the compiled module's public names,
     and those of its classes: a method added to the .pyx without its stub fails here."""

@@ -41,7 +41,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33.0's .py files are needed (tests/gp
 from conftest import PLUGIN_SOURCES, make_v41_model  # noqa: E402
 
 plugin = pytest.importorskip("engram_stream.integrations.vllm")
-from engram_stream.integrations import vllm_graph  # noqa: E402
+from engram_stream.integrations import serving, vllm_graph  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 SOURCES = PLUGIN_SOURCES
@@ -81,7 +81,7 @@ def env(E, monkeypatch):
     monkeypatch.setattr(E, "get_current_vllm_config", config)
     monkeypatch.delenv(plugin.ENV, raising=False)
     monkeypatch.setattr(plugin, "_serving", False)
-    monkeypatch.setattr(plugin, "_models", {})
+    monkeypatch.setattr(serving, "_models", {})
     return st
 
 
@@ -356,7 +356,7 @@ def test_timings_of_prepare_and_embed(E, env, flash):
             with forward("FULL"):
                 m.lookup(ids, o, background=True)       # its context made (pinned buffers)
                 r[f"plugin {tag} stream"] = timed(lambda: m.lookup(ids, o, background=True), 20)
-            plugin._models.clear()
+            serving._models.clear()
         rows[T] = r
     names = list(rows[1])
     print("\ntokens " + " | ".join(names))

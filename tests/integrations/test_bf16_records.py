@@ -1,11 +1,11 @@
-"""_vllm_rows.records_to_bf16, the plugins' bf16 conversion of row records, on any strided
+"""_records.records_to_bf16, the plugins' bf16 conversion of row records, on any strided
 `out` (and records): the bytes equal the contiguous call's. Needs neither vLLM nor SGLang."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engram_stream.integrations._vllm_rows import records_to_bf16
+from engram_stream.integrations._records import records_to_bf16
 
 pytestmark = pytest.mark.native  # drives the C conversion: CI runs it again under ASan and clang
 

@@ -1,11 +1,12 @@
-"""The serving plugins' settings (integrations.vllm.parse_settings, also SGLang's): every bad
+"""The serving plugins' settings (integrations.serving.parse_settings, vLLM's and SGLang's): every bad
 value is a ValueError naming where it came from, the setting, the value and what it may be.
 Needs neither vLLM nor SGLang."""
 from __future__ import annotations
 
 import pytest
 
-from engram_stream.integrations.vllm import ENV, parse_settings
+from engram_stream.integrations.serving import parse_settings
+from engram_stream.integrations.vllm import ENV
 
 
 @pytest.mark.parametrize("text, shown", [('{"row_cache_mb": Infinity}', "inf"), ('{"row_cache_mb": 1e400}', "inf"),
@@ -67,3 +68,26 @@ def test_sglangs_install_names_its_own_variable(monkeypatch):
         sglang.install()
     with pytest.raises(ValueError, match=r'^install\(\): "checkpoint" must be .* got \[\'/x\'\]'):
         sglang.install({"checkpoint": ["/x"]})
+
+
+def test_the_serving_integrations_share_one_module_not_each_other():
+    """SGLang's integration takes its settings, models and record conversion from
+    integrations.serving and integrations._records: importing it imports no vLLM module (ours
+    or vLLM's)."""
+    import subprocess
+    import sys
+    code = ("import sys, engram_stream.integrations.sglang; "
+            "print(sorted(m for m in sys.modules if m.startswith(('vllm', 'engram_stream.integrations.vllm'))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]"
+
+
+def test_a_framework_of_another_version_is_refused_naming_both():
+    import types
+    from engram_stream.integrations.serving import check_version
+    check_version("vLLM", types.SimpleNamespace(__version__="0.33.0"), "0.33.0")
+    check_version("vLLM", types.SimpleNamespace(__version__="0.33.0+cu130"), "0.33.0")   # a local build tag
+    for v in ("0.33.1", "0.33.0rc1", "0.330.0", None):
+        with pytest.raises(RuntimeError, match=f"serves vLLM 0\\.33\\.0 .* this is vLLM {v}: install vllm==0\\.33\\.0"):
+            check_version("vLLM", types.SimpleNamespace(__version__=v), "0.33.0")

@@ -128,6 +128,7 @@ def test_sglang_engram_builds_the_plugins_embedding_with_sglangs_bits(plugin_che
         m = layer.embed
         assert isinstance(m, plugin.embedding_class()) and isinstance(m, plugin._stock_class)
         assert not list(m.parameters()) and not list(m.buffers())
+        assert not hasattr(m, "weight") and not hasattr(m, "scale")   # SGLang's meta table, dropped
         if "packed" in source:
             assert m.model.row_tiers.open_tier.rows_path == packed.rows_path(path)
         for T in (1, 16, 300):
@@ -182,6 +183,26 @@ def test_install_refuses_bad_settings_with_the_value(plugin_checkpoints, paralle
     assert E.EngramEmbedding is plugin._stock_class
 
 
+def test_another_sglang_version_and_sglangs_other_table_layouts_are_refused(plugin_checkpoints, parallel,
+                                                                            monkeypatch):
+    """A SGLang other than 0.5.23 is refused naming both versions; so are SGLang's host-table and
+    peer-shard layouts, which would allocate a table the served rows leave unused."""
+    import sglang
+    plugin.install({"checkpoint": plugin_checkpoints["plain"]})
+    layout = layout_of(plugin_checkpoints["plain"])
+    for name in plugin.TABLE_LAYOUTS:
+        with monkeypatch.context() as mp:
+            mp.setenv(name, "1")
+            with pytest.raises(ValueError, match=f"{plugin.ENV}: {name} is set: .* unset it"):
+                E.EngramEmbedding(layout.num_embeddings[0], 256, layout.layer_ids[0], layout.column_bounds(0))
+    plugin.uninstall()
+    monkeypatch.setattr(sglang, "__version__", "0.5.24")
+    monkeypatch.setattr(plugin, "_embedding_class", None)
+    with pytest.raises(RuntimeError, match=r"serves SGLang 0\.5\.23 .* this is SGLang 0\.5\.24: install sglang==0\.5\.23"):
+        plugin.embedding_class()
+
+
+@pytest.mark.native  # drives records_to_bf16 (C over raw pointers): CI's sanitizer stages select it
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_nan_codes_and_extreme_scales_are_pinned(parallel):
     """Every e4m3 code against the e8m0 bytes 0, 1, 2, 9, 10, 127, 200, 254, 255. SGLang's GPU
@@ -190,7 +211,7 @@ def test_nan_codes_and_extreme_scales_are_pinned(parallel):
     ml_dtypes). SGLang's CPU path (torch's float8_e8m0fnu) agrees everywhere but at byte 255:
     NaN there, the kernel's +-inf (NaN for a zero value). e4m3 0x7f / 0xff are NaN on both."""
     import ml_dtypes
-    from engram_stream.integrations._vllm_rows import records_to_bf16
+    from engram_stream.integrations._records import records_to_bf16
     scales = np.array([0, 1, 2, 9, 10, 127, 200, 254, 255], np.uint8)
     n = len(scales)
     w = np.tile(np.arange(256, dtype=np.uint8), (n, 1))

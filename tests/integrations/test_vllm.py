@@ -36,6 +36,7 @@ from engram_stream.v41 import reference as v41_reference  # noqa: E402
 from conftest import PLUGIN_SOURCES  # noqa: E402
 
 plugin = pytest.importorskip("engram_stream.integrations.vllm")
+from engram_stream.integrations import serving  # noqa: E402
 
 SOURCES = PLUGIN_SOURCES
 
@@ -70,7 +71,7 @@ def vllm_env(E, monkeypatch):
     monkeypatch.delenv(plugin.ENV, raising=False)
     plugin.register()
     monkeypatch.setattr(plugin, "_serving", False)
-    monkeypatch.setattr(plugin, "_models", {})
+    monkeypatch.setattr(serving, "_models", {})
     return st
 
 
@@ -180,6 +181,7 @@ def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, plugin_checkpoints, expect
             assert m.model.row_tiers.open_tier.rows_path == packed.rows_path(path)
         own = sum(p.numel() * p.element_size() for p in list(m.parameters()) + list(m.buffers()))
         assert own < table_bytes[L] // 100
+        assert not hasattr(m, "weight") and not hasattr(m, "weight_scale_inv")   # vLLM's meta table, dropped
     for L, ids, dtype, want in calls:
         m = mine[L]
         for _ in ("cold", "warm"):
@@ -193,7 +195,7 @@ def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, plugin_checkpoints, expect
         assert st["hits"] > 0 and st["misses"] > 0
     if SOURCES[source]["tables"] == "direct":
         assert st["reads"] > 0
-    assert plugin.stats()[os.path.realpath(path)]["layers"].keys() == set(layout.layer_ids)
+    assert serving.stats()[os.path.realpath(path)]["layers"].keys() == set(layout.layer_ids)
 
 
 @pytest.mark.mooncake
@@ -216,7 +218,7 @@ def test_plugin_lookup_from_mooncake_gives_vllms_bytes(E, vllm_env, plugin_check
                 assert not got.view(torch.int16).any()
             else:
                 assert torch.equal(want.view(torch.uint8), got.view(torch.uint8)), (L, ids.shape, dtype)
-    st = plugin.stats()[os.path.realpath(path)]
+    st = serving.stats()[os.path.realpath(path)]
     assert st["fetches"] > 0 and st["misses"] > 0 and st["hits"] > 0
 
 
@@ -492,6 +494,17 @@ def test_vllm_finds_the_entry_point_and_it_is_inert_unconfigured(tmp_path, monke
 
 
 # ---- the codes where vLLM's kernel, Triton's interpreter and engram_stream's oracle differ ----------
+def test_another_vllm_version_is_refused_naming_the_supported_one(E, vllm_env, monkeypatch):
+    """The embedding is built through vLLM's constructor and hooks its methods by name: a vLLM
+    other than the one written against is refused when the class is made, naming both."""
+    import vllm
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.setattr(plugin, "_embedding_class", None)
+    with pytest.raises(RuntimeError, match=r"serves vLLM 0\.33\.0 .* this is vLLM 0\.34\.0: install vllm==0\.33\.0"):
+        plugin.embedding_class()
+
+
+@pytest.mark.native  # drives records_to_bf16 (C over raw pointers): CI's sanitizer stages select it
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # inf and NaN products, on purpose
 def test_nan_codes_and_extreme_scales_are_pinned(E, vllm_env):
     """Every e4m3 code against the e8m0 bytes 0, 1, 2, 9, 10, 127, 200, 254, 255, through vLLM's
@@ -522,7 +535,7 @@ def test_nan_codes_and_extreme_scales_are_pinned(E, vllm_env):
     stock.lookup(ids, vllm_bf16)
     vllm_bits = vllm_bf16.view(torch.int16).numpy().view(np.uint16)[:, 0]
 
-    from engram_stream.integrations._vllm_rows import records_to_bf16
+    from engram_stream.integrations._records import records_to_bf16
     mine = np.empty((n, 1, 256), np.uint16)
     records_to_bf16(np.concatenate([w, s], axis=1)[:, None].copy(), mine)
     mine = mine[:, 0]

@@ -24,9 +24,9 @@ pytest.importorskip("vllm", reason="vLLM is not installed (tools/ci_vllm.sh inst
 
 from test_vllm import (E, FakeStreams, configure, engram_layer, expected, hash_ids, layout_of, lookup,  # noqa: E402,F401
                        vllms_own_projected_rows,
-                       plugin, plugin_embeddings, vllm_env, SOURCES)
+                       plugin_embeddings, vllm_env, SOURCES)
 
-from engram_stream.integrations import vllm_graph  # noqa: E402
+from engram_stream.integrations import serving, vllm_graph  # noqa: E402
 from engram_stream.rows import RecordSource  # noqa: E402
 
 
@@ -138,15 +138,15 @@ def test_full_graphs_refuse_rows_that_need_the_gil_at_startup(E, vllm_env, plugi
     base = E.get_current_vllm_config
     monkeypatch.setattr(E, "get_current_vllm_config",
                         lambda: types.SimpleNamespace(**vars(base()), compilation_config=cc))
-    real_open = plugin.open_model
+    real_open = serving.open_model
 
-    def open_model(s, ckpt):
-        model = real_open(s, ckpt)
+    def open_model(s, ckpt, where):
+        model = real_open(s, ckpt, where)
         rows = model.row_source(layout.layer_ids[0])
         return types.SimpleNamespace(plan=model.plan, cfg=model.cfg, source=model.source,
                                      row_source=lambda L: Toy(rows.nrows, rows.rowbytes, rows.scalebytes))
 
-    monkeypatch.setattr(plugin, "open_model", open_model)
+    monkeypatch.setattr(serving, "open_model", open_model)
     if "FULL" in mode:
         with pytest.raises(ValueError, match=r"FULL CUDA graphs.*GIL.*-cc\.cudagraph_mode=PIECEWISE.*--enforce-eager"):
             E.Engram._create_embedding(None, layout, 0)

@@ -17,7 +17,7 @@ import pytest
 from engram_stream import EngramModel
 from engram_stream.errors import FileChangedError
 from engram_stream.integrations._vllm_graph import HF_BAD_ROW, HF_FILE_CHANGED, HostLookup, graph_capable, host_fn_address
-from engram_stream.integrations._vllm_rows import records_to_bf16
+from engram_stream.integrations._records import records_to_bf16
 from engram_stream.rows import RecordSource
 
 from conftest import PLUGIN_SOURCES

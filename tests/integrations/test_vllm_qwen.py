@@ -29,6 +29,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (tools/ci_vllm.sh inst
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 
 plugin = pytest.importorskip("engram_stream.integrations.vllm")
+from engram_stream.integrations import serving  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = {"mapped": {"tables": "mapped"}, "mapped+cache": {"tables": "mapped", "row_cache_mb": 0.2},
@@ -71,7 +72,7 @@ def vllm_env(N, monkeypatch):
     monkeypatch.delenv(plugin.ENV, raising=False)
     plugin.register()
     monkeypatch.setattr(plugin, "_serving", False)
-    monkeypatch.setattr(plugin, "_models", {})
+    monkeypatch.setattr(serving, "_models", {})
     return st
 
 
@@ -164,7 +165,7 @@ def test_plugin_lookup_is_vllms(N, vllm_env, folders, kind, monkeypatch):
         for name, settings in SOURCES.items():
             vllm_env.model = folder
             monkeypatch.setenv(plugin.ENV, json.dumps(settings))
-            monkeypatch.setattr(plugin, "_models", {})
+            monkeypatch.setattr(serving, "_models", {})
             mine = build(N, cfg, dense)
             emb = mine.ngram_embedding
             assert type(emb).__name__ == "StreamPLEEmbedding" and emb.layer == layer

@@ -91,7 +91,7 @@ def test_no_install_hint_names_the_package_on_an_index():
 
 
 def test_the_mooncake_hint_is_the_checkout_form():
-    from engram_stream.rows import mooncake_servers
+    import mooncake_servers
     with pytest.raises(FileNotFoundError, match=re.escape("pip install '.[mooncake]'")):
         mooncake_servers._binary("no-such-mooncake-binary-here")
     src = _read("engram_stream", "rows", "mooncake.py")
@@ -189,12 +189,12 @@ def test_readme_vllm_says_what_it_needs_and_what_has_run():
 def test_readme_vllm_settings_parse():
     """The JSON the README passes (the environment variable and --additional-config) is what
     the plugin accepts."""
-    from engram_stream.integrations import vllm as plugin
+    from engram_stream.integrations import serving, vllm as plugin
     section = _section("Serving V4.1 with vLLM")
     env = re.search(r"ENGRAM_STREAM_VLLM='(\{.*?\})'", section)[1]
-    assert plugin.parse_settings(env, "README")["tables"] == "direct"
+    assert serving.parse_settings(env, "README")["tables"] == "direct"
     extra = json.loads(re.search(r"--additional-config '(\{.*\})'", section)[1])
-    assert plugin.parse_settings(extra[plugin.KEY], "README")["row_cache_mb"] == 4096
+    assert serving.parse_settings(extra[plugin.KEY], "README")["row_cache_mb"] == 4096
 
 
 # ---- row_cache_stats: its units -----------------------------------------------------------------------------

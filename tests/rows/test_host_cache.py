@@ -453,7 +453,7 @@ def test_a_host_cache_too_small_for_one_row_is_refused(ckpt, host):
 
 
 def test_vllm_settings_take_host_cache():
-    from engram_stream.integrations.vllm import parse_settings
+    from engram_stream.integrations.serving import parse_settings
     assert parse_settings('{"row_cache_mb": 64, "host_cache": "vllm"}', "env")["host_cache"] == "vllm"
     assert parse_settings('{"row_cache_mb": 64}', "env")["host_cache"] is None
     for bad in ('{"row_cache_mb": 64, "host_cache": "a b"}', '{"host_cache": "vllm"}'):

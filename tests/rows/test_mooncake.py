@@ -124,7 +124,7 @@ def test_another_models_rows_are_refused(bare_tier, tmp_path):
 
 
 def test_calls_after_close_raise_tier_error(mooncake, tmp_path):
-    from engram_stream.rows.mooncake_servers import wait_until_writable
+    from mooncake_servers import wait_until_writable
     from engram_stream.rows import MooncakeTier
     t = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, timeout=5)
     wait_until_writable(t)
@@ -155,7 +155,7 @@ def test_stopped_master_at_connect_is_refused_in_time():
     """A stopped master accepts connections (the kernel does) but never answers: TierError
     within connect_timeout, not a hang in setup()."""
     conftest.mooncake_or_skip()
-    from engram_stream.rows.mooncake_servers import LocalMooncake
+    from mooncake_servers import LocalMooncake
     from engram_stream.rows import MooncakeTier
     with LocalMooncake(segment_mb=16) as mc:
         os.kill(mc.master_proc.pid, signal.SIGSTOP)
@@ -172,7 +172,7 @@ _CLIENT = """
 import sys, time, numpy as np
 from engram_stream import EngramModel
 from engram_stream.rows import MooncakeTier, TierError
-from engram_stream.rows.mooncake_servers import wait_until_writable
+from mooncake_servers import wait_until_writable
 master, metadata, path = sys.argv[1:4]
 t = MooncakeTier(master=master, metadata=metadata, timeout=3)
 wait_until_writable(t)
@@ -203,7 +203,7 @@ def test_process_exits_promptly_after_a_fault(tmp_path, fault):
     a killed store server's client hit in about 1 of 3 runs (kill_store runs twice)."""
     import subprocess
     conftest.mooncake_or_skip()
-    from engram_stream.rows.mooncake_servers import LocalMooncake
+    from mooncake_servers import LocalMooncake
     p = str(tmp_path / "m.safetensors")
     EngramModel.init(EngramConfig(**DEMO), seed=1).save(p)
     with LocalMooncake(segment_mb=16) as mc:

@@ -1,4 +1,5 @@
-"""A local Mooncake Store for tests, benchmarks and trying the tier on one machine:
+"""A local Mooncake Store for the tests and benchmarks (imported from tests/ on sys.path, not part
+of the package):
 mooncake_master (with its HTTP metadata server) and one store server (`mooncake_client`,
 which lends the store its memory), on free loopback ports, stopped by PID.
 
@@ -23,8 +24,8 @@ import subprocess
 import sys
 import time
 
-from ..errors import TierError
-from .mooncake import wait_for_port
+from engram_stream.errors import TierError
+from engram_stream.rows.mooncake import wait_for_port
 
 
 def _binary(name):

@@ -1,4 +1,4 @@
-# The C row conversion of _vllm_rows.pyx (cimported by _vllm_graph.pyx's host function).
+# The C row conversion of _records.pyx (cimported by _vllm_graph.pyx's host function).
 from libc.stdint cimport int64_t, uint8_t, uint16_t
 
 # n contiguous V4.1 records (D e4m3 bytes, then D/32 e8m0 bytes) -> n contiguous bf16 rows of D,

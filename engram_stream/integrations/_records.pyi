@@ -1,4 +1,4 @@
-# Type stubs of engram_stream/integrations/_vllm_rows.pyx (keep in step with it).
+# Type stubs of engram_stream/integrations/_records.pyx (keep in step with it).
 import numpy as np
 import numpy.typing as npt
 

@@ -1,0 +1,111 @@
+"""What the serving integrations (vllm.py, sglang.py) share: their settings, the process's
+models that serve them, and the check of the framework's version.
+
+The settings are one JSON object (the vLLM plugin's ENGRAM_STREAM_VLLM or
+additional_config["engram_stream"], SGLang's install() argument or ENGRAM_STREAM_SGLANG), its
+keys SETTINGS, each described in integrations/vllm.py's docstring.
+
+The row conversion both engines' kernels make (records to bf16) is the native _records module.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake", "host_cache")
+MOONCAKE_KEYS = ("master", "metadata", "local_host")
+
+_lock = threading.Lock()
+_models = {}            # settings key -> the EngramModel serving this process's lookups
+
+
+def parse_settings(value, where):
+    """The settings dict of a JSON object (a str) or a dict. Every bad value is a ValueError that
+    names `where` (the variable or config entry it came from), the setting, the value and what
+    it may be."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except RecursionError:   # the parser recurses once per level of nesting
+            raise ValueError(f"{where}: JSON nested too deeply to parse ({len(value)} characters); give an "
+                             f'object such as {{"tables": "direct", "row_cache_mb": 1024}}') from None
+        except ValueError as e:
+            raise ValueError(f"{where}: not JSON ({e}); give an object such as "
+                             f'{{"tables": "direct", "row_cache_mb": 1024}}') from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: must be a JSON object with keys {SETTINGS}, got {shown(value)}")
+    unknown = [k for k in value if k not in SETTINGS]
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(map(str, unknown))}; the keys are {SETTINGS}")
+    s = {"checkpoint": value.get("checkpoint"), "tables": value.get("tables", "mapped"),
+         "row_cache_mb": value.get("row_cache_mb", 0), "mooncake": value.get("mooncake"),
+         "host_cache": value.get("host_cache")}
+    if not (isinstance(s["tables"], str) and s["tables"] in ("mapped", "direct")):
+        raise ValueError(f'{where}: "tables" must be "mapped" or "direct", got {shown(s["tables"])}')
+    from ..rows.tiers import HOST_CACHE_NAME, check_row_cache_mb
+    s["row_cache_mb"] = check_row_cache_mb(s["row_cache_mb"], f'{where}: "row_cache_mb"')
+    mc = s["mooncake"]
+    if mc is not None and not (isinstance(mc, dict) and "master" in mc and "metadata" in mc
+                               and all(k in MOONCAKE_KEYS and isinstance(v, str) and v for k, v in mc.items())):
+        raise ValueError(f'{where}: "mooncake" must be an object with "master" and "metadata" (and optionally '
+                         f'"local_host"), each a non-empty string, got {shown(mc)}')
+    hc = s["host_cache"]
+    if hc is not None and not (isinstance(hc, str) and HOST_CACHE_NAME.fullmatch(hc) and s["row_cache_mb"]):
+        raise ValueError(f'{where}: "host_cache" must be a name of 1 to 64 letters, digits, "_", "." or "-" '
+                         f'and needs "row_cache_mb" > 0 (the host\'s budget), got {shown(hc)}')
+    ck = s["checkpoint"]
+    if ck is not None and not (isinstance(ck, str) and ck and "\0" not in ck and os.path.isdir(ck)):
+        raise ValueError(f'{where}: "checkpoint" must be the path of a V4.1 checkpoint folder (a string), got '
+                         f'{shown(ck)}' + (": it is not a folder" if isinstance(ck, str) else ""))
+    return s
+
+
+def shown(value) -> str:
+    """repr(value), cut to a length a message can carry."""
+    try:
+        r = repr(value)
+    except RecursionError:
+        return "an object nested too deeply to show"
+    return r if len(r) <= 200 else f"{r[:200]}... ({len(r)} characters)"
+
+
+def open_model(s, default_checkpoint, where, qwen=False):
+    """The process's EngramModel of settings s (one per distinct settings: the layers share it
+    and its row cache). default_checkpoint: the framework's model folder, used when s has no
+    "checkpoint"; where: the settings' name in errors. qwen: a Qwen4Exp folder
+    (EngramModel.load), else a V4.1 one."""
+    ckpt = s["checkpoint"] or default_checkpoint
+    if not ckpt or not os.path.isdir(ckpt):
+        raise ValueError(f"{where}: the served model {default_checkpoint!r} is not a local folder: give "
+                         f'"checkpoint" (the V4.1 folder holding layers.L.engram.* and tokenizer.json)')
+    key = (os.path.realpath(ckpt), s["tables"], s["row_cache_mb"], json.dumps(s["mooncake"], sort_keys=True),
+           s["host_cache"], qwen)
+    with _lock:
+        if key not in _models:
+            from ..model import EngramModel
+            tables = None if s["tables"] == "mapped" else "direct"
+            if s["mooncake"] is not None:
+                from ..rows import MooncakeTier
+                mc = s["mooncake"]
+                tables = MooncakeTier(master=mc["master"], metadata=mc["metadata"],
+                                      local_host=mc.get("local_host", "127.0.0.1"))
+            load = EngramModel.load if qwen else EngramModel.from_deepseek_v41
+            _models[key] = load(ckpt, tables=tables, row_cache_mb=s["row_cache_mb"] or None, host_cache=s["host_cache"])
+        return _models[key]
+
+
+def stats():
+    """Row cache and read counters of every model this process serves from ({checkpoint: ...})."""
+    with _lock:
+        return {k[0]: m.row_cache_stats() for k, m in _models.items()}
+
+
+def check_version(framework, module, supported):
+    """A RuntimeError unless `module` (the imported framework) is version `supported`: the
+    integrations build the framework's own objects through its constructors and hook its
+    methods by name, which only the version they were written against is known to have."""
+    v = getattr(module, "__version__", None)
+    if v is None or not (v == supported or v.startswith(supported + "+")):
+        raise RuntimeError(f"engram_stream serves {framework} {supported} (its Engram classes and seams), "
+                           f"this is {framework} {v}: install {framework.lower()}=={supported}")
