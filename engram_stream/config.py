@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import variants
+from .errors import ConfigFieldError
 from ._hash import MAX_KERNEL_SIZE, MAX_NGRAM  # include/engram_consts.h, their one source
 
 INT64_MAX = (1 << 63) - 1
@@ -155,6 +156,15 @@ class EngramConfig:
             raise ValueError(f"config.json describes no Engram of a known variant (the variants read from "
                              f"config.json: {readers}, each from its own keys)")
         return spec.from_hf_config(cls, config, overrides)
+
+    def __getattr__(self, name):
+        """Only for names a normal lookup does not find: a field of other variants' config
+        classes says so (ConfigFieldError, also a ValueError); any other name is AttributeError."""
+        users = [] if name.startswith("__") else [v.name for v in variants.variants() if name in variant_fields(v)]
+        if users:
+            raise ConfigFieldError(f"EngramConfig.{name} is a field of {' and '.join(map(repr, users))}, not of "
+                                   f"variant {self.variant!r}", name=name, obj=self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     # Derived geometry -------------------------------------------------------
     @property

@@ -188,3 +188,15 @@ def test_norm_eps_names_both_its_variants_and_replace_across_variants():
         EngramConfig(no_such_field=1)
     with pytest.raises(ValueError, match="must be one of"):
         EngramConfig(variant="no-such-variant")
+
+
+def test_reading_another_variants_field_names_it():
+    """hasattr says False; the read itself is a ValueError (and AttributeError) naming the variants."""
+    from engram_stream.errors import ConfigFieldError
+    cfg = EngramConfig()
+    assert not hasattr(cfg, "image_token_id")
+    with pytest.raises(ConfigFieldError, match="image_token_id is a field of 'deepseek-v4.1', not of variant 'demo-v1'"):
+        cfg.image_token_id
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'") as e:
+        cfg.no_such_name
+    assert not isinstance(e.value, ValueError)
