@@ -73,9 +73,9 @@ class EngramConfig:
         given.update(kwargs)
         target = config_class(given.get("variant", cls.__dataclass_fields__["variant"].default))
         own = {f.name for f in dataclasses.fields(target)}
-        for name in given:
+        for name in set(given) - own:
             users = [v.name for v in variants.variants() if name in variant_fields(v)]
-            if name not in own and users:
+            if users:
                 raise ValueError(f"EngramConfig.{name} is a field of {' and '.join(map(repr, users))} "
                                  f"(variant is {given.get('variant', target.variant)!r})")
         if issubclass(target, cls):
