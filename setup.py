@@ -11,9 +11,10 @@ import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
-MOD_NAMES = ["engram_stream._hash", "engram_stream.rows._cache", "engram_stream.rows._direct", "engram_stream.rows._source",
-             "engram_stream.engine._base", "engram_stream.demo._engine", "engram_stream.v41._engine",
-             "engram_stream.integrations._records", "engram_stream.integrations._vllm_graph"]
+# Every .pyx of the package is one extension module: a variant's folder brings its engine by
+# holding the file, with no list here to keep in step.
+MOD_NAMES = sorted(os.path.splitext(p)[0].replace(os.sep, ".")
+                   for p in glob.glob(os.path.join("engram_stream", "**", "*.pyx"), recursive=True))
 
 ASAN = os.environ.get("ENGRAM_STREAM_ASAN") == "1"
 DEBUG = ASAN or os.environ.get("ENGRAM_STREAM_DEBUG") == "1"

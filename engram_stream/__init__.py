@@ -44,17 +44,18 @@ repository's) the contract, and in section 12 the map of every file.
 """
 import os as _os
 
+from . import variants as _variants
 from .compression import build_compression
 from .config import EngramConfig
-from .demo import variant as _demo  # noqa: F401  the built-in variants register themselves (engram_stream.variants)
-from .v41 import variant as _v41  # noqa: F401
-from .qwen import variant as _qwen  # noqa: F401
-from .model import EngramModel
-from .plan import HashPlan
-from .demo._engine import StreamEngine
-from .engine.decoder import Decoder
-from .engine.snapshot import DecoderSnapshot, EngineSnapshot
-from .engine.isa import kernel_isa
+
+_variants.discover()  # every variant registers itself: the package scan, then the entry points
+from .model import EngramModel  # noqa: E402  (after the variants: a model asks the registry)
+from .plan import HashPlan  # noqa: E402
+
+StreamEngine = _variants.get(_variants.DEFAULT).engine  # the default variant's engine
+from .engine.decoder import Decoder  # noqa: E402
+from .engine.snapshot import DecoderSnapshot, EngineSnapshot  # noqa: E402
+from .engine.isa import kernel_isa  # noqa: E402
 
 __all__ = ["EngramConfig", "HashPlan", "EngramModel", "StreamEngine", "EngineSnapshot", "Decoder",
            "DecoderSnapshot", "build_compression", "get_include", "kernel_isa"]

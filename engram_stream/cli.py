@@ -20,9 +20,9 @@ import numpy as np
 
 from . import __version__
 from . import variants
-from .config import EngramConfig
+from .config import EngramConfig, variant_fields
 
-DEMO_CONFIG = dict(engram_vocab_size=[20011, 20011], max_ngram_size=3, n_embed_per_ngram=128,
+BUILTIN_CONFIG = dict(engram_vocab_size=[20011, 20011], max_ngram_size=3, n_embed_per_ngram=128,
                    n_head_per_ngram=4, layer_ids=[1, 15], pad_id=2, seed=0, kernel_size=4,
                    hidden_size=256, hc_mult=4, vocab_size=32000)
 
@@ -34,9 +34,9 @@ class CliError(Exception):
     """A user-facing error: printed as one line."""
 
 
-def _model_for_demo(args):
+def _builtin_model(args):
     from .model import EngramModel
-    cfg = EngramConfig(**DEMO_CONFIG)
+    cfg = EngramConfig(**BUILTIN_CONFIG)
     return EngramModel.init(cfg, seed=args.seed)
 
 
@@ -87,11 +87,11 @@ def _load_for(args, steps):
     from .model import EngramModel
     if args.checkpoint:
         variant = next((v for v in variants.variants() if v.is_checkpoint(args.checkpoint)), None)
-        note = getattr(variant, "load_note", "")  # what the variant's load does besides mapping
+        note = variant.load_note if variant is not None else ""  # what its load does besides mapping
         steps(f"loading {args.checkpoint} (tables mapped" + (f"; {note})" if note else ")"))
         return EngramModel.load(args.checkpoint, mmap=True)
     steps("building the built-in model (random weights)")
-    return _model_for_demo(args)
+    return _builtin_model(args)
 
 
 def cmd_demo(args):
@@ -102,9 +102,7 @@ def cmd_demo(args):
     cfg = model.cfg
     rng = np.random.default_rng(args.seed)
     T, G, D = args.tokens, cfg.hc_mult, cfg.hidden_size
-    ids = rng.integers(0, cfg.vocab_size, size=T)
-    if cfg.image_token_id is not None:  # a few DEAD (image) tokens: they cut the n-gram history and close the gate
-        ids[rng.random(T) < 0.05] = cfg.image_token_id
+    ids = model.variant.sample_ids(cfg, rng, T)   # the variant's special ids among them (V4.1's DEAD tokens)
     hidden = {L: rng.standard_normal((T, G, D), dtype=np.float32) for L in cfg.layer_ids}
     print(f"model: {model}")
     print(f"kernels: {_kernels()}")
@@ -184,7 +182,7 @@ def _read_config(path) -> EngramConfig:
             d = json.load(f)
     except json.JSONDecodeError as e:
         raise CliError(f"{path}: not valid JSON ({e})") from None
-    if any(v.reads_hf_config and v.reads_hf_config(d) for v in variants.variants()):
+    if any(v.reads_hf_config(d) for v in variants.variants()):
         return EngramConfig.from_hf_config(d)
     return EngramConfig.from_dict(d)
 
@@ -412,7 +410,7 @@ def cmd_bench(args):
 
     def spread(k, scale=1e6):
         return f"{med[k] * scale:8.1f} us  [{t[k].min() * scale:.1f} .. {t[k].max() * scale:.1f}]"
-    what = f"{args.checkpoint}, layer {L}" if args.checkpoint else "the demo model; bench/ has the full suite"
+    what = f"{args.checkpoint}, layer {L}" if args.checkpoint else "the built-in model; bench/ has the full suite"
     print(f"config: D={D} G={G} H={cfg.n_heads}x{cfg.head_dim} ({what})")
     print(f"kernels: {_kernels()}")
     print(f"cpu: {_cpu()}")
@@ -438,9 +436,9 @@ def cmd_profile(args):
     from .rows import mapped
     from .model import EngramModel
     if args.cold and not args.checkpoint:
-        raise CliError("--cold needs a checkpoint (the built-in demo model lives in RAM)")
+        raise CliError("--cold needs a checkpoint (the built-in model lives in RAM)")
     capture = _check_output(args.output, args.force, inputs=[args.checkpoint]) if args.output else None
-    model = EngramModel.load(args.checkpoint, mmap=True) if args.checkpoint else _model_for_demo(args)
+    model = EngramModel.load(args.checkpoint, mmap=True) if args.checkpoint else _builtin_model(args)
     evicted = mapped.evict(model) if args.cold else []  # every file it maps: a folder's shards, the row file
     cfg = model.cfg
     G, D = cfg.hc_mult, cfg.hidden_size
@@ -548,21 +546,27 @@ CONFIG_FIELDS = {
     "hidden_size": "backbone width D",
     "hc_mult": "hyper-connection streams G (1: a plain residual stream)",
     "vocab_size": "tokenizer vocab (length of a compression lookup)",
-}  # the variants' own fields: their registry entries' field_help
+}  # the variants' own fields: their Variant's field_help
 
 
 def _config_help() -> str:
-    readers = [v.name for v in variants.variants() if v.reads_hf_config]
+    readers = [v.name for v in variants.variants() if v.hf_config]
     lines = ["config file: one JSON object of EngramConfig fields; a missing field takes its default",
              "(EngramConfig's, the public demo module's: D=1024 and a 2.6 GB float32 table per layer), or a",
-             f"model's own Hugging Face config.json ({', '.join(readers)}: its engram_* keys). Fields:"]
+             f"model's own Hugging Face config.json ({', '.join(readers)}: each read from its own keys). Fields:"]
     helps = dict(CONFIG_FIELDS, variant=" or ".join(json.dumps(v.name) + (" (written as a folder)" if v.folder_checkpoint
                                                                               else "") for v in variants.variants()))
-    for v in variants.variants():
-        helps.update(v.field_help)
     for f in dataclasses.fields(EngramConfig):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         lines.append(f"  {f.name:<21} {json.dumps(default):<18} {helps.get(f.name, '')}")
+    for v in variants.variants():   # a variant's own fields (its config class), under its name
+        own = variant_fields(v)
+        if own:
+            lines.append(f"{v.name}'s own fields:")
+        for name in own:
+            f = v.config_class.__dataclass_fields__[name]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {name:<21} {json.dumps(default):<18} {v.field_help.get(name, '')}")
     for v in variants.variants():
         lines.append(f"{v.name}: {json.dumps(v.example_config)}" + ("  (-o names a folder)" if v.folder_checkpoint
                                                                      else ""))

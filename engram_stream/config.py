@@ -1,8 +1,11 @@
 """EngramConfig: the Engram module's hyper-parameters plus the tokenizer vocab size.
 
-The common fields are checked here; a variant's own rules and fields (the optional ones at the
-end, None for a variant that does not use them) are its registry entry's (engram_stream.variants):
-DESIGN.md 1 and 4 pin the two built-in variants' semantics.
+The common fields are checked here. A variant's own fields live in its config class, a frozen
+dataclass subclass of EngramConfig that its Variant names (Variant.config_class):
+EngramConfig(variant=name, ...) returns an instance of that class, so every constructor path
+(keywords, dataclasses.replace, from_dict, from_hf_config, pickle and copy) holds exactly the
+fields of its variant. Its rules are the Variant's validate_config, run after the common ones.
+DESIGN.md 1 and 4 pin the built-in variants' semantics.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import variants
+from .errors import ConfigFieldError
 from ._hash import MAX_KERNEL_SIZE, MAX_NGRAM  # include/engram_consts.h, their one source
 
 INT64_MAX = (1 << 63) - 1
@@ -59,17 +63,24 @@ class EngramConfig:
     hc_mult: int = 4
     vocab_size: int = 129280
     variant: str = variants.DEFAULT
-    # optional fields, each used by some variants (None for the others; deepseek-v4.1 uses the first
-    # four, qwen3.8-flash-next norm_eps and the last two): the gate's eps, the DEAD (image) token id,
-    # the table rows the checkpoint declares per layer and the compressed vocab it was trained with
-    # (both checked by HashPlan before serving), the multiple a table's rows are padded to, the
-    # parts a checkpoint splits a table into
-    norm_eps: float = None
-    image_token_id: int = None
-    num_embeddings: list = None
-    compressed_vocab_size: int = None
-    table_rows_multiple: int = None
-    table_parts: int = None
+
+    def __new__(cls, *args, **kwargs):
+        """An instance of the config class of the variant named (its Variant.config_class);
+        a field of another variant's class is refused, naming the variants that use it."""
+        if not args and not kwargs:   # copy and pickle: an empty instance of this very class
+            return object.__new__(cls)
+        given = dict(zip((f.name for f in dataclasses.fields(cls)), args))
+        given.update(kwargs)
+        target = config_class(given.get("variant", cls.__dataclass_fields__["variant"].default))
+        own = {f.name for f in dataclasses.fields(target)}
+        for name in set(given) - own:
+            users = [v.name for v in variants.variants() if name in variant_fields(v)]
+            if users:
+                raise ValueError(f"EngramConfig.{name} is a field of {' and '.join(map(repr, users))} "
+                                 f"(variant is {given.get('variant', target.variant)!r})")
+        if issubclass(target, cls):
+            return object.__new__(target)   # type.__call__ runs target's __init__ next
+        return target(*args, **kwargs)   # replace() of one variant's config by another's: built whole
 
     def __post_init__(self):
         put = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -121,18 +132,16 @@ class EngramConfig:
             raise ValueError(f"EngramConfig: a layer's primes (engram_vocab_size {evs} x {self.n_head_per_ngram} "
                              f"heads per order) sum to at least {least} table rows, past int64 ({MAX_TABLE_ROWS}): "
                              f"use smaller engram_vocab_size")
-        for name in optional_fields():
-            if name not in spec.config_fields and getattr(self, name) is not None:
-                users = [v.name for v in variants.variants() if name in v.config_fields]
-                raise ValueError(f"EngramConfig.{name} is a field of {' and '.join(map(repr, users))} "
-                                 f"(variant is {self.variant!r})")
+        if type(self) is not config_class(self.variant):  # a config class called past __new__'s check
+            raise TypeError(f"{type(self).__name__} holds no {self.variant!r} config: build it as "
+                            f"EngramConfig(variant={self.variant!r}, ...)")
         spec.validate_config(self, put)
 
     @classmethod
     def from_hf_config(cls, config, **overrides) -> "EngramConfig":
         """A config from a model's Hugging Face config.json (a path, a folder holding one, or the
-        parsed dict), read by the registered variant whose models it describes (deepseek-v4.1's
-        engram_* keys, qwen3.8-flash-next's ple_* keys)."""
+        parsed dict), read by the registered variant whose models it describes
+        (Variant.reads_hf_config: deepseek-v4.1's engram_* keys, qwen3.8-flash-next's ple_* keys)."""
         if isinstance(config, (str, os.PathLike)):
             path = os.fspath(config)
             if os.path.isdir(path):
@@ -141,12 +150,21 @@ class EngramConfig:
                 config = json.load(f)
         if not isinstance(config, dict):
             raise TypeError(f"from_hf_config expects a path or a dict, got {type(config).__name__}")
-        spec = next((v for v in variants.variants() if v.reads_hf_config and v.reads_hf_config(config)), None)
+        spec = next((v for v in variants.variants() if v.reads_hf_config(config)), None)
         if spec is None:
-            readers = [v.name for v in variants.variants() if v.reads_hf_config]
-            raise ValueError(f"config.json describes no Engram of a known variant (variants read from config.json: "
-                             f"{readers}; for deepseek-v4.1 its engram_* keys)")
+            readers = [v.name for v in variants.variants() if v.hf_config]
+            raise ValueError(f"config.json describes no Engram of a known variant (the variants read from "
+                             f"config.json: {readers}, each from its own keys)")
         return spec.from_hf_config(cls, config, overrides)
+
+    def __getattr__(self, name):
+        """Only for names a normal lookup does not find: a field of other variants' config
+        classes says so (ConfigFieldError, also a ValueError); any other name is AttributeError."""
+        users = [] if name.startswith("__") else [v.name for v in variants.variants() if name in variant_fields(v)]
+        if users:
+            raise ConfigFieldError(f"EngramConfig.{name} is a field of {' and '.join(map(repr, users))}, not of "
+                                   f"variant {self.variant!r}", name=name, obj=self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     # Derived geometry -------------------------------------------------------
     @property
@@ -171,13 +189,10 @@ class EngramConfig:
 
     # Serialization ------------------------------------------------------------
     def to_dict(self) -> dict:
-        """The fields this config's variant uses: the default variant's leaves out its name, and
-        every variant leaves out the optional fields it does not use, so a variant's files and
-        fingerprints do not change when another variant adds a field."""
+        """The fields of this config's variant (its config class holds no other): the default
+        variant's leaves out its name, so its files and fingerprints do not change when another
+        variant is added."""
         d = dataclasses.asdict(self)
-        for name in optional_fields():
-            if name not in variants.get(self.variant).config_fields:
-                del d[name]
         if self.variant == variants.DEFAULT:
             del d["variant"]
         return d
@@ -187,26 +202,36 @@ class EngramConfig:
 
     def to_hf_config(self) -> dict:
         """The Engram keys of a Hugging Face config.json, for a variant whose models have one."""
-        spec = variants.get(self.variant)
-        if spec.to_hf_config is None:
-            writers = [v.name for v in variants.variants() if v.to_hf_config]
-            raise ValueError(f"to_hf_config is for the variants {writers}, not {self.variant!r}")
-        return spec.to_hf_config(self)
+        return variants.get(self.variant).to_hf_config(self)
 
     @classmethod
     def from_dict(cls, d) -> "EngramConfig":
         if not isinstance(d, dict):
             raise TypeError(f"EngramConfig.from_dict expects a dict, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in dataclasses.fields(EngramConfig)}.union(
+            *(variant_fields(v) for v in variants.variants()))
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"EngramConfig: unknown fields {unknown}")
         return cls(**d)
 
 
-def optional_fields() -> tuple:
-    """The optional fields (default None): each is used by some variants only."""
-    return tuple(f.name for f in dataclasses.fields(EngramConfig) if f.default is None)
+def config_class(variant_name) -> type:
+    """The config class of a registered variant (EngramConfig for one without fields of its own);
+    an unknown name raises ValueError naming the known ones."""
+    cls = variants.get(variant_name).config_class or EngramConfig
+    if not (isinstance(cls, type) and issubclass(cls, EngramConfig) and dataclasses.is_dataclass(cls)):
+        raise TypeError(f"the config_class of variant {variant_name!r} must be a dataclass subclass of "
+                        f"EngramConfig, got {cls!r}")
+    return cls
+
+
+def variant_fields(variant) -> tuple:
+    """The fields a Variant's config class adds to EngramConfig's, in order."""
+    if not variant.config_class:
+        return ()
+    common = {f.name for f in dataclasses.fields(EngramConfig)}
+    return tuple(f.name for f in dataclasses.fields(variant.config_class) if f.name not in common)
 
 
 def min_chain_rows(cfg: EngramConfig, n_layers: int = 1) -> int:

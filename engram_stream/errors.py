@@ -38,3 +38,9 @@ class LayerError(EngramStreamError, KeyError):
 
     def __str__(self):
         return str(self.args[0]) if self.args else ""
+
+
+class ConfigFieldError(EngramStreamError, AttributeError, ValueError):
+    """A config field read on a config of a variant that does not have it (each variant's own
+    fields live in its config class): an AttributeError, so hasattr() says False, and a
+    ValueError naming the field and the variants that use it."""

@@ -5,11 +5,11 @@ Two hash paths, pinned bit-equal by the tests:
   hash        the fast path: compression and hashing in nogil Cython (_hash.pyx)
               with the C kernels the streaming engine shares.
 
-The variant's history rule (variants.Variant.history) says how a window treats older ids.
-"dead" (deepseek-v4.1, DESIGN.md 4): compression maps the DEAD token (image_token_id) and any
-negative (unknown) id to DEAD, and a DEAD entry, like a slot before the start, turns itself and
-every older entry of the window into pad (the latch). "separator" (qwen3.8-flash-next, DESIGN.md
-4b): a pad id (its EOS) ends a document; the positions after it read pad for it and everything older.
+What differs between variants comes from their Variant (engram_stream.variants): the multiplier
+draw, the table rows (padding), the raw id compressed to DEAD, the gate mask, the numpy oracle's
+windows (Variant.windows) and the fast path's history rule (Variant.history, one of the C
+kernels' rules: "plain", "dead" as deepseek-v4.1's latch, DESIGN.md 4; "separator" as
+qwen3.8-flash-next's EOS, DESIGN.md 4b). This file branches on none of them.
 """
 from __future__ import annotations
 
@@ -22,11 +22,10 @@ import numpy as np
 from . import _hash
 from .config import MAX_TABLE_ROWS, EngramConfig
 from .errors import LayerError
-from .variants import variant_of
+from .variants import variant_of, variants
 
 _HIST_CODES = {"plain": _hash.HIST_PLAIN, "dead": _hash.HIST_DEAD, "separator": _hash.HIST_SEP}
 
-PRIME_1 = 10007  # layer seed stride of the reference
 DEAD = -1  # a compressed window entry that blocks history (image token, unknown, before start)
 # Positions x layers below which plan.hash stays on one thread: a hand-off costs more than it
 # saves there (bench_hash's [8, 4096] x 2 layers, ~0.5 ms on one core, ran slower on two threads
@@ -170,10 +169,9 @@ class HashPlan:
         self.lookup = None if compression is None else validate_compression(compression, cfg.vocab_size)
         self.compressed_vocab = cfg.vocab_size if self.lookup is None else int(self.lookup.max()) + 1
         self.pad_id = cfg.pad_id if self.lookup is None else int(self.lookup[cfg.pad_id])
-        spec = variant_of(cfg)
+        spec = self.variant = variant_of(cfg)
         if multipliers is None:
-            draw = spec.draw_multipliers or draw_multipliers
-            self.multipliers = draw(cfg, self.compressed_vocab)
+            self.multipliers = spec.draw_multipliers(cfg, self.compressed_vocab)
         else:
             self.multipliers = validate_multipliers(cfg, multipliers)
         self.primes = prime_chain(cfg)
@@ -186,33 +184,19 @@ class HashPlan:
                             for L in cfg.layer_ids}
         self.offsets = {L: np.concatenate([[0], np.cumsum(p)[:-1]]).astype(np.int64)
                         for L, p in self.head_primes.items()}
-        self.table_rows = {L: int(p.sum()) for L, p in self.head_primes.items()}
-        if spec.table_rows is not None:  # rows past the primes' sum: padding no hash reaches
-            self.table_rows = {L: int(spec.table_rows(cfg, n)) for L, n in self.table_rows.items()}
+        # rows past the primes' sum (a variant's padding) are rows no hash reaches
+        self.table_rows = {L: int(spec.table_rows(cfg, int(p.sum()))) for L, p in self.head_primes.items()}
         # the division-free mod's constants, when the primes are small enough (else None)
         self.head_fp = {L: _hash.fp_moduli(p) for L, p in self.head_primes.items()}
         for arrays in (self.multipliers, self.head_primes, self.offsets, self.head_fp):  # shared read-only
             for L, a in arrays.items():
                 arrays[L] = None if a is None else frozen(a)
         self.lookup = None if self.lookup is None else frozen(self.lookup)
-        self.history = spec.history  # "plain", "dead" or "separator" (the module docstring)
-        self.latch = self.history == "dead"  # DEAD tokens and their latch
-        self.separator = self.history == "separator"  # the pad id ends a document
-        self.dead_id = cfg.image_token_id if self.latch else None  # raw id of a DEAD position
-        self._check_declared_sizes()
-
-    def _check_declared_sizes(self):
-        """Refuse to serve when the config's declared table rows or compressed vocab differ from
-        what this plan derives: every row would be silently rehashed."""
-        cfg = self.cfg
-        if cfg.num_embeddings is not None:
-            for L, want in zip(cfg.layer_ids, cfg.num_embeddings):
-                if self.table_rows[L] != want:
-                    raise ValueError(f"layer {L}: the primes sum to {self.table_rows[L]} table rows but the "
-                                     f"config declares engram_num_embeddings {want}")
-        if cfg.compressed_vocab_size is not None and self.compressed_vocab != cfg.compressed_vocab_size:
-            raise ValueError(f"the compression has {self.compressed_vocab} ids but the config declares "
-                             f"engram_compressed_vocab_size {cfg.compressed_vocab_size}")
+        self.history = spec.history  # the C windows' rule (variants.HISTORIES)
+        # what the engines read of the rule: the pad id ends a document
+        self.separator = self.history == "separator"
+        self.dead_id = spec.dead_id(cfg)  # raw id of a DEAD position, or None
+        spec.check_plan(self)
 
     def __repr__(self):
         return (f"HashPlan(layers={self.cfg.layer_ids}, heads={self.cfg.n_heads}, "
@@ -232,9 +216,9 @@ class HashPlan:
         return _hash.compress(a, self.lookup, self.cfg.vocab_size, self.dead_id)  # DEAD = -1
 
     def dead_mask(self, ids) -> np.ndarray:
-        """bool, same shape: the positions whose gate is 0 (id == image_token_id; none without a DEAD token)."""
+        """bool, same shape: the positions whose gate is 0 (the variant's Variant.dead_mask)."""
         a = as_ids(ids, np.ndim(ids))
-        return a == self.dead_id if self.latch else np.zeros(a.shape, bool)
+        return np.asarray(self.variant.dead_mask(self.cfg, a), bool).reshape(a.shape)
 
     def hash(self, ids, layers=None, out=None) -> dict:
         """{layer: int64[B, T, H]} head-local rows for raw ids[B, T] (fast path).
@@ -291,12 +275,7 @@ class HashPlan:
             x[pos] = self.lookup[x[pos]]
         B, T = x.shape
         n_max = self.cfg.max_ngram_size
-        if self.latch:
-            shifted = self._latched_windows(a, x)
-        elif self.separator:
-            shifted = self._separated_windows(x)
-        else:
-            shifted = [np.pad(x, ((0, 0), (k, 0)), constant_values=self.pad_id)[:, :T] for k in range(n_max)]
+        shifted = self.variant.windows(self.cfg, self.pad_id, a, x)
         out = {}
         with np.errstate(over="ignore"):
             for L in (self.cfg.layer_ids if layers is None else layers):
@@ -309,33 +288,6 @@ class HashPlan:
                 out[L] = np.stack(heads, axis=2) if heads else np.zeros((B, T, 0), np.int64)
         return out
 
-    def _latched_windows(self, raw, x):
-        """Windows with DEAD tokens, the V4.1 reference's expression: for shift s, blocked |= (pos < s) | DEAD(t-s);
-        a blocked shift reads pad."""
-        B, T = x.shape
-        dead = (raw < 0) | (raw == self.dead_id)
-        pos = np.arange(T)[None, :]
-        blocked = np.zeros((B, T), bool)
-        shifted = []
-        for s in range(self.cfg.max_ngram_size):
-            src = np.pad(x, ((0, 0), (s, 0)))[:, :T]
-            src_dead = np.pad(dead, ((0, 0), (s, 0)))[:, :T]
-            blocked = blocked | (pos < s) | src_dead
-            shifted.append(np.where(blocked, self.pad_id, src))
-        return shifted
-
-    def _separated_windows(self, x):
-        """Windows with a separator, transformers' _shift_right_ignore_eos: shift s of position p reads
-        id[p-s] unless a pad id is among ids[p-s .. p-1] or p-s < 0; then it reads pad."""
-        T = x.shape[1]
-        sep = x == self.pad_id
-        cut = np.zeros(x.shape, bool)
-        shifted = [x]
-        for s in range(1, self.cfg.max_ngram_size):
-            cut = cut | np.pad(sep, ((0, 0), (s, 0)), constant_values=True)[:, :T]  # id[p-s] is pad, or p-s < 0
-            shifted.append(np.where(cut, self.pad_id, np.pad(x, ((0, 0), (s, 0)))[:, :T]))
-        return shifted
-
     def hash_lookback(self, ids, lookback, layers=None, numpy=False) -> dict:
         """The stateless form (vLLM's lookback window): rows of ids[B, T] given the raw ids
         just before them, lookback[B, max_ngram-1] newest first, -1 where unknown (before the start:
@@ -345,23 +297,13 @@ class HashPlan:
         if lb.shape != (a.shape[0], self.cfg.max_ngram_size - 1):
             raise ValueError(f"lookback must have shape ({a.shape[0]}, {self.cfg.max_ngram_size - 1}), "
                              f"got {lb.shape}")
-        if not self.latch and (lb < 0).any():
-            raise ValueError("lookback: unknown (-1) entries need a config with a DEAD token (image_token_id, "
-                             "as deepseek-v4.1's)")
+        if self.dead_id is None and (lb < 0).any():
+            takers = [v.name for v in variants() if v.history == "dead"]
+            raise ValueError(f"lookback: unknown (-1) entries need a variant with a DEAD token ({takers}), "
+                             f"not {self.cfg.variant!r}")
         seq = np.concatenate([lb[:, ::-1], a], axis=1)
         rows = (self.hash_numpy if numpy else self.hash)(seq, layers=layers)
         return {L: np.ascontiguousarray(r[:, lb.shape[1]:]) for L, r in rows.items()}
-
-
-def draw_multipliers(cfg: EngramConfig, compressed_vocab: int) -> dict:
-    """The reference's draw: numpy default_rng(seed + 10007*layer), odd values."""
-    half = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
-    out = {}
-    for L in cfg.layer_ids:
-        r = np.random.default_rng(int(cfg.seed + PRIME_1 * L)).integers(
-            0, half, size=(cfg.max_ngram_size,), dtype=np.int64)
-        out[L] = r * 2 + 1
-    return out
 
 
 def validate_multipliers(cfg: EngramConfig, multipliers) -> dict:

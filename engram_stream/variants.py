@@ -1,102 +1,196 @@
-"""The variant registry: everything that differs between Engram modules, one entry a variant.
+"""The variant registry: everything that differs between Engram modules, one `Variant` a variant.
 
-A variant is one folder (engram_stream/demo, engram_stream/v41) whose variant.py builds its
-`Variant` and registers it here; EngramConfig, HashPlan, EngramModel and the CLI ask the
-registry (`get(name)`, `variant_of(cfg)`, `registered()`), never a variant's name. This module
-imports nothing of the package, so the config (below every variant) can ask it too. The
-package's __init__ imports the built-in variants' variant.py; another variant registers itself
-the same way (tests/contract/test_toy_variant.py does, from a test file).
+A variant is a subclass of `Variant` (below) with one instance registered here. EngramConfig,
+HashPlan, EngramModel and the CLI ask the registry (`get(name)`, `variant_of(cfg)`,
+`registered()`), never a variant's name. This module imports nothing of the package at import
+time, so the config (below every variant) can ask it too.
 
-Config (EngramConfig asks these):
-    config_fields    the optional EngramConfig fields this variant uses (None for every other)
-    validate_config  (cfg, put): the variant's own rules after the common ones; put(name, value)
-                     sets a field (defaults, normalized values)
-    reads_hf_config  (dict) -> bool: a Hugging Face config.json of this variant's models, or None
-    from_hf_config   (cls, dict, overrides) -> EngramConfig from such a config.json, or None
-    to_hf_config     (cfg) -> the config.json keys, or None
-    field_help       {field: text} of its own fields, for `engram-stream init --help`
-    example_config   a small config of this variant (dict of fields), for help texts and tests
-Weights and files:
-    weights          the class of one layer's weights (what the engine reads)
-    validate_layer   (cfg, plan, L, w): shapes and dtypes the engine relies on
-    init_layers      (cfg, plan, seed, graft_zero_init) -> {L: weights}, random
-    from_state_dict  (cfg, plan, L, state_dict) -> weights: the reference module's names
-    weight_dtypes    what with_weight_dtype accepts; with_weight_dtype (cfg, layers, name) -> layers
-    load / save      the checkpoint format: load(path, mmap, compression=None) -> (cfg, plan, layers);
-                     save(cfg, plan, layers, path, table_dtype, progress)
-    save_init        (cfg, path, seed, graft_zero_init, compression, table_dtype, progress, before_write)
-    table_dtypes     what save/save_init take as table_dtype (empty: the tables stay as they are)
-    is_checkpoint    (path) -> bool: a checkpoint of this variant's format
-    folder_checkpoint  a checkpoint is a folder (else one file)
-    folder_of        (path) -> the checkpoint folder file `path` is part of, or None
-    load_note        what load does besides mapping the tables, for the CLI's loading line
-                     (e.g. where the compression comes from), or "" for nothing
-    init_table_dtype the table dtype save_init writes when given no table_dtype
-Computing:
-    forward          (cfg, w, rows, dead, hidden) -> float32 delta: the numpy oracle
-    engine           the streaming engine class: engine(model, layer, n_streams)
-    describe         (cfg) -> str: the variant's own geometry, for `engram-stream inspect`
-    step_weights     (w) -> the weight matrix one step reads whole (`engram-stream bench`'s floor)
-Hashing (HashPlan asks these; the defaults are the demo's):
-    history          how a window treats the ids before a position: "plain" (before the start:
-                     pad), "dead" (deepseek-v4.1: the DEAD id cuts itself and every older id, its
-                     gate is 0), "separator" (qwen3.8-flash-next: the positions after a pad id
-                     read pad for it and every older id; no gate changes)
-    draw_multipliers (cfg, compressed_vocab) -> {L: int64[max_ngram]}, or None: the demo's draw
-    table_rows       (cfg, rows) -> the rows a layer's table holds given the sum of its primes
-                     (padding), or None: exactly that sum
+Registration has one path, `discover()`, which the package's __init__ runs once:
+  * built-in variants: every subpackage of engram_stream holding a `variant.py` (a package scan,
+    so no shared file lists the variant folders); importing it registers its Variant;
+  * third-party variants: the entry points of the group `engram_stream.variants` (ENTRY_POINTS)
+    in an installed distribution's metadata, e.g. in its pyproject.toml:
+        [project.entry-points."engram_stream.variants"]
+        my-variant = "my_package.variant:MyVariant"
+    The entry point names a Variant subclass (instantiated and registered), a Variant instance
+    (registered), or a module that registers its own on import.
+A test registers a variant of its own with `register` and takes it out with `unregister`.
+
+The hooks, grouped as EngramConfig, the model and HashPlan ask them; a method with a body here
+is a default (the demo's behaviour: plain history, the demo's multiplier draw, no Hugging Face
+config), an abstract one is what every variant must say.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Optional
+import abc
+import importlib
+import os
+import pkgutil
+import types
+import warnings
+
+import numpy as np
 
 DEFAULT = "demo-v1"   # EngramConfig's default variant: the public demo module
+ENTRY_POINTS = "engram_stream.variants"   # the entry-point group of third-party variants
+PRIME_1 = 10007   # the layer seed stride of the demo reference's multiplier draw
 
-
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    # config
-    config_fields: tuple
-    validate_config: Callable
-    example_config: dict
-    # weights and files
-    weights: type
-    validate_layer: Callable
-    init_layers: Callable
-    from_state_dict: Callable
-    weight_dtypes: tuple
-    with_weight_dtype: Callable
-    load: Callable
-    save: Callable
-    save_init: Callable
-    table_dtypes: tuple
-    is_checkpoint: Callable
-    folder_checkpoint: bool
-    folder_of: Callable
-    # computing
-    forward: Callable
-    engine: type
-    describe: Callable
-    step_weights: Callable
-    # optional
-    reads_hf_config: Optional[Callable] = None
-    from_hf_config: Optional[Callable] = None
-    to_hf_config: Optional[Callable] = None
-    field_help: dict = field(default_factory=dict)
-    history: str = "plain"
-    draw_multipliers: Optional[Callable] = None
-    table_rows: Optional[Callable] = None
-    load_note: str = ""
-    init_table_dtype: str = "float32"
-
-    def __post_init__(self):
-        if self.history not in HISTORIES:
-            raise ValueError(f"Variant.history must be one of {HISTORIES}, got {self.history!r}")
-
-
+# How a hash window treats the ids before a position (HashPlan.history, _hash's HIST_* codes):
+# "plain" (before the start: pad), "dead" (a DEAD id cuts itself and every older id; its gate
+# is 0), "separator" (the positions after a pad id read pad for it and every older id).
 HISTORIES = ("plain", "dead", "separator")
+
+
+class Variant(abc.ABC):
+    """One Engram variant: its config rule and fields, weights, files, oracle, engine and hash."""
+
+    # ---- identity and config ----------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """The registry name (EngramConfig.variant)."""
+
+    @property
+    @abc.abstractmethod
+    def example_config(self) -> dict:
+        """A small config of this variant (dict of fields), for help texts and tests."""
+
+    # The EngramConfig subclass (a frozen dataclass) holding this variant's own fields, or None:
+    # EngramConfig itself. EngramConfig(variant=name, ...) builds an instance of it.
+    config_class = None
+    field_help: dict = {}   # {field: text} of its own fields, for `engram-stream init --help`
+    # Config fields that are checks, not semantics (sizes a checkpoint declares): left out of
+    # a snapshot's fingerprint, so a model saved and loaded again takes its own snapshots.
+    declared_fields: tuple = ()
+
+    def validate_config(self, cfg, put):
+        """The variant's own rules after EngramConfig's common ones; put(name, value) sets a
+        field (defaults, normalized values)."""
+
+    # A Hugging Face config.json describes this variant's models (the three hooks below).
+    hf_config = False
+
+    def reads_hf_config(self, d) -> bool:
+        """Whether the parsed config.json `d` describes one of this variant's models."""
+        return False
+
+    def from_hf_config(self, cls, d, overrides):
+        """An EngramConfig from such a config.json (cls: the class from_hf_config was called on)."""
+        raise ValueError(f"{self.name} models have no Hugging Face config.json to read")
+
+    def to_hf_config(self, cfg) -> dict:
+        """The config.json keys of cfg."""
+        writers = [v.name for v in variants() if v.hf_config]
+        raise ValueError(f"to_hf_config is for the variants {writers}, not {self.name!r}")
+
+    # ---- weights and files --------------------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def weights(self) -> type:
+        """The class of one layer's weights (what the engine reads)."""
+
+    weight_dtypes: tuple = ("float32",)   # what with_weight_dtype accepts
+    table_dtypes: tuple = ()   # what save/save_init take as table_dtype (empty: tables stay as they are)
+    folder_checkpoint = False   # a checkpoint is a folder (else one file)
+    load_note = ""   # what load does besides mapping the tables, for the CLI's loading line
+    init_table_dtype = "float32"   # the table dtype save_init writes when given no table_dtype
+
+    @abc.abstractmethod
+    def validate_layer(self, cfg, plan, L, w):
+        """Shapes and dtypes of one layer's weights that the engine relies on."""
+
+    @abc.abstractmethod
+    def init_layers(self, cfg, plan, seed, graft_zero_init) -> dict:
+        """{L: weights}, random."""
+
+    @abc.abstractmethod
+    def from_state_dict(self, cfg, plan, L, state_dict):
+        """One layer's weights from the reference module's state_dict (its names)."""
+
+    def with_weight_dtype(self, cfg, layers, name) -> dict:
+        """The layers with projection weights held as `name` (one of weight_dtypes)."""
+        return layers   # one held dtype: nothing to convert
+
+    @abc.abstractmethod
+    def load(self, path, mmap=True, compression=None):
+        """(cfg, plan, layers) of a checkpoint of this variant's format."""
+
+    @abc.abstractmethod
+    def save(self, cfg, plan, layers, path, table_dtype=None, progress=None):
+        """Write a checkpoint; returns its path."""
+
+    @abc.abstractmethod
+    def save_init(self, cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None,
+                  progress=None, before_write=None):
+        """Write a checkpoint of random weights, tables in pieces (flat memory)."""
+
+    @abc.abstractmethod
+    def is_checkpoint(self, path) -> bool:
+        """Whether `path` is a checkpoint of this variant's format."""
+
+    def folder_of(self, path):
+        """The checkpoint folder the file `path` is part of, or None."""
+        return None
+
+    # ---- computing ----------------------------------------------------------------------------
+    @abc.abstractmethod
+    def forward(self, cfg, w, rows, dead, hidden):
+        """The numpy oracle: float32 delta of one layer for rows [B, T, H], dead bool[B, T]
+        (dead_mask), hidden [B, T, G, D]."""
+
+    @property
+    @abc.abstractmethod
+    def engine(self) -> type:
+        """The streaming engine class: engine(model, layer, n_streams, rows=None)."""
+
+    @abc.abstractmethod
+    def describe(self, cfg) -> str:
+        """The variant's own geometry, for `engram-stream inspect`."""
+
+    @abc.abstractmethod
+    def step_weights(self, w):
+        """The weight matrix one step reads whole (`engram-stream bench`'s floor)."""
+
+    def sample_ids(self, cfg, rng, size) -> np.ndarray:
+        """Random token ids for demos and benches: uniform in the vocab (a variant with special
+        ids sprinkles them in)."""
+        return rng.integers(0, cfg.vocab_size, size=size)
+
+    # ---- hashing (HashPlan asks these; the defaults are the demo's) --------------------------
+    history = "plain"   # one of HISTORIES: the C windows' rule (HashPlan.history)
+
+    def draw_multipliers(self, cfg, compressed_vocab) -> dict:
+        """{L: int64[max_ngram]}: the demo reference's draw, numpy default_rng(seed + 10007*layer),
+        odd values below INT64_MAX // compressed_vocab."""
+        half = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
+        out = {}
+        for L in cfg.layer_ids:
+            r = np.random.default_rng(int(cfg.seed + PRIME_1 * L)).integers(
+                0, half, size=(cfg.max_ngram_size,), dtype=np.int64)
+            out[L] = r * 2 + 1
+        return out
+
+    def table_rows(self, cfg, rows: int) -> int:
+        """The rows a layer's table holds given the sum of its primes (padding): that sum."""
+        return rows
+
+    def dead_id(self, cfg):
+        """The raw id whose positions are DEAD (gate 0, history cut), or None."""
+        return None
+
+    def dead_mask(self, cfg, ids) -> np.ndarray:
+        """bool, same shape as ids: the positions whose gate is 0 (none by default)."""
+        return np.zeros(np.shape(ids), bool)
+
+    def windows(self, cfg, pad_id, raw, x) -> list:
+        """The numpy oracle's hash windows: for shift s = 0..max_ngram-1, int64[B, T] of the
+        (compressed) id s positions back, `pad_id` before the start. raw: the ids as given;
+        x: compressed (negative ids passed through)."""
+        T = x.shape[1]
+        return [np.pad(x, ((0, 0), (s, 0)), constant_values=pad_id)[:, :T] for s in range(cfg.max_ngram_size)]
+
+    def check_plan(self, plan):
+        """Refuse a plan that disagrees with what the config declares (nothing by default)."""
 
 
 _REGISTRY: dict = {}
@@ -105,7 +199,9 @@ _REGISTRY: dict = {}
 def register(variant: Variant) -> Variant:
     """Add a variant (its name must be new); returns it."""
     if not isinstance(variant, Variant):
-        raise TypeError(f"register takes a Variant, got {type(variant).__name__}")
+        raise TypeError(f"register takes a Variant instance, got {type(variant).__name__}")
+    if variant.history not in HISTORIES:
+        raise ValueError(f"{type(variant).__name__}.history must be one of {HISTORIES}, got {variant.history!r}")
     if variant.name in _REGISTRY and _REGISTRY[variant.name] is not variant:
         raise ValueError(f"a variant named {variant.name!r} is registered already")
     _REGISTRY[variant.name] = variant
@@ -139,3 +235,45 @@ def variant_of(cfg) -> Variant:
     """The registry entry of cfg.variant."""
     return get(cfg.variant)
 
+
+def builtin_modules(package: str = __package__) -> list:
+    """The `variant` modules of `package`'s subpackages, by folder name: found from the files
+    alone (no subpackage is imported to look)."""
+    pkg = importlib.import_module(package)
+    found = []
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.ispkg and os.path.isfile(os.path.join(info.module_finder.path, info.name, "variant.py")):
+            found.append(f"{package}.{info.name}.variant")
+    return sorted(found)
+
+
+def _entry_points():
+    from importlib.metadata import entry_points
+    return entry_points(group=ENTRY_POINTS)
+
+
+def load_entry_point(ep):
+    """Register what one entry point names: a Variant subclass (one instance of it), a Variant
+    instance, or a module that registered its own on import."""
+    obj = ep.load()
+    if isinstance(obj, type) and issubclass(obj, Variant):
+        register(obj())
+    elif isinstance(obj, Variant):
+        register(obj)
+    elif not isinstance(obj, types.ModuleType):
+        raise TypeError(f"entry point {ep.name} = {ep.value!r} ({ENTRY_POINTS}) names a "
+                        f"{type(obj).__name__}: it must name a Variant subclass, instance or module")
+
+
+def discover(package: str = __package__):
+    """Register the built-in variants (the package scan) and then the installed distributions'
+    (the entry points). A third-party variant that fails to load is a warning naming it, not a
+    package that fails to import."""
+    for module in builtin_modules(package):
+        importlib.import_module(module)
+    for ep in _entry_points():
+        try:
+            load_entry_point(ep)
+        except Exception as e:  # noqa: BLE001  any error of someone else's code: reported, skipped
+            warnings.warn(f"engram_stream: the variant entry point {ep.name} = {ep.value!r} failed to load "
+                          f"({type(e).__name__}: {e}); it is not registered", RuntimeWarning, stacklevel=2)

@@ -358,8 +358,8 @@ def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
     window), and for V4.1 image (DEAD) tokens, for Qwen EOS tokens, also at the start and in runs."""
     cfg = model.cfg
     ids = rng.integers(0, cfg.vocab_size, shape).astype(np.int64)
-    if cfg.image_token_id is not None:
-        ids[rng.random(shape) < p_dead] = cfg.image_token_id
+    if model.plan.dead_id is not None:
+        ids[rng.random(shape) < p_dead] = model.plan.dead_id
     ids[rng.random(shape) < p_neg] = -rng.integers(1, 5)
     from engram_stream import variants
     if variants.variant_of(cfg).history == "separator":  # Qwen: EOS ends a document, also at the start and in runs

@@ -27,6 +27,7 @@ from ..io.files import check_file
 from ..io.safetensors import CODES, SafetensorsFile, Tensor
 from ..config import min_chain_rows
 from ..plan import HashPlan
+from ..variants import variant_of
 from .weights import TABLE_DTYPES, LayerWeights, init_layers
 
 FORMAT, FORMAT_VERSION = "engram_stream", "1"
@@ -331,6 +332,10 @@ def _layer(cfg, plan, L, r, err):
         get(name + "weight", out=proj_w[i * D:(i + 1) * D])
         get(name + "bias", out=proj_b[i * D:(i + 1) * D])
     stack = lambda norm: np.stack([get(p + f"{norm}.{g}.weight") for g in range(G)])  # noqa: E731
-    return LayerWeights(cfg, offsets, table, proj_w, proj_b, stack("norm1"), stack("norm2"),
-                        stack("short_conv.norms"), get(p + "short_conv.conv.weight").reshape(G * D, cfg.kernel_size),
-                        table_scale=scale)
+    # the file holds the demo's arrays: built as the config's variant's class when that class is
+    # those arrays (LayerWeights.holds_demo_arrays), else as LayerWeights for its validate_layer to judge
+    cls = variant_of(cfg).weights
+    cls = cls if isinstance(cls, type) and issubclass(cls, LayerWeights) and cls.holds_demo_arrays() else LayerWeights
+    return cls(cfg, offsets, table, proj_w, proj_b, stack("norm1"), stack("norm2"),
+               stack("short_conv.norms"), get(p + "short_conv.conv.weight").reshape(G * D, cfg.kernel_size),
+               table_scale=scale)

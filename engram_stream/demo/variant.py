@@ -1,36 +1,61 @@
-"""The demo variant's registry entry (the public engram_demo_v1 module): one checkpoint file,
-float32/float16/int8 tables, float32 or bf16 projection weights, the ShortConv tail."""
+"""The demo variant (the public engram_demo_v1 module): one checkpoint file, float32/float16/int8
+tables, float32 or bf16 projection weights, the ShortConv tail; the hash hooks are Variant's
+defaults (plain history, the reference's multiplier draw, tables of exactly the primes' rows)."""
 import os
 
 from .. import variants
 from . import checkpoint, reference, weights
 from ._engine import StreamEngine
+from .weights import WEIGHT_DTYPES, LayerWeights
 
 DEMO = variants.DEFAULT   # "demo-v1": EngramConfig's default variant
 
 
-def _save_init(cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None, progress=None,
-               before_write=None):
-    return checkpoint.save_init(cfg, path, seed, graft_zero_init, compression, table_dtype, progress, before_write)
+class DemoVariant(variants.Variant):
+    name = DEMO
+    example_config = {"engram_vocab_size": [20011, 20011], "hidden_size": 256, "n_embed_per_ngram": 128,
+                      "n_head_per_ngram": 4, "vocab_size": 32000}
+    weights = LayerWeights
+    weight_dtypes = WEIGHT_DTYPES
+    table_dtypes = ("float32", "float16", "int8")
+    engine = StreamEngine
+
+    def validate_layer(self, cfg, plan, L, w):
+        weights.validate_layer(cfg, plan, L, w)
+
+    def init_layers(self, cfg, plan, seed, graft_zero_init):
+        return weights.init_layers(cfg, plan, seed, graft_zero_init)
+
+    def from_state_dict(self, cfg, plan, L, state_dict):
+        return weights.layer_from_state_dict(cfg, plan, L, state_dict)
+
+    def with_weight_dtype(self, cfg, layers, name):
+        return weights.with_weight_dtype(cfg, layers, name)
+
+    def load(self, path, mmap=True, compression=None):
+        if compression is not None:
+            raise ValueError(f"a {self.name} checkpoint holds its compression: load it without one")
+        return checkpoint.load(path, mmap)
+
+    def save(self, cfg, plan, layers, path, table_dtype=None, progress=None):
+        return checkpoint.save(cfg, plan, layers, path, table_dtype=table_dtype, progress=progress)
+
+    def save_init(self, cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None,
+                  progress=None, before_write=None):
+        return checkpoint.save_init(cfg, path, seed, graft_zero_init, compression, table_dtype, progress,
+                                    before_write)
+
+    def is_checkpoint(self, path):
+        return not os.path.isdir(path)
+
+    def forward(self, cfg, w, rows, dead, hidden):
+        return reference.forward(cfg, rows, w, hidden)
+
+    def describe(self, cfg):
+        return f"conv {cfg.kernel_size} taps x dilation {cfg.max_ngram_size}"
+
+    def step_weights(self, w):
+        return w.proj_w
 
 
-def _load(path, mmap=True, compression=None):
-    if compression is not None:
-        raise ValueError("a demo-v1 checkpoint holds its compression: load it without one")
-    return checkpoint.load(path, mmap)
-
-
-VARIANT = variants.register(variants.Variant(
-    name=DEMO, config_fields=(), validate_config=lambda cfg, put: None,
-    example_config={"engram_vocab_size": [20011, 20011], "hidden_size": 256, "n_embed_per_ngram": 128,
-                    "n_head_per_ngram": 4, "vocab_size": 32000},
-    weights=weights.LayerWeights, validate_layer=weights.validate_layer,
-    init_layers=lambda cfg, plan, seed, zero: weights.init_layers(cfg, plan, seed, zero),
-    from_state_dict=weights.layer_from_state_dict,
-    weight_dtypes=weights.WEIGHT_DTYPES, with_weight_dtype=weights.with_weight_dtype,
-    load=_load, save=checkpoint.save, save_init=_save_init, table_dtypes=("float32", "float16", "int8"),
-    is_checkpoint=lambda path: not os.path.isdir(path), folder_checkpoint=False, folder_of=lambda path: None,
-    forward=lambda cfg, w, rows, dead, hidden: reference.forward(cfg, rows, w, hidden),
-    engine=StreamEngine,
-    describe=lambda cfg: f"conv {cfg.kernel_size} taps x dilation {cfg.max_ngram_size}",
-    step_weights=lambda w: w.proj_w))
+VARIANT = variants.register(DemoVariant())

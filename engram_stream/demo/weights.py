@@ -114,7 +114,15 @@ class LayerWeights:
         unknown = sorted(set(arrays) - set(self.ARRAYS))
         if unknown:
             raise TypeError(f"LayerWeights.replace: unknown arrays {unknown} (known: {self.ARRAYS})")
-        return LayerWeights(cfg, **{n: arrays.get(n, getattr(self, n)) for n in self.ARRAYS})
+        cls = type(self) if type(self).holds_demo_arrays() else LayerWeights
+        return cls(cfg, **{n: arrays.get(n, getattr(self, n)) for n in self.ARRAYS})
+
+    @classmethod
+    def holds_demo_arrays(cls) -> bool:
+        """Whether the class is built from exactly the demo's arrays (LayerWeights' constructor):
+        a variant's weights class that only adds rules of its own (an init, a description) is,
+        so a demo-format file and replace() build it; one with arrays of its own is not."""
+        return cls.__init__ is LayerWeights.__init__
 
     def file_arrays(self) -> tuple:
         """The arrays that may be views of a mapped file (checked before they are read)."""

@@ -75,12 +75,14 @@ class DecoderSnapshot(Mapping):
 def fingerprint(cfg, layer, n_streams, mult, lookup) -> tuple:
     """What a snapshot must match to be restored: (layer, the config's semantics as JSON,
     stream count, multipliers, lookup digest). The sizes a checkpoint declares (checks, not
-    semantics: a V4.1 save adds them) are left out, so a model saved and loaded again takes
-    its own snapshots."""
+    semantics: the variant's Variant.declared_fields, which its save adds) are left out, so a
+    model saved and loaded again takes its own snapshots."""
     import hashlib
     import json
+
+    from ..variants import variant_of
     d = cfg.to_dict()
-    for k in ("num_embeddings", "compressed_vocab_size"):
+    for k in variant_of(cfg).declared_fields:
         d.pop(k, None)
     return (layer, json.dumps(d, sort_keys=True), n_streams, np.asarray(mult).tobytes(),
             None if lookup is None else hashlib.sha1(np.asarray(lookup).tobytes()).hexdigest())

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import _int
+from ..config import EngramConfig, _int
 
 QWEN = "qwen3.8-flash-next"
-FIELDS = ("norm_eps", "table_rows_multiple", "table_parts")
 # transformers' Qwen4ExpTextConfig defaults, for keys a config.json leaves out
 HF_DEFAULTS = {"vocab_size": 248320, "hidden_size": 2048, "rms_norm_eps": 1e-6, "hc_count": 4,
                "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 8,
@@ -36,6 +36,7 @@ _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 
 FIELD_HELP = {
+    "norm_eps": f"{QWEN}: eps of every norm of the PLE layer (rms_norm_eps; null: 1e-6)",
     "table_rows_multiple": f"{QWEN}: a layer's table rows are padded up to a multiple of this "
                            "(make_ngram_vocab_size_divisible_by; null: 128)",
     "table_parts": f"{QWEN}: the shards a checkpoint splits each table into (split_ngram_parts; null: 512)",
@@ -43,6 +44,18 @@ FIELD_HELP = {
 EXAMPLE = {"variant": QWEN, "engram_vocab_size": [211, 211], "max_ngram_size": 3, "n_embed_per_ngram": 32,
            "n_head_per_ngram": 2, "layer_ids": [2, 5], "pad_id": 299, "seed": 1234, "hidden_size": 48,
            "hc_mult": 4, "vocab_size": 300, "norm_eps": 1e-6, "table_rows_multiple": 128, "table_parts": 4}
+
+
+@dataclass(frozen=True)
+class QwenConfig(EngramConfig):
+    """EngramConfig(variant="qwen3.8-flash-next", ...): the common fields and Qwen's own: the eps
+    of every norm of the PLE layer, the multiple a table's rows are padded to, the parts a
+    checkpoint splits a table into (None: transformers' defaults, DEFAULTS)."""
+
+    variant: str = QWEN
+    norm_eps: float = None
+    table_rows_multiple: int = None
+    table_parts: int = None
 
 
 def validate(cfg, put):

@@ -1,44 +1,107 @@
-"""The qwen3.8-flash-next variant's registry entry (DESIGN.md 4b): the demo module's computation
-with Qwen's weights, eps, hash (raw ids, SplitMix64 multipliers, padded tables) and history (an
-EOS ends a document). The demo's StreamEngine serves it: the weights carry the eps and the plan
-the history rule, so no engine code is Qwen's own."""
+"""The qwen3.8-flash-next variant (DESIGN.md 4b): the demo module's computation with Qwen's
+weights, eps, hash (raw ids, SplitMix64 multipliers, padded tables) and history (an EOS ends a
+document). The demo's StreamEngine serves it: the weights carry the eps and the plan the
+history rule, so no engine code is Qwen's own."""
+import numpy as np
+
 from .. import variants
 from ..demo._engine import StreamEngine
 from ..demo.weights import with_weight_dtype
 from ..plan import HashPlan
 from . import config, hf, reference, weights
+from .weights import PLEWeights
 
 
-def _load(path, mmap=True, compression=None):
-    if compression is not None:
-        raise ValueError(f"{config.QWEN} hashes raw token ids: load it without a compression")
-    return hf.load(path, mmap=mmap)
+class QwenVariant(variants.Variant):
+    name = config.QWEN
+    example_config = config.EXAMPLE
+    config_class = config.QwenConfig
+    field_help = config.FIELD_HELP
+    hf_config = True
+    weights = PLEWeights
+    weight_dtypes = ("float32", "bfloat16")
+    table_dtypes = ("float32", "bfloat16")
+    folder_checkpoint = True
+    load_note = "raw token ids: no compression, no tokenizer read"
+    engine = StreamEngine
+    history = "separator"
+
+    # config
+    def validate_config(self, cfg, put):
+        config.validate(cfg, put)
+
+    def reads_hf_config(self, d):
+        return config.reads_hf_config(d)
+
+    def from_hf_config(self, cls, d, overrides):
+        return config.from_hf_config(cls, d, overrides)
+
+    def to_hf_config(self, cfg):
+        return config.to_hf_config(cfg)
+
+    # weights and files
+    def validate_layer(self, cfg, plan, L, w):
+        weights.validate_layer(cfg, plan, L, w)
+
+    def init_layers(self, cfg, plan, seed, graft_zero_init):
+        return weights.init_layers(cfg, plan, seed, graft_zero_init)
+
+    def from_state_dict(self, cfg, plan, L, state_dict):
+        return weights.layer_from_state_dict(cfg, plan, L, state_dict)
+
+    def with_weight_dtype(self, cfg, layers, name):
+        return with_weight_dtype(cfg, layers, name)
+
+    def load(self, path, mmap=True, compression=None):
+        if compression is not None:
+            raise ValueError(f"{self.name} hashes raw token ids: load it without a compression")
+        return hf.load(path, mmap=mmap)
+
+    def save(self, cfg, plan, layers, path, table_dtype=None, progress=None):
+        return hf.save(cfg, plan, layers, path, table_dtype=table_dtype, progress=progress)
+
+    def save_init(self, cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None,
+                  progress=None, before_write=None):
+        if compression is not None:
+            raise ValueError(f"{self.name} hashes raw token ids: it takes no compression")
+        plan = HashPlan(cfg)
+        return hf.save(cfg, plan, weights.init_layers(cfg, plan, seed, graft_zero_init, hold_tables=False), path,
+                       table_dtype=table_dtype, progress=progress, before_write=before_write)
+
+    def is_checkpoint(self, path):
+        return hf.is_checkpoint(path)
+
+    def folder_of(self, path):
+        return hf.folder_of(path)
+
+    # computing
+    def forward(self, cfg, w, rows, dead, hidden):
+        return reference.forward(cfg, rows, w, hidden)
+
+    def describe(self, cfg):
+        return config.describe(cfg)
+
+    def step_weights(self, w):
+        return w.proj_w
+
+    # hashing: SplitMix64 multipliers, padded tables, the EOS (pad id) separator
+    def draw_multipliers(self, cfg, compressed_vocab):
+        return config.draw_multipliers(cfg, compressed_vocab)
+
+    def table_rows(self, cfg, rows):
+        return config.table_rows(cfg, rows)
+
+    def windows(self, cfg, pad_id, raw, x):
+        """transformers' _shift_right_ignore_eos: shift s of position p reads id[p-s] unless a pad
+        id is among ids[p-s .. p-1] or p-s < 0; then it reads pad."""
+        T = x.shape[1]
+        sep = x == pad_id
+        cut = np.zeros(x.shape, bool)
+        shifted = [x]
+        for s in range(1, cfg.max_ngram_size):
+            cut = cut | np.pad(sep, ((0, 0), (s, 0)), constant_values=True)[:, :T]  # id[p-s] is pad, or p-s < 0
+            shifted.append(np.where(cut, pad_id, np.pad(x, ((0, 0), (s, 0)))[:, :T]))
+        return shifted
 
 
-def _save(cfg, plan, layers, path, table_dtype=None, progress=None):
-    return hf.save(cfg, plan, layers, path, table_dtype=table_dtype, progress=progress)
-
-
-def _save_init(cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None, progress=None,
-               before_write=None):
-    if compression is not None:
-        raise ValueError(f"{config.QWEN} hashes raw token ids: it takes no compression")
-    plan = HashPlan(cfg)
-    return hf.save(cfg, plan, weights.init_layers(cfg, plan, seed, graft_zero_init, hold_tables=False), path,
-                   table_dtype=table_dtype, progress=progress, before_write=before_write)
-
-
-VARIANT = variants.register(variants.Variant(
-    name=config.QWEN, config_fields=config.FIELDS, validate_config=config.validate,
-    example_config=config.EXAMPLE, field_help=config.FIELD_HELP,
-    reads_hf_config=config.reads_hf_config, from_hf_config=config.from_hf_config, to_hf_config=config.to_hf_config,
-    weights=weights.PLEWeights, validate_layer=weights.validate_layer,
-    init_layers=lambda cfg, plan, seed, zero: weights.init_layers(cfg, plan, seed, zero),
-    from_state_dict=weights.layer_from_state_dict,
-    weight_dtypes=("float32", "bfloat16"), with_weight_dtype=with_weight_dtype,
-    load=_load, save=_save, save_init=_save_init, table_dtypes=("float32", "bfloat16"),
-    is_checkpoint=hf.is_checkpoint, folder_checkpoint=True, folder_of=hf.folder_of,
-    forward=lambda cfg, w, rows, dead, hidden: reference.forward(cfg, rows, w, hidden),
-    engine=StreamEngine, describe=config.describe, step_weights=lambda w: w.proj_w,
-    history="separator", draw_multipliers=config.draw_multipliers, table_rows=config.table_rows,
-    load_note="raw token ids: no compression, no tokenizer read"))
+VARIANT = variants.register(QwenVariant())

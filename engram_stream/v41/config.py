@@ -1,16 +1,16 @@
-"""The deepseek-v4.1 variant's config rules (DESIGN.md 4): its fields' defaults and checks, and
-its Hugging Face config.json (read and written). EngramConfig asks them through the registry."""
+"""The deepseek-v4.1 variant's config (DESIGN.md 4): V41Config, its fields; their defaults and
+checks; its Hugging Face config.json (read and written). EngramConfig asks them through the registry."""
 from __future__ import annotations
 
 import json
 import math
 import numbers
+from dataclasses import dataclass
 
-from ..config import _int, _int_list
+from ..config import EngramConfig, _int, _int_list
 
 V41 = "deepseek-v4.1"
 V41_BLOCK = 32  # one float8 scale per 32 values (rows, activations) / 32x32 weight block
-FIELDS = ("norm_eps", "image_token_id", "num_embeddings", "compressed_vocab_size")
 DEFAULTS = {"norm_eps": 1e-20, "image_token_id": 129264}  # DeepSeek-V4.1-Flash config.json
 _UNSET = object()  # a config.json key that is absent (None: present, JSON null)
 
@@ -22,6 +22,19 @@ FIELD_HELP = {
 }
 EXAMPLE = {"variant": V41, "engram_vocab_size": [211, 211, 211], "max_ngram_size": 4, "n_embed_per_ngram": 64,
            "n_head_per_ngram": 2, "hidden_size": 64, "vocab_size": 300, "image_token_id": 299}
+
+
+@dataclass(frozen=True)
+class V41Config(EngramConfig):
+    """EngramConfig(variant="deepseek-v4.1", ...): the common fields and V4.1's own: the gate's
+    eps, the DEAD (image) token id, and the table rows per layer and compressed vocab a
+    checkpoint declares (None: not declared; HashPlan checks them before serving)."""
+
+    variant: str = V41
+    norm_eps: float = None
+    image_token_id: int = None
+    num_embeddings: list = None
+    compressed_vocab_size: int = None
 
 
 def validate(cfg, put):

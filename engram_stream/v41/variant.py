@@ -1,51 +1,19 @@
-"""The deepseek-v4.1 variant's registry entry: Hugging Face folders of float8 shards, the wkv
-projection and the q/k gate, DEAD tokens (config.py holds its config rules)."""
+"""The deepseek-v4.1 variant: Hugging Face folders of float8 shards, the wkv projection and the
+q/k gate, DEAD tokens and their latch in the hash windows (config.py holds its config rules)."""
+import json
 import os
+
+import numpy as np
 
 from .. import variants
 from ..plan import HashPlan
 from . import config, hf, reference, weights
 from ._engine import V41StreamEngine
-
-
-def _no_table_dtype(table_dtype):
-    if table_dtype is not None:
-        raise ValueError(f"table_dtype={table_dtype!r}: a {config.V41} checkpoint keeps its float8 tables")
-
-
-def _save(cfg, plan, layers, path, table_dtype=None, progress=None):
-    _no_table_dtype(table_dtype)
-    return hf.save(cfg, plan, layers, path, progress=progress)
-
-
-def _save_init(cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None, progress=None,
-               before_write=None):
-    _no_table_dtype(table_dtype)
-    plan = HashPlan(cfg, compression=compression)
-    return hf.save(cfg, plan, weights.init_layers(cfg, plan, seed, graft_zero_init), path,
-                   progress=progress, before_write=before_write)
-
-
-def _is_checkpoint(path):
-    """A folder, unless its config.json describes another variant's models (a Qwen folder): a
-    folder without one is still V4.1's to refuse with its own message."""
-    if not os.path.isdir(path):
-        return False
-    d = hf_config_of(path)
-    if d is None or config.reads_hf_config(d):
-        return True
-    return not any(v.reads_hf_config and v.reads_hf_config(d) for v in variants.variants() if v.name != config.V41)
-
-
-def _folder_of(path):
-    """The V4.1 folder a file belongs to (hf.folder_of), not another variant's folder."""
-    folder = hf.folder_of(path)
-    return folder if folder is not None and _is_checkpoint(folder) else None
+from .weights import V41LayerWeights
 
 
 def hf_config_of(folder):
     """The parsed config.json of a folder, or None (absent, not JSON, not an object)."""
-    import json
     try:
         with open(os.path.join(folder, "config.json"), "rb") as f:
             d = json.loads(f.read(1 << 20))
@@ -54,22 +22,127 @@ def hf_config_of(folder):
     return d if isinstance(d, dict) else None
 
 
-def _with_weight_dtype(cfg, layers, name):
-    return layers   # weight_dtypes has only the float8 it holds
+class V41Variant(variants.Variant):
+    name = config.V41
+    example_config = config.EXAMPLE
+    config_class = config.V41Config
+    field_help = config.FIELD_HELP
+    declared_fields = ("num_embeddings", "compressed_vocab_size")
+    hf_config = True
+    weights = V41LayerWeights
+    weight_dtypes = ("float8_e4m3fn",)   # with_weight_dtype keeps the float8 it holds
+    folder_checkpoint = True
+    init_table_dtype = "float8_e4m3fn"
+    load_note = "the compression: built from tokenizer.json the first time, then read from the user's cache"
+    engine = V41StreamEngine
+    history = "dead"
+
+    # config
+    def validate_config(self, cfg, put):
+        config.validate(cfg, put)
+
+    def reads_hf_config(self, d):
+        return config.reads_hf_config(d)
+
+    def from_hf_config(self, cls, d, overrides):
+        return config.from_hf_config(cls, d, overrides)
+
+    def to_hf_config(self, cfg):
+        return config.to_hf_config(cfg)
+
+    # weights and files
+    def validate_layer(self, cfg, plan, L, w):
+        weights.validate_layer(cfg, plan, L, w)
+
+    def init_layers(self, cfg, plan, seed, graft_zero_init):
+        return weights.init_layers(cfg, plan, seed, graft_zero_init)
+
+    def from_state_dict(self, cfg, plan, L, state_dict):
+        return weights.layer_from_state_dict(cfg, plan, L, state_dict)
+
+    def load(self, path, mmap=True, compression=None):
+        return hf.load(path, mmap=mmap, compression=compression)
+
+    def _no_table_dtype(self, table_dtype):
+        if table_dtype is not None:
+            raise ValueError(f"table_dtype={table_dtype!r}: a {self.name} checkpoint keeps its float8 tables")
+
+    def save(self, cfg, plan, layers, path, table_dtype=None, progress=None):
+        self._no_table_dtype(table_dtype)
+        return hf.save(cfg, plan, layers, path, progress=progress)
+
+    def save_init(self, cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None,
+                  progress=None, before_write=None):
+        self._no_table_dtype(table_dtype)
+        plan = HashPlan(cfg, compression=compression)
+        return hf.save(cfg, plan, weights.init_layers(cfg, plan, seed, graft_zero_init), path,
+                       progress=progress, before_write=before_write)
+
+    def is_checkpoint(self, path):
+        """A folder, unless its config.json describes another variant's models (a Qwen folder): a
+        folder without one is still V4.1's to refuse with its own message."""
+        if not os.path.isdir(path):
+            return False
+        d = hf_config_of(path)
+        if d is None or config.reads_hf_config(d):
+            return True
+        return not any(v.reads_hf_config(d) for v in variants.variants() if v is not self)
+
+    def folder_of(self, path):
+        """The V4.1 folder a file belongs to (hf.folder_of), not another variant's folder."""
+        folder = hf.folder_of(path)
+        return folder if folder is not None and self.is_checkpoint(folder) else None
+
+    # computing
+    def forward(self, cfg, w, rows, dead, hidden):
+        return reference.forward(cfg, rows, dead, w, hidden)
+
+    def describe(self, cfg):
+        return f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv"
+
+    def step_weights(self, w):
+        return w.wkv_weight
+
+    def sample_ids(self, cfg, rng, size):
+        """Uniform ids with a few DEAD (image) tokens: they cut the n-gram history and close the gate."""
+        ids = rng.integers(0, cfg.vocab_size, size=size)
+        ids[rng.random(size) < 0.05] = cfg.image_token_id
+        return ids
+
+    # hashing: DEAD tokens (compressed to -1) and the latch
+    def dead_id(self, cfg):
+        return cfg.image_token_id
+
+    def dead_mask(self, cfg, ids):
+        return np.asarray(ids) == cfg.image_token_id
+
+    def windows(self, cfg, pad_id, raw, x):
+        """The V4.1 reference's expression: for shift s, blocked |= (pos < s) | DEAD(t-s), where
+        DEAD is the image token or a negative (unknown) id; a blocked shift reads pad."""
+        B, T = x.shape
+        dead = (raw < 0) | (raw == cfg.image_token_id)
+        pos = np.arange(T)[None, :]
+        blocked = np.zeros((B, T), bool)
+        shifted = []
+        for s in range(cfg.max_ngram_size):
+            src = np.pad(x, ((0, 0), (s, 0)))[:, :T]
+            src_dead = np.pad(dead, ((0, 0), (s, 0)))[:, :T]
+            blocked = blocked | (pos < s) | src_dead
+            shifted.append(np.where(blocked, pad_id, src))
+        return shifted
+
+    def check_plan(self, plan):
+        """Refuse to serve when the declared table rows or compressed vocab differ from what the
+        plan derives: every row would be silently rehashed."""
+        cfg = plan.cfg
+        if cfg.num_embeddings is not None:
+            for L, want in zip(cfg.layer_ids, cfg.num_embeddings):
+                if plan.table_rows[L] != want:
+                    raise ValueError(f"layer {L}: the primes sum to {plan.table_rows[L]} table rows but the "
+                                     f"config declares engram_num_embeddings {want}")
+        if cfg.compressed_vocab_size is not None and plan.compressed_vocab != cfg.compressed_vocab_size:
+            raise ValueError(f"the compression has {plan.compressed_vocab} ids but the config declares "
+                             f"engram_compressed_vocab_size {cfg.compressed_vocab_size}")
 
 
-VARIANT = variants.register(variants.Variant(
-    name=config.V41, config_fields=config.FIELDS, validate_config=config.validate,
-    example_config=config.EXAMPLE, field_help=config.FIELD_HELP,
-    reads_hf_config=config.reads_hf_config, from_hf_config=config.from_hf_config, to_hf_config=config.to_hf_config,
-    weights=weights.V41LayerWeights, validate_layer=weights.validate_layer,
-    init_layers=weights.init_layers, from_state_dict=weights.layer_from_state_dict,
-    weight_dtypes=("float8_e4m3fn",), with_weight_dtype=_with_weight_dtype,
-    load=lambda path, mmap=True, compression=None: hf.load(path, mmap=mmap, compression=compression),
-    save=_save, save_init=_save_init, table_dtypes=(),
-    is_checkpoint=_is_checkpoint, folder_checkpoint=True, folder_of=_folder_of,
-    forward=lambda cfg, w, rows, dead, hidden: reference.forward(cfg, rows, dead, w, hidden),
-    engine=V41StreamEngine, history="dead", init_table_dtype="float8_e4m3fn",
-    load_note="the compression: built from tokenizer.json the first time, then read from the user's cache",
-    describe=lambda cfg: f"gate eps {cfg.norm_eps}, DEAD token {cfg.image_token_id}, float8 wkv",
-    step_weights=lambda w: w.wkv_weight))
+VARIANT = variants.register(V41Variant())

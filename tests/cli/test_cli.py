@@ -587,7 +587,7 @@ def test_readme_says_which_defaults_it_means_and_what_the_build_costs():
     `engram-stream demo`'s D=256 in another, and was not told the build's time: each claim is held
     to the code it describes."""
     from engram_stream import EngramConfig, HashPlan
-    from engram_stream.cli import DEMO_CONFIG
+    from engram_stream.cli import BUILTIN_CONFIG
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert "demo's default" not in readme           # which demo: the two meanings are named apart
@@ -595,7 +595,7 @@ def test_readme_says_which_defaults_it_means_and_what_the_build_costs():
     assert re.search(r"about [\d.]+ min on \d cores", quick), quick   # the build's time, where it is paid
     assert len(re.findall(r"pip install", quick)) == 1, quick          # one build, not two
     demo_d = re.search(r"engram-stream demo .*\(D=(\d+)\)", quick)
-    assert demo_d and int(demo_d[1]) == DEMO_CONFIG["hidden_size"], quick
+    assert demo_d and int(demo_d[1]) == BUILTIN_CONFIG["hidden_size"], quick
     # the snippet marked "EngramConfig's defaults" is EngramConfig(); the prose's D and table size too
     call = re.search(r"cfg  = (EngramConfig\([^)]*\))\s*# EngramConfig's defaults", readme)
     assert call and eval(call[1], {"EngramConfig": EngramConfig}) == EngramConfig()
@@ -658,8 +658,13 @@ def test_init_help_describes_every_field(capsys):
     with pytest.raises(SystemExit):
         main(["init", "--help"])
     out = capsys.readouterr().out
-    for f in dataclasses.fields(EngramConfig):
-        line = next(ln for ln in out.splitlines() if ln.startswith(f"  {f.name} "))
+    from engram_stream import variants
+    names = [f.name for f in dataclasses.fields(EngramConfig)]
+    names += [f.name for v in variants.variants() if v.config_class for f in dataclasses.fields(v.config_class)
+              if f.name not in names]
+    assert "image_token_id" in names and "table_parts" in names
+    for name in names:
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"  {name} "))
         assert len(line.split(None, 2)) == 3 and len(line.split(None, 2)[2]) > 8, line
     assert "deepseek-v4.1" in out
 

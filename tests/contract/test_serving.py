@@ -633,7 +633,7 @@ def _oracle_rows(model, L, ids):
     """[T, E] rows of one request, from the numpy hash and the weights' own dequantization."""
     rows = model.plan.hash_numpy(ids[None], layers=[L])[L][0] + model.plan.offsets[L]
     w = model.layer(L)
-    if model.cfg.image_token_id is not None:
+    if model.plan.dead_id is not None:   # V4.1's float8 rows and their scales
         from engram_stream.v41.reference import dequant_rows
         return dequant_rows(w, rows).reshape(len(ids), -1)
     return w.table_f32(rows).reshape(len(ids), -1)

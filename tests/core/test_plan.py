@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from engram_stream import EngramConfig, HashPlan
 from engram_stream import _hash
 from engram_stream.config import min_chain_rows
-from engram_stream.plan import draw_multipliers, is_prime
+from engram_stream.plan import is_prime
+from engram_stream import variants
 from conftest import run_python
 from pyref import py_rows, to_signed
 
@@ -120,7 +121,7 @@ def test_multipliers_half_floor_is_one_when_vocab_huge():
     # compressed_vocab > INT64_MAX // 2 makes (INT64_MAX // V) // 2 == 0 -> half = 1 -> all ones
     # (the formula's corner; a config's vocab_size is bounded far below it)
     cfg = cfg_of(vocab=50, pad=0)
-    mult = draw_multipliers(cfg, (1 << 62) + 1)
+    mult = variants.get(variants.DEFAULT).draw_multipliers(cfg, (1 << 62) + 1)
     for L in cfg.layer_ids:
         np.testing.assert_array_equal(mult[L], np.ones(3, np.int64))
 

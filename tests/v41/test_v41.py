@@ -72,7 +72,8 @@ def test_to_hf_config_round_trip():
 
 def test_demo_stays_default():
     assert EngramConfig().variant == "demo-v1"
-    assert EngramConfig().norm_eps is None and EngramConfig().image_token_id is None
+    assert not hasattr(EngramConfig(), "norm_eps") and not hasattr(EngramConfig(), "image_token_id")
+    assert type(EngramConfig()) is EngramConfig
 
 
 @pytest.mark.parametrize("kw, match", [
