@@ -12,8 +12,9 @@ from Cython.Build import cythonize
 from setuptools import Extension, setup
 
 MOD_NAMES = ["engram_stream._hash", "engram_stream.rows._cache", "engram_stream.rows._direct", "engram_stream.rows._source",
+             "engram_stream.rows._stamps", "engram_stream.engine._window", "engram_stream.engine._batch",
              "engram_stream.engine._base", "engram_stream.demo._engine", "engram_stream.v41._engine",
-             "engram_stream.integrations._vllm_rows", "engram_stream.integrations._vllm_graph"]
+             "engram_stream.qwen._engine", "engram_stream.integrations._vllm_rows", "engram_stream.integrations._vllm_graph"]
 
 ASAN = os.environ.get("ENGRAM_STREAM_ASAN") == "1"
 DEBUG = ASAN or os.environ.get("ENGRAM_STREAM_DEBUG") == "1"

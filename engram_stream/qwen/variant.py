@@ -1,12 +1,12 @@
 """The qwen3.8-flash-next variant's registry entry (DESIGN.md 4b): the demo module's computation
 with Qwen's weights, eps, hash (raw ids, SplitMix64 multipliers, padded tables) and history (an
-EOS ends a document). The demo's StreamEngine serves it: the weights carry the eps and the plan
-the history rule, so no engine code is Qwen's own."""
+EOS ends a document). QwenStreamEngine (_engine.pyx) serves it: the demo's StreamEngine with
+Qwen's window rule (the weights carry the eps)."""
 from .. import variants
-from ..demo._engine import StreamEngine
 from ..demo.weights import with_weight_dtype
 from ..plan import HashPlan
 from . import config, hf, reference, weights
+from ._engine import QwenStreamEngine
 
 
 def _load(path, mmap=True, compression=None):
@@ -39,6 +39,6 @@ VARIANT = variants.register(variants.Variant(
     load=_load, save=_save, save_init=_save_init, table_dtypes=("float32", "bfloat16"),
     is_checkpoint=hf.is_checkpoint, folder_checkpoint=True, folder_of=hf.folder_of,
     forward=lambda cfg, w, rows, dead, hidden: reference.forward(cfg, rows, w, hidden),
-    engine=StreamEngine, describe=config.describe, step_weights=lambda w: w.proj_w,
+    engine=QwenStreamEngine, describe=config.describe, step_weights=lambda w: w.proj_w,
     history="separator", draw_multipliers=config.draw_multipliers, table_rows=config.table_rows,
     load_note="raw token ids: no compression, no tokenizer read"))
