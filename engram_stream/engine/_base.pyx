@@ -102,7 +102,9 @@ cdef class EngineBase:
         self.vocab = cfg.vocab_size
         self.chunk = chunk
 
-        win = type(self)._window_class()  # the class attribute: a base __cinit__ sees the subclass's
+        # A class attribute, not a cdef hook: an engine that subclasses another variant's engine runs
+        # the parent's __cinit__ (and so this), where cdef methods still resolve to the parent's.
+        win = type(self)._window_class()
         if not isinstance(win, HashWindow):
             raise TypeError(f"{type(self).__name__}._window_class must make a HashWindow, got {type(win).__name__}")
         if win.history != plan.history:
@@ -421,7 +423,7 @@ cdef class EngineBase:
     def commit(self, accepted):
         """After a draft=True call: segment k's slot stands exactly as if only its first
         accepted[k] tokens (0..lengths[k]) had been fed: hash window, tokens seen, rows and the
-        variant's own state (the demo's conv ring). The outputs of the tokens kept are the ones
+        variant's own state (a conv ring). The outputs of the tokens kept are the ones
         the draft call returned."""
         cdef int64_t k, i0
         cdef Batch b = self.batch
@@ -442,7 +444,7 @@ cdef class EngineBase:
         and masked as there) and return every token's rows dequantized, [N, E] (E = H * head_dim,
         heads order-major), as float32 (`out`, if given, must be writeable C-contiguous float32
         [N, E]) or "bfloat16" (rounded to nearest even). Rows come through the row source, as a
-        step's do. The variant's own state (the demo's conv ring) does not move."""
+        step's do. The variant's own state (a conv ring) does not move."""
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
         ids = as_ids(token_ids, 1, "token_ids")
