@@ -1,5 +1,5 @@
-# Declarations of the shared integer kernels (include/engram_hash.h),
-# cimported by _hash.pyx and _engine.pyx.
+# Declarations of the shared integer kernels (include/engram_hash.h), cimported by _hash.pyx,
+# the engines' hash window (engine/_window.pyx) and the variants' windows (v41/, qwen/_engine.pyx).
 from libc.stdint cimport int64_t, uint64_t
 
 cdef extern from "engram_hash.h" nogil:

@@ -21,7 +21,7 @@ from libc.string cimport memcpy, memset
 from engram_stream._consts cimport ES_MAX_KERNEL_SIZE, ES_PREFILL_CHUNK
 from engram_stream._hash cimport es_isa_now, es_isa_set
 from engram_stream.engine import isa as _isa
-from engram_stream.engine._base import view
+from engram_stream.engine.args import view
 
 cnp.import_array()
 
@@ -115,7 +115,7 @@ cdef class StreamEngine(EngineBase):
     output 0)."""
 
     def __cinit__(self, model, layer, int n_streams=1, rows=None):
-        self._setup(model, layer, n_streams, ES_PREFILL_CHUNK, False, rows)
+        self._setup(model, layer, n_streams, ES_PREFILL_CHUNK, rows)
 
     def __dealloc__(self):
         free(self.ebuf); free(self.ybuf); free(self.pbuf); free(self.xbuf); free(self.gbuf)
@@ -195,7 +195,7 @@ cdef class StreamEngine(EngineBase):
         return 0
 
     def __repr__(self):
-        return (f"StreamEngine(layer={self.layer}, n_streams={self.n_streams}, G={self.G}, D={self.D}, "
+        return (f"{type(self).__name__}(layer={self.layer}, n_streams={self.n_streams}, G={self.G}, D={self.D}, "
                 f"H={self.H}x{self.hd}, conv_len={self.conv_len}, isa={self.isa!r})")
 
     # ---- a chunk: gather, GEMM, tails and the ring --------------------------------------------
@@ -224,8 +224,8 @@ cdef class StreamEngine(EngineBase):
         es_split(<es_team *> self.team, threads if (nb >= 32 or self.team != NULL) else 1, nb, 0, _gather_part, &g)
         c = 0  # the taps, piece by piece (they read the ring as it is before this chunk)
         while c < nb:
-            s, c0 = self.tstream[t0 + c], c
-            while c < nb and self.tstream[t0 + c] == s:
+            s, c0 = self.batch.stream[t0 + c], c
+            while c < nb and self.batch.stream[t0 + c] == s:
                 c += 1
             plen = c - c0
             chained = chained or plen > 1
@@ -246,8 +246,8 @@ cdef class StreamEngine(EngineBase):
                     threads if (nb >= 8 or (not chained and nb >= 2)) else 1, <es_team *> self.team)
         c = 0  # the rings move (a draft first keeps the x a later token of its call overwrites)
         while c < nb:
-            s, c0 = self.tstream[t0 + c], c
-            while c < nb and self.tstream[t0 + c] == s:
+            s, c0 = self.batch.stream[t0 + c], c
+            while c < nb and self.batch.stream[t0 + c] == s:
                 c += 1
             plen = c - c0
             if self.xsaving:
@@ -269,9 +269,9 @@ cdef class StreamEngine(EngineBase):
     cdef void _save_x(self, int64_t t0, int64_t c0, int64_t plen) noexcept nogil:
         """Draft: of the chunk's piece [c0, c0+plen), the tokens whose ring slot a later token of
         the same segment overwrites (in-segment position + conv_len < its length) keep x(t)."""
-        cdef int64_t i0 = t0 + c0, k = self.slot_seg[self.tstream[i0]], j
+        cdef int64_t i0 = t0 + c0, k = self.batch.slot_seg[self.batch.stream[i0]], j
         for j in range(plen):
-            if i0 + j - self.seg_start[k] + self.conv_len < self.seg_len[k]:
+            if i0 + j - self.batch.seg_start[k] + self.conv_len < self.batch.seg_len[k]:
                 memcpy(&self.xsave[i0 + j, 0], self.xbuf + (c0 + j) * self.C, self.C * sizeof(float))
 
     # ---- the ring's record, rollback and commit -------------------------------------------------
@@ -284,15 +284,15 @@ cdef class StreamEngine(EngineBase):
         self.ring_recorded = self.xsaving = False
         if not needed:
             return 0
-        for k in range(self.npieces):
-            s = self.seg_stream[k]
+        for k in range(self.batch.nseg):
+            s = self.batch.seg_stream[k]
             self.rec_pos[k] = self.pos[s]
-            for i in range(min(self.seg_len[k], L)):
+            for i in range(min(self.batch.seg_len[k], L)):
                 memcpy(&self.rec_ring[k, i, 0], &self.conv_state[s, (self.pos[s] + i) % L, 0], self.C * sizeof(float))
-            if draft and self.seg_len[k] > L:
+            if draft and self.batch.seg_len[k] > L:
                 self.xsaving = True
-        if self.xsaving and self.xsave.shape[0] < self.tcap:
-            self.xsave = np.empty((self.tcap, self.C), dtype=np.float32)
+        if self.xsaving and self.xsave.shape[0] < self.batch.cap:
+            self.xsave = np.empty((self.batch.cap, self.C), dtype=np.float32)
         self.ring_recorded = True
         return 0
 
@@ -300,10 +300,10 @@ cdef class StreamEngine(EngineBase):
         cdef int64_t k, i, s, L = self.conv_len
         if not self.ring_recorded:
             return
-        for k in range(self.npieces):
-            s = self.seg_stream[k]
+        for k in range(self.batch.nseg):
+            s = self.batch.seg_stream[k]
             if L:
-                for i in range(min(self.seg_len[k], L)):
+                for i in range(min(self.batch.seg_len[k], L)):
                     memcpy(&self.conv_state[s, (self.rec_pos[k] + i) % L, 0], &self.rec_ring[k, i, 0],
                            self.C * sizeof(float))
                 self.pos[s] = self.rec_pos[k]
@@ -314,7 +314,7 @@ cdef class StreamEngine(EngineBase):
         i < min(len, conv_len), was written by tokens i, i + conv_len, ... of the segment; it must
         hold the x of the last of them before a (x_j: in the ring when j was its last writer of
         the call, else kept by _save_x), or its value before the call when none is."""
-        cdef int64_t s = self.seg_stream[k], L = self.conv_len, n = self.seg_len[k], i, j, jl
+        cdef int64_t s = self.batch.seg_stream[k], L = self.conv_len, n = self.batch.seg_len[k], i, j, jl
         cdef int64_t p0
         if not L or not self.ring_recorded:  # (a lookup_packed draft: the ring never moved)
             return
@@ -326,7 +326,7 @@ cdef class StreamEngine(EngineBase):
             else:
                 j = i + L * ((a - 1 - i) // L)
                 if j != jl:
-                    memcpy(&self.conv_state[s, (p0 + i) % L, 0], &self.xsave[self.seg_start[k] + j, 0],
+                    memcpy(&self.conv_state[s, (p0 + i) % L, 0], &self.xsave[self.batch.seg_start[k] + j, 0],
                            self.C * sizeof(float))
         self.pos[s] = (p0 + a) % L
 

@@ -12,13 +12,10 @@ _F32 = npt.NDArray[np.float32]
 _Hidden = npt.ArrayLike
 
 MAX_THREADS: int  # ES_MAX_THREADS: the most threads a call splits over
-MAX_FILES: int    # mapped files one engine checks before its reads
 SUBMIT_ROWS: int  # rows one submit() hands a row source (a long call goes in windows of whole chunks)
 
-def view(a: np.ndarray, dtype: Any, shape: tuple, what: str) -> np.ndarray: ...
-
 class EngineBase:
-    """What both variants' streaming engines share (see StreamEngine, V41StreamEngine)."""
+    """The orchestrator every variant's streaming engine shares (a subclass per variant)."""
 
     model: Any  # the EngramModel (read-only)
     layer: int

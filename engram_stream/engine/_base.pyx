@@ -1,43 +1,45 @@
 # cython: language_level=3
-"""EngineBase: the skeleton both streaming engines share (demo/_engine.pyx, v41/_engine.pyx).
+"""EngineBase: the orchestrator every variant's streaming engine shares.
 
-An engine serves one Engram layer for S stream slots. Every call is a batch of segments: segment
-k is lengths[k] consecutive tokens of slot streams[k] (a decode step when 1, a prompt chunk when
-more). step() is S segments of one token, prefill() one segment, step_packed() any batch.
+An engine serves one Engram layer for S stream slots. Every call is a batch of segments
+(engine/_batch.pyx): segment k is lengths[k] consecutive tokens of slot streams[k].
 
 A call runs in two halves, which feed()/compute() expose separately:
-  feed     check the ids, hash every token of every segment through its slot's window (the
-           window advances, the rows are known), hand the rows to the row source (submit: a
-           remote source reads them now, so the Decoder starts every layer's reads first; a
-           long prompt's rows go in windows of SUBMIT_ROWS, the next at the chunk that needs it)
+  feed     check the ids, hash every token of every segment through its slot's window
+           (engine/_window.pyx: the window advances, the rows are known), hand the rows to the
+           row source (submit: a remote source reads them now, so the Decoder starts every
+           layer's reads first; a long prompt's rows go in windows of SUBMIT_ROWS, the next at
+           the chunk that needs it)
   compute  per chunk of tokens: the row source resolves the rows' pointers, then the variant's
            hook gathers, projects and runs the tails without the GIL
 
-This file is the one home of the rules every variant shares: the one-owner guard, the argument
-checks (all before any state changes; a scalar id lives in the call), the file check before
-every read, the hash window (`hist`, with the plan's history rule: V4.1's DEAD latch, Qwen's
-separator), `seen`, `last_rows`, the pending
-batch, reset, snapshot/restore (read once, validate, commit), and the record a call leaves so
-that a failed read or a draft's commit can put its slots back. A variant adds its own state
-(the demo's ShortConv ring) through the hooks at the end of _base.pxd.
+The parts, one responsibility each:
+  HashWindow  (engine/_window.pyx)  per-stream windows, the history rule (the variant's window
+              class: _window_class), seen, last rows, the record a rollback or commit reads
+  Batch       (engine/_batch.pyx)   the call's segments, per-token buffers, masks, checks
+  RowSource   (rows/_source.pyx)    where the rows come from
+  FileStamps  (rows/_stamps.pyx)    the mapped files under the layer's arrays
+This file runs a call through them: the one-owner guard, the argument checks (all before any
+state changes; a scalar id lives in the call), the file check before every read, the call's
+record and rollback, snapshot/restore (read once, validate, commit). A variant adds its own
+state (a conv ring) through the hooks at the end of _base.pxd.
 """
 import os
 
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport INT64_MIN, int64_t, uint8_t
+from libc.stdint cimport int64_t, uint8_t
 from libc.stdlib cimport free, realloc
-from libc.string cimport memcpy, memset
-from posix.stat cimport fstat, struct_stat
 
-from engram_stream._consts cimport ES_MAX_NGRAM
-from engram_stream._hash cimport es_hash_window, es_isa_now, es_isa_set, latch_window, separator_window
+from engram_stream._hash cimport es_isa_now, es_isa_set
 from engram_stream.engine import args
 from engram_stream.engine import isa as _isa
+from engram_stream.engine._batch cimport Batch, decode_only, first_bad_id
+from engram_stream.engine._window cimport HashWindow
 from engram_stream.engine.snapshot import EngineSnapshot, fingerprint, why_foreign
-from engram_stream.io.files import MappedFile, mapping_of
 from engram_stream.plan import as_ids
 from engram_stream.rows._source cimport MappedRows, RowSource
+from engram_stream.rows._stamps cimport FileStamps
 
 cnp.import_array()
 
@@ -49,14 +51,10 @@ cdef extern from "engram_step.h" nogil:
     es_team *es_team_keep(int nthreads, int64_t spin_ns) noexcept
     void es_team_put(es_team *t) noexcept
     int es_team_slots_held() noexcept
-    void es_mark_rows(uint8_t *bitmap, const int64_t *rows, int64_t n) noexcept
 
 MAX_THREADS = ES_MAX_THREADS
-MAX_FILES = 16        # mapped files one engine reads (a V4.1 layer spans at most a few shards)
 SUBMIT_ROWS = 1 << 16  # rows one submit() hands a source: a long prompt goes in windows of whole
                        # chunks, so a source's scratch (its staged records) stays ~20 MB, not the prompt's
-_EMPTY_I64 = np.empty(0, np.int64)
-_EMPTY_F64 = np.empty(0, np.float64)
 
 
 cdef inline void *_regrow(void *p, size_t nbytes) except NULL:
@@ -65,16 +63,6 @@ cdef inline void *_regrow(void *p, size_t nbytes) except NULL:
     if r == NULL:
         raise MemoryError(f"engine scratch: could not allocate {nbytes} bytes")
     return r
-
-
-def view(a, dtype, shape, what):
-    """`a` as a read-only C-contiguous array of exactly this dtype and shape (no copy), for
-    the engines' typed memoryviews and pointers: anything else is a broken model, refused here."""
-    if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.shape == tuple(shape)
-            and a.flags.c_contiguous):
-        raise ValueError(f"{what}: expected a C-contiguous {np.dtype(dtype).name} array of shape "
-                         f"{tuple(shape)}, got {getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
-    return a
 
 
 cdef class EngineBase:
@@ -94,16 +82,12 @@ cdef class EngineBase:
     overlap `hidden`. One engine has one owner: a call while another runs raises RuntimeError.
     """
 
-    def __cinit__(self, *args, **kwargs):
-        self.pn = 0
-        self.tcap = 0
+    _window_class = HashWindow  # the history rule's window (a variant with another rule names its own)
 
     def __dealloc__(self):
-        free(self.rbuf); free(self.dbuf); free(self.tstream); free(self.wbuf)
-        free(self.seg_stream); free(self.seg_start); free(self.seg_len); free(self.slot_seg); free(self.mark)
         free(self.dp); free(self.sp)
 
-    cdef int _setup(self, model, layer, int n_streams, int64_t chunk, bint latch, rows) except -1:
+    cdef int _setup(self, model, layer, int n_streams, int64_t chunk, rows) except -1:
         """Everything the variants share, then the variant's _init_variant(weights). Called by
         the subclass's __cinit__ (a base __cinit__ cannot reach the subclass's hooks)."""
         if n_streams < 1:
@@ -114,38 +98,21 @@ cdef class EngineBase:
         self.G, self.D, self.E = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim
         self.C = <int64_t> self.G * self.D
         self.M = (self.G + 1) * self.D
-        self.H, self.hd = cfg.n_heads, cfg.head_dim
-        self.n, self.nh = cfg.max_ngram_size, cfg.n_head_per_ngram
-        self.vocab, self.pad = cfg.vocab_size, plan.pad_id
+        self.H, self.hd, self.n = cfg.n_heads, cfg.head_dim, cfg.max_ngram_size
+        self.vocab = cfg.vocab_size
         self.chunk = chunk
-        self.latch = latch
-        self.dead_id = cfg.image_token_id if latch else -1
-        self.hist_reset = -1 if latch else self.pad  # V4.1: slots before the start are DEAD
-        self.sep = plan.separator and not latch  # Qwen: a pad id (EOS) in the window cuts what is older
-        if self.n > ES_MAX_NGRAM:  # EngramConfig refuses these already
-            raise ValueError(f"max_ngram_size <= {ES_MAX_NGRAM} is what the engine supports")
 
-        self.has_lookup = plan.lookup is not None
-        self.lookup = view(plan.lookup, np.int64, (self.vocab,), "plan.lookup") if self.has_lookup else _EMPTY_I64
-        self.mult = view(plan.multipliers[layer], np.int64, (self.n,), f"plan.multipliers[{layer}]")
-        self.primes = view(plan.head_primes[layer], np.int64, (self.H,), f"plan.head_primes[{layer}]")
-        fp = plan.head_fp[layer]
-        self.fp = _EMPTY_F64 if fp is None else view(fp, np.float64, (3 * self.H,), f"plan.head_fp[{layer}]")
-        self.offsets = view(w.offsets, np.int64, (self.H,), f"layer {layer} offsets")
-
-        # the files under the arrays this engine reads: fstat'ed before every read
-        files = []
-        for a in w.file_arrays():
-            mm = mapping_of(a)
-            if isinstance(mm, MappedFile) and all(mm is not f for f in files):
-                files.append(mm)
-        if len(files) > MAX_FILES:
-            raise ValueError(f"layer {layer} spans {len(files)} files, the engine checks at most {MAX_FILES}")
-        self._files, self.nfiles = files, len(files)
-        for i, f in enumerate(files):
-            self.fds[i] = f.fd
-            for j, v in enumerate(f.stamp):
-                self.stamps[i][j] = v
+        # A class attribute, not a cdef hook: an engine that subclasses another variant's engine runs
+        # the parent's __cinit__ (and so this), where cdef methods still resolve to the parent's.
+        win = type(self)._window_class()
+        if not isinstance(win, HashWindow):
+            raise TypeError(f"{type(self).__name__}._window_class must make a HashWindow, got {type(win).__name__}")
+        if win.history != plan.history:
+            raise ValueError(f"{type(self).__name__} keeps the {win.history!r} history rule but the model's plan "
+                             f"has {plan.history!r}: serve this variant with the engine its registry entry names")
+        self.win = win
+        self.win.setup(model, layer, w.offsets, n_streams)
+        self.files = FileStamps(w.file_arrays(), f"layer {layer}")
 
         if rows is None:
             rows = model.row_source(layer)
@@ -160,44 +127,17 @@ cdef class EngineBase:
             raise ValueError(f"layer {layer}: the row source has {self.src.nrows} rows, the plan "
                              f"{plan.table_rows[layer]}")
 
-        cdef int64_t S = n_streams
-        self.hist = np.empty((S, self.n - 1), dtype=np.int64)
-        self.seen = np.zeros(S, dtype=np.int64)
-        self.last_rows = np.empty((S, self.H), dtype=np.int64)
-        self.rec_hist = np.empty((S, self.n - 1), dtype=np.int64)
-        self.rec_seen = np.empty(S, dtype=np.int64)
-        self.rec_rows = np.empty((S, self.H), dtype=np.int64)
-        self.seg_stream = <int64_t *> _regrow(NULL, S * sizeof(int64_t))
-        self.seg_start = <int64_t *> _regrow(NULL, S * sizeof(int64_t))
-        self.seg_len = <int64_t *> _regrow(NULL, S * sizeof(int64_t))
-        self.slot_seg = <int64_t *> _regrow(NULL, S * sizeof(int64_t))
-        self.mark = <uint8_t *> _regrow(NULL, S * sizeof(uint8_t))
-        memset(self.mark, 0, S)
-        self.window = max(1, SUBMIT_ROWS // (chunk * self.H)) * chunk
+        self.batch = Batch()
+        self.batch.setup(n_streams, self.H, chunk, SUBMIT_ROWS)
         self.dp = <const char **> _regrow(NULL, chunk * self.H * sizeof(char *))
         self.sp = <const char **> _regrow(NULL, chunk * self.H * sizeof(char *))
         self._step_threads = 1
         self._prefill_threads = args.threads(os.cpu_count() or 1, 8)
-        self._steps = (np.arange(S, dtype=np.int64), np.ones(S, dtype=np.int64))  # a step's segments
-        self.step_st = <const int64_t *> cnp.PyArray_DATA(self._steps[0])
-        self.step_len = <const int64_t *> cnp.PyArray_DATA(self._steps[1])
-        self._grow_tokens(S)
         self._init_variant(w)
-        for s in range(S):
-            self._reset_stream(s)
-        self._fingerprint = fingerprint(cfg, layer, n_streams, np.asarray(self.mult),
-                                        np.asarray(self.lookup) if self.has_lookup else None)
-        return 0
-
-    cdef int _grow_tokens(self, int64_t n) except -1:
-        """Token buffers for a batch of n tokens; made before any state changes."""
-        if n <= self.tcap:
-            return 0
-        self.rbuf = <int64_t *> _regrow(self.rbuf, n * self.H * sizeof(int64_t))
-        self.dbuf = <uint8_t *> _regrow(self.dbuf, n * sizeof(uint8_t))
-        self.tstream = <int64_t *> _regrow(self.tstream, n * sizeof(int64_t))
-        self.wbuf = <int64_t *> _regrow(self.wbuf, n * sizeof(int64_t))
-        self.tcap = n
+        for s in range(n_streams):
+            self._reset_extra(s)
+        self._fingerprint = fingerprint(cfg, layer, n_streams, np.asarray(self.win.mult),
+                                        np.asarray(self.win.lookup) if self.win.has_lookup else None)
         return 0
 
     # ---- the hooks (a variant overrides them) ---------------------------------------------
@@ -248,140 +188,42 @@ cdef class EngineBase:
     def _put_extra(self, parts):
         pass
 
-    # ---- the shared rules, nogil ------------------------------------------------------------
-    cdef int64_t _first_bad_id(self, const int64_t *ids, int64_t n) noexcept nogil:
-        cdef int64_t i
-        for i in range(n):
-            if ids[i] >= self.vocab:
-                return i
-        return -1
-
-    cdef void _hash_one(self, int64_t s, int64_t token, int64_t i) noexcept nogil:
-        """Token i of the batch on stream s: its rows into rbuf[i] (absolute), its gate flag and
-        window entry; then the stream's window takes the entry (newest first, oldest falls off).
-
-        The entry is the compressed id (negative ids pass through, DESIGN 1.1); with the latch
-        (V4.1) the image id and negative ids are DEAD (-1), and the first DEAD entry of the window
-        turns itself and every older one into pad (latch_window); with the separator (Qwen) a pad
-        entry older than the token turns every entry older than itself into pad (separator_window)."""
-        cdef int64_t full[ES_MAX_NGRAM]
-        cdef int64_t win[ES_MAX_NGRAM]
-        cdef int64_t *rows = self.rbuf + i * self.H
-        cdef int64_t e0
-        cdef int k, j
-        if self.latch and (token < 0 or token == self.dead_id):
-            e0 = -1
-        elif self.has_lookup and token >= 0:
-            e0 = self.lookup[token]
-        else:
-            e0 = token
-        full[0] = e0
-        for k in range(1, self.n):
-            full[k] = self.hist[s, k - 1]
-        if self.latch:
-            latch_window(full, self.n, self.pad, win)
-        elif self.sep:
-            separator_window(full, self.n, self.pad, win)
-        else:
-            for k in range(self.n):
-                win[k] = full[k]
-        es_hash_window(win, &self.mult[0], self.n, self.nh, &self.primes[0],
-                       &self.fp[0] if self.fp.shape[0] else NULL, rows)
-        for j in range(self.H):
-            rows[j] += self.offsets[j]
-        if self.touched != NULL:
-            es_mark_rows(self.touched, rows, self.H)
-        for k in range(self.n - 2, 0, -1):
-            self.hist[s, k] = self.hist[s, k - 1]
-        if self.n > 1:
-            self.hist[s, 0] = e0
-        self.dbuf[i] = self.latch and token == self.dead_id
-        self.wbuf[i] = e0
-        self.tstream[i] = s
-
-    cdef void _hash_segments(self, const int64_t *ids) noexcept nogil:
-        """Every segment of the pending batch through its slot's window, in order."""
-        cdef int64_t k, j, s, i0, L
-        for k in range(self.npieces):
-            s, i0, L = self.seg_stream[k], self.seg_start[k], self.seg_len[k]
-            for j in range(L):
-                self._hash_one(s, ids[i0 + j], i0 + j)
-            for j in range(self.H):
-                self.last_rows[s, j] = self.rbuf[(i0 + L - 1) * self.H + j]
-            self.seen[s] += L
-
-    cdef void _record(self, bint draft) noexcept nogil:
-        """The named slots as they are before this call (what a rollback or a commit starts from)."""
-        cdef int64_t k, j, s
-        for k in range(self.npieces):
-            s = self.seg_stream[k]
-            for j in range(self.n - 1):
-                self.rec_hist[k, j] = self.hist[s, j]
-            for j in range(self.H):
-                self.rec_rows[k, j] = self.last_rows[s, j]
-            self.rec_seen[k] = self.seen[s]
-        self.has_record = True
-        self.draft = draft
-
+    # ---- the run of a call, nogil ------------------------------------------------------------
     cdef void _rollback(self) noexcept nogil:
         """Every slot of the last call back as before it (a failed read; commit of 0 tokens)."""
-        cdef int64_t k, j, s
-        if not self.has_record:
+        if not self.win.has_record:
             return
-        for k in range(self.npieces):
-            s = self.seg_stream[k]
-            for j in range(self.n - 1):
-                self.hist[s, j] = self.rec_hist[k, j]
-            for j in range(self.H):
-                self.last_rows[s, j] = self.rec_rows[k, j]
-            self.seen[s] = self.rec_seen[k]
+        self.win.rollback(self.batch.seg_stream, self.batch.nseg)
         self._rollback_extra()
-        self.has_record = False
-        self.draft = False
-        self.pn = 0
+        self.batch.pending = 0
 
     cdef void _reset_stream(self, int64_t s) noexcept nogil:
-        """Stream s as before any token: every window slot before the start, no rows, nothing seen."""
-        cdef int64_t k
-        for k in range(self.n - 1):
-            self.hist[s, k] = self.hist_reset
-        for k in range(self.H):
-            self.last_rows[s, k] = -1
-        self.seen[s] = 0
+        """Stream s as before any token: its window and the variant's state."""
+        self.win.reset_stream(s)
         self._reset_extra(s)
 
     cdef int _threads(self) noexcept nogil:
         """step_threads for a batch of decode steps (every segment one token), else prefill_threads."""
-        cdef int64_t k
-        for k in range(self.npieces):
-            if self.seg_len[k] > 1:
-                return self._prefill_threads
-        return self._step_threads
+        return self._step_threads if self.batch.steps_only() else self._prefill_threads
 
     # ---- the two halves of a call ---------------------------------------------------------
     cdef int _feed(self, const int64_t *ids, int64_t N, const int64_t *streams, const int64_t *lengths,
                    int64_t K, bint draft) except -1:
         """Hash a checked batch (segments valid, ids < vocab) and submit its rows. Under the
         guard, nothing pending. A failed submit puts every slot back and raises."""
-        cdef int64_t k, t = 0
-        self._grow_tokens(N)  # before any state changes: a MemoryError changes nothing
-        self.has_record = self.draft = False
-        for k in range(self.n_streams):
-            self.slot_seg[k] = -1
-        for k in range(K):
-            self.seg_stream[k], self.seg_start[k], self.seg_len[k] = streams[k], t, lengths[k]
-            self.slot_seg[streams[k]] = k
-            t += lengths[k]
-        self.npieces = K
+        cdef Batch b = self.batch
+        b.grow(N)  # before any state changes: a MemoryError changes nothing
+        self.win.has_record = self.win.draft = False
         with nogil:
-            self._record(draft)
+            b.take(ids, N, streams, lengths, K)
+            self.win.record(b.seg_stream, K, draft)
         self._record_extra(draft, draft or self.src.fallible)
         with nogil:
-            self._hash_segments(ids)
-        self.pn = N
+            self.win.hash_segments(ids, b.seg_stream, b.seg_start, b.seg_len, K, b.rows, b.entries)
+        b.pending = N
         try:  # the first window now (the Decoder feeds every layer before any computes)
-            self.sub_end = min(N, self.window)
-            self.src.submit(self.rbuf, self.sub_end * self.H)
+            b.sub_end = min(N, b.window)
+            self.src.submit(b.rows, b.sub_end * self.H)
         except BaseException:
             self._rollback()
             raise
@@ -391,24 +233,25 @@ cdef class EngineBase:
         """The rows of tokens [t0, t0+nb) (a chunk) resolved into dp/sp; the next window is
         submitted first when the chunk starts past the last one (windows are whole chunks)."""
         cdef int64_t n
-        if t0 >= self.sub_end:
+        cdef Batch b = self.batch
+        if t0 >= b.sub_end:
             self.src.release()
-            n = min(self.window, self.pn - t0)
-            self.src.submit(self.rbuf + t0 * self.H, n * self.H)
-            self.sub_end = t0 + n
-        self.src.resolve(self.rbuf + t0 * self.H, nb * self.H, self.dp, self.sp)
+            n = min(b.window, b.pending - t0)
+            self.src.submit(b.rows + t0 * self.H, n * self.H)
+            b.sub_end = t0 + n
+        self.src.resolve(b.rows + t0 * self.H, nb * self.H, self.dp, self.sp)
         return 0
 
     cdef int _compute(self, const float *hid, float *out) except -1:
         """The pending batch, chunk by chunk: resolve the rows, then the variant's nogil hook.
         A failure (a read, scratch) puts every slot of the call back and raises."""
-        cdef int64_t t0 = 0, nb
+        cdef int64_t t0 = 0, nb, N = self.batch.pending
         cdef int threads = self._threads()
         cdef bint own = self.team == NULL  # (a teamed variant's _chunk may open one: closed here)
         try:
-            self._grow_chunk(min(self.chunk, self.pn), threads)
-            while t0 < self.pn:
-                nb = min(self.chunk, self.pn - t0)
+            self._grow_chunk(min(self.chunk, N), threads)
+            while t0 < N:
+                nb = min(self.chunk, N - t0)
                 self._resolve(t0, nb)
                 with nogil:
                     self._chunk(t0, nb, hid + t0 * self.C, out + t0 * self.C, threads)
@@ -421,17 +264,8 @@ cdef class EngineBase:
         finally:
             if own:
                 self._team_close()
-        self.pn = 0
+        self.batch.pending = 0
         return 0
-
-    cdef bint _decode_only(self, ln) except -1:
-        """Every segment of a packed call one token (ln: its lengths, int64[K]), before its feed."""
-        cdef const int64_t *pl = <const int64_t *> cnp.PyArray_DATA(ln)
-        cdef int64_t k
-        for k in range(ln.shape[0]):
-            if pl[k] > 1:
-                return False
-        return True
 
     cdef void _team_open(self, int threads) noexcept nogil:
         """The workers of this call (a variant whose splits run on them, threads > 1; nothing when
@@ -453,18 +287,6 @@ cdef class EngineBase:
                                "(use one engine per thread)")
         self.busy = True
 
-    cdef int _check_files(self) except -1:
-        """Before a read: a mapped file truncated (SIGBUS) or rewritten in place (mixed tables)
-        since load raises FileChangedError (one fstat a file; see io.files.MappedFile)."""
-        cdef struct_stat st
-        cdef int i
-        for i in range(self.nfiles):
-            if (fstat(self.fds[i], &st) != 0 or <int64_t> st.st_dev != self.stamps[i][0]
-                    or <int64_t> st.st_ino != self.stamps[i][1] or <int64_t> st.st_size != self.stamps[i][2]
-                    or <int64_t> st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec != self.stamps[i][3]):
-                self._files[i].check()  # raises, with the message
-        return 0
-
     def _ids(self, token_ids):
         """(int64[S] ids, False) or (the scalar id, True), range-checked (engine.args.token_ids);
         the Decoder checks a token for every layer through it before feeding any."""
@@ -483,59 +305,20 @@ cdef class EngineBase:
         return h, o
 
     def _segments(self, streams, lengths, int64_t N):
-        """streams[K], lengths[K] as int64 arrays, checked: slots distinct and in range, lengths
-        >= 1 and summing to N. Nothing changes on a refusal (and nothing is allocated for int64
-        arrays: a serving loop passes its own)."""
-        st = as_ids(streams, 1, "streams")
-        ln = as_ids(lengths, 1, "lengths")
-        if st.shape[0] != ln.shape[0]:
-            raise ValueError(f"streams and lengths must have the same length, got {st.shape[0]} and {ln.shape[0]}")
-        cdef const int64_t[::1] sv = st
-        cdef const int64_t[::1] lv = ln
-        cdef int64_t k, s, total = 0, bad = -1, why = 0
-        for k in range(sv.shape[0]):
-            s = sv[k]
-            if s < 0 or s >= self.n_streams:
-                bad, why = k, 1
-                break
-            if self.mark[s]:
-                bad, why = k, 2
-                break
-            self.mark[s] = 1
-            if lv[k] < 1:
-                bad, why = k, 3
-                break
-            if lv[k] > N - total:  # the sum so far stays <= N: no int64 wrap can pass the check
-                bad, why = k, 4
-                break
-            total += lv[k]
-        for k in range(sv.shape[0]):  # the marks go back whatever happened
-            if 0 <= sv[k] < self.n_streams:
-                self.mark[sv[k]] = 0
-        if why == 1:
-            raise IndexError(f"stream {sv[bad]} out of range for an engine with {self.n_streams} streams")
-        if why == 2:
-            raise ValueError(f"streams must be distinct within a call, got {st.tolist()}")
-        if why == 3:
-            raise ValueError(f"every segment needs at least one token, got lengths {ln.tolist()}")
-        if why == 4:
-            raise ValueError(f"lengths[{bad}] = {lv[bad]} takes the lengths past the {N} token ids given "
-                             f"(lengths {ln.tolist()} must sum to {N})")
-        if total != N:
-            raise ValueError(f"lengths sum to {total} but {N} token ids were given")
-        return st, ln
+        """streams[K], lengths[K] checked (Batch.segments)."""
+        return self.batch.segments(streams, lengths, N)
 
     cdef int _check_call(self, object ids, const int64_t *pid, int64_t n, str pending) except -1:
         """Every feeding call's checks, inside the guard and before any change: no fed batch
         awaits compute (else RuntimeError(pending)), the ids in range, the mapped files unchanged."""
         cdef int64_t bad
-        if self.pn:
+        if self.batch.pending:
             raise RuntimeError(pending)
         with nogil:
-            bad = self._first_bad_id(pid, n)
+            bad = first_bad_id(pid, n, self.vocab)
         if bad >= 0:
             raise args.bad_id(ids, bad, self.vocab)
-        self._check_files()
+        self.files.check()
         return 0
 
     cdef int _feed_steps(self, object ids, bint single, str pending) except -1:
@@ -544,7 +327,7 @@ cdef class EngineBase:
         cdef int64_t tok = ids if single else 0  # a scalar id lives in this call, not in the engine
         cdef const int64_t *pid = &tok if single else <const int64_t *> cnp.PyArray_DATA(ids)
         self._check_call(ids, pid, self.n_streams, pending)
-        self._feed(pid, self.n_streams, self.step_st, self.step_len, self.n_streams, False)
+        self._feed(pid, self.n_streams, self.batch.step_st, self.batch.step_len, self.n_streams, False)
         return 0
 
     # ---- the public calls ---------------------------------------------------------------------
@@ -588,16 +371,15 @@ cdef class EngineBase:
         self._enter()
         try:
             self._check_call(ids, pid, n, "feed() was called: finish that batch with compute(hidden) first")
-            if n > 1 and self.teamed and self._decode_only(ln):  # the workers start while the tokens
+            if n > 1 and self.teamed and decode_only(ln):  # the workers start while the tokens
                 self._team_open(self._step_threads)              # are hashed and their rows found
             if ids.shape[0]:
                 self._feed(pid, ids.shape[0], <const int64_t *> cnp.PyArray_DATA(st),
                            <const int64_t *> cnp.PyArray_DATA(ln), st.shape[0], bool(draft))
-                self._unmask = keep
+                self.batch.unmask = keep
                 self._compute_unmasked(h, o)
             else:  # nothing to compute (every position masked, or no token): a call of no segment
-                self.npieces = 0
-                self.has_record, self.draft, self._unmask = True, bool(draft), keep
+                self._no_segment(bool(draft), keep)
                 if keep is not None:
                     o[...] = 0
         finally:
@@ -606,27 +388,20 @@ cdef class EngineBase:
         return o
 
     def _masked(self, ids, st, ln, masked):
-        """(ids, streams, lengths, keep) with the masked positions taken out before the hash, the
-        same on every variant: padding is no token, so it reaches no window and no variant state
-        (keep: what stays, for compute to scatter back; segments left empty are dropped)."""
-        if masked is None:
-            return ids, st, ln, None
-        m = np.asarray(masked)
-        if m.dtype != np.bool_ or m.shape != ids.shape:
-            raise ValueError(f"masked must be a bool array of shape {ids.shape}, got "
-                             f"{getattr(m, 'dtype', type(masked).__name__)} {m.shape}")
-        if not m.any():
-            return ids, st, ln, None
-        keep = ~m
-        per = np.add.reduceat(keep.astype(np.int64), np.concatenate([[0], np.cumsum(ln)[:-1]])) if ln.size else ln
-        live = per > 0
-        return (np.ascontiguousarray(ids[keep]), np.ascontiguousarray(st[live]), np.ascontiguousarray(per[live]),
-                (keep, ln, live))
+        """The masked positions taken out before the hash (Batch.masked)."""
+        return Batch.masked(ids, st, ln, masked)
+
+    cdef _no_segment(self, bint draft, keep):
+        """The record of a call with no token left (every position masked, or none given): no
+        segment, nothing to put back; commit() of its zero counts is valid."""
+        self.batch.nseg = 0
+        self.batch.unmask = keep
+        self.win.has_record, self.win.draft = True, draft
 
     def _compute_unmasked(self, h, o):
         """compute() of the pending batch into o (h: the call's hidden), through the mask's
         compaction when the last feed took positions out."""
-        keep = self._unmask
+        keep = self.batch.unmask
         if keep is None:
             self._compute(<const float *> cnp.PyArray_DATA(h), <float *> cnp.PyArray_DATA(o))
             return
@@ -640,42 +415,26 @@ cdef class EngineBase:
     def _check_commit(self, accepted):
         """accepted as the counts of this engine's segments (int64[K]), checked against the last
         call; raises (changing nothing) unless commit(accepted) can run."""
-        if not (self.draft and self.has_record) or self.pn:
+        if not (self.win.draft and self.win.has_record) or self.batch.pending:
             raise RuntimeError("commit() needs the last call to be step_packed(..., draft=True) "
                                "(and nothing since)")
-        a = as_ids(accepted, 1, "accepted")
-        keep = self._unmask
-        lens = np.array([self.seg_len[k] for k in range(self.npieces)], np.int64)
-        given = keep[1] if keep is not None else lens
-        if a.shape[0] != given.shape[0] or (a.size and (a.min() < 0 or (a > given).any())):
-            raise ValueError(f"accepted must hold one count per segment, 0 <= accepted[k] <= "
-                             f"lengths[k] = {given.tolist()}, got {a.tolist()}")
-        if keep is not None:  # the call's own segments -> the tokens that were not masked
-            mask, ln, live = keep
-            starts = np.concatenate([[0], np.cumsum(ln)[:-1]]).astype(np.int64)
-            a = np.array([int(mask[b:b + x].sum()) for b, x in zip(starts, a)], np.int64)[live]
-        return np.ascontiguousarray(a)
+        return self.batch.accepted(accepted)
 
     def commit(self, accepted):
         """After a draft=True call: segment k's slot stands exactly as if only its first
         accepted[k] tokens (0..lengths[k]) had been fed: hash window, tokens seen, rows and the
-        variant's own state (the demo's conv ring). The outputs of the tokens kept are the ones
+        variant's own state (a conv ring). The outputs of the tokens kept are the ones
         the draft call returned."""
-        cdef int64_t k, j, s, i0, na
+        cdef int64_t k, i0
+        cdef Batch b = self.batch
         self._enter()
         try:
             a = self._check_commit(accepted)
-            for k in range(self.npieces):
-                s, i0, na = self.seg_stream[k], self.seg_start[k], a[k]
-                for j in range(self.n - 1):
-                    self.hist[s, j] = self.rec_hist[k, j]
-                for j in range(na):  # the window replays the entries of the tokens kept
-                    self._push(s, self.wbuf[i0 + j])
-                self.seen[s] = self.rec_seen[k] + na
-                for j in range(self.H):
-                    self.last_rows[s, j] = self.rbuf[(i0 + na - 1) * self.H + j] if na else self.rec_rows[k, j]
-                self._commit_extra(k, na)
-            self.has_record = self.draft = False
+            for k in range(b.nseg):
+                i0 = b.seg_start[k]
+                self.win.commit_segment(k, b.seg_stream[k], b.entries + i0, b.rows + i0 * self.H, a[k])
+                self._commit_extra(k, a[k])
+            self.win.has_record = self.win.draft = False
         finally:
             self.busy = False
 
@@ -685,7 +444,7 @@ cdef class EngineBase:
         and masked as there) and return every token's rows dequantized, [N, E] (E = H * head_dim,
         heads order-major), as float32 (`out`, if given, must be writeable C-contiguous float32
         [N, E]) or "bfloat16" (rounded to nearest even). Rows come through the row source, as a
-        step's do. The variant's own state (the demo's conv ring) does not move."""
+        step's do. The variant's own state (a conv ring) does not move."""
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
         ids = as_ids(token_ids, 1, "token_ids")
@@ -705,7 +464,7 @@ cdef class EngineBase:
                 self._feed(pid, n, <const int64_t *> cnp.PyArray_DATA(st), <const int64_t *> cnp.PyArray_DATA(ln),
                            st.shape[0], bool(draft))
                 self._record_extra(False, False)  # the ring does not move: nothing of it to put back
-                self._unmask = keep
+                self.batch.unmask = keep
                 t0 = 0
                 try:
                     while t0 < n:
@@ -719,10 +478,9 @@ cdef class EngineBase:
                     self.src.release()
                     self._rollback()
                     raise
-                self.pn = 0
+                self.batch.pending = 0
             else:
-                self.npieces = 0
-                self.has_record, self.draft, self._unmask = True, bool(draft), keep
+                self._no_segment(bool(draft), keep)
         finally:
             self.busy = False
         if keep is not None:
@@ -733,13 +491,6 @@ cdef class EngineBase:
             return o.astype(ml_dtypes.bfloat16)
         return o
 
-    cdef void _push(self, int64_t s, int64_t e) noexcept nogil:
-        cdef int k
-        for k in range(self.n - 2, 0, -1):
-            self.hist[s, k] = self.hist[s, k - 1]
-        if self.n > 1:
-            self.hist[s, 0] = e
-
     def feed(self, token_ids):
         """First half of a step: hash the new token(s) and advance the windows; the rows
         (`.rows`) are known from here on (a remote row source reads them now). compute(hidden)
@@ -748,8 +499,8 @@ cdef class EngineBase:
         self._enter()
         try:
             self._feed_steps(ids, single, "feed() was already called for this token: call compute(hidden) first")
-            self._unmask = None
-            self._pending_n = 0
+            self.batch.unmask = None
+            self.batch.given = 0
         finally:
             self.busy = False
 
@@ -768,8 +519,8 @@ cdef class EngineBase:
                 raise ValueError("feed_packed needs at least one token that is not masked")
             self._feed(pid, ids.shape[0], <const int64_t *> cnp.PyArray_DATA(st),
                        <const int64_t *> cnp.PyArray_DATA(ln), st.shape[0], bool(draft))
-            self._unmask = keep
-            self._pending_n = ids.shape[0] if keep is None else keep[0].shape[0]
+            self.batch.unmask = keep
+            self.batch.given = ids.shape[0] if keep is None else keep[0].shape[0]
         finally:
             self.busy = False
 
@@ -779,34 +530,24 @@ cdef class EngineBase:
         cdef int64_t N
         self._enter()
         try:
-            if not self.pn:
+            if not self.batch.pending:
                 raise RuntimeError("compute() needs feed(token_ids) first")
             h, o = self._io(hidden, out, self._pending_shape(hidden))
-            self._check_files()
+            self.files.check()
             self._compute_unmasked(h, o)
-            self._pending_n = 0
+            self.batch.given = 0
         except BaseException:
             raise
         finally:
             self.busy = False
         return o
 
-    cdef bint _in_record(self, int64_t s) noexcept:
-        """Slot s is one of the last call's recorded segments (commit or a rollback would move it)."""
-        cdef int64_t k
-        if not self.has_record:
-            return False
-        for k in range(self.npieces):
-            if self.seg_stream[k] == s:
-                return True
-        return False
-
     def _pending_shape(self, hidden):
         """The hidden shape compute() takes for the fed batch: [N, G, D] after feed_packed(),
         [S, G, D] after feed() (or [G, D] on a one-stream engine given a 2-d hidden)."""
-        if self._pending_n == 0 and self.n_streams == 1 and np.ndim(hidden) == 2:
+        if self.batch.given == 0 and self.n_streams == 1 and np.ndim(hidden) == 2:
             return (self.G, self.D)
-        return (self._pending_n if self._pending_n else self.pn, self.G, self.D)
+        return (self.batch.given if self.batch.given else self.batch.pending, self.G, self.D)
 
     def fetch(self):
         """Second half of a call that wants only its rows brought in, after feed() / feed_packed():
@@ -816,12 +557,12 @@ cdef class EngineBase:
         cdef int64_t t0 = 0, nb
         self._enter()
         try:
-            if not self.pn:
+            if not self.batch.pending:
                 raise RuntimeError("fetch() needs feed(token_ids) first")
-            self._check_files()
+            self.files.check()
             try:
-                while t0 < self.pn:
-                    nb = min(self.chunk, self.pn - t0)
+                while t0 < self.batch.pending:
+                    nb = min(self.chunk, self.batch.pending - t0)
                     self._resolve(t0, nb)
                     self.src.release()
                     t0 += nb
@@ -830,8 +571,8 @@ cdef class EngineBase:
                 self._rollback()
                 raise
             self._record_extra(False, False)  # nothing computed: the variant's state did not move
-            self.pn = 0
-            self._pending_n = 0
+            self.batch.pending = 0
+            self.batch.given = 0
         finally:
             self.busy = False
 
@@ -842,7 +583,7 @@ cdef class EngineBase:
         try:
             self.src.release()
             self._rollback()
-            self._pending_n = 0
+            self.batch.given = 0
         finally:
             self.busy = False
 
@@ -860,7 +601,7 @@ cdef class EngineBase:
             self._check_call(a, pid, T, "feed() was called: finish that token with compute(hidden) first")
             if T:
                 self._feed(pid, T, &s, &T, 1, False)
-                self._unmask = None
+                self.batch.unmask = None
                 self._compute(<const float *> cnp.PyArray_DATA(h), <float *> cnp.PyArray_DATA(o))
         finally:
             self.busy = False
@@ -876,16 +617,16 @@ cdef class EngineBase:
         try:
             if stream is None:
                 self.src.release()
-                self.pn = 0
-                self._pending_n = 0
+                self.batch.pending = 0
+                self.batch.given = 0
                 for s in range(self.n_streams):
                     self._reset_stream(s)
-            elif self.pn:
+            elif self.batch.pending:
                 raise RuntimeError("feed() was called: compute(hidden) first, or reset() all streams")
             else:
                 self._reset_stream(stream)
-            if stream is None or self._in_record(stream):
-                self.has_record = self.draft = False  # the last call's record names this slot: void
+            if stream is None or (self.win.has_record and self.batch.names(stream)):
+                self.win.has_record = self.win.draft = False  # the last call's record names this slot: void
         finally:
             self.busy = False
 
@@ -921,13 +662,14 @@ cdef class EngineBase:
     def rows(self):
         """int64[S, H]: absolute table rows of the last token fed to each stream (by any call;
         after a prompt, its last token's); -1 for a stream with no token since its reset."""
-        return np.array(self.last_rows, dtype=np.int64)
+        return np.array(self.win.last_rows, dtype=np.int64)
 
     @property
     def pending_rows(self):
         """int64[N, H]: the rows of the batch fed and not yet computed (empty: none)."""
-        return np.array(<int64_t[:self.pn * self.H]> self.rbuf, copy=True).reshape(self.pn, self.H) \
-            if self.pn else np.empty((0, self.H), np.int64)
+        cdef int64_t N = self.batch.pending
+        return np.array(<int64_t[:N * self.H]> self.batch.rows, copy=True).reshape(N, self.H) \
+            if N else np.empty((0, self.H), np.int64)
 
     @property
     def row_source(self):
@@ -939,9 +681,9 @@ cdef class EngineBase:
         madvise WILLNEED of their pages, while earlier layers compute). Returns failed advice calls."""
         self._enter()
         try:
-            if not self.pn:
+            if not self.batch.pending:
                 raise RuntimeError("prefetch() needs feed(token_ids) first")
-            return int(self.src.prefetch(self.rbuf, self.pn * self.H))
+            return int(self.src.prefetch(self.batch.rows, self.batch.pending * self.H))
         finally:
             self.busy = False
 
@@ -951,8 +693,7 @@ cdef class EngineBase:
         args.rows_bitmap(bitmap, self.model.plan.table_rows[self.layer])
         self._enter()
         try:
-            self._touched_ref = bitmap
-            self.touched = NULL if bitmap is None else <uint8_t *> cnp.PyArray_DATA(bitmap)
+            self.win.track(bitmap)
         finally:
             self.busy = False
 
@@ -963,17 +704,17 @@ cdef class EngineBase:
 
     @property
     def pending_compute(self):
-        return self.pn > 0
+        return self.batch.pending > 0
 
     @property
     def tokens_seen(self):
         """int64[S]: tokens processed per stream since its last reset."""
-        return np.array(self.seen, dtype=np.int64)
+        return np.array(self.win.seen, dtype=np.int64)
 
     @property
     def state_nbytes(self):
         """Bytes of per-stream state (what a snapshot holds)."""
-        return self.n_streams * ((self.n - 1) * 8 + 8 + self.H * 8) + sum(
+        return self.win.nbytes + sum(
             int(np.prod(shape)) * np.dtype(dt).itemsize for _, shape, dt in self._extra_expected())
 
     # ---- snapshot / restore ---------------------------------------------------------------------
@@ -981,10 +722,9 @@ cdef class EngineBase:
         """A copy of every stream's state, for restore() (speculative decoding rollback)."""
         self._enter()
         try:
-            if self.pn:
+            if self.batch.pending:
                 raise RuntimeError("cannot snapshot between feed() and compute()")
-            parts = {"hist": np.array(self.hist, copy=True), "seen": np.array(self.seen, copy=True),
-                     "rows": np.array(self.last_rows, copy=True)}
+            parts = self.win.parts()
             parts.update(self._extra_state())
         finally:
             self.busy = False
@@ -999,9 +739,7 @@ cdef class EngineBase:
         if fp != self._fingerprint:
             raise ValueError(f"snapshot is from another engine (different {why_foreign(fp, self._fingerprint)}): "
                              f"cannot restore")
-        cdef int64_t S = self.n_streams
-        want = (("hist", (S, self.n - 1), np.int64), ("seen", (S,), np.int64),
-                ("rows", (S, self.H), np.int64)) + tuple(self._extra_expected())
+        want = tuple(self.win.expected_parts()) + tuple(self._extra_expected())
         parts = {}
         for name, shape, dtype in want:
             a = getattr(snapshot, name, None)
@@ -1010,11 +748,7 @@ cdef class EngineBase:
             if not (isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dtype and a.flags.c_contiguous):
                 raise ValueError(f"snapshot.{name} is damaged: expected {np.dtype(dtype).name} {shape}")
             parts[name] = np.array(a, copy=True)  # the one read; the checks below see this copy
-        if parts["seen"].size and parts["seen"].min() < 0:
-            raise ValueError("snapshot.seen is damaged: negative token counts")
-        rows = parts["rows"]
-        if rows.size and ((rows < -1) | (rows >= self.src.nrows)).any():
-            raise ValueError("snapshot.rows is damaged: rows out of the table")
+        self.win.check_parts(parts, self.src.nrows)
         self._check_extra(parts)
         return parts
 
@@ -1026,18 +760,13 @@ cdef class EngineBase:
         """Put back a snapshot of this engine, or of one with the same layer, config, hash plan
         and stream count. A fed batch or a draft's record is dropped."""
         parts = self._read_snapshot(snapshot)
-        cdef int64_t[:, ::1] hist = parts["hist"], rows = parts["rows"]
-        cdef int64_t[::1] seen = parts["seen"]
         self._enter()
         try:
             self.src.release()
-            self.hist[:, :] = hist
-            self.seen[:] = seen
-            self.last_rows[:, :] = rows
+            self.win.put_parts(parts)
             self._put_extra(parts)
-            self.pn = 0
-            self._pending_n = 0
-            self.has_record = self.draft = False
+            self.batch.pending = 0
+            self.batch.given = 0
         finally:
             self.busy = False
 

@@ -1,7 +1,7 @@
 """Argument checks of the streaming engines' public calls, in one place.
 
 Every check runs before an engine changes any state, so a refused call leaves it as it was.
-Used by both engines (StreamEngine in demo/_engine.pyx, V41StreamEngine in v41/_engine.pyx).
+Used by EngineBase, its parts (the hash window, the batch) and every variant's engine.
 """
 from __future__ import annotations
 
@@ -12,6 +12,16 @@ from ..plan import as_ids
 
 INT64_MIN = -(1 << 63)
 BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def view(a, dtype, shape, what):
+    """`a` as a read-only C-contiguous array of exactly this dtype and shape (no copy), for
+    the engines' typed memoryviews and pointers: anything else is a broken model, refused here."""
+    if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.shape == tuple(shape)
+            and a.flags.c_contiguous):
+        raise ValueError(f"{what}: expected a C-contiguous {np.dtype(dtype).name} array of shape "
+                         f"{tuple(shape)}, got {getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+    return a
 
 
 def token_ids(ids, n_streams: int, vocab: int):

@@ -1,14 +1,14 @@
 """The qwen3.8-flash-next variant (DESIGN.md 4b): the demo module's computation with Qwen's
 weights, eps, hash (raw ids, SplitMix64 multipliers, padded tables) and history (an EOS ends a
-document). The demo's StreamEngine serves it: the weights carry the eps and the plan the
-history rule, so no engine code is Qwen's own."""
+document). QwenStreamEngine (_engine.pyx) serves it: the demo's StreamEngine with Qwen's window
+rule (the weights carry the eps)."""
 import numpy as np
 
 from .. import variants
-from ..demo._engine import StreamEngine
 from ..demo.weights import with_weight_dtype
 from ..plan import HashPlan
 from . import config, hf, reference, weights
+from ._engine import QwenStreamEngine
 from .weights import PLEWeights
 
 
@@ -23,7 +23,7 @@ class QwenVariant(variants.Variant):
     table_dtypes = ("float32", "bfloat16")
     folder_checkpoint = True
     load_note = "raw token ids: no compression, no tokenizer read"
-    engine = StreamEngine
+    engine = QwenStreamEngine
     history = "separator"
 
     # config
@@ -104,4 +104,5 @@ class QwenVariant(variants.Variant):
         return shifted
 
 
-VARIANT = variants.register(QwenVariant())
+from ._engine import QwenStreamEngine
+from .weights import PLEWeights

@@ -4,6 +4,7 @@
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint64_t
 
 from engram_stream.engine._base cimport EngineBase
+from engram_stream.engine._window cimport HashWindow
 
 cdef extern from "engram_fp8.h" nogil:
     int ES8_BLOCK
@@ -36,8 +37,13 @@ cdef extern from "engram_step.h" nogil:
     int MADV_WILLNEED
 
 
+cdef class DeadLatchWindow(HashWindow):
+    cdef int64_t dead_id               # the raw id that is DEAD (the image token)
+
+
 cdef class V41StreamEngine(EngineBase):
     cdef float eps
+    cdef int64_t dead_id               # the raw id whose gate is 0 (the image token)
 
     # borrowed, read-only model data (typed memoryviews, shapes checked in _init_variant)
     cdef const uint8_t[:, ::1] ww      # wkv, e4m3 [M, E]

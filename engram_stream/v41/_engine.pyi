@@ -6,6 +6,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engram_stream.engine._base import EngineBase
+from engram_stream.engine._window import HashWindow
 
 _Ids = Union[int, np.integer, Sequence[int], npt.NDArray[np.integer]]
 _F32 = npt.NDArray[np.float32]
@@ -21,6 +22,10 @@ def fp8_linear(x: _F32, weight: _U8, scale: _U8, threads: int = 1, plain: bool =
 def dpbf16(acc: Any, a: Any, b: Any, emulate: bool = False) -> _F32: ...
 def _mac_chains(rounds: int) -> int: ...
 def read_bytes(a: _U8) -> int: ...
+
+
+class DeadLatchWindow(HashWindow):
+    """V4.1's hash windows: the DEAD latch (the image token id and negative ids are DEAD)."""
 
 
 class V41StreamEngine(EngineBase):

@@ -1,8 +1,9 @@
 # cython: language_level=3
 """V41StreamEngine: the deepseek-v4.1 variant's streaming engine (DESIGN.md 4).
 
-The skeleton (calls, checks, hash windows with the DEAD latch, rows, pending batches, records,
-snapshots) is the shared EngineBase (engine/_base.pyx). This subclass adds V4.1's parts: per
+The skeleton (calls, checks, hash windows, rows, pending batches, records, snapshots) is the
+shared EngineBase (engine/_base.pyx). This file adds V4.1's history rule, DeadLatchWindow (the
+DEAD latch, DESIGN.md 4.4), and V4.1's parts of a step: per
 chunk it gathers the H float8 rows (e4m3 x e8m0, dequantized), quantizes them per 32 values as
 the reference does, runs the float8 wkv projection with its 32x32 block scales straight from the
 checkpoint's bytes (include/engram_fp8.h), then the gate; without the GIL and with no allocation
@@ -13,10 +14,10 @@ cimport numpy as cnp
 from libc.stdint cimport INT32_MAX, int64_t, uint8_t, uint16_t, uint64_t
 from libc.string cimport memcpy
 
-from engram_stream._hash cimport es_isa_now, es_isa_set
+from engram_stream._hash cimport es_isa_now, es_isa_set, latch_window
 from engram_stream.engine import args
 from engram_stream.engine import isa as _isa
-from engram_stream.engine._base import view
+from engram_stream.engine.args import view
 
 cnp.import_array()
 
@@ -44,7 +45,8 @@ cdef struct TokenWork:
     float *out             # [n, G, D]
     const float *qw
     const float *kw
-    const uint8_t *dead    # [n]
+    const int64_t *ids     # [n] the tokens' ids: the DEAD one's gate is 0
+    int64_t dead_id
     int hd, H, E, G, D, M
     int64_t ldq
     float eps
@@ -68,7 +70,8 @@ cdef void _tail_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
     cdef TokenWork *w = <TokenWork *> ctx
     cdef int64_t i, C = <int64_t> w.G * w.D
     for i in range(i0, i1):
-        es8_gate_tail(w.y + i * w.M, w.hid + i * C, w.qw, w.kw, w.G, w.D, w.eps, w.dead[i], w.out + i * C)
+        es8_gate_tail(w.y + i * w.M, w.hid + i * C, w.qw, w.kw, w.G, w.D, w.eps, w.ids[i] == w.dead_id,
+                      w.out + i * C)
 
 
 cdef _check_dims(int64_t M, int64_t E, m_name, e_name):
@@ -78,6 +81,29 @@ cdef _check_dims(int64_t M, int64_t E, m_name, e_name):
         raise ValueError(f"{m_name} = {M} is too large for the V4.1 engine (at most {INT32_MAX // 16})")
     if E > ES8_MAX_E:
         raise ValueError(f"{e_name} = {E} is too large for the V4.1 engine (at most {ES8_MAX_E})")
+
+
+cdef class DeadLatchWindow(HashWindow):
+    """V4.1's hash windows (HashPlan.history "dead"): the image token id and negative ids are
+    DEAD, entry -1; a slot before the start is DEAD too. The first DEAD entry of a window turns
+    itself and every older one into pad (latch_window), so the latch is re-derived from the
+    window at every token and a snapshot holds nothing else."""
+
+    def __cinit__(self, *args, **kwargs):
+        self.history = "dead"
+
+    cdef int _init_rule(self, model) except -1:
+        self.dead_id = model.cfg.image_token_id
+        self.start = -1
+        return 0
+
+    cdef int64_t entry(self, int64_t token) noexcept nogil:
+        if token < 0 or token == self.dead_id:
+            return -1
+        return HashWindow.entry(self, token)
+
+    cdef void rule(self, const int64_t *full, int64_t *win) noexcept nogil:
+        latch_window(full, self.n, self.pad, win)
 
 
 cdef class V41StreamEngine(EngineBase):
@@ -94,11 +120,14 @@ cdef class V41StreamEngine(EngineBase):
     def __cinit__(self, model, layer, int n_streams=1, rows=None):
         if model.cfg.image_token_id is None:
             raise ValueError(f"V41StreamEngine needs a deepseek-v4.1 model, got variant {model.cfg.variant!r}")
-        self._setup(model, layer, n_streams, ES8_PREFILL_CHUNK, True, rows)
+        self._setup(model, layer, n_streams, ES8_PREFILL_CHUNK, rows)
+
+    _window_class = DeadLatchWindow
 
     cdef int _init_variant(self, w) except -1:
         cfg = self.model.cfg
         self.eps = cfg.norm_eps
+        self.dead_id = cfg.image_token_id
         if self.hd % ES8_BLOCK or self.E % ES8_BLOCK:
             raise ValueError(f"head_dim must be a multiple of {ES8_BLOCK}")
         _check_dims(self.M, self.E, "(hc_mult+1)*hidden_size", "engram_dim")
@@ -139,7 +168,8 @@ cdef class V41StreamEngine(EngineBase):
         cdef TokenWork w
         w.dp, w.sp = self.dp, self.sp
         w.q, w.s, w.y = &self.qbuf[0, 0], &self.sbuf[0, 0], &self.ybuf[0, 0]
-        w.hid, w.out, w.qw, w.kw, w.dead = hid, out, &self.qw[0, 0], &self.kw[0, 0], self.dbuf + t0
+        w.hid, w.out, w.qw, w.kw = hid, out, &self.qw[0, 0], &self.kw[0, 0]
+        w.ids, w.dead_id = self.batch.ids + t0, self.dead_id
         w.hd, w.H, w.E, w.G, w.D, w.M, w.eps = self.hd, self.H, self.E, self.G, self.D, self.M, self.eps
         w.ldq = self.qbuf.shape[1]
         es_parallel(threads, n, fn, &w)

@@ -90,9 +90,11 @@ def _stub_names(module_name):
     return mod, names(tree.body), {c.name: (names(c.body), names(c.body, False)) for c in classes}
 
 
-@pytest.mark.parametrize("module_name", ["engram_stream.engine._base", "engram_stream.demo._engine",
+@pytest.mark.parametrize("module_name", ["engram_stream.engine._base", "engram_stream.engine._window",
+                                         "engram_stream.engine._batch", "engram_stream.demo._engine",
                                          "engram_stream._hash", "engram_stream.v41._engine",
-                                         "engram_stream.rows._cache", "engram_stream.rows._source",
+                                         "engram_stream.qwen._engine", "engram_stream.rows._cache",
+                                         "engram_stream.rows._source", "engram_stream.rows._stamps",
                                          "engram_stream.rows._direct", "engram_stream.integrations._records"])
 def test_stubs_declare_every_public_name(module_name):
     """The .pyi (shipped with py.typed) must list exactly the compiled module's public names,

@@ -289,3 +289,22 @@ def test_engines_of_both_variants_share_one_base():
         m = _model(variant)
         assert isinstance(m.stream(m.cfg.layer_ids[0]), EngineBase)
 
+
+def test_every_engine_keeps_its_plans_history_rule():
+    """A variant's engine hashes through the window of its plan's history rule (the engine's
+    _window_class); an engine given a model whose plan has another rule refuses it, naming both,
+    instead of hashing with the wrong rule (or, before it, the variant's own check of the model)."""
+    engines = {}
+    for variant in VARIANTS:
+        m = _model(variant)
+        eng = m.stream(m.cfg.layer_ids[0])
+        assert type(eng)._window_class().history == m.plan.history, variant
+        engines[m.plan.history] = (type(eng), m)
+    for rule, (cls, _) in engines.items():
+        for other, (_, m) in engines.items():
+            if other != rule and cls._window_class().history != m.plan.history:
+                with pytest.raises(ValueError, match=f"keeps the '{rule}' history rule but the model's plan has "
+                                                     f"'{other}'|needs a "):
+                    cls(m, m.cfg.layer_ids[0])
+    assert {"plain", "dead", "separator"} <= set(engines), sorted(engines)
+

@@ -68,7 +68,9 @@ def _edges():
     for name, path in mods.items():
         is_pkg = path.endswith("__init__.py")
         deps = set()
-        for target, names in _imports(path):
+        pxd = path[:-len(".pyx")] + ".pxd" if path.endswith(".pyx") else None
+        declared = _imports(pxd) if pxd and os.path.exists(pxd) else ()  # a .pyx's .pxd is part of it
+        for target, names in list(_imports(path)) + list(declared):
             base = _resolve(name, target, is_pkg)
             subs = [f"{base}.{n}" for n in names if f"{base}.{n}" in mods]
             deps.update(subs if len(subs) == len(names) and names else subs + [base])

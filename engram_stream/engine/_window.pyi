@@ -1,0 +1,19 @@
+# Type stubs of the compiled hash window (engram_stream/engine/_window.pyx). Keep in step with the
+# .pyx: tests/cli/test_packaging.py checks that every public name is declared here.
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import numpy.typing as npt
+
+
+class HashWindow:
+    """The hash windows of one engine's stream slots, with the plain history rule."""
+
+    history: str  # the HashPlan.history this window keeps
+    def parts(self) -> Dict[str, np.ndarray]: ...
+    def expected_parts(self) -> Tuple[Tuple[str, tuple, Any], ...]: ...
+    def check_parts(self, parts: Dict[str, np.ndarray], nrows: int) -> None: ...
+    def put_parts(self, parts: Dict[str, np.ndarray]) -> None: ...
+    @property
+    def nbytes(self) -> int: ...
+    def track(self, bitmap: Optional[npt.NDArray[np.uint8]]) -> None: ...

@@ -1,0 +1,222 @@
+# cython: language_level=3
+"""HashWindow: the per-stream hash window of one engine (engine/_window.pxd declares it).
+
+For each of S stream slots it keeps the last n-1 window entries (newest first), the tokens seen
+since the slot's reset and the absolute table rows of its last token. A token's rows are the
+hash of a window: the token's entry, then the slot's entries, through the history rule; then
+the token's entry joins the slot's entries and the oldest falls off.
+
+The history rule is two hooks, and the plain rule is the default:
+  entry(token)     the value a token leaves in the window: its compressed id (negative ids pass
+                   through, DESIGN 1.1)
+  rule(full, win)  the window the hash reads, from the token's entry and the slot's: as it is
+and _init_rule(model) sets what a slot before the start holds (`start`: the pad id). A
+variant whose HashPlan.history is another rule subclasses HashWindow in its own folder, sets
+`history` to that rule's name and names the class as its engine's _window_class; the engine
+refuses a window whose `history` is not its plan's.
+
+The record: before a call moves its slots, record() keeps them (per segment); rollback() puts
+them back (a failed read), commit_segment() replays a draft's first tokens from the record.
+"""
+import numpy as np
+cimport numpy as cnp
+from libc.stdint cimport int64_t, uint8_t
+
+from engram_stream._consts cimport ES_MAX_NGRAM
+from engram_stream._hash cimport es_hash_window
+from engram_stream.engine.args import view
+
+cnp.import_array()
+
+cdef extern from "engram_step.h" nogil:
+    void es_mark_rows(uint8_t *bitmap, const int64_t *rows, int64_t n) noexcept
+
+_EMPTY_I64 = np.empty(0, np.int64)
+_EMPTY_F64 = np.empty(0, np.float64)
+
+
+cdef class HashWindow:
+    """The hash windows of one engine's stream slots, with the plain history rule (slots before
+    the start hold the pad id). Made and driven by EngineBase; a variant's rule subclasses it."""
+
+    def __cinit__(self, *args, **kwargs):
+        self.history = "plain"
+
+    cdef int setup(self, model, int layer, offsets, int64_t n_streams) except -1:
+        """Borrow layer `layer`'s hash data (plan and the layer's head offsets), make the state
+        of n_streams slots, then the rule's own setup (_init_rule); every slot reset."""
+        cfg, plan = model.cfg, model.plan
+        self.n, self.nh, self.H = cfg.max_ngram_size, cfg.n_head_per_ngram, cfg.n_heads
+        if self.n > ES_MAX_NGRAM:  # EngramConfig refuses these already
+            raise ValueError(f"max_ngram_size <= {ES_MAX_NGRAM} is what the engine supports")
+        self.S, self.pad = n_streams, plan.pad_id
+        self.has_lookup = plan.lookup is not None
+        self.lookup = view(plan.lookup, np.int64, (cfg.vocab_size,), "plan.lookup") if self.has_lookup else _EMPTY_I64
+        self.mult = view(plan.multipliers[layer], np.int64, (self.n,), f"plan.multipliers[{layer}]")
+        self.primes = view(plan.head_primes[layer], np.int64, (self.H,), f"plan.head_primes[{layer}]")
+        fp = plan.head_fp[layer]
+        self.fp = _EMPTY_F64 if fp is None else view(fp, np.float64, (3 * self.H,), f"plan.head_fp[{layer}]")
+        self.offsets = view(offsets, np.int64, (self.H,), f"layer {layer} offsets")
+        cdef int64_t S = n_streams
+        self.hist = np.empty((S, self.n - 1), dtype=np.int64)
+        self.seen = np.zeros(S, dtype=np.int64)
+        self.last_rows = np.empty((S, self.H), dtype=np.int64)
+        self.rec_hist = np.empty((S, self.n - 1), dtype=np.int64)
+        self.rec_seen = np.empty(S, dtype=np.int64)
+        self.rec_rows = np.empty((S, self.H), dtype=np.int64)
+        self.start = self.pad
+        self._init_rule(model)
+        cdef int64_t s
+        for s in range(S):
+            self.reset_stream(s)
+        return 0
+
+    # ---- the history rule ---------------------------------------------------------------------
+    cdef int _init_rule(self, model) except -1:
+        """The rule's own fields from the model (after the hash data; `start` is the pad id)."""
+        return 0
+
+    cdef int64_t entry(self, int64_t token) noexcept nogil:
+        """The value `token` leaves in the window: its compressed id; a negative id passes through."""
+        if self.has_lookup and token >= 0:
+            return self.lookup[token]
+        return token
+
+    cdef void rule(self, const int64_t *full, int64_t *win) noexcept nogil:
+        """The window the hash reads (n entries, newest first) from the token's entry and the
+        slot's (full): every entry as it is."""
+        cdef int k
+        for k in range(self.n):
+            win[k] = full[k]
+
+    # ---- the moves -----------------------------------------------------------------------------
+    cdef void hash_one(self, int64_t s, int64_t token, int64_t *rows, int64_t *entry) noexcept nogil:
+        """`token` on slot s: its H absolute rows into rows, its window entry into *entry; then
+        the slot's window takes the entry."""
+        cdef int64_t full[ES_MAX_NGRAM]
+        cdef int64_t win[ES_MAX_NGRAM]
+        cdef int64_t e0 = self.entry(token)
+        cdef int k, j
+        full[0] = e0
+        for k in range(1, self.n):
+            full[k] = self.hist[s, k - 1]
+        self.rule(full, win)
+        es_hash_window(win, &self.mult[0], self.n, self.nh, &self.primes[0],
+                       &self.fp[0] if self.fp.shape[0] else NULL, rows)
+        for j in range(self.H):
+            rows[j] += self.offsets[j]
+        if self.touched != NULL:
+            es_mark_rows(self.touched, rows, self.H)
+        self.push(s, e0)
+        entry[0] = e0
+
+    cdef void hash_segments(self, const int64_t *ids, const int64_t *seg_stream, const int64_t *seg_start,
+                            const int64_t *seg_len, int64_t K, int64_t *rows, int64_t *entries) noexcept nogil:
+        """K segments (segment k: seg_len[k] tokens of ids from seg_start[k], on slot
+        seg_stream[k]) through their slots' windows, in order: each token's rows (H apiece) and
+        entry at its index; each slot's last rows and count then follow its segment."""
+        cdef int64_t k, j, s, i0, L
+        for k in range(K):
+            s, i0, L = seg_stream[k], seg_start[k], seg_len[k]
+            for j in range(L):
+                self.hash_one(s, ids[i0 + j], rows + (i0 + j) * self.H, entries + i0 + j)
+            for j in range(self.H):
+                self.last_rows[s, j] = rows[(i0 + L - 1) * self.H + j]
+            self.seen[s] += L
+
+    cdef void push(self, int64_t s, int64_t e) noexcept nogil:
+        """Slot s's window takes entry e (newest first; the oldest falls off)."""
+        cdef int k
+        for k in range(self.n - 2, 0, -1):
+            self.hist[s, k] = self.hist[s, k - 1]
+        if self.n > 1:
+            self.hist[s, 0] = e
+
+    cdef void reset_stream(self, int64_t s) noexcept nogil:
+        """Slot s as before any token: every window slot `start`, no rows, nothing seen."""
+        cdef int64_t k
+        for k in range(self.n - 1):
+            self.hist[s, k] = self.start
+        for k in range(self.H):
+            self.last_rows[s, k] = -1
+        self.seen[s] = 0
+
+    cdef void record(self, const int64_t *seg_stream, int64_t K, bint draft) noexcept nogil:
+        """The slots of K segments as they are before a call (segment k's slot: seg_stream[k])."""
+        cdef int64_t k, j, s
+        for k in range(K):
+            s = seg_stream[k]
+            for j in range(self.n - 1):
+                self.rec_hist[k, j] = self.hist[s, j]
+            for j in range(self.H):
+                self.rec_rows[k, j] = self.last_rows[s, j]
+            self.rec_seen[k] = self.seen[s]
+        self.has_record = True
+        self.draft = draft
+
+    cdef void rollback(self, const int64_t *seg_stream, int64_t K) noexcept nogil:
+        """The recorded slots back as before the call (nothing when no record); the record is spent."""
+        cdef int64_t k, j, s
+        if not self.has_record:
+            return
+        for k in range(K):
+            s = seg_stream[k]
+            for j in range(self.n - 1):
+                self.hist[s, j] = self.rec_hist[k, j]
+            for j in range(self.H):
+                self.last_rows[s, j] = self.rec_rows[k, j]
+            self.seen[s] = self.rec_seen[k]
+        self.has_record = False
+        self.draft = False
+
+    cdef void commit_segment(self, int64_t k, int64_t s, const int64_t *entries, const int64_t *rows,
+                             int64_t na) noexcept nogil:
+        """Recorded segment k (slot s) as if only its first na tokens were fed: the window
+        replays their entries (entries[0..na)), rows[] holds the segment's rows (H a token)."""
+        cdef int64_t j
+        for j in range(self.n - 1):
+            self.hist[s, j] = self.rec_hist[k, j]
+        for j in range(na):
+            self.push(s, entries[j])
+        self.seen[s] = self.rec_seen[k] + na
+        for j in range(self.H):
+            self.last_rows[s, j] = rows[(na - 1) * self.H + j] if na else self.rec_rows[k, j]
+
+    # ---- what a snapshot holds ------------------------------------------------------------------
+    def parts(self):
+        """{name: array copy} of the windows' state: hist, seen, rows."""
+        return {"hist": np.array(self.hist, copy=True), "seen": np.array(self.seen, copy=True),
+                "rows": np.array(self.last_rows, copy=True)}
+
+    def expected_parts(self):
+        """((name, shape, dtype), ...) of parts()."""
+        S = self.S
+        return (("hist", (S, self.n - 1), np.int64), ("seen", (S,), np.int64), ("rows", (S, self.H), np.int64))
+
+    def check_parts(self, parts, int64_t nrows):
+        """Raise ValueError unless parts (shape- and dtype-checked copies) can be windows of a
+        table of nrows rows."""
+        if parts["seen"].size and parts["seen"].min() < 0:
+            raise ValueError("snapshot.seen is damaged: negative token counts")
+        rows = parts["rows"]
+        if rows.size and ((rows < -1) | (rows >= nrows)).any():
+            raise ValueError("snapshot.rows is damaged: rows out of the table")
+
+    def put_parts(self, parts):
+        """Put back checked parts; the record is void."""
+        cdef int64_t[:, ::1] hist = parts["hist"], rows = parts["rows"]
+        cdef int64_t[::1] seen = parts["seen"]
+        self.hist[:, :] = hist
+        self.seen[:] = seen
+        self.last_rows[:, :] = rows
+        self.has_record = self.draft = False
+
+    @property
+    def nbytes(self):
+        """Bytes of the windows' state (what a snapshot holds of it)."""
+        return int(self.S * ((self.n - 1) * 8 + 8 + self.H * 8))
+
+    def track(self, bitmap):
+        """Mark every row hashed in `bitmap` (checked by the caller; borrowed), or stop with None."""
+        self._touched_ref = bitmap
+        self.touched = NULL if bitmap is None else <uint8_t *> cnp.PyArray_DATA(bitmap)
