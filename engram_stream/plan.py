@@ -193,8 +193,6 @@ class HashPlan:
                 arrays[L] = None if a is None else frozen(a)
         self.lookup = None if self.lookup is None else frozen(self.lookup)
         self.history = spec.history  # the C windows' rule (variants.HISTORIES)
-        # what the engines read of the rule: the pad id ends a document
-        self.separator = self.history == "separator"
         self.dead_id = spec.dead_id(cfg)  # raw id of a DEAD position, or None
         spec.check_plan(self)
 
