@@ -121,7 +121,7 @@ def section_cold(a, res):
     import bench_direct
     from engram_stream.integrations import vllm as plugin
     from engram_stream.rows import DirectTier, packed
-    from engram_stream.rows.mapped import evict_file
+    from engram_stream.io.memory import evict_file
     d = os.path.join(a.dir, f"flash-rows-{a.evs}-d256")
     os.makedirs(a.dir, exist_ok=True)
     bench_direct.ensure_checkpoint(d, a.evs, 256)

@@ -142,7 +142,7 @@ def cmd_demo(args):
 
 
 def cmd_inspect(args):
-    from .rows import mapped
+    from .io import memory
     from .model import EngramModel
     model = EngramModel.load(args.checkpoint, mmap=True)
     cfg, plan = model.cfg, model.plan
@@ -166,7 +166,7 @@ def cmd_inspect(args):
           f"(vocab {cfg.vocab_size} -> {plan.compressed_vocab}), compressed pad {plan.pad_id}")
     for L in cfg.layer_ids:
         w = model.layer(L)
-        res = mapped.resident_bytes(w.table)
+        res = memory.resident_bytes(w.table)
         print(f"layer {L}: multipliers {plan.multipliers[L].tolist()}")
         for n, primes in enumerate(plan.primes[L], start=2):
             print(f"  order {n}: primes {primes}")
@@ -435,13 +435,13 @@ def cmd_profile(args):
         raise CliError("profile needs memray: pip install memray") from None
     import tempfile
 
-    from .rows import mapped
+    from .io import memory
     from .model import EngramModel
     if args.cold and not args.checkpoint:
         raise CliError("--cold needs a checkpoint (the built-in demo model lives in RAM)")
     capture = _check_output(args.output, args.force, inputs=[args.checkpoint]) if args.output else None
     model = EngramModel.load(args.checkpoint, mmap=True) if args.checkpoint else _model_for_demo(args)
-    evicted = mapped.evict(model) if args.cold else []  # every file it maps: a folder's shards, the row file
+    evicted = memory.evict(model) if args.cold else []  # every file it maps: a folder's shards, the row file
     cfg = model.cfg
     G, D = cfg.hc_mult, cfg.hidden_size
     rng = np.random.default_rng(args.seed)
@@ -449,8 +449,8 @@ def cmd_profile(args):
     h = rng.standard_normal((G, D), dtype=np.float32)
     out = np.empty_like(h)
     ids = rng.integers(0, cfg.vocab_size, size=args.steps)
-    resident = {L: mapped.resident_bytes(model.layer(L).table) for L in cfg.layer_ids}
-    before = mapped.proc_status()
+    resident = {L: memory.resident_bytes(model.layer(L).table) for L in cfg.layer_ids}
+    before = memory.proc_status()
     with tempfile.TemporaryDirectory() as tmp:
         path = capture or os.path.join(tmp, "decode.bin")
         if capture and os.path.lexists(capture):
@@ -465,7 +465,7 @@ def cmd_profile(args):
         reader = memray.FileReader(path)
         peak, total = reader.metadata.peak_memory, reader.metadata.total_allocations
         sites = _allocation_sites(reader)
-    after = mapped.proc_status()
+    after = memory.proc_status()
     print(f"decoded {args.steps} tokens x {len(cfg.layer_ids)} layers in {dt:.2f} s (under memray)"
           + (f", cold start: {len(evicted)} file{'s' * (len(evicted) != 1)} evicted from the page cache first"
              if args.cold else ""))
@@ -484,7 +484,7 @@ def cmd_profile(args):
     for L in cfg.layer_ids:
         t = model.layer(L).table
         print(f"layer {L}: table {t.nbytes / 2**20:,.1f} MiB, resident {resident[L] / 2**20:,.1f} -> "
-              f"{mapped.resident_bytes(t) / 2**20:,.1f} MiB (in RAM or the page cache; mincore)")
+              f"{memory.resident_bytes(t) / 2**20:,.1f} MiB (in RAM or the page cache; mincore)")
     if capture:
         print(f"memray capture: {capture} (memray stats / memray flamegraph {capture})")
     return 0

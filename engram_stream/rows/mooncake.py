@@ -110,10 +110,10 @@ def sample_rows(n_h, layer, h) -> np.ndarray:
 
 def sampled_records(model, layer):
     """{head: (head-local rows, their records uint8 [k, record bytes])} of the fingerprint's sample.
-    A model whose tables are a mapped file gets the rows by pread (rows.mapped.read_rows): a
+    A model whose tables are a mapped file gets the rows by pread (rows.memory.read_rows): a
     model that reads its rows from a store checks them at load without bringing its local table
     into the page cache."""
-    from .mapped import read_rows
+    from ..io.memory import read_rows
     rows, scales = record_arrays(model.layer(layer))
     heads = [sample_rows(int(n_h), layer, h) for h, n_h in enumerate(model.plan.head_primes[layer])]
     absolute = np.concatenate([int(model.layer(layer).offsets[h]) + local for h, local in enumerate(heads)])
@@ -502,7 +502,7 @@ class MooncakeTier(RowTier):
 
     def open(self, model) -> "StoreTables":
         """A model loading with tables=this tier: refused unless the store holds its rows. The
-        check reads the sampled rows of the model's own tables (by pread: rows.mapped.read_rows);
+        check reads the sampled rows of the model's own tables (by pread: rows.memory.read_rows);
         nothing after it reads them: its engines' rows all come from the store."""
         return StoreTables(self, model, self.check_published(model))
 

@@ -56,7 +56,7 @@ def host_stats():
 
 def mapping_kb(prefix):
     """Rss and Pss (kB) of this process's mappings of files starting with prefix."""
-    from engram_stream.rows.mapped import mapping_bytes
+    from engram_stream.io.memory import mapping_bytes
     m = mapping_bytes(prefix)
     return {"rss_kb": m["rss"] // 1024, "pss_kb": m["pss"] // 1024}
 
