@@ -253,7 +253,7 @@ def sec_remote(path, toks, frac, res):
         out = np.empty_like(h)
         for mb, name in ((budget_mb(local, frac), "remote_rowcache"), (0, "remote_nocache"),
                          (budget_mb(local, frac), "local_rowcache")):
-            m = EngramModel.load(path, tables=None if name.startswith("local") else tier, row_cache_mb=mb)
+            m = EngramModel.load(path, tables="mapped" if name.startswith("local") else tier, row_cache_mb=mb)
             eng = m.stream(LAYER)
             t0 = time.perf_counter()
             decode(eng, toks, h, out)

@@ -572,10 +572,10 @@ def _config_help() -> str:
 def cmd_publish(args):
     """Every layer's table rows into a Mooncake Store (EngramStore layout under a name: engram:{name}:l{L}:h{h})."""
     from .model import EngramModel
-    from .rows import MooncakeTier, record_layout
+    from .rows import parse_tier, record_layout
     model = EngramModel.load(args.checkpoint, mmap=True)
-    tier = MooncakeTier(master=args.master, metadata=args.metadata, local_host=args.local_host,
-                        connect_timeout=args.connect_timeout, name=args.name)
+    tier = parse_tier({"mooncake": dict(master=args.master, metadata=args.metadata, local_host=args.local_host,
+                                        connect_timeout=args.connect_timeout, name=args.name)})
     total = sum(model.plan.table_rows[L] * sum(record_layout(model.layer(L))) for L in model.cfg.layer_ids)
     bar = progress_bar(args.quiet)
     t0 = time.perf_counter()

@@ -558,24 +558,25 @@ cdef class CachedRows(RowSource):
         return failed
 
 
-class RowTier:
-    """Where a model's table rows live, as a loader's tables= names it: the mapped tables
-    (rows.mapped.MappedTier; tables=None), the checkpoint's files (rows.direct.DirectTier;
-    tables="direct"), a Mooncake Store (rows.mooncake.MooncakeTier), or a class of your own.
-    open(model) is called once for each model loaded with it."""
+class Tier:
+    """Where a model's table rows live: the mapped tables (rows.mapped.MappedTier, "mapped"), the
+    checkpoint's files or its packed row file (rows.direct.DirectTier, "direct"), a Mooncake Store
+    (rows.mooncake.MooncakeTier), the RAM row cache over any of them (rows.tiers.CachedTier), or a
+    class of your own (rows.tiers.TIERS names it for a spec). rows.tiers.parse_tier(spec) makes
+    one from what a loader's tables= or a serving setting gives.
 
-    def open(self, model) -> "OpenTier":
+    open(model) gives this tier for one model: a Tier too, whose source(layer, read_totals) makes
+    the RowSource one engine of `layer` reads through (read_totals: the layer's
+    rows._direct.new_totals() array its reads add to, or None) and whose stats() are the fields
+    it adds to row_cache_stats() (rows.tiers.STATS_FIELDS). A tier as given, before open(), has
+    no model: its source() refuses."""
+
+    def open(self, model) -> "Tier":
         raise NotImplementedError(f"{type(self).__name__}.open(model)")
 
-
-class OpenTier:
-    """One model's rows in a RowTier. source(layer, read_totals) makes the RowSource one engine of
-    `layer` reads through (the model's RowTiers puts its RAM row cache in front); read_totals is
-    the layer's rows._direct.new_totals() array a source adds its reads to, or None. stats():
-    fields this tier adds to row_cache_stats() (rows.tiers.STATS_FIELDS)."""
-
     def source(self, layer, read_totals=None) -> RowSource:
-        raise NotImplementedError(f"{type(self).__name__}.source(layer, read_totals)")
+        raise NotImplementedError(f"{type(self).__name__}.source(layer): a tier reads for one model: "
+                                  f"tier.open(model).source(layer)")
 
     def stats(self) -> dict:
         return {}

@@ -4,23 +4,23 @@ from __future__ import annotations
 
 from ..io.files import mapping_of
 from ..io.memory import advise
-from ._source import MappedRows, OpenTier, RowTier
+from ._source import MappedRows, Tier
 
 
-class MappedTier(RowTier):
-    """The tables where the loader put them (tables=None): in RAM, or views of the mapped
+class MappedTier(Tier):
+    """The tables where the loader put them (tables="mapped"): in RAM, or views of the mapped
     checkpoint, whose pages are advised MADV_RANDOM (a cold gather must not read ahead) and paged
     in by prefetch() (MADV_WILLNEED of the rows a call reads)."""
 
     def __repr__(self):
-        return "MappedTier()"
+        return "MappedTier()"  # (an opened one too: what it was opened from)
 
     def open(self, model) -> "MappedTables":
         return MappedTables(model)
 
 
-class MappedTables(OpenTier):
-    """One model's mapped tables: each engine's MappedRows points into them."""
+class MappedTables(MappedTier):
+    """A MappedTier opened for one model: each engine's MappedRows points into its tables."""
 
     def __init__(self, model):
         self.layers = {L: (model.layer(L).table, model.layer(L).table_scale) for L in model.cfg.layer_ids}

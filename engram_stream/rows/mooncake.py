@@ -57,7 +57,7 @@ import numpy as np
 from ..errors import TierError
 from ._cache import slot_bytes
 from ._direct import add_read
-from ._source import OpenTier, RecordSource, RowTier
+from ._source import RecordSource, Tier
 from .records import record_arrays, record_layout
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -299,7 +299,7 @@ def _answers(host, port, request, timeout) -> bool:
         return True
 
 
-class MooncakeTier(RowTier):
+class MooncakeTier(Tier):
     """A Mooncake Store (a running mooncake_master and its store servers) as a row tier.
 
     master: "HOST:PORT" of mooncake_master; metadata: the transfer engine's metadata URL
@@ -514,13 +514,16 @@ class MooncakeTier(RowTier):
         return reader
 
 
-class StoreTables(OpenTier):
-    """One model's rows in a MooncakeTier: each engine's RemoteRows reads them; every read of the
-    model counts in stats() (fetches, fetch_seconds)."""
+class StoreTables(Tier):
+    """A MooncakeTier opened for one model: each engine's RemoteRows reads its rows; every read of
+    the model counts in stats() (fetches, fetch_seconds)."""
 
     def __init__(self, tier, model, name):
         self.tier, self.model_ref, self.name = tier, weakref.ref(model), name
         self.totals = {"fetches": 0, "fetch_seconds": 0.0}
+
+    def open(self, model) -> "StoreTables":
+        return self.tier.open(model)
 
     def source(self, layer, read_totals=None) -> "RemoteRows":
         return self.tier.rows(self.model_ref(), layer, self.totals, read_totals, self.name)

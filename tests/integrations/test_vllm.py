@@ -177,7 +177,7 @@ def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, plugin_checkpoints, expect
     for L, m in mine.items():
         assert isinstance(m, plugin.embedding_class()) and isinstance(m, E.ParallelEngramEmbedding)
         if "packed" in source:
-            assert m.model.row_tiers.open_tier.rows_path == packed.rows_path(path)
+            assert m.model.tier.inner.rows_path == packed.rows_path(path)
         own = sum(p.numel() * p.element_size() for p in list(m.parameters()) + list(m.buffers()))
         assert own < table_bytes[L] // 100
     for L, ids, dtype, want in calls:

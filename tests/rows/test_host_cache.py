@@ -48,8 +48,8 @@ sources = {}
 def host_stats():
     s = model.row_cache_stats()
     out = {k: s[k] for k in ("hits", "misses", "rows_cached", "capacity_rows", "cache_bytes", "budget_bytes")}
-    out["recoveries"] = sum(c.recoveries for c in model.row_tiers.caches.values())
-    out["pinned"] = sum(c.pinned() for c in model.row_tiers.caches.values())
+    out["recoveries"] = sum(c.recoveries for c in model.tier.caches.values())
+    out["pinned"] = sum(c.pinned() for c in model.tier.caches.values())
     out["layers"] = {str(L): {k: v[k] for k in ("hits", "misses", "rows_cached", "capacity_rows")}
                      for L, v in s["layers"].items()}
     return out
@@ -68,10 +68,10 @@ for line in sys.stdin:
     op, reply = cmd["op"], {}
     try:
         if op == "load":
-            model = EngramModel.load(cmd["path"], tables=cmd.get("tables"), row_cache_mb=cmd["mb"],
+            model = EngramModel.load(cmd["path"], tables=cmd.get("tables", "mapped"), row_cache_mb=cmd["mb"],
                                      host_cache=cmd["host"])
             for L in model.cfg.layer_ids:
-                model.row_tiers.cache(L)
+                model.tier.cache(L)
             reply = host_stats()
         elif op == "read":
             L = cmd["layer"]
@@ -108,7 +108,7 @@ for line in sys.stdin:
         elif op == "spin":
             # read a row from a table whose pages fault, inside the cache's lock: the fault's handler
             # returns, the copy faults again, and the process spins holding the lock until killed
-            cache = model.row_tiers.cache(cmd["layer"])
+            cache = model.tier.cache(cmd["layer"])
             signal.signal(signal.SIGSEGV, lambda *a: None)
             signal.signal(signal.SIGBUS, lambda *a: None)
             nrows = cmd["row"] + 1
@@ -262,7 +262,7 @@ def plain_decode(model, ids, hid):
     return {L: np.stack(v) for L, v in outs.items()}
 
 
-@pytest.mark.parametrize("tables", [None, "direct"])
+@pytest.mark.parametrize("tables", ["mapped", "direct"])
 def test_decodes_are_the_plain_models_and_the_second_process_only_hits(ckpt, plain, host, tmp_path, tables):
     name, start = host
     ws = start(4)
@@ -474,7 +474,7 @@ def test_a_host_cache_too_small_for_one_row_is_refused(ckpt, host):
         EngramModel.load(ckpt, row_cache_mb=1e-9, host_cache=name)
     least = float(re.search(r">= ([0-9.e+-]+)", str(e.value)).group(1))
     m = EngramModel.load(ckpt, row_cache_mb=least, host_cache=name)
-    assert all(m.row_tiers.cache(L).nslots >= 1 for L in m.cfg.layer_ids)
+    assert all(m.tier.cache(L).nslots >= 1 for L in m.cfg.layer_ids)
     del m
 
 
