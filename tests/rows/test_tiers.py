@@ -142,7 +142,7 @@ def test_row_cache_mb_takes_numpy_numbers(ckpts):
 
 
 def test_engines_made_on_several_threads_share_one_cache(ckpts):
-    """RowTiers.cache() makes a layer's cache once, however many threads ask at the same time."""
+    """CachedTier.cache() makes a layer's cache once, however many threads ask at the same time."""
     import sys
     import threading
     switch = sys.getswitchinterval()
