@@ -163,10 +163,11 @@ class EngramModel:
         tables: where table rows are read from (weights always come from the file), a spec of
         rows.parse_tier: "mapped" (the mapped tables), "direct" or a rows.DirectTier (pread from
         the checkpoint's files, O_DIRECT where the file system allows it; the packed row file when
-        there is one), a rows.MooncakeTier or {"mooncake": {its arguments}}. row_cache_mb: the model's RAM cache of whole rows in front of them,
-        shared by every engine (engram_stream.rows). host_cache: a name ("vllm") that makes
-        that cache the host's: every process loading the same model with the same row_cache_mb
-        and host_cache shares one cache (files under /dev/shm), one budget and its stats."""
+        there is one), a rows.MooncakeTier or {"mooncake": {its arguments}}. row_cache_mb: the
+        model's RAM cache of whole rows in front of them, shared by every engine
+        (engram_stream.rows.CachedTier, model.tier). host_cache: a name ("vllm") that makes that
+        cache the host's: every process loading the same model with the same row_cache_mb and
+        host_cache shares one cache (files under /dev/shm), one budget and its stats."""
         path = os.fspath(path)
         tier, mapped = _cached_tier(tables, row_cache_mb, host_cache)   # a bad spec refused before any read
         variant = next((v for v in variants() if v.is_checkpoint(path)), None)

@@ -141,7 +141,9 @@ def parse_tier(spec) -> Tier:
             try:
                 return TIERS[name](**kw)
             except TypeError as e:   # an argument the class does not take
-                raise TypeError(f"tables={spec!r}: {e}; the arguments are {TIERS[name].__init__.__code__.co_varnames[1:TIERS[name].__init__.__code__.co_argcount]}") from None
+                code = TIERS[name].__init__.__code__
+                raise TypeError(f"tables={spec!r}: {e}; the arguments are "
+                                f"{code.co_varnames[1:code.co_argcount]}") from None
     shown = repr(spec)
     shown = shown if len(shown) <= 200 else shown[:200] + f"... ({len(shown)} characters)"
     raise TypeError(f"tables= takes {' | '.join(repr(n) for n in TIERS)}, a Tier (a DirectTier, a MooncakeTier, a "
