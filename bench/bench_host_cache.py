@@ -71,7 +71,7 @@ def rank(k, path, mb, host, reads, batch, barrier, out):
     dt = time.perf_counter() - t0
     barrier.wait()  # every rank done: the caches are as full as they get
     st = model.row_cache_stats()
-    from engram_stream.rows.mapped import mapping_bytes
+    from engram_stream.io.memory import mapping_bytes
     m = mapping_bytes(os.path.join(HOST_CACHE_DIR, f"engram-rows-{host}-")) if host else {"rss": 0, "pss": 0}
     rss, pss = m["rss"] // 1024, m["pss"] // 1024
     out.put({"rank": k, "seconds": dt, "hits": st["hits"], "misses": st["misses"],

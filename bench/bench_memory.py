@@ -80,21 +80,17 @@ def decode(model, tokens, hiddens, sim, prefetch, track=None):
     """feed -> [prefetch] -> [simulated compute] -> compute, per token. Returns per-token times:
     layer (feed + prefetch + compute: the layer's own work, page-fault stalls included),
     prefetch, compute, total (with the simulated compute)."""
-    from engram_stream.rows import mapped
-    w = model.layers[LAYER]
+    from engram_stream.io import memory
     eng = model.stream(LAYER)
     if track is not None:
-        track.append(mapped.track_rows(eng))
-    pf = mapped.RowPrefetcher(w.table, w.table_scale)
+        track.append(memory.track_rows(eng))
     out = np.empty(hiddens.shape[1:], np.float32)
     t = {k: np.zeros(len(tokens)) for k in ("layer", "prefetch", "compute", "total")}
     for i, tok in enumerate(tokens.tolist()):
         t0 = time.perf_counter()
         eng.feed(tok)
         ta = time.perf_counter()
-        if prefetch == "python":
-            pf(eng.rows)
-        elif prefetch == "engine":
+        if prefetch == "engine":
             eng.prefetch()
         t1 = time.perf_counter()
         if sim is not None:
@@ -148,15 +144,15 @@ def worker(spec):
     if spec.get("ab"):
         return ab_worker(spec)
     from engram_stream import EngramModel
-    from engram_stream.rows import mapped
+    from engram_stream.io import memory
     path = spec["path"]
     if spec.get("cold"):
-        mapped.evict_file(path)
+        memory.evict_file(path)
     rng = np.random.default_rng(spec.get("seed", 0))
     tokens = rng.integers(0, spec["vocab"], spec["steps"])
     hiddens = rng.standard_normal((64,) + tuple(spec["hidden_shape"])).astype(np.float32)
     sim = make_sim(spec.get("compute_ms", 0))
-    res = {"before": mapped.proc_status()}
+    res = {"before": memory.proc_status()}
     tracker = None
     if spec.get("trace"):
         import memray
@@ -167,16 +163,16 @@ def worker(spec):
     res["load_s"] = time.perf_counter() - t0
     w = model.layers[LAYER]
     res["table_bytes"] = int(w.table.nbytes)
-    res["resident_after_load"] = mapped.resident_bytes(w.table)
-    res["after_load"] = mapped.proc_status()
+    res["resident_after_load"] = memory.resident_bytes(w.table)
+    res["after_load"] = memory.proc_status()
     res["passes"], track = [], []
     for _ in range(spec.get("passes", 1)):
         t = decode(model, tokens, hiddens, sim, spec.get("prefetch"), track if not res["passes"] else None)
         res["passes"].append({k: stats(v) for k, v in t.items()})
-    rep = mapped.residency(model, touched={LAYER: track[0]})[LAYER]
+    rep = memory.residency(model, touched={LAYER: track[0]})[LAYER]
     res["resident_after_decode"] = rep["resident_bytes"]
     res["rows_touched"] = rep["rows_touched"]
-    res["after_decode"] = mapped.proc_status()
+    res["after_decode"] = memory.proc_status()
     if tracker is not None:
         tracker.__exit__(None, None, None)
         import memray
@@ -186,10 +182,10 @@ def worker(spec):
         res["mapped_at_peak"] = mmapped
         os.unlink(spec["trace"])
     if spec.get("touch_all"):  # the whole table resident (sequential advice: big reads, not page faults)
-        mapped.advise(w.table, "sequential")
-        mapped.touch(w.table)
-        res["resident_full"] = mapped.resident_bytes(w.table)
-        res["after_touch"] = mapped.proc_status()
+        memory.advise(w.table, "sequential")
+        memory.touch(w.table)
+        res["resident_full"] = memory.resident_bytes(w.table)
+        res["after_touch"] = memory.proc_status()
     if spec.get("hold"):  # stay alive (mapped) until the parent has read our smaps
         print(json.dumps(res), flush=True)
         sys.stdin.readline()
@@ -324,7 +320,6 @@ def measure(cfg, args, d, f32, f16):
               f"(us/token; layer = feed+prefetch+compute, stalls included; best p50 / median mean of {args.reps})")
         cold = {**base, "mmap": True, "cold": True, "compute_ms": args.compute_ms, "seed": 1}
         cases = [("mmap f32 cold, no prefetch", {**cold, "path": f32}),
-                 ("mmap f32 cold, RowPrefetcher (py)", {**cold, "path": f32, "prefetch": "python"}),
                  ("mmap f32 cold, engine.prefetch()", {**cold, "path": f32, "prefetch": "engine"}),
                  ("mmap f16 cold, no prefetch", {**cold, "path": f16}),
                  ("mmap f16 cold, engine.prefetch()", {**cold, "path": f16, "prefetch": "engine"}),

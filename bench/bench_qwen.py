@@ -154,16 +154,16 @@ def section_prefill(models, T, reps, paths):
 def section_direct(d, n_rounds, seconds, qd, cache_mb, streams=16):
     """The engine's read path from disk, cold, vs fio on the same file at the same qd."""
     from engram_stream.rows import DirectTier
-    from engram_stream.rows import mapped as store
+    from engram_stream.io import memory
     shards = sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors"))
     rng = np.random.default_rng(1)
     out = []
     for r in range(n_rounds):
         model = EngramModel.load(d, tables=DirectTier(qd=qd, rows_file=False), row_cache_mb=cache_mb)
-        rf = model.row_tiers.open_tier.files[LAYER]
+        rf = model.tier.inner.files[LAYER]
         path = rf.describe()
         for s in shards:  # (O_DIRECT reads bypass it anyway: no page of the table starts warm)
-            store.evict_file(s)
+            memory.evict_file(s)
         eng = model.stream(LAYER, streams)
         V = model.cfg.vocab_size
         st0 = model.row_cache_stats()

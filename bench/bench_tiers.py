@@ -127,7 +127,7 @@ def own_memory_cgroup():
 def cgroup_worker(path, mode, toks_path, frac, cg):
     """In a fresh process: join cgroup `cg`, set up, cap the cgroup at footprint + budget, go."""
     from engram_stream import EngramModel
-    from engram_stream.rows import mapped
+    from engram_stream.io import memory
     with open(os.path.join(cg, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
     toks = np.load(toks_path)
@@ -140,8 +140,8 @@ def cgroup_worker(path, mode, toks_path, frac, cg):
     h = np.zeros((G, D), np.float32)
     out = np.empty_like(h)
     table = model.layer(LAYER).table
-    mapped.release(model)
-    mapped.evict_file(path)
+    memory.release(model)
+    memory.evict_file(path)
     usage = int(open(os.path.join(cg, "memory.usage_in_bytes")).read())
     with open(os.path.join(cg, "memory.limit_in_bytes"), "w") as f:
         f.write(str(usage + budget))
@@ -155,7 +155,7 @@ def cgroup_worker(path, mode, toks_path, frac, cg):
         if i >= warm:
             if mode == "pagecache":
                 for r in eng.rows.ravel().tolist():
-                    served += mapped.resident_bytes(table[r:r + 1]) == table.itemsize * table.shape[1]
+                    served += memory.resident_bytes(table[r:r + 1]) == table.itemsize * table.shape[1]
             reads += eng.rows.size
         eng.compute(h, out=out)
     dt = time.perf_counter() - t0
@@ -255,7 +255,7 @@ def sec_remote(path, toks, frac, res):
         out = np.empty_like(h)
         for mb, name in ((budget_mb(local, frac), "remote_rowcache"), (0, "remote_nocache"),
                          (budget_mb(local, frac), "local_rowcache")):
-            m = EngramModel.load(path, tables=None if name.startswith("local") else tier, row_cache_mb=mb)
+            m = EngramModel.load(path, tables="mapped" if name.startswith("local") else tier, row_cache_mb=mb)
             eng = m.stream(LAYER)
             t0 = time.perf_counter()
             decode(eng, toks, h, out)

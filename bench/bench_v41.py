@@ -304,28 +304,28 @@ COLD = r"""
 import json, sys, time
 import numpy as np
 from engram_stream import EngramModel
-from engram_stream.rows import mapped  # (PYTHONPATH: the package checkout.use() chose)
+from engram_stream.io import memory  # (PYTHONPATH: the package checkout.use() chose)
 d, steps = {d!r}, {steps}
 for f in __import__("os").listdir(d):
     if f.endswith(".safetensors"):
-        mapped.evict_file(__import__("os").path.join(d, f))
+        memory.evict_file(__import__("os").path.join(d, f))
 model = EngramModel.from_deepseek_v41(d, mmap=True)
 w = model.layer({L})
 eng = model.stream({L})
-bitmap = mapped.track_rows(eng)
+bitmap = memory.track_rows(eng)
 G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
 rng = np.random.default_rng(2)
 ids = rng.integers(0, V, steps)
 hs = rng.standard_normal((8, G, D)).astype(np.float32)
 out = np.empty((G, D), np.float32)
-before = mapped.proc_status()
+before = memory.proc_status()
 t0 = time.perf_counter()
 for t in range(steps):
     eng.step(int(ids[t]), hs[t % 8], out=out)
 dt = time.perf_counter() - t0
-after = mapped.proc_status()
+after = memory.proc_status()
 rows = int(np.unpackbits(bitmap).sum())
-table = mapped.resident_bytes(w.embed_weight) + mapped.resident_bytes(w.embed_scale)
+table = memory.resident_bytes(w.embed_weight) + memory.resident_bytes(w.embed_scale)
 print(json.dumps({{"steps": steps, "ms_per_step": dt / steps * 1e3,
                   "rss_anon_growth_MB": (after["RssAnon"] - before["RssAnon"]) / 2**20,
                   "rss_file_growth_MB": (after["RssFile"] - before["RssFile"]) / 2**20,

@@ -126,7 +126,7 @@ def section_cold(a, res):
     import bench_direct
     from engram_stream.integrations import vllm as plugin
     from engram_stream.rows import DirectTier, packed
-    from engram_stream.rows.mapped import evict_file
+    from engram_stream.io.memory import evict_file
     d = os.path.join(a.dir, f"flash-rows-{a.evs}-d256")
     os.makedirs(a.dir, exist_ok=True)
     bench_direct.ensure_checkpoint(d, a.evs, 256)
@@ -179,7 +179,7 @@ def section_cold(a, res):
               f"{out[name]['fio_iops']:,.0f} reads/s, median of per-round ratios {out[name]['ratio_median']:.2f}x "
               f"(goal >= 0.7x)", flush=True)
     res["cold"] = {"qd": a.qd, "cache_mb": a.cache_mb, "table_bytes": table, "batches": out,
-                   "direct": [rf.direct for rf in model.row_tiers.direct.files.values()]}
+                   "direct": [rf.direct for rf in model.tier.inner.files.values()]}
     del model
     # the serving process with a 1 GiB row cache: the cold lookups again through one model
     model = EngramModel.from_deepseek_v41(d, tables=DirectTier(qd=a.qd), row_cache_mb=1024)

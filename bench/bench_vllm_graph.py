@@ -38,7 +38,7 @@ def main():
     print(f"table: 9 heads x {a.evs} rows x 264 B per layer; load {os.getloadavg()[0]:.2f}")
     print(f"{'source':14s} {'tokens':>6s} {'eager us':>10s} {'hostfn us':>10s} {'ratio':>6s}")
     for tables in ("mapped", "direct"):
-        model = EngramModel.from_deepseek_v41(path, tables=None if tables == "mapped" else "direct", row_cache_mb=256)
+        model = EngramModel.from_deepseek_v41(path, tables=tables, row_cache_mb=256)
         L = model.cfg.layer_ids[0]
         src_e, src_h = model.row_source(L), model.row_source(L)
         n = src_e.nrows

@@ -140,7 +140,7 @@ def cmd_demo(args):
 
 
 def cmd_inspect(args):
-    from .rows import mapped
+    from .io import memory
     from .model import EngramModel
     model = EngramModel.load(args.checkpoint, mmap=True)
     cfg, plan = model.cfg, model.plan
@@ -164,7 +164,7 @@ def cmd_inspect(args):
           f"(vocab {cfg.vocab_size} -> {plan.compressed_vocab}), compressed pad {plan.pad_id}")
     for L in cfg.layer_ids:
         w = model.layer(L)
-        res = mapped.resident_bytes(w.table)
+        res = memory.resident_bytes(w.table)
         print(f"layer {L}: multipliers {plan.multipliers[L].tolist()}")
         for n, primes in enumerate(plan.primes[L], start=2):
             print(f"  order {n}: primes {primes}")
@@ -433,13 +433,13 @@ def cmd_profile(args):
         raise CliError("profile needs memray: pip install memray") from None
     import tempfile
 
-    from .rows import mapped
+    from .io import memory
     from .model import EngramModel
     if args.cold and not args.checkpoint:
         raise CliError("--cold needs a checkpoint (the built-in model lives in RAM)")
     capture = _check_output(args.output, args.force, inputs=[args.checkpoint]) if args.output else None
     model = EngramModel.load(args.checkpoint, mmap=True) if args.checkpoint else _builtin_model(args)
-    evicted = mapped.evict(model) if args.cold else []  # every file it maps: a folder's shards, the row file
+    evicted = memory.evict(model) if args.cold else []  # every file it maps: a folder's shards, the row file
     cfg = model.cfg
     G, D = cfg.hc_mult, cfg.hidden_size
     rng = np.random.default_rng(args.seed)
@@ -447,8 +447,8 @@ def cmd_profile(args):
     h = rng.standard_normal((G, D), dtype=np.float32)
     out = np.empty_like(h)
     ids = rng.integers(0, cfg.vocab_size, size=args.steps)
-    resident = {L: mapped.resident_bytes(model.layer(L).table) for L in cfg.layer_ids}
-    before = mapped.proc_status()
+    resident = {L: memory.resident_bytes(model.layer(L).table) for L in cfg.layer_ids}
+    before = memory.proc_status()
     with tempfile.TemporaryDirectory() as tmp:
         path = capture or os.path.join(tmp, "decode.bin")
         if capture and os.path.lexists(capture):
@@ -463,7 +463,7 @@ def cmd_profile(args):
         reader = memray.FileReader(path)
         peak, total = reader.metadata.peak_memory, reader.metadata.total_allocations
         sites = _allocation_sites(reader)
-    after = mapped.proc_status()
+    after = memory.proc_status()
     print(f"decoded {args.steps} tokens x {len(cfg.layer_ids)} layers in {dt:.2f} s (under memray)"
           + (f", cold start: {len(evicted)} file{'s' * (len(evicted) != 1)} evicted from the page cache first"
              if args.cold else ""))
@@ -482,7 +482,7 @@ def cmd_profile(args):
     for L in cfg.layer_ids:
         t = model.layer(L).table
         print(f"layer {L}: table {t.nbytes / 2**20:,.1f} MiB, resident {resident[L] / 2**20:,.1f} -> "
-              f"{mapped.resident_bytes(t) / 2**20:,.1f} MiB (in RAM or the page cache; mincore)")
+              f"{memory.resident_bytes(t) / 2**20:,.1f} MiB (in RAM or the page cache; mincore)")
     if capture:
         print(f"memray capture: {capture} (memray stats / memray flamegraph {capture})")
     return 0
@@ -576,10 +576,10 @@ def _config_help() -> str:
 def cmd_publish(args):
     """Every layer's table rows into a Mooncake Store (EngramStore layout under a name: engram:{name}:l{L}:h{h})."""
     from .model import EngramModel
-    from .rows import MooncakeTier, record_layout
+    from .rows import parse_tier, record_layout
     model = EngramModel.load(args.checkpoint, mmap=True)
-    tier = MooncakeTier(master=args.master, metadata=args.metadata, local_host=args.local_host,
-                        connect_timeout=args.connect_timeout, name=args.name)
+    tier = parse_tier({"mooncake": dict(master=args.master, metadata=args.metadata, local_host=args.local_host,
+                                        connect_timeout=args.connect_timeout, name=args.name)})
     total = sum(model.plan.table_rows[L] * sum(record_layout(model.layer(L))) for L in model.cfg.layer_ids)
     bar = progress_bar(args.quiet)
     t0 = time.perf_counter()

@@ -34,7 +34,7 @@ class EngramModel:
     streaming engine of one layer; decoder() drives every layer per token.
     """
 
-    row_tiers = None  # rows.tiers.RowTiers: row cache budget and row source (set by load())
+    tier = None  # rows.tiers.CachedTier opened for this model: its tier and row cache (set by load())
     source = None     # the checkpoint it was loaded from (load, from_deepseek_v41): its row file sits beside it
 
     def __init__(self, cfg: EngramConfig, plan: HashPlan, layers: dict):
@@ -95,8 +95,8 @@ class EngramModel:
             return self
         new = type(self)(self.cfg, self.plan, self.variant.with_weight_dtype(self.cfg, self.layers, name))
         new.source = self.source
-        if self.row_tiers is not None:
-            new.row_tiers = self.row_tiers.for_model(new)
+        if self.tier is not None:
+            new.tier = self.tier.open(new)
         return new
 
     @property
@@ -153,26 +153,28 @@ class EngramModel:
                                  progress=progress)
 
     @classmethod
-    def load(cls, path, mmap: bool = True, tables=None, row_cache_mb=None, host_cache=None):
+    def load(cls, path, mmap: bool = True, tables="mapped", row_cache_mb=None, host_cache=None):
         """Read a checkpoint written by save() (or `engram-stream init`): a file (demo) or a
         folder (a deepseek-v4.1 HF checkpoint, as from_deepseek_v41). Every header field,
         shape and the prime chain are checked; a bad file raises CheckpointError.
         mmap=True (the default): tables are read-only zero-copy views of the file, so only the
         rows a decode touches come into RAM (the file must not change while the model lives);
         mmap=False reads everything into RAM.
-        tables: where table rows are read from (weights always come from the file): None (the
-        mapped tables), "direct" or a rows.DirectTier (pread from the checkpoint's files, O_DIRECT
-        where the file system allows it; the packed row file when there is one), or a
-        rows.MooncakeTier. row_cache_mb: the model's RAM cache of whole rows in front of them,
-        shared by every engine (engram_stream.rows). host_cache: a name ("vllm") that makes
-        that cache the host's: every process loading the same model with the same row_cache_mb
-        and host_cache shares one cache (files under /dev/shm), one budget and its stats."""
+        tables: where table rows are read from (weights always come from the file), a spec of
+        rows.parse_tier: "mapped" (the mapped tables), "direct" or a rows.DirectTier (pread from
+        the checkpoint's files, O_DIRECT where the file system allows it; the packed row file when
+        there is one), a rows.MooncakeTier or {"mooncake": {its arguments}}. row_cache_mb: the
+        model's RAM cache of whole rows in front of them, shared by every engine
+        (engram_stream.rows.CachedTier, model.tier). host_cache: a name ("vllm") that makes that
+        cache the host's: every process loading the same model with the same row_cache_mb and
+        host_cache shares one cache (files under /dev/shm), one budget and its stats."""
         path = os.fspath(path)
+        tier, mapped = _cached_tier(tables, row_cache_mb, host_cache)   # a bad spec refused before any read
         variant = next((v for v in variants() if v.is_checkpoint(path)), None)
         if variant is None:
             raise ValueError(f"{path}: not a checkpoint of any variant")
         try:
-            model = cls(*variant.load(path, mmap=mmap or tables is not None))
+            model = cls(*variant.load(path, mmap=mmap or not mapped))
         except CheckpointError:
             for v in variants():  # a file of another variant's checkpoint folder: say what to pass
                 folder = v.folder_of(path)
@@ -181,12 +183,8 @@ class EngramModel:
                                           f"not one of its files") from None
             raise
         model.source = os.path.abspath(path)  # files opened later (tables="direct") are this folder's
-        return model._with_tiers(tables, row_cache_mb, host_cache)
-
-    def _with_tiers(self, tables, row_cache_mb, host_cache):
-        from .rows.tiers import RowTiers
-        self.row_tiers = RowTiers(self, row_cache_mb or 0, tables, host_cache)
-        return self
+        model.tier = tier.open(model)
+        return model
 
     def row_source(self, layer):
         """A RowSource of `layer`'s table as an engine of this model reads it (the model's shared
@@ -195,8 +193,8 @@ class EngramModel:
         One reader: a thread takes its own."""
         if layer not in self.cfg.layer_ids:
             raise KeyError(f"layer {layer} is not an Engram layer of this model (layers: {self.cfg.layer_ids})")
-        if self.row_tiers is not None:
-            return self.row_tiers.source_for(layer)
+        if self.tier is not None:
+            return self.tier.source(layer)
         from .rows._source import MappedRows  # a model made in memory: its tables are RAM arrays
         w = self.layer(layer)
         return MappedRows(w.table, w.table_scale)
@@ -221,8 +219,7 @@ class EngramModel:
         budget_bytes   bytes   row_cache_mb as the caches split it: at most budget_cap_bytes
         budget_cap_bytes bytes what caching every row costs (a larger row_cache_mb is cut to it)
         fetches, fetch_seconds   count, seconds   a Mooncake Store's gets and their total time"""
-        from .rows.tiers import RowTiers
-        return (self.row_tiers or RowTiers(self)).stats()
+        return (self.tier or _cached_tier("mapped", 0, None)[0].open(self)).stats()
 
     def warm(self, token_ids, chunk: int = 4096) -> dict:
         """Seed the row cache with the rows a prompt reads: token_ids (int array, or the path of
@@ -250,7 +247,7 @@ class EngramModel:
         return self.row_cache_stats()
 
     @classmethod
-    def from_deepseek_v41(cls, ckpt_dir, mmap: bool = True, compression=None, tables=None, row_cache_mb=None,
+    def from_deepseek_v41(cls, ckpt_dir, mmap: bool = True, compression=None, tables="mapped", row_cache_mb=None,
                           host_cache=None):
         """A deepseek-v4.1 model from its HF folder (config.json, model.safetensors.index.json, the
         shards, tokenizer.json): only the layers.{L}.engram.* tensors are read, the tables are
@@ -259,9 +256,21 @@ class EngramModel:
         whether it is the host's, as in load() (e.g. tables="direct", row_cache_mb=4096: rows
         read from disk, a 4 GiB cache)."""
         load = get_variant("deepseek-v4.1").load   # a thin entry of the public API: the registry's loader
-        model = cls(*load(ckpt_dir, mmap=mmap or tables is not None, compression=compression))
+        tier, mapped = _cached_tier(tables, row_cache_mb, host_cache)
+        model = cls(*load(ckpt_dir, mmap=mmap or not mapped, compression=compression))
         model.source = os.path.abspath(ckpt_dir)  # files opened later (tables="direct") are this folder's
-        return model._with_tiers(tables, row_cache_mb, host_cache)
+        model.tier = tier.open(model)
+        return model
+
+
+def _cached_tier(tables, row_cache_mb, host_cache):
+    """A loader's tables=, row_cache_mb= and host_cache= as one rows.CachedTier (not yet opened),
+    and whether its tier reads the mapped tables (else the tables must be mapped from their files
+    whatever mmap= says: the tier reads at their offsets)."""
+    from .rows.mapped import MappedTier
+    from .rows.tiers import CachedTier
+    tier = CachedTier(tables, row_cache_mb or 0, host_cache)
+    return tier, isinstance(tier.tier, MappedTier)
 
 
 def _check_weight_dtype(variant, dtype) -> str:

@@ -11,7 +11,7 @@ import numpy as np
 
 from engram_stream import EngramModel
 from engram_stream.demo import checkpoint
-from engram_stream.rows import mapped
+from engram_stream.io import memory
 from tiny_lm import CONFIG
 
 # The tiny LM's geometry with big tables (2 layers x ~50 MiB in float16): far more rows than a
@@ -22,7 +22,7 @@ cfg = dataclasses.replace(CONFIG, engram_vocab_size=[200003, 200003])
 def serve(path, tokens=200):
     checkpoint.save_init(cfg, path, table_dtype="float16")   # random weights, written in pieces
     model = EngramModel.load(path, mmap=True)                 # tables are views of the file
-    mapped.evict_file(path)                                    # cold start: drop the file from the page cache
+    memory.evict_file(path)                                    # cold start: drop the file from the page cache
 
     dec = model.decoder()                                     # prefetch="auto": madvise WILLNEED per token
     rng = np.random.default_rng(0)
@@ -32,7 +32,7 @@ def serve(path, tokens=200):
         for L in dec.layers:
             dec.layer(L, h)
 
-    report = mapped.residency(model)
+    report = memory.residency(model)
     for L, r in report.items():
         print(f"layer {L}: table {r['table_bytes'] / 2**20:.1f} MiB, resident {r['resident_bytes'] / 2**20:.2f} MiB")
     table = sum(r["table_bytes"] for r in report.values())

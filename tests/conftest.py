@@ -222,6 +222,8 @@ ROW_SOURCES = {
     "scales in RAM+cache": dict(tables="direct-scales-in-ram", row_cache_mb=SMALL_CACHE),
     "packed row file": dict(tables="direct", packed=True),
     "packed row file+cache": dict(tables="direct", row_cache_mb=SMALL_CACHE, packed=True),
+    "host cache on the mapping": dict(row_cache_mb=SMALL_CACHE, host_cache=True),
+    "direct+host cache": dict(tables="direct", row_cache_mb=SMALL_CACHE, host_cache=True),
     "mooncake": dict(tables="mooncake"),
     "mooncake+cache": dict(tables="mooncake", row_cache_mb=SMALL_CACHE),
 }
@@ -256,12 +258,19 @@ def row_source_model(path, what, tmp_path, request):
     kw = dict(ROW_SOURCES[what])
     if kw.get("row_cache_mb") == SMALL_CACHE:
         kw["row_cache_mb"] = 0.05 if os.path.isdir(path) else 0.004
+    if kw.pop("host_cache", False):   # a name of this test's own: no other process shares it
+        import glob
+        import uuid
+        from engram_stream.rows.tiers import HOST_CACHE_DIR
+        name = kw["host_cache"] = f"t{uuid.uuid4().hex[:12]}"
+        request.addfinalizer(lambda: [os.unlink(f) for f in glob.glob(os.path.join(HOST_CACHE_DIR,
+                                                                                   f"engram-rows-{name}-*"))])
     if kw.pop("packed", False):
         copy = os.path.join(tempfile.mkdtemp(dir=tmp_path), os.path.basename(path))
         (shutil.copytree if os.path.isdir(path) else shutil.copyfile)(path, copy)
         packed.pack_rows(load_checkpoint(copy), packed.rows_path(copy))
         model = load_checkpoint(copy, **kw)
-        assert model.row_tiers.open_tier.rows_path == packed.rows_path(copy)
+        assert model.tier.inner.rows_path == packed.rows_path(copy)
         return model
     if kw.get("tables") == "direct-scales-in-ram":
         kw["tables"] = DirectTier(scales_in_ram=True)

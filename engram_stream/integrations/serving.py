@@ -84,12 +84,8 @@ def open_model(s, default_checkpoint, where, qwen=False):
     with _lock:
         if key not in _models:
             from ..model import EngramModel
-            tables = None if s["tables"] == "mapped" else "direct"
-            if s["mooncake"] is not None:
-                from ..rows import MooncakeTier
-                mc = s["mooncake"]
-                tables = MooncakeTier(master=mc["master"], metadata=mc["metadata"],
-                                      local_host=mc.get("local_host", "127.0.0.1"))
+            from ..rows import parse_tier
+            tables = parse_tier({"mooncake": s["mooncake"]} if s["mooncake"] is not None else s["tables"])
             load = EngramModel.load if qwen else EngramModel.from_deepseek_v41
             _models[key] = load(ckpt, tables=tables, row_cache_mb=s["row_cache_mb"] or None, host_cache=s["host_cache"])
         return _models[key]

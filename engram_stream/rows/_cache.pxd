@@ -49,7 +49,7 @@ cdef class RowCache:
     cdef size_t mapped
     cdef int fd                    # the host file, flock'ed shared while this process uses it (-1: none)
     cdef int pid                   # the process that attached it (a forked child does not detach it)
-    cdef object __weakref__        # RowTiers tracks live caches for row_cache_stats()
+    cdef object __weakref__        # CachedTier tracks live caches for row_cache_stats()
     cdef object _totals            # int64[4] the counters are added to when the cache goes away
     cdef int _map(self, int fd, int64_t total) except -1
     cdef int _create(self, bytes path, int64_t total, bytes identity) except -1

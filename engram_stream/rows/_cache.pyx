@@ -375,6 +375,16 @@ cdef class RowCache:
             n += self.c.keys[s] >= 0
         return n
 
+    def pinned(self):
+        """Pins held now, summed over slots (a reader holds one per position of the call it is
+        reading: CachedRows); 0 when no reader is between a submit and its release."""
+        cdef int64_t s, n = 0
+        es_rc_lock(&self.c)
+        for s in range(self.c.nslots):
+            n += self.c.refs[s]
+        es_rc_unlock(&self.c)
+        return n
+
     def __contains__(self, row):
         es_rc_lock(&self.c)
         s = es_rc_peek(&self.c, row)

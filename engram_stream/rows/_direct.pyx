@@ -172,7 +172,7 @@ cdef class RecordFile:
                     if p.nbytes > MAX_PART_BYTES:
                         raise ValueError(f"{p.path}: a record part of {p.nbytes} bytes is more than one direct read "
                                          f"holds ({MAX_PART_BYTES} bytes: the I/O buffers' {ES_IO_SPAN_MAX} less a "
-                                         f"page of alignment); read this table mapped (tables=None) instead")
+                                         f"page of alignment); read this table mapped (tables='mapped') instead")
                     if p.path not in self._fds:
                         fd, d = _open(p.path, direct)
                         self._fds[p.path] = (fd, d)

@@ -18,12 +18,14 @@ cdef class RowSource:
     # The rows a call will need (every chunk of it): start reading the missing ones now (a
     # mapped table: pull them toward the CPU). Called with the GIL; may raise (nothing is used).
     cdef int submit(self, const int64_t *rows, int64_t n) except -1
-    # dp[i] / sp[i]: rows[i]'s data and scale (NULL without scales), valid until the next
-    # submit(). Reads what is still missing; raises TierError / OSError with nothing used. `rows`
-    # is the array given to the last submit() or a piece of it (a chunk of the call's tokens).
+    # dp[i] / sp[i]: rows[i]'s data and scale (NULL without scales), valid until release(). Reads
+    # what is still missing; raises TierError / OSError with nothing used. `rows` is the array
+    # given to the last submit() or a piece of it (a chunk of the call's tokens).
     cdef int resolve(self, const int64_t *rows, int64_t n, const char **dp, const char **sp) except -1
-    # The pointers of the last resolve() are no longer read (a source that holds something for
-    # one resolve lets it go here; none of these does).
+    # The pointers of the resolve()s since the last release() are no longer read: a reader that
+    # holds something for them lets it go (CachedRows unpins their cache slots); the rest of the
+    # submitted rows stay resolvable. With no resolve() since the last release() (an abandoned
+    # call), everything the last submit() holds is let go.
     cdef void release(self) noexcept
     # A hint for rows that will be resolved soon; the source decides what helps (a mapped file:
     # madvise WILLNEED of their pages; a cache: only of the rows it lacks; others: nothing).
@@ -75,8 +77,10 @@ cdef class CachedRows(RowSource):
     cdef const char **srcs             # [cap] and its scale
     cdef const char **udp              # [cap] the source's pointers of uniq[k]'s data
     cdef const char **usp              # [cap] and of its scale
-    cdef int64_t *pins                 # [2 cap] slots this reader pinned (refs[s] once per entry)
-    cdef int64_t npins
+    cdef int64_t *pin_of               # [cap] the slot each submitted position pinned (-1: none)
+    cdef int64_t npos                  # positions of pin_of in use (the last submit's n)
+    cdef int64_t npins                 # pins held (entries of pin_of >= 0)
+    cdef int64_t res_lo, res_hi        # positions resolved since the last release(): [res_lo, res_hi)
     cdef int64_t *mpos                 # [cap] submitted positions that missed
     cdef int64_t *uniq                 # [cap] the distinct missed rows, sorted
     cdef int64_t *slot_of              # [cap] the slot uniq[k] was admitted to (-1: none)
@@ -86,4 +90,5 @@ cdef class CachedRows(RowSource):
     cdef bint pending                  # misses asked of the source, not admitted yet
     cdef int _grow(self, int64_t n) except -1
     cdef void _unpin(self) noexcept
+    cdef void _unpin_range(self, int64_t lo, int64_t hi) noexcept
     cdef int _admit(self) except -1

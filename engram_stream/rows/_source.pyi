@@ -55,13 +55,10 @@ class RecordSource(RowSource):
     def start(self, rows: npt.NDArray[np.int64]) -> None: ...  # sorted, distinct, in range
     def finish(self) -> npt.NDArray[np.uint8]: ...  # [>= n, >= record bytes], record k of rows[k]
 
-class OpenTier:
-    """One model's rows in a RowTier: source(layer, read_totals) makes one engine's RowSource."""
+class Tier:
+    """Where a model's rows live: open(model) -> the Tier of one model, whose source(layer,
+    read_totals) makes one engine's RowSource."""
 
+    def open(self, model: Any) -> "Tier": ...
     def source(self, layer: int, read_totals: Any = None) -> RowSource: ...
     def stats(self) -> dict: ...
-
-class RowTier:
-    """Where a model's rows live (a loader's tables=): open(model) -> OpenTier."""
-
-    def open(self, model: Any) -> OpenTier: ...

@@ -357,8 +357,11 @@ cdef class CachedRows(RowSource):
     and copies them into the cache.
 
     Sharing: every change to the cache happens under its lock; a slot some reader still reads is
-    pinned by count (refs), so no engine's fills evict another's rows. A call's pins last until
-    this reader's next submit(). When every slot is pinned a row is read where the source put it."""
+    pinned by count (refs, one pin per submitted position), so no engine's fills evict another's
+    rows. release() drops the pins of the positions resolved since the last release() (an engine
+    releases chunk by chunk: the rest of its window stays pinned); a release() with nothing
+    resolved, and the next submit(), drop every pin left. When every slot is pinned a row is read
+    where the source put it."""
 
     def __cinit__(self, RowCache cache, RowSource source):
         if source is None or isinstance(source, CachedRows):
@@ -376,7 +379,7 @@ cdef class CachedRows(RowSource):
         free(self.srcs)
         free(self.udp)
         free(self.usp)
-        free(self.pins)
+        free(self.pin_of)
         free(self.mpos)
         free(self.uniq)
         free(self.slot_of)
@@ -393,7 +396,7 @@ cdef class CachedRows(RowSource):
         self.srcs = <const char **> _regrow(self.srcs, cap * sizeof(char *))
         self.udp = <const char **> _regrow(self.udp, cap * sizeof(char *))
         self.usp = <const char **> _regrow(self.usp, cap * sizeof(char *))
-        self.pins = <int64_t *> _regrow(self.pins, 2 * cap * sizeof(int64_t))
+        self.pin_of = <int64_t *> _regrow(self.pin_of, cap * sizeof(int64_t))
         self.mpos = <int64_t *> _regrow(self.mpos, cap * sizeof(int64_t))
         self.uniq = <int64_t *> _regrow(self.uniq, cap * sizeof(int64_t))
         self.slot_of = <int64_t *> _regrow(self.slot_of, cap * sizeof(int64_t))
@@ -402,24 +405,42 @@ cdef class CachedRows(RowSource):
 
     cdef void _unpin(self) noexcept:
         """Drop every pin this reader holds."""
-        cdef int64_t i, n = self.npins
+        self._unpin_range(0, self.npos)
+
+    cdef void _unpin_range(self, int64_t lo, int64_t hi) noexcept:
+        """Drop the pins of submitted positions [lo, hi)."""
+        cdef int64_t i, s, dropped = 0
         cdef int32_t *refs = self.cache.c.refs
-        if n == 0:
+        hi = min(hi, self.npos)
+        if self.npins == 0 or lo >= hi:
             return
         with nogil:
             es_rc_lock(&self.cache.c)
-            for i in range(n):
-                refs[self.pins[i]] -= 1
+            for i in range(lo, hi):
+                s = self.pin_of[i]
+                if s >= 0:
+                    refs[s] -= 1
+                    self.pin_of[i] = -1
+                    dropped += 1
             es_rc_unlock(&self.cache.c)
-        self.npins = 0
+        self.npins -= dropped
+
+    cdef void release(self) noexcept:
+        if self.res_hi > self.res_lo:
+            self._unpin_range(self.res_lo, self.res_hi)
+        else:  # nothing resolved since the last release: the call was abandoned
+            self._unpin()
+        self.res_lo = self.res_hi = 0
 
     cdef int submit(self, const int64_t *rows, int64_t n) except -1:
         cdef int64_t i, s, nu, m = 0, npins = 0
         cdef es_rowcache *c = &self.cache.c
         self.pending = False  # an aborted call's misses: the source drops them at its next submit
         self._unpin()  # the previous call's rows
+        self.res_lo = self.res_hi = 0
         self.sub_rows, self.sub_n = NULL, 0
         self._grow(n)
+        self.npos = n
         with nogil:
             es_rc_lock(&self.cache.c)
             for i in range(n):
@@ -428,9 +449,10 @@ cdef class CachedRows(RowSource):
                     self.srcd[i] = es_rc_hit(c, s)
                     self.srcs[i] = self.srcd[i] + self.rowbytes
                     c.refs[s] += 1
-                    self.pins[npins] = s
+                    self.pin_of[i] = s
                     npins += 1
                 else:
+                    self.pin_of[i] = -1
                     self.srcd[i] = NULL
                     self.mpos[m] = i
                     m += 1
@@ -455,8 +477,9 @@ cdef class CachedRows(RowSource):
         return 0
 
     cdef int _admit(self) except -1:
-        """Resolve the distinct misses from the source, each into the cache (pinned), every
-        missed position pointed at its record. A failed read unpins the call and raises."""
+        """Resolve the distinct misses from the source, each into the cache (a pin per missed
+        position), every missed position pointed at its record. A failed read unpins the call
+        and raises."""
         cdef int64_t i, j, k, s, npins = self.npins
         cdef int64_t rb = self.rowbytes, sb = self.scalebytes
         cdef es_rowcache *c = &self.cache.c
@@ -484,22 +507,26 @@ cdef class CachedRows(RowSource):
                         memcpy(slot, self.udp[k], rb)
                         if sb:
                             memcpy(slot + rb, self.usp[k], sb)
-                if s >= 0:
+                if s >= 0:  # held while the rest are admitted (an insert may evict any unpinned slot)
                     c.refs[s] += 1
-                    self.pins[npins] = s
-                    npins += 1
                 self.slot_of[k] = s
-            es_rc_unlock(&self.cache.c)
             for j in range(self.m):
                 i = self.mpos[j]
                 k = es_io_find(self.uniq, self.nu, self.sub_rows[i])
                 s = self.slot_of[k]
                 if s >= 0:
+                    c.refs[s] += 1
+                    self.pin_of[i] = s
+                    npins += 1
                     self.srcd[i] = c.data + s * c.stride
                     self.srcs[i] = self.srcd[i] + rb
                 else:  # not cached: where the source put it (valid until its next submit)
                     self.srcd[i] = self.udp[k]
                     self.srcs[i] = self.usp[k]
+            for k in range(self.nu):
+                if self.slot_of[k] >= 0:
+                    c.refs[self.slot_of[k]] -= 1
+            es_rc_unlock(&self.cache.c)
         self.npins = npins
         return 0
 
@@ -515,6 +542,10 @@ cdef class CachedRows(RowSource):
             for i in range(n):
                 dp[i] = self.srcd[off + i]
                 sp[i] = self.srcs[off + i] if sb else NULL
+        if self.res_hi > self.res_lo:
+            self.res_lo, self.res_hi = min(self.res_lo, off), max(self.res_hi, off + n)
+        else:
+            self.res_lo, self.res_hi = off, off + n
         return 0
 
     cdef int64_t prefetch(self, const int64_t *rows, int64_t n) noexcept:
@@ -527,24 +558,25 @@ cdef class CachedRows(RowSource):
         return failed
 
 
-class RowTier:
-    """Where a model's table rows live, as a loader's tables= names it: the mapped tables
-    (rows.mapped.MappedTier; tables=None), the checkpoint's files (rows.direct.DirectTier;
-    tables="direct"), a Mooncake Store (rows.mooncake.MooncakeTier), or a class of your own.
-    open(model) is called once for each model loaded with it."""
+class Tier:
+    """Where a model's table rows live: the mapped tables (rows.mapped.MappedTier, "mapped"), the
+    checkpoint's files or its packed row file (rows.direct.DirectTier, "direct"), a Mooncake Store
+    (rows.mooncake.MooncakeTier), the RAM row cache over any of them (rows.tiers.CachedTier), or a
+    class of your own (rows.tiers.TIERS names it for a spec). rows.tiers.parse_tier(spec) makes
+    one from what a loader's tables= or a serving setting gives.
 
-    def open(self, model) -> "OpenTier":
+    open(model) gives this tier for one model: a Tier too, whose source(layer, read_totals) makes
+    the RowSource one engine of `layer` reads through (read_totals: the layer's
+    rows._direct.new_totals() array its reads add to, or None) and whose stats() are the fields
+    it adds to row_cache_stats() (rows.tiers.STATS_FIELDS). A tier as given, before open(), has
+    no model: its source() refuses."""
+
+    def open(self, model) -> "Tier":
         raise NotImplementedError(f"{type(self).__name__}.open(model)")
 
-
-class OpenTier:
-    """One model's rows in a RowTier. source(layer, read_totals) makes the RowSource one engine of
-    `layer` reads through (the model's RowTiers puts its RAM row cache in front); read_totals is
-    the layer's rows._direct.new_totals() array a source adds its reads to, or None. stats():
-    fields this tier adds to row_cache_stats() (rows.tiers.STATS_FIELDS)."""
-
     def source(self, layer, read_totals=None) -> RowSource:
-        raise NotImplementedError(f"{type(self).__name__}.source(layer, read_totals)")
+        raise NotImplementedError(f"{type(self).__name__}.source(layer): a tier reads for one model: "
+                                  f"tier.open(model).source(layer)")
 
     def stats(self) -> dict:
         return {}

@@ -25,11 +25,11 @@ import numpy as np
 from ..io.files import MappedFile, mapping_of
 from . import packed
 from ._direct import DirectReader, FilePart, IOPool, MemPart, RecordFile
-from ._source import DirectRows, OpenTier, RowTier
+from ._source import DirectRows, Tier
 from .records import record_arrays
 
 
-class DirectTier(RowTier):
+class DirectTier(Tier):
     """How a model reads its rows from disk (tables=DirectTier(...); tables="direct" is DirectTier()).
 
     qd: reads in flight per batch (qd - 1 I/O threads and the caller); scales_in_ram: hold the
@@ -93,9 +93,9 @@ def record_file(model, layer, tier, rows_at=None) -> RecordFile:
     return RecordFile(n, parts, rowbytes=rb, direct=tier.o_direct)
 
 
-class DirectFiles(OpenTier):
-    """A model's direct-read files: one RecordFile per layer and one IOPool (model.row_tiers
-    holds it as its open_tier; every engine's reader shares them)."""
+class DirectFiles(Tier):
+    """A DirectTier opened for one model: one RecordFile per layer and one IOPool (every engine's
+    reader shares them)."""
 
     def __init__(self, model, tier: DirectTier):
         self.tier = tier
@@ -113,6 +113,9 @@ class DirectFiles(OpenTier):
         tier_view = _TierView(tier, self.rows_path)
         self.files = {L: record_file(model, L, tier_view, rows_at) for L in model.cfg.layer_ids}
         self.io = IOPool(tier.qd)
+
+    def open(self, model) -> "DirectFiles":
+        return DirectFiles(model, self.tier)
 
     def source(self, layer, read_totals=None) -> DirectRows:
         """One engine's reader of the layer's records (its reads add to read_totals)."""

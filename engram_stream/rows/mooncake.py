@@ -57,7 +57,7 @@ import numpy as np
 from ..errors import TierError
 from ._cache import slot_bytes
 from ._direct import add_read
-from ._source import OpenTier, RecordSource, RowTier
+from ._source import RecordSource, Tier
 from .records import record_arrays, record_layout
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -110,10 +110,10 @@ def sample_rows(n_h, layer, h) -> np.ndarray:
 
 def sampled_records(model, layer):
     """{head: (head-local rows, their records uint8 [k, record bytes])} of the fingerprint's sample.
-    A model whose tables are a mapped file gets the rows by pread (rows.mapped.read_rows): a
+    A model whose tables are a mapped file gets the rows by pread (rows.memory.read_rows): a
     model that reads its rows from a store checks them at load without bringing its local table
     into the page cache."""
-    from .mapped import read_rows
+    from ..io.memory import read_rows
     rows, scales = record_arrays(model.layer(layer))
     heads = [sample_rows(int(n_h), layer, h) for h, n_h in enumerate(model.plan.head_primes[layer])]
     absolute = np.concatenate([int(model.layer(layer).offsets[h]) + local for h, local in enumerate(heads)])
@@ -299,7 +299,7 @@ def _answers(host, port, request, timeout) -> bool:
         return True
 
 
-class MooncakeTier(RowTier):
+class MooncakeTier(Tier):
     """A Mooncake Store (a running mooncake_master and its store servers) as a row tier.
 
     master: "HOST:PORT" of mooncake_master; metadata: the transfer engine's metadata URL
@@ -502,7 +502,7 @@ class MooncakeTier(RowTier):
 
     def open(self, model) -> "StoreTables":
         """A model loading with tables=this tier: refused unless the store holds its rows. The
-        check reads the sampled rows of the model's own tables (by pread: rows.mapped.read_rows);
+        check reads the sampled rows of the model's own tables (by pread: rows.memory.read_rows);
         nothing after it reads them: its engines' rows all come from the store."""
         return StoreTables(self, model, self.check_published(model))
 
@@ -514,13 +514,16 @@ class MooncakeTier(RowTier):
         return reader
 
 
-class StoreTables(OpenTier):
-    """One model's rows in a MooncakeTier: each engine's RemoteRows reads them; every read of the
-    model counts in stats() (fetches, fetch_seconds)."""
+class StoreTables(Tier):
+    """A MooncakeTier opened for one model: each engine's RemoteRows reads its rows; every read of
+    the model counts in stats() (fetches, fetch_seconds)."""
 
     def __init__(self, tier, model, name):
         self.tier, self.model_ref, self.name = tier, weakref.ref(model), name
         self.totals = {"fetches": 0, "fetch_seconds": 0.0}
+
+    def open(self, model) -> "StoreTables":
+        return self.tier.open(model)
 
     def source(self, layer, read_totals=None) -> "RemoteRows":
         return self.tier.rows(self.model_ref(), layer, self.totals, read_totals, self.name)

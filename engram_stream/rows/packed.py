@@ -17,12 +17,15 @@ follow, starting on a page boundary:
 
     {"format": 1, "page": 4096, "variant": ..., "layers": {"L": {"offset", "rows", "rowbytes",
      "scalebytes", "per_group", "group_bytes", "pages", "digest"}},
-     "source": {"FILE": [size, mtime_ns], ...}}
+     "source": {"FILE": [size, mtime_ns], ...}, "tables": null}
 
 `source`: the checkpoint files the rows were packed from (names relative to the checkpoint's
 folder) as they stood then: a checkpoint saved again since (its files' size or mtime differ)
 has its row file refused at open (RowsFileError: pack-rows --force), whatever rows sampling
-would catch; the shards' own FileChangedError check compares the same stamps.
+would catch; the shards' own FileChangedError check compares the same stamps. Rows packed from
+tables in RAM (a model of EngramModel.init, or loaded with mmap=False) have no files to stamp:
+`source` is null and `tables` the digest of the tables' bytes (records.tables_digest, the
+tables_id a host cache gives such a model), which a model opening the file must match.
 
 `digest` is the BLAKE2b of the layer's pages as written. pack_rows computes it from the
 checkpoint's own bytes while it writes, reads the file back from disk (the written pages dropped
@@ -43,7 +46,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..io.files import atomic_output, open_regular
-from .records import record_arrays
+from .records import record_arrays, tables_digest
 
 PAGE = 4096
 MAGIC = b"ENGRROWS"
@@ -89,18 +92,25 @@ def source_stamps(model) -> dict | None:
 
 
 def plan(model) -> dict:
-    """The header of model's row file (digests not yet known): offsets, sizes, layouts. The
-    header takes as many pages as its JSON needs (the layers start after it)."""
-    source, hpages = source_stamps(model), 1
+    """The header of model's row file (digests not yet known): offsets, sizes, layouts, and what
+    identifies the rows' origin (the source files' stamps, else the tables' digest)."""
+    source = source_stamps(model)
+    return _plan(model, source, tables_digest(model) if source is None else None)
+
+
+def _plan(model, source, tables) -> dict:
+    """plan() with its source and tables given. The header takes as many pages as its JSON needs
+    (the layers start after it)."""
+    hpages = 1
     while True:
-        head = _plan_from(model, hpages * PAGE, source)
+        head = _plan_from(model, hpages * PAGE, source, tables)
         need = -(-len(_header_text(head, digests=True)) // PAGE)
         if need <= hpages:
             return head
         hpages = need
 
 
-def _plan_from(model, first, source) -> dict:
+def _plan_from(model, first, source, tables) -> dict:
     layers, off = {}, first
     for L in model.cfg.layer_ids:
         rows, scales = record_arrays(model.layer(L))
@@ -112,7 +122,7 @@ def _plan_from(model, first, source) -> dict:
                           "group_bytes": gb, "pages": pages, "digest": None}
         off += pages * PAGE
     return {"format": FORMAT, "page": PAGE, "variant": model.cfg.variant, "layers": layers, "size": off,
-            "source": source}
+            "source": source, "tables": tables}
 
 
 def _header_pages(head) -> int:
@@ -264,6 +274,9 @@ def _header_ok(head) -> bool:
     if src is not None and not (isinstance(src, dict) and all(
             isinstance(v, list) and len(v) == 2 and all(uint(x) for x in v) for v in src.values())):
         return False
+    tab = head.get("tables")
+    if tab is not None and not (isinstance(tab, str) and len(tab) == 16 and all(c in "0123456789abcdef" for c in tab)):
+        return False
     return all(isinstance(lay, dict) and all(uint(lay.get(k)) for k in _LAYER_INTS)
                and lay["per_group"] > 0 and lay["group_bytes"] > 0 and isinstance(lay.get("digest"), str)
                for lay in head["layers"].values())
@@ -294,7 +307,12 @@ def open_rows(model, path) -> dict:
     if head.get("variant") != model.cfg.variant or sorted(head["layers"]) != sorted(map(str, model.cfg.layer_ids)):
         raise RowsFileError(f"{path}: holds {head.get('variant')} layers {sorted(head['layers'])}, the model has "
                             f"{model.cfg.variant} layers {model.cfg.layer_ids}: {fix}")
-    want = plan(model)["layers"]
+    if head.get("tables") is not None:   # packed from tables in RAM: their bytes must be these tables'
+        tables = tables_digest(model)
+        if tables != head["tables"]:
+            raise RowsFileError(f"{path}: packed from tables in RAM whose digest is {head['tables']}, this model's "
+                                f"tables digest to {tables} (other weights): {fix}")
+    want = _plan(model, have, head.get("tables") if have is None else None)["layers"]
     out = {}
     with open_regular(path, lambda m: RowsFileError(f"{path}: {m}")) as f:
         fd = f.fileno()

@@ -3,6 +3,8 @@ int8 tables by its scale's bytes (demo: a float32; V4.1: 8 e8m0 bytes), so every
 the gather the bytes the table holds."""
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 
@@ -22,3 +24,32 @@ def record_layout(w):
     """(row bytes, scale bytes) of one row record of layer weights `w`."""
     rows, scales = record_arrays(w)
     return rows.shape[1], (0 if scales is None else scales.shape[1])
+
+
+def table_arrays(model):
+    """(layer, array) of every table and table scale of `model`, in layer order."""
+    for L in model.cfg.layer_ids:
+        w = model.layer(L)
+        for a in (w.table, getattr(w, "table_scale", None)):
+            if a is not None:
+                yield L, a
+
+
+def digest_array(d, L, a, stamp=None):
+    """Add layer L's table array `a` to BLAKE2b `d`: its layer, dtype and shape, then the file
+    stamp given (a mapped table: what identifies its file) or else its bytes (read whole)."""
+    d.update(f"{L} {a.dtype.str} {a.shape}".encode())
+    if stamp is not None:
+        d.update(f" file {stamp};".encode())
+    else:
+        d.update(b" bytes ")
+        d.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
+def tables_digest(model) -> str:
+    """16 hex digits of every table's bytes (layer, dtype, shape, bytes: read whole, about 1 s a
+    GB): what rows.tiers.tables_id gives a model whose tables are all in RAM, wherever they are."""
+    d = hashlib.blake2b(digest_size=8)
+    for L, a in table_arrays(model):
+        digest_array(d, L, a)
+    return d.hexdigest()

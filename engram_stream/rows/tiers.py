@@ -1,13 +1,14 @@
-"""The rows a model's engines read: the RAM row cache and the row source behind it.
+"""The rows a model's engines read: the spec of a tier, and the RAM row cache over any tier.
 
     model = EngramModel.load(path, row_cache_mb=64)                    # a cache in front of the file
     model = EngramModel.load(path, tables="direct", row_cache_mb=64)   # rows read from the files
     model = EngramModel.load(path, tables=tier, row_cache_mb=64)       # rows from a MooncakeTier
     model = EngramModel.load(path, row_cache_mb=64, host_cache="vllm") # one cache for the host's processes
 
-tables= names a RowTier (rows/_source.pyx: where rows live; open(model) gives the OpenTier that
-makes each engine's RowSource); RowTiers puts the model's shared RAM row cache in front of every
-source it makes. Rows travel and are cached as records (records.py): the gather converts a record exactly as
+tables= is a spec (parse_tier: "mapped", "direct", a Tier, {"mooncake": {...}}) of a Tier
+(rows/_source.pyx: where rows live; open(model) gives the model's Tier, whose source(layer) makes
+each engine's RowSource); CachedTier is the model's shared RAM row cache in front of every source
+its tier makes (model.tier). Rows travel and are cached as records (records.py): the gather converts a record exactly as
 it converts a table row, so every source gives the same floats bit for bit.
 """
 from __future__ import annotations
@@ -24,10 +25,11 @@ import numpy as np
 
 from ._cache import RowCache, cache_nbytes, slots_for
 from ._direct import new_totals, totals_summary
-from ._source import CachedRows, RowTier
+from ._source import CachedRows, Tier
 from .direct import DirectTier
 from .mapped import MappedTier
-from .records import record_layout
+from .mooncake import MooncakeTier, model_name
+from .records import digest_array, record_layout, table_arrays
 
 
 # Every field of row_cache_stats(): its unit and its one meaning, whichever source is behind the
@@ -99,25 +101,17 @@ def tables_id(model) -> str:
     as a digest of its bytes (read once, at the first host cache: about 1 s a GB)."""
     from ..io.files import mapping_of
     d = hashlib.blake2b(digest_size=8)
-    for L in model.cfg.layer_ids:
-        w = model.layer(L)
-        for a in (w.table, getattr(w, "table_scale", None)):
-            if a is None:
-                continue
-            d.update(f"{L} {a.dtype.str} {a.shape}".encode())
-            mm = mapping_of(a)
-            if mm is not None and hasattr(mm, "stamp"):
-                d.update(f" file {tuple(mm.stamp)} {os.fstat(mm.fd).st_ctime_ns};".encode())
-            else:
-                d.update(b" bytes ")
-                d.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    for L, a in table_arrays(model):
+        mm = mapping_of(a)
+        stamp = (f"{tuple(mm.stamp)} {os.fstat(mm.fd).st_ctime_ns}"
+                 if mm is not None and hasattr(mm, "stamp") else None)
+        digest_array(d, L, a, stamp)
     return d.hexdigest()
 
 
 def host_model_id(model) -> str:
     """What names a model's host cache files and heads: its model_name (the Mooncake keys' name)
     and its tables_id (which rows, exactly)."""
-    from .mooncake import model_name
     return f"{model_name(model)}-t{tables_id(model)}"
 
 
@@ -125,41 +119,79 @@ LAYER_FIELDS = ("hits", "misses", "bytes_fetched", "evictions", "rows_cached", "
                 "reads", "bytes_read", "rows_read", "read_wait_p50", "read_wait_p99")
 
 
-def as_tier(tables) -> RowTier:
-    """tables= as a loader takes it: None (the mapped tables), "direct", or a RowTier."""
-    if tables is None:
-        return MappedTier()
-    if isinstance(tables, str) and tables == "direct":
-        return DirectTier()
-    if isinstance(tables, RowTier):
-        return tables
-    raise TypeError(f"tables= takes None (the mapped tables), \"direct\" or a RowTier (a DirectTier, a "
-                    f"MooncakeTier, a subclass of engram_stream.rows.RowTier), got {tables!r}")
+# The tiers a spec names (parse_tier): a string is the class made with no argument, a one-key dict
+# {name: {argument: value}} the class made with those arguments. A tier of your own is a class and
+# an entry here.
+TIERS = {"mapped": MappedTier, "direct": DirectTier, "mooncake": MooncakeTier}
 
 
-class RowTiers:
-    """The row source and RAM budget of a loaded model (model.row_tiers).
+def parse_tier(spec) -> Tier:
+    """The Tier a spec names, one parser for EngramModel.load / from_deepseek_v41 (tables=), the CLI
+    and the serving plugins' settings: "mapped" (the tables where the loader put them), "direct"
+    (pread from the checkpoint's files, or its packed row file), a Tier (returned as it is), or a
+    one-key dict {"mooncake": {"master": ..., "metadata": ..., MooncakeTier's other arguments}}
+    (any name of TIERS with the arguments of its class)."""
+    if isinstance(spec, Tier):
+        return spec
+    if isinstance(spec, str) and spec in TIERS:
+        return TIERS[spec]()
+    if isinstance(spec, dict) and len(spec) == 1:
+        (name, kw), = spec.items()
+        if name in TIERS and isinstance(kw, dict) and all(isinstance(k, str) for k in kw):
+            try:
+                return TIERS[name](**kw)
+            except TypeError as e:   # an argument the class does not take
+                code = TIERS[name].__init__.__code__
+                raise TypeError(f"tables={spec!r}: {e}; the arguments are "
+                                f"{code.co_varnames[1:code.co_argcount]}") from None
+    shown = repr(spec)
+    shown = shown if len(shown) <= 200 else shown[:200] + f"... ({len(shown)} characters)"
+    raise TypeError(f"tables= takes {' | '.join(repr(n) for n in TIERS)}, a Tier (a DirectTier, a MooncakeTier, a "
+                    f"CachedTier, a subclass of engram_stream.rows.Tier) or a one-key dict {{name: {{arguments}}}} "
+                    f"such as {{\"mooncake\": {{\"master\": \"HOST:PORT\", \"metadata\": \"URL\"}}}}, got {shown}")
 
-    row_cache_mb: the model's cache budget (MiB; at most what caching every row costs: a larger
-    one caches the tables whole), split over layers in proportion to their table bytes: one
-    RowCache per layer, made at the first engine of the layer and shared by every engine and
-    stream of the model (its own lock; pins by count). tables: see as_tier(); tier is the
-    RowTier, open_tier what its open(model) gave. host_cache: a name the processes of one host
-    give to share one cache per layer (a file under /dev/shm each: the same budget, a row one
-    process read is a hit for all, and stats() counts every process's lookups); None: the caches
-    are this process's."""
 
-    def __init__(self, model, row_cache_mb=0, tables=None, host_cache=None):
-        row_cache_mb = check_row_cache_mb(row_cache_mb)
-        self.tier = as_tier(tables)
+class CachedTier(Tier):
+    """The RAM row cache over any tier: CachedTier(tier, row_cache_mb, host_cache). Opened for a
+    model (open(model): what EngramModel.load does with its tables=, row_cache_mb= and
+    host_cache=; model.tier), it is that model's rows and budget.
+
+    tier: a spec of parse_tier (the tier the cache is in front of; inner: that tier opened for
+    the model). row_cache_mb: the model's cache budget (MiB; at most what caching every row
+    costs: a larger one caches the tables whole; 0: no cache, sources read the tier directly),
+    split over layers in proportion to their table bytes: one RowCache per layer, made at the
+    first engine of the layer and shared by every engine and stream of the model (its own lock;
+    pins by count). host_cache: a name the processes of one host give to share one cache per
+    layer (a file under /dev/shm each: the same budget, a row one process read is a hit for all,
+    and stats() counts every process's lookups); None: the caches are this process's."""
+
+    def __init__(self, tier="mapped", row_cache_mb=0, host_cache=None):
+        self.row_cache_mb = check_row_cache_mb(row_cache_mb)
+        self.tier = parse_tier(tier)
+        if isinstance(self.tier, CachedTier):
+            raise TypeError(f"CachedTier: {self.tier!r} is a cache already: give the tier it is in front of")
         if host_cache is not None and (not isinstance(host_cache, str) or not HOST_CACHE_NAME.fullmatch(host_cache)):
             raise ValueError(f"host_cache must be a name of 1 to 64 letters, digits, '_', '.' or '-' (it names "
                              f"files under {HOST_CACHE_DIR}), got {host_cache!r}")
-        if host_cache is not None and not row_cache_mb:
+        if host_cache is not None and not self.row_cache_mb:
             raise ValueError(f"host_cache={host_cache!r} shares the row cache, and row_cache_mb is 0: give the "
                              f"host's budget as row_cache_mb (MiB, the same in every process)")
-        self.model_ref = weakref.ref(model)
         self.host_cache = host_cache
+        self.model_ref = self.inner = None
+
+    def __repr__(self):
+        return f"CachedTier({self.tier!r}, row_cache_mb={self.row_cache_mb:g}, host_cache={self.host_cache!r})"
+
+    def open(self, model) -> "CachedTier":
+        """This cache and tier for `model` (a with_weight_dtype copy opens its model's own: the
+        same budget and tier, caches of its own)."""
+        opened = CachedTier(self.tier, self.row_cache_mb, self.host_cache)
+        opened._bind(model)
+        return opened
+
+    def _bind(self, model):
+        row_cache_mb, host_cache = self.row_cache_mb, self.host_cache
+        self.model_ref = weakref.ref(model)
         # host_model_id names a host cache's files; model_name reads sampled rows of the tables
         # (and a table in RAM is digested whole), so it is taken here, at load, and no engine
         # made later touches the tables
@@ -186,12 +218,7 @@ class RowTiers:
         self.caches = {}                                          # layer -> the shared RowCache
         self._caches_lock = threading.Lock()                      # engines are made on any thread
         self.read_totals = {L: new_totals() for L in table_bytes}  # every reader of the layer adds here
-        self.open_tier = self.tier.open(model)
-
-    def for_model(self, model) -> "RowTiers":
-        """The same budget and row tier for another model of the same tables (a
-        with_weight_dtype copy; its caches are its own)."""
-        return RowTiers(model, self.budget / (1 << 20), self.tier, self.host_cache)
+        self.inner = self.tier.open(model)
 
     def cache(self, layer) -> RowCache:
         """The layer's shared RowCache (made at the first call, once: under a lock, so engines
@@ -211,10 +238,13 @@ class RowTiers:
                                       RowCache(nslots, rec, layer, host=host, identity=identity))
             return self.caches[layer]
 
-    def source_for(self, layer):
+    def source(self, layer, read_totals=None):
         """The RowSource one engine of `layer` reads through: the tier's source of the layer,
-        behind the layer's shared cache when the budget gives it slots."""
-        src = self.open_tier.source(layer, self.read_totals[layer])
+        behind the layer's shared cache when the budget gives it slots. (Reads count in this
+        tier's own read totals: read_totals is not used.)"""
+        if self.inner is None:
+            raise RuntimeError("CachedTier.source(layer): the cache is a model's: tier.open(model).source(layer)")
+        src = self.inner.source(layer, self.read_totals[layer])
         cache = self.cache(layer)
         return CachedRows(cache, src) if cache.nslots else src
 
@@ -233,5 +263,5 @@ class RowTiers:
         out["layers"] = per
         out["budget_bytes"] = self.budget
         out["budget_cap_bytes"] = self.cap
-        out.update(self.open_tier.stats())
+        out.update(self.inner.stats())
         return out

@@ -118,7 +118,7 @@ cdef class V41StreamEngine(EngineBase):
     """
 
     def __cinit__(self, model, layer, int n_streams=1, rows=None):
-        if model.cfg.image_token_id is None:
+        if getattr(model.cfg, "image_token_id", None) is None:   # a config of another variant
             raise ValueError(f"V41StreamEngine needs a deepseek-v4.1 model, got variant {model.cfg.variant!r}")
         self._setup(model, layer, n_streams, ES8_PREFILL_CHUNK, rows)
 

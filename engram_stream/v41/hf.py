@@ -354,7 +354,7 @@ def load(ckpt_dir, mmap=True, compression=None):
             t = {short: files[shard].array(full) for short, (full, shard) in layer.items()}
             if mmap:  # every engine reads wkv whole: one read of exactly its pages, not a fault a page
                 from ..io.files import mapping_of
-                from ..rows.mapped import advise
+                from ..io.memory import advise
                 for short in ("wkv.weight", "wkv.scale"):
                     if mapping_of(t[short]) is not None and t[short].nbytes:
                         advise(t[short], "willneed")

@@ -495,24 +495,25 @@ def _read_all(paths):
 
 def test_evict_drops_every_file_a_v41_model_maps(tmp_path):
     from engram_stream import EngramModel
-    from engram_stream.rows import mapped, packed
+    from engram_stream.io import memory
+    from engram_stream.rows import packed
     folder = _tiny_v41_folder(tmp_path / "v41")
     model = EngramModel.load(str(folder))
     shards = sorted(str(folder / f) for f in os.listdir(folder) if f.endswith(".safetensors"))
-    assert sorted(mapped.mapped_files(model)) == shards and len(shards) == 3
+    assert sorted(memory.mapped_files(model)) == shards and len(shards) == 3
     packed.pack_rows(model, packed.rows_path(str(folder)))
-    arrays = [a for w in model.layers.values() for a in w.file_arrays() if mapped.is_file_backed(a)]
+    arrays = [a for w in model.layers.values() for a in w.file_arrays() if memory.is_file_backed(a)]
     _read_all(shards + [packed.rows_path(str(folder))])
     for a in arrays:
-        mapped.touch(a)
-    assert sum(mapped.resident_bytes(a) for a in arrays) == sum(a.nbytes for a in arrays)
-    evicted = mapped.evict(model)
+        memory.touch(a)
+    assert sum(memory.resident_bytes(a) for a in arrays) == sum(a.nbytes for a in arrays)
+    evicted = memory.evict(model)
     assert sorted(evicted) == sorted(shards + [packed.rows_path(str(folder))])
-    assert sum(mapped.resident_bytes(a) for a in arrays) == 0  # mincore: no page of any shard cached
+    assert sum(memory.resident_bytes(a) for a in arrays) == 0  # mincore: no page of any shard cached
     with open(packed.rows_path(str(folder)), "rb") as f:  # the row file too (a fresh mapping's mincore)
         import mmap
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        assert mapped.resident_bytes(np.frombuffer(mm, np.uint8)) == 0
+        assert memory.resident_bytes(np.frombuffer(mm, np.uint8)) == 0
         del mm
 
 

@@ -1,6 +1,7 @@
 """The row-source contract: every place a model's rows can come from (conftest.ROW_SOURCES: the
 mapped table, the checkpoint's files read directly, the packed row file, the RAM row cache in front
-of each - small enough to evict within one call -, a Mooncake Store, and any source a test file adds:
+of each - small enough to evict within one call -, the host's shared row cache, a Mooncake Store,
+and any source a test file adds:
 tests/contract/test_toy_source.py), for both record layouts of each variant (conftest.ROW_MODELS):
 
 - read_into(rows, out) gives the table's own record bytes: rows repeated, negative rows as zero
@@ -10,13 +11,15 @@ tests/contract/test_toy_source.py), for both record layouts of each variant (con
   to the mapped tables, a prompt across prefill chunks then steps of 1 and 3 streams;
 - a source feeds one engine (it keeps one call's rows), a mapped table any number;
 - prefetch() is advice: a count of failed calls, outputs unchanged;
+- a cached source pins a call's cached rows while the call reads them and release() unpins them;
 - the stats keep one meaning: a cache's misses are the rows its source read."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engram_stream.rows import RowSource, _source
+from engram_stream.rows import CachedRows, RowSource, _source
+from engram_stream.rows._cache import RowCache
 from engram_stream.rows.records import record_arrays
 
 from conftest import (ROW_MODELS, ROW_SOURCES, assert_decoded_identically, decode_inputs, decode_run,
@@ -149,3 +152,38 @@ def test_prefetch_is_advice(row_checkpoints, what, tmp_path, request):
             eng.feed(ids[t])
             assert eng.prefetch() >= 0
             np.testing.assert_array_equal(eng.compute(hid[t]), plain.step(ids[t], hid[t]))
+
+
+@pytest.mark.parametrize("what", SOURCES)
+def test_release_unpins_what_the_call_pinned(row_checkpoints, what, tmp_path, request):
+    """A call's cached rows are pinned from submit to release: while an engine's call is fed and
+    not computed, after it no pin is left (a fetch, a compute, a read_into, an abandoned call).
+    A source the model reads uncached is put behind a cache of its own here (CachedRows over any
+    source)."""
+    model = row_source_model(row_checkpoints["demo-int8"], what, tmp_path, request)
+    L = model.cfg.layer_ids[0]
+    src = model.row_source(L)
+    if isinstance(src, CachedRows):
+        cache = model.tier.cache(L)
+    else:
+        cache = RowCache(64, src.rowbytes + src.scalebytes, L)
+        src = CachedRows(cache, src)
+    ids, hid, _, _ = decode_inputs(model, 1, 1, 1, seed=4)
+    eng = model.stream(L, rows=src)
+    eng.feed(ids[0])
+    eng.fetch()                       # the token's rows read into the cache, released
+    assert cache.pinned() == 0
+    eng.reset()
+    eng.feed(ids[0])                  # the same rows, cached: the submit pins each position's slot
+    assert cache.pinned() > 0
+    eng.compute(hid[0])
+    assert cache.pinned() == 0
+    eng.reset()
+    eng.feed(ids[0])
+    assert cache.pinned() > 0
+    eng.reset()                       # the fed call abandoned: its pins go with it
+    assert cache.pinned() == 0
+    reader = model.row_source(L)
+    reader.read(np.arange(50))
+    reader.read(np.arange(50))
+    assert model.tier.caches.get(L) is None or model.tier.caches[L].pinned() == 0

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from engram_stream import EngramModel
 from engram_stream.errors import TierError
-from engram_stream.rows import OpenTier, RecordSource, RowTier, RowTiers, record_layout
+from engram_stream.rows import CachedTier, RecordSource, Tier, record_layout
 from engram_stream.rows._cache import slot_bytes
 from conftest import close, contract_model, contract_variants, hypothesis_settings, variant_ids
 
@@ -486,7 +486,7 @@ def test_commit_costs_little_next_to_its_call():
 
 
 # ---- all or nothing across layers ------------------------------------------------------------------
-class FakeTier(RowTier):
+class FakeTier(Tier):
     """A row tier that serves a model's own table rows, and fails on demand (layers in .down):
     when the read is started (fail_at "start": begin) or when it is waited for ("finish": the
     layer's call)."""
@@ -498,7 +498,9 @@ class FakeTier(RowTier):
         return _FakeTables(self, model)
 
 
-class _FakeTables(OpenTier):
+class _FakeTables(Tier):
+    """A FakeTier opened for one model."""
+
     def __init__(self, tier, model):
         self.tier, self.model = tier, model
 
@@ -537,7 +539,7 @@ def _on_a_fake_tier(variant, tier, row_cache_mb=0):
     """(the model of `variant`, a copy of it whose rows come through `tier`)."""
     base = model_of(variant)
     model = EngramModel(base.cfg, base.plan, base.layers)
-    model.row_tiers = RowTiers(model, row_cache_mb, tier)
+    model.tier = CachedTier(tier, row_cache_mb).open(model)
     return base, model
 
 

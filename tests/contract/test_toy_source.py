@@ -1,5 +1,6 @@
 """A place for rows written in this file alone (no shared file names it) passes the row-source
-contract suite (test_row_sources.py), bare and behind the RAM row cache.
+contract suite (test_row_sources.py), bare and behind the RAM row cache: a Tier, its RowSource, and
+an entry in rows.tiers.TIERS that lets a spec name it (tables="toy").
 
 The toy keeps a layer's records in a Python dict of bytes (as a key-value service would) and
 serves them through RecordSource's two calls: start(rows) looks them up, finish() hands the batch
@@ -13,16 +14,18 @@ import numpy as np
 import pytest
 
 import conftest
-from engram_stream.rows import OpenTier, RecordSource, RowTier
+from engram_stream.rows import TIERS, RecordSource, Tier
 from engram_stream.rows._direct import add_read
 from engram_stream.rows.records import record_arrays
 
-class ToyTier(RowTier):
+class ToyTier(Tier):
     def open(self, model):
         return ToyTables(model)
 
 
-class ToyTables(OpenTier):
+class ToyTables(ToyTier):
+    """The toy opened for one model: its records."""
+
     def __init__(self, model):
         self.store = {}
         for L in model.cfg.layer_ids:
@@ -57,8 +60,9 @@ def pytest_configure(config):
     has imported tests/conftest.py itself, so the suite sees the same ROW_SOURCES)."""
     if os.environ.get("ENGRAM_STREAM_TOY_SOURCE") == "1":
         import conftest as suite
-        suite.ROW_SOURCES["toy"] = dict(tables=ToyTier)
-        suite.ROW_SOURCES["toy+cache"] = dict(tables=ToyTier, row_cache_mb=suite.SMALL_CACHE)
+        TIERS["toy"] = ToyTier
+        suite.ROW_SOURCES["toy"] = dict(tables="toy")
+        suite.ROW_SOURCES["toy+cache"] = dict(tables="toy", row_cache_mb=suite.SMALL_CACHE)
 
 
 def _with_source(node_id, source, other):
@@ -82,7 +86,7 @@ def test_the_row_source_contract_passes_on_a_source_written_here():
 
 
 def test_the_toy_is_not_a_source_in_this_run():
-    assert not any(k.startswith("toy") for k in conftest.ROW_SOURCES)
+    assert not any(k.startswith("toy") for k in conftest.ROW_SOURCES) and "toy" not in TIERS
 
 
 def test_a_toy_that_returns_short_records_is_refused(row_checkpoints):
@@ -92,7 +96,7 @@ def test_a_toy_that_returns_short_records_is_refused(row_checkpoints):
             return super().finish()[:-1]
     model = conftest.load_checkpoint(row_checkpoints["v41"], tables=ToyTier())
     L = model.cfg.layer_ids[0]
-    t = model.row_tiers.open_tier.store[L]
+    t = model.tier.inner.store[L]
     src = Short(*t, None)
     with pytest.raises(ValueError, match=r"finish\(\) must return uint8"):
         src.read(np.array([0, 1, 2]))

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.native  # drives C code over raw pointers: CI runs it a
 
 
 def model_of(path, settings):
-    tables = None if settings["tables"] == "mapped" else "direct"
+    tables = settings["tables"]
     return EngramModel.from_deepseek_v41(path, tables=tables, row_cache_mb=settings.get("row_cache_mb") or None)
 
 

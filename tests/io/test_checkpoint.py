@@ -13,7 +13,7 @@ import pytest
 
 from engram_stream import EngramConfig, EngramModel, HashPlan
 from engram_stream.demo import checkpoint
-from engram_stream.rows import mapped
+from engram_stream.io import memory
 from engram_stream.io import files
 from engram_stream.errors import CheckpointError
 
@@ -357,9 +357,9 @@ def test_mmap_tables_are_views_of_the_file(saved):
     m, p = saved
     mm, ram = EngramModel.load(p, mmap=True), EngramModel.load(p, mmap=False)
     t = mm.layers[1].table
-    assert not t.flags.owndata and not t.flags.writeable and mapped.is_file_backed(t)
-    assert not mapped.is_file_backed(ram.layers[1].table) and not ram.layers[1].table.flags.writeable
-    assert not mapped.is_file_backed(mm.layers[1].proj_w)  # weights are small copies
+    assert not t.flags.owndata and not t.flags.writeable and memory.is_file_backed(t)
+    assert not memory.is_file_backed(ram.layers[1].table) and not ram.layers[1].table.flags.writeable
+    assert not memory.is_file_backed(mm.layers[1].proj_w)  # weights are small copies
     # A write to the file shows through the mapping (it would not through a copy).
     hdr, _ = _split(p)
     n = struct.unpack("<Q", open(p, "rb").read(8))[0]
@@ -391,7 +391,7 @@ import json, sys
 import memray
 import numpy as np
 from engram_stream import EngramModel
-from engram_stream.rows import mapped
+from engram_stream.io import memory
 
 def status():
     out = {}
@@ -406,7 +406,7 @@ before = status()
 with memray.Tracker(trace):
     m = EngramModel.load(path, mmap=use_mmap)
     w = m.layers[2]
-    mapped.touch(w.table)  # every page of the table resident
+    memory.touch(w.table)  # every page of the table resident
     eng = m.stream(2)
     for t in range(20):
         eng.step(t, np.ones((m.cfg.hc_mult, m.cfg.hidden_size), np.float32))
@@ -454,7 +454,7 @@ def test_mmap_load_memory_limit(big_file):
     hid = np.ones((BIG.hc_mult, BIG.hidden_size), np.float32)
     for t in range(50):
         eng.step(t, hid)
-    assert mapped.is_file_backed(m.layers[2].table)
+    assert memory.is_file_backed(m.layers[2].table)
 
 
 # ---- hostile files ------------------------------------------------------------------------------------

@@ -294,7 +294,7 @@ def test_records_up_to_one_reads_buffer_are_read_larger_ones_refused(tmp_path):
         rows = np.array([4, 0, 2, 3, 1, 1])
         np.testing.assert_array_equal(r.read(rows), want[rows])
     _file(path, N * (nb + 1), 1)
-    with pytest.raises(ValueError, match=f"{nb + 1} bytes.*tables=None"):
+    with pytest.raises(ValueError, match=f"{nb + 1} bytes.*tables='mapped'"):
         RecordFile(N, [FilePart(path, 0, nb + 1)])
     from engram_stream.rows._direct import MAX_PART_BYTES
     assert MAX_PART_BYTES == nb
@@ -358,10 +358,18 @@ def test_direct_needs_mapped_tables(tmp_path):
         DirectTier().open(model)
     with pytest.raises(ValueError, match="qd"):
         DirectTier(qd=0)
-    from engram_stream.rows.tiers import as_tier
-    assert isinstance(as_tier("direct"), DirectTier) and as_tier("direct").qd == 32
-    with pytest.raises(TypeError, match="RowTier"):
-        as_tier("other")
+    from engram_stream.rows.mapped import MappedTier
+    from engram_stream.rows.tiers import parse_tier
+    assert isinstance(parse_tier("direct"), DirectTier) and parse_tier("direct").qd == 32
+    assert type(parse_tier("mapped")) is MappedTier
+    t = DirectTier(qd=8)
+    assert parse_tier(t) is t
+    assert parse_tier({"direct": {"qd": 4, "scales_in_ram": True}}).qd == 4
+    for bad in ("other", None, {"direct": {}, "mapped": {}}, {"direct": 4}):
+        with pytest.raises(TypeError, match="tables= takes 'mapped' | 'direct' | 'mooncake', a Tier"):
+            parse_tier(bad)
+    with pytest.raises(TypeError, match="qq.*the arguments are .*'qd'"):
+        parse_tier({"direct": {"qq": 1}})
 
 
 def test_direct_model_reads_its_own_files_after_chdir(tmp_path, monkeypatch):
@@ -380,8 +388,8 @@ def test_direct_model_reads_its_own_files_after_chdir(tmp_path, monkeypatch):
     bf = model.with_weight_dtype("bfloat16")
     for L in cfg.layer_ids:
         want = record_arrays(model.layer(L))[0]
-        f = bf.row_tiers.open_tier.files[L]
+        f = bf.tier.inner.files[L]
         rows = np.arange(want.shape[0])
-        np.testing.assert_array_equal(DirectReader(f, bf.row_tiers.open_tier.io).read(rows), want[rows])
+        np.testing.assert_array_equal(DirectReader(f, bf.tier.inner.io).read(rows), want[rows])
         assert all(os.path.isabs(p) for p in f.paths if p)
     assert model.source == str(tmp_path / "a" / "m.safetensors")

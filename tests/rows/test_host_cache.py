@@ -48,7 +48,8 @@ sources = {}
 def host_stats():
     s = model.row_cache_stats()
     out = {k: s[k] for k in ("hits", "misses", "rows_cached", "capacity_rows", "cache_bytes", "budget_bytes")}
-    out["recoveries"] = sum(c.recoveries for c in model.row_tiers.caches.values())
+    out["recoveries"] = sum(c.recoveries for c in model.tier.caches.values())
+    out["pinned"] = sum(c.pinned() for c in model.tier.caches.values())
     out["layers"] = {str(L): {k: v[k] for k in ("hits", "misses", "rows_cached", "capacity_rows")}
                      for L, v in s["layers"].items()}
     return out
@@ -56,25 +57,39 @@ def host_stats():
 
 def mapping_kb(prefix):
     """Rss and Pss (kB) of this process's mappings of files starting with prefix."""
-    from engram_stream.rows.mapped import mapping_bytes
+    from engram_stream.io.memory import mapping_bytes
     m = mapping_bytes(prefix)
     return {"rss_kb": m["rss"] // 1024, "pss_kb": m["pss"] // 1024}
 
 
+held = []
 for line in sys.stdin:
     cmd = json.loads(line)
     op, reply = cmd["op"], {}
     try:
         if op == "load":
-            model = EngramModel.load(cmd["path"], tables=cmd.get("tables"), row_cache_mb=cmd["mb"],
+            model = EngramModel.load(cmd["path"], tables=cmd.get("tables", "mapped"), row_cache_mb=cmd["mb"],
                                      host_cache=cmd["host"])
             for L in model.cfg.layer_ids:
-                model.row_tiers.cache(L)
+                model.tier.cache(L)
             reply = host_stats()
         elif op == "read":
             L = cmd["layer"]
             src = sources.setdefault(L, model.row_source(L))  # one reader per layer: its pins persist
             np.save(cmd["out"], src.read(np.load(cmd["rows"])))
+            reply = host_stats()
+        elif op == "hold":
+            # a call in flight when the process dies: an engine fed tokens whose rows are cached
+            # (its submit pins every one) and never computed
+            L = cmd["layer"]
+            eng = model.stream(L)
+            ids = np.load(cmd["ids"])
+            eng.feed_packed(ids, [0], [len(ids)])
+            eng.fetch()                            # the rows read and cached, released
+            eng.reset()
+            eng.feed_packed(ids, [0], [len(ids)])  # the same rows: every cached one pinned
+            np.save(cmd["out"], np.unique(eng.pending_rows))
+            held.append(eng)
             reply = host_stats()
         elif op == "decode":
             ids, hid = np.load(cmd["ids"]), np.load(cmd["hid"])
@@ -93,7 +108,7 @@ for line in sys.stdin:
         elif op == "spin":
             # read a row from a table whose pages fault, inside the cache's lock: the fault's handler
             # returns, the copy faults again, and the process spins holding the lock until killed
-            cache = model.row_tiers.cache(cmd["layer"])
+            cache = model.tier.cache(cmd["layer"])
             signal.signal(signal.SIGSEGV, lambda *a: None)
             signal.signal(signal.SIGBUS, lambda *a: None)
             nrows = cmd["row"] + 1
@@ -141,6 +156,16 @@ class Worker:
         rp, op = os.path.join(self.folder, f"r{name}.npy"), os.path.join(self.folder, f"o{name}.npy")
         np.save(rp, np.asarray(rows, np.int64))
         st = self.send(op="read", layer=layer, rows=rp, out=op)
+        assert "error" not in st, st["error"]
+        return np.load(op), st
+
+    def hold(self, layer, ids):
+        """The worker's engine of `layer` fed `ids` (cached first) and left mid-call: (the rows it
+        holds, stats)."""
+        name = uuid.uuid4().hex[:8]
+        ip, op = os.path.join(self.folder, f"i{name}.npy"), os.path.join(self.folder, f"o{name}.npy")
+        np.save(ip, np.asarray(ids, np.int64))
+        st = self.send(op="hold", layer=layer, ids=ip, out=op)
         assert "error" not in st, st["error"]
         return np.load(op), st
 
@@ -237,7 +262,7 @@ def plain_decode(model, ids, hid):
     return {L: np.stack(v) for L, v in outs.items()}
 
 
-@pytest.mark.parametrize("tables", [None, "direct"])
+@pytest.mark.parametrize("tables", ["mapped", "direct"])
 def test_decodes_are_the_plain_models_and_the_second_process_only_hits(ckpt, plain, host, tmp_path, tables):
     name, start = host
     ws = start(4)
@@ -319,9 +344,9 @@ def test_a_process_killed_holding_the_lock_does_not_stop_the_others(ckpt, plain,
 
 
 def test_pins_of_a_killed_process_leak_and_reads_stay_exact(ckpt, plain, host):
-    """tables="direct": a reader's pins last until its next call. A worker pins every slot and
-    is SIGKILLed: its pins stay (DESIGN.md section 10), the others read every row from the
-    files, exact, without waiting; a process that then finds the file with no user in it
+    """tables="direct": a reader's pins last while its call reads them. A worker killed mid-call
+    with every slot pinned: its pins stay (DESIGN.md section 10), the others read every row from
+    the files, exact, without waiting; a process that then finds the file with no user in it
     clears the pins."""
     name, start = host
     a, b = start(2)
@@ -330,16 +355,17 @@ def test_pins_of_a_killed_process_leak_and_reads_stay_exact(ckpt, plain, host):
         assert "error" not in w.send(op="load", path=ckpt, mb=mb, host=name, tables="direct")
     L = CFG["layer_ids"][0]
     rng = np.random.default_rng(4)
-    rows = rng.choice(table_rows(plain, L), 4000, replace=False)
-    _, st = a.read(L, rows)
+    rows, st = a.hold(L, rng.integers(0, CFG["vocab_size"], 1500))
     cap = st["layers"][str(L)]["capacity_rows"]
-    assert 0 < cap < 2000 and st["layers"][str(L)]["rows_cached"] == cap  # every slot taken, pinned by a's call
+    assert 0 < cap < 2000 < len(rows) and st["layers"][str(L)]["rows_cached"] == cap
+    assert st["pinned"] >= cap  # every slot pinned by a's call in flight
     a.kill()
     other = np.setdiff1d(rng.choice(table_rows(plain, L), 3000, replace=False), rows)
     for _ in range(2):  # every slot pinned: nothing is cached, every row comes from the files
         got, st2 = b.read(L, other)
         np.testing.assert_array_equal(got, plain.row_source(L).read(other))
     assert st2["misses"] == st["misses"] + 2 * len(other)
+    assert st2["pinned"] == st["pinned"]  # b's finished reads hold no pin; the dead a's stay
     got, st3 = b.read(L, rows)  # the rows the dead process pinned are still cached, bytes intact
     np.testing.assert_array_equal(got, plain.row_source(L).read(rows))
     assert st3["hits"] == st2["hits"] + cap
@@ -352,8 +378,8 @@ def test_a_file_left_by_dead_processes_is_reused_with_its_pins_cleared(ckpt, pla
     a, = start(1)
     assert "error" not in a.send(op="load", path=ckpt, mb=0.1, host=name, tables="direct")
     L = CFG["layer_ids"][0]
-    rows = np.random.default_rng(5).choice(table_rows(plain, L), 4000, replace=False)
-    _, st = a.read(L, rows)  # every slot pinned
+    rows, st = a.hold(L, np.random.default_rng(5).integers(0, CFG["vocab_size"], 1500))  # every slot pinned
+    assert st["pinned"] >= st["layers"][str(L)]["capacity_rows"]
     a.kill()  # the only user dies: its files stay, pins and all
     assert glob.glob(os.path.join(HOST_CACHE_DIR, f"engram-rows-{name}-*"))
     b, = start(1)
@@ -448,7 +474,7 @@ def test_a_host_cache_too_small_for_one_row_is_refused(ckpt, host):
         EngramModel.load(ckpt, row_cache_mb=1e-9, host_cache=name)
     least = float(re.search(r">= ([0-9.e+-]+)", str(e.value)).group(1))
     m = EngramModel.load(ckpt, row_cache_mb=least, host_cache=name)
-    assert all(m.row_tiers.cache(L).nslots >= 1 for L in m.cfg.layer_ids)
+    assert all(m.tier.cache(L).nslots >= 1 for L in m.cfg.layer_ids)
     del m
 
 

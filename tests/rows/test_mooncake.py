@@ -321,16 +321,16 @@ def _cached_table_pages(model) -> int:
     """Pages of the model's mapped tables in the page cache (mincore), each array's first and
     last page left out: those it may share with the weights beside it, which load and the
     engines read."""
-    from engram_stream.rows import mapped
+    from engram_stream.io import memory
     n = 0
     for L in model.cfg.layer_ids:
         for a in (model.layer(L).table, model.layer(L).table_scale):
             if a is None:
                 continue
-            assert mapped.is_file_backed(a)
-            first, length = mapped._pages(a)
-            if length // mapped.PAGE > 2:
-                n += int(mapped._resident_pages(first + mapped.PAGE, length // mapped.PAGE - 2).sum())
+            assert memory.is_file_backed(a)
+            first, length = memory._pages(a)
+            if length // memory.PAGE > 2:
+                n += int(memory._resident_pages(first + memory.PAGE, length // memory.PAGE - 2).sum())
     return n
 
 
@@ -341,7 +341,7 @@ def test_a_remote_model_reads_nothing_of_its_local_tables(tier, tmp_path, varian
     decoder read every row from the store. From a cold page cache, not one page of the local tables is cached
     after load, stream() and steps (the check read 100+ pages through the mapping, and a V4.1
     engine's first step ~750 through read-ahead from wkv into the table beside it)."""
-    from engram_stream.rows import mapped
+    from engram_stream.io import memory
     if variant == "demo":
         cfg = EngramConfig(**dict(DEMO, engram_vocab_size=[20011, 20021]))   # ~1250 pages a table
         path, other = str(tmp_path / "m.safetensors"), str(tmp_path / "o.safetensors")
@@ -357,7 +357,7 @@ def test_a_remote_model_reads_nothing_of_its_local_tables(tier, tmp_path, varian
         files = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
     tier.publish(load(path, mmap=False))   # read into RAM: no mapping keeps the file's pages
     for f in files:
-        mapped.evict_file(f)
+        memory.evict_file(f)
     if _cached_table_pages(load(path)):
         pytest.skip("posix_fadvise(DONTNEED) does not evict this file system's pages (tmpfs?)")
     model = load(path, tables=tier)

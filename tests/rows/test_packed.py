@@ -3,7 +3,9 @@ rows and scales, none straddles a page, the file is verified and atomic, a forei
 file is refused."""
 from __future__ import annotations
 
+import json
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from engram_stream import EngramConfig, EngramModel
 from engram_stream.cli import main
 from engram_stream.rows import packed
 from engram_stream.rows.packed import RowsFileError
+from engram_stream.rows.records import record_arrays
 from engram_stream.v41 import hf as hf_v41
 
 PAGE = 4096
@@ -129,7 +132,7 @@ def test_a_row_file_of_a_checkpoint_saved_again_is_refused(v41_dir, tmp_path):
     with pytest.raises(RowsFileError, match=f"{shard}.*pack-rows --force"):
         EngramModel.from_deepseek_v41(d, tables="direct")
     packed.pack_rows(EngramModel.from_deepseek_v41(d), packed.rows_path(d))
-    assert EngramModel.from_deepseek_v41(d, tables="direct").row_tiers.open_tier.rows_path == packed.rows_path(d)
+    assert EngramModel.from_deepseek_v41(d, tables="direct").tier.inner.rows_path == packed.rows_path(d)
 
 
 def test_a_row_file_rewritten_under_a_running_model_is_noticed(v41_dir, tmp_path):
@@ -167,7 +170,7 @@ def test_a_24_layer_checkpoint_packs(tmp_path):
         np.testing.assert_array_equal(records_in_file(packed.rows_path(d), head, L)[:5],
                                       np.concatenate([model.layer(L).embed_weight[:5].view(np.uint8),
                                                       model.layer(L).embed_scale[:5].view(np.uint8)], axis=1))
-    assert direct.row_tiers.open_tier.rows_path == packed.rows_path(d)
+    assert direct.tier.inner.rows_path == packed.rows_path(d)
 
 
 def test_a_header_of_wrong_types_is_a_rows_file_error(v41_dir, tmp_path):
@@ -189,6 +192,35 @@ def test_a_header_of_wrong_types_is_a_rows_file_error(v41_dir, tmp_path):
         p.write_bytes(blob + data[len(blob):])
         with pytest.raises(RowsFileError, match="header"):
             packed.open_rows(model, p)
+
+
+def test_rows_packed_from_tables_in_ram_record_their_digest(tmp_path):
+    """A model of EngramModel.init (tables in RAM, no file to stamp): its row file records the
+    tables' digest (the tables_id a host cache gives it), the same tables open it and read its
+    rows, other tables (a shape alike, another seed) are refused naming both digests."""
+    from engram_stream.rows.records import tables_digest
+    from engram_stream.rows.tiers import tables_id
+    cfg = EngramConfig(**V41)
+    model = EngramModel.init(cfg, seed=4)
+    path = str(tmp_path / "ram.rows")
+    head = packed.pack_rows(model, path)
+    assert head["source"] is None and head["tables"] == tables_digest(model) == tables_id(model)
+    assert packed.read_header(path)["tables"] == head["tables"]
+    at = packed.open_rows(model, path)
+    L = cfg.layer_ids[0]
+    want = np.concatenate(record_arrays(model.layer(L)), axis=1)
+    np.testing.assert_array_equal(records_in_file(path, head, L)[:7], want[:7])
+    assert at[L][0] == head["layers"][str(L)]["offset"]
+    other = EngramModel.init(cfg, seed=5)
+    with pytest.raises(RowsFileError, match=f"digest is {head['tables']}.*{tables_digest(other)}.*pack-rows --force"):
+        packed.open_rows(other, path)
+    text = json.dumps(dict(head, tables="not hex")).encode()
+    blob = packed.MAGIC + struct.pack("<Q", len(text)) + text
+    data = open(path, "rb").read()
+    bad = tmp_path / "bad.rows"
+    bad.write_bytes(blob + data[len(blob):])
+    with pytest.raises(RowsFileError, match="header"):
+        packed.open_rows(model, bad)
 
 
 def test_pack_is_atomic(v41_dir, tmp_path, monkeypatch):

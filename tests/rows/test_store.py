@@ -12,9 +12,9 @@ from engram_stream import EngramConfig, EngramModel
 from engram_stream.demo import checkpoint
 from engram_stream.errors import FileChangedError
 from engram_stream.io.files import mapping_of
-from engram_stream.rows import mapped
+from engram_stream.io import memory
 
-PAGE = mapped.PAGE
+PAGE = memory.PAGE
 # One layer, head_dim 64 (256-byte float32 rows), a ~17 MB table.
 CFG = EngramConfig(engram_vocab_size=[4099, 4099], max_ngram_size=3, n_embed_per_ngram=512, n_head_per_ngram=8,
                    layer_ids=[3], pad_id=2, kernel_size=4, hidden_size=32, hc_mult=2, vocab_size=1000)
@@ -34,19 +34,19 @@ def files(tmp_path_factory):
 def _cold(path):
     """Load with the file's pages evicted from the page cache (skip where the kernel keeps them)."""
     gc.collect()  # models of earlier tests may still map the file: their pages cannot be evicted
-    mapped.evict_file(path)
+    memory.evict_file(path)
     m = EngramModel.load(path, mmap=True)
     w = m.layers[L]
-    if mapped.resident_bytes(w.table) > 0.01 * w.table.nbytes:
+    if memory.resident_bytes(w.table) > 0.01 * w.table.nbytes:
         pytest.skip("posix_fadvise(DONTNEED) does not evict this file system's pages (tmpfs?)")
     return m
 
 
 def _wait_resident(a, at_least, timeout=5.0):
     t0 = time.monotonic()
-    while mapped.resident_bytes(a) < at_least and time.monotonic() - t0 < timeout:
+    while memory.resident_bytes(a) < at_least and time.monotonic() - t0 < timeout:
         time.sleep(0.005)
-    return mapped.resident_bytes(a)
+    return memory.resident_bytes(a)
 
 
 def _vma_flags(addr):
@@ -67,10 +67,10 @@ def test_mapping_of(files, tmp_path):
     m, f32, _ = files
     t = EngramModel.load(f32).layers[L].table
     assert isinstance(mapping_of(t), mmap.mmap)
-    assert mapped.is_file_backed(t[10:20]) and mapped.is_file_backed(t.reshape(-1)[5:])
-    assert not mapped.is_file_backed(m.layers[L].table) and not mapped.is_file_backed(np.ones(3))
+    assert memory.is_file_backed(t[10:20]) and memory.is_file_backed(t.reshape(-1)[5:])
+    assert not memory.is_file_backed(m.layers[L].table) and not memory.is_file_backed(np.ones(3))
     mm = np.memmap(tmp_path / "x.bin", dtype=np.float32, mode="w+", shape=(1024,))
-    assert mapped.is_file_backed(mm) and mapped.is_file_backed(mm[3:])
+    assert memory.is_file_backed(mm) and memory.is_file_backed(mm[3:])
 
 
 def test_load_advises_random(files):
@@ -88,14 +88,14 @@ def test_advise(files):
     m, f32, _ = files
     t = EngramModel.load(f32).layers[L].table
     for advice in ("normal", "sequential", "willneed", "random", "dontneed", mmap.MADV_RANDOM):
-        mapped.advise(t, advice)
+        memory.advise(t, advice)
     assert np.array_equal(t, m.layers[L].table)  # dontneed on a file mapping loses nothing
     with pytest.raises(ValueError, match="unknown advice"):
-        mapped.advise(t, "sometimes")
+        memory.advise(t, "sometimes")
     ram = np.ones((1000, 64), np.float32)
     with pytest.raises(ValueError, match="destroy"):
-        mapped.advise(ram, "dontneed")
-    mapped.advise(ram, "willneed")
+        memory.advise(ram, "dontneed")
+    memory.advise(ram, "willneed")
     assert (ram == 1).all()
 
 
@@ -105,7 +105,7 @@ def test_advise_refuses_advice_outside_the_whitelist(advice):
     MADV_FREE/REMOVE destroy data too, DONTFORK changes fork semantics. Only read hints pass."""
     ram = np.ones((1000, 64), np.float32)
     with pytest.raises((ValueError, TypeError), match="advice"):
-        mapped.advise(ram, advice)
+        memory.advise(ram, advice)
     assert (ram == 1).all()
 
 
@@ -113,12 +113,12 @@ def test_advise_refuses_advice_outside_the_whitelist(advice):
 def test_resident_bytes_of_ordinary_memory():
     buf = mmap.mmap(-1, 32 << 20)  # fresh anonymous memory: no page is there until written
     a = np.frombuffer(buf, np.uint8)
-    assert mapped.resident_bytes(a) < 1 << 20
+    assert memory.resident_bytes(a) < 1 << 20
     a[: 8 << 20] = 1
-    r = mapped.resident_bytes(a)
+    r = memory.resident_bytes(a)
     assert 8 << 20 <= r <= 12 << 20  # slack: transparent huge pages fault in 2 MB at a time
-    assert mapped.resident_bytes(a[100:5000]) == 4900  # partial pages count their overlap only
-    assert mapped.resident_bytes(np.ones(0)) == 0
+    assert memory.resident_bytes(a[100:5000]) == 4900  # partial pages count their overlap only
+    assert memory.resident_bytes(np.ones(0)) == 0
 
 
 def test_cold_touch_grows_resident(files):
@@ -128,13 +128,13 @@ def test_cold_touch_grows_resident(files):
     rng = np.random.default_rng(0)
     few, many = rng.choice(len(t), 10, replace=False), rng.choice(len(t), 1000, replace=False)
     assert np.array_equal(t[few], ref[few])
-    r_few = mapped.resident_bytes(t)
+    r_few = memory.resident_bytes(t)
     assert 10 * 256 <= r_few <= 10 * 2 * PAGE + 2 * PAGE  # no read-ahead around the rows
     assert r_few < 0.01 * t.nbytes
     assert np.array_equal(t[many], ref[many])
-    r_many = mapped.resident_bytes(t)
+    r_many = memory.resident_bytes(t)
     assert r_many > 20 * r_few and r_many <= 1010 * 2 * PAGE
-    rep = mapped.residency(cold)[L]
+    rep = memory.residency(cold)[L]
     assert rep == {"table_bytes": t.nbytes, "resident_bytes": r_many, "file_backed": True}
 
 
@@ -147,36 +147,36 @@ def test_read_rows_reads_by_pread_and_leaves_the_page_cache_as_it_was(files):
     t, s = cold.layers[L].table, cold.layers[L].table_scale
     rows = np.array([0, 5, 5, t.shape[0] // 2, t.shape[0] - 1])
     for a, want in ((t, in_ram.table), (s, in_ram.table_scale)):
-        before = mapped.resident_bytes(a)                     # an edge page load read beside it, at most
-        assert before <= 2 * mapped.PAGE
-        got = mapped.read_rows(a, rows)
+        before = memory.resident_bytes(a)                     # an edge page load read beside it, at most
+        assert before <= 2 * memory.PAGE
+        got = memory.read_rows(a, rows)
         assert got.flags.c_contiguous and got.dtype == a.dtype
         np.testing.assert_array_equal(got, want[rows])
-        assert mapped.resident_bytes(a) == before
-    mapped.touch(t[:1])                                       # a page cached before: left cached
-    mapped.read_rows(t, [0])
-    assert mapped.resident_bytes(t[:1]) == t[:1].nbytes
+        assert memory.resident_bytes(a) == before
+    memory.touch(t[:1])                                       # a page cached before: left cached
+    memory.read_rows(t, [0])
+    assert memory.resident_bytes(t[:1]) == t[:1].nbytes
     ram = np.arange(12.0).reshape(4, 3)                      # ordinary memory: indexed
-    np.testing.assert_array_equal(mapped.read_rows(ram, [3, 1]), ram[[3, 1]])
+    np.testing.assert_array_equal(memory.read_rows(ram, [3, 1]), ram[[3, 1]])
     with pytest.raises(IndexError):
-        mapped.read_rows(t, [t.shape[0]])
+        memory.read_rows(t, [t.shape[0]])
 
 
 def test_release_and_evict(files):
     m, f32, _ = files
     cold = _cold(f32)
     t = cold.layers[L].table
-    mapped.touch(t)
-    assert mapped.resident_bytes(t) == t.nbytes
-    mapped.release(cold)  # unmapped from this process, still cached
-    mapped.evict_file(f32)
-    assert mapped.resident_bytes(t) < 0.01 * t.nbytes
+    memory.touch(t)
+    assert memory.resident_bytes(t) == t.nbytes
+    memory.release(cold)  # unmapped from this process, still cached
+    memory.evict_file(f32)
+    assert memory.resident_bytes(t) < 0.01 * t.nbytes
     assert np.array_equal(t[::97], m.layers[L].table[::97])  # and read back on demand
 
 
 def test_residency_in_ram(files):
     m, _, _ = files
-    rep = mapped.residency(m)
+    rep = memory.residency(m)
     assert rep[L]["file_backed"] is False and rep[L]["table_bytes"] == m.layers[L].table.nbytes
     assert rep[L]["resident_bytes"] == rep[L]["table_bytes"]  # init wrote every page
 
@@ -187,60 +187,43 @@ def _pages_of(a, rows):
     return {p for r in rows for p in range((base + r * rb) // PAGE, (base + r * rb + rb - 1) // PAGE + 1)}
 
 
-def test_prefetch_rows_coalesces(files, monkeypatch):
-    _, f32, _ = files
-    t = EngramModel.load(f32).layers[L].table
-    calls = []
-    monkeypatch.setattr(mapped.RowPrefetcher, "_advise_run", lambda self, first, n: calls.append((first, n)))
-    rows = np.arange(100, 164)  # 64 rows x 256 B: contiguous pages, one call
-    assert mapped.prefetch_rows(t, rows) == len(_pages_of(t, rows)) and len(calls) == 1
-    assert set(range(calls[0][0], calls[0][0] + calls[0][1])) == _pages_of(t, rows)
-    calls.clear()
-    rows = np.array([[5000, 5001], [60000, 5002]])  # any shape; two runs
-    assert mapped.prefetch_rows(t, rows) == len(_pages_of(t, rows.ravel())) and len(calls) == 2
-    calls.clear()
-    assert mapped.prefetch_rows(t, []) == 0 and not calls
-    with pytest.raises(IndexError):
-        mapped.prefetch_rows(t, [len(t)])
-    with pytest.raises(IndexError):
-        mapped.prefetch_rows(t, [-1])
+def _fed_rows(eng, seed):
+    """Feed a one-stream engine one token (hashed only: feed() reads no page of the table): its rows."""
+    eng.feed(int(np.random.default_rng(seed).integers(0, CFG.vocab_size)))
+    return np.asarray(eng.rows).ravel()
 
 
-def test_prefetch_on_ordinary_memory(files):
-    """The ctypes path (not a view of an mmap.mmap): harmless on in-RAM tables, same page count."""
-    m, _, _ = files
-    t = m.layers[L].table
-    rows = np.array([7, 8, 9000])
-    assert mapped.RowPrefetcher(t)._mm is None
-    assert mapped.prefetch_rows(t, rows) == len(_pages_of(t, rows))
-
-
-def test_prefetch_rows_reads_them_in(files):
+def test_engine_prefetch_reads_rows_in(files):
+    """engine.prefetch() after feed(): the fed rows' pages come into the page cache (MADV_WILLNEED),
+    not a read-ahead window around them."""
     m, f32, _ = files
-    t = _cold(f32).layers[L].table
-    rows = np.random.default_rng(1).choice(len(t), 200, replace=False)
-    n = mapped.prefetch_rows(t, rows)
-    assert n == len(_pages_of(t, rows))
-    got = _wait_resident(t, n * PAGE)
-    assert n * PAGE * 0.9 <= got <= 2 * n * PAGE  # the rows' pages, no read-ahead around them
+    cold = _cold(f32)
+    t = cold.layers[L].table
+    eng = cold.stream(L)
+    rows = _fed_rows(eng, 1)
+    n = len(_pages_of(t, rows))
+    assert eng.prefetch() == 0  # no advice call failed
+    got = _wait_resident(t, 0.9 * n * PAGE)
+    assert 0.9 * n * PAGE <= got <= 2 * n * PAGE + 64 * PAGE
     assert np.array_equal(t[rows], m.layers[L].table[rows])
 
 
-def test_prefetch_int8_rows_and_scales(files):
+def test_engine_prefetch_int8_rows_and_scales(files):
+    """An int8 table's prefetch advises its rows' pages and their scales' pages (apart)."""
     m, _, i8 = files
     cold = _cold(i8)
     w = cold.layers[L]
-    rows = np.random.default_rng(2).choice(len(w.table), 50, replace=False)
-    n = mapped.prefetch(cold, {L: rows})  # the multi-layer helper: table rows and their scales
+    eng = cold.stream(L)
+    rows = _fed_rows(eng, 2)
     n_scale = len(_pages_of(w.table_scale, rows))
-    assert n == len(_pages_of(w.table, rows)) + n_scale
+    assert eng.prefetch() == 0
     assert _wait_resident(w.table_scale, 0.9 * n_scale * PAGE) >= 0.9 * n_scale * PAGE
     ref = checkpoint.compact(m, "int8").layers[L]
     assert np.array_equal(w.table_f32(rows), ref.table_f32(rows))
 
 
 def test_decode_over_mapped_table_with_prefetch(files):
-    """feed() -> rows -> prefetch_rows -> compute() over a cold mapped table == the in-RAM engine."""
+    """feed() -> prefetch() -> compute() over a cold mapped table == the in-RAM engine."""
     m, f32, _ = files
     cold = _cold(f32)
     w = cold.layers[L]
@@ -250,9 +233,9 @@ def test_decode_over_mapped_table_with_prefetch(files):
         tok = int(rng.integers(0, CFG.vocab_size))
         hid = rng.standard_normal((CFG.hc_mult, CFG.hidden_size)).astype(np.float32)
         e_map.feed(tok)
-        mapped.prefetch_rows(w.table, e_map.rows)
+        assert e_map.prefetch() == 0
         assert np.array_equal(e_map.compute(hid), e_ram.step(tok, hid))
-    assert mapped.resident_bytes(w.table) <= 64 * CFG.n_heads * 2 * PAGE
+    assert memory.resident_bytes(w.table) <= 64 * CFG.n_heads * 2 * PAGE
 
 
 def test_residency_rows_touched(files):
@@ -260,17 +243,17 @@ def test_residency_rows_touched(files):
     _, f32, _ = files
     cold = _cold(f32)
     eng = cold.stream(L)
-    bitmap = mapped.track_rows(eng)
+    bitmap = memory.track_rows(eng)
     rng = np.random.default_rng(4)
     rows = set()
     for _ in range(40):
         eng.feed(int(rng.integers(0, CFG.vocab_size)))
         rows.update(eng.rows.ravel().tolist())
         eng.compute(rng.standard_normal((CFG.hc_mult, CFG.hidden_size)).astype(np.float32))
-    rep = mapped.residency(cold, touched={L: bitmap})[L]
+    rep = memory.residency(cold, touched={L: bitmap})[L]
     assert rep["rows_touched"] == len(rows)
     assert rep["resident_bytes"] <= len(rows) * 2 * PAGE
-    assert "rows_touched" not in mapped.residency(cold)[L]
+    assert "rows_touched" not in memory.residency(cold)[L]
 
 
 # ---- a mapped file changed under a loaded model --------------------------------------

@@ -142,7 +142,7 @@ def test_row_cache_mb_takes_numpy_numbers(ckpts):
 
 
 def test_engines_made_on_several_threads_share_one_cache(ckpts):
-    """RowTiers.cache() makes a layer's cache once, however many threads ask at the same time."""
+    """CachedTier.cache() makes a layer's cache once, however many threads ask at the same time."""
     import sys
     import threading
     switch = sys.getswitchinterval()
@@ -154,7 +154,7 @@ def test_engines_made_on_several_threads_share_one_cache(ckpts):
 
             def make():
                 go.wait()
-                got.append(model.row_tiers.cache(CFG["layer_ids"][0]))
+                got.append(model.tier.cache(CFG["layer_ids"][0]))
             ts = [threading.Thread(target=make) for _ in range(6)]
             for t in ts:
                 t.start()
@@ -283,7 +283,7 @@ def test_with_weight_dtype_keeps_the_remote_source(tier, ckpts):
     ids, hid = tokens(12, 5), hiddens(12, 5)
     got = decode(bf, ids, hid)
     s = bf.row_cache_stats()
-    assert s["fetches"] > 0 and s["bytes_fetched"] > 0 and bf.row_tiers.tier is tier
+    assert s["fetches"] > 0 and s["bytes_fetched"] > 0 and bf.tier.tier is tier
     assert_identical(got, decode(EngramModel.load(ckpts["float16"]).with_weight_dtype("bfloat16"), ids, hid))
 
 

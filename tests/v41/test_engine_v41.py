@@ -502,21 +502,21 @@ def test_steady_state_step_allocates_nothing(model):
 def test_mapped_checkpoint_decoder_prefetch_and_residency(model, tmp_path):
     """A V4.1 checkpoint mapped from disk: the Decoder prefetches (madvise) the fed rows, the
     outputs still equal the oracle's, and residency counts the rows the engine touched."""
-    from engram_stream.rows import mapped
+    from engram_stream.io import memory
     model.save(tmp_path / "ckpt")
     mm = EngramModel.load(tmp_path / "ckpt", mmap=True)
-    assert mapped.is_file_backed(mm.layer(1).table)
+    assert memory.is_file_backed(mm.layer(1).table)
     rng = np.random.default_rng(11)
     ids = variant_ids(mm, rng, (1, 12))
     hs = {L: variant_hidden(mm, rng, (1, 12)) for L in (1, 4)}
     dec = mm.decoder()
     assert all(dec.engines[L].row_source.paged for L in (1, 4))
-    bitmap = mapped.track_rows(dec.engines[1])
+    bitmap = memory.track_rows(dec.engines[1])
     for t in range(12):
         got = dec.step(int(ids[0, t]), {L: hs[L][0, t] for L in (1, 4)})
         for L in (1, 4):
             close(got[L], model.forward(L, ids[:, :t + 1], hs[L][:, :t + 1])[0, t])
     rows = np.unique(mm.plan.hash_numpy(ids, layers=[1])[1] + mm.layer(1).offsets)
-    rep = mapped.residency(mm, touched={1: bitmap})
+    rep = memory.residency(mm, touched={1: bitmap})
     assert rep[1]["rows_touched"] == rows.size and rep[1]["resident_bytes"] > 0
-    mapped.release(mm)
+    memory.release(mm)
