@@ -104,5 +104,4 @@ class QwenVariant(variants.Variant):
         return shifted
 
 
-from ._engine import QwenStreamEngine
-from .weights import PLEWeights
+VARIANT = variants.register(QwenVariant())
