@@ -271,6 +271,9 @@ def discover(package: str = __package__):
     package that fails to import."""
     for module in builtin_modules(package):
         importlib.import_module(module)
+        if not any(type(v).__module__ == module for v in _REGISTRY.values()):
+            # a folder's variant.py that registers nothing would drop the variant without a word
+            raise RuntimeError(f"{module} registers no Variant: end it with variants.register(YourVariant())")
     for ep in _entry_points():
         try:
             load_entry_point(ep)

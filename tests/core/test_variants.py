@@ -31,7 +31,12 @@ def test_the_scan_finds_a_variant_folder_it_was_never_told_of(tmp_path, monkeypa
     (pkg / "other").mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "mine" / "__init__.py").write_text("")
-    (pkg / "mine" / "variant.py").write_text("LOADED = True\n")
+    (pkg / "mine" / "variant.py").write_text(
+        "from engram_stream import variants\n"
+        "class Mine(type(variants.get(variants.DEFAULT))):\n"
+        "    name = 'scan-mine'\n"
+        "VARIANT = variants.register(Mine())\n"
+        "LOADED = True\n")
     (pkg / "other" / "__init__.py").write_text("raise RuntimeError('not a variant folder: never imported')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
@@ -39,8 +44,26 @@ def test_the_scan_finds_a_variant_folder_it_was_never_told_of(tmp_path, monkeypa
         variants.discover("scanpkg")
         assert sys.modules["scanpkg.mine.variant"].LOADED
         assert "scanpkg.other" not in sys.modules
+        assert variants.get("scan-mine") is sys.modules["scanpkg.mine.variant"].VARIANT
     finally:
+        variants.unregister("scan-mine")
         for m in [m for m in sys.modules if m.startswith("scanpkg")]:
+            del sys.modules[m]
+
+
+def test_a_variant_folder_that_registers_nothing_is_an_error(tmp_path, monkeypatch):
+    """A folder's variant.py that forgets to register would drop its variant silently."""
+    pkg = tmp_path / "scanpkg2"
+    (pkg / "quiet").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "quiet" / "__init__.py").write_text("")
+    (pkg / "quiet" / "variant.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="scanpkg2.quiet.variant registers no Variant"):
+            variants.discover("scanpkg2")
+    finally:
+        for m in [m for m in sys.modules if m.startswith("scanpkg2")]:
             del sys.modules[m]
 
 
