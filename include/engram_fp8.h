@@ -20,7 +20,7 @@
  * every product is the reference's scaled by a power of two: the same values, only the order
  * of the fp32 additions differs (FMA or multiply then add: the same, the products being exact).
  *
- * Paths: the kernels follow es_isa (engram_isa.h) like the demo's, so ENGRAM_STREAM_ISA and
+ * Paths: the kernels follow es_isa_now() (engram_isa.h) like the demo's, so ENGRAM_STREAM_ISA and
  * engram_stream.engine.isa.use_isa choose them for both variants. baseline, avx2 and neon are one template
  * (engram_fp8_kern.h): e4m3 widened exactly in registers (avx2: through fp16 bits and F16C,
  * the value times 2^-8 with the 2^8 folded into the block scale; neon: the same fp16 bits by
@@ -655,7 +655,7 @@ static inline int es8_dpbf16(float *acc, const uint16_t *a, const uint16_t *b, i
 
 /* ---- dispatch -------------------------------------------------------------------------------- */
 
-/* The path the float8 kernels take now: the es_isa level (engram_isa.h). */
+/* The path the float8 kernels take now: the es_isa_now() level (engram_isa.h). */
 static inline int es8_isa(void) { return es_isa_now(); }
 
 static inline void es8_gather(const uint8_t *w, const uint8_t *sc, int hd, const int64_t *rows, int H, float *e) {
@@ -782,7 +782,7 @@ static void es8_wkv_part(void *ctx, int64_t slot, int64_t slot_end) {
     }
 }
 
-/* es8_wkv_range over all groups on the running path (es_isa, read once per call), split by
+/* es8_wkv_range over all groups on the running path (es_isa_now(), read once per call), split by
  * groups over nthreads threads (each reads its own groups of wkv; scratch:
  * es8_scratch_floats(S, E, nthreads) floats, or NULL for one token). Bitwise equal to one
  * thread. */

@@ -10,7 +10,7 @@
  *   es_gather       copy a token's H table rows (float32 / float16 / int8+scale).
  *
  * Written with GCC vector extensions (GCC, clang). The GEMM, the tail and the gathers are compiled
- * once per instruction set from engram_step_kern.h and picked by es_isa (engram_isa.h):
+ * once per instruction set from engram_step_kern.h and picked by es_isa_now() (engram_isa.h):
  * one build runs on any CPU, and ENGRAM_STREAM_ISA / the tests can force each path.
  * Nothing here allocates or raises.
  */
@@ -237,6 +237,7 @@ typedef struct {
     int active;            /* workers inside the current split (changed under mu; atomic) */
     int sleepers;          /* workers waiting on posted (under mu) */
     int nthreads;
+    int isa;               /* the caller's kernel path for the current split (es_isa_call in each worker) */
     int64_t spin_ns;       /* how long a worker between splits, and the caller at a split's end, spin */
     int refs;              /* the caller and the started workers not yet gone (atomic): the last frees */
     int used;              /* the slot is taken (atomic) */
@@ -321,6 +322,7 @@ static void *es_team_worker(void *arg) {
         seen = t->seq;
         if (t->shut == seen) continue; /* every piece taken: wait for the next split */
         __atomic_add_fetch(&t->active, 1, __ATOMIC_RELAXED);
+        es_isa_call(t->isa);
         pthread_mutex_unlock(&t->mu);
         es_team_take(t);
         pthread_mutex_lock(&t->mu); /* (release: the caller that reads active 0 sees the pieces) */
@@ -346,7 +348,7 @@ static inline es_team *es_team_open(int nthreads, int64_t spin_ns) {
     pthread_cond_init(&t->posted, 0);
     pthread_cond_init(&t->idle, 0);
     t->fn = 0, t->ctx = 0, t->n = 0, t->grain = 1, t->next = 0, t->seq = 0, t->shut = 0, t->closed = 0, t->active = 0;
-    t->parked = 0;
+    t->parked = 0, t->isa = -1;
     t->sleepers = 0, t->nthreads = nthreads, t->spin_ns = spin_ns, t->refs = nthreads;
     pthread_attr_t attr;
     const int detach = pthread_attr_init(&attr) == 0;
@@ -378,7 +380,7 @@ static inline void es_team_run(es_team *t, int nthreads, int64_t n, int64_t grai
         return;
     }
     pthread_mutex_lock(&t->mu);
-    t->fn = fn, t->ctx = ctx, t->n = n, t->grain = grain;
+    t->fn = fn, t->ctx = ctx, t->n = n, t->grain = grain, t->isa = es_isa_now();
     __atomic_store_n(&t->next, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&t->seq, t->seq + 1, __ATOMIC_RELAXED);
     if (t->sleepers) pthread_cond_broadcast(&t->posted);
