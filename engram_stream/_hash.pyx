@@ -143,7 +143,7 @@ def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=Fa
 # The kernel runtime of the process (include/engram_isa.h): this module's, which every other
 # extension binds at import; engram_stream.engine.isa drives it ------------------------------
 
-cdef extern from "engram_isa.h" nogil:
+cdef extern from "engram_runtime.h" nogil:
     const es_runtime es_runtime_own
 
 

@@ -19,6 +19,8 @@
 #ifndef ENGRAM_ISA_H
 #define ENGRAM_ISA_H
 
+#include <stdint.h>
+
 #define ES_ISA_BASELINE 0
 #define ES_ISA_AVX2 1
 #define ES_ISA_AVX512 2
@@ -106,22 +108,32 @@ static inline int es_isa_runs(int level) {
 }
 
 /* ---- the kernel runtime: one per process, owned by engram_stream._hash ----------------
- * Every extension compiles this header, but the path is chosen in one place: _hash.pyx hands
- * its es_runtime_own (es_runtime() in _hash.pxd, exported through the module's capsule table)
- * to every other extension at its import (es_runtime_bind), so one store switches every
- * extension's kernels and no copy is kept in step by hand.
+ * Every extension compiles these headers, but the path and the worker teams live in one place:
+ * _hash.pyx hands its es_runtime_own (engram_runtime.h; es_runtime_of_process() in _hash.pxd,
+ * exported through the module's capsule table) to every other extension at its import
+ * (es_runtime_bind), so one store switches every extension's kernels, every team comes from one
+ * set of slots and a thread keeps one team, and no copy is kept in step by hand. Until bound (in
+ * _hash itself) a translation unit runs its own es_own_* functions.
  *   the process's path   es_isa_set: the best this CPU runs until engine/isa.py chooses
  *   a call's path        es_isa_call(level) on the calling thread (-1: the process's again):
  *                        an engine running one operation on the path measured fastest for it
  *                        (engine/tune.py); a team's workers take the caller's (es_team_run)
  *   forced               es_isa_force(1): ENGRAM_STREAM_ISA or use_isa; a call's path is then
- *                        ignored, so the tests and the environment hold every kernel to one. */
+ *                        ignored, so the tests and the environment hold every kernel to one.
+ *   the teams            es_team_open / _close / _keep / _put / _slots_held (engram_step.h).
+ * Adding a path touches the levels above, es_isa_runs and the kernel templates. */
+struct es_team_s;
 typedef struct es_runtime {
     int (*isa_now)(void);
     int (*isa_set)(int level);
     void (*isa_call)(int level);
     void (*isa_force)(int on);
     int (*isa_forced)(void);
+    struct es_team_s *(*team_open)(int nthreads, int64_t spin_ns);
+    void (*team_close)(struct es_team_s *t);
+    struct es_team_s *(*team_keep)(int nthreads, int64_t spin_ns);
+    void (*team_put)(struct es_team_s *t);
+    int (*team_slots_held)(void);
 } es_runtime;
 
 static int es_isa_process = -1;     /* -1 until set: the first dispatch takes the CPU's best */
@@ -144,19 +156,17 @@ static void es_own_isa_call(int level) { es_isa_thread = level >= 0 && es_isa_ru
 static void es_own_isa_force(int on) { __atomic_store_n(&es_isa_is_forced, on != 0, __ATOMIC_RELAXED); }
 static int es_own_isa_forced(void) { return __atomic_load_n(&es_isa_is_forced, __ATOMIC_RELAXED); }
 
-static const es_runtime es_runtime_own __attribute__((unused)) = {
-    es_own_isa_now, es_own_isa_set, es_own_isa_call, es_own_isa_force, es_own_isa_forced};
-/* This extension's view of the runtime: its own until es_runtime_bind (the owner's). */
-static const es_runtime *es_rt = &es_runtime_own;
+/* This extension's view of the runtime: NULL (its own functions) until es_runtime_bind. */
+static const es_runtime *es_rt;
 static inline void es_runtime_bind(const es_runtime *rt) { es_rt = rt; }
 
 /* The level the calling thread's kernels run. */
-static inline int es_isa_now(void) { return es_rt->isa_now(); }
+static inline int es_isa_now(void) { return es_rt ? es_rt->isa_now() : es_own_isa_now(); }
 /* The process's level; refused (-1, nothing changes) where the CPU or this build does not run it. */
-static inline int es_isa_set(int level) { return es_rt->isa_set(level); }
-static inline void es_isa_call(int level) { es_rt->isa_call(level); }
-static inline void es_isa_force(int on) { es_rt->isa_force(on); }
-static inline int es_isa_forced(void) { return es_rt->isa_forced(); }
+static inline int es_isa_set(int level) { return es_rt ? es_rt->isa_set(level) : es_own_isa_set(level); }
+static inline void es_isa_call(int level) { if (es_rt) es_rt->isa_call(level); else es_own_isa_call(level); }
+static inline void es_isa_force(int on) { if (es_rt) es_rt->isa_force(on); else es_own_isa_force(on); }
+static inline int es_isa_forced(void) { return es_rt ? es_rt->isa_forced() : es_own_isa_forced(); }
 
 /* Call the copy of `name` (name_baseline, name_avx2, name_avx512; name_neon) that es_isa_now() selects
  * (bf16: the avx512 copy; the kernels with a bf16 copy dispatch themselves). */

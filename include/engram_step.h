@@ -222,7 +222,7 @@ static inline int64_t es_fma_chains(int64_t n, float *sink) {
 #define ES_TEAM_SPIN_NS 200000
 
 typedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1);
-typedef struct {
+typedef struct es_team_s {
     pthread_mutex_t mu;
     pthread_cond_t posted; /* a split was posted, or the team closed */
     pthread_cond_t idle;   /* active fell to 0 */
@@ -243,14 +243,14 @@ typedef struct {
     int used;              /* the slot is taken (atomic) */
 } es_team;
 
-/* The teams in flight, a fixed set per extension module: a call takes no memory, and a call
+/* The teams in flight, a fixed set of the process (the runtime's, engram_isa.h): a call takes no memory, and a call
  * that finds every slot held runs on the caller alone. (A forked child keeps the slots its
  * parent's late workers held: at most this many calls there run on one thread.) */
 #define ES_TEAM_SLOTS 64
 static es_team es_team_slots[ES_TEAM_SLOTS] __attribute__((unused));
 
 /* The slots held now: by a call's team, or by its workers still on their way out. */
-static inline int es_team_slots_held(void) {
+static int es_own_team_slots_held(void) {
     int k = 0;
     for (int i = 0; i < ES_TEAM_SLOTS; i++) k += __atomic_load_n(&es_team_slots[i].used, __ATOMIC_ACQUIRE);
     return k;
@@ -334,7 +334,7 @@ static void *es_team_worker(void *arg) {
 }
 
 /* NULL (the caller alone) for nthreads <= 1 or no free slot. */
-static inline es_team *es_team_open(int nthreads, int64_t spin_ns) {
+static es_team *es_own_team_open(int nthreads, int64_t spin_ns) {
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
     if (nthreads <= 1) return 0;
     es_team *t = 0;
@@ -401,7 +401,7 @@ static inline void es_team_run(es_team *t, int nthreads, int64_t n, int64_t grai
     }
 }
 
-static inline void es_team_close(es_team *t) {
+static void es_own_team_close(es_team *t) {
     if (!t) return;
     pthread_mutex_lock(&t->mu);
     __atomic_store_n(&t->closed, 1, __ATOMIC_RELAXED);
@@ -426,7 +426,7 @@ static pthread_key_t es_kept_key;
 static pthread_once_t es_kept_once = PTHREAD_ONCE_INIT;
 static int es_kept_ok;
 
-static void es_kept_exit(void *t) { es_team_close((es_team *)t); } /* the thread is leaving */
+static void es_kept_exit(void *t) { es_own_team_close((es_team *)t); } /* the thread is leaving */
 static void es_kept_forget(void) { /* a forked child */
     es_kept_team = 0, es_kept_busy = 0;
     pthread_setspecific(es_kept_key, 0); /* so its exit does not close the parent's team */
@@ -443,21 +443,21 @@ static inline void es_team_park(es_team *t, int parked) {
 }
 
 /* NULL (the caller alone) as es_team_open. */
-static inline es_team *es_team_keep(int nthreads, int64_t spin_ns) {
+static es_team *es_own_team_keep(int nthreads, int64_t spin_ns) {
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
     if (nthreads <= 1) return 0;
     pthread_once(&es_kept_once, es_kept_init);
-    if (!es_kept_ok || es_kept_busy) return es_team_open(nthreads, spin_ns);
+    if (!es_kept_ok || es_kept_busy) return es_own_team_open(nthreads, spin_ns);
     es_team *t = es_kept_team;
     if (t && (t->nthreads != nthreads || t->spin_ns != spin_ns)) {
-        es_team_close(t); /* (its slot may go to another thread now: the key forgets it too) */
+        es_own_team_close(t); /* (its slot may go to another thread now: the key forgets it too) */
         es_kept_team = t = 0;
         pthread_setspecific(es_kept_key, 0);
     }
     if (t) {
         es_team_park(t, 0);
     } else {
-        if (!(t = es_team_open(nthreads, spin_ns))) return 0;
+        if (!(t = es_own_team_open(nthreads, spin_ns))) return 0;
         if (pthread_setspecific(es_kept_key, t) != 0) return t; /* kept nowhere: es_team_put closes it */
         es_kept_team = t;
     }
@@ -465,15 +465,33 @@ static inline es_team *es_team_keep(int nthreads, int64_t spin_ns) {
     return t;
 }
 
-static inline void es_team_put(es_team *t) {
+static void es_own_team_put(es_team *t) {
     if (!t) return;
     if (t == es_kept_team) {
         es_team_park(t, 1);
         es_kept_busy = 0;
     } else {
-        es_team_close(t);
+        es_own_team_close(t);
     }
 }
+
+/* The runtime's teams (engram_isa.h): the owner's once bound, so every extension draws on one
+ * set of slots and a thread keeps one team whichever extension's call takes it. */
+static inline es_team *es_team_open(int nthreads, int64_t spin_ns) {
+    return es_rt ? es_rt->team_open(nthreads, spin_ns) : es_own_team_open(nthreads, spin_ns);
+}
+static inline void es_team_close(es_team *t) {
+    if (es_rt) es_rt->team_close(t);
+    else es_own_team_close(t);
+}
+static inline es_team *es_team_keep(int nthreads, int64_t spin_ns) {
+    return es_rt ? es_rt->team_keep(nthreads, spin_ns) : es_own_team_keep(nthreads, spin_ns);
+}
+static inline void es_team_put(es_team *t) {
+    if (es_rt) es_rt->team_put(t);
+    else es_own_team_put(t);
+}
+static inline int es_team_slots_held(void) { return es_rt ? es_rt->team_slots_held() : es_own_team_slots_held(); }
 
 static inline void es_parallel_pieces(int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) {
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
