@@ -180,6 +180,18 @@ static inline void es8_wkv_plain(const float *qx, int64_t ldq, int64_t S, int E,
  * dot = sum(h * qw[c] * kw[c] * key) * rstd / sqrt(D),
  * gate = sigmoid(copysign(sqrt(max(|dot|, 1e-6)), dot)), 0 when dead; out = gate * value.
  * Sums in double (D up to a few thousand: the float32 rounding of the oracle is below 1e-6). */
+/* Stream c's output from its three sums (sh = sum h^2, sk = sum key^2, dot): the formula above,
+ * every path's (they differ only in how they sum). */
+static inline void es8_gate_out(double sh, double sk, double dot, const float *value, int D, float eps, int dead,
+                                float *o) {
+    const float rstd = (1.0f / sqrtf((float)(sh / D) + eps)) * (1.0f / sqrtf((float)(sk / D) + eps));
+    const float s = (float)dot * rstd / sqrtf((float)D);
+    const float mag = fabsf(s) < ES_GATE_CLAMP ? ES_GATE_CLAMP : fabsf(s);  /* NaN stays NaN */
+    const float z = copysignf(sqrtf(mag), s);
+    const float gate = dead ? 0.0f : 1.0f / (1.0f + expf(-z));
+    for (int d = 0; d < D; d++) o[d] = gate * value[d];
+}
+
 static inline void es8_gate_tail_plain(const float *kv, const float *hid, const float *qw, const float *kw, int G,
                                        int D, float eps, int dead, float *out) {
     const float *value = kv + (int64_t)G * D;
@@ -192,13 +204,7 @@ static inline void es8_gate_tail_plain(const float *kv, const float *hid, const 
             sk += (double)key[d] * key[d];
             dot += (double)h[d] * a[d] * b[d] * key[d];
         }
-        const float rstd = (1.0f / sqrtf((float)(sh / D) + eps)) * (1.0f / sqrtf((float)(sk / D) + eps));
-        const float s = (float)dot * rstd / sqrtf((float)D);
-        const float mag = fabsf(s) < ES_GATE_CLAMP ? ES_GATE_CLAMP : fabsf(s);  /* NaN stays NaN */
-        const float z = copysignf(sqrtf(mag), s);
-        const float gate = dead ? 0.0f : 1.0f / (1.0f + expf(-z));
-        float *o = out + (int64_t)c * D;
-        for (int d = 0; d < D; d++) o[d] = gate * value[d];
+        es8_gate_out(sh, sk, dot, value, D, eps, dead, out + (int64_t)c * D);
     }
 }
 

@@ -168,6 +168,16 @@ static inline void es_isa_call(int level) { if (es_rt) es_rt->isa_call(level); e
 static inline void es_isa_force(int on) { if (es_rt) es_rt->isa_force(on); else es_own_isa_force(on); }
 static inline int es_isa_forced(void) { return es_rt ? es_rt->isa_forced() : es_own_isa_forced(); }
 
+/* The horizontal sum of every path's vectors (es_hsum, es8_hsum): w (a power of two) lanes in
+ * t, halves folded onto halves, so each path sums its lanes in one order. */
+static inline __attribute__((always_inline)) float es_hsum_lanes(float *t, int w) {
+#pragma GCC unroll 4
+    for (w /= 2; w >= 1; w /= 2)
+#pragma GCC unroll 8
+        for (int i = 0; i < w; i++) t[i] += t[i + w];
+    return t[0];
+}
+
 /* Call the copy of `name` (name_baseline, name_avx2, name_avx512; name_neon) that es_isa_now() selects
  * (bf16: the avx512 copy; the kernels with a bf16 copy dispatch themselves). */
 #if ES_X86_PATHS
