@@ -735,7 +735,7 @@ cdef class EngineBase:
                         nb = min(self.chunk, n - t0)
                         self._resolve(t0, nb)
                         with nogil:
-                            self._gather_rows(nb, po + t0 * self.E, self.E, self._prefill_threads)
+                            self._gather_rows(nb, po + t0 * self.E, self.E, self._threads_of(OP_PREFILL))
                         self.src.release()
                         t0 += nb
                 except BaseException:
