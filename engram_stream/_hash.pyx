@@ -153,7 +153,7 @@ cdef const es_runtime *es_runtime_of_process() noexcept nogil:
 
 def _isa_set(int level, bint force=False):
     """Run every extension's kernels at `level` (0 baseline, 1 avx2, 2 avx512, 3 bf16, 4 neon);
-    force: a call's measured path (es_isa_call) is ignored from now on (False: honoured). False
+    force: every call's measured path (es_isa_call) is ignored until unforced (False: honoured). False
     if the CPU or this build cannot run it (nothing changes)."""
     if es_isa_set(level) != 0:
         return False

@@ -320,7 +320,7 @@ def _warn(e):
 
 def table_for(model, layer=None, retune=False) -> dict:
     """The measured table of the model's shapes: this process's, else the cache's, else measured
-    now (and cached). retune: measured now whatever is known."""
+    by this call (and cached). retune: measured whatever is known."""
     key = shape_key(model)
     if not retune and key in _memo:
         return _memo[key]
