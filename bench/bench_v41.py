@@ -63,13 +63,13 @@ def median(xs):
 
 
 def on_path(isa, f):
-    """f() with the kernels on path `isa`, then back on the best."""
-    best = _isa.kernel_isa()
+    """f() with the kernels forced onto path `isa`, then back as before (forced or not)."""
+    before = _isa.kernel_isa() if _isa.forced() else None
     _isa.use_isa(isa)
     try:
         return f()
     finally:
-        _isa.use_isa(best)
+        _isa.use_isa(before)
 
 
 def section_step(model, reps, paths):
@@ -377,6 +377,9 @@ def bench(a, paths, d, busy):
         res["cold"] = section_cold(d, 300 if a.quick else 2000)
         print("cold", json.dumps(res["cold"]))
     model = EngramModel.from_deepseek_v41(d, mmap=True)
+    # what an engine runs unforced: each operation's path and threads, and why (engine/tune.py)
+    res["chosen"] = {op: list(v) for op, v in model.stream(LAYER).kernel_choice().items()}
+    print("chosen", json.dumps(res["chosen"]))
     if "step" in sections:
         res["step"] = section_step(model, 5 if a.quick else 15, paths)
         print("step", json.dumps(res["step"]))

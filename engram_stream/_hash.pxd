@@ -41,11 +41,21 @@ cdef inline void separator_window(const int64_t *hist, int n, int64_t pad, int64
         win[k] = pad if blocked else hist[k]
         blocked = blocked or hist[k] == pad
 
-# The kernel path (include/engram_isa.h): one selector per extension module, set through
-# engram_stream._isa so that every extension runs the same path.
+# The kernel runtime (include/engram_isa.h): one per process, owned by this module. Every other
+# extension binds it at import, `es_runtime_bind(es_runtime_of_process())` (a cdef function, so
+# Cython hands it over through this module's capsule table), and from then on es_isa_now() and
+# the other calls below reach this module's one state.
 cdef extern from "engram_isa.h" nogil:
+    ctypedef struct es_runtime:
+        pass
+    void es_runtime_bind(const es_runtime *rt) noexcept
     int es_isa_now() noexcept
     int es_isa_set(int level) noexcept
+    void es_isa_call(int level) noexcept
+    void es_isa_force(int on) noexcept
+    int es_isa_forced() noexcept
     int es_isa_cpu_best() noexcept
     int es_isa_runs(int level) noexcept
     int es_isa_best_of(int feats) noexcept
+
+cdef const es_runtime *es_runtime_of_process() noexcept nogil

@@ -140,15 +140,41 @@ def floormod(const int64_t[::1] x, const int64_t[::1] primes, bint reciprocal=Fa
     return out
 
 
-# The kernel path of this module (engram_stream.engine.isa sets every module's) ----------
+# The kernel runtime of the process (include/engram_isa.h): this module's, which every other
+# extension binds at import; engram_stream.engine.isa drives it ------------------------------
 
-def _isa_set(int level):
-    """Run the kernels of `level` (0 baseline, 1 avx2, 2 avx512, 3 neon); False if the CPU cannot."""
-    return es_isa_set(level) == 0
+cdef extern from "engram_runtime.h" nogil:
+    const es_runtime es_runtime_own
+
+
+cdef const es_runtime *es_runtime_of_process() noexcept nogil:
+    return &es_runtime_own
+
+
+def _isa_set(int level, bint force=False):
+    """Run every extension's kernels at `level` (0 baseline, 1 avx2, 2 avx512, 3 bf16, 4 neon);
+    force: every call's measured path (es_isa_call) is ignored until unforced (False: honoured). False
+    if the CPU or this build cannot run it (nothing changes)."""
+    if es_isa_set(level) != 0:
+        return False
+    es_isa_force(force)
+    return True
 
 
 def _isa_get():
+    """The level the calling thread's kernels run."""
     return es_isa_now()
+
+
+def _isa_forced():
+    """Whether the process's level is forced (ENGRAM_STREAM_ISA, use_isa)."""
+    return es_isa_forced() != 0
+
+
+def _isa_call(int level):
+    """The calling thread's level for its next kernels (-1: the process's again), as an engine
+    sets it around an operation; ignored while the level is forced."""
+    es_isa_call(level)
 
 
 def _isa_cpu_best():

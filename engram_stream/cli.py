@@ -43,12 +43,17 @@ def _builtin_model(args):
 def _kernels():
     """The kernel path that runs, what else this build and CPU offer (engram_stream.engine.isa)."""
     from .engine import isa
-    run, built, cpu = isa.kernel_isa(), isa.supported_isas(), isa.cpu_isas()
-    note = [f"{', '.join(built)} in this build on this CPU"]
+    (run, why), built, cpu = isa.choice(), isa.supported_isas(), isa.cpu_isas()
+    note = [why, f"{', '.join(built)} in this build on this CPU"]
     missing = [n for n in cpu if n not in built]
     if missing:
         note.append(f"the CPU also has {', '.join(missing)}, which this build lacks")
-    return f"{run} ({'; '.join(note)}; {isa.ENV} chooses)"
+    return f"{run} ({'; '.join(note)}; {isa.ENV} forces one)"
+
+
+def _engine_choice(engine) -> str:
+    """Each operation's kernel path and threads in `engine`, and why (EngineBase.kernel_choice)."""
+    return "; ".join(f"{op} {p}/{n} thread{'s' * (n != 1)} ({why})" for op, (p, n, why) in engine.kernel_choice().items())
 
 
 def _cpu() -> str:
@@ -413,6 +418,7 @@ def cmd_bench(args):
     what = f"{args.checkpoint}, layer {L}" if args.checkpoint else "the built-in model; bench/ has the full suite"
     print(f"config: D={D} G={G} H={cfg.n_heads}x{cfg.head_dim} ({what})")
     print(f"kernels: {_kernels()}")
+    print(f"chosen: {_engine_choice(model.stream(L, n_streams=args.streams))}")
     print(f"cpu: {_cpu()}")
     print(f"median of {args.repeat} repeats of {n} steps each, [min .. max] over the repeats; "
           f"ratios are medians of per-repeat ratios")
@@ -422,6 +428,30 @@ def cmd_bench(args):
              f"{np.median(t['many'] / args.streams / t['one']):.2f}x one stream, per token")]
     for label, k, ratio in rows:
         print(f"{label + ':':<28} {spread(k)}   {ratio}".rstrip())
+    return 0
+
+
+def cmd_tune(args):
+    """Measure every kernel path this CPU runs and every thread count on the model's shapes (the
+    step, the batched step, the prefill), keep the fastest in the user's tuning cache, print the table."""
+    from .engine import isa, tune
+    steps = _Steps(args.quiet)
+    model = _load_for(args, steps)
+    L = model.cfg.layer_ids[0] if args.layer is None else model.plan.check_layer(args.layer)
+    steps(f"measuring {', '.join(isa.supported_isas()) if not isa.forced() else isa.kernel_isa()} x threads "
+          f"{', '.join(map(str, tune.thread_counts(tune.cores())))} on layer {L}")
+    table = tune.table_for(model, L, retune=True)
+    print(f"model: {tune.shape_key(model)} ({args.checkpoint or 'the demo model'}, layer {L})")
+    print(f"cpu: {_cpu()}")
+    print(f"kernels: {_kernels()}")
+    print(f"operations: step = 1 stream, batch = {tune.BATCH_STREAMS} streams, prefill = {tune.PREFILL_TOKENS} "
+          f"tokens; per path/threads the best of {tune.REPEATS}+ runs ({tune.MIN_SECONDS * 1e3:g} ms at least), the "
+          f"fastest first; within {tune.TIE:.0%} of it the fewest threads is chosen")
+    print(tune.format_table(table))
+    if isa.forced():
+        print(f"(a forced path was measured alone: not cached; unset {isa.ENV} to measure them all)")
+    else:
+        print(f"cached: {tune.cache_path()}")
     return 0
 
 
@@ -693,6 +723,14 @@ def build_parser():
     s.add_argument("--repeat", type=_count(1), default=5, help="measurements of each, to show the spread")
     s.add_argument("--seed", type=_count(0), default=0, help="seed of the weights and inputs")
     s.add_argument("--quiet", action="store_true", help="no progress lines on stderr, no progress bar on a terminal")
+
+    s = command("tune", cmd_tune, "time every kernel path and thread count this CPU runs on a model's shapes "
+                                  "and keep the fastest (cached per CPU and build)")
+    s.add_argument("checkpoint", nargs="?", help="tune for this model: a checkpoint file or a model's Hugging Face "
+                                                 "folder (default: the built-in demo model)")
+    s.add_argument("--layer", type=int, default=None, help="the Engram layer to time (default: the first)")
+    s.add_argument("--seed", type=_count(0), default=0, help="seed of the built-in model's weights")
+    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
     s = command("profile", cmd_profile, "memray heap, RSS and table residency of a decode")
     s.add_argument("checkpoint", nargs="?", help="checkpoint to decode from (default: the built-in demo model)")

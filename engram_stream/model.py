@@ -131,8 +131,13 @@ class EngramModel:
 
     def stream(self, layer, n_streams: int = 1, rows=None):
         """The streaming engine of one layer: a StreamEngine (demo) or V41StreamEngine. rows: the
-        RowSource it reads the layer's table rows through (default: row_source(layer))."""
-        return self.variant.engine(self, layer, n_streams, rows=rows)
+        RowSource it reads the layer's table rows through (default: row_source(layer)). Each of
+        its operations runs the kernel path and threads measured fastest for this model's shapes
+        on this CPU (engine/tune.py: measured on the first engine, then cached)."""
+        from .engine import tune
+        engine = self.variant.engine(self, layer, n_streams, rows=rows)
+        tune.apply(self, engine, layer)
+        return engine
 
     def decoder(self, n_streams: int = 1, prefetch="auto"):
         """Every layer's engine behind one per-token driver (engram_stream.engine.decoder)."""

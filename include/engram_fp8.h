@@ -20,7 +20,7 @@
  * every product is the reference's scaled by a power of two: the same values, only the order
  * of the fp32 additions differs (FMA or multiply then add: the same, the products being exact).
  *
- * Paths: the kernels follow es_isa (engram_isa.h) like the demo's, so ENGRAM_STREAM_ISA and
+ * Paths: the kernels follow es_isa_now() (engram_isa.h) like the demo's, so ENGRAM_STREAM_ISA and
  * engram_stream.engine.isa.use_isa choose them for both variants. baseline, avx2 and neon are one template
  * (engram_fp8_kern.h): e4m3 widened exactly in registers (avx2: through fp16 bits and F16C,
  * the value times 2^-8 with the 2^8 folded into the block scale; neon: the same fp16 bits by
@@ -180,6 +180,18 @@ static inline void es8_wkv_plain(const float *qx, int64_t ldq, int64_t S, int E,
  * dot = sum(h * qw[c] * kw[c] * key) * rstd / sqrt(D),
  * gate = sigmoid(copysign(sqrt(max(|dot|, 1e-6)), dot)), 0 when dead; out = gate * value.
  * Sums in double (D up to a few thousand: the float32 rounding of the oracle is below 1e-6). */
+/* Stream c's output from its three sums (sh = sum h^2, sk = sum key^2, dot): the formula above,
+ * every path's (they differ only in how they sum). */
+static inline void es8_gate_out(double sh, double sk, double dot, const float *value, int D, float eps, int dead,
+                                float *o) {
+    const float rstd = (1.0f / sqrtf((float)(sh / D) + eps)) * (1.0f / sqrtf((float)(sk / D) + eps));
+    const float s = (float)dot * rstd / sqrtf((float)D);
+    const float mag = fabsf(s) < ES_GATE_CLAMP ? ES_GATE_CLAMP : fabsf(s);  /* NaN stays NaN */
+    const float z = copysignf(sqrtf(mag), s);
+    const float gate = dead ? 0.0f : 1.0f / (1.0f + expf(-z));
+    for (int d = 0; d < D; d++) o[d] = gate * value[d];
+}
+
 static inline void es8_gate_tail_plain(const float *kv, const float *hid, const float *qw, const float *kw, int G,
                                        int D, float eps, int dead, float *out) {
     const float *value = kv + (int64_t)G * D;
@@ -192,13 +204,7 @@ static inline void es8_gate_tail_plain(const float *kv, const float *hid, const 
             sk += (double)key[d] * key[d];
             dot += (double)h[d] * a[d] * b[d] * key[d];
         }
-        const float rstd = (1.0f / sqrtf((float)(sh / D) + eps)) * (1.0f / sqrtf((float)(sk / D) + eps));
-        const float s = (float)dot * rstd / sqrtf((float)D);
-        const float mag = fabsf(s) < ES_GATE_CLAMP ? ES_GATE_CLAMP : fabsf(s);  /* NaN stays NaN */
-        const float z = copysignf(sqrtf(mag), s);
-        const float gate = dead ? 0.0f : 1.0f / (1.0f + expf(-z));
-        float *o = out + (int64_t)c * D;
-        for (int d = 0; d < D; d++) o[d] = gate * value[d];
+        es8_gate_out(sh, sk, dot, value, D, eps, dead, out + (int64_t)c * D);
     }
 }
 
@@ -655,7 +661,7 @@ static inline int es8_dpbf16(float *acc, const uint16_t *a, const uint16_t *b, i
 
 /* ---- dispatch -------------------------------------------------------------------------------- */
 
-/* The path the float8 kernels take now: the es_isa level (engram_isa.h). */
+/* The path the float8 kernels take now: the es_isa_now() level (engram_isa.h). */
 static inline int es8_isa(void) { return es_isa_now(); }
 
 static inline void es8_gather(const uint8_t *w, const uint8_t *sc, int hd, const int64_t *rows, int H, float *e) {
@@ -782,7 +788,7 @@ static void es8_wkv_part(void *ctx, int64_t slot, int64_t slot_end) {
     }
 }
 
-/* es8_wkv_range over all groups on the running path (es_isa, read once per call), split by
+/* es8_wkv_range over all groups on the running path (es_isa_now(), read once per call), split by
  * groups over nthreads threads (each reads its own groups of wkv; scratch:
  * es8_scratch_floats(S, E, nthreads) floats, or NULL for one token). Bitwise equal to one
  * thread. */

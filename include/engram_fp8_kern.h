@@ -137,11 +137,7 @@ ES8_KI void ES8_SF(es8_widen16)(const uint8_t *p, ES8_SF(es8_vf) *v, const int n
 ES8_KI float ES8_SF(es8_hsum)(ES8_SF(es8_vf) v) {
     float t[ES_VW];
     *(ES8_SF(es8_vf) *)t = v;
-#pragma GCC unroll 4
-    for (int w = ES_VW / 2; w >= 1; w /= 2)
-#pragma GCC unroll 8
-        for (int i = 0; i < w; i++) t[i] += t[i + w];
-    return t[0];
+    return es_hsum_lanes(t, ES_VW);
 }
 
 /* ---- table rows and the activation quantizer ------------------------------------------ */
@@ -426,7 +422,7 @@ static ES_TGT void ES8_SF(es8_group)(const uint8_t *w, int R, const float *qx, c
 /* ---- the gate tail -------------------------------------------------------------------- */
 
 /* es8_gate_tail_plain on vectors: the three sums in double over ES_VW lanes (only their order
- * differs), the rest per stream as there. */
+ * differs), the rest per stream by the one formula (es8_gate_out). */
 static ES_TGT void ES8_SF(es8_gate_tail)(const float *kv, const float *hid, const float *qw, const float *kw,
                                          int G, int D, float eps, int dead, float *out) {
     typedef ES8_SF(es8_vf) vf;
@@ -456,13 +452,7 @@ static ES_TGT void ES8_SF(es8_gate_tail)(const float *kv, const float *hid, cons
             sk += (double)key[d] * key[d];
             dot += (double)h[d] * a[d] * b[d] * key[d];
         }
-        const float rstd = (1.0f / sqrtf((float)(sh / D) + eps)) * (1.0f / sqrtf((float)(sk / D) + eps));
-        const float s = (float)dot * rstd / sqrtf((float)D);
-        const float mag = fabsf(s) < ES_GATE_CLAMP ? ES_GATE_CLAMP : fabsf(s); /* NaN stays NaN */
-        const float z = copysignf(sqrtf(mag), s);
-        const float gate = dead ? 0.0f : 1.0f / (1.0f + expf(-z));
-        float *o = out + (int64_t)c * D;
-        for (d = 0; d < D; d++) o[d] = gate * value[d];
+        es8_gate_out(sh, sk, dot, value, D, eps, dead, out + (int64_t)c * D);
     }
 }
 

@@ -9,15 +9,17 @@
  *                    sized for its 32 vector registers; the aarch64 builds' second copy
  *   ES_ISA_BF16      the above + AVX512_BF16 and VBMI: the V4.1 float8 projection multiplies
  *                    with vdpbf16ps (engram_fp8.h); every other kernel runs its avx512 copy
- * A public kernel name (es_gemm_range, es_hash_window, ...) is a switch on es_isa, a
- * per-extension static set by es_isa_set() from engram_stream/engine/isa.py, so the
- * environment (ENGRAM_STREAM_ISA) and the tests can force any path the CPU supports.
+ * A public kernel name (es_gemm_range, es_hash_window, ...) is a switch on es_isa_now(), the
+ * one runtime's level (below), so the environment (ENGRAM_STREAM_ISA), the tests and the
+ * measured choice (engine/tune.py) can run any path the CPU supports.
  * target_clones is not used: it cannot be forced, and needs glibc's ifunc (not musl).
  * The x86 copies exist only where the compiler has target attributes (GCC, clang) on
  * x86-64; elsewhere there is one copy, the baseline.
  */
 #ifndef ENGRAM_ISA_H
 #define ENGRAM_ISA_H
+
+#include <stdint.h>
 
 #define ES_ISA_BASELINE 0
 #define ES_ISA_AVX2 1
@@ -50,10 +52,6 @@
 #define ES_NEON_PATHS 0
 #endif
 
-/* The path every kernel of this extension runs (one static per translation unit); -1
- * until set: the first dispatch then takes the best the CPU runs. */
-static int es_isa = -1;
-
 /* The CPU features the paths need, as bits (es_isa_best_of takes them: testable on any CPU). */
 #define ES_CPU_AVX2 1
 #define ES_CPU_FMA 2
@@ -75,6 +73,9 @@ static inline int es_isa_best_of(int feats) {
 
 /* The best level this CPU (and OS: the builtins check XCR0 for the AVX states) runs. */
 static inline int es_isa_cpu_best(void) {
+    static int best = -1; /* the CPU does not change under a process: cpuid once (a VM traps it) */
+    int known = __atomic_load_n(&best, __ATOMIC_RELAXED);
+    if (known >= 0) return known;
     int feats = 0;
 #if ES_X86_PATHS
     __builtin_cpu_init();
@@ -91,9 +92,11 @@ static inline int es_isa_cpu_best(void) {
 #ifndef HWCAP_ASIMD
 #define HWCAP_ASIMD (1 << 1)
 #endif
-    if (getauxval(AT_HWCAP) & HWCAP_ASIMD) return ES_ISA_NEON;
+    if (getauxval(AT_HWCAP) & HWCAP_ASIMD) known = ES_ISA_NEON;
 #endif
-    return es_isa_best_of(feats);
+    if (known < 0) known = es_isa_best_of(feats);
+    __atomic_store_n(&best, known, __ATOMIC_RELAXED);
+    return known;
 }
 
 /* Whether this CPU and build run `level`: the baseline, and the levels of this architecture up
@@ -104,21 +107,78 @@ static inline int es_isa_runs(int level) {
     return best != ES_ISA_NEON && level > ES_ISA_BASELINE && level < best;
 }
 
-/* Select a level; refused (-1, nothing changes) where the CPU or this build does not run it. */
-static inline int es_isa_set(int level) {
+/* ---- the kernel runtime: one per process, owned by engram_stream._hash ----------------
+ * Every extension compiles these headers, but the path and the worker teams live in one place:
+ * _hash.pyx hands its es_runtime_own (engram_runtime.h; es_runtime_of_process() in _hash.pxd,
+ * exported through the module's capsule table) to every other extension at its import
+ * (es_runtime_bind), so one store switches every extension's kernels, every team comes from one
+ * set of slots and a thread keeps one team, and no copy is kept in step by hand. Until bound (in
+ * _hash itself) a translation unit runs its own es_own_* functions.
+ *   the process's path   es_isa_set: the best this CPU runs until engine/isa.py chooses
+ *   a call's path        es_isa_call(level) on the calling thread (-1: the process's again):
+ *                        an engine running one operation on the path measured fastest for it
+ *                        (engine/tune.py); a team's workers take the caller's (es_team_run)
+ *   forced               es_isa_force(1): ENGRAM_STREAM_ISA or use_isa; a call's path is then
+ *                        ignored, so the tests and the environment hold every kernel to one.
+ *   the teams            es_team_open / _close / _keep / _put / _slots_held (engram_step.h).
+ * Adding a path touches the levels above, es_isa_runs and the kernel templates. */
+struct es_team_s;
+typedef struct es_runtime {
+    int (*isa_now)(void);
+    int (*isa_set)(int level);
+    void (*isa_call)(int level);
+    void (*isa_force)(int on);
+    int (*isa_forced)(void);
+    struct es_team_s *(*team_open)(int nthreads, int64_t spin_ns);
+    void (*team_close)(struct es_team_s *t);
+    struct es_team_s *(*team_keep)(int nthreads, int64_t spin_ns);
+    void (*team_put)(struct es_team_s *t);
+    int (*team_slots_held)(void);
+} es_runtime;
+
+static int es_isa_process = -1;     /* -1 until set: the first dispatch takes the CPU's best */
+static int es_isa_is_forced = 0;
+static __thread int es_isa_thread = -1;
+
+static int es_own_isa_now(void) {
+    const int t = es_isa_thread;
+    if (t >= 0 && !__atomic_load_n(&es_isa_is_forced, __ATOMIC_RELAXED)) return t;
+    int p = __atomic_load_n(&es_isa_process, __ATOMIC_RELAXED);
+    if (p < 0) __atomic_store_n(&es_isa_process, p = es_isa_cpu_best(), __ATOMIC_RELAXED);
+    return p;
+}
+static int es_own_isa_set(int level) {
     if (!es_isa_runs(level)) return -1;
-    es_isa = level;
+    __atomic_store_n(&es_isa_process, level, __ATOMIC_RELAXED);
     return 0;
 }
+static void es_own_isa_call(int level) { es_isa_thread = level >= 0 && es_isa_runs(level) ? level : -1; }
+static void es_own_isa_force(int on) { __atomic_store_n(&es_isa_is_forced, on != 0, __ATOMIC_RELAXED); }
+static int es_own_isa_forced(void) { return __atomic_load_n(&es_isa_is_forced, __ATOMIC_RELAXED); }
 
-/* The selected level (if none was set yet: the best one, bf16 excepted: engine/isa.py chooses
- * it by a table of the CPUs where it measured faster). */
-static inline int es_isa_now(void) {
-    if (es_isa < 0) es_isa = es_isa_cpu_best() == ES_ISA_BF16 ? ES_ISA_AVX512 : es_isa_cpu_best();
-    return es_isa;
+/* This extension's view of the runtime: NULL (its own functions) until es_runtime_bind. */
+static const es_runtime *es_rt;
+static inline void es_runtime_bind(const es_runtime *rt) { es_rt = rt; }
+
+/* The level the calling thread's kernels run. */
+static inline int es_isa_now(void) { return es_rt ? es_rt->isa_now() : es_own_isa_now(); }
+/* The process's level; refused (-1, nothing changes) where the CPU or this build does not run it. */
+static inline int es_isa_set(int level) { return es_rt ? es_rt->isa_set(level) : es_own_isa_set(level); }
+static inline void es_isa_call(int level) { if (es_rt) es_rt->isa_call(level); else es_own_isa_call(level); }
+static inline void es_isa_force(int on) { if (es_rt) es_rt->isa_force(on); else es_own_isa_force(on); }
+static inline int es_isa_forced(void) { return es_rt ? es_rt->isa_forced() : es_own_isa_forced(); }
+
+/* The horizontal sum of every path's vectors (es_hsum, es8_hsum): w (a power of two) lanes in
+ * t, halves folded onto halves, so each path sums its lanes in one order. */
+static inline __attribute__((always_inline)) float es_hsum_lanes(float *t, int w) {
+#pragma GCC unroll 4
+    for (w /= 2; w >= 1; w /= 2)
+#pragma GCC unroll 8
+        for (int i = 0; i < w; i++) t[i] += t[i + w];
+    return t[0];
 }
 
-/* Call the copy of `name` (name_baseline, name_avx2, name_avx512; name_neon) that es_isa selects
+/* Call the copy of `name` (name_baseline, name_avx2, name_avx512; name_neon) that es_isa_now() selects
  * (bf16: the avx512 copy; the kernels with a bf16 copy dispatch themselves). */
 #if ES_X86_PATHS
 #define ES_DISPATCH(name, args)                              \

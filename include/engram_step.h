@@ -10,7 +10,7 @@
  *   es_gather       copy a token's H table rows (float32 / float16 / int8+scale).
  *
  * Written with GCC vector extensions (GCC, clang). The GEMM, the tail and the gathers are compiled
- * once per instruction set from engram_step_kern.h and picked by es_isa (engram_isa.h):
+ * once per instruction set from engram_step_kern.h and picked by es_isa_now() (engram_isa.h):
  * one build runs on any CPU, and ENGRAM_STREAM_ISA / the tests can force each path.
  * Nothing here allocates or raises.
  */
@@ -222,7 +222,7 @@ static inline int64_t es_fma_chains(int64_t n, float *sink) {
 #define ES_TEAM_SPIN_NS 200000
 
 typedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1);
-typedef struct {
+typedef struct es_team_s {
     pthread_mutex_t mu;
     pthread_cond_t posted; /* a split was posted, or the team closed */
     pthread_cond_t idle;   /* active fell to 0 */
@@ -237,19 +237,20 @@ typedef struct {
     int active;            /* workers inside the current split (changed under mu; atomic) */
     int sleepers;          /* workers waiting on posted (under mu) */
     int nthreads;
+    int isa;               /* the caller's kernel path for the current split (es_isa_call in each worker) */
     int64_t spin_ns;       /* how long a worker between splits, and the caller at a split's end, spin */
     int refs;              /* the caller and the started workers not yet gone (atomic): the last frees */
     int used;              /* the slot is taken (atomic) */
 } es_team;
 
-/* The teams in flight, a fixed set per extension module: a call takes no memory, and a call
+/* The teams in flight, a fixed set of the process (the runtime's, engram_isa.h): a call takes no memory, and a call
  * that finds every slot held runs on the caller alone. (A forked child keeps the slots its
  * parent's late workers held: at most this many calls there run on one thread.) */
 #define ES_TEAM_SLOTS 64
 static es_team es_team_slots[ES_TEAM_SLOTS] __attribute__((unused));
 
 /* The slots held now: by a call's team, or by its workers still on their way out. */
-static inline int es_team_slots_held(void) {
+static int es_own_team_slots_held(void) {
     int k = 0;
     for (int i = 0; i < ES_TEAM_SLOTS; i++) k += __atomic_load_n(&es_team_slots[i].used, __ATOMIC_ACQUIRE);
     return k;
@@ -321,6 +322,7 @@ static void *es_team_worker(void *arg) {
         seen = t->seq;
         if (t->shut == seen) continue; /* every piece taken: wait for the next split */
         __atomic_add_fetch(&t->active, 1, __ATOMIC_RELAXED);
+        es_isa_call(t->isa);
         pthread_mutex_unlock(&t->mu);
         es_team_take(t);
         pthread_mutex_lock(&t->mu); /* (release: the caller that reads active 0 sees the pieces) */
@@ -332,7 +334,7 @@ static void *es_team_worker(void *arg) {
 }
 
 /* NULL (the caller alone) for nthreads <= 1 or no free slot. */
-static inline es_team *es_team_open(int nthreads, int64_t spin_ns) {
+static es_team *es_own_team_open(int nthreads, int64_t spin_ns) {
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
     if (nthreads <= 1) return 0;
     es_team *t = 0;
@@ -346,7 +348,7 @@ static inline es_team *es_team_open(int nthreads, int64_t spin_ns) {
     pthread_cond_init(&t->posted, 0);
     pthread_cond_init(&t->idle, 0);
     t->fn = 0, t->ctx = 0, t->n = 0, t->grain = 1, t->next = 0, t->seq = 0, t->shut = 0, t->closed = 0, t->active = 0;
-    t->parked = 0;
+    t->parked = 0, t->isa = -1;
     t->sleepers = 0, t->nthreads = nthreads, t->spin_ns = spin_ns, t->refs = nthreads;
     pthread_attr_t attr;
     const int detach = pthread_attr_init(&attr) == 0;
@@ -378,7 +380,7 @@ static inline void es_team_run(es_team *t, int nthreads, int64_t n, int64_t grai
         return;
     }
     pthread_mutex_lock(&t->mu);
-    t->fn = fn, t->ctx = ctx, t->n = n, t->grain = grain;
+    t->fn = fn, t->ctx = ctx, t->n = n, t->grain = grain, t->isa = es_isa_now();
     __atomic_store_n(&t->next, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&t->seq, t->seq + 1, __ATOMIC_RELAXED);
     if (t->sleepers) pthread_cond_broadcast(&t->posted);
@@ -399,7 +401,7 @@ static inline void es_team_run(es_team *t, int nthreads, int64_t n, int64_t grai
     }
 }
 
-static inline void es_team_close(es_team *t) {
+static void es_own_team_close(es_team *t) {
     if (!t) return;
     pthread_mutex_lock(&t->mu);
     __atomic_store_n(&t->closed, 1, __ATOMIC_RELAXED);
@@ -424,7 +426,7 @@ static pthread_key_t es_kept_key;
 static pthread_once_t es_kept_once = PTHREAD_ONCE_INIT;
 static int es_kept_ok;
 
-static void es_kept_exit(void *t) { es_team_close((es_team *)t); } /* the thread is leaving */
+static void es_kept_exit(void *t) { es_own_team_close((es_team *)t); } /* the thread is leaving */
 static void es_kept_forget(void) { /* a forked child */
     es_kept_team = 0, es_kept_busy = 0;
     pthread_setspecific(es_kept_key, 0); /* so its exit does not close the parent's team */
@@ -441,21 +443,21 @@ static inline void es_team_park(es_team *t, int parked) {
 }
 
 /* NULL (the caller alone) as es_team_open. */
-static inline es_team *es_team_keep(int nthreads, int64_t spin_ns) {
+static es_team *es_own_team_keep(int nthreads, int64_t spin_ns) {
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;
     if (nthreads <= 1) return 0;
     pthread_once(&es_kept_once, es_kept_init);
-    if (!es_kept_ok || es_kept_busy) return es_team_open(nthreads, spin_ns);
+    if (!es_kept_ok || es_kept_busy) return es_own_team_open(nthreads, spin_ns);
     es_team *t = es_kept_team;
     if (t && (t->nthreads != nthreads || t->spin_ns != spin_ns)) {
-        es_team_close(t); /* (its slot may go to another thread now: the key forgets it too) */
+        es_own_team_close(t); /* (its slot may go to another thread now: the key forgets it too) */
         es_kept_team = t = 0;
         pthread_setspecific(es_kept_key, 0);
     }
     if (t) {
         es_team_park(t, 0);
     } else {
-        if (!(t = es_team_open(nthreads, spin_ns))) return 0;
+        if (!(t = es_own_team_open(nthreads, spin_ns))) return 0;
         if (pthread_setspecific(es_kept_key, t) != 0) return t; /* kept nowhere: es_team_put closes it */
         es_kept_team = t;
     }
@@ -463,15 +465,33 @@ static inline es_team *es_team_keep(int nthreads, int64_t spin_ns) {
     return t;
 }
 
-static inline void es_team_put(es_team *t) {
+static void es_own_team_put(es_team *t) {
     if (!t) return;
     if (t == es_kept_team) {
         es_team_park(t, 1);
         es_kept_busy = 0;
     } else {
-        es_team_close(t);
+        es_own_team_close(t);
     }
 }
+
+/* The runtime's teams (engram_isa.h): the owner's once bound, so every extension draws on one
+ * set of slots and a thread keeps one team whichever extension's call takes it. */
+static inline es_team *es_team_open(int nthreads, int64_t spin_ns) {
+    return es_rt ? es_rt->team_open(nthreads, spin_ns) : es_own_team_open(nthreads, spin_ns);
+}
+static inline void es_team_close(es_team *t) {
+    if (es_rt) es_rt->team_close(t);
+    else es_own_team_close(t);
+}
+static inline es_team *es_team_keep(int nthreads, int64_t spin_ns) {
+    return es_rt ? es_rt->team_keep(nthreads, spin_ns) : es_own_team_keep(nthreads, spin_ns);
+}
+static inline void es_team_put(es_team *t) {
+    if (es_rt) es_rt->team_put(t);
+    else es_own_team_put(t);
+}
+static inline int es_team_slots_held(void) { return es_rt ? es_rt->team_slots_held() : es_own_team_slots_held(); }
 
 static inline void es_parallel_pieces(int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) {
     if (nthreads > ES_MAX_THREADS) nthreads = ES_MAX_THREADS;

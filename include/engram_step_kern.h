@@ -130,11 +130,7 @@ ES_KI ES_SF(es_vt) ES_SF(es_exp)(ES_SF(es_vt) x) {
 ES_KI float ES_SF(es_hsum)(ES_SF(es_vt) v) {
     float t[ES_TVW];
     *(ES_SF(es_vt) *)t = v;
-#pragma GCC unroll 4
-    for (int w = ES_TVW / 2; w >= 1; w /= 2)
-#pragma GCC unroll 8
-        for (int i = 0; i < w; i++) t[i] += t[i + w];
-    return t[0];
+    return es_hsum_lanes(t, ES_TVW);
 }
 
 /* gate[g] and x = rms3(gate * v) for the G streams of one token (see engram_step.h). The

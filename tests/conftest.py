@@ -27,6 +27,9 @@ def _load_checkout():
 
 
 checkout = _load_checkout()
+# Which kernel path runs is the tests' choice (each_isa, use_isa), never a measurement of this
+# machine's moment (engine/tune.py): subprocesses inherit it. Tests of tuning turn it on themselves.
+os.environ.setdefault("ENGRAM_STREAM_TUNE", "0")
 try:
     PACKAGE = checkout.use(ROOT, os.environ)
 except SystemExit as e:

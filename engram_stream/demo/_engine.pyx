@@ -19,11 +19,12 @@ from libc.stdlib cimport free, realloc
 from libc.string cimport memcpy, memset
 
 from engram_stream._consts cimport ES_MAX_KERNEL_SIZE, ES_PREFILL_CHUNK
-from engram_stream._hash cimport es_isa_now, es_isa_set
-from engram_stream.engine import isa as _isa
+from engram_stream._hash cimport es_isa_now, es_runtime_bind, es_runtime_of_process
 from engram_stream.engine.args import view
 
 cnp.import_array()
+
+es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one runtime's path (_hash.pxd)
 
 PREFILL_CHUNK = ES_PREFILL_CHUNK  # tokens per GEMM of a call (include/engram_consts.h)
 _BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -35,15 +36,6 @@ cdef inline void *_regrow(void *p, size_t nbytes) except NULL:
     if r == NULL:
         raise MemoryError(f"StreamEngine: scratch allocation of {nbytes} bytes failed")
     return r
-
-
-def _isa_set(int level):
-    """Run this module's kernels at `level` (see engram_stream.engine.isa); False if the CPU cannot."""
-    return es_isa_set(level) == 0
-
-
-def _isa_get():
-    return es_isa_now()
 
 
 def _fma_chains(int64_t rounds):
@@ -356,6 +348,3 @@ cdef class StreamEngine(EngineBase):
         self.conv_state[:, :, :] = ring
         self.pos[:] = pos
         self.ring_recorded = False
-
-
-_isa.register(__import__("sys").modules[__name__])  # this module's kernels follow the one selector

@@ -33,7 +33,10 @@ cdef class EngineBase:
     cdef const char **sp               # [chunk * H] and their scales
 
     cdef bint busy                     # a call is running (one owner at a time)
-    cdef int _step_threads, _prefill_threads
+    cdef int _step_threads, _prefill_threads  # the caller's (0: unset, the tuned or default count runs)
+    cdef int _op_threads[3]            # threads of each operation (OP_STEP, OP_BATCH, OP_PREFILL) when unset
+    cdef int _op_isa[3]                # its kernel level measured fastest (engine/tune.py; -1: the process's)
+    cdef object _op_why                # (why, ...) per operation: what chose its path and threads
     cdef bint teamed                   # the variant's _chunk runs its splits on self.team
     cdef void *team                    # es_team * of the call in flight (NULL: none, or one thread)
     cdef void _team_open(self, int threads) noexcept nogil
@@ -51,7 +54,9 @@ cdef class EngineBase:
     cdef int _resolve(self, int64_t t0, int64_t nb) except -1
     cdef void _rollback(self) noexcept nogil
     cdef void _reset_stream(self, int64_t s) noexcept nogil
+    cdef int _op(self) noexcept nogil
     cdef int _threads(self) noexcept nogil
+    cdef int _threads_of(self, int op) noexcept nogil
 
     # ---- the hooks (each variant) ----
     cdef int _init_variant(self, w) except -1

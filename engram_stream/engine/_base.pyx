@@ -31,7 +31,7 @@ cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t
 from libc.stdlib cimport free, realloc
 
-from engram_stream._hash cimport es_isa_now, es_isa_set
+from engram_stream._hash cimport es_isa_call, es_isa_forced, es_isa_now, es_runtime_bind, es_runtime_of_process
 from engram_stream.engine import args
 from engram_stream.engine import isa as _isa
 from engram_stream.engine._batch cimport Batch, decode_only, first_bad_id
@@ -43,6 +43,8 @@ from engram_stream.rows._stamps cimport FileStamps
 
 cnp.import_array()
 
+es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one runtime's path (_hash.pxd)
+
 cdef extern from "engram_step.h" nogil:
     int ES_MAX_THREADS
     ctypedef struct es_team:
@@ -53,6 +55,11 @@ cdef extern from "engram_step.h" nogil:
     int es_team_slots_held() noexcept
 
 MAX_THREADS = ES_MAX_THREADS
+OPS = ("step", "batch", "prefill")  # the operations a kernel choice is made for (index: OP_*)
+cdef enum:
+    OP_STEP = 0
+    OP_BATCH = 1
+    OP_PREFILL = 2
 SUBMIT_ROWS = 1 << 16  # rows one submit() hands a source: a long prompt goes in windows of whole
                        # chunks, so a source's scratch (its staged records) stays ~20 MB, not the prompt's
 
@@ -131,8 +138,11 @@ cdef class EngineBase:
         self.batch.setup(n_streams, self.H, chunk, SUBMIT_ROWS)
         self.dp = <const char **> _regrow(NULL, chunk * self.H * sizeof(char *))
         self.sp = <const char **> _regrow(NULL, chunk * self.H * sizeof(char *))
-        self._step_threads = 1
-        self._prefill_threads = args.threads(os.cpu_count() or 1, 8)
+        self._step_threads = self._prefill_threads = 0
+        self._op_threads[OP_STEP] = self._op_threads[OP_BATCH] = 1
+        self._op_threads[OP_PREFILL] = args.threads(os.cpu_count() or 1, 8)
+        self._op_isa[OP_STEP] = self._op_isa[OP_BATCH] = self._op_isa[OP_PREFILL] = -1
+        self._op_why = ("default",) * 3
         self._init_variant(w)
         for s in range(n_streams):
             self._reset_extra(s)
@@ -202,9 +212,20 @@ cdef class EngineBase:
         self.win.reset_stream(s)
         self._reset_extra(s)
 
+    cdef int _op(self) noexcept nogil:
+        """The operation of the pending batch: OP_PREFILL when a segment has more than one token,
+        else OP_STEP (one segment) or OP_BATCH (a decode step of several streams)."""
+        if not self.batch.steps_only():
+            return OP_PREFILL
+        return OP_STEP if self.batch.nseg <= 1 else OP_BATCH
+
+    cdef int _threads_of(self, int op) noexcept nogil:
+        """The caller's step_threads / prefill_threads when set, else the operation's tuned count."""
+        cdef int mine = self._prefill_threads if op == OP_PREFILL else self._step_threads
+        return mine if mine > 0 else self._op_threads[op]
+
     cdef int _threads(self) noexcept nogil:
-        """step_threads for a batch of decode steps (every segment one token), else prefill_threads."""
-        return self._step_threads if self.batch.steps_only() else self._prefill_threads
+        return self._threads_of(self._op())
 
     # ---- the two halves of a call ---------------------------------------------------------
     cdef int _feed(self, const int64_t *ids, int64_t N, const int64_t *streams, const int64_t *lengths,
@@ -246,8 +267,10 @@ cdef class EngineBase:
         """The pending batch, chunk by chunk: resolve the rows, then the variant's nogil hook.
         A failure (a read, scratch) puts every slot of the call back and raises."""
         cdef int64_t t0 = 0, nb, N = self.batch.pending
-        cdef int threads = self._threads()
+        cdef int op = self._op()
+        cdef int threads = self._threads_of(op)
         cdef bint own = self.team == NULL  # (a teamed variant's _chunk may open one: closed here)
+        es_isa_call(self._op_isa[op])  # this thread's kernels on the operation's fastest path (unless forced)
         try:
             self._grow_chunk(min(self.chunk, N), threads)
             while t0 < N:
@@ -262,6 +285,7 @@ cdef class EngineBase:
             self._rollback()
             raise
         finally:
+            es_isa_call(-1)
             if own:
                 self._team_close()
         self.batch.pending = 0
@@ -342,7 +366,7 @@ cdef class EngineBase:
         self._enter()
         try:
             if self.n_streams > 1:  # the workers start while the tokens are hashed and their rows found
-                self._team_open(self._step_threads)
+                self._team_open(self._threads_of(OP_BATCH))
             self._feed_steps(ids, single, "feed() was called: finish that token with compute(hidden) first")
             self._compute(<const float *> cnp.PyArray_DATA(h), <float *> cnp.PyArray_DATA(o))
         finally:
@@ -372,7 +396,7 @@ cdef class EngineBase:
         try:
             self._check_call(ids, pid, n, "feed() was called: finish that batch with compute(hidden) first")
             if n > 1 and self.teamed and decode_only(ln):  # the workers start while the tokens
-                self._team_open(self._step_threads)              # are hashed and their rows found
+                self._team_open(self._threads_of(OP_BATCH))  # are hashed and their rows found
             if ids.shape[0]:
                 self._feed(pid, ids.shape[0], <const int64_t *> cnp.PyArray_DATA(st),
                            <const int64_t *> cnp.PyArray_DATA(ln), st.shape[0], bool(draft))
@@ -471,7 +495,7 @@ cdef class EngineBase:
                         nb = min(self.chunk, n - t0)
                         self._resolve(t0, nb)
                         with nogil:
-                            self._gather_rows(nb, po + t0 * self.E, self.E, self._prefill_threads)
+                            self._gather_rows(nb, po + t0 * self.E, self.E, self._threads_of(OP_PREFILL))
                         self.src.release()
                         t0 += nb
                 except BaseException:
@@ -633,15 +657,48 @@ cdef class EngineBase:
     # ---- threads, rows, files ------------------------------------------------------------------
     @property
     def isa(self):
-        """The kernel path this engine runs now: "bf16", "avx512", "avx2" or "baseline", the one
-        engram_stream.kernel_isa() names (ENGRAM_STREAM_ISA, engine.isa.use_isa)."""
-        return _isa.ISA_NAMES[es_isa_now()]
+        """The kernel path of this engine's one-stream step: "bf16", "avx512", "avx2", "neon" or
+        "baseline" (kernel_choice() has each operation's, and why)."""
+        return self.kernel_choice()["step"][0]
+
+    def kernel_choice(self):
+        """{operation: (path, threads, why)} for "step" (one stream, one token), "batch" (a decode
+        step of several streams) and "prefill" (a segment of several tokens). why: "forced"
+        (ENGRAM_STREAM_ISA or engine.isa.use_isa hold every kernel on one path), "tuned" (measured
+        fastest on this CPU, engine/tune.py), "default" (the best path this CPU runs), with
+        "threads set" when the caller's step_threads / prefill_threads count runs."""
+        cdef int op, level
+        forced = es_isa_forced() != 0
+        out = {}
+        for op, name in enumerate(OPS):
+            level = self._op_isa[op]
+            why = "forced" if forced else self._op_why[op]
+            if forced or level < 0:
+                level = _isa.process_level()
+            if (self._prefill_threads if op == OP_PREFILL else self._step_threads) > 0:
+                why += ", threads set"
+            out[name] = (_isa.ISA_NAMES[level], self._threads_of(op), why)
+        return out
+
+    def _use_choice(self, int op, int level, int threads, str why):
+        """Run operation `op` (OP_STEP, OP_BATCH, OP_PREFILL) at kernel level `level` (-1: the
+        process's) on `threads` threads when the caller set none (engine/tune.py applies its
+        measured choice through this)."""
+        if not 0 <= op < 3:
+            raise ValueError(f"operation {op}: expected 0 (step), 1 (batch) or 2 (prefill)")
+        if level >= 0 and not _isa.runs_level(level):
+            raise ValueError(f"kernel level {level} does not run on this CPU: it runs {_isa.supported_isas()}")
+        self._op_isa[op] = level
+        self._op_threads[op] = args.threads(threads, ES_MAX_THREADS)
+        self._op_why = tuple(why if k == op else w for k, w in enumerate(self._op_why))
 
     @property
     def step_threads(self):
         """Threads a batch of decode steps splits its projection, gathers and tails over (bitwise
-        equal to one thread). Default 1; a set value is clamped to [1, ES_MAX_THREADS]."""
-        return self._step_threads
+        equal to one thread): the count set here, else the one measured fastest for the step
+        (one stream) or the batched step (several) (engine/tune.py; untuned: 1). A set value is
+        clamped to [1, ES_MAX_THREADS] and wins over the measured one."""
+        return self._threads_of(OP_STEP if self.n_streams == 1 else OP_BATCH)
 
     @step_threads.setter
     def step_threads(self, n):
@@ -650,9 +707,10 @@ cdef class EngineBase:
     @property
     def prefill_threads(self):
         """Threads a batch with prompt chunks (prefill, step_packed) splits its work over (bitwise
-        equal to one thread). Default: the machine's cores, at most 8; a set value is clamped to
-        [1, ES_MAX_THREADS]."""
-        return self._prefill_threads
+        equal to one thread): the count set here, else the one measured fastest (engine/tune.py;
+        untuned: the machine's cores, at most 8). A set value is clamped to [1, ES_MAX_THREADS]
+        and wins over the measured one."""
+        return self._threads_of(OP_PREFILL)
 
     @prefill_threads.setter
     def prefill_threads(self, n):
@@ -771,19 +829,7 @@ cdef class EngineBase:
             self.busy = False
 
 
-def _isa_set(int level):
-    """Run this module's kernels (the hash) at `level` (engine.isa); False if the CPU cannot."""
-    return es_isa_set(level) == 0
-
-
-def _isa_get():
-    return es_isa_now()
-
-
 def _teams_held():
     """Team slots held now (engine/_base): one for each thread whose calls keep a team (until
     it exits), and a nested call's while its workers exit."""
     return es_team_slots_held()
-
-
-_isa.register(__import__("sys").modules[__name__])  # this module's kernels follow the one selector

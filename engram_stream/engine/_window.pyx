@@ -23,10 +23,11 @@ cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t
 
 from engram_stream._consts cimport ES_MAX_NGRAM
-from engram_stream._hash cimport es_hash_window
+from engram_stream._hash cimport es_hash_window, es_runtime_bind, es_runtime_of_process
 from engram_stream.engine.args import view
 
 cnp.import_array()
+es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one runtime's path (_hash.pxd)
 
 cdef extern from "engram_step.h" nogil:
     void es_mark_rows(uint8_t *bitmap, const int64_t *rows, int64_t n) noexcept

@@ -1,10 +1,12 @@
 """Which kernel path runs: "bf16", "avx512", "avx2", "neon" (aarch64) or "baseline" (include/engram_isa.h).
 
-Every extension module carries each kernel compiled per instruction set and a selector
-of its own; this module keeps them all on one path. At import the path is the best the
-CPU runs (bf16 only on the CPUs of BF16_FASTER, where it measured faster than avx512), or
-the one ENGRAM_STREAM_ISA names (refused if the CPU lacks it). use_isa() switches at run
-time: the tests run the kernels on every path the machine supports.
+Every extension module carries each kernel compiled per instruction set; the path is one state
+of the process, owned by engram_stream._hash (the kernel runtime every other extension binds at
+import). At import the process's path is the best this CPU runs, or the one ENGRAM_STREAM_ISA
+names (forced: refused if the CPU lacks it). Unless forced, each engine runs each operation on
+the path and thread count measured fastest for it on this CPU (engine/tune.py; the process's
+path is what runs untuned). use_isa() forces a path at run time: the tests run the kernels on
+every path the machine supports.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from ..errors import IsaEnvironmentError
 
 ISA_NAMES = ("baseline", "avx2", "avx512", "bf16", "neon")  # index = the C level (ES_ISA_*)
 ENV = "ENGRAM_STREAM_ISA"
-_modules = [_hash]  # every extension with dispatched kernels: each engine module calls register() at import
+_why = "the best this CPU runs"  # what chose the process's path (choice())
 
 
 def supported_isas() -> tuple:
@@ -25,46 +27,58 @@ def supported_isas() -> tuple:
     return tuple(n for i, n in enumerate(ISA_NAMES) if _hash._isa_runs(i))
 
 
+def runs_level(level: int) -> bool:
+    """Whether this CPU and build run the C level `level` (an index of ISA_NAMES)."""
+    return 0 <= level < len(ISA_NAMES) and _hash._isa_runs(level)
+
+
+def process_level() -> int:
+    """The C level of the process's path (what runs where no measured choice applies)."""
+    return _hash._isa_get()
+
+
 def kernel_isa() -> str:
-    """The path the kernels run now: "bf16", "avx512", "avx2", "neon" or "baseline"."""
+    """The process's kernel path: "bf16", "avx512", "avx2", "neon" or "baseline" (forced, or what
+    an operation without a measured choice runs; choice() says why, and an engine's
+    kernel_choice() names each operation's)."""
     return ISA_NAMES[_hash._isa_get()]
 
 
-def use_isa(name: str) -> None:
-    """Run every extension's kernels on `name` (ValueError: unknown; RuntimeError: the CPU lacks it)."""
+def forced() -> bool:
+    """Whether one path is forced on every kernel (ENGRAM_STREAM_ISA, use_isa)."""
+    return _hash._isa_forced()
+
+
+def choice() -> tuple:
+    """(kernel_isa(), why): why it is the process's path and whether the engines' measured
+    choices apply."""
+    if forced():
+        return kernel_isa(), f"{_why}: every operation runs it"
+    return kernel_isa(), f"{_why}; each engine operation runs the path measured fastest for it (engram-stream tune)"
+
+
+def use_isa(name: str | None) -> None:
+    """Force every kernel onto `name` (ValueError: unknown; RuntimeError: the CPU lacks it); None:
+    no path forced, the best this CPU runs and the engines' measured choices apply again."""
+    global _why
+    if name is None:
+        _hash._isa_set(_hash._isa_cpu_best(), False)
+        _why = "the best this CPU runs"
+        return
     if name not in ISA_NAMES:
         raise ValueError(f"unknown kernel ISA {name!r}: expected one of {', '.join(ISA_NAMES)}")
     if name not in supported_isas():
         raise RuntimeError(f"kernel ISA {name!r} is not supported by this CPU (or build): "
                            f"it runs {', '.join(supported_isas())}")
-    level = ISA_NAMES.index(name)
-    for m in _modules:
-        if not m._isa_set(level):
-            raise RuntimeError(f"{m.__name__} cannot run kernel ISA {name!r}")
-
-
-def register(module) -> None:
-    """Keep another extension (with _isa_set(level) -> bool) on the same path from now on."""
-    if module not in _modules:
-        _modules.append(module)
-    if not module._isa_set(ISA_NAMES.index(kernel_isa())):
-        raise RuntimeError(f"{module.__name__} cannot run kernel ISA {kernel_isa()!r}")
+    if not _hash._isa_set(ISA_NAMES.index(name), True):
+        raise RuntimeError(f"the kernel runtime cannot run kernel ISA {name!r}")
+    _why = "forced by use_isa()"
 
 
 # /proc/cpuinfo flags each path needs (as engram_isa.h's es_isa_cpu_best: AVX-512 F/BW/VL/DQ)
 _CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw",
                                                            "avx512vl", "avx512dq")}
 _CPU_FLAGS["bf16"] = _CPU_FLAGS["avx512"] + ("avx512vbmi", "avx512_bf16")
-
-# (vendor_id, cpu family) of /proc/cpuinfo where the bf16 path measured faster than avx512
-# (bench/bench_v41.py, its rows side by side), so it is the default there; elsewhere avx512
-# stays the default and ENGRAM_STREAM_ISA=bf16 asks for it.
-BF16_FASTER = {
-    # Zen 5 (EPYC, 2 vCPUs, bench_v41.py, three runs, load 0.2-5.9): bf16 / avx512 time, step
-    # 0.56-1.03x, 16 streams 0.45-0.59x, prefill 512 0.56-0.59x; its vdpbf16ps peak ~1.9x vfmadd zmm's
-    ("AuthenticAMD", 26): "AMD Zen 5",
-}
-
 
 def cpu_isas(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) -> tuple:
     """The paths this CPU has, whatever this build carries (a build without the x86 paths, e.g.
@@ -82,32 +96,10 @@ def cpu_isas(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) -> tupl
     return ("baseline",) + tuple(n for n in ("avx2", "avx512", "bf16") if set(_CPU_FLAGS[n]) <= flags)
 
 
-def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> tuple:
-    """(vendor_id, cpu family) of the first processor in /proc/cpuinfo; ("", -1) where unread."""
-    vendor, family = "", -1
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "vendor_id" and not vendor:
-                    vendor = value.strip()
-                elif key == "cpu family" and family < 0:
-                    family = int(value.strip()) if value.strip().isdigit() else -1
-                elif not line.strip() and vendor:
-                    break
-    except OSError:
-        pass
-    return vendor, family
-
-
 def default_isa() -> str:
-    """The path chosen when ENGRAM_STREAM_ISA is unset: the best this CPU and build run, but
-    bf16 only on a CPU of BF16_FASTER (else avx512)."""
-    best = supported_isas()[-1]
-    if best == "bf16" and cpu_model() not in BF16_FASTER:
-        return "avx512"
-    return best
+    """The path the process runs when ENGRAM_STREAM_ISA is unset: the best this CPU and build run
+    (which path is fastest for an operation is measured, per engine: engine/tune.py)."""
+    return supported_isas()[-1]
 
 
 _warned = False
@@ -129,15 +121,17 @@ def warn_if_slower_than_cpu(what: str) -> bool:
 
 
 def _from_environment() -> None:
+    global _why
     name = os.environ.get(ENV, "").strip().lower()
     if not name:
-        use_isa(default_isa())
+        use_isa(None)
         return
     try:
         use_isa(name)
     except (ValueError, RuntimeError) as e:
         raise IsaEnvironmentError(f"{ENV}={os.environ[ENV]!r}: {e}; unset {ENV} (then {default_isa()} runs, the "
                                   f"best here) or set it to one this CPU runs: {', '.join(supported_isas())}") from None
+    _why = f"forced by {ENV}"
 
 
 _from_environment()

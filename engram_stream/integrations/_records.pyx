@@ -13,7 +13,11 @@ cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t
 from libc.string cimport memcpy
 
+from engram_stream._hash cimport es_runtime_bind, es_runtime_of_process
+
 cnp.import_array()
+
+es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one runtime's path (_hash.pxd)
 
 cdef extern from "engram_fp8.h" nogil:
     float es8_e4m3(uint8_t b)

@@ -7,7 +7,9 @@ EOS) ends a document. Oracle: engram_stream.qwen.reference.
 """
 from libc.stdint cimport int64_t
 
-from engram_stream._hash cimport separator_window
+from engram_stream._hash cimport separator_window, es_runtime_bind, es_runtime_of_process
+
+es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one runtime's path (_hash.pxd)
 from engram_stream.demo._engine cimport StreamEngine
 from engram_stream.engine._window cimport HashWindow
 

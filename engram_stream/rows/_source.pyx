@@ -21,8 +21,11 @@ from libc.string cimport memcpy, memset
 from engram_stream.rows._cache cimport RowCache, es_rc_hit, es_rc_insert, es_rc_lock, es_rc_peek, es_rc_unlock, es_rowcache
 from engram_stream.rows._direct cimport DirectReader, es_io_find, es_io_unique
 from engram_stream.io.files import mapping_of
+from engram_stream._hash cimport es_runtime_bind, es_runtime_of_process
 
 cnp.import_array()
+
+es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one runtime's path (_hash.pxd)
 
 READ_WINDOW = 1 << 16  # rows read_into hands one submit() (as the engines' SUBMIT_ROWS)
 

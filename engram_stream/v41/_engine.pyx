@@ -14,25 +14,17 @@ cimport numpy as cnp
 from libc.stdint cimport INT32_MAX, int64_t, uint8_t, uint16_t, uint64_t
 from libc.string cimport memcpy
 
-from engram_stream._hash cimport es_isa_now, es_isa_set, latch_window
+from engram_stream._hash cimport es_isa_now, es_runtime_bind, es_runtime_of_process, latch_window
 from engram_stream.engine import args
 from engram_stream.engine import isa as _isa
 from engram_stream.engine.args import view
 
 cnp.import_array()
 
+es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one runtime's path (_hash.pxd)
+
 
 PREFILL_CHUNK = ES8_PREFILL_CHUNK  # prompt tokens per projection in prefill(): wkv is widened once per chunk
-
-def _isa_set(int level):
-    """Run this module's kernels (the float8 ones and the hash) at `level`, kept with the other
-    modules' by engine.isa; False if the CPU cannot."""
-    return es_isa_set(level) == 0
-
-
-def _isa_get():
-    return es_isa_now()
-
 
 cdef struct TokenWork:
     # what the per-token work of a chunk reads and writes (es_parallel's ctx)
@@ -314,6 +306,3 @@ def read_bytes(const uint8_t[::1] a):
         with nogil:
             r = es8_read_bytes(&a[0], a.shape[0])
     return int(r)
-
-
-_isa.register(__import__("sys").modules[__name__])  # this module's kernels follow the one selector

@@ -39,8 +39,59 @@ def test_kernel_isa_names_the_running_path():
         for name in _isa.supported_isas():
             _isa.use_isa(name)
             assert engram_stream.kernel_isa() == name
-            for m in _isa._modules:  # every extension follows
-                assert m._isa_get() == _isa.ISA_NAMES.index(name), m.__name__
+            assert _isa.forced() and "use_isa" in _isa.choice()[1]
+    finally:
+        _isa.use_isa(before)
+
+
+def test_one_runtime_drives_every_extension():
+    """Every extension's kernels read the one runtime of _hash: forcing a path there moves the
+    engines' kernels (their fma loops count the lanes of the path that ran), with no per-module copy."""
+    from engram_stream.demo import _engine
+    lanes = {"baseline": 12 * 4, "avx2": 12 * 8, "avx512": 12 * 16, "bf16": 12 * 16, "neon": 16 * 4}
+    before = _isa.kernel_isa()
+    try:
+        for name in _isa.supported_isas():
+            _isa.use_isa(name)
+            assert _engine._fma_chains(10) == 10 * lanes[name], name
+    finally:
+        _isa.use_isa(before)
+    assert not hasattr(_isa, "_modules") and not hasattr(_isa, "register")
+
+
+def test_every_extension_that_cimports_the_kernels_binds_the_one_runtime():
+    """An extension that cimports _hash compiles engram_isa.h's static view of the runtime: unbound,
+    it would keep a path of its own (the forced path and the measured choice would not reach it)."""
+    import glob
+    import os
+    root = os.path.dirname(os.path.dirname(_isa.__file__))
+    users = []
+    for path in glob.glob(os.path.join(root, "**", "*.pyx"), recursive=True):
+        with open(path, encoding="utf-8") as f:
+            src = f.read()
+        if "from engram_stream._hash cimport" in src:
+            users.append(os.path.relpath(path, root))
+            assert "es_runtime_bind(es_runtime_of_process())" in src, path
+    assert len(users) >= 6, users
+
+
+def test_unforced_runtime_takes_the_best_path_and_honours_a_call_level():
+    """use_isa(None): nothing forced, the best path is the process's, and a thread's call level
+    (an engine's measured choice) runs; forced, the call level is ignored."""
+    from engram_stream import _hash
+    from engram_stream.demo import _engine
+    lanes = {"baseline": 12 * 4, "avx2": 12 * 8, "avx512": 12 * 16, "bf16": 12 * 16, "neon": 16 * 4}
+    before = _isa.kernel_isa()
+    try:
+        _isa.use_isa(None)
+        assert not _isa.forced() and _isa.kernel_isa() == _isa.supported_isas()[-1]
+        _hash._isa_call(0)
+        try:
+            assert _hash._isa_get() == 0 and _engine._fma_chains(10) == 10 * lanes["baseline"]
+            _isa.use_isa(_isa.supported_isas()[-1])  # forced: the call level no longer counts
+            assert _hash._isa_get() == _isa.ISA_NAMES.index(_isa.supported_isas()[-1])
+        finally:
+            _hash._isa_call(-1)
     finally:
         _isa.use_isa(before)
 

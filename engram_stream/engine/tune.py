@@ -1,0 +1,368 @@
+"""The fastest kernel configuration by measurement, per operation and model shape.
+
+Which path (engine/isa.py) and how many threads run an operation fastest differs from CPU to
+CPU and from operation to operation: a one-stream step is a GEMV bound by memory bandwidth
+that one core cannot draw, a prefill is a GEMM bound by multiply-add throughput, and which
+instruction wins (vdpbf16ps or vfmadd) is the CPU's affair. So no CPU list decides it: on
+the first engine of a model's shapes on a CPU (Model.stream), each path this CPU runs and each
+thread count up to the cores this process may use is timed on the three operations
+
+    step     one stream, one token
+    batch    BATCH_STREAMS streams, one token each
+    prefill  one stream, PREFILL_TOKENS tokens
+
+(each candidate a few runs of one call, the slowest dropped early), the fastest is kept, and
+the table is cached as JSON in the user's cache folder, keyed by the CPU's identity and the
+build (tune_<cpu>.json: a change of either measures again). `engram-stream tune` measures
+again and prints the table.
+
+What wins over the measurement: a caller's step_threads / prefill_threads (the count), and a
+forced path (ENGRAM_STREAM_ISA, use_isa: every kernel runs it). ENGRAM_STREAM_TUNE=0 turns
+measuring off (the process's path and the default thread counts run; the test suite sets it,
+so which path runs there is decided by the tests alone).
+
+The cache folder is the user's own: created 0700, each file 0600 and replaced atomically; a
+folder or file owned by another user, or writable by group or others, is neither read nor
+written (the table is then measured for this process only).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import stat
+import time
+import warnings
+
+import numpy as np
+
+from . import isa as _isa
+
+OPS = ("step", "batch", "prefill")  # index: the engine's OP_* (engine/_base.pyx)
+ENV = "ENGRAM_STREAM_TUNE"
+FORMAT = 1
+BATCH_STREAMS = 16
+PREFILL_TOKENS = 32
+REPEATS = 3        # timed runs of a candidate at least (its best counts), after one untimed warm-up run
+MIN_SECONDS = 2e-3  # and more, up to MAX_REPEATS, until its runs took this long: a 20 us step's best of 3 is noise
+MAX_REPEATS = 50
+TIE = 0.02         # candidates within 2% of the fastest count as equal: the fewest threads wins (the cores spared)
+DROP_SLOWER = 3.0  # a candidate whose warm-up run is this many times the best so far is not timed further
+
+# /proc/cpuinfo fields that name the CPU (x86, aarch64); per-core fields (MHz, ids) are left out
+_IDENTITY_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags",
+                    "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "CPU revision",
+                    "Features")
+
+
+class TuneCacheError(Exception):
+    """The cache folder or file is not safe to trust (another owner, or writable by others)."""
+
+
+def enabled() -> bool:
+    """Whether engines measure (ENGRAM_STREAM_TUNE unset or not "0")."""
+    return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "false", "no")
+
+
+def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> tuple:
+    """(key, name): a digest of the first processor's identifying /proc/cpuinfo fields, the machine
+    and the cores this process may use; name is the CPU's model name (or the machine)."""
+    fields = {}
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if not line.strip():
+                    if fields:
+                        break
+                    continue
+                k, _, v = line.partition(":")
+                k = k.strip()
+                if k in _IDENTITY_FIELDS and k not in fields:
+                    fields[k] = " ".join(v.split())
+    except OSError:
+        pass
+    text = json.dumps([platform.machine(), cores(), sorted(fields.items())])
+    name = fields.get("model name") or fields.get("CPU part") or platform.machine() or "unknown CPU"
+    return hashlib.sha256(text.encode()).hexdigest()[:16], name
+
+
+def build_identity() -> str:
+    """A digest of the extension modules this process runs (size and mtime of each file): a
+    rebuild measures again."""
+    from .. import _hash
+    from . import _base
+    parts = []
+    for m in (_hash, _base):
+        st = os.stat(m.__file__)
+        parts.append((os.path.basename(m.__file__), st.st_size, st.st_mtime_ns))
+    for name in ("engram_stream.demo._engine", "engram_stream.v41._engine"):
+        try:
+            mod = __import__(name, fromlist=["_"])
+            st = os.stat(mod.__file__)
+            parts.append((os.path.basename(mod.__file__), st.st_size, st.st_mtime_ns))
+        except (ImportError, OSError):
+            pass
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def thread_counts(n: int) -> list:
+    """The thread counts timed on n cores: 1, the powers of two below n, and n (at most MAX_THREADS)."""
+    from ._base import MAX_THREADS
+    n = max(1, min(n, MAX_THREADS))
+    out, k = [], 1
+    while k < n:
+        out.append(k)
+        k *= 2
+    return out + [n]
+
+
+def shape_key(model) -> str:
+    """What an operation's speed depends on in a model: its variant, weight dtype and layer dims."""
+    c = model.cfg
+    dims = (c.hc_mult, c.hidden_size, c.engram_dim, c.n_heads, c.head_dim, c.max_ngram_size)
+    return f"{model.variant.name}/{model.weight_dtype}/" + "x".join(str(int(d)) for d in dims)
+
+
+# ---- the choice ----------------------------------------------------------------------------------
+def fastest(times: dict) -> tuple:
+    """The (path, threads) of the smallest time in {(path, threads): seconds}; candidates within
+    TIE of it count as equal: the fewest threads, then the fastest of those."""
+    if not times:
+        raise ValueError("no candidate was timed")
+    low = min(times.values())
+    near = [c for c in times if times[c] <= low * (1 + TIE)]
+    return min(near, key=lambda c: (c[1], times[c], _isa.ISA_NAMES.index(c[0])))
+
+
+def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS) -> dict:
+    """{candidate: best seconds} of run(candidate) (one call of the operation on that path and
+    thread count): one warm-up run, then `repeats` timed ones; a candidate whose warm-up is
+    DROP_SLOWER times the best time so far keeps its warm-up time and is not run again."""
+    times = {}
+    for c in candidates:
+        t0 = timer()
+        run(c)
+        first = timer() - t0
+        best_so_far = min(times.values(), default=None)
+        if best_so_far is not None and first > DROP_SLOWER * best_so_far:
+            times[c] = first
+            continue
+        best, spent, k = None, 0.0, 0
+        while k < max(1, repeats) or (spent < MIN_SECONDS and k < MAX_REPEATS):
+            t0 = timer()
+            run(c)
+            took = timer() - t0
+            best = took if best is None else min(best, took)
+            spent, k = spent + took, k + 1
+        times[c] = best
+    return times
+
+
+def _runners(model, layer):
+    """{op: run(engine_level, threads)} over scratch engines of `layer` (not tuned themselves)."""
+    rng = np.random.default_rng(0)
+    cfg = model.cfg
+    G, D = cfg.hc_mult, cfg.hidden_size
+    one = model.variant.engine(model, layer, 1)
+    many = model.variant.engine(model, layer, BATCH_STREAMS)
+    ids1 = rng.integers(0, cfg.vocab_size, 1, dtype=np.int64)
+    idsS = rng.integers(0, cfg.vocab_size, BATCH_STREAMS, dtype=np.int64)
+    idsT = rng.integers(0, cfg.vocab_size, PREFILL_TOKENS, dtype=np.int64)
+    h1 = rng.standard_normal((G, D), dtype=np.float32)
+    hS = rng.standard_normal((BATCH_STREAMS, G, D), dtype=np.float32)
+    hT = rng.standard_normal((PREFILL_TOKENS, G, D), dtype=np.float32)
+    oS = np.empty_like(hS)
+
+    def step(c):
+        one._use_choice(0, _isa.ISA_NAMES.index(c[0]), c[1], "tuning")
+        one.step(int(ids1[0]), h1)
+
+    def batch(c):
+        many._use_choice(1, _isa.ISA_NAMES.index(c[0]), c[1], "tuning")
+        many.step(idsS, hS, out=oS)
+
+    def prefill(c):
+        one._use_choice(2, _isa.ISA_NAMES.index(c[0]), c[1], "tuning")
+        one.prefill(idsT, hT)
+
+    return {"step": step, "batch": batch, "prefill": prefill}
+
+
+def tune_model(model, layer=None, timer=time.perf_counter, paths=None, threads=None) -> dict:
+    """Measure every operation on every path this CPU runs (paths: these instead) and thread
+    count (threads: these instead of thread_counts(cores())): {op: {"isa": path, "threads": n,
+    "times": {"path/threads": seconds}}}. A forced path (ENGRAM_STREAM_ISA, use_isa) is the only
+    one measured: the others would not run."""
+    layer = model.cfg.layer_ids[0] if layer is None else layer
+    if paths is None:
+        paths = (_isa.kernel_isa(),) if _isa.forced() else _isa.supported_isas()
+    counts = thread_counts(cores()) if threads is None else list(threads)
+    candidates = [(p, t) for p in reversed(paths) for t in counts]  # fastest-looking first: drops sooner
+    table = {}
+    for op, run in _runners(model, layer).items():
+        times = measure(run, candidates, timer=timer)
+        best = fastest(times)
+        table[op] = {"isa": best[0], "threads": best[1],
+                     "times": {f"{p}/{t}": float(s) for (p, t), s in times.items()}}
+    return table
+
+
+# ---- the cache ----------------------------------------------------------------------------------
+def cache_dir() -> str:
+    """$XDG_CACHE_HOME/engram_stream, else ~/.cache/engram_stream."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "engram_stream")
+
+
+def cache_path(folder=None) -> str:
+    """The table of this CPU: <cache_dir()>/tune_<cpu key>.json."""
+    return os.path.join(cache_dir() if folder is None else os.fspath(folder), f"tune_{cpu_identity()[0]}.json")
+
+
+def _check_owned(path, st, what):
+    if st.st_uid != os.getuid():
+        raise TuneCacheError(f"{path}: the tuning cache {what} is owned by uid {st.st_uid}, not this user "
+                             f"({os.getuid()}): not trusted (remove it, or set XDG_CACHE_HOME to a folder of your own)")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise TuneCacheError(f"{path}: the tuning cache {what} is writable by group or others "
+                             f"({stat.filemode(st.st_mode)}): not trusted (chmod go-w it, or remove it)")
+
+
+def _check_folder(folder, create):
+    """The cache folder, checked (TuneCacheError); created 0700 when `create` and missing."""
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        if not create:
+            return False
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        raise TuneCacheError(f"{folder}: the tuning cache folder is not a folder ({stat.filemode(st.st_mode)})")
+    _check_owned(folder, st, "folder")
+    return True
+
+
+def _valid_entry(entry) -> bool:
+    if not isinstance(entry, dict) or set(entry) != set(OPS):
+        return False
+    from ._base import MAX_THREADS
+    for op in OPS:
+        e = entry[op]
+        if not (isinstance(e, dict) and e.get("isa") in _isa.ISA_NAMES and isinstance(e.get("threads"), int)
+                and 1 <= e["threads"] <= MAX_THREADS and isinstance(e.get("times"), dict)):
+            return False
+    return True
+
+
+def read_cache(path=None) -> dict:
+    """{shape key: table} of this CPU and build from the cache file; {} when there is none, or it
+    is of another CPU, build or format, or broken. TuneCacheError: not safe to read."""
+    path = cache_path() if path is None else os.fspath(path)
+    if not _check_folder(os.path.dirname(path), create=False):
+        return {}
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return {}
+    except OSError as e:  # a symlink (ELOOP) or unreadable
+        raise TuneCacheError(f"{path}: the tuning cache file cannot be read safely ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise TuneCacheError(f"{path}: the tuning cache file is not a regular file")
+        _check_owned(path, st, "file")
+        raw = f.read(1 << 20)
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    if not (isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("cpu") == cpu_identity()[0]
+            and doc.get("build") == build_identity() and isinstance(doc.get("tables"), dict)):
+        return {}
+    return {k: v for k, v in doc["tables"].items() if isinstance(k, str) and _valid_entry(v)}
+
+
+def write_cache(tables: dict, path=None) -> str:
+    """Write {shape key: table} as this CPU's and build's cache file (0600, atomically, the folder
+    0700); TuneCacheError where the folder is not the user's own."""
+    from ..io.files import atomic_output
+    path = cache_path() if path is None else os.fspath(path)
+    _check_folder(os.path.dirname(path), create=True)
+    key, name = cpu_identity()
+    doc = {"format": FORMAT, "cpu": key, "cpu_name": name, "build": build_identity(), "tables": tables}
+    with atomic_output(path) as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(json.dumps(doc, indent=1, sort_keys=True).encode())
+    return path
+
+
+# ---- engines ------------------------------------------------------------------------------------
+_memo = {}       # shape key -> table, for this process (measured or read)
+_warned = False
+
+
+def _warn(e):
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"{e}; the kernel choice is measured for this process only", RuntimeWarning, stacklevel=3)
+
+
+def table_for(model, layer=None, retune=False) -> dict:
+    """The measured table of the model's shapes: this process's, else the cache's, else measured
+    by this call (and cached). retune: measured whatever is known."""
+    key = shape_key(model)
+    if not retune and key in _memo:
+        return _memo[key]
+    tables = {}
+    try:
+        tables = read_cache()
+    except TuneCacheError as e:
+        _warn(e)
+    if not retune and key in tables:
+        _memo[key] = tables[key]
+        return tables[key]
+    table = tune_model(model, layer)
+    _memo[key] = table
+    if not _isa.forced():  # a forced run measured one path: not this CPU's table
+        tables[key] = table
+        try:
+            write_cache(tables)
+        except TuneCacheError as e:
+            _warn(e)
+        except OSError:
+            pass  # no writable cache folder: the next process measures again
+    return table
+
+
+def apply(model, engine, layer=None) -> None:
+    """Give `engine` the measured choice of its model's shapes (measured first when unknown);
+    nothing when ENGRAM_STREAM_TUNE=0."""
+    if not enabled():
+        return
+    table = table_for(model, layer)
+    for op, name in enumerate(OPS):
+        e = table[name]
+        engine._use_choice(op, _isa.ISA_NAMES.index(e["isa"]), e["threads"], "tuned")
+
+
+def format_table(table: dict) -> str:
+    """The table as text: per operation the chosen path and threads, then every candidate's time."""
+    lines = []
+    for op in OPS:
+        e = table[op]
+        times = sorted(e["times"].items(), key=lambda kv: kv[1])
+        best = e["times"][f"{e['isa']}/{e['threads']}"]
+        cells = ", ".join(f"{c} {s * 1e3:.3f} ms ({s / best:.2f}x)" for c, s in times)
+        lines.append(f"{op:8s} {e['isa']}/{e['threads']}: {cells}")
+    return "\n".join(lines)

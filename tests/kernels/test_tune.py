@@ -1,0 +1,192 @@
+"""The measured kernel choice (engine/tune.py): the choice from timings, the cache file's key
+and checks, what an engine runs with it, and one real measurement (its table's shape only).
+
+Every test but the last feeds made-up timings: none depends on this machine's speed."""
+import json
+import os
+import stat
+
+import numpy as np
+import pytest
+
+from engram_stream import EngramConfig, EngramModel
+from engram_stream.engine import isa as _isa
+from engram_stream.engine import tune
+
+CFG = dict(engram_vocab_size=[101, 103], max_ngram_size=3, n_embed_per_ngram=64, n_head_per_ngram=4,
+           layer_ids=[1], kernel_size=3, hidden_size=48, hc_mult=2, vocab_size=60)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return EngramModel.init(EngramConfig(**CFG), seed=1)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(tune, "_memo", {})
+    return tmp_path / "xdg" / "engram_stream"
+
+
+def _table(step=("avx2", 2), batch=("baseline", 1), prefill=("avx2", 1)):
+    return {op: {"isa": p, "threads": t, "times": {f"{p}/{t}": 1e-3}}
+            for op, (p, t) in zip(tune.OPS, (step, batch, prefill))}
+
+
+# ---- the choice ------------------------------------------------------------------------------------
+def test_fastest_takes_the_smallest_time_and_breaks_ties_to_fewer_threads():
+    assert tune.fastest({("avx512", 1): 3.0, ("bf16", 2): 1.0, ("avx2", 2): 2.0}) == ("bf16", 2)
+    assert tune.fastest({("avx512", 2): 1.0, ("avx512", 1): 1.0}) == ("avx512", 1)
+    assert tune.fastest({("avx512", 2): 1.0, ("bf16", 1): 1.01}) == ("bf16", 1)  # within TIE: the cores spared
+    assert tune.fastest({("avx512", 2): 1.0, ("bf16", 1): 1.1}) == ("avx512", 2)
+    assert tune.fastest({("bf16", 1): 1.0, ("avx2", 1): 1.0}) == ("avx2", 1)
+    with pytest.raises(ValueError, match="no candidate"):
+        tune.fastest({})
+
+
+def test_measure_times_each_candidate_by_its_best_run_and_drops_the_slow_early():
+    clock = [0.0]
+    cost = {("bf16", 2): 1.0, ("bf16", 1): 1.5, ("baseline", 1): 10.0}
+    runs = []
+
+    def run(c):
+        runs.append(c)
+        clock[0] += cost[c] + (0.5 if runs.count(c) == 1 else 0.0) * (c != ("baseline", 1))  # a slower first run
+
+    times = tune.measure(run, list(cost), timer=lambda: clock[0], repeats=2)
+    assert runs.count(("bf16", 2)) == 3  # a warm-up, then 2 runs (each past MIN_SECONDS)
+    assert times[("bf16", 2)] == 1.0 and times[("bf16", 1)] == 1.5  # the warm-ups' 0.5 s left out
+    assert runs.count(("baseline", 1)) == 1 and times[("baseline", 1)] == 10.0  # > 3x the best: not timed further
+    assert tune.fastest(times) == ("bf16", 2)
+
+
+def test_thread_counts_up_to_the_cores():
+    assert tune.thread_counts(1) == [1]
+    assert tune.thread_counts(2) == [1, 2]
+    assert tune.thread_counts(6) == [1, 2, 4, 6]
+    from engram_stream.engine._base import MAX_THREADS
+    assert tune.thread_counts(1000)[-1] == MAX_THREADS
+
+
+# ---- the key ---------------------------------------------------------------------------------------
+def test_cpu_identity_names_the_cpu_not_its_clock(tmp_path):
+    f = tmp_path / "cpuinfo"
+    base = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: EPYC X\n"
+    f.write_text(base + "cpu MHz\t\t: 2400.0\nflags\t\t: avx2 fma\n\nprocessor\t: 1\nvendor_id\t: Other\n")
+    key, name = tune.cpu_identity(str(f))
+    assert name == "EPYC X" and len(key) == 16
+    f.write_text(base + "cpu MHz\t\t: 3100.5\nflags\t\t: avx2 fma\n")  # another clock, another core listed
+    assert tune.cpu_identity(str(f))[0] == key
+    f.write_text(base.replace("model\t\t: 17", "model\t\t: 18") + "flags\t\t: avx2 fma\n")
+    assert tune.cpu_identity(str(f))[0] != key
+    f.write_text(base + "flags\t\t: avx2 fma avx512f\n")
+    assert tune.cpu_identity(str(f))[0] != key
+
+
+def test_shape_key_names_the_variant_and_dims(model):
+    k = tune.shape_key(model)
+    assert k.startswith(f"{model.variant.name}/{model.weight_dtype}/") and "x48x" in k
+
+
+# ---- the cache file --------------------------------------------------------------------------------
+def test_cache_round_trip_private_and_keyed(cache, monkeypatch):
+    path = tune.write_cache({"m": _table()})
+    assert os.path.dirname(path) == str(cache)
+    assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert tune.read_cache() == {"m": _table()}
+    doc = json.loads(open(path).read())
+    assert doc["format"] == tune.FORMAT and doc["cpu"] == tune.cpu_identity()[0]
+    monkeypatch.setattr(tune, "build_identity", lambda: "another build")
+    assert tune.read_cache() == {}  # a rebuild measures again
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache.parent))
+    monkeypatch.setattr(tune, "cpu_identity", lambda: ("0123456789abcdef", "another CPU"))
+    assert tune.read_cache() == {}  # another CPU's name: no file of its own yet
+
+
+def test_cache_refuses_what_others_can_write(cache):
+    path = tune.write_cache({"m": _table()})
+    os.chmod(path, 0o620)
+    with pytest.raises(tune.TuneCacheError, match="writable by group or others.*chmod go-w"):
+        tune.read_cache()
+    os.chmod(path, 0o600)
+    os.chmod(cache, 0o777)
+    with pytest.raises(tune.TuneCacheError, match="folder is writable by group or others"):
+        tune.read_cache()
+    with pytest.raises(tune.TuneCacheError):
+        tune.write_cache({})
+    os.chmod(cache, 0o700)
+    os.replace(path, path + ".real")
+    os.symlink(path + ".real", path)
+    with pytest.raises(tune.TuneCacheError, match="cannot be read safely"):
+        tune.read_cache()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_cache_refuses_another_users_file(cache):
+    path = tune.write_cache({"m": _table()})
+    os.chown(path, 12345, -1)
+    with pytest.raises(tune.TuneCacheError, match="owned by uid 12345"):
+        tune.read_cache()
+
+
+def test_cache_drops_broken_entries(cache):
+    path = tune.write_cache({"good": _table(), "bad": _table(step=("avx2", 0))})
+    assert set(tune.read_cache()) == {"good"}
+    doc = json.loads(open(path).read())
+    doc["tables"]["good"]["prefill"]["isa"] = "sse9"
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    assert tune.read_cache() == {}
+    with open(path, "w") as f:
+        f.write("{not json")
+    assert tune.read_cache() == {}
+
+
+# ---- engines ---------------------------------------------------------------------------------------
+def test_an_engine_runs_the_measured_choice_unless_the_caller_or_a_forced_path_decides(model, cache, monkeypatch):
+    runs = _isa.supported_isas()
+    table = _table(step=(runs[-1], 2), batch=(runs[0], 1), prefill=(runs[0], 2))
+    monkeypatch.setenv(tune.ENV, "1")
+    monkeypatch.setattr(tune, "tune_model", lambda m, layer=None: table)  # made-up measurement
+    before = _isa.kernel_isa() if _isa.forced() else None
+    try:
+        _isa.use_isa(None)
+        eng = model.stream(1, n_streams=1)
+        assert eng.kernel_choice() == {"step": (runs[-1], 2, "tuned"), "batch": (runs[0], 1, "tuned"),
+                                       "prefill": (runs[0], 2, "tuned")}
+        assert eng.step_threads == 2 and eng.prefill_threads == 2 and eng.isa == runs[-1]
+        assert tune.read_cache() == {tune.shape_key(model): table}  # measured once, kept
+        eng.step_threads = 1
+        eng.prefill_threads = 3
+        ch = eng.kernel_choice()
+        assert ch["step"] == (runs[-1], 1, "tuned, threads set") and ch["prefill"] == (runs[0], 3, "tuned, threads set")
+        rng = np.random.default_rng(0)
+        ids, h = rng.integers(0, 60, 20), rng.standard_normal((20, 2, 48)).astype(np.float32)
+        want = model.forward(1, ids[None], h[None])[0]
+        np.testing.assert_allclose(eng.prefill(ids, h), want, rtol=2e-4, atol=2e-5)  # on the measured path
+        _isa.use_isa(runs[0])
+        assert all(why.startswith("forced") and p == runs[0] for p, _, why in eng.kernel_choice().values())
+        _isa.use_isa(None)
+        monkeypatch.setenv(tune.ENV, "0")
+        assert model.stream(1).kernel_choice() == {"step": (runs[-1], 1, "default"), "batch": (runs[-1], 1, "default"),
+                                                   "prefill": (runs[-1], min(os.cpu_count() or 1, 8), "default")}
+    finally:
+        _isa.use_isa(before)
+
+
+def test_a_real_measurement_has_every_operation_path_and_thread_count(model, cache):
+    before = _isa.kernel_isa() if _isa.forced() else None
+    try:
+        _isa.use_isa(None)
+        table = tune.tune_model(model, 1, threads=[1, 2])
+    finally:
+        _isa.use_isa(before)
+    assert set(table) == set(tune.OPS)
+    for op in tune.OPS:
+        e = table[op]
+        assert e["isa"] in _isa.supported_isas() and e["threads"] in (1, 2)
+        assert set(e["times"]) == {f"{p}/{t}" for p in _isa.supported_isas() for t in (1, 2)}
+        assert e["times"][f"{e['isa']}/{e['threads']}"] <= min(e["times"].values()) * (1 + tune.TIE)
+    assert "ms" in tune.format_table(table)
