@@ -63,25 +63,36 @@ class Variant(abc.ABC):
     # a snapshot's fingerprint, so a model saved and loaded again takes its own snapshots.
     declared_fields: tuple = ()
 
+    # The module of the variant's config rules, or None: validate(cfg, put), and with hf_config
+    # reads_hf_config(d), from_hf_config(cls, d, overrides), to_hf_config(cfg). The four hooks
+    # below call it; a variant may override them instead.
+    config_rules = None
+
     def validate_config(self, cfg, put):
         """The variant's own rules after EngramConfig's common ones; put(name, value) sets a
         field (defaults, normalized values)."""
+        if self.config_rules is not None:
+            self.config_rules.validate(cfg, put)
 
     # A Hugging Face config.json describes this variant's models (the three hooks below).
     hf_config = False
 
     def reads_hf_config(self, d) -> bool:
         """Whether the parsed config.json `d` describes one of this variant's models."""
-        return False
+        return bool(self.hf_config and self.config_rules.reads_hf_config(d))
 
     def from_hf_config(self, cls, d, overrides):
         """An EngramConfig from such a config.json (cls: the class from_hf_config was called on)."""
-        raise ValueError(f"{self.name} models have no Hugging Face config.json to read")
+        if not self.hf_config:
+            raise ValueError(f"{self.name} models have no Hugging Face config.json to read")
+        return self.config_rules.from_hf_config(cls, d, overrides)
 
     def to_hf_config(self, cfg) -> dict:
         """The config.json keys of cfg."""
-        writers = [v.name for v in variants() if v.hf_config]
-        raise ValueError(f"to_hf_config is for the variants {writers}, not {self.name!r}")
+        if not self.hf_config:
+            writers = [v.name for v in variants() if v.hf_config]
+            raise ValueError(f"to_hf_config is for the variants {writers}, not {self.name!r}")
+        return self.config_rules.to_hf_config(cfg)
 
     # ---- weights and files --------------------------------------------------------------------
     @property
@@ -95,17 +106,23 @@ class Variant(abc.ABC):
     load_note = ""   # what load does besides mapping the tables, for the CLI's loading line
     init_table_dtype = "float32"   # the table dtype save_init writes when given no table_dtype
 
-    @abc.abstractmethod
+    # The module of the layer weights' rules: validate_layer(cfg, plan, L, w), init_layers(cfg,
+    # plan, seed, graft_zero_init), layer_from_state_dict(cfg, plan, L, state_dict). The three
+    # hooks below call it; a variant without one overrides all three (register() checks).
+    weights_rules = None
+    LAYER_HOOKS = ("validate_layer", "init_layers", "from_state_dict")
+
     def validate_layer(self, cfg, plan, L, w):
         """Shapes and dtypes of one layer's weights that the engine relies on."""
+        self.weights_rules.validate_layer(cfg, plan, L, w)
 
-    @abc.abstractmethod
     def init_layers(self, cfg, plan, seed, graft_zero_init) -> dict:
         """{L: weights}, random."""
+        return self.weights_rules.init_layers(cfg, plan, seed, graft_zero_init)
 
-    @abc.abstractmethod
     def from_state_dict(self, cfg, plan, L, state_dict):
         """One layer's weights from the reference module's state_dict (its names)."""
+        return self.weights_rules.layer_from_state_dict(cfg, plan, L, state_dict)
 
     def with_weight_dtype(self, cfg, layers, name) -> dict:
         """The layers with projection weights held as `name` (one of weight_dtypes)."""
@@ -200,6 +217,10 @@ def register(variant: Variant) -> Variant:
     """Add a variant (its name must be new); returns it."""
     if not isinstance(variant, Variant):
         raise TypeError(f"register takes a Variant instance, got {type(variant).__name__}")
+    if variant.weights_rules is None:
+        missing = [h for h in Variant.LAYER_HOOKS if getattr(type(variant), h) is getattr(Variant, h)]
+        if missing:
+            raise TypeError(f"{type(variant).__name__} has no weights_rules module: it must define {missing}")
     if variant.history not in HISTORIES:
         raise ValueError(f"{type(variant).__name__}.history must be one of {HISTORIES}, got {variant.history!r}")
     if variant.name in _REGISTRY and _REGISTRY[variant.name] is not variant:

@@ -12,6 +12,8 @@ DEMO = variants.DEFAULT   # "demo-v1": EngramConfig's default variant
 
 
 class DemoVariant(variants.Variant):
+    # the rules' modules first: `weights` below is the layer class, in this class's namespace
+    weights_rules = weights
     name = DEMO
     example_config = {"engram_vocab_size": [20011, 20011], "hidden_size": 256, "n_embed_per_ngram": 128,
                       "n_head_per_ngram": 4, "vocab_size": 32000}
@@ -19,15 +21,6 @@ class DemoVariant(variants.Variant):
     weight_dtypes = WEIGHT_DTYPES
     table_dtypes = ("float32", "float16", "int8")
     engine = StreamEngine
-
-    def validate_layer(self, cfg, plan, L, w):
-        weights.validate_layer(cfg, plan, L, w)
-
-    def init_layers(self, cfg, plan, seed, graft_zero_init):
-        return weights.init_layers(cfg, plan, seed, graft_zero_init)
-
-    def from_state_dict(self, cfg, plan, L, state_dict):
-        return weights.layer_from_state_dict(cfg, plan, L, state_dict)
 
     def with_weight_dtype(self, cfg, layers, name):
         return weights.with_weight_dtype(cfg, layers, name)

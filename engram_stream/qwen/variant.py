@@ -13,6 +13,9 @@ from .weights import PLEWeights
 
 
 class QwenVariant(variants.Variant):
+    # the rules' modules first: `weights` below is the layer class, in this class's namespace
+    weights_rules = weights
+    config_rules = config
     name = config.QWEN
     example_config = config.EXAMPLE
     config_class = config.QwenConfig
@@ -25,29 +28,6 @@ class QwenVariant(variants.Variant):
     load_note = "raw token ids: no compression, no tokenizer read"
     engine = QwenStreamEngine
     history = "separator"
-
-    # config
-    def validate_config(self, cfg, put):
-        config.validate(cfg, put)
-
-    def reads_hf_config(self, d):
-        return config.reads_hf_config(d)
-
-    def from_hf_config(self, cls, d, overrides):
-        return config.from_hf_config(cls, d, overrides)
-
-    def to_hf_config(self, cfg):
-        return config.to_hf_config(cfg)
-
-    # weights and files
-    def validate_layer(self, cfg, plan, L, w):
-        weights.validate_layer(cfg, plan, L, w)
-
-    def init_layers(self, cfg, plan, seed, graft_zero_init):
-        return weights.init_layers(cfg, plan, seed, graft_zero_init)
-
-    def from_state_dict(self, cfg, plan, L, state_dict):
-        return weights.layer_from_state_dict(cfg, plan, L, state_dict)
 
     def with_weight_dtype(self, cfg, layers, name):
         return with_weight_dtype(cfg, layers, name)

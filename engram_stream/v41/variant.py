@@ -23,6 +23,9 @@ def hf_config_of(folder):
 
 
 class V41Variant(variants.Variant):
+    # the rules' modules first: `weights` below is the layer class, in this class's namespace
+    weights_rules = weights
+    config_rules = config
     name = config.V41
     example_config = config.EXAMPLE
     config_class = config.V41Config
@@ -36,29 +39,6 @@ class V41Variant(variants.Variant):
     load_note = "the compression: built from tokenizer.json the first time, then read from the user's cache"
     engine = V41StreamEngine
     history = "dead"
-
-    # config
-    def validate_config(self, cfg, put):
-        config.validate(cfg, put)
-
-    def reads_hf_config(self, d):
-        return config.reads_hf_config(d)
-
-    def from_hf_config(self, cls, d, overrides):
-        return config.from_hf_config(cls, d, overrides)
-
-    def to_hf_config(self, cfg):
-        return config.to_hf_config(cfg)
-
-    # weights and files
-    def validate_layer(self, cfg, plan, L, w):
-        weights.validate_layer(cfg, plan, L, w)
-
-    def init_layers(self, cfg, plan, seed, graft_zero_init):
-        return weights.init_layers(cfg, plan, seed, graft_zero_init)
-
-    def from_state_dict(self, cfg, plan, L, state_dict):
-        return weights.layer_from_state_dict(cfg, plan, L, state_dict)
 
     def load(self, path, mmap=True, compression=None):
         return hf.load(path, mmap=mmap, compression=compression)

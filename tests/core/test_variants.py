@@ -136,6 +136,17 @@ def test_variant_is_abstract_where_a_variant_must_say_something():
     with pytest.raises(TypeError, match="Variant instance"):
         variants.register(type(variants.get(variants.DEFAULT)))
 
+    class NoLayerRules(type(variants.get(variants.DEFAULT))):   # neither the weights' module nor the hooks
+        name = "no-layer-rules"
+        weights_rules = None
+
+        def init_layers(self, cfg, plan, seed, graft_zero_init):
+            return {}
+    with pytest.raises(TypeError, match=r"no weights_rules module: it must define \['validate_layer', "
+                                        r"'from_state_dict'\]"):
+        variants.register(NoLayerRules())
+    assert "no-layer-rules" not in variants.registered()
+
 
 def test_a_name_is_registered_once():
     demo = variants.get(variants.DEFAULT)
