@@ -1,12 +1,12 @@
-"""engram_stream as the Engram row store of SGLang 0.5.23 (DeepSeek-V4.1): install() before the
-model is built.
+"""engram_stream as the Engram row store of SGLang 0.5.23 (DeepSeek-V4.1's Engram tables, Qwen4Exp's
+PLE n-gram tables): install() before the model is built.
 
     import engram_stream.integrations.sglang as es_sglang
     es_sglang.install({"checkpoint": "/models/DeepSeek-V4.1-Flash", "tables": "direct", "row_cache_mb": 4096})
     # ... then SGLang's server / Engine in this process (or ENGRAM_STREAM_SGLANG='{...}' and install())
 
 SGLang has no general-plugin entry point (its wheel's entry points are console scripts only),
-so install() patches one name: sglang.srt.layers.engram.EngramEmbedding, which Engram.__init__
+so install() patches by name: sglang.srt.layers.engram.EngramEmbedding, which Engram.__init__
 constructs, becomes StreamEngramEmbedding, a subclass built through SGLang's own constructor
 (its row range of the TP rank) whose table is a meta tensor, dropped: it holds no table. SGLang
 other than 0.5.23 is refused (RuntimeError naming the version), and so are SGLang's other table
@@ -15,7 +15,9 @@ The settings are the vLLM plugin's (integrations.serving.parse_settings: checkpo
 row_cache_mb, mooncake, host_cache), from the argument or the environment variable ENGRAM_STREAM_SGLANG;
 "checkpoint" is required (SGLang's model path does not reach the embedding). In a server
 whose model runs in worker processes, call install() in each (the variable is inherited: a
-`sitecustomize` calling install() is one way).
+`sitecustomize` calling install() is one way). A Qwen4Exp model's PLE n-gram tables (bf16, FP8)
+are served from the same settings, "checkpoint" the Qwen folder: see "Qwen4Exp" below (eager
+only on CUDA).
 
 SGLang's lookups all end in EngramEmbedding._owned_rows(indices): the rows of this rank's row
 range (shard_range), zeros for the rest, summed over the TP group by SGLang's all-reduce. The

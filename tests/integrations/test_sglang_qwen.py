@@ -18,6 +18,8 @@ import glob
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 import types
 
 import numpy as np
@@ -297,3 +299,25 @@ def test_another_sglang_version_leaves_qwen_alone(parallel, folders, monkeypatch
     with pytest.raises(RuntimeError, match=r"serves SGLang 0\.5\.23 .* this is SGLang 0\.5\.24"):
         plugin.install({"checkpoint": folders["bfloat16"]})
     assert Q.Qwen4ExpNGramEmbedding is stock
+
+
+def test_install_patches_qwen4_exp_when_sglang_imports_it(folders):
+    """A server's order: install() (a sitecustomize) before SGLang imports its Qwen4Exp model; the
+    module is patched as it is imported, and uninstall() gives SGLang's class back."""
+    root = os.path.dirname(os.path.dirname(HERE))
+    script = f"""
+import sys
+sys.path[:0] = [{root!r}, {HERE!r}, {os.path.dirname(HERE)!r}]
+import test_sglang
+import engram_stream.integrations.sglang as plugin
+plugin.install({{"checkpoint": {folders["bfloat16"]!r}}})
+assert "sglang.srt.models.qwen4_exp" not in sys.modules
+import sglang.srt.models.qwen4_exp as Q
+assert Q.Qwen4ExpNGramEmbedding.__name__ == "StreamNGramEmbedding", Q.Qwen4ExpNGramEmbedding
+plugin.uninstall()
+assert Q.Qwen4ExpNGramEmbedding.__name__ == "Qwen4ExpNGramEmbedding", Q.Qwen4ExpNGramEmbedding
+print("patched on import")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd=root,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0 and "patched on import" in r.stdout, r.stderr[-3000:]
