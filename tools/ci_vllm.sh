@@ -1,6 +1,6 @@
 #!/bin/sh
 # CI step: vLLM 0.33.0 and SGLang 0.5.23 on CPU and the serving integrations' tests
-# (tests/integrations/test_vllm.py, test_vllm_graph.py, test_vllm_qwen.py, tests/integrations/test_sglang.py).
+# (tests/integrations/test_vllm.py, test_vllm_graph.py, test_vllm_qwen.py, test_sglang.py, test_sglang_qwen.py).
 #
 #   tools/ci_vllm.sh            # makes its own venv ($TMPDIR/engram-stream-ci-vllm-venv)
 #   tools/ci_vllm.sh VENV       # installs into the venv VENV (the CI venv), then tests
@@ -39,9 +39,9 @@ PY=$VENV/bin/python
 # the plugin's Mooncake test: the store's client and its server binaries (CPU build; needs
 # Debian's libibverbs1); its deps (aiohttp, requests: pinned above; msgpack) leave torch alone
 "$PY" -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1"
-# SGLang 0.5.23 for tests/integrations/test_sglang.py: --no-deps, with the (CPU) packages
-# its import of sglang.srt.layers.engram needs (torchvision, which has no CPU wheel here, is
-# stubbed by the test)
+# SGLang 0.5.23 for tests/integrations/test_sglang.py and test_sglang_qwen.py: --no-deps, with
+# the (CPU) packages its import of sglang.srt.layers.engram and sglang.srt.models.qwen4_exp needs
+# (torchvision, which has no CPU wheel here, is stubbed by the test)
 "$PY" -m pip install -q --no-deps "sglang==0.5.23" orjson==3.13.0 ipython==9.18.1 traitlets==5.16.1 \
     dill==0.4.1 sentencepiece==0.2.3 compressed-tensors==0.20.1 loguru==0.7.3 gguf==0.19.0
 cd "$ROOT"
@@ -49,4 +49,5 @@ cd "$ROOT"
 TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_vllm.py \
     tests/integrations/test_vllm_graph.py tests/integrations/test_vllm_qwen.py
 # a process of its own: its torchvision stub stays out of the vLLM tests
-CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_sglang.py
+CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_sglang.py \
+    tests/integrations/test_sglang_qwen.py

@@ -1,12 +1,12 @@
-"""engram_stream as the Engram row store of SGLang 0.5.23 (DeepSeek-V4.1): install() before the
-model is built.
+"""engram_stream as the Engram row store of SGLang 0.5.23 (DeepSeek-V4.1's Engram tables, Qwen4Exp's
+PLE n-gram tables): install() before the model is built.
 
     import engram_stream.integrations.sglang as es_sglang
     es_sglang.install({"checkpoint": "/models/DeepSeek-V4.1-Flash", "tables": "direct", "row_cache_mb": 4096})
     # ... then SGLang's server / Engine in this process (or ENGRAM_STREAM_SGLANG='{...}' and install())
 
 SGLang has no general-plugin entry point (its wheel's entry points are console scripts only),
-so install() patches one name: sglang.srt.layers.engram.EngramEmbedding, which Engram.__init__
+so install() patches by name: sglang.srt.layers.engram.EngramEmbedding, which Engram.__init__
 constructs, becomes StreamEngramEmbedding, a subclass built through SGLang's own constructor
 (its row range of the TP rank) whose table is a meta tensor, dropped: it holds no table. SGLang
 other than 0.5.23 is refused (RuntimeError naming the version), and so are SGLang's other table
@@ -15,7 +15,9 @@ The settings are the vLLM plugin's (integrations.serving.parse_settings: checkpo
 row_cache_mb, mooncake, host_cache), from the argument or the environment variable ENGRAM_STREAM_SGLANG;
 "checkpoint" is required (SGLang's model path does not reach the embedding). In a server
 whose model runs in worker processes, call install() in each (the variable is inherited: a
-`sitecustomize` calling install() is one way).
+`sitecustomize` calling install() is one way). A Qwen4Exp model's PLE n-gram tables (bf16, FP8)
+are served from the same settings, "checkpoint" the Qwen folder: see "Qwen4Exp" below (eager
+only on CUDA).
 
 SGLang's lookups all end in EngramEmbedding._owned_rows(indices): the rows of this rank's row
 range (shard_range), zeros for the rest, summed over the TP group by SGLang's all-reduce. The
@@ -37,7 +39,11 @@ What this does not reach without patching SGLang:
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import os
+import re
+import sys
 
 import numpy as np
 
@@ -79,8 +85,11 @@ def install(value=None):
                          f"does not reach its Engram embedding")
     _settings = s
     cls = embedding_class()
-    import sys
     sys.modules[ENGRAM_MODULE].EngramEmbedding = cls
+    if QWEN_MODULE in sys.modules:
+        _patch_qwen(sys.modules[QWEN_MODULE])
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
     return cls
 
 
@@ -88,8 +97,11 @@ def uninstall():
     """SGLang's own EngramEmbedding again (tests)."""
     global _settings
     if _stock_class is not None:
-        import sys
         sys.modules[ENGRAM_MODULE].EngramEmbedding = _stock_class
+    Q = sys.modules.get(QWEN_MODULE)
+    if Q is not None and _qwen_stock is not None:
+        Q.Qwen4ExpNGramEmbedding, Q.Qwen4ExpForConditionalGeneration.load_weights = _qwen_stock
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
     _settings = None
 
 
@@ -159,3 +171,202 @@ def embedding_class():
 
     _embedding_class = StreamEngramEmbedding
     return _embedding_class
+
+
+# ---- Qwen4Exp: the PLE n-gram tables -------------------------------------------------------------
+# install() also patches sglang.srt.models.qwen4_exp (when it is imported): its Qwen4ExpNGramEmbedding
+# becomes StreamNGramEmbedding, SGLang's constructor run whole with the table module it builds
+# (VocabParallelEmbedding, looked up in qwen4_exp's namespace) made a StreamPLEEmbedding: SGLang's
+# VocabParallelEmbedding constructor (its vocabulary shard of the TP rank, its quant method) on
+# the meta device, the table dropped. SGLang's lookup is VocabParallelEmbedding.forward (the
+# shard's masking, the output dtype, the all-reduce), whose row gather is the quant method's
+# embedding(layer, ids): the method is SGLang's, re-classed so that embedding() reads the rows
+# from engram_stream's row source and gives what SGLang's table gives: bf16 rows (float32 tables
+# cast as SGLang's loader casts them), FP8 codes for FP8 tables (SGLang's own code then casts them
+# to bf16 and multiplies by its weight_scale buffer, which it loads). SGLang 0.5.23 has no NVFP4
+# PLE table (its loader copies shard_N.weight values only): NVFP4 folders are refused. The
+# lookup is synchronous host work: on CUDA every CUDA graph must be off (a captured lookup would
+# replay stale rows), and SGLang's --ple-offload-embedding (a host table of its own) is refused.
+QWEN_MODULE = "sglang.srt.models.qwen4_exp"
+# the table's tensors SGLang's Qwen4Exp loader copies into the embedding (its split_ngram_parts
+# shards); the global weight_scale stays SGLang's
+QWEN_TABLE_TENSOR = re.compile(r"\.ple_embedding\.ngram_embedding\.shard_\d+\.weight$")
+EAGER_FLAGS = "--cuda-graph-backend-decode=disabled --cuda-graph-backend-prefill=disabled"
+
+_ple_class = None
+_methods = {}            # SGLang embedding method class -> its subclass whose embedding() reads our rows
+_qwen_stock = None       # SGLang's (Qwen4ExpNGramEmbedding, Qwen4ExpForConditionalGeneration.load_weights)
+
+
+def stream_method(method):
+    """SGLang's embedding method object, re-classed to a subclass whose embedding() reads the
+    layer's rows from engram_stream and whose post-load step has no table to process."""
+    base = type(method)
+    cls = _methods.get(base)
+    if cls is None:
+        def embedding(self, layer, input_):
+            return layer.stream_rows(input_)
+
+        def process_weights_after_loading(self, layer):
+            return None
+
+        cls = _methods[base] = type(f"Stream{base.__name__}", (base,), {
+            "embedding": embedding, "process_weights_after_loading": process_weights_after_loading})
+    method.__class__ = cls
+    return method
+
+
+def ple_class():
+    """StreamPLEEmbedding (made once: it subclasses SGLang's VocabParallelEmbedding)."""
+    global _ple_class
+    if _ple_class is not None:
+        return _ple_class
+    import torch
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    class StreamPLEEmbedding(VocabParallelEmbedding):
+        """SGLang's PLE n-gram table of one layer with its rows from engram_stream (no table)."""
+
+        def __init__(self, model, layer, num_embeddings, embedding_dim, *, params_dtype, **kw):
+            w = model.layer(layer)
+            fmt = w.table_format
+            if fmt == "nvfp4":
+                raise ValueError(f"{ENV}: the checkpoint {model.source!r} layer {layer}'s PLE table is NVFP4: "
+                                 f"SGLang {SGLANG_VERSION} serves bf16 and FP8 PLE tables only (its loader has no "
+                                 f"NVFP4 shards); give a bf16 or FP8 checkpoint")
+            # SGLang's constructor, whole (its vocabulary shard of this TP rank, its quant method); the
+            # table it allocates is a meta tensor here (no memory), dropped below
+            with torch.device("meta"):
+                super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype, **kw)
+            del self.weight
+            rows = model.plan.table_rows[layer]
+            if rows != self.org_vocab_size or embedding_dim != model.cfg.head_dim:
+                raise ValueError(f"{ENV}: the checkpoint {model.source!r} layer {layer}'s table is [{rows}, "
+                                 f"{model.cfg.head_dim}], SGLang's [{self.org_vocab_size}, {embedding_dim}]: give "
+                                 f"the checkpoint SGLang serves")
+            self.model, self.layer, self.table_format = model, layer, fmt
+            # the dtype of SGLang's loaded table: FP8 shards switch its storage to FP8; values are
+            # cast to its storage dtype (bf16, or FP8 when the config or quant config says so)
+            self.storage_dtype = torch.float8_e4m3fn if fmt == "fp8" else params_dtype
+            self.source = model.row_source(layer)
+            self.recbytes = self.source.rowbytes + self.source.scalebytes
+            self._values = None if fmt == "fp8" else np.dtype(w.table.dtype)
+            stream_method(self.quant_method)
+
+        def extra_repr(self):
+            return (f"layer={self.layer}, rows {self.shard_indices.org_vocab_start_index}.."
+                    f"{self.shard_indices.org_vocab_end_index} of {self.org_vocab_size}, {self.table_format}, "
+                    f"rows from engram_stream ({type(self.source).__name__})")
+
+        def row_cache_stats(self):
+            return self.model.row_cache_stats()
+
+        def _use_triton_embedding(self, input_):
+            return False   # SGLang's fused gather reads a device table; the rows here come from the host
+
+        def stream_rows(self, ids):
+            """What SGLang's embedding method gives for local ids (its masked input):
+            [*ids.shape, embedding_dim] of the table's dtype, on ids' device."""
+            flat = ids.reshape(-1)
+            host = (flat.cpu() if flat.device.type != "cpu" else flat).numpy().astype(np.int64)
+            host += self.shard_indices.org_vocab_start_index
+            rec = np.empty((host.shape[0], self.recbytes), np.uint8)
+            self.source.read_into(host, rec)
+            t = torch.from_numpy(rec)
+            if self.table_format == "fp8":
+                out = t.view(torch.float8_e4m3fn)
+            else:
+                values = t.view(torch.bfloat16) if self._values.name == "bfloat16" \
+                    else torch.from_numpy(rec.view(self._values))
+                out = values.to(self.storage_dtype)
+            return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
+
+    _ple_class = StreamPLEEmbedding
+    return _ple_class
+
+
+def _eager():
+    """SGLang runs every phase without CUDA graphs (False before its config is published)."""
+    from sglang.srt.model_executor.cuda_graph_config import cuda_graph_fully_disabled
+    return cuda_graph_fully_disabled()
+
+
+def _cuda():
+    import torch
+    return torch.cuda.is_available()
+
+
+def _patch_qwen(Q):
+    """Qwen4ExpNGramEmbedding becomes StreamNGramEmbedding; Qwen4ExpForConditionalGeneration's
+    load_weights skips the table's shards while it holds one."""
+    global _qwen_stock
+    if _qwen_stock is not None and Q.Qwen4ExpNGramEmbedding is not _qwen_stock[0]:
+        return
+    stock, stock_load = Q.Qwen4ExpNGramEmbedding, Q.Qwen4ExpForConditionalGeneration.load_weights
+    _qwen_stock = (stock, stock_load)
+
+    class StreamNGramEmbedding(stock):
+        """SGLang's Qwen4Exp PLE n-gram embedding whose table module is a StreamPLEEmbedding."""
+
+        def __init__(self, config, embedding_dim, ple_layer_index=0, quant_config=None, prefix=""):
+            if _settings is None:
+                raise RuntimeError(f"{QWEN_MODULE}.Qwen4ExpNGramEmbedding is engram_stream's: call install() first")
+            if getattr(config, "ple_offload_embedding", False):
+                raise ValueError(f"{ENV}: --ple-offload-embedding is set: SGLang would allocate a host table "
+                                 f"engram_stream's rows leave unused; unset it (the rows come from engram_stream's "
+                                 f"row source)")
+            if _cuda() and not _eager():
+                raise ValueError(f"{ENV}: Qwen4Exp PLE rows are read by a synchronous host lookup, which a CUDA "
+                                 f"graph would capture once and replay stale: serve with {EAGER_FLAGS} (or "
+                                 f"--disable-cuda-graph)")
+            model = serving.open_model(_settings, None, ENV, qwen=True)
+            ids = model.cfg.layer_ids                # sorted ple_layer_ids: SGLang's ple_layer_index indexes them
+            if not 0 <= ple_layer_index < len(ids):
+                raise ValueError(f"{ENV}: SGLang's PLE layer {ple_layer_index} is not one of the checkpoint "
+                                 f"{model.source!r}'s {len(ids)} PLE layers")
+            layer = ids[ple_layer_index]
+            cls = ple_class()
+
+            def make(*a, **k):
+                return cls(model, layer, *a, **k)
+
+            saved = Q.VocabParallelEmbedding
+            Q.VocabParallelEmbedding = make
+            try:
+                super().__init__(config, embedding_dim, ple_layer_index, quant_config, prefix)
+            finally:
+                Q.VocabParallelEmbedding = saved
+            want = np.asarray(model.plan.offsets[layer])
+            if not np.array_equal(self.ngram_heads_offsets.cpu().numpy(), want):
+                raise ValueError(f"{ENV}: the checkpoint {model.source!r} layer {layer}'s heads start at rows "
+                                 f"{want.tolist()}, SGLang's at {self.ngram_heads_offsets.tolist()}: give the "
+                                 f"checkpoint SGLang serves")
+
+    def load_weights(self, weights):
+        if _ple_class is not None and any(isinstance(m, _ple_class) for m in self.modules()):
+            weights = ((name, w) for name, w in weights if not QWEN_TABLE_TENSOR.search(name))
+        return stock_load(self, weights)
+
+    Q.Qwen4ExpNGramEmbedding = StreamNGramEmbedding
+    Q.Qwen4ExpForConditionalGeneration.load_weights = load_weights
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches SGLang's Qwen4Exp module right after it is imported (install() does not import
+    it: a V4.1 server never does)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != QWEN_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            if _settings is not None:
+                _patch_qwen(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
