@@ -164,7 +164,7 @@ def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=
     """({candidate: best seconds}, partial) of run(candidate) (one call of the operation on that
     path and thread count), the candidates in their order: one warm-up run, then `repeats` timed
     ones (more until MIN_SECONDS; fewer once they took LONG_RUN, or past the deadline; one at
-    least).
+    least); its time is the best of them all, the warm-up's included.
 
     Dropped early: a candidate whose warm-up is DROP_SLOWER times the best time so far (LONG_SLOWER
     times, when the warm-up took LONG_RUN or more) keeps its warm-up time and is not run again; a path whose one-thread warm-up is cores x DROP_SLOWER
@@ -203,7 +203,7 @@ def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=
             took = timer() - t0
             best = took if best is None else min(best, took)
             spent, k = spent + took, k + 1
-        times[c] = best
+        times[c] = min(best, first)  # a warm-up as fast counts: one more sample of a long run, at no cost
     return times, partial
 
 
