@@ -169,15 +169,19 @@ def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=
     Dropped early: a candidate whose warm-up is DROP_SLOWER times the best time so far (LONG_SLOWER
     times, when the warm-up took LONG_RUN or more) keeps its warm-up time and is not run again; a path whose one-thread warm-up is cores x DROP_SLOWER
     times the best, its first candidate, is added to `dropped` (a set; its paths are not run)
-    since no thread count can bring it within DROP_SLOWER (cores None: no path is dropped). Past `deadline` (a timer() value) no further candidate runs
-    once one was timed, and partial is True. tick(): called before each candidate."""
+    since no thread count can bring it within DROP_SLOWER (cores None: no path is dropped).
+    No candidate starts, once one was timed, that would end past `deadline` (a timer() value) at
+    two runs of the best time so far; partial is then True. tick(): called before each
+    candidate."""
     times = {}
     dropped = set() if dropped is None else dropped
     partial = False
     for c in candidates:
         if c[0] in dropped:
             continue
-        if times and deadline is not None and timer() >= deadline:
+        # a candidate costs two runs at least (a warm-up, a timed one): one that would end past the deadline
+        # does not start
+        if times and deadline is not None and timer() + 2 * min(times.values()) > deadline:
             partial = True
             break
         if tick is not None:
@@ -208,15 +212,21 @@ def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=
 
 
 def order(paths, counts, ascending=True) -> list:
-    """The candidates of `paths` (likeliest fastest first) x thread counts: the first path on the
-    most threads first, a good time to cut the others against; then each path's counts from one
-    thread up (ascending: its one-thread warm-up can drop the path before its other counts run)
-    or down (the batch and the prefill, whose work the threads divide best)."""
-    paths, counts = list(paths), sorted(set(counts), reverse=not ascending)
+    """The candidates of `paths` (likeliest fastest first) x thread counts, the first path on the
+    most threads first: a good time to cut the others against. ascending (the step): then each
+    path from one thread up, so its one-thread warm-up can drop the path before its other counts
+    run. Else (the batch and the prefill, whose work the threads divide best): the two likeliest
+    paths on each count from the most threads down, so a budget cut still compares two paths,
+    then the others, each from the most threads down."""
+    paths = list(paths)
     if not paths:
         return []
-    head = (paths[0], max(counts))
-    return [head] + [(p, t) for p in paths for t in counts if (p, t) != head]
+    if ascending:
+        counts = sorted(set(counts))
+        head = (paths[0], counts[-1])
+        return [head] + [(p, t) for p in paths for t in counts if (p, t) != head]
+    counts = sorted(set(counts), reverse=True)
+    return [(p, t) for t in counts for p in paths[:2]] + [(p, t) for p in paths[2:] for t in counts]
 
 
 def tune_runs(runs: dict, paths, counts, timer=time.perf_counter, budget=TIME_BUDGET, cores=1,

@@ -119,6 +119,20 @@ def test_a_hopeless_path_is_dropped_after_one_run_for_every_thread_count_and_ope
     assert all(set(table[op]["times"]) == {f"{p}/{t}" for p in PATHS for t in (1, 2)} for op in tune.OPS)
 
 
+def test_the_likeliest_winner_runs_first_and_the_step_orders_the_other_operations():
+    assert tune.order(["bf16", "avx512", "avx2"], [1, 2, 4]) == [
+        ("bf16", 4), ("bf16", 1), ("bf16", 2), ("avx512", 1), ("avx512", 2), ("avx512", 4),
+        ("avx2", 1), ("avx2", 2), ("avx2", 4)]  # each path's one-thread run first: it can drop the path
+    assert tune.order(["bf16", "avx512", "avx2"], [1, 2], ascending=False) == [
+        ("bf16", 2), ("avx512", 2), ("bf16", 1), ("avx512", 1), ("avx2", 2), ("avx2", 1)]
+    step = {(p, t): {"avx2": 1e-3, "bf16": 2e-3, "avx512": 3e-3, "baseline": 5e-3}[p] / t for p in PATHS for t in (1, 2)}
+    ops = FakeOps(_costs(step, step, step))
+    tune.tune_runs(ops.runs(), PATHS, [1, 2], timer=ops.timer, budget=100.0, cores=2)
+    assert ops.calls[0] == ("step", ("bf16", 2))
+    first = {op: next(c for o, c in ops.calls if o == op) for op in ("batch", "prefill")}
+    assert first == {"batch": ("avx2", 2), "prefill": ("avx2", 2)}  # the step's fastest path
+
+
 def test_the_budget_stops_measuring_and_marks_the_table_partial():
     step = {(p, t): (1e-3 if p == "bf16" else 1.2e-3) * (1.5 if t == 1 else 1.0) for p in PATHS for t in (1, 2)}
     costs = _costs(step, {c: 20 * t for c, t in step.items()}, {c: 100 * t for c, t in step.items()})
