@@ -167,9 +167,10 @@ def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=
     least); its time is the best of them all, the warm-up's included.
 
     Dropped early: a candidate whose warm-up is DROP_SLOWER times the best time so far (LONG_SLOWER
-    times, when the warm-up took LONG_RUN or more) keeps its warm-up time and is not run again; a path whose one-thread warm-up is cores x DROP_SLOWER
-    times the best, its first candidate, is added to `dropped` (a set; its paths are not run)
-    since no thread count can bring it within DROP_SLOWER (cores None: no path is dropped).
+    times, when the warm-up took LONG_RUN or more) keeps its warm-up time and is not run again; a
+    path whose one-thread warm-up, its first candidate, is cores x DROP_SLOWER times the best is
+    added to `dropped` (a set; its paths are not run), since no thread count can bring it within
+    DROP_SLOWER (cores None: no path is dropped).
     No candidate starts, once one was timed, that would end past `deadline` (a timer() value) at
     two runs of the best time so far; partial is then True. tick(): called before each
     candidate."""

@@ -125,7 +125,8 @@ def test_the_likeliest_winner_runs_first_and_the_step_orders_the_other_operation
         ("avx2", 1), ("avx2", 2), ("avx2", 4)]  # each path's one-thread run first: it can drop the path
     assert tune.order(["bf16", "avx512", "avx2"], [1, 2], ascending=False) == [
         ("bf16", 2), ("avx512", 2), ("bf16", 1), ("avx512", 1), ("avx2", 2), ("avx2", 1)]
-    step = {(p, t): {"avx2": 1e-3, "bf16": 2e-3, "avx512": 3e-3, "baseline": 5e-3}[p] / t for p in PATHS for t in (1, 2)}
+    speed = {"avx2": 1e-3, "bf16": 2e-3, "avx512": 3e-3, "baseline": 5e-3}
+    step = {(p, t): speed[p] / t for p in PATHS for t in (1, 2)}
     ops = FakeOps(_costs(step, step, step))
     tune.tune_runs(ops.runs(), PATHS, [1, 2], timer=ops.timer, budget=100.0, cores=2)
     assert ops.calls[0] == ("step", ("bf16", 2))
