@@ -16,6 +16,16 @@ the table is cached as JSON in the user's cache folder, keyed by the CPU's ident
 build (tune_<cpu>.json: a change of either measures again). `engram-stream tune` measures
 again and prints the table.
 
+The first stream() of a model waits for that measurement, so it is kept short (TIME_BUDGET):
+the likeliest winner is timed first, so the DROP_SLOWER cut-off works from the first
+candidate on; a path whose one-thread warm-up step is more than cores x DROP_SLOWER times the
+best step so far is dropped for every thread count and operation (threads divide a time by
+the cores at best); batch and prefill try the paths in the order of their step times; a run
+longer than LONG_RUN is timed once; and once the budget is spent, each operation keeps the
+best so far and its table entry says "partial". `engram-stream tune` has no budget and times
+every candidate. A measurement past NOTE_AFTER prints one line on stderr, so a first call
+does not block without a word.
+
 What wins over the measurement: a caller's step_threads / prefill_threads (the count), and a
 forced path (ENGRAM_STREAM_ISA, use_isa: every kernel runs it). ENGRAM_STREAM_TUNE=0 turns
 measuring off (the process's path and the default thread counts run; the test suite sets it,
@@ -32,6 +42,7 @@ import json
 import os
 import platform
 import stat
+import sys
 import time
 import warnings
 
@@ -49,6 +60,11 @@ MIN_SECONDS = 2e-3  # and more, up to MAX_REPEATS, until its runs took this long
 MAX_REPEATS = 50
 TIE = 0.02         # candidates within 2% of the fastest count as equal: the fewest threads wins (the cores spared)
 DROP_SLOWER = 3.0  # a candidate whose warm-up run is this many times the best so far is not timed further
+LONG_RUN = 20e-3   # a candidate's timed runs stop once they took this long: its noise is small beside the gaps
+LONG_SLOWER = 1.5  # between paths; and a warm-up this long and this many times the best is not timed further (a
+                   # warm-up's extra cost, page faults and the team's start, is a small part of so long a run)
+TIME_BUDGET = 1.0  # seconds of measuring on a first stream(); then the best so far is kept, marked partial
+NOTE_AFTER = 0.5   # a measurement past this many seconds says so on stderr, once
 
 # /proc/cpuinfo fields that name the CPU (x86, aarch64); per-core fields (MHz, ids) are left out
 _IDENTITY_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping", "flags",
@@ -143,28 +159,107 @@ def fastest(times: dict) -> tuple:
     return min(near, key=lambda c: (c[1], times[c], _isa.ISA_NAMES.index(c[0])))
 
 
-def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS) -> dict:
-    """{candidate: best seconds} of run(candidate) (one call of the operation on that path and
-    thread count): one warm-up run, then `repeats` timed ones; a candidate whose warm-up is
-    DROP_SLOWER times the best time so far keeps its warm-up time and is not run again."""
+def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=None, cores=1,
+            dropped=None, tick=None) -> tuple:
+    """({candidate: best seconds}, partial) of run(candidate) (one call of the operation on that
+    path and thread count), the candidates in their order: one warm-up run, then `repeats` timed
+    ones (more until MIN_SECONDS; fewer once they took LONG_RUN, or past the deadline; one at
+    least); its time is the best of them all, the warm-up's included.
+
+    Dropped early: a candidate whose warm-up is DROP_SLOWER times the best time so far (LONG_SLOWER
+    times, when the warm-up took LONG_RUN or more) keeps its warm-up time and is not run again; a
+    path whose one-thread warm-up, its first candidate, is cores x DROP_SLOWER times the best is
+    added to `dropped` (a set; its paths are not run), since no thread count can bring it within
+    DROP_SLOWER (cores None: no path is dropped).
+    No candidate starts, once one was timed, that would end past `deadline` (a timer() value) at
+    two runs of the best time so far; partial is then True. tick(): called before each
+    candidate."""
     times = {}
+    dropped = set() if dropped is None else dropped
+    partial = False
     for c in candidates:
+        if c[0] in dropped:
+            continue
+        # a candidate costs two runs at least (a warm-up, a timed one): one that would end past the deadline
+        # does not start
+        if times and deadline is not None and timer() + 2 * min(times.values()) > deadline:
+            partial = True
+            break
+        if tick is not None:
+            tick()
         t0 = timer()
         run(c)
         first = timer() - t0
         best_so_far = min(times.values(), default=None)
-        if best_so_far is not None and first > DROP_SLOWER * best_so_far:
+        if best_so_far is not None and (first > DROP_SLOWER * best_so_far
+                                        or (first >= LONG_RUN and first > LONG_SLOWER * best_so_far)):
+            if (cores is not None and c[1] == 1 and first > max(1, cores) * DROP_SLOWER * best_so_far
+                    and not any(o[0] == c[0] for o in times)):  # a path already timed keeps its other counts
+                dropped.add(c[0])
             times[c] = first
             continue
         best, spent, k = None, 0.0, 0
-        while k < max(1, repeats) or (spent < MIN_SECONDS and k < MAX_REPEATS):
+        while k < MAX_REPEATS:
+            if k >= 1 and (spent >= LONG_RUN or (deadline is not None and timer() >= deadline)
+                           or (k >= repeats and spent >= MIN_SECONDS)):
+                break
             t0 = timer()
             run(c)
             took = timer() - t0
             best = took if best is None else min(best, took)
             spent, k = spent + took, k + 1
-        times[c] = best
-    return times
+        times[c] = min(best, first)  # a warm-up as fast counts: one more sample of a long run, at no cost
+    return times, partial
+
+
+def order(paths, counts, ascending=True) -> list:
+    """The candidates of `paths` (likeliest fastest first) x thread counts, the first path on the
+    most threads first: a good time to cut the others against. ascending (the step): then each
+    path from one thread up, so its one-thread warm-up can drop the path before its other counts
+    run. Else (the batch and the prefill, whose work the threads divide best): the two likeliest
+    paths on each count from the most threads down, so a budget cut still compares two paths,
+    then the others, each from the most threads down."""
+    paths = list(paths)
+    if not paths:
+        return []
+    if ascending:
+        counts = sorted(set(counts))
+        head = (paths[0], counts[-1])
+        return [head] + [(p, t) for p in paths for t in counts if (p, t) != head]
+    counts = sorted(set(counts), reverse=True)
+    return [(p, t) for t in counts for p in paths[:2]] + [(p, t) for p in paths[2:] for t in counts]
+
+
+def tune_runs(runs: dict, paths, counts, timer=time.perf_counter, budget=TIME_BUDGET, cores=1,
+              tick=None) -> dict:
+    """Time `runs` ({op: run((path, threads))}, the operations in OPS order, the step first) on
+    `paths` (likeliest fastest first) x `counts`: {op: {"isa", "threads", "times", "partial"}}.
+    budget: seconds for all of it (None: every candidate timed, no path dropped), shared out
+    between the operations still to measure; the step's times order the candidates of the others
+    and the paths it drops are not run again."""
+    start = timer()
+    dropped = set()
+    paths = list(paths)
+    table = {}
+    for i, (op, run) in enumerate(runs.items()):
+        deadline = None
+        if budget is not None:
+            left = budget - (timer() - start)
+            deadline = timer() + max(0.0, left) / (len(runs) - i)
+        cands = order([p for p in paths if p not in dropped], counts, ascending=i == 0)
+        times, partial = measure(run, cands, timer=timer, deadline=deadline,
+                                 cores=None if budget is None else cores,
+                                 dropped=dropped if i == 0 else set(), tick=tick)
+        if i == 0:  # the others try the paths by their best step
+            step_best = {}
+            for (p, _), s in times.items():
+                step_best[p] = min(s, step_best.get(p, s))
+            paths = sorted((p for p in paths if p in step_best and p not in dropped), key=lambda p: step_best[p]) \
+                + [p for p in paths if p not in step_best and p not in dropped]
+        best = fastest(times)
+        table[op] = {"isa": best[0], "threads": best[1], "partial": partial,
+                     "times": {f"{p}/{t}": float(s) for (p, t), s in times.items()}}
+    return table
 
 
 def _runners(model, layer):
@@ -197,23 +292,28 @@ def _runners(model, layer):
     return {"step": step, "batch": batch, "prefill": prefill}
 
 
-def tune_model(model, layer=None, timer=time.perf_counter, paths=None, threads=None) -> dict:
-    """Measure every operation on every path this CPU runs (paths: these instead) and thread
-    count (threads: these instead of thread_counts(cores())): {op: {"isa": path, "threads": n,
-    "times": {"path/threads": seconds}}}. A forced path (ENGRAM_STREAM_ISA, use_isa) is the only
-    one measured: the others would not run."""
+def tune_model(model, layer=None, timer=time.perf_counter, paths=None, threads=None, budget=TIME_BUDGET,
+               note=None) -> dict:
+    """Measure every operation on the paths this CPU runs (paths: these instead, likeliest fastest
+    first) and thread counts (threads: these instead of thread_counts(cores())), within `budget`
+    seconds (None: every candidate): {op: {"isa": path, "threads": n, "partial": bool, "times":
+    {"path/threads": seconds}}}. A forced path (ENGRAM_STREAM_ISA, use_isa) is the only one
+    measured: the others would not run. note: a text printed on stderr once the measuring has
+    taken NOTE_AFTER seconds."""
     layer = model.cfg.layer_ids[0] if layer is None else layer
     if paths is None:
-        paths = (_isa.kernel_isa(),) if _isa.forced() else _isa.supported_isas()
+        # the widest path first: on the CPUs measured so far it wins, or comes close, every operation
+        paths = (_isa.kernel_isa(),) if _isa.forced() else tuple(reversed(_isa.supported_isas()))
     counts = thread_counts(cores()) if threads is None else list(threads)
-    candidates = [(p, t) for p in reversed(paths) for t in counts]  # fastest-looking first: drops sooner
-    table = {}
-    for op, run in _runners(model, layer).items():
-        times = measure(run, candidates, timer=timer)
-        best = fastest(times)
-        table[op] = {"isa": best[0], "threads": best[1],
-                     "times": {f"{p}/{t}": float(s) for (p, t), s in times.items()}}
-    return table
+    start, said = timer(), []
+
+    def tick():
+        if note and not said and timer() - start >= NOTE_AFTER:
+            said.append(True)
+            print(note, file=sys.stderr, flush=True)
+
+    return tune_runs(_runners(model, layer), paths, counts, timer=timer, budget=budget, cores=max(counts),
+                     tick=tick)
 
 
 # ---- the cache ----------------------------------------------------------------------------------
@@ -259,7 +359,8 @@ def _valid_entry(entry) -> bool:
     for op in OPS:
         e = entry[op]
         if not (isinstance(e, dict) and e.get("isa") in _isa.ISA_NAMES and isinstance(e.get("threads"), int)
-                and 1 <= e["threads"] <= MAX_THREADS and isinstance(e.get("times"), dict)):
+                and 1 <= e["threads"] <= MAX_THREADS and isinstance(e.get("times"), dict)
+                and isinstance(e.get("partial", False), bool)):
             return False
     return True
 
@@ -320,7 +421,8 @@ def _warn(e):
 
 def table_for(model, layer=None, retune=False) -> dict:
     """The measured table of the model's shapes: this process's, else the cache's, else measured
-    by this call (and cached). retune: measured whatever is known."""
+    by this call within TIME_BUDGET (and cached). retune: every candidate measured whatever is
+    known (engram-stream tune, which says so itself)."""
     key = shape_key(model)
     if not retune and key in _memo:
         return _memo[key]
@@ -332,7 +434,11 @@ def table_for(model, layer=None, retune=False) -> dict:
     if not retune and key in tables:
         _memo[key] = tables[key]
         return tables[key]
-    table = tune_model(model, layer)
+    if retune:
+        table = tune_model(model, layer, budget=None)
+    else:
+        table = tune_model(model, layer, note=f"engram_stream: measuring the kernel paths for this CPU and these "
+                           f"shapes (once; cached in {cache_dir()}; {ENV}=0 skips)")
     _memo[key] = table
     if not _isa.forced():  # a forced run measured one path: not this CPU's table
         tables[key] = table
@@ -364,5 +470,6 @@ def format_table(table: dict) -> str:
         times = sorted(e["times"].items(), key=lambda kv: kv[1])
         best = e["times"][f"{e['isa']}/{e['threads']}"]
         cells = ", ".join(f"{c} {s * 1e3:.3f} ms ({s / best:.2f}x)" for c, s in times)
-        lines.append(f"{op:8s} {e['isa']}/{e['threads']}: {cells}")
+        cut = " (partial: the time budget ran out; engram-stream tune times them all)" if e.get("partial") else ""
+        lines.append(f"{op:8s} {e['isa']}/{e['threads']}: {cells}{cut}")
     return "\n".join(lines)

@@ -47,18 +47,149 @@ def test_fastest_takes_the_smallest_time_and_breaks_ties_to_fewer_threads():
 
 def test_measure_times_each_candidate_by_its_best_run_and_drops_the_slow_early():
     clock = [0.0]
-    cost = {("bf16", 2): 1.0, ("bf16", 1): 1.5, ("baseline", 1): 10.0}
+    cost = {("bf16", 2): 1e-3, ("bf16", 1): 1.5e-3, ("baseline", 1): 10e-3}
     runs = []
 
     def run(c):
         runs.append(c)
-        clock[0] += cost[c] + (0.5 if runs.count(c) == 1 else 0.0) * (c != ("baseline", 1))  # a slower first run
+        clock[0] += cost[c] + (0.5e-3 if runs.count(c) == 1 else 0.0) * (c != ("baseline", 1))  # a slower first run
 
-    times = tune.measure(run, list(cost), timer=lambda: clock[0], repeats=2)
-    assert runs.count(("bf16", 2)) == 3  # a warm-up, then 2 runs (each past MIN_SECONDS)
-    assert times[("bf16", 2)] == 1.0 and times[("bf16", 1)] == 1.5  # the warm-ups' 0.5 s left out
-    assert runs.count(("baseline", 1)) == 1 and times[("baseline", 1)] == 10.0  # > 3x the best: not timed further
-    assert tune.fastest(times) == ("bf16", 2)
+    times, partial = tune.measure(run, list(cost), timer=lambda: clock[0], repeats=2)
+    assert runs.count(("bf16", 2)) == 3  # a warm-up, then 2 runs (past MIN_SECONDS)
+    assert times[("bf16", 2)] == pytest.approx(1e-3) and times[("bf16", 1)] == pytest.approx(1.5e-3)  # no warm-up
+    assert runs.count(("baseline", 1)) == 1 and times[("baseline", 1)] == pytest.approx(10e-3)  # > 3x the best
+    assert tune.fastest(times) == ("bf16", 2) and not partial
+    # a run of LONG_RUN or more is timed once after its warm-up; a long warm-up LONG_SLOWER x the best, not at all
+    cost.update({("avx2", 2): 30e-3, ("avx2", 1): 50e-3})
+    runs.clear()
+    times, _ = tune.measure(run, [("avx2", 2), ("avx2", 1)], timer=lambda: clock[0], repeats=3)
+    assert runs == [("avx2", 2)] * 2 + [("avx2", 1)] and times[("avx2", 2)] == pytest.approx(30e-3)
+
+
+class FakeOps:
+    """Operations whose every call advances a fake clock by a made-up time per (op, path, threads)
+    (a first call of a candidate `cold` times its time more), recording each call."""
+
+    def __init__(self, cost, cold=0.0):
+        self.cost, self.cold, self.clock, self.calls = cost, cold, 0.0, []
+
+    def timer(self):
+        return self.clock
+
+    def runs(self):
+        def make(op):
+            def run(c):
+                self.calls.append((op, c))
+                self.clock += self.cost[op][c] * (1 + (self.cold if self.calls.count((op, c)) == 1 else 0.0))
+            return run
+        return {op: make(op) for op in tune.OPS}
+
+    def count(self, path=None, op=None):
+        return sum(1 for o, c in self.calls if (path is None or c[0] == path) and (op is None or o == op))
+
+
+def _costs(step, batch, prefill):
+    return {"step": step, "batch": batch, "prefill": prefill}
+
+
+PATHS = ("bf16", "avx512", "avx2", "baseline")  # likeliest fastest first
+
+
+def test_a_hopeless_path_is_dropped_after_one_run_for_every_thread_count_and_operation():
+    # at Flash dims on 2 cores: the baseline path's one-thread step is ~10x the best, beyond 2 x DROP_SLOWER
+    step = {("bf16", 2): 6e-3, ("bf16", 1): 10e-3, ("avx512", 2): 8e-3, ("avx512", 1): 14e-3,
+            ("avx2", 2): 8e-3, ("avx2", 1): 15e-3, ("baseline", 2): 45e-3, ("baseline", 1): 87e-3}
+    ops = FakeOps(_costs(step, {c: 10 * t for c, t in step.items()}, {c: 20 * t for c, t in step.items()}))
+    table = tune.tune_runs(ops.runs(), PATHS, [1, 2], timer=ops.timer, budget=100.0, cores=2)
+    assert ops.calls.count(("step", ("baseline", 1))) == 1  # its warm-up, then never again
+    assert ops.count("baseline") == 1
+    assert "baseline/1" in table["step"]["times"] and "baseline/2" not in table["step"]["times"]
+    assert all(not any(k.startswith("baseline") for k in table[op]["times"]) for op in ("batch", "prefill"))
+    assert [(table[op]["isa"], table[op]["threads"]) for op in tune.OPS] == [("bf16", 2)] * 3
+    assert not any(table[op]["partial"] for op in tune.OPS)
+    # within cores x DROP_SLOWER the path stays: more threads might bring it within reach
+    step[("baseline", 1)] = 30e-3
+    ops = FakeOps(_costs(step, {c: 10 * t for c, t in step.items()}, {c: 20 * t for c, t in step.items()}))
+    tune.tune_runs(ops.runs(), PATHS, [1, 2], timer=ops.timer, budget=100.0, cores=2)
+    assert ops.calls.count(("step", ("baseline", 2))) >= 1
+    # with no budget (engram-stream tune) every candidate of every operation runs
+    ops = FakeOps(_costs(step, {c: 10 * t for c, t in step.items()}, {c: 20 * t for c, t in step.items()}))
+    step[("baseline", 1)] = 87e-3
+    table = tune.tune_runs(ops.runs(), PATHS, [1, 2], timer=ops.timer, budget=None, cores=2)
+    assert all(set(table[op]["times"]) == {f"{p}/{t}" for p in PATHS for t in (1, 2)} for op in tune.OPS)
+
+
+def test_the_likeliest_winner_runs_first_and_the_step_orders_the_other_operations():
+    assert tune.order(["bf16", "avx512", "avx2"], [1, 2, 4]) == [
+        ("bf16", 4), ("bf16", 1), ("bf16", 2), ("avx512", 1), ("avx512", 2), ("avx512", 4),
+        ("avx2", 1), ("avx2", 2), ("avx2", 4)]  # each path's one-thread run first: it can drop the path
+    assert tune.order(["bf16", "avx512", "avx2"], [1, 2], ascending=False) == [
+        ("bf16", 2), ("avx512", 2), ("bf16", 1), ("avx512", 1), ("avx2", 2), ("avx2", 1)]
+    speed = {"avx2": 1e-3, "bf16": 2e-3, "avx512": 3e-3, "baseline": 5e-3}
+    step = {(p, t): speed[p] / t for p in PATHS for t in (1, 2)}
+    ops = FakeOps(_costs(step, step, step))
+    tune.tune_runs(ops.runs(), PATHS, [1, 2], timer=ops.timer, budget=100.0, cores=2)
+    assert ops.calls[0] == ("step", ("bf16", 2))
+    first = {op: next(c for o, c in ops.calls if o == op) for op in ("batch", "prefill")}
+    assert first == {"batch": ("avx2", 2), "prefill": ("avx2", 2)}  # the step's fastest path
+
+
+def test_the_budget_stops_measuring_and_marks_the_table_partial():
+    step = {(p, t): (1e-3 if p == "bf16" else 1.2e-3) * (1.5 if t == 1 else 1.0) for p in PATHS for t in (1, 2)}
+    costs = _costs(step, {c: 20 * t for c, t in step.items()}, {c: 100 * t for c, t in step.items()})
+    ops = FakeOps(costs)
+    table = tune.tune_runs(ops.runs(), PATHS, [1, 2], timer=ops.timer, budget=0.05, cores=2)
+    assert ops.clock < 0.05 + 2 * 0.1 * 2  # past the budget at most each operation's first candidate's two runs
+    assert table["prefill"]["partial"] and len(table["prefill"]["times"]) < 8
+    assert table["prefill"]["isa"] == "bf16" and table["prefill"]["threads"] == 2  # the step's best path, timed first
+    assert "partial" in tune.format_table(table)
+    full = tune.tune_runs(FakeOps(costs).runs(), PATHS, [1, 2], timer=FakeOps(costs).timer, budget=None, cores=2)
+    assert not any(full[op]["partial"] for op in tune.OPS)
+    # a budget long spent still times each operation's first candidate: a table with every operation
+    ops = FakeOps(costs)
+    table = tune.tune_runs(ops.runs(), PATHS, [1, 2], timer=ops.timer, budget=0.0, cores=2)
+    assert all(len(table[op]["times"]) == 1 and table[op]["partial"] for op in tune.OPS)
+
+
+def test_the_choice_is_the_fastest_of_made_up_times_whatever_order_they_are_tried_in():
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        costs = {op: {(p, t): float(rng.uniform(1e-4, 3e-2)) for p in PATHS for t in (1, 2, 4)} for op in tune.OPS}
+        paths = tuple(rng.permutation(PATHS))
+        ops = FakeOps(costs, cold=float(rng.uniform(0, 0.4)))  # a warm-up up to 40% slower
+        table = tune.tune_runs(ops.runs(), paths, [1, 2, 4], timer=ops.timer, budget=100.0, cores=4)
+        for op in tune.OPS:
+            assert not table[op]["partial"]
+            e, true = table[op], costs[op]
+            got = true[(e["isa"], e["threads"])]
+            # a path dropped as hopeless (one-thread step > 4 x DROP_SLOWER x the best) can hide only a time
+            # no thread count brings within reach when the times scale like the step's; these made-up times
+            # do not, so the choice is checked against the candidates that ran
+            ran = {c for o, c in ops.calls if o == op}
+            assert got <= min(true[c] for c in ran) * (1 + tune.TIE), (trial, op, e)
+
+
+def test_a_long_measurement_says_so_once_on_stderr(model, cache, monkeypatch, capsys):
+    clock = [0.0]
+
+    def slow_runners(m, layer):
+        def run(c):
+            clock[0] += 0.2
+        return {op: run for op in tune.OPS}
+
+    monkeypatch.setattr(tune, "_runners", slow_runners)
+    tune.tune_model(model, 1, timer=lambda: clock[0], paths=("avx2", "baseline"), threads=[1], note="NOTE")
+    assert capsys.readouterr().err == "NOTE\n"  # once, though the measuring took ~3 s of the fake clock
+    clock[0] = 0.0
+
+    def fast_runners(m, layer):
+        def run(c):
+            clock[0] += 1e-3
+        return {op: run for op in tune.OPS}
+
+    monkeypatch.setattr(tune, "_runners", fast_runners)
+    tune.tune_model(model, 1, timer=lambda: clock[0], paths=("avx2", "baseline"), threads=[1], note="NOTE")
+    assert capsys.readouterr().err == ""
 
 
 def test_thread_counts_up_to_the_cores():
@@ -149,7 +280,7 @@ def test_an_engine_runs_the_measured_choice_unless_the_caller_or_a_forced_path_d
     runs = _isa.supported_isas()
     table = _table(step=(runs[-1], 2), batch=(runs[0], 1), prefill=(runs[0], 2))
     monkeypatch.setenv(tune.ENV, "1")
-    monkeypatch.setattr(tune, "tune_model", lambda m, layer=None: table)  # made-up measurement
+    monkeypatch.setattr(tune, "tune_model", lambda m, layer=None, **kw: table)  # made-up measurement
     before = _isa.kernel_isa() if _isa.forced() else None
     try:
         _isa.use_isa(None)
@@ -180,7 +311,7 @@ def test_a_real_measurement_has_every_operation_path_and_thread_count(model, cac
     before = _isa.kernel_isa() if _isa.forced() else None
     try:
         _isa.use_isa(None)
-        table = tune.tune_model(model, 1, threads=[1, 2])
+        table = tune.tune_model(model, 1, threads=[1, 2], budget=None)
     finally:
         _isa.use_isa(before)
     assert set(table) == set(tune.OPS)
