@@ -441,7 +441,7 @@ def cmd_tune(args):
     steps(f"measuring {', '.join(isa.supported_isas()) if not isa.forced() else isa.kernel_isa()} x threads "
           f"{', '.join(map(str, tune.thread_counts(tune.cores())))} on layer {L}")
     table = tune.table_for(model, L, retune=True)
-    print(f"model: {tune.shape_key(model)} ({args.checkpoint or 'the demo model'}, layer {L})")
+    print(f"model: {tune.shape_key(model)} ({args.checkpoint or 'the built-in model'}, layer {L})")
     print(f"cpu: {_cpu()}")
     print(f"kernels: {_kernels()}")
     print(f"operations: step = 1 stream, batch = {tune.BATCH_STREAMS} streams, prefill = {tune.PREFILL_TOKENS} "
