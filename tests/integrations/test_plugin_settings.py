@@ -78,7 +78,8 @@ def test_the_serving_integrations_share_one_module_not_each_other():
     import sys
     code = ("import sys, engram_stream.integrations.sglang; "
             "print(sorted(m for m in sys.modules if m.startswith(('vllm', 'engram_stream.integrations.vllm'))))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd="/")   # outside the checkout: conftest's PYTHONPATH names the engram_stream under test
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]"
 
