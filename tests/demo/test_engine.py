@@ -1084,6 +1084,8 @@ _ONE_CPU = textwrap.dedent("""
         th.start()
         th.join()
     assert not failed, failed
+    settle(before + 1)  # the exited threads' workers gone first: a fork while one exits (inside
+    # free(), holding the allocator's lock) can leave the child blocked on that lock
     child = os.fork()  # the child has none of its parent's workers: it starts its own
     if child == 0:
         try:
