@@ -105,3 +105,40 @@ def check_version(framework, module, supported):
     if v is None or not (v == supported or v.startswith(supported + "+")):
         raise RuntimeError(f"engram_stream serves {framework} {supported} (its Engram classes and seams), "
                            f"this is {framework} {v}: install {framework.lower()}=={supported}")
+
+
+def ple_layer(model, index, where, framework):
+    """The checkpoint's layer that a framework's PLE layer `index` names: both frameworks index
+    the sorted ple_layer_ids (the Qwen config's layer_ids). Out of range: a ValueError."""
+    ids = model.cfg.layer_ids
+    if not 0 <= index < len(ids):
+        raise ValueError(f"{where}: {framework}'s PLE layer {index} is not one of the checkpoint "
+                         f"{model.source!r}'s {len(ids)} PLE layers")
+    return ids[index]
+
+
+class StreamRows:
+    """What every served table module (a framework's embedding class, its table dropped) holds:
+    the model and layer its rows come from, their reader and record size, the cache counters.
+    A mixin before the framework's class: plain methods, no torch."""
+
+    def stream_from(self, model, layer):
+        self.model, self.layer = model, layer
+        self.source = model.row_source(layer)
+        self.recbytes = self.source.rowbytes + self.source.scalebytes
+
+    def row_cache_stats(self):
+        return self.model.row_cache_stats()
+
+    def rows_repr(self, span):
+        """extra_repr's text: the layer, `span` (the rows or heads this rank serves), the reader."""
+        return f"layer={self.layer}, {span}, rows from engram_stream ({type(self.source).__name__})"
+
+
+class StreamVocabRows(StreamRows):
+    """A vocabulary-parallel table (the Qwen PLE tables of vLLM and SGLang): this rank's shard."""
+
+    def extra_repr(self):
+        s = self.shard_indices
+        return self.rows_repr(f"rows {s.org_vocab_start_index}..{s.org_vocab_end_index} of "
+                              f"{self.org_vocab_size}, {self.table_format}")

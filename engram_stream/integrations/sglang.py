@@ -119,7 +119,7 @@ def embedding_class():
     _stock_class = E.EngramEmbedding
     from ._records import records_to_bf16
 
-    class StreamEngramEmbedding(_stock_class):
+    class StreamEngramEmbedding(serving.StreamRows, _stock_class):
         """SGLang's Engram embedding of one layer with its rows from engram_stream (no table)."""
 
         def __init__(self, num_embeddings, dim, layer_id, column_bounds):
@@ -143,17 +143,11 @@ def embedding_class():
             with torch.device("meta"):
                 super().__init__(num_embeddings, dim, layer_id, column_bounds)
             del self.weight, self.scale
-            self.model, self.layer = model, layer_id
-            self.source = model.row_source(layer_id)
-            self.recbytes = self.source.rowbytes + self.source.scalebytes
+            self.stream_from(model, layer_id)
             self._records = np.empty(0, np.uint8)   # scratch (grown, kept)
 
         def extra_repr(self):
-            return (f"layer={self.layer}, rows={self.row_start}..{self.row_start + self.rows}, rows from "
-                    f"engram_stream ({type(self.source).__name__})")
-
-        def row_cache_stats(self):
-            return self.model.row_cache_stats()
+            return self.rows_repr(f"rows={self.row_start}..{self.row_start + self.rows}")
 
         def _owned_rows(self, indices):
             """bf16 [*indices.shape, dim]: the rows of this rank's range, zeros elsewhere."""
@@ -224,7 +218,7 @@ def ple_class():
     import torch
     from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
-    class StreamPLEEmbedding(VocabParallelEmbedding):
+    class StreamPLEEmbedding(serving.StreamVocabRows, VocabParallelEmbedding):
         """SGLang's PLE n-gram table of one layer with its rows from engram_stream (no table)."""
 
         def __init__(self, model, layer, num_embeddings, embedding_dim, *, params_dtype, **kw):
@@ -244,22 +238,13 @@ def ple_class():
                 raise ValueError(f"{ENV}: the checkpoint {model.source!r} layer {layer}'s table is [{rows}, "
                                  f"{model.cfg.head_dim}], SGLang's [{self.org_vocab_size}, {embedding_dim}]: give "
                                  f"the checkpoint SGLang serves")
-            self.model, self.layer, self.table_format = model, layer, fmt
+            self.stream_from(model, layer)
+            self.table_format = fmt
             # the dtype of SGLang's loaded table: FP8 shards switch its storage to FP8; values are
             # cast to its storage dtype (bf16, or FP8 when the config or quant config says so)
             self.storage_dtype = torch.float8_e4m3fn if fmt == "fp8" else params_dtype
-            self.source = model.row_source(layer)
-            self.recbytes = self.source.rowbytes + self.source.scalebytes
             self._values = None if fmt == "fp8" else np.dtype(w.table.dtype)
             stream_method(self.quant_method)
-
-        def extra_repr(self):
-            return (f"layer={self.layer}, rows {self.shard_indices.org_vocab_start_index}.."
-                    f"{self.shard_indices.org_vocab_end_index} of {self.org_vocab_size}, {self.table_format}, "
-                    f"rows from engram_stream ({type(self.source).__name__})")
-
-        def row_cache_stats(self):
-            return self.model.row_cache_stats()
 
         def _use_triton_embedding(self, input_):
             return False   # SGLang's fused gather reads a device table; the rows here come from the host
@@ -320,11 +305,7 @@ def _patch_qwen(Q):
                                  f"graph would capture once and replay stale: serve with {EAGER_FLAGS} (or "
                                  f"--disable-cuda-graph)")
             model = serving.open_model(_settings, None, ENV, qwen=True)
-            ids = model.cfg.layer_ids                # sorted ple_layer_ids: SGLang's ple_layer_index indexes them
-            if not 0 <= ple_layer_index < len(ids):
-                raise ValueError(f"{ENV}: SGLang's PLE layer {ple_layer_index} is not one of the checkpoint "
-                                 f"{model.source!r}'s {len(ids)} PLE layers")
-            layer = ids[ple_layer_index]
+            layer = serving.ple_layer(model, ple_layer_index, ENV, "SGLang")
             cls = ple_class()
 
             def make(*a, **k):

@@ -106,7 +106,7 @@ def embedding_class():
     from ._records import records_to_bf16
     from . import vllm_graph as graph
 
-    class StreamEngramEmbedding(E.ParallelEngramEmbedding):
+    class StreamEngramEmbedding(serving.StreamRows, E.ParallelEngramEmbedding):
         """vLLM's Engram embedding of one layer with its rows from engram_stream (no table)."""
 
         def __init__(self, model, layer, num_embeddings, dim, head_sizes, block_size=32, cpu_offload=False):
@@ -130,9 +130,7 @@ def embedding_class():
                 super().__init__(num_embeddings, dim, tuple(head_sizes), block_size, cpu_offload=cpu_offload,
                                  dp_shared_memory=dp > 1, use_thp=False)
             del self.weight, self.weight_scale_inv
-            self.model, self.layer = model, layer
-            self.source = model.row_source(layer)
-            self.recbytes = self.source.rowbytes + self.source.scalebytes
+            self.stream_from(model, layer)
             # tokens of one window: a long prompt chunk's windows alternate between two lanes
             self.window = max(1, WINDOW_ROWS // self.part_n_hash_cols)
             self._inline = (None, self.source, [np.empty(0, np.uint8)])  # a lane without a thread
@@ -145,11 +143,8 @@ def embedding_class():
             self._lookup_lock = threading.RLock()
 
         def extra_repr(self):
-            return (f"layer={self.layer}, heads={self.head_start}..{self.head_start + self.part_n_hash_cols} "
-                    f"of {self.n_hash_cols}, rows from engram_stream ({type(self.source).__name__})")
-
-        def row_cache_stats(self):
-            return self.model.row_cache_stats()
+            return self.rows_repr(f"heads={self.head_start}..{self.head_start + self.part_n_hash_cols} "
+                                  f"of {self.n_hash_cols}")
 
         def _rows(self, indices, rows=None):
             """int64 [T, part] table rows of this rank's heads (-1: zeros), into `rows` if given."""
@@ -426,7 +421,7 @@ def stream_class():
     import torch
     C = sys.modules.get(COMMON_MODULE) or __import__(COMMON_MODULE, fromlist=["_"])
 
-    class StreamPLEEmbedding(C.Qwen4ExpPLEDeviceEmbedding):
+    class StreamPLEEmbedding(serving.StreamVocabRows, C.Qwen4ExpPLEDeviceEmbedding):
         """vLLM's PLE n-gram embedding of one layer with its rows from engram_stream (no table)."""
 
         supports_prefetch = False
@@ -452,9 +447,8 @@ def stream_class():
                                  f"the checkpoint vLLM serves")
             if fmt == "nvfp4" and self.params_dtype != torch.bfloat16:
                 raise ValueError(f"{ENV}: NVFP4 PLE tables are served for bfloat16 models, got {self.params_dtype}")
-            self.model, self.layer, self.table_format = model, layer, fmt
-            self.source = model.row_source(layer)
-            self.recbytes = self.source.rowbytes + self.source.scalebytes
+            self.stream_from(model, layer)
+            self.table_format = fmt
             self._values = None if fmt in ("fp8", "nvfp4") else np.dtype(w.table.dtype)
             self._lut = None if fmt != "nvfp4" else torch.from_numpy(np.asarray(w.table_lut, np.float32))
             stream_method(self.embedding_method)
@@ -464,14 +458,6 @@ def stream_class():
             # the parameter's name is the one create_weights registers next: weight, then NVFP4's weight_scale
             self._meta_names.append(("weight", "weight_scale")[len(self._meta_names)])
             return torch.empty(num_embeddings, embedding_dim, dtype=dtype, device="meta")
-
-        def extra_repr(self):
-            return (f"layer={self.layer}, rows {self.shard_indices.org_vocab_start_index}.."
-                    f"{self.shard_indices.org_vocab_end_index} of {self.org_vocab_size}, {self.table_format}, "
-                    f"rows from engram_stream ({type(self.source).__name__})")
-
-        def row_cache_stats(self):
-            return self.model.row_cache_stats()
 
         def stream_rows(self, ids):
             """What vLLM's embedding method gives for local ids (VocabParallelEmbedding.forward's
@@ -518,11 +504,7 @@ def _patch_qwen(N):
                              f"graph would capture once and replay stale: serve with --enforce-eager")
         model = serving.open_model(s, getattr(getattr(vllm_config, "model_config", None), "model", None), plugin.ENV,
                                    qwen=True)
-        ids = model.cfg.layer_ids                  # sorted ple_layer_ids: vLLM's dense id indexes them
-        if not 0 <= ple_dense_layer_id < len(ids):
-            raise ValueError(f"{plugin.ENV}: vLLM's PLE layer {ple_dense_layer_id} is not one of the checkpoint "
-                             f"{model.source!r}'s {len(ids)} PLE layers")
-        layer = ids[ple_dense_layer_id]
+        layer = serving.ple_layer(model, ple_dense_layer_id, plugin.ENV, "vLLM")
         cls = stream_class()
 
         def make(*a, **k):
