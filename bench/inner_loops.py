@@ -25,9 +25,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARCHES = {"x86_64": ("gcc", "objdump", ("baseline", "avx2", "avx512")),
+ARCHES = {"x86_64": ("gcc", "objdump", ("baseline", "avx2", "avx512", "bf16")),
           "aarch64": ("aarch64-linux-gnu-gcc", "aarch64-linux-gnu-objdump", ("baseline", "neon"))}
-TARGET = {"baseline": "", "avx2": "ES_TARGET_AVX2", "avx512": "ES_TARGET_AVX512", "neon": "ES_TARGET_NEON"}
+TARGET = {"baseline": "", "avx2": "ES_TARGET_AVX2", "avx512": "ES_TARGET_AVX512", "bf16": "ES_TARGET_BF16",
+          "neon": "ES_TARGET_NEON"}
 
 # kernel: (what it is, C body of the wrapper for path {S} (avx512 float8: its own code), weight
 # bytes per multiply-add lane). The one-token GEMVs use each weight once (one lane a weight); the
@@ -49,11 +50,16 @@ KERNELS = {
 AVX512 = {"fp8 gemv (1 token)": "es8_gemv512(w, 4, q, E, y);",
           "fp8 widen rows (>8 tokens)": "es8_widen_rows(w, 32, E, q, y);",
           "fp8 tile (>8 tokens)": "es8_xtile_avx512(q, 12, y, E * 16, 2, 256, y, 64, 1, 0, 0, 0, 0);"}
+# the bf16 path: its own one-token float8 GEMV (vdpbf16ps on the e4m3 bytes widened by vpermt2b);
+# its other kernels are the avx512 path's
+BF16 = {"fp8 gemv (1 token)": "__m512i t[4]; es8_bf16_tables(t); "
+                              "es8_gemv_bf16(w, ES8_GR_BF16, (const uint16_t *)q, E, y, t);"}
 # per path: (ES8_GR, ES8_XR, ES8_XV, ES_VW, ES_MR, ES_TP) as engram_fp8.h and engram_step.h set them
 PARAMS = {"baseline": dict(GR=2, XR=6, XV=2, VW=4, MR=3, TP=1), "avx2": dict(GR=4, XR=6, XV=2, VW=8, MR=6, TP=1),
-          "avx512": dict(GR=4, XR=12, XV=2, VW=16, MR=8, TP=2), "neon": dict(GR=2, XR=8, XV=2, VW=4, MR=6, TP=1)}
+          "avx512": dict(GR=4, XR=12, XV=2, VW=16, MR=8, TP=2),
+          "bf16": dict(GR=8, XR=12, XV=2, VW=16, MR=8, TP=2), "neon": dict(GR=2, XR=8, XV=2, VW=4, MR=6, TP=1)}
 
-FMA = re.compile(r"^(vfmadd\d+ps|fmla)$")
+FMA = re.compile(r"^(vfmadd\d+ps|vdpbf16ps|fmla)$")
 
 
 def source(arch: str) -> tuple:
@@ -61,7 +67,12 @@ def source(arch: str) -> tuple:
     names = []
     for path in ARCHES[arch][2]:
         for i, (kernel, (body, _)) in enumerate(KERNELS.items()):
-            if path == "avx512" and kernel.startswith("fp8"):
+            if path == "bf16" and kernel not in BF16:
+                continue
+            if path == "bf16":
+                body = BF16[kernel]
+                attr = TARGET[path]
+            elif path == "avx512" and kernel.startswith("fp8"):
                 body = AVX512[kernel]
                 attr = "ES8_T512"
             else:
@@ -106,7 +117,7 @@ def lane_count(op: str, args: str) -> int:
         m = re.search(r"\.(\d+)s", args)
         return int(m.group(1)) if m else 1
     if "%zmm" in args:
-        return 16
+        return 32 if op == "vdpbf16ps" else 16  # a pair of bf16 products a float32 lane
     if "%ymm" in args:
         return 8
     if "%xmm" in args:
