@@ -112,7 +112,7 @@ chmod +x "$PYW"
 run() { # run CPU ARGS...: the arm64 python on that CPU model
     local cpu=$1; shift
     (cd "$BUILD" && QEMU_CPU=$cpu PYTHONPATH="$SITE" PYTHONDONTWRITEBYTECODE=1 \
-        HYPOTHESIS_STORAGE_DIRECTORY=/tmp/engram_aarch64_hyp "$PYW" "$@")
+        HYPOTHESIS_STORAGE_DIRECTORY=${HYPOTHESIS_STORAGE_DIRECTORY:-/tmp/engram_aarch64_hyp} "$PYW" "$@")
 }
 # Kernel paths against their oracles (every path the CPU runs: the each_isa tests run baseline and
 # neon, pytest's header says which), both variants' goldens (made on x86: the same outputs as x86),
@@ -134,7 +134,10 @@ REST_TESTS=(tests/demo/test_engine.py tests/contract/test_engine_contract.py tes
 # not here: threads racing, allocation counts and timing (nothing aarch64 changes; slow under qemu),
 # and a fresh process per x86 path name (7 s each under qemu: the refusal is the same as for sse9)
 SKIP="not concurrent_prefill and not alloc_native and not costs_little and not (environment and (avx2 or avx512))"
+# The CPU models run side by side (each qemu process is one host thread; CI has two cores), each
+# into a log of its own, printed in order once all have ended.
 status=0
+pids=()
 for cpu in $CPUS; do
     got=$(ENGRAM_STREAM_ISA= run "$cpu" -c 'import platform, engram_stream as e; from engram_stream.engine import isa
 print(platform.machine(), e.kernel_isa(), ",".join(isa.supported_isas()))')  # the default path (no ENGRAM_STREAM_ISA)
@@ -142,8 +145,17 @@ print(platform.machine(), e.kernel_isa(), ",".join(isa.supported_isas()))')  # t
     [ "$got" = "aarch64 neon baseline,neon" ] || { echo "-cpu $cpu: expected aarch64, neon by default" >&2; status=1; }
     tests=("${KERNEL_TESTS[@]}")
     if [ "$cpu" = max ]; then tests+=("${REST_TESTS[@]}"); else tests+=("${DEMO_KERNEL_TESTS[@]}"); fi
-    run "$cpu" -m pytest -p no:cacheprovider "${tests[@]}" -k "$SKIP" "$@" 2>&1 \
-        | grep --line-buffered -v '^\(platform\|cachedir\|rootdir\|configfile\|plugins\|hypothesis\|collected\) ' || status=1
+    say "-cpu $cpu: ${#tests[@]} test files and tests, in the background"
+    (HYPOTHESIS_STORAGE_DIRECTORY=/tmp/engram_aarch64_hyp_$cpu run "$cpu" -m pytest -p no:cacheprovider \
+        "${tests[@]}" -k "$SKIP" "$@" > "$CACHE/pytest-$cpu.log" 2>&1) &
+    pids+=($!)
+done
+i=0
+for cpu in $CPUS; do
+    wait "${pids[$i]}" || status=1
+    i=$((i + 1))
+    say "-cpu $cpu:"
+    grep -v '^\(platform\|cachedir\|rootdir\|configfile\|plugins\|hypothesis\|collected\) ' "$CACHE/pytest-$cpu.log" || true
 done
 say "done (status $status)"
 exit $status
