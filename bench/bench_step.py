@@ -681,7 +681,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small-table demo geometry, fewer repetitions")
     ap.add_argument("--json", metavar="PATH", help="write every number here")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions per group (default 15, quick 5)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per group (default 15, quick 7)")
     ap.add_argument("--skip", action="append", default=[],
                     choices=["small", "demo", "threads", "prefill"], help="skip a section (repeatable)")
     add_busy_args(ap)
@@ -692,7 +692,7 @@ def main(argv=None):
 
 def bench(args, busy):
     global DEFAULT_TORCH_THREADS
-    reps = args.reps or (5 if args.quick else 15)
+    reps = args.reps or (7 if args.quick else 15)
     target = 0.01 if args.quick else 0.03
     rep = Report()
     if HAVE_TORCH:

@@ -128,6 +128,7 @@ def section_step(model, reps, paths):
                                  for n in times if n.startswith(isa + ".")}
     res["chosen"] = {"step1_ms": median(times["chosen.step1"]) * 1e3, "step16_ms": median(times["chosen.step16"]) * 1e3,
                      "config": {"step": list(c1.kernel_choice()["step"]), "batch": list(c16.kernel_choice()["batch"])}}
+    res["samples_ms"] = {n: [x * 1e3 for x in v] for n, v in times.items()}  # one a round: paired ratios
     return res
 
 
@@ -286,6 +287,7 @@ def section_prefill(model, T, reps, paths):
         except ImportError:
             pass
     res["chosen"] = {"s": median(t["chosen"]), "config": list(chosen.kernel_choice()["prefill"])}
+    res["samples_ms"] = {n: [x * 1e3 for x in v] for n, v in t.items()}  # one a round: paired ratios
     for isa in paths:
         peaks = fma[isa].gflops(t[f"fma.{isa}"])
         floors = [2 * M * E * T / (g * 1e9) for g in peaks]
@@ -364,14 +366,23 @@ def choice_check(res, paths):
     returns them as dicts."""
     checks = []
 
-    def check(row, op, chosen, t, best, tb):
+    def check(row, op, chosen, t, best, tb, pr=None):
         r = t / tb
         c = {"row": row, "op": op, "chosen": chosen, "chosen_ms": t, "fastest": best, "fastest_ms": tb,
-             "ratio": r, "goal": f"<= {GOAL}x", "met": bool(r <= GOAL)}
+             "ratio": r, "paired_ratio": pr, "goal": f"<= {GOAL}x", "met": bool(r <= GOAL)}
         checks.append(c)
-        print(f"  {row:<52s} chosen {chosen:<10s} {t:9.3f}  fastest {best:<10s} {tb:9.3f}  {r:5.2f}x  "
-              f"goal <= {GOAL}x  {'MET' if c['met'] else 'MISSED'}")
-    print(f"the choice (engine/tune.py) vs the fastest: within {GOAL}x, ms")
+        print(f"  {row:<62s} chosen {chosen:<8s} {t:9.3f}  fastest {best:<8s} {tb:9.3f}  {r:5.2f}x "
+              + (f"(paired {pr:5.2f}x)" if pr is not None else " " * 16)
+              + f"  goal <= {GOAL}x  {'MET' if c['met'] else 'MISSED'}")
+
+    def paired(sec, a, b):
+        """The median of the per-round ratios of contenders a and b of section `sec` (None: not kept)."""
+        sm = res.get(sec, {}).get("samples_ms", {})
+        if a not in sm or b not in sm:
+            return None
+        return median([x / y for x, y in zip(sm[a], sm[b])])
+    print(f"the choice (engine/tune.py) vs the fastest: within {GOAL}x; ratios of medians (paired: the median "
+          f"of the per-round ratios), ms; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     rows = path_rows(res, paths)
     for name, op, th, v in rows:
         path = res["chosen"][op][0]
@@ -379,7 +390,10 @@ def choice_check(res, paths):
             print(f"  {name:<52s} chosen {path}: not measured (--paths)")
             continue
         best = min(v, key=v.get)
-        check(f"{name}: path", op, path, v[path], best, v[best])
+        sec, key = (("step", f"{'step1' if op == 'step' else 'step16'}_t{th}") if name.startswith("step") else
+                    ("prefill", f"t{th}") if name.startswith("prefill") else (None, None))
+        pr = paired(sec, f"{path}.{key}", f"{best}.{key}") if sec else None
+        check(f"{name.rsplit(', ms', 1)[0]}: path", op, path, v[path], best, v[best], pr)
     st, pf = res.get("step"), res.get("prefill")
     engine_ops = []
     if st:
@@ -394,7 +408,10 @@ def choice_check(res, paths):
                 forced[f"{p}/{th}"] = st[p][f"{key}_t{th}_ms"] if key else pf[p][f"t{th}_s"] * 1e3
         best = min(forced, key=forced.get)
         path, threads, _ = res["chosen"][op]
-        check(f"{name}: unforced engine vs every path and count", op, f"{path}/{threads}", t, best, forced[best])
+        bp, bt = best.split("/")
+        pr = (paired("step", f"chosen.{key}", f"{bp}.{key}_t{bt}") if key else
+              paired("prefill", "chosen", f"{bp}.t{bt}"))
+        check(f"{name}: unforced vs every path and count", op, f"{path}/{threads}", t, best, forced[best], pr)
     n_missed = sum(not c["met"] for c in checks)
     print(f"  {len(checks) - n_missed} of {len(checks)} MET" + (f", {n_missed} MISSED" if n_missed else ""))
     return checks
@@ -481,7 +498,7 @@ def bench(a, paths, d, busy):
     res["chosen"] = {op: list(v) for op, v in model.stream(LAYER).kernel_choice().items()}
     print("chosen", json.dumps(res["chosen"]))
     if "step" in sections:
-        res["step"] = section_step(model, 5 if a.quick else 15, paths)
+        res["step"] = section_step(model, 9 if a.quick else 15, paths)
         print("step", json.dumps(res["step"]))
     if "plain" in sections:
         res["plain"] = section_plain(model, paths, 3 if a.quick else 7)
@@ -490,7 +507,7 @@ def bench(a, paths, d, busy):
         res["kernel"] = section_kernel(model, paths, 3 if a.quick else 5)
         print("kernel", json.dumps(res["kernel"]))
     if "prefill" in sections:
-        res["prefill"] = section_prefill(model, 256 if a.quick else 512, 2 if a.quick else 3, paths)
+        res["prefill"] = section_prefill(model, 256 if a.quick else 512, 3, paths)
         print("prefill", json.dumps(res["prefill"]))
     M, E = model.layer(LAYER).wkv_weight.shape
     res["wkv_rows_x_e"] = int(M) * int(E)
