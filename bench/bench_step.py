@@ -23,6 +23,15 @@ Sections
             the one-thread prefill vs one core's floor beside it
   16 streams per token are also held to the register-only FMA floor of the step's cores
             (es_fma_chains of the path: goal <= 1.3x); the sgemm floor is printed beside
+
+The main rows ("engine", and every goal) run the unforced engine: no path forced, no thread
+count set, so each operation runs the path and threads engine/tune.py measured fastest (what
+a user gets; the header names each choice). Rows marked [path]: the same engines forced onto
+every other path this CPU runs, on 1 and 2 threads (1, 2, 4, .. the cores), in the same
+rotation. The demo's bf16 path runs its avx512 kernels (only V4.1's projection has a bf16 copy,
+bench_v41.py): the same code, so it is shown once, as avx512. Choice check, in every row with
+[path] rows: the chosen path vs the fastest path at each thread count, and the unforced engine
+vs the fastest forced path and count: goal <= 1.05x (in the summary).
 """
 import os
 
@@ -82,6 +91,8 @@ def interleaved(contenders, reps, target):
     """contenders: {name: run(n)} -> {name: [seconds per call, one per repetition]}.
     Blocks of the contenders alternate; the order rotates every repetition."""
     names = list(contenders)
+    for k in names:  # every contender warm before any is calibrated: the first calibrated is not
+        contenders[k](1)  # sized on a cold machine (smaller blocks: each block's cold start weighs more)
     ns = {k: calibrate(contenders[k], target) for k in names}
     times = {k: [] for k in names}
     for r in range(reps):
