@@ -23,6 +23,15 @@ Sections
             the one-thread prefill vs one core's floor beside it
   16 streams per token are also held to the register-only FMA floor of the step's cores
             (es_fma_chains of the path: goal <= 1.3x); the sgemm floor is printed beside
+
+The main rows ("engine", and every goal) run the unforced engine: no path forced, no thread
+count set, so each operation runs the path and threads engine/tune.py measured fastest (what
+a user gets; the header names each choice). Rows marked [path]: the same engines forced onto
+every other path this CPU runs, on 1 and 2 threads (1, 2, 4, .. the cores), in the same
+rotation. The demo's bf16 path runs its avx512 kernels (only V4.1's projection has a bf16 copy,
+bench_v41.py): the same code, so it is shown once, as avx512. Choice check, in every row with
+[path] rows: the chosen path vs the fastest path at each thread count, and the unforced engine
+vs the fastest forced path and count: goal <= 1.05x (in the summary).
 """
 import os
 
@@ -43,8 +52,9 @@ import checkout  # noqa: E402  (this checkout when built in place, else the inst
 checkout.use()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_busy_args, busy_loops  # noqa: E402
-from engram_stream import EngramConfig, EngramModel, kernel_isa  # noqa: E402
+from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
+from engram_stream.engine import tune  # noqa: E402
 
 try:
     import torch  # noqa: E402
@@ -81,6 +91,8 @@ def interleaved(contenders, reps, target):
     """contenders: {name: run(n)} -> {name: [seconds per call, one per repetition]}.
     Blocks of the contenders alternate; the order rotates every repetition."""
     names = list(contenders)
+    for k in names:  # every contender warm before any is calibrated: the first calibrated is not
+        contenders[k](1)  # sized on a cold machine (smaller blocks: each block's cold start weighs more)
     ns = {k: calibrate(contenders[k], target) for k in names}
     times = {k: [] for k in names}
     for r in range(reps):
@@ -152,9 +164,12 @@ def make_inputs(cfg, n_tok=4096, n_hid=16, S=1, seed=0):
     return [np.ascontiguousarray(t) for t in toks], [np.ascontiguousarray(h) for h in hid]
 
 
-def engine_runner(model, S=1, threads=1):
+def engine_runner(model, S=1, threads=None):
+    """run(n): n steps of an engine of S streams; threads: its step_threads (None: the count
+    measured fastest, engine/tune.py). run.engine is the engine (its kernel_choice())."""
     eng = model.stream(LAYER, n_streams=S)
-    eng.step_threads = threads  # a multi-stream step's projection and tails over threads
+    if threads is not None:
+        eng.step_threads = threads  # a step's projection and tails over threads
     toks, hid = make_inputs(model.cfg, S=S, seed=S)
     out = np.empty(hid[0].shape, np.float32)
     nt, nh = len(toks), len(hid)
@@ -165,15 +180,80 @@ def engine_runner(model, S=1, threads=1):
         for j in range(i, i + n):
             step(toks[j % nt], hid[j % nh], out=out)
         state[0] = i + n
+    run.engine = eng
     return run
 
 
-STEP_THREADS = (1, 2)  # engine.step_threads of the 16-stream rows
+# The thread counts of the [path] rows: those engine/tune.py times (1, 2, 4, .. the cores)
+THREADS = tune.thread_counts(tune.cores())
 FMA_RUNNERS = {}  # (isa, threads) -> FmaRunner
 # The demo's kernels on the bf16 path are its avx512 ones (only V4.1's projection has a bf16
-# copy): that path is measured in bench_v41.py, not here.
-BEST_ISA = "avx512" if kernel_isa() == "bf16" else kernel_isa()
-OTHER_ISAS = [i for i in reversed(_isa.supported_isas()) if i not in (BEST_ISA, "baseline", "bf16")]
+# copy, timed in bench_v41.py): the same code, so its rows are the avx512 rows, shown once.
+SAME_CODE = {"bf16": "avx512"}
+PATHS = [i for i in reversed(_isa.supported_isas()) if SAME_CODE.get(i, i) == i]  # widest first
+GOAL = 1.05  # the chosen path and threads within 5% of the fastest
+
+
+def shown(path):
+    """The path whose rows time `path`'s code (SAME_CODE)."""
+    return SAME_CODE.get(path, path)
+
+
+def forced_now():
+    """The forced path (ENGRAM_STREAM_ISA, use_isa), else None: what a forcing helper restores."""
+    return _isa.kernel_isa() if _isa.forced() else None
+
+
+def path_runners(runs, name, model, S=1, cpu=None, threads=THREADS):
+    """runs[f"{name}[path,t<n>]"]: the engine of `model` (S streams) forced onto each path of PATHS
+    on each thread count, for the rotation; cpu: {contender: [CPU s, wall s]} kept of each."""
+    for isa in PATHS:
+        for th in threads:
+            k = f"{name}[{isa},t{th}]"
+            r = engine_runner(model, S=S, threads=th)
+            if cpu is not None:
+                cpu[k] = [0.0, 0.0]
+                r = cpus_got(r, cpu[k])
+            runs[k] = on_isa(isa, r)
+
+
+def choice_checks(rep, key, t, groups, threads=THREADS, label=None):
+    """Whether the engine's choice (engine/tune.py) is the fastest. groups: [(what, op, engine,
+    chosen, name)]: the unforced contender t[chosen], whose engine's kernel_choice()[op] names its
+    path and threads, beside the forced contenders t[f"{name}[path,t<n>]"]. Per thread count: the
+    chosen path's time vs the fastest path's; and the unforced contender vs the fastest of every
+    path and count. Each within GOAL: MET. Returns [(what, ratio, paired, goal, met)] for the
+    summary (label: its rows' prefix); rep.data[key] holds them."""
+    out, data = [], []
+    goal = f"<= {GOAL}x"
+    for what, op, eng, chosen, name in groups:
+        path, n, why = eng.kernel_choice()[op]
+        p = shown(path)
+        alias = f" (= {p})" if p != path else ""
+        every = {}
+        for th in threads:
+            row = {i: t[f"{name}[{i},t{th}]"] for i in PATHS}
+            every.update({(i, th): x for i, x in row.items()})
+            best = min(row, key=lambda i: med(row[i]))
+            r, pr = med(row[p]) / med(row[best]), paired(row[p], row[best])
+            line = (f"{what}, {th} thread(s): chosen path {path}{alias} {fmt_t(med(row[p])).strip()} vs fastest "
+                    f"{best} {fmt_t(med(row[best])).strip()}")
+            data.append({"what": line, "op": op, "chosen": path, "fastest": best, "ratio": r, "paired": pr,
+                         "goal": goal, "met": r <= GOAL})
+            rep.ratio(f"{key}.{what}, {th} thread(s)", line, r, goal, r <= GOAL, pr)
+            out.append((f"{label + ': ' if label else ''}{what}, {th}t: path {path} vs {best}", r, pr, goal,
+                        r <= GOAL))
+        best = min(every, key=lambda c: med(every[c]))
+        r, pr = med(t[chosen]) / med(every[best]), paired(t[chosen], every[best])
+        line = (f"{what}: unforced ({path}/{n}, {why}) {fmt_t(med(t[chosen])).strip()} vs fastest forced "
+                f"{best[0]}/{best[1]} {fmt_t(med(every[best])).strip()}")
+        data.append({"what": line, "op": op, "chosen": f"{path}/{n}", "fastest": f"{best[0]}/{best[1]}",
+                     "ratio": r, "paired": pr, "goal": goal, "met": r <= GOAL})
+        rep.ratio(f"{key}.{what}, unforced", line, r, goal, r <= GOAL, pr)
+        out.append((f"{label + ': ' if label else ''}{what}: {path}/{n} vs {best[0]}/{best[1]}", r, pr, goal,
+                    r <= GOAL))
+    rep.data[key] = data
+    return out
 
 
 def side_by_side(rep, key, rows):
@@ -204,13 +284,15 @@ def cpus_got(run, acc):
 
 
 def on_isa(isa, run):
-    """`run` with the kernels on path `isa` (engram_stream.engine.isa): paths compared in one run."""
+    """`run` with the kernels on path `isa` (engram_stream.engine.isa), then as before (forced or
+    not): paths compared in one run."""
     def r(n):
+        before = forced_now()
         _isa.use_isa(isa)
         try:
             run(n)
         finally:
-            _isa.use_isa(BEST_ISA)
+            _isa.use_isa(before)
     return r
 
 
@@ -305,38 +387,49 @@ def check_engine_only():
 
 
 def step_section(rep, key, model, reps, target, streams16=False):
+    """The unforced engine (the path and threads measured fastest: engine/tune.py) beside torch,
+    the BLAS floors and the same engine forced onto every path (PATHS) on each thread count
+    (THREADS); streams16: also bf16 weights, 16 streams, and the register-only FMA floors of the
+    16-stream rows' chosen path. Returns {contender: seconds per call, one a repetition}, and
+    under "checks" the choice checks' summary rows."""
     cfg = model.cfg
     M, E = (cfg.hc_mult + 1) * cfg.hidden_size, cfg.engram_dim
     runs = {"engine": engine_runner(model)}
     cpu = {}  # contender -> [process CPU s, wall s]
+    engines = {"engine": runs["engine"].engine}
+    path_runners(runs, "engine", model)
     if HAVE_TORCH:
         runs["torch"] = torch_runner(model)
     fw, fwt = floor_runners(model)
     runs["floor_W@e"], runs["floor_e@WT"] = fw, fwt
+    models = {"": model}
     if streams16:
-        bf16 = model.with_weight_dtype("bfloat16")  # projection weights as bf16 (tables shared)
+        models["_bf16"] = bf16 = model.with_weight_dtype("bfloat16")  # projection weights as bf16 (tables shared)
         runs["engine_bf16"] = engine_runner(bf16)
-        for isa in OTHER_ISAS:  # the same engines on the other kernel paths, in the same rotation
-            runs[f"engine[{isa}]"] = on_isa(isa, engine_runner(model))
-            runs[f"engine_bf16[{isa}]"] = on_isa(isa, engine_runner(bf16))
-        for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]:  # 16 streams: 1 and 2 threads
-            for wname, m in (("", model), ("_bf16", bf16)):
-                for th in STEP_THREADS:
-                    k = f"engine16{wname}_t{th}{sfx}"
-                    cpu[k] = [0.0, 0.0]
-                    r = cpus_got(engine_runner(m, S=16, threads=th), cpu[k])
-                    runs[k] = r if isa == BEST_ISA else on_isa(isa, r)
-        for isa in [BEST_ISA] + OTHER_ISAS:  # the FMA floors of the 16-stream rows, in the same rotation
-            for th in STEP_THREADS:
-                runs[f"fma[{isa},t{th}]"] = FMA_RUNNERS.setdefault((isa, th), FmaRunner(isa, th))
+        engines["engine_bf16"] = runs["engine_bf16"].engine
+        path_runners(runs, "engine_bf16", bf16)
+        for wname, m in models.items():  # 16 streams: the chosen, and every path on each count
+            k = f"engine16{wname}"
+            cpu[k] = [0.0, 0.0]
+            r = engine_runner(m, S=16)
+            engines[k] = r.engine
+            runs[k] = cpus_got(r, cpu[k])
+            path_runners(runs, k, m, S=16, cpu=cpu)
+        for wname in models:  # the FMA floors of the chosen 16-stream path, in the same rotation
+            isa = shown(engines[f"engine16{wname}"].kernel_choice()["batch"][0])
+            for th in THREADS:
+                runs.setdefault(f"fma[{isa},t{th}]", FMA_RUNNERS.setdefault((isa, th), FmaRunner(isa, th)))
         if HAVE_TORCH:
             runs["torch16"] = torch_runner(model, S=16)
         fw16, fwt16 = floor_runners(model, S=16)
         runs["floor16_e@W.T"], runs["floor16_e@WT"] = fw16, fwt16
     t = interleaved(runs, reps, target)
-    if streams16:
-        t["engine16"] = t["engine16_t1"]  # the one-thread 16-stream step
-    rep.time(f"{key}.engine", "engine step  eng.step(tok, hidden, out=out)", t["engine"])
+
+    def choice(name):
+        e = engines[name]
+        path, n, why = e.kernel_choice()["step" if e.n_streams == 1 else "batch"]
+        return f"{path}/{n}, {why}"
+    rep.time(f"{key}.engine", f"engine step  eng.step(tok, hidden, out=out) [{choice('engine')}]", t["engine"])
     if HAVE_TORCH:
         rep.time(f"{key}.torch", "torch incremental step (1 thread, inference_mode)", t["torch"])
     a = rep.time(f"{key}.floor_W@e", f"floor: numpy W[{M},{E}] @ e", t["floor_W@e"])
@@ -344,31 +437,36 @@ def step_section(rep, key, model, reps, target, streams16=False):
     t["floor"] = t["floor_W@e"] if a <= b else t["floor_e@WT"]   # the faster layout is the floor
     rep.data[f"{key}.floor"] = {"median_s": min(a, b), "layout": "W@e" if a <= b else "e@WT"}
     if streams16:
-        rep.time(f"{key}.engine16", "engine, 16 streams: one step of 16 tokens", t["engine16"])
-        rep.time(f"{key}.engine16_per_token", "engine, 16 streams: per token (step / 16)",
-                 [x / 16 for x in t["engine16"]])
-        rep.time(f"{key}.engine_bf16", "engine step, bf16 projection weights", t["engine_bf16"])
-        for isa in OTHER_ISAS:
-            rep.time(f"{key}.engine[{isa}]", f"engine step, {isa} kernels", t[f"engine[{isa}]"])
-            rep.time(f"{key}.engine_bf16[{isa}]", f"engine step, bf16 weights, {isa} kernels",
-                     t[f"engine_bf16[{isa}]"])
-        for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]:
-            for wname, wdesc in (("", "float32"), ("_bf16", "bf16")):
-                for th in STEP_THREADS:
-                    k = f"engine16{wname}_t{th}{sfx}"
-                    got = cpu[k][0] / max(cpu[k][1], 1e-9)
-                    rep.data[f"{key}.{k}_cpus"] = got
-                    rep.time(f"{key}.{k}_per_token", f"16 streams per token, {wdesc}, step_threads={th}, {isa}",
-                             [x / 16 for x in t[k]], f"[{got:.2f} CPUs]")
-        if HAVE_TORCH:
-            rep.time(f"{key}.torch16", "torch incremental, 16 streams: one step", t["torch16"])
-        rows = {"step, float32 weights": {BEST_ISA: t["engine"], **{i: t[f"engine[{i}]"] for i in OTHER_ISAS}},
-                "step, bf16 weights": {BEST_ISA: t["engine_bf16"], **{i: t[f"engine_bf16[{i}]"] for i in OTHER_ISAS}}}
+        rep.time(f"{key}.engine_bf16", f"engine step, bf16 projection weights [{choice('engine_bf16')}]",
+                 t["engine_bf16"])
         for wname, wdesc in (("", "float32"), ("_bf16", "bf16")):
-            for th in STEP_THREADS:
-                rows[f"16 streams, {wdesc} weights, {th} thread(s)"] = {
-                    isa: t[f"engine16{wname}_t{th}{sfx}"] for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]}
-        side_by_side(rep, f"{key}.wider_path_loses", rows)
+            k = f"engine16{wname}"
+            got = cpu[k][0] / max(cpu[k][1], 1e-9)
+            rep.data[f"{key}.{k}_cpus"] = got
+            rep.time(f"{key}.{k}", f"engine, 16 streams, {wdesc}: one step of 16 tokens [{choice(k)}]", t[k],
+                     f"[{got:.2f} CPUs]")
+            rep.time(f"{key}.{k}_per_token", f"engine, 16 streams, {wdesc}: per token (step / 16)",
+                     [x / 16 for x in t[k]])
+    names = [("engine", "step", "float32")] + ([("engine_bf16", "step", "bf16"), ("engine16", "16 streams", "float32"),
+                                                 ("engine16_bf16", "16 streams", "bf16")] if streams16 else [])
+    for name, what, wdesc in names:
+        for isa in PATHS:
+            for th in THREADS:
+                k = f"{name}[{isa},t{th}]"
+                per = 16 if name.startswith("engine16") else 1
+                note = f"[{cpu[k][0] / max(cpu[k][1], 1e-9):.2f} CPUs]" if k in cpu else ""
+                rep.time(f"{key}.{k}", f"  {what}, {wdesc}, {isa}{' (= bf16)' if isa == 'avx512' and 'bf16' in _isa.supported_isas() else ''}, "
+                         f"{th} thread(s)" + (" (per token)" if per > 1 else ""), [x / per for x in t[k]], note)
+    if HAVE_TORCH and streams16:
+        rep.time(f"{key}.torch16", "torch incremental, 16 streams: one step", t["torch16"])
+    rows = {f"{what}, {wdesc} weights, {th} thread(s)": {isa: t[f"{name}[{isa},t{th}]"] for isa in PATHS}
+            for name, what, wdesc in names for th in THREADS}
+    side_by_side(rep, f"{key}.wider_path_loses", rows)
+    t["checks"] = choice_checks(rep, f"{key}.choice", t, [
+        (f"{what}, {wdesc} weights", "step" if what == "step" else "batch", engines[name], name, name)
+        for name, what, wdesc in names], label=key)
+    t["engines"] = engines
+    if streams16:
         a = rep.time(f"{key}.floor16_e@W.T", f"floor: numpy e[16,{E}] @ W.T (view)", t["floor16_e@W.T"])
         b = rep.time(f"{key}.floor16_e@WT", f"floor: numpy e[16,{E}] @ WT (contiguous)", t["floor16_e@WT"])
         t["floor16"] = t["floor16_e@W.T"] if a <= b else t["floor16_e@WT"]
@@ -391,7 +489,7 @@ def thread_section(rep, key, model, reps, n_steps):
     """One engine doing n steps (on a worker thread) vs two engines on two threads, n each.
     Also the CPUs the threads actually got (sum of thread CPU time / wall): on a shared
     machine a second thread may have no free core to run on."""
-    engines = [engine_runner(model), engine_runner(model)]
+    engines = [engine_runner(model, threads=1), engine_runner(model, threads=1)]  # (the tuned path)
     for r in engines:
         r(n_steps // 10 + 1)  # warm
 
@@ -449,26 +547,27 @@ def prefill_section(rep, key, model, reps, T):
     eng.prefill(ids, hidden, out=out)  # warm (scratch, page cache of the rows)
     runs = {}
 
-    engine_threads = eng.prefill_threads  # the default: the machine's cores (at most 8)
-
-    def engine_run(threads):
+    def engine_run(e):
         def run(n):
-            eng.prefill_threads = threads
             for _ in range(n):
-                eng.reset()
-                eng.prefill(ids, hidden, out=out)
+                e.reset()
+                e.prefill(ids, hidden, out=out)
         return run
     cpu = [0.0, 0.0]
-    runs["engine"] = cpus_got(engine_run(engine_threads), cpu)
-    runs["engine_1"] = engine_run(1)
-    for isa in OTHER_ISAS:
-        runs[f"engine[{isa}]"] = on_isa(isa, engine_run(engine_threads))
-    for isa in [BEST_ISA] + OTHER_ISAS:  # the floors, in the same rotation: ~0.1-0.3 s a call
-        runs[f"fma[{isa}]"] = FMA_RUNNERS.setdefault((isa, engine_threads, "prefill"),
-                                                     FmaRunner(isa, engine_threads, rounds=20_000_000))
-    # one core's floor beside the one-thread prefill: the kernel's distance from its peak, which
-    # a machine whose second core is busy leaves measurable
-    runs["fma_1"] = FMA_RUNNERS.setdefault((BEST_ISA, 1, "prefill"), FmaRunner(BEST_ISA, 1, rounds=20_000_000))
+    runs["engine"] = cpus_got(engine_run(eng), cpu)  # the unforced engine: the tuned path and threads
+    path, engine_threads, why = eng.kernel_choice()["prefill"]
+    isa = shown(path)
+    for th in THREADS:  # every path on each count
+        e = model.stream(LAYER)
+        e.prefill_threads = th
+        e.prefill(ids, hidden, out=out)  # warm
+        for i in PATHS:
+            runs[f"engine[{i},t{th}]"] = on_isa(i, engine_run(e))
+    # the floors of the chosen path, in the same rotation (~0.1-0.3 s a call): its threads' cores,
+    # and one core's beside the one-thread prefill: the kernel's distance from its peak, which a
+    # machine whose second core is busy leaves measurable
+    for th in sorted({engine_threads, 1}):
+        runs[f"fma[{isa},t{th}]"] = FMA_RUNNERS.setdefault((isa, th, "prefill"), FmaRunner(isa, th, rounds=20_000_000))
     default_threads = None
     if HAVE_TORCH:
         default_threads = DEFAULT_TORCH_THREADS
@@ -501,15 +600,16 @@ def prefill_section(rep, key, model, reps, T):
             runs[k](1)
             t[k].append(time.perf_counter() - s)
     rep.data[f"{key}.engine_cpus"] = cpu[0] / max(cpu[1], 1e-9)
-    rep.time(f"{key}.engine", f"engine prefill, {T} tokens ({engine_threads} threads, the default)", t["engine"],
+    rep.time(f"{key}.engine", f"engine prefill, {T} tokens [{path}/{engine_threads}, {why}]", t["engine"],
              f"[{cpu[0] / max(cpu[1], 1e-9):.2f} CPUs]")
-    rep.time(f"{key}.engine_1", f"engine prefill, {T} tokens (1 thread)", t["engine_1"])
-    for isa in OTHER_ISAS:
-        rep.time(f"{key}.engine[{isa}]", f"engine prefill, {T} tokens ({engine_threads} threads), {isa} kernels",
-                 t[f"engine[{isa}]"])
+    for th in THREADS:
+        for i in PATHS:
+            rep.time(f"{key}.engine[{i},t{th}]", f"  engine prefill, {T} tokens, {i}, {th} thread(s)",
+                     t[f"engine[{i},t{th}]"])
     side_by_side(rep, f"{key}.wider_path_loses",
-                 {f"prefill {T}, {engine_threads} threads": {BEST_ISA: t["engine"],
-                                                            **{i: t[f"engine[{i}]"] for i in OTHER_ISAS}}})
+                 {f"prefill {T}, {th} thread(s)": {i: t[f"engine[{i},t{th}]"] for i in PATHS} for th in THREADS})
+    t["checks"] = choice_checks(rep, f"{key}.choice", t, [(f"prefill {T}", "prefill", eng, "engine", "engine")])
+    t["chosen"] = (isa, engine_threads)
     if HAVE_TORCH:
         rep.time(f"{key}.torch_default", f"torch batch forward, default threads ({default_threads})",
                  t["torch_default"])
@@ -542,6 +642,7 @@ def register_fma_gflops(isa, threads, rounds=20_000_000):
         def work(i):
             done[i] = _engine._fma_chains(rounds)
         pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        before = forced_now()
         _isa.use_isa(isa)
         try:
             s = time.perf_counter()
@@ -551,7 +652,7 @@ def register_fma_gflops(isa, threads, rounds=20_000_000):
                 th.join()
             best = max(best, 2 * sum(done) / (time.perf_counter() - s) / 1e9)
         finally:
-            _isa.use_isa(BEST_ISA)
+            _isa.use_isa(before)
     return best
 
 
@@ -572,6 +673,7 @@ class FmaRunner:
             def work(i):
                 done[i] = self.chains(self.rounds)
             pool = [threading.Thread(target=work, args=(i,)) for i in range(self.threads)]
+            before = forced_now()
             _isa.use_isa(self.isa)
             try:
                 for th in pool:
@@ -579,7 +681,7 @@ class FmaRunner:
                 for th in pool:
                     th.join()
             finally:
-                _isa.use_isa(BEST_ISA)
+                _isa.use_isa(before)
             self.flops = 2 * sum(done)
 
     def gflops(self, seconds):
@@ -587,11 +689,10 @@ class FmaRunner:
 
 
 def main(argv=None):
-    _isa.use_isa(BEST_ISA)  # (bf16 by default: the demo runs its avx512 kernels there)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small-table demo geometry, fewer repetitions")
     ap.add_argument("--json", metavar="PATH", help="write every number here")
-    ap.add_argument("--reps", type=int, default=None, help="repetitions per group (default 15, quick 5)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per group (default 15, quick 7)")
     ap.add_argument("--skip", action="append", default=[],
                     choices=["small", "demo", "threads", "prefill"], help="skip a section (repeatable)")
     add_busy_args(ap)
@@ -602,7 +703,7 @@ def main(argv=None):
 
 def bench(args, busy):
     global DEFAULT_TORCH_THREADS
-    reps = args.reps or (5 if args.quick else 15)
+    reps = args.reps or (7 if args.quick else 15)
     target = 0.01 if args.quick else 0.03
     rep = Report()
     if HAVE_TORCH:
@@ -613,9 +714,12 @@ def bench(args, busy):
             "machine": platform.processor() or platform.machine(), "numpy": np.__version__,
             "torch": torch.__version__ if HAVE_TORCH else None, "torch_default_threads": DEFAULT_TORCH_THREADS,
             "loadavg_start": load0, "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
-            "kernel_isa": BEST_ISA, "other_isas": OTHER_ISAS, **busy}
-    print(f"bench_step: kernels {BEST_ISA} (rows marked [isa]: the same engines on that path; "
-          f"ENGRAM_STREAM_ISA chooses the main one)")
+            "kernel_isa": _isa.choice(), "paths": PATHS, "same_code": SAME_CODE, "threads": THREADS, **busy}
+    print(f"bench_step: the main rows run the unforced engine: the path and threads measured fastest "
+          f"(engine/tune.py; {_isa.choice()[1]}); rows marked [path]: the same engines forced onto each path "
+          f"({', '.join(PATHS)}) on {', '.join(map(str, THREADS))} thread(s)"
+          + "".join(f"; {a} runs the demo's {b} kernels (the same code: shown once, as {b})"
+                    for a, b in SAME_CODE.items() if a in _isa.supported_isas()))
     print(f"bench_step: {'quick' if args.quick else 'full'} run, {reps} interleaved repetitions per group; "
           f"{os.cpu_count()} CPUs, load average {load0[0]:.2f}; torch "
           f"{meta['torch'] or 'not installed'} (default threads {DEFAULT_TORCH_THREADS})"
@@ -656,6 +760,7 @@ def bench(args, busy):
                     f"({cfg.max_ngram_size - 1} orders x {cfg.n_head_per_ngram} heads x {cfg.head_dim}) "
                     f"K={cfg.kernel_size}, tables {cfg.engram_vocab_size}; single thread")
         t = step_section(rep, "small", model, reps, target)
+        summary.extend(t["checks"])
         if HAVE_TORCH:
             ratio("small.torch_over_engine", "torch step / engine step", t["torch"], t["engine"],
                   ">= 10x", lambda r: r >= 10, summ="small: torch step / engine step")
@@ -682,6 +787,7 @@ def bench(args, busy):
                         f"({cfg.max_ngram_size - 1} orders x {cfg.n_head_per_ngram} heads x {cfg.head_dim}) "
                         f"K={cfg.kernel_size}, table {tab_gb:.2f} GB; single thread")
             t = step_section(rep, "demo", model, reps, target, streams16=True)
+            summary.extend(t["checks"])
             ratio("demo.engine_over_floor", "engine step / GEMV floor", t["engine"], t["floor"],
                   "<= 1.15x", lambda r: r <= 1.15, summ="demo: engine step / GEMV floor")
             if HAVE_TORCH:
@@ -691,28 +797,26 @@ def bench(args, busy):
                   "<= 0.333x", lambda r: r <= 1 / 3, scale=1 / 16, summ="demo: 16-stream per token / 1-stream")
             ratio("demo.engine16_over_floor16", "engine 16-stream step / GEMM[16] floor", t["engine16"],
                   t["floor16"], summ="demo: engine 16-stream / GEMM[16] floor")
-            for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]:
-                ratio(f"demo.bf16_over_f32{sfx or '[' + isa + ']'}", f"bf16-weight step / float32 step ({isa})",
-                      t[f"engine_bf16{sfx}"], t[f"engine{sfx}"], "<= 0.6x", lambda r: r <= 0.6,
-                      summ=f"demo: bf16 step / float32 step [{isa}]")
+            ratio("demo.bf16_over_f32", "bf16-weight step / float32 step", t["engine_bf16"], t["engine"],
+                  "<= 0.6x", lambda r: r <= 0.6, summ="demo: bf16 step / float32 step")
             fma_floor = fma_floor_per_token(cfg, meta)
             rep.note(f"native single-core sgemm peak {meta['native_sgemm_gflops']:.0f} GFLOP/s: sgemm floor "
                      f"per token {fma_floor * 1e6:.1f} us (one core)")
             M, E = (cfg.hc_mult + 1) * cfg.hidden_size, cfg.engram_dim
-            for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]:
-                for th in STEP_THREADS:  # the floor: the path's register-only FMA peak of the step's cores
+            for wname, wdesc in (("", "f32"), ("_bf16", "bf16")):
+                isa = shown(t["engines"][f"engine16{wname}"].kernel_choice()["batch"][0])  # the chosen path
+                for th in THREADS:  # the floor: the path's register-only FMA peak of the step's cores
                     peaks = FMA_RUNNERS[(isa, th)].gflops(t[f"fma[{isa},t{th}]"])  # one a repetition
                     meta[f"register_fma_gflops_{th}t[{isa}]"] = peaks
                     rfloor = [2 * M * E / (g * 1e9) for g in peaks]
                     rep.note(f"register-only FMA peak ({isa}, {th} threads at once, in the rotation): median "
                              f"{med(peaks):.0f} GFLOP/s [{min(peaks):.0f} .. {max(peaks):.0f}]: floor per token "
                              f"{med(rfloor) * 1e6:.1f} us")
-                    for wname, wdesc in (("", "f32"), ("_bf16", "bf16")):
-                        k16 = f"engine16{wname}_t{th}{sfx}"
-                        what = f"16 streams per token / FMA floor ({isa}, {wdesc}, {th} thr)"
-                        ratio(f"demo.per_token16_over_fma_floor[{isa},{wdesc},t{th}]", what,
-                              t[k16], rfloor, "<= 1.3x", lambda r: r <= 1.3, scale=1 / 16,
-                              summ=f"demo: 16-str/tok / FMA floor [{isa},{wdesc},{th}t]")
+                    k16 = f"engine16{wname}[{isa},t{th}]"
+                    what = f"16 streams per token / FMA floor ({isa}, {wdesc}, {th} thr)"
+                    ratio(f"demo.per_token16_over_fma_floor[{isa},{wdesc},t{th}]", what,
+                          t[k16], rfloor, "<= 1.3x", lambda r: r <= 1.3, scale=1 / 16,
+                          summ=f"demo: 16-str/tok / FMA floor [{isa},{wdesc},{th}t]")
             if HAVE_TORCH:
                 ratio("demo.torch16_over_engine16", "torch 16-stream step / engine 16-stream step",
                       t["torch16"], t["engine16"], summ="demo: torch 16-stream / engine 16-stream")
@@ -725,42 +829,39 @@ def bench(args, busy):
             T = 2048
             rep.section(f"prefill of {T} tokens at demo dims (engine and torch: default threads, and 1)")
             t = prefill_section(rep, "prefill", model, max(5, reps // 2), T)
-            cores = model.stream(LAYER).prefill_threads
+            summary.extend(t["checks"])
+            isa, cores = t["chosen"]  # the chosen path (its code's name) and threads
             floor = T * fma_floor_per_token(cfg, meta) / cores
             rep.note(f"FMA floor of the prefill GEMM alone: {T} tokens x 2*M*E flops over {cores} cores at "
                      f"{meta['native_sgemm_gflops']:.0f} GFLOP/s each: {floor * 1e3:.1f} ms")
             ratio("prefill.engine_over_fma_floor", f"engine ({cores} threads) / FMA floor ({cores} cores)",
                   t["engine"], [floor] * len(t["engine"]), None, None,
-                  summ=f"prefill {T}: engine / FMA floor [{BEST_ISA}]")
+                  summ=f"prefill {T}: engine / FMA floor [{isa}]")
             M, E = (cfg.hc_mult + 1) * cfg.hidden_size, cfg.engram_dim
-            for isa, sfx in [(BEST_ISA, "")] + [(i, f"[{i}]") for i in OTHER_ISAS]:
-                peaks = FMA_RUNNERS[(isa, cores, "prefill")].gflops(t[f"fma[{isa}]"])  # one a repetition
-                meta[f"register_fma_gflops_{cores}t[{isa}]"] = peaks
-                rfloor = [T * 2 * M * E / (g * 1e9) for g in peaks]
-                rep.note(f"register-only FMA peak ({isa}, {cores} threads at once, in the rotation): median "
-                         f"{med(peaks):.0f} GFLOP/s [{min(peaks):.0f} .. {max(peaks):.0f}]; the prefill GEMM "
-                         f"alone at that rate: {med(rfloor) * 1e3:.1f} ms")
-                ratio(f"prefill.engine_over_register_fma_floor[{isa}]",
-                      f"engine ({isa}, {cores} threads) / register-only FMA floor", t[f"engine{sfx}"],
-                      rfloor, "<= 1.25x", lambda r: r <= 1.25,
-                      summ=f"prefill {T}: engine / register FMA floor [{isa}]")
-            peaks = FMA_RUNNERS[(BEST_ISA, 1, "prefill")].gflops(t["fma_1"])
-            meta[f"register_fma_gflops_1t_prefill[{BEST_ISA}]"] = peaks
-            ratio(f"prefill.engine_1_over_register_fma_floor_1[{BEST_ISA}]",
-                  f"engine ({BEST_ISA}, 1 thread) / register-only FMA floor of 1 core", t["engine_1"],
+            peaks = FMA_RUNNERS[(isa, cores, "prefill")].gflops(t[f"fma[{isa},t{cores}]"])  # one a repetition
+            meta[f"register_fma_gflops_{cores}t[{isa}]"] = peaks
+            rfloor = [T * 2 * M * E / (g * 1e9) for g in peaks]
+            rep.note(f"register-only FMA peak ({isa}, {cores} threads at once, in the rotation): median "
+                     f"{med(peaks):.0f} GFLOP/s [{min(peaks):.0f} .. {max(peaks):.0f}]; the prefill GEMM "
+                     f"alone at that rate: {med(rfloor) * 1e3:.1f} ms")
+            ratio(f"prefill.engine_over_register_fma_floor[{isa}]",
+                  f"engine ({isa}, {cores} threads) / register-only FMA floor", t["engine"],
+                  rfloor, "<= 1.25x", lambda r: r <= 1.25,
+                  summ=f"prefill {T}: engine / register FMA floor [{isa}]")
+            t["engine_1"] = t[f"engine[{isa},t1]"]  # the chosen path on one thread
+            peaks = FMA_RUNNERS[(isa, 1, "prefill")].gflops(t[f"fma[{isa},t1]"])
+            meta[f"register_fma_gflops_1t_prefill[{isa}]"] = peaks
+            ratio(f"prefill.engine_1_over_register_fma_floor_1[{isa}]",
+                  f"engine ({isa}, 1 thread) / register-only FMA floor of 1 core", t["engine_1"],
                   [T * 2 * M * E / (g * 1e9) for g in peaks], None, None,
-                  summ=f"prefill {T}: engine 1 thread / FMA floor 1 core [{BEST_ISA}]")
+                  summ=f"prefill {T}: engine 1 thread / FMA floor 1 core [{isa}]")
             if HAVE_TORCH:
                 n = DEFAULT_TORCH_THREADS
                 ratio("prefill.torch_default_over_engine", f"torch ({n} threads) / engine", t["torch_default"],
-                      t["engine"], ">= 2x", lambda r: r >= 2, summ=f"prefill {T}: torch ({n} threads) / engine [{BEST_ISA}]")
-                for isa in OTHER_ISAS:
-                    ratio(f"prefill.torch_default_over_engine[{isa}]", f"torch ({n} threads) / engine ({isa})",
-                          t["torch_default"], t[f"engine[{isa}]"], ">= 2x", lambda r: r >= 2,
-                          summ=f"prefill {T}: torch ({n} threads) / engine [{isa}]")
+                      t["engine"], ">= 2x", lambda r: r >= 2, summ=f"prefill {T}: torch ({n} threads) / engine [{isa}]")
                 ratio("prefill.torch_1_over_engine_1", "torch (1 thread) / engine (1 thread)", t["torch_1"],
                       t["engine_1"], None, None, summ=f"prefill {T}: torch 1 thread / engine 1 thread")
-            ratio("prefill.engine_1_over_engine", "engine 1 thread / engine default threads", t["engine_1"],
+            ratio("prefill.engine_1_over_engine", "engine 1 thread / engine (the chosen threads)", t["engine_1"],
                   t["engine"], None, None)
         del model
 

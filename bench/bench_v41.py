@@ -17,12 +17,20 @@ one run (rounds interleaved; the machine is shared, so absolute times are indica
   kernel    fp8_linear, one thread, at 16 and 256 tokens: GFLOP/s against the path's
             register-only peak of its own multiply-add on one core (es_fma_chains: vfmadd, or
             vdpbf16ps on the bf16 path; bench_step.register_fma_gflops)
-  prefill   eng.prefill on 512 tokens (all cores) vs the register-only FMA floor of all cores
-            (2*T*25600*6144 FLOPs at the path's peak, measured with every core at once)
+  prefill   eng.prefill on 512 tokens (1 thread and all cores) vs the register-only FMA floor
+            of all cores (2*T*25600*6144 FLOPs at the path's peak, measured with every core at
+            once)                                                  goal <= 1.3x
+            and vs a torch CPU implementation of the reference module with dequantized weights
   side by side  every row above, each path beside the others; a wider path that is slower
             than a narrower one (by more than 2%) is flagged (goal: none)
-                                                                   goal <= 1.3x
-            and vs a torch CPU implementation of the reference module with dequantized weights
+  choice    the engine's own choice of path and threads per operation (engine/tune.py; res
+            "chosen"), held to the fastest: in every row, the chosen path's time vs the fastest
+            path's at the row's thread count (an fp8_linear row, a one-thread kernel call, is
+            held to the choice of the operation of its token count: 1 the step, 16 the batch,
+            256 the prefill); and per engine operation (one-stream step, 16 streams, prefill)
+            the unforced engine (no path forced, no thread count set: what a user gets, a
+            contender in the same rotation) vs the fastest forced contender of every path and
+            thread count                                           goal <= 1.05x (MET / MISSED)
   cold      a fresh process maps the checkpoint (its pages evicted first), 2000 decode steps:
             private memory growth (RssAnon) and table pages mapped vs rows touched x 4 KiB
                                                                    goals <= 64 MB, <= 2x
@@ -74,7 +82,8 @@ def on_path(isa, f):
 
 def section_step(model, reps, paths):
     """Per path: the one-stream step (step_threads 1, 2) and 16 streams (1, 2) beside reading
-    wkv once, all in interleaved rounds."""
+    wkv once, and the unforced engines (no path forced, no thread count set: the tuned choice,
+    what a user gets), all in interleaved rounds."""
     w = model.layer(LAYER)
     wkv = w.wkv_weight.reshape(-1)
     G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
@@ -92,6 +101,9 @@ def section_step(model, reps, paths):
             e1.step_threads = e16.step_threads = th
             runs[f"{isa}.step1_t{th}"] = (lambda e, isa: lambda: on_path(isa, lambda: e.step(int(rng.integers(V)), h1, out=o1)))(e1, isa)
             runs[f"{isa}.step16_t{th}"] = (lambda e, isa: lambda: on_path(isa, lambda: e.step(rng.integers(0, V, 16), h16, out=o16)))(e16, isa)
+    c1, c16 = model.stream(LAYER), model.stream(LAYER, n_streams=16)  # the chosen: nothing forced or set
+    runs["chosen.step1"] = lambda: c1.step(int(rng.integers(V)), h1, out=o1)
+    runs["chosen.step16"] = lambda: c16.step(rng.integers(0, V, 16), h16, out=o16)
     for f in runs.values():  # warm: scratch, pages
         f()
     times = {n: [] for n in runs}
@@ -114,6 +126,9 @@ def section_step(model, reps, paths):
         res[isa].update({f"per_token16_t{th}_over_step1_t1": s16[th] / 16 / one[1] for th in (1, 2)})
         res[isa]["spread_ms"] = {n.split(".", 1)[1]: [min(times[n]) * 1e3, max(times[n]) * 1e3]
                                  for n in times if n.startswith(isa + ".")}
+    res["chosen"] = {"step1_ms": median(times["chosen.step1"]) * 1e3, "step16_ms": median(times["chosen.step16"]) * 1e3,
+                     "config": {"step": list(c1.kernel_choice()["step"]), "batch": list(c16.kernel_choice()["batch"])}}
+    res["samples_ms"] = {n: [x * 1e3 for x in v] for n, v in times.items()}  # one a round: paired ratios
     return res
 
 
@@ -225,8 +240,9 @@ def torch_reference(model, rows, hidden, threads):
 
 
 def section_prefill(model, T, reps, paths):
-    """eng.prefill of T tokens on all cores, per path, vs the register-only FMA floor of all
-    cores (the path's peak measured with every core at once) and vs torch."""
+    """eng.prefill of T tokens per path on 1 thread and on all cores, and the unforced engine (the
+    tuned path and threads), in rotating rounds; each path's all-cores time vs the register-only
+    FMA floor of all cores (the path's peak measured with every core at once) and vs torch."""
     G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
     rng = np.random.default_rng(1)
     ids = rng.integers(0, V, T)
@@ -234,38 +250,94 @@ def section_prefill(model, T, reps, paths):
     rows = model.plan.hash(ids[None], layers=[LAYER])[LAYER][0] + model.layer(LAYER).offsets
     dead = model.plan.dead_mask(ids)
     cores = os.cpu_count() or 1
+    counts = sorted({1, 2, cores})
     M, E = model.layer(LAYER).wkv_weight.shape
-    eng = model.stream(LAYER)
-    eng.prefill_threads = cores
+    engs = {}
+    for th in counts:
+        engs[th] = model.stream(LAYER)
+        engs[th].prefill_threads = th
+    chosen = model.stream(LAYER)  # nothing forced or set: the tuned path and threads
     out = np.empty_like(hidden)
-    res = {"T": T, "threads": cores, "reps": reps}
-    t_ours = {isa: [] for isa in paths}
+    res = {"T": T, "threads": cores, "counts": counts, "reps": reps}
+
+    def prefill(e, isa):
+        e.reset()
+        if isa is None:
+            return timed(lambda: e.prefill(ids, hidden, out=out))
+        return timed(lambda: on_path(isa, lambda: e.prefill(ids, hidden, out=out)))
+    runs = {"chosen": lambda: prefill(chosen, None)}
+    for isa in paths:
+        for th in counts:
+            runs[f"{isa}.t{th}"] = (lambda e, isa: lambda: prefill(e, isa))(engs[th], isa)
     fma = {isa: fma_runner(isa, cores, 40_000_000) for isa in paths}
-    t_fma = {isa: [] for isa in paths}
+    for isa in paths:  # every floor in the same rotation as what it floors
+        runs[f"fma.{isa}"] = (lambda f: lambda: timed(lambda: f(1)))(fma[isa])
+    for e in [chosen] + list(engs.values()):  # warm: scratch, the rows' pages
+        prefill(e, None)
+    t = {n: [] for n in runs}
     t_torch, want = [], None
-    for _ in range(reps):  # every contender and floor once a round
-        for isa in paths:
-            eng.reset()
-            t_ours[isa].append(timed(lambda: on_path(isa, lambda: eng.prefill(ids, hidden, out=out))))
-            t_fma[isa].append(timed(lambda: fma[isa](1)))
+    names = list(runs)
+    for r in range(reps):  # every contender and floor once a round, the order rotating
+        for j in range(len(names)):
+            n = names[(r + j) % len(names)]
+            t[n].append(runs[n]())
         try:
-            want, t = torch_reference(model, rows, hidden, cores)
-            t_torch.append(t)
+            want, s = torch_reference(model, rows, hidden, cores)
+            t_torch.append(s)
         except ImportError:
             pass
+    res["chosen"] = {"s": median(t["chosen"]), "config": list(chosen.kernel_choice()["prefill"])}
+    res["samples_ms"] = {n: [x * 1e3 for x in v] for n, v in t.items()}  # one a round: paired ratios
     for isa in paths:
-        peaks = fma[isa].gflops(t_fma[isa])
+        peaks = fma[isa].gflops(t[f"fma.{isa}"])
         floors = [2 * M * E * T / (g * 1e9) for g in peaks]
-        res[isa] = {"s": median(t_ours[isa]), "spread_s": [min(t_ours[isa]), max(t_ours[isa])],
+        ours = t[f"{isa}.t{cores}"]
+        res[isa] = {"s": median(ours), "spread_s": [min(ours), max(ours)],
+                    **{f"t{th}_s": median(t[f"{isa}.t{th}"]) for th in counts},
                     "register_fma_all_cores_GFLOPs": median(peaks), "fma_floor_s": median(floors),
-                    "over_fma_floor": median([a / b for a, b in zip(t_ours[isa], floors)])}  # paired, by round
+                    "over_fma_floor": median([a / b for a, b in zip(ours, floors)])}  # paired, by round
         if t_torch:
-            res[isa]["torch_over_ours"] = median(t_torch) / median(t_ours[isa])
+            res[isa]["torch_over_ours"] = median(t_torch) / median(ours)
     if t_torch:
+        chosen.reset()
+        chosen.prefill(ids, hidden, out=out)
         want[dead] = 0
         err = np.abs(out - want) - (2e-5 + 2e-4 * np.abs(want))
         res.update(torch_s=median(t_torch), agree=bool(err.max() <= 0), max_abs_diff=float(np.abs(out - want).max()))
     return res
+
+
+def path_rows(res, paths):
+    """[(row, op, threads, {path: ms})]: every measured row, each path's figure of it (times: lower
+    is better); op: the engine operation whose choice the row's path is held to (the fp8_linear
+    rows, one-thread kernel calls: by token count, 1 the step, 16 the batch, 256 the prefill);
+    threads: the engine's thread count (None: a kernel call, one thread)."""
+    order = sorted(paths, key=_isa.ISA_NAMES.index)
+    rows = []
+    st, pl, kn, pf = (res.get(n, {}) for n in ("step", "plain", "kernel", "prefill"))
+    for th in (1, 2):
+        if st:
+            rows.append((f"step, one stream, {th} thread(s), ms", "step", th,
+                         {p: st[p][f"step1_t{th}_ms"] for p in order}))
+            rows.append((f"step, 16 streams, {th} thread(s), ms", "batch", th,
+                         {p: st[p][f"step16_t{th}_ms"] for p in order}))
+    for S in (1, 16):
+        if pl:
+            rows.append((f"fp8_linear {S} token(s), 2048 rows, 1 thread, ms", KERNEL_OP[S], None,
+                         {p: pl[f"S{S}_{p}_ms"] for p in order}))
+    for S in (16, 256):
+        if kn:
+            rows.append((f"fp8_linear {S} tokens, wkv, 1 thread, ms", KERNEL_OP[S], None,
+                         {p: 2 * res["wkv_rows_x_e"] * S / kn[p][f"S{S}_GFLOPs"] / 1e6 for p in order}))
+    if pf:
+        for th in pf["counts"]:
+            rows.append((f"prefill {pf['T']}, {th} thread(s), ms", "prefill", th,
+                         {p: pf[p][f"t{th}_s"] * 1e3 for p in order}))
+    return rows
+
+
+KERNEL_OP = {1: "step", 16: "batch", 256: "prefill"}  # fp8_linear's token count -> the operation of that shape
+GOAL = 1.05  # the chosen within 5% of the fastest
 
 
 def side_by_side(res, paths):
@@ -273,31 +345,76 @@ def side_by_side(res, paths):
     where a wider path (later in engine.isa.ISA_NAMES) is slower than a narrower one by more than
     2%: returns those as "row: wide x.xx of narrow"."""
     order = sorted(paths, key=_isa.ISA_NAMES.index)
-    rows = []
-    st, pl, kn, pf = (res.get(n, {}) for n in ("step", "plain", "kernel", "prefill"))
-    for th in (1, 2):
-        if st:
-            rows.append((f"step, one stream, {th} thread(s), ms", {p: st[p][f"step1_t{th}_ms"] for p in order}))
-            rows.append((f"step, 16 streams, {th} thread(s), ms", {p: st[p][f"step16_t{th}_ms"] for p in order}))
-    for S in (1, 16):
-        if pl:
-            rows.append((f"fp8_linear {S} token(s), 2048 rows, 1 thread, ms", {p: pl[f"S{S}_{p}_ms"] for p in order}))
-    for S in (16, 256):
-        if kn:
-            rows.append((f"fp8_linear {S} tokens, wkv, 1 thread, ms",
-                         {p: 2 * res["wkv_rows_x_e"] * S / kn[p][f"S{S}_GFLOPs"] / 1e6 for p in order}))
-    if pf:
-        rows.append((f"prefill {pf['T']}, {pf['threads']} threads, ms", {p: pf[p]["s"] * 1e3 for p in order}))
+    rows = path_rows(res, paths)
     losses = []
     width = max(len(r[0]) for r in rows) if rows else 0
     print("side by side (" + ", ".join(order) + "): a wider path slower than a narrower one is flagged")
-    for name, v in rows:
+    for name, _, _, v in rows:
         flags = [f"{w} {v[w] / v[n]:.2f}x of {n}" for i, n in enumerate(order) for w in order[i + 1:]
                  if v[w] > 1.02 * v[n]]
         losses += [f"{name}: {f}" for f in flags]
         print(f"  {name:<{width}}  " + "  ".join(f"{p} {v[p]:9.3f}" for p in order)
               + ("   LOSES: " + "; ".join(flags) if flags else ""))
     return losses
+
+
+def choice_check(res, paths):
+    """Whether the engine's choice (res["chosen"]: {op: (path, threads, why)}) is the fastest: per
+    row, the chosen path's forced time vs the fastest path's (at the row's thread count); per
+    engine operation, the unforced engine's time (the "chosen" contender) vs the fastest forced
+    contender of every path and thread count. Each within GOAL: MET. Prints one line a check;
+    returns them as dicts."""
+    checks = []
+
+    def check(row, op, chosen, t, best, tb, pr=None):
+        r = t / tb
+        c = {"row": row, "op": op, "chosen": chosen, "chosen_ms": t, "fastest": best, "fastest_ms": tb,
+             "ratio": r, "paired_ratio": pr, "goal": f"<= {GOAL}x", "met": bool(r <= GOAL)}
+        checks.append(c)
+        print(f"  {row:<62s} chosen {chosen:<8s} {t:9.3f}  fastest {best:<8s} {tb:9.3f}  {r:5.2f}x "
+              + (f"(paired {pr:5.2f}x)" if pr is not None else " " * 16)
+              + f"  goal <= {GOAL}x  {'MET' if c['met'] else 'MISSED'}")
+
+    def paired(sec, a, b):
+        """The median of the per-round ratios of contenders a and b of section `sec` (None: not kept)."""
+        sm = res.get(sec, {}).get("samples_ms", {})
+        if a not in sm or b not in sm:
+            return None
+        return median([x / y for x, y in zip(sm[a], sm[b])])
+    print(f"the choice (engine/tune.py) vs the fastest: within {GOAL}x; ratios of medians (paired: the median "
+          f"of the per-round ratios), ms; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    rows = path_rows(res, paths)
+    for name, op, th, v in rows:
+        path = res["chosen"][op][0]
+        if path not in v:
+            print(f"  {name:<52s} chosen {path}: not measured (--paths)")
+            continue
+        best = min(v, key=v.get)
+        sec, key = (("step", f"{'step1' if op == 'step' else 'step16'}_t{th}") if name.startswith("step") else
+                    ("prefill", f"t{th}") if name.startswith("prefill") else (None, None))
+        pr = paired(sec, f"{path}.{key}", f"{best}.{key}") if sec else None
+        check(f"{name.rsplit(', ms', 1)[0]}: path", op, path, v[path], best, v[best], pr)
+    st, pf = res.get("step"), res.get("prefill")
+    engine_ops = []
+    if st:
+        engine_ops += [("step, one stream", "step", st["chosen"]["step1_ms"], "step1"),
+                       ("step, 16 streams", "batch", st["chosen"]["step16_ms"], "step16")]
+    if pf:
+        engine_ops.append((f"prefill {pf['T']}", "prefill", pf["chosen"]["s"] * 1e3, None))
+    for name, op, t, key in engine_ops:
+        forced = {}
+        for p in paths:
+            for th in ((1, 2) if key else pf["counts"]):
+                forced[f"{p}/{th}"] = st[p][f"{key}_t{th}_ms"] if key else pf[p][f"t{th}_s"] * 1e3
+        best = min(forced, key=forced.get)
+        path, threads, _ = res["chosen"][op]
+        bp, bt = best.split("/")
+        pr = (paired("step", f"chosen.{key}", f"{bp}.{key}_t{bt}") if key else
+              paired("prefill", "chosen", f"{bp}.t{bt}"))
+        check(f"{name}: unforced vs every path and count", op, f"{path}/{threads}", t, best, forced[best], pr)
+    n_missed = sum(not c["met"] for c in checks)
+    print(f"  {len(checks) - n_missed} of {len(checks)} MET" + (f", {n_missed} MISSED" if n_missed else ""))
+    return checks
 
 
 COLD = r"""
@@ -381,7 +498,7 @@ def bench(a, paths, d, busy):
     res["chosen"] = {op: list(v) for op, v in model.stream(LAYER).kernel_choice().items()}
     print("chosen", json.dumps(res["chosen"]))
     if "step" in sections:
-        res["step"] = section_step(model, 5 if a.quick else 15, paths)
+        res["step"] = section_step(model, 9 if a.quick else 15, paths)
         print("step", json.dumps(res["step"]))
     if "plain" in sections:
         res["plain"] = section_plain(model, paths, 3 if a.quick else 7)
@@ -390,11 +507,12 @@ def bench(a, paths, d, busy):
         res["kernel"] = section_kernel(model, paths, 3 if a.quick else 5)
         print("kernel", json.dumps(res["kernel"]))
     if "prefill" in sections:
-        res["prefill"] = section_prefill(model, 256 if a.quick else 512, 1 if a.quick else 3, paths)
+        res["prefill"] = section_prefill(model, 256 if a.quick else 512, 3, paths)
         print("prefill", json.dumps(res["prefill"]))
     M, E = model.layer(LAYER).wkv_weight.shape
     res["wkv_rows_x_e"] = int(M) * int(E)
     res["wider_path_loses"] = side_by_side(res, paths)
+    res["choice_check"] = choice_check(res, paths)
     res["loadavg_end"] = os.getloadavg()
     if a.json:
         with open(a.json, "w") as f:

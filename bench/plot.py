@@ -41,7 +41,7 @@ def model_for(D):
 
 
 def measure(model, S, reps, target):
-    runs = {"engine": bs.engine_runner(model, S=S)}
+    runs = {"engine": bs.engine_runner(model, S=S, threads=1)}  # (one thread, as torch and the floor)
     if bs.HAVE_TORCH:
         runs["torch"] = bs.torch_runner(model, S=S)
     fa, fb = bs.floor_runners(model, S=S)
