@@ -243,10 +243,7 @@ static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int 
 }
 
 #define ES8_KB_MAX 512 /* the largest ES8_KB, ES8_KB_FEW below (the scratch holds one of its blocks) */
-#define ES_SFX baseline /* 16-byte vectors: SSE2 / NEON; 6 rows x 2 vectors = 12 accumulators */
-#define ES_TGT
-#define ES_VW 4
-#define ES_F16C 0
+#define ES_PATH ES_ISA_BASELINE /* 16-byte vectors: SSE2 / NEON; 6 rows x 2 vectors = 12 accumulators */
 #define ES8_GR 2
 #define ES8_MG 8
 #define ES8_XR 6
@@ -258,10 +255,7 @@ static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int 
 #define ES8_XCOLS 2
 #include "engram_fp8_kern.h"
 #if ES_X86_PATHS
-#define ES_SFX avx2 /* 6 rows x 2 vectors of 8 tokens = 12 ymm accumulators */
-#define ES_TGT ES_TARGET_AVX2
-#define ES_VW 8
-#define ES_F16C 1
+#define ES_PATH ES_ISA_AVX2 /* 6 rows x 2 vectors of 8 tokens = 12 ymm accumulators */
 #define ES8_GR 4
 #define ES8_MG 8
 #define ES8_XR 6
@@ -274,12 +268,8 @@ static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int 
 #include "engram_fp8_kern.h"
 #endif
 #if ES_NEON_PATHS
-#define ES_SFX neon /* 32 registers: the GEMV 2 rows at once (4 spill: bench/inner_loops.py); tiles of 8
-                     * rows x 2 token vectors */
-#define ES_TGT ES_TARGET_NEON
-#define ES_VW 4
-#define ES_F16C 0
-#define ES_NEON 1
+#define ES_PATH ES_ISA_NEON /* 32 registers: the GEMV 2 rows at once (4 spill: bench/inner_loops.py); tiles
+                             * of 8 rows x 2 token vectors */
 #define ES8_GR 2
 #define ES8_MG 8
 #define ES8_XR 8
