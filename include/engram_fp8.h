@@ -645,44 +645,21 @@ static inline int es8_dpbf16(float *acc, const uint16_t *a, const uint16_t *b, i
 
 /* ---- dispatch -------------------------------------------------------------------------------- */
 
-/* The path the float8 kernels take now: the es_isa_now() level (engram_isa.h). */
-static inline int es8_isa(void) { return es_isa_now(); }
-
+/* avx512 and bf16 gather and quantize with the avx2 copies (exact: the same bits). */
 static inline void es8_gather(const uint8_t *w, const uint8_t *sc, int hd, const int64_t *rows, int H, float *e) {
-#if ES_X86_PATHS
-    if (es8_isa() >= ES_ISA_AVX2) { es8_gather_avx2(w, sc, hd, rows, H, e); return; } /* avx512 too: exact */
-#endif
-#if ES_NEON_PATHS
-    if (es8_isa() == ES_ISA_NEON) { es8_gather_neon(w, sc, hd, rows, H, e); return; }
-#endif
-    es8_gather_baseline(w, sc, hd, rows, H, e);
+    ES_DISPATCH_COPIES(es_isa_now(), es8_gather, (w, sc, hd, rows, H, e), baseline, avx2, avx2, avx2, neon);
 }
 
 static inline void es8_act_quant(const float *x, int n, float *qx, float *s) {
-#if ES_X86_PATHS
-    if (es8_isa() >= ES_ISA_AVX2) { es8_act_quant_avx2(x, n, qx, s); return; } /* avx512 too: the same bits */
-#endif
-#if ES_NEON_PATHS
-    if (es8_isa() == ES_ISA_NEON) { es8_act_quant_neon(x, n, qx, s); return; }
-#endif
-    es8_act_quant_baseline(x, n, qx, s);
+    ES_DISPATCH_COPIES(es_isa_now(), es8_act_quant, (x, n, qx, s), baseline, avx2, avx2, avx2, neon);
 }
 
 /* One token. kv [(G+1)*D]: the key of stream c at c*D, the shared value at G*D (see
- * es8_gate_tail_plain). */
+ * es8_gate_tail_plain; avx512 and bf16 run that one). */
 static inline void es8_gate_tail(const float *kv, const float *hid, const float *qw, const float *kw, int G, int D,
                                  float eps, int dead, float *out) {
-    switch (es8_isa()) {
-#if ES_X86_PATHS
-        case ES_ISA_BF16:
-        case ES_ISA_AVX512: es8_gate_tail_plain(kv, hid, qw, kw, G, D, eps, dead, out); break;
-        case ES_ISA_AVX2: es8_gate_tail_avx2(kv, hid, qw, kw, G, D, eps, dead, out); break;
-#endif
-#if ES_NEON_PATHS
-        case ES_ISA_NEON: es8_gate_tail_neon(kv, hid, qw, kw, G, D, eps, dead, out); break;
-#endif
-        default: es8_gate_tail_baseline(kv, hid, qw, kw, G, D, eps, dead, out); break;
-    }
+    ES_DISPATCH_COPIES(es_isa_now(), es8_gate_tail, (kv, hid, qw, kw, G, D, eps, dead, out), baseline, avx2, plain,
+                       plain, neon);
 }
 
 /* Scratch of the many-token projection (S > 1), in floats: the tokens packed for the lanes,
@@ -727,24 +704,16 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const fl
         /* the next group of this range (its rows prefetched while these compute) */
         const int rn = g + 1 < g1 ? (M - r0 - ES8_BLOCK < ES8_BLOCK ? (int)(M - r0 - ES8_BLOCK) : ES8_BLOCK) : 0;
         const uint8_t *next = rn ? W + (r0 + R) * E : 0;
-        switch (isa) {
-#if ES_X86_PATHS
-            case ES_ISA_BF16:
-                es8_group_bf16(W + r0 * E, R, qx, ldq, (const uint16_t *)xt, S, E, wsf, Y + r0, M, scratch,
-                               W + (r0 + R) * E, (int64_t)rn * E);
-                break;
-            case ES_ISA_AVX512:  /* 2..8 tokens: the avx2 es8_mgemv (the same fp16 widening and scales) */
-                if (S > 1 && S < ES8_XT_MIN) es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn);
-                else es8_group_avx512(W + r0 * E, R, qx, ldq, xt, S, E, wsf, Y + r0, M, scratch, W + (r0 + R) * E,
-                                      (int64_t)rn * E);
-                break;
-            case ES_ISA_AVX2: es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
-#endif
-#if ES_NEON_PATHS
-            case ES_ISA_NEON: es8_group_neon(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
-#endif
-            default: es8_group_baseline(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
-        }
+        ES_ON_PATH(isa, es8_group_baseline(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn),
+                   es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn),
+                   /* avx512, 2..8 tokens: the avx2 es8_mgemv (the same fp16 widening and scales) */
+                   S > 1 && S < ES8_XT_MIN
+                       ? es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn)
+                       : es8_group_avx512(W + r0 * E, R, qx, ldq, xt, S, E, wsf, Y + r0, M, scratch,
+                                          W + (r0 + R) * E, (int64_t)rn * E),
+                   es8_group_bf16(W + r0 * E, R, qx, ldq, (const uint16_t *)xt, S, E, wsf, Y + r0, M, scratch,
+                                  W + (r0 + R) * E, (int64_t)rn * E),
+                   es8_group_neon(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn));
     }
 }
 
@@ -778,7 +747,7 @@ static void es8_wkv_part(void *ctx, int64_t slot, int64_t slot_end) {
  * thread. */
 static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
                               int M, float *Y, int nthreads, float *scratch) {
-    const int isa = es8_isa();
+    const int isa = es_isa_now();
     float *xt = 0;
     const int64_t ng = (M + ES8_BLOCK - 1) / ES8_BLOCK;
     if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;  /* the scratch holds nthreads slots */
@@ -789,37 +758,23 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
     } else
 #endif
     if (scratch && S > 1) {  /* the tokens in the lanes: 16 a vector on avx512 (from ES8_XT_MIN tokens) */
-        int lanes = es8_xlanes_baseline, mg = es8_mg_baseline;
-#if ES_X86_PATHS
-        lanes = isa == ES_ISA_AVX512 ? 16 : isa == ES_ISA_AVX2 ? es8_xlanes_avx2 : lanes;
-        mg = isa == ES_ISA_AVX512 ? ES8_XT_MIN - 1 : isa == ES_ISA_AVX2 ? es8_mg_avx2 : mg;
-#endif
-#if ES_NEON_PATHS
-        if (isa == ES_ISA_NEON) lanes = es8_xlanes_neon, mg = es8_mg_neon;
-#endif
+        int lanes, mg;  /* (bf16 packed its own above) */
+        ES_ON_PATH(isa, (lanes = es8_xlanes_baseline, mg = es8_mg_baseline),
+                   (lanes = es8_xlanes_avx2, mg = es8_mg_avx2), (lanes = 16, mg = ES8_XT_MIN - 1),
+                   (lanes = 16, mg = ES8_XT_MIN - 1), (lanes = es8_xlanes_neon, mg = es8_mg_neon));
         xt = scratch;
-        if (S <= mg) {  /* a few tokens on the template paths: each in its GEMV's order */
-            for (int64_t t = 0; t < S; t++) {
-#if ES_X86_PATHS
-                if (isa != ES_ISA_BASELINE) { es8_gemv_layout_avx2(qx + t * ldq, E, xt + t * (E + 16)); continue; }
-#endif
-#if ES_NEON_PATHS
-                if (isa == ES_ISA_NEON) { es8_gemv_layout_neon(qx + t * ldq, E, xt + t * (E + 16)); continue; }
-#endif
-                es8_gemv_layout_baseline(qx + t * ldq, E, xt + t * (E + 16));
-            }
+        if (S <= mg) {  /* a few tokens on the template paths (avx512: the avx2 es8_mgemv): each in its GEMV's order */
+            for (int64_t t = 0; t < S; t++)
+                ES_DISPATCH_COPIES(isa, es8_gemv_layout, (qx + t * ldq, E, xt + t * (E + 16)), baseline, avx2, avx2,
+                                   avx2, neon);
         } else {
             es8_pack_tokens(qx, ldq, S, E, xt, lanes);
         }
     }
     float q1[S == 1 ? E : 1];  /* one token on the template paths: in their GEMV's order, once per call */
-    if (S == 1 && isa == ES_ISA_BASELINE) qx = (es8_gemv_layout_baseline(qx, E, q1), q1);
-#if ES_X86_PATHS
-    if (S == 1 && isa == ES_ISA_AVX2) qx = (es8_gemv_layout_avx2(qx, E, q1), q1);
-#endif
-#if ES_NEON_PATHS
-    if (S == 1 && isa == ES_ISA_NEON) qx = (es8_gemv_layout_neon(qx, E, q1), q1);
-#endif
+    if (S == 1)
+        ES_ON_PATH(isa, qx = (es8_gemv_layout_baseline(qx, E, q1), q1), qx = (es8_gemv_layout_avx2(qx, E, q1), q1),
+                   (void)0, (void)0, qx = (es8_gemv_layout_neon(qx, E, q1), q1));
     es8_wkv_args a = {isa, E, M, qx, ldq, S, W, WS, Y, xt, scratch ? scratch + es8_xt_floats(S, E) : 0, ng, 0};
     es_parallel(nthreads, nthreads, es8_wkv_part, &a);  /* one range per thread: its scratch slot */
 }
@@ -829,7 +784,7 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
  * n rounds; returns the multiply-adds done. */
 static inline int64_t es8_mac_chains(int64_t n, float *sink) {
 #if ES_X86_PATHS
-    if (es8_isa() == ES_ISA_BF16) return es_dpbf16_chains(n, sink);
+    if (es_isa_now() == ES_ISA_BF16) return es_dpbf16_chains(n, sink);
 #endif
     return es_fma_chains(n, sink);
 }

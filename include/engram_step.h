@@ -112,14 +112,10 @@ static inline float es_half_to_float(uint16_t h) {
 
 /* Rows per GEMM micro-tile of the running path (the packing of es_pack_rows). */
 static inline int es_gemm_mr(void) {
-#if ES_X86_PATHS
-    if (es_isa_now() >= ES_ISA_AVX512) return es_mr_avx512;  /* bf16 too */
-    if (es_isa_now() == ES_ISA_AVX2) return es_mr_avx2;
-#endif
-#if ES_NEON_PATHS
-    if (es_isa_now() == ES_ISA_NEON) return es_mr_neon;
-#endif
-    return es_mr_baseline;
+    int mr;
+    ES_ON_PATH(es_isa_now(), mr = es_mr_baseline, mr = es_mr_avx2, mr = es_mr_avx512, mr = es_mr_avx512,
+               mr = es_mr_neon);  /* bf16: the avx512 copies */
+    return mr;
 }
 
 /* Y = X W^T + bias over the panels [p0, p1). X rows are ldx floats apart: keep ldx*4
