@@ -108,7 +108,7 @@ _Static_assert(ES_HASH_SCRATCH >= 8 * (ES_MAX_NGRAM - 1), "a block holds at leas
  * name each. primes[j] are the divisors in head order (order-major: heads of n=2, n=3,
  * ...); fp: NULL (hardware division), or double[3*H] = {p[H], 1/p[H], (2^32 mod p)[H]}
  * when every prime is below ES_FP_PRIME_MAX (HashPlan.head_fp). */
-#define ES_PATH ES_ISA_BASELINE /* one SSE2/NEON register: wider generic vectors lower to scalar compares */
+#define ES_PATH ES_ISA_BASELINE /* ES_VD 2, one SSE2/NEON register: wider generic vectors lower to scalar compares */
 #define ES_CVT 0
 #if ES_X86_PATHS
 #define ES_STREAM(p, v) _mm_stream_si128((__m128i *)(p), (__m128i)(v))
