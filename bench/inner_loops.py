@@ -74,7 +74,7 @@ def source(arch: str) -> tuple:
                 attr = TARGET[path]
             elif path == "avx512" and kernel.startswith("fp8"):
                 body = AVX512[kernel]
-                attr = "ES8_T512"
+                attr = "ES_TARGET_AVX512"
             else:
                 attr = TARGET[path]
             name = f"k{i}_{path}"

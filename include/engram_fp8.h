@@ -49,12 +49,9 @@
 
 #if ES_X86_PATHS
 #include <immintrin.h>
-#define ES8_HAVE_AVX512 1
-#define ES8_T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 #define ES8_READ_CLONES __attribute__((target_clones("avx512f", "default")))
 #else
 #define ES8_READ_CLONES
-#define ES8_HAVE_AVX512 0
 #endif
 
 #define ES8_BLOCK 32          /* values per activation scale, weight block edge, table row scale */
@@ -243,10 +240,7 @@ static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int 
 }
 
 #define ES8_KB_MAX 512 /* the largest ES8_KB, ES8_KB_FEW below (the scratch holds one of its blocks) */
-#define ES_SFX baseline /* 16-byte vectors: SSE2 / NEON; 6 rows x 2 vectors = 12 accumulators */
-#define ES_TGT
-#define ES_VW 4
-#define ES_F16C 0
+#define ES_PATH ES_ISA_BASELINE /* 16-byte vectors: SSE2 / NEON; 6 rows x 2 vectors = 12 accumulators */
 #define ES8_GR 2
 #define ES8_MG 8
 #define ES8_XR 6
@@ -258,10 +252,7 @@ static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int 
 #define ES8_XCOLS 2
 #include "engram_fp8_kern.h"
 #if ES_X86_PATHS
-#define ES_SFX avx2 /* 6 rows x 2 vectors of 8 tokens = 12 ymm accumulators */
-#define ES_TGT ES_TARGET_AVX2
-#define ES_VW 8
-#define ES_F16C 1
+#define ES_PATH ES_ISA_AVX2 /* 6 rows x 2 vectors of 8 tokens = 12 ymm accumulators */
 #define ES8_GR 4
 #define ES8_MG 8
 #define ES8_XR 6
@@ -274,12 +265,8 @@ static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int 
 #include "engram_fp8_kern.h"
 #endif
 #if ES_NEON_PATHS
-#define ES_SFX neon /* 32 registers: the GEMV 2 rows at once (4 spill: bench/inner_loops.py); tiles of 8
-                     * rows x 2 token vectors */
-#define ES_TGT ES_TARGET_NEON
-#define ES_VW 4
-#define ES_F16C 0
-#define ES_NEON 1
+#define ES_PATH ES_ISA_NEON /* 32 registers: the GEMV 2 rows at once (4 spill: bench/inner_loops.py); tiles
+                             * of 8 rows x 2 token vectors */
 #define ES8_GR 2
 #define ES8_MG 8
 #define ES8_XR 8
@@ -298,9 +285,9 @@ static inline void es8_pack_tokens(const float *qx, int64_t ldq, int64_t S, int 
 _Static_assert(ES8_XT_MIN - 1 <= es8_mg_avx2, "avx512 runs the avx2 es8_mgemv below ES8_XT_MIN tokens");
 #endif
 
-#if ES8_HAVE_AVX512
+#if ES_X86_PATHS
 /* 16 e4m3 bytes -> 16 floats equal to value * 2^-8 (see the top of this file). */
-ES8_INLINE ES8_T512 __m512 es8_widen16(const uint8_t *p) {
+ES8_INLINE ES_TARGET_AVX512 __m512 es8_widen16(const uint8_t *p) {
     __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
     h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xbf80));
     return _mm512_cvtph_ps(h);
@@ -310,7 +297,7 @@ ES8_INLINE ES8_T512 __m512 es8_widen16(const uint8_t *p) {
  * (memory-bound), each row prefetched ES8_PREFETCH bytes ahead, 32 bytes widened at a time
  * (one 512-bit sign-extend/shift/mask for two fp16->float32 conversions: measured 5-8% less
  * time per step than 16 at a time). qs carries the block scales (times 2^8). y[r] = the sums. */
-ES8_INLINE ES8_T512 void es8_gemv512(const uint8_t *w, const int R, const float *qs, int E, float *y) {
+ES8_INLINE ES_TARGET_AVX512 void es8_gemv512(const uint8_t *w, const int R, const float *qs, int E, float *y) {
     __m512 acc[4][2];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -334,7 +321,7 @@ ES8_INLINE ES8_T512 void es8_gemv512(const uint8_t *w, const int R, const float 
  * widening), laid out k block by k block: the block at k0 at wf + 32*k0, its row r at
  * + r*ES8_KBLOCK (the last block padded). So the rows of a block are contiguous (no two at a
  * 4 KiB stride: they would share L1 sets) and a tile addresses them with one register. */
-static ES8_T512 void es8_widen_rows(const uint8_t *w, int R, int E, const float *wsf, float *wf) {
+static ES_TARGET_AVX512 void es8_widen_rows(const uint8_t *w, int R, int E, const float *wsf, float *wf) {
     for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
         const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK;
         for (int64_t r = 0; r < R; r++) {
@@ -350,8 +337,7 @@ static ES8_T512 void es8_widen_rows(const uint8_t *w, int R, int E, const float 
 }
 
 /* The tiles with tokens in the lanes (ES8_XT_MIN tokens or more): es8_xtile_avx512, es8_tiles_avx512. */
-#define ES8_TS avx512
-#define ES8_TT ES8_T512
+#define ES_PATH ES_ISA_AVX512
 #define ES8_KPU 1
 #define ES8_KPAD 1
 #define ES8_TW float
@@ -366,7 +352,7 @@ static ES8_T512 void es8_widen_rows(const uint8_t *w, int R, int E, const float 
  * the block scales folded into the activation once. Several: the rows widened once into
  * scratch, then over k blocks of ES8_KBLOCK (a block of widened rows, 32 KiB, and a token
  * tile stay in L1) tiles of tokens in the lanes. */
-static ES8_T512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, int64_t ldq, const float *xt,
+static ES_TARGET_AVX512 void es8_group_avx512(const uint8_t *w, int R, const float *qx, int64_t ldq, const float *xt,
                                       int64_t S, int E, const float *wsf, float *y, int64_t ldy, float *scratch,
                                       const uint8_t *next, int64_t nnext) {
     if (S == 1) {
@@ -408,8 +394,7 @@ static inline int es8_bf16_pos(int k) {
     return (k & ~63) + (j < 8 ? 8 * lane + j : 32 + 8 * lane + j - 8);
 }
 
-#if ES8_HAVE_AVX512
-#define ES8_TBF16 ES_TARGET_BF16
+#if ES_X86_PATHS
 #define ES8_GR_BF16 8 /* rows the one-token GEMV streams at once (measured: 0.84x the time of 4 on Zen 5) */
 
 /* The bf16 bits of e4m3 magnitudes 0..127: low bytes, then high bytes (0x7f: NaN 0x7fc0). */
@@ -432,12 +417,12 @@ static const uint8_t es8_bf16_tab[256] __attribute__((aligned(64))) = {
     0x43, 0x7f
 };
 
-ES8_INLINE ES8_TBF16 void es8_bf16_tables(__m512i t[4]) {
+ES8_INLINE ES_TARGET_BF16 void es8_bf16_tables(__m512i t[4]) {
     for (int i = 0; i < 4; i++) t[i] = _mm512_load_si512((const void *)(es8_bf16_tab + 64 * i));
 }
 
 /* 64 e4m3 bytes -> 64 bf16 in two vectors (the order of es8_bf16_pos), exact. */
-ES8_INLINE ES8_TBF16 void es8_widen64_bf16(__m512i x, const __m512i t[4], __m512i *a, __m512i *b) {
+ES8_INLINE ES_TARGET_BF16 void es8_widen64_bf16(__m512i x, const __m512i t[4], __m512i *a, __m512i *b) {
     const __m512i lo = _mm512_permutex2var_epi8(t[0], x, t[1]);  /* 7 index bits: the magnitude */
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t[2], x, t[3]), x,
                                                  _mm512_set1_epi8((char)0x80), 0xf8);  /* | x & 0x80 */
@@ -446,13 +431,13 @@ ES8_INLINE ES8_TBF16 void es8_widen64_bf16(__m512i x, const __m512i t[4], __m512
 }
 
 /* The bytes of a row chunk at p: 64, or the last 32 of a row (the rest read as code 0). */
-ES8_INLINE ES8_TBF16 __m512i es8_load64(const uint8_t *p, int full) {
+ES8_INLINE ES_TARGET_BF16 __m512i es8_load64(const uint8_t *p, int full) {
     return full ? _mm512_loadu_si512((const void *)p) : _mm512_maskz_loadu_epi8(0xffffffffull, p);
 }
 
 /* dst[es8_bf16_pos(k)] = bf16(x[k] * f[k / 32]) (f NULL: 1) for k < E, zero up to E rounded up
  * to 64. The values are e4m3 values times powers of two: exact (denormal ones read 0: DAZ). */
-static ES8_TBF16 void es8_bf16_act(const float *x, int E, const float *f, uint16_t *dst) {
+static ES_TARGET_BF16 void es8_bf16_act(const float *x, int E, const float *f, uint16_t *dst) {
     const __m512i ia = _mm512_setr_epi32(0x10000, 0x30002, 0x50004, 0x70006, 0x110010, 0x130012, 0x150014,
                                          0x170016, 0x210020, 0x230022, 0x250024, 0x270026, 0x310030, 0x330032,
                                          0x350034, 0x370036);
@@ -475,7 +460,7 @@ static ES8_TBF16 void es8_bf16_act(const float *x, int E, const float *f, uint16
 /* bf16 v (pairs in dwords) times s (float32 per dword), back to bf16: exact for the products
  * of e4m3 values and powers of two (their low 16 bits are zero); a denormal one keeps its
  * high bits, read as zero by vdpbf16ps. */
-ES8_INLINE ES8_TBF16 __m512i es8_bf16_scale(__m512i v, __m512 s) {
+ES8_INLINE ES_TARGET_BF16 __m512i es8_bf16_scale(__m512i v, __m512 s) {
     const __m512i m = _mm512_set1_epi32((int)0xffff0000u);
     const __m512 ev = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), s);
     const __m512 od = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, m)), s);
@@ -485,7 +470,7 @@ ES8_INLINE ES8_TBF16 __m512i es8_bf16_scale(__m512i v, __m512 s) {
 
 /* One token, R rows (a constant at each call site, up to ES8_GR_BF16): the GEMV of es8_gemv512
  * on bf16, the weights widened by the tables, qs the activation with both scales (es8_bf16_act). */
-ES8_INLINE ES8_TBF16 void es8_gemv_bf16(const uint8_t *w, const int R, const uint16_t *qs, int E, float *y,
+ES8_INLINE ES_TARGET_BF16 void es8_gemv_bf16(const uint8_t *w, const int R, const uint16_t *qs, int E, float *y,
                                         const __m512i t[4]) {
     __m512 acc[ES8_GR_BF16][2];
 #pragma GCC unroll 8
@@ -511,7 +496,7 @@ ES8_INLINE ES8_TBF16 void es8_gemv_bf16(const uint8_t *w, const int R, const uin
 /* es8_widen_rows on bf16: R rows widened by the tables, times their block scales (wsf), k
  * block by k block: the block at k0 at wb + 32*k0, its row r at + r*ES8_KBLOCK (bf16 in
  * es8_bf16_pos order, a last block's tail zero to a multiple of 64). */
-static ES8_TBF16 void es8_widen_rows_bf16(const uint8_t *w, int R, int E, const float *wsf, uint16_t *wb,
+static ES_TARGET_BF16 void es8_widen_rows_bf16(const uint8_t *w, int R, int E, const float *wsf, uint16_t *wb,
                                           const __m512i t[4]) {
     for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
         const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK;
@@ -533,7 +518,7 @@ static ES8_TBF16 void es8_widen_rows_bf16(const uint8_t *w, int R, int E, const 
  * widened once in registers (the tables) and multiplied with every token's 64 values (qs: T
  * rows of es8_bf16_act with both scales, ldq apart): no widened copy, so few tokens stay as
  * memory-bound as the one-token GEMV (as the avx2 es8_mgemv). y[t*ldy + r]. */
-ES8_INLINE ES8_TBF16 void es8_mgemv_bf16(const uint8_t *w, const int R, const uint16_t *qs, int64_t ldq,
+ES8_INLINE ES_TARGET_BF16 void es8_mgemv_bf16(const uint8_t *w, const int R, const uint16_t *qs, int64_t ldq,
                                          const int T, int E, float *y, int64_t ldy, const __m512i t[4]) {
     __m512 acc[2][8];
 #pragma GCC unroll 2
@@ -565,7 +550,7 @@ ES8_INLINE ES8_TBF16 void es8_mgemv_bf16(const uint8_t *w, const int R, const ui
 }
 
 /* A pair of bf16 weights (positions 2p, 2p + 1 of a widened row) broadcast to 16 lanes. */
-ES8_INLINE ES8_TBF16 __m512bh es8_pair16(const uint32_t *p) {
+ES8_INLINE ES_TARGET_BF16 __m512bh es8_pair16(const uint32_t *p) {
     uint32_t u;
     memcpy(&u, p, 4);  /* (the rows are uint16_t: no uint32_t access) */
     return (__m512bh)_mm512_set1_epi32((int)u);
@@ -574,8 +559,7 @@ ES8_INLINE ES8_TBF16 __m512bh es8_pair16(const uint32_t *p) {
 /* The tiles on bf16 (es8_xtile_bf16, es8_tiles_bf16): a unit is a pair of positions, each row's
  * pair broadcast into a vdpbf16ps with the 16 tokens' pairs (32 multiply-adds an instruction);
  * the tokens packed by es8_bf16_tokens. */
-#define ES8_TS bf16
-#define ES8_TT ES8_TBF16
+#define ES_PATH ES_ISA_BF16
 #define ES8_KPU 2
 #define ES8_KPAD 64
 #define ES8_TW uint32_t
@@ -591,7 +575,7 @@ static inline int64_t es8_bf16_ldb(int E) { return (int64_t)((E + 63) & ~63) + 3
 
 /* The tokens of a call (S >= ES8_XT_MIN) in bf16 packed for the lanes: [S/16][E64/2 pairs][16]
  * dwords of two bf16 (positions of es8_bf16_pos), the lanes past S zero. */
-static ES8_TBF16 void es8_bf16_tokens(const float *qx, int64_t ldq, int64_t S, int E, uint16_t *xb) {
+static ES_TARGET_BF16 void es8_bf16_tokens(const float *qx, int64_t ldq, int64_t S, int E, uint16_t *xb) {
     const int64_t np = (E + 63) / 64 * 32, nv = (S + 15) / 16;
     uint32_t *xt = (uint32_t *)xb;
     uint16_t row[es8_bf16_ldb(E)] __attribute__((aligned(64)));
@@ -607,7 +591,7 @@ static ES8_TBF16 void es8_bf16_tokens(const float *qx, int64_t ldq, int64_t S, i
  * es8_bf16_tokens (S >= ES8_XT_MIN). One token: the GEMV, both scales in the activation; 2..8:
  * es8_mgemv_bf16 on the tokens scaled for this group (in scratch); more: the rows widened into
  * scratch with s_w, tiles of rows x tokens in the lanes. */
-static ES8_TBF16 void es8_group_bf16(const uint8_t *w, int R, const float *qx, int64_t ldq, const uint16_t *xb,
+static ES_TARGET_BF16 void es8_group_bf16(const uint8_t *w, int R, const float *qx, int64_t ldq, const uint16_t *xb,
                                      int64_t S, int E, const float *wsf, float *y, int64_t ldy, float *scratch,
                                      const uint8_t *next, int64_t nnext) {
     __m512i t[4];
@@ -639,7 +623,7 @@ static ES8_TBF16 void es8_group_bf16(const uint8_t *w, int R, const float *qx, i
 
 /* acc[i] = vdpbf16ps lane i of (acc, a, b) for n lanes (a, b: 2n bf16): the real instruction
  * (the CPU must have it), or es8_dpbf16_lane (emulate). The tests hold one to the other. */
-static ES8_TBF16 void es8_dpbf16_real(float *acc, const uint16_t *a, const uint16_t *b, int64_t n) {
+static ES_TARGET_BF16 void es8_dpbf16_real(float *acc, const uint16_t *a, const uint16_t *b, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? 0xffff : (__mmask16)((1u << (n - i)) - 1);
         const __m512i va = _mm512_maskz_loadu_epi32(m, a + 2 * i), vb = _mm512_maskz_loadu_epi32(m, b + 2 * i);
@@ -653,7 +637,7 @@ static inline int es8_dpbf16(float *acc, const uint16_t *a, const uint16_t *b, i
         for (int64_t i = 0; i < n; i++) acc[i] = es8_dpbf16_lane(acc[i], a[2 * i], a[2 * i + 1], b[2 * i], b[2 * i + 1]);
         return 0;
     }
-#if ES8_HAVE_AVX512
+#if ES_X86_PATHS
     if (es_isa_cpu_best() >= ES_ISA_BF16) { es8_dpbf16_real(acc, a, b, n); return 0; }
 #endif
     return -1;
@@ -661,44 +645,21 @@ static inline int es8_dpbf16(float *acc, const uint16_t *a, const uint16_t *b, i
 
 /* ---- dispatch -------------------------------------------------------------------------------- */
 
-/* The path the float8 kernels take now: the es_isa_now() level (engram_isa.h). */
-static inline int es8_isa(void) { return es_isa_now(); }
-
+/* avx512 and bf16 gather and quantize with the avx2 copies (exact: the same bits). */
 static inline void es8_gather(const uint8_t *w, const uint8_t *sc, int hd, const int64_t *rows, int H, float *e) {
-#if ES_X86_PATHS
-    if (es8_isa() >= ES_ISA_AVX2) { es8_gather_avx2(w, sc, hd, rows, H, e); return; } /* avx512 too: exact */
-#endif
-#if ES_NEON_PATHS
-    if (es8_isa() == ES_ISA_NEON) { es8_gather_neon(w, sc, hd, rows, H, e); return; }
-#endif
-    es8_gather_baseline(w, sc, hd, rows, H, e);
+    ES_DISPATCH_COPIES(es_isa_now(), es8_gather, (w, sc, hd, rows, H, e), baseline, avx2, avx2, avx2, neon);
 }
 
 static inline void es8_act_quant(const float *x, int n, float *qx, float *s) {
-#if ES_X86_PATHS
-    if (es8_isa() >= ES_ISA_AVX2) { es8_act_quant_avx2(x, n, qx, s); return; } /* avx512 too: the same bits */
-#endif
-#if ES_NEON_PATHS
-    if (es8_isa() == ES_ISA_NEON) { es8_act_quant_neon(x, n, qx, s); return; }
-#endif
-    es8_act_quant_baseline(x, n, qx, s);
+    ES_DISPATCH_COPIES(es_isa_now(), es8_act_quant, (x, n, qx, s), baseline, avx2, avx2, avx2, neon);
 }
 
 /* One token. kv [(G+1)*D]: the key of stream c at c*D, the shared value at G*D (see
- * es8_gate_tail_plain). */
+ * es8_gate_tail_plain; avx512 and bf16 run that one). */
 static inline void es8_gate_tail(const float *kv, const float *hid, const float *qw, const float *kw, int G, int D,
                                  float eps, int dead, float *out) {
-    switch (es8_isa()) {
-#if ES_X86_PATHS
-        case ES_ISA_BF16:
-        case ES_ISA_AVX512: es8_gate_tail_plain(kv, hid, qw, kw, G, D, eps, dead, out); break;
-        case ES_ISA_AVX2: es8_gate_tail_avx2(kv, hid, qw, kw, G, D, eps, dead, out); break;
-#endif
-#if ES_NEON_PATHS
-        case ES_ISA_NEON: es8_gate_tail_neon(kv, hid, qw, kw, G, D, eps, dead, out); break;
-#endif
-        default: es8_gate_tail_baseline(kv, hid, qw, kw, G, D, eps, dead, out); break;
-    }
+    ES_DISPATCH_COPIES(es_isa_now(), es8_gate_tail, (kv, hid, qw, kw, G, D, eps, dead, out), baseline, avx2, plain,
+                       plain, neon);
 }
 
 /* Scratch of the many-token projection (S > 1), in floats: the tokens packed for the lanes,
@@ -743,24 +704,16 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const fl
         /* the next group of this range (its rows prefetched while these compute) */
         const int rn = g + 1 < g1 ? (M - r0 - ES8_BLOCK < ES8_BLOCK ? (int)(M - r0 - ES8_BLOCK) : ES8_BLOCK) : 0;
         const uint8_t *next = rn ? W + (r0 + R) * E : 0;
-        switch (isa) {
-#if ES_X86_PATHS
-            case ES_ISA_BF16:
-                es8_group_bf16(W + r0 * E, R, qx, ldq, (const uint16_t *)xt, S, E, wsf, Y + r0, M, scratch,
-                               W + (r0 + R) * E, (int64_t)rn * E);
-                break;
-            case ES_ISA_AVX512:  /* 2..8 tokens: the avx2 es8_mgemv (the same fp16 widening and scales) */
-                if (S > 1 && S < ES8_XT_MIN) es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn);
-                else es8_group_avx512(W + r0 * E, R, qx, ldq, xt, S, E, wsf, Y + r0, M, scratch, W + (r0 + R) * E,
-                                      (int64_t)rn * E);
-                break;
-            case ES_ISA_AVX2: es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
-#endif
-#if ES_NEON_PATHS
-            case ES_ISA_NEON: es8_group_neon(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
-#endif
-            default: es8_group_baseline(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn); break;
-        }
+        ES_ON_PATH(isa, es8_group_baseline(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn),
+                   es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn),
+                   /* avx512, 2..8 tokens: the avx2 es8_mgemv (the same fp16 widening and scales) */
+                   S > 1 && S < ES8_XT_MIN
+                       ? es8_group_avx2(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn)
+                       : es8_group_avx512(W + r0 * E, R, qx, ldq, xt, S, E, wsf, Y + r0, M, scratch,
+                                          W + (r0 + R) * E, (int64_t)rn * E),
+                   es8_group_bf16(W + r0 * E, R, qx, ldq, (const uint16_t *)xt, S, E, wsf, Y + r0, M, scratch,
+                                  W + (r0 + R) * E, (int64_t)rn * E),
+                   es8_group_neon(W + r0 * E, R, qx, xt, S, E, wsf, Y + r0, M, scratch, next, rn));
     }
 }
 
@@ -794,48 +747,34 @@ static void es8_wkv_part(void *ctx, int64_t slot, int64_t slot_end) {
  * thread. */
 static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
                               int M, float *Y, int nthreads, float *scratch) {
-    const int isa = es8_isa();
+    const int isa = es_isa_now();
     float *xt = 0;
     const int64_t ng = (M + ES8_BLOCK - 1) / ES8_BLOCK;
     if (nthreads > ES8_MAX_THREADS) nthreads = ES8_MAX_THREADS;  /* the scratch holds nthreads slots */
     if (nthreads > ng) nthreads = (int)ng;
-#if ES8_HAVE_AVX512
+#if ES_X86_PATHS
     if (isa == ES_ISA_BF16) {  /* many tokens in bf16 for the lanes; 2..8 read qx (es8_group_bf16) */
         if (scratch && S >= ES8_XT_MIN) es8_bf16_tokens(qx, ldq, S, E, (uint16_t *)(xt = scratch));
     } else
 #endif
     if (scratch && S > 1) {  /* the tokens in the lanes: 16 a vector on avx512 (from ES8_XT_MIN tokens) */
-        int lanes = es8_xlanes_baseline, mg = es8_mg_baseline;
-#if ES_X86_PATHS
-        lanes = isa == ES_ISA_AVX512 ? 16 : isa == ES_ISA_AVX2 ? es8_xlanes_avx2 : lanes;
-        mg = isa == ES_ISA_AVX512 ? ES8_XT_MIN - 1 : isa == ES_ISA_AVX2 ? es8_mg_avx2 : mg;
-#endif
-#if ES_NEON_PATHS
-        if (isa == ES_ISA_NEON) lanes = es8_xlanes_neon, mg = es8_mg_neon;
-#endif
+        int lanes, mg;  /* (bf16 packed its own above) */
+        ES_ON_PATH(isa, (lanes = es8_xlanes_baseline, mg = es8_mg_baseline),
+                   (lanes = es8_xlanes_avx2, mg = es8_mg_avx2), (lanes = 16, mg = ES8_XT_MIN - 1),
+                   (lanes = 16, mg = ES8_XT_MIN - 1), (lanes = es8_xlanes_neon, mg = es8_mg_neon));
         xt = scratch;
-        if (S <= mg) {  /* a few tokens on the template paths: each in its GEMV's order */
-            for (int64_t t = 0; t < S; t++) {
-#if ES_X86_PATHS
-                if (isa != ES_ISA_BASELINE) { es8_gemv_layout_avx2(qx + t * ldq, E, xt + t * (E + 16)); continue; }
-#endif
-#if ES_NEON_PATHS
-                if (isa == ES_ISA_NEON) { es8_gemv_layout_neon(qx + t * ldq, E, xt + t * (E + 16)); continue; }
-#endif
-                es8_gemv_layout_baseline(qx + t * ldq, E, xt + t * (E + 16));
-            }
+        if (S <= mg) {  /* a few tokens on the template paths (avx512: the avx2 es8_mgemv): each in its GEMV's order */
+            for (int64_t t = 0; t < S; t++)
+                ES_DISPATCH_COPIES(isa, es8_gemv_layout, (qx + t * ldq, E, xt + t * (E + 16)), baseline, avx2, avx2,
+                                   avx2, neon);
         } else {
             es8_pack_tokens(qx, ldq, S, E, xt, lanes);
         }
     }
     float q1[S == 1 ? E : 1];  /* one token on the template paths: in their GEMV's order, once per call */
-    if (S == 1 && isa == ES_ISA_BASELINE) qx = (es8_gemv_layout_baseline(qx, E, q1), q1);
-#if ES_X86_PATHS
-    if (S == 1 && isa == ES_ISA_AVX2) qx = (es8_gemv_layout_avx2(qx, E, q1), q1);
-#endif
-#if ES_NEON_PATHS
-    if (S == 1 && isa == ES_ISA_NEON) qx = (es8_gemv_layout_neon(qx, E, q1), q1);
-#endif
+    if (S == 1)
+        ES_ON_PATH(isa, qx = (es8_gemv_layout_baseline(qx, E, q1), q1), qx = (es8_gemv_layout_avx2(qx, E, q1), q1),
+                   (void)0, (void)0, qx = (es8_gemv_layout_neon(qx, E, q1), q1));
     es8_wkv_args a = {isa, E, M, qx, ldq, S, W, WS, Y, xt, scratch ? scratch + es8_xt_floats(S, E) : 0, ng, 0};
     es_parallel(nthreads, nthreads, es8_wkv_part, &a);  /* one range per thread: its scratch slot */
 }
@@ -845,7 +784,7 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
  * n rounds; returns the multiply-adds done. */
 static inline int64_t es8_mac_chains(int64_t n, float *sink) {
 #if ES_X86_PATHS
-    if (es8_isa() == ES_ISA_BF16) return es_dpbf16_chains(n, sink);
+    if (es_isa_now() == ES_ISA_BF16) return es_dpbf16_chains(n, sink);
 #endif
     return es_fma_chains(n, sink);
 }

@@ -1,13 +1,11 @@
-/* engram_fp8_kern.h: the float8 kernels of the V4.1 step, a template included once per
- * instruction set by engram_fp8.h (as engram_step_kern.h is by engram_step.h). Before each
- * inclusion:
- *   ES_SFX    the suffix of this copy's names (baseline, avx2)
- *   ES_TGT    its target attribute (empty for the baseline)
- *   ES_VW     floats per vector: 4 (16 bytes: SSE2 / NEON) or 8 (AVX2)
- *   ES_F16C   1: e4m3 widened through fp16 bits and F16C (the value times 2^-8; the caller folds
- *             2^8 into the block scale, ES8_WIDEN_FOLD); 0: through float32 bits, portable C
- *   ES_NEON   1 (aarch64 ASIMD): through fp16 bits as F16C, by SSHLL #7 and FCVTL, in order;
- *             0 when not defined
+/* engram_fp8_kern.h: the float8 kernels of the V4.1 step, a template included once per path
+ * by engram_fp8.h (as engram_step_kern.h is by engram_step.h). The path's shared settings come
+ * from ES_PATH through engram_path.h: ES_SF, ES_TGT, ES_KI, ES_VW (4: 16 bytes, SSE2 / NEON;
+ * 8: AVX2), and how e4m3 is widened:
+ *   ES_F16C   1: through fp16 bits and F16C (the value times 2^-8; the caller folds 2^8 into the
+ *             block scale, ES8_WIDEN_FOLD); 0: through float32 bits, portable C
+ *   ES_NEON   1 (aarch64 ASIMD): through fp16 bits as F16C, by SSHLL #7 and FCVTL, in order
+ * Before each inclusion engram_fp8.h sets ES_PATH and this template's own parameters:
  *   ES8_GR    weight rows the one-token GEMV streams at once
  *   ES8_MG    tokens up to which the many-token projection widens in registers (es8_mgemv, at most 8)
  *   ES8_XR    weight rows of a many-token tile (ES8_XR x ES8_XV vector accumulators)
@@ -32,19 +30,13 @@
  * avx512 path: checkpoints hold none, and on a CPU whose conversions bound the GEMV the fix
  * would cost a third of its time).
  */
-#ifndef ES_NEON
-#define ES_NEON 0
-#endif
-#define ES8_CAT2(a, b) a##_##b
-#define ES8_CAT(a, b) ES8_CAT2(a, b)
-#define ES8_SF(name) ES8_CAT(name, ES_SFX)
-#define ES8_KI static inline __attribute__((always_inline)) ES_TGT
+#include "engram_path.h"
 #define ES8_NV (16 / ES_VW) /* vectors per 16 widened bytes */
 
-typedef float ES8_SF(es8_vf) __attribute__((vector_size(ES_VW * 4), aligned(4)));
-typedef double ES8_SF(es8_vd) __attribute__((vector_size(ES_VW * 8), aligned(8)));
-enum { ES8_SF(es8_xlanes) = ES_VW, /* tokens per packed vector (es8_pack_tokens) */
-       ES8_SF(es8_mg) = ES8_MG };   /* tokens up to which es8_mgemv runs */
+typedef float ES_SF(es8_vf) __attribute__((vector_size(ES_VW * 4), aligned(4)));
+typedef double ES_SF(es8_vd) __attribute__((vector_size(ES_VW * 8), aligned(8)));
+enum { ES_SF(es8_xlanes) = ES_VW, /* tokens per packed vector (es8_pack_tokens) */
+       ES_SF(es8_mg) = ES8_MG };   /* tokens up to which es8_mgemv runs */
 
 #if !ES_F16C && ES_VW != 4
 #error "the portable and NEON widenings work on 4-lane vectors"
@@ -54,7 +46,7 @@ enum { ES8_SF(es8_xlanes) = ES_VW, /* tokens per packed vector (es8_pack_tokens)
 /* 16 e4m3 bytes -> v[0..4) in order, the values times 2^-8 (fp16 bits: SSHLL #7 gives
  * s s eeee mmm 0000000, the mask 0xbf80 clears the second sign bit, FCVTL widens exactly);
  * nan: the NaN codes read NaN (magnitude 0x3f80 + 0x80 carries into bit 14: exponent all ones). */
-ES8_KI void ES8_SF(es8_widen16n)(const uint8_t *p, ES8_SF(es8_vf) *v, const int nan) {
+ES_KI void ES_SF(es8_widen16n)(const uint8_t *p, ES_SF(es8_vf) *v, const int nan) {
     const int8x16_t x = vreinterpretq_s8_u8(vld1q_u8(p));
     const int16x8_t m = vdupq_n_s16((int16_t)0xbf80);
     int16x8_t h[2] = {vandq_s16(vshll_n_s8(vget_low_s8(x), 7), m), vandq_s16(vshll_high_n_s8(x, 7), m)};
@@ -65,8 +57,8 @@ ES8_KI void ES8_SF(es8_widen16n)(const uint8_t *p, ES8_SF(es8_vf) *v, const int 
             h[i] = vorrq_s16(h[i], vandq_s16(t, vdupq_n_s16(0x4000)));
         }
         const float16x8_t f = vreinterpretq_f16_s16(h[i]);
-        v[2 * i] = (ES8_SF(es8_vf))vcvt_f32_f16(vget_low_f16(f));
-        v[2 * i + 1] = (ES8_SF(es8_vf))vcvt_high_f32_f16(f);
+        v[2 * i] = (ES_SF(es8_vf))vcvt_f32_f16(vget_low_f16(f));
+        v[2 * i + 1] = (ES_SF(es8_vf))vcvt_high_f32_f16(f);
     }
 }
 #endif
@@ -79,13 +71,13 @@ ES8_KI void ES8_SF(es8_widen16n)(const uint8_t *p, ES8_SF(es8_vf) *v, const int 
  * +-480. Portable: the bytes as 4 dwords, v[j] the bytes j, j + 4, j + 8, j + 12, each the
  * float32 bits sign << 31 | (b & 0x7f) << 20 by two shifts, two masks and an or (SSE2 has no
  * byte sign extension: the compilers lowered one to scalar code), NaN codes read NaN. */
-ES8_KI void ES8_SF(es8_widen16g)(const uint8_t *p, ES8_SF(es8_vf) *v) {
+ES_KI void ES_SF(es8_widen16g)(const uint8_t *p, ES_SF(es8_vf) *v) {
 #if ES_NEON
-    ES8_SF(es8_widen16n)(p, v, 0);
+    ES_SF(es8_widen16n)(p, v, 0);
 #elif ES_F16C
     const __m128i m = _mm_set1_epi16((short)0xbf80), x = _mm_loadu_si128((const __m128i *)p);
-    v[0] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), m));
-    v[1] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(x, 1), m));
+    v[0] = (ES_SF(es8_vf))_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), m));
+    v[1] = (ES_SF(es8_vf))_mm256_cvtph_ps(_mm_and_si128(_mm_srai_epi16(x, 1), m));
 #else
     typedef uint32_t vu __attribute__((vector_size(16)));
     typedef uint32_t vuu __attribute__((vector_size(16), aligned(1)));
@@ -99,14 +91,14 @@ ES8_KI void ES8_SF(es8_widen16g)(const uint8_t *p, ES8_SF(es8_vf) *v) {
 #pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {
         f[j] |= (vu)((vs)(f[j] & 0x07f00000u) == (vs){0x07f00000, 0x07f00000, 0x07f00000, 0x07f00000}) & 0x7f800000u;
-        v[j] = (ES8_SF(es8_vf))f[j] * 0x1p120f; /* value x 2^-120 (subnormal for e = 0) -> the value */
+        v[j] = (ES_SF(es8_vf))f[j] * 0x1p120f; /* value x 2^-120 (subnormal for e = 0) -> the value */
     }
 #endif
 }
 
 /* 16 e4m3 bytes at p -> v[0 .. ES8_NV) in order: the values times 2^-8 (F16C) or exactly
  * (portable); nan: the NaN codes read NaN (always, portable). */
-ES8_KI void ES8_SF(es8_widen16)(const uint8_t *p, ES8_SF(es8_vf) *v, const int nan) {
+ES_KI void ES_SF(es8_widen16)(const uint8_t *p, ES_SF(es8_vf) *v, const int nan) {
 #if ES_F16C
     __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
     h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xbf80));
@@ -114,15 +106,15 @@ ES8_KI void ES8_SF(es8_widen16)(const uint8_t *p, ES8_SF(es8_vf) *v, const int n
         const __m256i t = _mm256_add_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x3f80)), _mm256_set1_epi16(0x80));
         h = _mm256_or_si256(h, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));
     }
-    v[0] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm256_castsi256_si128(h));
-    v[1] = (ES8_SF(es8_vf))_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    v[0] = (ES_SF(es8_vf))_mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    v[1] = (ES_SF(es8_vf))_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 #elif ES_NEON
-    ES8_SF(es8_widen16n)(p, v, nan);
+    ES_SF(es8_widen16n)(p, v, nan);
 #else
-    typedef ES8_SF(es8_vf) vf;
+    typedef ES_SF(es8_vf) vf;
     vf g[4];
     (void)nan;
-    ES8_SF(es8_widen16g)(p, g); /* g[j][i] is byte 4i + j: transposed back */
+    ES_SF(es8_widen16g)(p, g); /* g[j][i] is byte 4i + j: transposed back */
 #pragma GCC unroll 4
     for (int i = 0; i < 4; i++) v[i] = (vf){g[0][i], g[1][i], g[2][i], g[3][i]};
 #endif
@@ -134,18 +126,18 @@ ES8_KI void ES8_SF(es8_widen16)(const uint8_t *p, ES8_SF(es8_vf) *v, const int n
 #define ES8_WIDEN_FOLD 1.0f
 #endif
 
-ES8_KI float ES8_SF(es8_hsum)(ES8_SF(es8_vf) v) {
+ES_KI float ES_SF(es8_hsum)(ES_SF(es8_vf) v) {
     float t[ES_VW];
-    *(ES8_SF(es8_vf) *)t = v;
+    *(ES_SF(es8_vf) *)t = v;
     return es_hsum_lanes(t, ES_VW);
 }
 
 /* ---- table rows and the activation quantizer ------------------------------------------ */
 
 /* e[j*hd + i] = e4m3(w[rows[j]][i]) * e8m0(sc[rows[j]][i/32]): exact, as es8_gather_plain. */
-static ES_TGT void ES8_SF(es8_gather)(const uint8_t *w, const uint8_t *sc, int hd, const int64_t *rows, int H,
+static ES_TGT void ES_SF(es8_gather)(const uint8_t *w, const uint8_t *sc, int hd, const int64_t *rows, int H,
                                       float *e) {
-    typedef ES8_SF(es8_vf) vf;
+    typedef ES_SF(es8_vf) vf;
     const int nb = hd / ES8_BLOCK;
     for (int j = 0; j < H; j++) {
         const uint8_t *src = w + rows[j] * hd, *s = sc + rows[j] * nb;
@@ -154,7 +146,7 @@ static ES_TGT void ES8_SF(es8_gather)(const uint8_t *w, const uint8_t *sc, int h
             const float f = es8_e8m0(s[b]);
             for (int h = 0; h < ES8_BLOCK; h += 16) {
                 vf v[ES8_NV];
-                ES8_SF(es8_widen16)(src + b * ES8_BLOCK + h, v, 1);
+                ES_SF(es8_widen16)(src + b * ES8_BLOCK + h, v, 1);
 #pragma GCC unroll 4
                 for (int i = 0; i < ES8_NV; i++) { /* v * 2^8 is exact: the product rounds as e4m3 * f */
                     *(vf *)(dst + b * ES8_BLOCK + h + i * ES_VW) = (v[i] * ES8_WIDEN_FOLD) * f;
@@ -167,7 +159,7 @@ static ES_TGT void ES8_SF(es8_gather)(const uint8_t *w, const uint8_t *sc, int h
 /* es8_act_quant_plain compiled for this path (the loops vectorize), times 1/s for / s: s is
  * a normal power of two, so both are the same correctly rounded value (the same bits), and
  * a vector division costs ~10x a multiply. */
-static ES_TGT void ES8_SF(es8_act_quant)(const float *x, int n, float *qx, float *s) {
+static ES_TGT void ES_SF(es8_act_quant)(const float *x, int n, float *qx, float *s) {
     for (int b = 0; b < n / ES8_BLOCK; b++) {
         const float *xb = x + b * ES8_BLOCK;
         uint32_t amax = 0;
@@ -185,7 +177,7 @@ static ES_TGT void ES8_SF(es8_act_quant)(const float *x, int n, float *qx, float
 
 /* The activation in the order es8_widen16g gives the weights: per 16 values, F16C: the even
  * k, then the odd; portable: k = j, j + 4, j + 8, j + 12 for j = 0..3; NEON: in order. */
-static ES_TGT void ES8_SF(es8_gemv_layout)(const float *qx, int E, float *q) {
+static ES_TGT void ES_SF(es8_gemv_layout)(const float *qx, int E, float *q) {
     for (int k = 0; k < E; k += 16)
 #if ES_NEON
 #pragma GCC unroll 16
@@ -206,8 +198,8 @@ static ES_TGT void ES8_SF(es8_gemv_layout)(const float *qx, int E, float *q) {
  * (memory-bound), each row prefetched ES8_PREFETCH bytes ahead, widened in registers. qs:
  * the activation in es8_gemv_layout's order, the block scales folded in (x ES8_WIDEN_FOLD).
  * y[r] = the sums. */
-ES8_KI void ES8_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int E, float *y) {
-    typedef ES8_SF(es8_vf) vf;
+ES_KI void ES_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int E, float *y) {
+    typedef ES_SF(es8_vf) vf;
     vf acc[ES8_GR][ES8_NV];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -219,7 +211,7 @@ ES8_KI void ES8_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int
         _Pragma("GCC unroll 4") for (int i = 0; i < ES8_NV; i++) q[i] = *(const vf *)(qs + (k) + i * ES_VW); \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                     \
             vf v[ES8_NV];                                                                          \
-            ES8_SF(es8_widen16g)(w + (int64_t)r * E + (k), v);                                    \
+            ES_SF(es8_widen16g)(w + (int64_t)r * E + (k), v);                                    \
             _Pragma("GCC unroll 4") for (int i = 0; i < ES8_NV; i++) acc[r][i] += v[i] * q[i];    \
         }                                                                                          \
     } while (0)
@@ -236,7 +228,7 @@ ES8_KI void ES8_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int
     for (int r = 0; r < R; r++) {
 #pragma GCC unroll 4
         for (int i = 1; i < ES8_NV; i++) acc[r][0] += acc[r][i];
-        y[r] = ES8_SF(es8_hsum)(acc[r][0]);
+        y[r] = ES_SF(es8_hsum)(acc[r][0]);
     }
 }
 
@@ -246,9 +238,9 @@ ES8_KI void ES8_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int
  * bytes on the Zen of the benchmarks, a token's FMAs 2), so few tokens stay memory-bound.
  * q: the S tokens in es8_gemv_layout's order, rows E + 16 floats apart (not a multiple of 4
  * KiB: the tokens' lines would share L1 sets); y[t*ldy + r]. */
-ES8_KI void ES8_SF(es8_mgemv)(const uint8_t *w, int R, const float *q, const int S, int E, const float *wsf,
+ES_KI void ES_SF(es8_mgemv)(const uint8_t *w, int R, const float *q, const int S, int E, const float *wsf,
                               float *y, int64_t ldy) {
-    typedef ES8_SF(es8_vf) vf;
+    typedef ES_SF(es8_vf) vf;
     for (int r = 0; r < R; r++) {
         const uint8_t *wr = w + (int64_t)r * E;
         vf acc[ES8_MG];
@@ -260,7 +252,7 @@ ES8_KI void ES8_SF(es8_mgemv)(const uint8_t *w, int R, const float *q, const int
             const float f = wsf[k0 >> 5];
 #pragma GCC unroll 2
             for (int h = 0; h < 2; h++) {
-                ES8_SF(es8_widen16g)(wr + k0 + 16 * h, v[h]);
+                ES_SF(es8_widen16g)(wr + k0 + 16 * h, v[h]);
 #pragma GCC unroll 4
                 for (int i = 0; i < ES8_NV; i++) v[h][i] *= f;
             }
@@ -274,19 +266,19 @@ ES8_KI void ES8_SF(es8_mgemv)(const uint8_t *w, int R, const float *q, const int
             }
         }
 #pragma GCC unroll 8
-        for (int t = 0; t < S; t++) y[t * ldy + r] = ES8_SF(es8_hsum)(acc[t]);
+        for (int t = 0; t < S; t++) y[t * ldy + r] = ES_SF(es8_hsum)(acc[t]);
     }
 }
 
 /* Rows [0, R) of a group, k in [k0, k0 + kw), widened with their block scales folded in
  * (wsf, x ES8_WIDEN_FOLD): row r at wf + r*ws. kw % 16 == 0. */
-ES8_KI void ES8_SF(es8_widen_block)(const uint8_t *w, int R, int E, int k0, int kw, const float *wsf, float *wf,
+ES_KI void ES_SF(es8_widen_block)(const uint8_t *w, int R, int E, int k0, int kw, const float *wsf, float *wf,
                                     int64_t ws) {
-    typedef ES8_SF(es8_vf) vf;
+    typedef ES_SF(es8_vf) vf;
     for (int64_t r = 0; r < R; r++)
         for (int k = 0; k < kw; k += 16) {
             vf v[ES8_NV];
-            ES8_SF(es8_widen16)(w + r * E + k0 + k, v, 0);
+            ES_SF(es8_widen16)(w + r * E + k0 + k, v, 0);
             const float f = wsf[(k0 + k) >> 5];
 #pragma GCC unroll 4
             for (int i = 0; i < ES8_NV; i++) *(vf *)(wf + r * ws + k + i * ES_VW) = v[i] * f;
@@ -296,7 +288,7 @@ ES8_KI void ES8_SF(es8_widen_block)(const uint8_t *w, int R, int E, int k0, int 
 /* The bytes [k0, k0 + kw) of R rows of a group, requested into L2 ahead of their widening: 32
  * rows are too many streams for the hardware prefetcher (measured: the widening waited on
  * memory a third of its time without). */
-ES8_KI void ES8_SF(es8_wprefetch)(const uint8_t *w, int R, int E, int k0, int kw) {
+ES_KI void ES_SF(es8_wprefetch)(const uint8_t *w, int R, int E, int k0, int kw) {
     for (int r = 0; r < R; r++)
         for (int b = 0; b < kw; b += 64) __builtin_prefetch(w + (int64_t)r * E + k0 + b, 0, 2);
 }
@@ -307,9 +299,9 @@ ES8_KI void ES8_SF(es8_wprefetch)(const uint8_t *w, int R, int E, int k0, int kw
  * vectors of sums (row stride ldp): this block's sums are stored there (first) or added (a
  * sum per k block, then the blocks': the error of a sum of a block's terms, not of E terms).
  * R and V are constants at each call site, so the tile stays in registers. */
-ES8_KI void ES8_SF(es8_xtile)(const float *w, int64_t ws, const int R, const float *xt, int64_t ldv, const int V,
+ES_KI void ES_SF(es8_xtile)(const float *w, int64_t ws, const int R, const float *xt, int64_t ldv, const int V,
                               int n, float *part, int64_t ldp, int first) {
-    typedef ES8_SF(es8_vf) vf;
+    typedef ES_SF(es8_vf) vf;
     vf acc[ES8_XR1][ES8_XV];
 #pragma GCC unroll 12
     for (int r = 0; r < R; r++)
@@ -337,9 +329,9 @@ ES8_KI void ES8_SF(es8_xtile)(const float *w, int64_t ws, const int R, const flo
 
 /* One tile of `rows` (1..ES8_XR; with one token vector, up to ES8_XR1; a constant per case)
  * x V token vectors. */
-ES8_KI void ES8_SF(es8_xcase)(int rows, const float *wr, int64_t ws, const float *x, int64_t ldv, const int V,
+ES_KI void ES_SF(es8_xcase)(int rows, const float *wr, int64_t ws, const float *x, int64_t ldv, const int V,
                               int kw, float *pr, int64_t ldp, int first) {
-#define ES8_X(n) case n: ES8_SF(es8_xtile)(wr, ws, n, x, ldv, V, kw, pr, ldp, first); break;
+#define ES8_X(n) case n: ES_SF(es8_xtile)(wr, ws, n, x, ldv, V, kw, pr, ldp, first); break;
     switch (rows) {
         ES8_X(1) ES8_X(2) ES8_X(3) ES8_X(4) ES8_X(5) ES8_X(6)
         ES8_X(7) ES8_X(8) ES8_X(9) ES8_X(10) ES8_X(11) ES8_X(12)
@@ -351,7 +343,7 @@ ES8_KI void ES8_SF(es8_xcase)(int rows, const float *wr, int64_t ws, const float
 /* Rows of a tile starting at row r of R: ES8_XR, and a remainder of fewer rows than a tile
  * split with the tile before it into two near-equal ones (few accumulators leave the FMAs
  * idle: 32 rows go 6, 6, 6, 6, 4, 4). */
-static inline int ES8_SF(es8_tile_rows)(int R, int r, int xr) {
+static inline int ES_SF(es8_tile_rows)(int R, int r, int xr) {
     return R - r <= xr ? R - r : (R - r < 2 * xr ? (R - r + 1) / 2 : xr);
 }
 
@@ -367,20 +359,20 @@ static inline int ES8_SF(es8_tile_rows)(int R, int r, int xr) {
  * stream from L2); the block sums add up in scratch ([R][S rounded up to ES_VW]) and go to
  * y[t*ldy + r] after the last block. next: the next group's rows (rnext of them) or NULL: its
  * first block is prefetched during this group's last. */
-static ES_TGT void ES8_SF(es8_group)(const uint8_t *w, int R, const float *qx, const float *xt, int64_t S, int E,
+static ES_TGT void ES_SF(es8_group)(const uint8_t *w, int R, const float *qx, const float *xt, int64_t S, int E,
                                      const float *wsf, float *y, int64_t ldy, float *scratch, const uint8_t *next,
                                      int rnext) {
-    typedef ES8_SF(es8_vf) vf;
+    typedef ES_SF(es8_vf) vf;
     if (S == 1) {
         float qs[E] __attribute__((aligned(64)));
         for (int k = 0; k < E; k += ES_VW) *(vf *)(qs + k) = *(const vf *)(qx + k) * wsf[k >> 5];
         int r = 0;
-        for (; r + ES8_GR <= R; r += ES8_GR) ES8_SF(es8_gemv)(w + (int64_t)r * E, ES8_GR, qs, E, y + r);
-        for (; r < R; r++) ES8_SF(es8_gemv)(w + (int64_t)r * E, 1, qs, E, y + r);
+        for (; r + ES8_GR <= R; r += ES8_GR) ES_SF(es8_gemv)(w + (int64_t)r * E, ES8_GR, qs, E, y + r);
+        for (; r < R; r++) ES_SF(es8_gemv)(w + (int64_t)r * E, 1, qs, E, y + r);
         return;
     }
     if (S <= ES8_MG) { /* xt: the tokens in es8_gemv_layout's order */
-#define ES8_M(n) case n: ES8_SF(es8_mgemv)(w, R, xt, n, E, wsf, y, ldy); break;
+#define ES8_M(n) case n: ES_SF(es8_mgemv)(w, R, xt, n, E, wsf, y, ldy); break;
         switch (S) { ES8_M(2) ES8_M(3) ES8_M(4) ES8_M(5) ES8_M(6) ES8_M(7) ES8_M(8) default: break; }
 #undef ES8_M
         return;
@@ -391,26 +383,26 @@ static ES_TGT void ES8_SF(es8_group)(const uint8_t *w, int R, const float *qx, c
     float *wf = scratch, *part = scratch + (int64_t)ES8_BLOCK * ws;
     for (int k0 = 0; k0 < E; k0 += kb) {
         const int kw = E - k0 < kb ? E - k0 : kb, first = k0 == 0;
-        ES8_SF(es8_widen_block)(w, R, E, k0, kw, wsf, wf, ws);
-        if (k0 + kb < E) ES8_SF(es8_wprefetch)(w, R, E, k0 + kb, E - k0 - kb < kb ? E - k0 - kb : kb);
-        else if (next) ES8_SF(es8_wprefetch)(next, rnext, E, 0, E < kb ? E : kb);
+        ES_SF(es8_widen_block)(w, R, E, k0, kw, wsf, wf, ws);
+        if (k0 + kb < E) ES_SF(es8_wprefetch)(w, R, E, k0 + kb, E - k0 - kb < kb ? E - k0 - kb : kb);
+        else if (next) ES_SF(es8_wprefetch)(next, rnext, E, 0, E < kb ? E : kb);
         const float *xb = xt + (int64_t)k0 * ES_VW;
         if (rows_outer) {
             for (int r = 0, rows; r < R; r += rows) {
-                rows = ES8_SF(es8_tile_rows)(R, r, ES8_XR);
+                rows = ES_SF(es8_tile_rows)(R, r, ES8_XR);
                 for (int64_t j0 = 0; j0 < nv; j0 += ES8_XV) {
                     const int V = nv - j0 < ES8_XV ? (int)(nv - j0) : ES8_XV;
-                    if (V == ES8_XV) ES8_SF(es8_xcase)(rows, wf + (int64_t)r * ws, ws, xb + j0 * ldv, ldv, ES8_XV, kw, part + r * ldp + j0 * ES_VW, ldp, first);
-                    else ES8_SF(es8_xcase)(rows, wf + (int64_t)r * ws, ws, xb + j0 * ldv, ldv, 1, kw, part + r * ldp + j0 * ES_VW, ldp, first);
+                    if (V == ES8_XV) ES_SF(es8_xcase)(rows, wf + (int64_t)r * ws, ws, xb + j0 * ldv, ldv, ES8_XV, kw, part + r * ldp + j0 * ES_VW, ldp, first);
+                    else ES_SF(es8_xcase)(rows, wf + (int64_t)r * ws, ws, xb + j0 * ldv, ldv, 1, kw, part + r * ldp + j0 * ES_VW, ldp, first);
                 }
             }
         } else {
             for (int64_t j0 = 0; j0 < nv; j0 += ES8_XV) {
                 const int V = nv - j0 < ES8_XV ? (int)(nv - j0) : ES8_XV;
                 for (int r = 0, rows; r < R; r += rows) {
-                    rows = ES8_SF(es8_tile_rows)(R, r, V == 1 ? ES8_XR1 : ES8_XR);
-                    if (V == ES8_XV) ES8_SF(es8_xcase)(rows, wf + (int64_t)r * ws, ws, xb + j0 * ldv, ldv, ES8_XV, kw, part + r * ldp + j0 * ES_VW, ldp, first);
-                    else ES8_SF(es8_xcase)(rows, wf + (int64_t)r * ws, ws, xb + j0 * ldv, ldv, 1, kw, part + r * ldp + j0 * ES_VW, ldp, first);
+                    rows = ES_SF(es8_tile_rows)(R, r, V == 1 ? ES8_XR1 : ES8_XR);
+                    if (V == ES8_XV) ES_SF(es8_xcase)(rows, wf + (int64_t)r * ws, ws, xb + j0 * ldv, ldv, ES8_XV, kw, part + r * ldp + j0 * ES_VW, ldp, first);
+                    else ES_SF(es8_xcase)(rows, wf + (int64_t)r * ws, ws, xb + j0 * ldv, ldv, 1, kw, part + r * ldp + j0 * ES_VW, ldp, first);
                 }
             }
         }
@@ -423,10 +415,10 @@ static ES_TGT void ES8_SF(es8_group)(const uint8_t *w, int R, const float *qx, c
 
 /* es8_gate_tail_plain on vectors: the three sums in double over ES_VW lanes (only their order
  * differs), the rest per stream by the one formula (es8_gate_out). */
-static ES_TGT void ES8_SF(es8_gate_tail)(const float *kv, const float *hid, const float *qw, const float *kw,
+static ES_TGT void ES_SF(es8_gate_tail)(const float *kv, const float *hid, const float *qw, const float *kw,
                                          int G, int D, float eps, int dead, float *out) {
-    typedef ES8_SF(es8_vf) vf;
-    typedef ES8_SF(es8_vd) vd;
+    typedef ES_SF(es8_vf) vf;
+    typedef ES_SF(es8_vd) vd;
     const float *value = kv + (int64_t)G * D;
     for (int c = 0; c < G; c++) {
         const float *key = kv + (int64_t)c * D, *h = hid + (int64_t)c * D;
@@ -456,18 +448,9 @@ static ES_TGT void ES8_SF(es8_gate_tail)(const float *kv, const float *hid, cons
     }
 }
 
-#undef ES8_CAT2
-#undef ES8_CAT
-#undef ES8_SF
-#undef ES8_KI
 #undef ES8_NV
 #undef ES8_WIDEN_FOLD
 /* this copy's parameters: the next inclusion defines its own */
-#undef ES_SFX
-#undef ES_TGT
-#undef ES_VW
-#undef ES_F16C
-#undef ES_NEON
 #undef ES8_GR
 #undef ES8_MG
 #undef ES8_XR
@@ -477,3 +460,4 @@ static ES_TGT void ES8_SF(es8_gate_tail)(const float *kv, const float *hid, cons
 #undef ES8_KB_FEW
 #undef ES8_FEW
 #undef ES8_XCOLS
+#include "engram_path_end.h"

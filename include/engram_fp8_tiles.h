@@ -3,9 +3,9 @@
  * over k blocks, token vectors and row tiles. A template included once per path by
  * engram_fp8.h. The two paths differ only in the multiply-add on a 4-byte unit of k: avx512 a
  * float32 weight broadcast into vfmadd with 16 tokens' values, bf16 a pair of bf16 weights
- * broadcast into vdpbf16ps with 16 tokens' pairs. Before inclusion:
- *   ES8_TS      the suffix of the names (avx512, bf16): es8_xtile_avx512, es8_tiles_bf16
- *   ES8_TT      the target attribute
+ * broadcast into vdpbf16ps with 16 tokens' pairs. The names' suffix and the target attribute
+ * come from ES_PATH (ES_ISA_AVX512, ES_ISA_BF16) through engram_path.h: es8_xtile_avx512,
+ * es8_tiles_bf16. Before inclusion engram_fp8.h sets ES_PATH and:
  *   ES8_KPU     k per 4-byte unit: 1 (float32) or 2 (a bf16 pair)
  *   ES8_KPAD    a k block's units cover its k rounded up to this (1; bf16: 64, the widening's chunk)
  *   ES8_TW      the type of a unit of the widened rows (float, uint32_t) and ES8_TX of the tokens
@@ -15,9 +15,7 @@
  * No include guard: including it again with other settings is the point; it undefines these
  * parameters at its end.
  */
-#define ES8_TCAT2(a, b) a##_##b
-#define ES8_TCAT(a, b) ES8_TCAT2(a, b)
-#define ES8_TF(name) ES8_TCAT(name, ES8_TS)
+#include "engram_path.h"
 #define ES8_KU (ES8_KBLOCK / ES8_KPU) /* units per widened row of a k block */
 
 /* R widened rows (w, ES8_KU units apart) x V vectors of 16 tokens (xt: packed [unit][16] per
@@ -26,9 +24,9 @@
  * along k. part: R x 16V partial sums (row stride ldp) carried across k blocks; y: after the
  * last block, the nt valid tokens' sums, y[t*ldy + r] (t < nt), else NULL. pf: the next
  * group's bytes, 4 KiB requested over a block of 256 k (its widening then reads L2), or NULL. */
-ES8_INLINE ES8_TT void ES8_TF(es8_xtile)(const ES8_TW *w, const int R, const ES8_TX *xt, int64_t ldv, const int V,
-                                         int n, float *part, int64_t ldp, int first, float *y, int64_t ldy,
-                                         int64_t nt, const uint8_t *pf) {
+ES_KI void ES_SF(es8_xtile)(const ES8_TW *w, const int R, const ES8_TX *xt, int64_t ldv, const int V, int n,
+                            float *part, int64_t ldp, int first, float *y, int64_t ldy, int64_t nt,
+                            const uint8_t *pf) {
     __m512 acc[16][2];
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++)
@@ -70,14 +68,14 @@ ES8_INLINE ES8_TT void ES8_TF(es8_xtile)(const ES8_TW *w, const int R, const ES8
  * (an odd last one alone), row tiles of ES8_XT_ROWS x two vectors or 16 x one. part: this
  * thread's [32, S rounded up to 16] partial sums; y[t*ldy + r]; the nnext bytes at next are
  * prefetched while these rows compute. */
-static ES8_TT void ES8_TF(es8_tiles)(const ES8_TW *wf, int R, const ES8_TX *xt, int64_t S, int E, float *part,
-                                     float *y, int64_t ldy, const uint8_t *next, int64_t nnext) {
+static ES_TGT void ES_SF(es8_tiles)(const ES8_TW *wf, int R, const ES8_TX *xt, int64_t S, int E, float *part,
+                                    float *y, int64_t ldy, const uint8_t *next, int64_t nnext) {
     const uint8_t *pf = next, *pf_end = next + nnext;
 #define ES8_PF (pf < pf_end ? (pf += 4096) - 4096 : 0)
 #define ES8_UNITS(k) ((int64_t)((k) + ES8_KPAD - 1) / ES8_KPAD * ES8_KPAD / ES8_KPU)
     const int64_t nv = (S + 15) / 16, ldp = nv * 16, ldv = ES8_UNITS(E) * 16;
     const int VV = nv > 1 ? 2 : 1, RB = VV == 2 ? ES8_XT_ROWS : 16;
-#define ES8_X(rows, v) case rows: ES8_TF(es8_xtile)(wr, rows, x, ldv, v, n, pr, ldp, first, yr, ldy, nt, ES8_PF); break;
+#define ES8_X(rows, v) case rows: ES_SF(es8_xtile)(wr, rows, x, ldv, v, n, pr, ldp, first, yr, ldy, nt, ES8_PF); break;
     for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
         const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = k0 == 0, n = (int)ES8_UNITS(kw);
         const ES8_TW *wb = wf + (int64_t)ES8_BLOCK * k0 / ES8_KPU;
@@ -107,12 +105,7 @@ static ES8_TT void ES8_TF(es8_tiles)(const ES8_TW *wf, int R, const ES8_TX *xt, 
 #undef ES8_PF
 }
 
-#undef ES8_TCAT2
-#undef ES8_TCAT
-#undef ES8_TF
 #undef ES8_KU
-#undef ES8_TS
-#undef ES8_TT
 #undef ES8_KPU
 #undef ES8_KPAD
 #undef ES8_TW
@@ -120,3 +113,4 @@ static ES8_TT void ES8_TF(es8_tiles)(const ES8_TW *wf, int R, const ES8_TX *xt, 
 #undef ES8_XLOAD
 #undef ES8_WB
 #undef ES8_MAC
+#include "engram_path_end.h"

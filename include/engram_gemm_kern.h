@@ -7,7 +7,7 @@
  * No include guard: including it again with other settings is the point; it undefines
  * these parameters at its end.
  */
-#define ES_GF(name) ES_SK_CAT(ES_SK_CAT(name, ES_WNAME), ES_SFX)
+#define ES_GF(name) ES_SF(ES_PATH_CAT(name, ES_WNAME))
 #if ES_W_BF16
 #define ES_GPN ES_GP_BF16 /* half the bytes per panel: more panels in flight */
 #else

@@ -108,9 +108,7 @@ _Static_assert(ES_HASH_SCRATCH >= 8 * (ES_MAX_NGRAM - 1), "a block holds at leas
  * name each. primes[j] are the divisors in head order (order-major: heads of n=2, n=3,
  * ...); fp: NULL (hardware division), or double[3*H] = {p[H], 1/p[H], (2^32 mod p)[H]}
  * when every prime is below ES_FP_PRIME_MAX (HashPlan.head_fp). */
-#define ES_SFX baseline
-#define ES_TGT
-#define ES_VD 2 /* one SSE2/NEON register: wider generic vectors lower to scalar compares */
+#define ES_PATH ES_ISA_BASELINE /* ES_VD 2, one SSE2/NEON register: wider generic vectors lower to scalar compares */
 #define ES_CVT 0
 #if ES_X86_PATHS
 #define ES_STREAM(p, v) _mm_stream_si128((__m128i *)(p), (__m128i)(v))
@@ -121,25 +119,19 @@ _Static_assert(ES_HASH_SCRATCH >= 8 * (ES_MAX_NGRAM - 1), "a block holds at leas
 #endif
 #include "engram_hash_kern.h"
 #if ES_X86_PATHS
-#define ES_SFX avx2
-#define ES_TGT ES_TARGET_AVX2
-#define ES_VD 4
+#define ES_PATH ES_ISA_AVX2
 #define ES_CVT 0
 #define ES_STREAM(p, v) _mm256_stream_si256((__m256i *)(p), (__m256i)(v))
 #define ES_SFENCE() _mm_sfence()
 #include "engram_hash_kern.h"
-#define ES_SFX avx512
-#define ES_TGT ES_TARGET_AVX512
-#define ES_VD 8
+#define ES_PATH ES_ISA_AVX512
 #define ES_CVT 1
 #define ES_STREAM(p, v) _mm512_stream_si512((void *)(p), (__m512i)(v))
 #define ES_SFENCE() _mm_sfence()
 #include "engram_hash_kern.h"
 #endif /* ES_X86_PATHS */
 #if ES_NEON_PATHS
-#define ES_SFX neon
-#define ES_TGT ES_TARGET_NEON
-#define ES_VD 2
+#define ES_PATH ES_ISA_NEON
 #define ES_CVT 1 /* FCVTZS / SCVTF: double <-> int64 lanes */
 #define ES_STREAM(p, v) (*(p) = (v))
 #define ES_SFENCE() ((void)0)

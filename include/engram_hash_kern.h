@@ -1,29 +1,26 @@
-/* engram_hash_kern.h: the hash kernels, a template included once per instruction set by
- * engram_hash.h (see engram_isa.h). Before each inclusion:
- *   ES_SFX   the suffix of this copy's names (baseline, avx2, avx512)
- *   ES_TGT   its target attribute (empty for the baseline)
- *   ES_VD    64-bit lanes per vector (2, 4, or 8 with 64-byte vectors)
+/* engram_hash_kern.h: the hash kernels, a template included once per path by engram_hash.h
+ * (see engram_isa.h). The path's shared settings (ES_SF, ES_TGT, ES_KI, ES_VW) come from
+ * ES_PATH through engram_path.h; before each inclusion engram_hash.h sets ES_PATH and this
+ * template's own parameters:
  *   ES_CVT   1 when the ISA converts double <-> int64 lanes in one instruction (AVX-512DQ, NEON)
  *   ES_STREAM(p, v), ES_SFENCE()  a streaming store of one vector to aligned p, and the fence
  *            that orders such stores (plain store and nothing where the ISA has none)
  * No include guard: including it again with other settings is the point; it undefines
  * these parameters at its end.
  */
-#define ES_HK_CAT2(a, b) a##_##b
-#define ES_HK_CAT(a, b) ES_HK_CAT2(a, b)
-#define ES_HF(name) ES_HK_CAT(name, ES_SFX)
+#include "engram_path.h"
+#define ES_VD (ES_VW / 2) /* 64-bit lanes per vector: the path's vector of ES_VW floats */
 
-typedef double ES_HF(es_hvd) __attribute__((vector_size(ES_VD * 8), aligned(8)));
-typedef int64_t ES_HF(es_hvl) __attribute__((vector_size(ES_VD * 8), aligned(8)));
-typedef uint64_t ES_HF(es_hvu) __attribute__((vector_size(ES_VD * 8), aligned(8)));
+typedef double ES_SF(es_hvd) __attribute__((vector_size(ES_VD * 8), aligned(8)));
+typedef int64_t ES_SF(es_hvl) __attribute__((vector_size(ES_VD * 8), aligned(8)));
+typedef uint64_t ES_SF(es_hvu) __attribute__((vector_size(ES_VD * 8), aligned(8)));
 
 /* The division-free mod (ES_FP_PRIME_MAX) of one mix, a vector of heads: x mod p per lane,
  * where x = hi*c + lo is congruent to the mix hi*2^32 + lo (hi signed, lo in [0, 2^32)). */
-static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_fpmod)(
-    double hi, double lo, const ES_HF(es_hvd) *p, const ES_HF(es_hvd) *inv, const ES_HF(es_hvd) *c,
-    ES_HF(es_hvl) *out) {
-    typedef ES_HF(es_hvd) vd;
-    typedef ES_HF(es_hvl) vl;
+ES_KI void ES_SF(es_fpmod)(double hi, double lo, const ES_SF(es_hvd) *p, const ES_SF(es_hvd) *inv,
+                           const ES_SF(es_hvd) *c, ES_SF(es_hvl) *out) {
+    typedef ES_SF(es_hvd) vd;
+    typedef ES_SF(es_hvl) vl;
     const vd M = (vd){0} + 0x1.8p52;  /* x + 1.5*2^52 rounds x (|x| < 2^51) to an integer */
     const vd x = hi * *c + lo;        /* exact: |x| < 2^31*p + 2^32 < 2^53 */
     const vd q = (x * *inv + M) - M;  /* nearest integer to x/p, up to 2^-19: |x/p| < 2^33 */
@@ -41,11 +38,10 @@ static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_fpmod)(
  * the last, partial vector's unused lanes compute x mod 1 and are not stored. Without fp:
  * Lemire's reciprocal when mods (es_modulus of each prime), else a division per head.
  * stream: full vectors go out with streaming stores (the caller checked the alignment). */
-static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_order_row)(
-    int64_t h, double hi, double lo, int n_head, const int64_t *primes, const double *fp, const es_modulus *mods,
-    int H, int64_t *out, int stream) {
-    typedef ES_HF(es_hvd) vd;
-    typedef ES_HF(es_hvl) vl;
+ES_KI void ES_SF(es_order_row)(int64_t h, double hi, double lo, int n_head, const int64_t *primes,
+                               const double *fp, const es_modulus *mods, int H, int64_t *out, int stream) {
+    typedef ES_SF(es_hvd) vd;
+    typedef ES_SF(es_hvl) vl;
     if (!fp) {
         if (mods)
             for (int j = 0; j < n_head; j++) out[j] = es_floormod_fast(h, &mods[j]);
@@ -56,7 +52,7 @@ static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_order_row)(
     int j = 0;
     for (; j + ES_VD <= n_head; j += ES_VD) {
         vl r;
-        ES_HF(es_fpmod)(hi, lo, (const vd *)(fp + j), (const vd *)(fp + H + j), (const vd *)(fp + 2 * H + j), &r);
+        ES_SF(es_fpmod)(hi, lo, (const vd *)(fp + j), (const vd *)(fp + H + j), (const vd *)(fp + 2 * H + j), &r);
         if (stream)
             ES_STREAM((vl *)(out + j), r);
         else
@@ -66,13 +62,13 @@ static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_order_row)(
         vd p = (vd){0} + 1.0, inv = (vd){0} + 1.0, c = (vd){0};
         vl r;
         for (int l = 0; j + l < n_head; l++) p[l] = fp[j + l], inv[l] = fp[H + j + l], c[l] = fp[2 * H + j + l];
-        ES_HF(es_fpmod)(hi, lo, &p, &inv, &c, &r);
+        ES_SF(es_fpmod)(hi, lo, &p, &inv, &c, &r);
         for (int l = 0; j + l < n_head; l++) out[j + l] = r[l];
     }
 }
 
 /* All H = (max_ngram-1)*n_head head-local rows of one position (see es_hash_window). */
-static ES_TGT void ES_HF(es_hash_window)(const int64_t *win, const int64_t *mult, int max_ngram, int n_head,
+static ES_TGT void ES_SF(es_hash_window)(const int64_t *win, const int64_t *mult, int max_ngram, int n_head,
                                          const int64_t *primes, const double *fp, int64_t *rows) {
     const int H = (max_ngram - 1) * n_head;
     uint64_t h = (uint64_t)win[0] * (uint64_t)mult[0];
@@ -80,7 +76,7 @@ static ES_TGT void ES_HF(es_hash_window)(const int64_t *win, const int64_t *mult
         h ^= (uint64_t)win[n - 1] * (uint64_t)mult[n - 1];
         const int off = (n - 2) * n_head;
         const int64_t hs = (int64_t)h;
-        ES_HF(es_order_row)(hs, (double)(hs >> 32), (double)(hs & 0xffffffff), n_head, primes + off,
+        ES_SF(es_order_row)(hs, (double)(hs >> 32), (double)(hs & 0xffffffff), n_head, primes + off,
                             fp ? fp + off : 0, 0, H, rows + off, 0);
     }
 }
@@ -92,12 +88,12 @@ static ES_TGT void ES_HF(es_hash_window)(const int64_t *win, const int64_t *mult
  * for k < run[t] and pad beyond: run[t] counts the ids back from t to the start (plain), to
  * the newest negative id, exclusive (ES_HIST_DEAD), or to the newest pad id before t,
  * inclusive (ES_HIST_SEP: that id reads pad either way). */
-static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_hash_sequence_core)(
-    const int64_t *c, int64_t T, int64_t pad, int latch, const int64_t *mult, int max_ngram, int n_head,
-    const int64_t *primes, const double *fp, int64_t *rows, int stream) {
-    typedef ES_HF(es_hvd) vd;
-    typedef ES_HF(es_hvl) vl;
-    typedef ES_HF(es_hvu) vu;
+ES_KI void ES_SF(es_hash_sequence_core)(const int64_t *c, int64_t T, int64_t pad, int latch, const int64_t *mult,
+                                        int max_ngram, int n_head, const int64_t *primes, const double *fp,
+                                        int64_t *rows, int stream) {
+    typedef ES_SF(es_hvd) vd;
+    typedef ES_SF(es_hvl) vl;
+    typedef ES_SF(es_hvu) vu;
     const int H = (max_ngram - 1) * n_head, back = max_ngram - 1;
     int blk = ES_HASH_SCRATCH / back / ES_VD * ES_VD; /* >= ES_VD (ES_HASH_SCRATCH's bound) */
     if (blk > ES_HASH_BLOCK) blk = ES_HASH_BLOCK;
@@ -157,7 +153,7 @@ static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_hash_sequence_
         for (int i = 0; i < nt; i++) /* row by row: each row's H results written together */
             for (int k = 1; k < max_ngram; k++) {
                 const int o = (k - 1) * blk + i, off = (k - 1) * n_head;
-                ES_HF(es_order_row)(h[o], hi[o], lo[o], n_head, primes + off, fp ? fp + off : 0,
+                ES_SF(es_order_row)(h[o], hi[o], lo[o], n_head, primes + off, fp ? fp + off : 0,
                                     use_mods ? mods + off : 0, H, rows + (t0 + i) * H + off, stream);
             }
     }
@@ -166,23 +162,19 @@ static inline __attribute__((always_inline)) ES_TGT void ES_HF(es_hash_sequence_
 
 /* es_hash_sequence_core, compiled apart for the geometries of the configs (the demo: 3-grams,
  * 8 heads; deepseek-v4.1: 4-grams, 8 heads): constant loop bounds unroll the windows and heads. */
-static ES_TGT void ES_HF(es_hash_sequence)(const int64_t *c, int64_t T, int64_t pad, int latch,
+static ES_TGT void ES_SF(es_hash_sequence)(const int64_t *c, int64_t T, int64_t pad, int latch,
                                            const int64_t *mult, int max_ngram, int n_head,
                                            const int64_t *primes, const double *fp, int64_t *rows, int stream) {
     if (max_ngram == 3 && n_head == 8)
-        ES_HF(es_hash_sequence_core)(c, T, pad, latch, mult, 3, 8, primes, fp, rows, stream);
+        ES_SF(es_hash_sequence_core)(c, T, pad, latch, mult, 3, 8, primes, fp, rows, stream);
     else if (max_ngram == 4 && n_head == 8)
-        ES_HF(es_hash_sequence_core)(c, T, pad, latch, mult, 4, 8, primes, fp, rows, stream);
+        ES_SF(es_hash_sequence_core)(c, T, pad, latch, mult, 4, 8, primes, fp, rows, stream);
     else
-        ES_HF(es_hash_sequence_core)(c, T, pad, latch, mult, max_ngram, n_head, primes, fp, rows, stream);
+        ES_SF(es_hash_sequence_core)(c, T, pad, latch, mult, max_ngram, n_head, primes, fp, rows, stream);
 }
 
-#undef ES_HF
-#undef ES_HK_CAT
-#undef ES_HK_CAT2
-#undef ES_SFX
-#undef ES_TGT
 #undef ES_VD
 #undef ES_CVT
 #undef ES_STREAM
 #undef ES_SFENCE
+#include "engram_path_end.h"

@@ -1,7 +1,7 @@
 /* engram_isa.h: which instruction set the kernels run, chosen once at import.
  *
- * Every hot kernel is compiled up to three times from one template (engram_step_kern.h,
- * engram_hash_kern.h), each copy with its own __attribute__((target(...))):
+ * Every hot kernel is compiled once per path from one template (engram_step_kern.h,
+ * engram_fp8_kern.h, engram_hash_kern.h), each copy with its own __attribute__((target(...))):
  *   ES_ISA_BASELINE  plain C + GCC vector extensions, any CPU (x86-64 SSE2, aarch64 NEON, ...)
  *   ES_ISA_AVX2      AVX2 + FMA + F16C (x86-64-v3)
  *   ES_ISA_AVX512    AVX-512 F/BW/VL/DQ (64-byte vectors) + the above
@@ -9,9 +9,15 @@
  *                    sized for its 32 vector registers; the aarch64 builds' second copy
  *   ES_ISA_BF16      the above + AVX512_BF16 and VBMI: the V4.1 float8 projection multiplies
  *                    with vdpbf16ps (engram_fp8.h); every other kernel runs its avx512 copy
- * A public kernel name (es_gemm_range, es_hash_window, ...) is a switch on es_isa_now(), the
- * one runtime's level (below), so the environment (ENGRAM_STREAM_ISA), the tests and the
- * measured choice (engine/tune.py) can run any path the CPU supports.
+ * A copy is made by setting ES_PATH to the level and including the template: engram_path.h
+ * turns the level into what every template shares (the names' suffix through ES_SF, the target
+ * attribute, the vector width, F16C, NEON), and each header's block for the path sets only its
+ * template's own parameters (tile sizes, ...).
+ * A public kernel name (es_gemm_range, es_hash_window, ...) runs the copy es_isa_now(), the one
+ * runtime's level (below), selects: ES_DISPATCH, or ES_ON_PATH where a level runs another
+ * path's copy or code of its own (the dispatch section at the end). So the environment
+ * (ENGRAM_STREAM_ISA), the tests and the measured choice (engine/tune.py) can run any path the
+ * CPU supports.
  * target_clones is not used: it cannot be forced, and needs glibc's ifunc (not musl).
  * The x86 copies exist only where the compiler has target attributes (GCC, clang) on
  * x86-64; elsewhere there is one copy, the baseline.
@@ -121,7 +127,8 @@ static inline int es_isa_runs(int level) {
  *   forced               es_isa_force(1): ENGRAM_STREAM_ISA or use_isa; a call's path is then
  *                        ignored, so the tests and the environment hold every kernel to one.
  *   the teams            es_team_open / _close / _keep / _put / _slots_held (engram_step.h).
- * Adding a path touches the levels above, es_isa_runs and the kernel templates. */
+ * Adding a path touches the levels above, es_isa_runs, engram_path.h (its settings), ES_ON_PATH
+ * (then every dispatch, which must say what the path runs) and each header's per-path blocks. */
 struct es_team_s;
 typedef struct es_runtime {
     int (*isa_now)(void);
@@ -178,26 +185,42 @@ static inline __attribute__((always_inline)) float es_hsum_lanes(float *t, int w
     return t[0];
 }
 
-/* Call the copy of `name` (name_baseline, name_avx2, name_avx512; name_neon) that es_isa_now() selects
- * (bf16: the avx512 copy; the kernels with a bf16 copy dispatch themselves). */
+/* ---- dispatch: what each level runs, in one form ----------------------------------------
+ * ES_ON_PATH(level, baseline, avx2, avx512, bf16, neon): run the statement (an expression) given
+ * for `level`. Only this build's levels are compiled: the x86 ones in x86 builds, neon in
+ * aarch64 ones, elsewhere the baseline alone (level not read); a level this build does not
+ * have runs the baseline. Every dispatch names every level, so a level added here is an error
+ * at each dispatch until it says what that level runs.
+ * ES_DISPATCH_COPIES(level, name, args, baseline, avx2, avx512, bf16, neon): call name_<copy>
+ * args, the copy (a suffix) named for `level`.
+ * ES_DISPATCH(name, args): the copy of the path es_isa_now() selects (name_baseline,
+ * name_avx2, name_avx512; name_neon; bf16: the avx512 copy, the kernels with a bf16 copy of
+ * their own naming it with ES_DISPATCH_COPIES or ES_ON_PATH). */
 #if ES_X86_PATHS
-#define ES_DISPATCH(name, args)                              \
-    do {                                                     \
-        switch (es_isa_now()) {                                    \
-            case ES_ISA_BF16:                                \
-            case ES_ISA_AVX512: name##_avx512 args; break;   \
-            case ES_ISA_AVX2: name##_avx2 args; break;       \
-            default: name##_baseline args; break;            \
-        }                                                    \
+#define ES_ON_PATH(level, baseline, avx2, avx512, bf16, neon) \
+    do {                                                      \
+        switch (level) {                                      \
+            case ES_ISA_BF16: bf16; break;                    \
+            case ES_ISA_AVX512: avx512; break;                \
+            case ES_ISA_AVX2: avx2; break;                    \
+            default: baseline; break;                         \
+        }                                                     \
     } while (0)
 #elif ES_NEON_PATHS
-#define ES_DISPATCH(name, args)                                              \
-    do {                                                                     \
-        if (es_isa_now() == ES_ISA_NEON) name##_neon args;                   \
-        else name##_baseline args;                                           \
+#define ES_ON_PATH(level, baseline, avx2, avx512, bf16, neon) \
+    do {                                                      \
+        if ((level) == ES_ISA_NEON) neon;                     \
+        else baseline;                                        \
     } while (0)
 #else
-#define ES_DISPATCH(name, args) name##_baseline args
+#define ES_ON_PATH(level, baseline, avx2, avx512, bf16, neon) \
+    do {                                                      \
+        baseline;                                             \
+    } while (0)
 #endif
+#define ES_DISPATCH_COPIES(level, name, args, baseline, avx2, avx512, bf16, neon)                          \
+    ES_ON_PATH(level, name##_##baseline args, name##_##avx2 args, name##_##avx512 args, name##_##bf16 args, \
+               name##_##neon args)
+#define ES_DISPATCH(name, args) ES_DISPATCH_COPIES(es_isa_now(), name, args, baseline, avx2, avx512, avx512, neon)
 
 #endif /* ENGRAM_ISA_H */

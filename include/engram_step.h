@@ -79,60 +79,43 @@ static inline float es_half_to_float(uint16_t h) {
  * AVX2: 6 x 1 panel = 12 ymm; AVX-512: 8 x 2 panels = 16 zmm of 32; NEON: 6 x 1 panel = 24
  * of its 32 registers), and one-row GEMVs
  * over ES_GP panels at once. */
-#define ES_SFX baseline /* 16-byte vectors: SSE2 / NEON registers (wider ones spill there) */
-#define ES_TGT
-#define ES_VW 4
+#define ES_PATH ES_ISA_BASELINE /* 16-byte vectors: SSE2 / NEON registers (wider ones spill there) */
 #define ES_TP 1
 #define ES_MR 3
 #define ES_GP 2
 #define ES_GP_BF16 2
-#define ES_F16C 0
 #include "engram_step_kern.h"
 #if ES_X86_PATHS
-#define ES_SFX avx2
-#define ES_TGT ES_TARGET_AVX2
-#define ES_VW 8
+#define ES_PATH ES_ISA_AVX2
 #define ES_TP 1
 #define ES_MR 6
 #define ES_GP 4
 #define ES_GP_BF16 4
-#define ES_F16C 1
 #include "engram_step_kern.h"
-#define ES_SFX avx512
-#define ES_TGT ES_TARGET_AVX512
-#define ES_VW 16
+#define ES_PATH ES_ISA_AVX512
 #define ES_TP 2
 #define ES_MR 8
 #define ES_GP 8
 #define ES_GP_BF16 8
-#define ES_F16C 1
 #include "engram_step_kern.h"
 #endif
 #if ES_NEON_PATHS
-#define ES_SFX neon /* 32 vector registers: 6 x 1 panel = 24 accumulators, 4 weight vectors; the bf16
-                     * GEMV over 2 panels (4 spill: bench/inner_loops.py) */
-#define ES_TGT ES_TARGET_NEON
-#define ES_VW 4
+#define ES_PATH ES_ISA_NEON /* 32 vector registers: 6 x 1 panel = 24 accumulators, 4 weight vectors; the
+                             * bf16 GEMV over 2 panels (4 spill: bench/inner_loops.py) */
 #define ES_TP 1
 #define ES_MR 6
 #define ES_GP 4
 #define ES_GP_BF16 2
-#define ES_F16C 0
-#define ES_NEON 1
 #define ES_CHAINS 16
 #include "engram_step_kern.h"
 #endif
 
 /* Rows per GEMM micro-tile of the running path (the packing of es_pack_rows). */
 static inline int es_gemm_mr(void) {
-#if ES_X86_PATHS
-    if (es_isa_now() >= ES_ISA_AVX512) return es_mr_avx512;  /* bf16 too */
-    if (es_isa_now() == ES_ISA_AVX2) return es_mr_avx2;
-#endif
-#if ES_NEON_PATHS
-    if (es_isa_now() == ES_ISA_NEON) return es_mr_neon;
-#endif
-    return es_mr_baseline;
+    int mr;
+    ES_ON_PATH(es_isa_now(), mr = es_mr_baseline, mr = es_mr_avx2, mr = es_mr_avx512, mr = es_mr_avx512,
+               mr = es_mr_neon);  /* bf16: the avx512 copies */
+    return mr;
 }
 
 /* Y = X W^T + bias over the panels [p0, p1). X rows are ldx floats apart: keep ldx*4

@@ -1,28 +1,19 @@
-/* engram_step_kern.h: the float kernels, a template included once per instruction set by
- * engram_step.h (see engram_isa.h): GEMM, gathers, the per-token tail. Before each inclusion:
- *   ES_SFX   the suffix of this copy's names (baseline, avx2, avx512)
- *   ES_TGT   its target attribute (empty for the baseline)
- *   ES_VW    floats per vector: 8 (32 bytes) or 16 (64 bytes, AVX-512)
+/* engram_step_kern.h: the float kernels, a template included once per path by engram_step.h
+ * (see engram_isa.h): GEMM, gathers, the per-token tail. The path's shared settings (ES_SF,
+ * ES_TGT, ES_VW, ES_F16C, ES_NEON, ES_KI) come from ES_PATH through engram_path.h; before each
+ * inclusion engram_step.h sets ES_PATH and this template's own parameters:
  *   ES_TP    packed panels per GEMM micro-tile (a panel is ES_PANEL = 16 columns)
  *   ES_MR    rows per micro-tile: ES_MR x ES_TP*16/ES_VW accumulators stay in registers
  *   ES_GP    panels the one-row GEMV streams at once (concurrent memory streams)
  *   ES_GP_BF16  the same for bfloat16 weights (half the bytes a panel: more panels)
- *   ES_F16C  1 where F16C converts half floats (x86 copies), 0 for the portable conversion
- *   ES_NEON  1 in the aarch64 ASIMD copy (FCVTL converts half floats); 0 when not defined
  *   ES_CHAINS  es_fma_chains's independent chains (12 when not defined)
  * No include guard: including it again with other settings is the point; it undefines
  * these parameters at its end.
  */
-#ifndef ES_NEON
-#define ES_NEON 0
-#endif
+#include "engram_path.h"
 #ifndef ES_CHAINS
 #define ES_CHAINS 12
 #endif
-#define ES_SK_CAT2(a, b) a##_##b
-#define ES_SK_CAT(a, b) ES_SK_CAT2(a, b)
-#define ES_SF(name) ES_SK_CAT(name, ES_SFX)
-#define ES_KI static inline __attribute__((always_inline)) ES_TGT
 #define ES_NV (ES_PANEL / ES_VW) /* vectors per panel */
 /* offset of a tile's vector c in the packed weights: panel c / ES_NV, lanes (c % ES_NV) * ES_VW */
 #define ES_WOFF(c, ps) ((int64_t)((c) / ES_NV) * (ps) + ((c) % ES_NV) * ES_VW)
@@ -243,20 +234,12 @@ static ES_TGT int64_t ES_SF(es_fma_chains)(int64_t n, float *sink) {
 }
 
 #undef ES_TVW
-#undef ES_SF
-#undef ES_SK_CAT
-#undef ES_SK_CAT2
-#undef ES_KI
 #undef ES_NV
 #undef ES_WOFF
 /* this copy's parameters: the next inclusion defines its own */
-#undef ES_SFX
-#undef ES_TGT
-#undef ES_VW
 #undef ES_TP
 #undef ES_MR
 #undef ES_GP
 #undef ES_GP_BF16
-#undef ES_F16C
-#undef ES_NEON
 #undef ES_CHAINS
+#include "engram_path_end.h"
