@@ -22,7 +22,7 @@ candidate on; a path whose one-thread warm-up step is more than cores x DROP_SLO
 best step so far is dropped for every thread count and operation (threads divide a time by
 the cores at best); batch and prefill try the paths in the order of their step times; a run
 longer than LONG_RUN is timed once; and once the budget is spent, each operation keeps the
-best so far and its table entry says "partial". `engram-stream tune` has no budget and times
+best so far (the batch and the prefill: of two paths at least) and its table entry says "partial". `engram-stream tune` has no budget and times
 every candidate. A measurement past NOTE_AFTER prints one line on stderr, so a first call
 does not block without a word.
 
@@ -160,7 +160,7 @@ def fastest(times: dict) -> tuple:
 
 
 def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=None, cores=1,
-            dropped=None, tick=None) -> tuple:
+            dropped=None, tick=None, least=1) -> tuple:
     """({candidate: best seconds}, partial) of run(candidate) (one call of the operation on that
     path and thread count), the candidates in their order: one warm-up run, then `repeats` timed
     ones (more until MIN_SECONDS; fewer once they took LONG_RUN, or past the deadline; one at
@@ -171,8 +171,8 @@ def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=
     path whose one-thread warm-up, its first candidate, is cores x DROP_SLOWER times the best is
     added to `dropped` (a set; its paths are not run), since no thread count can bring it within
     DROP_SLOWER (cores None: no path is dropped).
-    No candidate starts, once one was timed, that would end past `deadline` (a timer() value) at
-    two runs of the best time so far; partial is then True. tick(): called before each
+    No candidate starts, once `least` were timed, that would end past `deadline` (a timer() value)
+    at two runs of the best time so far; partial is then True. tick(): called before each
     candidate."""
     times = {}
     dropped = set() if dropped is None else dropped
@@ -182,7 +182,7 @@ def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=
             continue
         # a candidate costs two runs at least (a warm-up, a timed one): one that would end past the deadline
         # does not start
-        if times and deadline is not None and timer() + 2 * min(times.values()) > deadline:
+        if len(times) >= max(1, least) and deadline is not None and timer() + 2 * min(times.values()) > deadline:
             partial = True
             break
         if tick is not None:
@@ -217,8 +217,9 @@ def order(paths, counts, ascending=True) -> list:
     most threads first: a good time to cut the others against. ascending (the step): then each
     path from one thread up, so its one-thread warm-up can drop the path before its other counts
     run. Else (the batch and the prefill, whose work the threads divide best): the two likeliest
-    paths on each count from the most threads down, so a budget cut still compares two paths,
-    then the others, each from the most threads down."""
+    paths on each count from the most threads down (the first two are timed however late:
+    a budget cut still compares two paths, as a noisy step may have ordered them wrongly), then
+    the others, each from the most threads down."""
     paths = list(paths)
     if not paths:
         return []
@@ -249,7 +250,7 @@ def tune_runs(runs: dict, paths, counts, timer=time.perf_counter, budget=TIME_BU
         cands = order([p for p in paths if p not in dropped], counts, ascending=i == 0)
         times, partial = measure(run, cands, timer=timer, deadline=deadline,
                                  cores=None if budget is None else cores,
-                                 dropped=dropped if i == 0 else set(), tick=tick)
+                                 dropped=dropped if i == 0 else set(), tick=tick, least=1 if i == 0 else 2)
         if i == 0:  # the others try the paths by their best step
             step_best = {}
             for (p, _), s in times.items():

@@ -139,16 +139,31 @@ def test_the_budget_stops_measuring_and_marks_the_table_partial():
     costs = _costs(step, {c: 20 * t for c, t in step.items()}, {c: 100 * t for c, t in step.items()})
     ops = FakeOps(costs)
     table = tune.tune_runs(ops.runs(), PATHS, [1, 2], timer=ops.timer, budget=0.05, cores=2)
-    assert ops.clock < 0.05 + 2 * 0.1 * 2  # past the budget at most each operation's first candidate's two runs
+    # past the budget at most the first candidate's two runs (the step), the first two's (batch, prefill)
+    assert ops.clock < 0.05 + 2 * 1.2e-3 * 1.5 + 2 * 2 * (0.02 + 0.1) * 1.2 * 1.5
     assert table["prefill"]["partial"] and len(table["prefill"]["times"]) < 8
     assert table["prefill"]["isa"] == "bf16" and table["prefill"]["threads"] == 2  # the step's best path, timed first
     assert "partial" in tune.format_table(table)
     full = tune.tune_runs(FakeOps(costs).runs(), PATHS, [1, 2], timer=FakeOps(costs).timer, budget=None, cores=2)
     assert not any(full[op]["partial"] for op in tune.OPS)
-    # a budget long spent still times each operation's first candidate: a table with every operation
+    # a budget long spent still times the step's first candidate and the first two of the others (two
+    # paths on the most threads): a table with every operation
     ops = FakeOps(costs)
     table = tune.tune_runs(ops.runs(), PATHS, [1, 2], timer=ops.timer, budget=0.0, cores=2)
-    assert all(len(table[op]["times"]) == 1 and table[op]["partial"] for op in tune.OPS)
+    assert len(table["step"]["times"]) == 1 and all(table[op]["partial"] for op in tune.OPS)
+    assert all(set(table[op]["times"]) == {"bf16/2", "avx512/2"} for op in ("batch", "prefill"))
+
+
+def test_a_late_budget_cut_still_finds_the_batch_path_a_noisy_step_ranked_second():
+    # the step ranks avx512 over bf16 (close, noisy), the batch runs 1.6x faster on bf16: with the budget
+    # spent, the batch still times both paths on the most threads and keeps bf16
+    step = {(p, t): {"avx512": 1.0e-3, "bf16": 1.05e-3}.get(p, 3e-3) / t for p in PATHS for t in (1, 2)}
+    batch = {(p, t): {"avx512": 34e-3, "bf16": 21e-3}.get(p, 60e-3) / t for p in PATHS for t in (1, 2)}
+    ops = FakeOps(_costs(step, batch, batch))
+    table = tune.tune_runs(ops.runs(), PATHS, [1, 2], timer=ops.timer, budget=0.05, cores=2)
+    assert {"bf16/2", "avx512/2"} <= set(table["step"]["times"])
+    assert [c for o, c in ops.calls if o == "batch"][:1] == [("avx512", 2)]  # the step's order
+    assert (table["batch"]["isa"], table["batch"]["threads"]) == ("bf16", 2) and table["batch"]["partial"]
 
 
 def test_the_choice_is_the_fastest_of_made_up_times_whatever_order_they_are_tried_in():
