@@ -126,26 +126,28 @@ def _flush(x):
 
 
 @needs_bf16
-@pytest.mark.parametrize("tokens", [1, 4, 64])
-def test_bf16_projection_reads_every_code_exactly(on_bf16, tokens):
+@pytest.mark.parametrize("tokens, K", [(1, 64), (4, 64), (64, 64), (9, 288), (16, 288), (17, 288)])
+def test_bf16_projection_reads_every_code_exactly(on_bf16, tokens, K):
     """One-hot activations read single weights back: all 256 codes (zeros, subnormals, +-448,
     the NaN codes read NaN as the oracle), block scales 2^-127 .. 2^4. Each output is one
     product, bit for bit the emulation's vdpbf16ps of its two factors: where a factor or the
-    product is below 2^-126 (the reference keeps a float32 subnormal) that is zero."""
-    M, K = 256, 64
-    w = np.resize(CODES, (M, K)).copy()
+    product is below 2^-126 (the reference keeps a float32 subnormal) that is zero. K = 288:
+    two k blocks of the tiles (ES8_KBLOCK 256) and a last chunk of 32 values; calls of `tokens`
+    tokens (the last one fewer)."""
+    M = 256
+    w = np.tile(np.resize(CODES, (M, 64)), (1, -(-K // 64)))[:, :K].copy()  # a row: 64 codes over and over
     sc = np.array([[127, 0], [120, 131], [0, 0], [10, 127], [127, 1], [118, 0], [0, 127], [5, 6]], np.uint8)
+    sc = np.resize(sc, (8, K // 32))
     x = np.eye(K, dtype=np.float32) * np.float32(2.0 ** -13)
     q, a_scale = ref.act_quant(x)
     qx = (q * np.repeat(a_scale, 32, 1)).max(axis=1)                # each token's one value, as quantized
     values = ref.e4m3(w)                                            # NaN for the NaN codes
     s = np.repeat(np.repeat(ref.e8m0(sc), 32, 0), 32, 1)
+    got = np.concatenate([k.fp8_linear(x[i:i + tokens], w, sc) for i in range(0, K, tokens)])
     if tokens < 9:  # the GEMVs of 1 and 2..8 tokens: both scales on the activation
-        got = np.concatenate([k.fp8_linear(x[i:i + tokens], w, sc) for i in range(0, K, tokens)])
         factor = _flush(qx[None, :] * s)                 # [M, K]: this k's activation times s_w
         pa, pb = (values.view(np.uint32) >> 16).astype(np.uint16), (factor.view(np.uint32) >> 16).astype(np.uint16)
     else:          # 9 and more tokens: s_w on the widened weights
-        got = k.fp8_linear(x, w, sc)
         factor = _flush(values * s)
         pa, pb = (factor.view(np.uint32) >> 16).astype(np.uint16), (qx[None, :].repeat(M, 0).view(np.uint32) >> 16).astype(np.uint16)
     zero = np.zeros(pa.size, np.uint16)
@@ -166,7 +168,7 @@ def test_bf16_projection_reads_every_code_exactly(on_bf16, tokens):
 
 
 @needs_bf16
-@pytest.mark.parametrize("S", [1, 3, 8, 9, 40])
+@pytest.mark.parametrize("S", [1, 3, 8, 9, 16, 17, 40])
 def test_bf16_edge_codes_against_the_oracle(on_bf16, S):
     """Rows of zeros (+-0), subnormals, the largest values (+-448) and ordinary codes, real
     block scales, activations of mixed magnitude (so a block's max quantizes to +-448):
