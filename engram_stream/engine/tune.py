@@ -9,7 +9,9 @@ thread count up to the cores this process may use is timed on the three operatio
 
     step     one stream, one token
     batch    BATCH_STREAMS streams, one token each
-    prefill  one stream, PREFILL_TOKENS tokens
+    prefill  one stream, PREFILL_TOKENS tokens, or up to PREFILL_MAX where they take under
+             PREFILL_RUN (a small model's prefill is then timed as a GEMM of many rows: which
+             path wins can differ between 32 and 2048 tokens)
 
 (each candidate a few runs of one call, the slowest dropped early), the fastest is kept, and
 the table is cached as JSON in the user's cache folder, keyed by the CPU's identity and the
@@ -55,6 +57,8 @@ ENV = "ENGRAM_STREAM_TUNE"
 FORMAT = 1
 BATCH_STREAMS = 16
 PREFILL_TOKENS = 32
+PREFILL_MAX = 256   # a prefill's tokens at most: as many as take PREFILL_RUN on its first candidate
+PREFILL_RUN = 10e-3
 REPEATS = 3        # timed runs of a candidate at least (its best counts), after one untimed warm-up run
 MIN_SECONDS = 2e-3  # and more, up to MAX_REPEATS, until its runs took this long: a 20 us step's best of 3 is noise
 MAX_REPEATS = 50
@@ -272,7 +276,7 @@ def _runners(model, layer):
     many = model.variant.engine(model, layer, BATCH_STREAMS)
     ids1 = rng.integers(0, cfg.vocab_size, 1, dtype=np.int64)
     idsS = rng.integers(0, cfg.vocab_size, BATCH_STREAMS, dtype=np.int64)
-    idsT = rng.integers(0, cfg.vocab_size, PREFILL_TOKENS, dtype=np.int64)
+    idsT = rng.integers(0, cfg.vocab_size, PREFILL_MAX, dtype=np.int64)
     h1 = rng.standard_normal((G, D), dtype=np.float32)
     hS = rng.standard_normal((BATCH_STREAMS, G, D), dtype=np.float32)
     hT = rng.standard_normal((PREFILL_TOKENS, G, D), dtype=np.float32)
@@ -286,9 +290,17 @@ def _runners(model, layer):
         many._use_choice(1, _isa.ISA_NAMES.index(c[0]), c[1], "tuning")
         many.step(idsS, hS, out=oS)
 
+    sized = []  # (ids, hidden) of the prefill's runs, sized by its first
+
     def prefill(c):
         one._use_choice(2, _isa.ISA_NAMES.index(c[0]), c[1], "tuning")
-        one.prefill(idsT, hT)
+        if not sized:  # PREFILL_TOKENS, or as many more as take PREFILL_RUN at this first candidate's rate
+            t0 = time.perf_counter()
+            one.prefill(idsT[:PREFILL_TOKENS], hT)
+            took = max(time.perf_counter() - t0, 1e-9)
+            n = int(min(PREFILL_MAX, max(PREFILL_TOKENS, PREFILL_TOKENS * PREFILL_RUN / took)))
+            sized.append((idsT[:n], hT if n == PREFILL_TOKENS else rng.standard_normal((n, G, D), dtype=np.float32)))
+        one.prefill(*sized[0])
 
     return {"step": step, "batch": batch, "prefill": prefill}
 
