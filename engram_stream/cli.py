@@ -445,8 +445,9 @@ def cmd_tune(args):
     print(f"cpu: {_cpu()}")
     print(f"kernels: {_kernels()}")
     print(f"operations: step = 1 stream, batch = {tune.BATCH_STREAMS} streams, prefill = {tune.PREFILL_TOKENS}-"
-          f"{tune.PREFILL_MAX} tokens (as many as take {tune.PREFILL_RUN * 1e3:g} ms); per path/threads the best of {tune.REPEATS}+ runs ({tune.MIN_SECONDS * 1e3:g} ms at least; one "
-          f"when runs take {tune.LONG_RUN * 1e3:g} ms), the fastest first; within {tune.TIE:.0%} of it the fewest "
+          f"{tune.PREFILL_MAX} tokens (as many as take {tune.PREFILL_RUN * 1e3:g} ms); per path/threads the best of "
+          f"{tune.REPEATS}+ runs ({tune.MIN_SECONDS * 1e3:g} ms at least; one when runs take "
+          f"{tune.LONG_RUN * 1e3:g} ms), the fastest first; within {tune.TIE:.0%} of it the fewest "
           f"threads is chosen; a first stream() measures within {tune.TIME_BUDGET:g} s, this command all")
     print(tune.format_table(table))
     if isa.forced():

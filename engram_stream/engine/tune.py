@@ -24,8 +24,8 @@ candidate on; a path whose one-thread warm-up step is more than cores x DROP_SLO
 best step so far is dropped for every thread count and operation (threads divide a time by
 the cores at best); batch and prefill try the paths in the order of their step times; a run
 longer than LONG_RUN is timed once; and once the budget is spent, each operation keeps the
-best so far (the batch and the prefill: of two paths at least) and its table entry says "partial". `engram-stream tune` has no budget and times
-every candidate. A measurement past NOTE_AFTER prints one line on stderr, so a first call
+best so far (the batch and the prefill: of two paths at least) and its table entry says
+"partial". `engram-stream tune` has no budget and times every candidate. A measurement past NOTE_AFTER prints one line on stderr, so a first call
 does not block without a word.
 
 What wins over the measurement: a caller's step_threads / prefill_threads (the count), and a
@@ -186,7 +186,7 @@ def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=
             continue
         # a candidate costs two runs at least (a warm-up, a timed one): one that would end past the deadline
         # does not start
-        if len(times) >= max(1, least) and deadline is not None and timer() + 2 * min(times.values()) > deadline:
+        if len(times) >= least and deadline is not None and timer() + 2 * min(times.values()) > deadline:
             partial = True
             break
         if tick is not None:
