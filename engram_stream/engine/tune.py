@@ -33,12 +33,18 @@ forced path (ENGRAM_STREAM_ISA, use_isa: every kernel runs it). ENGRAM_STREAM_TU
 measuring off (the process's path and the default thread counts run; the test suite sets it,
 so which path runs there is decided by the tests alone).
 
-The cache folder is the user's own: created 0700, each file 0600 and replaced atomically; a
-folder or file owned by another user, or writable by group or others, is neither read nor
-written (the table is then measured for this process only).
+The cache folder is the user's own: created 0700, each file 0600 and replaced atomically under
+a lock (tune_<cpu>.json.lock), merged with what other processes wrote meanwhile; a folder or
+file owned by another user, writable by group or others, or that cannot be reached (a HOME
+this user cannot enter, a file where the folder belongs), is neither read nor written: the
+table is then measured for this process only, and one line on stderr says why. A broken file
+(not JSON, too deep, another format, CPU or build) is measured again and replaced; an entry
+naming a path this CPU does not run (a file of another machine) is ignored, as one line on
+stderr says.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -46,7 +52,6 @@ import platform
 import stat
 import sys
 import time
-import warnings
 
 import numpy as np
 
@@ -77,7 +82,9 @@ _IDENTITY_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping"
 
 
 class TuneCacheError(Exception):
-    """The cache folder or file is not safe to trust (another owner, or writable by others)."""
+    """The cache folder or file is not safe to trust (another owner, or writable by others), or
+    cannot be reached."""
+
 
 
 def enabled() -> bool:
@@ -353,12 +360,17 @@ def _check_owned(path, st, what):
 def _check_folder(folder, create):
     """The cache folder, checked (TuneCacheError); created 0700 when `create` and missing."""
     try:
-        st = os.lstat(folder)
-    except FileNotFoundError:
-        if not create:
-            return False
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        st = os.lstat(folder)
+        try:
+            st = os.lstat(folder)
+        except FileNotFoundError:
+            if not create:
+                return False
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            st = os.lstat(folder)
+    except OSError as e:  # a HOME this user cannot enter, a file where a folder belongs, a read-only disk
+        where = f" at {e.filename}" if e.filename and os.fspath(e.filename) != folder else ""
+        raise TuneCacheError(f"{folder}: the tuning cache folder cannot be used ({e.strerror}{where}): set "
+                             f"XDG_CACHE_HOME to a folder of your own") from None
     if not stat.S_ISDIR(st.st_mode):
         raise TuneCacheError(f"{folder}: the tuning cache folder is not a folder ({stat.filemode(st.st_mode)})")
     _check_owned(folder, st, "folder")
@@ -371,7 +383,7 @@ def _valid_entry(entry) -> bool:
     from ._base import MAX_THREADS
     for op in OPS:
         e = entry[op]
-        if not (isinstance(e, dict) and e.get("isa") in _isa.ISA_NAMES and isinstance(e.get("threads"), int)
+        if not (isinstance(e, dict) and e.get("isa") in _isa.ISA_NAMES and type(e.get("threads")) is int
                 and 1 <= e["threads"] <= MAX_THREADS and isinstance(e.get("times"), dict)
                 and isinstance(e.get("partial", False), bool)):
             return False
@@ -380,7 +392,8 @@ def _valid_entry(entry) -> bool:
 
 def read_cache(path=None) -> dict:
     """{shape key: table} of this CPU and build from the cache file; {} when there is none, or it
-    is of another CPU, build or format, or broken. TuneCacheError: not safe to read."""
+    is of another CPU, build or format, or broken. An entry naming a path this CPU does not run
+    is left out, and one line on stderr says so. TuneCacheError: not safe to read."""
     path = cache_path() if path is None else os.fspath(path)
     if not _check_folder(os.path.dirname(path), create=False):
         return {}
@@ -398,38 +411,79 @@ def read_cache(path=None) -> dict:
         raw = f.read(1 << 20)
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested past the parser's depth
         return {}
     if not (isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("cpu") == cpu_identity()[0]
             and doc.get("build") == build_identity() and isinstance(doc.get("tables"), dict)):
         return {}
-    return {k: v for k, v in doc["tables"].items() if isinstance(k, str) and _valid_entry(v)}
+    tables = {k: v for k, v in doc["tables"].items() if isinstance(k, str) and _valid_entry(v)}
+    runs = _isa.supported_isas()
+    for k in sorted(tables):
+        alien = sorted({tables[k][op]["isa"] for op in OPS} - set(runs))
+        if alien:  # the file of another machine: its choice would stop every stream()
+            del tables[k]
+            _say(f"{path}: entry {k!r} chooses the kernel path {', '.join(alien)}, which this CPU does not run "
+                 f"(it runs {', '.join(runs)}): ignored, and measured again (a cache file copied from another "
+                 f"machine? remove it)")
+    return tables
 
 
 def write_cache(tables: dict, path=None) -> str:
     """Write {shape key: table} as this CPU's and build's cache file (0600, atomically, the folder
-    0700); TuneCacheError where the folder is not the user's own."""
+    0700); TuneCacheError where the folder is not the user's own or cannot be used."""
     from ..io.files import atomic_output
     path = cache_path() if path is None else os.fspath(path)
     _check_folder(os.path.dirname(path), create=True)
     key, name = cpu_identity()
     doc = {"format": FORMAT, "cpu": key, "cpu_name": name, "build": build_identity(), "tables": tables}
-    with atomic_output(path) as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(json.dumps(doc, indent=1, sort_keys=True).encode())
+    try:
+        with atomic_output(path) as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(json.dumps(doc, indent=1, sort_keys=True).encode())
+    except OSError as e:
+        raise TuneCacheError(f"{path}: the tuning cache file cannot be written ({e.strerror})") from None
     return path
 
 
+def update_cache(key: str, table: dict, path=None) -> str:
+    """Add `table` as the entry `key` of the cache file: under an exclusive lock on <file>.lock
+    (0600, beside it), the file is read again, the entry merged in and the file replaced, so
+    processes tuning at once keep every entry (the lock is held for the merge alone, not the
+    measuring). TuneCacheError where the folder or file is not safe or cannot be used."""
+    path = cache_path() if path is None else os.fspath(path)
+    _check_folder(os.path.dirname(path), create=True)
+    lock = path + ".lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise TuneCacheError(f"{lock}: the tuning cache lock cannot be opened ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TuneCacheError(f"{lock}: the tuning cache lock is not a regular file")
+        _check_owned(lock, st, "lock")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            raise TuneCacheError(f"{lock}: the tuning cache lock cannot be taken ({e.strerror})") from None
+        tables = read_cache(path)
+        tables[key] = table
+        return write_cache(tables, path)
+    finally:
+        os.close(fd)  # releases the lock
+
+
 # ---- engines ------------------------------------------------------------------------------------
-_memo = {}       # shape key -> table, for this process (measured or read)
-_warned = False
+# this process's tables (measured or read): shape key -> the CPU's table; (shape key, path) -> the
+# table measured with that path forced (one path timed: for this process and that path alone)
+_memo = {}
+_said = set()    # the lines said on stderr (each once a process)
 
 
-def _warn(e):
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(f"{e}; the kernel choice is measured for this process only", RuntimeWarning, stacklevel=3)
+def _say(text):
+    if text not in _said:
+        _said.add(text)
+        print(f"engram_stream: {text}", file=sys.stderr, flush=True)
 
 
 def table_for(model, layer=None, retune=False) -> dict:
@@ -437,13 +491,17 @@ def table_for(model, layer=None, retune=False) -> dict:
     by this call within TIME_BUDGET (and cached). retune: every candidate measured whatever is
     known (engram-stream tune, which says so itself)."""
     key = shape_key(model)
-    if not retune and key in _memo:
-        return _memo[key]
-    tables = {}
+    forced = _isa.kernel_isa() if _isa.forced() else None
+    if not retune:
+        for k in (key, (key, forced)):  # a forced path runs whatever the table chose, on its threads
+            if k in _memo:
+                return _memo[k]
+    usable, tables = True, {}
     try:
         tables = read_cache()
     except TuneCacheError as e:
-        _warn(e)
+        usable = False
+        _say(f"{e}; the kernel choice is measured for this process only")
     if not retune and key in tables:
         _memo[key] = tables[key]
         return tables[key]
@@ -452,15 +510,15 @@ def table_for(model, layer=None, retune=False) -> dict:
     else:
         table = tune_model(model, layer, note=f"engram_stream: measuring the kernel paths for this CPU and these "
                            f"shapes (once; cached in {cache_dir()}; {ENV}=0 skips)")
+    if forced is not None:  # one path measured: this process's table for that path, not this CPU's
+        _memo[(key, forced)] = table
+        return table
     _memo[key] = table
-    if not _isa.forced():  # a forced run measured one path: not this CPU's table
-        tables[key] = table
+    if usable:
         try:
-            write_cache(tables)
+            update_cache(key, table)
         except TuneCacheError as e:
-            _warn(e)
-        except OSError:
-            pass  # no writable cache folder: the next process measures again
+            _say(f"{e}; the kernel choice is measured for this process only")
     return table
 
 
