@@ -33,6 +33,12 @@ forced path (ENGRAM_STREAM_ISA, use_isa: every kernel runs it). ENGRAM_STREAM_TU
 measuring off (the process's path and the default thread counts run; the test suite sets it,
 so which path runs there is decided by the tests alone).
 
+The measurement runs on scratch engines of the model's shapes whose rows are private to it:
+zero records of the table's layout in anonymous memory (no page of it is touched until read,
+and none is written), so it reads nothing from the model's files, row cache or store, and
+counts nothing in row_cache_stats(). (Zero is a valid record of every table dtype, and no
+kernel's time depends on the values.)
+
 The cache folder is the user's own: created 0700, each file 0600 and replaced atomically under
 a lock (tune_<cpu>.json.lock), merged with what other processes wrote meanwhile; a folder or
 file owned by another user, writable by group or others, or that cannot be reached (a HOME
@@ -47,6 +53,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import platform
 import stat
@@ -85,6 +92,9 @@ class TuneCacheError(Exception):
     """The cache folder or file is not safe to trust (another owner, or writable by others), or
     cannot be reached."""
 
+
+class MeasureError(RuntimeError):
+    """The measurement cannot run here (its private rows cannot be mapped)."""
 
 
 def enabled() -> bool:
@@ -274,13 +284,55 @@ def tune_runs(runs: dict, paths, counts, timer=time.perf_counter, budget=TIME_BU
     return table
 
 
+# Linux's MAP_NORESERVE (Python names it from 3.13): 0x4000 but on powerpc, sparc (0x40) and mips (0x400)
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", None)
+if _NORESERVE is None:
+    _NORESERVE = 0 if not sys.platform.startswith("linux") else next(
+        (v for arch, v in (("ppc", 0x40), ("powerpc", 0x40), ("sparc", 0x40), ("mips", 0x400))
+         if platform.machine().lower().startswith(arch)), 0x4000)
+
+
+def _zero_records(n, per, what):
+    """uint8 [n, per] of zeros in anonymous memory: reserved, not committed (MAP_NORESERVE: a
+    table larger than RAM is mapped), so a table of any size costs only the pages read, each the
+    kernel's shared zero page."""
+    size = n * per
+    try:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE
+        buf = mmap.mmap(-1, max(size, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, OverflowError, ValueError) as e:
+        raise MeasureError(f"the kernel measurement cannot map {size} bytes of private {what} records "
+                           f"({getattr(e, 'strerror', None) or e})") from None
+    a = np.frombuffer(buf, np.uint8, size).reshape(n, per)
+    a.flags.writeable = False
+    return a
+
+
+def private_rows(model, layer):
+    """A MappedRows of `layer`'s row count and record layout over zero records private to the
+    measurement: the model's tables, row cache and store are not read (MeasureError where the
+    memory cannot be mapped)."""
+    from ..rows._source import MappedRows
+    w = model.layer(layer)
+    n = int(model.plan.table_rows[layer])
+
+    def per_row(a):  # a row's bytes of a per-row array [rows, ...], as rows.records.record_layout, no copy
+        return int(a.dtype.itemsize * np.prod(a.shape[1:], dtype=np.int64))
+
+    scale = getattr(w, "table_scale", None)
+    return MappedRows(_zero_records(n, per_row(w.table), "table"),
+                      None if scale is None else _zero_records(n, per_row(scale), "scale"))
+
+
 def _runners(model, layer):
-    """{op: run(engine_level, threads)} over scratch engines of `layer` (not tuned themselves)."""
+    """{op: run(engine_level, threads)} over scratch engines of `layer` (not tuned themselves),
+    reading private_rows: the model's own rows stay unread."""
     rng = np.random.default_rng(0)
     cfg = model.cfg
     G, D = cfg.hc_mult, cfg.hidden_size
-    one = model.variant.engine(model, layer, 1)
-    many = model.variant.engine(model, layer, BATCH_STREAMS)
+    rows = private_rows(model, layer)  # a MappedRows: both engines may read it
+    one = model.variant.engine(model, layer, 1, rows=rows)
+    many = model.variant.engine(model, layer, BATCH_STREAMS, rows=rows)
     ids1 = rng.integers(0, cfg.vocab_size, 1, dtype=np.int64)
     idsS = rng.integers(0, cfg.vocab_size, BATCH_STREAMS, dtype=np.int64)
     idsT = rng.integers(0, cfg.vocab_size, PREFILL_MAX, dtype=np.int64)
@@ -486,10 +538,11 @@ def _say(text):
         print(f"engram_stream: {text}", file=sys.stderr, flush=True)
 
 
-def table_for(model, layer=None, retune=False) -> dict:
+def table_for(model, layer=None, retune=False):
     """The measured table of the model's shapes: this process's, else the cache's, else measured
     by this call within TIME_BUDGET (and cached). retune: every candidate measured whatever is
-    known (engram-stream tune, which says so itself)."""
+    known (engram-stream tune, which says so itself). None where the measurement cannot run
+    (MeasureError, said on stderr; retune raises it)."""
     key = shape_key(model)
     forced = _isa.kernel_isa() if _isa.forced() else None
     if not retune:
@@ -505,11 +558,18 @@ def table_for(model, layer=None, retune=False) -> dict:
     if not retune and key in tables:
         _memo[key] = tables[key]
         return tables[key]
-    if retune:
-        table = tune_model(model, layer, budget=None)
-    else:
-        table = tune_model(model, layer, note=f"engram_stream: measuring the kernel paths for this CPU and these "
-                           f"shapes (once; cached in {cache_dir()}; {ENV}=0 skips)")
+    try:
+        if retune:
+            table = tune_model(model, layer, budget=None)
+        else:
+            table = tune_model(model, layer, note=f"engram_stream: measuring the kernel paths for this CPU and these "
+                               f"shapes (once; cached in {cache_dir()}; {ENV}=0 skips)")
+    except MeasureError as e:
+        if retune:
+            raise
+        _say(f"{e}: the engines of {key} run the default path and threads ({ENV}=0 skips measuring)")
+        _memo[key if forced is None else (key, forced)] = None
+        return None
     if forced is not None:  # one path measured: this process's table for that path, not this CPU's
         _memo[(key, forced)] = table
         return table
@@ -524,10 +584,12 @@ def table_for(model, layer=None, retune=False) -> dict:
 
 def apply(model, engine, layer=None) -> None:
     """Give `engine` the measured choice of its model's shapes (measured first when unknown);
-    nothing when ENGRAM_STREAM_TUNE=0."""
+    nothing when ENGRAM_STREAM_TUNE=0 or where the measurement cannot run."""
     if not enabled():
         return
     table = table_for(model, layer)
+    if table is None:
+        return
     for op, name in enumerate(OPS):
         e = table[name]
         engine._use_choice(op, _isa.ISA_NAMES.index(e["isa"]), e["threads"], "tuned")

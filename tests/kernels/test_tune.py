@@ -444,6 +444,74 @@ def test_a_home_this_user_cannot_enter_measures_for_this_process_and_says_why(mo
     assert os.listdir(home) == []
 
 
+# ---- the measurement reads no row of the model --------------------------------------------------------
+@pytest.mark.parametrize("name", ["demo-int8", "v41-flash-rows", "qwen"])
+def test_the_first_stream_measures_on_private_rows_the_models_row_cache_and_files_untouched(
+        row_checkpoints, name, cache, monkeypatch, unforced):
+    from conftest import load_checkpoint
+    model = load_checkpoint(row_checkpoints[name], tables="direct", row_cache_mb=1)
+    L = model.cfg.layer_ids[0]
+    monkeypatch.setenv(tune.ENV, "1")
+    monkeypatch.setattr(tune, "TIME_BUDGET", 0.05)
+    before = model.row_cache_stats()
+    eng = model.stream(L)
+    assert all(why == "tuned" for _, _, why in eng.kernel_choice().values())  # measured, by this call
+    assert tune.shape_key(model) in tune.read_cache()
+    after = model.row_cache_stats()
+    for k in ("reads", "rows_read", "bytes_read", "misses", "hits", "rows_cached", "bytes_fetched"):
+        assert after[k] == before[k] == 0, (k, before[k], after[k])
+
+
+def test_the_measurement_never_asks_the_model_for_its_rows(model, cache, monkeypatch, unforced):
+    def no(layer):
+        raise AssertionError("the measurement read the model's rows")
+
+    monkeypatch.setattr(model, "row_source", no)
+    table = tune.tune_model(model, 1, threads=[1], budget=0.05)
+    assert set(table) == set(tune.OPS)
+    src = tune.private_rows(model, 1)
+    assert (src.nrows, src.rowbytes, src.scalebytes) == (model.plan.table_rows[1], 64 // 4 * 4, 0)
+    assert not src.read(np.arange(src.nrows)).any()  # zero records, every row of the table's count
+
+
+def _overcommit():
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+@pytest.mark.skipif(_overcommit() in (None, "2"), reason="needs Linux without strict overcommit (vm.overcommit_memory "
+                    "2 commits every mapping: there a table larger than RAM is refused, and the defaults run)")
+def test_private_rows_of_a_table_larger_than_ram_cost_only_the_rows_read():
+    import resource
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    n = 2 * ram // 264 + 1  # the Flash record (256 + 8 bytes), twice the RAM
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    a = tune._zero_records(n, 264, "table")
+    assert a.shape == (n, 264) and not a[np.random.default_rng(0).integers(0, n, 1000)].any()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: the pages read, no more
+
+
+def test_private_rows_that_cannot_be_mapped_leave_the_defaults_and_say_why(model, cache, monkeypatch, capsys,
+                                                                        unforced):
+    def refused(*a, **kw):
+        raise OSError(12, "Cannot allocate memory")
+
+    import mmap
+    import types
+    monkeypatch.setattr(tune, "mmap", types.SimpleNamespace(**{k: getattr(mmap, k) for k in dir(mmap) if k.isupper()},
+                                                           mmap=refused))  # tune's mmap alone
+    monkeypatch.setenv(tune.ENV, "1")
+    for _ in range(2):
+        assert {why for _, _, why in model.stream(1).kernel_choice().values()} == {"default"}
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "Cannot allocate memory" in err[0] and "default path" in err[0], err
+    with pytest.raises(tune.MeasureError, match="cannot map"):
+        tune.table_for(model, 1, retune=True)  # engram-stream tune says it as its error
+
+
 # ---- a forced path's table is that path's -------------------------------------------------------------
 def test_a_forced_paths_table_does_not_outlive_the_forcing(model, cache, monkeypatch, unforced):
     monkeypatch.setenv(tune.ENV, "1")
