@@ -14,6 +14,8 @@ from engram_stream import EngramConfig, EngramModel
 from engram_stream.engine import isa as _isa
 from engram_stream.engine import tune
 
+from conftest import ROW_MODELS, load_checkpoint, row_source_model
+
 CFG = dict(engram_vocab_size=[101, 103], max_ngram_size=3, n_embed_per_ngram=64, n_head_per_ngram=4,
            layer_ids=[1], kernel_size=3, hidden_size=48, hc_mult=2, vocab_size=60)
 
@@ -445,11 +447,14 @@ def test_a_home_this_user_cannot_enter_measures_for_this_process_and_says_why(mo
 
 
 # ---- the measurement reads no row of the model --------------------------------------------------------
-@pytest.mark.parametrize("name", ["demo-int8", "v41-flash-rows", "qwen"])
+@pytest.mark.parametrize("source", ["direct, 1 MB cache", "direct+host cache", "packed row file+cache"])
+@pytest.mark.parametrize("name", sorted(ROW_MODELS))
 def test_the_first_stream_measures_on_private_rows_the_models_row_cache_and_files_untouched(
-        row_checkpoints, name, cache, monkeypatch, unforced):
-    from conftest import load_checkpoint
-    model = load_checkpoint(row_checkpoints[name], tables="direct", row_cache_mb=1)
+        row_checkpoints, name, source, cache, monkeypatch, unforced, tmp_path, request):
+    if source == "direct, 1 MB cache":  # the issue's own case
+        model = load_checkpoint(row_checkpoints[name], tables="direct", row_cache_mb=1)
+    else:
+        model = row_source_model(row_checkpoints[name], source, tmp_path, request)
     L = model.cfg.layer_ids[0]
     monkeypatch.setenv(tune.ENV, "1")
     monkeypatch.setattr(tune, "TIME_BUDGET", 0.05)
