@@ -546,7 +546,7 @@ def table_for(model, layer=None, retune=False):
     key = shape_key(model)
     forced = _isa.kernel_isa() if _isa.forced() else None
     if not retune:
-        for k in (key, (key, forced)):  # a forced path runs whatever the table chose, on its threads
+        for k in (key, (key, forced)):  # forced: the CPU's table serves too (its thread counts; the path is forced)
             if k in _memo:
                 return _memo[k]
     usable, tables = True, {}
