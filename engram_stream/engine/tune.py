@@ -33,20 +33,32 @@ forced path (ENGRAM_STREAM_ISA, use_isa: every kernel runs it). ENGRAM_STREAM_TU
 measuring off (the process's path and the default thread counts run; the test suite sets it,
 so which path runs there is decided by the tests alone).
 
-The cache folder is the user's own: created 0700, each file 0600 and replaced atomically; a
-folder or file owned by another user, or writable by group or others, is neither read nor
-written (the table is then measured for this process only).
+The measurement runs on scratch engines of the model's shapes whose rows are private to it:
+zero records of the table's layout in anonymous memory (no page of it is touched until read,
+and none is written), so it reads nothing from the model's files, row cache or store, and
+counts nothing in row_cache_stats(). (Zero is a valid record of every table dtype, and no
+kernel's time depends on the values.)
+
+The cache folder is the user's own: created 0700, each file 0600 and replaced atomically under
+a lock (tune_<cpu>.json.lock), merged with what other processes wrote meanwhile; a folder or
+file owned by another user, writable by group or others, or that cannot be reached (a HOME
+this user cannot enter, a file where the folder belongs), is neither read nor written: the
+table is then measured for this process only, and one line on stderr says why. A broken file
+(not JSON, too deep, another format, CPU or build) is measured again and replaced; an entry
+naming a path this CPU does not run (a file of another machine) is ignored, as one line on
+stderr says.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import mmap
 import os
 import platform
 import stat
 import sys
 import time
-import warnings
 
 import numpy as np
 
@@ -77,7 +89,12 @@ _IDENTITY_FIELDS = ("vendor_id", "cpu family", "model", "model name", "stepping"
 
 
 class TuneCacheError(Exception):
-    """The cache folder or file is not safe to trust (another owner, or writable by others)."""
+    """The cache folder or file is not safe to trust (another owner, or writable by others), or
+    cannot be reached."""
+
+
+class MeasureError(RuntimeError):
+    """The measurement cannot run here (its private rows cannot be mapped)."""
 
 
 def enabled() -> bool:
@@ -267,13 +284,55 @@ def tune_runs(runs: dict, paths, counts, timer=time.perf_counter, budget=TIME_BU
     return table
 
 
+# Linux's MAP_NORESERVE (Python names it from 3.13): 0x4000 but on powerpc, sparc (0x40) and mips (0x400)
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", None)
+if _NORESERVE is None:
+    _NORESERVE = 0 if not sys.platform.startswith("linux") else next(
+        (v for arch, v in (("ppc", 0x40), ("powerpc", 0x40), ("sparc", 0x40), ("mips", 0x400))
+         if platform.machine().lower().startswith(arch)), 0x4000)
+
+
+def _zero_records(n, per, what):
+    """uint8 [n, per] of zeros in anonymous memory: reserved, not committed (MAP_NORESERVE: a
+    table larger than RAM is mapped), so a table of any size costs only the pages read, each the
+    kernel's shared zero page."""
+    size = n * per
+    try:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _NORESERVE
+        buf = mmap.mmap(-1, max(size, 1), flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, OverflowError, ValueError) as e:
+        raise MeasureError(f"the kernel measurement cannot map {size} bytes of private {what} records "
+                           f"({getattr(e, 'strerror', None) or e})") from None
+    a = np.frombuffer(buf, np.uint8, size).reshape(n, per)
+    a.flags.writeable = False
+    return a
+
+
+def private_rows(model, layer):
+    """A MappedRows of `layer`'s row count and record layout over zero records private to the
+    measurement: the model's tables, row cache and store are not read (MeasureError where the
+    memory cannot be mapped)."""
+    from ..rows._source import MappedRows
+    w = model.layer(layer)
+    n = int(model.plan.table_rows[layer])
+
+    def per_row(a):  # a row's bytes of a per-row array [rows, ...], as rows.records.record_layout, no copy
+        return int(a.dtype.itemsize * np.prod(a.shape[1:], dtype=np.int64))
+
+    scale = getattr(w, "table_scale", None)
+    return MappedRows(_zero_records(n, per_row(w.table), "table"),
+                      None if scale is None else _zero_records(n, per_row(scale), "scale"))
+
+
 def _runners(model, layer):
-    """{op: run(engine_level, threads)} over scratch engines of `layer` (not tuned themselves)."""
+    """{op: run(engine_level, threads)} over scratch engines of `layer` (not tuned themselves),
+    reading private_rows: the model's own rows stay unread."""
     rng = np.random.default_rng(0)
     cfg = model.cfg
     G, D = cfg.hc_mult, cfg.hidden_size
-    one = model.variant.engine(model, layer, 1)
-    many = model.variant.engine(model, layer, BATCH_STREAMS)
+    rows = private_rows(model, layer)  # a MappedRows: both engines may read it
+    one = model.variant.engine(model, layer, 1, rows=rows)
+    many = model.variant.engine(model, layer, BATCH_STREAMS, rows=rows)
     ids1 = rng.integers(0, cfg.vocab_size, 1, dtype=np.int64)
     idsS = rng.integers(0, cfg.vocab_size, BATCH_STREAMS, dtype=np.int64)
     idsT = rng.integers(0, cfg.vocab_size, PREFILL_MAX, dtype=np.int64)
@@ -353,12 +412,17 @@ def _check_owned(path, st, what):
 def _check_folder(folder, create):
     """The cache folder, checked (TuneCacheError); created 0700 when `create` and missing."""
     try:
-        st = os.lstat(folder)
-    except FileNotFoundError:
-        if not create:
-            return False
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        st = os.lstat(folder)
+        try:
+            st = os.lstat(folder)
+        except FileNotFoundError:
+            if not create:
+                return False
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            st = os.lstat(folder)
+    except OSError as e:  # a HOME this user cannot enter, a file where a folder belongs, a read-only disk
+        where = f" at {e.filename}" if e.filename and os.fspath(e.filename) != folder else ""
+        raise TuneCacheError(f"{folder}: the tuning cache folder cannot be used ({e.strerror}{where}): set "
+                             f"XDG_CACHE_HOME to a folder of your own") from None
     if not stat.S_ISDIR(st.st_mode):
         raise TuneCacheError(f"{folder}: the tuning cache folder is not a folder ({stat.filemode(st.st_mode)})")
     _check_owned(folder, st, "folder")
@@ -371,7 +435,7 @@ def _valid_entry(entry) -> bool:
     from ._base import MAX_THREADS
     for op in OPS:
         e = entry[op]
-        if not (isinstance(e, dict) and e.get("isa") in _isa.ISA_NAMES and isinstance(e.get("threads"), int)
+        if not (isinstance(e, dict) and e.get("isa") in _isa.ISA_NAMES and type(e.get("threads")) is int
                 and 1 <= e["threads"] <= MAX_THREADS and isinstance(e.get("times"), dict)
                 and isinstance(e.get("partial", False), bool)):
             return False
@@ -380,7 +444,8 @@ def _valid_entry(entry) -> bool:
 
 def read_cache(path=None) -> dict:
     """{shape key: table} of this CPU and build from the cache file; {} when there is none, or it
-    is of another CPU, build or format, or broken. TuneCacheError: not safe to read."""
+    is of another CPU, build or format, or broken. An entry naming a path this CPU does not run
+    is left out, and one line on stderr says so. TuneCacheError: not safe to read."""
     path = cache_path() if path is None else os.fspath(path)
     if not _check_folder(os.path.dirname(path), create=False):
         return {}
@@ -398,78 +463,133 @@ def read_cache(path=None) -> dict:
         raw = f.read(1 << 20)
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested past the parser's depth
         return {}
     if not (isinstance(doc, dict) and doc.get("format") == FORMAT and doc.get("cpu") == cpu_identity()[0]
             and doc.get("build") == build_identity() and isinstance(doc.get("tables"), dict)):
         return {}
-    return {k: v for k, v in doc["tables"].items() if isinstance(k, str) and _valid_entry(v)}
+    tables = {k: v for k, v in doc["tables"].items() if isinstance(k, str) and _valid_entry(v)}
+    runs = _isa.supported_isas()
+    for k in sorted(tables):
+        alien = sorted({tables[k][op]["isa"] for op in OPS} - set(runs))
+        if alien:  # the file of another machine: its choice would stop every stream()
+            del tables[k]
+            _say(f"{path}: entry {k!r} chooses the kernel path {', '.join(alien)}, which this CPU does not run "
+                 f"(it runs {', '.join(runs)}): ignored, and measured again (a cache file copied from another "
+                 f"machine? remove it)")
+    return tables
 
 
 def write_cache(tables: dict, path=None) -> str:
     """Write {shape key: table} as this CPU's and build's cache file (0600, atomically, the folder
-    0700); TuneCacheError where the folder is not the user's own."""
+    0700); TuneCacheError where the folder is not the user's own or cannot be used."""
     from ..io.files import atomic_output
     path = cache_path() if path is None else os.fspath(path)
     _check_folder(os.path.dirname(path), create=True)
     key, name = cpu_identity()
     doc = {"format": FORMAT, "cpu": key, "cpu_name": name, "build": build_identity(), "tables": tables}
-    with atomic_output(path) as f:
-        os.fchmod(f.fileno(), 0o600)
-        f.write(json.dumps(doc, indent=1, sort_keys=True).encode())
+    try:
+        with atomic_output(path) as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(json.dumps(doc, indent=1, sort_keys=True).encode())
+    except OSError as e:
+        raise TuneCacheError(f"{path}: the tuning cache file cannot be written ({e.strerror})") from None
     return path
 
 
+def update_cache(key: str, table: dict, path=None) -> str:
+    """Add `table` as the entry `key` of the cache file: under an exclusive lock on <file>.lock
+    (0600, beside it), the file is read again, the entry merged in and the file replaced, so
+    processes tuning at once keep every entry (the lock is held for the merge alone, not the
+    measuring). TuneCacheError where the folder or file is not safe or cannot be used."""
+    path = cache_path() if path is None else os.fspath(path)
+    _check_folder(os.path.dirname(path), create=True)
+    lock = path + ".lock"
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise TuneCacheError(f"{lock}: the tuning cache lock cannot be opened ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TuneCacheError(f"{lock}: the tuning cache lock is not a regular file")
+        _check_owned(lock, st, "lock")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            raise TuneCacheError(f"{lock}: the tuning cache lock cannot be taken ({e.strerror})") from None
+        tables = read_cache(path)
+        tables[key] = table
+        return write_cache(tables, path)
+    finally:
+        os.close(fd)  # releases the lock
+
+
 # ---- engines ------------------------------------------------------------------------------------
-_memo = {}       # shape key -> table, for this process (measured or read)
-_warned = False
+# this process's tables (measured or read): shape key -> the CPU's table; (shape key, path) -> the
+# table measured with that path forced (one path timed: for this process and that path alone)
+_memo = {}
+_said = set()    # the lines said on stderr (each once a process)
 
 
-def _warn(e):
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(f"{e}; the kernel choice is measured for this process only", RuntimeWarning, stacklevel=3)
+def _say(text):
+    if text not in _said:
+        _said.add(text)
+        print(f"engram_stream: {text}", file=sys.stderr, flush=True)
 
 
-def table_for(model, layer=None, retune=False) -> dict:
+def table_for(model, layer=None, retune=False):
     """The measured table of the model's shapes: this process's, else the cache's, else measured
     by this call within TIME_BUDGET (and cached). retune: every candidate measured whatever is
-    known (engram-stream tune, which says so itself)."""
+    known (engram-stream tune, which says so itself). None where the measurement cannot run
+    (MeasureError, said on stderr; retune raises it)."""
     key = shape_key(model)
-    if not retune and key in _memo:
-        return _memo[key]
-    tables = {}
+    forced = _isa.kernel_isa() if _isa.forced() else None
+    if not retune:
+        for k in (key, (key, forced)):  # forced: the CPU's table serves too (its thread counts; the path is forced)
+            if k in _memo:
+                return _memo[k]
+    usable, tables = True, {}
     try:
         tables = read_cache()
     except TuneCacheError as e:
-        _warn(e)
+        usable = False
+        _say(f"{e}; the kernel choice is measured for this process only")
     if not retune and key in tables:
         _memo[key] = tables[key]
         return tables[key]
-    if retune:
-        table = tune_model(model, layer, budget=None)
-    else:
-        table = tune_model(model, layer, note=f"engram_stream: measuring the kernel paths for this CPU and these "
-                           f"shapes (once; cached in {cache_dir()}; {ENV}=0 skips)")
+    try:
+        if retune:
+            table = tune_model(model, layer, budget=None)
+        else:
+            table = tune_model(model, layer, note=f"engram_stream: measuring the kernel paths for this CPU and these "
+                               f"shapes (once; cached in {cache_dir()}; {ENV}=0 skips)")
+    except MeasureError as e:
+        if retune:
+            raise
+        _say(f"{e}: the engines of {key} run the default path and threads ({ENV}=0 skips measuring)")
+        _memo[key if forced is None else (key, forced)] = None
+        return None
+    if forced is not None:  # one path measured: this process's table for that path, not this CPU's
+        _memo[(key, forced)] = table
+        return table
     _memo[key] = table
-    if not _isa.forced():  # a forced run measured one path: not this CPU's table
-        tables[key] = table
+    if usable:
         try:
-            write_cache(tables)
+            update_cache(key, table)
         except TuneCacheError as e:
-            _warn(e)
-        except OSError:
-            pass  # no writable cache folder: the next process measures again
+            _say(f"{e}; the kernel choice is measured for this process only")
     return table
 
 
 def apply(model, engine, layer=None) -> None:
     """Give `engine` the measured choice of its model's shapes (measured first when unknown);
-    nothing when ENGRAM_STREAM_TUNE=0."""
+    nothing when ENGRAM_STREAM_TUNE=0 or where the measurement cannot run."""
     if not enabled():
         return
     table = table_for(model, layer)
+    if table is None:
+        return
     for op, name in enumerate(OPS):
         e = table[name]
         engine._use_choice(op, _isa.ISA_NAMES.index(e["isa"]), e["threads"], "tuned")

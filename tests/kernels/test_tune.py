@@ -5,6 +5,7 @@ Every test but the last feeds made-up timings: none depends on this machine's sp
 import json
 import os
 import stat
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ import pytest
 from engram_stream import EngramConfig, EngramModel
 from engram_stream.engine import isa as _isa
 from engram_stream.engine import tune
+
+from conftest import ROW_MODELS, load_checkpoint, row_source_model
 
 CFG = dict(engram_vocab_size=[101, 103], max_ngram_size=3, n_embed_per_ngram=64, n_head_per_ngram=4,
            layer_ids=[1], kernel_size=3, hidden_size=48, hc_mult=2, vocab_size=60)
@@ -26,7 +29,55 @@ def model():
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setattr(tune, "_memo", {})
+    monkeypatch.setattr(tune, "_said", set(), raising=False)  # each test's lines on stderr said afresh
     return tmp_path / "xdg" / "engram_stream"
+
+
+@pytest.fixture
+def unforced():
+    """No path forced for the test (the session's forced path, if any, back after)."""
+    before = _isa.kernel_isa() if _isa.forced() else None
+    _isa.use_isa(None)
+    yield
+    _isa.use_isa(before)
+
+
+def _in_child(fn, uid=None, wait=True):
+    """Run fn() in a forked child (as `uid` when given): (its return value, its stderr text), or
+    the pid (wait=False; collect with _collect). The child's stderr goes to a pipe of its own."""
+    rd, wr = os.pipe()
+    res_r, res_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 1
+        try:
+            os.close(rd), os.close(res_r)
+            sys.stderr = os.fdopen(wr, "w")
+            if uid is not None:
+                os.setgid(uid)
+                os.setuid(uid)
+            out = fn()
+            os.write(res_w, json.dumps({"ok": out}).encode())
+            code = 0
+        except BaseException as e:
+            os.write(res_w, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(wr), os.close(res_w)
+    child = (pid, rd, res_r)
+    return _collect(child) if wait else child
+
+
+def _collect(child):
+    pid, rd, res_r = child
+    with os.fdopen(rd) as f:
+        err = f.read()
+    with os.fdopen(res_r) as f:
+        res = json.loads(f.read() or "{}")
+    os.waitpid(pid, 0)
+    assert "ok" in res, (res, err)
+    return res["ok"], err
 
 
 def _table(step=("avx2", 2), batch=("baseline", 1), prefill=("avx2", 1)):
@@ -278,7 +329,7 @@ def test_cache_refuses_another_users_file(cache):
 
 
 def test_cache_drops_broken_entries(cache):
-    path = tune.write_cache({"good": _table(), "bad": _table(step=("avx2", 0))})
+    path = tune.write_cache({"good": _table(), "bad": _table(step=("avx2", 0)), "bool": _table(step=("avx2", True))})
     assert set(tune.read_cache()) == {"good"}
     doc = json.loads(open(path).read())
     doc["tables"]["good"]["prefill"]["isa"] = "sse9"
@@ -336,3 +387,190 @@ def test_a_real_measurement_has_every_operation_path_and_thread_count(model, cac
         assert set(e["times"]) == {f"{p}/{t}" for p in _isa.supported_isas() for t in (1, 2)}
         assert e["times"][f"{e['isa']}/{e['threads']}"] <= min(e["times"].values()) * (1 + tune.TIE)
     assert "ms" in tune.format_table(table)
+
+
+# ---- a cache that cannot be used or trusted: the model runs, measured for this process ---------------
+def _best_table():
+    runs = _isa.supported_isas()
+    return _table(step=(runs[-1], 2), batch=(runs[0], 1), prefill=(runs[-1], 1))
+
+
+def _tuned(choice, table):
+    return choice == {op: (table[op]["isa"], table[op]["threads"], "tuned") for op in tune.OPS}
+
+
+@pytest.mark.parametrize("where", ["HOME", "XDG_CACHE_HOME"])
+def test_a_cache_folder_under_a_file_measures_for_this_process_and_says_why(model, cache, monkeypatch, capsys,
+                                                                             unforced, where, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder\n")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv(where, str(a_file))
+    monkeypatch.setenv(tune.ENV, "1")
+    measured = []
+    monkeypatch.setattr(tune, "tune_model", lambda m, layer=None, **kw: measured.append(1) or _best_table())
+    assert _tuned(model.stream(1).kernel_choice(), _best_table())
+    assert _tuned(model.stream(1).kernel_choice(), _best_table()) and measured == [1]  # once a process
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1, err
+    assert str(a_file) in err[0] and "Not a directory" in err[0] and "XDG_CACHE_HOME" in err[0]
+    assert "measured for this process only" in err[0]
+    assert a_file.read_text() == "not a folder\n"
+
+
+def test_a_home_this_user_cannot_enter_measures_for_this_process_and_says_why(model, cache, monkeypatch,
+                                                                              unforced, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv(tune.ENV, "1")
+    monkeypatch.setattr(tune, "tune_model", lambda m, layer=None, **kw: _best_table())
+
+    def first_stream():
+        return model.stream(1).kernel_choice()["step"]
+
+    if os.getuid() == 0:  # root enters any folder: the user the usual container runs, nobody (a child process)
+        import pwd
+        choice, err = _in_child(first_stream, uid=pwd.getpwnam("nobody").pw_uid)
+    else:  # a folder of one's own without search permission
+        os.chmod(home, 0)
+        try:
+            choice, err = _in_child(first_stream)
+        finally:
+            os.chmod(home, 0o700)
+    assert tuple(choice) == (_best_table()["step"]["isa"], 2, "tuned")
+    err = err.splitlines()
+    assert len(err) == 1 and str(home / ".cache" / "engram_stream") in err[0], err
+    assert "Permission denied" in err[0] and "measured for this process only" in err[0]
+    assert os.listdir(home) == []
+
+
+# ---- the measurement reads no row of the model --------------------------------------------------------
+@pytest.mark.parametrize("source", ["direct, 1 MB cache", "direct+host cache", "packed row file+cache"])
+@pytest.mark.parametrize("name", sorted(ROW_MODELS))
+def test_the_first_stream_measures_on_private_rows_the_models_row_cache_and_files_untouched(
+        row_checkpoints, name, source, cache, monkeypatch, unforced, tmp_path, request):
+    if source == "direct, 1 MB cache":  # the issue's own case
+        model = load_checkpoint(row_checkpoints[name], tables="direct", row_cache_mb=1)
+    else:
+        model = row_source_model(row_checkpoints[name], source, tmp_path, request)
+    L = model.cfg.layer_ids[0]
+    monkeypatch.setenv(tune.ENV, "1")
+    monkeypatch.setattr(tune, "TIME_BUDGET", 0.05)
+    before = model.row_cache_stats()
+    eng = model.stream(L)
+    assert all(why == "tuned" for _, _, why in eng.kernel_choice().values())  # measured, by this call
+    assert tune.shape_key(model) in tune.read_cache()
+    after = model.row_cache_stats()
+    for k in ("reads", "rows_read", "bytes_read", "misses", "hits", "rows_cached", "bytes_fetched"):
+        assert after[k] == before[k] == 0, (k, before[k], after[k])
+
+
+def test_the_measurement_never_asks_the_model_for_its_rows(model, cache, monkeypatch, unforced):
+    def no(layer):
+        raise AssertionError("the measurement read the model's rows")
+
+    monkeypatch.setattr(model, "row_source", no)
+    table = tune.tune_model(model, 1, threads=[1], budget=0.05)
+    assert set(table) == set(tune.OPS)
+    src = tune.private_rows(model, 1)
+    assert (src.nrows, src.rowbytes, src.scalebytes) == (model.plan.table_rows[1], 64 // 4 * 4, 0)
+    assert not src.read(np.arange(src.nrows)).any()  # zero records, every row of the table's count
+
+
+def _overcommit():
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+@pytest.mark.skipif(_overcommit() in (None, "2"), reason="needs Linux without strict overcommit (vm.overcommit_memory "
+                    "2 commits every mapping: there a table larger than RAM is refused, and the defaults run)")
+def test_private_rows_of_a_table_larger_than_ram_cost_only_the_rows_read():
+    import resource
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    n = 2 * ram // 264 + 1  # the Flash record (256 + 8 bytes), twice the RAM
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    a = tune._zero_records(n, 264, "table")
+    assert a.shape == (n, 264) and not a[np.random.default_rng(0).integers(0, n, 1000)].any()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: the pages read, no more
+
+
+def test_private_rows_that_cannot_be_mapped_leave_the_defaults_and_say_why(model, cache, monkeypatch, capsys,
+                                                                        unforced):
+    def refused(*a, **kw):
+        raise OSError(12, "Cannot allocate memory")
+
+    import mmap
+    import types
+    monkeypatch.setattr(tune, "mmap", types.SimpleNamespace(**{k: getattr(mmap, k) for k in dir(mmap) if k.isupper()},
+                                                           mmap=refused))  # tune's mmap alone
+    monkeypatch.setenv(tune.ENV, "1")
+    for _ in range(2):
+        assert {why for _, _, why in model.stream(1).kernel_choice().values()} == {"default"}
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "Cannot allocate memory" in err[0] and "default path" in err[0], err
+    with pytest.raises(tune.MeasureError, match="cannot map"):
+        tune.table_for(model, 1, retune=True)  # engram-stream tune says it as its error
+
+
+# ---- a forced path's table is that path's -------------------------------------------------------------
+def test_a_forced_paths_table_does_not_outlive_the_forcing(model, cache, monkeypatch, unforced):
+    monkeypatch.setenv(tune.ENV, "1")
+
+    def measure(m, layer=None, **kw):  # a forced path is the only one that runs
+        return _table(*[(_isa.kernel_isa(), 1)] * 3) if _isa.forced() else _best_table()
+
+    monkeypatch.setattr(tune, "tune_model", measure)
+    _isa.use_isa("baseline")
+    assert {(p, why) for p, _, why in model.stream(1).kernel_choice().values()} == {("baseline", "forced")}
+    assert tune.read_cache() == {}  # one path measured: not this CPU's table
+    _isa.use_isa(None)
+    assert _tuned(model.stream(1).kernel_choice(), _best_table())
+    assert tune.read_cache() == {tune.shape_key(model): _best_table()}
+
+
+# ---- processes tuning at once ----------------------------------------------------------------------------
+def test_processes_tuning_at_once_keep_every_entry(cache, monkeypatch):
+    import multiprocessing
+    models = [EngramModel.init(EngramConfig(**{**CFG, "hidden_size": 48 + 16 * i}), seed=1) for i in range(3)]
+    barrier = multiprocessing.get_context("fork").Barrier(3)
+
+    def measure(m, layer=None, **kw):  # all three read the cache before any writes it
+        barrier.wait(60)
+        return _table()
+
+    monkeypatch.setattr(tune, "tune_model", measure)
+    children = [_in_child(lambda m=m: tune.table_for(m) is not None, wait=False) for m in models]
+    assert [_collect(c)[0] for c in children] == [True] * 3
+    assert set(tune.read_cache()) == {tune.shape_key(m) for m in models}
+    assert stat.S_IMODE(os.stat(str(cache / os.path.basename(tune.cache_path())) + ".lock").st_mode) == 0o600
+
+
+# ---- a cache file of another machine, or too deep ---------------------------------------------------------
+def test_an_entry_naming_a_path_this_cpu_does_not_run_is_ignored_and_said(model, cache, monkeypatch, capsys,
+                                                                         unforced):
+    alien = next(p for p in reversed(_isa.ISA_NAMES) if p not in _isa.supported_isas())
+    key = tune.shape_key(model)
+    path = tune.write_cache({key: _table(step=(alien, 1)), "other": _table(step=(_isa.supported_isas()[0], 1))})
+    monkeypatch.setenv(tune.ENV, "1")
+    monkeypatch.setattr(tune, "tune_model", lambda m, layer=None, **kw: _best_table())
+    assert _tuned(model.stream(1).kernel_choice(), _best_table())
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and path in err[0] and repr(key) in err[0] and alien in err[0], err
+    assert "does not run" in err[0] and "remove it" in err[0]
+    assert tune.read_cache() == {key: _best_table(), "other": _table(step=(_isa.supported_isas()[0], 1))}
+
+
+def test_a_deeply_nested_cache_file_is_broken_not_a_crash(model, cache, monkeypatch, unforced):
+    path = tune.write_cache({})
+    with open(path, "w") as f:
+        f.write('{"format": 1, "tables": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    assert tune.read_cache() == {}
+    monkeypatch.setenv(tune.ENV, "1")
+    monkeypatch.setattr(tune, "tune_model", lambda m, layer=None, **kw: _best_table())
+    assert _tuned(model.stream(1).kernel_choice(), _best_table())
+    assert tune.read_cache() == {tune.shape_key(model): _best_table()}  # measured again, the file replaced
