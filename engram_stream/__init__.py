@@ -2,7 +2,9 @@
 
 A decode loop hands it one token and one hidden state at a time and gets the Engram output back,
 equal to the reference module, with tables mapped from disk, read directly, held in a RAM row
-cache or in a Mooncake Store. Both the public demo module and DeepSeek-V4.1's are served.
+cache or in a Mooncake Store. The variants served (engram_stream.variants.registered()):
+
+    {variants}
 
 Quick start:
 
@@ -20,11 +22,11 @@ Quick start:
 
 The API (this package's __all__):
 
-    EngramConfig       the module's hyperparameters (EngramConfig.from_hf_config: V4.1's config.json)
+    EngramConfig       the module's hyperparameters (EngramConfig.from_hf_config: a model's config.json)
     EngramModel        weights and tables: init, load, save, from_deepseek_v41, forward (the numpy
                        oracle), stream(layer) -> a layer's engine, decoder() -> Decoder,
                        row_cache_stats(), warm()
-    StreamEngine       the demo module's engine of one layer (V4.1's has the same methods): step,
+    StreamEngine       the demo module's engine of one layer (every variant's has the same methods): step,
                        prefill, step_packed, commit, reset, snapshot -> EngineSnapshot, restore
     Decoder            every layer: begin / begin_packed, layer, commit, reset,
                        snapshot -> DecoderSnapshot, restore
@@ -43,6 +45,7 @@ kernels behind these names, not an API. README.md is the user's guide; DESIGN.md
 repository's) the contract, and in section 12 the map of every file.
 """
 import os as _os
+import sys as _sys
 
 from . import variants as _variants
 from .compression import build_compression
@@ -50,6 +53,11 @@ from .config import EngramConfig
 
 _variants.discover()  # every variant registers itself: the package scan, then the entry points
 from .model import EngramModel  # noqa: E402  (after the variants: a model asks the registry)
+
+# The docstrings that list every variant, written from the registry (the variants just discovered)
+_variants.document(_sys.modules[__name__], lambda v: v.title)
+_variants.document(EngramModel.load, _variants.describe_checkpoint)
+_variants.document(EngramModel.stream, lambda v: v.engine.__name__)
 from .plan import HashPlan  # noqa: E402
 
 StreamEngine = _variants.get(_variants.DEFAULT).engine  # the default variant's engine

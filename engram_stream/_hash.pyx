@@ -7,6 +7,8 @@ import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint64_t
 
+from engram_stream.errors import id_out_of_range
+
 from ._consts cimport (ES_EPS_CONV, ES_EPS_KEY, ES_GATE_CLAMP, ES_HIST_DEAD, ES_HIST_PLAIN, ES_HIST_SEP,
                        ES_MAX_KERNEL_SIZE, ES_MAX_NGRAM, ES_PREFILL_CHUNK)
 
@@ -47,7 +49,7 @@ def compress(const int64_t[:, ::1] ids, const int64_t[::1] lookup, int64_t vocab
             if bad >= 0:
                 break
     if bad >= 0:
-        raise ValueError(f"token id {bad} out of range: ids must be < vocab_size={vocab_size}")
+        raise id_out_of_range(bad, vocab_size)
     return out
 
 

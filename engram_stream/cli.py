@@ -689,14 +689,16 @@ def build_parser():
     s.add_argument("--quiet", action="store_true", help="no progress lines on stderr (the results only)")
 
     s = command("inspect", cmd_inspect, "config, geometry, tables and residency of a checkpoint")
-    s.add_argument("checkpoint", help="a checkpoint written by init or EngramModel.save, or a deepseek-v4.1 "
-                                      "folder (config.json, model.safetensors.index.json, shards)")
+    s.add_argument("checkpoint", help="a checkpoint of any variant (as init or EngramModel.save writes it): "
+                                      + "; ".join(f"{v.name}: {variants.describe_checkpoint(v)}"
+                                                  for v in variants.variants()))
 
     s = command("init", cmd_init, "write a checkpoint of random (or graft-zero) weights from a config JSON",
                 epilog=_config_help())
     s.add_argument("config", help="JSON file of EngramConfig fields (format below)")
     s.add_argument("-o", "--output", required=True,
-                   help="checkpoint to write: a file (demo-v1), a folder (deepseek-v4.1)")
+                   help="checkpoint to write: " + ", ".join(
+                       f"a {'folder' if v.folder_checkpoint else 'file'} ({v.name})" for v in variants.variants()))
     s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
     s.add_argument("--graft-zero", action="store_true", help="zero value projection: output exactly 0")
     takes = [v for v in variants.variants() if v.table_dtypes]

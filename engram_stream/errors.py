@@ -1,4 +1,5 @@
-"""The package's errors: one base class, one subclass per kind of failure.
+"""The package's errors: one base class, one subclass per kind of failure, and the one error of
+a token id out of range (id_out_of_range).
 
 Each also derives from the builtin a caller would expect (a bad file is a ValueError, a
 store that fails a RuntimeError), so `except ValueError` keeps working.
@@ -44,3 +45,10 @@ class ConfigFieldError(EngramStreamError, AttributeError, ValueError):
     """A config field read on a config of a variant that does not have it (each variant's own
     fields live in its config class): an AttributeError, so hasattr() says False, and a
     ValueError naming the field and the variants that use it."""
+
+
+def id_out_of_range(token_id, vocab_size) -> ValueError:
+    """The error of a token id at or past vocab_size, the one message of every check of it (the
+    hash, the oracle, the engines). Negative ids are valid input (DESIGN.md 14), so it says so."""
+    return ValueError(f"token id {token_id} out of range: ids must be < vocab_size={vocab_size} (negative ids are "
+                      f"taken too: they have no compression entry, DESIGN.md 14)")

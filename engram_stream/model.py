@@ -17,7 +17,7 @@ from .errors import CheckpointError
 from .io.files import check_file
 from .plan import HashPlan, as_ids
 from .variants import get as get_variant
-from .variants import variant_of, variants
+from .variants import describe_checkpoint, listing, variant_of, variants
 
 
 def _check_state_dicts(cfg, state_dicts):
@@ -130,8 +130,9 @@ class EngramModel:
         return self.variant.forward(self.cfg, w, rows, self.plan.dead_mask(a), h)
 
     def stream(self, layer, n_streams: int = 1, rows=None):
-        """The streaming engine of one layer: a StreamEngine (demo) or V41StreamEngine. rows: the
-        RowSource it reads the layer's table rows through (default: row_source(layer)). Each of
+        """The streaming engine of one layer, its variant's engine class (each has the same calls):
+        {variants}
+        rows: the RowSource it reads the layer's table rows through (default: row_source(layer)). Each of
         its operations runs the kernel path and threads measured fastest for this model's shapes
         on this CPU (engine/tune.py: measured on the first engine, then cached)."""
         from .engine import tune
@@ -159,9 +160,10 @@ class EngramModel:
 
     @classmethod
     def load(cls, path, mmap: bool = True, tables="mapped", row_cache_mb=None, host_cache=None):
-        """Read a checkpoint written by save() (or `engram-stream init`): a file (demo) or a
-        folder (a deepseek-v4.1 HF checkpoint, as from_deepseek_v41). Every header field,
-        shape and the prime chain are checked; a bad file raises CheckpointError.
+        """Read a checkpoint of any registered variant, as save() (or `engram-stream init`) writes
+        it; the variant is the one whose checkpoint `path` is:
+        {variants}
+        Every header field, shape and the prime chain are checked; a bad file raises CheckpointError.
         mmap=True (the default): tables are read-only zero-copy views of the file, so only the
         rows a decode touches come into RAM (the file must not change while the model lives);
         mmap=False reads everything into RAM.
@@ -177,7 +179,8 @@ class EngramModel:
         tier, mapped = _cached_tier(tables, row_cache_mb, host_cache)   # a bad spec refused before any read
         variant = next((v for v in variants() if v.is_checkpoint(path)), None)
         if variant is None:
-            raise ValueError(f"{path}: not a checkpoint of any variant")
+            raise ValueError(f"{path}: not a checkpoint of any variant; a checkpoint is, by variant:\n"
+                             f"{listing(describe_checkpoint, 2)}")
         try:
             model = cls(*variant.load(path, mmap=mmap or not mapped))
         except CheckpointError:

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _hash
 from .config import MAX_TABLE_ROWS, EngramConfig
-from .errors import LayerError
+from .errors import LayerError, id_out_of_range
 from .variants import variant_of, variants
 
 _HIST_CODES = {"plain": _hash.HIST_PLAIN, "dead": _hash.HIST_DEAD, "separator": _hash.HIST_SEP}
@@ -266,7 +266,7 @@ class HashPlan:
         """The oracle: the reference's numpy expression, step by step."""
         a = as_ids(ids, 2)
         if a.size and a.max() >= self.cfg.vocab_size:
-            raise ValueError(f"token id {a.max()} out of range: ids must be < vocab_size={self.cfg.vocab_size}")
+            raise id_out_of_range(a.max(), self.cfg.vocab_size)
         x = a.copy()
         if self.lookup is not None:
             pos = x >= 0

@@ -55,6 +55,12 @@ class Variant(abc.ABC):
     def example_config(self) -> dict:
         """A small config of this variant (dict of fields), for help texts and tests."""
 
+    # What the variant is and what its checkpoint holds, in words: the lines help texts,
+    # docstrings and errors list for every variant (listing(), below). Empty: the name alone,
+    # and a file or a folder as folder_checkpoint says.
+    title = ""             # e.g. "DeepSeek-V4.1's Engram"
+    checkpoint_form = ""   # e.g. "a Hugging Face folder: config.json, the shards"
+
     # The EngramConfig subclass (a frozen dataclass) holding this variant's own fields, or None:
     # EngramConfig itself. EngramConfig(variant=name, ...) builds an instance of it.
     config_class = None
@@ -242,6 +248,35 @@ def registered() -> tuple:
 def variants() -> tuple:
     """Every registered Variant, in registration order."""
     return tuple(_REGISTRY.values())
+
+
+def describe_checkpoint(variant) -> str:
+    """A variant's checkpoint in words: its checkpoint_form, else a file or a folder."""
+    return variant.checkpoint_form or ("a folder" if variant.folder_checkpoint else "one file")
+
+
+def listing(line, indent: int = 0) -> str:
+    """One line per registered variant, its name and then line(variant) (e.g. describe_checkpoint):
+    what help texts, docstrings and errors show wherever they list the variants, so a variant
+    registered later appears in every list by itself."""
+    width = max((len(n) for n in registered()), default=0)
+    return "\n".join(f"{' ' * indent}{v.name:<{width}}  {line(v)}".rstrip() for v in variants())
+
+
+def document(obj, line, mark: str = "{variants}"):
+    """Put listing(line) in obj's docstring in place of the line that holds `mark`, at that
+    line's indentation (a docstring that lists every variant, written when the package is
+    imported, after discover())."""
+    doc = obj.__doc__
+    head, sep, tail = doc.partition(mark)
+    if not sep:
+        raise ValueError(f"{obj!r}: its docstring has no {mark} line to fill")
+    indent = len(head) - len(head.rstrip(" "))
+    filled = head[:len(head) - indent] + listing(line, indent) + tail
+    try:
+        obj.__doc__ = filled
+    except AttributeError:   # a method: its function holds the docstring
+        obj.__func__.__doc__ = filled
 
 
 def get(name) -> Variant:

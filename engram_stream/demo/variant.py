@@ -15,6 +15,8 @@ class DemoVariant(variants.Variant):
     # the rules' modules first: `weights` below is the layer class, in this class's namespace
     weights_rules = weights
     name = DEMO
+    title = "the public demo module (engram_demo_v1)"
+    checkpoint_form = "one safetensors file (its own layout: config, hash plan, every layer)"
     example_config = {"engram_vocab_size": [20011, 20011], "hidden_size": 256, "n_embed_per_ngram": 128,
                       "n_head_per_ngram": 4, "vocab_size": 32000}
     weights = LayerWeights

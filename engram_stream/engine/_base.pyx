@@ -357,7 +357,9 @@ cdef class EngineBase:
     # ---- the public calls ---------------------------------------------------------------------
     def step(self, token_ids, hidden, out=None):
         """One token per stream: (token_id, hidden[G, D]) for one stream, or
-        (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram delta."""
+        (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram delta.
+        A token id is an int below vocab_size; a negative id is taken too (it has no compression
+        entry: DESIGN.md 14), so step(-1, h) is a valid call."""
         ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
         cdef object shape = (self.n_streams, self.G, self.D)
         if single:

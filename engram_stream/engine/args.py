@@ -8,6 +8,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from ..errors import id_out_of_range
 from ..plan import as_ids
 
 INT64_MIN = -(1 << 63)
@@ -30,8 +31,10 @@ def token_ids(ids, n_streams: int, vocab: int):
     if isinstance(ids, (int, np.integer)) and not isinstance(ids, (bool, np.bool_)):
         if n_streams != 1:
             raise ValueError(f"this engine has {n_streams} streams: pass token_ids[{n_streams}]")
-        if not INT64_MIN <= ids < vocab:
-            raise ValueError(f"token id {ids} out of range: ids must be < vocab_size={vocab}")
+        if ids < INT64_MIN:
+            raise ValueError(f"token id {ids} does not fit in int64")
+        if ids >= vocab:
+            raise id_out_of_range(ids, vocab)
         return int(ids), True
     a = as_ids(ids, 1, "token_ids")
     if a.shape[0] != n_streams:
@@ -42,7 +45,7 @@ def token_ids(ids, n_streams: int, vocab: int):
 def bad_id(ids, i: int, vocab: int) -> ValueError:
     """The error for ids[i] >= vocab (ids: an array, or the scalar id of a one-stream call)."""
     v = ids if isinstance(ids, int) else ids[i]
-    return ValueError(f"token id {v} out of range: ids must be < vocab_size={vocab}")
+    return id_out_of_range(v, vocab)
 
 
 def hidden(h, shape):

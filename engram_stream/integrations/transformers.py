@@ -1,4 +1,10 @@
-"""engram_stream as the Engram of a transformers DeepSeek-V4 model.
+"""engram_stream as the Engram of a transformers model: one attach() for every model kind it
+serves, chosen by the model it is given:
+
+* a DeepSeek-V4 model (DeepseekV4ForCausalLM or DeepseekV4Model) with DeepSeek-V4.1's Engram
+  (EngramModel.from_deepseek_v41): this module, below;
+* a Qwen4-Exp model (Qwen4ExpForCausalLM, ...ForConditionalGeneration or ...TextModel) with
+  Qwen3.8-Flash-Next's PLE (EngramModel.load of its folder): served by transformers_qwen.py.
 
     from engram_stream import EngramModel
     from engram_stream.integrations.transformers import attach
@@ -47,20 +53,33 @@ try:
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Model
 except ImportError as e:  # torch or transformers missing, or transformers older than DeepSeek-V4
     raise ImportError(f"engram_stream.integrations.transformers needs torch and transformers with DeepSeek-V4 "
-                      f"(5.24 or later) ({e}): pip install '.[transformers]' from the engram_stream checkout") from e
+                      f"and Qwen4-Exp (5.24 or later) ({e}): pip install '.[transformers]' from the engram_stream "
+                      f"checkout") from e
 
 from ..model import EngramModel
+from . import transformers_qwen
 
 __all__ = ["attach", "EngramHandle"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def attach(hf_model, engram_model) -> "EngramHandle":
-    """Serve `engram_model`'s layers inside `hf_model` (a transformers DeepseekV4ForCausalLM or
-    DeepseekV4Model); returns the handle whose detach() removes them. The model must match the
-    Engram: hidden_size, hc_mult, every Engram layer id below num_hidden_layers, and a vocab no
-    larger than the Engram's (every id it emits has a compression entry). One Engram per model.
+def attach(hf_model, engram_model):
+    """Serve `engram_model`'s layers inside `hf_model`, by the kind of model it is (_KINDS):
+
+    * a DeepSeek-V4 model (DeepseekV4ForCausalLM or DeepseekV4Model) with a deepseek-v4.1
+      EngramModel: forward pre-hooks (the module doc); returns an EngramHandle;
+    * a Qwen4-Exp model (Qwen4ExpForCausalLM, ...ForConditionalGeneration or ...TextModel) with a
+      qwen3.8-flash-next EngramModel: each PLE layer's module replaced by one its engine serves
+      (transformers_qwen.py); returns a handle whose detach() puts the model's own back.
+
+    Either handle's detach() (or the end of a `with`) leaves the model as it was. Any other model
+    is refused with a TypeError naming the kinds served.
+
+    DeepSeek-V4: the model must match the Engram: hidden_size, hc_mult, every Engram layer id
+    below num_hidden_layers, and a vocab no larger than the Engram's (every id it emits has a
+    compression entry). One Engram per model. Qwen4-Exp: the two must describe the same PLE:
+    ple_layer_ids, hidden_size, hc_count and the EOS.
 
     With the released DeepSeek-V4.1 weights (one folder: config.json, the index and shards,
     tokenizer.json):
@@ -77,16 +96,17 @@ def attach(hf_model, engram_model) -> "EngramHandle":
     transformers 5.24 has no DeepSeek-V4.1 class: whatever of V4.1's text model differs from V4
     is transformers' to load, not this module's.
     """
-    return EngramHandle(hf_model, engram_model)
+    for what, find, serve in _KINDS:
+        if find(hf_model) is not None:
+            return serve(hf_model, engram_model)
+    raise TypeError(f"attach needs a transformers model of a kind it serves ({'; '.join(k[0] for k in _KINDS)}), "
+                    f"got {type(hf_model).__name__}")
 
 
 def _inner(hf_model):
-    """The DeepseekV4Model of hf_model (itself, or its .model)."""
+    """The DeepseekV4Model of hf_model (itself, or its .model), or None."""
     inner = hf_model if isinstance(hf_model, DeepseekV4Model) else getattr(hf_model, "model", None)
-    if not isinstance(inner, DeepseekV4Model):
-        raise TypeError(f"attach needs a transformers DeepSeek-V4 model (DeepseekV4ForCausalLM or DeepseekV4Model), "
-                        f"got {type(hf_model).__name__}")
-    return inner
+    return inner if isinstance(inner, DeepseekV4Model) else None
 
 
 def _check(inner, engram_model):
@@ -210,6 +230,8 @@ class EngramHandle:
 
     def __init__(self, hf_model, engram_model):
         inner = _inner(hf_model)
+        if inner is None:
+            raise TypeError(f"EngramHandle needs a transformers DeepSeek-V4 model, got {type(hf_model).__name__}")
         _check(inner, engram_model)
         self.model, self.engram = hf_model, engram_model
         self._inner, self._run = inner, _Runner(engram_model)
@@ -314,3 +336,11 @@ class EngramHandle:
         if args:
             return (out,) + tuple(args[1:]), kwargs
         return args, {**kwargs, "hidden_states": out}
+
+
+# The kinds of model attach() serves, tried in order: (what it is, for the error; the part of the
+# model that says it is one, or None; what attaches the Engram to it).
+_KINDS = (("a DeepSeek-V4 model: DeepseekV4ForCausalLM or DeepseekV4Model, with DeepSeek-V4.1's Engram",
+           _inner, EngramHandle),
+          ("a Qwen4-Exp model: Qwen4ExpForCausalLM, ...ForConditionalGeneration or ...TextModel, with "
+           "Qwen3.8-Flash-Next's PLE", transformers_qwen._text_model, transformers_qwen._attach))

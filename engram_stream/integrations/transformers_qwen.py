@@ -1,7 +1,9 @@
-"""engram_stream as the PLE (n-gram memory) of a transformers Qwen4-Exp model (Qwen3.8-Flash-Next).
+"""The Qwen4-Exp half of engram_stream.integrations.transformers.attach: engram_stream as the PLE
+(Per-Layer Embedding, the n-gram memory) of a transformers Qwen4-Exp model (Qwen3.8-Flash-Next).
+attach() there chooses this module's _attach for a Qwen4-Exp model:
 
     from engram_stream import EngramModel
-    from engram_stream.integrations.transformers_qwen import attach
+    from engram_stream.integrations.transformers import attach
 
     ple = EngramModel.load(folder)                 # the PLE tensors of the folder (tables mapped)
     with attach(hf_model, ple):                    # a Qwen4ExpForCausalLM, ...ForConditionalGeneration or ...TextModel
@@ -33,7 +35,7 @@ except ImportError as e:
 
 from ..model import EngramModel
 
-__all__ = ["attach", "StreamPLE"]
+__all__ = ["StreamPLE", "Handle"]
 
 
 class StreamPLE(torch.nn.Module):
@@ -82,15 +84,16 @@ class StreamPLE(torch.nn.Module):
 
 
 def _text_model(hf_model):
-    """The Qwen4ExpTextModel inside hf_model (itself, .model, or .model.language_model)."""
+    """The Qwen4ExpTextModel inside hf_model (itself, .model, or .model.language_model), or None."""
     for m in (hf_model, getattr(hf_model, "model", None), getattr(getattr(hf_model, "model", None), "language_model", None)):
         if m is not None and hasattr(m, "layers") and hasattr(m, "config") and hasattr(m.config, "ple_layer_ids"):
             return m
-    raise TypeError(f"attach needs a transformers Qwen4-Exp model (its text model's layers), got {type(hf_model).__name__}")
+    return None
 
 
 class Handle:
-    """What attach() changed; detach() (or the end of a `with`) puts the model's own PLE layers back."""
+    """What attach() changed in a Qwen4-Exp model; detach() (or the end of a `with`) puts the
+    model's own PLE layers back."""
 
     def __init__(self, layers, originals):
         self._layers, self._originals = layers, originals
@@ -107,11 +110,13 @@ class Handle:
         self.detach()
 
 
-def attach(hf_model, engram_model) -> Handle:
-    """Serve `engram_model`'s PLE layers inside `hf_model` (see the module doc). The two must
-    describe the same PLE: ple_layer_ids, hidden_size, hc_count and the EOS."""
+def _attach(hf_model, engram_model) -> Handle:
+    """integrations.transformers.attach for a Qwen4-Exp model: serve `engram_model`'s PLE layers
+    inside `hf_model` (see the module doc). The two must describe the same PLE: ple_layer_ids,
+    hidden_size, hc_count and the EOS."""
     if not isinstance(engram_model, EngramModel) or engram_model.cfg.variant != "qwen3.8-flash-next":
-        raise TypeError("attach takes a qwen3.8-flash-next EngramModel (EngramModel.load of a Qwen folder)")
+        raise TypeError(f"attach takes a qwen3.8-flash-next EngramModel (EngramModel.load of a Qwen folder) for "
+                        f"a Qwen4-Exp model, got {_what(engram_model)}")
     text = _text_model(hf_model)
     tc, cfg = text.config, engram_model.cfg
     eos = tc.eos_token_id[0] if isinstance(tc.eos_token_id, list) else tc.eos_token_id
@@ -125,3 +130,10 @@ def attach(hf_model, engram_model) -> Handle:
         originals[L - 1] = layer.ple
         layer.ple = StreamPLE(engram_model, L, L - 1)
     return Handle(text.layers, originals)
+
+
+def _what(engram_model):
+    """An attach argument in words: an EngramModel's variant, else its type."""
+    if isinstance(engram_model, EngramModel):
+        return f"a {engram_model.cfg.variant} EngramModel"
+    return type(engram_model).__name__

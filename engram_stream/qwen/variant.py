@@ -17,6 +17,8 @@ class QwenVariant(variants.Variant):
     weights_rules = weights
     config_rules = config
     name = config.QWEN
+    title = "Qwen3.8-Flash-Next's PLE (Per-Layer Embedding: its n-gram memory)"
+    checkpoint_form = "a Hugging Face folder: config.json, model.safetensors or the index and shards (no tokenizer)"
     example_config = config.EXAMPLE
     config_class = config.QwenConfig
     field_help = config.FIELD_HELP

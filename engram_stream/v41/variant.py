@@ -27,6 +27,9 @@ class V41Variant(variants.Variant):
     weights_rules = weights
     config_rules = config
     name = config.V41
+    title = "DeepSeek-V4.1's Engram"
+    checkpoint_form = ("a Hugging Face folder: config.json, model.safetensors.index.json, the shards, tokenizer.json "
+                       "(or engram_compression.npy)")
     example_config = config.EXAMPLE
     config_class = config.V41Config
     field_help = config.FIELD_HELP
@@ -59,9 +62,10 @@ class V41Variant(variants.Variant):
                        progress=progress, before_write=before_write)
 
     def is_checkpoint(self, path):
-        """A folder, unless its config.json describes another variant's models (a Qwen folder): a
-        folder without one is still V4.1's to refuse with its own message."""
-        if not os.path.isdir(path):
+        """A folder with a config.json, unless that describes another variant's models (a Qwen
+        folder): one that is not JSON is V4.1's to refuse with its own message. A folder without
+        config.json is no variant's (EngramModel.load's error lists what each variant reads)."""
+        if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
             return False
         d = hf_config_of(path)
         if d is None or config.reads_hf_config(d):

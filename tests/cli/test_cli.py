@@ -614,6 +614,17 @@ def test_bench_readme_has_no_machine_specific_paths():
         assert path not in text, path
 
 
+def test_bench_readme_says_what_else_ran_in_one_wording():
+    """The Zen 4 paragraph said "while other sessions ran" where the rest says "from other jobs":
+    what else ran on a machine is "other jobs", next to the load that measures it."""
+    with open(os.path.join(ROOT, "bench", "README.md")) as f:
+        text = " ".join(f.read().split())
+    said = re.findall(r"\bother (\w+)(?: ran)? \(load|load [\d.-]+ from other (\w+)", text)
+    assert said and {w for pair in said for w in pair if w} == {"jobs"}, said
+    assert not re.search(r"other (sessions|processes|helpers|users) ran", text)
+    assert "other jobs (load 3.9" in text
+
+
 # ---- a deepseek-v4.1 model on the command line ------------------------------------------------------------
 V41_SMALL = dict(variant="deepseek-v4.1", engram_vocab_size=[211, 211, 211], max_ngram_size=4, n_embed_per_ngram=64,
                  n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64, hc_mult=2, vocab_size=300,

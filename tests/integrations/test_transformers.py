@@ -434,7 +434,7 @@ def test_attach_refuses_a_mismatched_engram(bad, match):
 
 
 def test_attach_refuses_other_models_and_a_second_engram(engram):
-    with pytest.raises(TypeError, match="DeepSeek-V4 model .* got Linear"):
+    with pytest.raises(TypeError, match="DeepSeek-V4 model.*Qwen4-Exp model.* got Linear"):   # the kinds it serves
         attach(torch.nn.Linear(2, 2), engram[2])
     model = hf_model()
     with pytest.raises(TypeError, match="EngramModel, got dict"):

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import tomllib
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
@@ -99,32 +100,89 @@ def test_the_mooncake_hint_is_the_checkout_form():
 
 
 # ---- DeepSeek-V4.1: the commands, run -------------------------------------------------------------------------
+def _home(words, home):
+    """The words as the shell gives them: a leading ~/ is the home folder."""
+    return [os.path.join(home, w[2:]) if w.startswith("~/") else w for w in words]
+
+
 @pytest.mark.slow
 def test_readme_v41_commands_run_as_written(tmp_path):
     """`python tools/make_v41_checkpoint.py DIR --tokenizer` failed (the flag takes a path): every
-    command of the README's V4.1 section runs, as written, from a folder of its own."""
+    command of the README's V4.1 section runs, as written, from the checkout's root (here an empty
+    stand-in), and writes nothing there: its 1.1 GB went into the checkout, untracked and not ignored."""
     pytest.importorskip("tokenizers")
     lines = _bash_lines(_section("DeepSeek-V4.1"))
     assert lines and lines[0][:2] == ["python", "tools/make_v41_checkpoint.py"], lines
     assert any(w[:2] == ["engram-stream", "init"] for w in lines), lines
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))   # the compression cache: cold, as a user's
+    checkout, home = tmp_path / "checkout", tmp_path / "home"
+    checkout.mkdir()
+    home.mkdir()
+    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(tmp_path / "cache"))   # the compression cache: cold
     for words in lines:
         if words[0] == "python":
-            argv = [sys.executable, os.path.join(ROOT, words[1]), *words[2:]]
+            argv = [sys.executable, os.path.join(ROOT, words[1]), *_home(words[2:], home)]
         else:
             assert words[0] == "engram-stream", words
-            argv = [*_console_script(), *words[1:]]
-        r = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            argv = [*_console_script(), *_home(words[1:], home)]
+        r = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, (words, r.stderr[-2000:])
         if words[1] == "demo":
             assert ": OK" in r.stdout, r.stdout
+    assert os.listdir(checkout) == []   # nothing written into the checkout
     from engram_stream import EngramModel
     made = [w[w.index("-o") + 1] for w in lines if "-o" in w and w[1] == "init"]
-    for folder in [lines[0][2], *made]:
-        model = EngramModel.from_deepseek_v41(str(tmp_path / folder))
+    for folder in _home([lines[0][2], *made], home):
+        model = EngramModel.from_deepseek_v41(folder)
         assert model.cfg.hidden_size == 5120 and model.cfg.hc_mult == 4   # Flash dims, as the README says
         del model
-        shutil.rmtree(tmp_path / folder)   # about 0.5 GB each: not left in pytest's kept temp folders
+        shutil.rmtree(folder)   # about 0.5 GB each: not left in pytest's kept temp folders
+
+
+def test_readme_v41_commands_write_outside_the_checkout():
+    """Every path the V4.1 commands write (the tool's folder, each -o) is outside the folder they
+    run from, the checkout's root: in the home folder, or absolute."""
+    lines = _bash_lines(_section("DeepSeek-V4.1"))
+    written = [lines[0][2]] + [w[w.index("-o") + 1] for w in lines if "-o" in w]
+    assert len(written) >= 3, lines
+    assert all(w.startswith(("~/", "/")) for w in written), written
+
+
+def test_readme_qwen_snippet_runs(tmp_path):
+    """The README's Qwen section had no Python example and never said what PLE stands for: its
+    snippet runs on a folder that `init` writes, and PLE is spelled out."""
+    from engram_stream import EngramConfig, EngramModel
+    from engram_stream.qwen.config import EXAMPLE
+    section = _section("Qwen3.8-Flash-Next")
+    assert "PLE (Per-Layer Embedding" in section
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "EngramModel.load(" in block
+    EngramModel.init(EngramConfig(**EXAMPLE), seed=0).save(tmp_path)
+    scope = {}
+    exec("import numpy as np\nfrom engram_stream import EngramModel\n"
+         + block.replace('"Qwen3.8-Flash-Next"', repr(str(tmp_path))), scope)
+    assert scope["model"].cfg.variant == "qwen3.8-flash-next"
+    assert scope["delta"].shape == (EXAMPLE["hc_mult"], EXAMPLE["hidden_size"]) and np.abs(scope["delta"]).max() > 0
+
+
+def test_readme_says_what_its_letters_and_words_are_before_using_them():
+    """The README used G, D, "floor", DEAD and `wkv` before saying what they are, and its first
+    block did not say that pytest takes minutes."""
+    readme = _read("README.md")
+    flat = " ".join(readme.split())
+    defined = {"G": "`[G, D]` (G hyper-connection streams of width D)",
+               "D": "`[G, D]` (G hyper-connection streams of width D)",
+               "floor": "floor (one pass over its weights)", "DEAD": "DEAD: gate 0",
+               "wkv": "key/value projection `wkv`"}
+    uses = {"G": r"\bG\b", "D": r"\bD\b", "floor": r"\bfloor\b", "DEAD": r"\bDEAD\b", "wkv": r"\bwkv\b"}
+    for term, definition in defined.items():
+        at = flat.find(definition)
+        assert at >= 0, (term, definition)
+        first = re.search(uses[term], flat).start()
+        assert first >= at, (term, flat[first - 60:first + 60])
+    head = readme.split("\n## ", 1)[0]
+    quick = re.search(r"```bash\n(.*?)```", head, re.S)[1]
+    test_line = next(ln for ln in quick.splitlines() if ln.startswith("pytest"))
+    assert re.search(r"minutes", test_line.split("#", 1)[1]), test_line
 
 
 def test_make_v41_checkpoint_help_matches_the_readme_flags():

@@ -1,4 +1,5 @@
-"""attach(): engram_stream serving the PLE layers inside transformers' own Qwen4-Exp model.
+"""attach(): engram_stream serving the PLE layers inside transformers' own Qwen4-Exp model, through
+the one attach of engram_stream.integrations.transformers (it chooses by the model it is given).
 
 Expected values come from the same transformers model with its own PLE layers: a forward's logits,
 and generate()'s tokens (greedy, left-padded batch, EOS in the prompt)."""
@@ -11,7 +12,7 @@ from engram_stream import EngramConfig, EngramModel
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
-from engram_stream.integrations.transformers_qwen import attach  # noqa: E402
+from engram_stream.integrations.transformers import attach  # noqa: E402
 
 pytestmark = pytest.mark.native
 
@@ -85,3 +86,25 @@ def test_attach_refuses_another_ple(lm_and_ple):
                                                            "ple_layer_ids": [1]}), seed=0)
     with pytest.raises(ValueError, match="ple_layer_ids"):
         attach(lm, other)
+
+
+def test_one_attach_serves_both_kinds_and_refuses_a_mismatch(lm_and_ple):
+    """The README's `from engram_stream.integrations.transformers import attach` refused a
+    Qwen4ExpForCausalLM ("needs a transformers DeepSeek-V4 model"): one attach, chosen by the
+    model, and no second public attach elsewhere."""
+    from engram_stream.integrations import transformers as tr, transformers_qwen
+    lm, ple = lm_and_ple
+    with attach(lm, ple) as handle:
+        assert type(handle) is transformers_qwen.Handle
+        assert all(type(layer.ple) is transformers_qwen.StreamPLE for L, layer in enumerate(lm.model.layers, 1)
+                   if L in ple.cfg.layer_ids)
+    assert not any(type(layer.ple) is transformers_qwen.StreamPLE for layer in lm.model.layers)
+    assert not hasattr(transformers_qwen, "attach") and "attach" not in transformers_qwen.__all__
+    assert "attach" in tr.__all__
+    v41 = EngramModel.init(EngramConfig(variant="deepseek-v4.1", engram_vocab_size=[211, 211, 211], max_ngram_size=4,
+                                        n_embed_per_ngram=64, n_head_per_ngram=2, layer_ids=[1, 3], hidden_size=32,
+                                        hc_mult=2, vocab_size=64, image_token_id=63), seed=0)
+    with pytest.raises(TypeError, match="qwen3.8-flash-next EngramModel .* got a deepseek-v4.1 EngramModel"):
+        attach(lm, v41)
+    with pytest.raises(TypeError, match=r"DeepSeek-V4 model.*; a Qwen4-Exp model.* got Linear"):
+        attach(torch.nn.Linear(2, 2), ple)
