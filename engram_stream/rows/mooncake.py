@@ -15,16 +15,23 @@ Store layout (Mooncake's EngramStore): one object per head, key `engram:{name}:l
 that head's records [N_h, record bytes] contiguous (N_h = the head's prime). That is EngramStore's
 byte-row layout (Mooncake #4065: `row_bytes` 264 for V4.1, 256 FP8 bytes then 8 E8M0 bytes);
 float32 tables are byte-identical to what 0.3.13's float32 EngramStore writes. Beside the heads,
-`engram:{name}:l{L}:fingerprint` (JSON) names what was published: the layout and a digest of sampled
-records. A model loading with tables=tier is refused unless the store holds its layout and the
-store's bytes of those sampled rows equal its own (another model's rows of the same shape are
-refused, whoever published them).
+`engram:{name}:l{L}:fingerprint` (JSON) names what was published: the layout, `tables_digest` (the
+BLAKE2b-256 of every byte of the layer's tables: records.layer_digests, taken once at publish) and
+a digest of sampled records. A model loading with tables=tier is refused unless the store holds
+its layout, the digest of its own tables (a mismatch names both digests; a store without one, as
+EngramStore.populate leaves it, is refused too) and the store's bytes of the sampled rows equal
+its own (rows another writer put under the name since).
 
 Names. Every key of a model carries a name, so that several models (or revisions of one) share
 a store: MooncakeTier(name=None) names each model by model_name(model), a digest of its config
-and of its fingerprints' sampled records (two checkpoints of different rows get different
-names, one checkpoint the same name on every host); name="..." puts every model the tier
-serves under that name; name="" is EngramStore's own keys, `engram:l{L}:h{h}` (one model a store).
+and of every layer's tables_digest (two checkpoints that differ in any byte of a table get
+different names, one checkpoint the same name on every host); name="..." puts every model the
+tier serves under that name; name="" is EngramStore's own keys, `engram:l{L}:h{h}` (one model a
+store). Either way the stored digest decides which model's rows they are.
+
+The model's side of the check digests its own tables at load: once a host for tables mapped from
+files (records.layer_digests caches the digest, keyed by the files' stamps), every load for
+tables in RAM.
 
 Reads. An engine in remote mode hashes a token at feed(), looks its rows up in the
 RAM cache, and fetches the misses before the nogil gather in ONE `get_into_ranges`
@@ -58,11 +65,11 @@ from ..errors import TierError
 from ._cache import slot_bytes
 from ._direct import add_read
 from ._source import RecordSource, Tier
-from .records import record_arrays, record_layout
+from .records import layer_digests, record_arrays, record_layout
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 LOG_LEVEL = "ERROR"   # the client's default MC_LOG_LEVEL here
-FINGERPRINT_FORMAT = 1
+FINGERPRINT_FORMAT = 2   # 2: with tables_digest
 SAMPLES_PER_HEAD = 8
 
 
@@ -90,15 +97,15 @@ def fingerprint_key(layer, name="") -> str:
     return f"{_prefix(name)}l{layer}:fingerprint"
 
 
-def model_name(model, samples=None) -> str:
-    """The name a model's keys get by default: "m" and 16 hex digits of a digest of its config
-    and every layer's fingerprint (layout and sampled records). samples: {layer:
-    sampled_records(model, layer)} already read, or None."""
-    samples = samples or {}
-    d = hashlib.blake2b(digest_size=8)
+def model_name(model, digests=None) -> str:
+    """The name a model's keys get by default: "m" and 32 hex digits of a digest of its config
+    and every layer's tables digest (records.layer_digests: every byte of every table).
+    digests: {layer: digest} already taken, or None (taken here: cached for mapped tables)."""
+    digests = digests or layer_digests(model)
+    d = hashlib.blake2b(digest_size=16)
     d.update(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
     for L in model.cfg.layer_ids:
-        d.update(json.dumps(fingerprint(model, L, samples.get(L)), sort_keys=True).encode())
+        d.update(f";{L} {digests[L]}".encode())
     return "m" + d.hexdigest()
 
 
@@ -127,17 +134,19 @@ def sampled_records(model, layer):
     return out
 
 
-def fingerprint(model, layer, samples=None) -> dict:
-    """What publish() writes beside a layer's heads: layout and a digest of the sampled records
-    (samples: sampled_records(model, layer) already read, or None)."""
+def fingerprint(model, layer, samples=None, digest=None) -> dict:
+    """What publish() writes beside a layer's heads: layout, the digest of every byte of the
+    layer's tables and a digest of the sampled records (samples: sampled_records(model, layer)
+    already read, or None; digest: layer_digests(model)[layer] already taken, or None)."""
     rowbytes, scalebytes = record_layout(model.layer(layer))
+    digest = layer_digests(model, [layer])[layer] if digest is None else digest
     d = hashlib.blake2b(digest_size=16)
     for h, (local, rec) in (samples or sampled_records(model, layer)).items():
         d.update(local.tobytes())
         d.update(rec.tobytes())
     return {"format": FINGERPRINT_FORMAT, "variant": model.cfg.variant, "layer": int(layer),
             "heads": [int(p) for p in model.plan.head_primes[layer]], "rowbytes": rowbytes,
-            "scalebytes": scalebytes, "sample_digest": d.hexdigest()}
+            "scalebytes": scalebytes, "tables_digest": digest, "sample_digest": d.hexdigest()}
 
 
 # ---- bounded calls -------------------------------------------------------------------------------
@@ -362,9 +371,13 @@ class MooncakeTier(Tier):
         return (f"MooncakeTier(master={self.master!r}, metadata={self.metadata!r}, local_host={self.local_host!r}, "
                 f"name={self.name!r})")
 
-    def name_of(self, model, samples=None) -> str:
-        """The name `model`'s keys carry in this tier (samples: as model_name's)."""
-        return model_name(model, samples) if self.name is None else self.name
+    def name_of(self, model, digests=None) -> str:
+        """The name `model`'s keys carry in this tier (digests: as model_name's)."""
+        return model_name(model, digests) if self.name is None else self.name
+
+    def _digests(self, model, layers, progress=None) -> dict:
+        """layer_digests of `layers`, and of every layer when the name is the model's (it digests all)."""
+        return layer_digests(model, model.cfg.layer_ids if self.name is None else layers, progress)
 
     def _call(self, what, fn, *args, timeout=None, client=None, keep=()):
         """fn(*args) bounded by the timeout; TierError when it takes longer (the client and what
@@ -407,13 +420,18 @@ class MooncakeTier(Tier):
             _fault()
             raise TierError(f"Mooncake {what} failed with code {rc}")
 
-    def publish(self, model, layers=None, progress=None) -> int:
+    def publish(self, model, layers=None, progress=None, digest_progress=None) -> int:
         """Write every layer's rows into the store (upsert: replaces what was there), one object per
         head in EngramStore's layout, then the layer's fingerprint. Returns the bytes written.
-        A head's records are built contiguous in RAM for the write (N_h x record bytes)."""
+        A head's records are built contiguous in RAM for the write (N_h x record bytes).
+        First the tables are digested whole (records.layer_digests: about 1 s a GB, once a host
+        for mapped tables; digest_progress(done, total) in bytes), for the name and the
+        fingerprints. progress(layer, head, written bytes) after each head's write."""
         store = self._open()
-        written, name = 0, self.name_of(model)
-        for L in (model.cfg.layer_ids if layers is None else layers):
+        layers = model.cfg.layer_ids if layers is None else layers
+        digests = self._digests(model, layers, digest_progress)
+        written, name = 0, self.name_of(model, digests)
+        for L in layers:
             for h in range(model.cfg.n_heads):
                 rec = head_records(model, L, h)
                 ptr, n, key = rec.ctypes.data, rec.nbytes, store_key(L, h, name)
@@ -435,9 +453,10 @@ class MooncakeTier(Tier):
                 written += n
                 if progress is not None:
                     progress(L, h, written)
-            fp, key = json.dumps(fingerprint(model, L), sort_keys=True).encode(), fingerprint_key(L, name)
+            fp = json.dumps(fingerprint(model, L, digest=digests[L]), sort_keys=True).encode()
+            key = fingerprint_key(L, name)
             self._check(self._call(f"upsert of {key}", store.upsert, key, fp), f"upsert of {key}")
-        self.check_published(model, layers)
+        self.check_published(model, layers, digests)
         return written
 
     def published(self, layer, name=""):
@@ -454,17 +473,18 @@ class MooncakeTier(Tier):
             return {}
         return fp if isinstance(fp, dict) else {}
 
-    def check_published(self, model, layers=None):
+    def check_published(self, model, layers=None, digests=None):
         """Raise TierError unless the store holds this model's tables: every head object with its
-        size, a published fingerprint (when there is one) of the same layout, and the store's bytes
-        of the fingerprint's sampled rows equal to the model's. The last check is what refuses
-        another model's rows of the same shape, whoever published them (a fingerprint left by an
-        earlier publish does not decide: the rows do). Returns the name the model's keys carry."""
+        size, a published fingerprint of the same layout whose tables_digest is the digest of this
+        model's tables (records.layer_digests; digests: those already taken), and the store's
+        bytes of the fingerprint's sampled rows equal to the model's. The digest refuses another
+        model's tables, however few rows differ; the samples refuse rows another writer put under
+        the name after the publish (EngramStore.populate). Returns the name the model's keys carry."""
         store = self._open()
         layers = model.cfg.layer_ids if layers is None else layers
-        # each sample read once, for the name (the default one digests every layer's) and the checks
-        samples = {L: sampled_records(model, L) for L in (model.cfg.layer_ids if self.name is None else layers)}
-        name = self.name_of(model, samples)
+        digests = digests or self._digests(model, layers)
+        name = self.name_of(model, digests)
+        samples = {L: sampled_records(model, L) for L in layers}
         for L in layers:
             rowbytes, scalebytes = record_layout(model.layer(L))
             for h in range(model.cfg.n_heads):
@@ -474,14 +494,24 @@ class MooncakeTier(Tier):
                 if got != want:
                     raise TierError(f"Mooncake object {key}: {got} bytes, expected {want} (not published under "
                                     f"the name {name!r}, or published from another table dtype): tier.publish(model)")
-            theirs, mine = self.published(L, name), fingerprint(model, L, samples[L])
-            if theirs is not None:
-                bad = [k for k in ("format", "variant", "layer", "heads", "rowbytes", "scalebytes")
-                       if theirs.get(k) != mine[k]]
-                if bad:
-                    raise TierError(f"Mooncake layer {L}: the store's fingerprint differs from this model's in "
-                                    f"{', '.join(bad)}: it holds another model's rows. tier.publish(model) to "
-                                    f"replace them")
+            theirs, mine = self.published(L, name), fingerprint(model, L, samples[L], digests[L])
+            key = fingerprint_key(L, name)
+            if theirs is None or theirs.get("format") != FINGERPRINT_FORMAT:
+                what = ("no fingerprint (rows written by EngramStore.populate or another writer?)" if theirs is None
+                        else f"a fingerprint of format {theirs.get('format')!r}, not {FINGERPRINT_FORMAT}")
+                raise TierError(f"Mooncake layer {L}: {key} holds {what}, so no digest of the tables its rows are "
+                                f"from: which model's rows they are is unknown. tier.publish(model) to publish them "
+                                f"with one")
+            bad = [k for k in ("variant", "layer", "heads", "rowbytes", "scalebytes") if theirs.get(k) != mine[k]]
+            if bad:
+                raise TierError(f"Mooncake layer {L}: the store's fingerprint differs from this model's in "
+                                f"{', '.join(bad)}: it holds another model's rows. tier.publish(model) to "
+                                f"replace them")
+            if theirs.get("tables_digest") != mine["tables_digest"]:
+                raise TierError(f"Mooncake layer {L} under the name {name!r}: the store's rows are of tables whose "
+                                f"digest is {theirs.get('tables_digest')}, this model's tables digest to "
+                                f"{mine['tables_digest']}: the store holds another model's rows. tier.publish(model) "
+                                f"to replace them, or load with the name its tables were published under")
             self._check_samples(model, L, samples[L], name)
         return name
 
@@ -502,8 +532,10 @@ class MooncakeTier(Tier):
 
     def open(self, model) -> "StoreTables":
         """A model loading with tables=this tier: refused unless the store holds its rows. The
-        check reads the sampled rows of the model's own tables (by pread: rows.memory.read_rows);
-        nothing after it reads them: its engines' rows all come from the store."""
+        check digests the model's own tables (once a host for mapped ones: the digest is cached)
+        and reads their sampled rows, both by pread, leaving the page cache as it was
+        (io.memory.byte_chunks, read_rows); nothing after it reads them: its engines' rows all
+        come from the store."""
         return StoreTables(self, model, self.check_published(model))
 
     def rows(self, model, layer, totals=None, read_totals=None, name=None) -> "RemoteRows":
