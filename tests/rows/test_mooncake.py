@@ -421,7 +421,7 @@ def test_a_name_holding_other_tables_is_refused_naming_both_digests(mooncake, fi
     the store's digest and its own (the sampled rows agree: only the digest tells them apart)."""
     from mooncake_servers import wait_until_writable
     from engram_stream.rows import MooncakeTier
-    from engram_stream.rows.records import layer_digests
+    from engram_stream.rows.mooncake import layer_digests
     a, b = (EngramModel.load(p) for p in fine_tunes)
     named = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, timeout=5, name="ft")
     try:
@@ -463,16 +463,16 @@ def test_the_tables_are_digested_once_a_host(tier, fine_tunes, tmp_path, monkeyp
     $XDG_CACHE_HOME, keyed by the file's stamps: loading from the store reads no table byte again;
     the file touched (another mtime and ctime) is read again; an unusable cache folder only costs
     the reading. Tables in RAM are read at every load."""
-    from engram_stream.io import memory
-    from engram_stream.rows.records import layer_digests
+    from engram_stream.rows import mooncake
+    from engram_stream.rows.mooncake import layer_digests
     reads = []
-    real = memory.byte_chunks
+    real = mooncake.byte_chunks
 
     def counted(a, chunk):
         reads.append(a.nbytes)
         return real(a, chunk)
 
-    monkeypatch.setattr(memory, "byte_chunks", counted)
+    monkeypatch.setattr(mooncake, "byte_chunks", counted)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path = fine_tunes[0]
     model = EngramModel.load(path)
