@@ -154,10 +154,10 @@ def file_extent(a):
 def byte_chunks(a: np.ndarray, chunk: int = 16 << 20):
     """Every byte of `a` in order, `chunk` bytes at a time (memoryviews, each valid until the next
     is asked for). A C-contiguous view of a mapped file is read like read_rows: pread on a
-    descriptor of its own (advised POSIX_FADV_SEQUENTIAL), never through the mapping, and the
-    pages a chunk brought into the page cache are dropped again (POSIX_FADV_DONTNEED), so reading
-    a whole table, to digest it, leaves the file's pages as it found them. Any other array is
-    read from memory."""
+    descriptor of its own, never through the mapping, and the pages a chunk brought into the page
+    cache are dropped again (POSIX_FADV_DONTNEED), so reading a whole table, to digest it, leaves
+    the file's pages as it found them. The descriptor is advised POSIX_FADV_RANDOM: read-ahead
+    would bring the next chunk's pages in, and they would count as cached before it (kept)."""
     ext = file_extent(a)
     if ext is None:
         flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
@@ -170,7 +170,7 @@ def byte_chunks(a: np.ndarray, chunk: int = 16 << 20):
     buf = memoryview(bytearray(chunk))
     fd = _own_descriptor(mm)
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         for at in range(0, a.nbytes, chunk):
             n, off = min(chunk, a.nbytes - at), off0 + at
             p0, p1 = off // PAGE, (off + n - 1) // PAGE

@@ -16,7 +16,7 @@ that head's records [N_h, record bytes] contiguous (N_h = the head's prime). Tha
 byte-row layout (Mooncake #4065: `row_bytes` 264 for V4.1, 256 FP8 bytes then 8 E8M0 bytes);
 float32 tables are byte-identical to what 0.3.13's float32 EngramStore writes. Beside the heads,
 `engram:{name}:l{L}:fingerprint` (JSON) names what was published: the layout, `tables_digest` (the
-BLAKE2b-256 of every byte of the layer's tables: layer_digests, taken once at publish) and
+SHA-256 of every byte of the layer's tables: layer_digests, taken once at publish) and
 a digest of sampled records. A model loading with tables=tier is refused unless the store holds
 its layout, the digest of its own tables (a mismatch names both digests; a store without one, as
 EngramStore.populate leaves it, is refused too) and the store's bytes of the sampled rows equal
@@ -153,7 +153,7 @@ def fingerprint(model, layer, samples=None, digest=None) -> dict:
 
 
 # ---- a digest of every byte of a layer's tables (what names and checks a published table) --------
-DIGEST_FORMAT = 1          # of the digest and of its cache entries
+DIGEST_FORMAT = 1          # of the digest (SHA-256) and of its cache entries
 DIGEST_CHUNK = 16 << 20    # bytes read and hashed at a time
 
 
@@ -219,7 +219,7 @@ def _cache_digest(key, digest):
 
 
 def layer_digests(model, layers=None, progress=None) -> dict:
-    """{layer: 64 hex digits}: the BLAKE2b-256 of each layer's table and table scale (each one's
+    """{layer: 64 hex digits}: the SHA-256 of each layer's table and table scale (each one's
     dtype and shape, then every byte). What names a model's keys in a Mooncake Store and what the
     store keeps beside its rows (rows.mooncake).
 
@@ -236,7 +236,7 @@ def layer_digests(model, layers=None, progress=None) -> dict:
         key = _digest_key(L, arrays[L])
         out[L] = None if key is None else _cached_digest(key)
         if out[L] is None:
-            d = hashlib.blake2b(digest_size=32)
+            d = hashlib.sha256()   # SHA-NI: about twice BLAKE2b's speed on x86
             for a in arrays[L]:
                 d.update(f"{L} {a.dtype.str} {tuple(a.shape)};".encode())
                 for chunk in byte_chunks(a, DIGEST_CHUNK):
