@@ -753,8 +753,9 @@ def build_parser():
     s.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the store")
     s.add_argument("--quiet", action="store_true", help="no progress bar on a terminal")
     s.add_argument("--name", default=None,
-                   help="the name in every key (default: the model's fingerprint, so models and revisions share a "
-                        "store; load with MooncakeTier(name=...) the same; \"\": EngramStore's own engram:l{L}:h{h})")
+                   help="the name in every key (default: a digest of the model's config and every table byte, so "
+                        "models and revisions share a store; load with MooncakeTier(name=...) the same; \"\": "
+                        "EngramStore's own engram:l{L}:h{h})")
 
     s = command("pack-rows", cmd_pack_rows, "write the packed row file beside a checkpoint (one read per missed row)")
     s.add_argument("checkpoint", help="a model's Hugging Face folder (writes FOLDER/engram_rows.bin; a table whose "
