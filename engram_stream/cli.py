@@ -613,15 +613,17 @@ def cmd_publish(args):
     tier = parse_tier({"mooncake": dict(master=args.master, metadata=args.metadata, local_host=args.local_host,
                                         connect_timeout=args.connect_timeout, name=args.name)})
     total = sum(model.plan.table_rows[L] * sum(record_layout(model.layer(L))) for L in model.cfg.layer_ids)
-    bar = progress_bar(args.quiet)
+    bar = progress_bar(args.quiet)   # one bar over both steps: the tables digested (read), then written
     t0 = time.perf_counter()
     try:
-        n = tier.publish(model, progress=None if bar is None else lambda L, h, written: bar(written, total))
+        n = tier.publish(model, digest_progress=None if bar is None else lambda done, _: bar(done, 2 * total),
+                         progress=None if bar is None else lambda L, h, written: bar(total + written, 2 * total))
     finally:
         tier.close()
         if bar is not None:
             bar.end()
     dt = time.perf_counter() - t0
+    # the name digests the tables: publish cached their digests (mapped tables), so this reads none
     print(f"published {len(model.cfg.layer_ids)} layers x {model.cfg.n_heads} heads, {n / 2**20:,.1f} MiB "
           f"in {dt:.2f} s to {args.master} under the name {tier.name_of(model)!r}")
     return 0
@@ -753,8 +755,9 @@ def build_parser():
     s.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the store")
     s.add_argument("--quiet", action="store_true", help="no progress bar on a terminal")
     s.add_argument("--name", default=None,
-                   help="the name in every key (default: the model's fingerprint, so models and revisions share a "
-                        "store; load with MooncakeTier(name=...) the same; \"\": EngramStore's own engram:l{L}:h{h})")
+                   help="the name in every key (default: a digest of the model's config and every table byte, so "
+                        "models and revisions share a store; load with MooncakeTier(name=...) the same; \"\": "
+                        "EngramStore's own engram:l{L}:h{h})")
 
     s = command("pack-rows", cmd_pack_rows, "write the packed row file beside a checkpoint (one read per missed row)")
     s.add_argument("checkpoint", help="a model's Hugging Face folder (writes FOLDER/engram_rows.bin; a table whose "

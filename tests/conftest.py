@@ -524,6 +524,22 @@ def perturbed(model, rng):
     return EngramModel(model.cfg, model.plan, layers)
 
 
+def fine_tuned_outside_samples(model):
+    """The demo model with every table row changed except the ones the Mooncake fingerprint
+    samples (rows.mooncake.sample_rows): the same config and sampled rows, other tables."""
+    from engram_stream import EngramModel
+    from engram_stream.rows.mooncake import sample_rows
+    layers = {}
+    for L, w in model.layers.items():
+        keep = np.zeros(w.table.shape[0], bool)
+        for h, n_h in enumerate(model.plan.head_primes[L]):
+            keep[int(w.offsets[h]) + sample_rows(int(n_h), L, h)] = True
+        table = np.array(w.table)
+        table[~keep] = -table[~keep] + 0.5
+        layers[L] = w.replace(model.cfg, table=table)
+    return EngramModel(model.cfg, model.plan, layers)
+
+
 def _kernel_isas():
     """Every kernel path this CPU runs (ENGRAM_STREAM_ISA, when set, names the only one)."""
     forced = os.environ.get("ENGRAM_STREAM_ISA", "").strip().lower()

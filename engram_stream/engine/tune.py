@@ -62,6 +62,7 @@ import time
 
 import numpy as np
 
+from ..io.files import cache_dir
 from . import isa as _isa
 
 OPS = ("step", "batch", "prefill")  # index: the engine's OP_* (engine/_base.pyx)
@@ -389,12 +390,6 @@ def tune_model(model, layer=None, timer=time.perf_counter, paths=None, threads=N
 
 
 # ---- the cache ----------------------------------------------------------------------------------
-def cache_dir() -> str:
-    """$XDG_CACHE_HOME/engram_stream, else ~/.cache/engram_stream."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "engram_stream")
-
-
 def cache_path(folder=None) -> str:
     """The table of this CPU: <cache_dir()>/tune_<cpu key>.json."""
     return os.path.join(cache_dir() if folder is None else os.fspath(folder), f"tune_{cpu_identity()[0]}.json")

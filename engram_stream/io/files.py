@@ -6,6 +6,7 @@
   remove_stale_temps(path)  temp files and folders of writers that died (SIGKILL) beside `path`
   MappedFile                a read-only map of a whole file that knows when the file changed
   mapping_of(a)             the mmap an array views, if any
+  cache_dir()               the user's cache folder of engram_stream ($XDG_CACHE_HOME/engram_stream)
 
 The rule for mapped files: never truncate or rewrite a checkpoint in place while a model has it
 mapped. Reads past a truncated end die with SIGBUS; a rewritten table mixes with weights read
@@ -30,8 +31,14 @@ import numpy as np
 
 from ..errors import FileChangedError
 
-__all__ = ["open_regular", "atomic_output", "atomic_folder", "remove_stale_temps", "MappedFile", "mapping_of", "file_check",
+__all__ = ["cache_dir", "open_regular", "atomic_output", "atomic_folder", "remove_stale_temps", "MappedFile", "mapping_of", "file_check",
            "check_file", "FileChangedError"]
+
+
+def cache_dir() -> str:
+    """$XDG_CACHE_HOME/engram_stream, else ~/.cache/engram_stream."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "engram_stream")
 
 
 def open_regular(path, err):

@@ -10,6 +10,7 @@ reports what the process holds:
   advise(a, "random")       no read-ahead: a cold gather reads the rows' pages, not a window around them
   resident_bytes(a)         how much of `a` is in RAM (mincore: the page cache for file pages)
   read_rows(a, rows)        a few rows by pread, the mapping untouched and the page cache left as it was
+  byte_chunks(a)            all of a's bytes in chunks, by pread like read_rows (a table's digest)
   evict_file(path)          drop the file's unmapped pages from the page cache (cold start)
   evict(model)              release() and evict_file() every file the model maps (a cold start)
   release(model)            unmap this process's table pages (they stay cached until evicted)
@@ -135,6 +136,56 @@ def _own_descriptor(mm: MappedFile) -> int:
         return fd
 
 
+def _file_offset(mm: MappedFile, a: np.ndarray):
+    """(the mapping's address, a's first byte in the file): the mapping starts at offset 0."""
+    base = np.frombuffer(mm, np.uint8, 1).ctypes.data
+    return base, _addr(a) - base
+
+
+def file_extent(a):
+    """(MappedFile, offset) when `a` is a C-contiguous view of a mapped file: its bytes are that
+    file's bytes [offset, offset + a.nbytes); else None."""
+    mm = mapping_of(a)
+    if not isinstance(mm, MappedFile) or not a.flags.c_contiguous:
+        return None
+    return mm, _file_offset(mm, a)[1]
+
+
+def byte_chunks(a: np.ndarray, chunk: int = 16 << 20):
+    """Every byte of `a` in order, `chunk` bytes at a time (memoryviews, each valid until the next
+    is asked for). A C-contiguous view of a mapped file is read like read_rows: pread on a
+    descriptor of its own, never through the mapping, and the pages a chunk brought into the page
+    cache are dropped again (POSIX_FADV_DONTNEED), so reading a whole table, to digest it, leaves
+    the file's pages as it found them. The descriptor is advised POSIX_FADV_RANDOM: read-ahead
+    would bring the next chunk's pages in, and they would count as cached before it (kept)."""
+    ext = file_extent(a)
+    if ext is None:
+        flat = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        for at in range(0, flat.size, chunk):
+            yield memoryview(flat[at:at + chunk])
+        return
+    mm, off0 = ext
+    mm.check()
+    base = _file_offset(mm, a)[0]
+    buf = memoryview(bytearray(chunk))
+    fd = _own_descriptor(mm)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for at in range(0, a.nbytes, chunk):
+            n, off = min(chunk, a.nbytes - at), off0 + at
+            p0, p1 = off // PAGE, (off + n - 1) // PAGE
+            cold = ~_resident_pages(base + p0 * PAGE, p1 - p0 + 1)
+            if os.preadv(fd, [buf[:n]], off) != n:
+                mm.check()
+                raise FileChangedError(f"{mm.path}: ends before byte {off + n} of a table it maps")
+            yield buf[:n]
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], cold.view(np.int8), [0]))))  # runs of cold pages
+            for s, e in zip(edges[0::2].tolist(), edges[1::2].tolist()):
+                os.posix_fadvise(fd, (p0 + s) * PAGE, (e - s) * PAGE, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def read_rows(a: np.ndarray, rows) -> np.ndarray:
     """a[rows] (rows: ints indexing a's first axis) as a new C-contiguous array, without touching
     the mapping when `a` is a C-contiguous view of a mapped file: each row is read with pread on a
@@ -154,8 +205,7 @@ def read_rows(a: np.ndarray, rows) -> np.ndarray:
     if not rb:
         return out
     mm.check()   # a file truncated since it was mapped: refused, as every read of the mapping is
-    base = np.frombuffer(mm, np.uint8, 1).ctypes.data
-    off0 = _addr(a) - base                              # a's first byte in the file
+    base, off0 = _file_offset(mm, a)                    # a's first byte in the file
     first = (off0 + rows * rb) // PAGE                  # each row's page span in the file
     last = (off0 + rows * rb + rb - 1) // PAGE
     pages = np.unique(np.concatenate([np.arange(f, e + 1) for f, e in zip(first.tolist(), last.tolist())]))

@@ -15,16 +15,24 @@ Store layout (Mooncake's EngramStore): one object per head, key `engram:{name}:l
 that head's records [N_h, record bytes] contiguous (N_h = the head's prime). That is EngramStore's
 byte-row layout (Mooncake #4065: `row_bytes` 264 for V4.1, 256 FP8 bytes then 8 E8M0 bytes);
 float32 tables are byte-identical to what 0.3.13's float32 EngramStore writes. Beside the heads,
-`engram:{name}:l{L}:fingerprint` (JSON) names what was published: the layout and a digest of sampled
-records. A model loading with tables=tier is refused unless the store holds its layout and the
-store's bytes of those sampled rows equal its own (another model's rows of the same shape are
-refused, whoever published them).
+`engram:{name}:l{L}:fingerprint` (JSON) names what was published: the layout, `tables_digest` (the
+SHA-256 of every byte of the layer's tables: layer_digests, taken once at publish) and
+a digest of sampled records. A model loading with tables=tier is refused unless the store holds
+its layout, the digest of its own tables (a mismatch names both digests; a store without one, as
+EngramStore.populate leaves it, is refused too) and the store's bytes of the sampled rows equal
+its own (rows another writer put under the name since). Rows EngramStore.populate wrote get their
+fingerprints from tier.adopt(model), which compares every row with the model's first.
 
 Names. Every key of a model carries a name, so that several models (or revisions of one) share
 a store: MooncakeTier(name=None) names each model by model_name(model), a digest of its config
-and of its fingerprints' sampled records (two checkpoints of different rows get different
-names, one checkpoint the same name on every host); name="..." puts every model the tier
-serves under that name; name="" is EngramStore's own keys, `engram:l{L}:h{h}` (one model a store).
+and of every layer's tables_digest (two checkpoints that differ in any byte of a table get
+different names, one checkpoint the same name on every host); name="..." puts every model the
+tier serves under that name; name="" is EngramStore's own keys, `engram:l{L}:h{h}` (one model a
+store). Either way the stored digest decides which model's rows they are.
+
+The model's side of the check digests its own tables at load: once a host for tables mapped from
+files (layer_digests caches the digest, keyed by the files' stamps), every load for
+tables in RAM.
 
 Reads. An engine in remote mode hashes a token at feed(), looks its rows up in the
 RAM cache, and fetches the misses before the nogil gather in ONE `get_into_ranges`
@@ -47,6 +55,7 @@ import json
 import os
 import queue
 import socket
+import stat
 import threading
 import time
 import weakref
@@ -55,6 +64,8 @@ from urllib.parse import urlparse
 import numpy as np
 
 from ..errors import TierError
+from ..io.files import atomic_output, cache_dir
+from ..io.memory import byte_chunks, file_extent, read_rows
 from ._cache import slot_bytes
 from ._direct import add_read
 from ._source import RecordSource, Tier
@@ -62,7 +73,7 @@ from .records import record_arrays, record_layout
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 LOG_LEVEL = "ERROR"   # the client's default MC_LOG_LEVEL here
-FINGERPRINT_FORMAT = 1
+FINGERPRINT_FORMAT = 2   # 2: with tables_digest
 SAMPLES_PER_HEAD = 8
 
 
@@ -90,15 +101,15 @@ def fingerprint_key(layer, name="") -> str:
     return f"{_prefix(name)}l{layer}:fingerprint"
 
 
-def model_name(model, samples=None) -> str:
-    """The name a model's keys get by default: "m" and 16 hex digits of a digest of its config
-    and every layer's fingerprint (layout and sampled records). samples: {layer:
-    sampled_records(model, layer)} already read, or None."""
-    samples = samples or {}
-    d = hashlib.blake2b(digest_size=8)
+def model_name(model, digests=None) -> str:
+    """The name a model's keys get by default: "m" and 32 hex digits of a digest of its config
+    and every layer's tables digest (layer_digests: every byte of every table).
+    digests: {layer: digest} already taken, or None (taken here: cached for mapped tables)."""
+    digests = digests or layer_digests(model)
+    d = hashlib.blake2b(digest_size=16)
     d.update(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
     for L in model.cfg.layer_ids:
-        d.update(json.dumps(fingerprint(model, L, samples.get(L)), sort_keys=True).encode())
+        d.update(f";{L} {digests[L]}".encode())
     return "m" + d.hexdigest()
 
 
@@ -113,7 +124,6 @@ def sampled_records(model, layer):
     A model whose tables are a mapped file gets the rows by pread (rows.memory.read_rows): a
     model that reads its rows from a store checks them at load without bringing its local table
     into the page cache."""
-    from ..io.memory import read_rows
     rows, scales = record_arrays(model.layer(layer))
     heads = [sample_rows(int(n_h), layer, h) for h, n_h in enumerate(model.plan.head_primes[layer])]
     absolute = np.concatenate([int(model.layer(layer).offsets[h]) + local for h, local in enumerate(heads)])
@@ -127,17 +137,121 @@ def sampled_records(model, layer):
     return out
 
 
-def fingerprint(model, layer, samples=None) -> dict:
-    """What publish() writes beside a layer's heads: layout and a digest of the sampled records
-    (samples: sampled_records(model, layer) already read, or None)."""
+def fingerprint(model, layer, samples=None, digest=None) -> dict:
+    """What publish() writes beside a layer's heads: layout, the digest of every byte of the
+    layer's tables and a digest of the sampled records (samples: sampled_records(model, layer)
+    already read, or None; digest: layer_digests(model)[layer] already taken, or None)."""
     rowbytes, scalebytes = record_layout(model.layer(layer))
+    digest = layer_digests(model, [layer])[layer] if digest is None else digest
     d = hashlib.blake2b(digest_size=16)
     for h, (local, rec) in (samples or sampled_records(model, layer)).items():
         d.update(local.tobytes())
         d.update(rec.tobytes())
     return {"format": FINGERPRINT_FORMAT, "variant": model.cfg.variant, "layer": int(layer),
             "heads": [int(p) for p in model.plan.head_primes[layer]], "rowbytes": rowbytes,
-            "scalebytes": scalebytes, "sample_digest": d.hexdigest()}
+            "scalebytes": scalebytes, "tables_digest": digest, "sample_digest": d.hexdigest()}
+
+
+# ---- a digest of every byte of a layer's tables (what names and checks a published table) --------
+DIGEST_FORMAT = 1          # of the digest (SHA-256) and of its cache entries
+DIGEST_CHUNK = 16 << 20    # bytes read and hashed at a time
+
+
+def _layer_arrays(model, L):
+    w = model.layer(L)
+    return [a for a in (w.table, getattr(w, "table_scale", None)) if a is not None]
+
+
+def _digest_key(L, arrays):
+    """What identifies layer L's table bytes without reading them, or None (a table in RAM): each
+    array's dtype, shape, file stamp as mapped (device, inode, size, mtime), the file's ctime
+    (no one can set it: a file written again, or an inode used again, has another) and its offset
+    in the file. The processes and runs of one host that map one file agree on it."""
+    parts = []
+    for a in arrays:
+        ext = file_extent(a)
+        if ext is None:
+            return None
+        mm, off = ext
+        mm.check()   # a file changed since it was mapped: refused, as every read of it is
+        parts.append(f"{a.dtype.str} {tuple(a.shape)} file {tuple(mm.stamp)} ctime {os.fstat(mm.fd).st_ctime_ns} "
+                     f"at {off}")
+    return f"engram tables digest {DIGEST_FORMAT} layer {L}: " + "; ".join(parts)
+
+
+def digest_cache_path(key) -> str:
+    """The cache entry of a digest key: <cache_dir()>/tables/<BLAKE2b of the key>.json."""
+    return os.path.join(cache_dir(), "tables", hashlib.blake2b(key.encode(), digest_size=16).hexdigest() + ".json")
+
+
+def _cached_digest(key):
+    """The cached digest of `key`, or None: an entry is trusted only when it is a regular file of
+    this user that no one else may write, holding this very key and a digest of 64 hex digits.
+    Anything else (no folder, a folder that cannot be read, a damaged entry) is a miss."""
+    path = digest_cache_path(key)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return None
+        entry = json.loads(os.read(fd, 1 << 16))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    d = entry.get("digest") if isinstance(entry, dict) and entry.get("key") == key else None
+    return d if isinstance(d, str) and len(d) == 64 and all(c in "0123456789abcdef" for c in d) else None
+
+
+def _cache_digest(key, digest):
+    """Keep a digest for the next load (folder made 0700); a cache that cannot be written (a
+    read-only home, a file where the folder goes) costs the next load the reading, nothing more."""
+    path = digest_cache_path(key)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        with atomic_output(path) as f:
+            f.write(json.dumps({"key": key, "digest": digest}).encode())
+    except (OSError, ValueError):   # ValueError: something not a file sits at the entry's path
+        pass
+
+
+def layer_digests(model, layers=None, progress=None) -> dict:
+    """{layer: 64 hex digits}: the SHA-256 of each layer's table and table scale (each one's
+    dtype and shape, then every byte). What names a model's keys in a Mooncake Store and what the
+    store keeps beside its rows (rows.mooncake).
+
+    Reading every byte costs about 1 s a GB, so a layer whose tables are views of mapped files
+    is read once a host: its digest is cached under the user's cache folder
+    (<cache_dir()>/tables/, $XDG_CACHE_HOME respected), keyed by what identifies the bytes
+    (_digest_key: the files' stamps and ctime, the arrays' offsets), and a file saved again is
+    read again. The files are read by pread, their pages left out of the page cache
+    (io.memory.byte_chunks); a table in RAM is read every call. progress(done, total): bytes."""
+    layers = model.cfg.layer_ids if layers is None else layers
+    arrays = {L: _layer_arrays(model, L) for L in layers}
+    total, done, out = sum(a.nbytes for L in layers for a in arrays[L]), 0, {}
+    for L in layers:
+        key = _digest_key(L, arrays[L])
+        out[L] = None if key is None else _cached_digest(key)
+        if out[L] is None:
+            d = hashlib.sha256()   # SHA-NI: about twice BLAKE2b's speed on x86
+            for a in arrays[L]:
+                d.update(f"{L} {a.dtype.str} {tuple(a.shape)};".encode())
+                for chunk in byte_chunks(a, DIGEST_CHUNK):
+                    d.update(chunk)
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(done, total)
+            out[L] = d.hexdigest()
+            if key is not None and key == _digest_key(L, arrays[L]):   # not changed while it was read
+                _cache_digest(key, out[L])
+        else:
+            done += sum(a.nbytes for a in arrays[L])
+            if progress is not None:
+                progress(done, total)
+    return out
 
 
 # ---- bounded calls -------------------------------------------------------------------------------
@@ -362,9 +476,13 @@ class MooncakeTier(Tier):
         return (f"MooncakeTier(master={self.master!r}, metadata={self.metadata!r}, local_host={self.local_host!r}, "
                 f"name={self.name!r})")
 
-    def name_of(self, model, samples=None) -> str:
-        """The name `model`'s keys carry in this tier (samples: as model_name's)."""
-        return model_name(model, samples) if self.name is None else self.name
+    def name_of(self, model, digests=None) -> str:
+        """The name `model`'s keys carry in this tier (digests: as model_name's)."""
+        return model_name(model, digests) if self.name is None else self.name
+
+    def _digests(self, model, layers, progress=None) -> dict:
+        """layer_digests of `layers`, and of every layer when the name is the model's (it digests all)."""
+        return layer_digests(model, model.cfg.layer_ids if self.name is None else layers, progress)
 
     def _call(self, what, fn, *args, timeout=None, client=None, keep=()):
         """fn(*args) bounded by the timeout; TierError when it takes longer (the client and what
@@ -407,13 +525,18 @@ class MooncakeTier(Tier):
             _fault()
             raise TierError(f"Mooncake {what} failed with code {rc}")
 
-    def publish(self, model, layers=None, progress=None) -> int:
+    def publish(self, model, layers=None, progress=None, digest_progress=None) -> int:
         """Write every layer's rows into the store (upsert: replaces what was there), one object per
         head in EngramStore's layout, then the layer's fingerprint. Returns the bytes written.
-        A head's records are built contiguous in RAM for the write (N_h x record bytes)."""
+        A head's records are built contiguous in RAM for the write (N_h x record bytes).
+        First the tables are digested whole (layer_digests: about 1 s a GB, once a host
+        for mapped tables; digest_progress(done, total) in bytes), for the name and the
+        fingerprints. progress(layer, head, written bytes) after each head's write."""
         store = self._open()
-        written, name = 0, self.name_of(model)
-        for L in (model.cfg.layer_ids if layers is None else layers):
+        layers = model.cfg.layer_ids if layers is None else layers
+        digests = self._digests(model, layers, digest_progress)
+        written, name = 0, self.name_of(model, digests)
+        for L in layers:
             for h in range(model.cfg.n_heads):
                 rec = head_records(model, L, h)
                 ptr, n, key = rec.ctypes.data, rec.nbytes, store_key(L, h, name)
@@ -435,10 +558,38 @@ class MooncakeTier(Tier):
                 written += n
                 if progress is not None:
                     progress(L, h, written)
-            fp, key = json.dumps(fingerprint(model, L), sort_keys=True).encode(), fingerprint_key(L, name)
+            fp = json.dumps(fingerprint(model, L, digest=digests[L]), sort_keys=True).encode()
+            key = fingerprint_key(L, name)
             self._check(self._call(f"upsert of {key}", store.upsert, key, fp), f"upsert of {key}")
-        self.check_published(model, layers)
+        self.check_published(model, layers, digests)
         return written
+
+    def adopt(self, model, layers=None) -> str:
+        """Rows another writer put under this tier's name for `model` (EngramStore.populate, which
+        writes no fingerprint): every head object is read back whole and compared byte for byte
+        with the model's records; when all agree, the fingerprints publish() writes (with the
+        tables' digest) go beside them, and the model loads from them. A difference is a
+        TierError naming the key and the first row that differs (nothing is written). Returns the
+        name. Reads every row of the store and of the local tables: as costly as a publish."""
+        store = self._open()
+        layers = model.cfg.layer_ids if layers is None else layers
+        digests = self._digests(model, layers)
+        name = self.name_of(model, digests)
+        for L in layers:
+            for h in range(model.cfg.n_heads):
+                key, want = store_key(L, h, name), head_records(model, L, h)
+                got = np.frombuffer(self._call(f"get of {key}", store.get, key), np.uint8)
+                fix = "not this model's rows, nothing adopted. tier.publish(model) to write them"
+                if got.size != want.size:
+                    raise TierError(f"Mooncake object {key}: {got.size} bytes, this model's head has {want.size}: {fix}")
+                bad = np.flatnonzero((got.reshape(want.shape) != want).any(axis=1))
+                if bad.size:
+                    raise TierError(f"Mooncake object {key}: head row {int(bad[0])} differs from this model's: {fix}")
+        for L in layers:
+            fp = json.dumps(fingerprint(model, L, digest=digests[L]), sort_keys=True).encode()
+            key = fingerprint_key(L, name)
+            self._check(self._call(f"upsert of {key}", store.upsert, key, fp), f"upsert of {key}")
+        return self.check_published(model, layers, digests)
 
     def published(self, layer, name=""):
         """The fingerprint publish() wrote for `layer` under `name` (a dict; name: name_of(model)),
@@ -454,17 +605,18 @@ class MooncakeTier(Tier):
             return {}
         return fp if isinstance(fp, dict) else {}
 
-    def check_published(self, model, layers=None):
+    def check_published(self, model, layers=None, digests=None):
         """Raise TierError unless the store holds this model's tables: every head object with its
-        size, a published fingerprint (when there is one) of the same layout, and the store's bytes
-        of the fingerprint's sampled rows equal to the model's. The last check is what refuses
-        another model's rows of the same shape, whoever published them (a fingerprint left by an
-        earlier publish does not decide: the rows do). Returns the name the model's keys carry."""
+        size, a published fingerprint of the same layout whose tables_digest is the digest of this
+        model's tables (layer_digests; digests: those already taken), and the store's
+        bytes of the fingerprint's sampled rows equal to the model's. The digest refuses another
+        model's tables, however few rows differ; the samples refuse rows another writer put under
+        the name after the publish (EngramStore.populate). Returns the name the model's keys carry."""
         store = self._open()
         layers = model.cfg.layer_ids if layers is None else layers
-        # each sample read once, for the name (the default one digests every layer's) and the checks
-        samples = {L: sampled_records(model, L) for L in (model.cfg.layer_ids if self.name is None else layers)}
-        name = self.name_of(model, samples)
+        digests = digests or self._digests(model, layers)
+        name = self.name_of(model, digests)
+        samples = {L: sampled_records(model, L) for L in layers}
         for L in layers:
             rowbytes, scalebytes = record_layout(model.layer(L))
             for h in range(model.cfg.n_heads):
@@ -474,14 +626,24 @@ class MooncakeTier(Tier):
                 if got != want:
                     raise TierError(f"Mooncake object {key}: {got} bytes, expected {want} (not published under "
                                     f"the name {name!r}, or published from another table dtype): tier.publish(model)")
-            theirs, mine = self.published(L, name), fingerprint(model, L, samples[L])
-            if theirs is not None:
-                bad = [k for k in ("format", "variant", "layer", "heads", "rowbytes", "scalebytes")
-                       if theirs.get(k) != mine[k]]
-                if bad:
-                    raise TierError(f"Mooncake layer {L}: the store's fingerprint differs from this model's in "
-                                    f"{', '.join(bad)}: it holds another model's rows. tier.publish(model) to "
-                                    f"replace them")
+            theirs, mine = self.published(L, name), fingerprint(model, L, samples[L], digests[L])
+            key = fingerprint_key(L, name)
+            if theirs is None or theirs.get("format") != FINGERPRINT_FORMAT:
+                what = ("no fingerprint (rows written by EngramStore.populate or another writer?)" if theirs is None
+                        else f"a fingerprint of format {theirs.get('format')!r}, not {FINGERPRINT_FORMAT}")
+                raise TierError(f"Mooncake layer {L}: {key} holds {what}, so no digest of the tables its rows are "
+                                f"from: which model's rows they are is unknown. tier.publish(model) to publish them "
+                                f"with one, or tier.adopt(model) to compare every row and add it")
+            bad = [k for k in ("variant", "layer", "heads", "rowbytes", "scalebytes") if theirs.get(k) != mine[k]]
+            if bad:
+                raise TierError(f"Mooncake layer {L}: the store's fingerprint differs from this model's in "
+                                f"{', '.join(bad)}: it holds another model's rows. tier.publish(model) to "
+                                f"replace them")
+            if theirs.get("tables_digest") != mine["tables_digest"]:
+                raise TierError(f"Mooncake layer {L} under the name {name!r}: the store's rows are of tables whose "
+                                f"digest is {theirs.get('tables_digest')}, this model's tables digest to "
+                                f"{mine['tables_digest']}: the store holds another model's rows. tier.publish(model) "
+                                f"to replace them, or load with the name its tables were published under")
             self._check_samples(model, L, samples[L], name)
         return name
 
@@ -502,8 +664,10 @@ class MooncakeTier(Tier):
 
     def open(self, model) -> "StoreTables":
         """A model loading with tables=this tier: refused unless the store holds its rows. The
-        check reads the sampled rows of the model's own tables (by pread: rows.memory.read_rows);
-        nothing after it reads them: its engines' rows all come from the store."""
+        check digests the model's own tables (once a host for mapped ones: the digest is cached)
+        and reads their sampled rows, both by pread, leaving the page cache as it was
+        (io.memory.byte_chunks, read_rows); nothing after it reads them: its engines' rows all
+        come from the store."""
         return StoreTables(self, model, self.check_published(model))
 
     def rows(self, model, layer, totals=None, read_totals=None, name=None) -> "RemoteRows":

@@ -14,6 +14,7 @@ it converts a table row, so every source gives the same floats bit for bit.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import numbers
 import os
@@ -28,7 +29,7 @@ from ._direct import new_totals, totals_summary
 from ._source import CachedRows, Tier
 from .direct import DirectTier
 from .mapped import MappedTier
-from .mooncake import MooncakeTier, model_name
+from .mooncake import MooncakeTier
 from .records import digest_array, record_layout, table_arrays
 
 
@@ -60,7 +61,7 @@ STATS_FIELDS = {
     "fetch_seconds": "seconds (a Mooncake Store only): the gets' total time, start to end",
     "layers": "{layer: that layer's hits .. read_wait_p99}",
 }
-HOST_CACHE_DIR = "/dev/shm"  # a host cache's files: engram-rows-{name}-{model_name}-t{tables_id}-l{layer}
+HOST_CACHE_DIR = "/dev/shm"  # a host cache's files: engram-rows-{name}-c{config digest}-t{tables_id}-l{layer}
 HOST_CACHE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -91,10 +92,10 @@ def check_row_cache_mb(value, what="row_cache_mb") -> float:
 
 
 def tables_id(model) -> str:
-    """16 hex digits that tell this model's table rows from any other's on this host.
-    model_name() digests the config and 8 sampled rows a head: a fine-tune that leaves those rows
-    alone has the same name, and sharing a cache by it would serve one model's rows to the
-    other. A table mapped from a file counts as that file's stamp as it was mapped (device,
+    """16 hex digits that tell this model's table rows from any other's on this host, without
+    reading them (mooncake.model_name digests every byte: about 1 s a GB the first time). A
+    fine-tune may leave any sample of rows alone, so no sample tells two tables apart. A table
+    mapped from a file counts as that file's stamp as it was mapped (device,
     inode, size, mtime: io.files.MappedFile) and its ctime, which no one can set (an inode used
     again, with a forged mtime, still differs): two files of a host differ, one file saved again
     differs, and the processes mapping one file agree without reading it. A table in RAM counts
@@ -110,9 +111,10 @@ def tables_id(model) -> str:
 
 
 def host_model_id(model) -> str:
-    """What names a model's host cache files and heads: its model_name (the Mooncake keys' name)
-    and its tables_id (which rows, exactly)."""
-    return f"{model_name(model)}-t{tables_id(model)}"
+    """What names a model's host cache files and heads: "c" and 16 hex digits of a digest of its
+    config, and its tables_id (which rows, exactly)."""
+    config = hashlib.blake2b(json.dumps(model.cfg.to_dict(), sort_keys=True).encode(), digest_size=8)
+    return f"c{config.hexdigest()}-t{tables_id(model)}"
 
 
 LAYER_FIELDS = ("hits", "misses", "bytes_fetched", "evictions", "rows_cached", "capacity_rows", "cache_bytes",
@@ -192,9 +194,8 @@ class CachedTier(Tier):
     def _bind(self, model):
         row_cache_mb, host_cache = self.row_cache_mb, self.host_cache
         self.model_ref = weakref.ref(model)
-        # host_model_id names a host cache's files; model_name reads sampled rows of the tables
-        # (and a table in RAM is digested whole), so it is taken here, at load, and no engine
-        # made later touches the tables
+        # host_model_id names a host cache's files; a table in RAM is digested whole for it, so
+        # it is taken here, at load, and no engine made later touches the tables
         self.model_id = host_model_id(model) if host_cache is not None else None
         layouts = {L: record_layout(model.layer(L)) for L in model.cfg.layer_ids}
         table_bytes = {L: model.plan.table_rows[L] * sum(layouts[L]) for L in model.cfg.layer_ids}

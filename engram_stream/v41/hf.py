@@ -28,7 +28,7 @@ import numpy as np
 from ..config import EngramConfig, min_chain_rows
 from ..errors import HFCheckpointError
 from ..io import safetensors
-from ..io.files import atomic_folder, atomic_output, open_regular
+from ..io.files import atomic_folder, atomic_output, cache_dir, open_regular
 from ..io.safetensors import DTYPES, MAX_HEADER, SafetensorsFile, Tensor, write_folder_files
 from ..plan import HashPlan
 from .config import V41
@@ -237,12 +237,6 @@ def _pad_lookup(lookup, cfg, source, error=HFCheckpointError):
 # Building the lookup from DeepSeek-V4's tokenizer.json decodes and normalizes 129280 tokens (about
 # 3 s); a load reads it from the user's cache instead, keyed by the tokenizer file's bytes.
 CACHE_FORMAT = 1   # bump when build_compression's output for a given tokenizer changes
-
-
-def cache_dir() -> str:
-    """$XDG_CACHE_HOME/engram_stream, else ~/.cache/engram_stream."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "engram_stream")
 
 
 def _sha256(b) -> str:

@@ -83,9 +83,10 @@ def test_v41_publish_writes_engramstore_byte_rows(bare_tier, v41_models):
         absolute = rng.integers(0, b.plan.table_rows[L], 200)
         want = np.concatenate([b.layer(L).embed_weight, b.layer(L).embed_scale], axis=1)[absolute]
         np.testing.assert_array_equal(read_rows(bare_tier, b, L, absolute), want)
-    # a's fingerprints are still there, but the rows are b's: the rows decide
-    bare_tier.check_published(b)
-    with pytest.raises(TierError, match="another model's rows"):
+    # a's fingerprints (and their digests of a's tables) are still there, the rows are b's: both refused
+    with pytest.raises(TierError, match="tables whose digest is .*, this model's tables digest to"):
+        bare_tier.check_published(b)
+    with pytest.raises(TierError, match="row .* differs from this model's"):
         bare_tier.check_published(a)
 
 
@@ -376,3 +377,121 @@ def test_a_remote_model_reads_nothing_of_its_local_tables(tier, tmp_path, varian
     assert model.row_cache_stats()["fetches"] > 0
     with pytest.raises(TierError, match="not published"):   # a store without this model's rows: refused by load
         load(other, tables=tier)
+
+
+# ---- the tables' digest: two fine-tunes whose sampled rows agree ----------------------------------
+@pytest.fixture
+def fine_tunes(tmp_path):
+    """(path of a demo model, path of its fine-tune differing in every row but the sampled ones)."""
+    plain = EngramModel.init(EngramConfig(**DEMO), seed=21)
+    pa, pb = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    plain.save(pa)
+    conftest.fine_tuned_outside_samples(plain).save(pb)
+    return pa, pb
+
+
+def all_records(model, L):
+    """Every row of a demo float32 table, and its records: the row's bytes (no scale)."""
+    w = model.layer(L)
+    assert w.table.dtype == np.float32 and w.table_scale is None
+    return np.arange(w.table.shape[0]), np.ascontiguousarray(w.table).view(np.uint8)
+
+
+def test_fine_tunes_differing_outside_the_samples_each_serve_their_own_rows(tier, fine_tunes):
+    """Two fine-tunes whose tables differ only outside the sampled rows, published into one store
+    under their default names: each gets its own keys (the name digests every table byte) and
+    every row a model loading from the store reads is its own. (Named by sampled rows, the second
+    publish replaced the first's rows and the first model served them.)"""
+    from engram_stream.rows.mooncake import fingerprint, model_name
+    a, b = (EngramModel.load(p) for p in fine_tunes)
+    for L in DEMO["layer_ids"]:
+        assert fingerprint(a, L)["sample_digest"] == fingerprint(b, L)["sample_digest"]
+    assert model_name(a) != model_name(b)
+    tier.publish(a)
+    tier.publish(b)
+    for m, p in ((a, fine_tunes[0]), (b, fine_tunes[1])):
+        remote = EngramModel.load(p, tables=tier)
+        for L in DEMO["layer_ids"]:
+            rows, want = all_records(m, L)
+            np.testing.assert_array_equal(read_rows(tier, remote, L, rows), want)
+
+
+def test_a_name_holding_other_tables_is_refused_naming_both_digests(mooncake, fine_tunes):
+    """One name, two fine-tunes: the one that did not publish is refused at load, the error naming
+    the store's digest and its own (the sampled rows agree: only the digest tells them apart)."""
+    from mooncake_servers import wait_until_writable
+    from engram_stream.rows import MooncakeTier
+    from engram_stream.rows.mooncake import layer_digests
+    a, b = (EngramModel.load(p) for p in fine_tunes)
+    named = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, timeout=5, name="ft")
+    try:
+        wait_until_writable(named)
+        named.publish(a)
+        EngramModel.load(fine_tunes[0], tables=named)
+        da, db = layer_digests(a), layer_digests(b)
+        L = DEMO["layer_ids"][0]
+        assert len(da[L]) == 64 and da[L] != db[L]
+        with pytest.raises(TierError) as e:
+            EngramModel.load(fine_tunes[1], tables=named)
+        assert f"digest is {da[L]}, this model's tables digest to {db[L]}" in str(e.value), str(e.value)
+        assert named.published(L, "ft")["tables_digest"] == da[L]
+    finally:
+        named.close()
+
+
+def test_a_store_without_a_digest_of_its_tables_is_refused(tier, fine_tunes):
+    """A fingerprint of format 1 (no tables_digest), or none at all (rows EngramStore.populate
+    wrote): which tables the rows are from is unknown, and the load is refused."""
+    from engram_stream.rows.mooncake import fingerprint_key, model_name
+    a = EngramModel.load(fine_tunes[0])
+    tier.publish(a)
+    L, name = DEMO["layer_ids"][1], model_name(a)
+    fp = tier.published(L, name)
+    old = {k: v for k, v in fp.items() if k != "tables_digest"}
+    tier.store.upsert(fingerprint_key(L, name), json.dumps(dict(old, format=1)).encode())
+    with pytest.raises(TierError, match="format 1, not 2, so no digest"):
+        EngramModel.load(fine_tunes[0], tables=tier)
+    assert tier.store.remove(fingerprint_key(L, name), True) == 0   # force: past the lease of the get before
+    with pytest.raises(TierError, match="no fingerprint .*tier.publish"):
+        EngramModel.load(fine_tunes[0], tables=tier)
+    tier.publish(a)
+    EngramModel.load(fine_tunes[0], tables=tier)
+
+
+def test_the_tables_are_digested_once_a_host(tier, fine_tunes, tmp_path, monkeypatch):
+    """A mapped checkpoint's digest is read once (at publish here) and cached under
+    $XDG_CACHE_HOME, keyed by the file's stamps: loading from the store reads no table byte again;
+    the file touched (another mtime and ctime) is read again; an unusable cache folder only costs
+    the reading. Tables in RAM are read at every load."""
+    from engram_stream.rows import mooncake
+    from engram_stream.rows.mooncake import layer_digests
+    reads = []
+    real = mooncake.byte_chunks
+
+    def counted(a, chunk):
+        reads.append(a.nbytes)
+        return real(a, chunk)
+
+    monkeypatch.setattr(mooncake, "byte_chunks", counted)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = fine_tunes[0]
+    model = EngramModel.load(path)
+    tables = sum(model.layer(L).table.nbytes for L in DEMO["layer_ids"])   # float32: no scales
+    tier.publish(model)
+    assert sum(reads) == tables                       # publish read every table byte, once
+    want = layer_digests(model)
+    assert len(os.listdir(tmp_path / "xdg" / "engram_stream" / "tables")) == len(DEMO["layer_ids"])
+    reads.clear()
+    EngramModel.load(path, tables=tier)
+    assert reads == []                                # the cached digests
+    os.utime(path, ns=(time.time_ns(), time.time_ns()))
+    assert layer_digests(EngramModel.load(path)) == want and sum(reads) == tables   # read again
+    reads.clear()
+    (tmp_path / "not a folder").write_text("x")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not a folder"))
+    for _ in range(2):
+        EngramModel.load(path, tables=tier)
+    assert sum(reads) == 2 * tables                   # no cache: read at each load, loads still work
+    reads.clear()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert layer_digests(EngramModel.load(path, mmap=False)) == want and sum(reads) == tables

@@ -162,6 +162,25 @@ def test_read_rows_reads_by_pread_and_leaves_the_page_cache_as_it_was(files):
         memory.read_rows(t, [t.shape[0]])
 
 
+def test_byte_chunks_read_a_whole_table_and_leave_the_page_cache_as_it_was(files):
+    """byte_chunks (a table's digest): every byte of a mapped table, in order, by pread; the pages
+    it brought in are dropped again, the next chunk's too (read-ahead would bring them in before
+    their chunk looked: they were kept), and pages cached before stay cached."""
+    m, f32, _ = files
+    want = np.ascontiguousarray(m.layers[L].table).reshape(-1).view(np.uint8)
+    cold = _cold(f32)
+    t = cold.layers[L].table
+    assert t.nbytes > 8 << 20
+    inner = t[8:-8]                                           # the edge pages: shared with the weights beside
+    memory.touch(t[1000:1100])                                # cached before: left cached
+    before = memory.resident_bytes(inner)
+    got = np.concatenate([np.frombuffer(c, np.uint8).copy() for c in memory.byte_chunks(t, 1 << 20)])
+    np.testing.assert_array_equal(got, want)
+    assert memory.resident_bytes(inner) == before and memory.resident_bytes(t[1000:1100]) == t[1000:1100].nbytes
+    ram = np.arange(10.0)                                      # ordinary memory
+    assert b"".join(bytes(c) for c in memory.byte_chunks(ram, 24)) == ram.tobytes()
+
+
 def test_release_and_evict(files):
     m, f32, _ = files
     cold = _cold(f32)

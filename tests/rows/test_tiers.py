@@ -16,6 +16,7 @@ import pytest
 
 from engram_stream import EngramConfig, EngramModel
 from engram_stream.cli import main
+from engram_stream.errors import TierError
 
 import conftest
 
@@ -270,6 +271,12 @@ def test_rows_published_by_engramstore_read_the_same(bare_tier, ckpts, mooncake)
     ids, hid = tokens(20, 2), hiddens(20, 2)
     path = ckpts["float32"] + ".b.safetensors"
     b.save(path)
+    # a's fingerprints (their digest of a's tables) are beside b's rows: refused until adopted
+    with pytest.raises(TierError, match="another model's rows"):
+        EngramModel.load(path, tables=bare_tier)
+    with pytest.raises(TierError, match=f"engram:l{CFG['layer_ids'][0]}:h0: head row 0 differs from this model's"):
+        bare_tier.adopt(a)   # every row compared: b's rows are not a's
+    assert bare_tier.adopt(EngramModel.load(path)) == ""
     assert_identical(decode(EngramModel.load(path, tables=bare_tier), ids, hid), decode(b, ids, hid))
 
 
@@ -293,7 +300,7 @@ def test_unpublished_or_mismatched_tables_are_refused(tier, bare_tier, ckpts):
     other = EngramConfig(**dict(CFG, layer_ids=[7]))
     path = ckpts["float32"] + ".l7.safetensors"
     EngramModel.init(other, seed=0).save(path)
-    with pytest.raises(TierError, match=r"engram:m[0-9a-f]{16}:l7:h0"):
+    with pytest.raises(TierError, match=r"engram:m[0-9a-f]{32}:l7:h0"):
         EngramModel.load(path, tables=tier)
     bare_tier.publish(EngramModel.load(ckpts["float16"]))  # one name for both: the sizes differ
     with pytest.raises(TierError, match="another table dtype"):
