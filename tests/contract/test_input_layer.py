@@ -223,3 +223,16 @@ def test_the_decoder_runs_an_input_layer_with_no_hidden(model):
     both = np.stack([ids[0, :2], ids[0, 2:4]], 1)   # two streams
     many.begin_packed(both.T.ravel(), [0, 1], [2, 2])
     assert many.layer(0).shape == (4, D) and many.layer(3, None).shape == (4, D)
+
+
+def test_the_tuner_measures_an_input_layer(model):
+    """engine/tune.py times an input layer's operations with no hidden (model.stream measures the
+    first engine of a model's shapes when tuning is on)."""
+    from engram_stream.engine import isa, tune
+    here = (isa.ISA_NAMES[isa.process_level()], 1)
+    runs = tune._runners(model, 3)
+    assert sorted(runs) == sorted(tune.OPS)
+    for run in runs.values():
+        run(here)
+    table = tune.tune_model(model, 3, paths=[here[0]], threads=[1], budget=0.05)
+    assert sorted(table) == sorted(tune.OPS) and all(e["isa"] == here[0] for e in table.values())
