@@ -236,3 +236,16 @@ def test_the_tuner_measures_an_input_layer(model):
         run(here)
     table = tune.tune_model(model, 3, paths=[here[0]], threads=[1], budget=0.05)
     assert sorted(table) == sorted(tune.OPS) and all(e["isa"] == here[0] for e in table.values())
+
+
+def test_the_cli_decodes_and_benches_an_input_layer(model, tmp_path, capsys):
+    """engram-stream demo (decode checked against the oracle), bench and profile on an
+    input-layer checkpoint: no hidden is made for it."""
+    from engram_stream.cli import main
+    path = model.save(tmp_path / "input-sum.st")
+    assert main(["demo", "--checkpoint", str(path), "--tokens", "40", "--quiet"]) == 0
+    assert "check against the batch path (atol 2e-5 + rtol 2e-4): OK" in capsys.readouterr().out
+    assert main(["bench", "--checkpoint", str(path), "--layer", "3", "--steps", "10", "--streams", "2",
+                 "--repeat", "2", "--quiet"]) == 0
+    pytest.importorskip("memray")   # the profile command's tracker (the test extra installs it)
+    assert main(["profile", str(path), "--steps", "20"]) == 0
