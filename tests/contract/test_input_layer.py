@@ -9,6 +9,7 @@ own (this file loaded as a plugin, `-p test_input_layer` with ENGRAM_STREAM_INPU
 main run's registry holds the built-in variants alone."""
 import hashlib
 import os
+import shutil
 import sys
 import tempfile
 
@@ -46,14 +47,16 @@ def build_engine():
         dist = Distribution({"ext_modules": cythonize([ext], include_path=[pkg_root], quiet=True,
                                                       compiler_directives={"language_level": 3})})
         cmd = dist.get_command_obj("build_ext")
-        cmd.build_lib, cmd.build_temp = out + ".part", os.path.join(work, "tmp")
+        part = os.path.join(work, "lib")   # this run's own, renamed into place whole
+        cmd.build_lib, cmd.build_temp = part, os.path.join(work, "tmp")
         cmd.ensure_finalized()
         cmd.run()
         os.makedirs(os.path.dirname(out), exist_ok=True)
         try:
-            os.rename(out + ".part", out)   # whole or not at all (another run may have built it meanwhile)
-        except OSError:
+            os.rename(part, out)
+        except OSError:   # another run built it meanwhile: theirs is the same
             pass
+        shutil.rmtree(work, ignore_errors=True)
     if out not in sys.path:
         sys.path.insert(0, out)
     import _input_sum
