@@ -126,21 +126,23 @@ def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> tuple:
 
 
 def build_identity() -> str:
-    """A digest of the extension modules this process runs (size and mtime of each file): a
-    rebuild measures again."""
-    from .. import _hash
+    """A digest of the extension modules this process runs (size and mtime of each file): the
+    hash and base modules and every registered variant's engine module (the registry names
+    them), so a rebuild measures again."""
+    from .. import _hash, variants
     from . import _base
+    mods = {_hash.__name__: _hash, _base.__name__: _base}
+    for v in variants.variants():
+        name = getattr(v.engine, "__module__", None)
+        if name and name not in mods:
+            mods[name] = sys.modules.get(name)
     parts = []
-    for m in (_hash, _base):
-        st = os.stat(m.__file__)
-        parts.append((os.path.basename(m.__file__), st.st_size, st.st_mtime_ns))
-    for name in ("engram_stream.demo._engine", "engram_stream.v41._engine"):
+    for name in sorted(mods):
         try:
-            mod = __import__(name, fromlist=["_"])
-            st = os.stat(mod.__file__)
-            parts.append((os.path.basename(mod.__file__), st.st_size, st.st_mtime_ns))
-        except (ImportError, OSError):
-            pass
+            st = os.stat(mods[name].__file__)
+            parts.append((os.path.basename(mods[name].__file__), st.st_size, st.st_mtime_ns))
+        except (AttributeError, TypeError, OSError):  # an engine defined in Python (no file of its own)
+            parts.append((name, None, None))
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
@@ -325,22 +327,28 @@ def private_rows(model, layer):
                       None if scale is None else _zero_records(n, per_row(scale), "scale"))
 
 
+def _hidden(rng, engine, n):
+    """A random hidden of `engine`'s call of n tokens (None: one token), or None for an input
+    layer, which takes none (the engine's hidden_shape)."""
+    shape = engine.hidden_shape(n)
+    return None if shape is None else rng.standard_normal(shape, dtype=np.float32)
+
+
 def _runners(model, layer):
     """{op: run(engine_level, threads)} over scratch engines of `layer` (not tuned themselves),
     reading private_rows: the model's own rows stay unread."""
     rng = np.random.default_rng(0)
     cfg = model.cfg
-    G, D = cfg.hc_mult, cfg.hidden_size
     rows = private_rows(model, layer)  # a MappedRows: both engines may read it
     one = model.variant.engine(model, layer, 1, rows=rows)
     many = model.variant.engine(model, layer, BATCH_STREAMS, rows=rows)
     ids1 = rng.integers(0, cfg.vocab_size, 1, dtype=np.int64)
     idsS = rng.integers(0, cfg.vocab_size, BATCH_STREAMS, dtype=np.int64)
     idsT = rng.integers(0, cfg.vocab_size, PREFILL_MAX, dtype=np.int64)
-    h1 = rng.standard_normal((G, D), dtype=np.float32)
-    hS = rng.standard_normal((BATCH_STREAMS, G, D), dtype=np.float32)
-    hT = rng.standard_normal((PREFILL_TOKENS, G, D), dtype=np.float32)
-    oS = np.empty_like(hS)
+    h1 = _hidden(rng, one, None)
+    hS = _hidden(rng, many, BATCH_STREAMS)
+    hT = _hidden(rng, one, PREFILL_TOKENS)
+    oS = np.empty(many.out_shape(BATCH_STREAMS), np.float32)
 
     def step(c):
         one._use_choice(0, _isa.ISA_NAMES.index(c[0]), c[1], "tuning")
@@ -359,7 +367,7 @@ def _runners(model, layer):
             one.prefill(idsT[:PREFILL_TOKENS], hT)
             took = max(time.perf_counter() - t0, 1e-9)
             n = int(min(PREFILL_MAX, max(PREFILL_TOKENS, PREFILL_TOKENS * PREFILL_RUN / took)))
-            sized.append((idsT[:n], hT if n == PREFILL_TOKENS else rng.standard_normal((n, G, D), dtype=np.float32)))
+            sized.append((idsT[:n], hT if n == PREFILL_TOKENS else _hidden(rng, one, n)))
         one.prefill(*sized[0])
 
     return {"step": step, "batch": batch, "prefill": prefill}
