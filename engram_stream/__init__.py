@@ -48,18 +48,30 @@ from . import variants as _variants
 from .compression import build_compression
 from .config import EngramConfig
 
-_variants.discover()  # every variant registers itself: the package scan, then the entry points
-from .model import EngramModel  # noqa: E402  (after the variants: a model asks the registry)
-from .plan import HashPlan  # noqa: E402
+from .model import EngramModel
+from .plan import HashPlan
+from .engine.decoder import Decoder
+from .engine.snapshot import DecoderSnapshot, EngineSnapshot
+from .engine.isa import kernel_isa
 
-StreamEngine = _variants.get(_variants.DEFAULT).engine  # the default variant's engine
-from .engine.decoder import Decoder  # noqa: E402
-from .engine.snapshot import DecoderSnapshot, EngineSnapshot  # noqa: E402
-from .engine.isa import kernel_isa  # noqa: E402
+# The variants register at the first registry lookup (variants.discover), not here: a plugin's
+# module that imports this package at its top (from engram_stream import EngramModel) finds it
+# whole. Nothing below may ask the registry while the package imports.
 
 __all__ = ["EngramConfig", "HashPlan", "EngramModel", "StreamEngine", "EngineSnapshot", "Decoder",
            "DecoderSnapshot", "build_compression", "get_include", "kernel_isa"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    """StreamEngine: the default variant's engine, looked up at first use (a registry lookup)."""
+    if name == "StreamEngine":
+        return _variants.get(_variants.DEFAULT).engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | {"StreamEngine"})
 
 
 def get_include() -> str:

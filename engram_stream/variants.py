@@ -5,7 +5,9 @@ HashPlan, EngramModel and the CLI ask the registry (`get(name)`, `variant_of(cfg
 `registered()`), never a variant's name. This module imports nothing of the package at import
 time, so the config (below every variant) can ask it too.
 
-Registration has one path, `discover()`, which the package's __init__ runs once:
+Registration has one path, `discover()`, which the first registry lookup runs (get, variant_of,
+registered, variants): at first use, not at `import engram_stream`, so a plugin whose module
+imports the package at its top finds it whole:
   * built-in variants: every subpackage of engram_stream holding a `variant.py` (a package scan,
     so no shared file lists the variant folders); importing it registers its Variant;
   * third-party variants: the entry points of the group `engram_stream.variants` (ENTRY_POINTS)
@@ -13,7 +15,9 @@ Registration has one path, `discover()`, which the package's __init__ runs once:
         [project.entry-points."engram_stream.variants"]
         my-variant = "my_package.variant:MyVariant"
     The entry point names a Variant subclass (instantiated and registered), a Variant instance
-    (registered), or a module that registers its own on import.
+    (registered), or a module that registers its own on import. register() checks a variant
+    (its hooks, its config class, its name) and refuses a malformed one: an entry point's is a
+    warning naming it, never a registry that breaks every other variant.
 A test registers a variant of its own with `register` and takes it out with `unregister`.
 
 The hooks, grouped as EngramConfig, the model and HashPlan ask them; a method with a body here
@@ -26,6 +30,7 @@ import abc
 import importlib
 import os
 import pkgutil
+import threading
 import types
 import warnings
 
@@ -217,6 +222,7 @@ def register(variant: Variant) -> Variant:
     """Add a variant (its name must be new); returns it."""
     if not isinstance(variant, Variant):
         raise TypeError(f"register takes a Variant instance, got {type(variant).__name__}")
+    _check_variant(variant)
     if variant.weights_rules is None:
         missing = [h for h in Variant.LAYER_HOOKS if getattr(type(variant), h) is getattr(Variant, h)]
         if missing:
@@ -229,6 +235,40 @@ def register(variant: Variant) -> Variant:
     return variant
 
 
+def _check_variant(variant):
+    """Refuse a variant that would break the registry for every other one: an abstract hook left
+    None, a name that is not a non-empty str, a config class that is not a frozen dataclass of
+    EngramConfig's own (EngramConfig, from_dict and every config read walk all config classes)."""
+    what = type(variant).__name__
+    hooks = sorted(Variant.__abstractmethods__)
+    values = {h: getattr(variant, h, None) for h in hooks}
+    unset = [h for h in hooks if values[h] is None]
+    if unset:
+        raise TypeError(f"{what} leaves the Variant hooks {unset} None: define each")
+    if not isinstance(values["name"], str) or not values["name"].strip():
+        raise TypeError(f"{what}.name must be a non-empty str, got {values['name']!r}")
+    if not isinstance(values["example_config"], dict):
+        raise TypeError(f"{what}.example_config must be a dict of config fields, got "
+                        f"{type(values['example_config']).__name__}")
+    for h in ("weights", "engine"):
+        if not isinstance(values[h], type):
+            raise TypeError(f"{what}.{h} must be a class, got {values[h]!r}")
+    cls = variant.config_class
+    if cls is None:
+        return
+    from .config import EngramConfig   # not at import: the config module imports this one
+    if not (isinstance(cls, type) and issubclass(cls, EngramConfig)):
+        raise TypeError(f"{what}.config_class must be None or a subclass of EngramConfig, got {cls!r}")
+    params = cls.__dict__.get("__dataclass_params__")   # the class's own decorator, not a base's
+    if params is None or not params.frozen:
+        raise TypeError(f"{what}.config_class {cls.__name__} must be a frozen dataclass: decorate it with "
+                        f"@dataclasses.dataclass(frozen=True)")
+    default = cls.__dataclass_fields__["variant"].default
+    if default != values["name"]:
+        raise TypeError(f"{what}.config_class {cls.__name__} must declare variant: str = {values['name']!r} "
+                        f"(its default is {default!r}), so {cls.__name__}(...) builds a {values['name']!r} config")
+
+
 def unregister(name: str):
     """Take a variant out again (a test's own variant, at its end)."""
     _REGISTRY.pop(name, None)
@@ -236,16 +276,19 @@ def unregister(name: str):
 
 def registered() -> tuple:
     """The names of every registered variant, in registration order."""
+    _discover_once()
     return tuple(_REGISTRY)
 
 
 def variants() -> tuple:
     """Every registered Variant, in registration order."""
+    _discover_once()
     return tuple(_REGISTRY.values())
 
 
 def get(name) -> Variant:
     """The entry of variant `name`; an unknown name raises ValueError naming the known ones."""
+    _discover_once()
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
@@ -286,10 +329,43 @@ def load_entry_point(ep):
                         f"{type(obj).__name__}: it must name a Variant subclass, instance or module")
 
 
+# The package's discovery: "pending" until the first lookup runs it, "running" while it runs (a
+# plugin that asks the registry during its own import gets what is registered so far, not a
+# second discovery), "done" after. A built-in folder's error leaves it "pending": every lookup
+# raises it again, never a registry that lacks a built-in variant without a word.
+_discovery = "pending"
+_DISCOVERY_LOCK = threading.RLock()   # a second thread's first lookup waits for the discovery
+
+
+def _discover_once():
+    if _discovery == "done":
+        return
+    with _DISCOVERY_LOCK:
+        if _discovery == "pending":   # "running": this thread's own discovery asking (a plugin's import)
+            discover()
+
+
 def discover(package: str = __package__):
     """Register the built-in variants (the package scan) and then the installed distributions'
-    (the entry points). A third-party variant that fails to load is a warning naming it, not a
-    package that fails to import."""
+    (the entry points); the first registry lookup runs it for the package. A third-party variant
+    that fails to load (an error, a sys.exit() on import, a malformed Variant) is a warning
+    naming its entry point, not a registry lookup that fails."""
+    global _discovery
+    own = package == __package__
+    with _DISCOVERY_LOCK:
+        if own:
+            _discovery = "running"
+        try:
+            _discover(package)
+        except BaseException:
+            if own:
+                _discovery = "pending"
+            raise
+        if own:
+            _discovery = "done"
+
+
+def _discover(package):
     for module in builtin_modules(package):
         importlib.import_module(module)
         if not any(type(v).__module__ == module for v in _REGISTRY.values()):
@@ -298,6 +374,7 @@ def discover(package: str = __package__):
     for ep in _entry_points():
         try:
             load_entry_point(ep)
-        except Exception as e:  # noqa: BLE001  any error of someone else's code: reported, skipped
+        except (Exception, SystemExit) as e:  # noqa: BLE001  someone else's code: reported, skipped
+            # (SystemExit too: a plugin's sys.exit() on import would end the caller's process)
             warnings.warn(f"engram_stream: the variant entry point {ep.name} = {ep.value!r} failed to load "
                           f"({type(e).__name__}: {e}); it is not registered", RuntimeWarning, stacklevel=2)
