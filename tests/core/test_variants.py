@@ -1,6 +1,7 @@
 """The variant registry: one registration path (the package scan for the built-in variants, the
 entry points for third-party ones), the abstract Variant, and each variant's config class (its
 own fields, refused on another variant)."""
+import contextlib
 import dataclasses
 import pickle
 import subprocess
@@ -54,20 +55,27 @@ def test_the_scan_finds_a_variant_folder_it_was_never_told_of(tmp_path, monkeypa
             del sys.modules[m]
 
 
-def test_a_variant_folder_that_registers_nothing_is_an_error(tmp_path, monkeypatch):
-    """A folder's variant.py that forgets to register would drop its variant silently."""
-    pkg = tmp_path / "scanpkg2"
+@contextlib.contextmanager
+def _quiet_package(tmp_path, monkeypatch, name):
+    """A package `name` on sys.path whose subpackage `quiet` has a variant.py registering nothing."""
+    pkg = tmp_path / name
     (pkg / "quiet").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "quiet" / "__init__.py").write_text("")
     (pkg / "quiet" / "variant.py").write_text("X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
+        yield f"{name}.quiet.variant"
+    finally:
+        for m in [m for m in sys.modules if m.startswith(name)]:
+            del sys.modules[m]
+
+
+def test_a_variant_folder_that_registers_nothing_is_an_error(tmp_path, monkeypatch):
+    """A folder's variant.py that forgets to register would drop its variant silently."""
+    with _quiet_package(tmp_path, monkeypatch, "scanpkg2"):
         with pytest.raises(RuntimeError, match="scanpkg2.quiet.variant registers no Variant"):
             variants.discover("scanpkg2")
-    finally:
-        for m in [m for m in sys.modules if m.startswith("scanpkg2")]:
-            del sys.modules[m]
 
 
 class _EP:
@@ -176,21 +184,12 @@ def test_the_first_registry_lookup_discovers_once(monkeypatch):
 def test_a_built_in_folders_error_raises_from_every_lookup(tmp_path, monkeypatch, lookup):
     """Lazy, a built-in folder's error still raises (from the lookup that discovers), and again
     from the next one: never a registry that lacks a built-in variant without a word."""
-    pkg = tmp_path / "scanpkg3"
-    (pkg / "quiet").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("")
-    (pkg / "quiet" / "__init__.py").write_text("")
-    (pkg / "quiet" / "variant.py").write_text("X = 1\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(variants, "builtin_modules", lambda package: ["scanpkg3.quiet.variant"])
-    monkeypatch.setattr(variants, "_discovery", "pending")
-    try:
+    with _quiet_package(tmp_path, monkeypatch, "scanpkg3") as module:
+        monkeypatch.setattr(variants, "builtin_modules", lambda package: [module])
+        monkeypatch.setattr(variants, "_discovery", "pending")
         for _ in range(2):
             with pytest.raises(RuntimeError, match="scanpkg3.quiet.variant registers no Variant"):
                 lookup()
-    finally:
-        for m in [m for m in sys.modules if m.startswith("scanpkg3")]:
-            del sys.modules[m]
 
 
 def test_import_engram_stream_discovers_nothing_until_a_lookup():
