@@ -44,3 +44,9 @@ class ConfigFieldError(EngramStreamError, AttributeError, ValueError):
     """A config field read on a config of a variant that does not have it (each variant's own
     fields live in its config class): an AttributeError, so hasattr() says False, and a
     ValueError naming the field and the variants that use it."""
+
+
+class ConfigKeyWarning(UserWarning):
+    """A key of a config the user wrote that no variant reads but that looks like an Engram key
+    (a misspelling: its value is ignored and the key it resembles takes its default). The
+    message names the key and the closest key read."""

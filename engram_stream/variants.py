@@ -69,8 +69,9 @@ class Variant(abc.ABC):
     declared_fields: tuple = ()
 
     # The module of the variant's config rules, or None: validate(cfg, put), and with hf_config
-    # reads_hf_config(d), from_hf_config(cls, d, overrides), to_hf_config(cfg). The four hooks
-    # below call it; a variant may override them instead.
+    # reads_hf_config(d), from_hf_config(cls, d, overrides), to_hf_config(cfg) and the key lists
+    # HF_KEYS, HF_OWN_KEYS, HF_DEFAULTS. The hooks below read it; a variant may override them
+    # instead.
     config_rules = None
 
     def validate_config(self, cfg, put):
@@ -98,6 +99,16 @@ class Variant(abc.ABC):
             writers = [v.name for v in variants() if v.hf_config]
             raise ValueError(f"to_hf_config is for the variants {writers}, not {self.name!r}")
         return self.config_rules.to_hf_config(cfg)
+
+    def hf_config_keys(self) -> tuple:
+        """(read, own, defaults) of this variant's config.json: every key from_hf_config reads;
+        those of them only an Engram module has (an unread key close to one of these is a
+        misspelling from_hf_config warns about; the model's other keys are not); {key: value}
+        taken when a key is absent. From config_rules' HF_KEYS, HF_OWN_KEYS, HF_DEFAULTS (without
+        them: nothing to compare a key with, no warning)."""
+        rules = self.config_rules if self.hf_config else None
+        return (tuple(getattr(rules, "HF_KEYS", ())), tuple(getattr(rules, "HF_OWN_KEYS", ())),
+                dict(getattr(rules, "HF_DEFAULTS", {})))
 
     # ---- weights and files --------------------------------------------------------------------
     @property
