@@ -246,6 +246,15 @@ def test_a_plugin_with_a_broken_config_class_is_refused_and_breaks_nothing(confi
         variants.unregister("plugin-badcfg")
 
 
+def test_a_plugin_taking_a_built_in_name_is_refused_and_the_built_in_stays(monkeypatch):
+    demo = variants.get(variants.DEFAULT)
+    monkeypatch.setattr(variants, "_entry_points", lambda: [_EP("usurper", "u.pkg:V", _plugin_variant(demo.name))])
+    with pytest.warns(RuntimeWarning, match=r"usurper = 'u.pkg:V' failed to load \(ValueError: a variant named "
+                                            r"'demo-v1' is registered already\)"):
+        variants.discover()
+    assert variants.get(variants.DEFAULT) is demo
+
+
 @pytest.mark.parametrize("attr, value, needle", [
     ("name", None, r"leaves the Variant hooks \['name'\] None"),
     ("name", "", "name must be a non-empty str"),
