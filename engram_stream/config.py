@@ -242,6 +242,28 @@ def config_class(variant_name) -> type:
     return cls
 
 
+def check_config_class(variant):
+    """register()'s check of a variant's config class (variants.REGISTER_CHECKS): None, or a
+    frozen dataclass subclass of EngramConfig decorated itself, whose variant field defaults to
+    the variant's name (so TheClass(...) builds one of its configs)."""
+    cls, what = variant.config_class, type(variant).__name__
+    if cls is None:
+        return
+    if not (isinstance(cls, type) and issubclass(cls, EngramConfig)):
+        raise TypeError(f"{what}.config_class must be None or a subclass of EngramConfig, got {cls!r}")
+    params = cls.__dict__.get("__dataclass_params__")   # the class's own decorator, not a base's
+    if params is None or not params.frozen:
+        raise TypeError(f"{what}.config_class {cls.__name__} must be a frozen dataclass: decorate it with "
+                        f"@dataclasses.dataclass(frozen=True)")
+    default = cls.__dataclass_fields__["variant"].default
+    if default != variant.name:
+        raise TypeError(f"{what}.config_class {cls.__name__} must declare variant: str = {variant.name!r} "
+                        f"(its default is {default!r}), so {cls.__name__}(...) builds a {variant.name!r} config")
+
+
+variants.REGISTER_CHECKS.append(check_config_class)
+
+
 def known_fields() -> set:
     """Every config field of a registered variant: EngramConfig's and each config class's own."""
     return {f.name for f in dataclasses.fields(EngramConfig)}.union(*(variant_fields(v) for v in variants.variants()))

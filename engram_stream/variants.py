@@ -248,8 +248,9 @@ def register(variant: Variant) -> Variant:
 
 def _check_variant(variant):
     """Refuse a variant that would break the registry for every other one: an abstract hook left
-    None, a name that is not a non-empty str, a config class that is not a frozen dataclass of
-    EngramConfig's own (EngramConfig, from_dict and every config read walk all config classes)."""
+    None, a name that is not a non-empty str, and what REGISTER_CHECKS refuse (a config class
+    that is not a frozen dataclass of EngramConfig's: EngramConfig, from_dict and every config
+    read walk all config classes)."""
     what = type(variant).__name__
     hooks = sorted(Variant.__abstractmethods__)
     values = {h: getattr(variant, h, None) for h in hooks}
@@ -264,20 +265,14 @@ def _check_variant(variant):
     for h in ("weights", "engine"):
         if not isinstance(values[h], type):
             raise TypeError(f"{what}.{h} must be a class, got {values[h]!r}")
-    cls = variant.config_class
-    if cls is None:
-        return
-    from .config import EngramConfig   # not at import: the config module imports this one
-    if not (isinstance(cls, type) and issubclass(cls, EngramConfig)):
-        raise TypeError(f"{what}.config_class must be None or a subclass of EngramConfig, got {cls!r}")
-    params = cls.__dict__.get("__dataclass_params__")   # the class's own decorator, not a base's
-    if params is None or not params.frozen:
-        raise TypeError(f"{what}.config_class {cls.__name__} must be a frozen dataclass: decorate it with "
-                        f"@dataclasses.dataclass(frozen=True)")
-    default = cls.__dataclass_fields__["variant"].default
-    if default != values["name"]:
-        raise TypeError(f"{what}.config_class {cls.__name__} must declare variant: str = {values['name']!r} "
-                        f"(its default is {default!r}), so {cls.__name__}(...) builds a {values['name']!r} config")
+    for check in REGISTER_CHECKS:
+        check(variant)
+
+
+# The checks of a variant that modules above the registry own, run by register(): the config
+# module adds its config class's (that module imports this one, so this one cannot import it).
+# Every import of the package imports the config module, so no variant registers before it.
+REGISTER_CHECKS: list = []
 
 
 def unregister(name: str):
