@@ -51,23 +51,46 @@ from . import variants as _variants
 from .compression import build_compression
 from .config import EngramConfig
 
-_variants.discover()  # every variant registers itself: the package scan, then the entry points
-from .model import EngramModel  # noqa: E402  (after the variants: a model asks the registry)
+from .model import EngramModel
+from .plan import HashPlan
+from .engine.decoder import Decoder
+from .engine.snapshot import DecoderSnapshot, EngineSnapshot
+from .engine.isa import kernel_isa
 
-# The docstrings that list every variant, written from the registry (the variants just discovered)
-_variants.document(_sys.modules[__name__], lambda v: v.title)
-_variants.document(EngramModel.load, _variants.describe_checkpoint)
-_variants.document(EngramModel.stream, lambda v: v.engine.__name__)
-from .plan import HashPlan  # noqa: E402
+# The variants register at the first registry lookup (variants.discover), not here: a plugin's
+# module that imports this package at its top (from engram_stream import EngramModel) finds it
+# whole. Nothing below may ask the registry while the package imports: the docstrings that list
+# every variant are written when the registry is first asked (help() of the package asks it).
+_variants.when_discovered(lambda: _variants.document(EngramModel.load, _variants.describe_checkpoint))
+_variants.when_discovered(lambda: _variants.document(EngramModel.stream, lambda v: v.engine.__name__))
 
-StreamEngine = _variants.get(_variants.DEFAULT).engine  # the default variant's engine
-from .engine.decoder import Decoder  # noqa: E402
-from .engine.snapshot import DecoderSnapshot, EngineSnapshot  # noqa: E402
-from .engine.isa import kernel_isa  # noqa: E402
+
+class _Package(_sys.modules[__name__].__class__):
+    """This package's module type: its docstring lists the registered variants, read from the
+    registry when asked (so a variant registered later is listed too)."""
+
+    @property
+    def __doc__(self):
+        return _DOC.replace("    {variants}", _variants.listing(lambda v: v.title, 4))
+
+
+_DOC = __doc__
+_sys.modules[__name__].__class__ = _Package
 
 __all__ = ["EngramConfig", "HashPlan", "EngramModel", "StreamEngine", "EngineSnapshot", "Decoder",
            "DecoderSnapshot", "build_compression", "get_include", "kernel_isa"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    """StreamEngine: the default variant's engine, looked up at first use (a registry lookup)."""
+    if name == "StreamEngine":
+        return _variants.get(_variants.DEFAULT).engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | {"StreamEngine"})
 
 
 def get_include() -> str:

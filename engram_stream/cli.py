@@ -15,12 +15,14 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 
 import numpy as np
 
 from . import __version__
 from . import variants
-from .config import EngramConfig, variant_fields
+from .config import EngramConfig, known_fields, variant_fields
+from .errors import ConfigKeyWarning
 
 BUILTIN_CONFIG = dict(engram_vocab_size=[20011, 20011], max_ngram_size=3, n_embed_per_ngram=128,
                    n_head_per_ngram=4, layer_ids=[1, 15], pad_id=2, seed=0, kernel_size=4,
@@ -32,6 +34,11 @@ WARMUP_TOKENS = 32   # demo: untimed tokens before the timed decode
 
 class CliError(Exception):
     """A user-facing error: printed as one line."""
+
+
+def _n(count, word) -> str:
+    """"1 layer", "2 layers": a count and its word."""
+    return f"{count} {word}{'s' * (count != 1)}"
 
 
 def _builtin_model(args):
@@ -91,6 +98,7 @@ def _load_for(args, steps):
     """The model a demo or bench runs: --checkpoint (mapped), else the built-in one."""
     from .model import EngramModel
     if args.checkpoint:
+        _not_a_config(args.checkpoint)
         variant = next((v for v in variants.variants() if v.is_checkpoint(args.checkpoint)), None)
         note = variant.load_note if variant is not None else ""  # what its load does besides mapping
         steps(f"loading {args.checkpoint} (tables mapped" + (f"; {note})" if note else ")"))
@@ -118,20 +126,20 @@ def cmd_demo(args):
     # Untimed tokens first: the first steps fault in the mapped weights and rows and fill the
     # caches; timed, they would measure that (several times a warm step), not the decode.
     warm = min(T, WARMUP_TOKENS)
-    steps(f"warming up: {warm} tokens x {len(cfg.layer_ids)} layers, not timed")
+    steps(f"warming up: {_n(warm, 'token')} x {_n(len(cfg.layer_ids), 'layer')}, not timed")
     for tok in rng.integers(0, cfg.vocab_size, size=warm):
         dec.begin(int(tok))
         for L in cfg.layer_ids:
             dec.layer(L, None if inp else hidden[L][0], out=outs[L][0])
     dec.reset()
-    steps(f"decoding {T} tokens x {len(cfg.layer_ids)} layers")
+    steps(f"decoding {_n(T, 'token')} x {_n(len(cfg.layer_ids), 'layer')}")
     t0 = time.perf_counter()
     for t in range(T):
         dec.begin(int(ids[t]))
         for L in cfg.layer_ids:
             dec.layer(L, None if inp else hidden[L][t], out=outs[L][t])
     dt = time.perf_counter() - t0
-    print(f"decoded {T} tokens x {len(cfg.layer_ids)} layers in {dt * 1e3:.1f} ms: "
+    print(f"decoded {_n(T, 'token')} x {_n(len(cfg.layer_ids), 'layer')} in {dt * 1e3:.1f} ms: "
           f"{T / dt:,.0f} tokens/s ({dt / T / len(cfg.layer_ids) * 1e6:.1f} us per layer step)", flush=True)
     worst = 0.0
     for L in cfg.layer_ids:
@@ -145,9 +153,39 @@ def cmd_demo(args):
     return 0 if ok else 1
 
 
+def _config_file(path):
+    """The parsed JSON object at `path` when it is a file of JSON (a config, not a checkpoint: a
+    checkpoint file is binary), else None. Files past 16 MiB are not read to look."""
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) > 1 << 24:
+            return None
+        with open(path, "rb") as f:
+            d = json.loads(f.read())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    return d if isinstance(d, dict) else None
+
+
+def _not_a_config(path):
+    """Refuse a JSON file given where a checkpoint belongs (a checkpoint loader calls it a corrupted
+    file), saying what it is: a config gets the init line that makes a checkpoint of it. A JSON
+    file of a checkpoint folder (its config.json, its index) is left to the loader, which says to
+    pass the folder."""
+    d = _config_file(path)
+    if d is None or any(v.folder_of(path) is not None for v in variants.variants()):
+        return
+    what = ("a checkpoint file written by init or save(), or a model's folder holding config.json and its "
+            "safetensors")
+    if any(v.reads_hf_config(d) for v in variants.variants()) or set(d) <= known_fields():
+        raise CliError(f"{path}: a config (JSON), not a checkpoint ({what}): write a checkpoint from it first: "
+                       f"engram-stream init {path} -o CHECKPOINT")
+    raise CliError(f"{path}: a JSON file, not a checkpoint ({what})")
+
+
 def cmd_inspect(args):
     from .io import memory
     from .model import EngramModel
+    _not_a_config(args.checkpoint)
     model = EngramModel.load(args.checkpoint, mmap=True)
     cfg, plan = model.cfg, model.plan
     from .rows import packed
@@ -182,15 +220,27 @@ def cmd_inspect(args):
 
 def _read_config(path) -> EngramConfig:
     """EngramConfig fields as JSON, or a model's own Hugging Face config.json (deepseek-v4.1's
-    engram_* keys: a variant that reads config.json recognizes it)."""
+    engram_* keys: a variant that reads config.json recognizes it). Its warnings (a key that
+    looks like an Engram key and that no variant reads) are printed on stderr, naming the file."""
     try:
         with open(path) as f:
             d = json.load(f)
     except json.JSONDecodeError as e:
         raise CliError(f"{path}: not valid JSON ({e})") from None
-    if any(v.reads_hf_config(d) for v in variants.variants()):
-        return EngramConfig.from_hf_config(d)
-    return EngramConfig.from_dict(d)
+    if not isinstance(d, dict):
+        raise CliError(f"{path}: expected one JSON object of EngramConfig fields (or a model's config.json), "
+                       f"got a JSON {type(d).__name__}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigKeyWarning)
+        try:
+            if any(v.reads_hf_config(d) for v in variants.variants()):
+                return EngramConfig.from_hf_config(d)
+            return EngramConfig.from_dict(d)
+        finally:   # also before an error the misspelling may explain
+            for w in caught:
+                where = f"{path}: " if issubclass(w.category, ConfigKeyWarning) else ""
+                print(f"engram-stream: warning: {where}{str(w.message).removeprefix('config.json: ')}",
+                      file=sys.stderr)
 
 
 def cmd_init(args):
@@ -211,6 +261,8 @@ def cmd_init(args):
     output = _check_output(args.output, args.force, inputs=[args.config, args.compression], folder=folder)
     for stale in remove_stale_temps(output):
         print(f"removed {stale} (left by a process that no longer runs)", file=sys.stderr)
+    if not args.quiet:   # what the file gave and what it left to defaults, before the size they make
+        print(f"config ({cfg.variant}, from {args.config}): {json.dumps(cfg.to_dict())}", flush=True)
     tables = f"{args.table_dtype or variant.init_table_dtype} tables"
     what = f"folder ({cfg.variant} Hugging Face layout: config.json, index, shards), {tables}" if folder else tables
     bar = progress_bar(args.quiet)
@@ -220,7 +272,7 @@ def cmd_init(args):
         if total > free:
             raise CliError(f"{output}: needs {_size(total)}, only {_size(free)} free on its file system")
         if not args.quiet:
-            print(f"writing {output}: {_size(total)} ({len(cfg.layer_ids)} layers, {what})", flush=True)
+            print(f"writing {output}: {_size(total)} ({_n(len(cfg.layer_ids), 'layer')}, {what})", flush=True)
         if bar is not None:
             bar(0, total)
 
@@ -471,6 +523,8 @@ def cmd_profile(args):
     if args.cold and not args.checkpoint:
         raise CliError("--cold needs a checkpoint (the built-in model lives in RAM)")
     capture = _check_output(args.output, args.force, inputs=[args.checkpoint]) if args.output else None
+    if args.checkpoint:
+        _not_a_config(args.checkpoint)
     model = EngramModel.load(args.checkpoint, mmap=True) if args.checkpoint else _builtin_model(args)
     evicted = memory.evict(model) if args.cold else []  # every file it maps: a folder's shards, the row file
     cfg = model.cfg
@@ -498,7 +552,7 @@ def cmd_profile(args):
         peak, total = reader.metadata.peak_memory, reader.metadata.total_allocations
         sites = _allocation_sites(reader)
     after = memory.proc_status()
-    print(f"decoded {args.steps} tokens x {len(cfg.layer_ids)} layers in {dt:.2f} s (under memray)"
+    print(f"decoded {_n(args.steps, 'token')} x {_n(len(cfg.layer_ids), 'layer')} in {dt:.2f} s (under memray)"
           + (f", cold start: {len(evicted)} file{'s' * (len(evicted) != 1)} evicted from the page cache first"
              if args.cold else ""))
     n_calls = args.steps * (1 + len(cfg.layer_ids))
@@ -611,6 +665,7 @@ def cmd_publish(args):
     """Every layer's table rows into a Mooncake Store (EngramStore layout under a name: engram:{name}:l{L}:h{h})."""
     from .model import EngramModel
     from .rows import parse_tier, record_layout
+    _not_a_config(args.checkpoint)
     model = EngramModel.load(args.checkpoint, mmap=True)
     tier = parse_tier({"mooncake": dict(master=args.master, metadata=args.metadata, local_host=args.local_host,
                                         connect_timeout=args.connect_timeout, name=args.name)})
@@ -626,7 +681,7 @@ def cmd_publish(args):
             bar.end()
     dt = time.perf_counter() - t0
     # the name digests the tables: publish cached their digests (mapped tables), so this reads none
-    print(f"published {len(model.cfg.layer_ids)} layers x {model.cfg.n_heads} heads, {n / 2**20:,.1f} MiB "
+    print(f"published {_n(len(model.cfg.layer_ids), 'layer')} x {_n(model.cfg.n_heads, 'head')}, {n / 2**20:,.1f} MiB "
           f"in {dt:.2f} s to {args.master} under the name {tier.name_of(model)!r}")
     return 0
 
@@ -636,6 +691,7 @@ def cmd_pack_rows(args):
     adjacent, whole records per 4 KiB page, so a missed row is one read."""
     from .model import EngramModel
     from .rows import packed
+    _not_a_config(args.checkpoint)
     model = EngramModel.load(args.checkpoint, mmap=True)
     path = packed.rows_path(args.checkpoint)
     if args.verify:
@@ -664,7 +720,7 @@ def cmd_pack_rows(args):
             if bar is not None:
                 bar.end()
     lay = next(iter(head["layers"].values()))
-    print(f"wrote {path} ({_size(head['size'])}, {len(head['layers'])} layers, {lay['rowbytes'] + lay['scalebytes']}"
+    print(f"wrote {path} ({_size(head['size'])}, {_n(len(head['layers']), 'layer')}, {lay['rowbytes'] + lay['scalebytes']}"
           f"-byte records, {lay['per_group']} per page, verified) in {time.perf_counter() - t0:.1f} s")
     return 0
 

@@ -43,6 +43,7 @@ reference's.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -80,8 +81,22 @@ def _load(tokenizer, tk):
     try:
         return tk.Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception on bad content
-        raise ValueError(f"{path!r} is not a valid tokenizer.json "
-                         f"(tokenizers.Tokenizer.from_file failed: {e})") from None
+        raise ValueError(_not_a_tokenizer(path, e)) from None
+
+
+def _not_a_tokenizer(path, error) -> str:
+    """Why `path` is no tokenizer.json. tokenizers reports a JSON file of another shape (a
+    config.json) as a JSON syntax error ("expected `,` or `}`"): such a file is named for what it
+    is, and only a file that is not JSON gets the parser's line and column."""
+    try:
+        with open(path, "rb") as f:
+            d = json.loads(f.read())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        return f"{path!r} is not a valid tokenizer.json: not valid JSON ({e})"
+    if isinstance(d, dict) and not {"model", "added_tokens"} <= set(d):
+        return (f"{path!r} is not a valid tokenizer.json: valid JSON without \"model\" and \"added_tokens\" (a "
+                f"config file?): pass the model's tokenizer.json, which holds its vocab")
+    return f"{path!r} is not a valid tokenizer.json (tokenizers.Tokenizer.from_file failed: {error})"
 
 
 DECODES = ("python", "backend")

@@ -10,13 +10,15 @@ DESIGN.md 1 and 4 pin the built-in variants' semantics.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import numbers
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from . import variants
-from .errors import ConfigFieldError
+from .errors import ConfigFieldError, ConfigKeyWarning
 from ._hash import MAX_KERNEL_SIZE, MAX_NGRAM  # include/engram_consts.h, their one source
 
 INT64_MAX = (1 << 63) - 1
@@ -25,6 +27,11 @@ INT32_MAX = (1 << 31) - 1  # the C kernels index one token's widths ((G+1)*D, E)
 # The most rows one layer's table (the sum of its primes) may have: offsets and rows are int64
 # everywhere (a larger sum wrapped, to 708 rows in one case, and steps read far past the table).
 MAX_TABLE_ROWS = INT64_MAX
+# The difflib ratio from which a config.json key no variant reads is taken for a misspelling of
+# one of the Engram module's own keys (ngram_vocab_base for ngram_vocab_size_base: 0.86); the
+# other keys of transformers' Qwen4-Exp and DeepSeek-V4 configs stay below it (at most 0.77:
+# pad_token_id to engram_pad_token_id, linear_conv_kernel_dim to ple_conv_kernel_size).
+MISSPELLING = 0.8
 
 
 def _int(name, value, lo=None):
@@ -147,7 +154,13 @@ class EngramConfig:
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             with open(path, encoding="utf-8") as f:
-                config = json.load(f)
+                try:
+                    config = json.load(f)
+                except json.JSONDecodeError as e:   # its line and column, and the file's name
+                    raise ValueError(f"{path}: not valid JSON ({e})") from None
+            where = path
+        else:
+            where = "config.json"
         if not isinstance(config, dict):
             raise TypeError(f"from_hf_config expects a path or a dict, got {type(config).__name__}")
         spec = next((v for v in variants.variants() if v.reads_hf_config(config)), None)
@@ -155,6 +168,11 @@ class EngramConfig:
             readers = [v.name for v in variants.variants() if v.hf_config]
             raise ValueError(f"config.json describes no Engram of a known variant (the variants read from "
                              f"config.json: {readers}, each from its own keys)")
+        unknown = sorted(set(overrides) - known_fields())
+        if unknown:   # a keyword the caller wrote: refused, as EngramConfig(...) refuses one
+            raise TypeError(f"EngramConfig.from_hf_config: unknown fields {unknown}{_suggest(unknown, known_fields())}")
+        for message in unread_hf_keys(config, spec, where):
+            warnings.warn(message, ConfigKeyWarning, stacklevel=2)
         return spec.from_hf_config(cls, config, overrides)
 
     def __getattr__(self, name):
@@ -208,11 +226,9 @@ class EngramConfig:
     def from_dict(cls, d) -> "EngramConfig":
         if not isinstance(d, dict):
             raise TypeError(f"EngramConfig.from_dict expects a dict, got {type(d).__name__}")
-        names = {f.name for f in dataclasses.fields(EngramConfig)}.union(
-            *(variant_fields(v) for v in variants.variants()))
-        unknown = sorted(set(d) - names)
+        unknown = sorted(set(d) - known_fields(), key=str)
         if unknown:
-            raise ValueError(f"EngramConfig: unknown fields {unknown}")
+            raise ValueError(f"EngramConfig: unknown fields {unknown}{_suggest(unknown, known_fields())}")
         return cls(**d)
 
 
@@ -224,6 +240,73 @@ def config_class(variant_name) -> type:
         raise TypeError(f"the config_class of variant {variant_name!r} must be a dataclass subclass of "
                         f"EngramConfig, got {cls!r}")
     return cls
+
+
+def check_config_class(variant):
+    """register()'s check of a variant's config class (variants.REGISTER_CHECKS): None, or a
+    frozen dataclass subclass of EngramConfig decorated itself, whose variant field defaults to
+    the variant's name (so TheClass(...) builds one of its configs)."""
+    cls, what = variant.config_class, type(variant).__name__
+    if cls is None:
+        return
+    if not (isinstance(cls, type) and issubclass(cls, EngramConfig)):
+        raise TypeError(f"{what}.config_class must be None or a subclass of EngramConfig, got {cls!r}")
+    params = cls.__dict__.get("__dataclass_params__")   # the class's own decorator, not a base's
+    if params is None or not params.frozen:
+        raise TypeError(f"{what}.config_class {cls.__name__} must be a frozen dataclass: decorate it with "
+                        f"@dataclasses.dataclass(frozen=True)")
+    default = cls.__dataclass_fields__["variant"].default
+    if default != variant.name:
+        raise TypeError(f"{what}.config_class {cls.__name__} must declare variant: str = {variant.name!r} "
+                        f"(its default is {default!r}), so {cls.__name__}(...) builds a {variant.name!r} config")
+
+
+variants.REGISTER_CHECKS.append(check_config_class)
+
+
+def known_fields() -> set:
+    """Every config field of a registered variant: EngramConfig's and each config class's own."""
+    return {f.name for f in dataclasses.fields(EngramConfig)}.union(*(variant_fields(v) for v in variants.variants()))
+
+
+def _closest(name, names, cutoff=0.6):
+    """The entry of names most like name (difflib), or None when none is close."""
+    found = difflib.get_close_matches(name, sorted(names), n=1, cutoff=cutoff) if isinstance(name, str) else []
+    return found[0] if found else None
+
+
+def _suggest(unknown, names) -> str:
+    """' (x: did you mean 'y'?; ...)' for the unknown names that are close to one of names."""
+    hints = [f"{u!r}: did you mean {_closest(u, names)!r}?" for u in unknown if _closest(u, names)]
+    return f" ({'; '.join(hints)})" if hints else ""
+
+
+def unread_hf_keys(config: dict, spec, where="config.json") -> list:
+    """What from_hf_config warns about: one message for each key of the config.json (its top level
+    and text_config) that the variant reading it does not read and that looks like an Engram key:
+    close to one of the variant's own keys (Variant.hf_config_keys) or an EngramConfig field's
+    name. A whole model's other keys (architectures, num_attention_heads, ...) are not Engram
+    keys and are not reported."""
+    read, own, defaults = spec.hf_config_keys()
+    if not read:   # a variant that lists no keys: nothing to compare with
+        return []
+    keys = set(config) | (set(config["text_config"]) if isinstance(config.get("text_config"), dict) else set())
+    common = {f.name for f in dataclasses.fields(EngramConfig)}
+    out = []
+    for k in sorted(keys - set(read), key=str):
+        if not (k in common or _closest(k, own, MISSPELLING)):
+            continue
+        best = _closest(k, read)
+        msg = f"{where}: key {k!r} is not read by {spec.name}"
+        if best is None:
+            msg += f" (its Engram keys: {', '.join(own)})"
+        else:
+            msg += f": did you mean {best!r}?"
+            if best not in keys:
+                msg += f" ({best!r} is absent: " + (f"its default {defaults[best]!r} is used)" if best in defaults
+                                                     else "not set)")
+        out.append(msg)
+    return out
 
 
 def variant_fields(variant) -> tuple:

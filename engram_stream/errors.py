@@ -52,3 +52,9 @@ def id_out_of_range(token_id, vocab_size) -> ValueError:
     hash, the oracle, the engines). Negative ids are valid input (DESIGN.md 14), so it says so."""
     return ValueError(f"token id {token_id} out of range: ids must be < vocab_size={vocab_size} (negative ids are "
                       f"taken too: they have no compression entry, DESIGN.md 14)")
+
+
+class ConfigKeyWarning(UserWarning):
+    """A key of a config the user wrote that no variant reads but that looks like an Engram key
+    (a misspelling: its value is ignored and the key it resembles takes its default). The
+    message names the key and the closest key read."""

@@ -5,7 +5,9 @@ HashPlan, EngramModel and the CLI ask the registry (`get(name)`, `variant_of(cfg
 `registered()`), never a variant's name. This module imports nothing of the package at import
 time, so the config (below every variant) can ask it too.
 
-Registration has one path, `discover()`, which the package's __init__ runs once:
+Registration has one path, `discover()`, which the first registry lookup runs (get, variant_of,
+registered, variants): at first use, not at `import engram_stream`, so a plugin whose module
+imports the package at its top finds it whole:
   * built-in variants: every subpackage of engram_stream holding a `variant.py` (a package scan,
     so no shared file lists the variant folders); importing it registers its Variant;
   * third-party variants: the entry points of the group `engram_stream.variants` (ENTRY_POINTS)
@@ -13,7 +15,9 @@ Registration has one path, `discover()`, which the package's __init__ runs once:
         [project.entry-points."engram_stream.variants"]
         my-variant = "my_package.variant:MyVariant"
     The entry point names a Variant subclass (instantiated and registered), a Variant instance
-    (registered), or a module that registers its own on import.
+    (registered), or a module that registers its own on import. register() checks a variant
+    (its hooks, its config class, its name) and refuses a malformed one: an entry point's is a
+    warning naming it, never a registry that breaks every other variant.
 A test registers a variant of its own with `register` and takes it out with `unregister`.
 
 The hooks, grouped as EngramConfig, the model and HashPlan ask them; a method with a body here
@@ -26,6 +30,7 @@ import abc
 import importlib
 import os
 import pkgutil
+import threading
 import types
 import warnings
 
@@ -70,8 +75,9 @@ class Variant(abc.ABC):
     declared_fields: tuple = ()
 
     # The module of the variant's config rules, or None: validate(cfg, put), and with hf_config
-    # reads_hf_config(d), from_hf_config(cls, d, overrides), to_hf_config(cfg). The four hooks
-    # below call it; a variant may override them instead.
+    # reads_hf_config(d), from_hf_config(cls, d, overrides), to_hf_config(cfg) and the key lists
+    # HF_KEYS, HF_OWN_KEYS, HF_DEFAULTS. The hooks below read it; a variant may override them
+    # instead.
     config_rules = None
 
     def validate_config(self, cfg, put):
@@ -99,6 +105,16 @@ class Variant(abc.ABC):
             writers = [v.name for v in variants() if v.hf_config]
             raise ValueError(f"to_hf_config is for the variants {writers}, not {self.name!r}")
         return self.config_rules.to_hf_config(cfg)
+
+    def hf_config_keys(self) -> tuple:
+        """(read, own, defaults) of this variant's config.json: every key from_hf_config reads;
+        those of them only an Engram module has (an unread key close to one of these is a
+        misspelling from_hf_config warns about; the model's other keys are not); {key: value}
+        taken when a key is absent. From config_rules' HF_KEYS, HF_OWN_KEYS, HF_DEFAULTS (without
+        them: nothing to compare a key with, no warning)."""
+        rules = self.config_rules if self.hf_config else None
+        return (tuple(getattr(rules, "HF_KEYS", ())), tuple(getattr(rules, "HF_OWN_KEYS", ())),
+                dict(getattr(rules, "HF_DEFAULTS", {})))
 
     # ---- weights and files --------------------------------------------------------------------
     @property
@@ -230,6 +246,7 @@ def register(variant: Variant) -> Variant:
     """Add a variant (its name must be new); returns it."""
     if not isinstance(variant, Variant):
         raise TypeError(f"register takes a Variant instance, got {type(variant).__name__}")
+    _check_variant(variant)
     if variant.weights_rules is None:
         missing = [h for h in Variant.LAYER_HOOKS if getattr(type(variant), h) is getattr(Variant, h)]
         if missing:
@@ -242,6 +259,35 @@ def register(variant: Variant) -> Variant:
     return variant
 
 
+def _check_variant(variant):
+    """Refuse a variant that would break the registry for every other one: an abstract hook left
+    None, a name that is not a non-empty str, and what REGISTER_CHECKS refuse (a config class
+    that is not a frozen dataclass of EngramConfig's: EngramConfig, from_dict and every config
+    read walk all config classes)."""
+    what = type(variant).__name__
+    hooks = sorted(Variant.__abstractmethods__)
+    values = {h: getattr(variant, h, None) for h in hooks}
+    unset = [h for h in hooks if values[h] is None]
+    if unset:
+        raise TypeError(f"{what} leaves the Variant hooks {unset} None: define each")
+    if not isinstance(values["name"], str) or not values["name"].strip():
+        raise TypeError(f"{what}.name must be a non-empty str, got {values['name']!r}")
+    if not isinstance(values["example_config"], dict):
+        raise TypeError(f"{what}.example_config must be a dict of config fields, got "
+                        f"{type(values['example_config']).__name__}")
+    for h in ("weights", "engine"):
+        if not isinstance(values[h], type):
+            raise TypeError(f"{what}.{h} must be a class, got {values[h]!r}")
+    for check in REGISTER_CHECKS:
+        check(variant)
+
+
+# The checks of a variant that modules above the registry own, run by register(): the config
+# module adds its config class's (that module imports this one, so this one cannot import it).
+# Every import of the package imports the config module, so no variant registers before it.
+REGISTER_CHECKS: list = []
+
+
 def unregister(name: str):
     """Take a variant out again (a test's own variant, at its end)."""
     _REGISTRY.pop(name, None)
@@ -249,11 +295,13 @@ def unregister(name: str):
 
 def registered() -> tuple:
     """The names of every registered variant, in registration order."""
+    _discover_once()
     return tuple(_REGISTRY)
 
 
 def variants() -> tuple:
     """Every registered Variant, in registration order."""
+    _discover_once()
     return tuple(_REGISTRY.values())
 
 
@@ -288,6 +336,7 @@ def document(obj, line, mark: str = "{variants}"):
 
 def get(name) -> Variant:
     """The entry of variant `name`; an unknown name raises ValueError naming the known ones."""
+    _discover_once()
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
@@ -328,10 +377,57 @@ def load_entry_point(ep):
                         f"{type(obj).__name__}: it must name a Variant subclass, instance or module")
 
 
+# The package's discovery: "pending" until the first lookup runs it, "running" while it runs (a
+# plugin that asks the registry during its own import gets what is registered so far, not a
+# second discovery), "done" after. A built-in folder's error leaves it "pending": every lookup
+# raises it again, never a registry that lacks a built-in variant without a word.
+_discovery = "pending"
+_DISCOVERY_LOCK = threading.RLock()   # a second thread's first lookup waits for the discovery
+
+
+_WHEN_DISCOVERED: list = []   # callables run once the package's discovery is done (when_discovered)
+
+
+def when_discovered(fn):
+    """Run fn() once the package's variants are discovered: now if they are, else at the end of
+    the first registry lookup (the package's docstrings that list every variant)."""
+    if _discovery == "done":
+        fn()
+    else:
+        _WHEN_DISCOVERED.append(fn)
+
+
+def _discover_once():
+    if _discovery == "done":
+        return
+    with _DISCOVERY_LOCK:
+        if _discovery == "pending":   # "running": this thread's own discovery asking (a plugin's import)
+            discover()
+
+
 def discover(package: str = __package__):
     """Register the built-in variants (the package scan) and then the installed distributions'
-    (the entry points). A third-party variant that fails to load is a warning naming it, not a
-    package that fails to import."""
+    (the entry points); the first registry lookup runs it for the package. A third-party variant
+    that fails to load (an error, a sys.exit() on import, a malformed Variant) is a warning
+    naming its entry point, not a registry lookup that fails."""
+    global _discovery
+    own = package == __package__
+    with _DISCOVERY_LOCK:
+        if own:
+            _discovery = "running"
+        try:
+            _discover(package)
+        except BaseException:
+            if own:
+                _discovery = "pending"
+            raise
+        if own:
+            _discovery = "done"
+            while _WHEN_DISCOVERED:
+                _WHEN_DISCOVERED.pop(0)()
+
+
+def _discover(package):
     for module in builtin_modules(package):
         importlib.import_module(module)
         if not any(type(v).__module__ == module for v in _REGISTRY.values()):
@@ -340,6 +436,7 @@ def discover(package: str = __package__):
     for ep in _entry_points():
         try:
             load_entry_point(ep)
-        except Exception as e:  # noqa: BLE001  any error of someone else's code: reported, skipped
+        except (Exception, SystemExit) as e:  # noqa: BLE001  someone else's code: reported, skipped
+            # (SystemExit too: a plugin's sys.exit() on import would end the caller's process)
             warnings.warn(f"engram_stream: the variant entry point {ep.name} = {ep.value!r} failed to load "
                           f"({type(e).__name__}: {e}); it is not registered", RuntimeWarning, stacklevel=2)

@@ -27,6 +27,11 @@ HF_DEFAULTS = {"vocab_size": 248320, "hidden_size": 2048, "rms_norm_eps": 1e-6, 
                "ple_conv_kernel_size": 4, "ngram_size": 3, "heads_per_ngram": 8,
                "ngram_vocab_size_base": 20_000_000, "make_ngram_vocab_size_divisible_by": 128,
                "seed": 1234, "split_ngram_parts": 512}
+# The config.json keys from_hf_config reads, and of them the PLE module's own: an unread key
+# close to one of these is warned about as a misspelling (an absent one takes HF_DEFAULTS').
+HF_KEYS = (*HF_DEFAULTS, "ple_layer_ids", "ple_embed_dim", "eos_token_id", "model_type", "text_config")
+HF_OWN_KEYS = ("ple_layer_ids", "ple_embed_dim", "ple_conv_kernel_size", "ngram_size", "heads_per_ngram",
+               "ngram_vocab_size_base", "make_ngram_vocab_size_divisible_by", "split_ngram_parts", "hc_count")
 DEFAULTS = {"norm_eps": 1e-6, "table_rows_multiple": 128, "table_parts": 512}
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 PRIME_1 = 10007  # the layer seed stride (the same constant as the demo's)

@@ -70,9 +70,12 @@ def is_checkpoint(path) -> bool:
 
 
 def folder_of(path):
-    """The Qwen folder that file `path` belongs to (config.json, the index or a shard), or None."""
+    """The Qwen checkpoint folder that file `path` belongs to (config.json, the index or a shard),
+    or None: a folder whose config.json has no weights beside it (no index, no model.safetensors)
+    is no checkpoint to pass instead."""
     folder = os.path.dirname(os.path.abspath(path))
-    return folder if OWN_FILES.fullmatch(os.path.basename(path)) and is_checkpoint(folder) else None
+    weights = any(os.path.isfile(os.path.join(folder, f)) for f in (INDEX, "model.safetensors"))
+    return folder if OWN_FILES.fullmatch(os.path.basename(path)) and weights and is_checkpoint(folder) else None
 
 
 def read_config(folder) -> EngramConfig:

@@ -14,6 +14,13 @@ V41_BLOCK = 32  # one float8 scale per 32 values (rows, activations) / 32x32 wei
 DEFAULTS = {"norm_eps": 1e-20, "image_token_id": 129264}  # DeepSeek-V4.1-Flash config.json
 _UNSET = object()  # a config.json key that is absent (None: present, JSON null)
 
+# The config.json keys from_hf_config reads (either spelling of a renamed one), and of them the
+# Engram module's own: an unread key close to one of these is warned about as a misspelling.
+HF_KEYS = ("engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim", "engram_layer_ids",
+           "engram_pad_id", "engram_pad_token_id", "dim", "hidden_size", "hc_mult", "vocab_size", "norm_eps",
+           "rms_norm_eps", "image_token_id", "engram_num_embeddings", "engram_compressed_vocab_size", "text_config")
+HF_OWN_KEYS = tuple(k for k in HF_KEYS if k.startswith("engram_"))
+
 FIELD_HELP = {
     "norm_eps": f"{V41}: eps of the q/k gate's norm (null: 1e-20, Flash's)",
     "image_token_id": f"{V41}: the DEAD (image) token: gate 0, cuts the n-gram history (null: 129264)",

@@ -318,7 +318,7 @@ def read_config(ckpt_dir) -> EngramConfig:
         try:
             hf = json.loads(f.read(MAX_HEADER + 1))
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise _err(path, f"not JSON ({type(e).__name__})") from None
+            raise _err(path, f"not JSON ({e})") from None   # its line and column
     try:
         return EngramConfig.from_hf_config(hf)
     except (ValueError, TypeError) as e:

@@ -291,7 +291,8 @@ def test_init_prints_the_size_first_and_progress_only_on_a_terminal(tmp_path):
     cfg, out = _cfg_file(tmp_path), tmp_path / "m.safetensors"
     r = _cli(["init", str(cfg), "-o", str(out)])  # stderr is a pipe: no bar
     assert r.returncode == 0, r.stderr
-    first = r.stdout.splitlines()[0]
+    config, first = r.stdout.splitlines()[:2]   # the config it derived, then the size it makes
+    assert config == f"config (demo-v1, from {cfg}): {json.dumps(SMALL)}"
     assert first.startswith(f"writing {out}: ") and "MiB" in first
     assert "%" not in r.stderr and "\r" not in r.stderr
     r = run_python_on_a_terminal(["-m", "engram_stream.cli", "init", str(cfg), "-o", str(out), "--force"],
@@ -833,3 +834,89 @@ def test_readme_reads_in_five_minutes():
     """At most 1,500 words (about five minutes); the detail is DESIGN.md's (section 14)."""
     words = len(_readme().split())
     assert words <= 1500, words
+
+
+# ---- what a config file says, and a config file given where a checkpoint or a tokenizer belongs ----------
+QWEN_HF = {"model_type": "qwen4_exp_text", "ple_layer_ids": [3], "eos_token_id": 1, "vocab_size": 300,
+           "hidden_size": 64, "heads_per_ngram": 2, "ngram_vocab_base": 1000}   # ngram_vocab_size_base misspelled
+
+
+def test_init_names_a_misspelled_key_and_prints_the_config_it_derived(tmp_path, capsys, monkeypatch):
+    """ngram_vocab_base for ngram_vocab_size_base: the 20,000,000 default made tables of GiBs, and
+    neither the key nor the sizes it came from were said."""
+    import engram_stream.cli as cli
+    usage = shutil.disk_usage
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: usage(p)._replace(free=100_000))
+    cfg, out = _cfg_file(tmp_path, QWEN_HF, "config.json"), tmp_path / "qwen"
+    assert main(["init", str(cfg), "-o", str(out)]) == 1
+    got = capsys.readouterr()
+    assert got.err.splitlines()[0] == (
+        f"engram-stream: warning: {cfg}: key 'ngram_vocab_base' is not read by qwen3.8-flash-next: did you mean "
+        f"'ngram_vocab_size_base'? ('ngram_vocab_size_base' is absent: its default 20000000 is used)")
+    assert "GiB, only" in got.err.splitlines()[1]
+    line = got.out.splitlines()[0]
+    assert line.startswith(f"config (qwen3.8-flash-next, from {cfg}): {{")
+    derived = json.loads(line.split(": ", 1)[1])
+    assert derived["engram_vocab_size"] == [20_000_000, 20_000_000] and derived["layer_ids"] == [3]
+    assert not out.exists()
+
+
+def test_init_quiet_prints_no_config_but_still_warns(tmp_path, capsys):
+    cfg = _cfg_file(tmp_path, dict(QWEN_HF, ngram_vocab_base=None, ngram_vocab_size_base=50, split_ngram_part=2,
+                                   split_ngram_parts=2))
+    assert main(["init", str(cfg), "-o", str(tmp_path / "q"), "--quiet"]) == 0
+    got = capsys.readouterr()
+    assert got.out.startswith("wrote ") and "config (" not in got.out
+    assert "key 'split_ngram_part' is not read by qwen3.8-flash-next: did you mean 'split_ngram_parts'?" in got.err
+
+
+def test_one_layer_is_one_layer(tmp_path, capsys):
+    assert main(["init", str(_cfg_file(tmp_path, dict(SMALL, layer_ids=[1]))), "-o", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr().out
+    assert "(1 layer, " in out and "1 layers" not in out
+
+
+@pytest.mark.parametrize("what", ["engram fields", "qwen config.json", "v41 config.json"])
+def test_inspect_a_config_says_it_is_no_checkpoint(tmp_path, capsys, what):
+    """A config file is neither a corrupted checkpoint nor a file of a checkpoint folder (its
+    folder holds no weights): inspect says what it is and how to make a checkpoint of it."""
+    from engram_stream import EngramConfig, EngramModel
+    d = {"engram fields": SMALL, "qwen config.json": QWEN_HF,
+         "v41 config.json": EngramConfig(**V41_SMALL).to_hf_config()}[what]
+    cfg = _cfg_file(tmp_path, d, "config.json" if "config.json" in what else "cfg.json")
+    assert main(["inspect", str(cfg)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"engram-stream: error: {cfg}: a config (JSON), not a checkpoint (a checkpoint file written by "
+                   f"init or save(), or a model's folder holding config.json and its safetensors): write a "
+                   f"checkpoint from it first: engram-stream init {cfg} -o CHECKPOINT\n")
+    if what != "engram fields":   # the API: no "pass the folder" for a folder without weights
+        with pytest.raises(ValueError) as e:
+            EngramModel.load(str(cfg))
+        assert "pass the folder" not in str(e.value), e.value
+
+
+def test_inspect_another_json_file_says_it_is_no_checkpoint(tmp_path, capsys):
+    path = _cfg_file(tmp_path, {"hello": 1}, "other.json")
+    assert main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"engram-stream: error: {path}: a JSON file, not a checkpoint (") and "engram-stream init" not in err
+
+
+def test_a_broken_config_json_in_a_folder_gives_its_line(tmp_path, capsys):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text('{\n  "engram_n_heads": 2,\n  "engram_layer_ids": [1,\n}\n')
+    assert main(["inspect", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert f"{folder / 'config.json'}: not JSON (Expecting value: line 4 column 1" in err, err
+
+
+def test_build_compression_given_a_config_says_it_wants_a_tokenizer_json(tmp_path, capsys):
+    cfg = _cfg_file(tmp_path)
+    assert main(["build-compression", str(cfg), "-o", str(tmp_path / "l.npy")]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"engram-stream: error: {str(cfg)!r} is not a valid tokenizer.json: valid JSON without \"model\" "
+                   f"and \"added_tokens\" (a config file?): pass the model's tokenizer.json, which holds its vocab\n")
+    (tmp_path / "bad.json").write_text('{"model": {"vocab": }')
+    assert main(["build-compression", str(tmp_path / "bad.json"), "-o", str(tmp_path / "l.npy")]) == 1
+    assert "not valid JSON (Expecting value: line 1 column 21" in capsys.readouterr().err

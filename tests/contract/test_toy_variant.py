@@ -14,6 +14,8 @@ test_toy_variant` with ENGRAM_STREAM_TOY=1), so the main run's registry holds th
 variants alone."""
 import math
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,6 +157,27 @@ def test_the_contract_suites_pass_on_a_variant_registered_here():
     passed = run_suite_with_plugin("test_toy_variant", "ENGRAM_STREAM_TOY",
                                    ["test_engine_contract.py", "test_serving.py"], TOY)
     assert passed >= 20   # the suites ran on the toy
+
+
+def test_an_installed_entry_point_registers_the_toy(tmp_path):
+    """The toy as a third-party plugin: an installed distribution (its .dist-info on sys.path)
+    whose entry point names ToyVariant. Its module imports EngramModel from the package at its
+    top, which works because the variants are discovered at the first lookup, not while
+    `import engram_stream` runs."""
+    info = tmp_path / "toy_plugin-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{variants.ENTRY_POINTS}]\ntoy = test_toy_variant:ToyVariant\n")
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [str(tmp_path), here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            "from engram_stream import EngramConfig, variants\n"
+            f"cfg = EngramConfig(**variants.get({TOY!r}).example_config)\n"
+            "print(type(cfg).__name__, cfg.toy_rows_multiple, variants.registered()[-1])\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["ToyConfig", "16", TOY]
 
 
 def test_the_toy_is_not_registered_in_this_run():

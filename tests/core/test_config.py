@@ -235,3 +235,101 @@ def test_from_dict_validates():
 def test_from_dict_non_dict(bad):
     with pytest.raises(TypeError):
         EngramConfig.from_dict(bad)
+
+
+def test_from_dict_names_the_field_an_unknown_one_resembles():
+    with pytest.raises(ValueError, match=r"unknown fields \['max_ngram', 'totally_bogus'\] \('max_ngram': did you "
+                                         r"mean 'max_ngram_size'\?\)$"):
+        EngramConfig.from_dict(dict(TINY, max_ngram=4, totally_bogus=1))
+
+
+# --- a model's config.json (from_hf_config): keys the user may have misspelled --------------------
+QWEN = "qwen3.8-flash-next"
+V41 = "deepseek-v4.1"
+
+
+def _hf(variant, **keys):
+    """The config.json keys of the variant's example config, with `keys` over them (None: left out)."""
+    from engram_stream import variants
+    d = EngramConfig(**variants.get(variant).example_config).to_hf_config()
+    d.update(keys)
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _config_key_warnings(d, **overrides):
+    import warnings
+    from engram_stream.errors import ConfigKeyWarning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = EngramConfig.from_hf_config(d, **overrides)
+    return cfg, [str(w.message) for w in caught if w.category is ConfigKeyWarning]
+
+
+def test_a_misspelled_qwen_key_is_a_warning_naming_the_key_it_resembles():
+    """ngram_vocab_base for ngram_vocab_size_base: the table sizes came from transformers' default
+    (20,000,000) without a word."""
+    cfg, said = _config_key_warnings(_hf(QWEN, ngram_vocab_size_base=None, ngram_vocab_base=1000))
+    assert cfg.engram_vocab_size == [20_000_000, 20_000_000]   # the key's default, as transformers reads it
+    assert said == ["config.json: key 'ngram_vocab_base' is not read by qwen3.8-flash-next: did you mean "
+                    "'ngram_vocab_size_base'? ('ngram_vocab_size_base' is absent: its default 20000000 is used)"]
+
+
+@pytest.mark.parametrize("variant, key, value, closest", [
+    (V41, "engram_num_embedding", [5, 5], "'engram_num_embeddings'? ('engram_num_embeddings' is absent: not set)"),
+    (QWEN, "ple_embed_size", 32, "'ple_embed_dim'?"),
+    (QWEN, "max_ngram_size", 4, "'ngram_size'?"),     # an EngramConfig field's name in config.json
+    (QWEN, "hc_mult", 2, "'hc_count'?"),
+])
+def test_an_engram_looking_key_no_variant_reads_is_named(variant, key, value, closest):
+    _, said = _config_key_warnings(_hf(variant, **{key: value}))
+    assert len(said) == 1 and said[0].startswith(f"config.json: key {key!r} is not read by {variant}: did you "
+                                                 f"mean {closest}"), said
+
+
+def test_a_path_is_named_in_the_warning_and_a_broken_file_gives_its_line(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_hf(QWEN, ple_layers=[1, 2])))
+    _, said = _config_key_warnings(str(path))
+    assert said == [f"{path}: key 'ple_layers' is not read by qwen3.8-flash-next: did you mean 'ple_layer_ids'?"]
+    path.write_text('{\n  "model_type": "qwen4_exp_text",\n  "ple_layer_ids": [1,\n}\n')
+    with pytest.raises(ValueError, match=f"{path}: not valid JSON \\(Expecting value: line 4 column 1"):
+        EngramConfig.from_hf_config(str(path))
+
+
+def test_a_whole_models_other_keys_are_not_warned_about():
+    """transformers' own Qwen4-Exp (flat and multimodal) and DeepSeek-V4 config.json keys: dozens
+    no Engram reads (architectures, num_attention_heads, linear_conv_kernel_dim, pad_token_id, ...),
+    none of them a warning."""
+    pytest.importorskip("transformers")
+    from engram_stream import variants
+    from transformers.models.deepseek_v4.configuration_deepseek_v4 import DeepseekV4Config
+    from transformers.models.qwen4_exp.configuration_qwen4_exp import Qwen4ExpConfig, Qwen4ExpTextConfig
+    text = Qwen4ExpTextConfig(ple_layer_ids=[2, 5], eos_token_id=1).to_dict()
+    full = Qwen4ExpConfig(text_config=dict(ple_layer_ids=[2, 5], eos_token_id=1)).to_dict()
+    v41 = EngramConfig(**variants.get(V41).example_config)
+    ds = DeepseekV4Config(hidden_size=v41.hidden_size, vocab_size=v41.vocab_size, hc_mult=v41.hc_mult,
+                          rms_norm_eps=v41.norm_eps).to_dict()
+    for d, variant in ((text, QWEN), (full, QWEN), ({**ds, **v41.to_hf_config()}, V41)):
+        assert len(d) + len(d.get("text_config") or {}) > 30
+        cfg, said = _config_key_warnings(d)
+        assert cfg.variant == variant and said == [], said
+
+
+def test_every_key_a_variant_writes_is_one_it_reads():
+    """HF_KEYS (what the warnings compare with) holds every key to_hf_config writes, and the
+    defaults' keys: a key the variant reads is never reported."""
+    from engram_stream import variants
+    for v in variants.variants():
+        if not v.hf_config:
+            continue
+        read, own, defaults = v.hf_config_keys()
+        written = EngramConfig(**v.example_config).to_hf_config()
+        assert set(written) <= set(read) and set(own) <= set(read) and set(defaults) <= set(read), v.name
+        assert _config_key_warnings(written)[1] == []
+
+
+def test_from_hf_config_refuses_an_unknown_keyword_naming_the_closest_field():
+    with pytest.raises(TypeError, match=r"from_hf_config: unknown fields \['max_ngram', 'totally_bogus'\] "
+                                        r"\('max_ngram': did you mean 'max_ngram_size'\?\)"):
+        EngramConfig.from_hf_config(_hf(QWEN), totally_bogus=1, max_ngram=4)
+    assert EngramConfig.from_hf_config(_hf(QWEN), table_parts=8).table_parts == 8   # a field: taken
