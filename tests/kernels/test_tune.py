@@ -565,7 +565,7 @@ def test_a_forced_paths_table_does_not_outlive_the_forcing(model, cache, monkeyp
 
 
 # ---- processes tuning at once ----------------------------------------------------------------------------
-def test_processes_tuning_at_once_keep_every_entry(cache, monkeypatch):
+def test_processes_tuning_at_once_keep_every_entry(cache, monkeypatch, unforced):
     import multiprocessing
     models = [EngramModel.init(EngramConfig(**{**CFG, "hidden_size": 48 + 16 * i}), seed=1) for i in range(3)]
     barrier = multiprocessing.get_context("fork").Barrier(3)
