@@ -195,6 +195,10 @@ class HashPlan:
         self.dead_id = spec.dead_id(cfg)  # raw id of a DEAD position, or None
         spec.check_plan(self)
 
+    def __getstate__(self):
+        """Pickled without its windows (they borrow raw pointers): the next hash makes them again."""
+        return dict(self.__dict__, _windows={})
+
     def __repr__(self):
         return (f"HashPlan(layers={self.cfg.layer_ids}, heads={self.cfg.n_heads}, "
                 f"compressed_vocab={self.compressed_vocab}, pad_id={self.pad_id})")
@@ -244,21 +248,35 @@ class HashPlan:
                     if np.may_share_memory(buf, other):
                         raise ValueError(f"out[{L}] and out[{M}] overlap: each layer needs a buffer of its own")
             res[L] = buf
-        B = a.shape[0]
+        B, T = a.shape
         for L in layers:  # made here, on the calling thread: the jobs only read them
             if L not in self._windows:
                 self._windows[L] = self._window_class.of_plan(self, L)
         windows = self._windows
+        if not layers or a.size == 0:
+            return res
+        # the windows (entry and history rule) depend on the ids alone: made once for every layer,
+        # then each layer's hash reads them (8 entries past the last row: its last vector's lanes)
+        wins = np.empty((self.cfg.max_ngram_size, a.size + 8), np.int64)
+        wins[:, a.size:] = 0
+        first = windows[layers[0]]
+
+        def fill(job):
+            b0, b1 = job
+            first.windows_batch(a[b0:b1], wins, b0)
 
         def run(job):
             L, b0, b1 = job
-            windows[L].hash_batch(a[b0:b1], res[L][b0:b1])
+            windows[L].hash_windows(wins, res[L][b0:b1], b0)
 
         workers = _hash_workers()
         if workers > 1 and a.size * len(layers) >= PARALLEL_MIN_POSITIONS and B * len(layers) > 1:
+            per = max(1, -(-B // (2 * workers)))
+            _run_shared([(b0, min(B, b0 + per)) for b0 in range(0, B, per)], fill, workers)
             per = max(1, -(-B * len(layers) // (2 * workers)) // len(layers))  # ~2 jobs per worker
             _run_shared([(L, b0, min(B, b0 + per)) for L in layers for b0 in range(0, B, per)], run, workers)
         else:
+            fill((0, B))
             for L in layers:
                 run((L, 0, B))
         return res

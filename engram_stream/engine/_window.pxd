@@ -12,6 +12,7 @@ from engram_stream._hash cimport es_modulus
 cdef class HashWindow:
     cdef readonly str history          # the HashPlan.history this window keeps (the engine checks it)
     cdef int n, H, nh                  # max_ngram_size, heads, heads per n-gram order
+    cdef int layer                     # the Engram layer whose hash data this window borrows
     cdef int64_t S                     # stream slots
     cdef int64_t pad                   # the plan's pad id
     cdef int64_t start                 # what a window slot before the start holds (default: pad)
@@ -48,7 +49,7 @@ cdef class HashWindow:
     cdef int64_t entry(self, int64_t token) noexcept nogil
     cdef void rule(self, const int64_t *full, int64_t *win) noexcept nogil
     cdef void hash_rows(self, const int64_t *win, int64_t ld, int64_t nt, int64_t *rows, bint stream) noexcept nogil
-    cdef int64_t hash_sequence(self, const int64_t *ids, int64_t T, int64_t *rows, bint stream) noexcept nogil
+    cdef int64_t fill_windows(self, const int64_t *ids, int64_t T, int64_t *wins, int64_t ld) noexcept nogil
 
     # ---- the moves ----
     cdef void hash_one(self, int64_t s, int64_t token, int64_t *rows, int64_t *entry) noexcept nogil

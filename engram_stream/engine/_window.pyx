@@ -71,6 +71,7 @@ cdef class HashWindow:
         """Borrow layer `layer`'s hash data (plan and the layer's head offsets), make the state
         of n_streams slots, then the rule's own setup (_init_rule); every slot reset."""
         cfg = plan.cfg
+        self.layer = layer
         self.n, self.nh, self.H = cfg.max_ngram_size, cfg.n_head_per_ngram, cfg.n_heads
         if self.n > ES_MAX_NGRAM:  # EngramConfig refuses these already
             raise ValueError(f"max_ngram_size <= {ES_MAX_NGRAM} is what the engine supports")
@@ -108,7 +109,8 @@ cdef class HashWindow:
 
     # ---- the history rule ---------------------------------------------------------------------
     cdef int _init_rule(self, plan) except -1:
-        """The rule's own fields from the plan (after the hash data; `start` is the pad id)."""
+        """The rule's and the hash's own fields from the plan, for layer self.layer (after the
+        shared hash data; `start` is the pad id)."""
         return 0
 
     cdef int64_t entry(self, int64_t token) noexcept nogil:
@@ -143,19 +145,18 @@ cdef class HashWindow:
             es_hash_windows(win, ld, nt, &self.mult[0], self.n, self.nh, &self.primes[0], fp, self.mods,
                             rows, stream)
 
-    cdef int64_t hash_sequence(self, const int64_t *ids, int64_t T, int64_t *rows, bint stream) noexcept nogil:
-        """Head-local rows (H a position) of raw ids[T] hashed from a slot's start, as hash_one
-        would on a fresh slot: per block of positions each window through entry() and rule(),
-        then the block's windows through hash_rows(). Returns the first id >= vocab_size (the
-        rows are not all written then), or -1."""
+    cdef int64_t fill_windows(self, const int64_t *ids, int64_t T, int64_t *wins, int64_t ld) noexcept nogil:
+        """The windows of raw ids[T] hashed from a slot's start, as hash_one would read them on a
+        fresh slot: each position's entry (entry()) and the n-1 before it (`start` before the
+        first) through rule(); entry k of position t at wins[k*ld + t]. Returns the first id >=
+        vocab_size (the windows are not all written then), or -1."""
         # buf: entries newest first, position i of the block at buf[BLK-1-i] and the n-1 entries
         # before the block at buf[BLK..], so a position's window entries are contiguous (rule's full)
         cdef int64_t buf[ES_HASH_BLOCK + ES_MAX_NGRAM]
         cdef int64_t past[ES_MAX_NGRAM]
-        cdef int64_t wins[ES_MAX_NGRAM * ES_HASH_BLOCK]  # window entry k of position i at [k*BLK + i]
         cdef int64_t win[ES_MAX_NGRAM]
         cdef int64_t t0 = 0, tok
-        cdef int BLK = ES_HASH_BLOCK, back = self.n - 1, n = self.n, nt, nv, i, k
+        cdef int BLK = ES_HASH_BLOCK, back = self.n - 1, n = self.n, nt, i, k
         for k in range(back):
             buf[BLK + k] = self.start
         while t0 < T:
@@ -168,12 +169,7 @@ cdef class HashWindow:
             for i in range(nt):
                 self.rule(&buf[BLK - 1 - i], win)
                 for k in range(n):
-                    wins[k * BLK + i] = win[k]
-            nv = (nt + 7) // 8 * 8  # the kernel reads the last vector's lanes past nt
-            for k in range(n):
-                for i in range(nt, nv):
-                    wins[k * BLK + i] = 0
-            self.hash_rows(wins, BLK, nt, rows + t0 * self.H, stream)
+                    wins[k * ld + t0 + i] = win[k]
             for k in range(back):  # the block's newest n-1 entries precede the next block
                 past[k] = buf[BLK - nt + k]
             for k in range(back):
@@ -181,27 +177,57 @@ cdef class HashWindow:
             t0 += nt
         return -1
 
-    def hash_batch(self, ids, out):
-        """out[B, T, H] = the head-local rows of raw ids[B, T] (each row a sequence from its
-        start) through this window's hooks: HashPlan.hash's fast path, nogil. ids >= vocab_size
-        raise ValueError; out is written in place and returned."""
+    def windows_batch(self, ids, wins, Py_ssize_t b0=0):
+        """The windows of raw ids[B, T] (each row a sequence from its start) through entry()
+        and rule(), nogil: entry k of position t of row b at wins[k, (b0 + b)*T + t]. wins:
+        int64[n, W] with W >= (b0 + B)*T + 8 (hash_windows reads up to 8 past a row's last).
+        They depend on the plan alone, not the layer: one window's serve every layer.
+        ids >= vocab_size raise ValueError."""
         cdef const int64_t[:, ::1] a = ids
-        cdef int64_t[:, :, ::1] o = out
+        cdef int64_t[:, ::1] w = wins
         cdef Py_ssize_t B = a.shape[0], T = a.shape[1], b
         cdef int64_t bad = -1
-        if o.shape[0] != B or o.shape[1] != T or o.shape[2] != self.H:
-            raise ValueError(f"hash_batch: out must have shape {(B, T, self.H)}, got {np.shape(out)}")
+        if w.shape[0] != self.n or b0 < 0 or w.shape[1] < (b0 + B) * T + 8:
+            raise ValueError(f"windows_batch: wins must be int64[{self.n}, >= {(b0 + B) * T + 8}], "
+                             f"got {np.shape(wins)} (b0={b0})")
+        if B == 0 or T == 0:
+            return wins
+        with nogil:
+            for b in range(B):
+                bad = self.fill_windows(&a[b, 0], T, &w[0, (b0 + b) * T], w.shape[1])
+                if bad >= 0:
+                    break
+        if bad >= 0:
+            raise ValueError(f"token id {bad} out of range: ids must be < vocab_size={self.vocab}")
+        return wins
+
+    def hash_windows(self, wins, out, Py_ssize_t b0=0):
+        """out[B, T, H] = the head-local rows of windows_batch's windows of rows b0..b0+B
+        through hash_rows(), nogil; out is written in place and returned."""
+        cdef const int64_t[:, ::1] w = wins
+        cdef int64_t[:, :, ::1] o = out
+        cdef Py_ssize_t B = o.shape[0], T = o.shape[1], b
+        if o.shape[2] != self.H or w.shape[0] != self.n or b0 < 0 or w.shape[1] < (b0 + B) * T + 8:
+            raise ValueError(f"hash_windows: out must be int64[B, T, {self.H}] and wins int64[{self.n}, "
+                             f">= (b0 + B)*T + 8], got {np.shape(out)} and {np.shape(wins)} (b0={b0})")
         if B == 0 or T == 0:
             return out
         cdef bint stream = B * T * self.H * 8 >= ES_HASH_STREAM_BYTES  # too large to stay in cache
         with nogil:
             for b in range(B):
-                bad = self.hash_sequence(&a[b, 0], T, &o[b, 0, 0], stream)
-                if bad >= 0:
-                    break
-        if bad >= 0:
-            raise ValueError(f"token id {bad} out of range: ids must be < vocab_size={self.vocab}")
+                self.hash_rows(&w[0, (b0 + b) * T], w.shape[1], T, &o[b, 0, 0], stream)
         return out
+
+    def hash_batch(self, ids, out):
+        """out[B, T, H] = the head-local rows of raw ids[B, T] (each row a sequence from its
+        start) through this window's hooks (windows_batch, then hash_windows); ids >=
+        vocab_size raise ValueError. HashPlan.hash runs the two steps itself, the windows once
+        for every layer."""
+        a = np.ascontiguousarray(ids, dtype=np.int64)
+        if np.ndim(out) != 3 or np.shape(out)[:2] != a.shape or np.shape(out)[2] != self.H:
+            raise ValueError(f"hash_batch: out must have shape {a.shape + (self.H,)}, got {np.shape(out)}")
+        wins = np.zeros((self.n, a.size + 8), np.int64)
+        return self.hash_windows(self.windows_batch(a, wins), out)
 
     # ---- the moves -----------------------------------------------------------------------------
     cdef void hash_one(self, int64_t s, int64_t token, int64_t *rows, int64_t *entry) noexcept nogil:

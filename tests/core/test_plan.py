@@ -654,6 +654,28 @@ def test_hash_batch_validates_its_arguments():
         w.hash_batch(bad, np.zeros((2, 6, 16), np.int64))
     with pytest.raises(LayerError):
         HashWindow.of_plan(plan, 99)
+    n = plan.cfg.max_ngram_size
+    for wins, b0 in ((np.zeros((n, 12 + 7), np.int64), 0),   # no room for the last vector's lanes
+                     (np.zeros((n + 1, 20), np.int64), 0),   # not n window rows
+                     (np.zeros((n, 20), np.int64), 1)):      # rows past its end
+        with pytest.raises(ValueError, match="wins must be"):
+            w.windows_batch(ids, wins, b0)
+        with pytest.raises(ValueError, match="wins"):
+            w.hash_windows(wins, np.zeros((2, 6, 16), np.int64), b0)
+    wins = w.windows_batch(ids, np.zeros((n, 20), np.int64))   # the pieces equal hash_batch
+    np.testing.assert_array_equal(w.hash_windows(wins, np.zeros((2, 6, 16), np.int64)),
+                                  plan.hash_numpy(ids)[plan.cfg.layer_ids[0]])
+
+
+def test_a_plan_pickles_after_hashing():
+    import pickle
+    plan = HashPlan(EngramConfig())
+    ids = np.arange(40, dtype=np.int64).reshape(2, 20)
+    want = plan.hash(ids)
+    again = pickle.loads(pickle.dumps(plan))
+    assert again._windows == {} and plan._windows
+    for L, rows in again.hash(ids).items():
+        np.testing.assert_array_equal(rows, want[L])
 
 
 def test_hash_runs_the_window_class_the_variant_names():
