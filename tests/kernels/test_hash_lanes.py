@@ -1,9 +1,11 @@
-"""The position-vectorized hash kernel (es_hash_sequence) and the division-free mod, at their edges.
+"""The batch hash (the window class's windows, then the position-vectorized kernel
+es_hash_windows) and the division-free mod, at their edges.
 
-The kernel hashes blocks of positions in vector lanes (2, 4 or 8 per vector by path) and splits
-every mix as hi*2^32 + lo for the double-precision mod: these tests hit lengths that are not a
-multiple of a vector or a block, partial head vectors, windows that cross block boundaries, the
-dead-token latch, and mixes at the ends of int64. Expectations: the numpy oracle (hash_numpy) and
+The windows are made in blocks of 64 positions (HashWindow.fill_windows); the kernel hashes blocks
+of positions in vector lanes (2, 4 or 8 per vector by path) and splits every mix as hi*2^32 + lo
+for the double-precision mod: these tests hit lengths that are not a multiple of a vector or a
+block, partial head vectors, windows that cross block boundaries, the dead-token latch, and mixes
+at the ends of int64. Expectations: the numpy oracle (hash_numpy) and
 Python ints (pyref.py_rows, Python's floored %), never the code under test.
 """
 from __future__ import annotations
