@@ -1,0 +1,116 @@
+"""The longcat-flash-lite variant (DESIGN.md 4c): LongCat-Flash-Lite's n-gram embedding, an input
+layer (layer id 0) on raw token ids. Its geometry on HashPlan (config.py's module doc): heads =
+the E embedders, head sizes mod_c = m + 2c + 1 at exclusive offsets in one table, per-head
+multipliers vocab^delta mod mod_c (plan.head_mods). LongcatEngine (_engine.pyx) serves it."""
+import numpy as np
+
+from .. import variants
+from ..plan import HashPlan, as_ids, frozen
+from . import config, hf, reference, weights
+from ._engine import LongcatEngine
+from .weights import LongcatWeights
+
+
+def install_geometry(plan):
+    """LongCat's head sizes, offsets and multipliers on a HashPlan made by the common code (its
+    prime chain is not LongCat's), and its hash as the plan's hash paths: plan.hash and
+    plan.hash_numpy give LongCat's head-local rows (reference.rows)."""
+    cfg = plan.cfg
+    sizes, k = config.table_sizes(cfg), cfg.n_head_per_ngram
+    for L in cfg.layer_ids:
+        plan.primes[L] = [sizes[g * k:(g + 1) * k].tolist() for g in range(cfg.max_ngram_size - 1)]
+        plan.head_primes[L] = frozen(sizes)
+        plan.offsets[L] = frozen(np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64))
+        plan.table_rows[L] = int(sizes.sum())
+        plan.head_fp[L] = None   # the division-free mod constants are for the XOR chain's primes
+    plan.head_mods = {L: frozen(config.head_mods(cfg)) for L in cfg.layer_ids}
+
+    def hash_rows(ids, layers=None, out=None, numpy=True):
+        a = as_ids(ids, 2)
+        r = reference.rows(cfg, a)
+        res = {}
+        for L in (cfg.layer_ids if layers is None else [plan.check_layer(x) for x in layers]):
+            buf = None if out is None else out.get(L)
+            if buf is not None:
+                buf[...] = r
+            res[L] = r if buf is None else buf
+        return res
+
+    plan.hash = lambda ids, layers=None, out=None: hash_rows(ids, layers, out)
+    plan.hash_numpy = lambda ids, layers=None: hash_rows(ids, layers)
+
+
+class LongcatVariant(variants.Variant):
+    weights_rules = weights
+    config_rules = config
+    name = config.LONGCAT
+    example_config = config.EXAMPLE
+    config_class = config.LongcatConfig
+    field_help = config.FIELD_HELP
+    hf_config = True
+    weights = LongcatWeights
+    weight_dtypes = ("float32", "bfloat16")
+    table_dtypes = ("float32", "bfloat16")
+    folder_checkpoint = True
+    load_note = "raw token ids: no compression, no tokenizer read; an input layer (layer 0)"
+    engine = LongcatEngine
+    history = "separator"   # an EOS ends what later positions see (LongcatWindow: cut ids add nothing)
+
+    def with_weight_dtype(self, cfg, layers, name):
+        dtype = np.dtype(weights.BF16 if name == "bfloat16" else np.float32)
+        return {L: LongcatWeights(cfg, w.offsets, w.table, w.embed, w.proj_w.astype(dtype))
+                for L, w in layers.items()}
+
+    def load(self, path, mmap=True, compression=None):
+        if compression is not None:
+            raise ValueError(f"{self.name} hashes raw token ids: load it without a compression")
+        return hf.load(path, mmap=mmap)
+
+    def save(self, cfg, plan, layers, path, table_dtype=None, progress=None):
+        return hf.save(cfg, plan, layers, path, table_dtype=table_dtype, progress=progress)
+
+    def save_init(self, cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None,
+                  progress=None, before_write=None):
+        if compression is not None:
+            raise ValueError(f"{self.name} hashes raw token ids: it takes no compression")
+        plan = HashPlan(cfg)
+        return hf.save(cfg, plan, weights.init_layers(cfg, plan, seed, graft_zero_init, hold_tables=False), path,
+                       table_dtype=table_dtype, progress=progress, before_write=before_write)
+
+    def is_checkpoint(self, path):
+        return hf.is_checkpoint(path)
+
+    def folder_of(self, path):
+        return hf.folder_of(path)
+
+    # computing
+    def forward(self, cfg, w, rows, dead, hidden):
+        raise ValueError(f"{self.name} is an input layer: its output is made from the ids, not from hidden; "
+                         f"use engram_stream.longcat.reference.forward(cfg, weights, ids)")
+
+    def describe(self, cfg):
+        return config.describe(cfg)
+
+    def step_weights(self, w):
+        return w.proj_w
+
+    def sample_ids(self, cfg, rng, size):
+        ids = rng.integers(0, cfg.vocab_size, size=size)
+        ids[rng.random(size) < 0.05] = cfg.pad_id   # EOS: documents end, also in runs
+        return ids
+
+    # hashing
+    def draw_multipliers(self, cfg, compressed_vocab):
+        return config.draw_multipliers(cfg, compressed_vocab)
+
+    def table_rows(self, cfg, rows):
+        return config.table_rows(cfg, rows)
+
+    def windows(self, cfg, pad_id, raw, x):
+        return reference.windows(cfg, raw)
+
+    def check_plan(self, plan):
+        install_geometry(plan)
+
+
+VARIANT = variants.register(LongcatVariant())
