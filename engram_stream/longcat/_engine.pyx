@@ -110,6 +110,7 @@ cdef class LongcatEngine(EngineBase):
     cdef float *pbuf                   # [ccap, E] GEMM packing scratch
 
     _window_class = LongcatWindow
+    input_layer = True   # a token in, float32[hidden_size] out, no hidden (EngineBase's input-layer shape)
 
     def __cinit__(self, model, layer, int n_streams=1, rows=None):
         self._setup(model, layer, n_streams, ES_PREFILL_CHUNK, rows)

@@ -84,9 +84,14 @@ class LongcatVariant(variants.Variant):
         return hf.folder_of(path)
 
     # computing
-    def forward(self, cfg, w, rows, dead, hidden):
-        raise ValueError(f"{self.name} is an input layer: its output is made from the ids, not from hidden; "
-                         f"use engram_stream.longcat.reference.forward(cfg, weights, ids)")
+    def forward(self, cfg, w, rows, dead, hidden, ids=None):
+        """The oracle of an input layer: made from the ids (the token embedding) and their rows;
+        hidden is not read."""
+        if ids is None:
+            raise ValueError(f"{self.name} is an input layer: its output is made from the token ids (embed_tokens[id]), "
+                             f"which this call did not pass; use engram_stream.longcat.reference.forward(cfg, weights, "
+                             f"ids)")
+        return reference.forward_rows(cfg, w, ids, rows)
 
     def describe(self, cfg):
         return config.describe(cfg)

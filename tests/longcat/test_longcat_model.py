@@ -270,3 +270,13 @@ def test_hf_config_refusals():
     with pytest.raises(ValueError, match="divisible"):
         EngramConfig.from_hf_config({"model_type": "longcat_flash_ngram", "hidden_size": 100, "emb_neighbor_num": 4,
                                      "emb_split_num": 4})
+
+
+def test_the_variants_forward_is_the_oracle_given_the_ids():
+    from engram_stream import variants
+    model = _model(14)
+    v, ids = variants.get(LONGCAT), np.array(SEQS)
+    rows = model.plan.hash_numpy(ids)[0]
+    close(v.forward(model.cfg, model.layer(0), rows, None, None, ids=ids), _oracle(model, ids))
+    with pytest.raises(ValueError, match="token ids"):
+        v.forward(model.cfg, model.layer(0), rows, None, None)
