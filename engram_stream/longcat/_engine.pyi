@@ -12,3 +12,5 @@ class LongcatWindow(HashWindow):
 
 class LongcatEngine(EngineBase):
     """The longcat-flash-lite streaming engine (an input layer): `model.stream(0, n_streams)`."""
+
+    input_layer: bool
