@@ -9,12 +9,16 @@ import os
 
 import numpy
 from Cython.Build import cythonize
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 # Every .pyx of the package is one extension module: a variant's folder brings its engine by
 # holding the file, with no list here to keep in step.
 MOD_NAMES = sorted(os.path.splitext(p)[0].replace(os.sep, ".")
                    for p in glob.glob(os.path.join("engram_stream", "**", "*.pyx"), recursive=True))
+
+# Every package under engram_stream ships (a variant's folder by holding an __init__.py), and the
+# C headers as engram_stream.include (pyproject.toml maps it to include/).
+PACKAGES = find_packages(include=["engram_stream", "engram_stream.*"]) + ["engram_stream.include"]
 
 ASAN = os.environ.get("ENGRAM_STREAM_ASAN") == "1"
 DEBUG = ASAN or os.environ.get("ENGRAM_STREAM_DEBUG") == "1"
@@ -49,6 +53,7 @@ def extension(name):
 
 
 setup(
+    packages=PACKAGES,
     ext_modules=cythonize(
         [extension(m) for m in MOD_NAMES],
         compiler_directives=DIRECTIVES,

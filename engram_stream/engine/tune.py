@@ -108,21 +108,23 @@ def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> tuple:
 
 
 def build_identity() -> str:
-    """A digest of the extension modules this process runs (size and mtime of each file): a
-    rebuild measures again."""
-    from .. import _hash
+    """A digest of the extension modules this process runs (size and mtime of each file): the
+    hash and base modules and every registered variant's engine module (the registry names
+    them), so a rebuild measures again."""
+    from .. import _hash, variants
     from . import _base
+    mods = {_hash.__name__: _hash, _base.__name__: _base}
+    for v in variants.variants():
+        name = getattr(v.engine, "__module__", None)
+        if name and name not in mods:
+            mods[name] = sys.modules.get(name)
     parts = []
-    for m in (_hash, _base):
-        st = os.stat(m.__file__)
-        parts.append((os.path.basename(m.__file__), st.st_size, st.st_mtime_ns))
-    for name in ("engram_stream.demo._engine", "engram_stream.v41._engine"):
+    for name in sorted(mods):
         try:
-            mod = __import__(name, fromlist=["_"])
-            st = os.stat(mod.__file__)
-            parts.append((os.path.basename(mod.__file__), st.st_size, st.st_mtime_ns))
-        except (ImportError, OSError):
-            pass
+            st = os.stat(mods[name].__file__)
+            parts.append((os.path.basename(mods[name].__file__), st.st_size, st.st_mtime_ns))
+        except (AttributeError, TypeError, OSError):  # an engine defined in Python (no file of its own)
+            parts.append((name, None, None))
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 

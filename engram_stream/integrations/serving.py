@@ -70,25 +70,31 @@ def shown(value) -> str:
     return r if len(r) <= 200 else f"{r[:200]}... ({len(r)} characters)"
 
 
-def open_model(s, default_checkpoint, where, qwen=False):
+def open_model(s, default_checkpoint, where, variant=None):
     """The process's EngramModel of settings s (one per distinct settings: the layers share it
-    and its row cache). default_checkpoint: the framework's model folder, used when s has no
-    "checkpoint"; where: the settings' name in errors. qwen: a Qwen4Exp folder
-    (EngramModel.load), else a V4.1 one."""
+    and its row cache), opened through EngramModel.load, which knows every registered variant's
+    folder. default_checkpoint: the framework's model folder, used when s has no "checkpoint";
+    where: the settings' name in errors; variant: the variant the caller serves (a folder of
+    another is refused, naming both), or None for any."""
     ckpt = s["checkpoint"] or default_checkpoint
     if not ckpt or not os.path.isdir(ckpt):
         raise ValueError(f"{where}: the served model {default_checkpoint!r} is not a local folder: give "
-                         f'"checkpoint" (the V4.1 folder holding layers.L.engram.* and tokenizer.json)')
+                         f'"checkpoint" (the folder of the checkpoint the framework serves, e.g. the V4.1 '
+                         f'folder holding layers.L.engram.* and tokenizer.json)')
     key = (os.path.realpath(ckpt), s["tables"], s["row_cache_mb"], json.dumps(s["mooncake"], sort_keys=True),
-           s["host_cache"], qwen)
+           s["host_cache"])
     with _lock:
         if key not in _models:
             from ..model import EngramModel
             from ..rows import parse_tier
             tables = parse_tier({"mooncake": s["mooncake"]} if s["mooncake"] is not None else s["tables"])
-            load = EngramModel.load if qwen else EngramModel.from_deepseek_v41
-            _models[key] = load(ckpt, tables=tables, row_cache_mb=s["row_cache_mb"] or None, host_cache=s["host_cache"])
-        return _models[key]
+            _models[key] = EngramModel.load(ckpt, tables=tables, row_cache_mb=s["row_cache_mb"] or None,
+                                            host_cache=s["host_cache"])
+        model = _models[key]
+    if variant is not None and model.cfg.variant != variant:
+        raise ValueError(f'{where}: "checkpoint" {ckpt!r} is a {model.cfg.variant} checkpoint; this integration '
+                         f"serves {variant}: give a {variant} folder")
+    return model
 
 
 def stats():

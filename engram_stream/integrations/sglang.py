@@ -125,7 +125,7 @@ def embedding_class():
         def __init__(self, num_embeddings, dim, layer_id, column_bounds):
             if _settings is None:
                 raise RuntimeError(f"{ENGRAM_MODULE}.EngramEmbedding is engram_stream's: call install() first")
-            model = serving.open_model(_settings, None, ENV)
+            model = serving.open_model(_settings, None, ENV, variant="deepseek-v4.1")
             sizes = [int(p) for p in model.plan.head_primes[layer_id]] if layer_id in model.cfg.layer_ids else None
             if sizes is None or tuple(np.concatenate([[0], np.cumsum(sizes)])) != tuple(column_bounds) \
                     or model.plan.table_rows[layer_id] != num_embeddings:
@@ -304,7 +304,7 @@ def _patch_qwen(Q):
                 raise ValueError(f"{ENV}: Qwen4Exp PLE rows are read by a synchronous host lookup, which a CUDA "
                                  f"graph would capture once and replay stale: serve with {EAGER_FLAGS} (or "
                                  f"--disable-cuda-graph)")
-            model = serving.open_model(_settings, None, ENV, qwen=True)
+            model = serving.open_model(_settings, None, ENV, variant="qwen3.8-flash-next")
             layer = serving.ple_layer(model, ple_layer_index, ENV, "SGLang")
             cls = ple_class()
 

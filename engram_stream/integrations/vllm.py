@@ -302,7 +302,8 @@ def _patch_engram(E):
         s = settings(config)
         if s is None:
             return original(self, layout, layer_hash_index)
-        model = serving.open_model(s, getattr(getattr(config, "model_config", None), "model", None), ENV)
+        model = serving.open_model(s, getattr(getattr(config, "model_config", None), "model", None), ENV,
+                                   variant="deepseek-v4.1")
         engram_config = config.engram_config
         offload = bool(engram_config is not None and engram_config.cpu_offload)
         if not offload and _cuda():
@@ -503,7 +504,7 @@ def _patch_qwen(N):
             raise ValueError(f"{plugin.ENV}: Qwen4Exp PLE rows are read by a synchronous host lookup, which a CUDA "
                              f"graph would capture once and replay stale: serve with --enforce-eager")
         model = serving.open_model(s, getattr(getattr(vllm_config, "model_config", None), "model", None), plugin.ENV,
-                                   qwen=True)
+                                   variant="qwen3.8-flash-next")
         layer = serving.ple_layer(model, ple_dense_layer_id, plugin.ENV, "vLLM")
         cls = stream_class()
 

@@ -44,6 +44,35 @@ def test_sdist_carries_tests_data_tools_and_no_build_products(tmp_path):
     assert not built, built
 
 
+def test_a_variant_folder_ships_in_the_wheel_with_no_edit_of_the_build_files(tmp_path):
+    """The wheel's packages are found, not listed: a variant folder added to a copy of the
+    checkout (an __init__.py, its variant.py, a compiled engine's .pyx, .pxd and stub) lands
+    in what the wheel holds (build_py: the packages and their package data) beside every
+    existing package's sources and stubs and the C headers, with pyproject.toml and setup.py
+    unchanged."""
+    pytest.importorskip("Cython")
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=SKIP)
+    extra = src / "engram_stream" / "extra_v"
+    extra.mkdir()
+    files = {"__init__.py": "", "variant.py": "", "_engine.pyx": "def answer():\n    return 42\n",
+             "_engine.pxd": "", "_engine.pyi": "def answer() -> int: ...\n"}
+    for name, text in files.items():
+        (extra / name).write_text(text)
+    r = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", str(tmp_path / "lib")], cwd=src,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    lib = tmp_path / "lib"
+    shipped = {os.path.relpath(os.path.join(d, f), lib) for d, _, fs in os.walk(lib) for f in fs}
+    assert {f"engram_stream/extra_v/{name}" for name in files} <= shipped, sorted(shipped)
+    package_dirs = {os.path.relpath(d, src) for d, _, fs in os.walk(src / "engram_stream") if "__init__.py" in fs}
+    sources = {os.path.join(d, f) for d in package_dirs for f in os.listdir(src / d)
+               if f.endswith((".py", ".pyx", ".pxd", ".pyi")) or f == "py.typed"}
+    headers = {f"engram_stream/include/{f}" for f in os.listdir(src / "include") if f.endswith(".h")}
+    assert headers and "engram_stream/qwen/_engine.pyi" in sources
+    assert not (sources | headers) - shipped, sorted((sources | headers) - shipped)
+
+
 def test_license_file_is_mit():
     with open(os.path.join(ROOT, "LICENSE")) as f:
         assert f.readline().strip() == "MIT License"

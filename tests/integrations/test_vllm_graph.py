@@ -140,8 +140,8 @@ def test_full_graphs_refuse_rows_that_need_the_gil_at_startup(E, vllm_env, plugi
                         lambda: types.SimpleNamespace(**vars(base()), compilation_config=cc))
     real_open = serving.open_model
 
-    def open_model(s, ckpt, where):
-        model = real_open(s, ckpt, where)
+    def open_model(s, ckpt, where, **kw):
+        model = real_open(s, ckpt, where, **kw)
         rows = model.row_source(layout.layer_ids[0])
         return types.SimpleNamespace(plan=model.plan, cfg=model.cfg, source=model.source,
                                      row_source=lambda L: Toy(rows.nrows, rows.rowbytes, rows.scalebytes))

@@ -251,6 +251,37 @@ def test_cache_round_trip_private_and_keyed(cache, monkeypatch):
     assert tune.read_cache() == {}  # another CPU's name: no file of its own yet
 
 
+def test_a_rebuild_of_any_registered_variants_engine_measures_again(monkeypatch):
+    """The build identity covers the engine module of every variant the registry holds (each
+    found through its entry, none named in tune.py): a rebuilt Qwen engine, or a variant
+    registered later, gives another identity."""
+    from engram_stream import variants
+    names = {v.engine.__module__ for v in variants.variants()}
+    assert {"engram_stream.demo._engine", "engram_stream.v41._engine", "engram_stream.qwen._engine"} <= names
+    before = tune.build_identity()
+    qwen_file = __import__("engram_stream.qwen._engine", fromlist=["_"]).__file__
+    real_stat = os.stat
+
+    def rebuilt(path, *a, **kw):   # the Qwen engine's file as a rebuild leaves it: another mtime
+        st = real_stat(path, *a, **kw)
+        if path == qwen_file:
+            return os.stat_result(tuple(st[:10]), {"st_mtime_ns": st.st_mtime_ns + 1})
+        return st
+    monkeypatch.setattr(tune.os, "stat", rebuilt)
+    assert tune.build_identity() != before
+    monkeypatch.undo()
+    assert tune.build_identity() == before
+
+    class Later(type(variants.get("demo-v1"))):
+        name = "later-v0"
+    Later.engine = type("LaterEngine", (variants.get("demo-v1").engine,), {"__module__": __name__})
+    variants.register(Later())
+    try:
+        assert tune.build_identity() != before
+    finally:
+        variants.unregister("later-v0")
+
+
 def test_cache_refuses_what_others_can_write(cache):
     path = tune.write_cache({"m": _table()})
     os.chmod(path, 0o620)
