@@ -11,6 +11,19 @@ from ._engine import LongcatEngine
 from .weights import LongcatWeights
 
 
+class RowsOfIds(np.ndarray):
+    """Head-local rows [B, T, E] that keep the ids they were hashed from (`ids`): what the plan's
+    hash_numpy gives EngramModel.forward, which hands the variant's forward the rows alone, and
+    an input layer's output needs the ids too (the token embedding)."""
+    ids = None
+
+
+def _rows_of_ids(rows, ids):
+    out = rows.view(RowsOfIds)
+    out.ids = ids
+    return out
+
+
 def install_geometry(plan):
     """LongCat's head sizes, offsets and multipliers on a HashPlan made by the common code (its
     prime chain is not LongCat's), and its hash as the plan's hash paths: plan.hash and
@@ -37,7 +50,8 @@ def install_geometry(plan):
         return res
 
     plan.hash = lambda ids, layers=None, out=None: hash_rows(ids, layers, out)
-    plan.hash_numpy = lambda ids, layers=None: hash_rows(ids, layers)
+    plan.hash_numpy = lambda ids, layers=None: {L: _rows_of_ids(r, as_ids(ids, 2))
+                                                for L, r in hash_rows(ids, layers).items()}
 
 
 class LongcatVariant(variants.Variant):
@@ -54,6 +68,7 @@ class LongcatVariant(variants.Variant):
     folder_checkpoint = True
     load_note = "raw token ids: no compression, no tokenizer read; an input layer (layer 0)"
     engine = LongcatEngine
+    negative_ids = False    # ids index the token embedding: the engine refuses negative ids
     history = "separator"   # an EOS ends what later positions see (LongcatWindow: cut ids add nothing)
 
     def with_weight_dtype(self, cfg, layers, name):
@@ -86,12 +101,14 @@ class LongcatVariant(variants.Variant):
     # computing
     def forward(self, cfg, w, rows, dead, hidden, ids=None):
         """The oracle of an input layer: made from the ids (the token embedding) and their rows;
-        hidden is not read."""
+        hidden is not read. ids: given, or the ones the rows keep (the plan's hash_numpy: RowsOfIds)."""
+        if ids is None:
+            ids = getattr(rows, "ids", None)
         if ids is None:
             raise ValueError(f"{self.name} is an input layer: its output is made from the token ids (embed_tokens[id]), "
                              f"which this call did not pass; use engram_stream.longcat.reference.forward(cfg, weights, "
                              f"ids)")
-        return reference.forward_rows(cfg, w, ids, rows)
+        return reference.forward_rows(cfg, w, ids, np.asarray(rows).view(np.ndarray))
 
     def describe(self, cfg):
         return config.describe(cfg)
