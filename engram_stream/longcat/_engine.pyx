@@ -70,22 +70,40 @@ cdef class LongcatWindow(HashWindow):
     cdef int64_t entry(self, int64_t token) noexcept nogil:
         return token   # raw ids: no compression
 
+    cdef void rule(self, const int64_t *full, int64_t *win) noexcept nogil:
+        """The token itself (an EOS too), then its look-back newest first up to (not into) the
+        start or an EOS; the ids past that read 0, which adds nothing to the sum (the Hugging
+        Face code's shifted ids are 0 there)."""
+        cdef int k
+        cdef bint cut = False
+        win[0] = full[0]
+        for k in range(1, self.n):
+            cut = cut or full[k] < 0 or full[k] == self.eos
+            win[k] = 0 if cut else full[k]
+
+    cdef void hash_rows(self, const int64_t *win, int64_t ld, int64_t nt, int64_t *rows, bint stream) noexcept nogil:
+        """The H head-local rows of nt windows (entry k of window i at win[k*ld + i]) into
+        rows[nt][H]: head j's sum_k entry[k] * hmods[j, k], mod its table size."""
+        cdef int64_t i, acc
+        cdef int j, k
+        for i in range(nt):
+            for j in range(self.H):
+                acc = 0
+                for k in range(self.n):
+                    acc += win[k * ld + i] * self.hmods[j, k]   # config.validate: n * (vocab-1) * (mod-1) fits int64
+                rows[i * self.H + j] = acc % self.primes[j]
+
     cdef void hash_one(self, int64_t s, int64_t token, int64_t *rows, int64_t *entry) noexcept nogil:
+        cdef int64_t full[ES_MAX_NGRAM]
         cdef int64_t win[ES_MAX_NGRAM]
-        cdef int k, j, used = 1
-        cdef int64_t acc, e
-        win[0] = token
-        for k in range(1, self.n):   # the look-back, newest first, up to (not into) the start or an EOS
-            e = self.hist[s, k - 1]
-            if e < 0 or e == self.eos:
-                break
-            win[k] = e
-            used += 1
+        cdef int k, j
+        full[0] = token
+        for k in range(1, self.n):
+            full[k] = self.hist[s, k - 1]
+        self.rule(full, win)
+        self.hash_rows(win, 1, 1, rows, False)
         for j in range(self.H):
-            acc = 0
-            for k in range(used):
-                acc += win[k] * self.hmods[j, k]   # config.validate: n * (vocab-1) * (mod-1) fits int64
-            rows[j] = acc % self.primes[j] + self.offsets[j]
+            rows[j] += self.offsets[j]
         if self.touched != NULL:
             es_mark_rows(self.touched, rows, self.H)
         self.push(s, token)
