@@ -108,11 +108,12 @@ def cmd_demo(args):
     rng = np.random.default_rng(args.seed)
     T, G, D = args.tokens, cfg.hc_mult, cfg.hidden_size
     ids = model.variant.sample_ids(cfg, rng, T)   # the variant's special ids among them (V4.1's DEAD tokens)
-    hidden = {L: rng.standard_normal((T, G, D), dtype=np.float32) for L in cfg.layer_ids}
+    inp = model.variant.input_layer   # an input layer's engines take no hidden and return [D] per token
+    hidden = {L: None if inp else rng.standard_normal((T, G, D), dtype=np.float32) for L in cfg.layer_ids}
     print(f"model: {model}")
     print(f"kernels: {_kernels()}")
     print(f"cpu: {_cpu()}")
-    outs = {L: np.empty((T, G, D), np.float32) for L in cfg.layer_ids}
+    outs = {L: np.empty((T, D) if inp else (T, G, D), np.float32) for L in cfg.layer_ids}
     dec = model.decoder()
     # Untimed tokens first: the first steps fault in the mapped weights and rows and fill the
     # caches; timed, they would measure that (several times a warm step), not the decode.
@@ -121,21 +122,21 @@ def cmd_demo(args):
     for tok in rng.integers(0, cfg.vocab_size, size=warm):
         dec.begin(int(tok))
         for L in cfg.layer_ids:
-            dec.layer(L, hidden[L][0], out=outs[L][0])
+            dec.layer(L, None if inp else hidden[L][0], out=outs[L][0])
     dec.reset()
     steps(f"decoding {T} tokens x {len(cfg.layer_ids)} layers")
     t0 = time.perf_counter()
     for t in range(T):
         dec.begin(int(ids[t]))
         for L in cfg.layer_ids:
-            dec.layer(L, hidden[L][t], out=outs[L][t])
+            dec.layer(L, None if inp else hidden[L][t], out=outs[L][t])
     dt = time.perf_counter() - t0
     print(f"decoded {T} tokens x {len(cfg.layer_ids)} layers in {dt * 1e3:.1f} ms: "
           f"{T / dt:,.0f} tokens/s ({dt / T / len(cfg.layer_ids) * 1e6:.1f} us per layer step)", flush=True)
     worst = 0.0
     for L in cfg.layer_ids:
         steps(f"checking layer {L} against the batch path (the numpy oracle: slower than the decode)")
-        ref = model.forward(L, ids[None], hidden[L][None])[0]
+        ref = model.forward(L, ids[None], None if inp else hidden[L][None])[0]
         err = np.abs(outs[L] - ref) / (2e-5 + 2e-4 * np.abs(ref))
         worst = max(worst, float(err.max()))
     ok = worst <= 1.0
@@ -349,8 +350,8 @@ def cmd_bench(args):
 
     def stepper(S):
         eng = model.stream(L, n_streams=S)
-        h = rng.standard_normal((S, G, D), dtype=np.float32)
-        out = np.empty_like(h)
+        h = None if eng.input_layer else rng.standard_normal((S, G, D), dtype=np.float32)
+        out = np.empty(eng.out_shape(S), np.float32)
         ids = rng.integers(0, cfg.vocab_size, size=(n, S))
         for t in range(min(n, 20)):  # warm up
             eng.step(ids[t], h, out=out)
@@ -476,8 +477,9 @@ def cmd_profile(args):
     G, D = cfg.hc_mult, cfg.hidden_size
     rng = np.random.default_rng(args.seed)
     dec = model.decoder()
-    h = rng.standard_normal((G, D), dtype=np.float32)
-    out = np.empty_like(h)
+    e0 = dec.engines[cfg.layer_ids[0]]
+    h = None if e0.input_layer else rng.standard_normal((G, D), dtype=np.float32)
+    out = np.empty(e0.out_shape(), np.float32)
     ids = rng.integers(0, cfg.vocab_size, size=args.steps)
     resident = {L: memory.resident_bytes(model.layer(L).table) for L in cfg.layer_ids}
     before = memory.proc_status()

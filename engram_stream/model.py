@@ -117,20 +117,31 @@ class EngramModel:
         """The reference module's state_dict of one layer (numpy arrays)."""
         return self.layer(layer).state_dict(self.cfg)
 
-    def forward(self, layer, ids, hidden) -> np.ndarray:
+    def forward(self, layer, ids, hidden=None) -> np.ndarray:
         """The numpy batch path (the oracle): ids int[B, T], hidden float[B, T, G, D] ->
         float32[B, T, G, D], the Engram delta (the caller adds h). Other float dtypes are
-        computed in float32 (the reference's precision)."""
+        computed in float32 (the reference's precision). An input-layer variant
+        (variant.input_layer) takes no hidden (None) and returns float32[B, T, D]."""
         w = self.layer(layer)
         a = as_ids(ids, 2)
-        h = check_hidden(hidden, a.shape + (self.cfg.hc_mult, self.cfg.hidden_size), "hidden")
+        if self.variant.input_layer:
+            if hidden is not None:
+                raise ValueError(f"the {self.variant.name} layer {layer} is an input layer (a token in, "
+                                 f"float32[{self.cfg.hidden_size}] out): forward takes no hidden; pass None")
+            h = None
+        elif hidden is None:
+            raise ValueError(f"forward of the {self.variant.name} layer {layer} needs hidden "
+                             f"[B, T, {self.cfg.hc_mult}, {self.cfg.hidden_size}], got None")
+        else:
+            h = check_hidden(hidden, a.shape + (self.cfg.hc_mult, self.cfg.hidden_size), "hidden")
         rows = self.plan.hash_numpy(a, layers=[layer])[layer]
         for arr in w.file_arrays():  # a mapped file truncated or rewritten since load is refused
             check_file(arr)
         return self.variant.forward(self.cfg, w, rows, self.plan.dead_mask(a), h)
 
     def stream(self, layer, n_streams: int = 1, rows=None):
-        """The streaming engine of one layer: a StreamEngine (demo) or V41StreamEngine. rows: the
+        """The streaming engine of one layer: the variant's engine class (its registry entry's
+        `engine`; an input-layer variant's engine takes no hidden, engine.input_layer). rows: the
         RowSource it reads the layer's table rows through (default: row_source(layer)). Each of
         its operations runs the kernel path and threads measured fastest for this model's shapes
         on this CPU (engine/tune.py: measured on the first engine, then cached)."""

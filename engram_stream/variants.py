@@ -153,12 +153,19 @@ class Variant(abc.ABC):
     @abc.abstractmethod
     def forward(self, cfg, w, rows, dead, hidden):
         """The numpy oracle: float32 delta of one layer for rows [B, T, H], dead bool[B, T]
-        (dead_mask), hidden [B, T, G, D]."""
+        (dead_mask), hidden [B, T, G, D] (an input layer's: None, and it returns [B, T, D])."""
 
     @property
     @abc.abstractmethod
     def engine(self) -> type:
         """The streaming engine class: engine(model, layer, n_streams, rows=None)."""
+
+    @property
+    def input_layer(self) -> bool:
+        """Whether the variant's layers are input layers (a token in, float32[hidden_size] out, no
+        hidden: forward(cfg, w, rows, dead, None) -> [B, T, D]), as its engine class declares
+        (EngineBase.input_layer); else residual layers (hidden [.., G, D] in and out)."""
+        return bool(getattr(self.engine, "input_layer", False))
 
     @abc.abstractmethod
     def describe(self, cfg) -> str:

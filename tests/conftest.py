@@ -380,9 +380,30 @@ def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
     return ids
 
 
+class NoHidden:
+    """The hidden of an input layer's calls in the contract suites: None at every index, so the
+    suites index one hidden for every variant (h[:, p]; h[...] for the whole) and an input layer
+    is handed None wherever a residual layer gets its array."""
+
+    def __getitem__(self, index):
+        return None
+
+
 def variant_hidden(model, rng, shape):
-    """Random hidden states float32[*shape, G, D] for `model`."""
+    """Random hidden states float32[*shape, G, D] for `model`; an input layer's: NoHidden (None
+    at every index, no draw)."""
+    from engram_stream import variants
+    if variants.variant_of(model.cfg).input_layer:
+        return NoHidden()
     return rng.standard_normal(tuple(shape) + (model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+
+
+def out_shape(model, *lead):
+    """The shape of an output of `model` with leading dims `lead` ([.., G, D]; an input layer's [.., D])."""
+    from engram_stream import variants
+    if variants.variant_of(model.cfg).input_layer:
+        return tuple(lead) + (model.cfg.hidden_size,)
+    return tuple(lead) + (model.cfg.hc_mult, model.cfg.hidden_size)
 
 
 def variant_inputs(model, seed, shape):

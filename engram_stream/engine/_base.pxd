@@ -20,7 +20,9 @@ cdef class EngineBase:
 
     # geometry
     cdef int G, D, E, M, H, hd, n
-    cdef int64_t C                     # G*D: hidden / output floats of one token
+    cdef int64_t C                     # output floats of one token: G*D, or D for an input layer
+    cdef bint no_hidden                # an input layer (the class's input_layer): no hidden is read
+    cdef bint fed_single               # the pending batch came from feed(scalar id): compute() returns one token
     cdef int64_t vocab
     cdef int64_t chunk                 # tokens per compute chunk (the variant's GEMM size)
 
@@ -46,6 +48,7 @@ cdef class EngineBase:
     cdef int _setup(self, model, layer, int n_streams, int64_t chunk, rows) except -1
     cdef int _check_call(self, object ids, const int64_t *pid, int64_t n, str pending) except -1
     cdef int _feed_steps(self, object ids, bint single, str pending) except -1
+    cdef tuple _shape(self, object n)
     cdef _enter(self)
     cdef _no_segment(self, bint draft, keep)
     cdef int _feed(self, const int64_t *ids, int64_t N, const int64_t *streams, const int64_t *lengths,

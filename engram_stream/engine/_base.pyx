@@ -23,6 +23,13 @@ This file runs a call through them: the one-owner guard, the argument checks (al
 state changes; a scalar id lives in the call), the file check before every read, the call's
 record and rollback, snapshot/restore (read once, validate, commit). A variant adds its own
 state (a conv ring) through the hooks at the end of _base.pxd.
+
+Two shapes of engine, declared by the class (input_layer):
+  a residual layer (input_layer = False): reads the hidden state, hidden[.., G, D] in and
+      float32[.., G, D] out (the Engram delta the caller adds);
+  an input layer (input_layer = True): a token in, float32[.., D] out (D = hidden_size), no
+      hidden: every call takes hidden=None (or leaves it out) and the hooks get hid = NULL.
+out_shape(n) is a call's output shape either way.
 """
 import os
 
@@ -72,6 +79,11 @@ cdef inline void *_regrow(void *p, size_t nbytes) except NULL:
     return r
 
 
+cdef inline const float *_data(h):
+    """A checked hidden's floats, or NULL for an input layer's None."""
+    return NULL if h is None else <const float *> cnp.PyArray_DATA(h)
+
+
 cdef class EngineBase:
     """The streaming engine of one layer: `model.stream(layer, n_streams)` (see the subclasses).
 
@@ -83,6 +95,9 @@ cdef class EngineBase:
     feed(...) / feed_packed(...) then compute(hidden): a call in two halves (see Decoder)
     reset(stream=None), snapshot(), restore(snapshot)
 
+    An input layer (input_layer = True) takes no hidden (None, or left out) and returns
+    float32[D], [S, D], [T, D], [N, D] instead (out_shape).
+
     Returns the Engram delta (the caller adds h). Ids are integers < vocab_size. hidden is
     float32 C-contiguous for the zero-copy path; other float dtypes (bfloat16 too) and strided
     arrays are converted (one copy). `out` must be float32, C-contiguous, writeable and must not
@@ -90,6 +105,9 @@ cdef class EngineBase:
     """
 
     _window_class = HashWindow  # the history rule's window (a variant with another rule names its own)
+    # The engine's shape: False, a residual layer (hidden[.., G, D] in, [.., G, D] out); True, an
+    # input layer (a token in, [.., D] out, no hidden). A class attribute, read once by _setup.
+    input_layer = False
 
     def __dealloc__(self):
         free(self.dp); free(self.sp)
@@ -103,7 +121,8 @@ cdef class EngineBase:
         cfg, plan = model.cfg, model.plan
         self.model, self.layer, self.n_streams = model, layer, n_streams
         self.G, self.D, self.E = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim
-        self.C = <int64_t> self.G * self.D
+        self.no_hidden = bool(type(self).input_layer)
+        self.C = <int64_t> self.D if self.no_hidden else <int64_t> self.G * self.D
         self.M = (self.G + 1) * self.D
         self.H, self.hd, self.n = cfg.n_heads, cfg.head_dim, cfg.max_ngram_size
         self.vocab = cfg.vocab_size
@@ -277,7 +296,7 @@ cdef class EngineBase:
                 nb = min(self.chunk, N - t0)
                 self._resolve(t0, nb)
                 with nogil:
-                    self._chunk(t0, nb, hid + t0 * self.C, out + t0 * self.C, threads)
+                    self._chunk(t0, nb, hid + t0 * self.C if hid != NULL else NULL, out + t0 * self.C, threads)
                 self.src.release()
                 t0 += nb
         except BaseException:
@@ -316,10 +335,35 @@ cdef class EngineBase:
         the Decoder checks a token for every layer through it before feeding any."""
         return args.token_ids(token_ids, self.n_streams, self.vocab)
 
-    def _io(self, hidden, out, shape):
-        """(hidden, out) checked for `shape`: float32 C-contiguous (converted if need be), out
-        writeable and sharing no byte with hidden (a stream's output is written while later
-        streams' hidden is still to be read)."""
+    def out_shape(self, n=None):
+        """The output shape of a call of n tokens ([n, G, D], an input layer's [n, D]), or of one
+        token of a one-stream step(token_id) when n is None ([G, D], [D])."""
+        return self._shape(n)
+
+    cdef tuple _shape(self, object n):
+        if self.no_hidden:
+            return (self.D,) if n is None else (int(n), self.D)
+        return (self.G, self.D) if n is None else (int(n), self.G, self.D)
+
+    def hidden_shape(self, n=None):
+        """The hidden a call of n tokens takes (as out_shape), or None: an input layer takes none."""
+        return None if self.no_hidden else self.out_shape(n)
+
+    def _io(self, hidden, out, n):
+        """(hidden, out) of a call of n tokens (None: one token of a one-stream step) checked:
+        hidden float32 C-contiguous (converted if need be), or None for an input layer (which
+        refuses any other); out writeable and sharing no byte with hidden (a stream's output is
+        written while later streams' hidden is still to be read)."""
+        cdef tuple shape = self._shape(n)
+        if self.no_hidden:
+            if hidden is not None:
+                raise ValueError(f"{type(self).__name__} serves an input layer (a token in, float32{list(shape)} "
+                                 f"out): it takes no hidden; pass hidden=None or leave it out, got "
+                                 f"{type(hidden).__name__} {getattr(hidden, 'shape', '')}")
+            return None, args.out(out, shape)
+        if hidden is None:
+            raise ValueError(f"{type(self).__name__} serves a residual layer: it needs hidden of shape {shape} "
+                             f"(the hidden state it reads), got None")
         h = args.hidden(hidden, shape)
         o = args.out(out, shape)
         cdef const char *o0 = <const char *> cnp.PyArray_DATA(o)
@@ -355,20 +399,18 @@ cdef class EngineBase:
         return 0
 
     # ---- the public calls ---------------------------------------------------------------------
-    def step(self, token_ids, hidden, out=None):
+    def step(self, token_ids, hidden=None, out=None):
         """One token per stream: (token_id, hidden[G, D]) for one stream, or
-        (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram delta."""
+        (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram delta. An input
+        layer: step(token_id) -> float32[D], step(token_ids[S]) -> float32[S, D]."""
         ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
-        cdef object shape = (self.n_streams, self.G, self.D)
-        if single:
-            shape = (self.G, self.D)
-        h, o = self._io(hidden, out, shape)
+        h, o = self._io(hidden, out, None if single else self.n_streams)
         self._enter()
         try:
             if self.n_streams > 1:  # the workers start while the tokens are hashed and their rows found
                 self._team_open(self._threads_of(OP_BATCH))
             self._feed_steps(ids, single, "feed() was called: finish that token with compute(hidden) first")
-            self._compute(<const float *> cnp.PyArray_DATA(h), <float *> cnp.PyArray_DATA(o))
+            self._compute(_data(h), <float *> cnp.PyArray_DATA(o))
         finally:
             self._team_close()
             self.busy = False
@@ -378,7 +420,8 @@ cdef class EngineBase:
         """A serving batch: segment k is lengths[k] consecutive tokens of slot streams[k] (a prompt
         chunk when > 1, a decode step when 1), token_ids[N] and hidden[N, G, D] the segments one
         after another. Slots in one call are distinct; slots not named keep their state. One
-        projection GEMM (per chunk of tokens) for all of them. Returns float32[N, G, D].
+        projection GEMM (per chunk of tokens) for all of them. Returns float32[N, G, D] (an
+        input layer: hidden None, float32[N, D]).
 
         draft=True: commit(accepted) may then cut each segment back to its first accepted[k]
         tokens (speculative decoding); a new call without commit accepts everything.
@@ -388,7 +431,7 @@ cdef class EngineBase:
         ids = as_ids(token_ids, 1, "token_ids")
         N = ids.shape[0]
         st, ln = self._segments(streams, lengths, N)
-        h, o = self._io(hidden, out, (N, self.G, self.D))
+        h, o = self._io(hidden, out, N)
         ids, st, ln, keep = self._masked(ids, st, ln, masked)
         cdef int64_t n = ids.shape[0]
         cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(ids)
@@ -427,12 +470,12 @@ cdef class EngineBase:
         compaction when the last feed took positions out."""
         keep = self.batch.unmask
         if keep is None:
-            self._compute(<const float *> cnp.PyArray_DATA(h), <float *> cnp.PyArray_DATA(o))
+            self._compute(_data(h), <float *> cnp.PyArray_DATA(o))
             return
         k = keep[0]
-        hk = np.ascontiguousarray(h[k])
-        ok = np.empty_like(hk)
-        self._compute(<const float *> cnp.PyArray_DATA(hk), <float *> cnp.PyArray_DATA(ok))
+        hk = None if h is None else np.ascontiguousarray(h[k])
+        ok = np.empty(self.out_shape(self.batch.pending), np.float32)  # the tokens fed: those kept
+        self._compute(_data(hk), <float *> cnp.PyArray_DATA(ok))
         o[k] = ok
         o[~k] = 0
 
@@ -525,6 +568,7 @@ cdef class EngineBase:
             self._feed_steps(ids, single, "feed() was already called for this token: call compute(hidden) first")
             self.batch.unmask = None
             self.batch.given = 0
+            self.fed_single = single
         finally:
             self.busy = False
 
@@ -545,18 +589,19 @@ cdef class EngineBase:
                        <const int64_t *> cnp.PyArray_DATA(ln), st.shape[0], bool(draft))
             self.batch.unmask = keep
             self.batch.given = ids.shape[0] if keep is None else keep[0].shape[0]
+            self.fed_single = False
         finally:
             self.busy = False
 
-    def compute(self, hidden, out=None):
+    def compute(self, hidden=None, out=None):
         """Second half of a call, after feed() / feed_packed(): hidden [G, D] or [S, G, D] after
-        feed() (as step()), [N, G, D] after feed_packed()."""
+        feed() (as step()), [N, G, D] after feed_packed(); an input layer's is None."""
         cdef int64_t N
         self._enter()
         try:
             if not self.batch.pending:
                 raise RuntimeError("compute() needs feed(token_ids) first")
-            h, o = self._io(hidden, out, self._pending_shape(hidden))
+            h, o = self._io(hidden, out, self._pending_n(hidden))
             self.files.check()
             self._compute_unmasked(h, o)
             self.batch.given = 0
@@ -566,12 +611,14 @@ cdef class EngineBase:
             self.busy = False
         return o
 
-    def _pending_shape(self, hidden):
-        """The hidden shape compute() takes for the fed batch: [N, G, D] after feed_packed(),
-        [S, G, D] after feed() (or [G, D] on a one-stream engine given a 2-d hidden)."""
-        if self.batch.given == 0 and self.n_streams == 1 and np.ndim(hidden) == 2:
-            return (self.G, self.D)
-        return (self.batch.given if self.batch.given else self.batch.pending, self.G, self.D)
+    def _pending_n(self, hidden):
+        """The tokens of compute()'s call for the fed batch (as _io takes them): N after
+        feed_packed(), S after feed(), None (one token) on a one-stream engine fed a scalar id
+        (an input layer) or given a 2-d hidden."""
+        if self.batch.given == 0 and self.n_streams == 1 and (
+                self.fed_single if self.no_hidden else np.ndim(hidden) == 2):
+            return None
+        return self.batch.given if self.batch.given else self.batch.pending
 
     def fetch(self):
         """Second half of a call that wants only its rows brought in, after feed() / feed_packed():
@@ -611,13 +658,13 @@ cdef class EngineBase:
         finally:
             self.busy = False
 
-    def prefill(self, ids, hidden, stream=0, out=None):
-        """A prompt on one stream: ids[T], hidden[T, G, D] -> float32[T, G, D], equal to T steps
-        and leaving the same state, in chunks of the variant's size (one GEMM per chunk, split
-        over `prefill_threads`)."""
+    def prefill(self, ids, hidden=None, stream=0, out=None):
+        """A prompt on one stream: ids[T], hidden[T, G, D] -> float32[T, G, D] (an input layer:
+        no hidden, float32[T, D]), equal to T steps and leaving the same state, in chunks of
+        the variant's size (one GEMM per chunk, split over `prefill_threads`)."""
         a = as_ids(ids, 1, "ids")
         cdef int64_t T = a.shape[0]
-        h, o = self._io(hidden, out, (T, self.G, self.D))
+        h, o = self._io(hidden, out, T)
         cdef int64_t s = args.stream_index(stream, self.n_streams)
         cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(a)
         self._enter()
@@ -626,7 +673,7 @@ cdef class EngineBase:
             if T:
                 self._feed(pid, T, &s, &T, 1, False)
                 self.batch.unmask = None
-                self._compute(<const float *> cnp.PyArray_DATA(h), <float *> cnp.PyArray_DATA(o))
+                self._compute(_data(h), <float *> cnp.PyArray_DATA(o))
         finally:
             self.busy = False
         return o
@@ -653,6 +700,9 @@ cdef class EngineBase:
                 self.win.has_record = self.win.draft = False  # the last call's record names this slot: void
         finally:
             self.busy = False
+
+    def __repr__(self):  # a variant's engine names its own geometry
+        return f"{type(self).__name__}(layer={self.layer}, n_streams={self.n_streams}, isa={self.isa!r})"
 
     # ---- threads, rows, files ------------------------------------------------------------------
     @property
@@ -755,10 +805,6 @@ cdef class EngineBase:
         finally:
             self.busy = False
 
-    @property
-    def _hidden_shape(self):
-        """(G, D): one token's hidden."""
-        return (self.G, self.D)
 
     @property
     def pending_compute(self):

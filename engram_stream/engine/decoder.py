@@ -17,6 +17,9 @@ reading), so the reads overlap the compute of the layers in between, and each la
 A serving loop: dec.begin_packed(ids[N], streams[K], lengths[K], draft=, masked=), then
 dec.layer(L, hidden[N, G, D]) per layer, then (drafts) dec.commit(accepted[K]).
 
+An input layer (its engine's input_layer: a token in, float32[.., D] out) runs as dec.layer(L)
+with no hidden (None); in step() and prefill() its hiddens entry is None or left out.
+
 All or nothing: a begin that fails for one layer (a bad id, a failed read) leaves every layer
 as before it; a layer() whose rows cannot be read puts every layer back as before the begin
 (the ones that ran already too), so the same call can be retried once the rows are back.
@@ -107,10 +110,11 @@ class Decoder:
             return
         self._feed_all(lambda e: e.feed_packed(ids, st, ln, draft=draft, masked=masked))
 
-    def layer(self, layer, hidden, out=None):
+    def layer(self, layer, hidden=None, out=None):
         """Layer `layer`'s Engram output for the current batch (hidden [G, D], [S, G, D] or, after
-        begin_packed, [N, G, D]). When its rows cannot be read, every layer is put back as
-        before the begin and the error is raised."""
+        begin_packed, [N, G, D]; an input layer's None, its output [D], [S, D] or [N, D]). When
+        its rows cannot be read, every layer is put back as before the begin and the error is
+        raised."""
         e = self.engines.get(layer)
         if e is None:
             raise LayerError(f"layer {layer!r} is not an Engram layer (layers={self.layers})")
@@ -123,7 +127,7 @@ class Decoder:
         if not e.pending_compute:
             raise RuntimeError(f"layer({layer!r}) needs begin(token_ids) first (each layer runs once per token)")
         # the caller's arrays first, whatever they raise: nothing has changed, call again
-        h, o = e._io(hidden, out, e._pending_shape(hidden))
+        h, o = e._io(hidden, out, e._pending_n(hidden))
         try:
             out = e.compute(h, out=o)
         except BaseException:  # its rows could not be read: every layer back as before the begin
@@ -144,36 +148,48 @@ class Decoder:
             e.commit(accepted)
 
     def _check_hiddens(self, hiddens):
+        """{layer: hidden or None} of every layer: the layers that read a hidden each have theirs,
+        an input layer's is None or left out (hiddens itself may be None when every layer is one)."""
+        if hiddens is None:
+            hiddens = {}
         if not isinstance(hiddens, dict):
             raise TypeError(f"hiddens must be a dict {{layer: hidden}} for the layers {list(self.engines)}, "
                             f"got {type(hiddens).__name__}")
-        if sorted(hiddens) != sorted(self.engines):
-            raise ValueError(f"hiddens must have exactly the layers {list(self.engines)}, got {sorted(hiddens)}")
+        need = [L for L, e in self.engines.items() if not e.input_layer]
+        if not set(need) <= set(hiddens) or not set(hiddens) <= set(self.engines):
+            inputs = [L for L in self.engines if L not in need]
+            raise ValueError(f"hiddens must have exactly the layers {need}" +
+                             (f" (and may have the input layers {inputs}, each None)" if inputs else "") +
+                             f", got {sorted(hiddens)}")
+        return {L: hiddens.get(L) for L in self.engines}
 
-    def step(self, token_ids, hiddens: dict) -> dict:
-        """begin() then every layer in order: {layer: hidden} -> {layer: output}.
-        (A real model feeds each layer the hidden state its earlier layers produced.)"""
-        self._check_hiddens(hiddens)
+    def step(self, token_ids, hiddens: dict = None) -> dict:
+        """begin() then every layer in order: {layer: hidden} -> {layer: output} (an input
+        layer's hidden None or left out). (A real model feeds each layer the hidden state its
+        earlier layers produced.)"""
+        hiddens = self._check_hiddens(hiddens)
         self._no_pending("step()")
         S = self.n_streams
         hid = {}
         for L, e in self.engines.items():  # every hidden checked before any layer is fed
-            shape = e._hidden_shape if S == 1 and np.ndim(hiddens[L]) == 2 else (S,) + e._hidden_shape
-            hid[L] = e._io(hiddens[L], None, shape)[0]
+            one = S == 1 and (np.ndim(hiddens[L]) == 2 if hiddens[L] is not None else
+                              isinstance(token_ids, (int, np.integer)))
+            hid[L] = e._io(hiddens[L], None, None if one else S)[0]
         self.begin(token_ids)
         return {L: self.layer(L, hid[L]) for L in self.engines}
 
-    def prefill(self, ids, hiddens: dict, stream: int = 0) -> dict:
-        """A prompt on one stream for every layer: {layer: hidden[T, G, D]} -> {layer: out}.
-        One packed call of one segment (as each engine's prefill): every layer's rows are handed
-        to its source before any layer runs, and a failed read leaves every layer as before."""
-        self._check_hiddens(hiddens)
+    def prefill(self, ids, hiddens: dict = None, stream: int = 0) -> dict:
+        """A prompt on one stream for every layer: {layer: hidden[T, G, D]} -> {layer: out} (an
+        input layer's hidden None or left out). One packed call of one segment (as each engine's
+        prefill): every layer's rows are handed to its source before any layer runs, and a
+        failed read leaves every layer as before."""
+        hiddens = self._check_hiddens(hiddens)
         self._no_pending("prefill()")
         a = as_ids(ids, 1, "ids")
         args.stream_index(stream, self.n_streams)
         if a.shape[0] == 0:
             return {L: e.prefill(a, hiddens[L], stream=stream) for L, e in self.engines.items()}
-        hid = {L: e._io(hiddens[L], None, (a.shape[0],) + e._hidden_shape)[0] for L, e in self.engines.items()}
+        hid = {L: e._io(hiddens[L], None, a.shape[0])[0] for L, e in self.engines.items()}
         self.begin_packed(a, [stream], [a.shape[0]])  # every hidden checked first: no layer is left pending
         return {L: self.layer(L, hid[L]) for L in self.engines}
 

@@ -269,20 +269,26 @@ def tune_runs(runs: dict, paths, counts, timer=time.perf_counter, budget=TIME_BU
     return table
 
 
+def _hidden(rng, engine, n):
+    """A random hidden of `engine`'s call of n tokens (None: one token), or None for an input
+    layer, which takes none (the engine's hidden_shape)."""
+    shape = engine.hidden_shape(n)
+    return None if shape is None else rng.standard_normal(shape, dtype=np.float32)
+
+
 def _runners(model, layer):
     """{op: run(engine_level, threads)} over scratch engines of `layer` (not tuned themselves)."""
     rng = np.random.default_rng(0)
     cfg = model.cfg
-    G, D = cfg.hc_mult, cfg.hidden_size
     one = model.variant.engine(model, layer, 1)
     many = model.variant.engine(model, layer, BATCH_STREAMS)
     ids1 = rng.integers(0, cfg.vocab_size, 1, dtype=np.int64)
     idsS = rng.integers(0, cfg.vocab_size, BATCH_STREAMS, dtype=np.int64)
     idsT = rng.integers(0, cfg.vocab_size, PREFILL_MAX, dtype=np.int64)
-    h1 = rng.standard_normal((G, D), dtype=np.float32)
-    hS = rng.standard_normal((BATCH_STREAMS, G, D), dtype=np.float32)
-    hT = rng.standard_normal((PREFILL_TOKENS, G, D), dtype=np.float32)
-    oS = np.empty_like(hS)
+    h1 = _hidden(rng, one, None)
+    hS = _hidden(rng, many, BATCH_STREAMS)
+    hT = _hidden(rng, one, PREFILL_TOKENS)
+    oS = np.empty(many.out_shape(BATCH_STREAMS), np.float32)
 
     def step(c):
         one._use_choice(0, _isa.ISA_NAMES.index(c[0]), c[1], "tuning")
@@ -301,7 +307,7 @@ def _runners(model, layer):
             one.prefill(idsT[:PREFILL_TOKENS], hT)
             took = max(time.perf_counter() - t0, 1e-9)
             n = int(min(PREFILL_MAX, max(PREFILL_TOKENS, PREFILL_TOKENS * PREFILL_RUN / took)))
-            sized.append((idsT[:n], hT if n == PREFILL_TOKENS else rng.standard_normal((n, G, D), dtype=np.float32)))
+            sized.append((idsT[:n], hT if n == PREFILL_TOKENS else _hidden(rng, one, n)))
         one.prefill(*sized[0])
 
     return {"step": step, "batch": batch, "prefill": prefill}

@@ -18,7 +18,7 @@ from engram_stream import EngramModel
 from engram_stream.errors import TierError
 from engram_stream.rows import CachedTier, RecordSource, Tier, record_layout
 from engram_stream.rows._cache import slot_bytes
-from conftest import close, contract_model, contract_variants, hypothesis_settings, variant_ids
+from conftest import close, contract_model, contract_variants, hypothesis_settings, variant_hidden, variant_ids
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
@@ -39,6 +39,16 @@ def model_of(variant):
     return _MODELS[variant]
 
 
+def _cat(parts):
+    """np.concatenate of hiddens, or None for an input layer's (each part None)."""
+    return None if parts[0] is None else np.concatenate(parts)
+
+
+def _hidden(model, rng, *shape):
+    """Random hiddens [*shape, G, D] of the model (variant_hidden's draw), or None for an input layer."""
+    return variant_hidden(model, rng, shape)[...]
+
+
 class Request:
     """One request's accepted tokens: their ids, the hidden each was computed with, the output."""
 
@@ -50,7 +60,7 @@ class Request:
         if not self.ids:
             return
         ids = np.array(self.ids)[None]
-        hid = np.stack(self.hid)[None]
+        hid = None if self.hid[0] is None else np.stack(self.hid)[None]
         close(np.stack(self.out), model.forward(L, ids, hid)[0])
 
 
@@ -58,7 +68,6 @@ def run_schedule(model, L, S, seed, n_calls=12, draft_p=0.4, chunk_max=9, mask_p
     """Drive one engine (or a Decoder) through a random serving schedule; every request's
     accepted outputs are then held to the oracle."""
     rng = np.random.default_rng(seed)
-    G, D = model.cfg.hc_mult, model.cfg.hidden_size
     eng = model.decoder(S) if use_decoder else model.stream(L, S)
     slots = [None] * S          # the request each slot serves
     pos = [0] * S               # tokens of it accepted so far
@@ -86,18 +95,18 @@ def run_schedule(model, L, S, seed, n_calls=12, draft_p=0.4, chunk_max=9, mask_p
                 toks[a:] = variant_ids(model, rng, (n - a,))
             segs.append((s, toks, a))
         ids = np.concatenate([t for _, t, _ in segs])
-        hid = rng.standard_normal((len(ids), G, D)).astype(np.float32)
+        hid = variant_hidden(model, rng, (len(ids),))
         streams = [s for s, _, _ in segs]
         lengths = [len(t) for _, t, _ in segs]
         masked = rng.random(len(ids)) < mask_p if mask_p else None
         if use_decoder:
             eng.begin_packed(ids, streams, lengths, draft=draft, masked=masked)
-            out = eng.layer(L, hid)
+            out = eng.layer(L, hid[...])
             for L2 in eng.layers:
                 if L2 != L:
-                    eng.layer(L2, hid)
+                    eng.layer(L2, hid[...])
         else:
-            out = eng.step_packed(ids, hid, streams, lengths, draft=draft, masked=masked)
+            out = eng.step_packed(ids, hid[...], streams, lengths, draft=draft, masked=masked)
         if masked is not None:
             assert not out[masked].any()  # a masked position is no token: its delta is 0
         skip_commit = draft and rng.random() < 0.2   # a new call without commit accepts everything
@@ -160,16 +169,15 @@ def test_a_left_padded_row_equals_the_row_alone(variant):
     model = model_of(variant)
     L = model.cfg.layer_ids[0]
     rng = np.random.default_rng(3)
-    G, D = model.cfg.hc_mult, model.cfg.hidden_size
     ids = variant_ids(model, rng, (12,))
-    hid = rng.standard_normal((12, G, D)).astype(np.float32)
+    hid = _hidden(model, rng, 12)
     pad = 5
     pids = np.concatenate([np.full(pad, 7), ids])
-    phid = np.concatenate([rng.standard_normal((pad, G, D)).astype(np.float32), hid])
+    phid = _cat([_hidden(model, rng, pad), hid])
     masked = np.arange(12 + pad) < pad
     got = model.stream(L).step_packed(pids, phid, [0], [12 + pad], masked=masked)
     assert not got[:pad].any()
-    close(got[pad:], model.forward(L, ids[None], hid[None])[0])
+    close(got[pad:], model.forward(L, ids[None], None if hid is None else hid[None])[0])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -180,7 +188,7 @@ def test_lengths_whose_sum_wraps_int64_are_refused(variant):
     L = model.cfg.layer_ids[0]
     G, D = model.cfg.hc_mult, model.cfg.hidden_size
     ids = variant_ids(model, np.random.default_rng(8), (1,))
-    h = np.zeros((1, G, D), np.float32)
+    h = None if model.variant.input_layer else np.zeros((1, G, D), np.float32)
     big = 2 ** 63 - 1
     eng, dec = model.stream(L, 3), model.decoder(3)
     calls = [lambda ln: eng.step_packed(ids, h, [0, 1, 2], ln), lambda ln: eng.lookup_packed(ids, [0, 1, 2], ln),
@@ -210,7 +218,7 @@ def _same_state(a, b):
 def _inputs(model, rng, S, T):
     """ids [S, T] of the model's variant (variant_ids) and float32 hiddens [S, T, G, D]."""
     ids = variant_ids(model, rng, (S, T))
-    return ids, rng.standard_normal((S, T, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+    return ids, variant_hidden(model, rng, (S, T))
 
 
 def _two_streams_two_layers(variant, seed, T):
@@ -224,7 +232,7 @@ def _two_streams_two_layers(variant, seed, T):
 def _close_to_the_oracle(model, outs, ids, hid):
     """outs {layer: its outputs, position by position}, for every layer, against the oracle's."""
     for L in model.cfg.layer_ids:
-        close(np.stack(outs[L], 1), model.forward(L, ids, hid))
+        close(np.stack(outs[L], 1), model.forward(L, ids, hid[...]))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -237,12 +245,12 @@ def test_decoder_layer_given_an_unreadable_hidden_changes_nothing(variant):
     for p in range(5):
         dec.begin(ids[:, p])
         if p == 2:
-            with pytest.raises(RuntimeError, match="cannot be read"):
+            with pytest.raises((RuntimeError, ValueError), match="cannot be read|takes no hidden"):
                 dec.layer(La, _Unreadable())
             assert dec.pending() == [La, Lb]
         outs[La].append(dec.layer(La, hid[:, p]))
         if p == 3:
-            with pytest.raises(RuntimeError, match="cannot be read"):
+            with pytest.raises((RuntimeError, ValueError), match="cannot be read|takes no hidden"):
                 dec.layer(Lb, _Unreadable())
             assert dec.pending() == [Lb]
         outs[Lb].append(dec.layer(Lb, hid[:, p]))
@@ -259,7 +267,8 @@ def test_decoder_step_checks_every_hidden_before_any_layer_runs(variant, bad):
     for p in range(3):
         if p == 1:
             before = dec.snapshot()
-            wrong = hid[:, p, :, :-1] if bad == "shape" else _Unreadable()
+            wrong = _Unreadable() if bad == "unreadable" else (
+                np.zeros(1, np.float32) if model.variant.input_layer else hid[:, p, :, :-1])
             with pytest.raises((ValueError, RuntimeError)):
                 dec.step(ids[:, p], {La: hid[:, p], Lb: wrong})
             assert not dec.pending()
@@ -276,13 +285,13 @@ def test_reset_of_a_slot_outside_the_draft_keeps_its_record(variant):
     Decoder); a reset of a slot the call named voids the record (commit refuses)."""
     model = model_of(variant)
     L = model.cfg.layer_ids[0]
-    G, D = model.cfg.hc_mult, model.cfg.hidden_size
     rng = np.random.default_rng(11)
     ids = variant_ids(model, rng, (5,))
-    h = rng.standard_normal((5, G, D)).astype(np.float32)
-    nxt, hn = variant_ids(model, rng, (2,)), rng.standard_normal((2, G, D)).astype(np.float32)
+    h = _hidden(model, rng, 5)
+    nxt, hn = variant_ids(model, rng, (2,)), _hidden(model, rng, 2)
     want = model.stream(L, 3)
-    want.step_packed(np.concatenate([ids[:2], ids[3:4]]), np.concatenate([h[:2], h[3:4]]), [0, 1], [2, 1])
+    want.step_packed(np.concatenate([ids[:2], ids[3:4]]), None if h is None else np.concatenate([h[:2], h[3:4]]),
+                     [0, 1], [2, 1])
     want_next = want.step_packed(nxt, hn, [0, 1], [1, 1])
     eng, dec = model.stream(L, 3), model.decoder(3)
     eng.step_packed(ids, h, [0, 1], [3, 2], draft=True)
@@ -308,16 +317,15 @@ def test_decoder_begin_packed_takes_the_batches_step_packed_takes(variant):
     """An empty batch and an all-masked one: Decoder.begin_packed takes them as step_packed
     does (the same outputs, the same commit)."""
     model = model_of(variant)
-    G, D = model.cfg.hc_mult, model.cfg.hidden_size
     rng = np.random.default_rng(12)
     dec = model.decoder(2)
     dec.begin_packed(np.zeros(0, np.int64), [], [])
     assert dec.pending() == list(dec.layers)
     for L in dec.layers:
-        assert dec.layer(L, np.zeros((0, G, D), np.float32)).shape == (0, G, D)
+        assert dec.layer(L, _hidden(model, rng, 0)).shape == dec.engines[L].out_shape(0)
     assert not dec.pending()
     ids = variant_ids(model, rng, (4,))
-    h = rng.standard_normal((4, G, D)).astype(np.float32)
+    h = _hidden(model, rng, 4)
     masked = np.ones(4, bool)
     engs = {L: model.stream(L, 2) for L in dec.layers}
     dec.begin_packed(ids, [1, 0], [3, 1], draft=True, masked=masked)
@@ -347,16 +355,16 @@ def _hold_the_same(a, b, exact=True):
 def _padded_batch(model, rng, history):
     """Slot 1 fed [a, b, PAD, PAD, c, d] (the pads masked) beside a decode step of slot 0, after
     `history` tokens on both slots; and the same batch without the pads."""
-    G, D = model.cfg.hc_mult, model.cfg.hidden_size
     hist = variant_ids(model, rng, (2, history))
-    hist_h = rng.standard_normal((2, history, G, D)).astype(np.float32)
+    hist_h = variant_hidden(model, rng, (2, history))
     x = variant_ids(model, rng, (1,), p_dead=0.0, p_neg=0.0)
     a, b, c, d = variant_ids(model, rng, (4,), p_dead=0.0, p_neg=0.0)
     pad = variant_ids(model, rng, (2,), p_dead=0.0, p_neg=0.0)   # real ids: padding is not a token
     ids = np.array([x[0], a, b, pad[0], pad[1], c, d], np.int64)
-    hid = rng.standard_normal((7, G, D)).astype(np.float32)
+    hid = _hidden(model, rng, 7)
     masked = np.array([False, False, False, True, True, False, False])
-    return hist, hist_h, (ids, hid, [0, 1], [1, 6], masked), (ids[~masked], hid[~masked], [0, 1], [1, 4])
+    return hist, hist_h, (ids, hid, [0, 1], [1, 6], masked), (ids[~masked], None if hid is None else hid[~masked],
+                                                              [0, 1], [1, 4])
 
 
 def _feed_history(eng, hist, hist_h, decoder):
@@ -404,7 +412,7 @@ def test_a_masked_position_takes_no_part_in_any_ngram(variant, history, via):
         np.testing.assert_array_equal(got[k][~masked], want[k])
     _hold_the_same(got_eng, want_eng)
     nxt = variant_ids(model, rng, (2,), p_dead=0.0, p_neg=0.0)
-    h = rng.standard_normal((2, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+    h = _hidden(model, rng, 2)
     got, want = _run(got_eng, decoder, nxt, h, [0, 1], [1, 1]), _run(want_eng, decoder, nxt, h, [0, 1], [1, 1])
     for k in got:
         np.testing.assert_array_equal(got[k], want[k])
@@ -431,12 +439,12 @@ def test_a_draft_with_masked_positions_commits_as_its_tokens(variant, via):
         _run(got_eng, decoder, *padded, draft=True)
         got_eng.commit([1, acc])
         n = int(kept_of[acc - 1]) if acc else 0
-        ids, hid = plain[0][:1 + n], plain[1][:1 + n]
+        ids, hid = plain[0][:1 + n], None if plain[1] is None else plain[1][:1 + n]
         _run(want_eng, decoder, ids, hid, [0, 1] if n else [0], [1, n] if n else [1])
         _hold_the_same(got_eng, want_eng, exact=False)
         snap = got_eng.snapshot()
         nxt = variant_ids(model, rng, (2,), p_dead=0.0, p_neg=0.0)
-        h = rng.standard_normal((2, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+        h = _hidden(model, rng, 2)
         got, want = _run(got_eng, decoder, nxt, h, [0, 1], [1, 1]), _run(want_eng, decoder, nxt, h, [0, 1], [1, 1])
         for k in got:
             close(got[k], want[k])
@@ -450,12 +458,11 @@ def test_a_draft_with_masked_positions_commits_as_its_tokens(variant, via):
 def test_commit_rules(variant):
     model = model_of(variant)
     L = model.cfg.layer_ids[0]
-    G, D = model.cfg.hc_mult, model.cfg.hidden_size
     rng = np.random.default_rng(4)
     eng = model.stream(L, 3)
     ids = variant_ids(model, rng, (6,))
-    h = rng.standard_normal((6, G, D)).astype(np.float32)
-    eng.step_packed(ids, h, [2, 0], [4, 2], draft=True)
+    h = variant_hidden(model, rng, (6,))
+    eng.step_packed(ids, h[...], [2, 0], [4, 2], draft=True)
     for bad in ([1], [5, 1], [-1, 1], [1, 3]):
         with pytest.raises(ValueError, match="accepted"):
             eng.commit(bad)
@@ -463,10 +470,10 @@ def test_commit_rules(variant):
     assert eng.tokens_seen.tolist() == [0, 0, 4]
     with pytest.raises(RuntimeError, match="draft"):
         eng.commit([4, 0])          # once
-    eng.step_packed(ids, h, [2, 0], [4, 2])
+    eng.step_packed(ids, h[...], [2, 0], [4, 2])
     with pytest.raises(RuntimeError, match="draft"):
         eng.commit([1, 1])          # only after a draft
-    eng.step_packed(ids, h, [2, 0], [4, 2], draft=True)
+    eng.step_packed(ids, h[...], [2, 0], [4, 2], draft=True)
     eng.step_packed(ids[:1], h[:1], [1], [1])   # a new call accepts the draft whole
     assert eng.tokens_seen.tolist() == [4, 1, 12]
 
@@ -591,7 +598,7 @@ def test_every_layers_reads_start_before_any_layer_runs(variant):
     assert tier.log[3:] == [("finish", Lb)]
     del tier.log[:]
     p_ids = variant_ids(model, rng, (40,))
-    p_hid = rng.standard_normal((40, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
+    p_hid = _hidden(model, rng, 40)
     dec.prefill(p_ids, {La: p_hid, Lb: p_hid}, stream=1)
     assert tier.log == [("start", La), ("start", Lb), ("finish", La), ("finish", Lb)]
 
@@ -611,8 +618,7 @@ def test_decoder_prefill_is_all_or_nothing(variant):
         for L in (La, Lb):
             dec.layer(L, hid[:, p])
     p_ids = variant_ids(model, rng, (70,))
-    p_hid = {L: rng.standard_normal((70, model.cfg.hc_mult, model.cfg.hidden_size)).astype(np.float32)
-             for L in (La, Lb)}
+    p_hid = {L: _hidden(model, rng, 70) for L in (La, Lb)}
     before = dec.snapshot()
     tier.down = {Lb}
     with pytest.raises(TierError):
@@ -626,7 +632,8 @@ def test_decoder_prefill_is_all_or_nothing(variant):
     for L in (La, Lb):
         np.testing.assert_array_equal(got[L], ref.engines[L].prefill(p_ids, p_hid[L], stream=1))
     with pytest.raises(ValueError):  # a bad hidden for the last layer: refused before any layer is fed
-        dec.prefill(p_ids, {La: p_hid[La], Lb: p_hid[Lb][:5]}, stream=0)
+        dec.prefill(p_ids, {La: p_hid[La], Lb: np.zeros(5, np.float32) if p_hid[Lb] is None else p_hid[Lb][:5]},
+                    stream=0)
     assert not dec.pending()
 
 

@@ -9,7 +9,8 @@ import re
 from conftest import ROOT
 
 PKG = os.path.join(ROOT, "engram_stream")
-SHARED = ("config.py", "plan.py", "model.py", "cli.py")
+SHARED = ("config.py", "plan.py", "model.py", "cli.py",
+          os.path.join("engine", "tune.py"))   # tune.py finds the engines through the registry
 VARIANT_WORD = re.compile(r"v41|deepseek|demo|qwen", re.I)
 HELP_KEYWORDS = {"help", "description", "epilog"}
 # Names the public contract fixes (DESIGN.md 3-5), each with why it stays:
