@@ -326,3 +326,11 @@ def test_random_sequences_and_cuts_match_the_oracle():
             assert got.shape[0] == 0
 
     run()
+
+
+def test_the_plans_fast_hash_is_the_windows_and_refuses_negative_ids():
+    model = _model(16)
+    ids = np.array(SEQS)
+    np.testing.assert_array_equal(model.plan.hash(ids)[0], reference.rows(model.cfg, ids))
+    with pytest.raises(ValueError, match="negative"):
+        model.plan.hash([[3, -1, 4]])
