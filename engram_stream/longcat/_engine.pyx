@@ -96,8 +96,8 @@ cdef class LongcatWindow(HashWindow):
 
 cdef class LongcatEngine(EngineBase):
     """The longcat-flash-lite streaming engine: `model.stream(0, n_streams)`. Calls: see
-    EngineBase; hidden is not read (hc_mult is 1: pass any [.., 1, hidden_size] float32, or use
-    the input-layer calls of engram_stream.longcat.variant), the output is [.., 1, hidden_size]."""
+    EngineBase's input-layer shape: no hidden (None, or left out), float32[hidden_size] a token
+    (step(token_id) -> [D], step_packed(ids, None, ...) -> [N, D], prefill(ids) -> [T, D])."""
 
     cdef int table_kind                # 0 float32, 3 bfloat16 (es_gather_*)
     cdef bint wbf16, ebf16
