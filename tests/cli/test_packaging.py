@@ -122,7 +122,8 @@ def _stub_names(module_name):
 @pytest.mark.parametrize("module_name", ["engram_stream.engine._base", "engram_stream.engine._window",
                                          "engram_stream.engine._batch", "engram_stream.demo._engine",
                                          "engram_stream._hash", "engram_stream.v41._engine",
-                                         "engram_stream.qwen._engine", "engram_stream.rows._cache",
+                                         "engram_stream.qwen._engine", "engram_stream.longcat._engine",
+                                         "engram_stream.rows._cache",
                                          "engram_stream.rows._source", "engram_stream.rows._stamps",
                                          "engram_stream.rows._direct", "engram_stream.integrations._records"])
 def test_stubs_declare_every_public_name(module_name):
