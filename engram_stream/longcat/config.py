@@ -29,6 +29,10 @@ MODEL_TYPES = ("longcat_flash_ngram",)
 # LongcatFlashNgramConfig's defaults, for keys a config.json leaves out
 HF_DEFAULTS = {"vocab_size": 131072, "hidden_size": 6144, "emb_neighbor_num": 4, "emb_split_num": 4,
                "ngram_vocab_size_ratio": 78, "eos_token_id": 2}
+# The config.json keys from_hf_config reads, and of them the n-gram embedding's own: an unread key
+# close to one of these is warned about as a misspelling (an absent one takes HF_DEFAULTS').
+HF_KEYS = (*HF_DEFAULTS, "model_type", "architectures")
+HF_OWN_KEYS = ("emb_neighbor_num", "emb_split_num", "ngram_vocab_size_ratio")
 INT64_MAX = (1 << 63) - 1
 
 FIELD_HELP = {

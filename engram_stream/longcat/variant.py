@@ -62,6 +62,8 @@ class LongcatVariant(variants.Variant):
     weights_rules = weights
     config_rules = config
     name = config.LONGCAT
+    title = "LongCat-Flash-Lite's n-gram embedding (an input layer: the embedding fed to layer 1)"
+    checkpoint_form = "a Hugging Face folder: config.json, model.safetensors or the index and shards (no tokenizer)"
     example_config = config.EXAMPLE
     config_class = config.LongcatConfig
     field_help = config.FIELD_HELP
