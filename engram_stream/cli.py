@@ -145,6 +145,10 @@ def cmd_demo(args):
 
 
 def cmd_inspect(args):
+    if os.fspath(args.checkpoint).endswith(".gguf"):  # a llama.cpp file: its Engram tables, no model to load
+        from .rows import gguf
+        print("\n".join(gguf.describe(args.checkpoint)))
+        return 0
     from .io import memory
     from .model import EngramModel
     model = EngramModel.load(args.checkpoint, mmap=True)

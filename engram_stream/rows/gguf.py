@@ -3,8 +3,10 @@ decoded by the C decoders the engines use (include/engram_gguf.h through rows/_g
 
     open_gguf(path)                     the file's (or a split model's) keys and tensors
     read_rows(path, tensor, row_ids)    float32[n, row_length]: rows of a tensor of a served type
-    table_layout(model)                 the Engram table(s) of a qwen4exp / deepseek41 /
-                                        longcat_flash_ngram GGUF and the hash constants present
+    table_layout(model)                 the Engram table(s) of a qwen4exp / deepseek41 (ds4:
+                                        deepseek4) / longcat_flash_ngram GGUF, the constants
+                                        present and missing
+    describe(path)                      what `engram-stream inspect model.gguf` prints
 
 The format (GGUF version 2 and 3, little endian): "GGUF", u32 version, u64 tensor count, u64
 key count; the keys (string, u32 value type, value); the tensor infos (string name, u32 dims,
@@ -340,3 +342,102 @@ def read_rows(path, tensor_name, row_ids) -> np.ndarray:
     finally:
         os.close(fd)
     return _gguf.decode_rows(qtype, raw, t.row_length)
+
+
+# ---- the Engram tables of the converters' layouts ---------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a converter puts a variant's Engram table(s) and hash constants in a GGUF.
+    `tables(model)` lists (what, tensor name) for the tensors present; `keys` are the constants
+    a file may carry (the prefix {arch} is the file's general.architecture)."""
+    name: str
+    writer: str
+    keys: tuple
+    tables: object
+
+
+def _qwen_tables(model):
+    if "per_layer_token_embd.weight" in model.tensors:  # the merged table: 16 heads stacked
+        return [("all heads (rows at ple.head_offsets)", "per_layer_token_embd.weight")]
+    return _numbered(model, "ple_ngram_embd.{}.weight", "head")
+
+
+def _ds_tables(model):
+    arch = model.architecture
+    ids = model.kv.get(f"{arch}.engram.layer_ids")
+    if ids is not None:
+        return [(f"layer {int(L)}", f"blk.{int(L)}.engram_embd.weight") for L in np.atleast_1d(ids)]
+    found = sorted((int(m[1]), n) for n in model.tensors if (m := re.fullmatch(r"blk\.(\d+)\.engram_embd\.weight", n)))
+    return [(f"layer {L}", n) for L, n in found]
+
+
+def _numbered(model, pattern, what):
+    out, j = [], 0
+    while pattern.format(j) in model.tensors:
+        out.append((f"{what} {j}", pattern.format(j)))
+        j += 1
+    return out
+
+
+_DS_KEYS = ("engram.layer_ids", "engram.head_count", "engram.key_length", "engram.max_ngram_size",
+            "engram.pad_id", "engram.multipliers", "engram.primes", "engram.offsets", "engram.token_map")
+LAYOUTS = {
+    "qwen4exp": Layout("qwen4exp", "llama.cpp", (
+        "ple.layers", "ple.ngram_size", "ple.heads_per_ngram", "ple.conv_kernel", "ple.eos_token_id",
+        "ple.layer_multipliers", "ple.head_offsets", "ple.head_vocab_sizes", "embedding_length_per_layer_input"),
+        _qwen_tables),
+    "deepseek41": Layout("deepseek41", "ik_llama.cpp, llama.cpp's port", _DS_KEYS, _ds_tables),
+    "deepseek4": Layout("deepseek4", "ds4", _DS_KEYS, _ds_tables),
+    "longcat_flash_ngram": Layout("longcat_flash_ngram", "llama.cpp", (
+        "ngram.neighbor_num", "ngram.split_num", "ngram.vocab_size_ratio"),
+        lambda model: _numbered(model, "ngram_embd.{}.weight", "n-gram table")),
+}
+
+
+def table_layout(model: GGUFFile):
+    """(Layout, [(what, GGUFTensor)], {key: value} present, [keys] missing) of a GGUF of a
+    variant's layout; CheckpointError for another architecture or a file without its table."""
+    arch = model.architecture
+    layout = LAYOUTS.get(arch)
+    if layout is None:
+        raise CheckpointError(f"{model.path}: general.architecture is {arch!r}, not one whose Engram tables "
+                              f"engram-stream reads ({', '.join(LAYOUTS)})")
+    tables = [(what, model.tensor(name)) for what, name in layout.tables(model)]
+    if not tables:
+        raise CheckpointError(f"{model.path}: a {arch} GGUF without its Engram table (no tensor named as "
+                              f"{layout.writer} writes it)")
+    full = [f"{arch}.{k}" for k in layout.keys]
+    present = {k: model.kv[k] for k in full if k in model.kv}
+    return layout, tables, present, [k for k in full if k not in model.kv]
+
+
+def _value_text(v):
+    if isinstance(v, (np.ndarray, list)):
+        items = [str(x) for x in list(v)[:4]]
+        return f"[{', '.join(items)}{', ...' if len(v) > 4 else ''}] ({len(v)} values)"
+    return repr(v)
+
+
+def describe(path) -> list:
+    """The lines of `engram-stream inspect model.gguf`: the files, the Engram table(s) (type,
+    shape, bytes a row, whether the decoders serve the type) and the constants present or
+    missing (a model's Hugging Face folder gives the missing ones)."""
+    model = open_gguf(path)
+    size = sum(os.path.getsize(f) for f in model.files)
+    shards = f", {len(model.files)} shards" if len(model.files) > 1 else ""
+    lines = [f"gguf: {model.path} ({size / 2**20:,.1f} MiB{shards}), GGUF v{model.version}, "
+             f"{len(model.tensors)} tensor{'s' if len(model.tensors) != 1 else ''}, alignment {model.alignment}"]
+    layout, tables, present, missing = table_layout(model)
+    lines.append(f"layout: {layout.name} (as {layout.writer} writes it), {len(tables)} table"
+                 f"{'s' if len(tables) != 1 else ''}")
+    for what, t in tables:
+        served = "served" if t.is_e4m3_rows or t.type_name in SERVED else f"NOT served (types served: {SERVED_TEXT})"
+        kind = "I8 rows of 256 e4m3 values and 8 e8m0 scales" if t.is_e4m3_rows else t.type_name
+        lines.append(f"  {what}: {t.name} {kind}, [{t.rows}, {t.row_length}], {t.row_bytes} bytes a row, "
+                     f"{t.nbytes / 2**20:,.1f} MiB at byte {t.offset} of {os.path.basename(t.path)}: {served}")
+    for k, v in present.items():
+        lines.append(f"  constant {k} = {_value_text(v)}")
+    if missing:
+        lines.append(f"  missing (taken from the model's folder): {', '.join(missing)}")
+    return lines

@@ -367,3 +367,60 @@ def test_any_corruption_is_a_checkpoint_error_or_reads(tmp_path_factory, small_g
         assert str(p) in str(e)
     except (IndexError, TypeError) as e:  # the corrupted shape left no row 0
         assert "row 0" in str(e)
+
+
+# ---- engram-stream inspect model.gguf -----------------------------------------------------------
+
+def test_inspect_qwen4exp(tmp_path, capsys):
+    from engram_stream.cli import main
+    rows = 40
+    data = table_bytes("Q5_0", rows, 160, np.random.default_rng(6))
+    kv = qwen_kv(rows)
+    del kv["qwen4exp.ple.eos_token_id"]
+    path = tmp_path / "qwen-Q5_0.gguf"
+    write_gguf(path, "qwen4exp", {"per_layer_token_embd.weight": (data, "Q5_0")}, kv)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "layout: qwen4exp (as llama.cpp writes it), 1 table" in out
+    assert f"per_layer_token_embd.weight Q5_0, [{rows}, 160], 110 bytes a row" in out and ": served" in out
+    assert "constant qwen4exp.ple.head_offsets = [0, 20] (2 values)" in out
+    assert "constant qwen4exp.ple.layer_multipliers = [23703573157769, 20109073645365, 8052911324071] (3 values)" in out
+    missing = out.split("missing (taken from the model's folder): ")[1].split("\n")[0].split(", ")
+    assert missing == ["qwen4exp.ple.layers", "qwen4exp.ple.conv_kernel", "qwen4exp.ple.eos_token_id"]
+
+
+def test_inspect_deepseek41_split_and_per_head_qwen(tmp_path, capsys):
+    from engram_stream.cli import main
+    rng = np.random.default_rng(8)
+    tensors = {"blk.1.engram_embd.weight": (e4m3_rows(5, rng).view(np.int8), "I8"),
+               "blk.14.engram_embd.weight": (np.zeros((3, 136), np.uint8), "IQ4_XS")}
+    write_gguf(tmp_path / "ds.gguf", "deepseek41", tensors,
+               {"deepseek41.engram.layer_ids": ([1, 14], ARR, U32), "deepseek41.engram.head_count": (8, U32, None)},
+               split_max_tensors=1)
+    assert main(["inspect", str(tmp_path / "ds-00002-of-00002.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert "2 shards" in out and "layout: deepseek41 (as ik_llama.cpp, llama.cpp's port writes it), 2 tables" in out
+    assert "layer 1: blk.1.engram_embd.weight I8 rows of 256 e4m3 values and 8 e8m0 scales, [5, 256], 264 bytes a row" in out
+    assert "layer 14: blk.14.engram_embd.weight IQ4_XS, [3, 256], 136 bytes a row" in out
+    assert "NOT served (types served: F32, F16" in out
+    assert "missing (taken from the model's folder): deepseek41.engram.key_length, deepseek41.engram.max_ngram_size, " in out
+
+    heads = {f"ple_ngram_embd.{h}.weight": (table_bytes("Q8_0", 4, 160, rng), "Q8_0") for h in range(3)}
+    write_gguf(tmp_path / "q.gguf", "qwen4exp", heads)
+    assert main(["inspect", str(tmp_path / "q.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert "3 tables" in out and "head 2: ple_ngram_embd.2.weight Q8_0, [4, 160], 170 bytes a row" in out
+
+
+def test_inspect_refuses_other_architectures_and_bad_files(tmp_path, capsys):
+    from engram_stream.cli import main
+    write_gguf(tmp_path / "llama.gguf", "llama", {"token_embd.weight": (np.ones((2, 4), np.float32), "F32")})
+    assert main(["inspect", str(tmp_path / "llama.gguf")]) == 1
+    err = capsys.readouterr().err
+    assert "llama.gguf: general.architecture is 'llama', not one whose Engram tables" in err and err.count("\n") == 1
+    write_gguf(tmp_path / "empty.gguf", "qwen4exp", {"x.weight": (np.ones(4, np.float32), "F32")})
+    assert main(["inspect", str(tmp_path / "empty.gguf")]) == 1
+    assert "a qwen4exp GGUF without its Engram table" in capsys.readouterr().err
+    (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert main(["inspect", str(tmp_path / "bad.gguf")]) == 1
+    assert "bad.gguf: not a valid GGUF file: the tensor count at byte 8 needs 8 bytes" in capsys.readouterr().err
