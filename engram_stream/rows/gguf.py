@@ -441,3 +441,82 @@ def describe(path) -> list:
     if missing:
         lines.append(f"  missing (taken from the model's folder): {', '.join(missing)}")
     return lines
+
+
+# ---- the checks at open: a GGUF's tables against the model folder's config --------------------
+
+VARIANT_ARCHS = {"qwen3.8-flash-next": ("qwen4exp",), "deepseek-v4.1": ("deepseek41", "deepseek4")}
+
+
+def _expected(arch, cfg, plan) -> dict:
+    """{key: the folder's value} of every constant a GGUF of `arch` may carry."""
+    a, L = arch, cfg.layer_ids
+    if arch == "qwen4exp":
+        L0 = L[0]
+        return {f"{a}.ple.layers": list(L), f"{a}.ple.ngram_size": cfg.max_ngram_size,
+                f"{a}.ple.heads_per_ngram": cfg.n_head_per_ngram, f"{a}.ple.conv_kernel": cfg.kernel_size,
+                f"{a}.ple.eos_token_id": cfg.pad_id, f"{a}.embedding_length_per_layer_input": cfg.head_dim,
+                f"{a}.ple.layer_multipliers": plan.multipliers[L0], f"{a}.ple.head_offsets": plan.offsets[L0],
+                f"{a}.ple.head_vocab_sizes": plan.head_primes[L0]}
+    want = {f"{a}.engram.layer_ids": list(L), f"{a}.engram.head_count": cfg.n_head_per_ngram,
+            f"{a}.engram.key_length": cfg.head_dim, f"{a}.engram.max_ngram_size": cfg.max_ngram_size,
+            f"{a}.engram.pad_id": cfg.pad_id,
+            f"{a}.engram.multipliers": np.concatenate([plan.multipliers[x] for x in L]),
+            f"{a}.engram.primes": np.concatenate([plan.head_primes[x] for x in L]),
+            f"{a}.engram.offsets": np.concatenate([plan.offsets[x] for x in L]),
+            f"{a}.engram.token_map": (np.arange(cfg.vocab_size) if plan.lookup is None else plan.lookup)}
+    return want
+
+
+def _same(got, want) -> bool:
+    """Integers equal as 64-bit patterns (a converter may write int64 multipliers as UINT64)."""
+    g, w = np.atleast_1d(np.asarray(got)), np.atleast_1d(np.asarray(want))
+    if g.shape != w.shape or g.dtype.kind not in "iub" or w.dtype.kind not in "iub":
+        return False
+    return bool(np.array_equal(g.astype(np.uint64), w.astype(np.int64).view(np.uint64)))
+
+
+def check_config(model: GGUFFile, cfg, plan):
+    """The GGUF's Engram tables checked against a model folder's config and plan: the
+    architecture, each table's row length, row count and type, and every constant the GGUF
+    carries (a mismatch names both values). Returns ({layer: [GGUFTensor, ...]} (one tensor, or
+    a per-head split's tensors in head order), [the keys the GGUF lacks, taken from the folder])."""
+    archs = VARIANT_ARCHS.get(cfg.variant)
+    arch, path = model.architecture, model.path
+    if archs is None:
+        raise CheckpointError(f"{path}: a {cfg.variant} model reads no GGUF tables (GGUF tables serve "
+                              f"{', '.join(VARIANT_ARCHS)})")
+    if arch not in archs:
+        raise CheckpointError(f"{path}: general.architecture is {arch!r}, the folder's config is a {cfg.variant} "
+                              f"model (its GGUFs are {' or '.join(archs)})")
+    if arch == "qwen4exp" and len(cfg.layer_ids) != 1:
+        raise CheckpointError(f"{path}: a qwen4exp GGUF holds one PLE table, the folder's config has PLE layers "
+                              f"{list(cfg.layer_ids)}")
+    _, tables, present, missing = table_layout(model)
+    for key, want in _expected(arch, cfg, plan).items():
+        if key in present and not _same(present[key], want):
+            folder = _value_text(np.asarray(want).tolist()) if np.ndim(want) else repr(want)
+            raise CheckpointError(f"{path}: {key} is {_value_text(present[key])} in the GGUF, {folder} in the "
+                                  f"model folder's config: not this model's table")
+    if arch == "qwen4exp":
+        L = cfg.layer_ids[0]
+        heads = [t for _, t in tables]
+        sizes = ([plan.table_rows[L]] if len(heads) == 1 else [int(p) for p in plan.head_primes[L]])
+        if len(heads) != len(sizes):
+            raise CheckpointError(f"{path}: {len(heads)} per-head tables (ple_ngram_embd.*), the folder's config "
+                                  f"has {len(sizes)} heads")
+        layers = {L: heads}
+    else:
+        layers = {L: [t] for L, (_, t) in zip(cfg.layer_ids, tables)}
+        if [w for w, _ in tables] != [f"layer {L}" for L in cfg.layer_ids]:
+            raise CheckpointError(f"{path}: tables for {', '.join(w for w, _ in tables)}, the folder's config has "
+                                  f"Engram layers {list(cfg.layer_ids)}")
+        sizes = None
+    for L, ts in layers.items():
+        for k, t in enumerate(ts):
+            t.decoder_type()  # a type not served: named, with the types served
+            rows = sizes[k] if sizes is not None else plan.table_rows[L]
+            if (t.row_length, t.rows) != (cfg.head_dim, rows):
+                raise CheckpointError(f"{path}: {t.name} is [{t.rows}, {t.row_length}], layer {L} of the folder's "
+                                      f"config is [{rows}, {cfg.head_dim}]")
+    return layers, missing

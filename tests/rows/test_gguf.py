@@ -424,3 +424,100 @@ def test_inspect_refuses_other_architectures_and_bad_files(tmp_path, capsys):
     (tmp_path / "bad.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
     assert main(["inspect", str(tmp_path / "bad.gguf")]) == 1
     assert "bad.gguf: not a valid GGUF file: the tensor count at byte 8 needs 8 bytes" in capsys.readouterr().err
+
+
+# ---- the checks at open against a model folder's config ------------------------------------------
+
+I64 = gguf.GGUFValueType.INT64
+
+
+def qwen_one_layer():
+    from engram_stream import EngramConfig, EngramModel
+    from engram_stream.qwen.config import EXAMPLE
+    return EngramModel.init(EngramConfig(**{**EXAMPLE, "layer_ids": [2]}), seed=0)
+
+
+def qwen_gguf_kv(m, **over):
+    cfg, plan, L = m.cfg, m.plan, m.cfg.layer_ids[0]
+    kv = {"qwen4exp.ple.layers": ([L], ARR, U32), "qwen4exp.ple.ngram_size": (cfg.max_ngram_size, U32, None),
+          "qwen4exp.ple.heads_per_ngram": (cfg.n_head_per_ngram, U32, None),
+          "qwen4exp.ple.eos_token_id": (cfg.pad_id, U32, None),
+          "qwen4exp.embedding_length_per_layer_input": (cfg.head_dim, U32, None),
+          "qwen4exp.ple.layer_multipliers": ([int(x) % 2**64 for x in plan.multipliers[L]], ARR, U64),
+          "qwen4exp.ple.head_offsets": ([int(x) for x in plan.offsets[L]], ARR, U64),
+          "qwen4exp.ple.head_vocab_sizes": ([int(x) for x in plan.head_primes[L]], ARR, U64)}
+    kv.update(over)
+    return kv
+
+
+def test_check_config_qwen(tmp_path):
+    m = qwen_one_layer()
+    L, rows, hd = 2, m.plan.table_rows[2], m.cfg.head_dim
+    table = table_bytes("F16", rows, hd, np.random.default_rng(0))  # head_dim 16: no 32-value block fits
+    path = tmp_path / "q.gguf"
+    write_gguf(path, "qwen4exp", {"per_layer_token_embd.weight": (table, "F16")}, qwen_gguf_kv(m))
+    layers, missing = rg.check_config(rg.open_gguf(path), m.cfg, m.plan)
+    assert list(layers) == [L] and [t.name for t in layers[L]] == ["per_layer_token_embd.weight"]
+    assert missing == ["qwen4exp.ple.conv_kernel"]
+
+    primes = [int(p) for p in m.plan.head_primes[L]]
+    bad = qwen_gguf_kv(m, **{"qwen4exp.ple.head_vocab_sizes": (primes[:3] + [primes[3] + 2], ARR, U64)})
+    write_gguf(path, "qwen4exp", {"per_layer_token_embd.weight": (table, "F16")}, bad)
+    got = ", ".join(map(str, primes[:3] + [primes[3] + 2]))
+    with pytest.raises(CheckpointError, match=rf"q.gguf: qwen4exp.ple.head_vocab_sizes is \[{got}\] "
+                                              rf"\(4 values\) in the GGUF, \[{', '.join(map(str, primes))}\] \(4 values\) in the "
+                                              rf"model folder's config"):
+        rg.check_config(rg.open_gguf(path), m.cfg, m.plan)
+
+    write_gguf(path, "qwen4exp", {"per_layer_token_embd.weight": (table[:-1], "F16")}, qwen_gguf_kv(m))
+    with pytest.raises(CheckpointError, match=rf"per_layer_token_embd.weight is \[{rows - 1}, {hd}\], layer 2 of "
+                                              rf"the folder's config is \[{rows}, {hd}\]"):
+        rg.check_config(rg.open_gguf(path), m.cfg, m.plan)
+
+    two = make_qwen_two_layers()
+    write_gguf(path, "qwen4exp", {"per_layer_token_embd.weight": (table, "F16")}, qwen_gguf_kv(m))
+    with pytest.raises(CheckpointError, match=r"one PLE table, the folder's config has PLE layers \[2, 5\]"):
+        rg.check_config(rg.open_gguf(path), two.cfg, two.plan)
+
+
+def make_qwen_two_layers():
+    from conftest import make_qwen_model
+    return make_qwen_model()
+
+
+def test_check_config_deepseek41(tmp_path):
+    from conftest import make_v41_model
+    m = make_v41_model()
+    cfg, plan = m.cfg, m.plan
+    rng = np.random.default_rng(1)
+    tensors = {f"blk.{L}.engram_embd.weight": (table_bytes("Q8_0", plan.table_rows[L], cfg.head_dim, rng), "Q8_0")
+               for L in cfg.layer_ids}
+    primes = np.concatenate([plan.head_primes[L] for L in cfg.layer_ids])
+    kv = {"deepseek41.engram.layer_ids": (list(cfg.layer_ids), ARR, U32),
+          "deepseek41.engram.head_count": (cfg.n_head_per_ngram, U32, None),
+          "deepseek41.engram.primes": ([int(p) for p in primes], ARR, U64),
+          "deepseek41.engram.multipliers": ([int(x) for L in cfg.layer_ids for x in plan.multipliers[L]], ARR, I64)}
+    path = tmp_path / "ds.gguf"
+    write_gguf(path, "deepseek41", tensors, kv)
+    layers, missing = rg.check_config(rg.open_gguf(path), cfg, plan)
+    assert {L: [t.name for t in ts] for L, ts in layers.items()} == {L: [f"blk.{L}.engram_embd.weight"]
+                                                                    for L in cfg.layer_ids}
+    assert missing == ["deepseek41.engram.key_length", "deepseek41.engram.max_ngram_size", "deepseek41.engram.pad_id",
+                       "deepseek41.engram.offsets", "deepseek41.engram.token_map"]
+
+    kv["deepseek41.engram.head_count"] = (cfg.n_head_per_ngram + 1, U32, None)
+    write_gguf(path, "deepseek41", tensors, kv)
+    with pytest.raises(CheckpointError, match=rf"deepseek41.engram.head_count is {cfg.n_head_per_ngram + 1} in the "
+                                              rf"GGUF, {cfg.n_head_per_ngram} in the model folder's config"):
+        rg.check_config(rg.open_gguf(path), cfg, plan)
+
+    write_gguf(path, "qwen4exp", tensors)
+    with pytest.raises(CheckpointError, match=r"architecture is 'qwen4exp', the folder's config is a deepseek-v4.1 "
+                                              r"model \(its GGUFs are deepseek41 or deepseek4\)"):
+        rg.check_config(rg.open_gguf(path), cfg, plan)
+
+    L0 = cfg.layer_ids[0]
+    served = {**tensors, f"blk.{L0}.engram_embd.weight": (np.zeros((plan.table_rows[L0], 136), np.uint8), "IQ4_XS")}
+    write_gguf(path, "deepseek41", served, {"deepseek41.engram.layer_ids": (list(cfg.layer_ids), ARR, U32)})
+    with pytest.raises(CheckpointError, match=rf"blk.{L0}.engram_embd.weight is IQ4_XS"):
+        rg.check_config(rg.open_gguf(path), cfg, plan)
