@@ -186,20 +186,29 @@ static inline void es_gg_block_decode(int type, const uint8_t *b, float *y) {
         }
         break;
     }
-    case ES_GG_Q6_K: { /* ql[128], qh[64], scales[16] (int8), d */
-        const uint8_t *ql = b, *qh = b + 128;
+    case ES_GG_Q6_K: { /* ql[128], qh[64], scales[16] (int8), d; two halves of 128 values */
         const int8_t *sc = (const int8_t *)(b + 192);
         const float d = es_gg_h(b + 208);
-        for (int e = 0; e < 256; e++) {
-            const int half = e >> 7, r = e & 127;
-            const int lo = (ql[half * 64 + (r & 63)] >> (4 * (r >> 6))) & 0xF;
-            const int hi = (qh[half * 32 + (r & 31)] >> (2 * (r >> 5))) & 3;
-            y[e] = d * (float)sc[e >> 4] * (float)((lo | hi << 4) - 32);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = b + half * 64, *qh = b + 128 + half * 32;
+            float *yh = y + half * 128;
+            for (int q4 = 0; q4 < 4; q4++) { /* 32 values: ql nibble q4 >> 1 of ql[(q4 & 1) * 32 + l] */
+                const uint8_t *lo = ql + (q4 & 1) * 32;
+                const int lsh = 4 * (q4 >> 1), hsh = 2 * q4;
+                const float d0 = d * (float)sc[half * 8 + q4 * 2], d1 = d * (float)sc[half * 8 + q4 * 2 + 1];
+                for (int l = 0; l < 32; l++) {
+                    const int q = (((lo[l] >> lsh) & 0xF) | ((qh[l] >> hsh) & 3) << 4) - 32;
+                    yh[q4 * 32 + l] = (l < 16 ? d0 : d1) * (float)q;
+                }
+            }
         }
         break;
     }
     case ES_GG_E4M3_ROW: { /* 256 e4m3 values, then 8 e8m0 scales */
-        for (int e = 0; e < 256; e++) y[e] = es8_e4m3(b[e]) * es8_e8m0(b[256 + (e >> 5)]);
+        for (int k = 0; k < 8; k++) {
+            const float f = es8_e8m0(b[256 + k]);
+            for (int i = 0; i < 32; i++) y[k * 32 + i] = es8_e4m3(b[k * 32 + i]) * f;
+        }
         break;
     }
     default: break;
