@@ -183,6 +183,10 @@ def _not_a_config(path):
 
 
 def cmd_inspect(args):
+    if os.fspath(args.checkpoint).endswith(".gguf"):  # a llama.cpp file: its Engram tables, no model to load
+        from .rows import gguf
+        print("\n".join(gguf.describe(args.checkpoint)))
+        return 0
     from .io import memory
     from .model import EngramModel
     _not_a_config(args.checkpoint)
