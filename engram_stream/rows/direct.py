@@ -26,7 +26,7 @@ from ..io.files import MappedFile, mapping_of
 from . import packed
 from ._direct import DirectReader, FilePart, IOPool, MemPart, RecordFile
 from ._source import DirectRows, Tier
-from .records import record_arrays
+from .records import record_arrays, record_format
 
 
 class DirectTier(Tier):
@@ -112,6 +112,7 @@ class DirectFiles(Tier):
                 self.rows_path = path
         tier_view = _TierView(tier, self.rows_path)
         self.files = {L: record_file(model, L, tier_view, rows_at) for L in model.cfg.layer_ids}
+        self.formats = {L: record_format(model.layer(L)) for L in model.cfg.layer_ids}
         self.io = IOPool(tier.qd)
 
     def open(self, model) -> "DirectFiles":
@@ -119,7 +120,7 @@ class DirectFiles(Tier):
 
     def source(self, layer, read_totals=None) -> DirectRows:
         """One engine's reader of the layer's records (its reads add to read_totals)."""
-        return DirectRows(DirectReader(self.files[layer], self.io, totals=read_totals))
+        return DirectRows(DirectReader(self.files[layer], self.io, totals=read_totals), self.formats[layer])
 
     def describe(self) -> dict:
         return {L: f.describe() for L, f in self.files.items()}
