@@ -135,6 +135,38 @@ def test_a_table_file_changed_under_the_host_function_is_recorded(plugin_checkpo
         ctx.check()
 
 
+def test_a_packed_record_that_fails_its_checksum_is_recorded_not_served(plugin_checkpoints, tmp_path):
+    """A record of the packed row file changed after packing (outside the rows open_rows
+    samples): the host function serves zeros for the call's rows, records HF_BAD_SUM with the
+    row, and check() raises RowChecksumError naming the layer and row."""
+    from engram_stream.errors import RowChecksumError
+    from engram_stream.integrations._vllm_graph import HF_BAD_SUM
+    from engram_stream.rows import packed
+    path = str(tmp_path / "v41")
+    shutil.copytree(plugin_checkpoints["rows"], path)
+    rows = packed.rows_path(path)
+    L = 1
+    lay = packed.read_header(rows)["layers"][str(L)]
+    r = next(r for r in range(lay["rows"] // 2, lay["rows"]) if r not in packed._sample_rows(lay["rows"], L))
+    with open(rows, "r+b") as f:
+        f.seek(lay["offset"] + r // lay["per_group"] * lay["group_bytes"] + r % lay["per_group"] * 264 + 5)
+        f.write(b"\x7e")
+    model = model_of(path, {"tables": "direct"})
+    assert model.tier.inner.rows_path == rows
+    src = model.row_source(L)
+    ids = np.array([[0, r, 2]], np.int32)
+    st = staging_of(src, 1, 3, False)
+    ctx = HostLookup(src, ids, st, 0, src.nrows)
+    ctx.run()
+    assert ctx.error() == (HF_BAD_SUM, r, 0) and not st.any()
+    with pytest.raises(RowChecksumError, match=f"engram_rows.bin: layer {L} row {r}: "):
+        ctx.check()
+    ids[0, 1] = 1
+    ctx.run()
+    assert ctx.error() is None
+    np.testing.assert_array_equal(st, eager(src, ids, 0, src.nrows, False))
+
+
 class Toy(RecordSource):
     def start(self, rows):
         self.n = len(rows)
