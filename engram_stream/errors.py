@@ -22,6 +22,12 @@ class FileChangedError(EngramStreamError, RuntimeError):
     """A mapped file was truncated or rewritten in place after it was mapped."""
 
 
+class RowChecksumError(FileChangedError):
+    """A record of the packed row file whose bytes do not match the checksum stored beside it
+    (the file changed after it was packed, or the disk damaged it): nothing of that read is
+    served. Names the file, the layer and the row."""
+
+
 class IsaEnvironmentError(EngramStreamError, RuntimeError):
     """ENGRAM_STREAM_ISA names a kernel path this CPU (or build) does not run: `import
     engram_stream` refuses it (engine/isa.py), and the engram-stream command prints it as its

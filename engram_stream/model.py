@@ -215,8 +215,9 @@ class EngramModel:
         if self.tier is not None:
             return self.tier.source(layer)
         from .rows._source import MappedRows  # a model made in memory: its tables are RAM arrays
+        from .rows.records import record_format
         w = self.layer(layer)
-        return MappedRows(w.table, w.table_scale)
+        return MappedRows(w.table, w.table_scale, record_format(w))
 
     def row_cache_stats(self) -> dict:
         """Row cache counters summed over this model's engines (with host_cache: over every

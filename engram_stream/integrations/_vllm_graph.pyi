@@ -8,6 +8,7 @@ HF_OK: int
 HF_BAD_ROW: int
 HF_IO: int
 HF_FILE_CHANGED: int
+HF_BAD_SUM: int
 
 # the host function hf_run's address (a CUhostFn: void (*)(void *))
 def host_fn_address() -> int: ...

@@ -31,11 +31,13 @@ from libc.string cimport memcpy, memset
 from posix.stat cimport fstat, struct_stat
 
 from engram_stream.errors import FileChangedError
+from engram_stream.rows.records import V41_RECORD
 from engram_stream.integrations._records cimport records_bf16
 from engram_stream.rows._cache cimport RowCache, es_rc_hit, es_rc_insert, es_rc_lock, es_rc_peek, es_rc_unlock, es_rowcache
-from engram_stream.rows._direct cimport (DirectReader, ES_IO_PAGE, ES_IO_SHORT, ES_IO_SPAN_MAX, RecordFile, es_io_copy_mem,
+from engram_stream.rows._direct import checksum_error
+from engram_stream.rows._direct cimport (DirectReader, ES_IO_BADSUM, ES_IO_PAGE, ES_IO_SHORT, ES_IO_SPAN_MAX, RecordFile, es_io_copy_mem,
                                          es_io_find, es_io_job, es_io_part, es_io_plan, es_io_pool, es_io_span, es_io_submit,
-                                         es_io_unique, es_io_wait)
+                                         es_io_unique, es_io_wait, es_stamp_changed)
 from engram_stream.rows._source cimport CachedRows, DirectRows, MappedRows, RecordSource, RowSource
 
 cnp.import_array()
@@ -48,6 +50,7 @@ HF_OK = 0
 HF_BAD_ROW = 1        # an id in this rank's range but past the table's rows
 HF_IO = 2             # a read failed (errno) or came short (ES_IO_SHORT)
 HF_FILE_CHANGED = 3   # a table file was truncated or replaced since it was opened
+HF_BAD_SUM = 4        # a packed record failed its checksum (the row in the slot)
 
 cdef enum:
     K_MAPPED = 1
@@ -69,7 +72,7 @@ ctypedef struct hf_ctx:
     int qd
     int nfds
     const int *fdv
-    const int64_t *stampv            # [nfds][4]
+    const int64_t *stampv            # [nfds][6]
     es_rowcache *cache               # NULL: none
     # output
     char *staging
@@ -100,15 +103,13 @@ cdef inline void _fail(hf_ctx *c, int code, int64_t row, int e) noexcept nogil:
 
 
 cdef int _files_changed(hf_ctx *c) noexcept nogil:
-    """RecordFile.check_fast without the GIL: 1 if a file's (dev, ino, size, mtime) changed."""
+    """RecordFile.check_fast without the GIL: 1 if a file changed since it was opened (es_stamp_changed)."""
     cdef struct_stat st
     cdef int i
     cdef const int64_t *s
     for i in range(c.nfds):
-        s = c.stampv + 4 * i
-        if (fstat(c.fdv[i], &st) != 0 or <int64_t> st.st_dev != s[0] or <int64_t> st.st_ino != s[1]
-                or <int64_t> st.st_size != s[2]
-                or <int64_t> st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec != s[3]):
+        s = c.stampv + 6 * i
+        if fstat(c.fdv[i], &st) != 0 or es_stamp_changed(s, &st):
             return 1
     return 0
 
@@ -131,6 +132,9 @@ cdef int _read_distinct(hf_ctx *c, int64_t nu) noexcept nogil:
     es_io_copy_mem(c.parts, c.nparts, c.u, nu, c.stage, rec)
     es_io_submit(c.pool, &c.job, c.parts, c.u, c.spans, ns, c.stage, rec, c.qd)
     e = es_io_wait(c.pool, &c.job, c.iobuf)
+    if e == ES_IO_BADSUM:
+        _fail(c, 4, c.job.err_row, 0)
+        return -1
     if e != 0:
         _fail(c, 2, c.u[0], EIO if e == ES_IO_SHORT else e)
         return -1
@@ -233,6 +237,7 @@ cdef class HostLookup:
     pool) alive. Not for two streams at once (one scratch)."""
     cdef hf_ctx c
     cdef object _keep
+    cdef object _path, _layer                # a direct source's file and layer (a checksum error names them)
 
     def __cinit__(self, RowSource source, ids, staging, int64_t lo, int64_t hi, float zero_scale=0.0):
         memset(&self.c, 0, sizeof(hf_ctx))
@@ -245,6 +250,12 @@ cdef class HostLookup:
                              f"{getattr(ids, 'dtype', type(ids))} {getattr(ids, 'shape', '')}")
         cdef int64_t T = ids.shape[0], k = ids.shape[1], rec = source.rowbytes + source.scalebytes
         cdef int64_t D = source.rowbytes, n = T * k
+        if isinstance(staging, np.ndarray) and staging.dtype == np.uint16 and source.record_format != V41_RECORD:
+            # bf16 rows are made by widening V4.1 records: the source's records must be those, whatever
+            # their size (a demo int8 row of 128 and its float32 scale are 132 bytes, as a V4.1 record)
+            raise ValueError(f"HostLookup: bf16 staging converts V4.1 records ({V41_RECORD}); this source's records "
+                             f"are {source.record_format or 'of an unknown format'} ({source.rowbytes}+"
+                             f"{source.scalebytes} bytes): stage uint8 records [T, k, {rec}] instead")
         if not (isinstance(staging, np.ndarray) and staging.flags.c_contiguous and staging.flags.writeable
                 and ((staging.dtype == np.uint8 and staging.shape == (T, k, rec))
                      or (staging.dtype == np.uint16 and staging.shape == (T, k, D)
@@ -275,6 +286,7 @@ cdef class HostLookup:
             self.c.parts, self.c.nparts = f.parts, f.nparts
             self.c.pool, self.c.qd = &dr.reader.io.pool, dr.reader.io.qd
             self.c.nfds, self.c.fdv, self.c.stampv = f.nfds, f.fdv, &f.stampv[0][0]
+            self._path, self._layer = f.paths[0], f.layer
             keep += [dr.reader, f, dr.reader.io]
             if posix_memalign(&p, ES_IO_PAGE, ES_IO_SPAN_MAX) != 0:
                 raise MemoryError()
@@ -331,7 +343,8 @@ cdef class HostLookup:
 
     def check(self):
         """Raise the first error recorded since the last check (and clear the slot): IndexError
-        (an id past the table), OSError (a failed read), FileChangedError."""
+        (an id past the table), OSError (a failed read), FileChangedError, RowChecksumError (a
+        packed record whose bytes fail their checksum: the file, layer and row)."""
         cdef int code = self.c.err, e = self.c.err_errno
         cdef int64_t row = self.c.err_row, count = self.c.nerr
         if code == 0:
@@ -340,6 +353,8 @@ cdef class HostLookup:
         more = f" ({count} failures since the last check; their rows were served as zeros)"
         if code == 1:
             raise IndexError(f"engram_stream graph lookup: id {row} is past the table's {self.c.nrows} rows{more}")
+        if code == 4:
+            raise checksum_error(self._path, self._layer, row)
         if code == 3:
             raise FileChangedError(f"engram_stream graph lookup: a table file was truncated or rewritten in place "
                                    f"after it was opened{more}")

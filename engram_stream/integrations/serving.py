@@ -15,6 +15,12 @@ import threading
 
 SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake", "host_cache")
 MOONCAKE_KEYS = ("master", "metadata", "local_host")
+# The least "row_cache_mb" of a "host_cache" (MiB). The budget is split over the layers by their
+# table bytes, and a layer whose share holds no row is refused at the model's build (every process
+# would read all its rows); the model is not known when the settings are read (at the plugin's
+# start), so this is the floor that leaves every layer of the served checkpoints its rows (a 264-byte
+# V4.1 record's cache of one row is 832 bytes: 1 MiB gives 1,260 equal layers one each).
+HOST_CACHE_MIN_MB = 1
 
 _lock = threading.Lock()
 _models = {}            # settings key -> the EngramModel serving this process's lookups
@@ -54,6 +60,10 @@ def parse_settings(value, where):
     if hc is not None and not (isinstance(hc, str) and HOST_CACHE_NAME.fullmatch(hc) and s["row_cache_mb"]):
         raise ValueError(f'{where}: "host_cache" must be a name of 1 to 64 letters, digits, "_", "." or "-" '
                          f'and needs "row_cache_mb" > 0 (the host\'s budget), got {shown(hc)}')
+    if hc is not None and s["row_cache_mb"] < HOST_CACHE_MIN_MB:
+        raise ValueError(f'{where}: "row_cache_mb" of a "host_cache" must be at least {HOST_CACHE_MIN_MB} (MiB), '
+                         f'got {s["row_cache_mb"]:g}: the budget is split over the layers, and a share too small '
+                         f'for one row leaves a layer no host cache; give "row_cache_mb" >= {HOST_CACHE_MIN_MB}')
     ck = s["checkpoint"]
     if ck is not None and not (isinstance(ck, str) and ck and "\0" not in ck and os.path.isdir(ck)):
         raise ValueError(f'{where}: "checkpoint" must be the path of a V4.1 checkpoint folder (a string), got '

@@ -272,7 +272,18 @@ def _fsync_dir(d):
 
 
 def _stamp(st):
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+    """(device, inode, size, mtime_ns, ctime_ns, nlink) of an os.stat result (stamp_changed)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink
+
+
+def stamp_changed(was, now) -> bool:
+    """Whether a file stamped `was` at open is changed at `now` (_stamp's tuples): its device,
+    inode, size or mtime differ, or its ctime does while its link count is the one at open. A
+    write with the mtime put back (utime) moves the ctime, which nobody can set; a link added or
+    removed moves it too (a new file renamed over this one unlinks it, and readers keep the old
+    inode), so a changed link count leaves the ctime out. include/engram_io.h's
+    es_stamp_changed is the same rule in C."""
+    return tuple(now[:4]) != tuple(was[:4]) or (now[4] != was[4] and now[5] == was[5])
 
 
 class MappedFile(mmap.mmap):
@@ -289,11 +300,11 @@ class MappedFile(mmap.mmap):
 
     def check(self):
         now = _stamp(os.fstat(self.fd))
-        if now != self.stamp:
+        if stamp_changed(self.stamp, now):
             what = "truncated" if now[2] < self.stamp[2] else "rewritten in place"
             raise FileChangedError(
                 f"{self.path}: {what} after it was mapped (size {self.stamp[2]} -> {now[2]} bytes, mtime "
-                f"{'changed' if now[3] != self.stamp[3] else 'same'}): its tables can no longer be read "
+                f"{'changed' if now[3] != self.stamp[3] else 'same, ctime changed'}): its tables can no longer be read "
                 f"safely. Do not modify a mapped checkpoint in place: write a new file, rename it over "
                 f"the old one (as save() does) and load it again")
 

@@ -175,13 +175,26 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 NVFP4_BLOCK = 16
 
 
+# The dtypes a global scale is read from: vLLM copies the stored tensor into its float32 parameter
+# (torch's copy_ decodes float8_e4m3fn to its value). io.safetensors holds F8_E4M3 as raw bytes:
+# its value comes from viewing them as e4m3, never from the byte (0x38 is 1.0, not 56.0).
+SCALE_CODES = ("F32", "F16", "BF16", "F8_E4M3")
+
+
 def _global_scale(folder, L, names, files, short):
     if short not in names:
         raise _err(folder, f"layer {L}: a quantized table needs its global scale {short}")
     full, shard = names[short]
-    a = np.asarray(files[shard].read(full), np.float32).reshape(-1)
+    code = files[shard].info(full).code
+    if code not in SCALE_CODES:
+        raise _err(files[shard].path, f"tensor {full!r}: a global scale of dtype {code}; a scale is stored as "
+                                      f"{', '.join(SCALE_CODES)} (integers are not scale values): re-export it")
+    a = files[shard].read(full).reshape(-1)
+    a = (a.view(E4M3) if code == "F8_E4M3" else a).astype(np.float32)
     if a.size != 1:
         raise _err(files[shard].path, f"tensor {full!r}: one global scale, got {a.size} values")
+    if not np.isfinite(a[0]):
+        raise _err(files[shard].path, f"tensor {full!r}: the global scale is {a[0]}, not a finite number")
     return np.float32(a[0])
 
 

@@ -1,7 +1,8 @@
 # Direct row reads: include/engram_io.h holds the page planning, the pread loop and the I/O pool;
 # IOPool owns a pool, RecordFile one table's record layout and open files, DirectReader one
 # caller's batch (distinct rows, spans, the records read).
-from libc.stdint cimport int64_t, int32_t
+from libc.stdint cimport int64_t, int32_t, uint64_t
+from posix.stat cimport struct_stat
 from posix.types cimport pid_t
 
 cdef extern from "engram_io.h" nogil:
@@ -10,17 +11,19 @@ cdef extern from "engram_io.h" nogil:
     enum: ES_IO_MAX_QD
     enum: ES_IO_SPAN_MAX
     enum: ES_IO_SHORT
+    enum: ES_IO_BADSUM
     ctypedef struct es_io_part:
         int fd
         const char *mem
-        int64_t base, bytes, per_group, group_bytes, dst_off
+        int64_t base, bytes, per_group, group_bytes, dst_off, sums
+        uint64_t seed
     ctypedef struct es_io_span:
         int32_t part
         int64_t k0, k1, off, len, need
     ctypedef struct es_io_job:
         int64_t nspans, bytes
         int err
-        int64_t err_span, err_got
+        int64_t err_span, err_got, err_row
     ctypedef struct es_io_pool:
         int nthreads, started
     int64_t es_io_off(const es_io_part *p, int64_t row) noexcept
@@ -36,6 +39,10 @@ cdef extern from "engram_io.h" nogil:
     int64_t es_io_unique(const int64_t *rows, int64_t n, int64_t *u) noexcept
     int64_t es_io_find(const int64_t *u, int64_t m, int64_t r) noexcept
     double es_io_now() noexcept
+    int es_stamp_changed(const int64_t *s, const struct_stat *st) noexcept
+    uint64_t es_io_sum(const void *data, int64_t len, uint64_t seed) noexcept
+    void es_io_sums(const char *recs, int64_t n, int64_t stride, int64_t len, uint64_t seed, int64_t first,
+                    uint64_t *out) noexcept
 
 
 cdef class IOPool:
@@ -50,10 +57,11 @@ cdef class RecordFile:
     cdef readonly int64_t nrows, recbytes, rowbytes, scalebytes
     cdef readonly object paths          # the files' paths (messages, FileChangedError)
     cdef readonly object direct         # per file part: O_DIRECT in effect
+    cdef readonly object layer          # the layer whose records these are (errors name it), or None
     cdef object _fds, _stamps, _keep
     cdef int nfds
-    cdef int fdv[ES_IO_MAX_PARTS]           # the open files, and their (dev, ino, size, mtime_ns) at open
-    cdef int64_t stampv[ES_IO_MAX_PARTS][4]
+    cdef int fdv[ES_IO_MAX_PARTS]           # the open files, and their stamps at open (io.files._stamp)
+    cdef int64_t stampv[ES_IO_MAX_PARTS][6]
     cdef int check_fast(self) except -1
     cdef object __weakref__
 

@@ -14,6 +14,13 @@ system takes it (else buffered: tmpfs refuses O_DIRECT at open). Engines use the
 submit()/wait()/record() (no Python object per row); read() is the same for Python callers.
 A failed read raises OSError (a short one: EIO naming the file, offset and byte counts; a file
 changed since it was opened: FileChangedError) and nothing read by that batch is served.
+
+A file changed since it was opened is one whose (device, inode, size, mtime, ctime) fstat
+differs: ctime too, since anyone can put an mtime back (utime) but nobody can set a ctime.
+Checksummed parts (the packed row file's: FilePart(sums=...)) are checked record by record as
+they are read, in C (engram_io.h's es_io_sum): a record whose bytes are not the ones packed
+(changed before the file was opened, or between the stat check and the read) raises
+RowChecksumError naming the layer and row, and nothing of its batch is served.
 """
 import errno as _errno
 import mmap
@@ -23,13 +30,14 @@ import stat
 import numpy as np
 cimport numpy as cnp
 from libc.math cimport log2
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 from posix.stat cimport fstat, struct_stat
 from posix.unistd cimport close
 
-from engram_stream.errors import FileChangedError
+from engram_stream.errors import FileChangedError, RowChecksumError
+from engram_stream.io.files import _stamp, stamp_changed
 
 cnp.import_array()
 
@@ -46,28 +54,44 @@ WAIT_BUCKETS = 240          # read-wait histogram: 8 buckets per octave from 1 u
 
 class FilePart:
     """One part of a record read from a file: row r's bytes at
-    offset + (r // per_group) * group_bytes + (r % per_group) * nbytes."""
+    offset + (r // per_group) * group_bytes + (r % per_group) * nbytes. sums: the offset in a
+    group of its records' 8-byte checksums (record k's at sums + 8 k: es_io_sum of its bytes,
+    seeded seed + r), checked at every read; None: no checksums."""
 
-    def __init__(self, path, offset, nbytes, per_group=1, group_bytes=None):
+    def __init__(self, path, offset, nbytes, per_group=1, group_bytes=None, sums=None, seed=0):
         self.path, self.offset, self.nbytes = os.fspath(path), int(offset), int(nbytes)
         self.per_group = int(per_group)
         self.group_bytes = int(nbytes if group_bytes is None else group_bytes)
+        self.sums, self.seed = (None if sums is None else int(sums)), int(seed)
         if self.offset < 0 or self.nbytes <= 0 or self.per_group <= 0 \
                 or self.group_bytes < self.per_group * self.nbytes:
             raise ValueError(f"FilePart({self.path!r}): offset {self.offset} >= 0, nbytes {self.nbytes} > 0 and "
                              f"group_bytes {self.group_bytes} >= per_group {self.per_group} x nbytes needed")
+        if self.sums is not None and not (self.per_group * self.nbytes <= self.sums
+                                          and self.sums + 8 * self.per_group <= self.group_bytes):
+            raise ValueError(f"FilePart({self.path!r}): checksums at {self.sums} must follow the group's "
+                             f"{self.per_group} x {self.nbytes} record bytes and end within its {self.group_bytes}")
+        if not 0 <= self.seed < 1 << 64:
+            raise ValueError(f"FilePart({self.path!r}): seed {self.seed} is not a 64-bit unsigned value")
+
+    def extent(self):
+        """The most bytes one row's read must span (its record, and its checksum after it)."""
+        if self.sums is None:
+            return self.nbytes
+        return self.sums + 8 + max(0, (self.per_group - 1) * (8 - self.nbytes))
 
     def end(self, nrows):
-        """The file size the part's last row needs."""
+        """The file size the part's last row needs (its checksum's end too)."""
         if nrows == 0:
             return 0
         r = nrows - 1
-        return self.offset + (r // self.per_group) * self.group_bytes + (r % self.per_group) * self.nbytes \
-            + self.nbytes
+        g = self.offset + (r // self.per_group) * self.group_bytes
+        end = g + (r % self.per_group) * self.nbytes + self.nbytes
+        return end if self.sums is None else max(end, g + self.sums + 8 * (r % self.per_group) + 8)
 
     def __repr__(self):
         return (f"FilePart({self.path!r}, offset={self.offset}, nbytes={self.nbytes}, per_group={self.per_group}, "
-                f"group_bytes={self.group_bytes})")
+                f"group_bytes={self.group_bytes}" + ("" if self.sums is None else f", sums={self.sums}") + ")")
 
 
 class MemPart:
@@ -84,8 +108,22 @@ class MemPart:
         return f"MemPart({self.array.shape[0]} x {self.nbytes} bytes)"
 
 
-def _stamp(st):
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def record_sums(const uint8_t[:, ::1] records, uint64_t seed, int64_t first):
+    """uint64[n]: the checksum of each record of records [n, bytes] (row first + i) as the
+    direct reader checks them (es_io_sum: XXH64 of the bytes, seeded seed + row). The packed
+    row file's writer stores them."""
+    cdef int64_t n = records.shape[0], nb = records.shape[1]
+    out = np.empty(n, np.uint64)
+    cdef uint64_t[::1] o = out
+    if n and nb:
+        with nogil:
+            es_io_sums(<const char *> &records[0, 0], n, nb, nb, seed, first, &o[0])
+    elif n:
+        for i in range(n):
+            o[i] = es_io_sum(NULL, 0, seed + <uint64_t> (first + i))
+    return out
 
 
 def _open(path, direct):
@@ -142,16 +180,17 @@ cdef class IOPool:
 cdef class RecordFile:
     """A table's row records in files: nrows records of the parts' bytes in order (FilePart,
     MemPart). rowbytes: the bytes of a record that are the row (the rest is its scale; default
-    the first part's bytes). direct: try O_DIRECT. The files stay open while this lives; check()
-    refuses files changed since (FileChangedError)."""
+    the first part's bytes). direct: try O_DIRECT. layer: the layer the records are of (errors
+    name it). The files stay open while this lives; check() refuses files changed since
+    (FileChangedError)."""
 
-    def __cinit__(self, int64_t nrows, parts, rowbytes=None, bint direct=True):
+    def __cinit__(self, int64_t nrows, parts, rowbytes=None, bint direct=True, layer=None):
         parts = list(parts)
         if not 1 <= len(parts) <= ES_IO_MAX_PARTS:
             raise ValueError(f"a record has 1 to {ES_IO_MAX_PARTS} parts, got {len(parts)}")
         if nrows < 0:
             raise ValueError(f"nrows must be >= 0, got {nrows}")
-        self.nrows, self.nparts = nrows, len(parts)
+        self.nrows, self.nparts, self.layer = nrows, len(parts), layer
         self._fds, self._stamps, self._keep, paths, direct_in = {}, {}, [], [], []
         cdef int64_t off = 0
         cdef int i
@@ -166,11 +205,12 @@ cdef class RecordFile:
                     self.parts[i].base = 0
                     self.parts[i].bytes = self.parts[i].group_bytes = p.nbytes
                     self.parts[i].per_group = 1
+                    self.parts[i].sums, self.parts[i].seed = -1, 0
                     paths.append(None)
                     direct_in.append(False)
                 elif isinstance(p, FilePart):
-                    if p.nbytes > MAX_PART_BYTES:
-                        raise ValueError(f"{p.path}: a record part of {p.nbytes} bytes is more than one direct read "
+                    if p.extent() > MAX_PART_BYTES:
+                        raise ValueError(f"{p.path}: a record part of {p.extent()} bytes is more than one direct read "
                                          f"holds ({MAX_PART_BYTES} bytes: the I/O buffers' {ES_IO_SPAN_MAX} less a "
                                          f"page of alignment); read this table mapped (tables='mapped') instead")
                     if p.path not in self._fds:
@@ -189,6 +229,8 @@ cdef class RecordFile:
                     self.parts[i].mem = NULL
                     self.parts[i].base, self.parts[i].bytes = p.offset, p.nbytes
                     self.parts[i].per_group, self.parts[i].group_bytes = p.per_group, p.group_bytes
+                    self.parts[i].sums = -1 if p.sums is None else p.sums
+                    self.parts[i].seed = p.seed
                     paths.append(p.path)
                     direct_in.append(d)
                 else:
@@ -216,7 +258,7 @@ cdef class RecordFile:
             if now:
                 self._stamps[path] = _stamp(os.fstat(fd))
             self.fdv[self.nfds] = fd
-            for i in range(4):
+            for i in range(6):
                 self.stampv[self.nfds][i] = self._stamps[path][i]
             self.nfds += 1
 
@@ -225,9 +267,7 @@ cdef class RecordFile:
         cdef struct_stat st
         cdef int i
         for i in range(self.nfds):
-            if (fstat(self.fdv[i], &st) != 0 or <int64_t> st.st_dev != self.stampv[i][0]
-                    or <int64_t> st.st_ino != self.stampv[i][1] or <int64_t> st.st_size != self.stampv[i][2]
-                    or <int64_t> st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec != self.stampv[i][3]):
+            if fstat(self.fdv[i], &st) != 0 or es_stamp_changed(self.stampv[i], &st):
                 self.check()  # raises, with the message
         return 0
 
@@ -247,8 +287,10 @@ cdef class RecordFile:
         for path, (fd, _) in self._fds.items():
             now = _stamp(os.fstat(fd))
             was = self._stamps[path]
-            if now != was:
-                what = "truncated" if now[2] < was[2] else "rewritten in place"
+            if stamp_changed(was, now):
+                what = ("truncated" if now[2] < was[2] else "rewritten in place" if now[2:4] != was[2:4] else
+                        "changed in place (its ctime moved: written with its mtime put back, or its inode's "
+                        "metadata changed)")
                 raise FileChangedError(f"{path}: {what} after it was opened for row reads (size {was[2]} -> "
                                        f"{now[2]} bytes): its rows can no longer be read safely. Do not modify a "
                                        f"checkpoint in place: write a new one and load it again")
@@ -369,6 +411,8 @@ cdef class DirectReader:
         cdef es_io_span s = self.spans[self.job.err_span]
         self.m = 0  # nothing of this batch is served
         path = self.file.paths[s.part]
+        if e == ES_IO_BADSUM:
+            raise checksum_error(path, self.file.layer, self.job.err_row)
         if e == ES_IO_SHORT:
             self.file.check()  # a file truncated under us explains a short read best
             raise OSError(_errno.EIO, f"{path}: short read at offset {s.off}: {self.job.err_got} of {s.need} bytes "
@@ -397,6 +441,14 @@ cdef class DirectReader:
         """reads (preads), bytes_read, rows_read (distinct rows), calls, wait_seconds, wait_hist."""
         return {"reads": self.reads, "bytes_read": self.bytes_read, "rows_read": self.rows_read,
                 "calls": self.calls, "wait_seconds": self.wait_seconds, "wait_hist": self.hist.copy()}
+
+
+def checksum_error(path, layer, row):
+    """The RowChecksumError of a record whose bytes fail their checksum."""
+    return RowChecksumError(f"{path}: layer {layer} row {row}: the record read does not match its checksum (the "
+                            f"file's bytes are not the ones packed: changed on disk, or damaged); nothing of this "
+                            f"read was served. Write the row file again: `engram-stream pack-rows --force` on the "
+                            f"checkpoint (or delete {os.path.basename(path)} to read the checkpoint's own files)")
 
 
 TOTALS = 3 + WAIT_BUCKETS   # a totals array: reads, bytes_read, rows_read, then the wait histogram

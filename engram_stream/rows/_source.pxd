@@ -12,6 +12,7 @@ cdef class RowSource:
     cdef readonly int64_t nrows        # rows of the table (valid rows: 0 .. nrows-1)
     cdef readonly int64_t rowbytes     # bytes of a row's data
     cdef readonly int64_t scalebytes   # bytes of its scale (0: none)
+    cdef readonly object record_format # what a record's bytes are (rows.records.record_format), or None: unknown
     cdef readonly bint fallible        # resolve()/submit() may raise: engines keep what a rollback needs
     cdef public bint bound             # an engine reads through it (one engine a source, but a MappedRows)
 

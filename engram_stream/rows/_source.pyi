@@ -16,6 +16,7 @@ class RowSource:
     nrows: int
     rowbytes: int    # bytes of a row's data
     scalebytes: int  # bytes of its scale (0: none)
+    record_format: Optional[str]  # what a record's bytes are (rows.records.record_format); None: unknown
     fallible: bool   # reads can fail (remote, disk)
     bound: bool      # an engine reads through it (one engine a source, but a MappedRows)
     @property
@@ -28,7 +29,8 @@ class MappedRows(RowSource):
     """A table in memory or mapped from its file: pointers straight into it."""
 
     paged: bool  # a view of a mapped file: prefetch() asks the kernel for the rows' pages
-    def __init__(self, data: np.ndarray, scale: Optional[np.ndarray] = None) -> None: ...
+    def __init__(self, data: np.ndarray, scale: Optional[np.ndarray] = None,
+                 record_format: Optional[str] = None) -> None: ...
 
 class CachedRows(RowSource):
     """A layer's shared RAM row cache in front of any other RowSource (its misses are that
@@ -42,14 +44,15 @@ class CachedRows(RowSource):
 class DirectRows(RowSource):
     """Rows read from files (a DirectReader) with no cache."""
 
-    def __init__(self, reader: DirectReader) -> None: ...
+    def __init__(self, reader: DirectReader, record_format: Optional[str] = None) -> None: ...
     @property
     def reading(self) -> bool: ...
 
 class RecordSource(RowSource):
     """Records fetched in one batch a call by Python code: subclass with start(rows) and finish()."""
 
-    def __init__(self, nrows: int, rowbytes: int, scalebytes: int = 0) -> None: ...
+    def __init__(self, nrows: int, rowbytes: int, scalebytes: int = 0,
+                 record_format: Optional[str] = None) -> None: ...
     @property
     def reading(self) -> bool: ...
     def start(self, rows: npt.NDArray[np.int64]) -> None: ...  # sorted, distinct, in range

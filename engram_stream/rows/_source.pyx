@@ -149,9 +149,10 @@ cdef class RowSource:
 cdef class MappedRows(RowSource):
     """`data`: the table as any C-contiguous array of `nrows` rows; `scale`: its per-row scales
     (None: none). Both are borrowed read-only (a RAM array or a view of a mapped file: then, and
-    only then, prefetch() asks the kernel to page rows in)."""
+    only then, prefetch() asks the kernel to page rows in). record_format: what a record's bytes
+    are (rows.records.record_format of the layer); None: the arrays' dtypes ("uint8+uint8")."""
 
-    def __cinit__(self, data, scale=None):
+    def __cinit__(self, data, scale=None, record_format=None):
         if not (isinstance(data, np.ndarray) and data.flags.c_contiguous and data.ndim >= 1):
             raise ValueError("MappedRows: the table must be a C-contiguous array")
         self.nrows = data.shape[0]
@@ -165,6 +166,8 @@ cdef class MappedRows(RowSource):
             self.scalebytes = scale.nbytes // max(self.nrows, 1)
             self.scale = <const char *> cnp.PyArray_DATA(scale)
         self.fallible = False
+        self.record_format = (record_format if record_format is not None else
+                              data.dtype.name + ("" if scale is None else "+" + scale.dtype.name))
         self.paged = mapping_of(data) is not None
         self._keep = (data, scale)
 
@@ -206,10 +209,11 @@ cdef class MappedRows(RowSource):
 cdef class DirectRows(RowSource):
     """A table's rows read from its files (tables="direct"): submit() starts reading the call's
     distinct rows (de-duplicated by page, O_DIRECT, the I/O pool), resolve() waits for them and
-    points into the reader's records (valid until the next submit)."""
+    points into the reader's records (valid until the next submit). record_format: what a
+    record's bytes are (rows.records.record_format of the layer; None: unknown)."""
 
-    def __cinit__(self, DirectReader reader):
-        self.reader = reader
+    def __cinit__(self, DirectReader reader, record_format=None):
+        self.reader, self.record_format = reader, record_format
         self.nrows, self.rowbytes = reader.file.nrows, reader.file.rowbytes
         self.scalebytes = reader.file.scalebytes
         self.fallible = True
@@ -267,15 +271,16 @@ cdef class RecordSource(RowSource):
                       strided), record k of rows[k] at [k]; raise (TierError, OSError) on
                       anything short: nothing is used
 
-    and call RecordSource.__init__(self, nrows, rowbytes, scalebytes) first. One fetch is in
+    and call RecordSource.__init__(self, nrows, rowbytes, scalebytes, record_format) first. One fetch is in
     flight per source (a start() whose finish() was never asked - an aborted call - is finished
     and dropped before the next). The array finish() returns is read until the next start()."""
 
-    def __init__(self, nrows, rowbytes, scalebytes=0):
+    def __init__(self, nrows, rowbytes, scalebytes=0, record_format=None):
         if not (nrows >= 0 and rowbytes > 0 and scalebytes >= 0):
             raise ValueError(f"RecordSource: nrows {nrows!r}, rowbytes {rowbytes!r}, scalebytes {scalebytes!r}: "
                              f"need nrows >= 0, rowbytes > 0, scalebytes >= 0")
         self.nrows, self.rowbytes, self.scalebytes = nrows, rowbytes, scalebytes
+        self.record_format = record_format
         self.fallible = True
 
     def __dealloc__(self):
@@ -374,6 +379,7 @@ cdef class CachedRows(RowSource):
                              f"{source.rowbytes}+{source.scalebytes} bytes")
         self.cache, self.source = cache, source
         self.nrows, self.rowbytes, self.scalebytes = source.nrows, source.rowbytes, source.scalebytes
+        self.record_format = source.record_format
         self.fallible = source.fallible
 
     def __dealloc__(self):

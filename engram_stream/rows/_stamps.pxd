@@ -7,6 +7,6 @@ cdef class FileStamps:
     cdef object files                  # the MappedFiles (their check() raises with the message)
     cdef int nfiles
     cdef int fds[16]
-    cdef int64_t stamps[16][4]         # (dev, ino, size, mtime_ns) at load
+    cdef int64_t stamps[16][6]         # (dev, ino, size, mtime_ns, ctime_ns, nlink) at load
 
     cdef int check(self) except -1

@@ -2,10 +2,15 @@
 """FileStamps: the mapped files under a layer's arrays (table, weights), fstat'ed before every
 read of an engine (rows/_stamps.pxd declares it). A file truncated (a read past its end dies
 with SIGBUS) or rewritten in place (its table mixes with weights read at load) since load
-raises FileChangedError, with io.files.MappedFile.check()'s message. One fstat a file: cheap
-enough for every call."""
+raises FileChangedError, with io.files.MappedFile.check()'s message. The stamp is (device,
+inode, size, mtime, ctime, link count), compared as io.files.stamp_changed does (es_stamp_changed):
+a file written with its mtime put back (utime) still has a new ctime, which nobody can set. One
+fstat a file: cheap enough for every call."""
 from libc.stdint cimport int64_t
 from posix.stat cimport fstat, struct_stat
+
+cdef extern from "engram_io.h" nogil:
+    int es_stamp_changed(const int64_t *s, const struct_stat *st)
 
 from engram_stream.io.files import MappedFile, mapping_of
 
@@ -35,9 +40,7 @@ cdef class FileStamps:
         cdef struct_stat st
         cdef int i
         for i in range(self.nfiles):
-            if (fstat(self.fds[i], &st) != 0 or <int64_t> st.st_dev != self.stamps[i][0]
-                    or <int64_t> st.st_ino != self.stamps[i][1] or <int64_t> st.st_size != self.stamps[i][2]
-                    or <int64_t> st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec != self.stamps[i][3]):
+            if fstat(self.fds[i], &st) != 0 or es_stamp_changed(self.stamps[i], &st):
                 self.files[i].check()  # raises, with the message
         return 0
 

@@ -26,7 +26,7 @@ from ..io.files import MappedFile, mapping_of
 from . import packed
 from ._direct import DirectReader, FilePart, IOPool, MemPart, RecordFile
 from ._source import DirectRows, Tier
-from .records import record_arrays
+from .records import record_arrays, record_format
 
 
 class DirectTier(Tier):
@@ -74,14 +74,15 @@ def _extent(a, model=None, layer=None):
 
 def record_file(model, layer, tier, rows_at=None) -> RecordFile:
     """The RecordFile of one layer's records (see the module doc). rows_at: {layer: (offset,
-    per_group, group_bytes)} of a packed row file already opened (open_rows), or None."""
+    per_group, group_bytes, sums, seed)} of a packed row file already opened (open_rows), or None."""
     w = model.layer(layer)
     rows, scales = record_arrays(w)
     n, rb = rows.shape[0], rows.shape[1]
     sb = 0 if scales is None else scales.shape[1]
     if rows_at is not None:
-        off, per, gb = rows_at[layer]
-        return RecordFile(n, [FilePart(tier.rows_path, off, rb + sb, per, gb)], rowbytes=rb, direct=tier.o_direct)
+        off, per, gb, sums, seed = rows_at[layer]
+        return RecordFile(n, [FilePart(tier.rows_path, off, rb + sb, per, gb, sums=sums, seed=seed)], rowbytes=rb,
+                          direct=tier.o_direct, layer=layer)
     path, off = _extent(w.table, model, layer)
     parts = [FilePart(path, off, rb)]
     if scales is not None:
@@ -90,7 +91,7 @@ def record_file(model, layer, tier, rows_at=None) -> RecordFile:
         else:
             spath, soff = _extent(w.table_scale)
             parts.append(FilePart(spath, soff, sb))
-    return RecordFile(n, parts, rowbytes=rb, direct=tier.o_direct)
+    return RecordFile(n, parts, rowbytes=rb, direct=tier.o_direct, layer=layer)
 
 
 class DirectFiles(Tier):
@@ -112,6 +113,7 @@ class DirectFiles(Tier):
                 self.rows_path = path
         tier_view = _TierView(tier, self.rows_path)
         self.files = {L: record_file(model, L, tier_view, rows_at) for L in model.cfg.layer_ids}
+        self.formats = {L: record_format(model.layer(L)) for L in model.cfg.layer_ids}
         self.io = IOPool(tier.qd)
 
     def open(self, model) -> "DirectFiles":
@@ -119,7 +121,7 @@ class DirectFiles(Tier):
 
     def source(self, layer, read_totals=None) -> DirectRows:
         """One engine's reader of the layer's records (its reads add to read_totals)."""
-        return DirectRows(DirectReader(self.files[layer], self.io, totals=read_totals))
+        return DirectRows(DirectReader(self.files[layer], self.io, totals=read_totals), self.formats[layer])
 
     def describe(self) -> dict:
         return {L: f.describe() for L, f in self.files.items()}

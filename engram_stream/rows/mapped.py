@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..io.files import mapping_of
 from ..io.memory import advise
 from ._source import MappedRows, Tier
+from .records import record_format
 
 
 class MappedTier(Tier):
@@ -23,9 +24,10 @@ class MappedTables(MappedTier):
     """A MappedTier opened for one model: each engine's MappedRows points into its tables."""
 
     def __init__(self, model):
-        self.layers = {L: (model.layer(L).table, model.layer(L).table_scale) for L in model.cfg.layer_ids}
+        self.layers = {L: (model.layer(L).table, model.layer(L).table_scale, record_format(model.layer(L)))
+                       for L in model.cfg.layer_ids}
         for arrays in self.layers.values():
-            for a in arrays:
+            for a in arrays[:2]:
                 if a is not None and a.nbytes and mapping_of(a) is not None:
                     advise(a, "random")
 

@@ -69,7 +69,7 @@ from ..io.memory import byte_chunks, file_extent, read_rows
 from ._cache import slot_bytes
 from ._direct import add_read
 from ._source import RecordSource, Tier
-from .records import record_arrays, record_layout
+from .records import record_arrays, record_format, record_layout
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 LOG_LEVEL = "ERROR"   # the client's default MC_LOG_LEVEL here
@@ -704,7 +704,7 @@ class RemoteRows(RecordSource):
     def __init__(self, tier, model, layer, totals=None, read_totals=None, name=None):
         w = model.layer(layer)
         rowbytes, scalebytes = record_layout(w)
-        super().__init__(int(model.plan.table_rows[layer]), rowbytes, scalebytes)
+        super().__init__(int(model.plan.table_rows[layer]), rowbytes, scalebytes, record_format(w))
         self.tier, self.layer = tier, layer
         self.recbytes = rowbytes + scalebytes
         self.stride = slot_bytes(self.recbytes)

@@ -4,9 +4,16 @@ row costs one read.
 A V4.1 checkpoint keeps a layer's `embed.weight` [N, 256] and `embed.scale` [N, 8] as separate
 extents of its shards: reading a row from them is two reads, and a 256-byte row at the shard's
 odd offset straddles a page one time in sixteen. The row file holds each row's *record* (its
-bytes, then its scale's: 264 bytes for V4.1) with as many records per 4 KiB page as fit whole
-(15 for V4.1; 1 record per page group when a record is larger than a page), so one aligned
-read of one page serves a row, with O_DIRECT or not.
+bytes, then its scale's: 264 bytes for V4.1) and the record's 8-byte checksum, with as many
+records and their checksums per 4 KiB page as fit whole (15 for V4.1, their 15 checksums after
+them; 1 record per run of pages when a record and its checksum are larger than a page), so one
+aligned read of one page serves a row and its checksum, with O_DIRECT or not.
+
+The checksum of row r of layer L is XXH64 of the record's bytes seeded (L << 40) + r
+(rows._direct.record_sums, engram_io.h's es_io_sum: the same value on every CPU). The direct
+reader checks it in C at every read of the record: a record changed after packing (outside
+the rows open_rows samples, its mtime put back; or in place while a model reads it) raises
+RowChecksumError naming the layer and row, and is never served.
 
     engram-stream pack-rows DIR            # writes DIR/engram_rows.bin (a demo file F: F.rows)
     pack_rows(model, rows_path(DIR))       # the same from Python
@@ -15,9 +22,12 @@ Layout: the header's pages come first (8 magic bytes, the JSON length as a littl
 the JSON; as many pages as it needs: one for a few layers, more for many); each layer's pages
 follow, starting on a page boundary:
 
-    {"format": 1, "page": 4096, "variant": ..., "layers": {"L": {"offset", "rows", "rowbytes",
-     "scalebytes", "per_group", "group_bytes", "pages", "digest"}},
+    {"format": 2, "page": 4096, "checksum": "xxh64", "variant": ..., "layers": {"L": {"offset",
+     "rows", "rowbytes", "scalebytes", "per_group", "group_bytes", "sums", "pages", "digest"}},
      "source": {"FILE": [size, mtime_ns], ...}, "tables": null}
+
+`sums`: the byte of a group where its records' checksums start (right after its records). A row
+file of format 1 (no checksums) is refused, naming the command that writes it again.
 
 `source`: the checkpoint files the rows were packed from (names relative to the checkpoint's
 folder) as they stood then: a checkpoint saved again since (its files' size or mtime differ)
@@ -46,11 +56,14 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..io.files import atomic_output, open_regular
+from ._direct import record_sums
 from .records import record_arrays, tables_digest
 
 PAGE = 4096
 MAGIC = b"ENGRROWS"
-FORMAT = 1
+FORMAT = 2                   # 2: a checksum beside every record (1: none, refused)
+CHECKSUM = "xxh64"
+SUM_BYTES = 8
 NAME = "engram_rows.bin"     # beside a V4.1 folder's shards
 SUFFIX = ".rows"             # beside a demo checkpoint file
 SAMPLES = 16                 # rows per layer compared with the checkpoint at open
@@ -68,10 +81,19 @@ def rows_path(ckpt) -> str:
 
 
 def group_layout(recbytes):
-    """(records per group, group bytes): whole records per page, or one record per run of pages."""
-    if recbytes <= PAGE:
-        return PAGE // recbytes, PAGE
-    return 1, -(-recbytes // PAGE) * PAGE
+    """(records per group, group bytes, where its checksums start): whole records and their
+    checksums per page, or one record and its checksum per run of pages."""
+    slot = recbytes + SUM_BYTES
+    if slot <= PAGE:
+        per = PAGE // slot
+        return per, PAGE, per * recbytes
+    return 1, -(-slot // PAGE) * PAGE, recbytes
+
+
+def sum_seed(L) -> int:
+    """The checksum seed of layer L's records (row r: seed + r): a record written at another row
+    or of another layer fails its check."""
+    return int(L) << 40
 
 
 def source_stamps(model) -> dict | None:
@@ -115,14 +137,14 @@ def _plan_from(model, first, source, tables) -> dict:
     for L in model.cfg.layer_ids:
         rows, scales = record_arrays(model.layer(L))
         rb, sb = rows.shape[1], 0 if scales is None else scales.shape[1]
-        per, gb = group_layout(rb + sb)
+        per, gb, sums = group_layout(rb + sb)
         n = rows.shape[0]
         pages = -(-n // per) * (gb // PAGE)
         layers[str(L)] = {"offset": off, "rows": n, "rowbytes": rb, "scalebytes": sb, "per_group": per,
-                          "group_bytes": gb, "pages": pages, "digest": None}
+                          "group_bytes": gb, "sums": sums, "pages": pages, "digest": None}
         off += pages * PAGE
-    return {"format": FORMAT, "page": PAGE, "variant": model.cfg.variant, "layers": layers, "size": off,
-            "source": source, "tables": tables}
+    return {"format": FORMAT, "page": PAGE, "checksum": CHECKSUM, "variant": model.cfg.variant, "layers": layers,
+            "size": off, "source": source, "tables": tables}
 
 
 def _header_pages(head) -> int:
@@ -130,17 +152,21 @@ def _header_pages(head) -> int:
     return min((lay["offset"] for lay in head["layers"].values()), default=head["size"]) // PAGE
 
 
-def _groups(rows, scales, lay, g0, g1):
-    """Groups [g0, g1) of a layer as bytes: uint8 [(g1 - g0) * group_bytes], padding zero."""
-    per, gb, rb = lay["per_group"], lay["group_bytes"], lay["rowbytes"]
+def _groups(rows, scales, lay, g0, g1, seed):
+    """Groups [g0, g1) of a layer as bytes: uint8 [(g1 - g0) * group_bytes]: each group's records,
+    then their checksums (little-endian u64; a slot past the last row: 0), padding zero."""
+    per, gb, rb, sums = lay["per_group"], lay["group_bytes"], lay["rowbytes"], lay["sums"]
     rec = rb + lay["scalebytes"]
     r0, r1 = g0 * per, min(g1 * per, lay["rows"])
     recs = np.zeros(((g1 - g0) * per, rec), np.uint8)
     recs[:r1 - r0, :rb] = rows[r0:r1]
     if scales is not None:
         recs[:r1 - r0, rb:] = scales[r0:r1]
+    sum_of = np.zeros((g1 - g0) * per, "<u8")
+    sum_of[:r1 - r0] = record_sums(recs[:r1 - r0], seed, r0)
     out = np.zeros((g1 - g0, gb), np.uint8)
     out[:, :per * rec] = recs.reshape(g1 - g0, per * rec)
+    out[:, sums:sums + per * SUM_BYTES] = sum_of.view(np.uint8).reshape(g1 - g0, per * SUM_BYTES)
     return out.reshape(-1)
 
 
@@ -151,7 +177,7 @@ def _layer_chunks(model, L, lay):
     groups = lay["pages"] * PAGE // lay["group_bytes"]
     step = max(1, CHUNK_PAGES * PAGE // lay["group_bytes"])
     for g in range(0, groups, step):
-        yield _groups(rows, scales, lay, g, min(groups, g + step))
+        yield _groups(rows, scales, lay, g, min(groups, g + step), sum_seed(L))
 
 
 def pack_rows(model, path=None, progress=None, before_write=None) -> dict:
@@ -250,6 +276,13 @@ def read_header(path) -> dict:
         head = json.loads(text) if len(text) == n else None
     except (UnicodeDecodeError, ValueError):
         head = None
+    fmt = head.get("format") if isinstance(head, dict) else None
+    if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt != FORMAT:
+        ckpt = os.path.dirname(path) if os.path.basename(path) == NAME else path.removesuffix(SUFFIX)
+        raise RowsFileError(f"{path}: a row file of format {fmt}; this engram_stream reads format {FORMAT} (a "
+                            f"checksum beside every record, checked at each read): write it again with "
+                            f"`engram-stream pack-rows --force {ckpt}` (or delete it: direct reads then come "
+                            f"from the checkpoint's own files)")
     if not _header_ok(head):
         raise RowsFileError(f"{path}: unreadable row file header (format {FORMAT} expected): "
                             f"pack it again (engram-stream pack-rows --force)")
@@ -258,7 +291,7 @@ def read_header(path) -> dict:
     return head
 
 
-_LAYER_INTS = ("offset", "rows", "rowbytes", "scalebytes", "per_group", "group_bytes", "pages")
+_LAYER_INTS = ("offset", "rows", "rowbytes", "scalebytes", "per_group", "group_bytes", "sums", "pages")
 
 
 def _header_ok(head) -> bool:
@@ -267,7 +300,7 @@ def _header_ok(head) -> bool:
     def uint(v):
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
     if not (isinstance(head, dict) and head.get("format") == FORMAT and head.get("page") == PAGE
-            and isinstance(head.get("variant"), str) and uint(head.get("size"))
+            and head.get("checksum") == CHECKSUM and isinstance(head.get("variant"), str) and uint(head.get("size"))
             and isinstance(head.get("layers"), dict)):
         return False
     src = head.get("source")
@@ -292,9 +325,10 @@ def _sample_rows(n, L):
 
 
 def open_rows(model, path) -> dict:
-    """{layer: (offset, per_group, group_bytes)} of a row file that is model's: the header's
-    layers, rows and record layout must match, and sampled records must equal the checkpoint's
-    bytes (RowsFileError names what differs and the fix)."""
+    """{layer: (offset, per_group, group_bytes, sums, seed)} of a row file that is model's: the
+    header's layers, rows and record layout must match, and sampled records must equal the
+    checkpoint's bytes (RowsFileError names what differs and the fix). The rest of the records
+    are checked as they are read (their checksums)."""
     path = os.fspath(path)
     head = read_header(path)
     fix = f"run `engram-stream pack-rows --force` on the checkpoint again, or delete {path}"
@@ -318,7 +352,7 @@ def open_rows(model, path) -> dict:
         fd = f.fileno()
         for L in model.cfg.layer_ids:
             lay, w = head["layers"][str(L)], want[str(L)]
-            for k in ("offset", "rows", "rowbytes", "scalebytes", "per_group", "group_bytes", "pages"):
+            for k in _LAYER_INTS:
                 if lay.get(k) != w[k]:
                     raise RowsFileError(f"{path}: layer {L} {k} is {lay.get(k)}, the model's is {w[k]}: {fix}")
             rows, scales = record_arrays(model.layer(L))
@@ -330,7 +364,7 @@ def open_rows(model, path) -> dict:
                 if got != exp:
                     raise RowsFileError(f"{path}: row {r} of layer {L} differs from the checkpoint's (a row file of "
                                         f"other weights?): {fix}")
-            out[L] = (lay["offset"], lay["per_group"], lay["group_bytes"])
+            out[L] = (lay["offset"], lay["per_group"], lay["group_bytes"], lay["sums"], sum_seed(L))
     return out
 
 

@@ -92,3 +92,16 @@ def test_a_framework_of_another_version_is_refused_naming_both():
     for v in ("0.33.1", "0.33.0rc1", "0.330.0", None):
         with pytest.raises(RuntimeError, match=f"serves vLLM 0\\.33\\.0 .* this is vLLM {v}: install vllm==0\\.33\\.0"):
             check_version("vLLM", types.SimpleNamespace(__version__=v), "0.33.0")
+
+
+@pytest.mark.parametrize("mb", [1e-9, 0.0005, 0.2, 0.999])
+def test_a_host_cache_budget_too_small_for_one_row_is_refused_at_parse(mb):
+    """host_cache with a row_cache_mb under the floor (HOST_CACHE_MIN_MB) is refused when the
+    settings are read, naming the setting, not at the model's build; the floor itself is taken."""
+    from engram_stream.integrations.serving import HOST_CACHE_MIN_MB
+    with pytest.raises(ValueError, match=f'^{ENV}: "row_cache_mb" of a "host_cache" must be at least '
+                                         f'{HOST_CACHE_MIN_MB} \\(MiB\\), got {mb:g}'):
+        parse_settings(f'{{"host_cache": "vllm", "row_cache_mb": {mb}}}', ENV)
+    assert parse_settings(f'{{"row_cache_mb": {mb}}}', ENV)["row_cache_mb"] == mb   # a process's own cache: any
+    s = parse_settings(f'{{"host_cache": "vllm", "row_cache_mb": {HOST_CACHE_MIN_MB}}}', ENV)
+    assert (s["host_cache"], s["row_cache_mb"]) == ("vllm", HOST_CACHE_MIN_MB)

@@ -135,6 +135,38 @@ def test_a_table_file_changed_under_the_host_function_is_recorded(plugin_checkpo
         ctx.check()
 
 
+def test_a_packed_record_that_fails_its_checksum_is_recorded_not_served(plugin_checkpoints, tmp_path):
+    """A record of the packed row file changed after packing (outside the rows open_rows
+    samples): the host function serves zeros for the call's rows, records HF_BAD_SUM with the
+    row, and check() raises RowChecksumError naming the layer and row."""
+    from engram_stream.errors import RowChecksumError
+    from engram_stream.integrations._vllm_graph import HF_BAD_SUM
+    from engram_stream.rows import packed
+    path = str(tmp_path / "v41")
+    shutil.copytree(plugin_checkpoints["rows"], path)
+    rows = packed.rows_path(path)
+    L = 1
+    lay = packed.read_header(rows)["layers"][str(L)]
+    r = next(r for r in range(lay["rows"] // 2, lay["rows"]) if r not in packed._sample_rows(lay["rows"], L))
+    with open(rows, "r+b") as f:
+        f.seek(lay["offset"] + r // lay["per_group"] * lay["group_bytes"] + r % lay["per_group"] * 264 + 5)
+        f.write(b"\x7e")
+    model = model_of(path, {"tables": "direct"})
+    assert model.tier.inner.rows_path == rows
+    src = model.row_source(L)
+    ids = np.array([[0, r, 2]], np.int32)
+    st = staging_of(src, 1, 3, False)
+    ctx = HostLookup(src, ids, st, 0, src.nrows)
+    ctx.run()
+    assert ctx.error() == (HF_BAD_SUM, r, 0) and not st.any()
+    with pytest.raises(RowChecksumError, match=f"engram_rows.bin: layer {L} row {r}: "):
+        ctx.check()
+    ids[0, 1] = 1
+    ctx.run()
+    assert ctx.error() is None
+    np.testing.assert_array_equal(st, eager(src, ids, 0, src.nrows, False))
+
+
 class Toy(RecordSource):
     def start(self, rows):
         self.n = len(rows)
@@ -160,3 +192,30 @@ def test_buffers_of_the_wrong_shape_are_refused(plugin_checkpoints):
         HostLookup(src, np.zeros((2, 3), np.float32), np.zeros((2, 3, 264), np.uint8), 0, 10)
     with pytest.raises(ValueError, match="ids"):
         HostLookup(src, np.zeros((3, 2), np.int32).T, np.zeros((2, 3, 264), np.uint8), 0, 10)
+
+
+@pytest.mark.parametrize("load", [None, {"tables": "mapped", "row_cache_mb": 1}, {"tables": "direct"},
+                                  {"tables": "direct", "row_cache_mb": 1}])
+def test_bf16_staging_of_records_that_are_not_v41_is_refused(tmp_path, load):
+    """A demo int8 table of head width 128 has records of 128 + 4 bytes (its float32 scale), as
+    long as a V4.1 record of 128 e4m3 + 4 e8m0 bytes: bf16 staging (the V4.1 widening) is refused
+    by the records' format, whatever their size; uint8 staging takes its records as they are."""
+    from conftest import make_model, make_v41_model
+    from engram_stream.rows.records import V41_RECORD
+    model = make_model(nh=2, hd=128, table_dtype="int8", seed=4)
+    if load is not None:
+        model.save(tmp_path / "int8.st")
+        model = EngramModel.load(tmp_path / "int8.st", **load)
+    src = model.row_source(model.cfg.layer_ids[0])
+    assert (src.rowbytes, src.scalebytes) == (128, 4) and src.record_format == "int8+float32"
+    ids = np.array([[0, 1, -1]], np.int32)
+    with pytest.raises(ValueError, match=r"bf16 staging converts V4\.1 records .* int8\+float32 \(128\+4 bytes\)"):
+        HostLookup(src, ids, np.zeros((1, 3, 128), np.uint16), 0, src.nrows)
+    st = np.full((1, 3, 132), 7, np.uint8)
+    HostLookup(src, ids, st, 0, src.nrows).run()
+    w = model.layer(model.cfg.layer_ids[0])
+    want = np.concatenate([w.table[:2].view(np.uint8), w.table_scale[:2].reshape(2, 1).view(np.uint8)], axis=1)
+    np.testing.assert_array_equal(st[0, :2], want)
+    assert not st[0, 2].any()   # -1: a record of zeros
+    v41 = make_v41_model(seed=7)   # V4.1's records state their format
+    assert v41.row_source(v41.cfg.layer_ids[0]).record_format == V41_RECORD

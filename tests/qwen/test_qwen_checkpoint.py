@@ -171,10 +171,11 @@ def test_a_file_of_the_folder_names_the_qwen_folder(tmp_path):
 
 
 # --- vLLM's quantized tables --------------------------------------------------------------------------
-def _quantized_folder(tmp_path, kind, seed=9):
+def _quantized_folder(tmp_path, kind, seed=9, scale=None, scale_code=None):
     """A folder whose tables are FP8 (vLLM: float8_e4m3fn parts, one global weight_scale) or NVFP4
     (uint8 parts of packed E2M1, shard_i.weight_scale E4M3 block scales, a global weight_scale_2),
-    head_dim 16; returns (folder, {L: the raw arrays})."""
+    head_dim 16; returns (folder, {L: the raw arrays}). scale, scale_code: the global scale's stored
+    array and safetensors code (float32 0.0123 / 0.37 by default)."""
     cfg = EngramConfig.from_hf_config({**HF, "ple_embed_dim": 64})
     tensors = _tensors(EngramModel.init(cfg, seed=seed), "model.")
     rng = np.random.default_rng(seed)
@@ -189,13 +190,13 @@ def _quantized_folder(tmp_path, kind, seed=9):
         if kind == "fp8":
             codes = rng.integers(0, 256, (n, 16), dtype=np.uint8)
             codes[(codes & 0x7F) == 0x7F] = 0x38  # no NaN codes
-            scale = np.array([0.0123], np.float32)
-            raw[L] = (codes, scale)
-            tensors[f"{pre}.weight_scale"] = scale
+            g = np.array([0.0123], np.float32) if scale is None else scale
+            raw[L] = (codes, g)
+            tensors[f"{pre}.weight_scale"] = g
         else:
             codes = rng.integers(0, 256, (n, 8), dtype=np.uint8)
             bs = rng.integers(0x20, 0x50, (n, 1), dtype=np.uint8)  # e4m3 block scales around 1
-            scale2 = np.array([0.37], np.float32)
+            scale2 = np.array([0.37], np.float32) if scale is None else scale
             raw[L] = (codes, bs, scale2)
             tensors[f"{pre}.weight_scale_2"] = scale2
         bounds = np.cumsum([0] + rows)
@@ -207,8 +208,9 @@ def _quantized_folder(tmp_path, kind, seed=9):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**HF, "ple_embed_dim": 64}))
     e4m3 = lambda k: ".shard_" in k and (k.endswith(".weight_scale") or kind == "fp8")  # noqa: E731
-    items = [safetensors.Tensor.of(k, np.ascontiguousarray(v), code="F8_E4M3" if e4m3(k) else None)
-             for k, v in tensors.items()]
+    glob = lambda k: k.endswith((".ngram_embedding.weight_scale", ".weight_scale_2"))  # noqa: E731
+    items = [safetensors.Tensor.of(k, np.ascontiguousarray(v), code="F8_E4M3" if e4m3(k) else
+                                   scale_code if glob(k) else None) for k, v in tensors.items()]
     safetensors.write(folder / "model.safetensors", items)
     return folder, raw
 
@@ -255,6 +257,37 @@ def test_nvfp4_tables_as_vllm_dequantizes_them(tmp_path):
     model.save(tmp_path / "values")  # written as the values vLLM gives
     back = EngramModel.load(tmp_path / "values")
     np.testing.assert_array_equal(back.layer(1).table, model.layer(1).table_f32(slice(None)))
+
+
+def _dir(tmp_path, name):
+    (tmp_path / name).mkdir()
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("kind", ["fp8", "nvfp4"])
+def test_a_global_scale_stored_as_e4m3_is_read_as_its_value(tmp_path, kind):
+    """A global scale stored as F8_E4M3 (byte 0x38 = 1.0, 0x40 = 2.0) counts as its e4m3 value,
+    as vLLM's float32 parameter takes it: the tables equal those of the same scale stored as float32."""
+    for byte, value in ((0x38, 1.0), (0x40, 2.0)):
+        e4m3, _ = _quantized_folder(_dir(tmp_path, f"e{byte}"), kind, scale=np.array([byte], np.uint8),
+                                    scale_code="F8_E4M3")
+        f32, _ = _quantized_folder(_dir(tmp_path, f"f{byte}"), kind, scale=np.array([value], np.float32))
+        a, b = EngramModel.load(e4m3), EngramModel.load(f32)
+        for L in a.cfg.layer_ids:
+            got = a.layer(L).table_f32(slice(None))
+            np.testing.assert_array_equal(got, b.layer(L).table_f32(slice(None)))
+
+
+@pytest.mark.parametrize("code, stored", [("U8", np.array([0x38], np.uint8)), ("I8", np.array([1], np.int8)),
+                                          ("F8_E4M3", np.array([0x7F], np.uint8))])
+def test_a_global_scale_of_an_integer_dtype_or_not_finite_is_refused(tmp_path, code, stored):
+    """Integer bytes are no scale value (vLLM's float parameter would take 0x38 as 56.0), an e4m3
+    NaN no scale at all: refused, naming the tensor."""
+    for kind, short in (("fp8", "ngram_embedding.weight_scale"), ("nvfp4", "weight_scale_2")):
+        folder, _ = _quantized_folder(_dir(tmp_path, kind), kind, scale=stored, scale_code=code)
+        with pytest.raises(CheckpointError, match=short) as e:
+            EngramModel.load(folder)
+        assert (code in str(e.value)) if code != "F8_E4M3" else "not a finite number" in str(e.value)
 
 
 def test_direct_names_why_a_table_over_files_is_in_ram_and_reads_the_packed_row_file(tmp_path):

@@ -42,6 +42,63 @@ def records_in_file(path, head, L):
     return groups.reshape(-1, rec)[:lay["rows"]]
 
 
+M64 = (1 << 64) - 1
+P1, P2, P3, P4, P5 = (0x9E3779B185EBCA87, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9, 0x85EBCA77C2B2AE63,
+                      0x27D4EB2F165667C5)
+
+
+def xxh64(data: bytes, seed: int) -> int:
+    """XXH64 written from its specification in plain Python (the test's own: not the C under test)."""
+    rotl = lambda x, r: ((x << r) | (x >> (64 - r))) & M64  # noqa: E731
+    rnd = lambda acc, v: rotl((acc + v * P2) & M64, 31) * P1 & M64  # noqa: E731
+    word = lambda i, n=8: int.from_bytes(data[i:i + n], "little")  # noqa: E731
+    n, i = len(data), 0
+    if n >= 32:
+        v = [(seed + P1 + P2) & M64, (seed + P2) & M64, seed, (seed - P1) & M64]
+        while n - i >= 32:
+            v = [rnd(v[j], word(i + 8 * j)) for j in range(4)]
+            i += 32
+        h = (rotl(v[0], 1) + rotl(v[1], 7) + rotl(v[2], 12) + rotl(v[3], 18)) & M64
+        for x in v:
+            h = ((h ^ rnd(0, x)) * P1 + P4) & M64
+    else:
+        h = (seed + P5) & M64
+    h = (h + n) & M64
+    while n - i >= 8:
+        h = (rotl(h ^ rnd(0, word(i)), 27) * P1 + P4) & M64
+        i += 8
+    if n - i >= 4:
+        h = (rotl(h ^ (word(i, 4) * P1 & M64), 23) * P2 + P3) & M64
+        i += 4
+    while i < n:
+        h = rotl(h ^ (data[i] * P5 & M64), 11) * P1 & M64
+        i += 1
+    for s, m in ((33, P2), (29, P3)):
+        h = (h ^ (h >> s)) * m & M64
+    return h ^ (h >> 32)
+
+
+def test_the_record_checksum_is_xxh64():
+    """The C checksum (rows._direct.record_sums) is XXH64: its published values for "" and "abc"
+    (seed 0), and the test's own Python XXH64 on records of every length class, seeded by row."""
+    from engram_stream.rows._direct import record_sums
+    assert xxh64(b"", 0) == 0xEF46DB3751D8E999 and xxh64(b"abc", 0) == 0x44BC2CF5AD770999
+    assert int(record_sums(np.frombuffer(b"abc", np.uint8).reshape(1, 3), 0, 0)[0]) == 0x44BC2CF5AD770999
+    rng = np.random.default_rng(3)
+    for nb in (1, 4, 7, 8, 31, 32, 33, 64, 264, 4100):
+        recs = rng.integers(0, 256, (3, nb), dtype=np.uint8)
+        got = record_sums(recs, 5 << 40, 9)
+        assert [int(x) for x in got] == [xxh64(recs[i].tobytes(), (5 << 40) + 9 + i) for i in range(3)]
+
+
+def sums_in_file(path, head, L):
+    """Every record's stored checksum of layer L (little-endian u64 after its group's records)."""
+    lay = head["layers"][str(L)]
+    data = np.fromfile(path, np.uint8, count=lay["pages"] * PAGE, offset=lay["offset"])
+    groups = data.reshape(-1, lay["group_bytes"])[:, lay["sums"]:lay["sums"] + 8 * lay["per_group"]]
+    return np.ascontiguousarray(groups).view("<u8").reshape(-1)[:lay["rows"]]
+
+
 def test_v41_row_file_holds_weight_then_scale_15_a_page(v41_dir):
     model = EngramModel.from_deepseek_v41(v41_dir)
     path = packed.rows_path(v41_dir)
@@ -55,9 +112,12 @@ def test_v41_row_file_holds_weight_then_scale_15_a_page(v41_dir):
         w = model.layer(L)
         want = np.concatenate([w.embed_weight, w.embed_scale], axis=1)
         np.testing.assert_array_equal(records_in_file(path, head, L), want)
-        # no record straddles a page: record k of a page ends within it
-        assert 15 * 264 <= PAGE and lay["pages"] == -(-want.shape[0] // 15)
-    assert packed.open_rows(model, path) == {L: (head["layers"][str(L)]["offset"], 15, PAGE)
+        # no record straddles a page: record k of a page ends within it, its checksum too
+        assert 15 * (264 + 8) <= PAGE and lay["pages"] == -(-want.shape[0] // 15) and lay["sums"] == 15 * 264
+        sums = sums_in_file(path, head, L)
+        for r in (0, 1, 14, 15, want.shape[0] - 1):
+            assert int(sums[r]) == xxh64(want[r].tobytes(), (L << 40) + r)
+    assert packed.open_rows(model, path) == {L: (head["layers"][str(L)]["offset"], 15, PAGE, 15 * 264, L << 40)
                                              for L in V41["layer_ids"]}
     assert packed.verify_rows(model, path) == {L: True for L in V41["layer_ids"]}
 
@@ -261,3 +321,92 @@ def test_cli_pack_rows(v41_dir, tmp_path, capsys):
     rows.write_bytes(bytes(b))
     assert main(["pack-rows", str(d), "--verify"]) == 1
     assert "DIFFERS" in capsys.readouterr().out
+
+
+def _copy_packed(v41_dir, tmp_path):
+    import shutil
+    d = tmp_path / "ck"
+    shutil.copytree(v41_dir, d)
+    packed.pack_rows(EngramModel.from_deepseek_v41(d), packed.rows_path(d))
+    return d
+
+
+def _unsampled_row(lay, L):
+    return next(r for r in range(lay["rows"] // 2, lay["rows"]) if r not in packed._sample_rows(lay["rows"], L))
+
+
+def _poke(path, at, data):
+    """Write data at byte `at` of the file in place, then put its mtime (and atime) back."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_mtime_ns == st.st_mtime_ns
+
+
+def test_a_record_changed_outside_the_samples_with_its_mtime_put_back_is_never_served(v41_dir, tmp_path):
+    """A record changed after packing, away from the rows open_rows samples, the file's mtime put
+    back: the model loads (header, stamps and samples agree), and the read of that row raises
+    RowChecksumError naming the file, layer and row; its neighbours on the same page are served
+    as packed."""
+    from engram_stream.errors import RowChecksumError
+    d = _copy_packed(v41_dir, tmp_path)
+    path = packed.rows_path(d)
+    head = packed.read_header(path)
+    L = 4
+    lay = head["layers"][str(L)]
+    r = _unsampled_row(lay, L)
+    _poke(path, lay["offset"] + r // 15 * PAGE + r % 15 * 264 + 7, b"\x7e")   # an e4m3 byte: 448.0
+    model = EngramModel.from_deepseek_v41(d, tables="direct")
+    assert model.tier.inner.rows_path == path
+    src = model.row_source(L)
+    w = EngramModel.from_deepseek_v41(d).layer(L)
+    want = np.concatenate([w.embed_weight, w.embed_scale], axis=1)
+    nb = r + 1 if (r + 1) // 15 == r // 15 else r - 1   # a row of the same page
+    np.testing.assert_array_equal(src.read([nb]), want[[nb]])
+    with pytest.raises(RowChecksumError, match=f"engram_rows.bin: layer {L} row {r}: .*pack-rows --force"):
+        src.read([nb, r])
+    np.testing.assert_array_equal(src.read([0, nb]), want[[0, nb]])   # the reader goes on after the refusal
+
+
+def test_a_record_rewritten_in_place_after_load_with_its_mtime_put_back_is_refused(v41_dir, tmp_path):
+    """A record rewritten in place while a model reads the file, with a checksum that matches the
+    new bytes (as a packer of other weights writes it) and the mtime put back: the stat check sees
+    the file's new ctime and raises FileChangedError before anything is read."""
+    from engram_stream.errors import FileChangedError
+    from engram_stream.rows._direct import record_sums
+    d = _copy_packed(v41_dir, tmp_path)
+    path = packed.rows_path(d)
+    lay = packed.read_header(path)["layers"]["1"]
+    model = EngramModel.from_deepseek_v41(d, tables="direct")
+    src = model.row_source(1)
+    r = _unsampled_row(lay, 1)
+    rec = src.read([r])
+    rec[0, :8] ^= 0x11
+    at = lay["offset"] + r // 15 * PAGE
+    _poke(path, at + r % 15 * 264, rec.tobytes())
+    _poke(path, at + lay["sums"] + r % 15 * 8, record_sums(rec, 1 << 40, r).astype("<u8").tobytes())
+    with pytest.raises(FileChangedError, match="ctime"):
+        src.read([r])
+
+
+def test_a_row_file_of_format_1_is_refused_naming_the_command_that_writes_it_again(v41_dir, tmp_path):
+    """A format 1 row file (no checksums): refused at load with the pack-rows --force command of
+    its checkpoint."""
+    d = _copy_packed(v41_dir, tmp_path)
+    path = packed.rows_path(d)
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[8:16])[0]
+    head = json.loads(data[16:16 + n])
+    head["format"] = 1
+    del head["checksum"]
+    text = json.dumps(head).encode()
+    blob = packed.MAGIC + struct.pack("<Q", len(text)) + text
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.write(blob + b"\0" * (n + 16 - len(blob)))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    want = rf"format 1; this engram_stream reads format {packed.FORMAT} .*`engram-stream pack-rows --force {d}`"
+    with pytest.raises(RowsFileError, match=want):
+        EngramModel.from_deepseek_v41(d, tables="direct")

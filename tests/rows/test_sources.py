@@ -231,6 +231,28 @@ def test_a_truncated_file_is_refused(row_checkpoints, tmp_path):
         step(dec, np.array([5, 6]), hid, {L: [] for L in model.cfg.layer_ids})
 
 
+@pytest.mark.parametrize("tables", ["mapped", "direct"])
+def test_a_file_written_in_place_with_its_mtime_put_back_is_refused(row_checkpoints, tmp_path, tables):
+    """The stat check before every read compares the file's ctime too: bytes written in place
+    with the mtime put back (utime: same size, same mtime) are refused with FileChangedError,
+    mapped (FileStamps) and direct (RecordFile) alike, not read as tables."""
+    import shutil
+    path = str(tmp_path / "m.safetensors")
+    shutil.copyfile(row_checkpoints["demo-int8"], path)
+    model = load(path, tables=tables)
+    dec = model.decoder(n_streams=2)
+    hid = np.zeros((2, model.cfg.hc_mult, model.cfg.hidden_size), np.float32)
+    step(dec, np.array([3, 4]), hid, {L: [] for L in model.cfg.layer_ids})
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(st.st_size - 1)
+        f.write(bytes([open(path, "rb").read()[-1] ^ 0x40]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    with pytest.raises(FileChangedError, match="ctime"):
+        step(dec, np.array([5, 6]), hid, {L: [] for L in model.cfg.layer_ids})
+
+
 def test_begin_starts_every_layers_disk_reads(row_checkpoints):
     """Decoder.begin hands every layer's rows to its source before any layer runs: every
     layer's source is reading after begin, and still is for the last layer after the first ran."""
