@@ -23,9 +23,21 @@ the likeliest winner is timed first, so the DROP_SLOWER cut-off works from the f
 candidate on; a path whose one-thread warm-up step is more than cores x DROP_SLOWER times the
 best step so far is dropped for every thread count and operation (threads divide a time by
 the cores at best); batch and prefill try the paths in the order of their step times; a run
-longer than LONG_RUN is timed once; and once the budget is spent, each operation keeps the
-best so far (the batch and the prefill: of two paths at least) and its table entry says
-"partial". `engram-stream tune` has no budget and times every candidate. A measurement past NOTE_AFTER prints one line on stderr, so a first call
+longer than LONG_RUN is timed once; the budget counts from the call, the scratch engines'
+making included, and no run starts that would end past it (an operation's first guessed from
+the step's best); the batch and the prefill time two paths where their share of it is spent and
+the whole is not. Then each operation keeps the best so far (none timed: the step's path on the
+most threads) and its table entry says "partial". `engram-stream tune` has no budget and times
+every candidate.
+
+A measurement taken while the machine was busy is not this CPU's: an operation whose runs got
+less than LOADED_SHARE of their wall time as CPU time of the calling thread (which takes a part
+of every call: the engine's workers join it) says "loaded". A table with a partial or loaded
+entry is used by the process that measured it, cached, and measured again by the next process
+(final() is False); a final table is re-checked at each process's first stream() of its shapes
+(each operation's choice and runner-up, a warm-up and one timed run each, within the same
+budget), and measured again where a quiet re-check finds the choice RECHECK_SLOWER times its
+runner-up (a busy re-check cannot tell, and keeps it). A measurement past NOTE_AFTER prints one line on stderr, so a first call
 does not block without a word.
 
 What wins over the measurement: a caller's step_threads / prefill_threads (the count), and a
@@ -277,7 +289,7 @@ def tune_runs(runs: dict, paths, counts, timer=time.perf_counter, budget=TIME_BU
               tick=None, start=None, cpu=None) -> dict:
     """Time `runs` ({op: run((path, threads))}, the operations in OPS order, the step first) on
     `paths` (likeliest fastest first) x `counts`: {op: {"isa", "threads", "times", "partial",
-    "loaded"}}. budget: seconds for all of it from `start` (a timer() value; None: now), shared out
+    "loaded"}}. budget: seconds for all of it from `start` (a timer() value; None: this call's start), shared out
     between the operations still to measure, and never passed by a candidate's start (None: every
     candidate timed, no path dropped); the step's times order the candidates of the others and
     the paths it drops are not run again. An operation the budget leaves untimed runs the step's
@@ -467,7 +479,7 @@ def tune_model(model, layer=None, timer=time.perf_counter, paths=None, threads=N
     seconds (None: every candidate): {op: {"isa": path, "threads": n, "partial": bool, "times":
     {"path/threads": seconds}}}. A forced path (ENGRAM_STREAM_ISA, use_isa) is the only one
     measured: the others would not run. note: a text printed on stderr once the measuring has
-    taken NOTE_AFTER seconds. start: the timer() value the budget counts from (None: now, before
+    taken NOTE_AFTER seconds. start: the timer() value the budget counts from (None: this call's start, before
     the scratch engines are made: their making is part of the budget); cpu: as tune_runs."""
     start = timer() if start is None else start
     layer = model.cfg.layer_ids[0] if layer is None else layer
