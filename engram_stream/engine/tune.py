@@ -311,8 +311,9 @@ def tune_runs(runs: dict, paths, counts, timer=time.perf_counter, budget=TIME_BU
             left = end - timer()
             deadline = timer() + max(0.0, left) / (len(runs) - i)
         # one run of the op's first candidate, guessed from the step's best (no weight read twice: an upper
-        # bound), so that a budget nearly spent does not start a run it cannot hold
-        guess = None if step_time is None else step_time * (BATCH_STREAMS if op == "batch" else PREFILL_TOKENS)
+        # bound; the prefill's first candidate runs a sizing prefill too: half a run more), so that a budget
+        # nearly spent does not start a run it cannot hold
+        guess = None if step_time is None else step_time * (BATCH_STREAMS if op == "batch" else 1.5 * PREFILL_TOKENS)
         cands = order([p for p in paths if p not in dropped], counts, ascending=i == 0)
         usage = {}
         times, partial = measure(run, cands, timer=timer, deadline=deadline,
@@ -345,7 +346,8 @@ def final(table) -> bool:
 
 def recheck_runs(runs: dict, table: dict, timer=time.perf_counter, cpu=None, end=None, paths=None) -> dict:
     """A cheap check of a cached table: per operation, its choice and its runner-up (the fastest
-    other candidate of its times) one warm-up and one timed run each, at most until `end` (a
+    other candidate of its times) one warm-up and one timed run each (up to REPEATS, the best
+    counting, while they took under MIN_SECONDS), at most until `end` (a
     timer() value): {op: (choice seconds, runner-up seconds)}, and "loaded": whether those runs
     got less than LOADED_SHARE of their wall time as CPU time (cpu: as tune_runs). An operation
     with no runner-up (among `paths`, None: those this CPU runs), or past `end`, is left out."""
@@ -366,12 +368,16 @@ def recheck_runs(runs: dict, table: dict, timer=time.perf_counter, cpu=None, end
             if end is not None and timer() >= end:
                 break
             runs[op](c)  # warm-up: a thread count's team starts, a path's code is paged in
-            t0, c0 = timer(), cpu() if cpu is not None else 0.0
-            runs[op](c)
-            got.append(timer() - t0)
-            if cpu is not None:
-                usage["wall"] += got[-1]
-                usage["cpu"] += cpu() - c0
+            best, spent, k = None, 0.0, 0
+            while k < REPEATS and (k == 0 or spent < MIN_SECONDS):  # a run under MIN_SECONDS: its best of a few
+                t0, c0 = timer(), cpu() if cpu is not None else 0.0
+                runs[op](c)
+                took = timer() - t0
+                best, spent, k = took if best is None else min(best, took), spent + took, k + 1
+                if cpu is not None:
+                    usage["wall"] += took
+                    usage["cpu"] += cpu() - c0
+            got.append(best)
         if len(got) == 2:
             out[op] = tuple(got)
     out["loaded"] = cpu is not None and usage["wall"] > 0 and usage["cpu"] < LOADED_SHARE * usage["wall"]

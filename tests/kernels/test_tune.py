@@ -673,18 +673,19 @@ def test_a_quiet_recheck_that_finds_the_cached_choice_slow_replaces_it(model, ca
     A, B = _candidates()[0], _candidates()[-1]
     proc = Process(model, monkeypatch)
     # load the measurement did not see (its thread kept its core): A cached as final, B the runner-up
-    first = proc.run(lambda op, c: {A: 1e-3, B: 1.2e-3}.get(c, 2.5e-3))[0]
+    first = proc.run(lambda op, c: {A: 2e-3, B: 2.4e-3}.get(c, 5e-3))[0]
     assert first == {op: A for op in tune.OPS} and tune.final(tune.read_cache()[tune.shape_key(model)])
     # a later process, quiet, finds A within 1.5x of B: kept, after the re-check's runs alone (a warm-up and one
-    # timed run of each of the two, per operation)
-    got, ops = proc.run(lambda op, c: {A: 1.4e-3, B: 1e-3}.get(c, 2.5e-3))
+    # timed run of each of the two, per operation: runs of
+    # MIN_SECONDS or more are timed once)
+    got, ops = proc.run(lambda op, c: {A: 2.8e-3, B: 2e-3}.get(c, 5e-3))
     assert got == first and len(ops.calls) == 4 * len(tune.OPS)
     assert {c for _, c in ops.calls} == {A, B}
     # a busy re-check cannot tell: A kept, though it ran 2x B
-    got, ops = proc.run(lambda op, c: {A: 2e-3, B: 1e-3}.get(c, 2.5e-3), share=0.5)
+    got, ops = proc.run(lambda op, c: {A: 4e-3, B: 2e-3}.get(c, 5e-3), share=0.5)
     assert got == first and len(ops.calls) == 4 * len(tune.OPS)
     # a quiet re-check finding A 2x B: measured again, the fastest kept and cached
-    got, ops = proc.run(lambda op, c: {A: 2e-3, B: 1e-3}.get(c, 2.5e-3))
+    got, ops = proc.run(lambda op, c: {A: 4e-3, B: 2e-3}.get(c, 5e-3))
     assert got == {op: B for op in tune.OPS} and len(ops.calls) > 4 * len(tune.OPS)
     entry = tune.read_cache()[tune.shape_key(model)]
     assert tune.final(entry) and all((entry[op]["isa"], entry[op]["threads"]) == B for op in tune.OPS)
@@ -696,11 +697,18 @@ def test_stale_compares_a_quiet_rechecks_choice_with_its_runner_up():
     assert tune.stale({"step": (1.6e-3, 1e-3), "loaded": True}) == []
     table = _table(step=("avx2", 2))
     table["step"]["times"].update({"avx2/1": 2e-3, "baseline/2": 1.5e-3})
-    ops = FakeOps({op: {("avx2", 2): 3e-3, ("avx2", 1): 2e-3, ("baseline", 2): 1e-3, ("baseline", 1): 1e-3}
+    ops = FakeOps({op: {("avx2", 2): 6e-3, ("avx2", 1): 2e-3, ("baseline", 2): 2e-3, ("baseline", 1): 1e-3}
                    for op in tune.OPS})
     check = tune.recheck_runs(ops.runs(), table, timer=ops.timer, cpu=ops.cpu, paths=("avx2", "baseline"))
     assert [c for o, c in ops.calls if o == "step"] == [("avx2", 2)] * 2 + [("baseline", 2)] * 2  # the runner-up
-    assert "batch" not in check and check["step"] == (3e-3, 1e-3) and tune.stale(check) == ["step"]
+    assert "batch" not in check and check["step"] == (6e-3, 2e-3) and tune.stale(check) == ["step"]
+    # runs under MIN_SECONDS: the best of up to REPEATS timed runs after the warm-up
+    ops = FakeOps({op: {("avx2", 2): 0.3e-3, ("baseline", 2): 0.1e-3, ("avx2", 1): 1, ("baseline", 1): 1}
+                   for op in tune.OPS})
+    check = tune.recheck_runs(ops.runs(), table, timer=ops.timer, cpu=ops.cpu, paths=("avx2", "baseline"))
+    assert [c for o, c in ops.calls if o == "step"] == [("avx2", 2)] * (1 + tune.REPEATS) + [("baseline", 2)] * (
+        1 + tune.REPEATS)
+    assert check["step"] == pytest.approx((0.3e-3, 0.1e-3))
 
 
 def test_a_partial_table_serves_its_process_and_the_next_process_measures_again(model, cache, monkeypatch,
@@ -735,3 +743,13 @@ def test_the_first_stream_on_an_empty_cache_finishes_within_the_budget(model, ca
             assert e["times"][f"{e['isa']}/{e['threads']}"] == min(e["times"].values())
         else:
             assert e["partial"] and e["isa"] == entry["step"]["isa"]
+
+
+def test_a_real_recheck_times_each_operations_choice_and_runner_up(model, cache, unforced):
+    paths = _isa.supported_isas()
+    table = _table(*[(paths[-1], 1)] * 3)
+    for op in tune.OPS:
+        table[op]["times"][f"{paths[0]}/2"] = 2e-3  # the runner-up: another path (or count) on 2 threads
+    check = tune.recheck_runs(tune._runners(model, 1), table)
+    assert set(check) == set(tune.OPS) | {"loaded"} and isinstance(check["loaded"], bool)
+    assert all(len(check[op]) == 2 and min(check[op]) > 0 for op in tune.OPS)
