@@ -734,6 +734,6 @@ def format_table(table: dict) -> str:
         best = e["times"].get(f"{e['isa']}/{e['threads']}") or min(e["times"].values(), default=1.0)
         cells = ", ".join(f"{c} {s * 1e3:.3f} ms ({s / best:.2f}x)" for c, s in times) or "not timed"
         cut = " (partial: the time budget ran out; engram-stream tune times them all)" if e.get("partial") else ""
-        cut += " (loaded: measured while the machine was busy; measured again)" if e.get("loaded") else ""
+        cut += " (loaded: measured while the machine was busy; the next process measures again)" if e.get("loaded") else ""
         lines.append(f"{op:8s} {e['isa']}/{e['threads']}: {cells}{cut}")
     return "\n".join(lines)
