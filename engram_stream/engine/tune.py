@@ -23,9 +23,21 @@ the likeliest winner is timed first, so the DROP_SLOWER cut-off works from the f
 candidate on; a path whose one-thread warm-up step is more than cores x DROP_SLOWER times the
 best step so far is dropped for every thread count and operation (threads divide a time by
 the cores at best); batch and prefill try the paths in the order of their step times; a run
-longer than LONG_RUN is timed once; and once the budget is spent, each operation keeps the
-best so far (the batch and the prefill: of two paths at least) and its table entry says
-"partial". `engram-stream tune` has no budget and times every candidate. A measurement past NOTE_AFTER prints one line on stderr, so a first call
+longer than LONG_RUN is timed once; the budget counts from the call, the scratch engines'
+making included, and no run starts that would end past it (an operation's first guessed from
+the step's best); the batch and the prefill time two paths where their share of it is spent and
+the whole is not. Then each operation keeps the best so far (none timed: the step's path on the
+most threads) and its table entry says "partial". `engram-stream tune` has no budget and times
+every candidate.
+
+A measurement taken while the machine was busy is not this CPU's: an operation whose runs got
+less than LOADED_SHARE of their wall time as CPU time of the calling thread (which takes a part
+of every call: the engine's workers join it) says "loaded". A table with a partial or loaded
+entry is used by the process that measured it, cached, and measured again by the next process
+(final() is False); a final table is re-checked at each process's first stream() of its shapes
+(each operation's choice and runner-up, a warm-up and one timed run each, within the same
+budget), and measured again where a quiet re-check finds the choice RECHECK_SLOWER times its
+runner-up (a busy re-check cannot tell, and keeps it). A measurement past NOTE_AFTER prints one line on stderr, so a first call
 does not block without a word.
 
 What wins over the measurement: a caller's step_threads / prefill_threads (the count), and a
@@ -80,7 +92,10 @@ DROP_SLOWER = 3.0  # a candidate whose warm-up run is this many times the best s
 LONG_RUN = 20e-3   # a candidate's timed runs stop once they took this long: its noise is small beside the gaps
 LONG_SLOWER = 1.5  # between paths; and a warm-up this long and this many times the best is not timed further (a
                    # warm-up's extra cost, page faults and the team's start, is a small part of so long a run)
-TIME_BUDGET = 1.0  # seconds of measuring on a first stream(); then the best so far is kept, marked partial
+TIME_BUDGET = 1.0  # seconds of measuring on a first stream(), its scratch engines included; then the best so far
+                   # is kept, marked partial
+LOADED_SHARE = 0.8  # a measurement whose calling thread ran less than this share of its wall time is loaded
+RECHECK_SLOWER = 1.5  # a cached choice this many times slower than its runner-up in a quiet re-check is measured again
 NOTE_AFTER = 0.5   # a measurement past this many seconds says so on stderr, once
 
 # /proc/cpuinfo fields that name the CPU (x86, aarch64); per-core fields (MHz, ids) are left out
@@ -184,7 +199,7 @@ def fastest(times: dict) -> tuple:
 
 
 def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=None, cores=1,
-            dropped=None, tick=None, least=1) -> tuple:
+            dropped=None, tick=None, least=1, end=None, guess=None, cpu=None, usage=None) -> tuple:
     """({candidate: best seconds}, partial) of run(candidate) (one call of the operation on that
     path and thread count), the candidates in their order: one warm-up run, then `repeats` timed
     ones (more until MIN_SECONDS; fewer once they took LONG_RUN, or past the deadline; one at
@@ -196,14 +211,31 @@ def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=
     added to `dropped` (a set; its paths are not run), since no thread count can bring it within
     DROP_SLOWER (cores None: no path is dropped).
     No candidate starts, once `least` were timed, that would end past `deadline` (a timer() value)
-    at two runs of the best time so far; partial is then True. tick(): called before each
-    candidate."""
+    at two runs of the best time so far; partial is then True. `end` (a timer() value, the whole
+    budget's): no candidate starts that would end past it, the first `least` included, at two runs
+    of the best so far, or of `guess` (seconds, an estimate of one run) before any was timed; and
+    no timed run starts past it. tick(): called before each candidate. usage: a dict given the
+    "wall" and "cpu" (cpu(): the calling thread's CPU clock) seconds of every run, summed."""
     times = {}
     dropped = set() if dropped is None else dropped
     partial = False
+    def timed(c):
+        t0, c0 = timer(), cpu() if cpu is not None else 0.0
+        run(c)
+        took = timer() - t0
+        if usage is not None and cpu is not None:
+            usage["wall"] = usage.get("wall", 0.0) + took
+            usage["cpu"] = usage.get("cpu", 0.0) + cpu() - c0
+        return took
+
     for c in candidates:
         if c[0] in dropped:
             continue
+        if end is not None:  # the whole budget: no candidate, however needed, starts that would end past it
+            est = min(times.values(), default=guess)
+            if timer() + 2 * (est or 0.0) > end or (est is None and timer() >= end):
+                partial = True
+                break
         # a candidate costs two runs at least (a warm-up, a timed one): one that would end past the deadline
         # does not start
         if len(times) >= least and deadline is not None and timer() + 2 * min(times.values()) > deadline:
@@ -211,9 +243,7 @@ def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=
             break
         if tick is not None:
             tick()
-        t0 = timer()
-        run(c)
-        first = timer() - t0
+        first = timed(c)
         best_so_far = min(times.values(), default=None)
         if best_so_far is not None and (first > DROP_SLOWER * best_so_far
                                         or (first >= LONG_RUN and first > LONG_SLOWER * best_so_far)):
@@ -227,12 +257,12 @@ def measure(run, candidates, timer=time.perf_counter, repeats=REPEATS, deadline=
             if k >= 1 and (spent >= LONG_RUN or (deadline is not None and timer() >= deadline)
                            or (k >= repeats and spent >= MIN_SECONDS)):
                 break
-            t0 = timer()
-            run(c)
-            took = timer() - t0
+            if end is not None and timer() + first > end:  # its warm-up time stands for it
+                break
+            took = timed(c)
             best = took if best is None else min(best, took)
             spent, k = spent + took, k + 1
-        times[c] = min(best, first)  # a warm-up as fast counts: one more sample of a long run, at no cost
+        times[c] = first if best is None else min(best, first)  # a warm-up as fast counts: one more sample of a long run, at no cost
     return times, partial
 
 
@@ -256,35 +286,110 @@ def order(paths, counts, ascending=True) -> list:
 
 
 def tune_runs(runs: dict, paths, counts, timer=time.perf_counter, budget=TIME_BUDGET, cores=1,
-              tick=None) -> dict:
+              tick=None, start=None, cpu=None) -> dict:
     """Time `runs` ({op: run((path, threads))}, the operations in OPS order, the step first) on
-    `paths` (likeliest fastest first) x `counts`: {op: {"isa", "threads", "times", "partial"}}.
-    budget: seconds for all of it (None: every candidate timed, no path dropped), shared out
-    between the operations still to measure; the step's times order the candidates of the others
-    and the paths it drops are not run again."""
-    start = timer()
+    `paths` (likeliest fastest first) x `counts`: {op: {"isa", "threads", "times", "partial",
+    "loaded"}}. budget: seconds for all of it from `start` (a timer() value; None: this call's start), shared out
+    between the operations still to measure, and never passed by a candidate's start (None: every
+    candidate timed, no path dropped); the step's times order the candidates of the others and
+    the paths it drops are not run again. An operation the budget leaves untimed runs the step's
+    path on the most threads, its times empty, partial. cpu: the calling thread's CPU clock
+    (None: time.thread_time where timer is time.perf_counter, else not read); an operation whose
+    runs got less than LOADED_SHARE of their wall time as CPU time was measured on a loaded
+    machine ("loaded": its times are not this CPU's)."""
+    start = timer() if start is None else start
+    if cpu is None and timer is time.perf_counter:
+        cpu = time.thread_time
+    end = None if budget is None else start + budget
     dropped = set()
     paths = list(paths)
     table = {}
+    step_time = None
     for i, (op, run) in enumerate(runs.items()):
         deadline = None
         if budget is not None:
-            left = budget - (timer() - start)
+            left = end - timer()
             deadline = timer() + max(0.0, left) / (len(runs) - i)
+        # one run of the op's first candidate, guessed from the step's best (no weight read twice: an upper
+        # bound; the prefill's first candidate runs a sizing prefill too: half a run more), so that a budget
+        # nearly spent does not start a run it cannot hold
+        guess = None if step_time is None else step_time * (BATCH_STREAMS if op == "batch" else 1.5 * PREFILL_TOKENS)
         cands = order([p for p in paths if p not in dropped], counts, ascending=i == 0)
+        usage = {}
         times, partial = measure(run, cands, timer=timer, deadline=deadline,
                                  cores=None if budget is None else cores,
-                                 dropped=dropped if i == 0 else set(), tick=tick, least=1 if i == 0 else 2)
-        if i == 0:  # the others try the paths by their best step
+                                 dropped=dropped if i == 0 else set(), tick=tick, least=1 if i == 0 else 2,
+                                 end=end, guess=guess, cpu=cpu, usage=usage)
+        loaded = cpu is not None and usage.get("wall", 0.0) > 0 and usage["cpu"] < LOADED_SHARE * usage["wall"]
+        if i == 0 and times:  # the others try the paths by their best step
             step_best = {}
             for (p, _), s in times.items():
                 step_best[p] = min(s, step_best.get(p, s))
+            step_time = min(step_best.values())
             paths = sorted((p for p in paths if p in step_best and p not in dropped), key=lambda p: step_best[p]) \
                 + [p for p in paths if p not in step_best and p not in dropped]
-        best = fastest(times)
-        table[op] = {"isa": best[0], "threads": best[1], "partial": partial,
+        if times:
+            best = fastest(times)
+        else:  # not one run fit the budget: the step's path (or the likeliest) on the most threads, unmeasured
+            best = (table["step"]["isa"] if table else paths[0], max(counts))
+        table[op] = {"isa": best[0], "threads": best[1], "partial": partial or not times, "loaded": bool(loaded),
                      "times": {f"{p}/{t}": float(s) for (p, t), s in times.items()}}
     return table
+
+
+def final(table) -> bool:
+    """Whether a table is this CPU's for good: no operation cut by the budget (partial) or measured
+    on a loaded machine. A table that is not is used by the process that measured it, and
+    measured again by the next."""
+    return not any(table[op].get("partial") or table[op].get("loaded") for op in OPS)
+
+
+def recheck_runs(runs: dict, table: dict, timer=time.perf_counter, cpu=None, end=None, paths=None) -> dict:
+    """A cheap check of a cached table: per operation, its choice and its runner-up (the fastest
+    other candidate of its times) one warm-up and one timed run each (up to REPEATS, the best
+    counting, while they took under MIN_SECONDS), at most until `end` (a
+    timer() value): {op: (choice seconds, runner-up seconds)}, and "loaded": whether those runs
+    got less than LOADED_SHARE of their wall time as CPU time (cpu: as tune_runs). An operation
+    with no runner-up (among `paths`, None: those this CPU runs), or past `end`, is left out."""
+    paths = _isa.supported_isas() if paths is None else paths
+    if cpu is None and timer is time.perf_counter:
+        cpu = time.thread_time
+    out, usage = {}, {"wall": 0.0, "cpu": 0.0}
+    for op in OPS:
+        e = table[op]
+        mine = f"{e['isa']}/{e['threads']}"
+        others = sorted((s, k) for k, s in e["times"].items() if k != mine and k.rpartition("/")[0] in paths)
+        if not others or op not in runs:
+            continue
+        got = []
+        for key in (mine, others[0][1]):
+            path, _, threads = key.rpartition("/")
+            c = (path, int(threads))
+            if end is not None and timer() >= end:
+                break
+            runs[op](c)  # warm-up: a thread count's team starts, a path's code is paged in
+            best, spent, k = None, 0.0, 0
+            while k < REPEATS and (k == 0 or spent < MIN_SECONDS):  # a run under MIN_SECONDS: its best of a few
+                t0, c0 = timer(), cpu() if cpu is not None else 0.0
+                runs[op](c)
+                took = timer() - t0
+                best, spent, k = took if best is None else min(best, took), spent + took, k + 1
+                if cpu is not None:
+                    usage["wall"] += took
+                    usage["cpu"] += cpu() - c0
+            got.append(best)
+        if len(got) == 2:
+            out[op] = tuple(got)
+    out["loaded"] = cpu is not None and usage["wall"] > 0 and usage["cpu"] < LOADED_SHARE * usage["wall"]
+    return out
+
+
+def stale(check: dict) -> list:
+    """The operations of a quiet recheck_runs result whose choice took more than RECHECK_SLOWER times
+    its runner-up ([] where the re-check was loaded: it cannot tell)."""
+    if check.get("loaded"):
+        return []
+    return [op for op in OPS if op in check and check[op][0] > RECHECK_SLOWER * check[op][1]]
 
 
 # Linux's MAP_NORESERVE (Python names it from 3.13): 0x4000 but on powerpc, sparc (0x40) and mips (0x400)
@@ -374,19 +479,21 @@ def _runners(model, layer):
 
 
 def tune_model(model, layer=None, timer=time.perf_counter, paths=None, threads=None, budget=TIME_BUDGET,
-               note=None) -> dict:
+               note=None, start=None, cpu=None) -> dict:
     """Measure every operation on the paths this CPU runs (paths: these instead, likeliest fastest
     first) and thread counts (threads: these instead of thread_counts(cores())), within `budget`
     seconds (None: every candidate): {op: {"isa": path, "threads": n, "partial": bool, "times":
     {"path/threads": seconds}}}. A forced path (ENGRAM_STREAM_ISA, use_isa) is the only one
     measured: the others would not run. note: a text printed on stderr once the measuring has
-    taken NOTE_AFTER seconds."""
+    taken NOTE_AFTER seconds. start: the timer() value the budget counts from (None: this call's start, before
+    the scratch engines are made: their making is part of the budget); cpu: as tune_runs."""
+    start = timer() if start is None else start
     layer = model.cfg.layer_ids[0] if layer is None else layer
     if paths is None:
         # the widest path first: on the CPUs measured so far it wins, or comes close, every operation
         paths = (_isa.kernel_isa(),) if _isa.forced() else tuple(reversed(_isa.supported_isas()))
     counts = thread_counts(cores()) if threads is None else list(threads)
-    start, said = timer(), []
+    said = []
 
     def tick():
         if note and not said and timer() - start >= NOTE_AFTER:
@@ -394,7 +501,7 @@ def tune_model(model, layer=None, timer=time.perf_counter, paths=None, threads=N
             print(note, file=sys.stderr, flush=True)
 
     return tune_runs(_runners(model, layer), paths, counts, timer=timer, budget=budget, cores=max(counts),
-                     tick=tick)
+                     tick=tick, start=start, cpu=cpu)
 
 
 # ---- the cache ----------------------------------------------------------------------------------
@@ -440,7 +547,7 @@ def _valid_entry(entry) -> bool:
         e = entry[op]
         if not (isinstance(e, dict) and e.get("isa") in _isa.ISA_NAMES and type(e.get("threads")) is int
                 and 1 <= e["threads"] <= MAX_THREADS and isinstance(e.get("times"), dict)
-                and isinstance(e.get("partial", False), bool)):
+                and isinstance(e.get("partial", False), bool) and isinstance(e.get("loaded", False), bool)):
             return False
     return True
 
@@ -533,6 +640,8 @@ def update_cache(key: str, table: dict, path=None) -> str:
 # table measured with that path forced (one path timed: for this process and that path alone)
 _memo = {}
 _said = set()    # the lines said on stderr (each once a process)
+_clock = time.perf_counter  # the first stream()'s clocks (the tests give made-up ones)
+_cpu = time.thread_time
 
 
 def _say(text):
@@ -543,29 +652,47 @@ def _say(text):
 
 def table_for(model, layer=None, retune=False):
     """The measured table of the model's shapes: this process's, else the cache's, else measured
-    by this call within TIME_BUDGET (and cached). retune: every candidate measured whatever is
-    known (engram-stream tune, which says so itself). None where the measurement cannot run
-    (MeasureError, said on stderr; retune raises it)."""
+    by this call within TIME_BUDGET (and cached). A cached table that is not final (partial or
+    loaded) is measured again; a final one is re-checked first (recheck_runs: its choice and
+    runner-up timed once per operation) and measured again where a quiet re-check finds its choice
+    RECHECK_SLOWER times its runner-up; the re-check and the measuring share the one TIME_BUDGET.
+    retune: every candidate measured whatever is known (engram-stream tune, which says so itself).
+    None where the measurement cannot run (MeasureError, said on stderr; retune raises it)."""
     key = shape_key(model)
     forced = _isa.kernel_isa() if _isa.forced() else None
     if not retune:
         for k in (key, (key, forced)):  # forced: the CPU's table serves too (its thread counts; the path is forced)
             if k in _memo:
                 return _memo[k]
+    start = _clock()
     usable, tables = True, {}
     try:
         tables = read_cache()
     except TuneCacheError as e:
         usable = False
         _say(f"{e}; the kernel choice is measured for this process only")
-    if not retune and key in tables:
-        _memo[key] = tables[key]
-        return tables[key]
+    cached = None if retune else tables.get(key)
     try:
+        if cached is not None and forced is not None:  # no other path runs to re-check it against
+            _memo[key] = cached
+            return cached
+        if cached is not None and final(cached):
+            try:
+                check = recheck_runs(_runners(model, model.cfg.layer_ids[0] if layer is None else layer), cached,
+                                     timer=_clock, cpu=_cpu, end=start + TIME_BUDGET)
+            except MeasureError:  # no re-check can run here: the cached choice stands
+                check = {}
+            slow = stale(check)
+            if not slow:
+                _memo[key] = cached
+                return cached
+            _say(f"the cached kernel choice of {key} for {', '.join(slow)} took over {RECHECK_SLOWER}x its runner-up "
+                 f"in a quiet re-check: measured again")
         if retune:
             table = tune_model(model, layer, budget=None)
         else:
-            table = tune_model(model, layer, note=f"engram_stream: measuring the kernel paths for this CPU and these "
+            table = tune_model(model, layer, timer=_clock, cpu=_cpu, start=start,
+                               note=f"engram_stream: measuring the kernel paths for this CPU and these "
                                f"shapes (once; cached in {cache_dir()}; {ENV}=0 skips)")
     except MeasureError as e:
         if retune:
@@ -604,8 +731,9 @@ def format_table(table: dict) -> str:
     for op in OPS:
         e = table[op]
         times = sorted(e["times"].items(), key=lambda kv: kv[1])
-        best = e["times"][f"{e['isa']}/{e['threads']}"]
-        cells = ", ".join(f"{c} {s * 1e3:.3f} ms ({s / best:.2f}x)" for c, s in times)
+        best = e["times"].get(f"{e['isa']}/{e['threads']}") or min(e["times"].values(), default=1.0)
+        cells = ", ".join(f"{c} {s * 1e3:.3f} ms ({s / best:.2f}x)" for c, s in times) or "not timed"
         cut = " (partial: the time budget ran out; engram-stream tune times them all)" if e.get("partial") else ""
+        cut += " (loaded: measured while the machine was busy; the next process measures again)" if e.get("loaded") else ""
         lines.append(f"{op:8s} {e['isa']}/{e['threads']}: {cells}{cut}")
     return "\n".join(lines)
