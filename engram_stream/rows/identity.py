@@ -88,7 +88,7 @@ def _cache_digest(key, digest):
 def layer_digests(model, layers=None, progress=None) -> dict:
     """{layer: 64 hex digits}: the SHA-256 of each layer's table and table scale (each one's
     dtype and shape, then every byte). What names a model's keys in a Mooncake Store and what the
-    store keeps beside its rows (rows.mooncake).
+    store keeps beside its rows (rows/mooncake/).
 
     Reading every byte costs about 1 s a GB, so a layer whose tables are views of mapped files
     is read once a host: its digest is cached under the user's cache folder

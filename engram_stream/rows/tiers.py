@@ -28,7 +28,7 @@ from ._source import CachedRows, Tier
 from .direct import DirectTier
 from .mapped import MappedTier
 from .identity import host_model_id
-from .mooncake import MooncakeTier
+from .mooncake.tier import MooncakeTier
 from .records import record_layout
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from engram_stream import EngramConfig, EngramModel
 from engram_stream.errors import TierError
-from engram_stream.rows.mooncake import EXIT_GRACE
+from engram_stream.rows.mooncake.calls import EXIT_GRACE
 from engram_stream.v41 import hf as hf_v41
 
 import conftest
@@ -48,7 +48,7 @@ def records(model, L, h):
 
 def read_rows(tier, model, L, rows):
     """Absolute rows of layer L read through the tier's batched reader (records, in order)."""
-    from engram_stream.rows.mooncake import RemoteRows
+    from engram_stream.rows.mooncake.tier import RemoteRows
     r = RemoteRows(tier, model, L)
     u, inv = np.unique(rows, return_inverse=True)
     got = r.fetch(u)[:, :r.recbytes][inv].copy()
@@ -244,7 +244,7 @@ def test_two_models_share_one_store_under_their_names(tier, v41_models, mooncake
     keeps its own keys (the default name: its fingerprint), each decodes its own rows exactly."""
     from engram_stream.rows import MooncakeTier
     from engram_stream.rows.identity import model_name
-    from engram_stream.rows.mooncake import store_key
+    from engram_stream.rows.mooncake.keys import store_key
     a, b = (EngramModel.from_deepseek_v41(v41_models[k]) for k in ("a", "b"))
     assert model_name(a) != model_name(b) and model_name(a) == model_name(EngramModel.from_deepseek_v41(v41_models["a"]))
     tier.publish(a)
@@ -404,7 +404,7 @@ def test_fine_tunes_differing_outside_the_samples_each_serve_their_own_rows(tier
     every row a model loading from the store reads is its own. (Named by sampled rows, the second
     publish replaced the first's rows and the first model served them.)"""
     from engram_stream.rows.identity import model_name
-    from engram_stream.rows.mooncake import fingerprint
+    from engram_stream.rows.mooncake.keys import fingerprint
     a, b = (EngramModel.load(p) for p in fine_tunes)
     for L in DEMO["layer_ids"]:
         assert fingerprint(a, L)["sample_digest"] == fingerprint(b, L)["sample_digest"]
@@ -445,7 +445,7 @@ def test_a_store_without_a_digest_of_its_tables_is_refused(tier, fine_tunes):
     """A fingerprint of format 1 (no tables_digest), or none at all (rows EngramStore.populate
     wrote): which tables the rows are from is unknown, and the load is refused."""
     from engram_stream.rows.identity import model_name
-    from engram_stream.rows.mooncake import fingerprint_key
+    from engram_stream.rows.mooncake.keys import fingerprint_key
     a = EngramModel.load(fine_tunes[0])
     tier.publish(a)
     L, name = DEMO["layer_ids"][1], model_name(a)
