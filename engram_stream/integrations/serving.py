@@ -13,6 +13,8 @@ import json
 import os
 import threading
 
+from ..errors import shown
+
 SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake", "host_cache")
 MOONCAKE_KEYS = ("master", "metadata", "local_host")
 
@@ -59,15 +61,6 @@ def parse_settings(value, where):
         raise ValueError(f'{where}: "checkpoint" must be the path of a V4.1 checkpoint folder (a string), got '
                          f'{shown(ck)}' + (": it is not a folder" if isinstance(ck, str) else ""))
     return s
-
-
-def shown(value) -> str:
-    """repr(value), cut to a length a message can carry."""
-    try:
-        r = repr(value)
-    except RecursionError:
-        return "an object nested too deeply to show"
-    return r if len(r) <= 200 else f"{r[:200]}... ({len(r)} characters)"
 
 
 def open_model(s, default_checkpoint, where, variant=None):

@@ -22,6 +22,7 @@ import weakref
 
 import numpy as np
 
+from ..errors import shown
 from ._cache import RowCache, cache_nbytes, slots_for
 from ._direct import new_totals, totals_summary
 from ._source import CachedRows, Tier
@@ -81,10 +82,8 @@ def check_row_cache_mb(value, what="row_cache_mb") -> float:
     ok = (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
           and 0 <= value <= ROW_CACHE_MB_MAX)   # compared exactly: False for NaN, inf and 10**400
     if not ok:
-        shown = repr(value)
-        if len(shown) > 40:
-            shown = shown[:20] + f"... ({len(shown)} characters)"
-        raise ValueError(f"{what} must be a finite number of MiB from 0 (no row cache) to 2**43, got {shown}: "
+        raise ValueError(f"{what} must be a finite number of MiB from 0 (no row cache) to 2**43, got "
+                         f"{shown(value, 40)}: "
                          f"give the RAM the row cache may take (a budget above the tables' size caches them "
                          f"whole)")
     return float(value)   # numpy's numbers too (np.int64(64))
@@ -119,11 +118,9 @@ def parse_tier(spec) -> Tier:
                 code = TIERS[name].__init__.__code__
                 raise TypeError(f"tables={spec!r}: {e}; the arguments are "
                                 f"{code.co_varnames[1:code.co_argcount]}") from None
-    shown = repr(spec)
-    shown = shown if len(shown) <= 200 else shown[:200] + f"... ({len(shown)} characters)"
     raise TypeError(f"tables= takes {' | '.join(repr(n) for n in TIERS)}, a Tier (a DirectTier, a MooncakeTier, a "
                     f"CachedTier, a subclass of engram_stream.rows.Tier) or a one-key dict {{name: {{arguments}}}} "
-                    f"such as {{\"mooncake\": {{\"master\": \"HOST:PORT\", \"metadata\": \"URL\"}}}}, got {shown}")
+                    f"such as {{\"mooncake\": {{\"master\": \"HOST:PORT\", \"metadata\": \"URL\"}}}}, got {shown(spec)}")
 
 
 class CachedTier(Tier):
