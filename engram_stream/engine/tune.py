@@ -64,9 +64,10 @@ import numpy as np
 
 from ..io.files import cache_dir
 from . import isa as _isa
+from ._base import OPS
 from .cpu import CPUINFO, cpuinfo_blocks
 
-OPS = ("step", "batch", "prefill")  # index: the engine's OP_* (engine/_base.pyx)
+
 ENV = "ENGRAM_STREAM_TUNE"
 FORMAT = 1
 BATCH_STREAMS = 16
