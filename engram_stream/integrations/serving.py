@@ -173,7 +173,7 @@ class PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 def install_patches(patches):
-    """Patch each module of `patches` already imported now, the others as they are imported (a
+    """Patch each module of `patches` that is imported already, the others as they are imported (a
     PatchOnImport first on sys.meta_path, once however often this is called)."""
     for name, patch in patches.items():
         if name in sys.modules:
