@@ -67,16 +67,8 @@ def _cpu() -> str:
     """The CPU model ("model name" in /proc/cpuinfo, else what the platform module knows) and the
     CPUs this process may run on: every figure the commands print depends on both."""
     import platform
-    name = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("model name", "Model") and value.strip():  # x86; some aarch64 boards
-                    name = value.strip()
-                    break
-    except OSError:
-        pass
+    from .engine.cpu import cpu_model, cpuinfo_blocks
+    name = cpu_model(cpuinfo_blocks())
     name = name or platform.processor() or "unknown model"
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return f"{name} ({platform.machine()}, {usable} CPU{'s' * (usable != 1)} usable)"

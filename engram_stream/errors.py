@@ -64,3 +64,13 @@ class ConfigKeyWarning(UserWarning):
     """A key of a config the user wrote that no variant reads but that looks like an Engram key
     (a misspelling: its value is ignored and the key it resembles takes its default). The
     message names the key and the closest key read."""
+
+
+def shown(value, limit=200) -> str:
+    """repr(value) as an error message shows it: cut past `limit` characters, saying how long
+    it was (a megabyte of bad input stays a line), and a value too nested to repr said so."""
+    try:
+        r = repr(value)
+    except RecursionError:
+        return "an object nested too deeply to show"
+    return r if len(r) <= limit else f"{r[:limit]}... ({len(r)} characters)"

@@ -126,7 +126,7 @@ static inline int es_isa_runs(int level) {
  *                        (engine/tune.py); a team's workers take the caller's (es_team_run)
  *   forced               es_isa_force(1): ENGRAM_STREAM_ISA or use_isa; a call's path is then
  *                        ignored, so the tests and the environment hold every kernel to one.
- *   the teams            es_team_open / _close / _keep / _put / _slots_held (engram_step.h).
+ *   the teams            es_team_open / _close / _keep / _put / _slots_held (engram_team.h).
  * Adding a path touches the levels above, es_isa_runs, engram_path.h (its settings), ES_ON_PATH
  * (then every dispatch, which must say what the path runs) and each header's per-path blocks. */
 struct es_team_s;

@@ -548,9 +548,9 @@ def perturbed(model, rng):
 
 def fine_tuned_outside_samples(model):
     """The demo model with every table row changed except the ones the Mooncake fingerprint
-    samples (rows.mooncake.sample_rows): the same config and sampled rows, other tables."""
+    samples (rows.mooncake.keys.sample_rows): the same config and sampled rows, other tables."""
     from engram_stream import EngramModel
-    from engram_stream.rows.mooncake import sample_rows
+    from engram_stream.rows.mooncake.keys import sample_rows
     layers = {}
     for L, w in model.layers.items():
         keep = np.zeros(w.table.shape[0], bool)
@@ -680,7 +680,7 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_unconfigure(config):
     """A session that ran a Mooncake client ends with os._exit(its status), after every other
     plugin has finished. A user's process exits with its own status after a fault (closed
-    clients, running calls waited for: engram_stream.rows.mooncake._close_at_exit, tested in
+    clients, running calls waited for: engram_stream.rows.mooncake.calls._close_at_exit, tested in
     subprocesses by tests/rows/test_mooncake.py), but this session leaves calls that outlive
     their bound by minutes: the stop_master tests' calls, stuck until the master is resumed and
     killed, return whenever the client's retries end, and one that returns while the interpreter

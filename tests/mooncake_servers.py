@@ -25,7 +25,7 @@ import sys
 import time
 
 from engram_stream.errors import TierError
-from engram_stream.rows.mooncake import wait_for_port
+from engram_stream.rows.mooncake.calls import wait_for_port
 
 
 def _binary(name):

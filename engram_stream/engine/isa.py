@@ -16,6 +16,7 @@ import warnings
 
 from .. import _hash
 from ..errors import IsaEnvironmentError
+from .cpu import CPUINFO, cpuinfo_blocks
 
 ISA_NAMES = ("baseline", "avx2", "avx512", "bf16", "neon")  # index = the C level (ES_ISA_*)
 ENV = "ENGRAM_STREAM_ISA"
@@ -80,7 +81,7 @@ _CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c",
                                                            "avx512vl", "avx512dq")}
 _CPU_FLAGS["bf16"] = _CPU_FLAGS["avx512"] + ("avx512vbmi", "avx512_bf16")
 
-def cpu_isas(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) -> tuple:
+def cpu_isas(cpuinfo: str = CPUINFO, machine: str | None = None) -> tuple:
     """The paths this CPU has, whatever this build carries (a build without the x86 paths, e.g.
     by a compiler without target attributes, runs baseline on any CPU), from the kernel's CPU
     flags; ("baseline",) where they cannot be read. Every aarch64 CPU has neon (ASIMD), and
@@ -88,11 +89,8 @@ def cpu_isas(cpuinfo: str = "/proc/cpuinfo", machine: str | None = None) -> tupl
     platform.machine() when None."""
     if (machine or platform.machine()).lower() in ("aarch64", "arm64"):
         return ("baseline", "neon")
-    try:
-        with open(cpuinfo) as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        flags = set()
+    blocks = cpuinfo_blocks(cpuinfo)
+    flags = set(blocks[0].get("flags", "").split()) if blocks else set()
     return ("baseline",) + tuple(n for n in ("avx2", "avx512", "bf16") if set(_CPU_FLAGS[n]) <= flags)
 
 

@@ -76,8 +76,10 @@ import numpy as np
 
 from ..io.files import cache_dir
 from . import isa as _isa
+from ._base import OPS
+from .cpu import CPUINFO, cpuinfo_blocks
 
-OPS = ("step", "batch", "prefill")  # index: the engine's OP_* (engine/_base.pyx)
+
 ENV = "ENGRAM_STREAM_TUNE"
 FORMAT = 1
 BATCH_STREAMS = 16
@@ -118,23 +120,11 @@ def enabled() -> bool:
     return os.environ.get(ENV, "").strip().lower() not in ("0", "off", "false", "no")
 
 
-def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> tuple:
+def cpu_identity(cpuinfo: str = CPUINFO) -> tuple:
     """(key, name): a digest of the first processor's identifying /proc/cpuinfo fields, the machine
     and the cores this process may use; name is the CPU's model name (or the machine)."""
-    fields = {}
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if not line.strip():
-                    if fields:
-                        break
-                    continue
-                k, _, v = line.partition(":")
-                k = k.strip()
-                if k in _IDENTITY_FIELDS and k not in fields:
-                    fields[k] = " ".join(v.split())
-    except OSError:
-        pass
+    first = (cpuinfo_blocks(cpuinfo) or [{}])[0]
+    fields = {k: v for k, v in first.items() if k in _IDENTITY_FIELDS}
     text = json.dumps([platform.machine(), cores(), sorted(fields.items())])
     name = fields.get("model name") or fields.get("CPU part") or platform.machine() or "unknown CPU"
     return hashlib.sha256(text.encode()).hexdigest()[:16], name

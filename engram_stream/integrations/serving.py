@@ -1,5 +1,7 @@
 """What the serving integrations (vllm.py, sglang.py) share: their settings, the process's
-models that serve them, and the check of the framework's version.
+models that serve them, the check of the framework's version, the patching of a framework's
+module as it is imported (PatchOnImport), the re-classing of its embedding method objects
+(stream_method) and whether CUDA is there (cuda_available).
 
 The settings are one JSON object (the vLLM plugin's ENGRAM_STREAM_VLLM or
 additional_config["engram_stream"], SGLang's install() argument or ENGRAM_STREAM_SGLANG), its
@@ -9,9 +11,14 @@ The row conversion both engines' kernels make (records to bf16) is the native _r
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import json
 import os
+import sys
 import threading
+
+from ..errors import shown
 
 SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake", "host_cache")
 MOONCAKE_KEYS = ("master", "metadata", "local_host")
@@ -69,15 +76,6 @@ def parse_settings(value, where):
         raise ValueError(f'{where}: "checkpoint" must be the path of a V4.1 checkpoint folder (a string), got '
                          f'{shown(ck)}' + (": it is not a folder" if isinstance(ck, str) else ""))
     return s
-
-
-def shown(value) -> str:
-    """repr(value), cut to a length a message can carry."""
-    try:
-        r = repr(value)
-    except RecursionError:
-        return "an object nested too deeply to show"
-    return r if len(r) <= 200 else f"{r[:200]}... ({len(r)} characters)"
 
 
 def open_model(s, default_checkpoint, where, variant=None):
@@ -158,3 +156,62 @@ class StreamVocabRows(StreamRows):
         s = self.shard_indices
         return self.rows_repr(f"rows {s.org_vocab_start_index}..{s.org_vocab_end_index} of "
                               f"{self.org_vocab_size}, {self.table_format}")
+
+
+class PatchOnImport(importlib.abc.MetaPathFinder):
+    """Runs patches[name](module) right after the module `name` is imported: a plugin loads
+    before the framework's modules, and importing them itself would import models the process
+    never serves. One finder a patches dict (install_patches)."""
+
+    def __init__(self, patches):
+        self.patches = patches   # {module name: patch(module)}
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.patches:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module, patch = spec.loader.exec_module, self.patches[name]
+
+        def exec_and_patch(module):
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+def install_patches(patches):
+    """Patch each module of `patches` that is imported already, the others as they are imported (a
+    PatchOnImport first on sys.meta_path, once however often this is called)."""
+    for name, patch in patches.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not any(isinstance(f, PatchOnImport) and f.patches is patches for f in sys.meta_path):
+        sys.meta_path.insert(0, PatchOnImport(patches))
+
+
+def remove_patches(patches):
+    """Stop patching the modules of `patches` as they are imported (what is patched stays)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not (isinstance(f, PatchOnImport) and f.patches is patches)]
+
+
+def stream_method(method, classes, **methods):
+    """A framework's embedding method object re-classed to a subclass whose embedding() reads
+    the layer's rows from engram_stream (layer.stream_rows), with `methods` besides; everything
+    else is the framework's. classes: {base class: its subclass}, the caller's cache."""
+    base = type(method)
+    cls = classes.get(base)
+    if cls is None:
+        def embedding(self, layer, input_):
+            return layer.stream_rows(input_)
+        cls = classes[base] = type(f"Stream{base.__name__}", (base,), {"embedding": embedding, **methods})
+    method.__class__ = cls
+    return method
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (torch imported here: the frameworks bring it)."""
+    import torch
+    return torch.cuda.is_available()

@@ -39,8 +39,6 @@ What this does not reach without patching SGLang:
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import re
 import sys
@@ -86,10 +84,7 @@ def install(value=None):
     _settings = s
     cls = embedding_class()
     sys.modules[ENGRAM_MODULE].EngramEmbedding = cls
-    if QWEN_MODULE in sys.modules:
-        _patch_qwen(sys.modules[QWEN_MODULE])
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    serving.install_patches(_PATCHES)
     return cls
 
 
@@ -101,7 +96,7 @@ def uninstall():
     Q = sys.modules.get(QWEN_MODULE)
     if Q is not None and _qwen_stock is not None:
         Q.Qwen4ExpNGramEmbedding, Q.Qwen4ExpForConditionalGeneration.load_weights = _qwen_stock
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchOnImport)]
+    serving.remove_patches(_PATCHES)
     _settings = None
 
 
@@ -192,22 +187,8 @@ _methods = {}            # SGLang embedding method class -> its subclass whose e
 _qwen_stock = None       # SGLang's (Qwen4ExpNGramEmbedding, Qwen4ExpForConditionalGeneration.load_weights)
 
 
-def stream_method(method):
-    """SGLang's embedding method object, re-classed to a subclass whose embedding() reads the
-    layer's rows from engram_stream and whose post-load step has no table to process."""
-    base = type(method)
-    cls = _methods.get(base)
-    if cls is None:
-        def embedding(self, layer, input_):
-            return layer.stream_rows(input_)
-
-        def process_weights_after_loading(self, layer):
-            return None
-
-        cls = _methods[base] = type(f"Stream{base.__name__}", (base,), {
-            "embedding": embedding, "process_weights_after_loading": process_weights_after_loading})
-    method.__class__ = cls
-    return method
+def _process_weights_after_loading(self, layer):
+    return None   # a streamed layer has no table to process after loading
 
 
 def ple_class():
@@ -244,7 +225,8 @@ def ple_class():
             # cast to its storage dtype (bf16, or FP8 when the config or quant config says so)
             self.storage_dtype = torch.float8_e4m3fn if fmt == "fp8" else params_dtype
             self._values = None if fmt == "fp8" else np.dtype(w.table.dtype)
-            stream_method(self.quant_method)
+            serving.stream_method(self.quant_method, _methods,
+                                  process_weights_after_loading=_process_weights_after_loading)
 
         def _use_triton_embedding(self, input_):
             return False   # SGLang's fused gather reads a device table; the rows here come from the host
@@ -276,11 +258,6 @@ def _eager():
     return cuda_graph_fully_disabled()
 
 
-def _cuda():
-    import torch
-    return torch.cuda.is_available()
-
-
 def _patch_qwen(Q):
     """Qwen4ExpNGramEmbedding becomes StreamNGramEmbedding; Qwen4ExpForConditionalGeneration's
     load_weights skips the table's shards while it holds one."""
@@ -300,7 +277,7 @@ def _patch_qwen(Q):
                 raise ValueError(f"{ENV}: --ple-offload-embedding is set: SGLang would allocate a host table "
                                  f"engram_stream's rows leave unused; unset it (the rows come from engram_stream's "
                                  f"row source)")
-            if _cuda() and not _eager():
+            if serving.cuda_available() and not _eager():
                 raise ValueError(f"{ENV}: Qwen4Exp PLE rows are read by a synchronous host lookup, which a CUDA "
                                  f"graph would capture once and replay stale: serve with {EAGER_FLAGS} (or "
                                  f"--disable-cuda-graph)")
@@ -332,22 +309,9 @@ def _patch_qwen(Q):
     Q.Qwen4ExpForConditionalGeneration.load_weights = load_weights
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches SGLang's Qwen4Exp module right after it is imported (install() does not import
-    it: a V4.1 server never does)."""
+def _patch_qwen_if_installed(module):
+    if _settings is not None:   # after uninstall() the module is SGLang's own
+        _patch_qwen(module)
 
-    def find_spec(self, name, path, target=None):
-        if name != QWEN_MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        exec_module = spec.loader.exec_module
 
-        def exec_and_patch(module):
-            exec_module(module)
-            if _settings is not None:
-                _patch_qwen(module)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
+_PATCHES = {QWEN_MODULE: _patch_qwen_if_installed}   # install() does not import it: a V4.1 server never does

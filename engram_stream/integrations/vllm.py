@@ -57,8 +57,6 @@ while the other's are converted.
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import re
 import sys
@@ -306,7 +304,7 @@ def _patch_engram(E):
                                    variant="deepseek-v4.1")
         engram_config = config.engram_config
         offload = bool(engram_config is not None and engram_config.cpu_offload)
-        if not offload and _cuda():
+        if not offload and serving.cuda_available():
             raise ValueError(f"{ENV}: keep vLLM's engram_config cpu_offload=true (the default): the plugin's "
                              f"lookups are host work, run at the eager boundary of vLLM's prefetch (inline, a "
                              f"CUDA graph would replay stale rows)")
@@ -340,11 +338,6 @@ def _patch_wait(E):
     wrapped = E.eager_break_during_capture(_finish_prefetch)
     wrapped._engram_stream = True
     E.Engram._finish_prefetch = wrapped
-
-
-def _cuda():
-    import torch
-    return torch.cuda.is_available()
 
 
 def _patch_loader(W):
@@ -401,19 +394,6 @@ def _check_version():
     serving.check_version("vLLM", vllm, VLLM_VERSION)
 
 
-def stream_method(method):
-    """vLLM's embedding method object, re-classed to a subclass whose embedding() reads the layer's
-    rows from engram_stream (everything else, dequantize() included, is vLLM's)."""
-    base = type(method)
-    cls = _methods.get(base)
-    if cls is None:
-        def embedding(self, layer, input_):
-            return layer.stream_rows(input_)
-        cls = _methods[base] = type(f"Stream{base.__name__}", (base,), {"embedding": embedding})
-    method.__class__ = cls
-    return method
-
-
 def stream_class():
     """StreamPLEEmbedding (made once: it subclasses vLLM's Qwen4ExpPLEDeviceEmbedding)."""
     global _stream_class
@@ -452,7 +432,7 @@ def stream_class():
             self.table_format = fmt
             self._values = None if fmt in ("fp8", "nvfp4") else np.dtype(w.table.dtype)
             self._lut = None if fmt != "nvfp4" else torch.from_numpy(np.asarray(w.table_lut, np.float32))
-            stream_method(self.embedding_method)
+            serving.stream_method(self.embedding_method, _methods)
 
         def allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype):
             """The table's storage (vLLM's create_weights asks here): a meta tensor, no memory."""
@@ -500,7 +480,7 @@ def _patch_qwen(N):
         if s is None:
             return original(self, config, embedding_dim, ple_dense_layer_id, max_total_tokens, **kw)
         _check_version()
-        if plugin._cuda() and not getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
+        if serving.cuda_available() and not getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
             raise ValueError(f"{plugin.ENV}: Qwen4Exp PLE rows are read by a synchronous host lookup, which a CUDA "
                              f"graph would capture once and replay stale: serve with --enforce-eager")
         model = serving.open_model(s, getattr(getattr(vllm_config, "model_config", None), "model", None), plugin.ENV,
@@ -529,34 +509,10 @@ _PATCHES = {ENGRAM_MODULE: _patch_engram, LOADER_MODULE: _patch_loader,
             "vllm.models.qwen4_exp.nvidia.ngram_embedding": _patch_qwen}
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches vLLM's two modules right after they are imported (the plugin loads before them,
-    and importing them here would import the V4.1 model in every vLLM process)."""
-
-    def find_spec(self, name, path, target=None):
-        if name not in _PATCHES:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return None
-        exec_module, patch = spec.loader.exec_module, _PATCHES[name]
-
-        def exec_and_patch(module):
-            exec_module(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
 def register():
     """vLLM's entry point (every process). Nothing of vLLM changes unless the settings are given
     (ENGRAM_STREAM_VLLM here, or additional_config["engram_stream"] at the model's build): the
     hooks defer to vLLM's own code. A bad ENGRAM_STREAM_VLLM fails here, naming the value."""
     if os.environ.get(ENV):
         serving.parse_settings(os.environ[ENV], ENV)
-    for name, patch in _PATCHES.items():
-        if name in sys.modules:
-            patch(sys.modules[name])
-    if not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    serving.install_patches(_PATCHES)

@@ -1,7 +1,7 @@
 """Where table rows come from: the mapped table (mapped.py), the checkpoint's files read
 directly (direct.py, _direct.pyx, include/engram_io.h; the packed row file: packed.py), the
-RAM row cache (_cache.pyx, include/engram_rowcache.h), a Mooncake Store (mooncake.py);
-tiers.py parses a tier's spec (parse_tier) and puts the RAM row cache over any tier (CachedTier);
+RAM row cache (_cache.pyx, include/engram_rowcache.h), a Mooncake Store (mooncake/);
+identity.py names a model's tables (digests, model_name, tables_id); tiers.py parses a tier's spec (parse_tier) and puts the RAM row cache over any tier (CachedTier);
 _source.pyx is the seam the engines read through: Tier (where a model's rows live, tables=) and
 RowSource (one engine's reader of one layer, made by the tier opened for its model).
 `engram_stream.rows` is this package."""
@@ -9,7 +9,9 @@ from ..errors import TierError
 from ._source import CachedRows, DirectRows, MappedRows, RecordSource, RowSource, Tier
 from .direct import DirectTier
 from .mapped import MappedTier
-from .mooncake import MooncakeTier, RemoteRows, head_records, store_key, wait_for_port
+from .mooncake.calls import wait_for_port
+from .mooncake.keys import head_records, store_key
+from .mooncake.tier import MooncakeTier, RemoteRows
 from .records import record_layout
 from .tiers import TIERS, CachedTier, parse_tier
 

@@ -4,7 +4,7 @@
     MappedRows    the table in memory or mapped from the checkpoint: pointers into it, nothing to fail
     DirectRows    rows read from the checkpoint's files (rows/_direct.pyx): pread, O_DIRECT, an I/O pool
     RecordSource  records fetched in one batch a call by Python code: subclass it with start(rows)
-                  and finish() (rows.mooncake.RemoteRows; a toy source in a test file)
+                  and finish() (rows.mooncake.tier.RemoteRows; a toy source in a test file)
     CachedRows    the model's RAM row cache of a layer (shared by its engines) in front of any of them
 
 An engine hashes a call's tokens, hands the rows to submit() (a remote or disk source starts
@@ -570,7 +570,7 @@ cdef class CachedRows(RowSource):
 class Tier:
     """Where a model's table rows live: the mapped tables (rows.mapped.MappedTier, "mapped"), the
     checkpoint's files or its packed row file (rows.direct.DirectTier, "direct"), a Mooncake Store
-    (rows.mooncake.MooncakeTier), the RAM row cache over any of them (rows.tiers.CachedTier), or a
+    (rows.mooncake.tier.MooncakeTier), the RAM row cache over any of them (rows.tiers.CachedTier), or a
     class of your own (rows.tiers.TIERS names it for a spec). rows.tiers.parse_tier(spec) makes
     one from what a loader's tables= or a serving setting gives.
 

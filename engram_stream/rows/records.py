@@ -65,7 +65,7 @@ def digest_array(d, L, a, stamp=None):
 
 def tables_digest(model) -> str:
     """16 hex digits of every table's bytes (layer, dtype, shape, bytes: read whole, about 1 s a
-    GB): what rows.tiers.tables_id gives a model whose tables are all in RAM, wherever they are."""
+    GB): what rows.identity.tables_id gives a model whose tables are all in RAM, wherever they are."""
     d = hashlib.blake2b(digest_size=8)
     for L, a in table_arrays(model):
         digest_array(d, L, a)

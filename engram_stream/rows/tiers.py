@@ -13,8 +13,6 @@ it converts a table row, so every source gives the same floats bit for bit.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import numbers
 import os
@@ -24,13 +22,15 @@ import weakref
 
 import numpy as np
 
+from ..errors import shown
 from ._cache import RowCache, cache_nbytes, slots_for
 from ._direct import new_totals, totals_summary
 from ._source import CachedRows, Tier
 from .direct import DirectTier
 from .mapped import MappedTier
-from .mooncake import MooncakeTier
-from .records import digest_array, record_layout, table_arrays
+from .identity import host_model_id
+from .mooncake.tier import MooncakeTier
+from .records import record_layout
 
 
 # Every field of row_cache_stats(): its unit and its one meaning, whichever source is behind the
@@ -82,39 +82,11 @@ def check_row_cache_mb(value, what="row_cache_mb") -> float:
     ok = (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
           and 0 <= value <= ROW_CACHE_MB_MAX)   # compared exactly: False for NaN, inf and 10**400
     if not ok:
-        shown = repr(value)
-        if len(shown) > 40:
-            shown = shown[:20] + f"... ({len(shown)} characters)"
-        raise ValueError(f"{what} must be a finite number of MiB from 0 (no row cache) to 2**43, got {shown}: "
+        raise ValueError(f"{what} must be a finite number of MiB from 0 (no row cache) to 2**43, got "
+                         f"{shown(value, 40)}: "
                          f"give the RAM the row cache may take (a budget above the tables' size caches them "
                          f"whole)")
     return float(value)   # numpy's numbers too (np.int64(64))
-
-
-def tables_id(model) -> str:
-    """16 hex digits that tell this model's table rows from any other's on this host, without
-    reading them (mooncake.model_name digests every byte: about 1 s a GB the first time). A
-    fine-tune may leave any sample of rows alone, so no sample tells two tables apart. A table
-    mapped from a file counts as that file's stamp as it was mapped (device,
-    inode, size, mtime: io.files.MappedFile) and its ctime, which no one can set (an inode used
-    again, with a forged mtime, still differs): two files of a host differ, one file saved again
-    differs, and the processes mapping one file agree without reading it. A table in RAM counts
-    as a digest of its bytes (read once, at the first host cache: about 1 s a GB)."""
-    from ..io.files import mapping_of
-    d = hashlib.blake2b(digest_size=8)
-    for L, a in table_arrays(model):
-        mm = mapping_of(a)
-        stamp = (f"{tuple(mm.stamp)} {os.fstat(mm.fd).st_ctime_ns}"
-                 if mm is not None and hasattr(mm, "stamp") else None)
-        digest_array(d, L, a, stamp)
-    return d.hexdigest()
-
-
-def host_model_id(model) -> str:
-    """What names a model's host cache files and heads: "c" and 16 hex digits of a digest of its
-    config, and its tables_id (which rows, exactly)."""
-    config = hashlib.blake2b(json.dumps(model.cfg.to_dict(), sort_keys=True).encode(), digest_size=8)
-    return f"c{config.hexdigest()}-t{tables_id(model)}"
 
 
 LAYER_FIELDS = ("hits", "misses", "bytes_fetched", "evictions", "rows_cached", "capacity_rows", "cache_bytes",
@@ -146,11 +118,9 @@ def parse_tier(spec) -> Tier:
                 code = TIERS[name].__init__.__code__
                 raise TypeError(f"tables={spec!r}: {e}; the arguments are "
                                 f"{code.co_varnames[1:code.co_argcount]}") from None
-    shown = repr(spec)
-    shown = shown if len(shown) <= 200 else shown[:200] + f"... ({len(shown)} characters)"
     raise TypeError(f"tables= takes {' | '.join(repr(n) for n in TIERS)}, a Tier (a DirectTier, a MooncakeTier, a "
                     f"CachedTier, a subclass of engram_stream.rows.Tier) or a one-key dict {{name: {{arguments}}}} "
-                    f"such as {{\"mooncake\": {{\"master\": \"HOST:PORT\", \"metadata\": \"URL\"}}}}, got {shown}")
+                    f"such as {{\"mooncake\": {{\"master\": \"HOST:PORT\", \"metadata\": \"URL\"}}}}, got {shown(spec)}")
 
 
 class CachedTier(Tier):

@@ -1,6 +1,6 @@
 """The package against the committed golden vectors (tests/data/golden_*.npz).
 
-The goldens come from tools/gen_goldens.py, an independent torch
+The goldens come from tools/goldens/demo.py, an independent torch
 re-implementation of the reference Engram module (deepseek-ai/Engram,
 engram_demo_v1.py). Every test here runs without torch except
 test_generator_reproduces_committed_file, which re-runs the generator and
@@ -22,7 +22,7 @@ from conftest import ATOL, ROOT, RTOL
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
 DATA = os.path.join(ROOT, "tests", "data")
-GENERATOR = os.path.join(ROOT, "tools", "gen_goldens.py")
+GENERATOR = os.path.join(ROOT, "tools", "goldens", "demo.py")
 GOLDENS = sorted(p for p in glob.glob(os.path.join(DATA, "golden_*.npz"))
                  if not os.path.basename(p).startswith(("golden_v41_", "golden_qwen_")))  # theirs: tests/v41, tests/qwen
 
@@ -128,7 +128,7 @@ def test_generator_configs_match_committed_files():
     with open(GENERATOR, encoding="utf-8") as f:
         src = f.read()
     for path in GOLDENS:
-        assert f'name="{_name(path)}"' in src, f"{path} has no config in tools/gen_goldens.py"
+        assert f'name="{_name(path)}"' in src, f"{path} has no config in tools/goldens/demo.py"
 
 
 @golden

@@ -276,14 +276,14 @@ def test_refusals_name_the_setting(parallel, folders, monkeypatch):
     with pytest.raises(ValueError, match=f"{plugin.ENV}: --ple-offload-embedding is set: .* unset it"):
         build(cfg, 0)
     cfg = hf_config(folder)
-    monkeypatch.setattr(plugin, "_cuda", lambda: True)
+    monkeypatch.setattr(serving, "cuda_available", lambda: True)
     monkeypatch.setattr(plugin, "_eager", lambda: False)
     with pytest.raises(ValueError, match="serve with --cuda-graph-backend-decode=disabled "
                                          "--cuda-graph-backend-prefill=disabled"):
         build(cfg, 0)
     monkeypatch.setattr(plugin, "_eager", lambda: True)
     assert type(build(cfg, 0).ngram_embedding).__name__ == "StreamPLEEmbedding"
-    monkeypatch.setattr(plugin, "_cuda", lambda: False)
+    monkeypatch.setattr(serving, "cuda_available", lambda: False)
     with pytest.raises(ValueError, match="PLE layer 2 is not one of"):
         build(cfg, 2)
     cfg.ngram_vocab_size_base += 10

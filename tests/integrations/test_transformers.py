@@ -1,6 +1,6 @@
 """engram_stream inside transformers' DeepSeek-V4 decode loop (engram_stream.integrations.transformers).
 
-The oracle is tools/gen_goldens_v41.py: an independent torch re-implementation of DeepSeek-V4.1's
+The oracle is tools/goldens/v41.py: an independent torch re-implementation of DeepSeek-V4.1's
 reference Engram (inference/engram.py and model.py), with the reference's decode-time hash state.
 It imports nothing from engram_stream. Two checks:
 
@@ -36,7 +36,7 @@ from conftest import ATOL, ROOT, RTOL  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.integrations.transformers import attach  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("_gen_goldens_v41", os.path.join(ROOT, "tools", "gen_goldens_v41.py"))
+_spec = importlib.util.spec_from_file_location("_gen_goldens_v41", os.path.join(ROOT, "tools", "goldens", "v41.py"))
 gen = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gen)
 
@@ -119,7 +119,7 @@ def generate(model, ids, mask, n=6):
 
 # ---- the oracle ----------------------------------------------------------------------------------
 class Oracle:
-    """The reference Engram (tools/gen_goldens_v41.py) of every layer, in float32 (the package's
+    """The reference Engram (tools/goldens/v41.py) of every layer, in float32 (the package's
     precision) and bf16 (as the reference's generate.py runs it), and its hash state."""
 
     def __init__(self, table, sds):

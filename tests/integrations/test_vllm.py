@@ -465,7 +465,7 @@ def test_bad_settings_are_refused_with_the_value(E, vllm_env, plugin_checkpoints
     with pytest.raises(ValueError, match='give "checkpoint"'):
         plugin_embeddings(E, layout_of(E, plugin_checkpoints["plain"]))
     vllm_env.model = plugin_checkpoints["plain"]
-    monkeypatch.setattr(plugin, "_cuda", lambda: True)  # cpu_offload=False on a CUDA machine: inline lookups
+    monkeypatch.setattr(serving, "cuda_available", lambda: True)  # cpu_offload=False on a CUDA machine: inline lookups
     with pytest.raises(ValueError, match="cpu_offload=true"):
         plugin_embeddings(E, layout_of(E, plugin_checkpoints["plain"]))
 

@@ -95,7 +95,7 @@ def test_the_mooncake_hint_is_the_checkout_form():
     import mooncake_servers
     with pytest.raises(FileNotFoundError, match=re.escape("pip install '.[mooncake]'")):
         mooncake_servers._binary("no-such-mooncake-binary-here")
-    src = _read("engram_stream", "rows", "mooncake.py")
+    src = _read("engram_stream", "rows", "mooncake", "tier.py")
     assert "pip install '.[mooncake]' from the engram_stream checkout" in src
 
 

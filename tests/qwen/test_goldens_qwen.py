@@ -1,5 +1,5 @@
 """qwen3.8-flash-next against its committed goldens (tests/data/golden_qwen_*.npz), written by
-tools/gen_goldens_qwen.py, an independent torch re-implementation of transformers' PLE layer.
+tools/goldens/qwen.py, an independent torch re-implementation of transformers' PLE layer.
 
 Integers (multipliers, primes, offsets, padded rows, every row id) exactly; the oracle and the
 engine, token by token on every kernel path, within the suite's float tolerance. Only the
@@ -20,7 +20,7 @@ from conftest import ROOT, close
 
 pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]
 GOLDENS = sorted(glob.glob(os.path.join(ROOT, "tests", "data", "golden_qwen_*.npz")))
-GENERATOR = os.path.join(ROOT, "tools", "gen_goldens_qwen.py")
+GENERATOR = os.path.join(ROOT, "tools", "goldens", "qwen.py")
 golden = pytest.mark.parametrize("path", GOLDENS, ids=[os.path.basename(p)[12:-4] for p in GOLDENS])
 
 

@@ -623,7 +623,7 @@ def test_a_corrupt_cache_file_gives_exact_rows_and_never_hangs(shm_path, tmp_pat
 @pytest.mark.parametrize("mmap", [True, False], ids=["mapped", "in RAM"])
 def test_checkpoints_differing_only_in_unsampled_rows_get_their_own_host_caches(ckpt, plain, host, tmp_path, mmap):
     import gc
-    from engram_stream.rows.mooncake import fingerprint
+    from engram_stream.rows.mooncake.keys import fingerprint
     name, _ = host
     tuned_path = conftest.fine_tuned_outside_samples(plain).save(str(tmp_path / "tuned.safetensors"))
     tuned = EngramModel.load(tuned_path)

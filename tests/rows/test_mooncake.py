@@ -14,7 +14,7 @@ import pytest
 
 from engram_stream import EngramConfig, EngramModel
 from engram_stream.errors import TierError
-from engram_stream.rows.mooncake import EXIT_GRACE
+from engram_stream.rows.mooncake.calls import EXIT_GRACE
 from engram_stream.v41 import hf as hf_v41
 
 import conftest
@@ -48,7 +48,7 @@ def records(model, L, h):
 
 def read_rows(tier, model, L, rows):
     """Absolute rows of layer L read through the tier's batched reader (records, in order)."""
-    from engram_stream.rows.mooncake import RemoteRows
+    from engram_stream.rows.mooncake.tier import RemoteRows
     r = RemoteRows(tier, model, L)
     u, inv = np.unique(rows, return_inverse=True)
     got = r.fetch(u)[:, :r.recbytes][inv].copy()
@@ -243,7 +243,8 @@ def test_two_models_share_one_store_under_their_names(tier, v41_models, mooncake
     """Two models of one config (or two revisions of one model) published to one store: each
     keeps its own keys (the default name: its fingerprint), each decodes its own rows exactly."""
     from engram_stream.rows import MooncakeTier
-    from engram_stream.rows.mooncake import model_name, store_key
+    from engram_stream.rows.identity import model_name
+    from engram_stream.rows.mooncake.keys import store_key
     a, b = (EngramModel.from_deepseek_v41(v41_models[k]) for k in ("a", "b"))
     assert model_name(a) != model_name(b) and model_name(a) == model_name(EngramModel.from_deepseek_v41(v41_models["a"]))
     tier.publish(a)
@@ -402,7 +403,8 @@ def test_fine_tunes_differing_outside_the_samples_each_serve_their_own_rows(tier
     under their default names: each gets its own keys (the name digests every table byte) and
     every row a model loading from the store reads is its own. (Named by sampled rows, the second
     publish replaced the first's rows and the first model served them.)"""
-    from engram_stream.rows.mooncake import fingerprint, model_name
+    from engram_stream.rows.identity import model_name
+    from engram_stream.rows.mooncake.keys import fingerprint
     a, b = (EngramModel.load(p) for p in fine_tunes)
     for L in DEMO["layer_ids"]:
         assert fingerprint(a, L)["sample_digest"] == fingerprint(b, L)["sample_digest"]
@@ -421,7 +423,7 @@ def test_a_name_holding_other_tables_is_refused_naming_both_digests(mooncake, fi
     the store's digest and its own (the sampled rows agree: only the digest tells them apart)."""
     from mooncake_servers import wait_until_writable
     from engram_stream.rows import MooncakeTier
-    from engram_stream.rows.mooncake import layer_digests
+    from engram_stream.rows.identity import layer_digests
     a, b = (EngramModel.load(p) for p in fine_tunes)
     named = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, timeout=5, name="ft")
     try:
@@ -442,7 +444,8 @@ def test_a_name_holding_other_tables_is_refused_naming_both_digests(mooncake, fi
 def test_a_store_without_a_digest_of_its_tables_is_refused(tier, fine_tunes):
     """A fingerprint of format 1 (no tables_digest), or none at all (rows EngramStore.populate
     wrote): which tables the rows are from is unknown, and the load is refused."""
-    from engram_stream.rows.mooncake import fingerprint_key, model_name
+    from engram_stream.rows.identity import model_name
+    from engram_stream.rows.mooncake.keys import fingerprint_key
     a = EngramModel.load(fine_tunes[0])
     tier.publish(a)
     L, name = DEMO["layer_ids"][1], model_name(a)
@@ -463,16 +466,16 @@ def test_the_tables_are_digested_once_a_host(tier, fine_tunes, tmp_path, monkeyp
     $XDG_CACHE_HOME, keyed by the file's stamps: loading from the store reads no table byte again;
     the file touched (another mtime and ctime) is read again; an unusable cache folder only costs
     the reading. Tables in RAM are read at every load."""
-    from engram_stream.rows import mooncake
-    from engram_stream.rows.mooncake import layer_digests
+    from engram_stream.rows import identity
+    from engram_stream.rows.identity import layer_digests
     reads = []
-    real = mooncake.byte_chunks
+    real = identity.byte_chunks
 
     def counted(a, chunk):
         reads.append(a.nbytes)
         return real(a, chunk)
 
-    monkeypatch.setattr(mooncake, "byte_chunks", counted)
+    monkeypatch.setattr(identity, "byte_chunks", counted)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     path = fine_tunes[0]
     model = EngramModel.load(path)

@@ -259,7 +259,7 @@ def test_rows_packed_from_tables_in_ram_record_their_digest(tmp_path):
     tables' digest (the tables_id a host cache gives it), the same tables open it and read its
     rows, other tables (a shape alike, another seed) are refused naming both digests."""
     from engram_stream.rows.records import tables_digest
-    from engram_stream.rows.tiers import tables_id
+    from engram_stream.rows.identity import tables_id
     cfg = EngramConfig(**V41)
     model = EngramModel.init(cfg, seed=4)
     path = str(tmp_path / "ram.rows")

@@ -1,5 +1,5 @@
 """The deepseek-v4.1 variant against its committed goldens (tests/data/golden_v41_*.npz),
-written by tools/gen_goldens_v41.py, an independent torch re-implementation of the public
+written by tools/goldens/v41.py, an independent torch re-implementation of the public
 reference (DeepSeek-V4.1-Flash inference/engram.py + model.py, float8 kernels).
 
 Integers (multipliers, primes, offsets, rows, dead masks) exactly; the float oracle within
@@ -23,7 +23,7 @@ from conftest import ATOL, ROOT, RTOL  # noqa: E402
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 GOLDENS = sorted(glob.glob(os.path.join(ROOT, "tests", "data", "golden_v41_*.npz")))
-GENERATOR = os.path.join(ROOT, "tools", "gen_goldens_v41.py")
+GENERATOR = os.path.join(ROOT, "tools", "goldens", "v41.py")
 
 
 def _name(path):

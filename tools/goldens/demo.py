@@ -47,9 +47,9 @@ Each npz holds
 Regenerate
 ----------
     . /work/venv/bin/activate            # needs torch and numpy only
-    python tools/gen_goldens.py           # writes tests/data/golden_*.npz
-    python tools/gen_goldens.py --out DIR # somewhere else
-    python tools/gen_goldens.py --only NAME [--only NAME ...]
+    python tools/goldens/demo.py           # writes tests/data/golden_*.npz
+    python tools/goldens/demo.py --out DIR # somewhere else
+    python tools/goldens/demo.py --only NAME [--only NAME ...]
 
 The script is deterministic (fixed seeds per config); tests/demo/test_goldens.py
 re-runs it into a temporary directory and checks it reproduces the committed
@@ -392,7 +392,7 @@ def write(spec, out_dir) -> str:
 def main(argv=None):
     here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=os.path.join(here, os.pardir, "tests", "data"),
+    ap.add_argument("--out", default=os.path.join(here, os.pardir, os.pardir, "tests", "data"),
                     help="output folder (default: tests/data)")
     ap.add_argument("--only", action="append", default=None, metavar="NAME",
                     help="generate only this config (repeatable); names: "

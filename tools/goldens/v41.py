@@ -16,7 +16,7 @@ Departures from the reference, all outside the numerics:
     image spans through token_types; every span position carries that id), and
     negative ids are "unknown": they enter the cache as DEAD (block history) but
     do not close the gate (the reference would index token_map with them);
-  * the prime search uses trial division (tools/gen_goldens.py) instead of sympy.isprime;
+  * the prime search uses trial division (tools/goldens/demo.py) instead of sympy.isprime;
   * the torch default dtype is set per run: float32 gives `delta_f32`, the
     precision of the package's oracle; bfloat16 (what generate.py runs) gives
     the reference's own output `out_bf16` = bf16(h + delta).
@@ -36,7 +36,7 @@ Each npz holds
   L{L}.delta_f32      float32[B, T, G, D]  gate * value, default dtype float32
   L{L}.out_bf16       float32[B, T, G, D]  the reference's return value bf16(h + gate*value)
 
-Regenerate:  python tools/gen_goldens_v41.py [NAME ...]      (torch and numpy only)
+Regenerate:  python tools/goldens/v41.py [NAME ...]      (torch and numpy only)
 tests/v41/test_goldens_v41.py re-runs it and compares with the committed files.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gen_goldens import is_prime_trial  # noqa: E402  (the demo generator's primality test)
+from demo import is_prime_trial  # noqa: E402  (the demo generator's primality test)
 
 DEAD = -1
 BLOCK = 32
@@ -381,7 +381,7 @@ def write(spec, out_dir):
 def main(argv=None):
     """Regenerate every config (or the ones named on the command line) into tests/data."""
     names = sys.argv[1:] if argv is None else argv
-    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "data")
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "tests", "data")
     for path in (write(c, out_dir) for c in CONFIGS if not names or c["name"] in names):
         print(f"{os.path.relpath(path)}  {os.path.getsize(path):>7d} bytes")
     return 0

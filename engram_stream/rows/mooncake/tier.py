@@ -1,416 +1,27 @@
-"""Rows from a Mooncake Store: publish a model's tables, read a step's missed rows in one call.
-
-    tier = MooncakeTier(master="127.0.0.1:50051", metadata="http://127.0.0.1:8080/metadata")
-    tier.publish(model)                                            # every layer's rows into the store
-    remote = EngramModel.load(path, tables=tier, row_cache_mb=64)  # weights from the file, rows from the store
-    local = EngramModel.load(path, row_cache_mb=64)                # the same cache in front of the file
-    remote.row_cache_stats()   # {"hits", "misses", "bytes_fetched", "evictions", ...}
-
-Row records. A row travels and is cached as its bytes in the table's dtype, followed by its
-scale's bytes (demo int8 tables: a float32; V4.1: 8 e8m0 bytes, so 264-byte records): the
-gather converts a record exactly as it converts a table row, so every tier gives the same
-floats bit for bit.
-
-Store layout (Mooncake's EngramStore): one object per head, key `engram:{name}:l{L}:h{h}`, holding
-that head's records [N_h, record bytes] contiguous (N_h = the head's prime). That is EngramStore's
-byte-row layout (Mooncake #4065: `row_bytes` 264 for V4.1, 256 FP8 bytes then 8 E8M0 bytes);
-float32 tables are byte-identical to what 0.3.13's float32 EngramStore writes. Beside the heads,
-`engram:{name}:l{L}:fingerprint` (JSON) names what was published: the layout, `tables_digest` (the
-SHA-256 of every byte of the layer's tables: layer_digests, taken once at publish) and
-a digest of sampled records. A model loading with tables=tier is refused unless the store holds
-its layout, the digest of its own tables (a mismatch names both digests; a store without one, as
-EngramStore.populate leaves it, is refused too) and the store's bytes of the sampled rows equal
-its own (rows another writer put under the name since). Rows EngramStore.populate wrote get their
-fingerprints from tier.adopt(model), which compares every row with the model's first.
-
-Names. Every key of a model carries a name, so that several models (or revisions of one) share
-a store: MooncakeTier(name=None) names each model by model_name(model), a digest of its config
-and of every layer's tables_digest (two checkpoints that differ in any byte of a table get
-different names, one checkpoint the same name on every host); name="..." puts every model the
-tier serves under that name; name="" is EngramStore's own keys, `engram:l{L}:h{h}` (one model a
-store). Either way the stored digest decides which model's rows they are.
-
-The model's side of the check digests its own tables at load: once a host for tables mapped from
-files (layer_digests caches the digest, keyed by the files' stamps), every load for
-tables in RAM.
-
-Reads. An engine in remote mode hashes a token at feed(), looks its rows up in the
-RAM cache, and fetches the misses before the nogil gather in ONE `get_into_ranges`
-call into a registered staging buffer: keys de-duplicated (one entry per head, its
-rows as ranges: 0.3.13 leaves a repeated key's buffer unfilled and reports success,
-upstream #3876), every range's returned length checked, the call bounded by a
-timeout. Any failure raises TierError and the engine's state is left as it was;
-no zeros or stale rows reach the output. Calls work again once the store is back.
-
-Bounded calls. Every call that may wait on the master or a store server (setup, publish's
-writes, size and fingerprint checks, reads) runs on a daemon thread and is bounded: a
-stopped (SIGSTOP) master never answers, and only the bound ends the wait (TierError). A call
-that timed out keeps its thread, its staging buffer and the client alive for good (it may
-still write into them), and nothing waits for it at exit: the process exits at once.
-"""
+"""A Mooncake Store as a row tier: MooncakeTier (publish, adopt, check), StoreTables (the tier
+opened for one model) and RemoteRows (one layer's reader: a step's missed rows in one call)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import queue
-import socket
-import stat
-import threading
 import time
 import weakref
 from urllib.parse import urlparse
 
 import numpy as np
 
-from ..errors import TierError
-from ..io.files import atomic_output, cache_dir
-from ..io.memory import byte_chunks, file_extent, read_rows
-from ._cache import slot_bytes
-from ._direct import add_read
-from ._source import RecordSource, Tier
-from .records import record_arrays, record_format, record_layout
+from ...errors import TierError
+from .._cache import slot_bytes
+from .._direct import add_read
+from .._source import RecordSource, Tier
+from ..identity import layer_digests, model_name
+from ..records import record_format, record_layout
+from .calls import (OPEN_TIERS, BoundedCalls, answers, fault, host_port, keep_forever, register_close_at_exit,
+                    wait_for_port)
+from .keys import FINGERPRINT_FORMAT, fingerprint, fingerprint_key, head_records, sampled_records, store_key
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 LOG_LEVEL = "ERROR"   # the client's default MC_LOG_LEVEL here
-FINGERPRINT_FORMAT = 2   # 2: with tables_digest
-SAMPLES_PER_HEAD = 8
-
-
-# ---- row records ---------------------------------------------------------------------------------
-def head_records(model, layer, h) -> np.ndarray:
-    """Head h's rows of `layer` as records, uint8 [N_h, record bytes] (a view when it can be)."""
-    rows, scales = record_arrays(model.layer(layer))
-    lo = int(model.layer(layer).offsets[h])
-    hi = lo + int(model.plan.head_primes[layer][h])
-    if scales is None:
-        return rows[lo:hi]
-    return np.ascontiguousarray(np.concatenate([rows[lo:hi], scales[lo:hi]], axis=1))
-
-
-def _prefix(name) -> str:
-    return f"engram:{name}:" if name else "engram:"
-
-
-def store_key(layer, h, name="") -> str:
-    """The key of head h of `layer` under `name` ("": EngramStore's own `engram:l{L}:h{h}`)."""
-    return f"{_prefix(name)}l{layer}:h{h}"
-
-
-def fingerprint_key(layer, name="") -> str:
-    return f"{_prefix(name)}l{layer}:fingerprint"
-
-
-def model_name(model, digests=None) -> str:
-    """The name a model's keys get by default: "m" and 32 hex digits of a digest of its config
-    and every layer's tables digest (layer_digests: every byte of every table).
-    digests: {layer: digest} already taken, or None (taken here: cached for mapped tables)."""
-    digests = digests or layer_digests(model)
-    d = hashlib.blake2b(digest_size=16)
-    d.update(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
-    for L in model.cfg.layer_ids:
-        d.update(f";{L} {digests[L]}".encode())
-    return "m" + d.hexdigest()
-
-
-def sample_rows(n_h, layer, h) -> np.ndarray:
-    """The head-local rows whose records the fingerprint covers: first, last and a few fixed ones."""
-    rng = np.random.default_rng([0xE9, int(layer), int(h)])
-    return np.unique(np.concatenate([[0, n_h - 1], rng.integers(0, n_h, SAMPLES_PER_HEAD - 2)])).astype(np.int64)
-
-
-def sampled_records(model, layer):
-    """{head: (head-local rows, their records uint8 [k, record bytes])} of the fingerprint's sample.
-    A model whose tables are a mapped file gets the rows by pread (rows.memory.read_rows): a
-    model that reads its rows from a store checks them at load without bringing its local table
-    into the page cache."""
-    rows, scales = record_arrays(model.layer(layer))
-    heads = [sample_rows(int(n_h), layer, h) for h, n_h in enumerate(model.plan.head_primes[layer])]
-    absolute = np.concatenate([int(model.layer(layer).offsets[h]) + local for h, local in enumerate(heads)])
-    rec = read_rows(rows, absolute)
-    if scales is not None:
-        rec = np.concatenate([rec, read_rows(scales, absolute)], axis=1)
-    out, at = {}, 0
-    for h, local in enumerate(heads):
-        out[h] = (local, np.ascontiguousarray(rec[at:at + local.size]))
-        at += local.size
-    return out
-
-
-def fingerprint(model, layer, samples=None, digest=None) -> dict:
-    """What publish() writes beside a layer's heads: layout, the digest of every byte of the
-    layer's tables and a digest of the sampled records (samples: sampled_records(model, layer)
-    already read, or None; digest: layer_digests(model)[layer] already taken, or None)."""
-    rowbytes, scalebytes = record_layout(model.layer(layer))
-    digest = layer_digests(model, [layer])[layer] if digest is None else digest
-    d = hashlib.blake2b(digest_size=16)
-    for h, (local, rec) in (samples or sampled_records(model, layer)).items():
-        d.update(local.tobytes())
-        d.update(rec.tobytes())
-    return {"format": FINGERPRINT_FORMAT, "variant": model.cfg.variant, "layer": int(layer),
-            "heads": [int(p) for p in model.plan.head_primes[layer]], "rowbytes": rowbytes,
-            "scalebytes": scalebytes, "tables_digest": digest, "sample_digest": d.hexdigest()}
-
-
-# ---- a digest of every byte of a layer's tables (what names and checks a published table) --------
-DIGEST_FORMAT = 1          # of the digest (SHA-256) and of its cache entries
-DIGEST_CHUNK = 16 << 20    # bytes read and hashed at a time
-
-
-def _layer_arrays(model, L):
-    w = model.layer(L)
-    return [a for a in (w.table, getattr(w, "table_scale", None)) if a is not None]
-
-
-def _digest_key(L, arrays):
-    """What identifies layer L's table bytes without reading them, or None (a table in RAM): each
-    array's dtype, shape, file stamp as mapped (device, inode, size, mtime), the file's ctime
-    (no one can set it: a file written again, or an inode used again, has another) and its offset
-    in the file. The processes and runs of one host that map one file agree on it."""
-    parts = []
-    for a in arrays:
-        ext = file_extent(a)
-        if ext is None:
-            return None
-        mm, off = ext
-        mm.check()   # a file changed since it was mapped: refused, as every read of it is
-        parts.append(f"{a.dtype.str} {tuple(a.shape)} file {tuple(mm.stamp)} ctime {os.fstat(mm.fd).st_ctime_ns} "
-                     f"at {off}")
-    return f"engram tables digest {DIGEST_FORMAT} layer {L}: " + "; ".join(parts)
-
-
-def digest_cache_path(key) -> str:
-    """The cache entry of a digest key: <cache_dir()>/tables/<BLAKE2b of the key>.json."""
-    return os.path.join(cache_dir(), "tables", hashlib.blake2b(key.encode(), digest_size=16).hexdigest() + ".json")
-
-
-def _cached_digest(key):
-    """The cached digest of `key`, or None: an entry is trusted only when it is a regular file of
-    this user that no one else may write, holding this very key and a digest of 64 hex digits.
-    Anything else (no folder, a folder that cannot be read, a damaged entry) is a miss."""
-    path = digest_cache_path(key)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            return None
-        entry = json.loads(os.read(fd, 1 << 16))
-    except (OSError, ValueError):
-        return None
-    finally:
-        os.close(fd)
-    d = entry.get("digest") if isinstance(entry, dict) and entry.get("key") == key else None
-    return d if isinstance(d, str) and len(d) == 64 and all(c in "0123456789abcdef" for c in d) else None
-
-
-def _cache_digest(key, digest):
-    """Keep a digest for the next load (folder made 0700); a cache that cannot be written (a
-    read-only home, a file where the folder goes) costs the next load the reading, nothing more."""
-    path = digest_cache_path(key)
-    try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        with atomic_output(path) as f:
-            f.write(json.dumps({"key": key, "digest": digest}).encode())
-    except (OSError, ValueError):   # ValueError: something not a file sits at the entry's path
-        pass
-
-
-def layer_digests(model, layers=None, progress=None) -> dict:
-    """{layer: 64 hex digits}: the SHA-256 of each layer's table and table scale (each one's
-    dtype and shape, then every byte). What names a model's keys in a Mooncake Store and what the
-    store keeps beside its rows (rows.mooncake).
-
-    Reading every byte costs about 1 s a GB, so a layer whose tables are views of mapped files
-    is read once a host: its digest is cached under the user's cache folder
-    (<cache_dir()>/tables/, $XDG_CACHE_HOME respected), keyed by what identifies the bytes
-    (_digest_key: the files' stamps and ctime, the arrays' offsets), and a file saved again is
-    read again. The files are read by pread, their pages left out of the page cache
-    (io.memory.byte_chunks); a table in RAM is read every call. progress(done, total): bytes."""
-    layers = model.cfg.layer_ids if layers is None else layers
-    arrays = {L: _layer_arrays(model, L) for L in layers}
-    total, done, out = sum(a.nbytes for L in layers for a in arrays[L]), 0, {}
-    for L in layers:
-        key = _digest_key(L, arrays[L])
-        out[L] = None if key is None else _cached_digest(key)
-        if out[L] is None:
-            d = hashlib.sha256()   # SHA-NI: about twice BLAKE2b's speed on x86
-            for a in arrays[L]:
-                d.update(f"{L} {a.dtype.str} {tuple(a.shape)};".encode())
-                for chunk in byte_chunks(a, DIGEST_CHUNK):
-                    d.update(chunk)
-                    done += len(chunk)
-                    if progress is not None:
-                        progress(done, total)
-            out[L] = d.hexdigest()
-            if key is not None and key == _digest_key(L, arrays[L]):   # not changed while it was read
-                _cache_digest(key, out[L])
-        else:
-            done += sum(a.nbytes for a in arrays[L])
-            if progress is not None:
-                progress(done, total)
-    return out
-
-
-# ---- bounded calls -------------------------------------------------------------------------------
-_STUCK = []   # what calls that timed out may still use (clients, buffers): kept for the process's life
-
-
-def _keep_forever(*objs):
-    """Keep objects a timed-out call may still use alive until the process ends, past interpreter
-    teardown too: a client's destructor talks to its servers (the metadata server sits in the
-    master: a stopped one costs seconds per request) and would delay exit."""
-    import ctypes
-    for o in objs:
-        if o is not None:
-            _STUCK.append(o)
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(o))
-
-
-_RUNNING = {}   # {done event: deadline (time.monotonic)} of every call started and not ended
-
-
-class BoundedCalls:
-    """Calls run one at a time on a daemon thread, each waited for at most `timeout` seconds. A
-    call that times out keeps its thread (it may never return: a stopped master); the next call
-    gets a new thread. Daemon threads: nothing joins them at exit, but the exit handler waits
-    for a running call until `bound` seconds from its start (_close_at_exit: a call that
-    returns while the interpreter finalizes aborts the process)."""
-
-    def __init__(self, name, bound):
-        self.name = name
-        self.bound = float(bound)
-        self._q = None
-
-    def _worker(self, q):
-        while True:
-            fn, args, box, done = q.get()
-            try:
-                box.append(fn(*args))
-            except BaseException as e:  # handed to the caller
-                box.append(e)
-                box.append(None)
-            _RUNNING.pop(done, None)
-            done.set()
-
-    def start(self, fn, *args):
-        """Queue fn(*args) on the worker and return at once: a handle for finish()."""
-        if self._q is None:
-            self._q = queue.SimpleQueue()
-            threading.Thread(target=self._worker, args=(self._q,), name=self.name, daemon=True).start()
-        box, done = [], threading.Event()
-        t0 = time.monotonic()
-        _RUNNING[done] = t0 + self.bound
-        self._q.put((fn, args, box, done))
-        return box, done, t0
-
-    def finish(self, handle, timeout):
-        """The started call's result (or its exception); TimeoutError when it has run longer than
-        `timeout` seconds since start() (it keeps running)."""
-        box, done, t0 = handle
-        if not done.wait(max(0.0, t0 + timeout - time.monotonic())):
-            self._q = None  # that thread is stuck in fn: leave it there
-            raise TimeoutError(f"no answer within {timeout} s")
-        if len(box) == 2:
-            raise box[0]
-        return box[0]
-
-    def call(self, timeout, fn, *args):
-        """fn(*args) on the worker; TimeoutError when it takes longer than timeout (it keeps running)."""
-        return self.finish(self.start(fn, *args), timeout)
-
-
-# ---- Mooncake Store -----------------------------------------------------------------------------
-_OPEN = weakref.WeakSet()   # tiers whose client is open: closed at exit (_close_at_exit)
-_AT_EXIT = []
-_FAULTS = []                # a store call failed or timed out in this process (see _close_at_exit)
-
-
-def _fault():
-    _FAULTS.append(True)
-
-
-EXIT_GRACE = 5.0   # seconds past its bound the exit handler waits for a running call
-
-
-def _wait_for_running_calls():
-    """Wait for every call still running inside a client, each until EXIT_GRACE past its bound:
-    a dead store server's call ends with an error a little after the tier's timeout (the client's
-    own retries); a stopped master's never ends, and costs the exit that wait."""
-    for done, deadline in list(_RUNNING.items()):
-        done.wait(max(0.0, deadline + EXIT_GRACE - time.monotonic()))
-
-
-def _close_at_exit():
-    """Close every open tier's client before the interpreter and Mooncake's C++ runtime tear
-    down: a client left open at exit (reads done or abandoned, buffers registered) makes that
-    teardown abort the process ("terminate called without an active exception"). Registered
-    after mooncake.store is imported, so it runs before any exit handler of Mooncake's own.
-
-    After a fault (a failed or timed-out call: a dead server), closing is not enough: Mooncake's
-    transport keeps threads of the broken connection, or the call that timed out still runs (its
-    client cannot be closed under it), and the C++ static destructors that run in exit() after
-    the interpreter is gone abort on them. So the process then ends in exit()'s first handler
-    with the status exit() was given (glibc's on_exit hands it to _exit), skipping the C runtime
-    handlers registered before it: Python has finished by then (its files are flushed).
-    A call still running when the interpreter finalizes would abort it as it returns (its thread
-    is ended inside C++ code that may not be unwound), so the calls are waited for first, each
-    within its bound."""
-    _wait_for_running_calls()
-    for tier in list(_OPEN):
-        try:
-            tier.close()
-        except Exception:  # a client in a bad state: the others still close
-            pass
-    if _FAULTS:
-        import ctypes
-        libc = ctypes.CDLL(None)
-        if hasattr(libc, "on_exit"):  # glibc; musl has none: its exit is left as it is
-            end = ctypes.cast(libc._exit, ctypes.c_void_p)
-            libc.on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-            libc.on_exit(end, None)   # called as _exit(status, NULL): the extra argument is ignored
-
-
-def _register_close_at_exit():
-    if not _AT_EXIT:
-        import atexit
-        atexit.register(_close_at_exit)
-        _AT_EXIT.append(True)
-
-
-def _host_port(addr):
-    host, _, port = addr.rpartition(":")
-    return host or "127.0.0.1", int(port)
-
-
-def wait_for_port(host, port, timeout):
-    """Wait until host:port accepts a TCP connection; False after `timeout` seconds."""
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return True
-        except OSError:
-            if time.monotonic() > end:
-                return False
-            time.sleep(0.05)
-
-
-def _answers(host, port, request, timeout) -> bool:
-    """Whether a server at host:port answers `request` (any reply, or closing the connection)
-    within `timeout` seconds."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as s:
-            s.settimeout(timeout)
-            s.sendall(request)
-            s.recv(64)
-            return True
-    except socket.timeout:
-        return False
-    except OSError:  # reset or refused: an answer of sorts from a live kernel and process
-        return True
 
 
 class MooncakeTier(Tier):
@@ -445,7 +56,7 @@ class MooncakeTier(Tier):
         self._readers = weakref.WeakSet()   # RemoteRows of this tier (close waits for their reads)
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", local_host)
         # setup() blocks ~90 s on an address that does not answer: check both first.
-        mhost, mport = _host_port(master)
+        mhost, mport = host_port(master)
         url = urlparse(metadata)
         for what, host, port in (("master", mhost, mport), ("metadata server", url.hostname, url.port)):
             if port is not None and not wait_for_port(host, port, connect_timeout):
@@ -455,10 +66,10 @@ class MooncakeTier(Tier):
         # holds the GIL while it waits for an answer that never comes: no thread could time it
         # out. So each server must answer first (the master closes a connection that sends it
         # no valid request; the metadata server answers HTTP).
-        if not _answers(mhost, mport, b"\0" * 32, connect_timeout):
+        if not answers(mhost, mport, b"\0" * 32, connect_timeout):
             raise TierError(f"Mooncake master at {mhost}:{mport} accepts connections but does not answer "
                             f"(waited {connect_timeout} s): a stopped or overloaded master")
-        if url.scheme == "http" and url.port is not None and not _answers(
+        if url.scheme == "http" and url.port is not None and not answers(
                 url.hostname, url.port, f"GET {url.path or '/'}?key=engram-probe HTTP/1.0\r\n\r\n".encode(),
                 connect_timeout):
             raise TierError(f"Mooncake metadata server at {url.hostname}:{url.port} does not answer "
@@ -469,8 +80,8 @@ class MooncakeTier(Tier):
         if rc != 0:
             raise TierError(f"Mooncake setup(master={master}, metadata={metadata}) failed with code {rc}")
         self.store = store
-        _register_close_at_exit()
-        _OPEN.add(self)
+        register_close_at_exit()
+        OPEN_TIERS.add(self)
 
     def __repr__(self):
         return (f"MooncakeTier(master={self.master!r}, metadata={self.metadata!r}, local_host={self.local_host!r}, "
@@ -492,8 +103,8 @@ class MooncakeTier(Tier):
             return self._calls.call(t, fn, *args)
         except TimeoutError:
             self.stuck = True
-            _fault()
-            _keep_forever(client if client is not None else self.store, *keep)
+            fault()
+            keep_forever(client if client is not None else self.store, *keep)
             raise TierError(f"Mooncake {what}: no answer within {t} s (a stopped or unreachable master or "
                             f"store server)") from None
 
@@ -516,13 +127,13 @@ class MooncakeTier(Tier):
             if not reader.settle():
                 self.stuck = True
         store, self.store = self.store, None
-        _OPEN.discard(self)
+        OPEN_TIERS.discard(self)
         if not self.stuck:
             store.close()
 
     def _check(self, rc, what):
         if rc != 0:
-            _fault()
+            fault()
             raise TierError(f"Mooncake {what} failed with code {rc}")
 
     def publish(self, model, layers=None, progress=None, digest_progress=None) -> int:
@@ -554,7 +165,7 @@ class MooncakeTier(Tier):
                     if ok:
                         store.unregister_buffer(ptr)
                     else:  # an upsert that timed out may still read it
-                        _keep_forever(rec)
+                        keep_forever(rec)
                 written += n
                 if progress is not None:
                     progress(L, h, written)
@@ -795,8 +406,8 @@ class RemoteRows(RecordSource):
             res = self._calls.finish(handle, self.tier.timeout)
         except TimeoutError:
             # the call may still write into this buffer later: it is never reused nor freed
-            _keep_forever(stage, store)
-            _fault()
+            keep_forever(stage, store)
+            fault()
             self.tier.stuck = True
             self.stage = None
             raise TierError(f"Mooncake read of {n} rows of layer {self.layer}: no answer within "
@@ -810,7 +421,7 @@ class RemoteRows(RecordSource):
         except TypeError:
             ok = False
         if not ok:
-            _fault()
+            fault()
             raise TierError(f"Mooncake read of {n} rows of layer {self.layer} failed: {_first_error(res, rb)}")
         if self.read_totals is not None:  # one batched get: a read of n rows
             add_read(self.read_totals, 1, n * rb, n, time.perf_counter() - w0)

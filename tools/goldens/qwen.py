@@ -26,7 +26,7 @@ Each npz holds
   L{L}.sd.<name>   Qwen4ExpTextPLELayer's parameters, float32
   L{L}.out         float32[B, T, G, D] the PLE output, float32
 
-Regenerate:  python tools/gen_goldens_qwen.py [NAME ...]      (torch and numpy only)
+Regenerate:  python tools/goldens/qwen.py [NAME ...]      (torch and numpy only)
 """
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def write(name, out_dir):
 
 def main(argv=None):
     names = (sys.argv[1:] if argv is None else argv) or list(CONFIGS)
-    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "data")
+    out_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "tests", "data")
     for name in names:
         print(write(name, out_dir))
 
