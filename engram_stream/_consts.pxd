@@ -4,9 +4,6 @@ cdef extern from "engram_consts.h":
         ES_MAX_NGRAM
         ES_MAX_KERNEL_SIZE
         ES_PREFILL_CHUNK
-        ES_HIST_PLAIN
-        ES_HIST_DEAD
-        ES_HIST_SEP
     float ES_EPS_KEY
     float ES_EPS_CONV
     float ES_GATE_CLAMP

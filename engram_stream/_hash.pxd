@@ -1,5 +1,5 @@
-# Declarations of the shared integer kernels (include/engram_hash.h), cimported by _hash.pyx,
-# the engines' hash window (engine/_window.pyx) and the variants' windows (v41/, qwen/_engine.pyx).
+# Declarations of the shared integer kernels (include/engram_hash.h), cimported by _hash.pyx and
+# the hash window (engine/_window.pyx), whose hooks the variants' windows override.
 from libc.stdint cimport int64_t, uint64_t
 
 cdef extern from "engram_hash.h" nogil:
@@ -15,31 +15,12 @@ cdef extern from "engram_hash.h" nogil:
     void es_hash_window(const int64_t *win, const int64_t *mult, int max_ngram, int n_head,
                         const int64_t *primes, const double *fp, int64_t *rows) noexcept
     int ES_HASH_STREAM_BYTES
-    void es_hash_sequence(const int64_t *c, int64_t T, int64_t pad, int latch, const int64_t *mult,
-                          int max_ngram, int n_head, const int64_t *primes, const double *fp,
-                          int64_t *rows, int stream) noexcept
+    enum:
+        ES_HASH_BLOCK
+    void es_hash_windows(const int64_t *win, int64_t ld, int64_t T, const int64_t *mult, int max_ngram,
+                         int n_head, const int64_t *primes, const double *fp, const es_modulus *mods,
+                         int64_t *rows, int stream) noexcept
 
-
-# deepseek-v4.1: the dead-token latch (DESIGN.md 4.4). hist[k] is the compressed id at t-k, or
-# a negative value (DEAD: an image token, an unknown id, a slot before the start). The first
-# DEAD entry turns itself and every older one into pad; newer entries keep their ids.
-cdef inline void latch_window(const int64_t *hist, int n, int64_t pad, int64_t *win) noexcept nogil:
-    cdef bint blocked = False
-    cdef int k
-    for k in range(n):
-        blocked = blocked or hist[k] < 0
-        win[k] = pad if blocked else hist[k]
-
-# qwen3.8-flash-next: the separator (DESIGN.md 4b). hist[k] is the id at t-k, pad (its EOS)
-# before the start. A pad entry at k >= 1 ends the document before t: the older entries read pad.
-# The entry at t itself cuts nothing (an EOS keeps the history of the document it ends).
-cdef inline void separator_window(const int64_t *hist, int n, int64_t pad, int64_t *win) noexcept nogil:
-    cdef bint blocked = False
-    cdef int k
-    win[0] = hist[0]
-    for k in range(1, n):
-        win[k] = pad if blocked else hist[k]
-        blocked = blocked or hist[k] == pad
 
 # The kernel runtime (include/engram_isa.h): one per process, owned by this module. Every other
 # extension binds it at import, `es_runtime_bind(es_runtime_of_process())` (a cdef function, so

@@ -1,14 +1,15 @@
 # cython: language_level=3
-"""Fast (nogil) hashing: compression and n-gram rows for whole [B, T] id arrays.
+"""The shared integer kernels' Python side: compression of whole [B, T] id arrays, the mods alone
+(tests, bench_hash), the division-free mod's constants and the process's kernel runtime.
 
-The numpy oracle is engram_stream.plan.HashPlan.hash_numpy; tests pin the two bit-equal.
+The n-gram rows of [B, T] ids are hashed by the variant's hash window (engine/_window.pyx,
+HashWindow.hash_batch) through its history rule and hash hooks; HashPlan.hash drives it.
 """
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint64_t
 
-from ._consts cimport (ES_EPS_CONV, ES_EPS_KEY, ES_GATE_CLAMP, ES_HIST_DEAD, ES_HIST_PLAIN, ES_HIST_SEP,
-                       ES_MAX_KERNEL_SIZE, ES_MAX_NGRAM, ES_PREFILL_CHUNK)
+from ._consts cimport ES_EPS_CONV, ES_EPS_KEY, ES_GATE_CLAMP, ES_MAX_KERNEL_SIZE, ES_MAX_NGRAM, ES_PREFILL_CHUNK
 
 cnp.import_array()
 
@@ -19,21 +20,18 @@ EPS_KEY = <double> ES_EPS_KEY           # RMSNorm eps of keys and hidden: float3
 EPS_CONV = <double> ES_EPS_CONV         # RMSNorm eps of the ShortConv norms (float32 1e-5)
 GATE_CLAMP = <double> ES_GATE_CLAMP     # the gate's sqrt(max(|s|, GATE_CLAMP)) (float32 1e-6)
 PREFILL_CHUNK = ES_PREFILL_CHUNK        # prompt tokens per GEMM in StreamEngine.prefill
-HIST_PLAIN = ES_HIST_PLAIN              # history rules of a hash window (HashPlan.history)
-HIST_DEAD = ES_HIST_DEAD
-HIST_SEP = ES_HIST_SEP
 
 
 def compress(const int64_t[:, ::1] ids, const int64_t[::1] lookup, int64_t vocab_size, dead_id=None):
     """Compressed copy of ids (lookup may be None: identity). Raises ValueError on id >= vocab.
-    dead_id (deepseek-v4.1): that id and negative (unknown) ids become -1, DEAD."""
+    dead_id (a variant's Variant.dead_id, or None): that id and negative (unknown) ids become -1, DEAD."""
     cdef Py_ssize_t B = ids.shape[0], T = ids.shape[1], b, t
     out = np.empty((B, T), dtype=np.int64)
     cdef int64_t[:, ::1] o = out
     cdef const int64_t *lk = &lookup[0] if lookup is not None else NULL
     cdef int64_t bad = -1, v
-    cdef bint v41 = dead_id is not None
-    cdef int64_t dead = dead_id if v41 else -1
+    cdef bint has_dead = dead_id is not None
+    cdef int64_t dead = dead_id if has_dead else -1
     if lk != NULL and lookup.shape[0] != vocab_size:  # ids in [0, vocab_size) index the lookup
         raise ValueError(f"compress: lookup has {lookup.shape[0]} entries, vocab_size is {vocab_size}")
     with nogil:
@@ -43,7 +41,7 @@ def compress(const int64_t[:, ::1] ids, const int64_t[::1] lookup, int64_t vocab
                 if v >= vocab_size:
                     bad = v
                     break
-                o[b, t] = -1 if v41 and (v < 0 or v == dead) else es_compress(v, lk)
+                o[b, t] = -1 if has_dead and (v < 0 or v == dead) else es_compress(v, lk)
             if bad >= 0:
                 break
     if bad >= 0:
@@ -61,59 +59,6 @@ def fp_moduli(primes):
     if not p or max(p) >= ES_FP_PRIME_MAX or min(p) < 1:
         return None
     return np.array(p + [1.0 / x for x in p] + [(1 << 32) % x for x in p], dtype=np.float64)
-
-
-def hash_compressed(const int64_t[:, ::1] cids, const int64_t[::1] mult,
-                    const int64_t[::1] primes, int max_ngram, int n_head, int64_t pad, out=None,
-                    const double[::1] fp=None, int latch=ES_HIST_PLAIN):
-    """int64[B, T, H] head-local rows of compressed ids (positions before 0 read pad).
-    fp: fp_moduli(primes) for the division-free path, or None.
-    latch: the history rule. HIST_DEAD (deepseek-v4.1): -1 entries are DEAD, positions before 0
-    count as DEAD, and the dead-token latch fills the window (latch_window in _hash.pxd).
-    HIST_SEP (qwen3.8-flash-next): a pad entry ends a document (separator_window)."""
-    if latch not in (ES_HIST_PLAIN, ES_HIST_DEAD, ES_HIST_SEP):
-        raise ValueError(f"hash_compressed: latch must be HIST_PLAIN, HIST_DEAD or HIST_SEP, got {latch}")
-    cdef Py_ssize_t B = cids.shape[0], T = cids.shape[1], H = primes.shape[0], b
-    cdef int k
-    if not 2 <= max_ngram <= ES_MAX_NGRAM:
-        raise ValueError(f"max_ngram_size must be in [2, {ES_MAX_NGRAM}]")
-    if n_head < 0 or mult.shape[0] != max_ngram or H != (max_ngram - 1) * n_head:
-        raise ValueError("hash_compressed: multipliers/primes do not match the geometry")
-    for k in range(H):
-        if primes[k] < 1:  # x mod 0 is SIGFPE
-            raise ValueError(f"hash_compressed: primes must be positive, got {primes[k]}")
-    if out is None:
-        out = np.empty((B, T, H), dtype=np.int64)
-    cdef int64_t[:, :, ::1] o = out
-    if o.shape[0] != B or o.shape[1] != T or o.shape[2] != H:
-        raise ValueError(f"hash_compressed: out must have shape {(B, T, H)}, got {np.shape(out)}")
-    cdef const double *pfp = NULL
-    if fp is not None:
-        if not _is_fp_moduli(fp, primes):  # the kernel trusts these constants
-            raise ValueError("hash_compressed: fp must be fp_moduli(primes)")
-        pfp = &fp[0]
-    if B == 0 or T == 0:
-        return out
-    cdef bint stream = B * T * H * 8 >= ES_HASH_STREAM_BYTES  # too large to stay in cache
-    with nogil:
-        for b in range(B):
-            es_hash_sequence(&cids[b, 0], T, pad, latch, &mult[0], max_ngram, n_head, &primes[0], pfp,
-                             &o[b, 0, 0], stream)
-    return out
-
-
-cdef bint _is_fp_moduli(const double[::1] fp, const int64_t[::1] primes):
-    """fp == fp_moduli(primes), checked per call without building Python objects."""
-    cdef Py_ssize_t H = primes.shape[0], j
-    cdef int64_t p
-    if H == 0 or fp.shape[0] != 3 * H:
-        return False
-    for j in range(H):
-        p = primes[j]
-        if not (1 <= p < ES_FP_PRIME_MAX and fp[j] == <double>p and fp[H + j] == 1.0 / <double>p
-                and fp[2 * H + j] == <double>((<int64_t>1 << 32) % p)):
-            return False
-    return True
 
 
 # The mods alone, for tests and for bench/bench_hash.py ------------------------

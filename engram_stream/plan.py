@@ -2,14 +2,13 @@
 
 Two hash paths, pinned bit-equal by the tests:
   hash_numpy  the oracle: the reference's numpy expression, nothing clever;
-  hash        the fast path: compression and hashing in nogil Cython (_hash.pyx)
-              with the C kernels the streaming engine shares.
+  hash        the fast path: the variant's hash window (Variant.window_class, a HashWindow of
+              engine/_window.pyx) hashes the ids nogil through the same cdef hooks (entry, history
+              rule, hash) the streaming engine runs per token.
 
 What differs between variants comes from their Variant (engram_stream.variants): the multiplier
 draw, the table rows (padding), the raw id compressed to DEAD, the gate mask, the numpy oracle's
-windows (Variant.windows) and the fast path's history rule (Variant.history, one of the C
-kernels' rules: "plain", "dead" as deepseek-v4.1's latch, DESIGN.md 4; "separator" as
-qwen3.8-flash-next's EOS, DESIGN.md 4b). This file branches on none of them.
+windows (Variant.windows) and the fast path's window class. This file branches on none of them.
 """
 from __future__ import annotations
 
@@ -22,9 +21,7 @@ import numpy as np
 from . import _hash
 from .config import MAX_TABLE_ROWS, EngramConfig
 from .errors import LayerError
-from .variants import variant_of, variants
-
-_HIST_CODES = {"plain": _hash.HIST_PLAIN, "dead": _hash.HIST_DEAD, "separator": _hash.HIST_SEP}
+from .variants import Variant, variant_of, variants
 
 DEAD = -1  # a compressed window entry that blocks history (image token, unknown, before start)
 # Positions x layers below which plan.hash stays on one thread: a hand-off costs more than it
@@ -192,7 +189,9 @@ class HashPlan:
             for L, a in arrays.items():
                 arrays[L] = None if a is None else frozen(a)
         self.lookup = None if self.lookup is None else frozen(self.lookup)
-        self.history = spec.history  # the C windows' rule (variants.HISTORIES)
+        self._window_class = spec.window_class
+        self._windows = {}  # {layer: the window class's of_plan(self, layer)}, made at the first hash
+        self.history = self._window_class().history  # the rule's name, as the window class says it
         self.dead_id = spec.dead_id(cfg)  # raw id of a DEAD position, or None
         spec.check_plan(self)
 
@@ -245,13 +244,15 @@ class HashPlan:
                     if np.may_share_memory(buf, other):
                         raise ValueError(f"out[{L}] and out[{M}] overlap: each layer needs a buffer of its own")
             res[L] = buf
-        c = self._compress(a)
-        n, h, B = self.cfg.max_ngram_size, self.cfg.n_head_per_ngram, a.shape[0]
+        B = a.shape[0]
+        for L in layers:  # made here, on the calling thread: the jobs only read them
+            if L not in self._windows:
+                self._windows[L] = self._window_class.of_plan(self, L)
+        windows = self._windows
 
         def run(job):
             L, b0, b1 = job
-            _hash.hash_compressed(c[b0:b1], self.multipliers[L], self.head_primes[L], n, h, self.pad_id,
-                                  res[L][b0:b1], self.head_fp[L], latch=_HIST_CODES[self.history])
+            windows[L].hash_batch(a[b0:b1], res[L][b0:b1])
 
         workers = _hash_workers()
         if workers > 1 and a.size * len(layers) >= PARALLEL_MIN_POSITIONS and B * len(layers) > 1:
@@ -296,7 +297,7 @@ class HashPlan:
             raise ValueError(f"lookback must have shape ({a.shape[0]}, {self.cfg.max_ngram_size - 1}), "
                              f"got {lb.shape}")
         if self.dead_id is None and (lb < 0).any():
-            takers = [v.name for v in variants() if v.history == "dead"]
+            takers = [v.name for v in variants() if type(v).dead_id is not Variant.dead_id]
             raise ValueError(f"lookback: unknown (-1) entries need a variant with a DEAD token ({takers}), "
                              f"not {self.cfg.variant!r}")
         seq = np.concatenate([lb[:, ::-1], a], axis=1)

@@ -35,11 +35,6 @@ DEFAULT = "demo-v1"   # EngramConfig's default variant: the public demo module
 ENTRY_POINTS = "engram_stream.variants"   # the entry-point group of third-party variants
 PRIME_1 = 10007   # the layer seed stride of the demo reference's multiplier draw
 
-# How a hash window treats the ids before a position (HashPlan.history, _hash's HIST_* codes):
-# "plain" (before the start: pad), "dead" (a DEAD id cuts itself and every older id; its gate
-# is 0), "separator" (the positions after a pad id read pad for it and every older id).
-HISTORIES = ("plain", "dead", "separator")
-
 
 class Variant(abc.ABC):
     """One Engram variant: its config rule and fields, weights, files, oracle, engine and hash."""
@@ -181,7 +176,12 @@ class Variant(abc.ABC):
         return rng.integers(0, cfg.vocab_size, size=size)
 
     # ---- hashing (HashPlan asks these; the defaults are the demo's) --------------------------
-    history = "plain"   # one of HISTORIES: the C windows' rule (HashPlan.history)
+    @property
+    def window_class(self) -> type:
+        """The hash window class (a HashWindow subclass, cdef nogil hooks): the one owner of the
+        variant's history rule and hash, run by its engine per token and by HashPlan.hash on
+        whole batches. By default the class the engine names (its _window_class)."""
+        return self.engine._window_class
 
     def draw_multipliers(self, cfg, compressed_vocab) -> dict:
         """{L: int64[max_ngram]}: the demo reference's draw, numpy default_rng(seed + 10007*layer),
@@ -228,8 +228,6 @@ def register(variant: Variant) -> Variant:
         missing = [h for h in Variant.LAYER_HOOKS if getattr(type(variant), h) is getattr(Variant, h)]
         if missing:
             raise TypeError(f"{type(variant).__name__} has no weights_rules module: it must define {missing}")
-    if variant.history not in HISTORIES:
-        raise ValueError(f"{type(variant).__name__}.history must be one of {HISTORIES}, got {variant.history!r}")
     if variant.name in _REGISTRY and _REGISTRY[variant.name] is not variant:
         raise ValueError(f"a variant named {variant.name!r} is registered already")
     _REGISTRY[variant.name] = variant

@@ -19,14 +19,6 @@
 #define ES_EPS_CONV 1e-5f
 /* The gate's clamp: sign(s) * sqrt(max(|s|, ES_GATE_CLAMP)). */
 #define ES_GATE_CLAMP 1e-6f
-/* How a hash window treats the ids before a position (HashPlan.history, es_hash_sequence's
- * `latch`): plain (positions before the start read pad); DEAD (deepseek-v4.1: a negative id,
- * DEAD, turns itself and every older id into pad); separator (qwen3.8-flash-next: an id equal
- * to pad, its EOS, ends a document: every position after it reads pad for it and every older id,
- * while the pad position itself keeps its own history). */
-#define ES_HIST_PLAIN 0
-#define ES_HIST_DEAD 1
-#define ES_HIST_SEP 2
 /* Prompt tokens per GEMM in StreamEngine.prefill (scratch ~ chunk x (E + M) floats). */
 #define ES_PREFILL_CHUNK 128
 

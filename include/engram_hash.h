@@ -26,7 +26,7 @@ static inline int64_t es_floormod(int64_t x, int64_t p) {
     return r < 0 ? r + p : r;
 }
 
-/* The reciprocal alternative (es_hash_sequence, primes past ES_FP_PRIME_MAX; measured
+/* The reciprocal alternative (es_hash_windows, primes past ES_FP_PRIME_MAX; measured
  * beside the division in bench_hash): Lemire's "fastmod" with a 128-bit magic
  * M = floor((2^128-1)/p) + 1, exact for every 64-bit numerator and divisor
  * (Lemire, Kaser, Kurz 2019): four multiplies, no division. */
@@ -93,11 +93,10 @@ static inline int64_t es_compress(int64_t id, const int64_t *lookup) {
 #define ES_FP_PRIME_MAX (1u << 21)
 #endif
 
-/* es_hash_sequence's stack scratch: positions per block, and doubles per mix array (every
- * order of a block; the block shrinks for long windows, down to 8 positions). ~16 KB. */
+/* es_hash_windows's stack scratch: positions per block, and doubles per mix array (every
+ * order of a block; the block shrinks for long windows, down to 8 positions). ~12 KB. */
 #define ES_HASH_BLOCK 64
 #define ES_HASH_SCRATCH 512
-#define ES_HASH_MODS 64 /* heads whose reciprocals es_hash_sequence keeps (more: it divides) */
 /* Outputs at least this large (a core's L2) are written with streaming stores when aligned: they
  * do not stay in cache anyway, and a cache-missing store first reads its line (twice the
  * traffic). Measured in bench_hash: ~1.9x faster on outputs that other work evicted. */
@@ -145,15 +144,14 @@ static inline void es_hash_window(const int64_t *win, const int64_t *mult, int m
     ES_DISPATCH(es_hash_window, (win, mult, max_ngram, n_head, primes, fp, rows));
 }
 
-/* Rows of a whole sequence of compressed ids c[T] into rows[T][H]. Positions before 0
- * read pad; latch ES_HIST_DEAD (deepseek-v4.1): a negative id (DEAD) and every older one read
- * pad too, as latch_window (_hash.pxd) does; ES_HIST_SEP (qwen3.8-flash-next): the positions
- * after a pad id read pad for it and every older one, as separator_window does. stream: write with streaming stores where rows are
- * aligned to a vector and n_head is a multiple of one (see ES_HASH_STREAM_BYTES). */
-static inline void es_hash_sequence(const int64_t *c, int64_t T, int64_t pad, int latch, const int64_t *mult,
-                                    int max_ngram, int n_head, const int64_t *primes, const double *fp,
-                                    int64_t *rows, int stream) {
-    ES_DISPATCH(es_hash_sequence, (c, T, pad, latch, mult, max_ngram, n_head, primes, fp, rows, stream));
+/* Rows of T positions from their windows, win[k*ld + t] (es_hash_windows_core): what a hash
+ * window's default hash hook (HashWindow.hash_rows) runs on a block of positions. mods: the
+ * primes' es_modulus (used when fp is NULL), or NULL. stream: write with streaming stores where
+ * rows are aligned to a vector and n_head is a multiple of one (see ES_HASH_STREAM_BYTES). */
+static inline void es_hash_windows(const int64_t *win, int64_t ld, int64_t T, const int64_t *mult, int max_ngram,
+                                   int n_head, const int64_t *primes, const double *fp, const es_modulus *mods,
+                                   int64_t *rows, int stream) {
+    ES_DISPATCH(es_hash_windows, (win, ld, T, mult, max_ngram, n_head, primes, fp, mods, rows, stream));
 }
 
 #endif /* ENGRAM_HASH_H */

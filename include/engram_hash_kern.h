@@ -81,65 +81,37 @@ static ES_TGT void ES_SF(es_hash_window)(const int64_t *win, const int64_t *mult
     }
 }
 
-/* Rows of a whole sequence of compressed ids c[T] into rows[T][H], in blocks of `blk`
- * positions: first the windows and mixes of ES_VD positions at a time (64-bit lanes, every
- * order), split into hi/lo doubles; then row by row each order's mods, heads across the
- * lanes (a row's H results are written together). The window of position t holds c[t-k]
- * for k < run[t] and pad beyond: run[t] counts the ids back from t to the start (plain), to
- * the newest negative id, exclusive (ES_HIST_DEAD), or to the newest pad id before t,
- * inclusive (ES_HIST_SEP: that id reads pad either way). */
-ES_KI void ES_SF(es_hash_sequence_core)(const int64_t *c, int64_t T, int64_t pad, int latch, const int64_t *mult,
-                                        int max_ngram, int n_head, const int64_t *primes, const double *fp,
-                                        int64_t *rows, int stream) {
+/* Rows of T positions whose windows are given: entry k (k < max_ngram) of position t, the id
+ * k positions back as the history rule left it (pads filled in), at win[k*ld + t]; rows[T][H].
+ * In blocks of `blk` positions: first the mixes of ES_VD positions at a time (64-bit lanes,
+ * every order), split into hi/lo doubles; then row by row each order's mods, heads across the
+ * lanes (a row's H results are written together). The lanes past T of the last vector are read
+ * (each window row holds T rounded up to 8 readable entries), computed and not stored.
+ * mods: es_modulus of each prime, the divisors when fp is NULL (NULL too: a division a head). */
+ES_KI void ES_SF(es_hash_windows_core)(const int64_t *win, int64_t ld, int64_t T, const int64_t *mult,
+                                       int max_ngram, int n_head, const int64_t *primes, const double *fp,
+                                       const es_modulus *mods, int64_t *rows, int stream) {
     typedef ES_SF(es_hvd) vd;
     typedef ES_SF(es_hvl) vl;
     typedef ES_SF(es_hvu) vu;
     const int H = (max_ngram - 1) * n_head, back = max_ngram - 1;
     int blk = ES_HASH_SCRATCH / back / ES_VD * ES_VD; /* >= ES_VD (ES_HASH_SCRATCH's bound) */
     if (blk > ES_HASH_BLOCK) blk = ES_HASH_BLOCK;
-    /* w[back + i] = c[t0 + i]: lane i loads its id at t-k from w + back + i - k */
-    int64_t w[ES_MAX_NGRAM - 1 + ES_HASH_BLOCK] __attribute__((aligned(64)));
-    int64_t run[ES_HASH_BLOCK] __attribute__((aligned(64)));
     /* order n's mix of the block's position i at [(n-2)*blk + i] */
     int64_t h[ES_HASH_SCRATCH] __attribute__((aligned(64)));
     double hi[ES_HASH_SCRATCH] __attribute__((aligned(64)));
     double lo[ES_HASH_SCRATCH] __attribute__((aligned(64)));
     const vl M = (vl){0} + 0x4338000000000000LL; /* the bits of 1.5*2^52: int <-> double for |v| < 2^51 */
     const vd Md = (vd){0} + 0x1.8p52;
-    const vl padv = (vl){0} + pad;
-    /* primes past ES_FP_PRIME_MAX: their reciprocals, made once per call (a 128-bit division each) */
-    es_modulus mods[ES_HASH_MODS];
-    const int use_mods = !fp && ES_HAVE_INT128 && H <= ES_HASH_MODS;
-    for (int j = 0; use_mods && j < H; j++) mods[j] = es_modulus_make((uint64_t)primes[j]);
     /* streaming stores need every full vector aligned: rows, and each order's n_head heads */
     stream = stream && fp && (uintptr_t)rows % (ES_VD * 8) == 0 && n_head % ES_VD == 0;
-    int64_t r = 0; /* run of the position before the block */
-    int64_t prev = pad; /* the id before the position (ES_HIST_SEP: before the start counts as pad) */
     for (int64_t t0 = 0; t0 < T; t0 += blk) {
         const int nt = T - t0 < blk ? (int)(T - t0) : blk;
-        const int nv = (nt + ES_VD - 1) / ES_VD * ES_VD; /* lanes past nt: pad, computed, not stored */
-        for (int i = -back; i < 0; i++) w[back + i] = t0 + i >= 0 ? c[t0 + i] : pad;
-        if (latch == ES_HIST_SEP) { /* its own loop: the plain and DEAD runs keep their one-compare chain */
-            for (int i = 0; i < nv; i++) {
-                const int64_t v = i < nt ? c[t0 + i] : pad;
-                r = prev == pad ? 1 : (r < max_ngram ? r + 1 : r);
-                prev = v; /* lanes past nt only in the last block: nothing reads prev after them */
-                w[back + i] = v;
-                run[i] = r;
-            }
-        } else {
-            for (int i = 0; i < nv; i++) {
-                const int64_t v = i < nt ? c[t0 + i] : pad;
-                r = (latch == ES_HIST_DEAD && v < 0) ? 0 : (r < max_ngram ? r + 1 : r);
-                w[back + i] = v;
-                run[i] = r;
-            }
-        }
+        const int nv = (nt + ES_VD - 1) / ES_VD * ES_VD;
         for (int i = 0; i < nv; i += ES_VD) {
             vl m = (vl){0};
             for (int k = 0; k < max_ngram; k++) {
-                const vl in = (vl)((vl){0} + k < *(const vl *)(run + i)); /* all ones: not pad */
-                const vl x = (*(const vl *)(w + back + i - k) & in) | (padv & ~in);
+                const vl x = *(const vl *)(win + k * ld + t0 + i);
                 m ^= (vl)((vu)x * ((vu){0} + (uint64_t)mult[k])); /* wrapping int64 products */
                 if (k) {
                     const int o = (k - 1) * blk + i;
@@ -154,23 +126,23 @@ ES_KI void ES_SF(es_hash_sequence_core)(const int64_t *c, int64_t T, int64_t pad
             for (int k = 1; k < max_ngram; k++) {
                 const int o = (k - 1) * blk + i, off = (k - 1) * n_head;
                 ES_SF(es_order_row)(h[o], hi[o], lo[o], n_head, primes + off, fp ? fp + off : 0,
-                                    use_mods ? mods + off : 0, H, rows + (t0 + i) * H + off, stream);
+                                    mods ? mods + off : 0, H, rows + (t0 + i) * H + off, stream);
             }
     }
     if (stream) ES_SFENCE();
 }
 
-/* es_hash_sequence_core, compiled apart for the geometries of the configs (the demo: 3-grams,
- * 8 heads; deepseek-v4.1: 4-grams, 8 heads): constant loop bounds unroll the windows and heads. */
-static ES_TGT void ES_SF(es_hash_sequence)(const int64_t *c, int64_t T, int64_t pad, int latch,
-                                           const int64_t *mult, int max_ngram, int n_head,
-                                           const int64_t *primes, const double *fp, int64_t *rows, int stream) {
+/* es_hash_windows_core, compiled apart for the geometries of the configs (3-grams and 4-grams of
+ * 8 heads): constant loop bounds unroll the windows and heads. */
+static ES_TGT void ES_SF(es_hash_windows)(const int64_t *win, int64_t ld, int64_t T, const int64_t *mult,
+                                          int max_ngram, int n_head, const int64_t *primes, const double *fp,
+                                          const es_modulus *mods, int64_t *rows, int stream) {
     if (max_ngram == 3 && n_head == 8)
-        ES_SF(es_hash_sequence_core)(c, T, pad, latch, mult, 3, 8, primes, fp, rows, stream);
+        ES_SF(es_hash_windows_core)(win, ld, T, mult, 3, 8, primes, fp, mods, rows, stream);
     else if (max_ngram == 4 && n_head == 8)
-        ES_SF(es_hash_sequence_core)(c, T, pad, latch, mult, 4, 8, primes, fp, rows, stream);
+        ES_SF(es_hash_windows_core)(win, ld, T, mult, 4, 8, primes, fp, mods, rows, stream);
     else
-        ES_SF(es_hash_sequence_core)(c, T, pad, latch, mult, max_ngram, n_head, primes, fp, rows, stream);
+        ES_SF(es_hash_windows_core)(win, ld, T, mult, max_ngram, n_head, primes, fp, mods, rows, stream);
 }
 
 #undef ES_VD

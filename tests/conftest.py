@@ -375,7 +375,7 @@ def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
     from engram_stream import variants
     if getattr(variants.variant_of(cfg), "negative_ids", True):   # longcat-flash-lite's ids index its embedding
         ids[rng.random(shape) < p_neg] = -rng.integers(1, 5)
-    if variants.variant_of(cfg).history == "separator":  # Qwen: EOS ends a document, also at the start and in runs
+    if model.plan.history == "separator":  # Qwen: EOS ends a document, also at the start and in runs
         ids[rng.random(shape) < p_dead] = cfg.pad_id
     return ids
 

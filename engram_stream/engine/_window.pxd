@@ -1,9 +1,12 @@
 # The per-stream hash window (engine/_window.pyx): each stream slot's last n-1 window entries,
 # its token count and last rows, the hash of a token through them, and the record a call keeps
-# so that a rollback or a draft's commit can put its slots back. The history rule is two hooks,
-# entry() and rule(); a variant whose plan has another rule subclasses HashWindow in its own
-# folder and names that class as its engine's _window_class.
+# so that a rollback or a draft's commit can put its slots back; and the batch hash of whole
+# sequences (hash_batch, HashPlan.hash) through the same hooks. The variant's hash is three hooks,
+# entry() and rule() (the history rule) and hash_rows() (the hash); a variant with another rule or
+# hash subclasses HashWindow in its own folder and names that class as its engine's _window_class.
 from libc.stdint cimport int64_t, uint8_t
+
+from engram_stream._hash cimport es_modulus
 
 
 cdef class HashWindow:
@@ -20,6 +23,8 @@ cdef class HashWindow:
     cdef const int64_t[::1] primes     # [H]
     cdef const double[::1] fp          # [3H] division-free mod constants (empty: divide)
     cdef const int64_t[::1] offsets    # [H]
+    cdef es_modulus *mods              # [H] the primes' reciprocals when fp is empty (owned), else NULL
+    cdef int64_t vocab                 # cfg.vocab_size: hash_batch refuses ids past it
     cdef uint8_t *touched              # optional rows-touched bitmap (track_rows), borrowed
     cdef object _touched_ref
 
@@ -36,11 +41,14 @@ cdef class HashWindow:
     cdef int64_t[:, ::1] rec_rows      # [S, H]
 
     cdef int setup(self, model, int layer, offsets, int64_t n_streams) except -1
+    cdef int _bind(self, plan, int layer, offsets, int64_t n_streams) except -1
 
-    # ---- the history rule (a subclass overrides these) ----
-    cdef int _init_rule(self, model) except -1
+    # ---- the history rule and the hash (a subclass overrides these) ----
+    cdef int _init_rule(self, plan) except -1
     cdef int64_t entry(self, int64_t token) noexcept nogil
     cdef void rule(self, const int64_t *full, int64_t *win) noexcept nogil
+    cdef void hash_rows(self, const int64_t *win, int64_t ld, int64_t nt, int64_t *rows, bint stream) noexcept nogil
+    cdef int64_t hash_sequence(self, const int64_t *ids, int64_t T, int64_t *rows, bint stream) noexcept nogil
 
     # ---- the moves ----
     cdef void hash_one(self, int64_t s, int64_t token, int64_t *rows, int64_t *entry) noexcept nogil

@@ -1,29 +1,37 @@
 # cython: language_level=3
-"""HashWindow: the per-stream hash window of one engine (engine/_window.pxd declares it).
+"""HashWindow: the hash windows of one engine's stream slots, and of HashPlan.hash's sequences
+(engine/_window.pxd declares it).
 
 For each of S stream slots it keeps the last n-1 window entries (newest first), the tokens seen
 since the slot's reset and the absolute table rows of its last token. A token's rows are the
 hash of a window: the token's entry, then the slot's entries, through the history rule; then
 the token's entry joins the slot's entries and the oldest falls off.
 
-The history rule is two hooks, and the plain rule is the default:
-  entry(token)     the value a token leaves in the window: its compressed id (negative ids pass
-                   through, DESIGN 1.1)
-  rule(full, win)  the window the hash reads, from the token's entry and the slot's: as it is
-and _init_rule(model) sets what a slot before the start holds (`start`: the pad id). A
-variant whose HashPlan.history is another rule subclasses HashWindow in its own folder, sets
-`history` to that rule's name and names the class as its engine's _window_class; the engine
-refuses a window whose `history` is not its plan's.
+The variant's hash is three cdef nogil hooks, and the demo's is the default:
+  entry(token)          the value a token leaves in the window: its compressed id (negative ids
+                        pass through, DESIGN 1.1)
+  rule(full, win)       the window the hash reads, from the token's entry and the slot's: as it is
+  hash_rows(win, ld, nt, rows, stream)
+                        the H head-local rows of nt windows (entry k of window i at win[k*ld + i]):
+                        the XOR of the entries times the layer's multipliers, mod each head's prime
+                        (the shared C kernels of include/engram_hash.h)
+and _init_rule(plan) sets what a slot before the start holds (`start`: the pad id). A variant
+with another rule or hash subclasses HashWindow in its own folder, sets `history` to its rule's
+name and names the class as its engine's _window_class (Variant.window_class: the same class).
+The engines (hash_one) and the batch hash (hash_batch, HashPlan.hash) run the same hooks, so a
+rule or a hash is written once, there; the numpy oracle (Variant.windows) stays apart.
 
 The record: before a call moves its slots, record() keeps them (per segment); rollback() puts
 them back (a failed read), commit_segment() replays a draft's first tokens from the record.
 """
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int64_t, uint8_t
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 
 from engram_stream._consts cimport ES_MAX_NGRAM
-from engram_stream._hash cimport es_hash_window, es_runtime_bind, es_runtime_of_process
+from engram_stream._hash cimport (ES_HASH_BLOCK, ES_HASH_STREAM_BYTES, es_hash_window, es_hash_windows,
+                                  es_modulus, es_modulus_make, es_runtime_bind, es_runtime_of_process)
 from engram_stream.engine.args import view
 
 cnp.import_array()
@@ -38,15 +46,31 @@ _EMPTY_F64 = np.empty(0, np.float64)
 
 cdef class HashWindow:
     """The hash windows of one engine's stream slots, with the plain history rule (slots before
-    the start hold the pad id). Made and driven by EngineBase; a variant's rule subclasses it."""
+    the start hold the pad id) and the demo's hash. Made and driven by EngineBase, or by
+    HashPlan.hash through of_plan(); a variant's rule or hash subclasses it."""
 
     def __cinit__(self, *args, **kwargs):
         self.history = "plain"
 
+    def __dealloc__(self):
+        PyMem_Free(self.mods)
+
     cdef int setup(self, model, int layer, offsets, int64_t n_streams) except -1:
+        """An engine's windows: layer `layer` of model's plan with the layer's head offsets."""
+        return self._bind(model.plan, layer, offsets, n_streams)
+
+    @classmethod
+    def of_plan(cls, plan, int layer):
+        """The window of plan's layer `layer` that hashes whole sequences (hash_batch): no slots."""
+        plan.check_layer(layer)
+        w = cls()
+        (<HashWindow?> w)._bind(plan, layer, np.zeros(plan.cfg.n_heads, np.int64), 0)
+        return w
+
+    cdef int _bind(self, plan, int layer, offsets, int64_t n_streams) except -1:
         """Borrow layer `layer`'s hash data (plan and the layer's head offsets), make the state
         of n_streams slots, then the rule's own setup (_init_rule); every slot reset."""
-        cfg, plan = model.cfg, model.plan
+        cfg = plan.cfg
         self.n, self.nh, self.H = cfg.max_ngram_size, cfg.n_head_per_ngram, cfg.n_heads
         if self.n > ES_MAX_NGRAM:  # EngramConfig refuses these already
             raise ValueError(f"max_ngram_size <= {ES_MAX_NGRAM} is what the engine supports")
@@ -58,6 +82,16 @@ cdef class HashWindow:
         fp = plan.head_fp[layer]
         self.fp = _EMPTY_F64 if fp is None else view(fp, np.float64, (3 * self.H,), f"plan.head_fp[{layer}]")
         self.offsets = view(offsets, np.int64, (self.H,), f"layer {layer} offsets")
+        self.vocab = cfg.vocab_size
+        cdef int j
+        PyMem_Free(self.mods)
+        self.mods = NULL
+        if fp is None:  # the batch kernel's reciprocals of the primes past the double-precision mod
+            self.mods = <es_modulus *> PyMem_Malloc(max(1, self.H) * sizeof(es_modulus))
+            if self.mods == NULL:
+                raise MemoryError()
+            for j in range(self.H):
+                self.mods[j] = es_modulus_make(<uint64_t> self.primes[j])
         cdef int64_t S = n_streams
         self.hist = np.empty((S, self.n - 1), dtype=np.int64)
         self.seen = np.zeros(S, dtype=np.int64)
@@ -66,15 +100,15 @@ cdef class HashWindow:
         self.rec_seen = np.empty(S, dtype=np.int64)
         self.rec_rows = np.empty((S, self.H), dtype=np.int64)
         self.start = self.pad
-        self._init_rule(model)
+        self._init_rule(plan)
         cdef int64_t s
         for s in range(S):
             self.reset_stream(s)
         return 0
 
     # ---- the history rule ---------------------------------------------------------------------
-    cdef int _init_rule(self, model) except -1:
-        """The rule's own fields from the model (after the hash data; `start` is the pad id)."""
+    cdef int _init_rule(self, plan) except -1:
+        """The rule's own fields from the plan (after the hash data; `start` is the pad id)."""
         return 0
 
     cdef int64_t entry(self, int64_t token) noexcept nogil:
@@ -90,6 +124,85 @@ cdef class HashWindow:
         for k in range(self.n):
             win[k] = full[k]
 
+    # ---- the hash ------------------------------------------------------------------------------
+    cdef void hash_rows(self, const int64_t *win, int64_t ld, int64_t nt, int64_t *rows, bint stream) noexcept nogil:
+        """The H head-local rows of nt windows (entry k of window i at win[k*ld + i]; for nt > 1
+        each window row holds nt rounded up to 8 readable entries) into rows[nt][H]: mix =
+        XOR_k entry[k]*mult[k] (wrapping int64), each order's heads mix mod prime, floored.
+        stream: the batch is too large to stay in cache (streaming stores where aligned)."""
+        cdef const double *fp = &self.fp[0] if self.fp.shape[0] else NULL
+        cdef int64_t one[ES_MAX_NGRAM]
+        cdef int k
+        if nt == 1:  # a token of a stream: the per-position kernel
+            if ld != 1:
+                for k in range(self.n):
+                    one[k] = win[k * ld]
+                win = one
+            es_hash_window(win, &self.mult[0], self.n, self.nh, &self.primes[0], fp, rows)
+        elif nt > 1:
+            es_hash_windows(win, ld, nt, &self.mult[0], self.n, self.nh, &self.primes[0], fp, self.mods,
+                            rows, stream)
+
+    cdef int64_t hash_sequence(self, const int64_t *ids, int64_t T, int64_t *rows, bint stream) noexcept nogil:
+        """Head-local rows (H a position) of raw ids[T] hashed from a slot's start, as hash_one
+        would on a fresh slot: per block of positions each window through entry() and rule(),
+        then the block's windows through hash_rows(). Returns the first id >= vocab_size (the
+        rows are not all written then), or -1."""
+        # buf: entries newest first, position i of the block at buf[BLK-1-i] and the n-1 entries
+        # before the block at buf[BLK..], so a position's window entries are contiguous (rule's full)
+        cdef int64_t buf[ES_HASH_BLOCK + ES_MAX_NGRAM]
+        cdef int64_t past[ES_MAX_NGRAM]
+        cdef int64_t wins[ES_MAX_NGRAM * ES_HASH_BLOCK]  # window entry k of position i at [k*BLK + i]
+        cdef int64_t win[ES_MAX_NGRAM]
+        cdef int64_t t0 = 0, tok
+        cdef int BLK = ES_HASH_BLOCK, back = self.n - 1, n = self.n, nt, nv, i, k
+        for k in range(back):
+            buf[BLK + k] = self.start
+        while t0 < T:
+            nt = <int> min(<int64_t> BLK, T - t0)
+            for i in range(nt):  # the entries first: their lookups are independent loads
+                tok = ids[t0 + i]
+                if tok >= self.vocab:
+                    return tok
+                buf[BLK - 1 - i] = self.entry(tok)
+            for i in range(nt):
+                self.rule(&buf[BLK - 1 - i], win)
+                for k in range(n):
+                    wins[k * BLK + i] = win[k]
+            nv = (nt + 7) // 8 * 8  # the kernel reads the last vector's lanes past nt
+            for k in range(n):
+                for i in range(nt, nv):
+                    wins[k * BLK + i] = 0
+            self.hash_rows(wins, BLK, nt, rows + t0 * self.H, stream)
+            for k in range(back):  # the block's newest n-1 entries precede the next block
+                past[k] = buf[BLK - nt + k]
+            for k in range(back):
+                buf[BLK + k] = past[k]
+            t0 += nt
+        return -1
+
+    def hash_batch(self, ids, out):
+        """out[B, T, H] = the head-local rows of raw ids[B, T] (each row a sequence from its
+        start) through this window's hooks: HashPlan.hash's fast path, nogil. ids >= vocab_size
+        raise ValueError; out is written in place and returned."""
+        cdef const int64_t[:, ::1] a = ids
+        cdef int64_t[:, :, ::1] o = out
+        cdef Py_ssize_t B = a.shape[0], T = a.shape[1], b
+        cdef int64_t bad = -1
+        if o.shape[0] != B or o.shape[1] != T or o.shape[2] != self.H:
+            raise ValueError(f"hash_batch: out must have shape {(B, T, self.H)}, got {np.shape(out)}")
+        if B == 0 or T == 0:
+            return out
+        cdef bint stream = B * T * self.H * 8 >= ES_HASH_STREAM_BYTES  # too large to stay in cache
+        with nogil:
+            for b in range(B):
+                bad = self.hash_sequence(&a[b, 0], T, &o[b, 0, 0], stream)
+                if bad >= 0:
+                    break
+        if bad >= 0:
+            raise ValueError(f"token id {bad} out of range: ids must be < vocab_size={self.vocab}")
+        return out
+
     # ---- the moves -----------------------------------------------------------------------------
     cdef void hash_one(self, int64_t s, int64_t token, int64_t *rows, int64_t *entry) noexcept nogil:
         """`token` on slot s: its H absolute rows into rows, its window entry into *entry; then
@@ -102,8 +215,7 @@ cdef class HashWindow:
         for k in range(1, self.n):
             full[k] = self.hist[s, k - 1]
         self.rule(full, win)
-        es_hash_window(win, &self.mult[0], self.n, self.nh, &self.primes[0],
-                       &self.fp[0] if self.fp.shape[0] else NULL, rows)
+        self.hash_rows(win, 1, 1, rows, False)
         for j in range(self.H):
             rows[j] += self.offsets[j]
         if self.touched != NULL:

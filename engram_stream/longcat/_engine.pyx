@@ -37,7 +37,6 @@ cdef extern from "engram_step.h" nogil:
                            es_team *team) noexcept
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_bf16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
-    void es_mark_rows(uint8_t *bitmap, const int64_t *rows, int64_t n) noexcept
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 BEFORE_START = -1   # what a window slot before the start holds (ids are >= 0)
@@ -60,11 +59,11 @@ cdef class LongcatWindow(HashWindow):
     def __cinit__(self, *args, **kwargs):
         self.history = "separator"
 
-    cdef int _init_rule(self, model) except -1:
+    cdef int _init_rule(self, plan) except -1:
         self.start = BEFORE_START
-        self.eos = model.cfg.pad_id
-        L = model.cfg.layer_ids[0]   # (the one layer: [0])
-        self.hmods = view(model.plan.head_mods[L], np.int64, (self.H, self.n), f"plan.head_mods[{L}]")
+        self.eos = plan.cfg.pad_id
+        L = plan.cfg.layer_ids[0]   # (the one layer: [0])
+        self.hmods = view(plan.head_mods[L], np.int64, (self.H, self.n), f"plan.head_mods[{L}]")
         return 0
 
     cdef int64_t entry(self, int64_t token) noexcept nogil:
@@ -83,7 +82,8 @@ cdef class LongcatWindow(HashWindow):
 
     cdef void hash_rows(self, const int64_t *win, int64_t ld, int64_t nt, int64_t *rows, bint stream) noexcept nogil:
         """The H head-local rows of nt windows (entry k of window i at win[k*ld + i]) into
-        rows[nt][H]: head j's sum_k entry[k] * hmods[j, k], mod its table size."""
+        rows[nt][H]: head j's sum_k entry[k] * hmods[j, k], mod its table size. The engine's
+        steps and HashPlan.hash both run it (HashWindow.hash_one, hash_sequence)."""
         cdef int64_t i, acc
         cdef int j, k
         for i in range(nt):
@@ -93,27 +93,11 @@ cdef class LongcatWindow(HashWindow):
                     acc += win[k * ld + i] * self.hmods[j, k]   # config.validate: n * (vocab-1) * (mod-1) fits int64
                 rows[i * self.H + j] = acc % self.primes[j]
 
-    cdef void hash_one(self, int64_t s, int64_t token, int64_t *rows, int64_t *entry) noexcept nogil:
-        cdef int64_t full[ES_MAX_NGRAM]
-        cdef int64_t win[ES_MAX_NGRAM]
-        cdef int k, j
-        full[0] = token
-        for k in range(1, self.n):
-            full[k] = self.hist[s, k - 1]
-        self.rule(full, win)
-        self.hash_rows(win, 1, 1, rows, False)
-        for j in range(self.H):
-            rows[j] += self.offsets[j]
-        if self.touched != NULL:
-            es_mark_rows(self.touched, rows, self.H)
-        self.push(s, token)
-        entry[0] = token
-
 
 cdef class LongcatEngine(EngineBase):
     """The longcat-flash-lite streaming engine: `model.stream(0, n_streams)`. Calls: see
-    EngineBase; hidden is not read (hc_mult is 1: pass any [.., 1, hidden_size] float32, or use
-    the input-layer calls of engram_stream.longcat.variant), the output is [.., 1, hidden_size]."""
+    EngineBase's input-layer shape: no hidden (None, or left out), float32[hidden_size] a token
+    (step(token_id) -> [D], step_packed(ids, None, ...) -> [N, D], prefill(ids) -> [T, D])."""
 
     cdef int table_kind                # 0 float32, 3 bfloat16 (es_gather_*)
     cdef bint wbf16, ebf16

@@ -26,8 +26,9 @@ def _rows_of_ids(rows, ids):
 
 def install_geometry(plan):
     """LongCat's head sizes, offsets and multipliers on a HashPlan made by the common code (its
-    prime chain is not LongCat's), and its hash as the plan's hash paths: plan.hash and
-    plan.hash_numpy give LongCat's head-local rows (reference.rows)."""
+    prime chain is not LongCat's); plan.hash runs LongcatWindow's hooks (the seam), with negative
+    ids refused first, and plan.hash_numpy is the numpy oracle's hash (reference.rows), its rows
+    keeping their ids (RowsOfIds)."""
     cfg = plan.cfg
     sizes, k = config.table_sizes(cfg), cfg.n_head_per_ngram
     for L in cfg.layer_ids:
@@ -38,20 +39,23 @@ def install_geometry(plan):
         plan.head_fp[L] = None   # the division-free mod constants are for the XOR chain's primes
     plan.head_mods = {L: frozen(config.head_mods(cfg)) for L in cfg.layer_ids}
 
-    def hash_rows(ids, layers=None, out=None, numpy=True):
+    fast = plan.hash
+
+    def hash_checked(ids, layers=None, out=None):
+        """The window's fast path, after refusing negative ids (the window hashes them without a word)."""
+        a = as_ids(ids, 2)
+        if a.size and a.min() < 0:
+            raise ValueError(f"token id {a.min()} is negative: {cfg.variant} takes ids in [0, vocab_size="
+                             f"{cfg.vocab_size})")
+        return fast(a, layers=layers, out=out)
+
+    def hash_numpy(ids, layers=None):
         a = as_ids(ids, 2)
         r = reference.rows(cfg, a)
-        res = {}
-        for L in (cfg.layer_ids if layers is None else [plan.check_layer(x) for x in layers]):
-            buf = None if out is None else out.get(L)
-            if buf is not None:
-                buf[...] = r
-            res[L] = r if buf is None else buf
-        return res
+        return {plan.check_layer(L): _rows_of_ids(r.copy(), a) for L in (cfg.layer_ids if layers is None else layers)}
 
-    plan.hash = lambda ids, layers=None, out=None: hash_rows(ids, layers, out)
-    plan.hash_numpy = lambda ids, layers=None: {L: _rows_of_ids(r, as_ids(ids, 2))
-                                                for L, r in hash_rows(ids, layers).items()}
+    plan.hash = hash_checked
+    plan.hash_numpy = hash_numpy
 
 
 class LongcatVariant(variants.Variant):
@@ -69,7 +73,6 @@ class LongcatVariant(variants.Variant):
     load_note = "raw token ids: no compression, no tokenizer read; an input layer (layer 0)"
     engine = LongcatEngine
     negative_ids = False    # ids index the token embedding: the engine refuses negative ids
-    history = "separator"   # an EOS ends what later positions see (LongcatWindow: cut ids add nothing)
 
     def with_weight_dtype(self, cfg, layers, name):
         dtype = np.dtype(weights.BF16 if name == "bfloat16" else np.float32)

@@ -27,7 +27,6 @@ class QwenVariant(variants.Variant):
     folder_checkpoint = True
     load_note = "raw token ids: no compression, no tokenizer read"
     engine = QwenStreamEngine
-    history = "separator"
 
     def with_weight_dtype(self, cfg, layers, name):
         return with_weight_dtype(cfg, layers, name)

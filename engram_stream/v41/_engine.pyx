@@ -14,7 +14,7 @@ cimport numpy as cnp
 from libc.stdint cimport INT32_MAX, int64_t, uint8_t, uint16_t, uint64_t
 from libc.string cimport memcpy
 
-from engram_stream._hash cimport es_isa_now, es_runtime_bind, es_runtime_of_process, latch_window
+from engram_stream._hash cimport es_isa_now, es_runtime_bind, es_runtime_of_process
 from engram_stream.engine import args
 from engram_stream.engine import isa as _isa
 from engram_stream.engine.args import view
@@ -76,16 +76,16 @@ cdef _check_dims(int64_t M, int64_t E, m_name, e_name):
 
 
 cdef class DeadLatchWindow(HashWindow):
-    """V4.1's hash windows (HashPlan.history "dead"): the image token id and negative ids are
-    DEAD, entry -1; a slot before the start is DEAD too. The first DEAD entry of a window turns
-    itself and every older one into pad (latch_window), so the latch is re-derived from the
-    window at every token and a snapshot holds nothing else."""
+    """V4.1's hash windows (HashPlan.history "dead", DESIGN.md 4.4): the image token id and
+    negative ids are DEAD, entry -1; a slot before the start is DEAD too. The first DEAD entry of
+    a window turns itself and every older one into pad (rule), so the latch is re-derived from the
+    window at every token and a snapshot holds nothing else. The hash is the default."""
 
     def __cinit__(self, *args, **kwargs):
         self.history = "dead"
 
-    cdef int _init_rule(self, model) except -1:
-        self.dead_id = model.cfg.image_token_id
+    cdef int _init_rule(self, plan) except -1:
+        self.dead_id = plan.cfg.image_token_id
         self.start = -1
         return 0
 
@@ -95,7 +95,12 @@ cdef class DeadLatchWindow(HashWindow):
         return HashWindow.entry(self, token)
 
     cdef void rule(self, const int64_t *full, int64_t *win) noexcept nogil:
-        latch_window(full, self.n, self.pad, win)
+        """full[k]: the entry at t-k, negative when DEAD; the first DEAD one and every older read pad."""
+        cdef bint blocked = False
+        cdef int k
+        for k in range(self.n):
+            blocked = blocked or full[k] < 0
+            win[k] = self.pad if blocked else full[k]
 
 
 cdef class V41StreamEngine(EngineBase):

@@ -38,7 +38,6 @@ class V41Variant(variants.Variant):
     init_table_dtype = "float8_e4m3fn"
     load_note = "the compression: built from tokenizer.json the first time, then read from the user's cache"
     engine = V41StreamEngine
-    history = "dead"
 
     def load(self, path, mmap=True, compression=None):
         return hf.load(path, mmap=mmap, compression=compression)

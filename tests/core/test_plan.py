@@ -18,6 +18,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from engram_stream import EngramConfig, HashPlan
 from engram_stream import _hash
 from engram_stream.config import min_chain_rows
+from engram_stream.engine._window import HashWindow
+from engram_stream.errors import LayerError
 from engram_stream.plan import is_prime
 from engram_stream import variants
 from conftest import run_python
@@ -638,27 +640,48 @@ def test_fp_and_division_mod_paths(vocab, n_head, fp):
             assert got[L][:, :5].tolist() == py_rows(ids[:, :5], None, 3, plan.multipliers[L], plan.primes[L])
 
 
-# --- the private _hash functions check their arguments --------------------------
-def _hash_args():
-    primes = np.array([5, 7, 11, 13], np.int64)
-    return (np.arange(12, dtype=np.int64).reshape(2, 6), np.array([3, 5, 7], np.int64), primes, 3, 2, 0)
+# --- the batch hash runs the variant's window class -----------------------------------------------
+def test_hash_batch_validates_its_arguments():
+    plan = HashPlan(EngramConfig())
+    w = HashWindow.of_plan(plan, plan.cfg.layer_ids[0])
+    ids = np.arange(12, dtype=np.int64).reshape(2, 6)
+    for shape in ((1, 6, 16), (2, 2, 16), (2, 6, 15)):  # too few rows, positions, heads
+        with pytest.raises(ValueError, match="out must have shape"):
+            w.hash_batch(ids, np.zeros(shape, np.int64))
+    bad = ids.copy()
+    bad[1, 3] = plan.cfg.vocab_size
+    with pytest.raises(ValueError, match=f"token id {plan.cfg.vocab_size} out of range"):
+        w.hash_batch(bad, np.zeros((2, 6, 16), np.int64))
+    with pytest.raises(LayerError):
+        HashWindow.of_plan(plan, 99)
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda a: a.update(out=np.zeros((1, 6, 4), np.int64)), "out"),             # too few rows
-    (lambda a: a.update(out=np.zeros((2, 2, 4), np.int64)), "out"),             # too few positions
-    (lambda a: a.update(out=np.zeros((2, 6, 3), np.int64)), "out"),             # too few heads
-    (lambda a: a.update(primes=np.array([5, 0, 11, 13], np.int64)), "prime"),   # x mod 0: SIGFPE
-    (lambda a: a.update(primes=np.array([5, -7, 11, 13], np.int64)), "prime"),
-    (lambda a: a.update(fp=np.ones(12)), "fp"),                                 # not fp_moduli(primes)
-    (lambda a: a.update(n_head=-2, primes=np.zeros(0, np.int64)), "geometry"),
-])
-def test_hash_compressed_validates_its_arguments(change, match):
-    cids, mult, primes, n, h, pad = _hash_args()
-    a = dict(cids=cids, mult=mult, primes=primes, max_ngram=n, n_head=h, pad=pad, out=None, fp=None)
-    change(a)
-    with pytest.raises(ValueError, match=match):
-        _hash.hash_compressed(**a)
+def test_hash_runs_the_window_class_the_variant_names():
+    """A variant that names another window class (here Qwen's separator rule on the demo's hash)
+    gets that rule in plan.hash, with no shared file changed: its numpy oracle agrees, the demo's
+    plain rule does not."""
+    from engram_stream.qwen._engine import SeparatorWindow
+    from engram_stream.qwen.variant import QwenVariant
+
+    class SepDemo(type(variants.get(variants.DEFAULT))):
+        name = "sep-demo-test"
+        window_class = SeparatorWindow
+        windows = QwenVariant.windows
+
+    variants.register(SepDemo())
+    try:
+        cfg = EngramConfig(variant="sep-demo-test", pad_id=5)
+        plan, plain = HashPlan(cfg), HashPlan(EngramConfig(pad_id=5))
+        assert plan.history == "separator"
+        ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (3, 150))
+        ids[:, ::7] = 5
+        got, want, other = plan.hash(ids), plan.hash_numpy(ids), plain.hash(ids)
+        for L in cfg.layer_ids:
+            assert type(plan._windows[L]) is SeparatorWindow
+            np.testing.assert_array_equal(got[L], want[L])
+            assert (got[L] != other[L]).any()
+    finally:
+        variants.unregister("sep-demo-test")
 
 
 def test_compress_validates_the_lookup_length():

@@ -9,8 +9,9 @@ import types
 import numpy as np
 import pytest
 
-from engram_stream import EngramConfig, variants
+from engram_stream import EngramConfig, HashPlan, variants
 from engram_stream.config import config_class, variant_fields
+from engram_stream.engine._window import HashWindow
 
 
 def test_the_built_in_variants_are_found_by_the_package_scan():
@@ -157,12 +158,13 @@ def test_a_name_is_registered_once():
 
 def test_the_defaults_are_the_demo_hash():
     demo = variants.get(variants.DEFAULT)
-    for name in ("draw_multipliers", "table_rows", "dead_id", "dead_mask", "windows", "history",
+    for name in ("draw_multipliers", "table_rows", "dead_id", "dead_mask", "windows", "window_class",
                  "reads_hf_config", "to_hf_config"):
         assert getattr(type(demo), name) is getattr(variants.Variant, name), name
     cfg = EngramConfig()
     assert demo.dead_id(cfg) is None and not demo.dead_mask(cfg, np.arange(6).reshape(2, 3)).any()
     assert demo.table_rows(cfg, 1234) == 1234 and not demo.reads_hf_config({"model_type": "x"})
+    assert demo.window_class is HashWindow and HashPlan(cfg).history == "plain"
 
 
 # ---- config classes ---------------------------------------------------------------------------------

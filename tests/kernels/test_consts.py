@@ -24,12 +24,12 @@ def header_values():
 
 def test_header_defines_every_shared_constant():
     assert set(header_values()) == {"MAX_NGRAM", "MAX_KERNEL_SIZE", "EPS_KEY", "EPS_CONV", "GATE_CLAMP",
-                                    "PREFILL_CHUNK", "HIST_PLAIN", "HIST_DEAD", "HIST_SEP"}
+                                    "PREFILL_CHUNK"}
 
 
 def test_python_sees_the_header_values():
     h = header_values()
-    for name in ("MAX_NGRAM", "MAX_KERNEL_SIZE", "PREFILL_CHUNK", "HIST_PLAIN", "HIST_DEAD", "HIST_SEP"):
+    for name in ("MAX_NGRAM", "MAX_KERNEL_SIZE", "PREFILL_CHUNK"):
         assert getattr(_hash, name) == int(h[name]), name
     for name in ("EPS_KEY", "EPS_CONV", "GATE_CLAMP"):  # float literals (the f suffix): float32 values
         assert getattr(_hash, name) == float(np.float32(float(h[name]))), name

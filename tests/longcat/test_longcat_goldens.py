@@ -19,7 +19,6 @@ from engram_stream import EngramConfig, EngramModel, HashPlan
 from engram_stream.longcat import config as lconfig
 from engram_stream.longcat import reference
 from conftest import ROOT, close
-from longcat_util import step
 
 pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]
 GOLDENS = sorted(glob.glob(os.path.join(ROOT, "tests", "data", "golden_longcat_*.npz")))
@@ -77,7 +76,7 @@ def test_oracle_and_engine_token_by_token(path):
     eng = model.stream(0, n_streams=ids.shape[0])
     got, rows = [], []
     for t in range(ids.shape[1]):
-        got.append(step(eng, ids[:, t]))
+        got.append(eng.step(ids[:, t]))
         rows.append(eng.rows)
     close(np.stack(got, 1), want)
     np.testing.assert_array_equal(np.stack(rows, 1), d["rows"] + model.plan.offsets[0])

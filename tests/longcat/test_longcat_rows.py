@@ -10,7 +10,6 @@ import pytest
 from engram_stream import EngramConfig, EngramModel
 from engram_stream.longcat.config import EXAMPLE
 from conftest import ROW_SOURCES, load_checkpoint, row_source_model
-from longcat_util import prefill, step
 
 pytestmark = pytest.mark.native
 SOURCES = [pytest.param(w, marks=pytest.mark.mooncake) if "mooncake" in w else w for w in ROW_SOURCES]
@@ -33,8 +32,8 @@ def _decode(model, seed=0):
     prompt[rng.random(700) < 0.1] = cfg.pad_id
     steps[rng.random((20, 3)) < 0.2] = cfg.pad_id
     eng = model.stream(0, n_streams=3)
-    out = [prefill(eng, prompt, stream=1)]
-    out += [step(eng, s) for s in steps]
+    out = [eng.prefill(prompt, stream=1)]
+    out += [eng.step(s) for s in steps]
     return np.concatenate([o.reshape(-1) for o in out]), eng.rows
 
 
