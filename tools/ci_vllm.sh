@@ -1,6 +1,7 @@
 #!/bin/sh
 # CI step: vLLM 0.33.0 and SGLang 0.5.23 on CPU and the serving integrations' tests
-# (tests/integrations/test_vllm.py, test_vllm_graph.py, test_vllm_qwen.py, test_sglang.py, test_sglang_qwen.py).
+# (tests/integrations/test_vllm.py, test_vllm_graph.py, test_vllm_qwen.py, test_vllm_longcat.py, test_sglang.py,
+# test_sglang_qwen.py, test_sglang_longcat.py).
 #
 #   tools/ci_vllm.sh            # makes its own venv ($TMPDIR/engram-stream-ci-vllm-venv)
 #   tools/ci_vllm.sh VENV       # installs into the venv VENV (the CI venv), then tests
@@ -47,7 +48,7 @@ PY=$VENV/bin/python
 cd "$ROOT"
 "$PY" setup.py -q build_ext --inplace -j 2
 TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_vllm.py \
-    tests/integrations/test_vllm_graph.py tests/integrations/test_vllm_qwen.py
+    tests/integrations/test_vllm_graph.py tests/integrations/test_vllm_qwen.py tests/integrations/test_vllm_longcat.py
 # a process of its own: its torchvision stub stays out of the vLLM tests
 CUDA_VISIBLE_DEVICES="" "$PY" -m pytest -q -p no:cacheprovider tests/integrations/test_sglang.py \
-    tests/integrations/test_sglang_qwen.py
+    tests/integrations/test_sglang_qwen.py tests/integrations/test_sglang_longcat.py

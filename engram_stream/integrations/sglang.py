@@ -17,7 +17,8 @@ row_cache_mb, mooncake, host_cache), from the argument or the environment variab
 whose model runs in worker processes, call install() in each (the variable is inherited: a
 `sitecustomize` calling install() is one way). A Qwen4Exp model's PLE n-gram tables (bf16, FP8)
 are served from the same settings, "checkpoint" the Qwen folder: see "Qwen4Exp" below (eager
-only on CUDA).
+only on CUDA); so is LongCat-Flash-Lite's n-gram table (NgramEmbedding's oe_embeder), "checkpoint"
+its Hugging Face folder: see "LongCat-Flash-Lite" below.
 
 SGLang's lookups all end in EngramEmbedding._owned_rows(indices): the rows of this rank's row
 range (shard_range), zeros for the rest, summed over the TP group by SGLang's all-reduce. The
@@ -96,6 +97,10 @@ def uninstall():
     Q = sys.modules.get(QWEN_MODULE)
     if Q is not None and _qwen_stock is not None:
         Q.Qwen4ExpNGramEmbedding, Q.Qwen4ExpForConditionalGeneration.load_weights = _qwen_stock
+    for name in (LONGCAT_MODULE, "sglang.srt.models.longcat_flash"):
+        M = sys.modules.get(name)
+        if M is not None and _longcat_stock is not None and getattr(M, "NgramEmbedding", None) is not None:
+            M.NgramEmbedding = _longcat_stock
     serving.remove_patches(_PATCHES)
     _settings = None
 
@@ -200,7 +205,8 @@ def ple_class():
     from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     class StreamPLEEmbedding(serving.StreamVocabRows, VocabParallelEmbedding):
-        """SGLang's PLE n-gram table of one layer with its rows from engram_stream (no table)."""
+        """SGLang's table of one layer (a Qwen4Exp PLE n-gram table, LongCat's n-gram table) with its
+        rows from engram_stream (no table)."""
 
         def __init__(self, model, layer, num_embeddings, embedding_dim, *, params_dtype, **kw):
             w = model.layer(layer)
@@ -309,9 +315,79 @@ def _patch_qwen(Q):
     Q.Qwen4ExpForConditionalGeneration.load_weights = load_weights
 
 
-def _patch_qwen_if_installed(module):
-    if _settings is not None:   # after uninstall() the module is SGLang's own
-        _patch_qwen(module)
+# ---- LongCat-Flash-Lite: the n-gram embedding's table ----------------------------------------------
+# After install(), SGLang's NgramEmbedding (sglang.srt.layers.n_gram_embedding, which
+# LongcatFlashModel builds when the config sets use_ngram_embedding) is StreamNgramEmbedding: SGLang's
+# constructor runs whole, its oe_embeder (the E embedders concatenated at exclusive offsets, one
+# VocabParallelEmbedding) built as a StreamPLEEmbedding of layer 0 (the same served-table class as
+# Qwen4Exp's: its table a meta tensor, dropped; the rows of SGLang's ids from engram_stream's row
+# source, cast to SGLang's params dtype as its loader casts the table), and its load_weight skips the
+# embedders' tensors. The token embedding and the projections stay SGLang's. The ids are SGLang's
+# (its compute_n_gram_ids kernel): the rows are served by id, so the lookup gives SGLang's bytes for
+# whatever ids it computes.
+LONGCAT_MODULE = "sglang.srt.layers.n_gram_embedding"
+LONGCAT_TABLE_TENSOR = re.compile(r"(?:^|\.)ngram_embeddings\.embedders\.\d+\.weight$")
+
+_longcat_stock = None    # SGLang's NgramEmbedding
 
 
-_PATCHES = {QWEN_MODULE: _patch_qwen_if_installed}   # install() does not import it: a V4.1 server never does
+def _patch_longcat(N):
+    """NgramEmbedding becomes StreamNgramEmbedding (its oe_embeder a served table)."""
+    global _longcat_stock
+    if _longcat_stock is not None and N.NgramEmbedding is not _longcat_stock:
+        return
+    stock = _longcat_stock = N.NgramEmbedding
+
+    class StreamNgramEmbedding(stock):
+        """SGLang's LongCat n-gram embedding whose oe_embeder is a StreamPLEEmbedding (no table)."""
+
+        def __init__(self, num_embeddings, embedding_dim, over_embedding_m, over_embedding_k, over_embedding_n,
+                     eos_token_id):
+            if _settings is None:
+                raise RuntimeError(f"{LONGCAT_MODULE}.NgramEmbedding is engram_stream's: call install() first")
+            import torch
+            model = serving.open_model(_settings, None, ENV, variant="longcat-flash-lite")
+            rows, cls, vocab_table = model.plan.table_rows[0], ple_class(), N.VocabParallelEmbedding
+
+            def make(num_embeddings, embedding_dim, **kw):
+                # the n-gram table has more rows than the vocabulary (E*m + E^2 > vocab): the token
+                # embedding (word_embeder) stays SGLang's
+                if num_embeddings != rows:
+                    return vocab_table(num_embeddings, embedding_dim, **kw)
+                kw.setdefault("params_dtype", torch.get_default_dtype())   # SGLang's default for None
+                return cls(model, 0, num_embeddings, embedding_dim, **kw)
+
+            N.VocabParallelEmbedding = make
+            try:
+                super().__init__(num_embeddings, embedding_dim, over_embedding_m, over_embedding_k, over_embedding_n,
+                                 eos_token_id)
+            finally:
+                N.VocabParallelEmbedding = vocab_table
+            want = np.asarray(model.plan.offsets[0]).tolist()
+            got = self.exclusive_oe_embedder_size_sums.tolist()
+            if not isinstance(self.oe_embeder, cls) or got[:-1] != want:
+                raise ValueError(f"{ENV}: SGLang's n-gram tables start at rows {got[:4]}... ({got[-1]} rows), the "
+                                 f"checkpoint {model.source!r}'s at {want[:4]}... ({rows} rows): give the checkpoint "
+                                 f"SGLang serves")
+
+        def load_weight(self, param, weight_name, loaded_weight):
+            if LONGCAT_TABLE_TENSOR.search(weight_name):
+                return None          # the table's rows are engram_stream's
+            return super().load_weight(param, weight_name, loaded_weight)
+
+    N.NgramEmbedding = StreamNgramEmbedding
+    L = sys.modules.get("sglang.srt.models.longcat_flash")
+    if L is not None and getattr(L, "NgramEmbedding", None) is stock:   # imported by name
+        L.NgramEmbedding = StreamNgramEmbedding
+
+
+def _if_installed(patch):
+    """patch(module), while install() holds (after uninstall() the module is SGLang's own)."""
+    def run(module):
+        if _settings is not None:
+            patch(module)
+    return run
+
+
+# install() imports none of them: a V4.1 server never does
+_PATCHES = {QWEN_MODULE: _if_installed(_patch_qwen), LONGCAT_MODULE: _if_installed(_patch_longcat)}

@@ -41,6 +41,9 @@ collective. row_cache_stats() of an embedding (or serving.stats()) gives the cac
 
 A Qwen4Exp model's PLE n-gram tables (bf16, FP8, NVFP4) are served too, from the folder
 EngramModel.load reads: see "Qwen4Exp" below (vLLM 0.33.0's Qwen4ExpNGramEmbedding; eager only).
+So is LongCat-Flash-Lite's n-gram table (NgramEmbedding.oe_embedder, the E embedders
+concatenated), from its Hugging Face folder: see "LongCat-Flash-Lite" below (rows by vLLM's ids;
+vLLM 0.33.0's ids differ from the Hugging Face model's at EOS positions).
 
 What runs where: vLLM hashes on its device (NgramHashState) at forward entry, then calls every
 Engram layer's prepare_embeddings before the first decoder layer; with cpu_offload (vLLM's
@@ -72,9 +75,10 @@ VLLM_VERSION = "0.33.0"   # the version whose classes are built through their co
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 LOADER_MODULE = "vllm.model_executor.model_loader.weight_utils"
 # the tables' tensors: V4.1's (as vLLM's _ENGRAM_WEIGHT_RE), Qwen4Exp's PLE n-gram table and its shards (their
-# NVFP4 block scales too; not the global weight_scale / weight_scale_2, which vLLM loads)
+# NVFP4 block scales too; not the global weight_scale / weight_scale_2, which vLLM loads), LongCat's embedders
 TABLE_TENSOR = re.compile(r"(?:^|\.)(?:engram\.embed\.(?:weight|scale)"
-                          r"|ple_embedding\.ngram_embedding\.(?:weight|shard_\d+\.(?:weight|weight_scale)))$")
+                          r"|ple_embedding\.ngram_embedding\.(?:weight|shard_\d+\.(?:weight|weight_scale))"
+                          r"|ngram_embeddings\.embedders\.\d+\.weight)$")
 WINDOW_ROWS = 1 << 14   # rows of one window of a long lookup (its records: 4 MiB of scratch a lane)
 
 _serving = False        # a StreamEngramEmbedding was made: the loader skips the table tensors
@@ -394,6 +398,36 @@ def _check_version():
     serving.check_version("vLLM", vllm, VLLM_VERSION)
 
 
+class VocabRowsLookup:
+    """stream_rows of a served vocabulary-parallel table (Qwen4Exp's PLE tables, LongCat's n-gram
+    table): what vLLM's embedding method gives for this rank's local ids. The class sets
+    table_format ("fp8", "nvfp4" or the values' dtype name), _values (the values' numpy dtype,
+    None for FP8 / NVFP4) and _lut (NVFP4's decode table)."""
+
+    def stream_rows(self, ids):
+        """What vLLM's embedding method gives for local ids (VocabParallelEmbedding.forward's
+        masked input): [*ids.shape, embedding_dim] of the lookup dtype, on ids' device."""
+        import torch
+        start = self.shard_indices.org_vocab_start_index
+        flat = ids.reshape(-1)
+        host = (flat.cpu() if flat.device.type != "cpu" else flat).numpy().astype(np.int64) + start
+        rec = np.empty((host.shape[0], self.recbytes), np.uint8)
+        self.source.read_into(host, rec)
+        t = torch.from_numpy(rec)
+        hd = self.embedding_dim
+        if self.table_format == "fp8":
+            out = t.view(torch.float8_e4m3fn)
+        elif self.table_format == "nvfp4":
+            packed, scales = t[:, :hd // 2].long(), t[:, hd // 2:].long()
+            codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(-1, hd)
+            out = self._lut[scales.repeat_interleave(16, dim=1) * 16 + codes].to(torch.bfloat16)
+        else:
+            values = torch.from_numpy(rec.view(self._values)) if self._values.name != "bfloat16" \
+                else t.view(torch.bfloat16)
+            out = values.to(self.params_dtype)
+        return out.reshape(*ids.shape, hd).to(ids.device)
+
+
 def stream_class():
     """StreamPLEEmbedding (made once: it subclasses vLLM's Qwen4ExpPLEDeviceEmbedding)."""
     global _stream_class
@@ -402,7 +436,7 @@ def stream_class():
     import torch
     C = sys.modules.get(COMMON_MODULE) or __import__(COMMON_MODULE, fromlist=["_"])
 
-    class StreamPLEEmbedding(serving.StreamVocabRows, C.Qwen4ExpPLEDeviceEmbedding):
+    class StreamPLEEmbedding(VocabRowsLookup, serving.StreamVocabRows, C.Qwen4ExpPLEDeviceEmbedding):
         """vLLM's PLE n-gram embedding of one layer with its rows from engram_stream (no table)."""
 
         supports_prefetch = False
@@ -439,28 +473,6 @@ def stream_class():
             # the parameter's name is the one create_weights registers next: weight, then NVFP4's weight_scale
             self._meta_names.append(("weight", "weight_scale")[len(self._meta_names)])
             return torch.empty(num_embeddings, embedding_dim, dtype=dtype, device="meta")
-
-        def stream_rows(self, ids):
-            """What vLLM's embedding method gives for local ids (VocabParallelEmbedding.forward's
-            masked input): [*ids.shape, embedding_dim] of the lookup dtype, on ids' device."""
-            start = self.shard_indices.org_vocab_start_index
-            flat = ids.reshape(-1)
-            host = (flat.cpu() if flat.device.type != "cpu" else flat).numpy().astype(np.int64) + start
-            rec = np.empty((host.shape[0], self.recbytes), np.uint8)
-            self.source.read_into(host, rec)
-            t = torch.from_numpy(rec)
-            hd = self.embedding_dim
-            if self.table_format == "fp8":
-                out = t.view(torch.float8_e4m3fn)
-            elif self.table_format == "nvfp4":
-                packed, scales = t[:, :hd // 2].long(), t[:, hd // 2:].long()
-                codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(-1, hd)
-                out = self._lut[scales.repeat_interleave(16, dim=1) * 16 + codes].to(torch.bfloat16)
-            else:
-                values = torch.from_numpy(rec.view(self._values)) if self._values.name != "bfloat16" \
-                    else t.view(torch.bfloat16)
-                out = values.to(self.params_dtype)
-            return out.reshape(*ids.shape, hd).to(ids.device)
 
     _stream_class = StreamPLEEmbedding
     return _stream_class
@@ -504,9 +516,107 @@ def _patch_qwen(N):
     N.Qwen4ExpNGramEmbedding.__init__ = __init__
 
 
+# ---- LongCat-Flash-Lite: the n-gram embedding's table ----------------------------------------------
+# When the settings are given and vLLM builds LongCat-Flash-Lite's NgramEmbedding, its oe_embedder
+# (the E embedders' tables concatenated at exclusive offsets, one VocabParallelEmbedding) is a
+# StreamNgramTable:
+#   - vLLM's own VocabParallelEmbedding constructor runs (its vocabulary sharding over the TP
+#     ranks) on the meta device; its weight is dropped from the parameters: no table, nothing for
+#     vLLM's loader to fill. oe_projection and the token embedding stay vLLM's, loaded by vLLM.
+#   - vLLM's loader skips the `model.ngram_embeddings.embedders.{c}.weight` tensors
+#     (should_skip_weight, TABLE_TENSOR).
+#   - the lookup is the embedding method's embedding(layer, ids), as for Qwen4Exp (stream_method,
+#     VocabRowsLookup.stream_rows): the rows of the global ids vLLM computed, read from
+#     engram_stream's row source of layer 0, cast to vLLM's params_dtype as vLLM's loader casts
+#     the table. TP > 1 takes VocabParallelEmbedding's masked path (its fused CUDA kernel reads
+#     the weight), so each rank reads its own vocabulary range and vLLM's all-reduce sums them.
+# The ids are vLLM's (its ngram_compute_n_gram_ids kernel, in LongcatNgramModelState.prepare_inputs,
+# eager, outside any CUDA graph): the plugin serves rows by id, so embed_batched gives vLLM's
+# bytes for whatever ids vLLM computes. vLLM 0.33.0's kernel has no EOS-position fix-up (at an
+# EOS the walk stops at once: every embedder's row 0), where engram_stream follows the Hugging
+# Face semantics; the served rows are vLLM's ids' rows either way.
+LONGCAT_MODULE = "vllm.model_executor.models.longcat_flash_ngram"
+
+_table_class = None
+
+
+def table_class():
+    """StreamNgramTable (made once: it subclasses vLLM's VocabParallelEmbedding)."""
+    global _table_class
+    if _table_class is not None:
+        return _table_class
+    import torch
+    from vllm.model_executor.layers.vocab_parallel_embedding import (UnquantizedEmbeddingMethod,
+                                                                     VocabParallelEmbedding)
+
+    class StreamNgramTable(VocabRowsLookup, serving.StreamVocabRows, VocabParallelEmbedding):
+        """vLLM's LongCat n-gram table (oe_embedder) with its rows from engram_stream (no table)."""
+
+        def __init__(self, model, num_embeddings, embedding_dim, params_dtype=None, **kw):
+            with torch.device("meta"):              # the table vLLM's create_weights allocates: no memory
+                super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype, **kw)
+            if type(self.quant_method) is not UnquantizedEmbeddingMethod:
+                raise ValueError(f"{ENV}: LongCat's n-gram table is served unquantized, vLLM chose "
+                                 f"{type(self.quant_method).__name__}")
+            object.__setattr__(self, "weight", self._parameters.pop("weight").data)
+            # the fused kernel (TP > 1 on CUDA) gathers from the weight: the masked path asks embedding()
+            self.use_fused_embedding = False
+            w, rows = model.layer(0), model.plan.table_rows[0]
+            if rows != self.org_vocab_size or embedding_dim != model.cfg.head_dim:
+                raise ValueError(f"{ENV}: the checkpoint {model.source!r}'s n-gram table is [{rows}, "
+                                 f"{model.cfg.head_dim}], vLLM's [{self.org_vocab_size}, {embedding_dim}]: give "
+                                 f"the checkpoint vLLM serves")
+            self.stream_from(model, 0)
+            self.table_format = w.table_format
+            self._values, self._lut = np.dtype(w.table.dtype), None
+            serving.stream_method(self.quant_method, _methods)
+
+    _table_class = StreamNgramTable
+    return _table_class
+
+
+def _patch_longcat(M):
+    """NgramEmbedding.__init__ builds a StreamNgramTable as its oe_embedder when the plugin is
+    configured (vLLM's constructor runs whole; the table class it picks is ours)."""
+    original = M.NgramEmbedding.__init__
+    if getattr(original, "_engram_stream", False):
+        return
+    plugin = sys.modules[__name__]
+
+    def __init__(self, config, base_embeddings):
+        from vllm.config import get_current_vllm_config
+        vllm_config = get_current_vllm_config()
+        s = plugin.settings(vllm_config)
+        if s is None:
+            return original(self, config, base_embeddings)
+        _check_version()
+        model = serving.open_model(s, getattr(getattr(vllm_config, "model_config", None), "model", None), plugin.ENV,
+                                   variant="longcat-flash-lite")
+        cls = table_class()
+
+        def make(*a, **k):
+            return cls(model, *a, **k)
+
+        saved = M.VocabParallelEmbedding
+        M.VocabParallelEmbedding = make
+        try:
+            original(self, config, base_embeddings)
+        finally:
+            M.VocabParallelEmbedding = saved
+        want = np.asarray(model.plan.offsets[0]).tolist()
+        if list(self._offsets[:-1]) != want:
+            raise ValueError(f"{plugin.ENV}: vLLM's n-gram tables start at rows {list(self._offsets[:4])}..., the "
+                             f"checkpoint {model.source!r}'s at {want[:4]}...: give the checkpoint vLLM serves")
+        global _serving
+        _serving = True
+
+    __init__._engram_stream = True
+    M.NgramEmbedding.__init__ = __init__
+
+
 _PATCHES = {ENGRAM_MODULE: _patch_engram, LOADER_MODULE: _patch_loader,
             "vllm.compilation.breakable_cudagraph": _patch_replay,
-            "vllm.models.qwen4_exp.nvidia.ngram_embedding": _patch_qwen}
+            "vllm.models.qwen4_exp.nvidia.ngram_embedding": _patch_qwen, LONGCAT_MODULE: _patch_longcat}
 
 
 def register():

@@ -15,7 +15,9 @@ command. On a GPU:
     of the lanes would replay the capture-time rows);
   * timings of the lookup (prepare + embed) for 1..2048 tokens: the plugin cold and warm, and
     vLLM's own lookup (GPU table and UVA), printed and written to $ENGRAM_STREAM_GPU_TIMINGS
-    (a JSON file) when set. Timings assert nothing.
+    (a JSON file) when set. Timings assert nothing;
+  * LongCat-Flash-Lite's n-gram embedding (vLLM's NgramEmbedding): embed_batched of the plugin's
+    module (no table in GPU memory) gives the bytes of vLLM's with its table on the GPU.
 """
 from __future__ import annotations
 
@@ -365,3 +367,55 @@ def test_timings_of_prepare_and_embed(E, env, flash):
     if os.environ.get("ENGRAM_STREAM_GPU_TIMINGS"):
         with open(os.environ["ENGRAM_STREAM_GPU_TIMINGS"], "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "seconds": rows}, f, indent=1)
+
+
+# ---- LongCat-Flash-Lite's n-gram table -------------------------------------------------------------
+def test_longcat_embed_batched_gives_vllms_bytes_on_the_gpu(tmp_path, monkeypatch):
+    """vLLM's NgramEmbedding on the GPU (its table in GPU memory, filled by vLLM's loader) and the
+    plugin's (no table; rows from each local source, copied to the GPU): embed_batched gives the
+    same bytes for the same device ids (tests/integrations/test_vllm_longcat.py's ids, EOS
+    positions included), and the plugin's module allocates no table in GPU memory."""
+    import sys
+    import vllm.config
+    import vllm.model_executor.layers.vocab_parallel_embedding as V
+    monkeypatch.setattr(sys, "path", [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "integrations")]
+                        + sys.path)
+    import test_vllm_longcat as lc
+    from engram_stream import EngramConfig, EngramModel
+    plugin.register()
+    import vllm.model_executor.models.longcat_flash_ngram as M
+    st = types.SimpleNamespace(model=None)
+    monkeypatch.setattr(V, "get_tensor_model_parallel_world_size", lambda: 1)
+    monkeypatch.setattr(V, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config", lambda: types.SimpleNamespace(
+        model_config=types.SimpleNamespace(model=st.model), additional_config={}))
+    monkeypatch.delenv(plugin.ENV, raising=False)
+    monkeypatch.setattr(plugin, "_serving", False)
+    folder = str(EngramModel.init(EngramConfig.from_hf_config(lc.HF), seed=4).save(tmp_path / "lc",
+                                                                                   table_dtype="bfloat16"))
+    cfg = lc.framework_config()
+    reqs = lc.batch(cfg, np.random.default_rng(5))
+    input_ids = torch.from_numpy(np.concatenate(reqs)).to(DEV)
+    oe_ids = lc.kernel_ids(cfg, reqs).to(DEV)
+    with torch.device(DEV):
+        stock_m = lc.build(M, cfg)
+    lc.load(stock_m, folder)
+    want = stock_m.embed_batched(input_ids, oe_ids)
+    for settings in lc.SOURCES.values():
+        st.model = folder
+        monkeypatch.setenv(plugin.ENV, json.dumps(settings))
+        monkeypatch.setattr(serving, "_models", {})
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with torch.device(DEV):
+            mine_m = lc.build(M, cfg)
+        emb = mine_m.oe_embedder
+        assert not list(emb.parameters()) and emb.weight.device.type == "meta"
+        table_bytes = emb.org_vocab_size * emb.embedding_dim * 2
+        assert torch.cuda.memory_allocated() - before < table_bytes   # projections and embedding only
+        lc.load(mine_m, folder)
+        for _ in range(2):
+            got = mine_m.embed_batched(input_ids, oe_ids)
+            assert got.device == want.device
+            lc.same_bytes(got, want)
+        monkeypatch.delenv(plugin.ENV)

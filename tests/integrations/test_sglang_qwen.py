@@ -54,21 +54,27 @@ def _qwen_checkpoint_tests():
 QC = _qwen_checkpoint_tests()
 
 
-@pytest.fixture
-def parallel(monkeypatch):
-    """get_parallel(): TP world `tp_size`, rank `tp_rank` (set them), no attention DP; SGLang's
-    all-reduce an identity (one process)."""
+def stub_parallel(monkeypatch, modules):
+    """get_parallel(): TP world `tp_size`, rank `tp_rank` (set them on the returned namespace), no
+    attention DP (is_dp_attention_enabled of each of `modules`); SGLang's all-reduce an identity
+    (one process)."""
     st = types.SimpleNamespace(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1,
                                attn_cp_size=1, attn_cp_rank=0, tp_group=None, attn_tp_group=None)
-    for mod in (Q, V, L):
-        monkeypatch.setattr(mod, "get_parallel", lambda: st)
-    monkeypatch.setattr(Q, "is_dp_attention_enabled", lambda: False)
+    for mod in (*modules, V, L):
+        monkeypatch.setattr(mod, "get_parallel", lambda: st, raising=False)
+    for mod in modules:
+        monkeypatch.setattr(mod, "is_dp_attention_enabled", lambda: False)
     monkeypatch.setattr(V, "use_symmetric_memory", lambda *a, **k: contextlib.nullcontext())
     monkeypatch.setattr(V, "is_allocation_symmetric", lambda: True)
     monkeypatch.setattr(V, "get_attn_tp_context", lambda: types.SimpleNamespace(input_scattered=False))
     monkeypatch.setattr(V, "tensor_model_parallel_all_reduce", lambda x: x)
     monkeypatch.setattr(serving, "_models", {})
-    yield st
+    return st
+
+
+@pytest.fixture
+def parallel(monkeypatch):
+    yield stub_parallel(monkeypatch, (Q,))
     plugin.uninstall()
 
 
