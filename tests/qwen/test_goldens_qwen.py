@@ -61,7 +61,11 @@ def test_oracle_and_engine(path):
 
 
 @golden
-def test_regenerates_bit_for_bit(path):
+def test_regenerates(path):
+    """The generator writes the committed file again: every input and integer bit for bit, the
+    float32 outputs within a few float32 roundings (torch's float32 kernels sum in an order of
+    their own per CPU: this golden's outputs, written on one CPU, differ in the last bits on
+    another)."""
     pytest.importorskip("torch")
     spec = importlib.util.spec_from_file_location("gen_goldens_qwen", GENERATOR)
     gen = importlib.util.module_from_spec(spec)
@@ -70,4 +74,7 @@ def test_regenerates_bit_for_bit(path):
     _, d = _load(path)
     assert sorted(fresh) == sorted(d)
     for k in d:
-        np.testing.assert_array_equal(np.asarray(fresh[k]), d[k], err_msg=k)
+        if k.endswith(".out"):
+            np.testing.assert_allclose(np.asarray(fresh[k]), d[k], rtol=1e-5, atol=1e-6, err_msg=k)
+        else:
+            np.testing.assert_array_equal(np.asarray(fresh[k]), d[k], err_msg=k)
