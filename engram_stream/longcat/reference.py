@@ -1,6 +1,6 @@
 """The longcat-flash-lite numpy oracle (DESIGN.md 4c): the hash and the full-sequence forward,
 written out plainly; every fast path (the engine, its batch) is held to it, and it is held to
-the goldens of an independent torch implementation (tools/gen_goldens_longcat.py).
+the goldens of an independent torch implementation (tools/goldens/longcat.py).
 
 Hash of position p for embedder c (order g = c // k + 2): sum over delta < g of id[p - delta] *
 (vocab_size^delta mod mod_c), mod mod_c, on raw ids. The look-back (delta > 0) reads 0 (adds

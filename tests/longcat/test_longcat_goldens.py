@@ -1,5 +1,5 @@
 """longcat-flash-lite against its committed goldens (tests/data/golden_longcat_*.npz), written by
-tools/gen_goldens_longcat.py, an independent torch re-implementation of LongCat's NgramEmbedding
+tools/goldens/longcat.py, an independent torch re-implementation of LongCat's NgramEmbedding
 (the Hugging Face semantics).
 
 Integers (table sizes, multipliers, offsets, every row) exactly; the oracle and the engine, token
@@ -22,7 +22,7 @@ from conftest import ROOT, close
 
 pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]
 GOLDENS = sorted(glob.glob(os.path.join(ROOT, "tests", "data", "golden_longcat_*.npz")))
-GENERATOR = os.path.join(ROOT, "tools", "gen_goldens_longcat.py")
+GENERATOR = os.path.join(ROOT, "tools", "goldens", "longcat.py")
 golden = pytest.mark.parametrize("path", GOLDENS, ids=[os.path.basename(p)[15:-4] for p in GOLDENS])
 
 

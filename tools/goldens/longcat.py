@@ -27,7 +27,7 @@ Each npz holds
                        post_projs.{c}.weight), float32 holding bfloat16 values (the released dtype)
   out                  float32[B, T, D] the embedding fed to layer 1
 
-Regenerate:  python tools/gen_goldens_longcat.py [NAME ...]      (torch and numpy only)
+Regenerate:  python tools/goldens/longcat.py [NAME ...]      (torch and numpy only)
 """
 from __future__ import annotations
 
