@@ -20,7 +20,7 @@ from engram_stream import _hash
 from engram_stream.config import min_chain_rows
 from engram_stream.engine._window import HashWindow
 from engram_stream.errors import LayerError
-from engram_stream.plan import is_prime
+from engram_stream.variants import is_prime
 from engram_stream import variants
 from conftest import run_python
 from pyref import py_rows, to_signed
