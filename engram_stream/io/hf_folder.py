@@ -16,7 +16,7 @@ from ..config import EngramConfig
 from ..errors import HFCheckpointError
 from ..plan import HashPlan
 from .files import open_regular
-from .safetensors import MAX_HEADER, Tensor
+from .safetensors import MAX_HEADER, SafetensorsFile, Tensor
 
 INDEX = "model.safetensors.index.json"
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -68,6 +68,20 @@ def read_config(folder, variant):
         raise err(path, str(e)) from None
 
 
+def open_shards(stack, folder, names, mmap=True) -> dict:
+    """{shard: SafetensorsFile} of every shard that the (tensor name, shard) pairs `names` read,
+    each opened once and entered on the ExitStack `stack` (a missing one names its tensor)."""
+    files = {}
+    for name, shard in names:
+        if shard not in files:
+            path = os.path.join(folder, shard)
+            try:
+                files[shard] = stack.enter_context(SafetensorsFile(path, HFCheckpointError, mmap=mmap))
+            except FileNotFoundError:
+                raise err(path, f"missing (the index names it for {name!r})") from None
+    return files
+
+
 def joined(parts, infos, files, dtype, width):
     """The parts [(tensor name, shard)] as one [rows, width] array: a view of the mapping when they
     lie back to back in one file, else a concatenation in RAM. infos: [(SafetensorsFile, info)]."""
@@ -104,6 +118,9 @@ class HFFolderVariant:
     the tables in pieces)."""
 
     hf = None                  # the variant's hf module
+    hf_config = True           # its config.json describes the model (Variant.hf_config)
+    folder_checkpoint = True
+    checkpoint_form = "a Hugging Face folder: config.json, model.safetensors or the index and shards (no tokenizer)"
     folder_weights_needed = True   # folder_of: a config.json with no weights beside it is no checkpoint
 
     def load(self, path, mmap=True, compression=None):

@@ -27,8 +27,8 @@ import numpy as np
 from ..errors import HFCheckpointError
 from ..io import safetensors
 from ..io.files import atomic_folder, mapping_of
-from ..io.hf_folder import BF16, INDEX, OWN_FILES, err as _err, joined, read_config, table_tensor
-from ..io.safetensors import SafetensorsFile, Tensor, write_folder_files
+from ..io.hf_folder import BF16, INDEX, OWN_FILES, err as _err, joined, open_shards, read_config, table_tensor
+from ..io.safetensors import Tensor, write_folder_files
 from ..plan import HashPlan
 from ..v41.hf import weight_map
 from .config import LONGCAT
@@ -62,15 +62,7 @@ def load(folder, mmap=True):
         raise _err(folder, f"no tensors {missing[:4]}{'...' if len(missing) > 4 else ''} (config.json's "
                            f"emb_split_num * (emb_neighbor_num-1) = {E} embedders need them)")
     with contextlib.ExitStack() as stack:
-        files = {}
-        for name in want:
-            shard = wm[name]
-            if shard not in files:
-                path = os.path.join(folder, shard)
-                try:
-                    files[shard] = stack.enter_context(SafetensorsFile(path, HFCheckpointError, mmap=mmap))
-                except FileNotFoundError:
-                    raise _err(path, f"missing (the index names it for {name!r})") from None
+        files = open_shards(stack, folder, [(name, wm[name]) for name in want], mmap)
 
         def info(name, shape):
             f = files[wm[name]]

@@ -19,15 +19,12 @@ class LongcatVariant(HFFolderVariant, variants.Variant):
     config_rules = config
     name = config.LONGCAT
     title = "LongCat-Flash-Lite's n-gram embedding (an input layer: the embedding fed to layer 1)"
-    checkpoint_form = "a Hugging Face folder: config.json, model.safetensors or the index and shards (no tokenizer)"
     example_config = config.EXAMPLE
     config_class = config.LongcatConfig
     field_help = config.FIELD_HELP
-    hf_config = True
     weights = LongcatWeights
     weight_dtypes = ("float32", "bfloat16")
     table_dtypes = ("float32", "bfloat16")
-    folder_checkpoint = True
     load_note = "raw token ids: no compression, no tokenizer read; an input layer (layer 0)"
     engine = LongcatEngine
     negative_ids = False    # ids index the token embedding: the plan and the engine refuse negative ids

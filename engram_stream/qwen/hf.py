@@ -32,8 +32,8 @@ import numpy as np
 from ..errors import HFCheckpointError
 from ..io import safetensors
 from ..io.files import atomic_folder, mapping_of
-from ..io.hf_folder import BF16, INDEX, OWN_FILES, err, joined, read_config, table_tensor
-from ..io.safetensors import SafetensorsFile, Tensor, write_folder_files
+from ..io.hf_folder import BF16, INDEX, OWN_FILES, err, joined, open_shards, read_config, table_tensor
+from ..io.safetensors import Tensor, write_folder_files
 from ..plan import HashPlan
 from ..v41.hf import weight_map  # the index reader is the same for every Hugging Face folder
 from .config import QWEN
@@ -181,15 +181,7 @@ def load(folder, mmap=True):
     want = {"key_proj.weight": (G * D, E), "value_proj.weight": (D, E), "norm_key.weight": (G * D,),
             "norm_query.weight": (G * D,), "norm_conv.weight": (G * D,), "conv1d.weight": (G * D, 1, K)}
     with contextlib.ExitStack() as stack:
-        files = {}
-        for layer in names.values():
-            for full, shard in layer.values():
-                if shard not in files:
-                    path = os.path.join(folder, shard)
-                    try:
-                        files[shard] = stack.enter_context(SafetensorsFile(path, HFCheckpointError, mmap=mmap))
-                    except FileNotFoundError:
-                        raise _err(path, f"missing (the index names it for {full!r})") from None
+        files = open_shards(stack, folder, [pair for layer in names.values() for pair in layer.values()], mmap)
         layers = {}
         for L, layer in names.items():
             arr = {}

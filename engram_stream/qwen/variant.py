@@ -19,15 +19,12 @@ class QwenVariant(HFFolderVariant, variants.Variant):
     config_rules = config
     name = config.QWEN
     title = "Qwen3.8-Flash-Next's PLE (Per-Layer Embedding: its n-gram memory)"
-    checkpoint_form = "a Hugging Face folder: config.json, model.safetensors or the index and shards (no tokenizer)"
     example_config = config.EXAMPLE
     config_class = config.QwenConfig
     field_help = config.FIELD_HELP
-    hf_config = True
     weights = PLEWeights
     weight_dtypes = ("float32", "bfloat16")
     table_dtypes = ("float32", "bfloat16")
-    folder_checkpoint = True
     load_note = "raw token ids: no compression, no tokenizer read"
     engine = QwenStreamEngine
 
