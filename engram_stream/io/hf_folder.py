@@ -40,6 +40,41 @@ def read_json(path):
     return d if isinstance(d, dict) else None
 
 
+def read_header(path):
+    """The checked header (io.safetensors.Header) of one shard."""
+    with SafetensorsFile(path, HFCheckpointError) as f:
+        return f.header
+
+
+def _shard_name(idx, tensor, shard):
+    """A weight_map entry names a file inside the folder: a relative path that stays inside it
+    lexically (symlinks are followed as the file system does: HF caches link shards into blobs)."""
+    norm = os.path.normpath(shard) if isinstance(shard, str) and shard and "\0" not in shard else None
+    if norm is None or os.path.isabs(norm) or norm == os.curdir or norm.split(os.sep)[0] == os.pardir:
+        raise err(idx, f"weight_map names {shard!r} for {tensor!r}: a shard must be a file name inside the folder")
+    return norm
+
+
+def weight_map(ckpt_dir) -> dict:
+    """{tensor name: shard file name}: from the index (every name checked), or the single
+    model.safetensors."""
+    idx = os.path.join(ckpt_dir, INDEX)
+    if os.path.isfile(idx):
+        with open_regular(idx, lambda m: err(idx, m)) as f:
+            try:
+                index = json.loads(f.read(MAX_HEADER + 1))
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
+                raise err(idx, f"not a JSON index ({type(e).__name__})") from None
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict):
+            raise err(idx, "no weight_map")
+        return {name: _shard_name(idx, name, shard) for name, shard in wm.items()}
+    single = os.path.join(ckpt_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return {name: "model.safetensors" for name in read_header(single).tensors}
+    raise HFCheckpointError(f"{ckpt_dir}: neither {INDEX} nor model.safetensors")
+
+
 def is_checkpoint(path, reads_hf_config) -> bool:
     """A folder whose config.json reads_hf_config(d) takes (a variant's models)."""
     path = os.fspath(path)

@@ -27,10 +27,10 @@ import numpy as np
 from ..errors import HFCheckpointError
 from ..io import safetensors
 from ..io.files import atomic_folder, mapping_of
-from ..io.hf_folder import BF16, INDEX, OWN_FILES, err as _err, joined, open_shards, read_config, table_tensor
+from ..io.hf_folder import (BF16, INDEX, OWN_FILES, err as _err, joined, open_shards, read_config, table_tensor,
+                            weight_map)
 from ..io.safetensors import Tensor, write_folder_files
 from ..plan import HashPlan
-from ..v41.hf import weight_map
 from .config import LONGCAT
 from .weights import LongcatWeights
 

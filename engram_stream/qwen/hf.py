@@ -32,10 +32,9 @@ import numpy as np
 from ..errors import HFCheckpointError
 from ..io import safetensors
 from ..io.files import atomic_folder, mapping_of
-from ..io.hf_folder import BF16, INDEX, OWN_FILES, err, joined, open_shards, read_config, table_tensor
+from ..io.hf_folder import BF16, INDEX, OWN_FILES, err, joined, open_shards, read_config, table_tensor, weight_map
 from ..io.safetensors import Tensor, write_folder_files
 from ..plan import HashPlan
-from ..v41.hf import weight_map  # the index reader is the same for every Hugging Face folder
 from .config import QWEN
 from .weights import BUFFERS, NAMES, TABLE, PLEWeights
 
