@@ -1,5 +1,5 @@
 """The package's errors: one base class, one subclass per kind of failure, and the one error of
-a token id out of range (id_out_of_range).
+a token id out of range (id_out_of_range, negative_id).
 
 Each also derives from the builtin a caller would expect (a bad file is a ValueError, a
 store that fails a RuntimeError), so `except ValueError` keeps working.
@@ -53,11 +53,21 @@ class ConfigFieldError(EngramStreamError, AttributeError, ValueError):
     ValueError naming the field and the variants that use it."""
 
 
-def id_out_of_range(token_id, vocab_size) -> ValueError:
+def id_out_of_range(token_id, vocab_size, negative_ids=True) -> ValueError:
     """The error of a token id at or past vocab_size, the one message of every check of it (the
-    hash, the oracle, the engines). Negative ids are valid input (DESIGN.md 14), so it says so."""
+    hash, the oracle, the engines). Where negative ids are valid input (Variant.negative_ids,
+    DESIGN.md 14) it says so; else it gives the range [0, vocab_size)."""
+    if not negative_ids:
+        return ValueError(f"token id {token_id} out of range: ids must be in [0, vocab_size={vocab_size})")
     return ValueError(f"token id {token_id} out of range: ids must be < vocab_size={vocab_size} (negative ids are "
                       f"taken too: they have no compression entry, DESIGN.md 14)")
+
+
+def negative_id(token_id, vocab_size, variant) -> ValueError:
+    """The error of a negative token id given to a variant that takes none (Variant.negative_ids
+    False, e.g. ids that index a token embedding): the one message of the hash and the engines."""
+    return ValueError(f"token id {token_id} is negative: {variant} takes ids in [0, vocab_size={vocab_size}) "
+                      f"only (its Variant.negative_ids is False)")
 
 
 class ConfigKeyWarning(UserWarning):

@@ -137,7 +137,7 @@ class EngramModel:
         rows = self.plan.hash_numpy(a, layers=[layer])[layer]
         for arr in w.file_arrays():  # a mapped file truncated or rewritten since load is refused
             check_file(arr)
-        return self.variant.forward(self.cfg, w, rows, self.plan.dead_mask(a), h)
+        return self.variant.forward(self.cfg, w, rows, self.plan.dead_mask(a), h, a)
 
     def stream(self, layer, n_streams: int = 1, rows=None):
         """The streaming engine of one layer, its variant's engine class (each has the same calls):

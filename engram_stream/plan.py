@@ -7,8 +7,9 @@ Two hash paths, pinned bit-equal by the tests:
               rule, hash) the streaming engine runs per token.
 
 What differs between variants comes from their Variant (engram_stream.variants): the multiplier
-draw, the table rows (padding), the raw id compressed to DEAD, the gate mask, the numpy oracle's
-windows (Variant.windows) and the fast path's window class. This file branches on none of them.
+draw, the head sizes, more per-layer hash data (plan_extras), the table rows (padding), the raw id
+compressed to DEAD, the gate mask, whether negative ids are taken, the numpy oracle's windows and
+rows (Variant.windows, rows_numpy) and the fast path's window class. This file branches on none of them.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from . import _hash
 from .config import MAX_TABLE_ROWS, EngramConfig
-from .errors import LayerError, id_out_of_range
+from .errors import LayerError, id_out_of_range, negative_id
 from .variants import Variant, variant_of, variants
 
 DEAD = -1  # a compressed window entry that blocks history (image token, unknown, before start)
@@ -86,49 +87,6 @@ def _empty_aligned(count, shape) -> list:
     return [raw[skip + i * stride:skip + i * stride + n].reshape(shape) for i in range(count)]
 
 
-def is_prime(n: int) -> bool:
-    """Deterministic Miller-Rabin, exact for every n < 3.3e24."""
-    if n < 2:
-        return False
-    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
-    for p in small:
-        if n % p == 0:
-            return n == p
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d, s = d // 2, s + 1
-    for a in small:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
-
-
-def prime_chain(cfg: EngramConfig) -> dict:
-    """{layer: [[prime]*n_head for each order 2..max_ngram]}, one seen-set across everything."""
-    seen, out = set(), {}
-    for layer in cfg.layer_ids:
-        orders = []
-        for n in range(2, cfg.max_ngram_size + 1):
-            start, heads = cfg.engram_vocab_size[n - 2] - 1, []
-            for _ in range(cfg.n_head_per_ngram):
-                c = start + 1
-                while c in seen or not is_prime(c):
-                    c += 1
-                seen.add(c)
-                heads.append(c)
-                start = c
-            orders.append(heads)
-        out[layer] = orders
-    return out
-
-
 def frozen(a, dtype=None) -> np.ndarray:
     """A read-only C-contiguous view of `a` (converted only when it has to be): what models and
     plans hold, since engines read them through raw pointers. The caller's array keeps its flags."""
@@ -171,20 +129,33 @@ class HashPlan:
             self.multipliers = spec.draw_multipliers(cfg, self.compressed_vocab)
         else:
             self.multipliers = validate_multipliers(cfg, multipliers)
-        self.primes = prime_chain(cfg)
-        for L, orders in self.primes.items():
-            rows = sum(p for order in orders for p in order)  # Python ints: never wraps
+        sizes = spec.head_sizes(cfg)
+        k = cfg.n_head_per_ngram
+        self.head_primes = {}   # {layer: int64[H]} each head's table size (its modulus)
+        for L in cfg.layer_ids:
+            p = np.asarray(sizes.get(L) if isinstance(sizes, dict) else None)
+            if p.shape != (cfg.n_heads,) or not np.issubdtype(p.dtype, np.integer) or (p < 1).any():
+                raise ValueError(f"{spec.name}: Variant.head_sizes gave layer {L} {p!r}: it must give "
+                                 f"int64[{cfg.n_heads}] (n_heads) positive sizes for every layer")
+            rows = sum(int(x) for x in p)  # Python ints: never wraps
             if rows > MAX_TABLE_ROWS:
-                raise ValueError(f"layer {L}: the primes sum to {rows} table rows, past int64 ({MAX_TABLE_ROWS}): "
+                raise ValueError(f"layer {L}: the head sizes sum to {rows} table rows, past int64 ({MAX_TABLE_ROWS}): "
                                  f"use smaller engram_vocab_size")
-        self.head_primes = {L: np.array([p for order in self.primes[L] for p in order], dtype=np.int64)
-                            for L in cfg.layer_ids}
+            self.head_primes[L] = np.array(p, dtype=np.int64)
+        # {layer: [[size]*n_head for each order 2..max_ngram]}: the sizes by order
+        self.primes = {L: [p[g * k:(g + 1) * k].tolist() for g in range(cfg.max_ngram_size - 1)]
+                       for L, p in self.head_primes.items()}
         self.offsets = {L: np.concatenate([[0], np.cumsum(p)[:-1]]).astype(np.int64)
                         for L, p in self.head_primes.items()}
-        # rows past the primes' sum (a variant's padding) are rows no hash reaches
+        # rows past the sizes' sum (a variant's padding) are rows no hash reaches
         self.table_rows = {L: int(spec.table_rows(cfg, int(p.sum()))) for L, p in self.head_primes.items()}
-        # the division-free mod's constants, when the primes are small enough (else None)
+        # the division-free mod's constants (any modulus), when the sizes are small enough (else None)
         self.head_fp = {L: _hash.fp_moduli(p) for L, p in self.head_primes.items()}
+        extras = spec.plan_extras(cfg, self)
+        for attr, per_layer in extras.items():   # the variant's own hash data, read-only like the rest
+            if hasattr(self, attr):
+                raise ValueError(f"{spec.name}: Variant.plan_extras names {attr!r}, which HashPlan has already")
+            setattr(self, attr, {L: frozen(a) for L, a in per_layer.items()})
         for arrays in (self.multipliers, self.head_primes, self.offsets, self.head_fp):  # shared read-only
             for L, a in arrays.items():
                 arrays[L] = None if a is None else frozen(a)
@@ -221,13 +192,23 @@ class HashPlan:
         a = as_ids(ids, np.ndim(ids))
         return np.asarray(self.variant.dead_mask(self.cfg, a), bool).reshape(a.shape)
 
+    def _check_negative(self, a):
+        """a, after refusing a negative id where the variant takes none (Variant.negative_ids),
+        and there an id past the vocab too (the window's own check says negative ids are taken)."""
+        if not self.variant.negative_ids and a.size:
+            if a.min() < 0:
+                raise negative_id(int(a.min()), self.cfg.vocab_size, self.cfg.variant)
+            if a.max() >= self.cfg.vocab_size:
+                raise id_out_of_range(int(a.max()), self.cfg.vocab_size, False)
+        return a
+
     def hash(self, ids, layers=None, out=None) -> dict:
         """{layer: int64[B, T, H]} head-local rows for raw ids[B, T] (fast path).
 
         out: optional {layer: int64[B, T, H]} buffers to fill (saves the page faults
         of fresh multi-MB arrays when hashing batch after batch). Large inputs are
         split by layer and batch row over the machine's cores (the kernel runs nogil)."""
-        a = as_ids(ids, 2)
+        a = self._check_negative(as_ids(ids, 2))
         if out is not None and not isinstance(out, dict):
             raise TypeError(f"out must be a dict {{layer: int64[B, T, H]}}, got {type(out).__name__}")
         layers = self.cfg.layer_ids if layers is None else [self.check_layer(L) for L in layers]
@@ -283,27 +264,16 @@ class HashPlan:
 
     def hash_numpy(self, ids, layers=None) -> dict:
         """The oracle: the reference's numpy expression, step by step."""
-        a = as_ids(ids, 2)
+        a = self._check_negative(as_ids(ids, 2))
         if a.size and a.max() >= self.cfg.vocab_size:
-            raise id_out_of_range(a.max(), self.cfg.vocab_size)
+            raise id_out_of_range(a.max(), self.cfg.vocab_size, self.variant.negative_ids)
         x = a.copy()
         if self.lookup is not None:
             pos = x >= 0
             x[pos] = self.lookup[x[pos]]
-        B, T = x.shape
-        n_max = self.cfg.max_ngram_size
         shifted = self.variant.windows(self.cfg, self.pad_id, a, x)
-        out = {}
-        with np.errstate(over="ignore"):
-            for L in (self.cfg.layer_ids if layers is None else layers):
-                mult, heads = self.multipliers[self.check_layer(L)], []
-                for n in range(2, n_max + 1):
-                    mix = shifted[0] * mult[0]
-                    for k in range(1, n):
-                        mix = np.bitwise_xor(mix, shifted[k] * mult[k])
-                    heads += [mix % np.int64(p) for p in self.primes[L][n - 2]]
-                out[L] = np.stack(heads, axis=2) if heads else np.zeros((B, T, 0), np.int64)
-        return out
+        return {L: self.variant.rows_numpy(self.cfg, self, self.check_layer(L), a, x, shifted)
+                for L in (self.cfg.layer_ids if layers is None else layers)}
 
     def hash_lookback(self, ids, lookback, layers=None, numpy=False) -> dict:
         """The stateless form (vLLM's lookback window): rows of ids[B, T] given the raw ids

@@ -168,9 +168,11 @@ class Variant(abc.ABC):
 
     # ---- computing ----------------------------------------------------------------------------
     @abc.abstractmethod
-    def forward(self, cfg, w, rows, dead, hidden):
+    def forward(self, cfg, w, rows, dead, hidden, ids):
         """The numpy oracle: float32 delta of one layer for rows [B, T, H], dead bool[B, T]
-        (dead_mask), hidden [B, T, G, D] (an input layer's: None, and it returns [B, T, D])."""
+        (dead_mask), hidden [B, T, G, D] (an input layer's: None, and it returns [B, T, D]),
+        ids int64[B, T]: the raw ids the rows were hashed from (an input layer's output reads
+        them: its token embedding)."""
 
     @property
     @abc.abstractmethod
@@ -191,6 +193,11 @@ class Variant(abc.ABC):
     @abc.abstractmethod
     def step_weights(self, w):
         """The weight matrix one step reads whole (`engram-stream bench`'s floor)."""
+
+    # Whether token ids below 0 are valid input (DESIGN.md 14: they have no compression entry and
+    # hash as themselves). False: plan.hash and the engine refuse them (errors.negative_id), e.g.
+    # a variant whose ids index a token embedding.
+    negative_ids = True
 
     def sample_ids(self, cfg, rng, size) -> np.ndarray:
         """Random token ids for demos and benches: uniform in the vocab (a variant with special
@@ -216,6 +223,34 @@ class Variant(abc.ABC):
             out[L] = r * 2 + 1
         return out
 
+    def head_sizes(self, cfg) -> dict:
+        """{layer: int64[n_heads]}: the table size (modulus) of each head, orders 2..max_ngram
+        with n_head_per_ngram heads each, in that order; a head's rows sit at the sum of the
+        sizes before it. By default the prime chain (one seen-set across every layer and head:
+        prime_chain, below)."""
+        return {L: np.array([p for order in orders for p in order], dtype=np.int64)
+                for L, orders in prime_chain(cfg).items()}
+
+    def plan_extras(self, cfg, plan) -> dict:
+        """{attribute: {layer: array}} more per-layer hash data the variant's window reads (each
+        array held read-only on the plan as that attribute), e.g. per-head multipliers. None by
+        default."""
+        return {}
+
+    def rows_numpy(self, cfg, plan, layer, ids, x, shifted) -> np.ndarray:
+        """The numpy oracle's rows int64[B, T, H] of `layer` for raw ids[B, T] (x: compressed,
+        shifted: windows(...)): by default the reference's XOR chain, head j of order n the
+        multiplied windows 0..n-1 XORed, mod head_sizes' j."""
+        mult, sizes, heads = plan.multipliers[layer], plan.head_primes[layer], []
+        k = cfg.n_head_per_ngram
+        with np.errstate(over="ignore"):
+            for n in range(2, cfg.max_ngram_size + 1):
+                mix = shifted[0] * mult[0]
+                for d in range(1, n):
+                    mix = np.bitwise_xor(mix, shifted[d] * mult[d])
+                heads += [mix % np.int64(p) for p in sizes[(n - 2) * k:(n - 1) * k]]
+        return np.stack(heads, axis=2) if heads else np.zeros(ids.shape + (0,), np.int64)
+
     def table_rows(self, cfg, rows: int) -> int:
         """The rows a layer's table holds given the sum of its primes (padding): that sum."""
         return rows
@@ -237,6 +272,50 @@ class Variant(abc.ABC):
 
     def check_plan(self, plan):
         """Refuse a plan that disagrees with what the config declares (nothing by default)."""
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin, exact for every n < 3.3e24."""
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d, s = d // 2, s + 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def prime_chain(cfg) -> dict:
+    """{layer: [[prime]*n_head for each order 2..max_ngram]}, one seen-set across everything."""
+    seen, out = set(), {}
+    for layer in cfg.layer_ids:
+        orders = []
+        for n in range(2, cfg.max_ngram_size + 1):
+            start, heads = cfg.engram_vocab_size[n - 2] - 1, []
+            for _ in range(cfg.n_head_per_ngram):
+                c = start + 1
+                while c in seen or not is_prime(c):
+                    c += 1
+                seen.add(c)
+                heads.append(c)
+                start = c
+            orders.append(heads)
+        out[layer] = orders
+    return out
+
 
 
 _REGISTRY: dict = {}

@@ -43,7 +43,7 @@ class DemoVariant(variants.Variant):
     def is_checkpoint(self, path):
         return not os.path.isdir(path)
 
-    def forward(self, cfg, w, rows, dead, hidden):
+    def forward(self, cfg, w, rows, dead, hidden, ids):
         return reference.forward(cfg, rows, w, hidden)
 
     def describe(self, cfg):

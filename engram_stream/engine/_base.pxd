@@ -24,6 +24,7 @@ cdef class EngineBase:
     cdef bint no_hidden                # an input layer (the class's input_layer): no hidden is read
     cdef bint fed_single               # the pending batch came from feed(scalar id): compute() returns one token
     cdef int64_t vocab
+    cdef bint negative_ids             # negative ids are taken (the variant's Variant.negative_ids)
     cdef int64_t chunk                 # tokens per compute chunk (the variant's GEMM size)
 
     # the parts

@@ -44,6 +44,7 @@ from engram_stream.engine import isa as _isa
 from engram_stream.engine._batch cimport Batch, decode_only, first_bad_id
 from engram_stream.engine._window cimport HashWindow
 from engram_stream.engine.snapshot import EngineSnapshot, fingerprint, why_foreign
+from engram_stream.errors import negative_id
 from engram_stream.plan import as_ids
 from engram_stream.rows._source cimport MappedRows, RowSource
 from engram_stream.rows._stamps cimport FileStamps
@@ -126,6 +127,7 @@ cdef class EngineBase:
         self.M = (self.G + 1) * self.D
         self.H, self.hd, self.n = cfg.n_heads, cfg.head_dim, cfg.max_ngram_size
         self.vocab = cfg.vocab_size
+        self.negative_ids = bool(plan.variant.negative_ids)
         self.chunk = chunk
 
         # A class attribute, not a cdef hook: an engine that subclasses another variant's engine runs
@@ -333,7 +335,7 @@ cdef class EngineBase:
     def _ids(self, token_ids):
         """(int64[S] ids, False) or (the scalar id, True), range-checked (engine.args.token_ids);
         the Decoder checks a token for every layer through it before feeding any."""
-        return args.token_ids(token_ids, self.n_streams, self.vocab)
+        return args.token_ids(token_ids, self.n_streams, self.vocab, self.negative_ids)
 
     def out_shape(self, n=None):
         """The output shape of a call of n tokens ([n, G, D], an input layer's [n, D]), or of one
@@ -379,13 +381,21 @@ cdef class EngineBase:
     cdef int _check_call(self, object ids, const int64_t *pid, int64_t n, str pending) except -1:
         """Every feeding call's checks, inside the guard and before any change: no fed batch
         awaits compute (else RuntimeError(pending)), the ids in range, the mapped files unchanged."""
-        cdef int64_t bad
+        cdef int64_t bad = -1, i
         if self.batch.pending:
             raise RuntimeError(pending)
         with nogil:
+            if not self.negative_ids:
+                for i in range(n):
+                    if pid[i] < 0:
+                        bad = i
+                        break
+        if bad >= 0:
+            raise negative_id(pid[bad], self.vocab, self.model.cfg.variant)
+        with nogil:
             bad = first_bad_id(pid, n, self.vocab)
         if bad >= 0:
-            raise args.bad_id(ids, bad, self.vocab)
+            raise args.bad_id(ids, bad, self.vocab, self.negative_ids)
         self.files.check()
         return 0
 
@@ -403,9 +413,11 @@ cdef class EngineBase:
         """One token per stream: (token_id, hidden[G, D]) for one stream, or
         (token_ids[S], hidden[S, G, D]) for S streams. Returns the Engram delta. An input
         layer: step(token_id) -> float32[D], step(token_ids[S]) -> float32[S, D].
-        A token id is an int below vocab_size; a negative id is taken too (it has no compression
-        entry: DESIGN.md 14), so step(-1, h) is a valid call."""
-        ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
+        A token id is an int below vocab_size. Where the engine's variant takes negative ids
+        (Variant.negative_ids, the default) a negative id is taken too (it has no compression
+        entry: DESIGN.md 14), so step(-1, h) is a valid call; a variant whose negative_ids is False
+        refuses one (ValueError), as its engine's class docstring says."""
+        ids, single = args.token_ids(token_ids, self.n_streams, self.vocab, self.negative_ids)
         h, o = self._io(hidden, out, None if single else self.n_streams)
         self._enter()
         try:
@@ -564,7 +576,7 @@ cdef class EngineBase:
         """First half of a step: hash the new token(s) and advance the windows; the rows
         (`.rows`) are known from here on (a remote row source reads them now). compute(hidden)
         finishes the step."""
-        ids, single = args.token_ids(token_ids, self.n_streams, self.vocab)
+        ids, single = args.token_ids(token_ids, self.n_streams, self.vocab, self.negative_ids)
         self._enter()
         try:
             self._feed_steps(ids, single, "feed() was already called for this token: call compute(hidden) first")

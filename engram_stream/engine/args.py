@@ -25,7 +25,7 @@ def view(a, dtype, shape, what):
     return a
 
 
-def token_ids(ids, n_streams: int, vocab: int):
+def token_ids(ids, n_streams: int, vocab: int, negative_ids: bool = True):
     """(int64[S] ids, False) from an [S] array, or (the id as an int, True) from a scalar
     (one stream only; range-checked here, so a step makes no array for it)."""
     if isinstance(ids, (int, np.integer)) and not isinstance(ids, (bool, np.bool_)):
@@ -34,7 +34,7 @@ def token_ids(ids, n_streams: int, vocab: int):
         if ids < INT64_MIN:
             raise ValueError(f"token id {ids} does not fit in int64")
         if ids >= vocab:
-            raise id_out_of_range(ids, vocab)
+            raise id_out_of_range(ids, vocab, negative_ids)
         return int(ids), True
     a = as_ids(ids, 1, "token_ids")
     if a.shape[0] != n_streams:
@@ -42,10 +42,10 @@ def token_ids(ids, n_streams: int, vocab: int):
     return a, False
 
 
-def bad_id(ids, i: int, vocab: int) -> ValueError:
+def bad_id(ids, i: int, vocab: int, negative_ids: bool = True) -> ValueError:
     """The error for ids[i] >= vocab (ids: an array, or the scalar id of a one-stream call)."""
     v = ids if isinstance(ids, int) else ids[i]
-    return id_out_of_range(v, vocab)
+    return id_out_of_range(v, vocab, negative_ids)
 
 
 def hidden(h, shape):

@@ -97,7 +97,9 @@ cdef class LongcatWindow(HashWindow):
 cdef class LongcatEngine(EngineBase):
     """The longcat-flash-lite streaming engine: `model.stream(0, n_streams)`. Calls: see
     EngineBase's input-layer shape: no hidden (None, or left out), float32[hidden_size] a token
-    (step(token_id) -> [D], step_packed(ids, None, ...) -> [N, D], prefill(ids) -> [T, D])."""
+    (step(token_id) -> [D], step_packed(ids, None, ...) -> [N, D], prefill(ids) -> [T, D]).
+    Token ids are in [0, vocab_size): they index the token embedding, so a negative id is
+    refused (ValueError; the variant's negative_ids is False)."""
 
     cdef int table_kind                # 0 float32, 3 bfloat16 (es_gather_*)
     cdef bint wbf16, ebf16
@@ -157,15 +159,6 @@ cdef class LongcatEngine(EngineBase):
         self.pbuf = <float *> _regrow(self.pbuf, nb * self.E * sizeof(float))
         self.ccap = nb
         return 0
-
-    cdef int _check_call(self, object ids, const int64_t *pid, int64_t n, str pending) except -1:
-        """The base's checks, and no negative id: LongCat's ids index its token embedding."""
-        cdef int64_t i
-        for i in range(n):
-            if pid[i] < 0:
-                raise ValueError(f"token id {pid[i]} at {i}: {type(self).__name__} takes ids in [0, vocab_size="
-                                 f"{self.vocab}) (they index the token embedding)")
-        return EngineBase._check_call(self, ids, pid, n, pending)
 
     def __repr__(self):
         return (f"{type(self).__name__}(layer={self.layer}, n_streams={self.n_streams}, D={self.D}, "

@@ -21,26 +21,21 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 
 import numpy as np
 
-from ..config import EngramConfig
 from ..errors import HFCheckpointError
 from ..io import safetensors
 from ..io.files import atomic_folder, mapping_of
-from ..io.safetensors import SafetensorsFile, Tensor, write_folder_files
+from ..io.hf_folder import (BF16, INDEX, OWN_FILES, err as _err, joined, open_shards, read_config, table_tensor,
+                            weight_map)
+from ..io.safetensors import Tensor, write_folder_files
 from ..plan import HashPlan
-from ..qwen.hf import BF16, _joined, _read_json, _table_tensor   # the folder helpers every HF variant shares
-from ..v41.hf import weight_map
-from .config import LONGCAT, reads_hf_config
+from .config import LONGCAT
 from .weights import LongcatWeights
 
-INDEX = "model.safetensors.index.json"
 EMBED = "model.embed_tokens.weight"
 PREFIX = "model.ngram_embeddings."
-OWN_FILES = re.compile(r"(config\.json|model\.safetensors\.index\.json|model(-\d+-of-\d+)?\.safetensors)"
-                       r"(\.tmp-\d+(\.[0-9a-f]+)?)?")
 DTYPES = (np.dtype(np.float32), BF16)
 
 
@@ -52,39 +47,12 @@ def post_proj(c) -> str:
     return f"{PREFIX}post_projs.{c}.weight"
 
 
-def _err(path, msg):
-    return HFCheckpointError(f"{path}: {msg}")
-
-
-def is_checkpoint(path) -> bool:
-    """A folder whose config.json describes a LongCat-Flash-Lite (longcat_flash_ngram) model."""
-    path = os.fspath(path)
-    return os.path.isdir(path) and reads_hf_config(_read_json(os.path.join(path, "config.json")))
-
-
-def folder_of(path):
-    """The LongCat folder that file `path` belongs to (config.json, the index or a shard), or None."""
-    folder = os.path.dirname(os.path.abspath(path))
-    return folder if OWN_FILES.fullmatch(os.path.basename(path)) and is_checkpoint(folder) else None
-
-
-def read_config(folder) -> EngramConfig:
-    path = os.path.join(folder, "config.json")
-    d = _read_json(path)
-    if d is None:
-        raise _err(folder, f"no readable config.json: not a {LONGCAT} folder")
-    try:
-        return EngramConfig.from_hf_config(d)
-    except (ValueError, TypeError) as e:
-        raise _err(path, str(e)) from None
-
-
 def load(folder, mmap=True):
     """(cfg, plan, {0: LongcatWeights}) of a LongCat folder (see the module doc)."""
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise HFCheckpointError(f"{folder}: not a folder ({LONGCAT} checkpoints are Hugging Face folders)")
-    cfg = read_config(folder)
+    cfg = read_config(folder, LONGCAT)
     plan = HashPlan(cfg)
     wm = weight_map(folder)
     E, D, hd = cfg.n_heads, cfg.hidden_size, cfg.head_dim
@@ -94,15 +62,7 @@ def load(folder, mmap=True):
         raise _err(folder, f"no tensors {missing[:4]}{'...' if len(missing) > 4 else ''} (config.json's "
                            f"emb_split_num * (emb_neighbor_num-1) = {E} embedders need them)")
     with contextlib.ExitStack() as stack:
-        files = {}
-        for name in want:
-            shard = wm[name]
-            if shard not in files:
-                path = os.path.join(folder, shard)
-                try:
-                    files[shard] = stack.enter_context(SafetensorsFile(path, HFCheckpointError, mmap=mmap))
-                except FileNotFoundError:
-                    raise _err(path, f"missing (the index names it for {name!r})") from None
+        files = open_shards(stack, folder, [(name, wm[name]) for name in want], mmap)
 
         def info(name, shape):
             f = files[wm[name]]
@@ -118,7 +78,7 @@ def load(folder, mmap=True):
         if len(dtypes) != 1:
             raise _err(folder, f"the embedders mix dtypes {sorted(map(str, dtypes))}: one dtype expected")
         parts = [(embedder(c), wm[embedder(c)]) for c in range(E)]
-        table = _joined(parts, infos, files, next(iter(dtypes)), hd)
+        table = joined(parts, infos, files, next(iter(dtypes)), hd)
         f, t = info(EMBED, (cfg.vocab_size, D))
         embed = f.array(EMBED)
         projs = []
@@ -140,7 +100,7 @@ def save(cfg, plan, layers, path, table_dtype=None, progress=None, before_write=
     w = layers[0]
     dtype = BF16 if table_dtype == "bfloat16" else np.dtype(np.float32) if table_dtype else np.dtype(w.table.dtype)
     offs = plan.offsets[0].tolist() + [plan.table_rows[0]]
-    table_shard = [_table_tensor(embedder(c), w.table, offs[c], offs[c + 1], dtype) for c in range(cfg.n_heads)]
+    table_shard = [table_tensor(embedder(c), w.table, offs[c], offs[c + 1], dtype) for c in range(cfg.n_heads)]
     rest = [Tensor.of(EMBED, w.embed)] + [Tensor.of(post_proj(c), np.ascontiguousarray(p))
                                           for c, p in enumerate(w.post_projs(cfg))]
     shards = [table_shard, rest]

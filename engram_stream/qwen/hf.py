@@ -29,64 +29,21 @@ import re
 import ml_dtypes
 import numpy as np
 
-from ..config import EngramConfig
 from ..errors import HFCheckpointError
 from ..io import safetensors
-from ..io.files import atomic_folder, mapping_of, open_regular
-from ..io.safetensors import MAX_HEADER, SafetensorsFile, Tensor, write_folder_files
+from ..io.files import atomic_folder, mapping_of
+from ..io.hf_folder import BF16, INDEX, OWN_FILES, err, joined, open_shards, read_config, table_tensor, weight_map
+from ..io.safetensors import Tensor, write_folder_files
 from ..plan import HashPlan
-from ..v41.hf import weight_map  # the index reader is the same for every Hugging Face folder
-from .config import QWEN, reads_hf_config
+from .config import QWEN
 from .weights import BUFFERS, NAMES, TABLE, PLEWeights
 
-INDEX = "model.safetensors.index.json"
 PLE_NAME = re.compile(r"(model\.language_model\.|model\.|)layers\.(\d+)\.ple\.(.+)")
 EMB = TABLE[:-len(".weight")]  # ple_embedding.ngram_embedding
 PART = re.compile(re.escape(EMB) + r"\.shard_(\d+)\.(weight|weight_scale)")
-BF16 = np.dtype(ml_dtypes.bfloat16)
-OWN_FILES = re.compile(r"(config\.json|model\.safetensors\.index\.json|model(-\d+-of-\d+)?\.safetensors)"
-                       r"(\.tmp-\d+(\.[0-9a-f]+)?)?")
-CHUNK_ROWS = 1 << 16
 
 
-def _err(path, msg):
-    return HFCheckpointError(f"{path}: {msg}")
-
-
-def _read_json(path):
-    """The parsed JSON object at path, or None when it is absent or not JSON."""
-    try:
-        with open_regular(path, lambda m: _err(path, m)) as f:
-            d = json.loads(f.read(MAX_HEADER + 1))
-    except (OSError, HFCheckpointError, UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    return d if isinstance(d, dict) else None
-
-
-def is_checkpoint(path) -> bool:
-    """A folder whose config.json describes a Qwen4-Exp model."""
-    path = os.fspath(path)
-    return os.path.isdir(path) and reads_hf_config(_read_json(os.path.join(path, "config.json")))
-
-
-def folder_of(path):
-    """The Qwen checkpoint folder that file `path` belongs to (config.json, the index or a shard),
-    or None: a folder whose config.json has no weights beside it (no index, no model.safetensors)
-    is no checkpoint to pass instead."""
-    folder = os.path.dirname(os.path.abspath(path))
-    weights = any(os.path.isfile(os.path.join(folder, f)) for f in (INDEX, "model.safetensors"))
-    return folder if OWN_FILES.fullmatch(os.path.basename(path)) and weights and is_checkpoint(folder) else None
-
-
-def read_config(folder) -> EngramConfig:
-    path = os.path.join(folder, "config.json")
-    d = _read_json(path)
-    if d is None:
-        raise _err(folder, f"no readable config.json: not a {QWEN} folder")
-    try:
-        return EngramConfig.from_hf_config(d)
-    except (ValueError, TypeError) as e:
-        raise _err(path, str(e)) from None
+_err = err
 
 
 def _ple_names(folder, cfg, wm) -> dict:
@@ -128,23 +85,6 @@ def _table_parts(folder, L, names, suffix="weight") -> list:
     return [parts[i] for i in range(len(parts))]
 
 
-def _joined(parts, infos, files, dtype, width):
-    """The parts as one [rows, width] array: a view of the mapping when they lie back to back in one
-    file, else a concatenation in RAM."""
-    rows = sum(t.shape[0] for _, t in infos)
-    f0 = infos[0][0]
-    adjacent = all(f is f0 for f, _ in infos) and all(
-        a.start + a.nbytes == b.start for (_, a), (_, b) in zip(infos, infos[1:]))
-    if adjacent and f0.mm is not None:
-        return np.frombuffer(f0.mm, dtype, rows * width, infos[0][1].start).reshape(rows, width)
-    out = np.empty((rows, width), dtype)
-    r = 0
-    for (full, shard), (_, t) in zip(parts, infos):
-        out[r:r + t.shape[0]] = files[shard].array(full)
-        r += t.shape[0]
-    return out
-
-
 def _check_parts(folder, L, cfg, plan, infos, width, what):
     for f, t in infos:
         if len(t.shape) != 2 or t.shape[1] != width:
@@ -166,7 +106,7 @@ def _table(folder, L, cfg, plan, parts, files, names):
     if len(dtypes) != 1 or next(iter(dtypes)) not in (np.float32, np.float16, BF16):
         raise _err(folder, f"layer {L} table: float32, float16 or bfloat16 parts of one dtype, got {sorted(map(str, dtypes))}")
     _check_parts(folder, L, cfg, plan, infos, cfg.head_dim, "table")
-    return _joined(parts, infos, files, next(iter(dtypes)), cfg.head_dim), None, None
+    return joined(parts, infos, files, next(iter(dtypes)), cfg.head_dim), None, None
 
 
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -224,7 +164,7 @@ def _quantized(folder, L, cfg, plan, parts, infos, files, names):
     if not nvfp4:
         _check_parts(folder, L, cfg, plan, infos, hd, "FP8 table")
         lut = fp8_lut(_global_scale(folder, L, names, files, f"{EMB}.weight_scale"))
-        return _joined(parts, infos, files, np.uint8, hd), None, lut
+        return joined(parts, infos, files, np.uint8, hd), None, lut
     if hd % NVFP4_BLOCK:
         raise _err(folder, f"layer {L}: an NVFP4 table needs rows of a multiple of {NVFP4_BLOCK} values, not {hd}")
     _check_parts(folder, L, cfg, plan, infos, hd // 2, "NVFP4 table")
@@ -237,7 +177,7 @@ def _quantized(folder, L, cfg, plan, parts, infos, files, names):
         if st.code != "F8_E4M3" or tuple(st.shape) != (t.shape[0], hd // NVFP4_BLOCK):
             raise _err(f.path, f"layer {L}: E4M3 block scales of shape {(t.shape[0], hd // NVFP4_BLOCK)} "
                                f"expected, got {st.code} {st.shape}")
-    return (_joined(parts, infos, files, np.uint8, hd // 2), _joined(scales, sinfos, files, np.uint8, hd // 16),
+    return (joined(parts, infos, files, np.uint8, hd // 2), joined(scales, sinfos, files, np.uint8, hd // 16),
             lut)
 
 
@@ -246,22 +186,14 @@ def load(folder, mmap=True):
     folder = os.fspath(folder)
     if not os.path.isdir(folder):
         raise HFCheckpointError(f"{folder}: not a folder ({QWEN} checkpoints are Hugging Face folders)")
-    cfg = read_config(folder)
+    cfg = read_config(folder, QWEN)
     names = _ple_names(folder, cfg, weight_map(folder))
     plan = HashPlan(cfg)
     G, D, E, K = cfg.hc_mult, cfg.hidden_size, cfg.engram_dim, cfg.kernel_size
     want = {"key_proj.weight": (G * D, E), "value_proj.weight": (D, E), "norm_key.weight": (G * D,),
             "norm_query.weight": (G * D,), "norm_conv.weight": (G * D,), "conv1d.weight": (G * D, 1, K)}
     with contextlib.ExitStack() as stack:
-        files = {}
-        for layer in names.values():
-            for full, shard in layer.values():
-                if shard not in files:
-                    path = os.path.join(folder, shard)
-                    try:
-                        files[shard] = stack.enter_context(SafetensorsFile(path, HFCheckpointError, mmap=mmap))
-                    except FileNotFoundError:
-                        raise _err(path, f"missing (the index names it for {full!r})") from None
+        files = open_shards(stack, folder, [pair for layer in names.values() for pair in layer.values()], mmap)
         layers = {}
         for L, layer in names.items():
             arr = {}
@@ -286,17 +218,6 @@ def load(folder, mmap=True):
                 layers[L].table_in_ram = ("its parts lie in several files of the folder, so the loader concatenated "
                                           "them in RAM")
     return cfg, plan, layers
-
-
-def _table_tensor(name, table, a, b, dtype):
-    """Rows [a, b) of a table (an array or an InitTable) as a tensor of `dtype`, written block by block."""
-    code = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", BF16: "BF16"}[dtype]
-
-    def chunks():
-        for r in range(a, b, CHUNK_ROWS):
-            block = np.asarray(table[r:min(b, r + CHUNK_ROWS)])
-            yield np.ascontiguousarray(block.astype(dtype, copy=False)).reshape(-1).view(np.uint8)
-    return Tensor(name, code, (b - a, table.shape[1]), chunks)
 
 
 class _Values:
@@ -327,7 +248,7 @@ def save(cfg, plan, layers, path, table_dtype=None, progress=None, before_write=
         size = -(-rows // cfg.table_parts)  # vLLM's shard size: ceil; the last parts may be short or empty
         bounds = [min(rows, size * i) for i in range(cfg.table_parts + 1)]
         for i in range(cfg.table_parts):
-            tensors.append(_table_tensor(f"{pre}{EMB}.shard_{i}.weight", _Values(w, cfg.head_dim) if quantized else w.table,
+            tensors.append(table_tensor(f"{pre}{EMB}.shard_{i}.weight", _Values(w, cfg.head_dim) if quantized else w.table,
                                          bounds[i], bounds[i + 1], dtype))
         for short in ("key_proj.weight", "value_proj.weight"):
             a = w.key_proj if short.startswith("key") else w.value_proj

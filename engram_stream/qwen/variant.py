@@ -6,57 +6,33 @@ import numpy as np
 
 from .. import variants
 from ..demo.weights import with_weight_dtype
-from ..plan import HashPlan
+from ..io.hf_folder import HFFolderVariant
 from . import config, hf, reference, weights
 from ._engine import QwenStreamEngine
 from .weights import PLEWeights
 
 
-class QwenVariant(variants.Variant):
+class QwenVariant(HFFolderVariant, variants.Variant):
+    hf = hf   # load, save, save_init, is_checkpoint, folder_of: the shared Hugging Face folder hooks
     # the rules' modules first: `weights` below is the layer class, in this class's namespace
     weights_rules = weights
     config_rules = config
     name = config.QWEN
     title = "Qwen3.8-Flash-Next's PLE (Per-Layer Embedding: its n-gram memory)"
-    checkpoint_form = "a Hugging Face folder: config.json, model.safetensors or the index and shards (no tokenizer)"
     example_config = config.EXAMPLE
     config_class = config.QwenConfig
     field_help = config.FIELD_HELP
-    hf_config = True
     weights = PLEWeights
     weight_dtypes = ("float32", "bfloat16")
     table_dtypes = ("float32", "bfloat16")
-    folder_checkpoint = True
     load_note = "raw token ids: no compression, no tokenizer read"
     engine = QwenStreamEngine
 
     def with_weight_dtype(self, cfg, layers, name):
         return with_weight_dtype(cfg, layers, name)
 
-    def load(self, path, mmap=True, compression=None):
-        if compression is not None:
-            raise ValueError(f"{self.name} hashes raw token ids: load it without a compression")
-        return hf.load(path, mmap=mmap)
-
-    def save(self, cfg, plan, layers, path, table_dtype=None, progress=None):
-        return hf.save(cfg, plan, layers, path, table_dtype=table_dtype, progress=progress)
-
-    def save_init(self, cfg, path, seed=0, graft_zero_init=False, compression=None, table_dtype=None,
-                  progress=None, before_write=None):
-        if compression is not None:
-            raise ValueError(f"{self.name} hashes raw token ids: it takes no compression")
-        plan = HashPlan(cfg)
-        return hf.save(cfg, plan, weights.init_layers(cfg, plan, seed, graft_zero_init, hold_tables=False), path,
-                       table_dtype=table_dtype, progress=progress, before_write=before_write)
-
-    def is_checkpoint(self, path):
-        return hf.is_checkpoint(path)
-
-    def folder_of(self, path):
-        return hf.folder_of(path)
-
     # computing
-    def forward(self, cfg, w, rows, dead, hidden):
+    def forward(self, cfg, w, rows, dead, hidden, ids):
         return reference.forward(cfg, rows, w, hidden)
 
     def describe(self, cfg):

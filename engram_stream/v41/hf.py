@@ -28,13 +28,13 @@ import numpy as np
 from ..config import EngramConfig, min_chain_rows
 from ..errors import HFCheckpointError
 from ..io import safetensors
+from ..io.hf_folder import INDEX, weight_map
 from ..io.files import atomic_folder, atomic_output, cache_dir, open_regular
 from ..io.safetensors import DTYPES, MAX_HEADER, SafetensorsFile, Tensor, write_folder_files
 from ..plan import HashPlan
 from .config import V41
 from .weights import NAMES, RAW, V41LayerWeights, random_e4m3, shapes
 
-INDEX = "model.safetensors.index.json"
 COMPRESSION = "engram_compression.npy"
 MODEL_TYPE = "deepseek_v4"   # config.json's model_type: transformers' DeepseekV4Config
 TOKENIZER_CONFIG = "tokenizer_config.json"   # a tokenizer folder's special tokens, written beside tokenizer.json   # written when a model's lookup has no tokenizer.json
@@ -72,41 +72,6 @@ def flash_config(**overrides) -> EngramConfig:
 # --- reading ------------------------------------------------------------------------------------
 def _err(path, msg):
     return HFCheckpointError(f"{path}: {msg}")
-
-
-def read_header(path):
-    """The checked header (io.safetensors.Header) of one shard."""
-    with SafetensorsFile(path, HFCheckpointError) as f:
-        return f.header
-
-
-def _shard_name(idx, tensor, shard):
-    """A weight_map entry names a file inside the folder: a relative path that stays inside it
-    lexically (symlinks are followed as the file system does: HF caches link shards into blobs)."""
-    norm = os.path.normpath(shard) if isinstance(shard, str) and shard and "\0" not in shard else None
-    if norm is None or os.path.isabs(norm) or norm == os.curdir or norm.split(os.sep)[0] == os.pardir:
-        raise _err(idx, f"weight_map names {shard!r} for {tensor!r}: a shard must be a file name inside the folder")
-    return norm
-
-
-def weight_map(ckpt_dir) -> dict:
-    """{tensor name: shard file name}: from the index (every name checked), or the single
-    model.safetensors."""
-    idx = os.path.join(ckpt_dir, INDEX)
-    if os.path.isfile(idx):
-        with open_regular(idx, lambda m: _err(idx, m)) as f:
-            try:
-                index = json.loads(f.read(MAX_HEADER + 1))
-            except (UnicodeDecodeError, ValueError, RecursionError) as e:
-                raise _err(idx, f"not a JSON index ({type(e).__name__})") from None
-        wm = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(wm, dict):
-            raise _err(idx, "no weight_map")
-        return {name: _shard_name(idx, name, shard) for name, shard in wm.items()}
-    single = os.path.join(ckpt_dir, "model.safetensors")
-    if os.path.isfile(single):
-        return {name: "model.safetensors" for name in read_header(single).tensors}
-    raise HFCheckpointError(f"{ckpt_dir}: neither {INDEX} nor model.safetensors")
 
 
 def _engram_names(ckpt_dir, cfg, wm) -> dict:

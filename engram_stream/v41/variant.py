@@ -77,7 +77,7 @@ class V41Variant(variants.Variant):
         return folder if folder is not None and self.is_checkpoint(folder) else None
 
     # computing
-    def forward(self, cfg, w, rows, dead, hidden):
+    def forward(self, cfg, w, rows, dead, hidden, ids):
         return reference.forward(cfg, rows, dead, w, hidden)
 
     def describe(self, cfg):

@@ -81,7 +81,7 @@ def make_variant():
         table_dtypes = ("float32",)
         engine = build_engine()
 
-        def forward(self, cfg, w, rows, dead, hidden):
+        def forward(self, cfg, w, rows, dead, hidden, ids):
             return sum_forward(cfg, w, rows, dead, hidden)
 
         def describe(self, cfg):

@@ -130,7 +130,7 @@ class ToyVariant(variants.Variant):
     def is_checkpoint(self, path):
         return not os.path.isdir(path)
 
-    def forward(self, cfg, w, rows, dead, hidden):
+    def forward(self, cfg, w, rows, dead, hidden, ids):
         return toy_forward(cfg, w, rows, hidden)
 
     def describe(self, cfg):

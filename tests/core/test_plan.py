@@ -20,7 +20,7 @@ from engram_stream import _hash
 from engram_stream.config import min_chain_rows
 from engram_stream.engine._window import HashWindow
 from engram_stream.errors import LayerError
-from engram_stream.plan import is_prime
+from engram_stream.variants import is_prime
 from engram_stream import variants
 from conftest import run_python
 from pyref import py_rows, to_signed
@@ -812,3 +812,65 @@ def test_hash_out_buffers_must_not_overlap():
     got = plan.hash(ids, out={0: big[0], 3: big[1]})   # disjoint slices of one block: fine
     want = plan.hash_numpy(ids)
     assert all(np.array_equal(got[L], want[L]) for L in (0, 3))
+
+
+# ---- the plan's Variant hooks: head sizes (any modulus), extras, the numpy rows ----------------------------
+def test_head_sizes_plan_extras_and_rows_numpy_are_the_variants():
+    """A variant's own head sizes (composite and even: the division-free mods serve any modulus),
+    its extra per-layer data (held read-only on the plan) and its oracle rows; the default sizes
+    are the prime chain."""
+    demo = type(variants.get(variants.DEFAULT))
+    name = "sizes-toy"
+    sizes = np.array([12, 15, 16, 21], np.int64)   # H = 2 orders x 2 heads, none prime
+
+    class SizesToy(demo):
+        example_config = dict(demo.example_config, variant=name)
+
+        def head_sizes(self, cfg):
+            return {L: sizes for L in cfg.layer_ids}
+
+        def plan_extras(self, cfg, plan):
+            return {"toy_extra": {L: np.arange(3) + L for L in cfg.layer_ids}}
+
+    SizesToy.name = name
+    variants.register(SizesToy())
+    try:
+        cfg = EngramConfig(**dict(cfg_of(evs=(11, 13)).to_dict(), variant=name))
+        plan = HashPlan(cfg)
+        for L in cfg.layer_ids:
+            assert plan.head_primes[L].tolist() == sizes.tolist()
+            assert plan.offsets[L].tolist() == [0, 12, 27, 43] and plan.table_rows[L] == 64
+            assert plan.primes[L] == [[12, 15], [16, 21]]
+            assert plan.head_fp[L] is not None   # the double-precision mod's constants, composites too
+            assert plan.toy_extra[L].tolist() == [L, L + 1, L + 2] and not plan.toy_extra[L].flags.writeable
+        ids = np.random.default_rng(0).integers(-3, cfg.vocab_size, size=(3, 40))
+        want = plan.hash_numpy(ids)
+        for L in cfg.layer_ids:
+            assert (want[L] < sizes).all() and (want[L] >= 0).all()
+            np.testing.assert_array_equal(plan.hash(ids)[L], want[L])
+        x = np.arange(-1000, 1000, dtype=np.int64) * 7919
+        np.testing.assert_array_equal(_hash.floormod(x, sizes, reciprocal=True), x[:, None] % sizes)
+    finally:
+        variants.unregister(name)
+    plain = cfg_of(evs=(11, 13))
+    assert HashPlan(plain).head_primes[0].tolist() == [11, 13, 17, 19]   # the default: the prime chain
+
+
+def test_a_bad_head_sizes_or_a_clashing_extra_is_refused():
+    demo = type(variants.get(variants.DEFAULT))
+    name = "bad-sizes-toy"
+    for hook, match in (("head_sizes", r"Variant.head_sizes gave layer 0"), ("plan_extras", "HashPlan has already")):
+        class Bad(demo):
+            example_config = dict(demo.example_config, variant=name)
+        if hook == "head_sizes":
+            Bad.head_sizes = lambda self, cfg: {L: np.array([5, 0, 7, 9]) for L in cfg.layer_ids}
+        else:
+            Bad.plan_extras = lambda self, cfg, plan: {"offsets": {}}
+        Bad.name = name
+        variants.register(Bad())
+        try:
+            cfg = EngramConfig(**dict(cfg_of(evs=(11, 13)).to_dict(), variant=name))
+            with pytest.raises(ValueError, match=match):
+                HashPlan(cfg)
+        finally:
+            variants.unregister(name)

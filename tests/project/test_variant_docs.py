@@ -100,21 +100,36 @@ def test_document_fills_a_docstring_from_the_registry(extra_variant):
         variants.document(f, lambda v: v.title)
 
 
-# ---- token ids: negative ones are valid, and help(step) and the out-of-range error say so -------------------
+# ---- token ids: negative ones are valid where the variant says so, and help(step) and the errors say so -----
 def test_step_help_and_the_range_error_say_negative_ids_are_taken():
+    assert variants.Variant.negative_ids is True   # the default (DESIGN.md 14)
     for variant in contract_variants():
         model = contract_model(variant)
+        takes = variants.get(variant).negative_ids
         eng = model.stream(model.cfg.layer_ids[0])
         doc = _flat(pydoc.render_doc(type(eng).step))
         assert "a negative id is taken too" in doc and "step(-1, h) is a valid call" in doc, (variant, doc)
-        h = np.ones((model.cfg.hc_mult, model.cfg.hidden_size), np.float32)
-        eng.step(-1, h)   # taken, as the help says
+        assert "negative_ids is False refuses one" in doc, (variant, doc)
+        h = None if model.variant.input_layer else np.ones((model.cfg.hc_mult, model.cfg.hidden_size), np.float32)
         V = model.cfg.vocab_size
-        for bad, hid in ((V, h), (np.array([V], np.int64), h[None])):   # the scalar check and the array's
-            with pytest.raises(ValueError, match=rf"token id {V} out of range: ids must be < vocab_size={V} "
-                                                 rf"\(negative ids are taken too"):
+        one = h if h is None else h[None]
+        if takes:
+            eng.step(-1, h)   # taken, as the help says
+            said = rf"token id {V} out of range: ids must be < vocab_size={V} \(negative ids are taken too"
+        else:   # refused by the engine (scalar and array) and the plan's two hashes, one message
+            assert "negative id is refused" in _flat(type(eng).__doc__), variant
+            neg = rf"token id -1 is negative: {variant} takes ids in \[0, vocab_size={V}\) only"
+            for bad, hid in ((-1, h), (np.array([-1], np.int64), one)):
+                with pytest.raises(ValueError, match=neg):
+                    eng.step(bad, hid)
+            for hash_ in (model.plan.hash, model.plan.hash_numpy):
+                with pytest.raises(ValueError, match=neg):
+                    hash_(np.array([[0, -1]]))
+            said = rf"token id {V} out of range: ids must be in \[0, vocab_size={V}\)$"
+        for bad, hid in ((V, h), (np.array([V], np.int64), one)):   # the scalar check and the array's
+            with pytest.raises(ValueError, match=said):
                 eng.step(bad, hid)
-        with pytest.raises(ValueError, match="negative ids are taken too"):
+        with pytest.raises(ValueError, match=said):
             model.plan.hash(np.array([[0, V]]))
-        with pytest.raises(ValueError, match="negative ids are taken too"):
-            model.forward(model.cfg.layer_ids[0], np.array([[V]]), h[None, None])
+        with pytest.raises(ValueError, match=said):
+            model.forward(model.cfg.layer_ids[0], np.array([[V]]), one if one is None else one[None])
