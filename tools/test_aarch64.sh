@@ -115,14 +115,14 @@ run() { # run CPU ARGS...: the arm64 python on that CPU model
         HYPOTHESIS_STORAGE_DIRECTORY=${HYPOTHESIS_STORAGE_DIRECTORY:-/tmp/engram_aarch64_hyp} "$PYW" "$@")
 }
 # Kernel paths against their oracles (every path the CPU runs: the each_isa tests run baseline and
-# neon, pytest's header says which), both variants' goldens (made on x86: the same outputs as x86),
+# neon, pytest's header says which), the demo's, V4.1's and LongCat's goldens (made on x86: the same outputs as x86),
 # the engines of both variants and the public contract (forward, step over streams, prefill then
 # step, step_packed with a draft and a commit). On cortex-a72 (ARMv8.0: an instruction the build
 # must not use would stop it there) the kernel suites and the demo engine's tests of its kernels
 # only: the rest runs the same code.
 KERNEL_TESTS=(tests/kernels/test_isa.py tests/kernels/test_hash_lanes.py tests/kernels/test_fp8_paths.py
               tests/demo/test_goldens.py tests/v41/test_goldens_v41.py tests/demo/test_bf16.py
-              tests/v41/test_engine_v41.py)
+              tests/v41/test_engine_v41.py tests/longcat/test_longcat_goldens.py)
 DEMO_KERNEL_TESTS=(tests/demo/test_engine.py::test_single_stream_matches_batch
                    tests/demo/test_engine.py::test_multi_stream_matches_batch
                    tests/demo/test_engine.py::test_quantized_tables_match_batch
