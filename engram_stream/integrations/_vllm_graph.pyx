@@ -31,7 +31,7 @@ from libc.string cimport memcpy, memset
 from posix.stat cimport fstat, struct_stat
 
 from engram_stream.errors import FileChangedError
-from engram_stream.rows.records import V41_RECORD
+from engram_stream.rows.records import E4M3_E8M0_RECORD
 from engram_stream.integrations._records cimport records_bf16
 from engram_stream.rows._cache cimport RowCache, es_rc_hit, es_rc_insert, es_rc_lock, es_rc_peek, es_rc_unlock, es_rowcache
 from engram_stream.rows._direct import checksum_error
@@ -250,10 +250,10 @@ cdef class HostLookup:
                              f"{getattr(ids, 'dtype', type(ids))} {getattr(ids, 'shape', '')}")
         cdef int64_t T = ids.shape[0], k = ids.shape[1], rec = source.rowbytes + source.scalebytes
         cdef int64_t D = source.rowbytes, n = T * k
-        if isinstance(staging, np.ndarray) and staging.dtype == np.uint16 and source.record_format != V41_RECORD:
+        if isinstance(staging, np.ndarray) and staging.dtype == np.uint16 and source.record_format != E4M3_E8M0_RECORD:
             # bf16 rows are made by widening V4.1 records: the source's records must be those, whatever
             # their size (a demo int8 row of 128 and its float32 scale are 132 bytes, as a V4.1 record)
-            raise ValueError(f"HostLookup: bf16 staging converts V4.1 records ({V41_RECORD}); this source's records "
+            raise ValueError(f"HostLookup: bf16 staging converts V4.1 records ({E4M3_E8M0_RECORD}); this source's records "
                              f"are {source.record_format or 'of an unknown format'} ({source.rowbytes}+"
                              f"{source.scalebytes} bytes): stage uint8 records [T, k, {rec}] instead")
         if not (isinstance(staging, np.ndarray) and staging.flags.c_contiguous and staging.flags.writeable

@@ -22,12 +22,12 @@ def record_arrays(w):
 
 # A V4.1 record: head_dim float8_e4m3fn bytes, then one float8_e8m0fnu byte per 32 of them (the
 # records vLLM's and SGLang's kernels widen to bf16: integrations._records)
-V41_RECORD = "e4m3+e8m0"
+E4M3_E8M0_RECORD = "e4m3+e8m0"
 
 
 def record_format(w) -> str:
     """What a record of layer weights `w` holds: the weights class's own `record_format` (V4.1:
-    V41_RECORD), else the table's dtype name and its scale's ("int8+float32": a demo int8 row and
+    E4M3_E8M0_RECORD), else the table's dtype name and its scale's ("int8+float32": a demo int8 row and
     its float32 scale; "bfloat16"). Readers that decode records check this, never a size: a
     demo int8 row of 128 values and its 4-byte scale are as long as a V4.1 row of 128 and its 4
     e8m0 bytes."""

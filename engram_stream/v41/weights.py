@@ -41,7 +41,7 @@ class V41LayerWeights:
     """
 
     table_dtype = weight_dtype = "float8_e4m3fn"
-    record_format = "e4m3+e8m0"   # rows.records.V41_RECORD: e4m3 bytes of a row, then its e8m0 scales
+    record_format = "e4m3+e8m0"   # rows.records.E4M3_E8M0_RECORD: e4m3 bytes of a row, then its e8m0 scales
 
     def __init__(self, cfg, offsets, embed_weight, embed_scale, wkv_weight, wkv_scale, q_weight, k_weight):
         self.offsets = frozen(offsets, np.int64)

@@ -201,7 +201,7 @@ def test_bf16_staging_of_records_that_are_not_v41_is_refused(tmp_path, load):
     long as a V4.1 record of 128 e4m3 + 4 e8m0 bytes: bf16 staging (the V4.1 widening) is refused
     by the records' format, whatever their size; uint8 staging takes its records as they are."""
     from conftest import make_model, make_v41_model
-    from engram_stream.rows.records import V41_RECORD
+    from engram_stream.rows.records import E4M3_E8M0_RECORD
     model = make_model(nh=2, hd=128, table_dtype="int8", seed=4)
     if load is not None:
         model.save(tmp_path / "int8.st")
@@ -218,4 +218,4 @@ def test_bf16_staging_of_records_that_are_not_v41_is_refused(tmp_path, load):
     np.testing.assert_array_equal(st[0, :2], want)
     assert not st[0, 2].any()   # -1: a record of zeros
     v41 = make_v41_model(seed=7)   # V4.1's records state their format
-    assert v41.row_source(v41.cfg.layer_ids[0]).record_format == V41_RECORD
+    assert v41.row_source(v41.cfg.layer_ids[0]).record_format == E4M3_E8M0_RECORD

@@ -26,8 +26,9 @@ ALLOWED = {
 BINDINGS = {
     "integrations/transformers.py": "transformers' DeepSeek-V4 model classes",
     "integrations/transformers_qwen.py": "transformers' Qwen4-Exp model classes",
-    "integrations/vllm.py": "vLLM's DeepSeek-V4.1 and Qwen4-Exp module paths and classes",
-    "integrations/sglang.py": "SGLang's DeepSeek-V4.1 and Qwen4-Exp module paths, classes and switches",
+    "integrations/vllm.py": "vLLM's DeepSeek-V4.1, Qwen4-Exp and LongCat module paths and classes",
+    "integrations/sglang.py": "SGLang's DeepSeek-V4.1, Qwen4-Exp and LongCat module paths, classes and switches",
+    "rows/gguf.py": "llama.cpp's GGUF architectures (qwen4exp, deepseek41, longcat_flash_ngram): the file format names them",
 }
 
 
