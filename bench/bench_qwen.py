@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_v41 as v  # noqa: E402  (chooses the checkout: tools/checkout.py)
 from bench_direct import device, fio  # noqa: E402
-from common import add_busy_args, busy_loops, machine  # noqa: E402
+from common import add_busy_args, busy_loops, finish, machine  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.demo import _engine as demo_k  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
@@ -250,13 +250,7 @@ def main():
             res["prefill"] = section_prefill(models, 256 if a.quick else 512, 1 if a.quick else 3, paths)
             print("prefill", json.dumps(res["prefill"]), flush=True)
         res["loadavg_end"] = os.getloadavg()
-    res["table"] = table(res, paths)
-    print(f"\n{res['machine']['cpu']}, {res['machine']['cores']} cores, path(s) {','.join(paths)}, load "
-          f"{res['loadavg_start'][0]:.2f} -> {res['loadavg_end'][0]:.2f}")
-    print("\n".join(res["table"]))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+    finish(res, table(res, paths), a.json, f", path(s) {','.join(paths)}")
 
 
 if __name__ == "__main__":

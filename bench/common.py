@@ -45,3 +45,16 @@ def busy_loops(n: int, cpu: int | None = None):
         for p in procs:
             p.kill()
             p.wait()
+
+
+def finish(res: dict, lines: list, json_path=None, note: str = "") -> None:
+    """Prints a run's footer (the CPU, its cores, `note`, the load at the start and the end) and its
+    table `lines`, kept in res["table"]; writes res as JSON to json_path when given."""
+    import json
+    res["table"] = lines
+    print(f"\n{res['machine']['cpu']}, {res['machine']['cores']} cores{note}, load "
+          f"{res['loadavg_start'][0]:.2f} -> {res['loadavg_end'][0]:.2f}")
+    print("\n".join(lines))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1)

@@ -50,7 +50,8 @@ def test_python_m_pytest_from_the_root_of_an_unbuilt_checkout(unbuilt):
     assert f"engram_stream: {PACKAGE_DIR}" in r.stdout   # the report header names the package used
 
 
-@pytest.mark.parametrize("script", ["bench/bench_v41.py", "bench/bench_qwen.py", "bench/bench_step.py",
+@pytest.mark.parametrize("script", ["bench/bench_v41.py", "bench/bench_qwen.py", "bench/bench_longcat.py",
+                                    "bench/bench_step.py",
                                     "bench/bench_transformers.py", "bench/bench_serving.py", "bench/bench_cpu_time.py",
                                     "tools/make_v41_checkpoint.py"])
 def test_scripts_of_an_unbuilt_checkout_use_the_installed_package(unbuilt, script):
