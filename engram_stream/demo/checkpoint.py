@@ -1,7 +1,7 @@
 """Checkpoints: one self-describing file in the safetensors layout, with mmap-able tables.
 
-File layout: the safetensors layout (engram_stream.io.safetensors, the codec both variants
-share; readable by the `safetensors` package): tensors ordered by element size (I64, F32,
+File layout: the safetensors layout (engram_stream.io.safetensors, the codec every variant
+shares; readable by the `safetensors` package): tensors ordered by element size (I64, F32,
 BF16/F16, I8), so each is aligned to its element size, and the first table on a 4096-byte
 file boundary (whenever the tensors before it sum to a multiple of 8 bytes, which they do
 unless hidden_size * engram_dim is odd).
