@@ -28,8 +28,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engram_stream import EngineSnapshot
-from conftest import (ATOL, ROOT, RTOL, close, dense_compression, hypothesis_settings,  # noqa: F401 (shared)
-                      make_model, random_inputs, run_python)
+from helpers.inputs import random_inputs
+from helpers.models import make_model
+from helpers.numeric import ATOL, RTOL, close, hypothesis_settings
+from helpers.processes import run_python
+from helpers.repo import ROOT
 from engram_stream._hash import EPS_CONV, GATE_CLAMP
 from engram_stream.demo.reference import EPS_F32
 
@@ -1034,7 +1037,7 @@ _ONE_CPU = textwrap.dedent("""
     import os, sys, threading, time
     import numpy as np
     sys.path.insert(0, sys.argv[1])
-    from conftest import make_model
+    from helpers.models import make_model
     from engram_stream.engine import _base
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # every thread of the split on one CPU
     def threads():  # the engine's workers (the BLAS library's come and go with fork)
@@ -1168,7 +1171,8 @@ _ALLOC = textwrap.dedent("""
     import json, sys
     import numpy as np
     sys.path.insert(0, sys.argv[1])
-    from conftest import make_model, native_allocations
+    from helpers.models import make_model
+    from helpers.processes import native_allocations
     D = 130   # an output of G*D*4 >= 1024 bytes is past numpy's small-buffer cache: malloc sees it
     model = make_model(G=2, n=3, K=4, D=D, comp=True, seed=28)
     rng = np.random.default_rng(0)
