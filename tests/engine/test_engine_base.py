@@ -1,7 +1,8 @@
 """The engine base's behaviour (engram_stream/engine/_base.pyx) on every registered variant, token
 by token against its numpy oracle (EngramModel.forward): reset of a stream or all, snapshots and
 restores, feed/compute, engines on threads (two engines at once, one engine refused to a second
-caller, a snapshot beside a running step), the work split over threads, steady-state allocation.
+caller, a snapshot beside a running step), the work split over threads, steady-state allocation
+(its argument checks: test_engine_args.py).
 
 A stream s of an engine plays row s of the oracle's batch. Floats compare within the project's
 tolerance; integers (rows, tokens_seen) and an engine's replays of itself compare exactly. An
