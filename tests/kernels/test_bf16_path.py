@@ -15,7 +15,7 @@ import pytest
 from engram_stream.engine import isa as _isa
 from engram_stream.v41 import _engine as k
 from engram_stream.v41 import reference as ref
-from conftest import ATOL, RTOL
+from helpers.numeric import ATOL, RTOL
 
 HAVE_BF16 = "bf16" in _isa.supported_isas()
 needs_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="this CPU (or build) lacks AVX512_BF16: the bf16 path did not run")

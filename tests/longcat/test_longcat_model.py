@@ -15,7 +15,7 @@ from engram_stream.errors import CheckpointError, HFCheckpointError
 from engram_stream.io.files import mapping_of
 from engram_stream.longcat import hf, reference
 from engram_stream.longcat.config import EXAMPLE, LONGCAT
-from conftest import close
+from helpers.numeric import close
 
 pytestmark = pytest.mark.native
 EOS = 2
@@ -314,7 +314,7 @@ def test_random_sequences_and_cuts_match_the_oracle():
     interleaved: every output is the oracle's for its own sequence, every row the plan's."""
     from hypothesis import given
     from hypothesis import strategies as st
-    from conftest import hypothesis_settings
+    from helpers.numeric import hypothesis_settings
 
     @hypothesis_settings(40)
     @given(seed=st.integers(0, 2 ** 31), T=st.integers(1, 40))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engram_stream import EngramConfig, EngramModel, HashPlan
-from conftest import close
+from helpers.numeric import close
 
 pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every kernel path (tests/conftest.py)
 
