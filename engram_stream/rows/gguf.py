@@ -344,6 +344,48 @@ def read_rows(path, tensor_name, row_ids) -> np.ndarray:
     return _gguf.decode_rows(qtype, raw, t.row_length)
 
 
+# ---- GGUF rows as an engine's records ---------------------------------------------------------
+
+# A GGUF table's record is its row's bytes as the file holds them (quantized: more rows a MB in a
+# row cache); its format names the decoder, "gguf:" then the served type ("gguf:Q4_K",
+# "gguf:E4M3_ROW"), and an engine's gather decodes it with include/engram_gguf.h.
+RECORD_PREFIX = "gguf:"
+
+
+def record_format_of(t: GGUFTensor) -> str:
+    """The record format of tensor t's rows (CheckpointError for a type not served)."""
+    t.decoder_type()
+    return RECORD_PREFIX + t.served_as
+
+
+def record_type(record_format) -> int:
+    """The decoders' type number of a GGUF record format, or -1 for any other format."""
+    if not (isinstance(record_format, str) and record_format.startswith(RECORD_PREFIX)):
+        return -1
+    from . import _gguf
+    name = record_format[len(RECORD_PREFIX):]
+    if name == "E4M3_ROW":
+        return _gguf.E4M3_ROW
+    if name not in SERVED:
+        raise ValueError(f"row records of format {record_format!r}: the decoders serve {SERVED_TEXT}")
+    return next(k for k, v in GGML_TYPES.items() if v[0] == name)
+
+
+def gather_type(source, row_length, layer) -> int:
+    """What an engine's gather does with `source`'s records: the decoders' type number for GGUF
+    rows of `row_length` values (ValueError when the records are not that long), -1 for any
+    other format (the engine's own gathers)."""
+    qtype = record_type(source.record_format)
+    if qtype < 0:
+        return -1
+    from . import _gguf
+    rb = _gguf.row_bytes(qtype, row_length)
+    if source.rowbytes != rb or source.scalebytes != 0:
+        raise ValueError(f"layer {layer}: {source.record_format} records of {source.rowbytes}+{source.scalebytes} "
+                         f"bytes, a row of {row_length} values is {rb}+0")
+    return qtype
+
+
 # ---- the Engram tables of the converters' layouts ---------------------------------------------
 
 @dataclass(frozen=True)
