@@ -12,7 +12,8 @@ bytes (record format "gguf:TYPE", rows.gguf.record_format_of): a Q4_K row of 256
 bytes, so a row cache holds more rows a MB than of the checkpoint's 264-byte records.
 
 read="mapped": the file (each shard) is mapped read-only and engines point into it (MADV_RANDOM,
-rows paged in by prefetch); read="direct": rows are read with pread, O_DIRECT where the file
+rows paged in by prefetch; a table split into tensors, qwen4exp's per-head or LongCat's per
+embedder, is read through _source.PartedRows, its padding rows as zeros); read="direct": rows are read with pread, O_DIRECT where the file
 system allows it (rows/_direct.pyx reads the whole pages around a row: tensor offsets are
 aligned to general.alignment only, often 32 bytes).
 
@@ -30,7 +31,7 @@ from ..errors import CheckpointError
 from ..io.files import MappedFile, open_regular
 from ..io.memory import advise
 from ._direct import DirectReader, FilePart, IOPool, RecordFile
-from ._source import DirectRows, MappedRows, Tier
+from ._source import DirectRows, MappedRows, PartedRows, Tier
 from .gguf import check_config, open_gguf, record_format_of
 
 READS = ("mapped", "direct")
@@ -66,45 +67,53 @@ class GGUFTables(GGUFTier):
         self.path, self.read, self.qd, self.o_direct = tier.path, tier.read, tier.qd, tier.o_direct
         self.gguf = open_gguf(self.path)
         layers, self.missing = check_config(self.gguf, model.cfg, model.plan)
-        self.tensors = {}
+        self.tensors = layers   # {layer: [GGUFTensor]}: one, or a split table's parts in row order
+        self.nrows = {L: model.plan.table_rows[L] for L in layers}   # a split table's padding rows read as zeros
         for L, ts in layers.items():
-            if len(ts) != 1:
-                raise CheckpointError(f"{self.path}: layer {L}'s table is split into {len(ts)} per-head tensors "
-                                      f"({ts[0].name}, ...); GGUFTier reads one tensor a table: merge them "
-                                      f"(the merged layout, as llama.cpp's converter writes it by default)")
-            self.tensors[L] = ts[0]
-        self.formats = {L: record_format_of(t) for L, t in self.tensors.items()}
+            if len({(t.ggml_type, t.row_bytes) for t in ts}) != 1:
+                raise CheckpointError(f"{self.path}: layer {L}'s table is split into tensors of different types "
+                                      f"({', '.join(f'{t.name} {t.served_as}' for t in ts)}): requantize them to one")
+            if len(ts) > 1 and self.read == "direct":
+                raise CheckpointError(f"{self.path}: layer {L}'s table is split into {len(ts)} tensors ({ts[0].name}, "
+                                      f"...); read=\"direct\" reads one tensor a table: give read=\"mapped\", or "
+                                      f"the merged layout")
+        self.formats = {L: record_format_of(ts[0]) for L, ts in layers.items()}
         self.maps, self.tables, self.files, self.io = {}, {}, {}, None
         if self.read == "mapped":
-            for L, t in self.tensors.items():
-                if t.path not in self.maps:
-                    self.maps[t.path] = _map(t.path)
-                mm = self.maps[t.path]
-                table = np.frombuffer(mm, np.uint8, t.nbytes, t.offset).reshape(t.rows, t.row_bytes)
-                if table.nbytes:
-                    advise(table, "random")  # a cold gather must not read ahead
-                self.tables[L] = table
+            for L, ts in layers.items():
+                parts = []
+                for t in ts:
+                    if t.path not in self.maps:
+                        self.maps[t.path] = _map(t.path)
+                    part = np.frombuffer(self.maps[t.path], np.uint8, t.nbytes, t.offset).reshape(t.rows, t.row_bytes)
+                    if part.nbytes:
+                        advise(part, "random")  # a cold gather must not read ahead
+                    parts.append(part)
+                self.tables[L] = parts
         else:
             self.io = IOPool(self.qd)
-            self.files = {L: RecordFile(t.rows, [FilePart(t.path, t.offset, t.row_bytes)], rowbytes=t.row_bytes,
-                                        direct=self.o_direct, layer=L) for L, t in self.tensors.items()}
+            self.files = {L: RecordFile(ts[0].rows, [FilePart(ts[0].path, ts[0].offset, ts[0].row_bytes)],
+                                        rowbytes=ts[0].row_bytes, direct=self.o_direct, layer=L)
+                          for L, ts in layers.items()}
 
     def open(self, model) -> "GGUFTables":
         return GGUFTables(model, self.tier)
 
     def record_layout(self, layer):
         """(row bytes, scale bytes) of one of this layer's records: the GGUF row's bytes, no scale."""
-        return self.tensors[layer].row_bytes, 0
+        return self.tensors[layer][0].row_bytes, 0
 
     def source(self, layer, read_totals=None):
         """One engine's reader of the layer's GGUF rows (direct reads add to read_totals)."""
         if self.read == "mapped":
-            return MappedRows(self.tables[layer], None, self.formats[layer])
+            parts = self.tables[layer]
+            return (MappedRows(parts[0], None, self.formats[layer]) if len(parts) == 1 else
+                    PartedRows(parts, self.formats[layer], self.nrows[layer]))
         return DirectRows(DirectReader(self.files[layer], self.io, totals=read_totals), self.formats[layer])
 
     def describe(self) -> dict:
-        return {L: f"{t.name} {t.served_as} [{t.rows}, {t.row_length}] at byte {t.offset} of {t.path} ({self.read})"
-                for L, t in self.tensors.items()}
+        return {L: ", ".join(f"{t.name} {t.served_as} [{t.rows}, {t.row_length}] at byte {t.offset} of {t.path}"
+                             for t in ts) + f" ({self.read})" for L, ts in self.tensors.items()}
 
 
 def _map(path) -> MappedFile:

@@ -46,6 +46,17 @@ def qwen_kv(m):
             "qwen4exp.ple.head_vocab_sizes": ([int(x) for x in plan.head_primes[L]], ARR, U64)}
 
 
+def longcat_model():
+    from engram_stream.longcat.config import EXAMPLE
+    return EngramModel.init(EngramConfig(**{**EXAMPLE, "n_embed_per_ngram": 64, "hidden_size": 128}), seed=4)  # head_dim 32
+
+
+def longcat_kv(m):
+    cfg = m.cfg
+    return {"longcat_flash_ngram.ngram.neighbor_num": (cfg.max_ngram_size, U32, None),
+            "longcat_flash_ngram.ngram.split_num": (cfg.n_head_per_ngram, U32, None)}
+
+
 def v41_kv(m):
     cfg, plan = m.cfg, m.plan
     return {"deepseek41.engram.layer_ids": (list(cfg.layer_ids), ARR, U32),
@@ -85,24 +96,35 @@ def _tame(name, raw, hd, rng):
 def folders(tmp_path_factory):
     d = tmp_path_factory.mktemp("gguf-folders")
     out = {}
-    for key, make in {"qwen": qwen_model, "v41": lambda: make_v41_model(seed=8, hd=256, D=32)}.items():
+    for key, make in {"qwen": qwen_model, "v41": lambda: make_v41_model(seed=8, hd=256, D=32),
+                      "longcat": longcat_model}.items():
         m = make()
         out[key] = str(checkpoint_path(m, d, key))
         m.save(out[key])
     return out
 
 
-def write_table_gguf(path, model, name, seed=0):
-    """A GGUF of `model`'s layout with random tables of type `name`; {layer: dequantized table}."""
+def write_table_gguf(path, model, name, seed=0, split=False):
+    """A GGUF of `model`'s layout with random tables of type `name` (split: qwen4exp's per-head
+    tensors; LongCat's are always one an embedder); {layer: dequantized table}."""
     rng = np.random.default_rng(seed)
     cfg, plan = model.cfg, model.plan
     tensors, deq = {"output_norm.weight": (np.ones(7, np.float32), "F32")}, {}   # the table 32-aligned, not paged
+    arch = {"qwen": "qwen4exp", "deep": "deepseek41", "long": "longcat_flash_ngram"}[cfg.variant[:4]]
     for L in cfg.layer_ids:
-        data, deq[L] = quantized_table(name, plan.table_rows[L], cfg.head_dim, rng)
-        tname = "per_layer_token_embd.weight" if cfg.variant.startswith("qwen") else f"blk.{L}.engram_embd.weight"
-        tensors[tname] = data
-    arch = "qwen4exp" if cfg.variant.startswith("qwen") else "deepseek41"
-    write_gguf(path, arch, tensors, qwen_kv(model) if arch == "qwen4exp" else v41_kv(model))
+        if arch == "deepseek41":
+            tensors[f"blk.{L}.engram_embd.weight"], deq[L] = quantized_table(name, plan.table_rows[L], cfg.head_dim, rng)
+        elif arch == "qwen4exp" and not split:
+            tensors["per_layer_token_embd.weight"], deq[L] = quantized_table(name, plan.table_rows[L], cfg.head_dim, rng)
+        else:   # one tensor a head (an embedder), its rows only: the table's padding rows are zeros
+            parts = [quantized_table(name, int(p), cfg.head_dim, rng) for p in plan.head_primes[L]]
+            pattern = "ple_ngram_embd.{}.weight" if arch == "qwen4exp" else "ngram_embd.{}.weight"
+            for h, (data, _) in enumerate(parts):
+                tensors[pattern.format(h)] = data
+            deq[L] = np.concatenate([d for _, d in parts])
+            deq[L] = np.concatenate([deq[L], np.zeros((plan.table_rows[L] - deq[L].shape[0], cfg.head_dim), np.float32)])
+    kv = {"qwen4exp": qwen_kv, "deepseek41": v41_kv, "longcat_flash_ngram": longcat_kv}[arch](model)
+    write_gguf(path, arch, tensors, kv)
     return deq
 
 
@@ -116,18 +138,25 @@ def dequantized_model(model, deq):
     return EngramModel(model.cfg, model.plan, layers)
 
 
-CASES = [("qwen", n) for n in ("Q4_0", "Q8_0", "IQ4_NL", "BF16")] + [("v41", n) for n in ("Q8_0", "Q4_K", "Q2_K", "E4M3")]
+CASES = ([("qwen", n) for n in ("Q4_0", "Q8_0", "IQ4_NL", "BF16")] + [("qwen-split", "Q5_1")]
+         + [("v41", n) for n in ("Q8_0", "Q4_K", "Q2_K", "E4M3")] + [("longcat", n) for n in ("Q4_1", "Q8_0")])
 
 
 @pytest.mark.parametrize("key,name", CASES)
 def test_engines_are_the_oracle_on_the_dequantized_table(folders, tmp_path, key, name):
-    folder = folders[key]
+    split = key.endswith("-split") or key == "longcat"   # tables in parts: read mapped only
+    folder = folders[key.removesuffix("-split")]
     ref = load_checkpoint(folder)
     path = tmp_path / "t.gguf"
-    deq = write_table_gguf(path, ref, name)
+    deq = write_table_gguf(path, ref, name, split=split)
     oracle = dequantized_model(ref, deq)
     outs = {}
+    if split:
+        with pytest.raises(CheckpointError, match=r"split into \d+ tensors .*read=\"direct\" reads one tensor"):
+            load_checkpoint(folder, tables=GGUFTier(path, read="direct"))
     for what, kw in SOURCES.items():
+        if split and "direct" in what:
+            continue
         model = load_checkpoint(folder, **kw(path))
         got = {}
         for L in model.cfg.layer_ids:
@@ -141,7 +170,7 @@ def test_engines_are_the_oracle_on_the_dequantized_table(folders, tmp_path, key,
             pre = eng.prefill(ids[1, :30], hid[1, :30], stream=1)
             close(pre, oracle.forward(L, ids[1:, :30], hid[1:, :30])[0])
             steps = np.stack([eng.step(ids[:, t], hid[:, t]) for t in range(30, 40)], 1)
-            want = oracle.forward(L, ids, hid)[:, 30:]
+            want = oracle.forward(L, ids, hid[...])[:, 30:]
             close(steps[1], want[1])
             got[L] = (pre, steps)
         outs[what] = got
