@@ -17,8 +17,9 @@ gets); --paths adds the same engines forced onto each named path, as rows beside
   step      one-stream step vs one read of the projection bytes it reads (the packed proj_w,
             k.read_bytes, one core)                               goal <= 1.2x
             16 streams per token vs the one-stream step           goal <= 1/8
-  prefill   eng.prefill of 512 tokens vs the register-only FMA floor of the cores it runs on
-            (2*T*3072*3072 FLOPs at the chosen path's vfmadd peak, the demo's es_fma_chains,
+  prefill   eng.prefill of 512 tokens vs the register-only floor of the cores it runs on
+            (2*T*3072*3072 FLOPs at the peak of the chosen path's GEMM multiply-add, es8_mac_chains:
+            vdpbf16ps on the bf16 path, where bf16 projections meet a bf16 table; else vfmadd;
             every core at once, in the same rounds)               goal <= 1.3x
 """
 import argparse
@@ -34,7 +35,6 @@ import bench_v41 as v  # noqa: E402  (chooses the checkout: tools/checkout.py)
 from bench_qwen import rounds  # noqa: E402
 from common import add_busy_args, busy_loops, finish, machine  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
-from engram_stream.demo import _engine as demo_k  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
 
 LAYER = 0
@@ -74,7 +74,7 @@ def section_step(model, reps, paths):
         runs[f"{isa}.step16"] = (lambda e, isa: lambda: v.on_path(
             isa, lambda: e.step(rng.integers(0, V, 16), out=o16)))(e16, isa)
     b_isa, b_threads = c16.kernel_choice()["batch"][:2]
-    fma = v.fma_runner(b_isa, b_threads, 2_000_000, chains=demo_k._fma_chains)
+    fma = v.fma_runner(b_isa, b_threads, 2_000_000)  # the GEMM's multiply-add: vdpbf16ps on bf16
     runs["fma"] = lambda: fma(1)
     # each timing CALLS calls back to back: blocks of a few ms, not one sub-ms call (bench/NOTES.md)
     times = rounds({n: (lambda f: lambda: [f() for _ in range(CALLS)])(f) for n, f in runs.items()}, reps)
@@ -124,7 +124,7 @@ def section_prefill(model, T, reps, paths):
     floors_of.update({isa: (isa, cores) for isa in paths})
     fma = {}
     for isa, th in set(floors_of.values()):
-        fma[(isa, th)] = v.fma_runner(isa, th, 40_000_000, chains=demo_k._fma_chains)
+        fma[(isa, th)] = v.fma_runner(isa, th, 40_000_000)  # vdpbf16ps on bf16, else vfmadd
         runs[f"fma.{isa}.t{th}"] = (lambda f: lambda: f(1))(fma[(isa, th)])
     times = rounds(runs, reps)
     M, E = model.layer(LAYER).proj_w.shape

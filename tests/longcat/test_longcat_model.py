@@ -91,6 +91,24 @@ def test_prefill_and_packed_segments():
         close(out, np.stack([want[1, t], want[0, a]]))
 
 
+@pytest.mark.usefixtures("each_isa")
+def test_bfloat16_table_and_projections():
+    """The released dtypes, bf16 table and projections: on the bf16 path the GEMM runs on
+    vdpbf16ps (products exact, sums in pairs); 16 streams' steps and a prefill against the oracle."""
+    import ml_dtypes
+    f32 = _model(6)
+    cfg = f32.cfg
+    w = f32.layer(0)
+    model = EngramModel(cfg, f32.plan, {0: type(w)(cfg, w.offsets, w.table.astype(ml_dtypes.bfloat16), w.embed,
+                                                   w.proj_w)}).with_weight_dtype("bfloat16")
+    assert model.layer(0).table.dtype.name == model.weight_dtype == "bfloat16"
+    ids = np.array([SEQS[i % 2][i:] + SEQS[(i + 1) % 2][:i] for i in range(16)])
+    want = _oracle(model, ids)
+    eng = model.stream(0, n_streams=16)
+    close(np.stack([eng.step(ids[:, t]) for t in range(ids.shape[1])], 1), want)
+    close(model.stream(0).prefill(ids[3]), want[3])
+
+
 def test_feed_compute_and_the_decoder():
     model = _model(5)
     want = _oracle(model, SEQS[0])[0]
