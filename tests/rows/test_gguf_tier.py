@@ -17,7 +17,10 @@ from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.errors import CheckpointError  # noqa: E402
 from engram_stream.rows import GGUFTier, parse_tier  # noqa: E402
 from engram_stream.rows.gguf_tier import GGUFTables  # noqa: E402
-from conftest import checkpoint_path, close, load_checkpoint, make_v41_model, variant_inputs  # noqa: E402
+from helpers.inputs import variant_inputs  # noqa: E402
+from helpers.models import checkpoint_path, make_v41_model  # noqa: E402
+from helpers.numeric import close  # noqa: E402
+from helpers.row_sources import load_checkpoint  # noqa: E402
 from test_gguf import (ARR, I64, U32, U64, e4m3_oracle, e4m3_rows, same_bits, table_bytes,  # noqa: E402
                        write_gguf)
 
