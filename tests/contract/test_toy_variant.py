@@ -236,3 +236,15 @@ def test_the_toy_is_not_the_demo(toy):
     eng = m.stream(2)
     got = np.stack([eng.step(int(ids[0, t]), h[0, t]) for t in range(ids.shape[1])])
     np.testing.assert_allclose(got, m.forward(2, ids[:1], h[:1])[0], rtol=1e-4, atol=1e-5)
+
+
+def test_init_help_gives_the_toy_field_the_help_its_config_class_declares(toy, capsys):
+    """A variant's fields carry their help (config.described): `init --help` lists it under the
+    variant's name with no table of the CLI's own to extend."""
+    from engram_stream.cli import main
+    with pytest.raises(SystemExit):
+        main(["init", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    k = lines.index(f"{TOY}'s own fields:")
+    assert lines[k + 1].split() == ["toy_rows_multiple", "16", f"{TOY}:", "table", "rows", "padded", "to", "a",
+                                    "multiple", "of", "this"], lines[k + 1]
