@@ -21,7 +21,7 @@ class LongcatVariant(HFFolderVariant, variants.Variant):
     title = "LongCat-Flash-Lite's n-gram embedding (an input layer: the embedding fed to layer 1)"
     example_config = config.EXAMPLE
     config_class = config.LongcatConfig
-    weights = LongcatWeights
+    layer_class = LongcatWeights
     weight_dtypes = ("float32", "bfloat16")
     table_dtypes = ("float32", "bfloat16")
     load_note = "raw token ids: no compression, no tokenizer read; an input layer (layer 0)"

@@ -21,7 +21,7 @@ class QwenVariant(HFFolderVariant, variants.Variant):
     title = "Qwen3.8-Flash-Next's PLE (Per-Layer Embedding: its n-gram memory)"
     example_config = config.EXAMPLE
     config_class = config.QwenConfig
-    weights = PLEWeights
+    layer_class = PLEWeights
     weight_dtypes = ("float32", "bfloat16")
     table_dtypes = ("float32", "bfloat16")
     load_note = "raw token ids: no compression, no tokenizer read"
