@@ -58,15 +58,21 @@ def cpu() -> str:
 
 def load_model(args, steps):
     """The model a demo or bench runs: --checkpoint (mapped), else the built-in one."""
-    from ..model import EngramModel
     if args.checkpoint:
-        not_a_config(args.checkpoint)
         variant = next((v for v in variants.variants() if v.is_checkpoint(args.checkpoint)), None)
         note = variant.load_note if variant is not None else ""  # what its load does besides mapping
         steps(f"loading {args.checkpoint} (tables mapped" + (f"; {note})" if note else ")"))
-        return EngramModel.load(args.checkpoint, mmap=True)
+        return load_checkpoint(args.checkpoint)
     steps("building the built-in model (random weights)")
     return builtin_model(args)
+
+
+def load_checkpoint(path):
+    """The model of a checkpoint given on the command line, tables mapped: every command loads one
+    here (a JSON config given instead is refused, saying what it is)."""
+    from ..model import EngramModel
+    not_a_config(path)
+    return EngramModel.load(path, mmap=True)
 
 
 def _config_file(path):

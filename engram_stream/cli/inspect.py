@@ -5,18 +5,17 @@ import json
 import os
 
 from .. import variants
-from .common import kernels, not_a_config
+from .common import kernels, load_checkpoint
 
 
 def run(args):
+    """Print a checkpoint's config, hash plan, tables and their residency (a .gguf file: its tables)."""
     if os.fspath(args.checkpoint).endswith(".gguf"):  # a llama.cpp file: its Engram tables, no model to load
         from ..rows import gguf
         print("\n".join(gguf.describe(args.checkpoint)))
         return 0
     from ..io import memory
-    from ..model import EngramModel
-    not_a_config(args.checkpoint)
-    model = EngramModel.load(args.checkpoint, mmap=True)
+    model = load_checkpoint(args.checkpoint)
     cfg, plan = model.cfg, model.plan
     from ..rows import packed
     path = args.checkpoint

@@ -6,7 +6,7 @@ import os
 import shutil
 import time
 
-from .common import CliError, counted, not_a_config
+from .common import CliError, counted, load_checkpoint
 from .progress import progress_bar, size
 from .sigterm import cleanup_on_sigterm
 
@@ -14,10 +14,8 @@ from .sigterm import cleanup_on_sigterm
 def run(args):
     """Write (or --verify) the packed row file beside a checkpoint: each row's bytes and scale
     adjacent, whole records per 4 KiB page, so a missed row is one read."""
-    from ..model import EngramModel
     from ..rows import packed
-    not_a_config(args.checkpoint)
-    model = EngramModel.load(args.checkpoint, mmap=True)
+    model = load_checkpoint(args.checkpoint)
     path = packed.rows_path(args.checkpoint)
     if args.verify:
         if not os.path.exists(path):

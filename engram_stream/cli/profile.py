@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from .common import CliError, at_least, builtin_model, check_output, counted, not_a_config
+from .common import CliError, at_least, builtin_model, check_output, counted, load_checkpoint
 from .progress import size
 
 
@@ -20,13 +20,10 @@ def run(args):
     import tempfile
 
     from ..io import memory
-    from ..model import EngramModel
     if args.cold and not args.checkpoint:
         raise CliError("--cold needs a checkpoint (the built-in model lives in RAM)")
     capture = check_output(args.output, args.force, inputs=[args.checkpoint]) if args.output else None
-    if args.checkpoint:
-        not_a_config(args.checkpoint)
-    model = EngramModel.load(args.checkpoint, mmap=True) if args.checkpoint else builtin_model(args)
+    model = load_checkpoint(args.checkpoint) if args.checkpoint else builtin_model(args)
     evicted = memory.evict(model) if args.cold else []  # every file it maps: a folder's shards, the row file
     cfg = model.cfg
     G, D = cfg.hc_mult, cfg.hidden_size

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import time
 
-from .common import counted, not_a_config
+from .common import counted, load_checkpoint
 from .progress import progress_bar
 
 
 def run(args):
     """Every layer's table rows into a Mooncake Store (EngramStore layout under a name: engram:{name}:l{L}:h{h})."""
-    from ..model import EngramModel
     from ..rows import parse_tier, record_layout
-    not_a_config(args.checkpoint)
-    model = EngramModel.load(args.checkpoint, mmap=True)
+    model = load_checkpoint(args.checkpoint)
     tier = parse_tier({"mooncake": dict(master=args.master, metadata=args.metadata, local_host=args.local_host,
                                         connect_timeout=args.connect_timeout, name=args.name)})
     total = sum(model.plan.table_rows[L] * sum(record_layout(model.layer(L))) for L in model.cfg.layer_ids)
