@@ -17,7 +17,9 @@ from . import bench, build_compression, demo, init, inspect, pack_rows, profile,
 from .common import CliError
 from .sigterm import Terminated
 
-COMMANDS = (demo, inspect, init, build_compression, bench, tune, profile, publish, pack_rows)   # as --help lists them
+# Each module's register(command) adds its subcommand and options (command(name, run, help, **kw)
+# returns the subparser); run(args) is the command. In the order --help lists them:
+COMMANDS = (demo, inspect, init, build_compression, bench, tune, profile, publish, pack_rows)
 
 
 class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):

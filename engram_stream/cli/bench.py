@@ -9,6 +9,20 @@ from .common import at_least, cpu, engine_choice, kernels, load_model
 from .progress import Steps, progress_bar
 
 
+def register(command):
+    s = command("bench", run, "engine step vs its floor, 1 vs N streams (seconds on the built-in model; "
+                                    "minutes at Flash dims: fewer --steps / --repeat to shorten; bench/ has the suite)")
+    s.add_argument("--checkpoint", default=None,
+                   help="bench this model instead of the built-in one: a checkpoint file or a model's Hugging Face "
+                        "folder")
+    s.add_argument("--layer", type=int, default=None, help="the Engram layer to bench (default: the first)")
+    s.add_argument("--steps", type=at_least(1), default=500, help="steps per measurement")
+    s.add_argument("--streams", type=at_least(2), default=16, help="streams of the multi-stream engine")
+    s.add_argument("--repeat", type=at_least(1), default=5, help="measurements of each, to show the spread")
+    s.add_argument("--seed", type=at_least(0), default=0, help="seed of the weights and inputs")
+    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr, no progress bar on a terminal")
+
+
 def run(args):
     """A short in-process comparison, repeated: engine step vs a floor, 1 vs N streams (the built-in
     model, or --checkpoint: a checkpoint file or a model's Hugging Face folder, mapped)."""
@@ -102,18 +116,3 @@ def run(args):
     for label, k, ratio in rows:
         print(f"{label + ':':<28} {spread(k)}   {ratio}".rstrip())
     return 0
-
-
-def register(command):
-    """Its subcommand and options (command: the parser's add-a-subcommand, engram_stream.cli)."""
-    s = command("bench", run, "engine step vs its floor, 1 vs N streams (seconds on the built-in model; "
-                                    "minutes at Flash dims: fewer --steps / --repeat to shorten; bench/ has the suite)")
-    s.add_argument("--checkpoint", default=None,
-                   help="bench this model instead of the built-in one: a checkpoint file or a model's Hugging Face "
-                        "folder")
-    s.add_argument("--layer", type=int, default=None, help="the Engram layer to bench (default: the first)")
-    s.add_argument("--steps", type=at_least(1), default=500, help="steps per measurement")
-    s.add_argument("--streams", type=at_least(2), default=16, help="streams of the multi-stream engine")
-    s.add_argument("--repeat", type=at_least(1), default=5, help="measurements of each, to show the spread")
-    s.add_argument("--seed", type=at_least(0), default=0, help="seed of the weights and inputs")
-    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr, no progress bar on a terminal")

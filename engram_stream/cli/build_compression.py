@@ -6,6 +6,13 @@ import numpy as np
 from .common import check_output
 
 
+def register(command):
+    s = command("build-compression", run, "tokenizer.json -> compression lookup .npy")
+    s.add_argument("tokenizer", help="a Hugging Face tokenizer.json")
+    s.add_argument("-o", "--output", required=True, help="file to write, exactly this name (.npy format)")
+    s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+
+
 def run(args):
     from ..compression import build_compression
     output = check_output(args.output, args.force, inputs=[args.tokenizer])
@@ -15,11 +22,3 @@ def run(args):
     print(f"wrote {output}: vocab {lookup.shape[0]} -> {int(lookup.max()) + 1} compressed ids "
           f"({(int(lookup.max()) + 1) / lookup.shape[0]:.1%})")
     return 0
-
-
-def register(command):
-    """Its subcommand and options (command: the parser's add-a-subcommand, engram_stream.cli)."""
-    s = command("build-compression", run, "tokenizer.json -> compression lookup .npy")
-    s.add_argument("tokenizer", help="a Hugging Face tokenizer.json")
-    s.add_argument("-o", "--output", required=True, help="file to write, exactly this name (.npy format)")
-    s.add_argument("--force", action="store_true", help="overwrite --output if it exists")

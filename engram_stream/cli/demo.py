@@ -12,6 +12,16 @@ from .progress import Steps
 WARMUP_TOKENS = 32   # demo: untimed tokens before the timed decode
 
 
+def register(command):
+    s = command("demo", run, "decode on a built-in model and check it against the batch path")
+    s.add_argument("--checkpoint", default=None,
+                   help="decode this model instead: a checkpoint file or a model's Hugging Face folder "
+                        "(config.json, shards)")
+    s.add_argument("--tokens", type=at_least(1), default=300, help="tokens to decode")
+    s.add_argument("--seed", type=at_least(0), default=0, help="seed of the weights, ids and hidden states")
+    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr (the results only)")
+
+
 def run(args):
     """Decode tokens through every layer's streaming engine and check them against the batch path
     (the built-in model, or --checkpoint: a checkpoint file or a model's Hugging Face folder)."""
@@ -56,14 +66,3 @@ def run(args):
     print(f"check against the batch path (atol 2e-5 + rtol 2e-4): {'OK' if ok else 'FAILED'} "
           f"(worst error {worst:.3f} of tolerance)")
     return 0 if ok else 1
-
-
-def register(command):
-    """Its subcommand and options (command: the parser's add-a-subcommand, engram_stream.cli)."""
-    s = command("demo", run, "decode on a built-in model and check it against the batch path")
-    s.add_argument("--checkpoint", default=None,
-                   help="decode this model instead: a checkpoint file or a model's Hugging Face folder "
-                        "(config.json, shards)")
-    s.add_argument("--tokens", type=at_least(1), default=300, help="tokens to decode")
-    s.add_argument("--seed", type=at_least(0), default=0, help="seed of the weights, ids and hidden states")
-    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr (the results only)")

@@ -19,6 +19,26 @@ from .progress import progress_bar, size
 from .sigterm import cleanup_on_sigterm
 
 
+def register(command):
+    s = command("init", run, "write a checkpoint of random (or graft-zero) weights from a config JSON",
+                epilog=_config_help())
+    s.add_argument("config", help="JSON file of EngramConfig fields (format below)")
+    s.add_argument("-o", "--output", required=True,
+                   help="checkpoint to write: " + ", ".join(
+                       f"a {'folder' if v.folder_checkpoint else 'file'} ({v.name})" for v in variants.variants()))
+    s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+    s.add_argument("--graft-zero", action="store_true", help="zero value projection: output exactly 0")
+    takes = [v for v in variants.variants() if v.table_dtypes]
+    s.add_argument("--table-dtype", choices=sorted({d for v in takes for d in v.table_dtypes}), default=None,
+                   help="dtype of the tables written (int8: with a float32 scale per row): "
+                        + "; ".join(f"{v.name} {', '.join(v.table_dtypes)}" for v in takes) + " (default: float32)")
+    s.add_argument("--compression", metavar="LOOKUP.npy",
+                   help="a compression lookup written by build-compression (default: identity)")
+    s.add_argument("--weight-seed", "--seed", dest="weight_seed", type=at_least(0), default=0,
+                   help="seed of the random WEIGHTS (the config's \"seed\" field seeds the hash)")
+    s.add_argument("--quiet", action="store_true", help="print only the final line")
+
+
 def _read_config(path) -> EngramConfig:
     """EngramConfig fields as JSON, or a model's own Hugging Face config.json (deepseek-v4.1's
     engram_* keys: a variant that reads config.json recognizes it). Its warnings (a key that
@@ -135,24 +155,3 @@ def _config_help() -> str:
         lines.append(f"{v.name}: {json.dumps(v.example_config)}" + ("  (-o names a folder)" if v.folder_checkpoint
                                                                      else ""))
     return "\n".join(lines)
-
-
-def register(command):
-    """Its subcommand and options (command: the parser's add-a-subcommand, engram_stream.cli)."""
-    s = command("init", run, "write a checkpoint of random (or graft-zero) weights from a config JSON",
-                epilog=_config_help())
-    s.add_argument("config", help="JSON file of EngramConfig fields (format below)")
-    s.add_argument("-o", "--output", required=True,
-                   help="checkpoint to write: " + ", ".join(
-                       f"a {'folder' if v.folder_checkpoint else 'file'} ({v.name})" for v in variants.variants()))
-    s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
-    s.add_argument("--graft-zero", action="store_true", help="zero value projection: output exactly 0")
-    takes = [v for v in variants.variants() if v.table_dtypes]
-    s.add_argument("--table-dtype", choices=sorted({d for v in takes for d in v.table_dtypes}), default=None,
-                   help="dtype of the tables written (int8: with a float32 scale per row): "
-                        + "; ".join(f"{v.name} {', '.join(v.table_dtypes)}" for v in takes) + " (default: float32)")
-    s.add_argument("--compression", metavar="LOOKUP.npy",
-                   help="a compression lookup written by build-compression (default: identity)")
-    s.add_argument("--weight-seed", "--seed", dest="weight_seed", type=at_least(0), default=0,
-                   help="seed of the random WEIGHTS (the config's \"seed\" field seeds the hash)")
-    s.add_argument("--quiet", action="store_true", help="print only the final line")

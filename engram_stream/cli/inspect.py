@@ -8,6 +8,13 @@ from .. import variants
 from .common import kernels, load_checkpoint
 
 
+def register(command):
+    s = command("inspect", run, "config, geometry, tables and residency of a checkpoint")
+    s.add_argument("checkpoint", help="a checkpoint of any variant (as init or EngramModel.save writes it): "
+                                      + "; ".join(f"{v.name}: {variants.describe_checkpoint(v)}"
+                                                  for v in variants.variants()))
+
+
 def run(args):
     """Print a checkpoint's config, hash plan, tables and their residency (a .gguf file: its tables)."""
     if os.fspath(args.checkpoint).endswith(".gguf"):  # a llama.cpp file: its Engram tables, no model to load
@@ -45,11 +52,3 @@ def run(args):
         print(f"  table [{plan.table_rows[L]}, {cfg.head_dim}] {w.table_dtype}: "
               f"{w.table.nbytes / 2**20:,.1f} MiB, resident {res / 2**20:,.1f} MiB")
     return 0
-
-
-def register(command):
-    """Its subcommand and options (command: the parser's add-a-subcommand, engram_stream.cli)."""
-    s = command("inspect", run, "config, geometry, tables and residency of a checkpoint")
-    s.add_argument("checkpoint", help="a checkpoint of any variant (as init or EngramModel.save writes it): "
-                                      + "; ".join(f"{v.name}: {variants.describe_checkpoint(v)}"
-                                                  for v in variants.variants()))

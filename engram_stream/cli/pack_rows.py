@@ -11,6 +11,16 @@ from .progress import progress_bar, size
 from .sigterm import cleanup_on_sigterm
 
 
+def register(command):
+    s = command("pack-rows", run, "write the packed row file beside a checkpoint (one read per missed row)")
+    s.add_argument("checkpoint", help="a model's Hugging Face folder (writes FOLDER/engram_rows.bin; a table whose "
+                                      "parts lie in several files too) or a checkpoint file (writes FILE.rows)")
+    s.add_argument("--force", action="store_true", help="write it again if it exists")
+    s.add_argument("--verify", action="store_true", help="read an existing row file whole and compare it with the "
+                                                        "checkpoint instead")
+    s.add_argument("--quiet", action="store_true", help="print only the final line")
+
+
 def run(args):
     """Write (or --verify) the packed row file beside a checkpoint: each row's bytes and scale
     adjacent, whole records per 4 KiB page, so a missed row is one read."""
@@ -46,14 +56,3 @@ def run(args):
     print(f"wrote {path} ({size(head['size'])}, {counted(len(head['layers']), 'layer')}, {lay['rowbytes'] + lay['scalebytes']}"
           f"-byte records, {lay['per_group']} per page, verified) in {time.perf_counter() - t0:.1f} s")
     return 0
-
-
-def register(command):
-    """Its subcommand and options (command: the parser's add-a-subcommand, engram_stream.cli)."""
-    s = command("pack-rows", run, "write the packed row file beside a checkpoint (one read per missed row)")
-    s.add_argument("checkpoint", help="a model's Hugging Face folder (writes FOLDER/engram_rows.bin; a table whose "
-                                      "parts lie in several files too) or a checkpoint file (writes FILE.rows)")
-    s.add_argument("--force", action="store_true", help="write it again if it exists")
-    s.add_argument("--verify", action="store_true", help="read an existing row file whole and compare it with the "
-                                                        "checkpoint instead")
-    s.add_argument("--quiet", action="store_true", help="print only the final line")

@@ -11,6 +11,17 @@ from .common import CliError, at_least, builtin_model, check_output, counted, lo
 from .progress import size
 
 
+def register(command):
+    s = command("profile", run, "memray heap, RSS and table residency of a decode")
+    s.add_argument("checkpoint", nargs="?", help="checkpoint to decode from (default: the built-in demo model)")
+    s.add_argument("--steps", type=at_least(1), default=500, help="tokens to decode")
+    s.add_argument("--seed", type=at_least(0), default=0, help="seed of the ids (and of the demo model)")
+    s.add_argument("--cold", action="store_true",
+                   help="evict the checkpoint from the page cache first: a cold start, rows read from disk")
+    s.add_argument("-o", "--output", metavar="CAPTURE.bin", help="keep the memray capture in this file")
+    s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+
+
 def run(args):
     """memray the heap of a decode, and report RSS and table residency."""
     try:
@@ -94,15 +105,3 @@ def _allocation_sites(reader, limit=100_000):
         count, nbytes = sites.get(where, (0, 0))
         sites[where] = (count + rec.n_allocations, nbytes + rec.size)
     return sorted(sites.items(), key=lambda kv: -kv[1][0])
-
-
-def register(command):
-    """Its subcommand and options (command: the parser's add-a-subcommand, engram_stream.cli)."""
-    s = command("profile", run, "memray heap, RSS and table residency of a decode")
-    s.add_argument("checkpoint", nargs="?", help="checkpoint to decode from (default: the built-in demo model)")
-    s.add_argument("--steps", type=at_least(1), default=500, help="tokens to decode")
-    s.add_argument("--seed", type=at_least(0), default=0, help="seed of the ids (and of the demo model)")
-    s.add_argument("--cold", action="store_true",
-                   help="evict the checkpoint from the page cache first: a cold start, rows read from disk")
-    s.add_argument("-o", "--output", metavar="CAPTURE.bin", help="keep the memray capture in this file")
-    s.add_argument("--force", action="store_true", help="overwrite --output if it exists")

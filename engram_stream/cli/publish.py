@@ -7,6 +7,20 @@ from .common import counted, load_checkpoint
 from .progress import progress_bar
 
 
+def register(command):
+    s = command("publish", run, "a checkpoint's table rows into a Mooncake Store (EngramStore layout)")
+    s.add_argument("checkpoint", help="a checkpoint written by save() or init")
+    s.add_argument("--master", required=True, help="mooncake_master HOST:PORT")
+    s.add_argument("--metadata", required=True, help="metadata server URL, e.g. http://HOST:8080/metadata")
+    s.add_argument("--local-host", default="127.0.0.1", help="this client's address")
+    s.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the store")
+    s.add_argument("--quiet", action="store_true", help="no progress bar on a terminal")
+    s.add_argument("--name", default=None,
+                   help="the name in every key (default: a digest of the model's config and every table byte, so "
+                        "models and revisions share a store; load with MooncakeTier(name=...) the same; \"\": "
+                        "EngramStore's own engram:l{L}:h{h})")
+
+
 def run(args):
     """Every layer's table rows into a Mooncake Store (EngramStore layout under a name: engram:{name}:l{L}:h{h})."""
     from ..rows import parse_tier, record_layout
@@ -28,18 +42,3 @@ def run(args):
     print(f"published {counted(len(model.cfg.layer_ids), 'layer')} x {counted(model.cfg.n_heads, 'head')}, {n / 2**20:,.1f} MiB "
           f"in {dt:.2f} s to {args.master} under the name {tier.name_of(model)!r}")
     return 0
-
-
-def register(command):
-    """Its subcommand and options (command: the parser's add-a-subcommand, engram_stream.cli)."""
-    s = command("publish", run, "a checkpoint's table rows into a Mooncake Store (EngramStore layout)")
-    s.add_argument("checkpoint", help="a checkpoint written by save() or init")
-    s.add_argument("--master", required=True, help="mooncake_master HOST:PORT")
-    s.add_argument("--metadata", required=True, help="metadata server URL, e.g. http://HOST:8080/metadata")
-    s.add_argument("--local-host", default="127.0.0.1", help="this client's address")
-    s.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for the store")
-    s.add_argument("--quiet", action="store_true", help="no progress bar on a terminal")
-    s.add_argument("--name", default=None,
-                   help="the name in every key (default: a digest of the model's config and every table byte, so "
-                        "models and revisions share a store; load with MooncakeTier(name=...) the same; \"\": "
-                        "EngramStore's own engram:l{L}:h{h})")

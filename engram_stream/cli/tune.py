@@ -5,6 +5,16 @@ from .common import at_least, cpu, kernels, load_model
 from .progress import Steps
 
 
+def register(command):
+    s = command("tune", run, "time every kernel path and thread count this CPU runs on a model's shapes "
+                                  "and keep the fastest (cached per CPU and build)")
+    s.add_argument("checkpoint", nargs="?", help="tune for this model: a checkpoint file or a model's Hugging Face "
+                                                 "folder (default: the built-in demo model)")
+    s.add_argument("--layer", type=int, default=None, help="the Engram layer to time (default: the first)")
+    s.add_argument("--seed", type=at_least(0), default=0, help="seed of the built-in model's weights")
+    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
 def run(args):
     """Measure every kernel path this CPU runs and every thread count on the model's shapes (the
     step, the batched step, the prefill), keep the fastest in the user's tuning cache, print the table."""
@@ -29,14 +39,3 @@ def run(args):
     else:
         print(f"cached: {tune.cache_path()}")
     return 0
-
-
-def register(command):
-    """Its subcommand and options (command: the parser's add-a-subcommand, engram_stream.cli)."""
-    s = command("tune", run, "time every kernel path and thread count this CPU runs on a model's shapes "
-                                  "and keep the fastest (cached per CPU and build)")
-    s.add_argument("checkpoint", nargs="?", help="tune for this model: a checkpoint file or a model's Hugging Face "
-                                                 "folder (default: the built-in demo model)")
-    s.add_argument("--layer", type=int, default=None, help="the Engram layer to time (default: the first)")
-    s.add_argument("--seed", type=at_least(0), default=0, help="seed of the built-in model's weights")
-    s.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
