@@ -49,6 +49,19 @@ def _int_list(name, value):
     return [_int(f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
+def described(text, default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING):
+    """A config field with its help beside it (`engram-stream init --help` prints it: field_help)."""
+    return field(default=default, default_factory=default_factory, metadata={"help": text})
+
+
+def field_help(cls) -> dict:
+    """{field: help} of a config class's fields, its own and EngramConfig's (each declared with
+    described(); "" where a field has none). variant's lists the registered variants."""
+    listed = " or ".join(json.dumps(v.name) + (" (written as a folder)" if v.folder_checkpoint else "")
+                         for v in variants.variants())
+    return {f.name: listed if f.name == "variant" else f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+
 @dataclass(frozen=True)
 class EngramConfig:
     """Hyper-parameters of the Engram layers of one model (defaults: the public demo).
@@ -58,18 +71,20 @@ class EngramConfig:
     hyper-connection streams G (1 for a plain residual stream).
     """
 
-    engram_vocab_size: list = field(default_factory=lambda: [646400, 646400])
-    max_ngram_size: int = 3
-    n_embed_per_ngram: int = 512
-    n_head_per_ngram: int = 8
-    layer_ids: list = field(default_factory=lambda: [1, 15])
-    pad_id: int = 2
-    seed: int = 0
-    kernel_size: int = 4
-    hidden_size: int = 1024
-    hc_mult: int = 4
-    vocab_size: int = 129280
-    variant: str = variants.DEFAULT
+    engram_vocab_size: list = described(
+        "list, one per order 2..max_ngram_size: where each order's prime search starts",
+        default_factory=lambda: [646400, 646400])
+    max_ngram_size: int = described("longest n-gram hashed (orders 2..max_ngram_size)", 3)
+    n_embed_per_ngram: int = described("width of one order's retrieved embedding (split over its heads)", 512)
+    n_head_per_ngram: int = described("hash heads per order (each its own prime, its own table rows)", 8)
+    layer_ids: list = described("backbone layers that get an Engram module", default_factory=lambda: [1, 15])
+    pad_id: int = described("token id read before the start of a sequence", 2)
+    seed: int = described("seeds the HASH multipliers (not the weights: see --weight-seed)", 0)
+    kernel_size: int = described("taps of the causal ShortConv", 4)
+    hidden_size: int = described("backbone width D", 1024)
+    hc_mult: int = described("hyper-connection streams G (1: a plain residual stream)", 4)
+    vocab_size: int = described("tokenizer vocab (length of a compression lookup)", 129280)
+    variant: str = variants.DEFAULT   # its help lists the registered variants (field_help)
 
     def __new__(cls, *args, **kwargs):
         """An instance of the config class of the variant named (its Variant.config_class);

@@ -62,9 +62,9 @@ class Variant(abc.ABC):
     checkpoint_form = ""   # e.g. "a Hugging Face folder: config.json, the shards"
 
     # The EngramConfig subclass (a frozen dataclass) holding this variant's own fields, or None:
-    # EngramConfig itself. EngramConfig(variant=name, ...) builds an instance of it.
+    # EngramConfig itself. EngramConfig(variant=name, ...) builds an instance of it. Its fields
+    # carry their help (config.described), which `engram-stream init --help` prints.
     config_class = None
-    field_help: dict = {}   # {field: text} of its own fields, for `engram-stream init --help`
     # Config fields that are checks, not semantics (sizes a checkpoint declares): left out of
     # a snapshot's fingerprint, so a model saved and loaded again takes its own snapshots.
     declared_fields: tuple = ()

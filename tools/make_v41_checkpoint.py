@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
 from engram_stream import EngramConfig  # noqa: E402
-from engram_stream.cli import progress_bar  # noqa: E402
+from engram_stream.cli.progress import progress_bar  # noqa: E402
 from engram_stream.v41 import hf as hf_v41  # noqa: E402
 
 TINY = dict(variant="deepseek-v4.1", engram_vocab_size=[211] * 3, max_ngram_size=4, n_embed_per_ngram=64,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import EngramConfig, _int
+from ..config import EngramConfig, _int, described
 
 LONGCAT = "longcat-flash-lite"
 MODEL_TYPES = ("longcat_flash_ngram",)
@@ -35,10 +35,6 @@ HF_KEYS = (*HF_DEFAULTS, "model_type", "architectures")
 HF_OWN_KEYS = ("emb_neighbor_num", "emb_split_num", "ngram_vocab_size_ratio")
 INT64_MAX = (1 << 63) - 1
 
-FIELD_HELP = {
-    "ngram_vocab_size_ratio": f"{LONGCAT}: m = ratio * vocab_size, the base of every embedder's table size "
-                              "m + 2c + 1 (engram_vocab_size must be [m] * (max_ngram_size - 1))",
-}
 EXAMPLE = {"variant": LONGCAT, "vocab_size": 50, "ngram_vocab_size_ratio": 3, "engram_vocab_size": [150, 150],
            "max_ngram_size": 3, "n_head_per_ngram": 2, "n_embed_per_ngram": 16, "hidden_size": 32,
            "hc_mult": 1, "layer_ids": [0], "pad_id": 2}
@@ -51,7 +47,9 @@ class LongcatConfig(EngramConfig):
     when that divides)."""
 
     variant: str = LONGCAT
-    ngram_vocab_size_ratio: int = None
+    ngram_vocab_size_ratio: int = described(f"{LONGCAT}: m = ratio * vocab_size, the base of every embedder's "
+                                            "table size m + 2c + 1 (engram_vocab_size must be "
+                                            "[m] * (max_ngram_size - 1))", None)
 
     @property
     def n_embedders(self) -> int:

@@ -22,7 +22,6 @@ class LongcatVariant(HFFolderVariant, variants.Variant):
     title = "LongCat-Flash-Lite's n-gram embedding (an input layer: the embedding fed to layer 1)"
     example_config = config.EXAMPLE
     config_class = config.LongcatConfig
-    field_help = config.FIELD_HELP
     layer_class = LongcatWeights
     weight_dtypes = ("float32", "bfloat16")
     table_dtypes = ("float32", "bfloat16")

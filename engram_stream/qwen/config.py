@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import EngramConfig, _int
+from ..config import EngramConfig, _int, described
 
 QWEN = "qwen3.8-flash-next"
 # transformers' Qwen4ExpTextConfig defaults, for keys a config.json leaves out
@@ -40,12 +40,6 @@ _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment and its two mixing multipl
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 
-FIELD_HELP = {
-    "norm_eps": f"{QWEN}: eps of every norm of the PLE layer (rms_norm_eps; null: 1e-6)",
-    "table_rows_multiple": f"{QWEN}: a layer's table rows are padded up to a multiple of this "
-                           "(make_ngram_vocab_size_divisible_by; null: 128)",
-    "table_parts": f"{QWEN}: the shards a checkpoint splits each table into (split_ngram_parts; null: 512)",
-}
 EXAMPLE = {"variant": QWEN, "engram_vocab_size": [211, 211], "max_ngram_size": 3, "n_embed_per_ngram": 32,
            "n_head_per_ngram": 2, "layer_ids": [2, 5], "pad_id": 299, "seed": 1234, "hidden_size": 48,
            "hc_mult": 4, "vocab_size": 300, "norm_eps": 1e-6, "table_rows_multiple": 128, "table_parts": 4}
@@ -58,9 +52,11 @@ class QwenConfig(EngramConfig):
     checkpoint splits a table into (None: transformers' defaults, DEFAULTS)."""
 
     variant: str = QWEN
-    norm_eps: float = None
-    table_rows_multiple: int = None
-    table_parts: int = None
+    norm_eps: float = described(f"{QWEN}: eps of every norm of the PLE layer (rms_norm_eps; null: 1e-6)", None)
+    table_rows_multiple: int = described(f"{QWEN}: a layer's table rows are padded up to a multiple of this "
+                                         "(make_ngram_vocab_size_divisible_by; null: 128)", None)
+    table_parts: int = described(f"{QWEN}: the shards a checkpoint splits each table into (split_ngram_parts; "
+                                 "null: 512)", None)
 
 
 def validate(cfg, put):

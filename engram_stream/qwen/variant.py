@@ -22,7 +22,6 @@ class QwenVariant(HFFolderVariant, variants.Variant):
     title = "Qwen3.8-Flash-Next's PLE (Per-Layer Embedding: its n-gram memory)"
     example_config = config.EXAMPLE
     config_class = config.QwenConfig
-    field_help = config.FIELD_HELP
     layer_class = PLEWeights
     weight_dtypes = ("float32", "bfloat16")
     table_dtypes = ("float32", "bfloat16")

@@ -7,7 +7,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-from ..config import EngramConfig, _int, _int_list
+from ..config import EngramConfig, _int, _int_list, described
 
 V41 = "deepseek-v4.1"
 V41_BLOCK = 32  # one float8 scale per 32 values (rows, activations) / 32x32 weight block
@@ -21,12 +21,6 @@ HF_KEYS = ("engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engr
            "rms_norm_eps", "image_token_id", "engram_num_embeddings", "engram_compressed_vocab_size", "text_config")
 HF_OWN_KEYS = tuple(k for k in HF_KEYS if k.startswith("engram_"))
 
-FIELD_HELP = {
-    "norm_eps": f"{V41}: eps of the q/k gate's norm (null: 1e-20, Flash's)",
-    "image_token_id": f"{V41}: the DEAD (image) token: gate 0, cuts the n-gram history (null: 129264)",
-    "num_embeddings": f"{V41}: table rows per layer the checkpoint declares, checked (null: not declared)",
-    "compressed_vocab_size": f"{V41}: ids of the compression, checked (null: not declared)",
-}
 EXAMPLE = {"variant": V41, "engram_vocab_size": [211, 211, 211], "max_ngram_size": 4, "n_embed_per_ngram": 64,
            "n_head_per_ngram": 2, "hidden_size": 64, "vocab_size": 300, "image_token_id": 299}
 
@@ -38,10 +32,12 @@ class V41Config(EngramConfig):
     checkpoint declares (None: not declared; HashPlan checks them before serving)."""
 
     variant: str = V41
-    norm_eps: float = None
-    image_token_id: int = None
-    num_embeddings: list = None
-    compressed_vocab_size: int = None
+    norm_eps: float = described(f"{V41}: eps of the q/k gate's norm (null: 1e-20, Flash's)", None)
+    image_token_id: int = described(f"{V41}: the DEAD (image) token: gate 0, cuts the n-gram history (null: 129264)",
+                                    None)
+    num_embeddings: list = described(f"{V41}: table rows per layer the checkpoint declares, checked "
+                                     "(null: not declared)", None)
+    compressed_vocab_size: int = described(f"{V41}: ids of the compression, checked (null: not declared)", None)
 
 
 def validate(cfg, put):

@@ -33,7 +33,6 @@ class V41Variant(variants.Variant):
                        "(or engram_compression.npy)")
     example_config = config.EXAMPLE
     config_class = config.V41Config
-    field_help = config.FIELD_HELP
     declared_fields = ("num_embeddings", "compressed_vocab_size")
     hf_config = True
     layer_class = V41LayerWeights

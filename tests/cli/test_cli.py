@@ -226,9 +226,8 @@ def test_init_checks_the_output_folder_before_any_work(tmp_path, capsys):
 
 
 def test_init_refuses_a_size_beyond_free_disk(tmp_path, capsys, monkeypatch):
-    import engram_stream.cli as cli
     usage = shutil.disk_usage
-    monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: usage(p)._replace(free=100_000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(p)._replace(free=100_000))
     out = tmp_path / "m.safetensors"
     assert main(["init", str(_cfg_file(tmp_path)), "-o", str(out)]) == 1
     err = capsys.readouterr().err
@@ -434,10 +433,11 @@ def test_demo_and_bench_show_progress_on_stderr_name_the_cpu_and_warm_up():
     """`demo --checkpoint` of a V4.1 folder was silent for 15 s and its first figure ran cold:
     each long step says so on stderr as it starts (stdout keeps the results), the CPU model is
     printed beside the kernel path, and untimed tokens run before the timed decode."""
-    from engram_stream.cli import WARMUP_TOKENS, _cpu
+    from engram_stream.cli import common
+    from engram_stream.cli.demo import WARMUP_TOKENS
     with open("/proc/cpuinfo") as f:
         names = [ln.split(":", 1)[1].strip() for ln in f if ln.split(":", 1)[0].strip() == "model name"]
-    cpu = _cpu()
+    cpu = common.cpu()
     if names:
         assert cpu.startswith(names[0] + " ("), cpu
     assert f"{len(os.sched_getaffinity(0))} CPU" in cpu
@@ -590,7 +590,7 @@ def test_readme_says_which_defaults_it_means_and_what_the_build_costs():
     `engram-stream demo`'s D=256 in another, and was not told the build's time: each claim is held
     to the code it describes."""
     from engram_stream import EngramConfig, HashPlan
-    from engram_stream.cli import BUILTIN_CONFIG
+    from engram_stream.cli.common import builtin_config
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert "demo's default" not in readme           # which demo: the two meanings are named apart
@@ -598,7 +598,7 @@ def test_readme_says_which_defaults_it_means_and_what_the_build_costs():
     assert re.search(r"about [\d.]+ min on \d cores", quick), quick   # the build's time, where it is paid
     assert len(re.findall(r"pip install", quick)) == 1, quick          # one build, not two
     demo_d = re.search(r"engram-stream demo .*\(D=(\d+)\)", quick)
-    assert demo_d and int(demo_d[1]) == BUILTIN_CONFIG["hidden_size"], quick
+    assert demo_d and int(demo_d[1]) == builtin_config().hidden_size, quick
     # the snippet marked "EngramConfig's defaults" is EngramConfig(); the prose's D and table size too
     call = re.search(r"cfg  = (EngramConfig\([^)]*\))\s*# EngramConfig's defaults", readme)
     assert call and eval(call[1], {"EngramConfig": EngramConfig}) == EngramConfig()
@@ -809,19 +809,23 @@ def test_readme_says_how_models_share_a_mooncake_store():
     assert "--name" in _cli(["publish", "--help"]).stdout
 
 
-def test_long_commands_share_one_progress_bar_and_say_how_long_they_take(monkeypatch):
+def test_long_commands_share_one_progress_bar_and_say_how_long_they_take(monkeypatch, tmp_path):
     """bench --checkpoint took 5 min at Flash dims under a help that said "quick"; make_v41_checkpoint,
     bench and publish printed nothing meanwhile: one bar (stderr, a terminal only, not --quiet)."""
-    from engram_stream import cli
+    from engram_stream.cli.progress import progress_bar
     helps = {name: _cli([name, "--help"]).stdout for name in ("bench", "publish", "init", "pack-rows")}
     assert "quick" not in helps["bench"] and "minutes at Flash dims" in " ".join(helps["bench"].split())
     assert all("--quiet" in h for h in helps.values())
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    assert cli.progress_bar() is not None and cli.progress_bar(quiet=True) is None
+    assert progress_bar() is not None and progress_bar(quiet=True) is None
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
-    assert cli.progress_bar() is None
-    with open(os.path.join(ROOT, "tools", "make_v41_checkpoint.py")) as f:
-        assert "progress_bar(" in f.read()   # the tool's bar is the commands' own
+    assert progress_bar() is None
+    tool = os.path.join(ROOT, "tools", "make_v41_checkpoint.py")   # the tool draws the commands' bar
+    r = run_python_on_a_terminal([tool, str(tmp_path / "a"), "--tiny", "--no-tokenizer"], timeout=120)
+    assert r.returncode == 0, r.stderr[-500:]
+    assert re.search(r"\r\[#{40}\] 100% of [\d.]+ MiB", r.stderr), r.stderr[-500:]
+    r = run_python_on_a_terminal([tool, str(tmp_path / "b"), "--tiny", "--no-tokenizer", "--quiet"], timeout=120)
+    assert r.returncode == 0 and "%" not in r.stderr, r.stderr[-500:]
 
 
 def test_bench_shows_its_progress_on_a_terminal(monkeypatch, capsys):
@@ -845,9 +849,8 @@ QWEN_HF = {"model_type": "qwen4_exp_text", "ple_layer_ids": [3], "eos_token_id":
 def test_init_names_a_misspelled_key_and_prints_the_config_it_derived(tmp_path, capsys, monkeypatch):
     """ngram_vocab_base for ngram_vocab_size_base: the 20,000,000 default made tables of GiBs, and
     neither the key nor the sizes it came from were said."""
-    import engram_stream.cli as cli
     usage = shutil.disk_usage
-    monkeypatch.setattr(cli.shutil, "disk_usage", lambda p: usage(p)._replace(free=100_000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(p)._replace(free=100_000))
     cfg, out = _cfg_file(tmp_path, QWEN_HF, "config.json"), tmp_path / "qwen"
     assert main(["init", str(cfg), "-o", str(out)]) == 1
     got = capsys.readouterr()

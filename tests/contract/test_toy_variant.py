@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from engram_stream import EngramConfig, EngramModel, HashPlan, variants
+from engram_stream.config import described
 from engram_stream.demo import checkpoint
 from engram_stream.demo.weights import LayerWeights
 from engram_stream.demo.weights import validate_layer as validate_demo_layer
@@ -35,7 +36,7 @@ TOY_MULT_BOUND = 1 << 20   # the toy's multipliers: odd, below this
 @dataclass(frozen=True)
 class ToyConfig(EngramConfig):
     variant: str = TOY
-    toy_rows_multiple: int = 16   # a layer's table rows are padded up to a multiple of this
+    toy_rows_multiple: int = described(f"{TOY}: table rows padded to a multiple of this", 16)
 
 
 class ToyWeights(LayerWeights):
@@ -90,7 +91,6 @@ def toy_forward(cfg, w, rows, hidden):
 class ToyVariant(variants.Variant):
     name = TOY
     config_class = ToyConfig
-    field_help = {"toy_rows_multiple": f"{TOY}: table rows padded to a multiple of this"}
     example_config = {"variant": TOY, "engram_vocab_size": [37, 53], "max_ngram_size": 3, "n_embed_per_ngram": 8,
                       "n_head_per_ngram": 2, "layer_ids": [2, 5], "pad_id": 1, "kernel_size": 2,
                       "hidden_size": 24, "hc_mult": 2, "vocab_size": 70}
@@ -236,3 +236,15 @@ def test_the_toy_is_not_the_demo(toy):
     eng = m.stream(2)
     got = np.stack([eng.step(int(ids[0, t]), h[0, t]) for t in range(ids.shape[1])])
     np.testing.assert_allclose(got, m.forward(2, ids[:1], h[:1])[0], rtol=1e-4, atol=1e-5)
+
+
+def test_init_help_gives_the_toy_field_the_help_its_config_class_declares(toy, capsys):
+    """A variant's fields carry their help (config.described): `init --help` lists it under the
+    variant's name with no table of the CLI's own to extend."""
+    from engram_stream.cli import main
+    with pytest.raises(SystemExit):
+        main(["init", "--help"])
+    lines = capsys.readouterr().out.splitlines()
+    k = lines.index(f"{TOY}'s own fields:")
+    assert lines[k + 1].split() == ["toy_rows_multiple", "16", f"{TOY}:", "table", "rows", "padded", "to", "a",
+                                    "multiple", "of", "this"], lines[k + 1]

@@ -91,12 +91,16 @@ def test_no_install_hint_names_the_package_on_an_index():
     assert not found, found
 
 
-def test_the_mooncake_hint_is_the_checkout_form():
+def test_the_mooncake_hint_is_the_checkout_form(monkeypatch):
     import mooncake_servers
+    from engram_stream.rows import MooncakeTier
     with pytest.raises(FileNotFoundError, match=re.escape("pip install '.[mooncake]'")):
         mooncake_servers._binary("no-such-mooncake-binary-here")
-    src = _read("engram_stream", "rows", "mooncake", "tier.py")
-    assert "pip install '.[mooncake]' from the engram_stream checkout" in src
+    monkeypatch.setitem(sys.modules, "mooncake", None)   # the client absent: its import fails
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)
+    monkeypatch.setenv("MC_LOG_LEVEL", os.environ.get("MC_LOG_LEVEL", "ERROR"))   # the tier sets it
+    with pytest.raises(ImportError, match=re.escape("pip install '.[mooncake]' from the engram_stream checkout")):
+        MooncakeTier(master="127.0.0.1:1", metadata="http://127.0.0.1:1/metadata")
 
 
 # ---- DeepSeek-V4.1: the commands, run -------------------------------------------------------------------------
