@@ -10,7 +10,7 @@
 An engine hashes a call's tokens, hands the rows to submit() (a remote or disk source starts
 reading there: Decoder.begin starts every layer's reads before any layer runs), then per chunk
 asks resolve() for each row's data and scale pointers, gathers without the GIL, and release()s
-them. Which places a model reads is rows/tiers.py's choice (tables=), not the engines'.
+them. Which places a model reads is its Tables' choice (rows/tier.py; tables=), not the engines'.
 """
 import numpy as np
 cimport numpy as cnp
@@ -565,27 +565,3 @@ cdef class CachedRows(RowSource):
             if es_rc_peek(&self.cache.c, rows[i]) < 0:
                 failed += self.source.prefetch(rows + i, 1)
         return failed
-
-
-class Tier:
-    """Where a model's table rows live: the mapped tables (rows.mapped.MappedTier, "mapped"), the
-    checkpoint's files or its packed row file (rows.direct.DirectTier, "direct"), a Mooncake Store
-    (rows.mooncake.tier.MooncakeTier), the RAM row cache over any of them (rows.tiers.CachedTier), or a
-    class of your own (rows.tiers.TIERS names it for a spec). rows.tiers.parse_tier(spec) makes
-    one from what a loader's tables= or a serving setting gives.
-
-    open(model) gives this tier for one model: a Tier too, whose source(layer, read_totals) makes
-    the RowSource one engine of `layer` reads through (read_totals: the layer's
-    rows._direct.new_totals() array its reads add to, or None) and whose stats() are the fields
-    it adds to row_cache_stats() (rows.tiers.STATS_FIELDS). A tier as given, before open(), has
-    no model: its source() refuses."""
-
-    def open(self, model) -> "Tier":
-        raise NotImplementedError(f"{type(self).__name__}.open(model)")
-
-    def source(self, layer, read_totals=None) -> RowSource:
-        raise NotImplementedError(f"{type(self).__name__}.source(layer): a tier reads for one model: "
-                                  f"tier.open(model).source(layer)")
-
-    def stats(self) -> dict:
-        return {}

@@ -152,7 +152,7 @@ def test_a_packed_record_that_fails_its_checksum_is_recorded_not_served(plugin_c
         f.seek(lay["offset"] + r // lay["per_group"] * lay["group_bytes"] + r % lay["per_group"] * 264 + 5)
         f.write(b"\x7e")
     model = model_of(path, {"tables": "direct"})
-    assert model.tier.inner.rows_path == rows
+    assert model.tables.inner.rows_path == rows
     src = model.row_source(L)
     ids = np.array([[0, r, 2]], np.int32)
     st = staging_of(src, 1, 3, False)
