@@ -19,11 +19,14 @@ class RowSource:
     record_format: Optional[str]  # what a record's bytes are (rows.records.record_format); None: unknown
     fallible: bool   # reads can fail (remote, disk)
     bound: bool      # an engine reads through it (one engine a source, but a MappedRows)
+    nogil_reads: bool  # its C reader (read_nogil) reads without the GIL: a CUDA graph's host node may call it
     @property
     def reading(self) -> bool: ...  # reads submitted and not yet waited for
     def read(self, rows: npt.ArrayLike) -> npt.NDArray[np.uint8]: ...  # [n, rowbytes + scalebytes]
     # rows int [n] or [T, k] (negative: a zero record) -> out uint8 rows.shape + (record bytes,)
     def read_into(self, rows: npt.ArrayLike, out: npt.NDArray[np.uint8]) -> None: ...
+    # the exception of a read_nogil() failure (ES_READ_* code, row, errno)
+    def read_error(self, code: int, row: int, err: int, more: str = "") -> Exception: ...
 
 class MappedRows(RowSource):
     """A table in memory or mapped from its file: pointers straight into it."""
@@ -40,6 +43,7 @@ class CachedRows(RowSource):
     def __init__(self, cache: RowCache, source: RowSource) -> None: ...
     @property
     def reading(self) -> bool: ...
+    def read_error(self, code: int, row: int, err: int, more: str = "") -> Exception: ...
 
 class DirectRows(RowSource):
     """Rows read from files (a DirectReader) with no cache."""
@@ -47,6 +51,7 @@ class DirectRows(RowSource):
     def __init__(self, reader: DirectReader, record_format: Optional[str] = None) -> None: ...
     @property
     def reading(self) -> bool: ...
+    def read_error(self, code: int, row: int, err: int, more: str = "") -> Exception: ...
 
 class RecordSource(RowSource):
     """Records fetched in one batch a call by Python code: subclass with start(rows) and finish()."""

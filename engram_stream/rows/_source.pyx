@@ -12,14 +12,22 @@ reading there: Decoder.begin starts every layer's reads before any layer runs), 
 asks resolve() for each row's data and scale pointers, gathers without the GIL, and release()s
 them. Which places a model reads is its Tables' choice (rows/tier.py; tables=), not the engines'.
 """
+import os
+
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t
+from libc.errno cimport EIO, ENOMEM, ENOSYS
 from libc.stdlib cimport free, realloc
 from libc.string cimport memcpy, memset
+from posix.stat cimport fstat, struct_stat
 
 from engram_stream.rows._cache cimport RowCache, es_rc_hit, es_rc_insert, es_rc_lock, es_rc_peek, es_rc_unlock, es_rowcache
-from engram_stream.rows._direct cimport DirectReader, es_io_find, es_io_unique
+from engram_stream.rows._direct cimport (ES_IO_BADSUM, ES_IO_PAGE, ES_IO_SHORT, ES_IO_SPAN_MAX, DirectReader,
+                                         RecordFile, es_io_copy_mem, es_io_find, es_io_plan, es_io_span, es_io_submit,
+                                         es_io_unique, es_io_wait, es_stamp_changed)
+from engram_stream.rows._direct import checksum_error
+from engram_stream.errors import FileChangedError
 from engram_stream.io.files import mapping_of
 from engram_stream._hash cimport es_runtime_bind, es_runtime_of_process
 
@@ -34,6 +42,24 @@ cdef extern from "engram_step.h" nogil:
     int64_t es_advise_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n,
                            int advice) noexcept
     int MADV_WILLNEED
+
+
+cdef extern from "stdlib.h" nogil:
+    int posix_memalign(void **memptr, size_t alignment, size_t size)
+
+
+cdef int _regrow_nogil(void **p, size_t nbytes) noexcept nogil:
+    """realloc of *p to nbytes without the GIL: 0, or -1 (*p as it was)."""
+    cdef void *a = realloc(p[0], nbytes if nbytes else 1)
+    if a == NULL:
+        return -1
+    p[0] = a
+    return 0
+
+
+cdef inline int _fail(es_read_error *e, int code, int64_t row, int err) noexcept nogil:
+    e.code, e.row, e.err = code, row, err
+    return -1
 
 
 cdef void *_regrow(void *p, size_t nbytes) except NULL:
@@ -57,6 +83,22 @@ cdef class RowSource:
 
     cdef int64_t prefetch(self, const int64_t *rows, int64_t n) noexcept:
         return 0
+
+    cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil:
+        return _fail(e, ES_READ_NO_C, rows[0] if n else 0, ENOSYS)
+
+    cdef int reserve(self, int64_t n) except -1:
+        return 0
+
+    def read_error(self, code, row, err, more=""):
+        """The exception of a read_nogil() failure (code ES_READ_*, the row, errno; `more`:
+        what the caller adds to the message)."""
+        if code == ES_READ_FILE_CHANGED:
+            return FileChangedError(f"{type(self).__name__}: a table file was truncated or rewritten in place "
+                                    f"after it was opened{more}")
+        if code == ES_READ_NO_C:
+            return TypeError(f"{type(self).__name__} has no C reader: its reads need the GIL{more}")
+        return OSError(err, f"{type(self).__name__}: reading rows (first row {row}): {os.strerror(err)}{more}")
 
     def __repr__(self):
         return (f"{type(self).__name__}(rows={self.nrows}, record={self.rowbytes}+{self.scalebytes} bytes, "
@@ -170,6 +212,20 @@ cdef class MappedRows(RowSource):
                               data.dtype.name + ("" if scale is None else "+" + scale.dtype.name))
         self.paged = mapping_of(data) is not None
         self._keep = (data, scale)
+        self.nogil_reads = True
+
+    cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil:
+        cdef int64_t i, rb = self.rowbytes, sb = self.scalebytes, rec = self.rowbytes + self.scalebytes
+        cdef char *d
+        for i in range(n):
+            d = out + i * rec
+            if rows[i] < 0:
+                memset(d, 0, rec)
+                continue
+            memcpy(d, self.data + rows[i] * rb, rb)
+            if sb:
+                memcpy(d + rb, self.scale + rows[i] * sb, sb)
+        return 0
 
     cdef int submit(self, const int64_t *rows, int64_t n) except -1:
         with nogil:  # in-RAM or cached pages: toward the CPU cache before the gather
@@ -213,10 +269,14 @@ cdef class DirectRows(RowSource):
     record's bytes are (rows.records.record_format of the layer; None: unknown)."""
 
     def __cinit__(self, DirectReader reader, record_format=None):
+        cdef RecordFile f = reader.file
         self.reader, self.record_format = reader, record_format
-        self.nrows, self.rowbytes = reader.file.nrows, reader.file.rowbytes
-        self.scalebytes = reader.file.scalebytes
+        self.nrows, self.rowbytes = f.nrows, f.rowbytes
+        self.scalebytes = f.scalebytes
         self.fallible = True
+        self.parts, self.nparts, self.pool, self.qd = f.parts, f.nparts, &reader.io.pool, reader.io.qd
+        self.nfds, self.fdv, self.stampv = f.nfds, f.fdv, &f.stampv[0][0]
+        self.nogil_reads = True
 
     @property
     def reading(self):
@@ -228,6 +288,71 @@ cdef class DirectRows(RowSource):
                 self.reader.wait()
             except BaseException:
                 pass
+        free(self.gu)
+        free(self.gspans)
+        free(self.gstage)
+        free(self.gbuf)
+
+    cdef int _grow_nogil(self, int64_t n) noexcept nogil:
+        cdef int64_t cap = max(n, 2 * self.gcap, 64)
+        cdef void *p = NULL
+        if n <= self.gcap and self.gbuf != NULL:
+            return 0
+        if self.gbuf == NULL:
+            if posix_memalign(&p, ES_IO_PAGE, ES_IO_SPAN_MAX) != 0:
+                return -1
+            self.gbuf = <char *> p
+        if n <= self.gcap:
+            return 0
+        if (_regrow_nogil(<void **> &self.gu, cap * sizeof(int64_t))
+                or _regrow_nogil(<void **> &self.gspans, cap * self.nparts * sizeof(es_io_span))
+                or _regrow_nogil(<void **> &self.gstage, cap * (self.rowbytes + self.scalebytes))):
+            return -1
+        self.gcap = cap
+        return 0
+
+    cdef int reserve(self, int64_t n) except -1:
+        if self._grow_nogil(n) != 0:
+            raise MemoryError(f"DirectRows: read scratch for {n} rows")
+        return 0
+
+    cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil:
+        cdef int64_t i, k, m = 0, nu = 0, ns, rec = self.rowbytes + self.scalebytes, first = -1
+        cdef int rc
+        cdef struct_stat st
+        if self._grow_nogil(n) != 0:
+            return _fail(e, ES_READ_IO, rows[0] if n else 0, ENOMEM)
+        for i in range(n):
+            if rows[i] >= 0:
+                self.gu[m] = rows[i]
+                m += 1
+        if m:
+            first = self.gu[0]
+            for i in range(self.nfds):   # RecordFile.check_fast, without the GIL
+                if fstat(self.fdv[i], &st) != 0 or es_stamp_changed(self.stampv + 6 * i, &st):
+                    return _fail(e, ES_READ_FILE_CHANGED, first, 0)
+            nu = es_io_unique(self.gu, m, self.gu)
+            ns = es_io_plan(self.parts, self.nparts, self.gu, nu, self.gspans)
+            es_io_copy_mem(self.parts, self.nparts, self.gu, nu, self.gstage, rec)
+            es_io_submit(self.pool, &self.gjob, self.parts, self.gu, self.gspans, ns, self.gstage, rec, self.qd)
+            rc = es_io_wait(self.pool, &self.gjob, self.gbuf)
+            if rc == ES_IO_BADSUM:
+                return _fail(e, ES_READ_BAD_SUM, self.gjob.err_row, 0)
+            if rc != 0:
+                return _fail(e, ES_READ_IO, first, EIO if rc == ES_IO_SHORT else rc)
+        for i in range(n):
+            if rows[i] < 0:
+                memset(out + i * rec, 0, rec)
+            else:
+                k = es_io_find(self.gu, nu, rows[i])
+                memcpy(out + i * rec, self.gstage + k * rec, rec)
+        return 0
+
+    def read_error(self, code, row, err, more=""):
+        """As RowSource's; a failed checksum names the packed row file, the layer and the row."""
+        if code == ES_READ_BAD_SUM:
+            return checksum_error(self.reader.file.paths[0], self.reader.file.layer, row)
+        return RowSource.read_error(self, code, row, err, more)
 
     cdef int submit(self, const int64_t *rows, int64_t n) except -1:
         if self.pending:  # an aborted call's reads: wait, keep nothing
@@ -381,6 +506,7 @@ cdef class CachedRows(RowSource):
         self.nrows, self.rowbytes, self.scalebytes = source.nrows, source.rowbytes, source.scalebytes
         self.record_format = source.record_format
         self.fallible = source.fallible
+        self.nogil_reads = source.nogil_reads
 
     def __dealloc__(self):
         self._unpin()
@@ -392,6 +518,76 @@ cdef class CachedRows(RowSource):
         free(self.mpos)
         free(self.uniq)
         free(self.slot_of)
+        free(self.gmiss)
+        free(self.gu)
+        free(self.gstage)
+
+    cdef int _grow_nogil(self, int64_t n) noexcept nogil:
+        cdef int64_t cap = max(n, 2 * self.gcap, 64)
+        if n <= self.gcap:
+            return 0
+        if (_regrow_nogil(<void **> &self.gmiss, cap * sizeof(int64_t))
+                or _regrow_nogil(<void **> &self.gu, cap * sizeof(int64_t))
+                or _regrow_nogil(<void **> &self.gstage, cap * (self.rowbytes + self.scalebytes))):
+            return -1
+        self.gcap = cap
+        return 0
+
+    cdef int reserve(self, int64_t n) except -1:
+        if self._grow_nogil(n) != 0:
+            raise MemoryError(f"CachedRows: read scratch for {n} rows")
+        self.source.reserve(n)
+        return 0
+
+    cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil:
+        """As the engines' path: hits copied under the cache's lock; the distinct misses read by
+        the source's read_nogil(), then admitted (a miss is a row read, its repeats in the call
+        hits). A failed read admits nothing."""
+        cdef int64_t i, j, k, s, m = 0, nu, rec = self.rowbytes + self.scalebytes
+        cdef es_rowcache *rc = &self.cache.c
+        cdef char *d
+        if self._grow_nogil(n) != 0:
+            return _fail(e, ES_READ_IO, rows[0] if n else 0, ENOMEM)
+        es_rc_lock(rc)
+        for i in range(n):
+            d = out + i * rec
+            if rows[i] < 0:
+                memset(d, 0, rec)
+                continue
+            s = es_rc_peek(rc, rows[i])
+            if s >= 0:
+                memcpy(d, es_rc_hit(rc, s), rec)
+            else:
+                self.gmiss[m] = i
+                m += 1
+        es_rc_unlock(rc)
+        if not m:
+            return 0
+        for j in range(m):
+            self.gu[j] = rows[self.gmiss[j]]
+        nu = es_io_unique(self.gu, m, self.gu)
+        es_rc_lock(rc)
+        rc.misses += nu
+        rc.hits += m - nu
+        es_rc_unlock(rc)
+        if self.source.read_nogil(self.gu, nu, self.gstage, e) != 0:
+            return -1
+        for j in range(m):
+            k = es_io_find(self.gu, nu, rows[self.gmiss[j]])
+            memcpy(out + self.gmiss[j] * rec, self.gstage + k * rec, rec)
+        es_rc_lock(rc)
+        for k in range(nu):
+            rc.bytes_fetched += rc.recbytes
+            if es_rc_peek(rc, self.gu[k]) < 0:
+                s = es_rc_insert(rc, self.gu[k])
+                if s >= 0:
+                    memcpy(rc.data + s * rc.stride, self.gstage + k * rec, rec)
+        es_rc_unlock(rc)
+        return 0
+
+    def read_error(self, code, row, err, more=""):
+        """Its source's (the reads behind the cache are the source's)."""
+        return self.source.read_error(code, row, err, more)
 
     @property
     def reading(self):
