@@ -1,4 +1,4 @@
-"""Hidden states in other float dtypes, both variants: bfloat16 (an ml_dtypes array: a bf16
+"""Hidden states in other float dtypes, every variant: bfloat16 (an ml_dtypes array: a bf16
 model's stream, as engram_stream.integrations.transformers hands it over) is widened exactly,
 float16/float64 are converted, so every path returns exactly what float32 input of the same
 values gives: model.forward, an engine's step (one stream and several), prefill,
