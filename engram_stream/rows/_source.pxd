@@ -54,8 +54,10 @@ cdef class RowSource:
     # then unspecified). Defined where nogil_reads is set (else ES_READ_NO_C). Its scratch is
     # its own (submit/resolve's state is untouched), grown here or by reserve(): one caller at a time.
     cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil
-    # read_nogil()'s scratch for n rows, with the GIL (MemoryError), so that it allocates nothing later.
+    # read_nogil()'s scratch for n rows, with the GIL (MemoryError), so that it allocates nothing later:
+    # _grow_nogil(n), which read_nogil() calls too (0, or -1: no memory).
     cdef int reserve(self, int64_t n) except -1
+    cdef int _grow_nogil(self, int64_t n) noexcept nogil
 
 
 cdef class MappedRows(RowSource):
@@ -85,7 +87,6 @@ cdef class DirectRows(RowSource):
     cdef char *gstage                  # [gcap] records
     cdef char *gbuf                    # ES_IO_SPAN_MAX page-aligned bytes for es_io_wait
     cdef int64_t gcap
-    cdef int _grow_nogil(self, int64_t n) noexcept nogil
 
 
 cdef class RecordSource(RowSource):
@@ -130,4 +131,3 @@ cdef class CachedRows(RowSource):
     cdef void _unpin(self) noexcept
     cdef void _unpin_range(self, int64_t lo, int64_t hi) noexcept
     cdef int _admit(self) except -1
-    cdef int _grow_nogil(self, int64_t n) noexcept nogil

@@ -57,6 +57,19 @@ cdef int _regrow_nogil(void **p, size_t nbytes) noexcept nogil:
     return 0
 
 
+cdef int _grow_scratch(int64_t n, int64_t *cap, void **a, size_t abytes, void **b, size_t bbytes, void **c,
+                       size_t cbytes) noexcept nogil:
+    """read_nogil()'s three scratch arrays (a, b, c: abytes, bbytes, cbytes a row) grown to hold
+    n rows (cap: the rows they hold): 0, or -1 (no memory)."""
+    cdef int64_t want = max(n, 2 * cap[0], 64)
+    if n <= cap[0]:
+        return 0
+    if _regrow_nogil(a, want * abytes) or _regrow_nogil(b, want * bbytes) or _regrow_nogil(c, want * cbytes):
+        return -1
+    cap[0] = want
+    return 0
+
+
 cdef inline int _fail(es_read_error *e, int code, int64_t row, int err) noexcept nogil:
     e.code, e.row, e.err = code, row, err
     return -1
@@ -88,6 +101,11 @@ cdef class RowSource:
         return _fail(e, ES_READ_NO_C, rows[0] if n else 0, ENOSYS)
 
     cdef int reserve(self, int64_t n) except -1:
+        if self._grow_nogil(n) != 0:
+            raise MemoryError(f"{type(self).__name__}: read scratch for {n} rows")
+        return 0
+
+    cdef int _grow_nogil(self, int64_t n) noexcept nogil:
         return 0
 
     def read_error(self, code, row, err, more=""):
@@ -294,27 +312,13 @@ cdef class DirectRows(RowSource):
         free(self.gbuf)
 
     cdef int _grow_nogil(self, int64_t n) noexcept nogil:
-        cdef int64_t cap = max(n, 2 * self.gcap, 64)
         cdef void *p = NULL
-        if n <= self.gcap and self.gbuf != NULL:
-            return 0
         if self.gbuf == NULL:
             if posix_memalign(&p, ES_IO_PAGE, ES_IO_SPAN_MAX) != 0:
                 return -1
             self.gbuf = <char *> p
-        if n <= self.gcap:
-            return 0
-        if (_regrow_nogil(<void **> &self.gu, cap * sizeof(int64_t))
-                or _regrow_nogil(<void **> &self.gspans, cap * self.nparts * sizeof(es_io_span))
-                or _regrow_nogil(<void **> &self.gstage, cap * (self.rowbytes + self.scalebytes))):
-            return -1
-        self.gcap = cap
-        return 0
-
-    cdef int reserve(self, int64_t n) except -1:
-        if self._grow_nogil(n) != 0:
-            raise MemoryError(f"DirectRows: read scratch for {n} rows")
-        return 0
+        return _grow_scratch(n, &self.gcap, <void **> &self.gu, sizeof(int64_t), <void **> &self.gspans,
+                             self.nparts * sizeof(es_io_span), <void **> &self.gstage, self.rowbytes + self.scalebytes)
 
     cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil:
         cdef int64_t i, k, m = 0, nu = 0, ns, rec = self.rowbytes + self.scalebytes, first = -1
@@ -523,19 +527,11 @@ cdef class CachedRows(RowSource):
         free(self.gstage)
 
     cdef int _grow_nogil(self, int64_t n) noexcept nogil:
-        cdef int64_t cap = max(n, 2 * self.gcap, 64)
-        if n <= self.gcap:
-            return 0
-        if (_regrow_nogil(<void **> &self.gmiss, cap * sizeof(int64_t))
-                or _regrow_nogil(<void **> &self.gu, cap * sizeof(int64_t))
-                or _regrow_nogil(<void **> &self.gstage, cap * (self.rowbytes + self.scalebytes))):
-            return -1
-        self.gcap = cap
-        return 0
+        return _grow_scratch(n, &self.gcap, <void **> &self.gmiss, sizeof(int64_t), <void **> &self.gu,
+                             sizeof(int64_t), <void **> &self.gstage, self.rowbytes + self.scalebytes)
 
     cdef int reserve(self, int64_t n) except -1:
-        if self._grow_nogil(n) != 0:
-            raise MemoryError(f"CachedRows: read scratch for {n} rows")
+        RowSource.reserve(self, n)
         self.source.reserve(n)
         return 0
 
