@@ -171,8 +171,8 @@ def section_cold(a, d, res):
              "reads_per_row_read": reads / max(1, rows), "hit_rate": 1 - misses / max(1, st["hits"] + st["misses"]
                                                                                        - st0["hits"] - st0["misses"]),
              "read_wait_p50_ms": 1e3 * st["read_wait_p50"], "read_wait_p99_ms": 1e3 * st["read_wait_p99"],
-             "direct": [rf.direct for rf in model.tier.inner.files.values()],
-             "rows_file": model.tier.inner.rows_path, "table_over_cache": None}
+             "direct": [rf.direct for rf in model.tables.inner.files.values()],
+             "rows_file": model.tables.inner.rows_path, "table_over_cache": None}
         table = sum(model.plan.table_rows[L] * 264 for L in cfg.layer_ids)
         e["table_over_cache"] = table / max(1, st["budget_bytes"])
         rounds.append(e)

@@ -157,7 +157,7 @@ def section_direct(d, n_rounds, seconds, qd, cache_mb, streams=16):
     out = []
     for r in range(n_rounds):
         model = EngramModel.load(d, tables=DirectTier(qd=qd, rows_file=False), row_cache_mb=cache_mb)
-        rf = model.tier.inner.files[LAYER]
+        rf = model.tables.inner.files[LAYER]
         path = rf.describe()
         for s in shards:  # (O_DIRECT reads bypass it anyway: no page of the table starts warm)
             memory.evict_file(s)

@@ -179,7 +179,7 @@ def section_cold(a, res):
               f"{out[name]['fio_iops']:,.0f} reads/s, median of per-round ratios {out[name]['ratio_median']:.2f}x "
               f"(goal >= 0.7x)", flush=True)
     res["cold"] = {"qd": a.qd, "cache_mb": a.cache_mb, "table_bytes": table, "batches": out,
-                   "direct": [rf.direct for rf in model.tier.inner.files.values()]}
+                   "direct": [rf.direct for rf in model.tables.inner.files.values()]}
     del model
     # the serving process with a 1 GiB row cache: the cold lookups again through one model
     model = EngramModel.from_deepseek_v41(d, tables=DirectTier(qd=a.qd), row_cache_mb=1024)

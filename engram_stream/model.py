@@ -34,7 +34,7 @@ class EngramModel:
     streaming engine of one layer; decoder() drives every layer per token.
     """
 
-    tier = None  # rows.tiers.CachedTier opened for this model: its tier and row cache (set by load())
+    tables = None  # rows.CachedTables: this model's rows, its tier and row cache (set by load())
     source = None     # the checkpoint it was loaded from (load, from_deepseek_v41): its row file sits beside it
 
     def __init__(self, cfg: EngramConfig, plan: HashPlan, layers: dict):
@@ -95,8 +95,8 @@ class EngramModel:
             return self
         new = type(self)(self.cfg, self.plan, self.variant.with_weight_dtype(self.cfg, self.layers, name))
         new.source = self.source
-        if self.tier is not None:
-            new.tier = self.tier.open(new)
+        if self.tables is not None:
+            new.tables = self.tables.tier.open(new)
         return new
 
     @property
@@ -183,7 +183,7 @@ class EngramModel:
         the checkpoint's files, O_DIRECT where the file system allows it; the packed row file when
         there is one), a rows.MooncakeTier or {"mooncake": {its arguments}}. row_cache_mb: the
         model's RAM cache of whole rows in front of them, shared by every engine
-        (engram_stream.rows.CachedTier, model.tier). host_cache: a name ("vllm") that makes that
+        (engram_stream.rows.CachedTier; opened: model.tables). host_cache: a name ("vllm") that makes that
         cache the host's: every process loading the same model with the same row_cache_mb and
         host_cache shares one cache (files under /dev/shm), one budget and its stats."""
         path = os.fspath(path)
@@ -202,7 +202,7 @@ class EngramModel:
                                           f"not one of its files") from None
             raise
         model.source = os.path.abspath(path)  # files opened later (tables="direct") are this folder's
-        model.tier = tier.open(model)
+        model.tables = tier.open(model)
         return model
 
     def row_source(self, layer):
@@ -212,8 +212,8 @@ class EngramModel:
         One reader: a thread takes its own."""
         if layer not in self.cfg.layer_ids:
             raise KeyError(f"layer {layer} is not an Engram layer of this model (layers: {self.cfg.layer_ids})")
-        if self.tier is not None:
-            return self.tier.source(layer)
+        if self.tables is not None:
+            return self.tables.source(layer)
         from .rows._source import MappedRows  # a model made in memory: its tables are RAM arrays
         from .rows.records import record_format
         w = self.layer(layer)
@@ -239,7 +239,7 @@ class EngramModel:
         budget_bytes   bytes   row_cache_mb as the caches split it: at most budget_cap_bytes
         budget_cap_bytes bytes what caching every row costs (a larger row_cache_mb is cut to it)
         fetches, fetch_seconds   count, seconds   a Mooncake Store's gets and their total time"""
-        return (self.tier or _cached_tier("mapped", 0, None)[0].open(self)).stats()
+        return (self.tables or _cached_tier("mapped", 0, None)[0].open(self)).stats()
 
     def warm(self, token_ids, chunk: int = 4096) -> dict:
         """Seed the row cache with the rows a prompt reads: token_ids (int array, or the path of
@@ -279,7 +279,7 @@ class EngramModel:
         tier, mapped = _cached_tier(tables, row_cache_mb, host_cache)
         model = cls(*load(ckpt_dir, mmap=mmap or not mapped, compression=compression))
         model.source = os.path.abspath(ckpt_dir)  # files opened later (tables="direct") are this folder's
-        model.tier = tier.open(model)
+        model.tables = tier.open(model)
         return model
 
 

@@ -5,7 +5,19 @@
 from libc.stdint cimport int64_t
 
 from engram_stream.rows._cache cimport RowCache
-from engram_stream.rows._direct cimport DirectReader
+from engram_stream.rows._direct cimport DirectReader, es_io_job, es_io_part, es_io_pool, es_io_span
+
+# A read_nogil() failure: what went wrong (ES_READ_*), the row it concerns and an errno.
+cdef enum:
+    ES_READ_IO = 2             # a read failed (errno) or came short (EIO)
+    ES_READ_FILE_CHANGED = 3   # a table file was truncated or replaced since it was opened
+    ES_READ_BAD_SUM = 4        # a packed record failed its checksum
+    ES_READ_NO_C = 5           # the source has no C reader (nogil_reads is False)
+
+ctypedef struct es_read_error:
+    int code
+    int64_t row
+    int err
 
 
 cdef class RowSource:
@@ -15,6 +27,7 @@ cdef class RowSource:
     cdef readonly object record_format # what a record's bytes are (rows.records.record_format), or None: unknown
     cdef readonly bint fallible        # resolve()/submit() may raise: engines keep what a rollback needs
     cdef public bint bound             # an engine reads through it (one engine a source, but a MappedRows)
+    cdef readonly bint nogil_reads     # read_nogil() reads with no GIL and no Python (a CUDA graph's host node)
 
     # The rows a call will need (every chunk of it): start reading the missing ones now (a
     # mapped table: pull them toward the CPU). Called with the GIL; may raise (nothing is used).
@@ -36,6 +49,15 @@ cdef class RowSource:
     # [n] scratch: submit, resolve, copy, release (a MappedRows copies from the table itself).
     cdef int _copy_rows(self, const int64_t *rows, int64_t n, char **dst, const char **dp,
                         const char **sp) except -1
+    # The records of rows[n] (in range, repeats and any order; a negative row: zeros) to
+    # out + i * (rowbytes + scalebytes), with no GIL and no Python: 0, or -1 with *e set (out is
+    # then unspecified). Defined where nogil_reads is set (else ES_READ_NO_C). Its scratch is
+    # its own (submit/resolve's state is untouched), grown here or by reserve(): one caller at a time.
+    cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil
+    # read_nogil()'s scratch for n rows, with the GIL (MemoryError), so that it allocates nothing later:
+    # _grow_nogil(n), which read_nogil() calls too (0, or -1: no memory).
+    cdef int reserve(self, int64_t n) except -1
+    cdef int _grow_nogil(self, int64_t n) noexcept nogil
 
 
 cdef class MappedRows(RowSource):
@@ -64,6 +86,18 @@ cdef class DirectRows(RowSource):
     cdef const int64_t *sub_rows
     cdef int64_t sub_n
     cdef bint pending
+    # read_nogil(): the reader's file and pool as C pointers, and scratch of its own
+    cdef const es_io_part *parts
+    cdef int nparts, qd, nfds
+    cdef es_io_pool *pool
+    cdef const int *fdv
+    cdef const int64_t *stampv         # [nfds][6]
+    cdef es_io_job gjob
+    cdef int64_t *gu                   # [gcap] distinct rows, sorted
+    cdef es_io_span *gspans            # [gcap * nparts]
+    cdef char *gstage                  # [gcap] records
+    cdef char *gbuf                    # ES_IO_SPAN_MAX page-aligned bytes for es_io_wait
+    cdef int64_t gcap
 
 
 cdef class RecordSource(RowSource):
@@ -97,6 +131,10 @@ cdef class CachedRows(RowSource):
     cdef int64_t *uniq                 # [cap] the distinct missed rows, sorted
     cdef int64_t *slot_of              # [cap] the slot uniq[k] was admitted to (-1: none)
     cdef int64_t m, nu, cap
+    cdef int64_t *gmiss                # read_nogil(): [gcap] positions that missed
+    cdef int64_t *gu                   # [gcap] their distinct rows, sorted
+    cdef char *gstage                  # [gcap] their records, from the source's read_nogil()
+    cdef int64_t gcap
     cdef const int64_t *sub_rows       # the rows of the last submit() (resolve() takes pieces of them)
     cdef int64_t sub_n
     cdef bint pending                  # misses asked of the source, not admitted yet

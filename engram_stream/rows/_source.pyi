@@ -19,11 +19,14 @@ class RowSource:
     record_format: Optional[str]  # what a record's bytes are (rows.records.record_format); None: unknown
     fallible: bool   # reads can fail (remote, disk)
     bound: bool      # an engine reads through it (one engine a source, but a MappedRows)
+    nogil_reads: bool  # its C reader (read_nogil) reads without the GIL: a CUDA graph's host node may call it
     @property
     def reading(self) -> bool: ...  # reads submitted and not yet waited for
     def read(self, rows: npt.ArrayLike) -> npt.NDArray[np.uint8]: ...  # [n, rowbytes + scalebytes]
     # rows int [n] or [T, k] (negative: a zero record) -> out uint8 rows.shape + (record bytes,)
     def read_into(self, rows: npt.ArrayLike, out: npt.NDArray[np.uint8]) -> None: ...
+    # the exception of a read_nogil() failure (ES_READ_* code, row, errno)
+    def read_error(self, code: int, row: int, err: int, more: str = "") -> Exception: ...
 
 class MappedRows(RowSource):
     """A table in memory or mapped from its file: pointers straight into it."""
@@ -48,6 +51,7 @@ class CachedRows(RowSource):
     def __init__(self, cache: RowCache, source: RowSource) -> None: ...
     @property
     def reading(self) -> bool: ...
+    def read_error(self, code: int, row: int, err: int, more: str = "") -> Exception: ...
 
 class DirectRows(RowSource):
     """Rows read from files (a DirectReader) with no cache."""
@@ -55,6 +59,7 @@ class DirectRows(RowSource):
     def __init__(self, reader: DirectReader, record_format: Optional[str] = None) -> None: ...
     @property
     def reading(self) -> bool: ...
+    def read_error(self, code: int, row: int, err: int, more: str = "") -> Exception: ...
 
 class RecordSource(RowSource):
     """Records fetched in one batch a call by Python code: subclass with start(rows) and finish()."""
@@ -65,11 +70,3 @@ class RecordSource(RowSource):
     def reading(self) -> bool: ...
     def start(self, rows: npt.NDArray[np.int64]) -> None: ...  # sorted, distinct, in range
     def finish(self) -> npt.NDArray[np.uint8]: ...  # [>= n, >= record bytes], record k of rows[k]
-
-class Tier:
-    """Where a model's rows live: open(model) -> the Tier of one model, whose source(layer,
-    read_totals) makes one engine's RowSource."""
-
-    def open(self, model: Any) -> "Tier": ...
-    def source(self, layer: int, read_totals: Any = None) -> RowSource: ...
-    def stats(self) -> dict: ...

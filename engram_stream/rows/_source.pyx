@@ -10,16 +10,24 @@
 An engine hashes a call's tokens, hands the rows to submit() (a remote or disk source starts
 reading there: Decoder.begin starts every layer's reads before any layer runs), then per chunk
 asks resolve() for each row's data and scale pointers, gathers without the GIL, and release()s
-them. Which places a model reads is rows/tiers.py's choice (tables=), not the engines'.
+them. Which places a model reads is its Tables' choice (rows/tier.py; tables=), not the engines'.
 """
+import os
+
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t
+from libc.errno cimport EIO, ENOMEM, ENOSYS
 from libc.stdlib cimport calloc, free, realloc
 from libc.string cimport memcpy, memset
+from posix.stat cimport fstat, struct_stat
 
 from engram_stream.rows._cache cimport RowCache, es_rc_hit, es_rc_insert, es_rc_lock, es_rc_peek, es_rc_unlock, es_rowcache
-from engram_stream.rows._direct cimport DirectReader, es_io_find, es_io_unique
+from engram_stream.rows._direct cimport (ES_IO_BADSUM, ES_IO_PAGE, ES_IO_SHORT, ES_IO_SPAN_MAX, DirectReader,
+                                         RecordFile, es_io_copy_mem, es_io_find, es_io_plan, es_io_span, es_io_submit,
+                                         es_io_unique, es_io_wait, es_stamp_changed)
+from engram_stream.rows._direct import checksum_error
+from engram_stream.errors import FileChangedError
 from engram_stream.io.files import mapping_of
 from engram_stream._hash cimport es_runtime_bind, es_runtime_of_process
 
@@ -34,6 +42,37 @@ cdef extern from "engram_step.h" nogil:
     int64_t es_advise_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n,
                            int advice) noexcept
     int MADV_WILLNEED
+
+
+cdef extern from "stdlib.h" nogil:
+    int posix_memalign(void **memptr, size_t alignment, size_t size)
+
+
+cdef int _regrow_nogil(void **p, size_t nbytes) noexcept nogil:
+    """realloc of *p to nbytes without the GIL: 0, or -1 (*p as it was)."""
+    cdef void *a = realloc(p[0], nbytes if nbytes else 1)
+    if a == NULL:
+        return -1
+    p[0] = a
+    return 0
+
+
+cdef int _grow_scratch(int64_t n, int64_t *cap, void **a, size_t abytes, void **b, size_t bbytes, void **c,
+                       size_t cbytes) noexcept nogil:
+    """read_nogil()'s three scratch arrays (a, b, c: abytes, bbytes, cbytes a row) grown to hold
+    n rows (cap: the rows they hold): 0, or -1 (no memory)."""
+    cdef int64_t want = max(n, 2 * cap[0], 64)
+    if n <= cap[0]:
+        return 0
+    if _regrow_nogil(a, want * abytes) or _regrow_nogil(b, want * bbytes) or _regrow_nogil(c, want * cbytes):
+        return -1
+    cap[0] = want
+    return 0
+
+
+cdef inline int _fail(es_read_error *e, int code, int64_t row, int err) noexcept nogil:
+    e.code, e.row, e.err = code, row, err
+    return -1
 
 
 cdef void *_regrow(void *p, size_t nbytes) except NULL:
@@ -57,6 +96,27 @@ cdef class RowSource:
 
     cdef int64_t prefetch(self, const int64_t *rows, int64_t n) noexcept:
         return 0
+
+    cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil:
+        return _fail(e, ES_READ_NO_C, rows[0] if n else 0, ENOSYS)
+
+    cdef int reserve(self, int64_t n) except -1:
+        if self._grow_nogil(n) != 0:
+            raise MemoryError(f"{type(self).__name__}: read scratch for {n} rows")
+        return 0
+
+    cdef int _grow_nogil(self, int64_t n) noexcept nogil:
+        return 0
+
+    def read_error(self, code, row, err, more=""):
+        """The exception of a read_nogil() failure (code ES_READ_*, the row, errno; `more`:
+        what the caller adds to the message)."""
+        if code == ES_READ_FILE_CHANGED:
+            return FileChangedError(f"{type(self).__name__}: a table file was truncated or rewritten in place "
+                                    f"after it was opened{more}")
+        if code == ES_READ_NO_C:
+            return TypeError(f"{type(self).__name__} has no C reader: its reads need the GIL{more}")
+        return OSError(err, f"{type(self).__name__}: reading rows (first row {row}): {os.strerror(err)}{more}")
 
     def __repr__(self):
         return (f"{type(self).__name__}(rows={self.nrows}, record={self.rowbytes}+{self.scalebytes} bytes, "
@@ -170,6 +230,20 @@ cdef class MappedRows(RowSource):
                               data.dtype.name + ("" if scale is None else "+" + scale.dtype.name))
         self.paged = mapping_of(data) is not None
         self._keep = (data, scale)
+        self.nogil_reads = True
+
+    cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil:
+        cdef int64_t i, rb = self.rowbytes, sb = self.scalebytes, rec = self.rowbytes + self.scalebytes
+        cdef char *d
+        for i in range(n):
+            d = out + i * rec
+            if rows[i] < 0:
+                memset(d, 0, rec)
+                continue
+            memcpy(d, self.data + rows[i] * rb, rb)
+            if sb:
+                memcpy(d + rb, self.scale + rows[i] * sb, sb)
+        return 0
 
     cdef int submit(self, const int64_t *rows, int64_t n) except -1:
         with nogil:  # in-RAM or cached pages: toward the CPU cache before the gather
@@ -240,6 +314,7 @@ cdef class PartedRows(RowSource):
         if self.zero == NULL:
             raise MemoryError("PartedRows: no memory for its zero row")
         self.fallible = False
+        self.nogil_reads = True
         self.record_format = record_format if record_format is not None else parts[0].dtype.name
         self.paged = mapping_of(parts[0]) is not None
         self._keep = parts
@@ -248,6 +323,15 @@ cdef class PartedRows(RowSource):
         free(self.bases)
         free(self.starts)
         free(<void *> self.zero)
+
+    cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil:
+        cdef int64_t i
+        for i in range(n):
+            if rows[i] < 0:
+                memset(out + i * self.rowbytes, 0, self.rowbytes)
+            else:
+                memcpy(out + i * self.rowbytes, self._row(rows[i]), self.rowbytes)
+        return 0
 
     cdef const char *_row(self, int64_t r) noexcept nogil:
         cdef int64_t lo = 0, hi = self.nparts - 1, mid
@@ -298,10 +382,14 @@ cdef class DirectRows(RowSource):
     record's bytes are (rows.records.record_format of the layer; None: unknown)."""
 
     def __cinit__(self, DirectReader reader, record_format=None):
+        cdef RecordFile f = reader.file
         self.reader, self.record_format = reader, record_format
-        self.nrows, self.rowbytes = reader.file.nrows, reader.file.rowbytes
-        self.scalebytes = reader.file.scalebytes
+        self.nrows, self.rowbytes = f.nrows, f.rowbytes
+        self.scalebytes = f.scalebytes
         self.fallible = True
+        self.parts, self.nparts, self.pool, self.qd = f.parts, f.nparts, &reader.io.pool, reader.io.qd
+        self.nfds, self.fdv, self.stampv = f.nfds, f.fdv, &f.stampv[0][0]
+        self.nogil_reads = True
 
     @property
     def reading(self):
@@ -313,6 +401,57 @@ cdef class DirectRows(RowSource):
                 self.reader.wait()
             except BaseException:
                 pass
+        free(self.gu)
+        free(self.gspans)
+        free(self.gstage)
+        free(self.gbuf)
+
+    cdef int _grow_nogil(self, int64_t n) noexcept nogil:
+        cdef void *p = NULL
+        if self.gbuf == NULL:
+            if posix_memalign(&p, ES_IO_PAGE, ES_IO_SPAN_MAX) != 0:
+                return -1
+            self.gbuf = <char *> p
+        return _grow_scratch(n, &self.gcap, <void **> &self.gu, sizeof(int64_t), <void **> &self.gspans,
+                             self.nparts * sizeof(es_io_span), <void **> &self.gstage, self.rowbytes + self.scalebytes)
+
+    cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil:
+        cdef int64_t i, k, m = 0, nu = 0, ns, rec = self.rowbytes + self.scalebytes, first = -1
+        cdef int rc
+        cdef struct_stat st
+        if self._grow_nogil(n) != 0:
+            return _fail(e, ES_READ_IO, rows[0] if n else 0, ENOMEM)
+        for i in range(n):
+            if rows[i] >= 0:
+                self.gu[m] = rows[i]
+                m += 1
+        if m:
+            first = self.gu[0]
+            for i in range(self.nfds):   # RecordFile.check_fast, without the GIL
+                if fstat(self.fdv[i], &st) != 0 or es_stamp_changed(self.stampv + 6 * i, &st):
+                    return _fail(e, ES_READ_FILE_CHANGED, first, 0)
+            nu = es_io_unique(self.gu, m, self.gu)
+            ns = es_io_plan(self.parts, self.nparts, self.gu, nu, self.gspans)
+            es_io_copy_mem(self.parts, self.nparts, self.gu, nu, self.gstage, rec)
+            es_io_submit(self.pool, &self.gjob, self.parts, self.gu, self.gspans, ns, self.gstage, rec, self.qd)
+            rc = es_io_wait(self.pool, &self.gjob, self.gbuf)
+            if rc == ES_IO_BADSUM:
+                return _fail(e, ES_READ_BAD_SUM, self.gjob.err_row, 0)
+            if rc != 0:
+                return _fail(e, ES_READ_IO, first, EIO if rc == ES_IO_SHORT else rc)
+        for i in range(n):
+            if rows[i] < 0:
+                memset(out + i * rec, 0, rec)
+            else:
+                k = es_io_find(self.gu, nu, rows[i])
+                memcpy(out + i * rec, self.gstage + k * rec, rec)
+        return 0
+
+    def read_error(self, code, row, err, more=""):
+        """As RowSource's; a failed checksum names the packed row file, the layer and the row."""
+        if code == ES_READ_BAD_SUM:
+            return checksum_error(self.reader.file.paths[0], self.reader.file.layer, row)
+        return RowSource.read_error(self, code, row, err, more)
 
     cdef int submit(self, const int64_t *rows, int64_t n) except -1:
         if self.pending:  # an aborted call's reads: wait, keep nothing
@@ -466,6 +605,7 @@ cdef class CachedRows(RowSource):
         self.nrows, self.rowbytes, self.scalebytes = source.nrows, source.rowbytes, source.scalebytes
         self.record_format = source.record_format
         self.fallible = source.fallible
+        self.nogil_reads = source.nogil_reads
 
     def __dealloc__(self):
         self._unpin()
@@ -477,6 +617,68 @@ cdef class CachedRows(RowSource):
         free(self.mpos)
         free(self.uniq)
         free(self.slot_of)
+        free(self.gmiss)
+        free(self.gu)
+        free(self.gstage)
+
+    cdef int _grow_nogil(self, int64_t n) noexcept nogil:
+        return _grow_scratch(n, &self.gcap, <void **> &self.gmiss, sizeof(int64_t), <void **> &self.gu,
+                             sizeof(int64_t), <void **> &self.gstage, self.rowbytes + self.scalebytes)
+
+    cdef int reserve(self, int64_t n) except -1:
+        RowSource.reserve(self, n)
+        self.source.reserve(n)
+        return 0
+
+    cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil:
+        """As the engines' path: hits copied under the cache's lock; the distinct misses read by
+        the source's read_nogil(), then admitted (a miss is a row read, its repeats in the call
+        hits). A failed read admits nothing."""
+        cdef int64_t i, j, k, s, m = 0, nu, rec = self.rowbytes + self.scalebytes
+        cdef es_rowcache *rc = &self.cache.c
+        cdef char *d
+        if self._grow_nogil(n) != 0:
+            return _fail(e, ES_READ_IO, rows[0] if n else 0, ENOMEM)
+        es_rc_lock(rc)
+        for i in range(n):
+            d = out + i * rec
+            if rows[i] < 0:
+                memset(d, 0, rec)
+                continue
+            s = es_rc_peek(rc, rows[i])
+            if s >= 0:
+                memcpy(d, es_rc_hit(rc, s), rec)
+            else:
+                self.gmiss[m] = i
+                m += 1
+        es_rc_unlock(rc)
+        if not m:
+            return 0
+        for j in range(m):
+            self.gu[j] = rows[self.gmiss[j]]
+        nu = es_io_unique(self.gu, m, self.gu)
+        es_rc_lock(rc)
+        rc.misses += nu
+        rc.hits += m - nu
+        es_rc_unlock(rc)
+        if self.source.read_nogil(self.gu, nu, self.gstage, e) != 0:
+            return -1
+        for j in range(m):
+            k = es_io_find(self.gu, nu, rows[self.gmiss[j]])
+            memcpy(out + self.gmiss[j] * rec, self.gstage + k * rec, rec)
+        es_rc_lock(rc)
+        for k in range(nu):
+            rc.bytes_fetched += rc.recbytes
+            if es_rc_peek(rc, self.gu[k]) < 0:
+                s = es_rc_insert(rc, self.gu[k])
+                if s >= 0:
+                    memcpy(rc.data + s * rc.stride, self.gstage + k * rec, rec)
+        es_rc_unlock(rc)
+        return 0
+
+    def read_error(self, code, row, err, more=""):
+        """Its source's (the reads behind the cache are the source's)."""
+        return self.source.read_error(code, row, err, more)
 
     @property
     def reading(self):
@@ -650,27 +852,3 @@ cdef class CachedRows(RowSource):
             if es_rc_peek(&self.cache.c, rows[i]) < 0:
                 failed += self.source.prefetch(rows + i, 1)
         return failed
-
-
-class Tier:
-    """Where a model's table rows live: the mapped tables (rows.mapped.MappedTier, "mapped"), the
-    checkpoint's files or its packed row file (rows.direct.DirectTier, "direct"), a Mooncake Store
-    (rows.mooncake.tier.MooncakeTier), the RAM row cache over any of them (rows.tiers.CachedTier), or a
-    class of your own (rows.tiers.TIERS names it for a spec). rows.tiers.parse_tier(spec) makes
-    one from what a loader's tables= or a serving setting gives.
-
-    open(model) gives this tier for one model: a Tier too, whose source(layer, read_totals) makes
-    the RowSource one engine of `layer` reads through (read_totals: the layer's
-    rows._direct.new_totals() array its reads add to, or None) and whose stats() are the fields
-    it adds to row_cache_stats() (rows.tiers.STATS_FIELDS). A tier as given, before open(), has
-    no model: its source() refuses."""
-
-    def open(self, model) -> "Tier":
-        raise NotImplementedError(f"{type(self).__name__}.open(model)")
-
-    def source(self, layer, read_totals=None) -> RowSource:
-        raise NotImplementedError(f"{type(self).__name__}.source(layer): a tier reads for one model: "
-                                  f"tier.open(model).source(layer)")
-
-    def stats(self) -> dict:
-        return {}

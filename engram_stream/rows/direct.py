@@ -25,8 +25,9 @@ import numpy as np
 from ..io.files import MappedFile, mapping_of
 from . import packed
 from ._direct import DirectReader, FilePart, IOPool, MemPart, RecordFile
-from ._source import DirectRows, Tier
+from ._source import DirectRows
 from .records import record_arrays, record_format
+from .tier import Tables, Tier, register_tier
 
 
 class DirectTier(Tier):
@@ -48,8 +49,8 @@ class DirectTier(Tier):
         return (f"DirectTier(qd={self.qd}, scales_in_ram={self.scales_in_ram}, rows_file={self.rows_file!r}, "
                 f"o_direct={self.o_direct})")
 
-    def open(self, model) -> "DirectFiles":
-        return DirectFiles(model, self)
+    def open(self, model) -> "DirectTables":
+        return DirectTables(self, model)
 
 
 def _extent(a, model=None, layer=None):
@@ -72,16 +73,17 @@ def _extent(a, model=None, layer=None):
     return mm.path, a.ctypes.data - base
 
 
-def record_file(model, layer, tier, rows_at=None) -> RecordFile:
-    """The RecordFile of one layer's records (see the module doc). rows_at: {layer: (offset,
-    per_group, group_bytes, sums, seed)} of a packed row file already opened (open_rows), or None."""
+def record_file(model, layer, tier, rows_path=None, rows_at=None) -> RecordFile:
+    """The RecordFile of one layer's records (see the module doc). rows_path, rows_at: a packed
+    row file already opened (open_rows) and its {layer: (offset, per_group, group_bytes, sums,
+    seed)}, or None."""
     w = model.layer(layer)
     rows, scales = record_arrays(w)
     n, rb = rows.shape[0], rows.shape[1]
     sb = 0 if scales is None else scales.shape[1]
     if rows_at is not None:
         off, per, gb, sums, seed = rows_at[layer]
-        return RecordFile(n, [FilePart(tier.rows_path, off, rb + sb, per, gb, sums=sums, seed=seed)], rowbytes=rb,
+        return RecordFile(n, [FilePart(rows_path, off, rb + sb, per, gb, sums=sums, seed=seed)], rowbytes=rb,
                           direct=tier.o_direct, layer=layer)
     path, off = _extent(w.table, model, layer)
     parts = [FilePart(path, off, rb)]
@@ -94,12 +96,12 @@ def record_file(model, layer, tier, rows_at=None) -> RecordFile:
     return RecordFile(n, parts, rowbytes=rb, direct=tier.o_direct, layer=layer)
 
 
-class DirectFiles(Tier):
+class DirectTables(Tables):
     """A DirectTier opened for one model: one RecordFile per layer and one IOPool (every engine's
-    reader shares them)."""
+    reader shares them). rows_path: the packed row file read, or None (the checkpoint's files)."""
 
-    def __init__(self, model, tier: DirectTier):
-        self.tier = tier
+    def __init__(self, tier: DirectTier, model):
+        super().__init__(tier)
         self.rows_path, rows_at = None, None
         if tier.rows_file not in (False, None):
             if tier.rows_file == "auto":
@@ -111,13 +113,9 @@ class DirectFiles(Tier):
             if path is not None:
                 rows_at = packed.open_rows(model, path)  # refuses a file that is not this checkpoint's
                 self.rows_path = path
-        tier_view = _TierView(tier, self.rows_path)
-        self.files = {L: record_file(model, L, tier_view, rows_at) for L in model.cfg.layer_ids}
+        self.files = {L: record_file(model, L, tier, self.rows_path, rows_at) for L in model.cfg.layer_ids}
         self.formats = {L: record_format(model.layer(L)) for L in model.cfg.layer_ids}
         self.io = IOPool(tier.qd)
-
-    def open(self, model) -> "DirectFiles":
-        return DirectFiles(model, self.tier)
 
     def source(self, layer, read_totals=None) -> DirectRows:
         """One engine's reader of the layer's records (its reads add to read_totals)."""
@@ -127,8 +125,4 @@ class DirectFiles(Tier):
         return {L: f.describe() for L, f in self.files.items()}
 
 
-class _TierView:
-    """A DirectTier with the row file path chosen for one model."""
-
-    def __init__(self, tier, rows_path):
-        self.scales_in_ram, self.o_direct, self.rows_path = tier.scales_in_ram, tier.o_direct, rows_path
+register_tier("direct", DirectTier)

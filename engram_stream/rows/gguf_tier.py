@@ -31,8 +31,9 @@ from ..errors import CheckpointError
 from ..io.files import MappedFile, open_regular
 from ..io.memory import advise
 from ._direct import DirectReader, FilePart, IOPool, RecordFile
-from ._source import DirectRows, MappedRows, PartedRows, Tier
+from ._source import DirectRows, MappedRows, PartedRows
 from .gguf import check_config, open_gguf, record_format_of
+from .tier import Tables, Tier, register_tier
 
 READS = ("mapped", "direct")
 
@@ -55,15 +56,15 @@ class GGUFTier(Tier):
         return f"GGUFTier({self.path!r}, read={self.read!r}, qd={self.qd}, o_direct={self.o_direct})"
 
     def open(self, model) -> "GGUFTables":
-        return GGUFTables(model, self)
+        return GGUFTables(self, model)
 
 
-class GGUFTables(GGUFTier):
+class GGUFTables(Tables):
     """A GGUFTier opened for one model: the file checked against the model's config, each layer's
     table located (tensors), its record format, and the mapped files or the direct readers' files."""
 
-    def __init__(self, model, tier: GGUFTier):
-        self.tier = tier
+    def __init__(self, tier: GGUFTier, model):
+        super().__init__(tier)
         self.path, self.read, self.qd, self.o_direct = tier.path, tier.read, tier.qd, tier.o_direct
         self.gguf = open_gguf(self.path)
         layers, self.missing = check_config(self.gguf, model.cfg, model.plan)
@@ -96,9 +97,6 @@ class GGUFTables(GGUFTier):
                                         rowbytes=ts[0].row_bytes, direct=self.o_direct, layer=L)
                           for L, ts in layers.items()}
 
-    def open(self, model) -> "GGUFTables":
-        return GGUFTables(model, self.tier)
-
     def record_layout(self, layer):
         """(row bytes, scale bytes) of one of this layer's records: the GGUF row's bytes, no scale."""
         return self.tensors[layer][0].row_bytes, 0
@@ -119,3 +117,6 @@ class GGUFTables(GGUFTier):
 def _map(path) -> MappedFile:
     with open_regular(path, lambda why: CheckpointError(f"{path}: {why}")) as f:
         return MappedFile(f.fileno(), os.fstat(f.fileno()), path)
+
+
+register_tier("gguf", GGUFTier)

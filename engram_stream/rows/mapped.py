@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from ..io.files import mapping_of
 from ..io.memory import advise
-from ._source import MappedRows, Tier
+from ._source import MappedRows
 from .records import record_format
+from .tier import Tables, Tier, register_tier
 
 
 class MappedTier(Tier):
@@ -14,16 +15,17 @@ class MappedTier(Tier):
     in by prefetch() (MADV_WILLNEED of the rows a call reads)."""
 
     def __repr__(self):
-        return "MappedTier()"  # (an opened one too: what it was opened from)
+        return "MappedTier()"
 
     def open(self, model) -> "MappedTables":
-        return MappedTables(model)
+        return MappedTables(self, model)
 
 
-class MappedTables(MappedTier):
+class MappedTables(Tables):
     """A MappedTier opened for one model: each engine's MappedRows points into its tables."""
 
-    def __init__(self, model):
+    def __init__(self, tier, model):
+        super().__init__(tier)
         self.layers = {L: (model.layer(L).table, model.layer(L).table_scale, record_format(model.layer(L)))
                        for L in model.cfg.layer_ids}
         for arrays in self.layers.values():
@@ -33,3 +35,6 @@ class MappedTables(MappedTier):
 
     def source(self, layer, read_totals=None) -> MappedRows:
         return MappedRows(*self.layers[layer])
+
+
+register_tier("mapped", MappedTier)

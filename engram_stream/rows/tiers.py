@@ -6,10 +6,11 @@
     model = EngramModel.load(path, row_cache_mb=64, host_cache="vllm") # one cache for the host's processes
 
 tables= is a spec (parse_tier: "mapped", "direct", a Tier, {"mooncake": {...}}) of a Tier
-(rows/_source.pyx: where rows live; open(model) gives the model's Tier, whose source(layer) makes
-each engine's RowSource); CachedTier is the model's shared RAM row cache in front of every source
-its tier makes (model.tier). Rows travel and are cached as records (records.py): the gather converts a record exactly as
-it converts a table row, so every source gives the same floats bit for bit.
+(rows/tier.py: a Tier opened for a model is its Tables, whose source(layer) makes each engine's
+RowSource); CachedTier is the RAM row cache over any tier, and its CachedTables, the model's
+shared caches in front of every source its tier's Tables make, is model.tables. Rows travel and
+are cached as records (records.py): the gather converts a record exactly as it converts a table
+row, so every source gives the same floats bit for bit.
 """
 from __future__ import annotations
 
@@ -25,13 +26,10 @@ import numpy as np
 from ..errors import shown
 from ._cache import RowCache, cache_nbytes, slots_for
 from ._direct import new_totals, totals_summary
-from ._source import CachedRows, Tier
-from .direct import DirectTier
-from .mapped import MappedTier
+from ._source import CachedRows
 from .identity import host_model_id
-from .gguf_tier import GGUFTier
-from .mooncake.tier import MooncakeTier
 from .records import record_layout
+from .tier import Tables, Tier, registered_tiers
 
 
 # Every field of row_cache_stats(): its unit and its one meaning, whichever source is behind the
@@ -94,32 +92,27 @@ LAYER_FIELDS = ("hits", "misses", "bytes_fetched", "evictions", "rows_cached", "
                 "reads", "bytes_read", "rows_read", "read_wait_p50", "read_wait_p99")
 
 
-# The tiers a spec names (parse_tier): a string is the class made with no argument, a one-key dict
-# {name: {argument: value}} the class made with those arguments. A tier of your own is a class and
-# an entry here.
-TIERS = {"mapped": MappedTier, "direct": DirectTier, "mooncake": MooncakeTier, "gguf": GGUFTier}
-
-
 def parse_tier(spec) -> Tier:
     """The Tier a spec names, one parser for EngramModel.load / from_deepseek_v41 (tables=), the CLI
     and the serving plugins' settings: "mapped" (the tables where the loader put them), "direct"
     (pread from the checkpoint's files, or its packed row file), a Tier (returned as it is), or a
     one-key dict {"mooncake": {"master": ..., "metadata": ..., MooncakeTier's other arguments}}
-    (any name of TIERS with the arguments of its class)."""
+    (any name given to rows.register_tier, with the arguments of its class)."""
     if isinstance(spec, Tier):
         return spec
-    if isinstance(spec, str) and spec in TIERS:
-        return TIERS[spec]()
+    tiers = registered_tiers()
+    if isinstance(spec, str) and spec in tiers:
+        return tiers[spec]()
     if isinstance(spec, dict) and len(spec) == 1:
         (name, kw), = spec.items()
-        if name in TIERS and isinstance(kw, dict) and all(isinstance(k, str) for k in kw):
+        if name in tiers and isinstance(kw, dict) and all(isinstance(k, str) for k in kw):
             try:
-                return TIERS[name](**kw)
+                return tiers[name](**kw)
             except TypeError as e:   # an argument the class does not take
-                code = TIERS[name].__init__.__code__
+                code = tiers[name].__init__.__code__
                 raise TypeError(f"tables={spec!r}: {e}; the arguments are "
                                 f"{code.co_varnames[1:code.co_argcount]}") from None
-    raise TypeError(f"tables= takes {' | '.join(repr(n) for n in TIERS)}, a Tier (a DirectTier, a MooncakeTier, a "
+    raise TypeError(f"tables= takes {' | '.join(repr(n) for n in tiers)}, a Tier (a DirectTier, a MooncakeTier, a "
                     f"CachedTier, a subclass of engram_stream.rows.Tier) or a one-key dict {{name: {{arguments}}}} "
                     f"such as {{\"mooncake\": {{\"master\": \"HOST:PORT\", \"metadata\": \"URL\"}}}}, got {shown(spec)}")
 
@@ -133,18 +126,18 @@ def _layout(inner, model, layer):
 
 
 class CachedTier(Tier):
-    """The RAM row cache over any tier: CachedTier(tier, row_cache_mb, host_cache). Opened for a
-    model (open(model): what EngramModel.load does with its tables=, row_cache_mb= and
-    host_cache=; model.tier), it is that model's rows and budget.
+    """The RAM row cache over any tier: CachedTier(tier, row_cache_mb, host_cache), what
+    EngramModel.load makes of its tables=, row_cache_mb= and host_cache=. Opened for a model,
+    it is that model's CachedTables (model.tables).
 
-    tier: a spec of parse_tier (the tier the cache is in front of; inner: that tier opened for
-    the model). row_cache_mb: the model's cache budget (MiB; at most what caching every row
-    costs: a larger one caches the tables whole; 0: no cache, sources read the tier directly),
-    split over layers in proportion to their table bytes: one RowCache per layer, made at the
-    first engine of the layer and shared by every engine and stream of the model (its own lock;
-    pins by count). host_cache: a name the processes of one host give to share one cache per
-    layer (a file under /dev/shm each: the same budget, a row one process read is a hit for all,
-    and stats() counts every process's lookups); None: the caches are this process's."""
+    tier: a spec of parse_tier (the tier the cache is in front of). row_cache_mb: the model's
+    cache budget (MiB; at most what caching every row costs: a larger one caches the tables
+    whole; 0: no cache, sources read the tier directly), split over layers in proportion to
+    their table bytes: one RowCache per layer, made at the first engine of the layer and shared
+    by every engine and stream of the model (its own lock; pins by count). host_cache: a name
+    the processes of one host give to share one cache per layer (a file under /dev/shm each:
+    the same budget, a row one process read is a hit for all, and stats() counts every
+    process's lookups); None: the caches are this process's."""
 
     def __init__(self, tier="mapped", row_cache_mb=0, host_cache=None):
         self.row_cache_mb = check_row_cache_mb(row_cache_mb)
@@ -158,25 +151,29 @@ class CachedTier(Tier):
             raise ValueError(f"host_cache={host_cache!r} shares the row cache, and row_cache_mb is 0: give the "
                              f"host's budget as row_cache_mb (MiB, the same in every process)")
         self.host_cache = host_cache
-        self.model_ref = self.inner = None
 
     def __repr__(self):
         return f"CachedTier({self.tier!r}, row_cache_mb={self.row_cache_mb:g}, host_cache={self.host_cache!r})"
 
-    def open(self, model) -> "CachedTier":
-        """This cache and tier for `model` (a with_weight_dtype copy opens its model's own: the
+    def open(self, model) -> "CachedTables":
+        """The cache and tier for `model` (a with_weight_dtype copy opens its model's own: the
         same budget and tier, caches of its own)."""
-        opened = CachedTier(self.tier, self.row_cache_mb, self.host_cache)
-        opened._bind(model)
-        return opened
+        return CachedTables(self, model)
 
-    def _bind(self, model):
-        row_cache_mb, host_cache = self.row_cache_mb, self.host_cache
+
+class CachedTables(Tables):
+    """A CachedTier opened for one model: the budget split over its layers, the layers' shared
+    RowCaches (made at each layer's first engine), and inner, the Tables of the tier the cache is
+    in front of."""
+
+    def __init__(self, tier: CachedTier, model):
+        super().__init__(tier)
+        row_cache_mb, host_cache = tier.row_cache_mb, tier.host_cache
         self.model_ref = weakref.ref(model)
         # host_model_id names a host cache's files; a table in RAM is digested whole for it, so
         # it is taken here, at load, and no engine made later touches the tables
         self.model_id = host_model_id(model) if host_cache is not None else None
-        self.inner = self.tier.open(model)   # first: its records' layout sizes the caches
+        self.inner = tier.tier.open(model)   # first: its records' layout sizes the caches
         layouts = {L: _layout(self.inner, model, L) for L in model.cfg.layer_ids}
         table_bytes = {L: model.plan.table_rows[L] * sum(layouts[L]) for L in model.cfg.layer_ids}
         whole = {L: cache_nbytes(model.plan.table_rows[L], sum(layouts[L]))
@@ -211,8 +208,8 @@ class CachedTier(Tier):
                 rec = rowbytes + scalebytes
                 nslots = slots_for(self.layer_budget[layer], rec)
                 host = identity = None
-                if self.host_cache is not None and nslots:
-                    host = host_cache_path(self.host_cache, self.model_id, layer)
+                if self.tier.host_cache is not None and nslots:
+                    host = host_cache_path(self.tier.host_cache, self.model_id, layer)
                     identity = f"{self.model_id}:l{layer}"
                 self.caches[layer] = (RowCache(nslots, rec, layer) if host is None else
                                       RowCache(nslots, rec, layer, host=host, identity=identity))
@@ -221,9 +218,7 @@ class CachedTier(Tier):
     def source(self, layer, read_totals=None):
         """The RowSource one engine of `layer` reads through: the tier's source of the layer,
         behind the layer's shared cache when the budget gives it slots. (Reads count in this
-        tier's own read totals: read_totals is not used.)"""
-        if self.inner is None:
-            raise RuntimeError("CachedTier.source(layer): the cache is a model's: tier.open(model).source(layer)")
+        tables' own read totals: read_totals is not used.)"""
         src = self.inner.source(layer, self.read_totals[layer])
         cache = self.cache(layer)
         return CachedRows(cache, src) if cache.nslots else src

@@ -164,7 +164,7 @@ def test_release_unpins_what_the_call_pinned(row_checkpoints, what, tmp_path, re
     L = model.cfg.layer_ids[0]
     src = model.row_source(L)
     if isinstance(src, CachedRows):
-        cache = model.tier.cache(L)
+        cache = model.tables.cache(L)
     else:
         cache = RowCache(64, src.rowbytes + src.scalebytes, L)
         src = CachedRows(cache, src)
@@ -186,4 +186,4 @@ def test_release_unpins_what_the_call_pinned(row_checkpoints, what, tmp_path, re
     reader = model.row_source(L)
     reader.read(np.arange(50))
     reader.read(np.arange(50))
-    assert model.tier.caches.get(L) is None or model.tier.caches[L].pinned() == 0
+    assert model.tables.caches.get(L) is None or model.tables.caches[L].pinned() == 0

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from engram_stream import EngramConfig, EngramModel, variants
 from engram_stream.errors import TierError
-from engram_stream.rows import CachedTier, RecordSource, Tier, record_layout
+from engram_stream.rows import CachedTier, RecordSource, Tables, Tier, record_layout
 from engram_stream.rows._cache import slot_bytes
 from helpers.inputs import variant_hidden, variant_ids
 from helpers.models import contract_model, contract_variants
@@ -509,11 +509,12 @@ class FakeTier(Tier):
         return _FakeTables(self, model)
 
 
-class _FakeTables(Tier):
+class _FakeTables(Tables):
     """A FakeTier opened for one model."""
 
     def __init__(self, tier, model):
-        self.tier, self.model = tier, model
+        super().__init__(tier)
+        self.model = model
 
     def source(self, layer, read_totals=None):
         return _FakeRows(self.tier, self.model, layer)
@@ -550,7 +551,7 @@ def _on_a_fake_tier(variant, tier, row_cache_mb=0):
     """(the model of `variant`, a copy of it whose rows come through `tier`)."""
     base = model_of(variant)
     model = EngramModel(base.cfg, base.plan, base.layers)
-    model.tier = CachedTier(tier, row_cache_mb).open(model)
+    model.tables = CachedTier(tier, row_cache_mb).open(model)
     return base, model
 
 

@@ -1,6 +1,6 @@
 """A place for rows written in this file alone (no shared file names it) passes the row-source
-contract suite (test_row_sources.py), bare and behind the RAM row cache: a Tier, its RowSource, and
-an entry in rows.tiers.TIERS that lets a spec name it (tables="toy").
+contract suite (test_row_sources.py), bare and behind the RAM row cache: a Tier, its Tables, its
+RowSource, and rows.register_tier("toy", ...) that lets a spec name it (tables="toy").
 
 The toy keeps a layer's records in a Python dict of bytes (as a key-value service would) and
 serves them through RecordSource's two calls: start(rows) looks them up, finish() hands the batch
@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from engram_stream.rows import TIERS, RecordSource, Tier
+from engram_stream.rows import RecordSource, Tables, Tier, register_tier, registered_tiers
 from engram_stream.rows._direct import add_read
 from engram_stream.rows.records import record_arrays
 
@@ -22,13 +22,14 @@ from helpers.suites import collect_suite_with_plugin, run_suite_counts
 
 class ToyTier(Tier):
     def open(self, model):
-        return ToyTables(model)
+        return ToyTables(self, model)
 
 
-class ToyTables(ToyTier):
+class ToyTables(Tables):
     """The toy opened for one model: its records."""
 
-    def __init__(self, model):
+    def __init__(self, tier, model):
+        super().__init__(tier)
         self.store = {}
         for L in model.cfg.layer_ids:
             rows, scales = record_arrays(model.layer(L))
@@ -61,7 +62,7 @@ def pytest_configure(config):
     """Loaded as the plugin of the suite's own run: the toy joins the sources (helpers.row_sources,
     one module the suite imports too)."""
     if os.environ.get("ENGRAM_STREAM_TOY_SOURCE") == "1":
-        TIERS["toy"] = ToyTier
+        register_tier("toy", ToyTier)
         row_sources.ROW_SOURCES["toy"] = dict(tables="toy")
         row_sources.ROW_SOURCES["toy+cache"] = dict(tables="toy", row_cache_mb=row_sources.SMALL_CACHE)
 
@@ -87,7 +88,7 @@ def test_the_row_source_contract_passes_on_a_source_written_here():
 
 
 def test_the_toy_is_not_a_source_in_this_run():
-    assert not any(k.startswith("toy") for k in row_sources.ROW_SOURCES) and "toy" not in TIERS
+    assert not any(k.startswith("toy") for k in row_sources.ROW_SOURCES) and "toy" not in registered_tiers()
 
 
 def test_a_toy_that_returns_short_records_is_refused(row_checkpoints):
@@ -97,7 +98,7 @@ def test_a_toy_that_returns_short_records_is_refused(row_checkpoints):
             return super().finish()[:-1]
     model = row_sources.load_checkpoint(row_checkpoints["v41"], tables=ToyTier())
     L = model.cfg.layer_ids[0]
-    t = model.tier.inner.store[L]
+    t = model.tables.inner.store[L]
     src = Short(*t, None)
     with pytest.raises(ValueError, match=r"finish\(\) must return uint8"):
         src.read(np.array([0, 1, 2]))

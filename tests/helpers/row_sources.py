@@ -60,7 +60,7 @@ def row_source_model(path, what, tmp_path, request):
         (shutil.copytree if os.path.isdir(path) else shutil.copyfile)(path, copy)
         packed.pack_rows(load_checkpoint(copy), packed.rows_path(copy))
         model = load_checkpoint(copy, **kw)
-        assert model.tier.inner.rows_path == packed.rows_path(copy)
+        assert model.tables.inner.rows_path == packed.rows_path(copy)
         return model
     if kw.get("tables") == "direct-scales-in-ram":
         kw["tables"] = DirectTier(scales_in_ram=True)

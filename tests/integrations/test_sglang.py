@@ -130,7 +130,7 @@ def test_sglang_engram_builds_the_plugins_embedding_with_sglangs_bits(plugin_che
         assert not list(m.parameters()) and not list(m.buffers())
         assert not hasattr(m, "weight") and not hasattr(m, "scale")   # SGLang's meta table, dropped
         if "packed" in source:
-            assert m.model.tier.inner.rows_path == packed.rows_path(path)
+            assert m.model.tables.inner.rows_path == packed.rows_path(path)
         for T in (1, 16, 300):
             ids = hash_ids(layout, i, T, rng)
             want = stock[L](ids)

@@ -178,7 +178,7 @@ def test_plugin_lookup_gives_vllms_bytes(E, vllm_env, plugin_checkpoints, expect
     for L, m in mine.items():
         assert isinstance(m, plugin.embedding_class()) and isinstance(m, E.ParallelEngramEmbedding)
         if "packed" in source:
-            assert m.model.tier.inner.rows_path == packed.rows_path(path)
+            assert m.model.tables.inner.rows_path == packed.rows_path(path)
         own = sum(p.numel() * p.element_size() for p in list(m.parameters()) + list(m.buffers()))
         assert own < table_bytes[L] // 100
         assert not hasattr(m, "weight") and not hasattr(m, "weight_scale_inv")   # vLLM's meta table, dropped

@@ -152,7 +152,7 @@ def test_a_packed_record_that_fails_its_checksum_is_recorded_not_served(plugin_c
         f.seek(lay["offset"] + r // lay["per_group"] * lay["group_bytes"] + r % lay["per_group"] * 264 + 5)
         f.write(b"\x7e")
     model = model_of(path, {"tables": "direct"})
-    assert model.tier.inner.rows_path == rows
+    assert model.tables.inner.rows_path == rows
     src = model.row_source(L)
     ids = np.array([[0, r, 2]], np.int32)
     st = staging_of(src, 1, 3, False)
@@ -176,11 +176,50 @@ class Toy(RecordSource):
 
 
 def test_sources_that_need_the_gil_are_refused():
-    src = Toy(10, 256, 8)
-    ok, why = graph_capable(src)
-    assert not ok and "GIL" in why
-    with pytest.raises(TypeError, match="GIL"):
-        HostLookup(src, np.zeros((1, 1), np.int32), np.zeros((1, 1, 264), np.uint8), 0, 10)
+    """A source without a C reader (nogil_reads False), bare or behind the row cache: graph_capable
+    says so and names the sources that qualify; HostLookup refuses it."""
+    from engram_stream.rows import CachedRows
+    from engram_stream.rows._cache import RowCache
+    for src in (Toy(10, 256, 8), CachedRows(RowCache(16, 264, 0), Toy(10, 256, 8))):
+        assert not src.nogil_reads
+        ok, why = graph_capable(src)
+        assert not ok and "Toy has no C reader" in why and "GIL" in why and "MappedRows, DirectRows" in why
+        with pytest.raises(TypeError, match="GIL"):
+            HostLookup(src, np.zeros((1, 1), np.int32), np.zeros((1, 1, 264), np.uint8), 0, 10)
+
+
+@pytest.mark.parametrize("checkpoint", ["plain", "rows"])
+def test_a_cached_file_source_reads_under_the_graph_reader_as_its_python_read(plugin_checkpoints, checkpoint):
+    """The row cache over the checkpoint's files (or its packed row file): the host function reads
+    through the source's one C reader (RowSource.read_nogil) the bytes its Python-level read gives,
+    cold and warm, and counts the cache as the engines' path does (a miss a distinct row read, its
+    repeats in the call hits)."""
+    from engram_stream.rows import CachedRows, DirectRows
+    model = model_of(plugin_checkpoints[checkpoint], {"tables": "direct", "row_cache_mb": 0.2})
+    L = model.cfg.layer_ids[-1]
+    src = model.row_source(L)
+    assert isinstance(src, CachedRows) and isinstance(src.source, DirectRows)
+    assert src.nogil_reads and src.source.nogil_reads
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, src.nrows, (40, 6)).astype(np.int64)
+    ids[5] = ids[0]                                               # repeats within the call
+    ids[7, 2] = -1                                                # "no row": zeros
+    st = staging_of(src, 40, 6, False)
+    ctx = HostLookup(src, ids, st, 0, src.nrows)
+    before = model.row_cache_stats()["layers"][L]
+    ctx.run()                                                     # cold: every distinct row a miss
+    after = model.row_cache_stats()["layers"][L]
+    valid = ids[ids >= 0]
+    assert after["misses"] - before["misses"] == len(np.unique(valid))
+    assert after["hits"] - before["hits"] == valid.size - len(np.unique(valid))
+    want = np.empty_like(st)
+    check = model_of(plugin_checkpoints[checkpoint], {"tables": "direct", "row_cache_mb": 0.2})   # its own cache
+    check.row_source(L).read_into(ids, want)                      # the Python-level read (submit/resolve)
+    assert np.array_equal(st, want) and not st[7, 2].any()
+    st[:] = 7
+    ctx.run()                                                     # warm: the cache's own copies
+    assert np.array_equal(st, want) and ctx.error() is None
+    assert model.row_cache_stats()["layers"][L]["hits"] > after["hits"]
 
 
 def test_buffers_of_the_wrong_shape_are_refused(plugin_checkpoints):

@@ -306,7 +306,7 @@ def test_direct_names_why_a_table_over_files_is_in_ram_and_reads_the_packed_row_
     assert "several files" in msg and "pack-rows" in msg and "mmap=True" not in msg
     assert main(["pack-rows", str(tmp_path / "q"), "--quiet"]) == 0
     direct = EngramModel.load(tmp_path / "q", tables="direct", row_cache_mb=1)
-    assert direct.tier.inner.rows_path == packed.rows_path(tmp_path / "q")
+    assert direct.tables.inner.rows_path == packed.rows_path(tmp_path / "q")
     assert all(packed.verify_rows(direct, packed.rows_path(tmp_path / "q")).values())  # every record's bytes
     ids, hid = inputs(cfg, seed=10)
     for L in cfg.layer_ids:

@@ -388,8 +388,8 @@ def test_direct_model_reads_its_own_files_after_chdir(tmp_path, monkeypatch):
     bf = model.with_weight_dtype("bfloat16")
     for L in cfg.layer_ids:
         want = record_arrays(model.layer(L))[0]
-        f = bf.tier.inner.files[L]
+        f = bf.tables.inner.files[L]
         rows = np.arange(want.shape[0])
-        np.testing.assert_array_equal(DirectReader(f, bf.tier.inner.io).read(rows), want[rows])
+        np.testing.assert_array_equal(DirectReader(f, bf.tables.inner.io).read(rows), want[rows])
         assert all(os.path.isabs(p) for p in f.paths if p)
     assert model.source == str(tmp_path / "a" / "m.safetensors")

@@ -179,7 +179,7 @@ def test_engines_are_the_oracle_on_the_dequantized_table(folders, tmp_path, key,
         outs[what] = got
         if "cache" in what:
             st = model.row_cache_stats()
-            assert st["misses"] > 0 and st["bytes_fetched"] == st["misses"] * model.tier.inner.record_layout(
+            assert st["misses"] > 0 and st["bytes_fetched"] == st["misses"] * model.tables.inner.record_layout(
                 model.cfg.layer_ids[0])[0]
         if "direct" in what:
             assert model.row_cache_stats()["reads"] > 0
@@ -212,8 +212,8 @@ def test_parse_tier_and_the_file_checks(folders, tmp_path):
     with pytest.raises(ValueError, match="read= must be one of"):
         GGUFTier(path, read="lazy")
     m = load_checkpoint(folder, tables=GGUFTier(path))
-    assert isinstance(m.tier.inner, GGUFTables)
-    assert "deepseek41.engram.primes" in m.tier.inner.missing   # taken from the folder
+    assert isinstance(m.tables.inner, GGUFTables)
+    assert "deepseek41.engram.primes" in m.tables.inner.missing   # taken from the folder
     # a hash constant that is not the folder's: refused at load, both values named
     cfg = ref.cfg
     kv = v41_kv(ref)

@@ -49,8 +49,8 @@ sources = {}
 def host_stats():
     s = model.row_cache_stats()
     out = {k: s[k] for k in ("hits", "misses", "rows_cached", "capacity_rows", "cache_bytes", "budget_bytes")}
-    out["recoveries"] = sum(c.recoveries for c in model.tier.caches.values())
-    out["pinned"] = sum(c.pinned() for c in model.tier.caches.values())
+    out["recoveries"] = sum(c.recoveries for c in model.tables.caches.values())
+    out["pinned"] = sum(c.pinned() for c in model.tables.caches.values())
     out["layers"] = {str(L): {k: v[k] for k in ("hits", "misses", "rows_cached", "capacity_rows")}
                      for L, v in s["layers"].items()}
     return out
@@ -72,7 +72,7 @@ for line in sys.stdin:
             model = EngramModel.load(cmd["path"], tables=cmd.get("tables", "mapped"), row_cache_mb=cmd["mb"],
                                      host_cache=cmd["host"])
             for L in model.cfg.layer_ids:
-                model.tier.cache(L)
+                model.tables.cache(L)
             reply = host_stats()
         elif op == "read":
             L = cmd["layer"]
@@ -109,7 +109,7 @@ for line in sys.stdin:
         elif op == "spin":
             # read a row from a table whose pages fault, inside the cache's lock: the fault's handler
             # returns, the copy faults again, and the process spins holding the lock until killed
-            cache = model.tier.cache(cmd["layer"])
+            cache = model.tables.cache(cmd["layer"])
             signal.signal(signal.SIGSEGV, lambda *a: None)
             signal.signal(signal.SIGBUS, lambda *a: None)
             nrows = cmd["row"] + 1
@@ -475,7 +475,7 @@ def test_a_host_cache_too_small_for_one_row_is_refused(ckpt, host):
         EngramModel.load(ckpt, row_cache_mb=1e-9, host_cache=name)
     least = float(re.search(r">= ([0-9.e+-]+)", str(e.value)).group(1))
     m = EngramModel.load(ckpt, row_cache_mb=least, host_cache=name)
-    assert all(m.tier.cache(L).nslots >= 1 for L in m.cfg.layer_ids)
+    assert all(m.tables.cache(L).nslots >= 1 for L in m.cfg.layer_ids)
     del m
 
 

@@ -192,7 +192,7 @@ def test_a_row_file_of_a_checkpoint_saved_again_is_refused(v41_dir, tmp_path):
     with pytest.raises(RowsFileError, match=f"{shard}.*pack-rows --force"):
         EngramModel.from_deepseek_v41(d, tables="direct")
     packed.pack_rows(EngramModel.from_deepseek_v41(d), packed.rows_path(d))
-    assert EngramModel.from_deepseek_v41(d, tables="direct").tier.inner.rows_path == packed.rows_path(d)
+    assert EngramModel.from_deepseek_v41(d, tables="direct").tables.inner.rows_path == packed.rows_path(d)
 
 
 def test_a_row_file_rewritten_under_a_running_model_is_noticed(v41_dir, tmp_path):
@@ -230,7 +230,7 @@ def test_a_24_layer_checkpoint_packs(tmp_path):
         np.testing.assert_array_equal(records_in_file(packed.rows_path(d), head, L)[:5],
                                       np.concatenate([model.layer(L).embed_weight[:5].view(np.uint8),
                                                       model.layer(L).embed_scale[:5].view(np.uint8)], axis=1))
-    assert direct.tier.inner.rows_path == packed.rows_path(d)
+    assert direct.tables.inner.rows_path == packed.rows_path(d)
 
 
 def test_a_header_of_wrong_types_is_a_rows_file_error(v41_dir, tmp_path):
@@ -359,7 +359,7 @@ def test_a_record_changed_outside_the_samples_with_its_mtime_put_back_is_never_s
     r = _unsampled_row(lay, L)
     _poke(path, lay["offset"] + r // 15 * PAGE + r % 15 * 264 + 7, b"\x7e")   # an e4m3 byte: 448.0
     model = EngramModel.from_deepseek_v41(d, tables="direct")
-    assert model.tier.inner.rows_path == path
+    assert model.tables.inner.rows_path == path
     src = model.row_source(L)
     w = EngramModel.from_deepseek_v41(d).layer(L)
     want = np.concatenate([w.embed_weight, w.embed_scale], axis=1)

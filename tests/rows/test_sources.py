@@ -32,7 +32,7 @@ def test_packed_row_file_is_used_and_reads_once_per_row(row_checkpoints, name, t
     want = run(load(path), 3)
     packed.pack_rows(load(path), packed.rows_path(path))
     model = load(path, tables="direct")
-    assert model.tier.inner.rows_path == packed.rows_path(path)
+    assert model.tables.inner.rows_path == packed.rows_path(path)
     assert_identical(run(model, 3), want)
     st = model.row_cache_stats()
     assert st["reads"] <= st["rows_read"]  # one page per distinct row read (pages shared: fewer)
@@ -70,7 +70,7 @@ def test_the_cache_is_shared_by_engines_and_threads(row_checkpoints):
     for k, got in results.items():
         assert_identical(got, wants[k % 2])
     st = model.row_cache_stats()
-    assert st["capacity_rows"] and len(model.tier.caches) == len(model.cfg.layer_ids)
+    assert st["capacity_rows"] and len(model.tables.caches) == len(model.cfg.layer_ids)
 
 
 def test_stats_per_layer(row_checkpoints):
@@ -120,7 +120,7 @@ def test_stats_fields_mean_one_thing_across_sources_and_calls(row_checkpoints, n
             for L, (lookups, distinct) in want.items():
                 s = st["layers"][L]
                 assert set(s) == set(LAYER_FIELDS)
-                rec = model.tier.caches[L].recbytes
+                rec = model.tables.caches[L].recbytes
                 got = (s["hits"], s["misses"], s["bytes_fetched"], s["rows_cached"])
                 assert got == (lookups - distinct, distinct, distinct * rec, distinct), (tables, how, L)
                 assert s["cache_bytes"] >= s["capacity_rows"] * rec  # the capacity, not the rows in it
@@ -157,7 +157,7 @@ def test_every_stats_field_is_documented_with_its_unit():
 def _break_reads(model, layer):
     """Point layer's scale file descriptor at /proc/self/mem (reads at its offsets: EIO); return a
     function that puts it back."""
-    f = model.tier.inner.files[layer]
+    f = model.tables.inner.files[layer]
     path = f.paths[-1]
     fd = f.fileno(path)
     keep = os.dup(fd)
@@ -333,7 +333,7 @@ def test_warm_seeds_the_cache_with_a_prompts_rows(row_checkpoints, name, tmp_pat
     st = model.warm(str(f), chunk=70)
     rows = ref.plan.hash_numpy(p_ids[None], layers=list(ref.cfg.layer_ids))
     for L in ref.cfg.layer_ids:
-        cached = model.tier.caches[L].rows()
+        cached = model.tables.caches[L].rows()
         want_rows = np.unique(rows[L][0] + ref.plan.offsets[L])
         np.testing.assert_array_equal(cached, want_rows)
         assert st["layers"][L]["rows_read"] == want_rows.size

@@ -118,6 +118,53 @@ def test_bad_tier_arguments(ckpts):
         EngramModel.load(ckpts["float32"], tables="127.0.0.1:50051")
 
 
+@pytest.mark.parametrize("tables, kind", [("mapped", "MappedTables"), ("direct", "DirectTables")])
+def test_a_tier_opens_into_whole_tables(ckpts, tables, kind):
+    """A loader's CachedTier opens into CachedTables over the named tier's Tables, each made
+    whole at load: its tier is the one it was opened from, its sources read the model's rows."""
+    from engram_stream.rows import CachedTables, CachedTier, Tables
+    model = EngramModel.load(ckpts["float32"], tables=tables, row_cache_mb=0.05)
+    t = model.tables
+    assert type(t) is CachedTables and isinstance(t.tier, CachedTier)
+    assert isinstance(t.inner, Tables) and type(t.inner).__name__ == kind and t.inner.tier is t.tier.tier
+    L = CFG["layer_ids"][0]
+    want = EngramModel.load(ckpts["float32"]).row_source(L).read(np.arange(5))
+    np.testing.assert_array_equal(t.source(L).read(np.arange(5)), want)
+    np.testing.assert_array_equal(t.inner.source(L).read(np.arange(5)), want)
+    assert not hasattr(t.tier, "source")   # a tier before a model has nothing to read
+
+
+def test_register_tier_names_a_tier_for_specs(ckpts):
+    """register_tier(name, cls) lets tables="name" and {"name": {kw}} make cls; a second class
+    under a name, a bad name and a class that is not a Tier are refused, naming the fix;
+    register_tier(name, None) takes the name back."""
+    from engram_stream.rows import MappedTier, Tier, parse_tier, register_tier, registered_tiers
+
+    class Mine(MappedTier):
+        def __init__(self, note="x"):
+            self.note = note
+    register_tier("mine", Mine)
+    try:
+        assert registered_tiers()["mine"] is Mine
+        register_tier("mine", Mine)   # the same class again: nothing
+        assert isinstance(parse_tier("mine"), Mine) and parse_tier({"mine": {"note": "y"}}).note == "y"
+        model = EngramModel.load(ckpts["float32"], tables="mine")
+        assert type(model.tables.tier.tier) is Mine
+        with pytest.raises(ValueError, match=r"'mine' names .*Mine already: give .*Tier another name"):
+            register_tier("mine", Tier)
+        with pytest.raises(TypeError, match=r"tables=\{'mine': \{'nope': 1\}\}: .*the arguments are \('note',\)"):
+            parse_tier({"mine": {"nope": 1}})
+    finally:
+        register_tier("mine", None)
+    assert "mine" not in registered_tiers()
+    with pytest.raises(TypeError, match="'mine'"):
+        parse_tier("mine")
+    with pytest.raises(ValueError, match="a lowercase letter"):
+        register_tier("My Tier", Mine)
+    with pytest.raises(TypeError, match="subclass of engram_stream.rows.Tier"):
+        register_tier("mine", dict)
+
+
 @pytest.mark.parametrize("mb", [float("nan"), float("inf"), -float("inf"), "64", True])
 def test_row_cache_mb_must_be_a_finite_number(ckpts, mb):
     with pytest.raises(ValueError, match="row_cache_mb"):
@@ -144,7 +191,7 @@ def test_row_cache_mb_takes_numpy_numbers(ckpts):
 
 
 def test_engines_made_on_several_threads_share_one_cache(ckpts):
-    """CachedTier.cache() makes a layer's cache once, however many threads ask at the same time."""
+    """CachedTables.cache() makes a layer's cache once, however many threads ask at the same time."""
     import sys
     import threading
     switch = sys.getswitchinterval()
@@ -156,7 +203,7 @@ def test_engines_made_on_several_threads_share_one_cache(ckpts):
 
             def make():
                 go.wait()
-                got.append(model.tier.cache(CFG["layer_ids"][0]))
+                got.append(model.tables.cache(CFG["layer_ids"][0]))
             ts = [threading.Thread(target=make) for _ in range(6)]
             for t in ts:
                 t.start()
@@ -291,7 +338,7 @@ def test_with_weight_dtype_keeps_the_remote_source(tier, ckpts):
     ids, hid = tokens(12, 5), hiddens(12, 5)
     got = decode(bf, ids, hid)
     s = bf.row_cache_stats()
-    assert s["fetches"] > 0 and s["bytes_fetched"] > 0 and bf.tier.tier is tier
+    assert s["fetches"] > 0 and s["bytes_fetched"] > 0 and bf.tables.tier.tier is tier
     assert_identical(got, decode(EngramModel.load(ckpts["float16"]).with_weight_dtype("bfloat16"), ids, hid))
 
 

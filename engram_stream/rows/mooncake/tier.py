@@ -13,9 +13,10 @@ import numpy as np
 from ...errors import TierError
 from .._cache import slot_bytes
 from .._direct import add_read
-from .._source import RecordSource, Tier
+from .._source import RecordSource
 from ..identity import layer_digests, model_name
 from ..records import record_format, record_layout
+from ..tier import Tables, Tier, register_tier
 from .calls import (OPEN_TIERS, BoundedCalls, answers, fault, host_port, keep_forever, register_close_at_exit,
                     wait_for_port)
 from .keys import FINGERPRINT_FORMAT, fingerprint, fingerprint_key, head_records, sampled_records, store_key
@@ -289,16 +290,15 @@ class MooncakeTier(Tier):
         return reader
 
 
-class StoreTables(Tier):
-    """A MooncakeTier opened for one model: each engine's RemoteRows reads its rows; every read of
-    the model counts in stats() (fetches, fetch_seconds)."""
+class StoreTables(Tables):
+    """A MooncakeTier opened for one model (name: its name in the store, checked published):
+    each engine's RemoteRows reads its rows; every read of the model counts in stats()
+    (fetches, fetch_seconds)."""
 
     def __init__(self, tier, model, name):
-        self.tier, self.model_ref, self.name = tier, weakref.ref(model), name
+        super().__init__(tier)
+        self.model_ref, self.name = weakref.ref(model), name
         self.totals = {"fetches": 0, "fetch_seconds": 0.0}
-
-    def open(self, model) -> "StoreTables":
-        return self.tier.open(model)
 
     def source(self, layer, read_totals=None) -> "RemoteRows":
         return self.tier.rows(self.model_ref(), layer, self.totals, read_totals, self.name)
@@ -440,3 +440,6 @@ def _first_error(res, rb):
     except TypeError:
         pass
     return f"unexpected result shape {res!r:.200}"
+
+
+register_tier("mooncake", MooncakeTier)
