@@ -670,8 +670,8 @@ static inline void es8_act_quant(const float *x, int n, float *qx, float *s) {
  * es8_gate_tail_plain; avx512 and bf16 run that one). */
 static inline void es8_gate_tail(const float *kv, const void *hid, int hbf, const float *qw, const float *kw, int G,
                                  int D, float eps, int dead, void *out, int obf) {
-    ES_DISPATCH_COPIES(es_isa_now(), es8_gate_tail, (kv, hid, hbf, qw, kw, G, D, eps, dead, out, obf), baseline, avx2, plain,
-                       plain, neon);
+    ES_DISPATCH_COPIES(es_isa_now(), es8_gate_tail, (kv, hid, hbf, qw, kw, G, D, eps, dead, out, obf), baseline,
+                       avx2, plain, plain, neon);
 }
 
 /* Scratch of the many-token projection (S > 1), in floats: the tokens packed for the lanes,

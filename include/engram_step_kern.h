@@ -180,7 +180,8 @@ ES_KI void ES_SF(es_tail_x1)(const es_tail_params *P, const float *proj, int g, 
     const float rk = 1.0f / sqrtf(sk / D + P->eps_qk), rh = 1.0f / sqrtf(sh / D + P->eps_qk);
     a = (vf){0};
     for (d = 0; d + ES_TVW <= D; d += ES_TVW)
-        a += (*(const vf *)(k + d) * rk * *(const vf *)(w1 + d)) * (ES_SF(es_ldh)(h, d, hbf) * rh * *(const vf *)(w2 + d));
+        a += (*(const vf *)(k + d) * rk * *(const vf *)(w1 + d)) *
+             (ES_SF(es_ldh)(h, d, hbf) * rh * *(const vf *)(w2 + d));
     float s = ES_SF(es_hsum)(a);
     for (; d < D; d++) s += (k[d] * rk * w1[d]) * (ES_SF(es_ld1)(h, d, hbf) * rh * w2[d]);
     s *= P->inv_sqrt_d;

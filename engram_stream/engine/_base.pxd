@@ -41,7 +41,7 @@ cdef class EngineBase:
     cdef int _op_isa[3]                # its kernel level measured fastest (engine/tune.py; -1: the process's)
     cdef object _op_why                # (why, ...) per operation: what chose its path and threads
     cdef bint hbf, obf                 # the call's hidden / out hold bfloat16 (else float32): _chunk reads them
-    cdef size_t hid_addr               # the hidden address the last call's first chunk handed _chunk (a test's no-copy check)
+    cdef size_t hid_addr               # the hidden the last call's first chunk got (the no-copy test)
     cdef bint teamed                   # the variant's _chunk runs its splits on self.team
     cdef void *team                    # es_team * of the call in flight (NULL: none, or one thread)
     cdef void _team_open(self, int threads) noexcept nogil

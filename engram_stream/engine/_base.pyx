@@ -26,9 +26,10 @@ state (a conv ring) through the hooks at the end of _base.pxd.
 
 Two shapes of engine, declared by the class (input_layer):
   a residual layer (input_layer = False): reads the hidden state, hidden[.., G, D] in and
-      float32[.., G, D] out (the Engram delta the caller adds);
-  an input layer (input_layer = True): a token in, float32[.., D] out (D = hidden_size), no
+      [.., G, D] out (the Engram delta the caller adds);
+  an input layer (input_layer = True): a token in, [.., D] out (D = hidden_size), no
       hidden: every call takes hidden=None (or leaves it out) and the hooks get hid = NULL.
+Each hidden and out is float32 or bfloat16 (hbf / obf: the hooks read and write them in place).
 out_shape(n) is a call's output shape either way.
 """
 import os
@@ -100,10 +101,14 @@ cdef class EngineBase:
     An input layer (input_layer = True) takes no hidden (None, or left out) and returns
     float32[D], [S, D], [T, D], [N, D] instead (out_shape).
 
-    Returns the Engram delta (the caller adds h). Ids are integers < vocab_size. hidden is
-    float32 C-contiguous for the zero-copy path; other float dtypes (bfloat16 too) and strided
-    arrays are converted (one copy). `out` must be float32, C-contiguous, writeable and must not
-    overlap `hidden`. One engine has one owner: a call while another runs raises RuntimeError.
+    Returns the Engram delta (the caller adds h). Ids are integers < vocab_size. hidden is read
+    in place when it is float32 or bfloat16 C-contiguous (an ml_dtypes array, or a torch bf16
+    tensor: engine.args.as_array); other float dtypes and strided arrays are converted (one copy).
+    `out` is float32 or bfloat16, C-contiguous, writeable, and must not overlap `hidden`; without
+    it a call returns bfloat16 for a bfloat16 hidden, else float32 (an input layer: float32).
+    bfloat16 is widened exactly as the tails load it and rounded to nearest even as they store
+    it: a bf16 result is bit for bit the float32 call's on the widened hidden, rounded (DESIGN.md
+    14). One engine has one owner: a call while another runs raises RuntimeError.
     """
 
     _window_class = HashWindow  # the history rule's window (a variant with another rule names its own)
