@@ -204,3 +204,32 @@ def test_rounding_is_ml_dtypes_rounding():
     got = m.stream(L).lookup_packed(ids, [0], [40], dtype="bfloat16")
     assert np.isnan(want).any() and np.isinf(want).any()
     assert np.array_equal(bits(got), rounded(want))
+
+
+def test_nan_and_inf_hidden_round_as_the_float32_call(model):
+    """A hidden holding NaN and inf (a diverged model): the bf16 result is still the float32 call's
+    rounded, bit for bit (NaN rounds to the quiet NaN of its sign in the vector stores too)."""
+    if model.variant.input_layer:
+        return   # no hidden: test_rounding_is_ml_dtypes_rounding holds its rounding
+    L = model.cfg.layer_ids[0]
+    ids, hb, h32 = inputs(model, seed=6)
+    hb = hb.copy()
+    hb[0, 1, 0, :3] = [np.nan, np.inf, -np.inf]
+    hb[1, 2, -1, -1] = -np.nan
+    hb[2, 3] = np.inf
+    h32 = hb.astype(np.float32)
+    a, b = model.stream(L, n_streams=S), model.stream(L, n_streams=S)
+    for t in range(T):
+        got = a.step(ids[:, t], np.ascontiguousarray(hb[:, t]))
+        want = b.step(ids[:, t], np.ascontiguousarray(h32[:, t]))
+        assert np.array_equal(bits(got), rounded(want))
+    assert np.isnan(want).any() or t < 3
+
+
+def test_other_out_dtypes_are_refused():
+    model = contract_model("demo-v1")
+    eng = model.stream(model.cfg.layer_ids[0])
+    h = np.zeros(eng.hidden_shape(), np.float32)
+    with pytest.raises(ValueError, match="out must be a writeable C-contiguous float32 or bfloat16 array"):
+        eng.step(1, h, out=np.empty(eng.out_shape(), np.float16))
+    assert eng.tokens_seen[0] == 0
