@@ -19,7 +19,7 @@ Rows
   fill fresh/reused    filling 2 x 4 MB in new pages (anonymous mmap) vs in the same arrays again:
                        the page-fault cost of a fresh output array
   v41 hash_numpy/hash  the same ids through a deepseek-v4.1 geometry (Flash's primes near 16M, past
-                       the double-precision mod: Lemire's reciprocal; 4-grams; the dead-token latch,
+                       the double-precision mod: Lemire's reciprocal; 4-grams; the dead-token rule,
                        2% image tokens)
 For the mod rows x holds the real mix values of the ids (8*4096 per layer) and primes the
 layer's 16 head primes; the row does both layers: 8*4096*16*2 = 1,048,576 results, as hash.

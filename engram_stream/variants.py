@@ -114,7 +114,7 @@ class Variant(abc.ABC):
     # ---- weights and files --------------------------------------------------------------------
     @property
     @abc.abstractmethod
-    def weights(self) -> type:
+    def layer_class(self) -> type:
         """The class of one layer's weights (what the engine reads)."""
 
     weight_dtypes: tuple = ("float32",)   # what with_weight_dtype accepts
@@ -352,7 +352,7 @@ def _check_variant(variant):
     if not isinstance(values["example_config"], dict):
         raise TypeError(f"{what}.example_config must be a dict of config fields, got "
                         f"{type(values['example_config']).__name__}")
-    for h in ("weights", "engine"):
+    for h in ("layer_class", "engine"):
         if not isinstance(values[h], type):
             raise TypeError(f"{what}.{h} must be a class, got {values[h]!r}")
     for check in REGISTER_CHECKS:

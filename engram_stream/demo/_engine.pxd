@@ -55,9 +55,9 @@ cdef class StreamEngine(EngineBase):
     cdef int64_t[::1] pos              # [S] conv_state slot of the oldest value (where x(t) goes)
 
     # what a rollback / commit needs of the ring (made when a call is a draft or its reads can fail)
-    cdef bint ring_recorded
-    cdef float[:, :, ::1] rec_ring     # [S, conv_len, C] the slots a segment will overwrite, before it
-    cdef int64_t[::1] rec_pos          # [S]
+    cdef bint ring_kept
+    cdef float[:, :, ::1] undo_ring     # [S, conv_len, C] the slots a segment will overwrite, before it
+    cdef int64_t[::1] undo_pos          # [S]
     cdef float[:, ::1] xsave           # [tokens, C] x of draft tokens a later token of the call overwrote
     cdef bint xsaving
 

@@ -167,8 +167,8 @@ cdef class StreamEngine(EngineBase):
         cdef int64_t S = self.n_streams
         self.conv_state = np.zeros((S, self.conv_len, self.C), dtype=np.float32)
         self.pos = np.zeros(S, dtype=np.int64)
-        self.rec_ring = np.empty((S, self.conv_len, self.C), dtype=np.float32)
-        self.rec_pos = np.empty(S, dtype=np.int64)
+        self.undo_ring = np.empty((S, self.conv_len, self.C), dtype=np.float32)
+        self.undo_pos = np.empty(S, dtype=np.int64)
         self.xsave = np.empty((0, self.C), dtype=np.float32)
         self._grow_chunk(S, 1)  # nothing sized from the config goes on the C stack
         return 0
@@ -266,40 +266,40 @@ cdef class StreamEngine(EngineBase):
             if i0 + j - self.batch.seg_start[k] + self.conv_len < self.batch.seg_len[k]:
                 memcpy(&self.xsave[i0 + j, 0], self.xbuf + (c0 + j) * self.C, self.C * sizeof(float))
 
-    # ---- the ring's record, rollback and commit -------------------------------------------------
-    cdef int _record_extra(self, bint draft, bint needed) except -1:
+    # ---- the ring's undo state, rollback and commit -----------------------------------------------
+    cdef int _keep_undo_extra(self, bint draft, bint needed) except -1:
         """Before the call (when it is a draft or its reads can fail): each segment's ring slots
         it will overwrite (the first min(len, conv_len) from pos) and pos. A draft whose segment
         is longer than the ring also keeps the x its later tokens overwrite (_save_x), so commit
         can put back any prefix."""
         cdef int64_t k, i, s, L = self.conv_len
-        self.ring_recorded = self.xsaving = False
+        self.ring_kept = self.xsaving = False
         if not needed:
             return 0
         for k in range(self.batch.nseg):
             s = self.batch.seg_stream[k]
-            self.rec_pos[k] = self.pos[s]
+            self.undo_pos[k] = self.pos[s]
             for i in range(min(self.batch.seg_len[k], L)):
-                memcpy(&self.rec_ring[k, i, 0], &self.conv_state[s, (self.pos[s] + i) % L, 0], self.C * sizeof(float))
+                memcpy(&self.undo_ring[k, i, 0], &self.conv_state[s, (self.pos[s] + i) % L, 0], self.C * sizeof(float))
             if draft and self.batch.seg_len[k] > L:
                 self.xsaving = True
         if self.xsaving and self.xsave.shape[0] < self.batch.cap:
             self.xsave = np.empty((self.batch.cap, self.C), dtype=np.float32)
-        self.ring_recorded = True
+        self.ring_kept = True
         return 0
 
     cdef void _rollback_extra(self) noexcept nogil:
         cdef int64_t k, i, s, L = self.conv_len
-        if not self.ring_recorded:
+        if not self.ring_kept:
             return
         for k in range(self.batch.nseg):
             s = self.batch.seg_stream[k]
             if L:
                 for i in range(min(self.batch.seg_len[k], L)):
-                    memcpy(&self.conv_state[s, (self.rec_pos[k] + i) % L, 0], &self.rec_ring[k, i, 0],
+                    memcpy(&self.conv_state[s, (self.undo_pos[k] + i) % L, 0], &self.undo_ring[k, i, 0],
                            self.C * sizeof(float))
-                self.pos[s] = self.rec_pos[k]
-        self.ring_recorded = False
+                self.pos[s] = self.undo_pos[k]
+        self.ring_kept = False
 
     cdef void _commit_extra(self, int64_t k, int64_t a) noexcept nogil:
         """Segment k's ring as if only its first a tokens were fed. Slot (pos0 + i) mod conv_len,
@@ -308,13 +308,13 @@ cdef class StreamEngine(EngineBase):
         the call, else kept by _save_x), or its value before the call when none is."""
         cdef int64_t s = self.batch.seg_stream[k], L = self.conv_len, n = self.batch.seg_len[k], i, j, jl
         cdef int64_t p0
-        if not L or not self.ring_recorded:  # (a lookup_packed draft: the ring never moved)
+        if not L or not self.ring_kept:  # (a lookup_packed draft: the ring never moved)
             return
-        p0 = self.rec_pos[k]
+        p0 = self.undo_pos[k]
         for i in range(min(n, L)):
             jl = i + L * ((n - 1 - i) // L)   # the slot's last writer in the call
             if a <= i:
-                memcpy(&self.conv_state[s, (p0 + i) % L, 0], &self.rec_ring[k, i, 0], self.C * sizeof(float))
+                memcpy(&self.conv_state[s, (p0 + i) % L, 0], &self.undo_ring[k, i, 0], self.C * sizeof(float))
             else:
                 j = i + L * ((a - 1 - i) // L)
                 if j != jl:
@@ -347,4 +347,4 @@ cdef class StreamEngine(EngineBase):
         cdef int64_t[::1] pos = parts["pos"]
         self.conv_state[:, :, :] = ring
         self.pos[:] = pos
-        self.ring_recorded = False
+        self.ring_kept = False

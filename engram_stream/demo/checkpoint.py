@@ -1,7 +1,7 @@
 """Checkpoints: one self-describing file in the safetensors layout, with mmap-able tables.
 
-File layout: the safetensors layout (engram_stream.io.safetensors, the codec both variants
-share; readable by the `safetensors` package): tensors ordered by element size (I64, F32,
+File layout: the safetensors layout (engram_stream.io.safetensors, the codec every variant
+shares; readable by the `safetensors` package): tensors ordered by element size (I64, F32,
 BF16/F16, I8), so each is aligned to its element size, and the first table on a 4096-byte
 file boundary (whenever the tensors before it sum to a multiple of 8 bytes, which they do
 unless hidden_size * engram_dim is odd).
@@ -334,7 +334,7 @@ def _layer(cfg, plan, L, r, err):
     stack = lambda norm: np.stack([get(p + f"{norm}.{g}.weight") for g in range(G)])  # noqa: E731
     # the file holds the demo's arrays: built as the config's variant's class when that class is
     # those arrays (LayerWeights.holds_demo_arrays), else as LayerWeights for its validate_layer to judge
-    cls = variant_of(cfg).weights
+    cls = variant_of(cfg).layer_class
     cls = cls if isinstance(cls, type) and issubclass(cls, LayerWeights) and cls.holds_demo_arrays() else LayerWeights
     return cls(cfg, offsets, table, proj_w, proj_b, stack("norm1"), stack("norm2"),
                stack("short_conv.norms"), get(p + "short_conv.conv.weight").reshape(G * D, cfg.kernel_size),

@@ -19,7 +19,7 @@ class DemoVariant(variants.Variant):
     checkpoint_form = "one safetensors file (its own layout: config, hash plan, every layer)"
     example_config = {"engram_vocab_size": [20011, 20011], "hidden_size": 256, "n_embed_per_ngram": 128,
                       "n_head_per_ngram": 4, "vocab_size": 32000}
-    weights = LayerWeights
+    layer_class = LayerWeights
     weight_dtypes = WEIGHT_DTYPES
     table_dtypes = ("float32", "float16", "int8")
     engine = StreamEngine

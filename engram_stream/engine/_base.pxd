@@ -28,7 +28,7 @@ cdef class EngineBase:
     cdef int64_t chunk                 # tokens per compute chunk (the variant's GEMM size)
 
     # the parts
-    cdef HashWindow win                # per-stream windows, the history rule, the record
+    cdef HashWindow win                # per-stream windows, the history rule, the undo state
     cdef Batch batch                   # the call's segments and per-token buffers
     cdef RowSource src                 # where rows come from
     cdef FileStamps files              # the mapped files under the layer's arrays (checked before every read)
@@ -70,7 +70,7 @@ cdef class EngineBase:
     cdef int _grow_chunk(self, int64_t nb, int threads) except -1
     cdef void _chunk(self, int64_t t0, int64_t nb, const void *hid, void *out, int threads) noexcept nogil
     cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil
-    cdef int _record_extra(self, bint draft, bint needed) except -1
+    cdef int _keep_undo_extra(self, bint draft, bint needed) except -1
     cdef void _rollback_extra(self) noexcept nogil
     cdef void _commit_extra(self, int64_t k, int64_t a) noexcept nogil
     cdef void _reset_extra(self, int64_t s) noexcept nogil

@@ -15,13 +15,13 @@ A call runs in two halves, which feed()/compute() expose separately:
 
 The parts, one responsibility each:
   HashWindow  (engine/_window.pyx)  per-stream windows, the history rule (the variant's window
-              class: _window_class), seen, last rows, the record a rollback or commit reads
+              class: _window_class), seen, last rows, the undo state a rollback or commit reads
   Batch       (engine/_batch.pyx)   the call's segments, per-token buffers, masks, checks
   RowSource   (rows/_source.pyx)    where the rows come from
   FileStamps  (rows/_stamps.pyx)    the mapped files under the layer's arrays
 This file runs a call through them: the one-owner guard, the argument checks (all before any
 state changes; a scalar id lives in the call), the file check before every read, the call's
-record and rollback, snapshot/restore (read once, validate, commit). A variant adds its own
+undo and rollback, snapshot/restore (read once, validate, commit). A variant adds its own
 state (a conv ring) through the hooks at the end of _base.pxd.
 
 Two shapes of engine, declared by the class (input_layer):
@@ -196,7 +196,7 @@ cdef class EngineBase:
         dst + i*ld, exactly as the step gathers them (lookup_packed)."""
         pass
 
-    cdef int _record_extra(self, bint draft, bint needed) except -1:
+    cdef int _keep_undo_extra(self, bint draft, bint needed) except -1:
         """Before a call changes anything: when `needed` (a draft, or reads that can fail), keep
         what _rollback_extra / _commit_extra need; else forget the last call's."""
         return 0
@@ -229,7 +229,7 @@ cdef class EngineBase:
     # ---- the run of a call, nogil ------------------------------------------------------------
     cdef void _rollback(self) noexcept nogil:
         """Every slot of the last call back as before it (a failed read; commit of 0 tokens)."""
-        if not self.win.has_record:
+        if not self.win.has_undo:
             return
         self.win.rollback(self.batch.seg_stream, self.batch.nseg)
         self._rollback_extra()
@@ -262,11 +262,11 @@ cdef class EngineBase:
         guard, nothing pending. A failed submit puts every slot back and raises."""
         cdef Batch b = self.batch
         b.grow(N)  # before any state changes: a MemoryError changes nothing
-        self.win.has_record = self.win.draft = False
+        self.win.has_undo = self.win.draft = False
         with nogil:
             b.take(ids, N, streams, lengths, K)
-            self.win.record(b.seg_stream, K, draft)
-        self._record_extra(draft, draft or self.src.fallible)
+            self.win.keep_undo(b.seg_stream, K, draft)
+        self._keep_undo_extra(draft, draft or self.src.fallible)
         with nogil:
             self.win.hash_segments(ids, b.seg_stream, b.seg_start, b.seg_len, K, b.rows, b.entries)
         b.pending = N
@@ -493,11 +493,11 @@ cdef class EngineBase:
         return Batch.masked(ids, st, ln, masked)
 
     cdef _no_segment(self, bint draft, keep):
-        """The record of a call with no token left (every position masked, or none given): no
+        """The undo state of a call with no token left (every position masked, or none given): no
         segment, nothing to put back; commit() of its zero counts is valid."""
         self.batch.nseg = 0
         self.batch.unmask = keep
-        self.win.has_record, self.win.draft = True, draft
+        self.win.has_undo, self.win.draft = True, draft
 
     def _compute_unmasked(self, h, o):
         """compute() of the pending batch into o (h: the call's hidden), through the mask's
@@ -516,7 +516,7 @@ cdef class EngineBase:
     def _check_commit(self, accepted):
         """accepted as the counts of this engine's segments (int64[K]), checked against the last
         call; raises (changing nothing) unless commit(accepted) can run."""
-        if not (self.win.draft and self.win.has_record) or self.batch.pending:
+        if not (self.win.draft and self.win.has_undo) or self.batch.pending:
             raise RuntimeError("commit() needs the last call to be step_packed(..., draft=True) "
                                "(and nothing since)")
         return self.batch.accepted(accepted)
@@ -535,7 +535,7 @@ cdef class EngineBase:
                 i0 = b.seg_start[k]
                 self.win.commit_segment(k, b.seg_stream[k], b.entries + i0, b.rows + i0 * self.H, a[k])
                 self._commit_extra(k, a[k])
-            self.win.has_record = self.win.draft = False
+            self.win.has_undo = self.win.draft = False
         finally:
             self.busy = False
 
@@ -576,7 +576,7 @@ cdef class EngineBase:
             if n:
                 self._feed(pid, n, <const int64_t *> cnp.PyArray_DATA(st), <const int64_t *> cnp.PyArray_DATA(ln),
                            st.shape[0], bool(draft))
-                self._record_extra(False, False)  # the ring does not move: nothing of it to put back
+                self._keep_undo_extra(False, False)  # the ring does not move: nothing of it to put back
                 self.batch.unmask = keep
                 t0 = 0
                 try:
@@ -688,7 +688,7 @@ cdef class EngineBase:
                 self.src.release()
                 self._rollback()
                 raise
-            self._record_extra(False, False)  # nothing computed: the variant's state did not move
+            self._keep_undo_extra(False, False)  # nothing computed: the variant's state did not move
             self.batch.pending = 0
             self.batch.given = 0
         finally:
@@ -696,7 +696,7 @@ cdef class EngineBase:
 
     def _abort(self):
         """Put every slot of the last call back as before it (the Decoder's all-or-nothing token:
-        a later layer's read failed). A no-op when the last call left no record."""
+        a later layer's read failed). A no-op when the last call left no undo state."""
         self._enter()
         try:
             self.src.release()
@@ -743,8 +743,8 @@ cdef class EngineBase:
                 raise RuntimeError("feed() was called: compute(hidden) first, or reset() all streams")
             else:
                 self._reset_stream(stream)
-            if stream is None or (self.win.has_record and self.batch.names(stream)):
-                self.win.has_record = self.win.draft = False  # the last call's record names this slot: void
+            if stream is None or (self.win.has_undo and self.batch.names(stream)):
+                self.win.has_undo = self.win.draft = False  # the last call's undo state names this slot: void
         finally:
             self.busy = False
 
@@ -915,7 +915,7 @@ cdef class EngineBase:
 
     def restore(self, snapshot):
         """Put back a snapshot of this engine, or of one with the same layer, config, hash plan
-        and stream count. A fed batch or a draft's record is dropped."""
+        and stream count. A fed batch or a draft's undo state is dropped."""
         parts = self._read_snapshot(snapshot)
         self._enter()
         try:

@@ -1,5 +1,5 @@
 # The per-stream hash window (engine/_window.pyx): each stream slot's last n-1 window entries,
-# its token count and last rows, the hash of a token through them, and the record a call keeps
+# its token count and last rows, the hash of a token through them, and the undo state a call keeps
 # so that a rollback or a draft's commit can put its slots back; and the batch hash of whole
 # sequences (hash_batch, HashPlan.hash) through the same hooks. The variant's hash is three hooks,
 # entry() and rule() (the history rule) and hash_rows() (the hash); a variant with another rule or
@@ -34,8 +34,8 @@ cdef class HashWindow:
     cdef int64_t[::1] seen             # [S] tokens since reset
     cdef int64_t[:, ::1] last_rows     # [S, H] absolute rows of the last token fed (-1: none)
 
-    # the record of the last call, per segment (what a rollback or a draft's commit starts from)
-    cdef bint has_record               # the last call's record is valid
+    # the undo state of the last call, per segment (what a rollback or a draft's commit starts from)
+    cdef bint has_undo                 # the last call's undo state is valid
     cdef bint draft                    # the last call was a draft: commit may cut it back
     cdef int64_t[:, ::1] rec_hist      # [S, n-1]
     cdef int64_t[::1] rec_seen         # [S]
@@ -57,7 +57,7 @@ cdef class HashWindow:
                             const int64_t *seg_len, int64_t K, int64_t *rows, int64_t *entries) noexcept nogil
     cdef void push(self, int64_t s, int64_t e) noexcept nogil
     cdef void reset_stream(self, int64_t s) noexcept nogil
-    cdef void record(self, const int64_t *seg_stream, int64_t K, bint draft) noexcept nogil
+    cdef void keep_undo(self, const int64_t *seg_stream, int64_t K, bint draft) noexcept nogil
     cdef void rollback(self, const int64_t *seg_stream, int64_t K) noexcept nogil
     cdef void commit_segment(self, int64_t k, int64_t s, const int64_t *entries, const int64_t *rows,
                              int64_t na) noexcept nogil

@@ -21,8 +21,8 @@ name and names the class as its engine's _window_class (Variant.window_class: th
 The engines (hash_one) and the batch hash (hash_batch, HashPlan.hash) run the same hooks, so a
 rule or a hash is written once, there; the numpy oracle (Variant.windows) stays apart.
 
-The record: before a call moves its slots, record() keeps them (per segment); rollback() puts
-them back (a failed read), commit_segment() replays a draft's first tokens from the record.
+The undo state: before a call moves its slots, keep_undo() keeps them (per segment); rollback() puts
+them back (a failed read), commit_segment() replays a draft's first tokens from the undo state.
 """
 import numpy as np
 cimport numpy as cnp
@@ -281,7 +281,7 @@ cdef class HashWindow:
             self.last_rows[s, k] = -1
         self.seen[s] = 0
 
-    cdef void record(self, const int64_t *seg_stream, int64_t K, bint draft) noexcept nogil:
+    cdef void keep_undo(self, const int64_t *seg_stream, int64_t K, bint draft) noexcept nogil:
         """The slots of K segments as they are before a call (segment k's slot: seg_stream[k])."""
         cdef int64_t k, j, s
         for k in range(K):
@@ -291,13 +291,13 @@ cdef class HashWindow:
             for j in range(self.H):
                 self.rec_rows[k, j] = self.last_rows[s, j]
             self.rec_seen[k] = self.seen[s]
-        self.has_record = True
+        self.has_undo = True
         self.draft = draft
 
     cdef void rollback(self, const int64_t *seg_stream, int64_t K) noexcept nogil:
-        """The recorded slots back as before the call (nothing when no record); the record is spent."""
+        """The kept slots back as before the call (nothing when no undo state); the undo state is spent."""
         cdef int64_t k, j, s
-        if not self.has_record:
+        if not self.has_undo:
             return
         for k in range(K):
             s = seg_stream[k]
@@ -306,7 +306,7 @@ cdef class HashWindow:
             for j in range(self.H):
                 self.last_rows[s, j] = self.rec_rows[k, j]
             self.seen[s] = self.rec_seen[k]
-        self.has_record = False
+        self.has_undo = False
         self.draft = False
 
     cdef void commit_segment(self, int64_t k, int64_t s, const int64_t *entries, const int64_t *rows,
@@ -343,13 +343,13 @@ cdef class HashWindow:
             raise ValueError("snapshot.rows is damaged: rows out of the table")
 
     def put_parts(self, parts):
-        """Put back checked parts; the record is void."""
+        """Put back checked parts; the undo state is void."""
         cdef int64_t[:, ::1] hist = parts["hist"], rows = parts["rows"]
         cdef int64_t[::1] seen = parts["seen"]
         self.hist[:, :] = hist
         self.seen[:] = seen
         self.last_rows[:, :] = rows
-        self.has_record = self.draft = False
+        self.has_undo = self.draft = False
 
     @property
     def nbytes(self):

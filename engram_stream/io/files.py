@@ -1,4 +1,4 @@
-"""Files: opening, mapping and atomically replacing them (both variants, every writer).
+"""Files: opening, mapping and atomically replacing them (every variant, every writer).
 
   open_regular(path, err)   open for reading, refusing FIFOs and devices (err: the error to raise)
   atomic_output(path)       a file object whose bytes become `path` all at once, or not at all

@@ -1,4 +1,4 @@
-"""The safetensors codec: one header reader and one chunked writer, for both variants (demo
+"""The safetensors codec: one header reader and one chunked writer, for every variant (demo
 single-file checkpoints, deepseek-v4.1 Hugging Face shards).
 
     u64 little-endian N | N bytes of JSON header, space-padded | data section

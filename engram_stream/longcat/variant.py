@@ -22,7 +22,7 @@ class LongcatVariant(HFFolderVariant, variants.Variant):
     example_config = config.EXAMPLE
     config_class = config.LongcatConfig
     field_help = config.FIELD_HELP
-    weights = LongcatWeights
+    layer_class = LongcatWeights
     weight_dtypes = ("float32", "bfloat16")
     table_dtypes = ("float32", "bfloat16")
     load_note = "raw token ids: no compression, no tokenizer read; an input layer (layer 0)"

@@ -22,7 +22,7 @@ class QwenVariant(HFFolderVariant, variants.Variant):
     example_config = config.EXAMPLE
     config_class = config.QwenConfig
     field_help = config.FIELD_HELP
-    weights = PLEWeights
+    layer_class = PLEWeights
     weight_dtypes = ("float32", "bfloat16")
     table_dtypes = ("float32", "bfloat16")
     load_note = "raw token ids: no compression, no tokenizer read"

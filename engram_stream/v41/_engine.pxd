@@ -37,7 +37,7 @@ cdef extern from "engram_step.h" nogil:
     int MADV_WILLNEED
 
 
-cdef class DeadLatchWindow(HashWindow):
+cdef class DeadWindow(HashWindow):
     cdef int64_t dead_id               # the raw id that is DEAD (the image token)
 
 

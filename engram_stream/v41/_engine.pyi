@@ -24,8 +24,8 @@ def _mac_chains(rounds: int) -> int: ...
 def read_bytes(a: _U8) -> int: ...
 
 
-class DeadLatchWindow(HashWindow):
-    """V4.1's hash windows: the DEAD latch (the image token id and negative ids are DEAD)."""
+class DeadWindow(HashWindow):
+    """V4.1's hash windows: the DEAD rule (the image token id and negative ids are DEAD)."""
 
 
 class V41StreamEngine(EngineBase):

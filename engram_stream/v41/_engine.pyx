@@ -2,8 +2,8 @@
 """V41StreamEngine: the deepseek-v4.1 variant's streaming engine (DESIGN.md 4).
 
 The skeleton (calls, checks, hash windows, rows, pending batches, records, snapshots) is the
-shared EngineBase (engine/_base.pyx). This file adds V4.1's history rule, DeadLatchWindow (the
-DEAD latch, DESIGN.md 4.4), and V4.1's parts of a step: per
+shared EngineBase (engine/_base.pyx). This file adds V4.1's history rule, DeadWindow (the
+DEAD rule, DESIGN.md 4.4), and V4.1's parts of a step: per
 chunk it gathers the H float8 rows (e4m3 x e8m0, dequantized), quantizes them per 32 values as
 the reference does, runs the float8 wkv projection with its 32x32 block scales straight from the
 checkpoint's bytes (include/engram_fp8.h), then the gate; without the GIL and with no allocation
@@ -76,10 +76,10 @@ cdef _check_dims(int64_t M, int64_t E, m_name, e_name):
         raise ValueError(f"{e_name} = {E} is too large for the V4.1 engine (at most {ES8_MAX_E})")
 
 
-cdef class DeadLatchWindow(HashWindow):
+cdef class DeadWindow(HashWindow):
     """V4.1's hash windows (HashPlan.history "dead", DESIGN.md 4.4): the image token id and
     negative ids are DEAD, entry -1; a slot before the start is DEAD too. The first DEAD entry of
-    a window turns itself and every older one into pad (rule), so the latch is re-derived from the
+    a window turns itself and every older one into pad (rule), so the rule is re-derived from the
     window at every token and a snapshot holds nothing else. The hash is the default."""
 
     def __cinit__(self, *args, **kwargs):
@@ -111,7 +111,7 @@ cdef class V41StreamEngine(EngineBase):
     Returns the Engram delta gate * value (the caller adds h). The image token id is DEAD (gate
     0, blocks history), negative ids block history too; masked positions of step_packed are no
     tokens (EngineBase: skipped, output 0). Per stream it keeps only the window (newest first:
-    compressed ids, -1 = DEAD; slots before the start are DEAD): the latch is re-derived from it
+    compressed ids, -1 = DEAD; slots before the start are DEAD): the rule is re-derived from it
     at every token.
     """
 
@@ -120,7 +120,7 @@ cdef class V41StreamEngine(EngineBase):
             raise ValueError(f"V41StreamEngine needs a deepseek-v4.1 model, got variant {model.cfg.variant!r}")
         self._setup(model, layer, n_streams, ES8_PREFILL_CHUNK, rows)
 
-    _window_class = DeadLatchWindow
+    _window_class = DeadWindow
 
     cdef int _init_variant(self, w) except -1:
         cfg = self.model.cfg

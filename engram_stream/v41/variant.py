@@ -1,5 +1,5 @@
 """The deepseek-v4.1 variant: Hugging Face folders of float8 shards, the wkv projection and the
-q/k gate, DEAD tokens and their latch in the hash windows (config.py holds its config rules)."""
+q/k gate, DEAD tokens and their rule in the hash windows (config.py holds its config rules)."""
 import json
 import os
 
@@ -35,7 +35,7 @@ class V41Variant(variants.Variant):
     field_help = config.FIELD_HELP
     declared_fields = ("num_embeddings", "compressed_vocab_size")
     hf_config = True
-    weights = V41LayerWeights
+    layer_class = V41LayerWeights
     weight_dtypes = ("float8_e4m3fn",)   # with_weight_dtype keeps the float8 it holds
     folder_checkpoint = True
     init_table_dtype = "float8_e4m3fn"
@@ -92,7 +92,7 @@ class V41Variant(variants.Variant):
         ids[rng.random(size) < 0.05] = cfg.image_token_id
         return ids
 
-    # hashing: DEAD tokens (compressed to -1) and the latch
+    # hashing: DEAD tokens (compressed to -1) and their rule
     def dead_id(self, cfg):
         return cfg.image_token_id
 

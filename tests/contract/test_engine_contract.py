@@ -1,4 +1,4 @@
-"""The contract every streaming engine keeps, run on both variants (engine/_base.pyx holds it
+"""The contract every streaming engine keeps, run on every variant (engine/_base.pyx holds it
 once): the one-owner guard and a scalar id that lives in its call, out= never overlapping
 hidden, the file check before every read (truncated or rewritten shards: FileChangedError, not
 SIGBUS), rows after prefill/feed and before any token, snapshots (damage, fingerprints, a save

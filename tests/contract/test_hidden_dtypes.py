@@ -1,4 +1,4 @@
-"""Hidden states in other float dtypes, both variants: bfloat16 (an ml_dtypes array: a bf16
+"""Hidden states in other float dtypes, every variant: bfloat16 (an ml_dtypes array: a bf16
 model's stream) is read in place and widened exactly, its result returned in bfloat16: exactly
 float32 input of the same values rounded to nearest even (tests/contract/test_bf16_io.py has
 every variant and kernel path); float16/float64 are converted, so every path returns exactly what

@@ -1,4 +1,4 @@
-"""Serving batches on both variants: step_packed over stream slots (requests joining and leaving,
+"""Serving batches on every variant: step_packed over stream slots (requests joining and leaving,
 prompt chunks beside decode steps, drafts cut back by commit), masked (left-padded) positions,
 the Decoder's packed begin, and its all-or-nothing begin when a layer's rows cannot be read.
 

@@ -94,7 +94,7 @@ class ToyVariant(variants.Variant):
     example_config = {"variant": TOY, "engram_vocab_size": [37, 53], "max_ngram_size": 3, "n_embed_per_ngram": 8,
                       "n_head_per_ngram": 2, "layer_ids": [2, 5], "pad_id": 1, "kernel_size": 2,
                       "hidden_size": 24, "hc_mult": 2, "vocab_size": 70}
-    weights = ToyWeights
+    layer_class = ToyWeights
     table_dtypes = ("float32",)
     engine = variants.get(variants.DEFAULT).engine   # the demo's: the weights are its arrays
 

@@ -263,7 +263,7 @@ def test_a_plugin_taking_a_built_in_name_is_refused_and_the_built_in_stays(monke
     ("engine", None, r"\['engine'\] None"),
     ("forward", None, r"\['forward'\] None"),
     ("example_config", [1], "example_config must be a dict"),
-    ("weights", "LayerWeights", "weights must be a class"),
+    ("layer_class", "LayerWeights", "layer_class must be a class"),
 ])
 def test_register_refuses_a_hook_left_unset(attr, value, needle):
     cls = _plugin_variant("plugin-hookless")

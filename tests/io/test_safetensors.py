@@ -1,4 +1,4 @@
-"""The safetensors codec both variants share (engram_stream.io.safetensors): the header reader's
+"""The safetensors codec every variant shares (engram_stream.io.safetensors): the header reader's
 checks, dtypes it does not read, the writer's layout. Files are built by hand here (or by the
 safetensors package), not by the code under test, wherever the writer is not what is tested."""
 from __future__ import annotations

@@ -4,7 +4,7 @@ es_hash_windows) and the division-free mod, at their edges.
 The windows are made in blocks of 64 positions (HashWindow.fill_windows); the kernel hashes blocks
 of positions in vector lanes (2, 4 or 8 per vector by path) and splits every mix as hi*2^32 + lo
 for the double-precision mod: these tests hit lengths that are not a multiple of a vector or a
-block, partial head vectors, windows that cross block boundaries, the dead-token latch, and mixes
+block, partial head vectors, windows that cross block boundaries, the dead-token rule, and mixes
 at the ends of int64. Expectations: the numpy oracle (hash_numpy) and
 Python ints (pyref.py_rows, Python's floored %), never the code under test.
 """
@@ -74,7 +74,7 @@ def test_windows_across_blocks(T):
 
 
 @pytest.mark.parametrize("evs, n_head", [([211, 211, 211], 8), ([211, 211, 211], 3), ([97], 5), ([13] * 6, 2)])
-def test_latch_dead_tokens_at_every_distance(evs, n_head):
+def test_dead_tokens_block_at_every_distance(evs, n_head):
     """deepseek-v4.1: image tokens and unknown ids block every older window entry, also across blocks."""
     plan = HashPlan(v41_cfg(evs, n_head))
     rng = np.random.default_rng(n_head)

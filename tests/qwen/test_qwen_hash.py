@@ -172,7 +172,7 @@ def test_an_eos_keeps_its_own_history_and_cuts_the_next_ones():
     np.testing.assert_array_equal(rows[2], alone([a, b, EOS]))
     np.testing.assert_array_equal(rows[3], alone([EOS, EOS, c]))
     np.testing.assert_array_equal(rows[3], alone([c]))            # history before the start reads EOS
-    assert not np.array_equal(rows[2], alone([EOS, EOS, EOS]))   # not V4.1's latch (which cuts the EOS itself)
+    assert not np.array_equal(rows[2], alone([EOS, EOS, EOS]))   # not V4.1's DEAD rule (which cuts the EOS itself)
 
 
 def _transformers_rows(tcfg, ids, torch, module):

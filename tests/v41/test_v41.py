@@ -1,4 +1,4 @@
-"""deepseek-v4.1 variant: config, hashing with the dead-token latch, weights, the numpy oracle.
+"""deepseek-v4.1 variant: config, hashing with the dead-token rule, weights, the numpy oracle.
 
 Expected values come from outside the code under test: the public Flash config.json
 (table rows, compressed vocab), a pure-Python hash (tests/pyref.py), hand-computed
@@ -143,7 +143,7 @@ def test_serving_refuses_mismatched_sizes():
         HashPlan(cfg)  # identity compression: 129280 ids
 
 
-# --- hashing with the dead-token latch ----------------------------------------------------------
+# --- hashing with the dead-token rule ----------------------------------------------------------
 
 def random_ids(rng, B, T, vocab=300):
     ids = rng.integers(0, vocab, (B, T))
@@ -166,7 +166,7 @@ def test_hash_matches_pure_python(compressed):
         assert np.array_equal(fast[L], want)
 
 
-def test_latch_by_hand():
+def test_dead_rule_by_hand():
     """A DEAD token makes itself and every older shift pad; newer shifts keep their ids."""
     plan = HashPlan(small())
     seq = np.array([[10, 11, IMG, 12, 13, 14, 15]])
