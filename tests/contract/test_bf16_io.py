@@ -219,11 +219,13 @@ def test_nan_and_inf_hidden_round_as_the_float32_call(model):
     hb[2, 3] = np.inf
     h32 = hb.astype(np.float32)
     a, b = model.stream(L, n_streams=S), model.stream(L, n_streams=S)
+    nan_seen = False
     for t in range(T):
         got = a.step(ids[:, t], np.ascontiguousarray(hb[:, t]))
         want = b.step(ids[:, t], np.ascontiguousarray(h32[:, t]))
         assert np.array_equal(bits(got), rounded(want))
-    assert np.isnan(want).any() or t < 3
+        nan_seen |= bool(np.isnan(want).any())
+    assert nan_seen   # the NaN stores were exercised
 
 
 def test_other_out_dtypes_are_refused():
