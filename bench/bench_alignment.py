@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
 
-from bench_file_check import rotating_rounds, setup
+from _lib.small_step import rotating_rounds, setup  # noqa: E402
 
 
 def main():

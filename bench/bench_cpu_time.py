@@ -110,7 +110,7 @@ def main(argv=None):
     import checkout
     where = checkout.use(os.path.abspath(a.root))
     import numpy as np
-    from common import machine
+    from _lib.common import machine
     from engram_stream import EngramConfig, EngramModel
     info = machine()
     print(f"bench_cpu_time: engram_stream from {where}, kernels {info['kernel_isa']}, load average "

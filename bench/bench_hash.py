@@ -38,6 +38,9 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
 from engram_stream import EngramConfig, HashPlan  # noqa: E402
 from engram_stream.v41.config import V41  # noqa: E402
 from engram_stream import _hash, kernel_isa  # noqa: E402

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tools"))
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()  # in os.environ too: the spawned ranks import the same engram_stream
 sys.path.insert(0, HERE)
-from common import machine  # noqa: E402
+from _lib.common import machine  # noqa: E402
 
 CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "engram_stream", "bench")
 CFG = dict(hidden_size=64, hc_mult=2, n_embed_per_ngram=32, n_head_per_ngram=2, max_ngram_size=3,

@@ -11,14 +11,15 @@ own init and writer.
     flock /tmp/bench.lock python bench/bench_longcat.py --paths avx512,avx2   # forced paths beside
 
 Ratios of medians, the contenders and their floors side by side in one run (rounds interleaved,
-the order rotating; bench_v41.py's and bench_qwen.py's helpers and method, bench/NOTES.md). Every
+the order rotating; bench_v41.py's and bench_qwen.py's method, bench/NOTES.md). Every
 goal is computed on the unforced engine: the path and threads engine/tune.py chose (what a user
 gets); --paths adds the same engines forced onto each named path, as rows beside it.
   step      one-stream step vs one read of the projection bytes it reads (the packed proj_w,
             k.read_bytes, one core)                               goal <= 1.2x
             16 streams per token vs the one-stream step           goal <= 1/8
-  prefill   eng.prefill of 512 tokens vs the register-only FMA floor of the cores it runs on
-            (2*T*3072*3072 FLOPs at the chosen path's vfmadd peak, the demo's es_fma_chains,
+  prefill   eng.prefill of 512 tokens vs the register-only floor of the cores it runs on
+            (2*T*3072*3072 FLOPs at the peak of the chosen path's GEMM multiply-add, es8_mac_chains:
+            vdpbf16ps on the bf16 path, where bf16 projections meet a bf16 table; else vfmadd;
             every core at once, in the same rounds)               goal <= 1.3x
 """
 import argparse
@@ -29,13 +30,16 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_v41 as v  # noqa: E402  (chooses the checkout: tools/checkout.py)
-from bench_qwen import rounds  # noqa: E402
-from common import add_busy_args, busy_loops, finish, machine  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
+
+from _lib.common import add_busy_args, busy_loops, finish, machine  # noqa: E402
+from _lib.kernels import fma_runner, on_path, parse_paths  # noqa: E402
+from _lib.timing import median, rounds  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
-from engram_stream.demo import _engine as demo_k  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
+from engram_stream.v41 import _engine as k  # noqa: E402
 
 LAYER = 0
 CALLS = 8   # step-section calls per timing
@@ -61,39 +65,39 @@ def section_step(model, reps, paths):
     D, V = model.cfg.hidden_size, model.cfg.vocab_size
     wb = np.asarray(w.packed()[0]).reshape(-1).view(np.uint8)   # what the step's GEMV reads
     for a in (w.table, w.embed):  # their pages mapped: rows, not disk reads
-        v.k.read_bytes(np.asarray(a).reshape(-1).view(np.uint8))
-    runs = {"read": lambda: v.k.read_bytes(wb)}
+        k.read_bytes(np.asarray(a).reshape(-1).view(np.uint8))
+    runs = {"read": lambda: k.read_bytes(wb)}
     c1, c16 = model.stream(LAYER), model.stream(LAYER, n_streams=16)  # nothing forced or set: the tuned choice
     o1, o16 = np.empty(D, np.float32), np.empty((16, D), np.float32)
     runs["chosen.step1"] = lambda: c1.step(int(rng.integers(V)), out=o1)
     runs["chosen.step16"] = lambda: c16.step(rng.integers(0, V, 16), out=o16)
     for isa in paths:
         e1, e16 = model.stream(LAYER), model.stream(LAYER, n_streams=16)
-        runs[f"{isa}.step1"] = (lambda e, isa: lambda: v.on_path(
+        runs[f"{isa}.step1"] = (lambda e, isa: lambda: on_path(
             isa, lambda: e.step(int(rng.integers(V)), out=o1)))(e1, isa)
-        runs[f"{isa}.step16"] = (lambda e, isa: lambda: v.on_path(
+        runs[f"{isa}.step16"] = (lambda e, isa: lambda: on_path(
             isa, lambda: e.step(rng.integers(0, V, 16), out=o16)))(e16, isa)
     b_isa, b_threads = c16.kernel_choice()["batch"][:2]
-    fma = v.fma_runner(b_isa, b_threads, 2_000_000, chains=demo_k._fma_chains)
+    fma = fma_runner(b_isa, b_threads, 2_000_000)  # the GEMM's multiply-add: vdpbf16ps on bf16
     runs["fma"] = lambda: fma(1)
     # each timing CALLS calls back to back: blocks of a few ms, not one sub-ms call (bench/NOTES.md)
     times = rounds({n: (lambda f: lambda: [f() for _ in range(CALLS)])(f) for n, f in runs.items()}, reps)
     times = {n: [x / CALLS for x in t] for n, t in times.items()}
-    med = {n: v.median(t) for n, t in times.items()}
+    med = {n: median(t) for n, t in times.items()}
     rd = med["read"]
     # what bounds 16 streams: their multiply-adds at the register-only FMA peak of the batch's path and threads
     M, E = w.proj_w.shape
     floor16 = [2 * 16 * M * E / (g * 1e9) for g in fma.gflops(times["fma"])]
     res = {"proj_bytes": int(wb.nbytes), "read_ms": rd * 1e3, "read_GBps": wb.nbytes / rd / 1e9, "reps": reps,
            "chosen_config": {"step": list(c1.kernel_choice()["step"]), "batch": list(c16.kernel_choice()["batch"])},
-           "fma_GFLOPs": v.median(fma.gflops(times["fma"])), "step16_fma_floor_ms": v.median(floor16) * 1e3,
-           "step16_over_fma_floor_paired": v.median([a / b for a, b in zip(times["chosen.step16"], floor16)])}
+           "fma_GFLOPs": median(fma.gflops(times["fma"])), "step16_fma_floor_ms": median(floor16) * 1e3,
+           "step16_over_fma_floor_paired": median([a / b for a, b in zip(times["chosen.step16"], floor16)])}
     for who in ["chosen"] + list(paths):
         one, s16 = med[f"{who}.step1"], med[f"{who}.step16"]
         res[who] = {"step1_ms": one * 1e3, "step16_ms": s16 * 1e3, "step1_over_read": one / rd,
-                    "step1_over_read_paired": v.median([a / b for a, b in zip(times[f"{who}.step1"], times["read"])]),
+                    "step1_over_read_paired": median([a / b for a, b in zip(times[f"{who}.step1"], times["read"])]),
                     "per_token16_over_step1": s16 / 16 / one,
-                    "per_token16_over_step1_paired": v.median([a / 16 / b for a, b in zip(
+                    "per_token16_over_step1_paired": median([a / 16 / b for a, b in zip(
                         times[f"{who}.step16"], times[f"{who}.step1"])])}
     return res
 
@@ -118,13 +122,13 @@ def section_prefill(model, T, reps, paths):
         e.reset()
         if isa is None:
             return e.prefill(ids, out=out)
-        return v.on_path(isa, lambda: e.prefill(ids, out=out))
+        return on_path(isa, lambda: e.prefill(ids, out=out))
     runs = {n: (lambda e, isa: lambda: prefill(e, isa))(e, isa) for n, (e, isa) in engs.items()}
     floors_of = {"chosen": (c_isa, c_threads)}
     floors_of.update({isa: (isa, cores) for isa in paths})
     fma = {}
     for isa, th in set(floors_of.values()):
-        fma[(isa, th)] = v.fma_runner(isa, th, 40_000_000, chains=demo_k._fma_chains)
+        fma[(isa, th)] = fma_runner(isa, th, 40_000_000)  # vdpbf16ps on bf16, else vfmadd
         runs[f"fma.{isa}.t{th}"] = (lambda f: lambda: f(1))(fma[(isa, th)])
     times = rounds(runs, reps)
     M, E = model.layer(LAYER).proj_w.shape
@@ -133,10 +137,10 @@ def section_prefill(model, T, reps, paths):
         peaks = fma[(isa, th)].gflops(times[f"fma.{isa}.t{th}"])
         floors = [2 * M * E * T / (g * 1e9) for g in peaks]
         t = times[n]
-        res[n] = {"path": isa, "threads": th, "s": v.median(t), "spread_s": [min(t), max(t)],
-                  "register_fma_GFLOPs": v.median(peaks), "fma_floor_s": v.median(floors),
-                  "over_fma_floor": v.median(t) / v.median(floors),
-                  "over_fma_floor_paired": v.median([a / b for a, b in zip(t, floors)])}
+        res[n] = {"path": isa, "threads": th, "s": median(t), "spread_s": [min(t), max(t)],
+                  "register_fma_GFLOPs": median(peaks), "fma_floor_s": median(floors),
+                  "over_fma_floor": median(t) / median(floors),
+                  "over_fma_floor_paired": median([a / b for a, b in zip(t, floors)])}
     return res
 
 
@@ -189,7 +193,7 @@ def main():
     ap.add_argument("--json")
     add_busy_args(ap)
     a = ap.parse_args()
-    paths = v.parse_paths(ap, a.paths)
+    paths = parse_paths(ap, a.paths)
     d = ensure_checkpoint(a.dir, a.vocab_size, a.ngram_vocab_size_ratio)
     with busy_loops(a.busy, a.busy_cpu) as busy:
         res = {"machine": machine(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),

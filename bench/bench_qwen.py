@@ -11,14 +11,15 @@ the engine with those bf16 projection weights and again with them widened to flo
     flock /tmp/bench.lock python bench/bench_qwen.py --sections step,prefill --paths avx2
 
 Ratios of medians, the contenders and their floors side by side in one run (rounds
-interleaved, the order rotating; bench_v41.py's helpers and method, bench/NOTES.md):
+interleaved, the order rotating; bench_v41.py's method, bench/NOTES.md; helpers: bench/_lib):
   step      one-stream step (step_threads 1 and 2) vs one read of the projection weights it
             reads (proj_w: key_proj + value_proj, [12800, 2560]; k.read_bytes, one core)
                                                                    goal <= 1.2x
             16 streams per token vs the one-stream step (best of 1 and 2 threads)
                                                                    goal <= 1/8
   prefill   eng.prefill of 512 tokens on all cores vs the register-only FMA floor of all cores
-            (2*T*12800*2560 FLOPs at the path's vfmadd peak, es_fma_chains, measured with every
+            (2*T*12800*2560 FLOPs at the peak of the GEMM's multiply-add: vfmadd, es_fma_chains;
+            bf16 projections on the bf16 path vdpbf16ps, es8_mac_chains; measured with every
             core at once in the same rounds)                       goal <= 1.3x
   direct    tables="direct" (O_DIRECT, qd 32, a row cache of a small fraction of the table):
             the engine's read path (feed + fetch, 16 streams of random ids, every row a miss),
@@ -33,13 +34,18 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_v41 as v  # noqa: E402  (chooses the checkout: tools/checkout.py)
-from bench_direct import device, fio  # noqa: E402
-from common import add_busy_args, busy_loops, finish, machine  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
+checkout.use()
+
+from _lib.common import add_busy_args, busy_loops, finish, machine  # noqa: E402
+from _lib.disk import device, fio  # noqa: E402
+from _lib.kernels import fma_runner, on_path, parse_paths  # noqa: E402
+from _lib.timing import median, rounds, timed  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.demo import _engine as demo_k  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
+from engram_stream.v41 import _engine as k  # noqa: E402
 
 LAYER = 1
 # the released Qwen3.8-Flash-Next text config's PLE keys, one PLE layer, a small table
@@ -58,19 +64,6 @@ def ensure_checkpoint(d, base):
     return d
 
 
-def rounds(runs, reps):
-    """{name: [seconds]}: every contender once a round, the order rotating (after one warm call each)."""
-    for f in runs.values():
-        f()
-    times = {n: [] for n in runs}
-    names = list(runs)
-    for r in range(reps):
-        for j in range(len(names)):
-            n = names[(r + j) % len(names)]
-            times[n].append(v.timed(runs[n]))
-    return times
-
-
 def section_step(models, reps, paths):
     """Per weight dtype and path: the one-stream step (1, 2 threads) and 16 streams (1, 2) beside
     one read of the projection weights of that dtype, all in the same interleaved rounds."""
@@ -80,9 +73,9 @@ def section_step(models, reps, paths):
         w = model.layer(LAYER)
         G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
         wb = np.ascontiguousarray(w.proj_w).reshape(-1).view(np.uint8)
-        v.k.read_bytes(np.asarray(w.table).reshape(-1).view(np.uint8))  # the table's pages: rows, not disk reads
+        k.read_bytes(np.asarray(w.table).reshape(-1).view(np.uint8))  # the table's pages: rows, not disk reads
         res[dt] = {"proj_bytes": int(wb.nbytes)}
-        runs[f"{dt}.read"] = (lambda wb: lambda: v.k.read_bytes(wb))(wb)
+        runs[f"{dt}.read"] = (lambda wb: lambda: k.read_bytes(wb))(wb)
         h1 = rng.standard_normal((G, D)).astype(np.float32)
         h16 = rng.standard_normal((16, G, D)).astype(np.float32)
         o1, o16 = np.empty_like(h1), np.empty_like(h16)
@@ -90,12 +83,12 @@ def section_step(models, reps, paths):
             for th in (1, 2):
                 e1, e16 = model.stream(LAYER), model.stream(LAYER, n_streams=16)
                 e1.step_threads = e16.step_threads = th
-                runs[f"{dt}.{isa}.step1_t{th}"] = (lambda e, isa, h, o: lambda: v.on_path(
+                runs[f"{dt}.{isa}.step1_t{th}"] = (lambda e, isa, h, o: lambda: on_path(
                     isa, lambda: e.step(int(rng.integers(V)), h, out=o)))(e1, isa, h1, o1)
-                runs[f"{dt}.{isa}.step16_t{th}"] = (lambda e, isa, h, o: lambda: v.on_path(
+                runs[f"{dt}.{isa}.step16_t{th}"] = (lambda e, isa, h, o: lambda: on_path(
                     isa, lambda: e.step(rng.integers(0, V, 16), h, out=o)))(e16, isa, h16, o16)
     times = rounds(runs, reps)
-    med = {n: v.median(t) for n, t in times.items()}
+    med = {n: median(t) for n, t in times.items()}
     for dt in models:
         rd = med[f"{dt}.read"]
         res[dt].update(read_ms=rd * 1e3, read_GBps=res[dt]["proj_bytes"] / rd / 1e9)
@@ -108,7 +101,7 @@ def section_step(models, reps, paths):
                 r[f"step1_t{th}_over_read"] = one[th] / rd
                 r[f"step16_t{th}_ms"] = s16[th] * 1e3
                 r[f"per_token16_t{th}_over_step1_t1"] = s16[th] / 16 / one[1]
-            r["step1_over_read_paired"] = v.median([a / b for a, b in zip(times[f"{dt}.{isa}.step1_t1"],
+            r["step1_over_read_paired"] = median([a / b for a, b in zip(times[f"{dt}.{isa}.step1_t1"],
                                                                           times[f"{dt}.read"])])
     return res
 
@@ -118,8 +111,11 @@ def section_prefill(models, T, reps, paths):
     floor of all cores (the path's vfmadd peak, every core at once), timed in the same rounds."""
     cores = os.cpu_count() or 1
     res = {"T": T, "threads": cores, "reps": reps}
-    fma = {isa: v.fma_runner(isa, cores, 40_000_000, chains=demo_k._fma_chains) for isa in paths}
-    t_fma = {isa: [] for isa in paths}
+    # the floor of the GEMM's own multiply-add: bf16 projections and table on the bf16 path run vdpbf16ps
+    # (v41's _mac_chains: vdpbf16ps there, else the FMA chains), float32 ones vfmadd
+    floor_of = {dt: (None if dt == "bfloat16" else demo_k._fma_chains) for dt in models}
+    fma = {(dt, isa): fma_runner(isa, cores, 40_000_000, chains=floor_of[dt]) for dt in models for isa in paths}
+    t_fma = {key: [] for key in fma}
     t_ours, engs = {}, {}
     for dt, model in models.items():
         G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
@@ -130,24 +126,25 @@ def section_prefill(models, T, reps, paths):
         engs[dt] = (eng, ids, hidden, np.empty_like(hidden))
         for isa in paths:
             t_ours[(dt, isa)] = []
-            v.on_path(isa, lambda: eng.prefill(ids, hidden, out=engs[dt][3]))  # warm
+            on_path(isa, lambda: eng.prefill(ids, hidden, out=engs[dt][3]))  # warm
             eng.reset()
     M, E = models[next(iter(models))].layer(LAYER).proj_w.shape
     for _ in range(reps):  # every contender and floor once a round
         for isa in paths:
             for dt, (eng, ids, hidden, out) in engs.items():
                 eng.reset()
-                t_ours[(dt, isa)].append(v.timed(lambda: v.on_path(isa, lambda: eng.prefill(ids, hidden, out=out))))
-            t_fma[isa].append(v.timed(lambda: fma[isa](1)))
+                t_ours[(dt, isa)].append(timed(lambda: on_path(isa, lambda: eng.prefill(ids, hidden, out=out))))
+                t_fma[(dt, isa)].append(timed(lambda: fma[(dt, isa)](1)))
     for isa in paths:
-        peaks = fma[isa].gflops(t_fma[isa])
-        floors = [2 * M * E * T / (g * 1e9) for g in peaks]
-        res[isa] = {"register_fma_all_cores_GFLOPs": v.median(peaks), "fma_floor_s": v.median(floors)}
+        res[isa] = {}
         for dt in models:
+            peaks = fma[(dt, isa)].gflops(t_fma[(dt, isa)])
+            floors = [2 * M * E * T / (g * 1e9) for g in peaks]
             t = t_ours[(dt, isa)]
-            res[isa][dt] = {"s": v.median(t), "spread_s": [min(t), max(t)],
-                            "over_fma_floor": v.median(t) / v.median(floors),
-                            "over_fma_floor_paired": v.median([a / b for a, b in zip(t, floors)])}
+            res[isa][dt] = {"register_fma_all_cores_GFLOPs": median(peaks), "fma_floor_s": median(floors),
+                            "s": median(t), "spread_s": [min(t), max(t)],
+                            "over_fma_floor": median(t) / median(floors),
+                            "over_fma_floor_paired": median([a / b for a, b in zip(t, floors)])}
     return res
 
 
@@ -184,11 +181,11 @@ def section_direct(d, n_rounds, seconds, qd, cache_mb, streams=16):
         print(f"  round {r}: engine read path {e['reads_per_s']:,.0f} reads/s ({e['reads_per_row_read']:.3f} per "
               f"row read) | fio {f:,.0f} IOPS | {e['ratio']:.2f}x", flush=True)
     return {"rounds": out, "qd": qd, "streams": streams, "seconds": seconds, "file": shards[0],
-            "fio_iops": v.median([x["fio_iops"] for x in out]),
-            "reads_per_s": v.median([x["reads_per_s"] for x in out]),
-            "over_fio": v.median([x["reads_per_s"] for x in out]) / v.median([x["fio_iops"] for x in out]),
-            "over_fio_paired": v.median([x["ratio"] for x in out]),
-            "reads_per_row_read": v.median([x["reads_per_row_read"] for x in out]),
+            "fio_iops": median([x["fio_iops"] for x in out]),
+            "reads_per_s": median([x["reads_per_s"] for x in out]),
+            "over_fio": median([x["reads_per_s"] for x in out]) / median([x["fio_iops"] for x in out]),
+            "over_fio_paired": median([x["ratio"] for x in out]),
+            "reads_per_row_read": median([x["reads_per_row_read"] for x in out]),
             "device": device(d)}
 
 
@@ -231,7 +228,7 @@ def main():
     ap.add_argument("--json")
     add_busy_args(ap)
     a = ap.parse_args()
-    paths = v.parse_paths(ap, a.paths)
+    paths = parse_paths(ap, a.paths)
     d = ensure_checkpoint(a.dir, a.ngram_vocab_size_base)
     with busy_loops(a.busy, a.busy_cpu) as busy:
         res = {"machine": machine(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
 
-from common import machine  # noqa: E402
+from _lib.common import machine  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.v41.hf import flash_config  # noqa: E402
 

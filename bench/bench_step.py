@@ -50,60 +50,24 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_busy_args, busy_loops  # noqa: E402
+from _lib.common import add_busy_args, busy_loops  # noqa: E402
+from _lib.kernels import FmaRunner, forced_now  # noqa: E402
+from _lib.step_runners import (HAVE_TORCH, LAYER, engine_runner, floor_runners, torch, torch_peer,  # noqa: E402
+                               torch_runner)
+from _lib.timing import interleaved  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
 from engram_stream.engine import tune  # noqa: E402
-
-try:
-    import torch  # noqa: E402
-    import torch_peer  # noqa: E402
-    HAVE_TORCH = True
-except ImportError:  # the engine rows still run
-    torch = torch_peer = None
-    HAVE_TORCH = False
 
 SMALL = dict(engram_vocab_size=[100003, 100003], max_ngram_size=3, n_embed_per_ngram=128, n_head_per_ngram=4,
              layer_ids=[1], kernel_size=4, hidden_size=256, hc_mult=4)
 DEMO = dict(layer_ids=[1])                                   # EngramConfig() defaults otherwise
 DEMO_QUICK = dict(layer_ids=[1], engram_vocab_size=[20011, 20011])  # same geometry, small table
-LAYER = 1
 
 
 # ---------------------------------------------------------------------------------------
 # timing
 # ---------------------------------------------------------------------------------------
-def calibrate(run, target):
-    """Calls per block so one block takes about `target` seconds."""
-    run(1)
-    n = 1
-    while True:
-        t = time.perf_counter()
-        run(n)
-        dt = time.perf_counter() - t
-        if dt >= target / 4 or n >= 1 << 16:
-            return max(1, int(n * target / max(dt, 1e-9)))
-        n *= 4
-
-
-def interleaved(contenders, reps, target):
-    """contenders: {name: run(n)} -> {name: [seconds per call, one per repetition]}.
-    Blocks of the contenders alternate; the order rotates every repetition."""
-    names = list(contenders)
-    for k in names:  # every contender warm before any is calibrated: the first calibrated is not
-        contenders[k](1)  # sized on a cold machine (smaller blocks: each block's cold start weighs more)
-    ns = {k: calibrate(contenders[k], target) for k in names}
-    times = {k: [] for k in names}
-    for r in range(reps):
-        for j in range(len(names)):
-            k = names[(r + j) % len(names)]
-            t = time.perf_counter()
-            contenders[k](ns[k])
-            times[k].append((time.perf_counter() - t) / ns[k])
-    return times
-
-
 def med(xs):
     return float(np.median(xs))
 
@@ -155,35 +119,6 @@ class Report:
 # ---------------------------------------------------------------------------------------
 # contenders
 # ---------------------------------------------------------------------------------------
-def make_inputs(cfg, n_tok=4096, n_hid=16, S=1, seed=0):
-    rng = np.random.default_rng(seed)
-    toks = rng.integers(0, cfg.vocab_size, size=(n_tok, S)).astype(np.int64)
-    hid = rng.standard_normal((n_hid, S, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
-    if S == 1:
-        return toks[:, 0].tolist(), [np.ascontiguousarray(h[0]) for h in hid]
-    return [np.ascontiguousarray(t) for t in toks], [np.ascontiguousarray(h) for h in hid]
-
-
-def engine_runner(model, S=1, threads=None):
-    """run(n): n steps of an engine of S streams; threads: its step_threads (None: the count
-    measured fastest, engine/tune.py). run.engine is the engine (its kernel_choice())."""
-    eng = model.stream(LAYER, n_streams=S)
-    if threads is not None:
-        eng.step_threads = threads  # a step's projection and tails over threads
-    toks, hid = make_inputs(model.cfg, S=S, seed=S)
-    out = np.empty(hid[0].shape, np.float32)
-    nt, nh = len(toks), len(hid)
-    state = [0]
-
-    def run(n):
-        i, step = state[0], eng.step
-        for j in range(i, i + n):
-            step(toks[j % nt], hid[j % nh], out=out)
-        state[0] = i + n
-    run.engine = eng
-    return run
-
-
 # The thread counts of the [path] rows: those engine/tune.py times (1, 2, 4, .. the cores)
 THREADS = tune.thread_counts(tune.cores())
 FMA_RUNNERS = {}  # (isa, threads) -> FmaRunner
@@ -197,11 +132,6 @@ GOAL = 1.05  # the chosen path and threads within 5% of the fastest
 def shown(path):
     """The path whose rows time `path`'s code (SAME_CODE)."""
     return SAME_CODE.get(path, path)
-
-
-def forced_now():
-    """The forced path (ENGRAM_STREAM_ISA, use_isa), else None: what a forcing helper restores."""
-    return _isa.kernel_isa() if _isa.forced() else None
 
 
 def path_runners(runs, name, model, S=1, cpu=None, threads=THREADS):
@@ -314,58 +244,6 @@ def native_sgemm_peak():
     env["OPENBLAS_NUM_THREADS"] = "1"
     r = subprocess.run([sys.executable, "-c", NATIVE_PEAK], env=env, capture_output=True, text=True, check=True)
     return float(r.stdout) / 1e9
-
-
-def torch_runner(model, S=1, hash_mode=None):
-    with torch.inference_mode():
-        peer = torch_peer.TorchStep(model, LAYER, n_streams=S, hash_mode=hash_mode)
-    toks, hid = make_inputs(model.cfg, S=S, seed=S)
-    hid = [torch.from_numpy(h) for h in hid]
-    if S > 1:
-        toks = [torch.from_numpy(t) for t in toks]
-    nt, nh = len(toks), len(hid)
-    state = [0]
-
-    def run(n):
-        i, step = state[0], peer.step
-        with torch.inference_mode():
-            for j in range(i, i + n):
-                step(toks[j % nt], hid[j % nh])
-        state[0] = i + n
-    return run
-
-
-def floor_runners(model, S=1):
-    """The fused projection alone, one numpy BLAS call per step, both weight layouts."""
-    w = model.layer(LAYER)
-    W = w.proj_w                               # [(G+1)*D, E] row-major
-    WT = np.ascontiguousarray(W.T)             # [E, (G+1)*D]
-    rng = np.random.default_rng(5)
-    E, M = W.shape[1], W.shape[0]
-    if S == 1:
-        e = rng.standard_normal(E).astype(np.float32)
-        y = np.empty(M, np.float32)
-
-        def run_w(n):
-            for _ in range(n):
-                np.matmul(W, e, out=y)
-
-        def run_wt(n):
-            for _ in range(n):
-                np.matmul(e, WT, out=y)
-    else:
-        e = rng.standard_normal((S, E)).astype(np.float32)
-        y = np.empty((S, M), np.float32)
-
-        def run_w(n):
-            Wt = W.T
-            for _ in range(n):
-                np.matmul(e, Wt, out=y)
-
-        def run_wt(n):
-            for _ in range(n):
-                np.matmul(e, WT, out=y)
-    return run_w, run_wt
 
 
 # ---------------------------------------------------------------------------------------
@@ -654,38 +532,6 @@ def register_fma_gflops(isa, threads, rounds=20_000_000):
         finally:
             _isa.use_isa(before)
     return best
-
-
-class FmaRunner:
-    """A contender that runs the register-only FMA chains of path `isa` on `threads` threads at
-    once (`rounds` each a call), so a floor is measured in the same rotation as what it floors
-    (a shared machine's load moves both alike). gflops(seconds per call) converts its times."""
-
-    def __init__(self, isa, threads, rounds=4_000_000, chains=None):
-        from engram_stream.demo import _engine
-        self.isa, self.threads, self.rounds, self.flops = isa, threads, rounds, 0
-        self.chains = chains or _engine._fma_chains  # (bench_v41: the projection's own, vdpbf16ps on bf16)
-
-    def __call__(self, n):
-        for _ in range(n):
-            done = [0] * self.threads
-
-            def work(i):
-                done[i] = self.chains(self.rounds)
-            pool = [threading.Thread(target=work, args=(i,)) for i in range(self.threads)]
-            before = forced_now()
-            _isa.use_isa(self.isa)
-            try:
-                for th in pool:
-                    th.start()
-                for th in pool:
-                    th.join()
-            finally:
-                _isa.use_isa(before)
-            self.flops = 2 * sum(done)
-
-    def gflops(self, seconds):
-        return [self.flops / t / 1e9 for t in seconds]
 
 
 def main(argv=None):

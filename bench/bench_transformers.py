@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
 
-from common import machine  # noqa: E402
+from _lib.common import machine  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.io.safetensors import DTYPES  # noqa: E402
 from engram_stream.v41 import hf as hf_v41  # noqa: E402

@@ -54,7 +54,9 @@ from engram_stream import EngramModel  # noqa: E402
 from engram_stream.v41 import hf as hf_v41  # noqa: E402
 from engram_stream.v41 import _engine as k  # noqa: E402
 from engram_stream.engine import isa as _isa  # noqa: E402
-from common import add_busy_args, busy_loops, machine  # noqa: E402
+from _lib.common import add_busy_args, busy_loops, machine  # noqa: E402
+from _lib.kernels import fma_runner, on_path, parse_paths  # noqa: E402
+from _lib.timing import median, timed  # noqa: E402
 
 LAYER = 1
 
@@ -66,20 +68,6 @@ def ensure_checkpoint(d, evs):
         hf_v41.make_synthetic(d, cfg, seed=0, n_shards=2, tokenizer=False, decoys=False)
         print(f"wrote {d} in {time.perf_counter() - t0:.0f} s")
     return d
-
-
-def median(xs):
-    return float(np.median(np.asarray(xs)))
-
-
-def on_path(isa, f):
-    """f() with the kernels forced onto path `isa`, then back as before (forced or not)."""
-    before = _isa.kernel_isa() if _isa.forced() else None
-    _isa.use_isa(isa)
-    try:
-        return f()
-    finally:
-        _isa.use_isa(before)
 
 
 def section_step(model, reps, paths):
@@ -160,26 +148,6 @@ def section_plain(model, paths, reps):
             res[f"S{S}_{isa}_ms"] = median(times[isa]) * 1e3
             res[f"S{S}_{isa}_over_plain"] = median(times[isa]) / median(times["plain"])
     return res
-
-
-def fma_runner(isa, threads, rounds, chains=None):
-    """bench_step.FmaRunner with the projection's own multiply-add chains (_mac_chains: vfmadd,
-    vdpbf16ps on bf16; `chains`: another engine's, e.g. the demo's _fma_chains) on `threads`
-    threads at once, a contender timed in the same rounds as what it floors."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ)
-    try:
-        import bench_step
-    finally:  # (it pins OPENBLAS_NUM_THREADS at import)
-        os.environ.clear()
-        os.environ.update(env)
-    return bench_step.FmaRunner(isa, threads, rounds, chains=chains or k._mac_chains)
-
-
-def timed(f):
-    t0 = time.perf_counter()
-    f()
-    return time.perf_counter() - t0
 
 
 def section_kernel(model, paths, reps):
@@ -483,15 +451,6 @@ def section_cold(d, steps):
     if r.returncode:
         return {"error": r.stderr[-2000:]}
     return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def parse_paths(ap, text):
-    """--paths as a list: every name a kernel path this CPU and build run, else ap.error."""
-    paths = [p for p in text.split(",") if p]
-    for p in paths:
-        if p not in _isa.supported_isas():
-            ap.error(f"--paths: {p!r} is not a path this CPU and build run ({', '.join(_isa.supported_isas())})")
-    return paths
 
 
 def main():

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
 
-from common import machine  # noqa: E402
+from _lib.common import machine  # noqa: E402
 from engram_stream import EngramModel  # noqa: E402
 from engram_stream.v41.hf import flash_config  # noqa: E402
 
@@ -123,13 +123,13 @@ def section_cold(a, res):
     """Preads per second of the plugin's lookups from cold against fio at the same qd (rounds
     interleaved: fio, then the plugin, on a file whose pages were dropped)."""
     import torch
-    import bench_direct
+    from _lib import disk
     from engram_stream.integrations import vllm as plugin
     from engram_stream.rows import DirectTier, packed
     from engram_stream.io.memory import evict_file
     d = os.path.join(a.dir, f"flash-rows-{a.evs}-d256")
     os.makedirs(a.dir, exist_ok=True)
-    bench_direct.ensure_checkpoint(d, a.evs, 256)
+    disk.ensure_checkpoint(d, a.evs, 256)
     rows_file = packed.rows_path(d)
     files = [rows_file] + sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors"))
     rng = np.random.default_rng(5)
@@ -139,7 +139,7 @@ def section_cold(a, res):
         for name, T in BATCHES:
             for f in files:
                 evict_file(f)
-            fio = bench_direct.fio(rows_file, a.qd, a.seconds)
+            fio = disk.fio(rows_file, a.qd, a.seconds)
             del model
             model = EngramModel.from_deepseek_v41(d, tables=DirectTier(qd=a.qd), row_cache_mb=a.cache_mb)
             plan = model.plan

@@ -27,7 +27,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--evs", type=int, default=50021, help="rows per head (the table: 9 heads of this)")
     a = ap.parse_args()
-    from conftest import make_v41_model
+    from helpers.models import make_v41_model
     from engram_stream import EngramModel
     from engram_stream.integrations._vllm_graph import HostLookup
     from engram_stream.integrations._records import records_to_bf16

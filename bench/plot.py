@@ -27,8 +27,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import checkout  # noqa: E402  (this checkout when built in place, else the installed package)
 checkout.use()
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_step as bs  # noqa: E402
+from _lib import step_runners as runners  # noqa: E402
+from _lib.timing import interleaved  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,17 +36,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def model_for(D):
     cfg = EngramConfig(engram_vocab_size=[20011, 20011], max_ngram_size=3, n_embed_per_ngram=D // 2,
-                       n_head_per_ngram=8, layer_ids=[bs.LAYER], kernel_size=4, hidden_size=D, hc_mult=4)
+                       n_head_per_ngram=8, layer_ids=[runners.LAYER], kernel_size=4, hidden_size=D, hc_mult=4)
     return EngramModel.init(cfg, seed=0)
 
 
 def measure(model, S, reps, target):
-    runs = {"engine": bs.engine_runner(model, S=S, threads=1)}  # (one thread, as torch and the floor)
-    if bs.HAVE_TORCH:
-        runs["torch"] = bs.torch_runner(model, S=S)
-    fa, fb = bs.floor_runners(model, S=S)
+    runs = {"engine": runners.engine_runner(model, S=S, threads=1)}  # (one thread, as torch and the floor)
+    if runners.HAVE_TORCH:
+        runs["torch"] = runners.torch_runner(model, S=S)
+    fa, fb = runners.floor_runners(model, S=S)
     runs["floor_a"], runs["floor_b"] = fa, fb
-    t = bs.interleaved(runs, reps, target)
+    t = interleaved(runs, reps, target)
     m = {k: float(np.median(v)) for k, v in t.items()}
     m["floor"] = min(m.pop("floor_a"), m.pop("floor_b"))
     return m
@@ -59,8 +59,8 @@ def main(argv=None):
     ap.add_argument("--json", metavar="PATH", help="also write the numbers here")
     args = ap.parse_args(argv)
     reps, target = (5, 0.01) if args.quick else (11, 0.02)
-    if bs.HAVE_TORCH:
-        bs.torch.set_num_threads(1)
+    if runners.HAVE_TORCH:
+        runners.torch.set_num_threads(1)
 
     Ds = [128, 256, 512, 1024]
     Ss = [1, 2, 4, 8, 16, 32]

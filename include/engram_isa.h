@@ -7,8 +7,9 @@
  *   ES_ISA_AVX512    AVX-512 F/BW/VL/DQ (64-byte vectors) + the above
  *   ES_ISA_NEON      aarch64 ASIMD (every ARMv8-A CPU): arm_neon.h widenings (FCVTL), tiles
  *                    sized for its 32 vector registers; the aarch64 builds' second copy
- *   ES_ISA_BF16      the above + AVX512_BF16 and VBMI: the V4.1 float8 projection multiplies
- *                    with vdpbf16ps (engram_fp8.h); every other kernel runs its avx512 copy
+ *   ES_ISA_BF16      the above + AVX512_BF16 and VBMI: the V4.1 float8 projection, and the GEMM of
+ *                    bf16 weights on bf16 rows (es_gemm_range_dp, engram_step.h), multiply with
+ *                    vdpbf16ps (engram_fp8.h); every other kernel runs its avx512 copy
  * A copy is made by setting ES_PATH to the level and including the template: engram_path.h
  * turns the level into what every template shares (the names' suffix through ES_SF, the target
  * attribute, the vector width, F16C, NEON), and each header's block for the path sets only its

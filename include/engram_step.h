@@ -130,6 +130,122 @@ static inline void es_floats_to_bf16_scaled(const float *x, float g, int64_t n, 
 #include "engram_step_kern.h"
 #endif
 
+/* es_gemm_packed's wbf16 for bf16 weights whose rows are bf16 values too (the engines: a bf16 table). */
+#define ES_GEMM_BF16_ROWS 2
+#if ES_X86_PATHS
+/* ---- the bf16 path's GEMM on vdpbf16ps (wbf16 == ES_GEMM_BF16_ROWS) ---------------------
+ * When the weights are bf16 and the rows are too (a bf16 table: the gather widens them exactly,
+ * so truncating them back is exact), the products of a dot product are exact in float32 and
+ * vdpbf16ps does 32 of them an instruction, twice vfmadd's 16. Columns in the lanes, as the
+ * float kernels: the 64 bytes of panel rows k and k+1 (16 columns each) are one vpermw from
+ * 16 lanes of (w[k][c], w[k+1][c]) pairs, so the panels serve every path and no second copy of
+ * the weights is packed; each row's pair (x[k], x[k+1]) is broadcast from es_pack_pairs' tiles.
+ * In a lane: the odd k of a pair added first, each addition rounded, DAZ/FTZ (es8_dpbf16_lane):
+ * only the order of the sums and subnormals differ from the float32 oracle. */
+#define ES_DP_MR 8 /* rows per tile: 8 x ES_DP_TP panels = 16 of the 32 zmm accumulate (measured */
+#define ES_DP_TP 2  /* against 16 x 1 and 12 x 2 on Zen 4: 2x and 1.9x faster at 16 rows) */
+
+/* Xq: the rows as bf16 pairs (x[k] low half, x[k+1] high; an odd E's last pair padded with 0):
+ * the B/ES_DP_MR full tiles as [t][k/2][ES_DP_MR], then the rest as [k/2][B % ES_DP_MR]:
+ * B*ceil(E/2) words, within es_gemm_packed's B*E floats of scratch. */
+static inline void es_pack_pairs(const float *X, int64_t ldx, int64_t B, int E, uint32_t *Xq) {
+    const int kp = (E + 1) / 2;
+    for (int64_t b0 = 0; b0 < B; b0 += ES_DP_MR) {
+        const int mr = B - b0 < ES_DP_MR ? (int)(B - b0) : ES_DP_MR;
+        uint32_t *q = Xq + b0 * kp;
+        for (int r = 0; r < mr; r++) {
+            const float *x = X + (b0 + r) * ldx;
+            for (int j = 0; j < kp; j++) {
+                uint32_t lo, hi = 0;
+                memcpy(&lo, x + 2 * j, sizeof lo);
+                if (2 * j + 1 < E) memcpy(&hi, x + 2 * j + 1, sizeof hi);
+                q[j * mr + r] = (lo >> 16) | (hi & 0xffff0000u);
+            }
+        }
+    }
+}
+
+/* One tile: mr rows (pairs at xq, row r's pair j at xq[j*mr + r]) x tp panels over all E. */
+static inline __attribute__((always_inline)) ES_TARGET_BF16 void es_dp_tile(
+    const uint32_t *xq, const uint16_t *w, int64_t ps, int E, const float *bias, float *Y, int64_t ldy, int ncols,
+    const int mr, const int tp, const uint16_t *pf, int pk, const int pfs) {
+    typedef short vidx __attribute__((vector_size(64)));
+    const __m512i idx = (__m512i)(vidx){0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    __m512 acc[ES_DP_MR][ES_DP_TP];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 2
+        for (int c = 0; c < tp; c++) acc[r][c] = _mm512_loadu_ps(bias + c * ES_PANEL);
+    const int kp = E / 2;
+    for (int j = 0; j <= kp; j++) {
+        if (j == kp && !(E & 1)) break;
+        __m512bh wv[ES_DP_TP];
+#pragma GCC unroll 2
+        for (int c = 0; c < tp; c++) {
+            const uint16_t *p = w + c * ps + ES_PANEL * (int64_t)(2 * j);
+            const __m512i v = j < kp ? _mm512_loadu_si512(p) /* an odd E's last row alone: no read past it */
+                                     : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p));
+            wv[c] = (__m512bh)_mm512_maskz_permutexvar_epi16(j < kp ? ~0u : 0x55555555u, idx, v);
+        }
+        if (pf && j == pk) { /* pk: a pair of panel rows, one 64-byte line */
+#pragma GCC unroll 2
+            for (int q = 0; q < tp; q++) __builtin_prefetch(pf + q * ps + ES_PANEL * (int64_t)(2 * pk), 0, 2);
+            pk += pfs;
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xq[j * mr + r]);
+#pragma GCC unroll 2
+            for (int c = 0; c < tp; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xb, wv[c]);
+        }
+    }
+    const __mmask16 m0 = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1);
+    const __mmask16 m1 = ncols >= 32 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) {
+        _mm512_mask_storeu_ps(Y + r * ldy, m0, acc[r][0]);
+        if (tp > 1) _mm512_mask_storeu_ps(Y + r * ldy + ES_PANEL, m1, acc[r][1]);
+    }
+}
+
+/* Every row through tp panels at w: the full tiles, then the rest as one smaller tile (its row
+ * count a constant per case: the accumulators stay in registers). The tiles share the next
+ * panels' prefetch as in es_tile_rows. */
+static inline __attribute__((always_inline)) ES_TARGET_BF16 void es_dp_rows(
+    const uint32_t *Xq, int64_t B, int E, const uint16_t *w, int64_t ps, const float *bias, float *Y, int M,
+    int ncols, const uint16_t *pf, const int tp) {
+    const int kp = (E + 1) / 2, nt = (int)((B + ES_DP_MR - 1) / ES_DP_MR);
+    int64_t b = 0;
+    for (; b + ES_DP_MR <= B; b += ES_DP_MR)
+        es_dp_tile(Xq + b * kp, w, ps, E, bias, Y + b * M, M, ncols, ES_DP_MR, tp, pf, (int)(b / ES_DP_MR), nt);
+    const uint32_t *xq = Xq + b * kp;
+    float *Yb = Y + b * M;
+    switch (B - b) {
+#define ES_DP_REM(n) case n: es_dp_tile(xq, w, ps, E, bias, Yb, M, ncols, n, tp, pf, nt - 1, nt); break;
+        ES_DP_REM(1) ES_DP_REM(2) ES_DP_REM(3) ES_DP_REM(4) ES_DP_REM(5) ES_DP_REM(6) ES_DP_REM(7)
+#undef ES_DP_REM
+        default: break;
+    }
+}
+
+/* Y = X W^T + bias over the panels [p0, p1), X as es_pack_pairs left it in Xq. */
+static ES_TARGET_BF16 void es_gemm_range_dp(const uint32_t *Xq, int64_t B, int E, const uint16_t *Wp,
+                                            const float *biasp, int M, float *Y, int p0, int p1) {
+    const int64_t ps = (int64_t)E * ES_PANEL;
+    for (int p = p0; p < p1;) {
+        const int tp = p + ES_DP_TP <= p1 ? ES_DP_TP : 1;
+        const uint16_t *w = Wp + p * ps;
+        int ncols = M - p * ES_PANEL;
+        if (ncols > tp * ES_PANEL) ncols = tp * ES_PANEL;
+        const uint16_t *pf = p + tp < p1 ? w + tp * ps : 0;
+        if (tp == ES_DP_TP) es_dp_rows(Xq, B, E, w, ps, biasp + p * ES_PANEL, Y + p * ES_PANEL, M, ncols, pf, ES_DP_TP);
+        else es_dp_rows(Xq, B, E, w, ps, biasp + p * ES_PANEL, Y + p * ES_PANEL, M, ncols, pf, 1);
+        p += tp;
+    }
+}
+#endif
+
 /* Rows per GEMM micro-tile of the running path (the packing of es_pack_rows). */
 static inline int es_gemm_mr(void) {
     int mr;
@@ -141,9 +257,16 @@ static inline int es_gemm_mr(void) {
 /* Y = X W^T + bias over the panels [p0, p1). X rows are ldx floats apart: keep ldx*4
  * off multiples of 4 KiB (the engine pads rows by 16 floats), else the rows of a tile
  * alias one L1 set (measured 1.3-1.6x slower). Xp: X's full tiles packed by
- * es_pack_rows, or NULL. */
+ * es_pack_rows, or NULL; with wbf16 == ES_GEMM_DP the rows' pairs of es_pack_pairs. */
+#define ES_GEMM_DP 3 /* es_gemm_mode's answer: the vdpbf16ps GEMM on pairs at Xp */
 static inline void es_gemm_range(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                                  const float *biasp, int M, float *Y, int p0, int p1, const float *Xp) {
+#if ES_X86_PATHS
+    if (wbf16 == ES_GEMM_DP) {
+        es_gemm_range_dp((const uint32_t *)Xp, B, E, (const uint16_t *)Wp, biasp, M, Y, p0, p1);
+        return;
+    }
+#endif
     if (wbf16)
         ES_DISPATCH(es_gemm_range_bf16, (X, ldx, B, E, (const uint16_t *)Wp, biasp, M, Y, p0, p1, Xp));
     else
@@ -157,20 +280,40 @@ static inline void es_pack_rows(const float *X, int64_t ldx, int64_t B, int E, f
             for (int r = 0; r < mr; r++) Xp[(t * E + k) * mr + r] = X[(t * mr + r) * ldx + k];
 }
 
-/* Pack X into xpack (scratch of B*E floats) when it holds two tiles or more; else NULL. */
-static inline const float *es_maybe_pack(const float *X, int64_t ldx, int64_t B, int E, float *xpack) {
+/* The GEMM a call runs: wbf16 as the engine gives it (0 float32 weights, 1 bf16, ES_GEMM_BF16_ROWS
+ * bf16 weights and bf16 rows), ES_GEMM_DP where the vdpbf16ps one runs: the bf16 path, two rows
+ * or more (one row is the GEMV's, memory bound) and scratch to pack them in. */
+static inline int es_gemm_mode(int wbf16, int64_t B, const float *xpack) {
+#if ES_X86_PATHS
+    if (wbf16 == ES_GEMM_BF16_ROWS && B >= 2 && xpack && es_isa_now() == ES_ISA_BF16) return ES_GEMM_DP;
+#endif
+    (void)B, (void)xpack;
+    return wbf16 != 0;
+}
+
+/* Pack X into xpack (scratch of B*E floats) when it holds two tiles or more, or as pairs for
+ * the vdpbf16ps GEMM (mode ES_GEMM_DP); else NULL. */
+static inline const float *es_maybe_pack(const float *X, int64_t ldx, int64_t B, int E, float *xpack, int mode) {
+#if ES_X86_PATHS
+    if (mode == ES_GEMM_DP) {
+        es_pack_pairs(X, ldx, B, E, (uint32_t *)xpack);
+        return xpack;
+    }
+#endif
+    (void)mode;
     const int mr = es_gemm_mr();
     if (!xpack || B < 2 * mr) return 0;
     es_pack_rows(X, ldx, B, E, xpack, mr);
     return xpack;
 }
 
-/* Wp: float32 panels, or bfloat16 bits (uint16_t) when wbf16. xpack: scratch of B*E floats
- * for the packed rows, or NULL. */
+/* Wp: float32 panels (wbf16 0), or bfloat16 bits (uint16_t; wbf16 1, or ES_GEMM_BF16_ROWS when
+ * every row is a bf16 value). xpack: scratch of B*E floats for the packed rows, or NULL. */
 static inline void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                                   const float *biasp, int M, float *Y, float *xpack) {
-    es_gemm_range(X, ldx, B, E, Wp, wbf16, biasp, M, Y, 0, (M + ES_PANEL - 1) / ES_PANEL,
-                  es_maybe_pack(X, ldx, B, E, xpack));
+    const int mode = es_gemm_mode(wbf16, B, xpack);
+    es_gemm_range(X, ldx, B, E, Wp, mode, biasp, M, Y, 0, (M + ES_PANEL - 1) / ES_PANEL,
+                  es_maybe_pack(X, ldx, B, E, xpack, mode));
 }
 
 #if ES_X86_PATHS
@@ -220,7 +363,8 @@ static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int
                                      const float *biasp, int M, float *Y, float *xpack, int nthreads,
                                      es_team *team) {
     if (nthreads <= 1 || B < 2) { es_gemm_packed(X, ldx, B, E, Wp, wbf16, biasp, M, Y, xpack); return; }
-    es_gemm_job j = {X, Wp, biasp, es_maybe_pack(X, ldx, B, E, xpack), Y, ldx, B, E, M, wbf16};
+    const int mode = es_gemm_mode(wbf16, B, xpack);
+    es_gemm_job j = {X, Wp, biasp, es_maybe_pack(X, ldx, B, E, xpack, mode), Y, ldx, B, E, M, mode};
     /* pieces of whole ES_TP-panel tiles (a tile of fewer panels is slower) */
     const int64_t np = (M + ES_PANEL - 1) / ES_PANEL;
     int64_t grain = (np + 8 * (int64_t)nthreads - 1) / (8 * (int64_t)nthreads);

@@ -7,7 +7,7 @@ sys.path whenever it runs from the repository root (`python -m pytest`) or a scr
     sys.path.insert(0, os.path.join(ROOT, "tools")); import checkout
     checkout.use(ROOT)        # before the first `import engram_stream`
 
-tests/conftest.py loads this file by its path (it does not import engram_stream).
+tests/helpers/repo.py loads this file by its path (it does not import engram_stream).
 """
 from __future__ import annotations
 

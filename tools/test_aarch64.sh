@@ -130,7 +130,7 @@ DEMO_KERNEL_TESTS=(tests/demo/test_engine.py::test_single_stream_matches_batch
                    tests/demo/test_engine.py::test_prefill_then_step
                    tests/demo/test_engine.py::test_step_threads_bitwise_equal_and_match_batch
                    tests/demo/test_engine.py::test_prefill_threads_bitwise_equal)
-REST_TESTS=(tests/demo/test_engine.py tests/contract/test_engine_contract.py tests/contract/test_serving.py)
+REST_TESTS=(tests/demo/test_engine.py tests/engine tests/contract/test_engine_contract.py tests/contract/test_serving.py)
 # not here: threads racing, allocation counts and timing (nothing aarch64 changes; slow under qemu),
 # and a fresh process per x86 path name (7 s each under qemu: the refusal is the same as for sse9)
 SKIP="not concurrent_prefill and not alloc_native and not costs_little and not (environment and (avx2 or avx512))"

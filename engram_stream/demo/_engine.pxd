@@ -27,6 +27,9 @@ cdef extern from "engram_step.h" nogil:
                      void *out, int obf, float *X, float *gates, const float **taps, float **xdst,
                      int chained, int nthreads, es_team *team) noexcept
     int ES_MAX_THREADS
+    int ES_GEMM_BF16_ROWS
+    void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
+                        const float *biasp, int M, float *Y, float *xpack) noexcept
     int64_t es_fma_chains(int64_t n, float *sink) noexcept
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_f16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
@@ -44,7 +47,8 @@ cdef class StreamEngine(EngineBase):
 
     # borrowed, read-only model data (typed memoryviews, shapes checked in _init_variant)
     cdef const uint8_t[:, :, ::1] wp   # [ceil(M/16), E, 16 * 4 or 2] packed projection panels' bytes:
-    cdef bint wbf16                    # float32, or bfloat16 when wbf16 (model.with_weight_dtype)
+    cdef int wbf16                     # 0 float32, 1 bfloat16 (model.with_weight_dtype), ES_GEMM_BF16_ROWS
+                                       # bfloat16 with a bfloat16 table (es_gemm_packed)
     cdef const float[::1] bp           # [16*ceil(M/16)] padded bias
     cdef const float[:, ::1] cw        # [K, C] conv taps, tap-major
     cdef const float[:, ::1] n1, n2, n3  # [G, D] key, hidden and ShortConv RMSNorm weights

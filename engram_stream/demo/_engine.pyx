@@ -48,6 +48,26 @@ def _fma_chains(int64_t rounds):
     return done
 
 
+def _gemm(const float[:, ::1] X, wp, const float[::1] bias, int M, int wbf16):
+    """Y = X W^T + bias through es_gemm_packed on the running path (one thread), W as model
+    weights' packed() panels (float32 or bf16 [ceil(M/16), E, 16]); wbf16 as the engine sets it
+    (0, 1, ES_GEMM_BF16_ROWS: X must then be bf16 values). The tests' window on the GEMM."""
+    cdef int64_t B = X.shape[0]
+    cdef int E = X.shape[1]
+    cdef int64_t P = (M + 15) // 16
+    wb = view(np.ascontiguousarray(wp).view(np.uint8), np.uint8, (P, E, 16 * wp.dtype.itemsize), "wp")
+    cdef const uint8_t[:, :, ::1] w = wb
+    if bias.shape[0] != P * 16 or B < 1 or E < 1:
+        raise ValueError(f"_gemm: bias of {P * 16} floats and X of at least one row and column expected")
+    y = np.empty((B, M), np.float32)
+    xpack = np.empty(B * E, np.float32)
+    cdef float[:, ::1] yv = y
+    cdef float[::1] pv = xpack
+    with nogil:
+        es_gemm_packed(&X[0, 0], E, B, E, &w[0, 0, 0], wbf16, &bias[0], M, &yv[0, 0], &pv[0])
+    return y
+
+
 cdef struct GatherWork:
     # what a chunk's gathers read and write (es_split's ctx): token i's H rows are
     # records at dp[i*H + j] (its scale at sp[...] for int8 tables), converted into e + i*lde
@@ -149,7 +169,9 @@ cdef class StreamEngine(EngineBase):
                              f"do not fit a {table.dtype} table")
         if wp.dtype.name not in ("float32", "bfloat16"):
             raise ValueError(f"layer {self.layer} packed weights: float32 or bfloat16, got {wp.dtype}")
-        self.wbf16 = wp.dtype.name == "bfloat16"  # the GEMM widens bf16 panels in registers
+        # the GEMM widens bf16 panels in registers; with a bf16 table the rows are bf16 values too, and
+        # the bf16 path's GEMM multiplies the pairs on vdpbf16ps (engram_step.h es_gemm_mode)
+        self.wbf16 = ((ES_GEMM_BF16_ROWS if self.table_kind == 3 else 1) if wp.dtype.name == "bfloat16" else 0)
         self.wp = view(wp.view(np.uint8), np.uint8, (P, self.E, 16 * wp.dtype.itemsize),
                        f"layer {self.layer} packed weights")
         self.bp = view(bp, np.float32, (P * 16,), f"layer {self.layer} packed bias")

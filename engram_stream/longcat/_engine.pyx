@@ -36,6 +36,7 @@ cdef extern from "engram_step.h" nogil:
     void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                            const float *biasp, int M, float *Y, float *xpack, int nthreads,
                            es_team *team) noexcept
+    int ES_GEMM_BF16_ROWS
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_bf16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
 
@@ -103,7 +104,8 @@ cdef class LongcatEngine(EngineBase):
     refused (ValueError; the variant's negative_ids is False)."""
 
     cdef int table_kind                # 0 float32, 3 bfloat16 (es_gather_*)
-    cdef bint wbf16, ebf16
+    cdef int wbf16                     # es_gemm_packed's: 0 float32, 1 bfloat16, ES_GEMM_BF16_ROWS with a bf16 table
+    cdef bint ebf16
     cdef int64_t ldx
     cdef const uint8_t[:, :, ::1] wp   # [ceil(D/16), D, 16 * 4 or 2] packed projection panels' bytes
     cdef const float[::1] bp           # [16 * ceil(D/16)] zero bias
@@ -136,7 +138,8 @@ cdef class LongcatEngine(EngineBase):
         wp, bp = w.packed()
         if wp.dtype.name not in ("float32", "bfloat16"):
             raise ValueError(f"layer {self.layer} packed weights: float32 or bfloat16, got {wp.dtype}")
-        self.wbf16 = wp.dtype.name == "bfloat16"
+        # a bf16 table's rows are bf16 values: the bf16 path's GEMM multiplies them on vdpbf16ps
+        self.wbf16 = ((ES_GEMM_BF16_ROWS if self.table_kind == 3 else 1) if wp.dtype.name == "bfloat16" else 0)
         cdef int64_t P = (self.D + 15) // 16
         self.wp = view(wp.view(np.uint8), np.uint8, (P, self.E, 16 * wp.dtype.itemsize),
                        f"layer {self.layer} packed weights")

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from engram_stream.cli import main
-from conftest import ROOT, run_python, run_python_on_a_terminal
+from helpers.processes import run_python, run_python_on_a_terminal
+from helpers.repo import ROOT
 
 SMALL = dict(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_ngram=32, n_head_per_ngram=4,
              layer_ids=[1, 4], pad_id=2, seed=0, kernel_size=4, hidden_size=24, hc_mult=4, vocab_size=500)

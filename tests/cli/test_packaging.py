@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from conftest import ROOT
+from helpers.repo import ROOT
 
 # Folders the sdist must carry whole (so an unpacked sdist builds, tests and benchmarks itself).
 CARRIED = ("include", "tests", "tools", "examples", "bench", ".ci")

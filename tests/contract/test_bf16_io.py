@@ -12,7 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import ATOL, RTOL, contract_model, contract_variants, variant_inputs
+from helpers.inputs import variant_inputs
+from helpers.models import contract_model, contract_variants
+from helpers.numeric import ATOL, RTOL
 
 pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]
 

@@ -15,8 +15,9 @@ import pytest
 
 from engram_stream import EngineSnapshot, EngramModel
 from engram_stream.errors import FileChangedError
-from conftest import (checkpoint_path, close, contract_model, contract_variants, out_shape, stepped,
-                      variant_hidden, variant_ids, variant_inputs)
+from helpers.inputs import out_shape, stepped, variant_hidden, variant_ids, variant_inputs
+from helpers.models import checkpoint_path, contract_model, contract_variants
+from helpers.numeric import close
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 

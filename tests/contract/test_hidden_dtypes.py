@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import make_model
+from helpers.models import make_model
 from engram_stream import EngramConfig, EngramModel
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang

@@ -18,7 +18,8 @@ import pytest
 
 from engram_stream import EngramConfig, EngramModel, variants
 
-from conftest import close, run_suite_with_plugin
+from helpers.numeric import close
+from helpers.suites import run_suite_with_plugin
 
 NAME = "input-sum-v0"
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -1,8 +1,8 @@
-"""The row-source contract: every place a model's rows can come from (conftest.ROW_SOURCES: the
+"""The row-source contract: every place a model's rows can come from (helpers.row_sources.ROW_SOURCES: the
 mapped table, the checkpoint's files read directly, the packed row file, the RAM row cache in front
 of each - small enough to evict within one call -, the host's shared row cache, a Mooncake Store,
 and any source a test file adds:
-tests/contract/test_toy_source.py), for both record layouts of each variant (conftest.ROW_MODELS):
+tests/contract/test_toy_source.py), for both record layouts of each variant (ROW_MODELS):
 
 - read_into(rows, out) gives the table's own record bytes: rows repeated, negative rows as zero
   records, a [T, k] call into a strided slice of a larger buffer, calls longer than a submit window
@@ -22,8 +22,8 @@ from engram_stream.rows import CachedRows, RowSource, _source
 from engram_stream.rows._cache import RowCache
 from engram_stream.rows.records import record_arrays
 
-from conftest import (ROW_MODELS, ROW_SOURCES, assert_decoded_identically, decode_inputs, decode_run,
-                      load_checkpoint, row_source_model)
+from helpers.inputs import assert_decoded_identically, decode_inputs, decode_run
+from helpers.row_sources import ROW_MODELS, ROW_SOURCES, load_checkpoint, row_source_model
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 SOURCES = [pytest.param(w, marks=pytest.mark.mooncake) if "mooncake" in w else w for w in ROW_SOURCES]

@@ -18,7 +18,9 @@ from engram_stream import EngramConfig, EngramModel, variants
 from engram_stream.errors import TierError
 from engram_stream.rows import CachedTier, RecordSource, Tier, record_layout
 from engram_stream.rows._cache import slot_bytes
-from conftest import close, contract_model, contract_variants, hypothesis_settings, variant_hidden, variant_ids
+from helpers.inputs import variant_hidden, variant_ids
+from helpers.models import contract_model, contract_variants
+from helpers.numeric import close, hypothesis_settings
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
@@ -679,7 +681,8 @@ _ALLOC = r"""
 import json, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from conftest import make_model, make_v41_model, native_allocations
+from helpers.models import make_model, make_v41_model
+from helpers.processes import native_allocations
 res = {}
 for variant, model in (("demo-v1", make_model(G=2, n=3, K=3, D=136, vocab=60, layers=(1,))),
                        ("deepseek-v4.1", make_v41_model(D=128))):
@@ -707,7 +710,8 @@ def test_packed_calls_allocate_nothing_with_out():
     pytest.importorskip("memray")
     import json
     import os
-    from conftest import ROOT, run_python
+    from helpers.processes import run_python
+    from helpers.repo import ROOT
     if "asan" in os.environ.get("LD_PRELOAD", ""):
         pytest.skip("allocation counts are the optimized build's: CI's sanitized -O0 build (bounds checks, "
                     "interceptors) allocates where the release build does not; CI's first run covers it")

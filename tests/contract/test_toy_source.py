@@ -4,8 +4,8 @@ an entry in rows.tiers.TIERS that lets a spec name it (tables="toy").
 
 The toy keeps a layer's records in a Python dict of bytes (as a key-value service would) and
 serves them through RecordSource's two calls: start(rows) looks them up, finish() hands the batch
-over. It is added to conftest.ROW_SOURCES only in a pytest run of its own (this file loaded as a
-plugin, `-p test_toy_source` with ENGRAM_STREAM_TOY_SOURCE=1)."""
+over. It is added to helpers.row_sources.ROW_SOURCES only in a pytest run of its own (this file
+loaded as a plugin, `-p test_toy_source` with ENGRAM_STREAM_TOY_SOURCE=1)."""
 import os
 import re
 import time
@@ -13,10 +13,12 @@ import time
 import numpy as np
 import pytest
 
-import conftest
 from engram_stream.rows import TIERS, RecordSource, Tier
 from engram_stream.rows._direct import add_read
 from engram_stream.rows.records import record_arrays
+
+from helpers import row_sources
+from helpers.suites import collect_suite_with_plugin, run_suite_counts
 
 class ToyTier(Tier):
     def open(self, model):
@@ -56,13 +58,12 @@ class ToyRows(RecordSource):
 
 
 def pytest_configure(config):
-    """Loaded as the plugin of the suite's own run: the toy joins the sources (here, once pytest
-    has imported tests/conftest.py itself, so the suite sees the same ROW_SOURCES)."""
+    """Loaded as the plugin of the suite's own run: the toy joins the sources (helpers.row_sources,
+    one module the suite imports too)."""
     if os.environ.get("ENGRAM_STREAM_TOY_SOURCE") == "1":
-        import conftest as suite
         TIERS["toy"] = ToyTier
-        suite.ROW_SOURCES["toy"] = dict(tables="toy")
-        suite.ROW_SOURCES["toy+cache"] = dict(tables="toy", row_cache_mb=suite.SMALL_CACHE)
+        row_sources.ROW_SOURCES["toy"] = dict(tables="toy")
+        row_sources.ROW_SOURCES["toy+cache"] = dict(tables="toy", row_cache_mb=row_sources.SMALL_CACHE)
 
 
 def _with_source(node_id, source, other):
@@ -76,17 +77,17 @@ def test_the_row_source_contract_passes_on_a_source_written_here():
     """Every case the suite runs on a source (each one it runs on the mapped tables) runs on the
     toy, bare and cached, and passes: none left out of the collection, none skipped."""
     run = ("test_toy_source", "ENGRAM_STREAM_TOY_SOURCE", ["test_row_sources.py"])
-    mapped = [i for i in conftest.collect_suite_with_plugin(*run) if _with_source(i, "mapped", "mapped")]
+    mapped = [i for i in collect_suite_with_plugin(*run) if _with_source(i, "mapped", "mapped")]
     want = {_with_source(i, "mapped", toy) for i in mapped for toy in ("toy", "toy+cache")}
     assert len(mapped) >= 8 and len(want) == 2 * len(mapped)
-    assert set(conftest.collect_suite_with_plugin(*run, keyword="toy")) == want
-    counts = conftest.run_suite_counts(*run, "toy")
+    assert set(collect_suite_with_plugin(*run, keyword="toy")) == want
+    counts = run_suite_counts(*run, "toy")
     assert counts.get("passed") == len(want) and not set(counts) - {"passed", "deselected", "warning", "warnings"}, \
         counts
 
 
 def test_the_toy_is_not_a_source_in_this_run():
-    assert not any(k.startswith("toy") for k in conftest.ROW_SOURCES) and "toy" not in TIERS
+    assert not any(k.startswith("toy") for k in row_sources.ROW_SOURCES) and "toy" not in TIERS
 
 
 def test_a_toy_that_returns_short_records_is_refused(row_checkpoints):
@@ -94,7 +95,7 @@ def test_a_toy_that_returns_short_records_is_refused(row_checkpoints):
     class Short(ToyRows):
         def finish(self):
             return super().finish()[:-1]
-    model = conftest.load_checkpoint(row_checkpoints["v41"], tables=ToyTier())
+    model = row_sources.load_checkpoint(row_checkpoints["v41"], tables=ToyTier())
     L = model.cfg.layer_ids[0]
     t = model.tier.inner.store[L]
     src = Short(*t, None)

@@ -26,7 +26,7 @@ from engram_stream.demo import checkpoint
 from engram_stream.demo.weights import LayerWeights
 from engram_stream.demo.weights import validate_layer as validate_demo_layer
 
-from conftest import run_suite_with_plugin
+from helpers.suites import run_suite_with_plugin
 
 TOY = "toy-v0"
 TOY_MULT_BOUND = 1 << 20   # the toy's multipliers: odd, below this

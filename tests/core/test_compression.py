@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # 
 
 from engram_stream import EngramConfig, HashPlan  # noqa: E402
 from engram_stream.compression import build_compression, compress_stats, save_compression  # noqa: E402
-from conftest import run_python
+from helpers.processes import run_python
 
 CORPUS = [
     "Hello hello HELLO HeLLo world", "hello world, Hello World!", "HELLO world",

@@ -22,7 +22,7 @@ from engram_stream.engine._window import HashWindow
 from engram_stream.errors import LayerError
 from engram_stream.variants import is_prime
 from engram_stream import variants
-from conftest import run_python
+from helpers.processes import run_python
 from pyref import py_rows, to_signed
 
 pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every kernel path (tests/conftest.py)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import close
-from conftest import make_model as shared_make_model
+from helpers.numeric import close
+from helpers.models import make_model as shared_make_model
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
@@ -19,7 +19,7 @@ LAYERS = (1, 4, 9)
 
 
 def make_model(layers=LAYERS, comp=True, **kw):
-    """conftest.make_model with three layers and a dense compression map by default."""
+    """helpers.models.make_model with three layers and a dense compression map by default."""
     return shared_make_model(layers=layers, comp=comp, **kw)
 
 

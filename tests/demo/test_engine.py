@@ -9,18 +9,17 @@ compare exactly.
 Every model here has non-trivial RMSNorm weights and biases (perturbed in place
 after init and before any engine exists: engines borrow pointers to those arrays).
 
-Memory: `pytest --memray tests/demo/test_engine.py -k alloc` enforces the limit_memory
-markers (without --memray they are ignored); test_alloc_native_zero checks the
-stricter "no native allocation at all" in a subprocess with memray.Tracker.
+The engine base's behaviour on every variant (reset, snapshots, feed/compute, argument checks,
+threads, the work split, steady-state allocation under `pytest --memray`) is tests/engine/;
+here, the demo's own: its kernels' tiles and table types, its snapshot fields, the races and
+thread split of large demo models in subprocesses, and test_alloc_native_zero, the stricter "no
+native allocation at all" in a subprocess with memray.Tracker.
 """
 from __future__ import annotations
 
 import json
 import os
-import sys
 import textwrap
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -28,8 +27,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engram_stream import EngineSnapshot
-from conftest import (ATOL, ROOT, RTOL, close, dense_compression, hypothesis_settings,  # noqa: F401 (shared)
-                      make_model, random_inputs, run_python)
+from helpers.inputs import random_inputs
+from helpers.models import make_model
+from helpers.numeric import ATOL, RTOL, close, hypothesis_settings
+from helpers.processes import run_python
+from helpers.repo import ROOT
 from engram_stream._hash import EPS_CONV, GATE_CLAMP
 from engram_stream.demo.reference import EPS_F32
 
@@ -311,112 +313,7 @@ def test_prefill_one_stream_of_many_leaves_the_others():
     assert eng.tokens_seen.tolist() == [28, 25, 165, 25]
 
 
-# ---- reset ---------------------------------------------------------------------------------
-def test_reset_one_stream_among_many():
-    model = make_model(G=2, n=3, K=3, D=13, comp=True, seed=14)
-    rng = np.random.default_rng(4)
-    ids, hid = inputs(model, 5, 60, rng)
-    o = Oracle(model, 4, ids, hid)
-    eng = model.stream(4, 5)
-    for _ in range(10):
-        o.step(eng)
-    new_ids, new_hid = inputs(model, 1, 60, rng)
-    eng.reset(2)
-    o.restart(2, new_ids[0], new_hid[0])
-    assert eng.tokens_seen.tolist() == [10, 10, 0, 10, 10]
-    for _ in range(15):
-        o.step(eng)
-    eng.reset(np.int64(4))
-    o.restart(4, new_ids[0], new_hid[0])
-    for _ in range(10):
-        o.step(eng)
-    assert eng.tokens_seen.tolist() == [35, 35, 25, 35, 10]
-
-
-def test_reset_all_and_single_stream():
-    model = make_model(G=1, n=2, K=2, D=5, seed=15)
-    rng = np.random.default_rng(5)
-    ids, hid = inputs(model, 3, 20, rng)
-    eng = model.stream(1, 3)
-    want = model.forward(1, ids, hid)
-    for t in range(20):
-        eng.step(ids[:, t], hid[:, t])
-    eng.reset()
-    assert eng.tokens_seen.tolist() == [0, 0, 0]
-    for t in range(20):  # the same sequences again, from the start
-        close(eng.step(ids[:, t], hid[:, t]), want[:, t])
-    one = model.stream(1)
-    for t in range(7):
-        one.step(ids[0, t], hid[0, t, None][0])
-    one.reset(0)
-    for t in range(20):
-        close(one.step(ids[0, t], hid[0, t]), want[0, t])
-
-
-def test_reset_one_stream_while_feed_pending():
-    """After feed(ids), reset(0) must either be refused (RuntimeError, compute then finishes the
-    token) or leave streams 1.. consistent: clearing `pending` for all streams after feed pushed the
-    token into streams 1..'s hash windows would leave their next outputs matching neither the
-    sequence with that token nor the one without it."""
-    model = make_model(G=2, n=3, K=3, D=8, seed=16)
-    ids, hid = inputs(model, 3, 20, np.random.default_rng(6))
-    want = model.forward(1, ids, hid)
-    eng = model.stream(1, 3)
-    for t in range(5):
-        eng.step(ids[:, t], hid[:, t])
-    eng.feed(ids[:, 5])
-    try:
-        eng.reset(0)
-    except RuntimeError:
-        close(eng.compute(hid[:, 5]), want[:, 5])  # refused: the pending token finishes
-        t0 = 6
-    else:
-        if eng.pending_compute:                  # kept pending for the other streams
-            close(eng.compute(hid[:, 5])[1:], want[1:, 5])
-            t0 = 6
-        else:                                    # token 5 dropped for everyone: streams 1.. skip it
-            skip = np.delete(np.arange(20), 5)
-            want = model.forward(1, ids[:, skip], hid[:, skip])
-            ids, hid = ids[:, skip], hid[:, skip]
-            t0 = 5
-    for t in range(t0, t0 + 6):
-        got = eng.step(ids[:, t], hid[:, t])
-        close(got[1:], want[1:, t])
-
-
 # ---- snapshot / restore ----------------------------------------------------------------------
-@pytest.mark.parametrize("K", [1, 4])
-def test_snapshot_restore_replays_exactly(K):
-    model = make_model(G=2, n=3, K=K, D=13, comp=True, seed=17)
-    ids, hid = inputs(model, 3, 40, np.random.default_rng(7))
-    want = model.forward(4, ids, hid)
-    eng = model.stream(4, 3)
-    for t in range(7):
-        eng.step(ids[:, t], hid[:, t])
-    snap = eng.snapshot()
-    assert isinstance(snap, EngineSnapshot) and snap.nbytes == eng.state_nbytes
-    frozen = {k: getattr(snap, k).copy() for k in ("hist", "ring", "pos", "seen")}
-    first = np.stack([eng.step(ids[:, t], hid[:, t]) for t in range(7, 16)])
-    close(first, want[:, 7:16].transpose(1, 0, 2, 3))
-    for k, v in frozen.items():  # the snapshot is a copy, not a view of the engine's state
-        np.testing.assert_array_equal(getattr(snap, k), v)
-        assert not getattr(snap, k).flags.writeable
-    eng.restore(snap)
-    assert eng.tokens_seen.tolist() == [7, 7, 7]
-    again = np.stack([eng.step(ids[:, t], hid[:, t]) for t in range(7, 16)])
-    np.testing.assert_array_equal(again, first)
-    # into a second engine of the same model, layer and stream count
-    other = model.stream(4, 3)
-    other.restore(snap)
-    np.testing.assert_array_equal(np.stack([other.step(ids[:, t], hid[:, t]) for t in range(7, 16)]), first)
-    for t in range(16, 40):
-        close(other.step(ids[:, t], hid[:, t]), want[:, t])
-    # a snapshot can be restored repeatedly, also after a prefill changed the scratch
-    eng.prefill(ids[1, 16:40], hid[1, 16:40], stream=1)
-    eng.restore(snap)
-    np.testing.assert_array_equal(np.stack([eng.step(ids[:, t], hid[:, t]) for t in range(7, 16)]), first)
-
-
 def _damaged(snap):
     S = snap.hist.shape[0]
     cl = snap.ring.shape[1]
@@ -457,381 +354,7 @@ def test_snapshot_refused_and_state_unchanged(small):
         o.step(eng)
 
 
-def test_snapshot_between_feed_and_compute_refused(small):
-    model, eng, o = small
-    for _ in range(4):
-        o.step(eng)
-    ids, hid = o.now()
-    eng.feed(ids)
-    with pytest.raises(RuntimeError):
-        eng.snapshot()
-    assert eng.pending_compute
-    o.check(eng.compute(hid))
-    for _ in range(5):
-        o.step(eng)
-
-
-def test_restore_clears_pending(small):
-    model, eng, o = small
-    for _ in range(4):
-        o.step(eng)
-    snap = eng.snapshot()
-    eng.feed(o.now()[0])
-    eng.restore(snap)
-    assert not eng.pending_compute
-    for _ in range(5):
-        o.step(eng)
-
-
-# ---- feed / compute ---------------------------------------------------------------------------
-@pytest.mark.parametrize("S", [1, 4])
-def test_feed_compute_equals_step_and_rows(S):
-    model = make_model(G=3, n=4, K=3, D=13, nh=3, comp=True, seed=18)
-    ids, hid = inputs(model, S, 25, np.random.default_rng(8))
-    L = 4
-    want = model.forward(L, ids, hid)
-    rows = model.plan.hash(ids)[L] + model.plan.offsets[L]           # [S, T, H] absolute rows
-    np.testing.assert_array_equal(rows - model.plan.offsets[L], model.plan.hash_numpy(ids)[L])
-    a, b = model.stream(L, S), model.stream(L, S)
-    for t in range(25):
-        single = S == 1 and t % 2
-        tok = ids[0, t] if single else ids[:, t]
-        h = hid[0, t] if single else hid[:, t]
-        assert not b.pending_compute
-        b.feed(tok)
-        assert b.pending_compute
-        np.testing.assert_array_equal(b.rows, rows[:, t])
-        assert b.rows.dtype == np.int64 and b.rows.shape == (S, model.cfg.n_heads)
-        got_b = b.compute(h)
-        got_a = a.step(tok, h)
-        np.testing.assert_array_equal(got_b, got_a)
-        close(got_b, want[0, t] if single else want[:, t])
-    assert b.tokens_seen.tolist() == [25] * S
-
-
-def test_feed_compute_misuse(small):
-    model, eng, o = small
-    ids, hid = o.now()
-    with pytest.raises(RuntimeError):
-        eng.compute(hid)                         # compute without feed
-    eng.feed(ids)
-    with pytest.raises(RuntimeError):
-        eng.feed(ids)                            # feed twice
-    with pytest.raises(RuntimeError):
-        eng.step(ids, hid)                       # step while pending
-    with pytest.raises(RuntimeError):
-        eng.prefill(ids[:1], hid[:1], stream=0)  # prefill while pending
-    with pytest.raises(ValueError):
-        eng.compute(hid[:2])                     # a bad hidden keeps the token pending
-    assert eng.pending_compute
-    out = np.empty_like(hid)
-    assert eng.compute(hid, out=out) is out
-    o.check(out)
-    assert not eng.pending_compute
-    for _ in range(3):
-        o.step(eng)
-    eng.feed(o.now()[0])
-    eng.reset()                                  # reset() of everything drops the pending token
-    assert not eng.pending_compute
-    assert eng.tokens_seen.tolist() == [0, 0, 0]
-
-
-def test_compute_hidden_shapes_single_stream():
-    model = make_model(seed=19)
-    ids, hid = inputs(model, 1, 6, np.random.default_rng(9))
-    want = model.forward(1, ids, hid)[0]
-    eng = model.stream(1)
-    for t in range(6):
-        eng.feed(int(ids[0, t]) if t % 2 else ids[0, t:t + 1])
-        got = eng.compute(hid[0, t] if t % 3 else hid[0, t:t + 1])
-        close(got.reshape(want[t].shape), want[t])
-
-
-# ---- bad input ---------------------------------------------------------------------------------
-def test_out_of_vocab_id_refused_state_unchanged(small):
-    model, eng, o = small
-    V = model.cfg.vocab_size
-    for _ in range(4):
-        o.step(eng)
-    ids, hid = o.now()
-    for bad in (V, V + 1000, np.iinfo(np.int64).max):
-        bad_ids = ids.copy()
-        bad_ids[1] = bad
-        with pytest.raises(ValueError, match="vocab"):
-            eng.step(bad_ids, hid)
-        with pytest.raises(ValueError, match="vocab"):
-            eng.feed(bad_ids)
-        assert not eng.pending_compute
-        with pytest.raises(ValueError, match="vocab"):
-            eng.prefill(np.array([1, 2, bad, 3]), np.zeros((4, 2, 13), np.float32), stream=2)
-    assert eng.tokens_seen.tolist() == [4, 4, 4]
-    for _ in range(10):
-        o.step(eng)
-    one = model.stream(4)
-    with pytest.raises(ValueError):
-        one.step(V, hid[0])
-    assert one.tokens_seen.tolist() == [0]
-
-
-def test_huge_scalar_id_is_a_value_error():
-    """Regression: a scalar id past int64 raised OverflowError instead of ValueError."""
-    model = make_model(seed=20)
-    eng = model.stream(1)
-    h = np.zeros((2, 13), np.float32)
-    with pytest.raises(ValueError):
-        model.forward(1, np.array([[2**63]], dtype=np.uint64), h[None, None])
-    with pytest.raises(ValueError):
-        eng.step(2**63, h)
-    with pytest.raises(ValueError):
-        eng.step(np.uint64(2**63), h)
-
-
-def test_bad_arguments_refused_state_unchanged(small):
-    model, eng, o = small
-    for _ in range(3):
-        o.step(eng)
-    ids, hid = o.now()
-    G, D = 2, 13
-    bad_calls = [
-        (ValueError, lambda: eng.step(ids, hid[:, :, :-1])),            # wrong D
-        (ValueError, lambda: eng.step(ids, hid[0])),                    # wrong ndim
-        (ValueError, lambda: eng.step(ids, hid[None])),
-        (TypeError, lambda: eng.step(ids, hid.astype(np.int32))),       # int hidden
-        (TypeError, lambda: eng.step(ids, hid.astype(bool))),
-        (ValueError, lambda: eng.step(ids[:2], hid)),                   # wrong number of ids
-        (ValueError, lambda: eng.step(np.append(ids, 1), hid)),
-        (ValueError, lambda: eng.step(ids[None], hid)),                 # 2-d ids
-        (ValueError, lambda: eng.step(5, hid)),                         # scalar id, 3 streams
-        (ValueError, lambda: eng.step(5, hid[0])),
-        (TypeError, lambda: eng.step(ids.astype(np.float64), hid)),     # float ids
-        (TypeError, lambda: eng.step(ids.astype(bool), hid)),           # bool ids
-        (TypeError, lambda: eng.step(["a", "b", "c"], hid)),
-        (ValueError, lambda: eng.prefill(ids, hid[:2], stream=0)),      # lengths disagree
-        (ValueError, lambda: eng.prefill(ids, hid[:, 0], stream=0)),    # hidden ndim
-        (ValueError, lambda: eng.prefill(ids[None], hid, stream=0)),    # 2-d ids
-        (IndexError, lambda: eng.prefill(ids, hid, stream=3)),          # missing stream
-        (IndexError, lambda: eng.prefill(ids, hid, stream=-1)),
-        (IndexError, lambda: eng.reset(3)),                             # missing stream
-        (IndexError, lambda: eng.reset(-1)),
-        (TypeError, lambda: eng.reset("0")),
-        (TypeError, lambda: eng.reset(True)),
-        (ValueError, lambda: eng.step(ids, hid, out=np.empty((3, G, D), np.float64))),
-        (ValueError, lambda: eng.step(ids, hid, out=np.empty((3, G, D + 1), np.float32))),
-        (ValueError, lambda: eng.step(ids, hid, out=np.empty((3, G * D), np.float32))),
-        (ValueError, lambda: eng.step(ids, hid, out=np.empty((3, G, 2 * D), np.float32)[:, :, ::2])),
-        (ValueError, lambda: eng.step(ids, hid, out=np.empty((D, G, 3), np.float32).T)),
-        (ValueError, lambda: eng.step(ids, hid, out=_readonly((3, G, D)))),
-        (ValueError, lambda: eng.step(ids, hid, out=[[0.0] * D] * G)),
-        (ValueError, lambda: eng.prefill(ids, hid, stream=0, out=np.empty((3, G, D), np.float64))),
-        (ValueError, lambda: eng.prefill(ids, hid, stream=0, out=_readonly((3, G, D)))),
-        (ValueError, lambda: eng.feed(ids[:1])),
-        (TypeError, lambda: eng.feed(True)),
-    ]
-    for i, (exc, call) in enumerate(bad_calls):
-        with pytest.raises(exc):
-            call()
-        assert not eng.pending_compute, i
-        assert eng.tokens_seen.tolist() == [3, 3, 3], i
-    eng.feed(ids)
-    for exc, call in [(ValueError, lambda: eng.compute(hid, out=_readonly((3, G, D)))),
-                      (ValueError, lambda: eng.compute(hid, out=np.empty((3, G, D), np.float16))),
-                      (TypeError, lambda: eng.compute(hid.astype(np.int64)))]:
-        with pytest.raises(exc):
-            call()
-    o.check(eng.compute(hid))
-    for _ in range(6):
-        o.step(eng)
-
-
-def _readonly(shape):
-    a = np.zeros(shape, np.float32)
-    a.flags.writeable = False
-    return a
-
-
-def test_engine_construction_errors():
-    model = make_model(seed=21)
-    with pytest.raises(KeyError):
-        model.stream(2)
-    with pytest.raises(KeyError):
-        model.stream("1")
-    for S in (0, -1):
-        with pytest.raises(ValueError):
-            model.stream(1, S)
-    eng = model.stream(1, 2)
-    assert eng.n_streams == 2 and eng.layer == 1 and eng.model is model
-    assert "StreamEngine" in repr(eng)
-    from engram_stream import kernel_isa
-    assert repr(eng).endswith(f"isa={kernel_isa()!r})")  # the kernel path it runs
-
-
-def test_bool_tokens_refused():
-    model = make_model(seed=22)
-    one = model.stream(1)
-    h = np.zeros((2, 13), np.float32)
-    for tok in (True, False, np.bool_(True), np.array([True])):
-        with pytest.raises(TypeError):
-            one.step(tok, h if np.ndim(tok) == 0 else h[None])
-    assert one.tokens_seen.tolist() == [0]
-
-
-def test_prefill_bool_stream_refused():
-    """Regression: prefill's stream was an int64_t argument, so True became stream 1."""
-    model = make_model(seed=22)
-    eng = model.stream(1, 2)
-    with pytest.raises(TypeError):
-        eng.reset(True)
-    with pytest.raises(TypeError):
-        eng.prefill([1, 2], np.zeros((2, 2, 13), np.float32), stream=True)
-
-
-def test_hidden_conversions_same_result():
-    model = make_model(G=2, n=3, K=3, D=13, seed=23)
-    ids, hid = inputs(model, 3, 12, np.random.default_rng(10))
-    want = model.forward(1, ids, hid)
-    engines = [model.stream(1, 3) for _ in range(5)]
-    wide = np.zeros((3, 12, 2, 26), np.float32)
-    wide[..., ::2] = hid
-    for t in range(12):
-        h = hid[:, t]
-        variants = [h, h.astype(np.float64), wide[:, t, :, ::2], np.asfortranarray(h), h.tolist()]
-        assert not variants[2].flags.c_contiguous and not variants[3].flags.c_contiguous
-        outs = [e.step(ids[:, t], v) for e, v in zip(engines, variants)]
-        close(outs[0], want[:, t])
-        for x in outs[1:]:
-            np.testing.assert_array_equal(x, outs[0])
-    # the batch path converts float64 the same way
-    close(model.forward(1, ids, hid.astype(np.float64)), want)
-    # float64 / strided input to prefill
-    p = model.stream(1, 3)
-    np.testing.assert_array_equal(p.prefill(ids[2], wide[2, :, :, ::2].astype(np.float64), stream=2),
-                                  model.stream(1, 3).prefill(ids[2], hid[2], stream=2))
-
-
-# ---- non-finite input -------------------------------------------------------------------------
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the oracle's overflow/invalid warnings
-def test_nan_inf_hidden_propagate_like_batch():
-    model = make_model(G=3, n=3, K=4, D=13, comp=True, seed=24)
-    ids, hid = inputs(model, 4, 45, np.random.default_rng(11))
-    hid[1, 5, 0, 3] = np.nan
-    hid[2, 8, 2, :] = np.inf
-    hid[3, 10, 1, 0] = -np.inf
-    hid[3, 11, 1, 1] = 1e30                       # large but finite
-    want = model.forward(1, ids, hid)
-    assert np.isnan(want[1, 5]).any() and np.isnan(want[2, 8]).any()
-    eng = model.stream(1, 4)
-    got = np.stack([eng.step(ids[:, t], hid[:, t]) for t in range(45)], axis=1)
-    close(got, want, equal_nan=True)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    assert np.isfinite(got[0]).all()                                  # other streams unaffected
-    assert np.isfinite(got[1, :5]).all() and np.isfinite(got[1, -3:]).all()  # the conv ring recovers
-    # prefill the same poisoned sequence on one stream
-    close(model.stream(1, 4).prefill(ids[2], hid[2], stream=3), want[2], equal_nan=True)
-
-
 # ---- threads ----------------------------------------------------------------------------------
-def test_two_engines_in_two_threads():
-    model = make_model(G=2, n=3, K=3, D=64, nh=4, hd=16, comp=True, seed=25)
-    rng = np.random.default_rng(12)
-    work = [(1, 3) + inputs(model, 3, 300, rng), (4, 2) + inputs(model, 2, 300, rng),
-            (1, 1) + inputs(model, 1, 300, rng)]
-    solo = []
-    for L, S, ids, hid in work:
-        e = model.stream(L, S)
-        solo.append(np.stack([e.step(ids[:, t], hid[:, t]) for t in range(300)]))
-    # first 40 tokens against the oracle too
-    for (L, S, ids, hid), s in zip(work, solo):
-        close(s[:40].transpose(1, 0, 2, 3), model.forward(L, ids[:, :40], hid[:, :40]))
-    engines = [model.stream(L, S) for L, S, _, _ in work]  # created before the threads start
-    results, errors = [None] * len(work), []
-    barrier = threading.Barrier(len(work))
-
-    def run(i):
-        try:
-            L, S, ids, hid = work[i]
-            barrier.wait()
-            out = np.empty((S, 2, 64), np.float32)
-            res = []
-            for t in range(300):
-                engines[i].step(ids[:, t], hid[:, t], out=out)
-                res.append(out.copy())
-            results[i] = np.stack(res)
-        except BaseException as e:  # pragma: no cover - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors, errors
-    for r, s in zip(results, solo):
-        np.testing.assert_array_equal(r, s)
-
-
-def test_one_engine_two_threads_busy_guard():
-    """One engine, two threads. Thread A decodes a sequence (retrying its step when refused);
-    thread B keeps calling step() with an out-of-vocab id, which either overlaps A's call
-    (RuntimeError from the busy guard) or is rejected as a bad id (ValueError). Neither changes
-    the state, so A's outputs must equal the single-thread run exactly, whatever the
-    interleaving. A runs at least 200 tokens and goes on (up to T) until the guard has fired."""
-    T = 3000
-    model = make_model(G=2, n=3, K=3, D=64, nh=4, hd=32, comp=True, seed=26)
-    ids, hid = inputs(model, 2, T, np.random.default_rng(13))
-    want = model.forward(4, ids[:, :50], hid[:, :50])
-    solo = model.stream(4, 2)
-    solo_out = np.stack([solo.step(ids[:, t], hid[:, t]) for t in range(T)], axis=1)
-    close(solo_out[:, :50], want)
-    eng = model.stream(4, 2)
-    bad_ids = np.array([model.cfg.vocab_size, 0])
-    got = np.full_like(solo_out, np.nan)
-    b_running, done = threading.Event(), threading.Event()
-    seen = {"A_refused": 0, "B_busy": 0, "B_bad": 0, "other": [], "tokens": 0}
-
-    def A():
-        try:
-            b_running.wait(10)
-            for t in range(T):
-                while True:
-                    try:
-                        got[:, t] = eng.step(ids[:, t], hid[:, t])
-                        break
-                    except RuntimeError:
-                        seen["A_refused"] += 1
-                        time.sleep(0)            # let B finish its call
-                seen["tokens"] = t + 1
-                if t >= 200 and seen["A_refused"] + seen["B_busy"]:
-                    break
-        finally:
-            done.set()
-
-    def B():
-        h = np.zeros((2, 2, 64), np.float32)
-        while not done.is_set():
-            try:
-                eng.step(bad_ids, h)
-            except RuntimeError:
-                seen["B_busy"] += 1
-            except ValueError:
-                seen["B_bad"] += 1
-            except BaseException as e:  # pragma: no cover
-                seen["other"].append(e)
-            b_running.set()
-            time.sleep(0.0001)                   # pace B: A must make progress
-
-    threads = [threading.Thread(target=A), threading.Thread(target=B)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    n = seen["tokens"]
-    assert not seen["other"], seen
-    assert n >= 200, seen
-    np.testing.assert_array_equal(got[:, :n], solo_out[:, :n])
-    assert eng.tokens_seen.tolist() == [n, n]
-    assert seen["B_busy"] + seen["A_refused"] > 0, seen  # the guard fired at least once
-
-
 _RACE = textwrap.dedent("""
     import json, sys, threading, time
     import numpy as np
@@ -892,46 +415,6 @@ def test_refused_concurrent_prefill_does_not_corrupt_step():
     assert res["corrupted"] == 0, res
 
 
-def test_snapshot_during_concurrent_step_is_refused_or_consistent():
-    """snapshot() while another thread's step() runs: refused (RuntimeError) or consistent.
-    (Regression: snapshot() was outside the busy guard and returned torn states: hash window
-    advanced, conv ring and tokens_seen not.)"""
-    model = make_model(G=3, n=3, K=3, D=512, nh=4, hd=256, seed=27)   # ~ms per step
-    pad = model.plan.pad_id
-    ids, hid = inputs(model, 2, 30, np.random.default_rng(14), neg=False)
-    eng = model.stream(1, 2)
-    done, snaps = threading.Event(), []
-
-    def A():
-        for t in range(30):
-            while True:
-                try:
-                    eng.step(ids[:, t], hid[:, t])
-                    break
-                except RuntimeError:
-                    pass
-        done.set()
-
-    def B():
-        while not done.is_set():
-            try:
-                snaps.append(eng.snapshot())
-            except RuntimeError:
-                pass
-            done.wait(0.0003)
-
-    threads = [threading.Thread(target=A), threading.Thread(target=B)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    for s in snaps:   # a consistent snapshot after k tokens holds tokens k-1, k-2 in its window
-        k = int(s.seen[0])
-        expect = [ids[0, k - 1 - j] if k - 1 - j >= 0 else pad for j in range(2)]
-        assert s.hist[0].tolist() == expect, (k, s.hist[0].tolist(), expect)
-
-
-
 # ---- work split over threads (step_threads, prefill_threads) ---------------------------------
 def _state(eng):
     s = eng.snapshot()
@@ -964,26 +447,6 @@ def test_step_threads_bitwise_equal_and_match_batch(wide, dtype, S):
     for e in engs[1:]:
         for a, b in zip(_state(e), _state(engs[0])):
             assert np.array_equal(a, b)
-
-
-def test_step_threads_attribute():
-    model = make_model(D=16, seed=2)
-    eng = model.stream(1, 4)
-    assert eng.step_threads == 1  # the default
-    for set_to, got in ((2, 2), (0, 1), (-7, 1), (16, 16), (17, 16), (10**9, 16), (3, 3)):
-        eng.step_threads = set_to
-        assert eng.step_threads == got
-    assert model.stream(1, 4).step_threads == 1  # per engine
-    assert 1 <= eng.prefill_threads <= 8  # default: the cores, at most 8
-    for set_to, got in ((0, 1), (-7, 1), (10**20, 16), (3, 3)):
-        eng.prefill_threads = set_to
-        assert eng.prefill_threads == got
-    one = model.stream(1)
-    one.step_threads = 2  # accepted; one stream has nothing to split
-    ids, hid = inputs(model, 1, 4, np.random.default_rng(0))
-    want = model.forward(1, ids, hid)[0]
-    for t in range(4):
-        close(one.step(int(ids[0, t]), hid[0, t]), want[t])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -1034,7 +497,7 @@ _ONE_CPU = textwrap.dedent("""
     import os, sys, threading, time
     import numpy as np
     sys.path.insert(0, sys.argv[1])
-    from conftest import make_model
+    from helpers.models import make_model
     from engram_stream.engine import _base
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # every thread of the split on one CPU
     def threads():  # the engine's workers (the BLAS library's come and go with fork)
@@ -1116,59 +579,12 @@ def test_thread_split_on_one_cpu_bitwise_equal_and_leaves_no_threads():
 
 
 # ---- steady-state allocation ---------------------------------------------------------------------
-N_ALLOC = 2000
-
-
-@pytest.fixture(scope="module")
-def alloc_setup():
-    """Everything allocated before the measured tests run (limit_memory counts the test body)."""
-    model = make_model(G=2, n=3, K=4, D=40, comp=True, seed=28)
-    rng = np.random.default_rng(15)
-    one = model.stream(1)
-    one_toks = [int(x) for x in rng.integers(0, model.cfg.vocab_size, N_ALLOC)]
-    one_h = rng.standard_normal((2, 40)).astype(np.float32)
-    one_out = np.empty((2, 40), np.float32)
-    multi = model.stream(1, 4)
-    multi_ids = rng.integers(0, model.cfg.vocab_size, (N_ALLOC, 4))
-    multi_h = rng.standard_normal((4, 2, 40)).astype(np.float32)
-    multi_out = np.empty((4, 2, 40), np.float32)
-    for t in range(10):  # warm up
-        one.step(one_toks[t], one_h, out=one_out)
-        multi.step(multi_ids[t], multi_h, out=multi_out)
-    return dict(model=model, one=one, one_toks=one_toks, one_h=one_h, one_out=one_out,
-                multi=multi, multi_ids=multi_ids, multi_h=multi_h, multi_out=multi_out)
-
-
-@pytest.mark.limit_memory("64 KB")
-def test_alloc_steady_state_single_stream(alloc_setup):
-    eng, toks, h, out = (alloc_setup[k] for k in ("one", "one_toks", "one_h", "one_out"))
-    for tok in toks:
-        eng.step(tok, h, out=out)
-
-
-@pytest.mark.limit_memory("64 KB")
-def test_alloc_steady_state_multi_stream(alloc_setup):
-    eng, ids, h, out = (alloc_setup[k] for k in ("multi", "multi_ids", "multi_h", "multi_out"))
-    for t in range(N_ALLOC):
-        eng.step(ids[t], h, out=out)
-
-
-def test_alloc_steady_state_results(alloc_setup):
-    """The measured loops compute the right thing (checked on fresh engines)."""
-    model = alloc_setup["model"]
-    toks = np.array(alloc_setup["one_toks"][:30])
-    h = alloc_setup["one_h"]
-    want = model.forward(1, toks[None], np.broadcast_to(h, (1, 30, 2, 40)))[0]
-    eng, out = model.stream(1), np.empty((2, 40), np.float32)
-    for t in range(30):
-        close(eng.step(int(toks[t]), h, out=out), want[t])
-
-
 _ALLOC = textwrap.dedent("""
     import json, sys
     import numpy as np
     sys.path.insert(0, sys.argv[1])
-    from conftest import make_model, native_allocations
+    from helpers.models import make_model
+    from helpers.processes import native_allocations
     D = 130   # an output of G*D*4 >= 1024 bytes is past numpy's small-buffer cache: malloc sees it
     model = make_model(G=2, n=3, K=4, D=D, comp=True, seed=28)
     rng = np.random.default_rng(0)

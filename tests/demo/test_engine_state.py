@@ -10,8 +10,9 @@ import pytest
 
 from engram_stream import EngineSnapshot, EngramConfig
 from engram_stream._hash import MAX_KERNEL_SIZE
-from conftest import close, make_model
-from conftest import random_inputs as inputs
+from helpers.models import make_model
+from helpers.numeric import close
+from helpers.inputs import random_inputs as inputs
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 

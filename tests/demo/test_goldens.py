@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from engram_stream import EngramConfig, HashPlan
-from conftest import ATOL, ROOT, RTOL
+from helpers.numeric import ATOL, RTOL
+from helpers.repo import ROOT
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 

@@ -40,7 +40,8 @@ if not torch.cuda.is_available():
     pytest.skip("torch.cuda.is_available() is false: the GPU suite runs on a CUDA machine", allow_module_level=True)
 pytest.importorskip("vllm", reason="vLLM 0.33.0's .py files are needed (tests/gpu/README.md)")
 
-from conftest import PLUGIN_SOURCES, make_v41_model  # noqa: E402
+from helpers.models import make_v41_model  # noqa: E402
+from helpers.row_sources import PLUGIN_SOURCES  # noqa: E402
 
 plugin = pytest.importorskip("engram_stream.integrations.vllm")
 from engram_stream.integrations import serving, vllm_graph  # noqa: E402

@@ -5,7 +5,7 @@ import pytest
 
 from engram_stream.integrations import serving
 
-from conftest import make_qwen_model, make_v41_model
+from helpers.models import make_qwen_model, make_v41_model
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ E = pytest.importorskip("sglang.srt.layers.engram")
 
 from engram_stream.rows import packed  # noqa: E402
 
-from conftest import PLUGIN_SOURCES  # noqa: E402
+from helpers.row_sources import PLUGIN_SOURCES  # noqa: E402
 
 plugin = pytest.importorskip("engram_stream.integrations.sglang")
 

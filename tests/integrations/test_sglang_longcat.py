@@ -27,7 +27,7 @@ import sglang.srt.layers.vocab_parallel_embedding as V  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.integrations import serving  # noqa: E402
 
-from conftest import PLUGIN_SOURCES  # noqa: E402
+from helpers.row_sources import PLUGIN_SOURCES  # noqa: E402
 import longcat_ids as LC  # noqa: E402
 from test_sglang_qwen import stub_parallel  # noqa: E402
 

@@ -35,7 +35,7 @@ import sglang.srt.layers.vocab_parallel_embedding as V  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.integrations import serving  # noqa: E402
 
-from conftest import PLUGIN_SOURCES  # noqa: E402
+from helpers.row_sources import PLUGIN_SOURCES  # noqa: E402
 
 plugin = pytest.importorskip("engram_stream.integrations.sglang")
 

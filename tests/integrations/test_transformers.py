@@ -32,7 +32,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 modeling = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
-from conftest import ATOL, ROOT, RTOL  # noqa: E402
+from helpers.numeric import ATOL, RTOL  # noqa: E402
+from helpers.repo import ROOT  # noqa: E402
 from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.integrations.transformers import attach  # noqa: E402
 

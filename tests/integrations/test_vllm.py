@@ -33,7 +33,7 @@ from engram_stream import EngramModel  # noqa: E402
 from engram_stream.rows import packed  # noqa: E402
 from engram_stream.v41 import reference as v41_reference  # noqa: E402
 
-from conftest import PLUGIN_SOURCES  # noqa: E402
+from helpers.row_sources import PLUGIN_SOURCES  # noqa: E402
 
 plugin = pytest.importorskip("engram_stream.integrations.vllm")
 from engram_stream.integrations import serving  # noqa: E402

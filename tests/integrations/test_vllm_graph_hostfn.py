@@ -20,7 +20,7 @@ from engram_stream.integrations._vllm_graph import HF_BAD_ROW, HF_FILE_CHANGED, 
 from engram_stream.integrations._records import records_to_bf16
 from engram_stream.rows import RecordSource
 
-from conftest import PLUGIN_SOURCES
+from helpers.row_sources import PLUGIN_SOURCES
 
 pytestmark = pytest.mark.native  # drives C code over raw pointers: CI runs it again under ASan
 
@@ -200,7 +200,7 @@ def test_bf16_staging_of_records_that_are_not_v41_is_refused(tmp_path, load):
     """A demo int8 table of head width 128 has records of 128 + 4 bytes (its float32 scale), as
     long as a V4.1 record of 128 e4m3 + 4 e8m0 bytes: bf16 staging (the V4.1 widening) is refused
     by the records' format, whatever their size; uint8 staging takes its records as they are."""
-    from conftest import make_model, make_v41_model
+    from helpers.models import make_model, make_v41_model
     from engram_stream.rows.records import E4M3_E8M0_RECORD
     model = make_model(nh=2, hd=128, table_dtype="int8", seed=4)
     if load is not None:

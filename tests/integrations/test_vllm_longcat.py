@@ -29,7 +29,7 @@ from engram_stream import EngramConfig, EngramModel  # noqa: E402
 plugin = pytest.importorskip("engram_stream.integrations.vllm")
 from engram_stream.integrations import serving  # noqa: E402
 
-from conftest import PLUGIN_SOURCES  # noqa: E402
+from helpers.row_sources import PLUGIN_SOURCES  # noqa: E402
 from longcat_ids import HF, batch, framework_config, kernel_ids  # noqa: E402
 
 SOURCES = {k: v for k, v in PLUGIN_SOURCES.items() if "packed" not in k}   # the packed row file is V4.1's

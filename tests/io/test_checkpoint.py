@@ -19,7 +19,7 @@ from engram_stream.errors import CheckpointError
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 from safetensors import safe_open  # noqa: E402
-from conftest import run_python
+from helpers.processes import run_python
 
 CFG = EngramConfig(engram_vocab_size=[101, 211], max_ngram_size=3, n_embed_per_ngram=32, n_head_per_ngram=4,
                    layer_ids=[1, 4], pad_id=2, kernel_size=4, hidden_size=24, hc_mult=4, vocab_size=500)

@@ -14,7 +14,7 @@ from engram_stream import EngramConfig, EngramModel, build_compression
 from engram_stream.errors import FileChangedError, HFCheckpointError
 from engram_stream.io.safetensors import Tensor
 from engram_stream.v41 import hf as hf_v41
-from conftest import run_python
+from helpers.processes import run_python
 
 SMALL = dict(variant="deepseek-v4.1", engram_vocab_size=[211, 211, 211], max_ngram_size=4,
              n_embed_per_ngram=64, n_head_per_ngram=2, layer_ids=[1, 4], pad_id=2, hidden_size=64,

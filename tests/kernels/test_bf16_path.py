@@ -15,7 +15,7 @@ import pytest
 from engram_stream.engine import isa as _isa
 from engram_stream.v41 import _engine as k
 from engram_stream.v41 import reference as ref
-from conftest import ATOL, RTOL
+from helpers.numeric import ATOL, RTOL
 
 HAVE_BF16 = "bf16" in _isa.supported_isas()
 needs_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="this CPU (or build) lacks AVX512_BF16: the bf16 path did not run")
@@ -213,3 +213,92 @@ def test_bf16_flags(tmp_path):
     f.write_text("flags\t: sse2 avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16\n")  # no VBMI
     assert _isa.cpu_isas(str(f)) == ("baseline", "avx2", "avx512")
     assert _isa.cpu_isas(str(tmp_path / "missing")) == ("baseline",)
+
+
+# ---- the projection GEMM on vdpbf16ps (engram_step.h es_gemm_range_dp) ----------------------
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _panels(w):
+    """W [M, E] as model weights' packed() panels [ceil(M/16), E, 16] (zero past M)."""
+    M, E = w.shape
+    P = (M + 15) // 16
+    wt = np.zeros((P * 16, E), w.dtype)
+    wt[:M] = w
+    return np.ascontiguousarray(wt.reshape(P, 16, E).transpose(0, 2, 1))
+
+
+def _gemm_operands(rng, B, E, M):
+    x = rng.standard_normal((B, E)).astype(BF16).astype(np.float32)
+    w = rng.standard_normal((M, E)).astype(BF16)
+    bias = np.zeros((M + 15) // 16 * 16, np.float32)
+    bias[:M] = rng.standard_normal(M)
+    return x, w, bias
+
+
+def _dp_order(x, w, bias):
+    """Y the way vdpbf16ps sums it in each lane: bias, then per pair of k the odd k, then the even,
+    each addition rounded to float32 (es8_dpbf16_lane; these operands are normal and their float64
+    sums exact, so one rounding to float32 is the instruction's)."""
+    B, E = x.shape
+    M = w.shape[0]
+    acc = np.broadcast_to(bias[:M], (B, M)).astype(np.float32)
+    xf, wf = x.astype(np.float64), w.astype(np.float32).astype(np.float64)
+    for j in range(0, E, 2):
+        for k in ([j + 1] if j + 1 < E else []) + [j]:
+            acc = (acc + xf[:, k, None] * wf[None, :, k]).astype(np.float32)
+    return acc
+
+
+# rows: 2 (one small tile), 8 (one full), 9 (full + 1), 16 (the 16-stream step), 37, 128 (a prefill
+# chunk); E odd (the last pair padded with zero) and even; M past whole panels and pairs of panels
+GEMM_SHAPES = [(2, 15, 40), (8, 64, 16), (9, 33, 77), (16, 64, 120), (37, 31, 50), (128, 96, 300)]
+
+
+@needs_bf16
+@pytest.mark.parametrize("B,E,M", GEMM_SHAPES)
+def test_gemm_on_vdpbf16ps_is_the_pair_order(on_bf16, B, E, M):
+    """bf16 weights and bf16 rows on the bf16 path: the GEMM's bits are vdpbf16ps's pair order
+    (products exact, sums in pairs), within the project's tolerance of the float64 oracle."""
+    from engram_stream.demo import _engine as demo
+    x, w, bias = _gemm_operands(np.random.default_rng(B * 1000 + E), B, E, M)
+    got = demo._gemm(x, _panels(w), bias, M, 2)
+    assert np.array_equal(got.view(np.uint32), _dp_order(x, w, bias).view(np.uint32))
+    exact = x.astype(np.float64) @ w.astype(np.float32).astype(np.float64).T + bias[:M]
+    np.testing.assert_allclose(got, exact, rtol=RTOL, atol=ATOL)
+    widened = demo._gemm(x, _panels(w), bias, M, 1)  # the float32 FMAs on the widened weights
+    assert not np.array_equal(got, widened)  # the pair order shows: another kernel ran
+
+
+@needs_bf16
+def test_gemm_on_vdpbf16ps_reads_subnormal_rows_as_zero(on_bf16):
+    """DAZ: a bf16 subnormal in a row multiplies as 0 where the float32 FMAs keep it (a loss
+    below 2^-126 |w|: nothing at the scale of real weights and rows)."""
+    from engram_stream.demo import _engine as demo
+    x, w, bias = _gemm_operands(np.random.default_rng(5), 16, 32, 48)
+    x[:, 7] = 0
+    flushed = x.copy()
+    x[3, 7] = 2.0 ** -130  # a bf16 subnormal; flushed holds the zero DAZ reads
+    w = w.astype(np.float32)
+    w[:, 7] = 2.0 ** 126  # x * w = 2^-4: a product the float32 FMAs keep
+    wp = _panels(w.astype(BF16))
+    assert not np.array_equal(demo._gemm(x, wp, bias, 48, 1), demo._gemm(flushed, wp, bias, 48, 1))
+    assert np.array_equal(demo._gemm(x, wp, bias, 48, 2), demo._gemm(flushed, wp, bias, 48, 2))
+
+
+@pytest.mark.parametrize("isa", [n for n in _isa.supported_isas()])
+def test_gemm_bf16_rows_elsewhere_is_the_widening_gemm(isa):
+    """ES_GEMM_BF16_ROWS changes the kernel only on the bf16 path with two rows or more: other
+    paths, and one row (the GEMV, memory bound) on any, run the bits of the widening GEMM."""
+    from engram_stream.demo import _engine as demo
+    before = _isa.kernel_isa()
+    _isa.use_isa(isa)
+    try:
+        for B, E, M in [(1, 33, 40), (16, 64, 120)]:
+            x, w, bias = _gemm_operands(np.random.default_rng(B), B, E, M)
+            same = demo._gemm(x, _panels(w), bias, M, 2), demo._gemm(x, _panels(w), bias, M, 1)
+            if isa != "bf16" or B == 1:
+                assert np.array_equal(*same)
+            np.testing.assert_allclose(same[0], x @ w.astype(np.float32).T + bias[:M], rtol=RTOL, atol=ATOL)
+    finally:
+        _isa.use_isa(before)

@@ -22,7 +22,8 @@ import pytest
 from engram_stream.engine import isa as _isa
 from engram_stream.v41 import _engine as k
 from engram_stream.v41 import reference as ref
-from conftest import close, run_python
+from helpers.numeric import close
+from helpers.processes import run_python
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 

@@ -11,7 +11,7 @@ import pytest
 
 import engram_stream
 from engram_stream.engine import isa as _isa
-from conftest import run_python
+from helpers.processes import run_python
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 

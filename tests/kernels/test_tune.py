@@ -14,7 +14,7 @@ from engram_stream import EngramConfig, EngramModel
 from engram_stream.engine import isa as _isa
 from engram_stream.engine import tune
 
-from conftest import ROW_MODELS, load_checkpoint, row_source_model
+from helpers.row_sources import ROW_MODELS, load_checkpoint, row_source_model
 
 CFG = dict(engram_vocab_size=[101, 103], max_ngram_size=3, n_embed_per_ngram=64, n_head_per_ngram=4,
            layer_ids=[1], kernel_size=3, hidden_size=48, hc_mult=2, vocab_size=60)

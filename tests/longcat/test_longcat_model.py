@@ -15,7 +15,7 @@ from engram_stream.errors import CheckpointError, HFCheckpointError
 from engram_stream.io.files import mapping_of
 from engram_stream.longcat import hf, reference
 from engram_stream.longcat.config import EXAMPLE, LONGCAT
-from conftest import close
+from helpers.numeric import close
 
 pytestmark = pytest.mark.native
 EOS = 2
@@ -89,6 +89,24 @@ def test_prefill_and_packed_segments():
         a = t - 4
         out = eng.step_packed(np.array([ids[1, t], ids[0, a]]), None, streams=[0, 2], lengths=[1, 1])
         close(out, np.stack([want[1, t], want[0, a]]))
+
+
+@pytest.mark.usefixtures("each_isa")
+def test_bfloat16_table_and_projections():
+    """The released dtypes, bf16 table and projections: on the bf16 path the GEMM runs on
+    vdpbf16ps (products exact, sums in pairs); 16 streams' steps and a prefill against the oracle."""
+    import ml_dtypes
+    f32 = _model(6)
+    cfg = f32.cfg
+    w = f32.layer(0)
+    model = EngramModel(cfg, f32.plan, {0: type(w)(cfg, w.offsets, w.table.astype(ml_dtypes.bfloat16), w.embed,
+                                                   w.proj_w)}).with_weight_dtype("bfloat16")
+    assert model.layer(0).table.dtype.name == model.weight_dtype == "bfloat16"
+    ids = np.array([SEQS[i % 2][i:] + SEQS[(i + 1) % 2][:i] for i in range(16)])
+    want = _oracle(model, ids)
+    eng = model.stream(0, n_streams=16)
+    close(np.stack([eng.step(ids[:, t]) for t in range(ids.shape[1])], 1), want)
+    close(model.stream(0).prefill(ids[3]), want[3])
 
 
 def test_feed_compute_and_the_decoder():
@@ -296,7 +314,7 @@ def test_random_sequences_and_cuts_match_the_oracle():
     interleaved: every output is the oracle's for its own sequence, every row the plan's."""
     from hypothesis import given
     from hypothesis import strategies as st
-    from conftest import hypothesis_settings
+    from helpers.numeric import hypothesis_settings
 
     @hypothesis_settings(40)
     @given(seed=st.integers(0, 2 ** 31), T=st.integers(1, 40))

@@ -1,4 +1,4 @@
-"""longcat-flash-lite over every row source (conftest.ROW_SOURCES: the mapped table, the folder's
+"""longcat-flash-lite over every row source (helpers.row_sources.ROW_SOURCES: the mapped table, the folder's
 files read directly, the packed row file, the RAM and host row caches in front of them, a
 Mooncake Store): the engine decodes bit-identically to the mapped table, a prompt across
 prefill chunks then steps of 3 streams, with EOS among the ids; the stats count reads."""
@@ -9,7 +9,7 @@ import pytest
 
 from engram_stream import EngramConfig, EngramModel
 from engram_stream.longcat.config import EXAMPLE
-from conftest import ROW_SOURCES, load_checkpoint, row_source_model
+from helpers.row_sources import ROW_SOURCES, load_checkpoint, row_source_model
 
 pytestmark = pytest.mark.native
 SOURCES = [pytest.param(w, marks=pytest.mark.mooncake) if "mooncake" in w else w for w in ROW_SOURCES]

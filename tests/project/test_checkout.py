@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import engram_stream
-from conftest import ROOT, checkout
+from helpers.repo import ROOT, checkout
 
 # the package under test, as "installed" for a copy of the checkout that has no build
 PACKAGE_DIR = os.path.dirname(os.path.dirname(engram_stream.__file__))

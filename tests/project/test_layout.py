@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers.repo import ROOT
 
 PKG = os.path.join(ROOT, "engram_stream")
 FROM = re.compile(r"^\s*from\s+([.\w]+)\s+c?import\s+(.+)$")

@@ -14,7 +14,7 @@ import tomllib
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from helpers.repo import ROOT
 
 
 def _read(*path):

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT
+from helpers.repo import ROOT
 
 LIMIT = 1 << 20   # the largest tracked file is a 176 KiB figure; a checkpoint or a build output is far above
 

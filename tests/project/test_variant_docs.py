@@ -13,7 +13,7 @@ from engram_stream import EngramModel, variants
 from engram_stream.cli import build_parser
 from engram_stream.variants import describe_checkpoint
 
-from conftest import contract_model, contract_variants
+from helpers.models import contract_model, contract_variants
 
 DemoVariant = type(variants.get(variants.DEFAULT))
 

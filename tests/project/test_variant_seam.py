@@ -9,7 +9,7 @@ import glob
 import os
 import re
 
-from conftest import ROOT
+from helpers.repo import ROOT
 
 PKG = os.path.join(ROOT, "engram_stream")
 VARIANT_WORD = re.compile(r"v41|deepseek|demo|qwen", re.I)

@@ -16,7 +16,8 @@ import pytest
 
 from engram_stream import EngramConfig, EngramModel, HashPlan
 from engram_stream.qwen.weights import NAMES
-from conftest import ROOT, close
+from helpers.numeric import close
+from helpers.repo import ROOT
 
 pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]
 GOLDENS = sorted(glob.glob(os.path.join(ROOT, "tests", "data", "golden_qwen_*.npz")))

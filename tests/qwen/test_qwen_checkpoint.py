@@ -14,7 +14,7 @@ from engram_stream import EngramConfig, EngramModel
 from engram_stream.errors import CheckpointError
 from engram_stream.io import safetensors
 from engram_stream.io.files import MappedFile, mapping_of
-from conftest import close
+from helpers.numeric import close
 
 pytestmark = pytest.mark.native
 

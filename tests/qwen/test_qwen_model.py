@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engram_stream import EngramConfig, EngramModel, HashPlan
-from conftest import close
+from helpers.numeric import close
 
 pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every kernel path (tests/conftest.py)
 
@@ -187,3 +187,21 @@ def test_bfloat16_tables_are_gathered_as_they_are():
         eng = bf.stream(L, n_streams=2)
         close(np.stack([eng.step(ids[:, t], hid[:, t]) for t in range(30)], 1), want)
         close(bf.stream(L).prefill(ids[1], hid[1]), want[1])
+
+
+def test_bfloat16_tables_and_projections_equal_the_oracle():
+    """The released model's dtypes, bf16 table and projections: on the bf16 path the GEMM runs on
+    vdpbf16ps (engram_step.h es_gemm_range_dp); 16 streams' steps and a prefill, every kernel path."""
+    import ml_dtypes
+    f32 = small_model(seed=4)
+    cfg = f32.cfg
+    bf = EngramModel(cfg, f32.plan, {L: w.replace(cfg, table=w.table.astype(ml_dtypes.bfloat16))
+                                      for L, w in f32.layers.items()}).with_weight_dtype("bfloat16")
+    rng = np.random.default_rng(8)
+    ids, hid = eos_ids(rng, (16, 12)), hidden(rng, (16, 12), cfg)
+    for L in cfg.layer_ids:
+        assert bf.layer(L).table.dtype.name == bf.layer(L).key_proj.dtype.name == "bfloat16"
+        want = bf.forward(L, ids, hid)
+        eng = bf.stream(L, n_streams=16)
+        close(np.stack([eng.step(ids[:, t], hid[:, t]) for t in range(12)], 1), want)
+        close(bf.stream(L).prefill(ids[5], hid[5]), want[5])

@@ -275,7 +275,7 @@ def test_first_reads_on_several_threads_start_one_set_of_threads(shard, tmp_path
     """Four threads making the first reads of a fresh pool at once: the pool starts its qd - 1
     threads once (one caller starts them, the others wait), every read is right. In a
     subprocess: the race it guards against corrupted the heap or crashed."""
-    from conftest import run_python   # from outside the checkout: its unbuilt source must not shadow the package
+    from helpers.processes import run_python   # from outside the checkout: its unbuilt source must not shadow the package
     r = run_python(["-c", _FIRST_READS, shard["wfile"], str(shard["woff"]), shard["sfile"], str(shard["soff"]),
                     str(shard["N"])], timeout=300)
     assert (r.returncode, r.stdout.strip()) == (0, "ok"), r.stderr[-2000:]

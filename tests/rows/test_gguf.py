@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from engram_stream.errors import CheckpointError  # noqa: E402
 from engram_stream.rows import _gguf  # noqa: E402
 from engram_stream.rows import gguf as rg  # noqa: E402
-from conftest import hypothesis_settings  # noqa: E402
+from helpers.numeric import hypothesis_settings  # noqa: E402
 
 pytestmark = pytest.mark.native  # every test here drives the C decoders or reads what they decode
 
@@ -481,12 +481,12 @@ def test_check_config_qwen(tmp_path):
 
 
 def make_qwen_two_layers():
-    from conftest import make_qwen_model
+    from helpers.models import make_qwen_model
     return make_qwen_model()
 
 
 def test_check_config_deepseek41(tmp_path):
-    from conftest import make_v41_model
+    from helpers.models import make_v41_model
     m = make_v41_model()
     cfg, plan = m.cfg, m.plan
     rng = np.random.default_rng(1)

@@ -24,7 +24,8 @@ from engram_stream import EngramConfig, EngramModel
 from engram_stream.rows._cache import RowCache, cache_nbytes
 from engram_stream.rows.tiers import HOST_CACHE_DIR
 
-import conftest
+from helpers.models import fine_tuned_outside_samples
+from helpers.processes import run_python, start_python
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
@@ -134,7 +135,7 @@ class Worker:
                 f.write(WORKER)
         self.folder = folder
         self.err = open(os.path.join(folder, f"worker-{uuid.uuid4().hex[:6]}.err"), "w+")
-        self.p = conftest.start_python([script], stdin=-1, stdout=-1, stderr=self.err, text=True, bufsize=1)
+        self.p = start_python([script], stdin=-1, stdout=-1, stderr=self.err, text=True, bufsize=1)
 
     def send(self, **cmd):
         self.p.stdin.write(json.dumps(cmd) + "\n")
@@ -613,7 +614,7 @@ def test_a_corrupt_cache_file_gives_exact_rows_and_never_hangs(shm_path, tmp_pat
     script = tmp_path / "corrupt.py"
     script.write_text(CORRUPT)
     try:
-        r = conftest.run_python([str(script), shm_path, kind, alone], timeout=60)
+        r = run_python([str(script), shm_path, kind, alone], timeout=60)
     except subprocess.TimeoutExpired:
         raise AssertionError(f"{kind} ({alone}): the lookups did not end in 60 s") from None
     assert r.returncode == 0 and r.stdout.startswith("ok"), (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
@@ -625,7 +626,7 @@ def test_checkpoints_differing_only_in_unsampled_rows_get_their_own_host_caches(
     import gc
     from engram_stream.rows.mooncake.keys import fingerprint
     name, _ = host
-    tuned_path = conftest.fine_tuned_outside_samples(plain).save(str(tmp_path / "tuned.safetensors"))
+    tuned_path = fine_tuned_outside_samples(plain).save(str(tmp_path / "tuned.safetensors"))
     tuned = EngramModel.load(tuned_path)
     for L in CFG["layer_ids"]:   # what a sample of rows sees: the same
         assert fingerprint(tuned, L)["sample_digest"] == fingerprint(plain, L)["sample_digest"]

@@ -17,7 +17,8 @@ from engram_stream.errors import TierError
 from engram_stream.rows.mooncake.calls import EXIT_GRACE
 from engram_stream.v41 import hf as hf_v41
 
-import conftest
+from helpers.models import fine_tuned_outside_samples
+from helpers.mooncake import mooncake_or_skip
 
 pytestmark = pytest.mark.mooncake
 
@@ -155,7 +156,7 @@ def test_calls_after_close_raise_tier_error(mooncake, tmp_path):
 def test_stopped_master_at_connect_is_refused_in_time():
     """A stopped master accepts connections (the kernel does) but never answers: TierError
     within connect_timeout, not a hang in setup()."""
-    conftest.mooncake_or_skip()
+    mooncake_or_skip()
     from mooncake_servers import LocalMooncake
     from engram_stream.rows import MooncakeTier
     with LocalMooncake(segment_mb=16) as mc:
@@ -203,7 +204,7 @@ def test_process_exits_promptly_after_a_fault(tmp_path, fault):
     no abort in Mooncake's teardown ("terminate called without an active exception", 134), which
     a killed store server's client hit in about 1 of 3 runs (kill_store runs twice)."""
     import subprocess
-    conftest.mooncake_or_skip()
+    mooncake_or_skip()
     from mooncake_servers import LocalMooncake
     p = str(tmp_path / "m.safetensors")
     EngramModel.init(EngramConfig(**DEMO), seed=1).save(p)
@@ -387,7 +388,7 @@ def fine_tunes(tmp_path):
     plain = EngramModel.init(EngramConfig(**DEMO), seed=21)
     pa, pb = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
     plain.save(pa)
-    conftest.fine_tuned_outside_samples(plain).save(pb)
+    fine_tuned_outside_samples(plain).save(pb)
     return pa, pb
 
 

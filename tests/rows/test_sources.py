@@ -16,8 +16,10 @@ from engram_stream.errors import FileChangedError
 from engram_stream.rows import packed
 from engram_stream.rows.direct import DirectTier
 
-from conftest import assert_decoded_identically as assert_identical, decode_inputs as inputs, decode_run as run
-from conftest import load_checkpoint as load, publish_when_back, variant_ids
+from helpers.inputs import assert_decoded_identically as assert_identical, decode_inputs as inputs, decode_run as run
+from helpers.inputs import variant_ids
+from helpers.mooncake import publish_when_back
+from helpers.row_sources import load_checkpoint as load
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 

@@ -324,6 +324,6 @@ assert eng.tokens_seen.tolist() == [1] and half.pending_compute   # refused call
 def test_mapped_file_changed_under_a_model(tmp_path, mode):
     """Truncated (reads would SIGBUS) or rewritten in place (new tables with old weights): refused
     with FileChangedError. Replaced by rename (what save() does): the model keeps the old file."""
-    from conftest import run_python
+    from helpers.processes import run_python
     r = run_python(["-c", CHANGED, str(tmp_path), mode], timeout=120)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])

@@ -18,7 +18,8 @@ from engram_stream import EngramConfig, EngramModel
 from engram_stream.cli import main
 from engram_stream.errors import TierError
 
-import conftest
+from helpers.mooncake import publish_when_back
+from helpers.network import LOOPBACK_ONLY
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 
@@ -197,10 +198,10 @@ def test_with_weight_dtype_keeps_the_row_cache(ckpts):
 
 # ---- Mooncake ----------------------------------------------------------------------------------
 @pytest.mark.mooncake
-@pytest.mark.skipif(not conftest.LOOPBACK_ONLY, reason="needs CAP_SYS_ADMIN for a network namespace (CI runs as root)")
+@pytest.mark.skipif(not LOOPBACK_ONLY, reason="needs CAP_SYS_ADMIN for a network namespace (CI runs as root)")
 def test_mooncake_servers_are_reachable_on_loopback_only(tier, mooncake):
     """Mooncake binds some ports on 0.0.0.0 despite its host flags; the session runs in its own
-    network namespace (conftest._loopback_only_network), so loopback is the only interface any
+    network namespace (tests/helpers/network.py), so loopback is the only interface any
     of those sockets is on, and the servers answer there."""
     import socket
     assert [name for _, name in socket.if_nameindex()] == ["lo"]
@@ -367,7 +368,7 @@ def test_dead_store_raises_in_bounded_time_then_works_again(own_store, ckpts, fa
         mc.start_master()
     else:
         mc.start_store()
-    conftest.publish_when_back(tier, local, 20)
+    publish_when_back(tier, local, 20)
     for t in range(10, 30):
         dec.begin(ids[t])
         got.append(dec.layer(1, hid[t]).copy())
@@ -414,7 +415,7 @@ def test_cached_step_allocates_nothing():
     """Through a row cache that evicts on most steps, 2000 steps with out= make no native
     allocation (memray.Tracker in a subprocess); without out= every step's output shows up."""
     pytest.importorskip("memray")
-    from conftest import run_python
+    from helpers.processes import run_python
     r = run_python(["-c", _ALLOC], timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])

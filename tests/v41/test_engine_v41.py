@@ -24,8 +24,9 @@ from engram_stream.v41 import _engine as k
 from engram_stream.v41 import reference as ref
 from engram_stream.engine.snapshot import EngineSnapshot
 from engram_stream.v41._engine import V41StreamEngine
-from conftest import (close, dense_compression, hypothesis_settings, make_v41_model, stepped,
-                      variant_hidden, variant_ids, variant_inputs)
+from helpers.inputs import stepped, variant_hidden, variant_ids, variant_inputs
+from helpers.models import dense_compression, make_v41_model
+from helpers.numeric import close, hypothesis_settings
 
 pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every test once per kernel path the CPU runs
 

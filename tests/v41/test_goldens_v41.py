@@ -19,7 +19,8 @@ import pytest
 from engram_stream import EngramConfig, EngramModel, HashPlan
 from engram_stream.v41 import NAMES
 
-from conftest import ATOL, ROOT, RTOL  # noqa: E402
+from helpers.numeric import ATOL, RTOL  # noqa: E402
+from helpers.repo import ROOT  # noqa: E402
 
 pytestmark = pytest.mark.native  # drives the C kernels: CI runs it again under ASan and clang
 GOLDENS = sorted(glob.glob(os.path.join(ROOT, "tests", "data", "golden_v41_*.npz")))

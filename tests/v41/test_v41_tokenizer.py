@@ -10,7 +10,8 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_python, run_python_on_a_terminal
+from helpers.processes import run_python, run_python_on_a_terminal
+from helpers.repo import ROOT
 from engram_stream import EngramConfig, EngramModel, build_compression, compression
 from engram_stream.v41 import hf as hf_v41
 
