@@ -121,6 +121,7 @@ class Variant(abc.ABC):
     table_dtypes: tuple = ()   # what save/save_init take as table_dtype (empty: tables stay as they are)
     folder_checkpoint = False   # a checkpoint is a folder (else one file)
     load_note = ""   # what load does besides mapping the tables, for the CLI's loading line
+    gguf_layout = None   # where a llama.cpp GGUF holds its tables (a rows.gguf.Layout; GGUFTier, inspect)
     init_table_dtype = "float32"   # the table dtype save_init writes when given no table_dtype
 
     # The module of the layer weights' rules: validate_layer(cfg, plan, L, w), init_layers(cfg,

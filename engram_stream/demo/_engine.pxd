@@ -42,7 +42,9 @@ cdef class StreamEngine(EngineBase):
     cdef int K, conv_len
     cdef int64_t ldx                   # ebuf row stride: E + 16 (see es_gemm_packed)
     cdef int table_kind                # 0 float32, 1 float16, 2 int8 + per-row scale, 3 bfloat16, 4 FP8 bytes
-                                       # through a value table, 5 NVFP4 nibbles + E4M3 block scales through one
+                                       # through a value table, 5 NVFP4 nibbles + E4M3 block scales through one,
+                                       # 6 GGUF rows (a GGUFTier's records) through include/engram_gguf.h
+    cdef int ggtype                    # kind 6: the rows' GGUF type (rows.gguf.gather_type)
     cdef const float[::1] lut          # kinds 4, 5: the value of each code (weights' table_lut; else empty)
 
     # borrowed, read-only model data (typed memoryviews, shapes checked in _init_variant)

@@ -21,6 +21,10 @@ from libc.string cimport memcpy, memset
 from engram_stream._consts cimport ES_MAX_KERNEL_SIZE, ES_PREFILL_CHUNK
 from engram_stream._hash cimport es_isa_now, es_runtime_bind, es_runtime_of_process
 from engram_stream.engine.args import view
+from engram_stream.rows.gguf import gather_type
+
+cdef extern from "engram_gguf.h" nogil:
+    int es_gg_decode(int type, const uint8_t *src, int64_t n, float *dst)
 
 cnp.import_array()
 
@@ -77,6 +81,7 @@ cdef struct GatherWork:
     int64_t lde
     const float *lut  # kinds 4, 5: value of each code
     int kind, hd, H
+    int ggtype        # kind 6: the GGUF row type (include/engram_gguf.h)
 
 
 cdef inline void _gather_lut8(const uint8_t *p, const float *lut, int hd, float *e) noexcept nogil:
@@ -113,6 +118,8 @@ cdef void _gather_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
                 es_gather_bf16(<const uint16_t *> p, w.hd, &zero, 1, e)
             elif w.kind == 4:
                 _gather_lut8(<const uint8_t *> p, w.lut, w.hd, e)
+            elif w.kind == 6:
+                es_gg_decode(w.ggtype, <const uint8_t *> p, w.hd, e)
             elif w.kind == 5:
                 _gather_nvfp4(<const uint8_t *> p, <const uint8_t *> w.sp[i * w.H + j], w.lut, w.hd, e)
             else:
@@ -164,7 +171,10 @@ cdef class StreamEngine(EngineBase):
             if self.table_kind == 2 and w.table_scale is None:
                 raise ValueError(f"layer {self.layer}: an int8 table needs its per-row table_scale")
             rowbytes, scalebytes = self.hd * table.dtype.itemsize, (4 if self.table_kind == 2 else 0)
-        if self.src.rowbytes != rowbytes or self.src.scalebytes != scalebytes:
+        self.ggtype = gather_type(self.src, self.hd, self.layer)
+        if self.ggtype >= 0:  # a GGUF table's rows (GGUFTier): decoded in the gather, whatever the folder's table
+            self.table_kind = 6
+        elif self.src.rowbytes != rowbytes or self.src.scalebytes != scalebytes:
             raise ValueError(f"layer {self.layer}: row records of {self.src.rowbytes}+{self.src.scalebytes} bytes "
                              f"do not fit a {table.dtype} table")
         if wp.dtype.name not in ("float32", "bfloat16"):
@@ -232,7 +242,7 @@ cdef class StreamEngine(EngineBase):
         cdef int k1 = self.K - 1, kk
         cdef bint chained = False
         g.dp, g.sp, g.e, g.lde = self.dp, self.sp, self.ebuf, self.ldx
-        g.kind, g.hd, g.H, g.lut = self.table_kind, self.hd, self.H, &self.lut[0]
+        g.kind, g.hd, g.H, g.lut, g.ggtype = self.table_kind, self.hd, self.H, &self.lut[0], self.ggtype
         if nb >= 8:  # the tails split at least: the call's workers start here unless they run already
             self._team_open(threads)
         es_split(<es_team *> self.team, threads if (nb >= 32 or self.team != NULL) else 1, nb, 0, _gather_part, &g)
@@ -277,7 +287,7 @@ cdef class StreamEngine(EngineBase):
     cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil:
         cdef GatherWork g
         g.dp, g.sp, g.e, g.lde = self.dp, self.sp, dst, ld
-        g.kind, g.hd, g.H, g.lut = self.table_kind, self.hd, self.H, &self.lut[0]
+        g.kind, g.hd, g.H, g.lut, g.ggtype = self.table_kind, self.hd, self.H, &self.lut[0], self.ggtype
         es_split(NULL, threads if nb >= 32 else 1, nb, 0, _gather_part, &g)
 
     cdef void _save_x(self, int64_t t0, int64_t c0, int64_t plen) noexcept nogil:

@@ -25,6 +25,10 @@ from engram_stream._hash cimport es_runtime_bind, es_runtime_of_process
 from engram_stream.engine._base cimport EngineBase
 from engram_stream.engine._window cimport HashWindow
 from engram_stream.engine.args import view
+from engram_stream.rows.gguf import gather_type
+
+cdef extern from "engram_gguf.h" nogil:
+    int es_gg_decode(int type, const uint8_t *src, int64_t n, float *dst)
 
 cnp.import_array()
 es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one runtime's path (_hash.pxd)
@@ -103,7 +107,8 @@ cdef class LongcatEngine(EngineBase):
     Token ids are in [0, vocab_size): they index the token embedding, so a negative id is
     refused (ValueError; the variant's negative_ids is False)."""
 
-    cdef int table_kind                # 0 float32, 3 bfloat16 (es_gather_*)
+    cdef int table_kind                # 0 float32, 3 bfloat16 (es_gather_*), 6 GGUF rows (es_gg_decode)
+    cdef int ggtype                    # kind 6: their GGUF type (rows.gguf.gather_type)
     cdef int wbf16                     # es_gemm_packed's: 0 float32, 1 bfloat16, ES_GEMM_BF16_ROWS with a bf16 table
     cdef bint ebf16
     cdef int64_t ldx
@@ -132,7 +137,10 @@ cdef class LongcatEngine(EngineBase):
                              f"{type(table).__name__} {getattr(table, 'dtype', '')}")
         view(table, table.dtype, (self.src.nrows, self.hd), f"layer {self.layer} table")
         self.table_kind = 0 if table.dtype == np.float32 else 3
-        if self.src.rowbytes != self.hd * table.dtype.itemsize or self.src.scalebytes != 0:
+        self.ggtype = gather_type(self.src, self.hd, self.layer)
+        if self.ggtype >= 0:  # a GGUFTier's rows: decoded in the gather, whatever the folder's table
+            self.table_kind = 6
+        elif self.src.rowbytes != self.hd * table.dtype.itemsize or self.src.scalebytes != 0:
             raise ValueError(f"layer {self.layer}: row records of {self.src.rowbytes}+{self.src.scalebytes} bytes "
                              f"do not fit a {table.dtype} table")
         wp, bp = w.packed()
@@ -173,7 +181,10 @@ cdef class LongcatEngine(EngineBase):
         cdef int j
         for i in range(nb):
             for j in range(self.H):
-                if self.table_kind == 0:
+                if self.table_kind == 6:
+                    es_gg_decode(self.ggtype, <const uint8_t *> self.dp[i * self.H + j], self.hd,
+                                 dst + i * ld + j * self.hd)
+                elif self.table_kind == 0:
                     es_gather_f32(<const float *> self.dp[i * self.H + j], self.hd, &zero, 1, dst + i * ld + j * self.hd)
                 else:
                     es_gather_bf16(<const uint16_t *> self.dp[i * self.H + j], self.hd, &zero, 1,

@@ -7,12 +7,13 @@ import numpy as np
 
 from .. import variants
 from ..io.hf_folder import HFFolderVariant
-from . import config, hf, reference, weights
+from . import config, gguf, hf, reference, weights
 from ._engine import LongcatEngine
 from .weights import LongcatWeights
 
 
 class LongcatVariant(HFFolderVariant, variants.Variant):
+    gguf_layout = gguf.LAYOUT   # its tables in a llama.cpp GGUF (GGUFTier, `engram-stream inspect`)
     hf = hf   # load, save, save_init, is_checkpoint, folder_of: the shared Hugging Face folder hooks
     folder_weights_needed = False   # folder_of: its config.json names the folder, weights or not
     weights_rules = weights

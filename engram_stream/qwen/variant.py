@@ -7,12 +7,13 @@ import numpy as np
 from .. import variants
 from ..demo.weights import with_weight_dtype
 from ..io.hf_folder import HFFolderVariant
-from . import config, hf, reference, weights
+from . import config, gguf, hf, reference, weights
 from ._engine import QwenStreamEngine
 from .weights import PLEWeights
 
 
 class QwenVariant(HFFolderVariant, variants.Variant):
+    gguf_layout = gguf.LAYOUT   # its tables in a llama.cpp GGUF (GGUFTier, `engram-stream inspect`)
     hf = hf   # load, save, save_init, is_checkpoint, folder_of: the shared Hugging Face folder hooks
     # the rules' modules first: `weights` below is the layer class, in this class's namespace
     weights_rules = weights

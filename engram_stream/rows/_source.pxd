@@ -46,6 +46,17 @@ cdef class MappedRows(RowSource):
     cdef object _keep                  # the arrays the pointers point into
 
 
+cdef class PartedRows(RowSource):
+    """A table kept as consecutive parts (a GGUF's per-head tensors): pointers into each part."""
+    cdef const char **bases            # [nparts] part k's first row
+    cdef int64_t *starts               # [nparts + 1] the table row each part starts at, then nrows
+    cdef int64_t nparts
+    cdef const char *zero              # [rowbytes] zeros: the rows past the parts (a padded table)
+    cdef readonly bint paged           # views of a mapped file: prefetch() asks the kernel for pages
+    cdef object _keep                  # the parts
+    cdef const char *_row(self, int64_t r) noexcept nogil
+
+
 cdef class DirectRows(RowSource):
     """Rows read from files (a DirectReader) with no cache: submit() starts the reads, resolve()
     waits and points into the reader's records."""

@@ -1,6 +1,6 @@
 # Type stubs of the compiled row sources (engram_stream/rows/_source.pyx). Keep in step with the
 # .pyx: tests/cli/test_packaging.py checks that every public name is declared here.
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -31,6 +31,14 @@ class MappedRows(RowSource):
     paged: bool  # a view of a mapped file: prefetch() asks the kernel for the rows' pages
     def __init__(self, data: np.ndarray, scale: Optional[np.ndarray] = None,
                  record_format: Optional[str] = None) -> None: ...
+
+class PartedRows(RowSource):
+    """A table kept as consecutive parts (a GGUF's per-head tensors): pointers into each part;
+    rows past the parts, up to nrows, read as zero bytes."""
+
+    paged: bool  # views of a mapped file: prefetch() asks the kernel for the rows' pages
+    def __init__(self, parts: Sequence[np.ndarray], record_format: Optional[str] = None,
+                 nrows: Optional[int] = None) -> None: ...
 
 class CachedRows(RowSource):
     """A layer's shared RAM row cache in front of any other RowSource (its misses are that

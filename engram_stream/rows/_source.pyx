@@ -15,7 +15,7 @@ them. Which places a model reads is rows/tiers.py's choice (tables=), not the en
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int32_t, int64_t
-from libc.stdlib cimport free, realloc
+from libc.stdlib cimport calloc, free, realloc
 from libc.string cimport memcpy, memset
 
 from engram_stream.rows._cache cimport RowCache, es_rc_hit, es_rc_insert, es_rc_lock, es_rc_peek, es_rc_unlock, es_rowcache
@@ -203,6 +203,91 @@ cdef class MappedRows(RowSource):
             failed = es_advise_rows(self.data, self.rowbytes, rows, n, MADV_WILLNEED)
             if self.scale != NULL:  # scales live on other pages
                 failed += es_advise_rows(self.scale, self.scalebytes, rows, n, MADV_WILLNEED)
+        return failed
+
+
+cdef class PartedRows(RowSource):
+    """A table kept as consecutive parts (a GGUF's per-head or per-embedder tensors, each at its
+    own offset): part k, a C-contiguous array of rows of `rowbytes` bytes each, holds the rows
+    from the sum of the earlier parts' rows on. Pointers straight into the parts (RAM or views
+    of a mapped file: then prefetch() asks the kernel for the rows' pages); no scales. nrows: the
+    table's rows when the parts hold fewer (a padded table): the rows past them read as zero
+    bytes (a converter drops the padding no hash addresses)."""
+
+    def __cinit__(self, parts, record_format=None, nrows=None):
+        parts = list(parts)
+        if not parts or not all(isinstance(a, np.ndarray) and a.flags.c_contiguous and a.ndim >= 1
+                                and a.shape[0] > 0 for a in parts):
+            raise ValueError("PartedRows: parts must be C-contiguous arrays of at least one row each")
+        rb = {a.nbytes // a.shape[0] for a in parts}
+        if len(rb) != 1:
+            raise ValueError(f"PartedRows: the parts' rows must be one size, got {sorted(rb)} bytes")
+        self.nparts = len(parts)
+        self.bases = <const char **> realloc(NULL, self.nparts * sizeof(char *))
+        self.starts = <int64_t *> realloc(NULL, (self.nparts + 1) * sizeof(int64_t))
+        if self.bases == NULL or self.starts == NULL:
+            raise MemoryError("PartedRows: no memory for its part table")
+        cdef int64_t k, at = 0
+        for k in range(self.nparts):
+            self.bases[k] = <const char *> cnp.PyArray_DATA(parts[k])
+            self.starts[k] = at
+            at += parts[k].shape[0]
+        self.starts[self.nparts] = at
+        if nrows is not None and nrows < at:
+            raise ValueError(f"PartedRows: nrows {nrows} < the parts' {at} rows")
+        self.nrows, self.rowbytes, self.scalebytes = (at if nrows is None else nrows), rb.pop(), 0
+        self.zero = <const char *> calloc(1, self.rowbytes)
+        if self.zero == NULL:
+            raise MemoryError("PartedRows: no memory for its zero row")
+        self.fallible = False
+        self.record_format = record_format if record_format is not None else parts[0].dtype.name
+        self.paged = mapping_of(parts[0]) is not None
+        self._keep = parts
+
+    def __dealloc__(self):
+        free(self.bases)
+        free(self.starts)
+        free(<void *> self.zero)
+
+    cdef const char *_row(self, int64_t r) noexcept nogil:
+        cdef int64_t lo = 0, hi = self.nparts - 1, mid
+        if r >= self.starts[self.nparts]:
+            return self.zero
+        while lo < hi:   # the last part whose first row is <= r
+            mid = (lo + hi + 1) >> 1
+            if self.starts[mid] <= r:
+                lo = mid
+            else:
+                hi = mid - 1
+        return self.bases[lo] + (r - self.starts[lo]) * self.rowbytes
+
+    cdef int submit(self, const int64_t *rows, int64_t n) except -1:
+        return 0
+
+    cdef int resolve(self, const int64_t *rows, int64_t n, const char **dp, const char **sp) except -1:
+        cdef int64_t i
+        with nogil:
+            for i in range(n):
+                dp[i] = self._row(rows[i])
+                sp[i] = NULL
+        return 0
+
+    cdef int _copy_rows(self, const int64_t *rows, int64_t n, char **dst, const char **dp,
+                        const char **sp) except -1:
+        cdef int64_t i
+        with nogil:
+            for i in range(n):
+                memcpy(dst[i], self._row(rows[i]), self.rowbytes)
+        return 0
+
+    cdef int64_t prefetch(self, const int64_t *rows, int64_t n) noexcept:
+        cdef int64_t failed = 0, i, zero = 0
+        if not self.paged:
+            return 0
+        with nogil:
+            for i in range(n):
+                if rows[i] < self.starts[self.nparts]:
+                    failed += es_advise_rows(self._row(rows[i]), self.rowbytes, &zero, 1, MADV_WILLNEED)
         return failed
 
 

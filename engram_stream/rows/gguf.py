@@ -3,9 +3,10 @@ decoded by the C decoders the engines use (include/engram_gguf.h through rows/_g
 
     open_gguf(path)                     the file's (or a split model's) keys and tensors
     read_rows(path, tensor, row_ids)    float32[n, row_length]: rows of a tensor of a served type
-    table_layout(model)                 the Engram table(s) of a qwen4exp / deepseek41 (ds4:
-                                        deepseek4) / longcat_flash_ngram GGUF, the constants
-                                        present and missing
+    table_layout(model)                 the Engram table(s) of a GGUF in a variant's layout
+                                        (its gguf_layout: engram_stream/VARIANT/gguf.py), the
+                                        constants present and missing
+    check_config(model, cfg, plan)      those tables against a model folder's config
     describe(path)                      what `engram-stream inspect model.gguf` prints
 
 The format (GGUF version 2 and 3, little endian): "GGUF", u32 version, u64 tensor count, u64
@@ -344,35 +345,77 @@ def read_rows(path, tensor_name, row_ids) -> np.ndarray:
     return _gguf.decode_rows(qtype, raw, t.row_length)
 
 
+# ---- GGUF rows as an engine's records ---------------------------------------------------------
+
+# A GGUF table's record is its row's bytes as the file holds them (quantized: more rows a MB in a
+# row cache); its format names the decoder, "gguf:" then the served type ("gguf:Q4_K",
+# "gguf:E4M3_ROW"), and an engine's gather decodes it with include/engram_gguf.h.
+RECORD_PREFIX = "gguf:"
+
+
+def record_format_of(t: GGUFTensor) -> str:
+    """The record format of tensor t's rows (CheckpointError for a type not served)."""
+    t.decoder_type()
+    return RECORD_PREFIX + t.served_as
+
+
+def record_type(record_format) -> int:
+    """The decoders' type number of a GGUF record format, or -1 for any other format."""
+    if not (isinstance(record_format, str) and record_format.startswith(RECORD_PREFIX)):
+        return -1
+    from . import _gguf
+    name = record_format[len(RECORD_PREFIX):]
+    if name == "E4M3_ROW":
+        return _gguf.E4M3_ROW
+    if name not in SERVED:
+        raise ValueError(f"row records of format {record_format!r}: the decoders serve {SERVED_TEXT}")
+    return next(k for k, v in GGML_TYPES.items() if v[0] == name)
+
+
+def gather_type(source, row_length, layer) -> int:
+    """What an engine's gather does with `source`'s records: the decoders' type number for GGUF
+    rows of `row_length` values (ValueError when the records are not that long), -1 for any
+    other format (the engine's own gathers)."""
+    qtype = record_type(source.record_format)
+    if qtype < 0:
+        return -1
+    from . import _gguf
+    rb = _gguf.row_bytes(qtype, row_length)
+    if source.rowbytes != rb or source.scalebytes != 0:
+        raise ValueError(f"layer {layer}: {source.record_format} records of {source.rowbytes}+{source.scalebytes} "
+                         f"bytes, a row of {row_length} values is {rb}+0")
+    return qtype
+
+
 # ---- the Engram tables of the converters' layouts ---------------------------------------------
 
-@dataclass(frozen=True)
 class Layout:
-    """Where a converter puts a variant's Engram table(s) and hash constants in a GGUF.
-    `tables(model)` lists (what, tensor name) for the tensors present; `keys` are the constants
-    a file may carry (the prefix {arch} is the file's general.architecture)."""
-    name: str
-    writer: str
-    keys: tuple
-    tables: object
+    """Where a converter puts one variant's Engram table(s) and hash constants in a GGUF: a
+    variant's `gguf_layout` (engram_stream/VARIANT/gguf.py), found by the file's
+    general.architecture (layouts()).
+
+    archs: {general.architecture: the converter that writes it}; keys: the constants a file may
+    carry (their prefix {arch}. is the file's architecture). tables(model): (what, tensor name)
+    of the table tensors present, in order. expected(arch, cfg, plan): {key with its prefix: the
+    model folder's value} of every constant a file may carry. layers(path, cfg, plan, tables):
+    {layer: [(GGUFTensor, rows it must have)]} (one tensor a layer, or a split table's tensors
+    in row order), CheckpointError when the tables are not the config's layers."""
+
+    archs: dict = {}
+    keys: tuple = ()
+
+    def tables(self, model) -> list:
+        raise NotImplementedError
+
+    def expected(self, arch, cfg, plan) -> dict:
+        return {}
+
+    def layers(self, path, cfg, plan, tables) -> dict:
+        raise NotImplementedError
 
 
-def _qwen_tables(model):
-    if "per_layer_token_embd.weight" in model.tensors:  # the merged table: 16 heads stacked
-        return [("all heads (rows at ple.head_offsets)", "per_layer_token_embd.weight")]
-    return _numbered(model, "ple_ngram_embd.{}.weight", "head")
-
-
-def _ds_tables(model):
-    arch = model.architecture
-    ids = model.kv.get(f"{arch}.engram.layer_ids")
-    if ids is not None:
-        return [(f"layer {int(L)}", f"blk.{int(L)}.engram_embd.weight") for L in np.atleast_1d(ids)]
-    found = sorted((int(m[1]), n) for n in model.tensors if (m := re.fullmatch(r"blk\.(\d+)\.engram_embd\.weight", n)))
-    return [(f"layer {L}", n) for L, n in found]
-
-
-def _numbered(model, pattern, what):
+def numbered(model, pattern, what) -> list:
+    """(what j, name) of the tensors pattern.format(j), j = 0, 1, ... while present."""
     out, j = [], 0
     while pattern.format(j) in model.tensors:
         out.append((f"{what} {j}", pattern.format(j)))
@@ -380,33 +423,26 @@ def _numbered(model, pattern, what):
     return out
 
 
-_DS_KEYS = ("engram.layer_ids", "engram.head_count", "engram.key_length", "engram.max_ngram_size",
-            "engram.pad_id", "engram.multipliers", "engram.primes", "engram.offsets", "engram.token_map")
-LAYOUTS = {
-    "qwen4exp": Layout("qwen4exp", "llama.cpp", (
-        "ple.layers", "ple.ngram_size", "ple.heads_per_ngram", "ple.conv_kernel", "ple.eos_token_id",
-        "ple.layer_multipliers", "ple.head_offsets", "ple.head_vocab_sizes", "embedding_length_per_layer_input"),
-        _qwen_tables),
-    "deepseek41": Layout("deepseek41", "ik_llama.cpp, llama.cpp's port", _DS_KEYS, _ds_tables),
-    "deepseek4": Layout("deepseek4", "ds4", _DS_KEYS, _ds_tables),
-    "longcat_flash_ngram": Layout("longcat_flash_ngram", "llama.cpp", (
-        "ngram.neighbor_num", "ngram.split_num", "ngram.vocab_size_ratio"),
-        lambda model: _numbered(model, "ngram_embd.{}.weight", "n-gram table")),
-}
+def layouts() -> dict:
+    """{general.architecture: (Layout, variant name)} of every registered variant with a gguf_layout."""
+    from ..variants import variants
+    return {arch: (v.gguf_layout, v.name) for v in variants() if v.gguf_layout is not None
+            for arch in v.gguf_layout.archs}
 
 
 def table_layout(model: GGUFFile):
     """(Layout, [(what, GGUFTensor)], {key: value} present, [keys] missing) of a GGUF of a
     variant's layout; CheckpointError for another architecture or a file without its table."""
     arch = model.architecture
-    layout = LAYOUTS.get(arch)
-    if layout is None:
+    found = layouts()
+    if arch not in found:
         raise CheckpointError(f"{model.path}: general.architecture is {arch!r}, not one whose Engram tables "
-                              f"engram-stream reads ({', '.join(LAYOUTS)})")
+                              f"engram-stream reads ({', '.join(found)})")
+    layout = found[arch][0]
     tables = [(what, model.tensor(name)) for what, name in layout.tables(model)]
     if not tables:
         raise CheckpointError(f"{model.path}: a {arch} GGUF without its Engram table (no tensor named as "
-                              f"{layout.writer} writes it)")
+                              f"{layout.archs[arch]} writes it)")
     full = [f"{arch}.{k}" for k in layout.keys]
     present = {k: model.kv[k] for k in full if k in model.kv}
     return layout, tables, present, [k for k in full if k not in model.kv]
@@ -429,7 +465,7 @@ def describe(path) -> list:
     lines = [f"gguf: {model.path} ({size / 2**20:,.1f} MiB{shards}), GGUF v{model.version}, "
              f"{len(model.tensors)} tensor{'s' if len(model.tensors) != 1 else ''}, alignment {model.alignment}"]
     layout, tables, present, missing = table_layout(model)
-    lines.append(f"layout: {layout.name} (as {layout.writer} writes it), {len(tables)} table"
+    lines.append(f"layout: {model.architecture} (as {layout.archs[model.architecture]} writes it), {len(tables)} table"
                  f"{'s' if len(tables) != 1 else ''}")
     for what, t in tables:
         served = "served" if t.is_e4m3_rows or t.type_name in SERVED else f"NOT served (types served: {SERVED_TEXT})"
@@ -445,29 +481,6 @@ def describe(path) -> list:
 
 # ---- the checks at open: a GGUF's tables against the model folder's config --------------------
 
-VARIANT_ARCHS = {"qwen3.8-flash-next": ("qwen4exp",), "deepseek-v4.1": ("deepseek41", "deepseek4")}
-
-
-def _expected(arch, cfg, plan) -> dict:
-    """{key: the folder's value} of every constant a GGUF of `arch` may carry."""
-    a, L = arch, cfg.layer_ids
-    if arch == "qwen4exp":
-        L0 = L[0]
-        return {f"{a}.ple.layers": list(L), f"{a}.ple.ngram_size": cfg.max_ngram_size,
-                f"{a}.ple.heads_per_ngram": cfg.n_head_per_ngram, f"{a}.ple.conv_kernel": cfg.kernel_size,
-                f"{a}.ple.eos_token_id": cfg.pad_id, f"{a}.embedding_length_per_layer_input": cfg.head_dim,
-                f"{a}.ple.layer_multipliers": plan.multipliers[L0], f"{a}.ple.head_offsets": plan.offsets[L0],
-                f"{a}.ple.head_vocab_sizes": plan.head_primes[L0]}
-    want = {f"{a}.engram.layer_ids": list(L), f"{a}.engram.head_count": cfg.n_head_per_ngram,
-            f"{a}.engram.key_length": cfg.head_dim, f"{a}.engram.max_ngram_size": cfg.max_ngram_size,
-            f"{a}.engram.pad_id": cfg.pad_id,
-            f"{a}.engram.multipliers": np.concatenate([plan.multipliers[x] for x in L]),
-            f"{a}.engram.primes": np.concatenate([plan.head_primes[x] for x in L]),
-            f"{a}.engram.offsets": np.concatenate([plan.offsets[x] for x in L]),
-            f"{a}.engram.token_map": (np.arange(cfg.vocab_size) if plan.lookup is None else plan.lookup)}
-    return want
-
-
 def _same(got, want) -> bool:
     """Integers equal as 64-bit patterns (a converter may write int64 multipliers as UINT64)."""
     g, w = np.atleast_1d(np.asarray(got)), np.atleast_1d(np.asarray(want))
@@ -480,43 +493,28 @@ def check_config(model: GGUFFile, cfg, plan):
     """The GGUF's Engram tables checked against a model folder's config and plan: the
     architecture, each table's row length, row count and type, and every constant the GGUF
     carries (a mismatch names both values). Returns ({layer: [GGUFTensor, ...]} (one tensor, or
-    a per-head split's tensors in head order), [the keys the GGUF lacks, taken from the folder])."""
-    archs = VARIANT_ARCHS.get(cfg.variant)
+    a split table's tensors in row order), [the keys the GGUF lacks, taken from the folder])."""
+    from ..variants import variant_of
     arch, path = model.architecture, model.path
-    if archs is None:
+    own = variant_of(cfg).gguf_layout
+    if own is None:
+        served = sorted({name for _, name in layouts().values()})
         raise CheckpointError(f"{path}: a {cfg.variant} model reads no GGUF tables (GGUF tables serve "
-                              f"{', '.join(VARIANT_ARCHS)})")
-    if arch not in archs:
+                              f"{', '.join(served)})")
+    if arch not in own.archs:
         raise CheckpointError(f"{path}: general.architecture is {arch!r}, the folder's config is a {cfg.variant} "
-                              f"model (its GGUFs are {' or '.join(archs)})")
-    if arch == "qwen4exp" and len(cfg.layer_ids) != 1:
-        raise CheckpointError(f"{path}: a qwen4exp GGUF holds one PLE table, the folder's config has PLE layers "
-                              f"{list(cfg.layer_ids)}")
-    _, tables, present, missing = table_layout(model)
-    for key, want in _expected(arch, cfg, plan).items():
+                              f"model (its GGUFs are {' or '.join(own.archs)})")
+    layout, tables, present, missing = table_layout(model)
+    layers = layout.layers(path, cfg, plan, tables)
+    for key, want in layout.expected(arch, cfg, plan).items():
         if key in present and not _same(present[key], want):
             folder = _value_text(np.asarray(want).tolist()) if np.ndim(want) else repr(want)
             raise CheckpointError(f"{path}: {key} is {_value_text(present[key])} in the GGUF, {folder} in the "
                                   f"model folder's config: not this model's table")
-    if arch == "qwen4exp":
-        L = cfg.layer_ids[0]
-        heads = [t for _, t in tables]
-        sizes = ([plan.table_rows[L]] if len(heads) == 1 else [int(p) for p in plan.head_primes[L]])
-        if len(heads) != len(sizes):
-            raise CheckpointError(f"{path}: {len(heads)} per-head tables (ple_ngram_embd.*), the folder's config "
-                                  f"has {len(sizes)} heads")
-        layers = {L: heads}
-    else:
-        layers = {L: [t] for L, (_, t) in zip(cfg.layer_ids, tables)}
-        if [w for w, _ in tables] != [f"layer {L}" for L in cfg.layer_ids]:
-            raise CheckpointError(f"{path}: tables for {', '.join(w for w, _ in tables)}, the folder's config has "
-                                  f"Engram layers {list(cfg.layer_ids)}")
-        sizes = None
     for L, ts in layers.items():
-        for k, t in enumerate(ts):
+        for t, rows in ts:
             t.decoder_type()  # a type not served: named, with the types served
-            rows = sizes[k] if sizes is not None else plan.table_rows[L]
             if (t.row_length, t.rows) != (cfg.head_dim, rows):
                 raise CheckpointError(f"{path}: {t.name} is [{t.rows}, {t.row_length}], layer {L} of the folder's "
                                       f"config is [{rows}, {cfg.head_dim}]")
-    return layers, missing
+    return {L: [t for t, _ in ts] for L, ts in layers.items()}, missing

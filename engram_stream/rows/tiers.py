@@ -29,6 +29,7 @@ from ._source import CachedRows, Tier
 from .direct import DirectTier
 from .mapped import MappedTier
 from .identity import host_model_id
+from .gguf_tier import GGUFTier
 from .mooncake.tier import MooncakeTier
 from .records import record_layout
 
@@ -96,7 +97,7 @@ LAYER_FIELDS = ("hits", "misses", "bytes_fetched", "evictions", "rows_cached", "
 # The tiers a spec names (parse_tier): a string is the class made with no argument, a one-key dict
 # {name: {argument: value}} the class made with those arguments. A tier of your own is a class and
 # an entry here.
-TIERS = {"mapped": MappedTier, "direct": DirectTier, "mooncake": MooncakeTier}
+TIERS = {"mapped": MappedTier, "direct": DirectTier, "mooncake": MooncakeTier, "gguf": GGUFTier}
 
 
 def parse_tier(spec) -> Tier:
@@ -121,6 +122,14 @@ def parse_tier(spec) -> Tier:
     raise TypeError(f"tables= takes {' | '.join(repr(n) for n in TIERS)}, a Tier (a DirectTier, a MooncakeTier, a "
                     f"CachedTier, a subclass of engram_stream.rows.Tier) or a one-key dict {{name: {{arguments}}}} "
                     f"such as {{\"mooncake\": {{\"master\": \"HOST:PORT\", \"metadata\": \"URL\"}}}}, got {shown(spec)}")
+
+
+def _layout(inner, model, layer):
+    """(row bytes, scale bytes) of a record of `layer` from the opened tier `inner`: its own
+    record_layout when its records are not the weights' (a GGUF's quantized rows), else the
+    weights' (records.record_layout)."""
+    own = getattr(inner, "record_layout", None)
+    return own(layer) if own is not None else record_layout(model.layer(layer))
 
 
 class CachedTier(Tier):
@@ -167,7 +176,8 @@ class CachedTier(Tier):
         # host_model_id names a host cache's files; a table in RAM is digested whole for it, so
         # it is taken here, at load, and no engine made later touches the tables
         self.model_id = host_model_id(model) if host_cache is not None else None
-        layouts = {L: record_layout(model.layer(L)) for L in model.cfg.layer_ids}
+        self.inner = self.tier.open(model)   # first: its records' layout sizes the caches
+        layouts = {L: _layout(self.inner, model, L) for L in model.cfg.layer_ids}
         table_bytes = {L: model.plan.table_rows[L] * sum(layouts[L]) for L in model.cfg.layer_ids}
         whole = {L: cache_nbytes(model.plan.table_rows[L], sum(layouts[L]))
                  for L in table_bytes}  # a layer's cache holding every row
@@ -189,7 +199,6 @@ class CachedTier(Tier):
         self.caches = {}                                          # layer -> the shared RowCache
         self._caches_lock = threading.Lock()                      # engines are made on any thread
         self.read_totals = {L: new_totals() for L in table_bytes}  # every reader of the layer adds here
-        self.inner = self.tier.open(model)
 
     def cache(self, layer) -> RowCache:
         """The layer's shared RowCache (made at the first call, once: under a lock, so engines
@@ -198,7 +207,7 @@ class CachedTier(Tier):
         with self._caches_lock:
             if layer not in self.caches:
                 model = self.model_ref()
-                rowbytes, scalebytes = record_layout(model.layer(layer))
+                rowbytes, scalebytes = _layout(self.inner, model, layer)
                 rec = rowbytes + scalebytes
                 nslots = slots_for(self.layer_budget[layer], rec)
                 host = identity = None

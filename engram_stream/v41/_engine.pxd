@@ -43,6 +43,7 @@ cdef class DeadWindow(HashWindow):
 
 cdef class V41StreamEngine(EngineBase):
     cdef float eps
+    cdef int ggtype                    # >= 0: a GGUFTier's rows, decoded by include/engram_gguf.h (-1: e4m3 records)
     cdef int64_t dead_id               # the raw id whose gate is 0 (the image token)
 
     # borrowed, read-only model data (typed memoryviews, shapes checked in _init_variant)

@@ -18,6 +18,10 @@ from engram_stream._hash cimport es_isa_now, es_runtime_bind, es_runtime_of_proc
 from engram_stream.engine import args
 from engram_stream.engine import isa as _isa
 from engram_stream.engine.args import view
+from engram_stream.rows.gguf import gather_type
+
+cdef extern from "engram_gguf.h" nogil:
+    int es_gg_decode(int type, const uint8_t *src, int64_t n, float *dst)
 
 cnp.import_array()
 
@@ -41,6 +45,7 @@ cdef struct TokenWork:
     const int64_t *ids     # [n] the tokens' ids: the DEAD one's gate is 0
     int64_t dead_id
     int hd, H, E, G, D, M
+    int ggtype             # >= 0: the rows are GGUF rows of this type (include/engram_gguf.h), sp unused
     int64_t ldq
     float eps
 
@@ -53,8 +58,11 @@ cdef void _prep_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
     cdef int j
     for i in range(i0, i1):
         for j in range(w.H):
-            es8_gather(<const uint8_t *> w.dp[i * w.H + j], <const uint8_t *> w.sp[i * w.H + j], w.hd, &zero, 1,
-                       w.q + i * w.ldq + j * w.hd)
+            if w.ggtype >= 0:
+                es_gg_decode(w.ggtype, <const uint8_t *> w.dp[i * w.H + j], w.hd, w.q + i * w.ldq + j * w.hd)
+            else:
+                es8_gather(<const uint8_t *> w.dp[i * w.H + j], <const uint8_t *> w.sp[i * w.H + j], w.hd, &zero,
+                           1, w.q + i * w.ldq + j * w.hd)
         es8_act_quant(w.q + i * w.ldq, w.E, w.q + i * w.ldq, w.s + i * (w.E // ES8_BLOCK))
 
 
@@ -129,7 +137,8 @@ cdef class V41StreamEngine(EngineBase):
         if self.hd % ES8_BLOCK or self.E % ES8_BLOCK:
             raise ValueError(f"head_dim must be a multiple of {ES8_BLOCK}")
         _check_dims(self.M, self.E, "(hc_mult+1)*hidden_size", "engram_dim")
-        if self.src.rowbytes != self.hd or self.src.scalebytes != self.hd // ES8_BLOCK:
+        self.ggtype = gather_type(self.src, self.hd, self.layer)  # GGUF rows (GGUFTier): decoded in the gather
+        if self.ggtype < 0 and (self.src.rowbytes != self.hd or self.src.scalebytes != self.hd // ES8_BLOCK):
             raise ValueError(f"layer {self.layer}: row records of {self.src.rowbytes}+{self.src.scalebytes} bytes "
                              f"are not float8 rows of {self.hd} values")
         B = ES8_BLOCK
@@ -170,6 +179,7 @@ cdef class V41StreamEngine(EngineBase):
         w.hbf, w.obf = self.hbf, self.obf
         w.ids, w.dead_id = self.batch.ids + t0, self.dead_id
         w.hd, w.H, w.E, w.G, w.D, w.M, w.eps = self.hd, self.H, self.E, self.G, self.D, self.M, self.eps
+        w.ggtype = self.ggtype
         w.ldq = self.qbuf.shape[1]
         es_parallel(threads, n, fn, &w)
 
@@ -178,8 +188,12 @@ cdef class V41StreamEngine(EngineBase):
         cdef int j
         for i in range(nb):
             for j in range(self.H):
-                es8_gather(<const uint8_t *> self.dp[i * self.H + j], <const uint8_t *> self.sp[i * self.H + j],
-                           self.hd, &zero, 1, dst + i * ld + j * self.hd)
+                if self.ggtype >= 0:
+                    es_gg_decode(self.ggtype, <const uint8_t *> self.dp[i * self.H + j], self.hd,
+                                 dst + i * ld + j * self.hd)
+                else:
+                    es8_gather(<const uint8_t *> self.dp[i * self.H + j], <const uint8_t *> self.sp[i * self.H + j],
+                               self.hd, &zero, 1, dst + i * ld + j * self.hd)
 
     cdef void _chunk(self, int64_t t0, int64_t nb, const void *hid, void *out, int threads) noexcept nogil:
         """Tokens [t0, t0+nb): rows gathered and quantized, the float8 projection (wkv read once

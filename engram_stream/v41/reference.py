@@ -81,7 +81,7 @@ def forward(cfg, rows, dead, layer, hidden):
     """
     B, T, H = rows.shape
     G, D = cfg.hc_mult, cfg.hidden_size
-    e = dequant_rows(layer, rows + layer.offsets).reshape(B, T, cfg.engram_dim)   # 4.6: rows
+    e = layer.table_f32(rows + layer.offsets).reshape(B, T, cfg.engram_dim)   # 4.6: rows (dequant_rows)
     kv = fp8_linear(e, layer.wkv_weight, layer.wkv_scale)                         # 4.7: wkv
     key = kv[..., :G * D].reshape(B, T, G, D)
     value = kv[..., G * D:]                                                       # shared by streams

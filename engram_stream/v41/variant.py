@@ -7,7 +7,7 @@ import numpy as np
 
 from .. import variants
 from ..plan import HashPlan
-from . import config, hf, reference, weights
+from . import config, gguf, hf, reference, weights
 from ._engine import V41StreamEngine
 from .weights import V41LayerWeights
 
@@ -23,6 +23,7 @@ def hf_config_of(folder):
 
 
 class V41Variant(variants.Variant):
+    gguf_layout = gguf.LAYOUT   # its tables in a llama.cpp GGUF (GGUFTier, `engram-stream inspect`)
     # the rules' modules first: `weights` below is the layer class, in this class's namespace
     weights_rules = weights
     config_rules = config

@@ -56,6 +56,12 @@ class V41LayerWeights:
         """The arrays that may be views of mapped shards (checked before they are read)."""
         return (self.embed_weight, self.embed_scale, self.wkv_weight, self.wkv_scale, self.q_weight, self.k_weight)
 
+    def table_f32(self, rows) -> np.ndarray:
+        """Table rows (absolute indices, any shape) as float32 [..., head_dim], as the oracle reads
+        them (reference.dequant_rows: e4m3 * its block's scale)."""
+        from .reference import dequant_rows
+        return dequant_rows(self, rows)
+
     @property
     def table(self):
         """The table's bytes (what store/residency reports look at)."""

@@ -28,7 +28,6 @@ BINDINGS = {
     "integrations/transformers_qwen.py": "transformers' Qwen4-Exp model classes",
     "integrations/vllm.py": "vLLM's DeepSeek-V4.1, Qwen4-Exp and LongCat module paths and classes",
     "integrations/sglang.py": "SGLang's DeepSeek-V4.1, Qwen4-Exp and LongCat module paths, classes and switches",
-    "rows/gguf.py": "llama.cpp's GGUF architectures (qwen4exp, deepseek41, longcat_flash_ngram): the file format names them",
 }
 
 

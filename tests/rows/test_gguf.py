@@ -123,6 +123,17 @@ def test_e4m3_rows_bit_equal_to_ml_dtypes():
     same_bits(_gguf.decode_rows(_gguf.E4M3_ROW, raw, 256), e4m3_oracle(raw))
 
 
+def test_e4m3_rows_bit_equal_to_the_v41_gather():
+    """The 264-byte rows decode to the bits the V4.1 engine's gather (es8_gather) gives the
+    checkpoint's records (a NaN as a NaN: its vector paths pick their own payload): a GGUF of
+    them is the checkpoint."""
+    from engram_stream.v41._engine import gather_rows
+    raw = e4m3_rows(300, np.random.default_rng(6))
+    raw[0, :256] = np.arange(256)
+    want = gather_rows(np.ascontiguousarray(raw[:, :256]), np.ascontiguousarray(raw[:, 256:]), np.arange(300))
+    same_bits(_gguf.decode_rows(_gguf.E4M3_ROW, raw, 256), want)
+
+
 def test_decoder_argument_checks():
     raw = np.zeros((2, 18), np.uint8)
     with pytest.raises(ValueError, match="not one the decoders serve"):
