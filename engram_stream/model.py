@@ -133,7 +133,7 @@ class EngramModel:
             raise ValueError(f"forward of the {self.variant.name} layer {layer} needs hidden "
                              f"[B, T, {self.cfg.hc_mult}, {self.cfg.hidden_size}], got None")
         else:
-            h = check_hidden(hidden, a.shape + (self.cfg.hc_mult, self.cfg.hidden_size), "hidden")
+            h = check_hidden(hidden, a.shape + (self.cfg.hc_mult, self.cfg.hidden_size), "hidden", keep_bf16=False)
         rows = self.plan.hash_numpy(a, layers=[layer])[layer]
         for arr in w.file_arrays():  # a mapped file truncated or rewritten since load is refused
             check_file(arr)

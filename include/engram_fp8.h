@@ -180,28 +180,40 @@ static inline void es8_wkv_plain(const float *qx, int64_t ldq, int64_t S, int E,
 /* Stream c's output from its three sums (sh = sum h^2, sk = sum key^2, dot): the formula above,
  * every path's (they differ only in how they sum). */
 static inline void es8_gate_out(double sh, double sk, double dot, const float *value, int D, float eps, int dead,
-                                float *o) {
+                                void *o, int obf) {
     const float rstd = (1.0f / sqrtf((float)(sh / D) + eps)) * (1.0f / sqrtf((float)(sk / D) + eps));
     const float s = (float)dot * rstd / sqrtf((float)D);
     const float mag = fabsf(s) < ES_GATE_CLAMP ? ES_GATE_CLAMP : fabsf(s);  /* NaN stays NaN */
     const float z = copysignf(sqrtf(mag), s);
     const float gate = dead ? 0.0f : 1.0f / (1.0f + expf(-z));
-    for (int d = 0; d < D; d++) o[d] = gate * value[d];
+    if (obf) es_floats_to_bf16_scaled(value, gate, D, (uint16_t *)o); /* the float32 product, rounded */
+    else for (int d = 0; d < D; d++) ((float *)o)[d] = gate * value[d];
 }
 
-static inline void es8_gate_tail_plain(const float *kv, const float *hid, const float *qw, const float *kw, int G,
-                                       int D, float eps, int dead, float *out) {
+/* hid / out: float32, or bfloat16 bits where hbf / obf (engram_step.h), chosen once per stream. */
+static inline __attribute__((always_inline)) void es8_gate_sums_plain(const float *key, const void *hv, int hbf,
+                                                                      const float *a, const float *b, int D,
+                                                                      double *s3) {
+    double sh = 0, sk = 0, dot = 0;
+    for (int d = 0; d < D; d++) {
+        const float hd = hbf ? es_bf16_to_float(((const uint16_t *)hv)[d]) : ((const float *)hv)[d];
+        sh += (double)hd * hd;
+        sk += (double)key[d] * key[d];
+        dot += (double)hd * a[d] * b[d] * key[d];
+    }
+    s3[0] = sh, s3[1] = sk, s3[2] = dot;
+}
+
+static inline void es8_gate_tail_plain(const float *kv, const void *hid, int hbf, const float *qw, const float *kw,
+                                       int G, int D, float eps, int dead, void *out, int obf) {
     const float *value = kv + (int64_t)G * D;
     for (int c = 0; c < G; c++) {
-        const float *key = kv + (int64_t)c * D, *h = hid + (int64_t)c * D;
+        const float *key = kv + (int64_t)c * D;
         const float *a = qw + (int64_t)c * D, *b = kw + (int64_t)c * D;
-        double sh = 0, sk = 0, dot = 0;
-        for (int d = 0; d < D; d++) {
-            sh += (double)h[d] * h[d];
-            sk += (double)key[d] * key[d];
-            dot += (double)h[d] * a[d] * b[d] * key[d];
-        }
-        es8_gate_out(sh, sk, dot, value, D, eps, dead, out + (int64_t)c * D);
+        double s3[3];
+        if (hbf) es8_gate_sums_plain(key, (const uint16_t *)hid + (int64_t)c * D, 1, a, b, D, s3);
+        else es8_gate_sums_plain(key, (const float *)hid + (int64_t)c * D, 0, a, b, D, s3);
+        es8_gate_out(s3[0], s3[1], s3[2], value, D, eps, dead, (char *)out + (int64_t)c * D * (obf ? 2 : 4), obf);
     }
 }
 
@@ -656,10 +668,10 @@ static inline void es8_act_quant(const float *x, int n, float *qx, float *s) {
 
 /* One token. kv [(G+1)*D]: the key of stream c at c*D, the shared value at G*D (see
  * es8_gate_tail_plain; avx512 and bf16 run that one). */
-static inline void es8_gate_tail(const float *kv, const float *hid, const float *qw, const float *kw, int G, int D,
-                                 float eps, int dead, float *out) {
-    ES_DISPATCH_COPIES(es_isa_now(), es8_gate_tail, (kv, hid, qw, kw, G, D, eps, dead, out), baseline, avx2, plain,
-                       plain, neon);
+static inline void es8_gate_tail(const float *kv, const void *hid, int hbf, const float *qw, const float *kw, int G,
+                                 int D, float eps, int dead, void *out, int obf) {
+    ES_DISPATCH_COPIES(es_isa_now(), es8_gate_tail, (kv, hid, hbf, qw, kw, G, D, eps, dead, out, obf), baseline,
+                       avx2, plain, plain, neon);
 }
 
 /* Scratch of the many-token projection (S > 1), in floats: the tokens packed for the lanes,

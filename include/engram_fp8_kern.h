@@ -414,37 +414,52 @@ static ES_TGT void ES_SF(es8_group)(const uint8_t *w, int R, const float *qx, co
 /* ---- the gate tail -------------------------------------------------------------------- */
 
 /* es8_gate_tail_plain on vectors: the three sums in double over ES_VW lanes (only their order
- * differs), the rest per stream by the one formula (es8_gate_out). */
-static ES_TGT void ES_SF(es8_gate_tail)(const float *kv, const float *hid, const float *qw, const float *kw,
-                                         int G, int D, float eps, int dead, float *out) {
+ * differs), the rest per stream by the one formula (es8_gate_out). hid: float32, or bfloat16
+ * bits (hbf) widened as they are loaded, chosen once per stream. */
+typedef uint16_t ES_SF(es8_vh) __attribute__((vector_size(ES_VW * 2), aligned(2)));
+typedef uint32_t ES_SF(es8_vu) __attribute__((vector_size(ES_VW * 4), aligned(4)));
+ES_KI void ES_SF(es8_gate_sums)(const float *key, const void *hv, const int hbf, const float *a, const float *b,
+                                int D, double *s3) {
     typedef ES_SF(es8_vf) vf;
     typedef ES_SF(es8_vd) vd;
+    vd vh = {0}, vk = {0}, vt = {0};
+    int d = 0;
+    for (; d + ES_VW <= D; d += ES_VW) {
+        const vf hf = hbf ? (vf)(__builtin_convertvector(*(const ES_SF(es8_vh) *)((const uint16_t *)hv + d),
+                                                         ES_SF(es8_vu)) << 16)
+                          : *(const vf *)((const float *)hv + d);
+        const vd hd = __builtin_convertvector(hf, vd);
+        const vd kd = __builtin_convertvector(*(const vf *)(key + d), vd);
+        const vf af = *(const vf *)(a + d), bf = *(const vf *)(b + d);
+        vh += hd * hd;
+        vk += kd * kd;
+        vt += ((hd * __builtin_convertvector(af, vd)) * __builtin_convertvector(bf, vd)) * kd;
+    }
+    double sh = 0, sk = 0, dot = 0;
+    for (int i = 0; i < ES_VW; i++) {
+        sh += vh[i];
+        sk += vk[i];
+        dot += vt[i];
+    }
+    for (; d < D; d++) {
+        const float h = hbf ? es_bf16_to_float(((const uint16_t *)hv)[d]) : ((const float *)hv)[d];
+        sh += (double)h * h;
+        sk += (double)key[d] * key[d];
+        dot += (double)h * a[d] * b[d] * key[d];
+    }
+    s3[0] = sh, s3[1] = sk, s3[2] = dot;
+}
+
+static ES_TGT void ES_SF(es8_gate_tail)(const float *kv, const void *hid, int hbf, const float *qw, const float *kw,
+                                         int G, int D, float eps, int dead, void *out, int obf) {
     const float *value = kv + (int64_t)G * D;
     for (int c = 0; c < G; c++) {
-        const float *key = kv + (int64_t)c * D, *h = hid + (int64_t)c * D;
+        const float *key = kv + (int64_t)c * D;
         const float *a = qw + (int64_t)c * D, *b = kw + (int64_t)c * D;
-        vd vh = {0}, vk = {0}, vt = {0};
-        int d = 0;
-        for (; d + ES_VW <= D; d += ES_VW) {
-            const vd hd = __builtin_convertvector(*(const vf *)(h + d), vd);
-            const vd kd = __builtin_convertvector(*(const vf *)(key + d), vd);
-            const vf af = *(const vf *)(a + d), bf = *(const vf *)(b + d);
-            vh += hd * hd;
-            vk += kd * kd;
-            vt += ((hd * __builtin_convertvector(af, vd)) * __builtin_convertvector(bf, vd)) * kd;
-        }
-        double sh = 0, sk = 0, dot = 0;
-        for (int i = 0; i < ES_VW; i++) {
-            sh += vh[i];
-            sk += vk[i];
-            dot += vt[i];
-        }
-        for (; d < D; d++) {
-            sh += (double)h[d] * h[d];
-            sk += (double)key[d] * key[d];
-            dot += (double)h[d] * a[d] * b[d] * key[d];
-        }
-        es8_gate_out(sh, sk, dot, value, D, eps, dead, out + (int64_t)c * D);
+        double s3[3];
+        if (hbf) ES_SF(es8_gate_sums)(key, (const uint16_t *)hid + (int64_t)c * D, 1, a, b, D, s3);
+        else ES_SF(es8_gate_sums)(key, (const float *)hid + (int64_t)c * D, 0, a, b, D, s3);
+        es8_gate_out(s3[0], s3[1], s3[2], value, D, eps, dead, (char *)out + (int64_t)c * D * (obf ? 2 : 4), obf);
     }
 }
 

@@ -69,6 +69,29 @@ static inline float es_half_to_float(uint16_t h) {
 #endif
 }
 
+/* bfloat16 at the engine's edges (a bf16 model's hidden in, its delta out): a bf16 is a float32's
+ * top 16 bits, so widening is exact; narrowing rounds to nearest even, a NaN to the quiet NaN of
+ * its sign (0x7fc0 | sign), as ml_dtypes (and so a bf16 array's astype) rounds. */
+static inline float es_bf16_to_float(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline uint16_t es_float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline void es_floats_to_bf16(const float *x, int64_t n, uint16_t *o) {
+    for (int64_t i = 0; i < n; i++) o[i] = es_float_to_bf16(x[i]);
+}
+/* o = bf16(g * x): the float32 product, then rounded */
+static inline void es_floats_to_bf16_scaled(const float *x, float g, int64_t n, uint16_t *o) {
+    for (int64_t i = 0; i < n; i++) o[i] = es_float_to_bf16(g * x[i]);
+}
+
 /* ---- skinny GEMM over packed panels ------------------------------------------
  * Packed layout: panel p holds columns [16p, 16p+16) of W^T as Wp[p][k][16] (zero padded
  * past M); biasp is padded to a multiple of 16 the same way. Per-ISA copies follow:
@@ -355,43 +378,49 @@ static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int
  *   es_tail_y  out = gate * v + SiLU(conv): the taps on x(t) and K-1 earlier rows
  * x(t) depends only on the token (not on the conv state), so a prefill computes every
  * token's x first and then every token's conv, each half split over threads; a step runs
- * both halves per stream. */
-static inline void es_tail_x(const es_tail_params *P, const float *proj, const float *hid, float *x, float *gate) {
-    ES_DISPATCH(es_tail_x, (P, proj, hid, x, gate));
+ * both halves per stream. The hidden and out are float32, or bfloat16 bits where hbf / obf
+ * (a bf16 model's): the hidden widened as it is loaded, the out rounded as it is stored (the
+ * same sums as float32; the choice is made once per stream row, outside the loops). */
+static inline void es_tail_x(const es_tail_params *P, const float *proj, const void *hid, int hbf, float *x,
+                             float *gate) {
+    ES_DISPATCH(es_tail_x, (P, proj, hid, hbf, x, gate));
 }
 
 /* taps[K-1]: the rows tap i reads (x(t - (K-1-i)*dil), the caller's rule); x: x(t); xdst:
  * where x(t) is copied (NULL: nowhere), which may be taps[0] (read before written). */
 static inline void es_tail_y(const es_tail_params *P, const float *proj, const float *gate,
-                             const float *const *taps, const float *x, float *xdst, float *out) {
-    ES_DISPATCH(es_tail_y, (P, proj, gate, taps, x, xdst, out));
+                             const float *const *taps, const float *x, float *xdst, void *out, int obf) {
+    ES_DISPATCH(es_tail_y, (P, proj, gate, taps, x, xdst, out, obf));
 }
 
-/* A block of n tails, token (or stream) i reading proj Y + i*ldy, hid + i*C, and writing
- * out + i*C, x(t) at X + i*C, its gates at gates + i*G; its taps at taps[i*(K-1) ..];
- * xdst[i] (xdst NULL: nowhere). */
+/* A block of n tails, token (or stream) i reading proj Y + i*ldy, hid + i*C elements, and
+ * writing out + i*C elements, x(t) at X + i*C, its gates at gates + i*G; its taps at
+ * taps[i*(K-1) ..]; xdst[i] (xdst NULL: nowhere). hbf / obf: hid / out hold bfloat16. */
 typedef struct {
     const es_tail_params *P;
     const float *Y;
     int64_t ldy;
-    const float *hid;
-    float *out, *X, *gates;
+    const char *hid;
+    char *out;
+    float *X, *gates;
     const float *const *taps;
     float *const *xdst;
+    int hbf, obf;
 } es_tails_job;
 
 static void es_tails_x_run(void *arg, int64_t i0, int64_t i1) {
     const es_tails_job *j = (const es_tails_job *)arg;
-    const int64_t C = (int64_t)j->P->G * j->P->D;
-    for (int64_t i = i0; i < i1; i++) es_tail_x(j->P, j->Y + i * j->ldy, j->hid + i * C, j->X + i * C, j->gates + i * j->P->G);
+    const int64_t C = (int64_t)j->P->G * j->P->D, hb = j->hbf ? 2 : 4;
+    for (int64_t i = i0; i < i1; i++)
+        es_tail_x(j->P, j->Y + i * j->ldy, j->hid + i * C * hb, j->hbf, j->X + i * C, j->gates + i * j->P->G);
 }
 
 static void es_tails_y_run(void *arg, int64_t i0, int64_t i1) {
     const es_tails_job *j = (const es_tails_job *)arg;
-    const int64_t C = (int64_t)j->P->G * j->P->D;
+    const int64_t C = (int64_t)j->P->G * j->P->D, ob = j->obf ? 2 : 4;
     for (int64_t i = i0; i < i1; i++)
         es_tail_y(j->P, j->Y + i * j->ldy, j->gates + i * j->P->G, j->taps + i * (j->P->K - 1), j->X + i * C,
-                  j->xdst ? j->xdst[i] : 0, j->out + i * C);
+                  j->xdst ? j->xdst[i] : 0, j->out + i * C * ob, j->obf);
 }
 
 /* A tail's rows come cold (the GEMM's weight stream has passed through the caches), and each
@@ -402,11 +431,12 @@ static void es_tails_y_run(void *arg, int64_t i0, int64_t i1) {
 static inline void es_tail_prefetch_head(const es_tails_job *j, int64_t i) {
     const int64_t C = (int64_t)j->P->G * j->P->D;
     const int k1 = j->P->K - 1;
+    const int64_t hb = j->hbf ? 2 : 4, ob = j->obf ? 2 : 4;
     for (int64_t b = 0; b < ES_TAIL_PF && b < C; b += 16) {
         __builtin_prefetch(j->Y + i * j->ldy + b, 0, 3);
-        __builtin_prefetch(j->hid + i * C + b, 0, 3);
+        __builtin_prefetch(j->hid + (i * C + b) * hb, 0, 3);
         for (int t = 0; t < k1; t++) __builtin_prefetch(j->taps[i * k1 + t] + b, 0, 3);
-        __builtin_prefetch(j->out + i * C + b, 1, 3);
+        __builtin_prefetch(j->out + (i * C + b) * ob, 1, 3);
     }
 }
 
@@ -421,10 +451,10 @@ static void es_tails_xy_run(void *arg, int64_t i0, int64_t i1) {
 /* chained = 0: the n tails are independent (one token per stream: x then conv per item);
  * chained = 1: tail i may read the x of an earlier one (a prefill): over threads all x first,
  * then the convs; on one thread x then conv token by token, in order (the same bits). */
-static inline void es_tails_mt(const es_tail_params *P, int64_t n, const float *Y, int64_t ldy, const float *hid,
-                               float *out, float *X, float *gates, const float *const *taps, float *const *xdst,
-                               int chained, int nthreads, es_team *team) {
-    es_tails_job j = {P, Y, ldy, hid, out, X, gates, taps, xdst};
+static inline void es_tails_mt(const es_tail_params *P, int64_t n, const float *Y, int64_t ldy, const void *hid,
+                               int hbf, void *out, int obf, float *X, float *gates, const float *const *taps,
+                               float *const *xdst, int chained, int nthreads, es_team *team) {
+    es_tails_job j = {P, Y, ldy, (const char *)hid, (char *)out, X, gates, taps, xdst, hbf, obf};
     if (chained && nthreads > 1) { /* (one thread: token by token below, its rows still in cache) */
         es_split(team, nthreads, n, 0, es_tails_x_run, &j);
         es_split(team, nthreads, n, 0, es_tails_y_run, &j);

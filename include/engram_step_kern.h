@@ -124,90 +124,136 @@ ES_KI float ES_SF(es_hsum)(ES_SF(es_vt) v) {
     return es_hsum_lanes(t, ES_TVW);
 }
 
-/* gate[g] and x = rms3(gate * v) for the G streams of one token (see engram_step.h). The
- * dot of the normalized key and hidden is taken on the normalized vectors, as the reference
- * does, so huge-but-finite inputs do not overflow where the reference does not. */
-static ES_TGT void ES_SF(es_tail_x)(const es_tail_params *P, const float *proj, const float *hid, float *x,
-                                    float *gate) {
+/* bfloat16 lanes at the edges (hbf / obf in engram_step.h): ES_TVW bf16 widened to floats
+ * (exact), and floats rounded to bf16 (es_float_to_bf16, lane by lane). */
+typedef uint16_t ES_SF(es_vh) __attribute__((vector_size(ES_TVW * 2), aligned(2)));
+typedef uint32_t ES_SF(es_vu) __attribute__((vector_size(ES_TVW * 4), aligned(4)));
+
+/* ES_TVW hidden values at h + d: floats, or bf16 bits widened (hbf, a constant where inlined) */
+ES_KI ES_SF(es_vt) ES_SF(es_ldh)(const void *h, int d, const int hbf) {
+    typedef ES_SF(es_vt) vf;
+    typedef ES_SF(es_vu) vu;
+    if (!hbf) return *(const vf *)((const float *)h + d);
+    return (vf)(__builtin_convertvector(*(const ES_SF(es_vh) *)((const uint16_t *)h + d), vu) << 16);
+}
+ES_KI float ES_SF(es_ld1)(const void *h, int d, const int hbf) {
+    return hbf ? es_bf16_to_float(((const uint16_t *)h)[d]) : ((const float *)h)[d];
+}
+ES_KI void ES_SF(es_sto)(void *o, int d, ES_SF(es_vt) v, const int obf) {
+    typedef ES_SF(es_vu) vu;
+    if (!obf) { *(ES_SF(es_vt) *)((float *)o + d) = v; return; }
+    const vu u = (vu)v;
+    const vu rn = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, qn = ((u >> 16) & 0x8000u) | 0x7fc0u;
+    const vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    *(ES_SF(es_vh) *)((uint16_t *)o + d) = __builtin_convertvector((nan & qn) | (~nan & rn), ES_SF(es_vh));
+}
+ES_KI void ES_SF(es_st1)(void *o, int d, float v, const int obf) {
+    if (obf) ((uint16_t *)o)[d] = es_float_to_bf16(v);
+    else ((float *)o)[d] = v;
+}
+
+/* gate[g] and x = rms3(gate * v) of stream g of one token (es_tail_x below), h its hidden row. */
+ES_KI void ES_SF(es_tail_x1)(const es_tail_params *P, const float *proj, int g, const void *h, const int hbf,
+                             float *x, float *gate) {
     typedef ES_SF(es_vt) vf;
     const int G = P->G, D = P->D;
     const float *v = proj + (int64_t)G * D;
-    for (int g = 0; g < G; g++) {
-        const float *k = proj + (int64_t)g * D, *h = hid + (int64_t)g * D;
-        const float *w1 = P->n1 + (int64_t)g * D, *w2 = P->n2 + (int64_t)g * D, *w3 = P->n3 + (int64_t)g * D;
-        vf a = {0}, b = {0};
-        int d = 0;
-        for (; d + ES_TVW <= D; d += ES_TVW) {
-            if (!(d & 15)) { /* a line ahead (engram_step.h, es_tail_prefetch_head) */
-                __builtin_prefetch(k + d + ES_TAIL_PF, 0, 3);
-                __builtin_prefetch(h + d + ES_TAIL_PF, 0, 3);
-            }
-            vf kv = *(const vf *)(k + d), hv = *(const vf *)(h + d);
-            a += kv * kv;
-            b += hv * hv;
+    const float *k = proj + (int64_t)g * D;
+    const float *w1 = P->n1 + (int64_t)g * D, *w2 = P->n2 + (int64_t)g * D, *w3 = P->n3 + (int64_t)g * D;
+    vf a = {0}, b = {0};
+    int d = 0;
+    for (; d + ES_TVW <= D; d += ES_TVW) {
+        if (!(d & 15)) { /* a line ahead (engram_step.h, es_tail_prefetch_head) */
+            __builtin_prefetch(k + d + ES_TAIL_PF, 0, 3);
+            __builtin_prefetch((const char *)h + (int64_t)(d + ES_TAIL_PF) * (hbf ? 2 : 4), 0, 3);
         }
-        float sk = ES_SF(es_hsum)(a), sh = ES_SF(es_hsum)(b);
-        for (; d < D; d++) {
-            sk += k[d] * k[d];
-            sh += h[d] * h[d];
-        }
-        const float rk = 1.0f / sqrtf(sk / D + P->eps_qk), rh = 1.0f / sqrtf(sh / D + P->eps_qk);
-        a = (vf){0};
-        for (d = 0; d + ES_TVW <= D; d += ES_TVW)
-            a += (*(const vf *)(k + d) * rk * *(const vf *)(w1 + d)) * (*(const vf *)(h + d) * rh * *(const vf *)(w2 + d));
-        float s = ES_SF(es_hsum)(a);
-        for (; d < D; d++) s += (k[d] * rk * w1[d]) * (h[d] * rh * w2[d]);
-        s *= P->inv_sqrt_d;
-        /* sign(s) * sqrt(max(|s|, clamp)); s == 0 stays 0 and NaN stays NaN */
-        s = s > 0 ? sqrtf(fmaxf(s, ES_GATE_CLAMP)) : (s < 0 ? -sqrtf(fmaxf(-s, ES_GATE_CLAMP)) : s);
-        const float gt = 1.0f / (1.0f + expf(-s));
-        a = (vf){0};
-        for (d = 0; d + ES_TVW <= D; d += ES_TVW) {
-            vf gv = gt * *(const vf *)(v + d);
-            a += gv * gv;
-        }
-        float ss = ES_SF(es_hsum)(a);
-        for (; d < D; d++) ss += (gt * v[d]) * (gt * v[d]);
-        const float r3 = 1.0f / sqrtf(ss / D + P->eps_conv);
-        float *xg = x + (int64_t)g * D;
-        for (d = 0; d + ES_TVW <= D; d += ES_TVW) *(vf *)(xg + d) = gt * *(const vf *)(v + d) * r3 * *(const vf *)(w3 + d);
-        for (; d < D; d++) xg[d] = gt * v[d] * r3 * w3[d];
-        gate[g] = gt;
+        vf kv = *(const vf *)(k + d), hv = ES_SF(es_ldh)(h, d, hbf);
+        a += kv * kv;
+        b += hv * hv;
+    }
+    float sk = ES_SF(es_hsum)(a), sh = ES_SF(es_hsum)(b);
+    for (; d < D; d++) {
+        const float hd = ES_SF(es_ld1)(h, d, hbf);
+        sk += k[d] * k[d];
+        sh += hd * hd;
+    }
+    const float rk = 1.0f / sqrtf(sk / D + P->eps_qk), rh = 1.0f / sqrtf(sh / D + P->eps_qk);
+    a = (vf){0};
+    for (d = 0; d + ES_TVW <= D; d += ES_TVW)
+        a += (*(const vf *)(k + d) * rk * *(const vf *)(w1 + d)) *
+             (ES_SF(es_ldh)(h, d, hbf) * rh * *(const vf *)(w2 + d));
+    float s = ES_SF(es_hsum)(a);
+    for (; d < D; d++) s += (k[d] * rk * w1[d]) * (ES_SF(es_ld1)(h, d, hbf) * rh * w2[d]);
+    s *= P->inv_sqrt_d;
+    /* sign(s) * sqrt(max(|s|, clamp)); s == 0 stays 0 and NaN stays NaN */
+    s = s > 0 ? sqrtf(fmaxf(s, ES_GATE_CLAMP)) : (s < 0 ? -sqrtf(fmaxf(-s, ES_GATE_CLAMP)) : s);
+    const float gt = 1.0f / (1.0f + expf(-s));
+    a = (vf){0};
+    for (d = 0; d + ES_TVW <= D; d += ES_TVW) {
+        vf gv = gt * *(const vf *)(v + d);
+        a += gv * gv;
+    }
+    float ss = ES_SF(es_hsum)(a);
+    for (; d < D; d++) ss += (gt * v[d]) * (gt * v[d]);
+    const float r3 = 1.0f / sqrtf(ss / D + P->eps_conv);
+    float *xg = x + (int64_t)g * D;
+    for (d = 0; d + ES_TVW <= D; d += ES_TVW) *(vf *)(xg + d) = gt * *(const vf *)(v + d) * r3 * *(const vf *)(w3 + d);
+    for (; d < D; d++) xg[d] = gt * v[d] * r3 * w3[d];
+    gate[g] = gt;
+}
+
+/* gate[g] and x = rms3(gate * v) for the G streams of one token (see engram_step.h). The
+ * dot of the normalized key and hidden is taken on the normalized vectors, as the reference
+ * does, so huge-but-finite inputs do not overflow where the reference does not. hid: float32,
+ * or bfloat16 bits (hbf), chosen once per stream row. */
+static ES_TGT void ES_SF(es_tail_x)(const es_tail_params *P, const float *proj, const void *hid, int hbf, float *x,
+                                    float *gate) {
+    const int64_t D = P->D;
+    for (int g = 0; g < P->G; g++) {
+        if (hbf) ES_SF(es_tail_x1)(P, proj, g, (const uint16_t *)hid + g * D, 1, x, gate);
+        else ES_SF(es_tail_x1)(P, proj, g, (const float *)hid + g * D, 0, x, gate);
     }
 }
 
-/* out = gate * v + SiLU(sum of the K taps) for one token (see engram_step.h). */
-static ES_TGT void ES_SF(es_tail_y)(const es_tail_params *P, const float *proj, const float *gate,
-                                    const float *const *taps, const float *x, float *xdst, float *out) {
+/* out = gate * v + SiLU(sum of the K taps) of stream g of one token (es_tail_y below), o its out row. */
+ES_KI void ES_SF(es_tail_y1)(const es_tail_params *P, const float *proj, int g, float gt, const float *const *taps,
+                             const float *x, float *xdst, void *o, const int obf) {
     typedef ES_SF(es_vt) vf;
-    const int G = P->G, D = P->D, K = P->K;
-    const int64_t C = (int64_t)G * D;
+    const int D = P->D, K = P->K;
+    const int64_t C = (int64_t)P->G * D;
     const float *v = proj + C;
     const float *wlast = P->cw + (int64_t)(K - 1) * C; /* the tap on x(t) itself */
-    for (int g = 0; g < G; g++) {
-        const float gt = gate[g];
-        const int64_t c0 = (int64_t)g * D;
-        float *o = out + c0;
-        int d = 0;
-        for (; d + ES_TVW <= D; d += ES_TVW) {
-            const int64_t c = c0 + d;
-            if (!(d & 15)) {
-                for (int i = 0; i < K - 1; i++) __builtin_prefetch(taps[i] + c + ES_TAIL_PF, 0, 3);
-                __builtin_prefetch(o + d + ES_TAIL_PF, 1, 3);
-            }
-            const vf xv = *(const vf *)(x + c);
-            vf y = *(const vf *)(wlast + c) * xv;
-            for (int i = 0; i < K - 1; i++) y += *(const vf *)(P->cw + i * C + c) * *(const vf *)(taps[i] + c);
-            if (xdst) *(vf *)(xdst + c) = xv;
-            *(vf *)(o + d) = gt * *(const vf *)(v + d) + y / (1.0f + ES_SF(es_exp)(-y));
+    const int64_t c0 = (int64_t)g * D;
+    int d = 0;
+    for (; d + ES_TVW <= D; d += ES_TVW) {
+        const int64_t c = c0 + d;
+        if (!(d & 15)) {
+            for (int i = 0; i < K - 1; i++) __builtin_prefetch(taps[i] + c + ES_TAIL_PF, 0, 3);
+            __builtin_prefetch((char *)o + (int64_t)(d + ES_TAIL_PF) * (obf ? 2 : 4), 1, 3);
         }
-        for (; d < D; d++) {
-            const int64_t c = c0 + d;
-            float y = wlast[c] * x[c];
-            for (int i = 0; i < K - 1; i++) y += P->cw[i * C + c] * taps[i][c];
-            if (xdst) xdst[c] = x[c];
-            o[d] = gt * v[d] + y / (1.0f + expf(-y));
-        }
+        const vf xv = *(const vf *)(x + c);
+        vf y = *(const vf *)(wlast + c) * xv;
+        for (int i = 0; i < K - 1; i++) y += *(const vf *)(P->cw + i * C + c) * *(const vf *)(taps[i] + c);
+        if (xdst) *(vf *)(xdst + c) = xv;
+        ES_SF(es_sto)(o, d, gt * *(const vf *)(v + d) + y / (1.0f + ES_SF(es_exp)(-y)), obf);
+    }
+    for (; d < D; d++) {
+        const int64_t c = c0 + d;
+        float y = wlast[c] * x[c];
+        for (int i = 0; i < K - 1; i++) y += P->cw[i * C + c] * taps[i][c];
+        if (xdst) xdst[c] = x[c];
+        ES_SF(es_st1)(o, d, gt * v[d] + y / (1.0f + expf(-y)), obf);
+    }
+}
+
+/* out = gate * v + SiLU(sum of the K taps) for one token (see engram_step.h); out float32, or
+ * bfloat16 bits (obf), chosen once per stream row. */
+static ES_TGT void ES_SF(es_tail_y)(const es_tail_params *P, const float *proj, const float *gate,
+                                    const float *const *taps, const float *x, float *xdst, void *out, int obf) {
+    const int64_t D = P->D;
+    for (int g = 0; g < P->G; g++) {
+        if (obf) ES_SF(es_tail_y1)(P, proj, g, gate[g], taps, x, xdst, (uint16_t *)out + g * D, 1);
+        else ES_SF(es_tail_y1)(P, proj, g, gate[g], taps, x, xdst, (float *)out + g * D, 0);
     }
 }
 

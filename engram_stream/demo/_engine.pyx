@@ -223,7 +223,7 @@ cdef class StreamEngine(EngineBase):
                 f"H={self.H}x{self.hd}, conv_len={self.conv_len}, isa={self.isa!r})")
 
     # ---- a chunk: gather, GEMM, tails and the ring --------------------------------------------
-    cdef void _chunk(self, int64_t t0, int64_t nb, const float *hid, float *out, int threads) noexcept nogil:
+    cdef void _chunk(self, int64_t t0, int64_t nb, const void *hid, void *out, int threads) noexcept nogil:
         """Tokens [t0, t0+nb) of the pending batch: their rows gathered, one GEMM, the tails.
 
         The ring: conv_state[s] holds the last conv_len = (K-1)*dil values x of stream s (dil =
@@ -265,7 +265,7 @@ cdef class StreamEngine(EngineBase):
             self._team_open(threads)
         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0], self.M,
                           self.ybuf, self.pbuf, threads if (not chained or nb >= 32) else 1, <es_team *> self.team)
-        es_tails_mt(&self.tp, nb, self.ybuf, self.M, hid, out, self.xbuf, self.gbuf, self.taps,
+        es_tails_mt(&self.tp, nb, self.ybuf, self.M, hid, self.hbf, out, self.obf, self.xbuf, self.gbuf, self.taps,
                     NULL if (chained or not L) else self.xdst, chained,
                     threads if (nb >= 8 or (not chained and nb >= 2)) else 1, <es_team *> self.team)
         c = 0  # the rings move (a draft first keeps the x a later token of its call overwrites)

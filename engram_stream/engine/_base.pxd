@@ -40,6 +40,8 @@ cdef class EngineBase:
     cdef int _op_threads[3]            # threads of each operation (OP_STEP, OP_BATCH, OP_PREFILL) when unset
     cdef int _op_isa[3]                # its kernel level measured fastest (engine/tune.py; -1: the process's)
     cdef object _op_why                # (why, ...) per operation: what chose its path and threads
+    cdef bint hbf, obf                 # the call's hidden / out hold bfloat16 (else float32): _chunk reads them
+    cdef size_t hid_addr               # the hidden the last call's first chunk got (the no-copy test)
     cdef bint teamed                   # the variant's _chunk runs its splits on self.team
     cdef void *team                    # es_team * of the call in flight (NULL: none, or one thread)
     cdef void _team_open(self, int threads) noexcept nogil
@@ -54,7 +56,8 @@ cdef class EngineBase:
     cdef _no_segment(self, bint draft, keep)
     cdef int _feed(self, const int64_t *ids, int64_t N, const int64_t *streams, const int64_t *lengths,
                    int64_t K, bint draft) except -1
-    cdef int _compute(self, const float *hid, float *out) except -1
+    cdef int _compute(self, const void *hid, void *out) except -1
+    cdef int _run(self, h, o) except -1
     cdef int _resolve(self, int64_t t0, int64_t nb) except -1
     cdef void _rollback(self) noexcept nogil
     cdef void _reset_stream(self, int64_t s) noexcept nogil
@@ -65,7 +68,7 @@ cdef class EngineBase:
     # ---- the hooks (each variant) ----
     cdef int _init_variant(self, w) except -1
     cdef int _grow_chunk(self, int64_t nb, int threads) except -1
-    cdef void _chunk(self, int64_t t0, int64_t nb, const float *hid, float *out, int threads) noexcept nogil
+    cdef void _chunk(self, int64_t t0, int64_t nb, const void *hid, void *out, int threads) noexcept nogil
     cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil
     cdef int _keep_undo_extra(self, bint draft, bint needed) except -1
     cdef void _rollback_extra(self) noexcept nogil

@@ -26,16 +26,17 @@ state (a conv ring) through the hooks at the end of _base.pxd.
 
 Two shapes of engine, declared by the class (input_layer):
   a residual layer (input_layer = False): reads the hidden state, hidden[.., G, D] in and
-      float32[.., G, D] out (the Engram delta the caller adds);
-  an input layer (input_layer = True): a token in, float32[.., D] out (D = hidden_size), no
+      [.., G, D] out (the Engram delta the caller adds);
+  an input layer (input_layer = True): a token in, [.., D] out (D = hidden_size), no
       hidden: every call takes hidden=None (or leaves it out) and the hooks get hid = NULL.
+Each hidden and out is float32 or bfloat16 (hbf / obf: the hooks read and write them in place).
 out_shape(n) is a call's output shape either way.
 """
 import os
 
 import numpy as np
 cimport numpy as cnp
-from libc.stdint cimport int64_t, uint8_t
+from libc.stdint cimport int64_t, uint8_t, uint16_t
 from libc.stdlib cimport free, realloc
 
 from engram_stream._hash cimport es_isa_call, es_isa_forced, es_isa_now, es_runtime_bind, es_runtime_of_process
@@ -59,6 +60,7 @@ cdef extern from "engram_step.h" nogil:
         pass
     int64_t ES_TEAM_SPIN_NS
     es_team *es_team_keep(int nthreads, int64_t spin_ns) noexcept
+    void es_floats_to_bf16(const float *x, int64_t n, uint16_t *o) noexcept
     void es_team_put(es_team *t) noexcept
     int es_team_slots_held() noexcept
 
@@ -80,9 +82,9 @@ cdef inline void *_regrow(void *p, size_t nbytes) except NULL:
     return r
 
 
-cdef inline const float *_data(h):
-    """A checked hidden's floats, or NULL for an input layer's None."""
-    return NULL if h is None else <const float *> cnp.PyArray_DATA(h)
+cdef inline const void *_data(h):
+    """A checked hidden's data (float32 or bfloat16), or NULL for an input layer's None."""
+    return NULL if h is None else <const void *> cnp.PyArray_DATA(h)
 
 
 cdef class EngineBase:
@@ -99,10 +101,14 @@ cdef class EngineBase:
     An input layer (input_layer = True) takes no hidden (None, or left out) and returns
     float32[D], [S, D], [T, D], [N, D] instead (out_shape).
 
-    Returns the Engram delta (the caller adds h). Ids are integers < vocab_size. hidden is
-    float32 C-contiguous for the zero-copy path; other float dtypes (bfloat16 too) and strided
-    arrays are converted (one copy). `out` must be float32, C-contiguous, writeable and must not
-    overlap `hidden`. One engine has one owner: a call while another runs raises RuntimeError.
+    Returns the Engram delta (the caller adds h). Ids are integers < vocab_size. hidden is read
+    in place when it is float32 or bfloat16 C-contiguous (an ml_dtypes array, or a torch bf16
+    tensor: engine.args.as_array); other float dtypes and strided arrays are converted (one copy).
+    `out` is float32 or bfloat16, C-contiguous, writeable, and must not overlap `hidden`; without
+    it a call returns bfloat16 for a bfloat16 hidden, else float32 (an input layer: float32).
+    bfloat16 is widened exactly as the tails load it and rounded to nearest even as they store
+    it: a bf16 result is bit for bit the float32 call's on the widened hidden, rounded (DESIGN.md
+    14). One engine has one owner: a call while another runs raises RuntimeError.
     """
 
     _window_class = HashWindow  # the history rule's window (a variant with another rule names its own)
@@ -179,9 +185,10 @@ cdef class EngineBase:
         """Variant scratch for chunks of up to nb tokens on `threads` threads."""
         return 0
 
-    cdef void _chunk(self, int64_t t0, int64_t nb, const float *hid, float *out, int threads) noexcept nogil:
+    cdef void _chunk(self, int64_t t0, int64_t nb, const void *hid, void *out, int threads) noexcept nogil:
         """Tokens [t0, t0+nb) of the pending batch: rows resolved in dp/sp (H per token), hidden
-        and out at their first token. Gather, project, tails; the variant's own state moves here."""
+        and out at their first token, each float32 or bfloat16 (self.hbf, self.obf: the tails read
+        and write them in place). Gather, project, tails; the variant's own state moves here."""
         pass
 
     cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil:
@@ -284,10 +291,20 @@ cdef class EngineBase:
         self.src.resolve(b.rows + t0 * self.H, nb * self.H, self.dp, self.sp)
         return 0
 
-    cdef int _compute(self, const float *hid, float *out) except -1:
+    cdef int _run(self, h, o) except -1:
+        """_compute of the pending batch from a checked hidden (or None) into a checked out, each
+        float32 or bfloat16 (_io)."""
+        self.hbf = h is not None and h.dtype == args.BF16
+        self.obf = o.dtype == args.BF16
+        return self._compute(_data(h), cnp.PyArray_DATA(o))
+
+    cdef int _compute(self, const void *hid, void *out) except -1:
         """The pending batch, chunk by chunk: resolve the rows, then the variant's nogil hook.
-        A failure (a read, scratch) puts every slot of the call back and raises."""
+        A failure (a read, scratch) puts every slot of the call back and raises. hid / out:
+        float32, or bfloat16 where self.hbf / self.obf (set by _run)."""
         cdef int64_t t0 = 0, nb, N = self.batch.pending
+        cdef int64_t hb = 2 if self.hbf else 4, ob = 2 if self.obf else 4
+        self.hid_addr = <size_t> hid
         cdef int op = self._op()
         cdef int threads = self._threads_of(op)
         cdef bint own = self.team == NULL  # (a teamed variant's _chunk may open one: closed here)
@@ -298,7 +315,8 @@ cdef class EngineBase:
                 nb = min(self.chunk, N - t0)
                 self._resolve(t0, nb)
                 with nogil:
-                    self._chunk(t0, nb, hid + t0 * self.C if hid != NULL else NULL, out + t0 * self.C, threads)
+                    self._chunk(t0, nb, <const char *> hid + t0 * self.C * hb if hid != NULL else NULL,
+                                <char *> out + t0 * self.C * ob, threads)
                 self.src.release()
                 t0 += nb
         except BaseException:
@@ -353,9 +371,11 @@ cdef class EngineBase:
 
     def _io(self, hidden, out, n):
         """(hidden, out) of a call of n tokens (None: one token of a one-stream step) checked:
-        hidden float32 C-contiguous (converted if need be), or None for an input layer (which
-        refuses any other); out writeable and sharing no byte with hidden (a stream's output is
-        written while later streams' hidden is still to be read)."""
+        hidden float32 or bfloat16 C-contiguous (read in place; another dtype or a strided array
+        converted), or None for an input layer (which refuses any other); out float32 or bfloat16,
+        writeable and sharing no byte with hidden (a stream's output is written while later
+        streams' hidden is still to be read); no out: a fresh one of hidden's dtype (bfloat16 for
+        bfloat16, else float32; an input layer's float32)."""
         cdef tuple shape = self._shape(n)
         if self.no_hidden:
             if hidden is not None:
@@ -367,7 +387,7 @@ cdef class EngineBase:
             raise ValueError(f"{type(self).__name__} serves a residual layer: it needs hidden of shape {shape} "
                              f"(the hidden state it reads), got None")
         h = args.hidden(hidden, shape)
-        o = args.out(out, shape)
+        o = args.out(out, shape, h.dtype if h.dtype == args.BF16 else np.float32)
         cdef const char *o0 = <const char *> cnp.PyArray_DATA(o)
         cdef const char *h0 = <const char *> cnp.PyArray_DATA(h)
         if out is not None and o0 < h0 + cnp.PyArray_NBYTES(h) and h0 < o0 + cnp.PyArray_NBYTES(o):
@@ -424,11 +444,11 @@ cdef class EngineBase:
             if self.n_streams > 1:  # the workers start while the tokens are hashed and their rows found
                 self._team_open(self._threads_of(OP_BATCH))
             self._feed_steps(ids, single, "feed() was called: finish that token with compute(hidden) first")
-            self._compute(_data(h), <float *> cnp.PyArray_DATA(o))
+            self._run(h, o)
         finally:
             self._team_close()
             self.busy = False
-        return o
+        return o if out is None else out  # the caller's own (a torch tensor stays one)
 
     def step_packed(self, token_ids, hidden, streams, lengths, out=None, draft=False, masked=None):
         """A serving batch: segment k is lengths[k] consecutive tokens of slot streams[k] (a prompt
@@ -466,7 +486,7 @@ cdef class EngineBase:
         finally:
             self._team_close()
             self.busy = False
-        return o
+        return o if out is None else out  # the caller's own (a torch tensor stays one)
 
     def _masked(self, ids, st, ln, masked):
         """The masked positions taken out before the hash (Batch.masked)."""
@@ -484,12 +504,12 @@ cdef class EngineBase:
         compaction when the last feed took positions out."""
         keep = self.batch.unmask
         if keep is None:
-            self._compute(_data(h), <float *> cnp.PyArray_DATA(o))
+            self._run(h, o)
             return
         k = keep[0]
         hk = None if h is None else np.ascontiguousarray(h[k])
-        ok = np.empty(self.out_shape(self.batch.pending), np.float32)  # the tokens fed: those kept
-        self._compute(_data(hk), <float *> cnp.PyArray_DATA(ok))
+        ok = np.empty(self.out_shape(self.batch.pending), o.dtype)  # the tokens fed: those kept
+        self._run(hk, ok)
         o[k] = ok
         o[~k] = 0
 
@@ -519,25 +539,37 @@ cdef class EngineBase:
         finally:
             self.busy = False
 
-    def lookup_packed(self, token_ids, streams, lengths, out=None, dtype="float32", draft=False, masked=None):
+    def lookup_packed(self, token_ids, streams, lengths, out=None, dtype=None, draft=False, masked=None):
         """The rows alone, for a caller that runs the projection elsewhere (a GPU): hash a serving
         batch through the slots' windows (the windows advance as in step_packed; draft/commit
         and masked as there) and return every token's rows dequantized, [N, E] (E = H * head_dim,
-        heads order-major), as float32 (`out`, if given, must be writeable C-contiguous float32
-        [N, E]) or "bfloat16" (rounded to nearest even). Rows come through the row source, as a
-        step's do. The variant's own state (a conv ring) does not move."""
-        if dtype not in ("float32", "bfloat16"):
+        heads order-major), as "float32" or "bfloat16" (rounded to nearest even, chunk by chunk
+        as gathered): `dtype`, else out's, else float32. `out`, if given, must be writeable
+        C-contiguous [N, E] of that dtype (a numpy array or a torch tensor). Rows come through
+        the row source, as a step's do. The variant's own state (a conv ring) does not move."""
+        if dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
         ids = as_ids(token_ids, 1, "token_ids")
         N = ids.shape[0]
         st, ln = self._segments(streams, lengths, N)
-        o = args.out(out, (N, self.E))
+        want = None if dtype is None else (args.BF16 if dtype == "bfloat16" else np.dtype(np.float32))
+        o = args.out(out, (N, self.E), want if want is not None else np.float32)
+        if want is not None and o.dtype != want:
+            raise ValueError(f"lookup_packed: out is {o.dtype.name} but dtype={dtype!r}: pass out of that dtype "
+                             f"(or leave dtype out: out's dtype is returned)")
         ids, st, ln, keep = self._masked(ids, st, ln, masked)
         cdef int64_t n = ids.shape[0], t0, nb
         cdef const int64_t *pid = <const int64_t *> cnp.PyArray_DATA(ids)
         cdef float *po
-        res = o if keep is None else np.zeros((n, self.E), np.float32)
-        po = <float *> cnp.PyArray_DATA(res)
+        cdef uint16_t *pb = NULL
+        cdef bint obf = o.dtype == args.BF16
+        res = o if keep is None else np.zeros((n, self.E), o.dtype)
+        if obf:  # each chunk gathered as floats, then rounded into its rows
+            scratch = np.empty((min(n, self.chunk), self.E), np.float32)
+            po = <float *> cnp.PyArray_DATA(scratch)
+            pb = <uint16_t *> cnp.PyArray_DATA(res)
+        else:
+            po = <float *> cnp.PyArray_DATA(res)
         self._enter()
         try:
             self._check_call(ids, pid, n, "feed() was called: finish that batch with compute(hidden) first")
@@ -552,7 +584,11 @@ cdef class EngineBase:
                         nb = min(self.chunk, n - t0)
                         self._resolve(t0, nb)
                         with nogil:
-                            self._gather_rows(nb, po + t0 * self.E, self.E, self._threads_of(OP_PREFILL))
+                            if obf:
+                                self._gather_rows(nb, po, self.E, self._threads_of(OP_PREFILL))
+                                es_floats_to_bf16(po, nb * self.E, pb + t0 * self.E)
+                            else:
+                                self._gather_rows(nb, po + t0 * self.E, self.E, self._threads_of(OP_PREFILL))
                         self.src.release()
                         t0 += nb
                 except BaseException:
@@ -567,10 +603,7 @@ cdef class EngineBase:
         if keep is not None:
             o[keep[0]] = res
             o[~keep[0]] = 0
-        if dtype == "bfloat16":
-            import ml_dtypes
-            return o.astype(ml_dtypes.bfloat16)
-        return o
+        return o if out is None else out
 
     def feed(self, token_ids):
         """First half of a step: hash the new token(s) and advance the windows; the rows
@@ -623,7 +656,7 @@ cdef class EngineBase:
             raise
         finally:
             self.busy = False
-        return o
+        return o if out is None else out  # the caller's own (a torch tensor stays one)
 
     def _pending_n(self, hidden):
         """The tokens of compute()'s call for the fed batch (as _io takes them): N after
@@ -687,10 +720,10 @@ cdef class EngineBase:
             if T:
                 self._feed(pid, T, &s, &T, 1, False)
                 self.batch.unmask = None
-                self._compute(_data(h), <float *> cnp.PyArray_DATA(o))
+                self._run(h, o)
         finally:
             self.busy = False
-        return o
+        return o if out is None else out  # the caller's own (a torch tensor stays one)
 
     def reset(self, stream=None):
         """Forget the history of one stream (or of all, which also drops a fed batch): back to
@@ -819,6 +852,12 @@ cdef class EngineBase:
         finally:
             self.busy = False
 
+
+    @property
+    def _hidden_address(self):
+        """The hidden address the last computing call handed the kernels (its first chunk's; 0:
+        no hidden): the tests' check that a float32 or bfloat16 hidden is read in place."""
+        return self.hid_addr
 
     @property
     def pending_compute(self):

@@ -48,22 +48,46 @@ def bad_id(ids, i: int, vocab: int, negative_ids: bool = True) -> ValueError:
     return id_out_of_range(v, vocab, negative_ids)
 
 
+IO_DTYPES = (np.dtype(np.float32), BF16)  # what the kernels read and write in place (DESIGN.md 14)
+
+
+def as_array(a):
+    """`a` as a numpy array: a torch bfloat16 tensor (which numpy cannot read: no buffer protocol,
+    no DLPack bf16) as an ml_dtypes bfloat16 view of its memory (no copy; a CPU tensor, else
+    ValueError naming its device); anything else through np.asarray (a CPU float32 tensor, or any
+    array-like)."""
+    if isinstance(a, np.ndarray):
+        return a
+    dt = getattr(a, "dtype", None)
+    if dt is not None and type(a).__module__.startswith("torch") and str(dt) == "torch.bfloat16":
+        import torch
+        if a.device.type != "cpu":
+            raise ValueError(f"a {a.device} bfloat16 tensor: the engine reads CPU memory, move it with .cpu() first")
+        return a.detach().view(torch.int16).numpy().view(BF16)
+    return np.asarray(a)
+
+
 def hidden(h, shape):
-    """float32 C-contiguous `shape`: the array itself when it is one (zero copy), else converted."""
-    if type(h) is np.ndarray and h.dtype == np.float32 and h.flags.c_contiguous and h.shape == shape:
+    """C-contiguous `shape` float32 or bfloat16: the array itself when it is one (zero copy; a torch
+    bf16 tensor through as_array), else converted (one copy, check_hidden)."""
+    if not (type(h) is np.ndarray):
+        h = as_array(h)
+    if h.dtype in IO_DTYPES and h.flags.c_contiguous and h.shape == shape:
         return h
     return check_hidden(h, shape)
 
 
-def out(o, shape):
-    """A fresh float32 array, or the caller's `out` when it is writeable float32 C-contiguous `shape`."""
+def out(o, shape, dtype=np.float32):
+    """A fresh `dtype` array, or the caller's `out` (a numpy array or a torch tensor, as_array) when
+    it is writeable C-contiguous `shape`, float32 or bfloat16."""
     if o is None:
-        return np.empty(shape, dtype=np.float32)
-    if not (type(o) is np.ndarray and o.dtype == np.float32 and o.flags.c_contiguous
-            and o.flags.writeable and o.shape == shape):
-        raise ValueError(f"out must be a writeable C-contiguous float32 array of shape {shape}, got "
+        return np.empty(shape, dtype=dtype)
+    a = as_array(o)
+    if not (type(a) is np.ndarray and a.dtype in IO_DTYPES and a.flags.c_contiguous
+            and a.flags.writeable and a.shape == shape):
+        raise ValueError(f"out must be a writeable C-contiguous float32 or bfloat16 array of shape {shape}, got "
                          f"{type(o).__name__} {getattr(o, 'dtype', '')} {getattr(o, 'shape', '')}")
-    return o
+    return a
 
 
 def stream_index(stream, n_streams: int) -> int:
@@ -90,15 +114,15 @@ def rows_bitmap(bitmap, table_rows: int):
     return bitmap
 
 
-def check_hidden(hidden, shape, what="hidden") -> np.ndarray:
-    """hidden as C-contiguous float32 of exactly `shape` (float64/float16/bfloat16 and strided
-    arrays are converted, bfloat16 exactly: an ml_dtypes array, as a bf16 model's torch tensor
-    viewed through numpy is; integer or other dtypes are refused)."""
-    if not isinstance(hidden, np.ndarray):
-        hidden = np.asarray(hidden)
+def check_hidden(hidden, shape, what="hidden", keep_bf16=True) -> np.ndarray:
+    """hidden as a C-contiguous array of exactly `shape`: bfloat16 (an ml_dtypes array, or a torch
+    bf16 tensor: as_array) stays bfloat16 when keep_bf16 (a strided one is copied), and with
+    keep_bf16=False is widened to float32 exactly; float64/float16 and strided arrays are converted
+    to float32; integer or other dtypes are refused."""
+    hidden = as_array(hidden)
     if not (np.issubdtype(hidden.dtype, np.floating) or hidden.dtype == BF16):
         raise TypeError(f"{what} must be a float array (float32, float64, float16 or bfloat16), "
                         f"got dtype {hidden.dtype}")
     if hidden.shape != tuple(shape):
         raise ValueError(f"{what} must have shape {tuple(shape)}, got {hidden.shape}")
-    return np.ascontiguousarray(hidden, dtype=np.float32)
+    return np.ascontiguousarray(hidden, dtype=BF16 if keep_bf16 and hidden.dtype == BF16 else np.float32)

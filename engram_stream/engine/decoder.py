@@ -129,14 +129,14 @@ class Decoder:
         # the caller's arrays first, whatever they raise: nothing has changed, call again
         h, o = e._io(hidden, out, e._pending_n(hidden))
         try:
-            out = e.compute(h, out=o)
+            res = e.compute(h, out=o)
         except BaseException:  # its rows could not be read: every layer back as before the begin
             for other in self.engines.values():
                 other._abort()
             self._ran = []
             raise
         self._ran.append(layer)
-        return out
+        return res if out is None else out  # the caller's own (a torch tensor stays one)
 
     def commit(self, accepted):
         """After begin_packed(..., draft=True) and every layer: each layer's slots stand as if only

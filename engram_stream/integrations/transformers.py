@@ -45,7 +45,6 @@ from __future__ import annotations
 import functools
 import time
 
-import ml_dtypes
 import numpy as np
 
 try:
@@ -56,12 +55,12 @@ except ImportError as e:  # torch or transformers missing, or transformers older
                       f"and Qwen4-Exp (5.24 or later) ({e}): pip install '.[transformers]' from the engram_stream "
                       f"checkout") from e
 
+from ..engine.args import as_array
 from ..model import EngramModel
 from . import transformers_qwen
 
 __all__ = ["attach", "EngramHandle"]
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def attach(hf_model, engram_model):
@@ -136,14 +135,10 @@ def _arg(args, kwargs, name, pos):
 
 
 def _as_numpy(h):
-    """A stream tensor as a numpy array without a copy where one is not needed: float32 as it
-    is, bf16 as an ml_dtypes bfloat16 view (the engines widen it exactly)."""
+    """A stream tensor on the CPU as a numpy array without a copy: float32 as it is, bf16 as an
+    ml_dtypes bfloat16 view (engine.args.as_array; the engines read it in place)."""
     h = h.detach()
-    if h.device.type != "cpu":
-        h = h.cpu()
-    if h.dtype == torch.bfloat16:
-        return h.contiguous().view(torch.int16).numpy().view(_BF16)
-    return h.numpy()
+    return as_array(h.cpu() if h.device.type != "cpu" else h)
 
 
 class _Runner:
@@ -207,7 +202,8 @@ class _Runner:
         self.counts["decode_steps" if step else "prefill_tokens"] += 1 if step else int(flat.sum())
 
     def layer(self, L, hidden):
-        """float32[B, S, G, D]: layer L's delta (0 at padding)."""
+        """float32[B, S, G, D]: layer L's delta (0 at padding), float32 whatever hidden's dtype
+        (a bf16 hidden is read as it is: the float32 delta is added to it, then rounded once)."""
         B, S = self.shape
         if L not in self.todo:
             raise RuntimeError(f"Engram layer {L} ran outside the model's forward, or twice in one: the Engram "
@@ -217,9 +213,9 @@ class _Runner:
             return np.zeros(hidden.shape, np.float32)
         flat = hidden.reshape((B * S,) + hidden.shape[2:])
         if self.sel is None:
-            return self.dec.layer(L, flat).reshape(hidden.shape)
+            return self.dec.layer(L, flat, out=np.empty(flat.shape, np.float32)).reshape(hidden.shape)
         out = np.zeros(flat.shape, np.float32)
-        out[self.sel] = self.dec.layer(L, flat[self.sel])
+        out[self.sel] = self.dec.layer(L, flat[self.sel], out=np.empty((self.sel.size,) + flat.shape[1:], np.float32))
         return out.reshape(hidden.shape)
 
 

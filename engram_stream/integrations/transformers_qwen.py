@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..engine.args import as_array
+
 try:
     import torch
 except ImportError as e:
@@ -71,16 +73,20 @@ class StreamPLE(torch.nn.Module):
         else:
             cache.update_conv_state(input_ids, self.layer_idx, state_idx=2, conv_kernel_size=self.context_len)
         ids = input_ids.detach().to("cpu", torch.int64).numpy()
-        hid = hidden_states.detach().to("cpu", torch.float32).numpy().reshape(B, T, cfg.hc_mult, cfg.hidden_size)
+        # the hidden read in place (a bf16 model's too: as_array), the output written in the model's
+        # dtype (bf16: the engine's float32 result rounded to nearest even, as .to(bfloat16) rounds)
+        hid = as_array(hidden_states.detach().cpu()).reshape(B, T, cfg.hc_mult, cfg.hidden_size)
+        G, D = cfg.hc_mult, cfg.hidden_size
+        odt = hidden_states.dtype if hidden_states.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        out = torch.empty((B, T, G, D), dtype=odt)
         masked = None if conv_mask is None else ~conv_mask.detach().to("cpu").bool().numpy()
         if T == 1 and (masked is None or not masked.any()):
-            out = self.eng.step(ids[:, 0], hid[:, 0])[:, None]
+            self.eng.step(ids[:, 0], hid[:, 0], out=out.view(B, G, D))
         else:
-            out = self.eng.step_packed(ids.reshape(-1), hid.reshape(B * T, cfg.hc_mult, cfg.hidden_size),
-                                       streams=np.arange(B), lengths=np.full(B, T),
-                                       masked=None if masked is None else masked.reshape(-1))
-        return torch.from_numpy(np.ascontiguousarray(out).reshape(B, T, C)).to(hidden_states.device,
-                                                                                hidden_states.dtype)
+            self.eng.step_packed(ids.reshape(-1), hid.reshape(B * T, G, D), streams=np.arange(B),
+                                 lengths=np.full(B, T), masked=None if masked is None else masked.reshape(-1),
+                                 out=out.view(B * T, G, D))
+        return out.view(B, T, C).to(hidden_states.device, hidden_states.dtype)
 
 
 def _text_model(hf_model):

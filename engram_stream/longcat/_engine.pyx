@@ -34,6 +34,7 @@ cnp.import_array()
 es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one runtime's path (_hash.pxd)
 
 cdef extern from "engram_step.h" nogil:
+    void es_floats_to_bf16(const float *x, int64_t n, uint16_t *o) noexcept
     ctypedef struct es_team:
         pass
     void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
@@ -189,8 +190,9 @@ cdef class LongcatEngine(EngineBase):
                     es_gather_bf16(<const uint16_t *> self.dp[i * self.H + j], self.hd, &zero, 1,
                                    dst + i * ld + j * self.hd)
 
-    cdef void _chunk(self, int64_t t0, int64_t nb, const float *hid, float *out, int threads) noexcept nogil:
-        """Tokens [t0, t0+nb): rows gathered, one GEMM, then (y + embed[id]) / (1 + E)."""
+    cdef void _chunk(self, int64_t t0, int64_t nb, const void *hid, void *out, int threads) noexcept nogil:
+        """Tokens [t0, t0+nb): rows gathered, one GEMM, then (y + embed[id]) / (1 + E), into
+        ybuf and then out (float32, or rounded to bfloat16 where out is: self.obf)."""
         cdef int64_t i, d, tok
         cdef float *y
         cdef float *o
@@ -202,7 +204,7 @@ cdef class LongcatEngine(EngineBase):
         for i in range(nb):
             tok = self.batch.ids[t0 + i]
             y = self.ybuf + i * self.D
-            o = out + i * self.D
+            o = y if self.obf else <float *> out + i * self.D  # bfloat16 out: in place, then rounded
             if self.ebf16:
                 eb = <const uint16_t *> &self.emb[tok, 0]
                 for d in range(self.D):
@@ -211,6 +213,8 @@ cdef class LongcatEngine(EngineBase):
                 ef = <const float *> &self.emb[tok, 0]
                 for d in range(self.D):
                     o[d] = (y[d] + ef[d]) / self.inv
+            if self.obf:
+                es_floats_to_bf16(y, self.D, <uint16_t *> out + i * self.D)
 
 
 cdef inline float _bf16(uint16_t b) noexcept nogil:

@@ -21,8 +21,8 @@ cdef extern from "engram_fp8.h" nogil:
                     int M, float *Y, int nthreads, float *scratch) noexcept
     void es8_wkv_plain(const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
                        int M, float *Y) noexcept
-    void es8_gate_tail(const float *kv, const float *hid, const float *qw, const float *kw, int G, int D,
-                       float eps, int dead, float *out) noexcept
+    void es8_gate_tail(const float *kv, const void *hid, int hbf, const float *qw, const float *kw, int G, int D,
+                       float eps, int dead, void *out, int obf) noexcept
     uint64_t es8_read_bytes(const uint8_t *p, int64_t n) noexcept
     int64_t es8_mac_chains(int64_t n, float *sink) noexcept
     int es8_dpbf16(float *acc, const uint16_t *a, const uint16_t *b, int64_t n, int emulate) noexcept
@@ -59,5 +59,5 @@ cdef class V41StreamEngine(EngineBase):
     cdef float[::1] wscr               # projection scratch of many-token chunks (es8_scratch_floats)
     cdef int64_t wscr_n                # its floats (0: none yet)
 
-    cdef void _tokens(self, es_range_fn fn, int64_t t0, const float *hid, float *out, int64_t n,
+    cdef void _tokens(self, es_range_fn fn, int64_t t0, const void *hid, void *out, int64_t n,
                       int threads) noexcept nogil

@@ -37,8 +37,9 @@ cdef struct TokenWork:
     float *q               # [n, ldq]
     float *s               # [n, E/32]
     const float *y         # [n, M]
-    const float *hid       # [n, G, D]
-    float *out             # [n, G, D]
+    const char *hid        # [n, G, D] float32, or bfloat16 where hbf
+    char *out              # [n, G, D] float32, or bfloat16 where obf
+    int hbf, obf
     const float *qw
     const float *kw
     const int64_t *ids     # [n] the tokens' ids: the DEAD one's gate is 0
@@ -68,10 +69,10 @@ cdef void _prep_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
 cdef void _tail_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
     """Tokens [i0, i1): the gate times the value, from their projections."""
     cdef TokenWork *w = <TokenWork *> ctx
-    cdef int64_t i, C = <int64_t> w.G * w.D
+    cdef int64_t i, C = <int64_t> w.G * w.D, hb = 2 if w.hbf else 4, ob = 2 if w.obf else 4
     for i in range(i0, i1):
-        es8_gate_tail(w.y + i * w.M, w.hid + i * C, w.qw, w.kw, w.G, w.D, w.eps, w.ids[i] == w.dead_id,
-                      w.out + i * C)
+        es8_gate_tail(w.y + i * w.M, w.hid + i * C * hb, w.hbf, w.qw, w.kw, w.G, w.D, w.eps,
+                      w.ids[i] == w.dead_id, w.out + i * C * ob, w.obf)
 
 
 cdef _check_dims(int64_t M, int64_t E, m_name, e_name):
@@ -168,13 +169,14 @@ cdef class V41StreamEngine(EngineBase):
         return (f"V41StreamEngine(layer={self.layer}, n_streams={self.n_streams}, G={self.G}, D={self.D}, "
                 f"H={self.H}x{self.hd}, isa={self.isa!r})")
 
-    cdef void _tokens(self, es_range_fn fn, int64_t t0, const float *hid, float *out, int64_t n,
+    cdef void _tokens(self, es_range_fn fn, int64_t t0, const void *hid, void *out, int64_t n,
                       int threads) noexcept nogil:
         """fn (_prep_part or _tail_part) over the chunk's tokens [0, n), split over threads."""
         cdef TokenWork w
         w.dp, w.sp = self.dp, self.sp
         w.q, w.s, w.y = &self.qbuf[0, 0], &self.sbuf[0, 0], &self.ybuf[0, 0]
-        w.hid, w.out, w.qw, w.kw = hid, out, &self.qw[0, 0], &self.kw[0, 0]
+        w.hid, w.out, w.qw, w.kw = <const char *> hid, <char *> out, &self.qw[0, 0], &self.kw[0, 0]
+        w.hbf, w.obf = self.hbf, self.obf
         w.ids, w.dead_id = self.batch.ids + t0, self.dead_id
         w.hd, w.H, w.E, w.G, w.D, w.M, w.eps = self.hd, self.H, self.E, self.G, self.D, self.M, self.eps
         w.ggtype = self.ggtype
@@ -193,7 +195,7 @@ cdef class V41StreamEngine(EngineBase):
                     es8_gather(<const uint8_t *> self.dp[i * self.H + j], <const uint8_t *> self.sp[i * self.H + j],
                                self.hd, &zero, 1, dst + i * ld + j * self.hd)
 
-    cdef void _chunk(self, int64_t t0, int64_t nb, const float *hid, float *out, int threads) noexcept nogil:
+    cdef void _chunk(self, int64_t t0, int64_t nb, const void *hid, void *out, int threads) noexcept nogil:
         """Tokens [t0, t0+nb): rows gathered and quantized, the float8 projection (wkv read once
         for the chunk), the gate tails. No state of its own moves here."""
         cdef float *scratch = &self.wscr[0] if self.wscr_n else NULL

@@ -3,10 +3,13 @@
 # installed package's .pxd files and headers, as a third-party variant's engine is built): the
 # output of a token is the plain sum of its H table rows, float32[D] (head_dim == hidden_size),
 # no hidden. It has no state of its own: the base's hash window is all a stream keeps.
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint16_t
 from libc.string cimport memcpy
 
 from engram_stream.engine._base cimport EngineBase
+
+cdef extern from "engram_step.h" nogil:
+    uint16_t es_float_to_bf16(float f) noexcept
 
 
 cdef class InputSumEngine(EngineBase):
@@ -23,19 +26,23 @@ cdef class InputSumEngine(EngineBase):
                              f"hidden_size {self.D}, row records {self.src.rowbytes}+{self.src.scalebytes} bytes")
         return 0
 
-    cdef void _chunk(self, int64_t t0, int64_t nb, const float *hid, float *out, int threads) noexcept nogil:
+    cdef void _chunk(self, int64_t t0, int64_t nb, const void *hid, void *out, int threads) noexcept nogil:
         cdef int64_t i, d
         cdef int j
         cdef const float *r
+        cdef float acc
         if hid != NULL:   # the base hands an input layer no hidden
             return
         for i in range(nb):
             for d in range(self.D):
-                out[i * self.D + d] = 0
-            for j in range(self.H):
-                r = <const float *> self.dp[i * self.H + j]
-                for d in range(self.D):
-                    out[i * self.D + d] += r[d]
+                acc = 0
+                for j in range(self.H):
+                    r = <const float *> self.dp[i * self.H + j]
+                    acc += r[d]
+                if self.obf:  # out= bfloat16: the float32 sum, rounded
+                    (<uint16_t *> out)[i * self.D + d] = es_float_to_bf16(acc)
+                else:
+                    (<float *> out)[i * self.D + d] = acc
 
     cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil:
         cdef int64_t i
