@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engram_stream import EngineSnapshot
-from helpers.inputs import random_inputs
+from helpers.inputs import Oracle, assert_foreign_snapshots_refused, assert_step_threads_agree, random_inputs
 from helpers.models import make_model
 from helpers.numeric import ATOL, RTOL, close, hypothesis_settings
 from helpers.processes import run_python
@@ -39,44 +39,6 @@ pytestmark = [pytest.mark.native, pytest.mark.usefixtures("each_isa")]  # every 
 
 HYP = hypothesis_settings(30)
 inputs = random_inputs
-
-
-class Oracle:
-    """Expected outputs per stream. Stream s plays row s of ids/hid; pos[s] is its next token."""
-
-    def __init__(self, model, L, ids, hid):
-        self.model, self.L = model, L
-        self.ids, self.hid = ids.copy(), hid.copy()
-        self.want = model.forward(L, self.ids, self.hid)
-        self.pos = np.zeros(len(ids), np.int64)
-
-    def now(self):
-        r = np.arange(len(self.pos))
-        return self.ids[r, self.pos], self.hid[r, self.pos]
-
-    def step(self, eng, out=None):
-        ids, hid = self.now()
-        got = eng.step(ids, hid, out=out)
-        self.check(got)
-        return got
-
-    def check(self, got):
-        r = np.arange(len(self.pos))
-        close(got, self.want[r, self.pos])
-        self.pos += 1
-
-    def prefill(self, eng, s, T):
-        p = self.pos[s]
-        got = eng.prefill(self.ids[s, p:p + T], self.hid[s, p:p + T], stream=s)
-        close(got, self.want[s, p:p + T])
-        self.pos[s] += T
-        return got
-
-    def restart(self, s, ids_row, hid_row):
-        """Stream s starts a new sequence (after reset)."""
-        self.ids[s], self.hid[s] = ids_row, hid_row
-        self.want[s] = self.model.forward(self.L, ids_row[None], hid_row[None])[0]
-        self.pos[s] = 0
 
 
 @pytest.fixture
@@ -341,17 +303,7 @@ def test_snapshot_refused_and_state_unchanged(small):
         make_model(G=2, n=3, K=3, D=13, comp=True, seed=4).stream(4, 3).snapshot(),   # other seed
     ]
     assert [f.fingerprint != good.fingerprint for f in foreign] == [True] * 5
-    for _ in range(3):
-        o.step(eng)
-    for bad in foreign + list(_damaged(good)):
-        with pytest.raises(ValueError):
-            eng.restore(bad)
-    for bad in (None, {"hist": good.hist}, good.__dict__):
-        with pytest.raises(TypeError):
-            eng.restore(bad)
-    assert eng.tokens_seen.tolist() == [9, 9, 9]
-    for _ in range(10):  # nothing was restored: the sequences continue
-        o.step(eng)
+    assert_foreign_snapshots_refused(eng, o, good, foreign + list(_damaged(good)))
 
 
 # ---- threads ----------------------------------------------------------------------------------
@@ -433,20 +385,8 @@ def wide():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("S", range(2, 18))  # every micro-tile remainder of every path (3, 6, 8 rows)
 def test_step_threads_bitwise_equal_and_match_batch(wide, dtype, S):
-    model = wide[dtype]
-    ids, hid = inputs(model, S, 5, np.random.default_rng(S))
-    want = model.forward(1, ids, hid)
-    engs = [model.stream(1, S) for _ in range(3)]
-    for e, th in zip(engs, (1, 2, 3)):
-        e.step_threads = th
-    for t in range(5):
-        got = [e.step(ids[:, t], hid[:, t]) for e in engs]
-        close(got[0], want[:, t])
-        for g in got[1:]:
-            assert np.array_equal(g, got[0])  # split by columns and streams, never by k
-    for e in engs[1:]:
-        for a, b in zip(_state(e), _state(engs[0])):
-            assert np.array_equal(a, b)
+    ids, hid = inputs(wide[dtype], S, 5, np.random.default_rng(S))
+    assert_step_threads_agree(wide[dtype], 1, ids, hid)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -64,6 +64,15 @@ def _continues(eng, ids, hid, want, t0, n=6):
         close(eng.step(ids[:, t], hid[:, t]), want[:, t])
 
 
+def _each_refused_state_unchanged(eng, bad_calls):
+    """Each (exception, call) raises its exception and leaves the 3 streams at 3 tokens, nothing fed."""
+    for i, (exc, call) in enumerate(bad_calls):
+        with pytest.raises(exc):
+            call()
+        assert not eng.pending_compute, i
+        assert eng.tokens_seen.tolist() == [3, 3, 3], i
+
+
 def test_out_of_vocab_id_refused_state_unchanged(model):
     V = model.cfg.vocab_size
     eng, ids, hid, want = _stepped(model, seed=1)
@@ -160,11 +169,7 @@ def test_bad_ids_streams_and_outputs_refused_state_unchanged(model):
         (ValueError, lambda: eng.feed(ids[:1])),
         (TypeError, lambda: eng.feed(True)),
     ]
-    for i, (exc, call) in enumerate(bad_calls):
-        with pytest.raises(exc):
-            call()
-        assert not eng.pending_compute, i
-        assert eng.tokens_seen.tolist() == [3, 3, 3], i
+    _each_refused_state_unchanged(eng, bad_calls)
     eng.feed(ids)
     for exc, call in [(ValueError, lambda: eng.compute(hid, out=_readonly(out))),
                       (ValueError, lambda: eng.compute(hid, out=np.empty(out, np.float16)))]:
@@ -189,11 +194,7 @@ def test_bad_hidden_refused_state_unchanged(residual):
         (ValueError, lambda: eng.prefill(ids, hid[:2], stream=0)),      # lengths disagree
         (ValueError, lambda: eng.prefill(ids, hid[:, 0], stream=0)),    # hidden ndim
     ]
-    for i, (exc, call) in enumerate(bad_calls):
-        with pytest.raises(exc):
-            call()
-        assert not eng.pending_compute, i
-        assert eng.tokens_seen.tolist() == [3, 3, 3], i
+    _each_refused_state_unchanged(eng, bad_calls)
     eng.feed(ids)
     with pytest.raises(TypeError):
         eng.compute(hid.astype(np.int64))

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from engram_stream import EngineSnapshot
-from helpers.inputs import out_shape, variant_hidden, variant_ids, variant_inputs
+from helpers.inputs import (Oracle, assert_foreign_snapshots_refused, assert_step_threads_agree, engine_state, out_shape,
+                            variant_hidden, variant_ids, variant_inputs)
 from helpers.models import contract_model, contract_variants
 from helpers.numeric import close
 
@@ -35,41 +36,6 @@ def model(request):
 
 def _layer(model):
     return model.cfg.layer_ids[-1]
-
-
-class Oracle:
-    """Expected outputs per stream. Stream s plays row s of ids/hid; pos[s] is its next token."""
-
-    def __init__(self, model, L, ids, hid):
-        self.model, self.L = model, L
-        self.input_layer = model.variant.input_layer
-        self.ids = ids.copy()
-        self.hid = hid if self.input_layer else hid.copy()
-        self.want = model.forward(L, self.ids, self.hid[...]).copy()
-        self.pos = np.zeros(len(ids), np.int64)
-
-    def now(self):
-        r = np.arange(len(self.pos))
-        return self.ids[r, self.pos], self.hid[r, self.pos]
-
-    def step(self, eng, out=None):
-        ids, hid = self.now()
-        got = eng.step(ids, hid, out=out)
-        self.check(got)
-        return got
-
-    def check(self, got):
-        r = np.arange(len(self.pos))
-        close(got, self.want[r, self.pos])
-        self.pos += 1
-
-    def restart(self, s, ids_row, hid_row):
-        """Stream s starts a new sequence (after reset)."""
-        self.ids[s] = ids_row
-        if not self.input_layer:
-            self.hid[s] = hid_row
-        self.want[s] = self.model.forward(self.L, ids_row[None], None if self.input_layer else hid_row[None])[0]
-        self.pos[s] = 0
 
 
 def _small(model, seed=0, S=3, T=40):
@@ -195,17 +161,7 @@ def test_snapshot_of_another_layer_or_stream_count_refused_state_unchanged(model
     foreign = [model.stream(o.L, 2).snapshot()]                                    # another stream count
     foreign += [model.stream(L, 3).snapshot() for L in model.cfg.layer_ids if L != o.L]   # another layer
     assert all(f.fingerprint != good.fingerprint for f in foreign)
-    for _ in range(3):
-        o.step(eng)
-    for bad in foreign:
-        with pytest.raises(ValueError):
-            eng.restore(bad)
-    for bad in (None, {"hist": good.hist}, good.__dict__):
-        with pytest.raises(TypeError):
-            eng.restore(bad)
-    assert eng.tokens_seen.tolist() == [9, 9, 9]
-    for _ in range(10):  # nothing was restored: the sequences continue
-        o.step(eng)
+    assert_foreign_snapshots_refused(eng, o, good, foreign)
 
 
 def test_snapshot_between_feed_and_compute_refused(model):
@@ -436,27 +392,10 @@ def test_snapshot_during_concurrent_step_is_refused_or_consistent(model):
 
 
 # ---- work split over threads (step_threads, prefill_threads) ---------------------------------
-def _state(eng):
-    s = eng.snapshot()
-    return [getattr(s, k) for k in s.names]
-
-
 @pytest.mark.parametrize("S", [2, 3, 5, 8, 17])
 def test_step_threads_bitwise_equal_and_match_batch(model, S):
-    L = _layer(model)
     ids, hid = variant_inputs(model, S, (S, 5))
-    want = model.forward(L, ids, hid[...])
-    engs = [model.stream(L, S) for _ in range(3)]
-    for e, th in zip(engs, (1, 2, 3)):
-        e.step_threads = th
-    for t in range(5):
-        got = [e.step(ids[:, t], hid[:, t]) for e in engs]
-        close(got[0], want[:, t])
-        for g in got[1:]:
-            assert np.array_equal(g, got[0])  # split by columns and streams, never by k
-    for e in engs[1:]:
-        for a, b in zip(_state(e), _state(engs[0])):
-            assert np.array_equal(a, b)
+    assert_step_threads_agree(model, _layer(model), ids, hid)
 
 
 def test_step_threads_attribute(model):
@@ -488,7 +427,7 @@ def test_prefill_threads_bitwise_equal(model):
         eng = model.stream(L, 2)
         eng.prefill_threads = th
         outs.append(eng.prefill(ids[0], hid[0], stream=1))
-        states.append(_state(eng))
+        states.append(engine_state(eng))
     close(outs[0], model.forward(L, ids, hid[...])[0])
     for o, st in zip(outs[1:], states[1:]):
         assert np.array_equal(o, outs[0])

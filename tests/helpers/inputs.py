@@ -1,6 +1,9 @@
-"""Inputs of any variant (ids, hidden states, the shape of an output) and runs of a decoder over
-them."""
+"""Inputs of any variant (ids, hidden states, the shape of an output), runs of a decoder over
+them, and Oracle: the expected outputs of streams stepped through an engine."""
 import numpy as np
+import pytest
+
+from helpers.numeric import close
 
 
 def variant_ids(model, rng, shape, p_dead=0.15, p_neg=0.05):
@@ -101,3 +104,85 @@ def random_inputs(model, S, T, rng, neg=True):
     ids = rng.integers(-3 if neg else 0, cfg.vocab_size, (S, T)).astype(np.int64)
     hid = rng.standard_normal((S, T, cfg.hc_mult, cfg.hidden_size)).astype(np.float32)
     return ids, hid
+
+
+class Oracle:
+    """Expected outputs per stream. Stream s plays row s of ids/hid; pos[s] is its next token."""
+
+    def __init__(self, model, L, ids, hid):
+        self.model, self.L = model, L
+        self.input_layer = model.variant.input_layer
+        self.ids = ids.copy()
+        self.hid = hid if self.input_layer else hid.copy()
+        self.want = model.forward(L, self.ids, self.hid[...]).copy()
+        self.pos = np.zeros(len(ids), np.int64)
+
+    def now(self):
+        r = np.arange(len(self.pos))
+        return self.ids[r, self.pos], self.hid[r, self.pos]
+
+    def step(self, eng, out=None):
+        ids, hid = self.now()
+        got = eng.step(ids, hid, out=out)
+        self.check(got)
+        return got
+
+    def check(self, got):
+        r = np.arange(len(self.pos))
+        close(got, self.want[r, self.pos])
+        self.pos += 1
+
+    def prefill(self, eng, s, T):
+        p = self.pos[s]
+        got = eng.prefill(self.ids[s, p:p + T], None if self.input_layer else self.hid[s, p:p + T], stream=s)
+        close(got, self.want[s, p:p + T])
+        self.pos[s] += T
+        return got
+
+    def restart(self, s, ids_row, hid_row):
+        """Stream s starts a new sequence (after reset)."""
+        self.ids[s] = ids_row
+        if not self.input_layer:
+            self.hid[s] = hid_row
+        self.want[s] = self.model.forward(self.L, ids_row[None], None if self.input_layer else hid_row[None])[0]
+        self.pos[s] = 0
+
+
+def engine_state(eng):
+    """Every field of the engine's snapshot, in order."""
+    snap = eng.snapshot()
+    return [getattr(snap, k) for k in snap.names]
+
+
+def assert_step_threads_agree(model, L, ids, hid):
+    """S streams (ids [S, T]) stepped by engines on 1, 2 and 3 threads: the oracle's outputs,
+    bitwise the same on every thread count, and the same state after."""
+    S, T = ids.shape
+    want = model.forward(L, ids, hid[...])
+    engs = [model.stream(L, S) for _ in range(3)]
+    for e, th in zip(engs, (1, 2, 3)):
+        e.step_threads = th
+    for t in range(T):
+        got = [e.step(ids[:, t], hid[:, t]) for e in engs]
+        close(got[0], want[:, t])
+        for g in got[1:]:
+            assert np.array_equal(g, got[0])  # split by columns and streams, never by k
+    for e in engs[1:]:
+        for a, b in zip(engine_state(e), engine_state(engs[0])):
+            assert np.array_equal(a, b)
+
+
+def assert_foreign_snapshots_refused(eng, o, good, foreign):
+    """After 6 tokens a stream of `o` took a snapshot `good`, and 3 more: each foreign snapshot
+    (ValueError) and each non-snapshot (TypeError) is refused, and the streams go on unchanged."""
+    for _ in range(3):
+        o.step(eng)
+    for bad in foreign:
+        with pytest.raises(ValueError):
+            eng.restore(bad)
+    for bad in (None, {"hist": good.hist}, good.__dict__):
+        with pytest.raises(TypeError):
+            eng.restore(bad)
+    assert eng.tokens_seen.tolist() == [9, 9, 9]
+    for _ in range(10):  # nothing was restored: the sequences continue
+        o.step(eng)
