@@ -68,6 +68,8 @@ import threading
 import numpy as np
 
 from . import serving
+from . import vllm_graph as graph
+from ._records import records_to_bf16
 
 ENV = "ENGRAM_STREAM_VLLM"
 KEY = "engram_stream"  # in vLLM's additional_config
@@ -97,198 +99,210 @@ def settings(vllm_config=None):
     return None
 
 
+def _engram_module():
+    """vLLM's V4.1 Engram module (imported at its first use)."""
+    return sys.modules.get(ENGRAM_MODULE) or __import__(ENGRAM_MODULE, fromlist=["_"])
+
+
 def embedding_class():
-    """StreamEngramEmbedding (made once: it subclasses vLLM's ParallelEngramEmbedding)."""
+    """StreamEngramEmbedding: EngramRows over serving.StreamRows and vLLM's
+    ParallelEngramEmbedding, made once (after vLLM's version is checked)."""
     global _embedding_class
-    if _embedding_class is not None:
-        return _embedding_class
-    _check_version()
-    import torch
-    E = sys.modules.get(ENGRAM_MODULE) or __import__(ENGRAM_MODULE, fromlist=["_"])
-    from ._records import records_to_bf16
-    from . import vllm_graph as graph
-
-    class StreamEngramEmbedding(serving.StreamRows, E.ParallelEngramEmbedding):
-        """vLLM's Engram embedding of one layer with its rows from engram_stream (no table)."""
-
-        def __init__(self, model, layer, num_embeddings, dim, head_sizes, block_size=32, cpu_offload=False):
-            primes = [int(p) for p in model.plan.head_primes[layer]]
-            if tuple(primes) != tuple(head_sizes) or model.plan.table_rows[layer] != num_embeddings:
-                raise ValueError(f"{ENV}: the checkpoint {model.source!r} layer {layer} has heads of {primes} rows, "
-                                 f"vLLM's config {list(head_sizes)}: give the checkpoint vLLM serves")
-            if dim != model.cfg.head_dim or block_size != 32:
-                raise ValueError(f"{ENV}: head_dim {dim} / block {block_size}: the checkpoint's rows are "
-                                 f"{model.cfg.head_dim} values with one e8m0 scale per 32")
-            # every rank reads its own rows from the host, as vLLM's DP-shared host table: vLLM's
-            # dp_shared_memory (which needs cpu_offload) gives dp_size 1, so no DP exchange
-            dp = E.get_engram_dp_size()
-            if dp > 1 and not cpu_offload:
-                raise ValueError(f"{ENV}: an Engram data-parallel group of {dp} ranks reads its rows from the "
-                                 f"host: keep vLLM's engram_config cpu_offload=true (the default)")
-            # vLLM's constructor, whole (its head sharding over the TP ranks, its checks); the table it
-            # allocates on the default device is a meta tensor here (no memory), dropped below: no
-            # parameter for vLLM's loader to fill
-            with torch.device("meta"):
-                super().__init__(num_embeddings, dim, tuple(head_sizes), block_size, cpu_offload=cpu_offload,
-                                 dp_shared_memory=dp > 1, use_thp=False)
-            del self.weight, self.weight_scale_inv
-            self.stream_from(model, layer)
-            # tokens of one window: a long prompt chunk's windows alternate between two lanes
-            self.window = max(1, WINDOW_ROWS // self.part_n_hash_cols)
-            self._inline = (None, self.source, [np.empty(0, np.uint8)])  # a lane without a thread
-            self._lanes = None                     # (executor, its RowSource, its record scratch) x 2
-            self._pending = []                     # futures of the lookup in flight
-            self._pending_copy = None              # (host rows, device out) copied at wait()
-            self._copied = None                    # a CUDA event: the staging's last copy is done
-            self._staging = None                   # pinned host rows of a device `out`
-            self._ids_pinned = None                # pinned host ids of a device background lookup
-            self._lookup_lock = threading.RLock()
-
-        def extra_repr(self):
-            return self.rows_repr(f"heads={self.head_start}..{self.head_start + self.part_n_hash_cols} "
-                                  f"of {self.n_hash_cols}")
-
-        def _rows(self, indices, rows=None):
-            """int64 [T, part] table rows of this rank's heads (-1: zeros), into `rows` if given."""
-            a = indices[:, self.head_start:self.head_start + self.part_n_hash_cols]
-            a = (a.cpu() if a.device.type != "cpu" else a).numpy()
-            if rows is None:
-                rows = np.empty((a.shape[0], self.part_n_hash_cols), np.int64)
-            rows[:, a.shape[1]:] = -1
-            owned = (a >= self.vocab_start_idx) & (a < self.vocab_end_idx)
-            rows[:, :a.shape[1]] = np.where(owned, a, -1)
-            return rows
-
-        def _ids_to_host(self, indices):
-            """This rank's columns of device `indices` copied to a pinned buffer on the current
-            stream without waiting, and an event recorded after the copy: a lane waits for it,
-            so a background lookup does not block the host on the device's hash kernel."""
-            a = indices[:, self.head_start:self.head_start + self.part_n_hash_cols]
-            buf = self._ids_pinned
-            if buf is None or buf.numel() < a.numel():
-                buf = self._ids_pinned = torch.empty(max(a.numel(), 1), dtype=a.dtype, pin_memory=True)
-            host = buf[:a.numel()].view(a.shape)
-            host.copy_(a, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            return host, ready
-
-        def _rows_when_ready(self, ids, ready, rows):
-            ready.synchronize()
-            self._rows(ids, rows)
-
-        def _fill(self, lane, rows, host, rows_ready=None):
-            """One window: its records read into `host` (uint8) or through the lane's scratch
-            converted to bf16. Runs on a lane's thread or the caller's; the GIL is released
-            while the rows are read and converted. rows_ready: the future that fills `rows`."""
-            if rows_ready is not None:
-                rows_ready.result()
-            source, scratch = lane[1], lane[2]
-            if host.dtype == np.uint8:
-                source.read_into(rows, host)
-                return
-            need = rows.size * self.recbytes
-            if scratch[0].size < need:
-                scratch[0] = np.empty(need, np.uint8)
-            rec = scratch[0][:need].reshape(rows.shape[0], self.part_n_hash_cols, self.recbytes)
-            source.read_into(rows, rec)
-            records_to_bf16(rec, host)
-
-        def _lane_set(self):
-            if self._lanes is None:
-                from concurrent.futures import ThreadPoolExecutor
-                self._lanes = [(ThreadPoolExecutor(1, thread_name_prefix=f"engram-rows-L{self.layer}"),
-                                src, scratch)
-                               for src, scratch in ((self.source, self._inline[2]),
-                                                    (self.model.row_source(self.layer), [np.empty(0, np.uint8)]))]
-            return self._lanes
-
-        def lookup(self, indices, out, background=False):
-            """vLLM's lookup: out[t, h] = the row of indices[t, head_start + h] of this rank's
-            heads, as uint8 records or bf16 (vLLM's rounding); zeros where no row.
-
-            background=True (Engram._start_prefetch, at forward entry for every layer) returns
-            once the rows are handed to this embedding's two lanes (threads, each its own row
-            source): every layer's reads are in flight before the first layer runs, and
-            Engram._finish_prefetch, where vLLM waits for the rows, calls wait(). A chunk of more
-            than `window` tokens is read in windows alternating between the lanes, so one
-            window's reads are in flight while the other's are copied and converted; a shorter
-            lookup without background runs on the caller's thread."""
-            T = indices.shape[0]
-            if not T * self.part_n_hash_cols:
-                return
-            if out.dtype not in (torch.uint8, torch.bfloat16):
-                raise TypeError(f"lookup: out must be bfloat16 rows or uint8 records, got {out.dtype}")
-            if graph.lookup_path() == "stream":   # a CUDA graph captures it, or FULL mode: vllm_graph.py
-                with self._lookup_lock:
-                    if graph.capturing():
-                        if self._pending or self._pending_copy is not None:
-                            raise RuntimeError("lookup: a CUDA graph capture began with this layer's rows in flight")
-                    else:
-                        self.wait()
-                    return graph.stream_lookup(self, indices, out)
-            graph.check_embedding(self)
-            with self._lookup_lock:
-                self.wait()                       # the previous lookup's rows (and its staging)
-                lanes, rows_ready = None, None
-                if background and indices.device.type != "cpu":
-                    lanes = self._lane_set()
-                    rows = np.empty((T, self.part_n_hash_cols), np.int64)
-                    rows_ready = lanes[0][0].submit(self._rows_when_ready, *self._ids_to_host(indices), rows)
-                    self._pending.append(rows_ready)
-                else:
-                    rows = self._rows(indices)
-                host = out if out.device.type == "cpu" else self._host(out)
-                dst = host.numpy() if host.dtype == torch.uint8 else host.view(torch.int16).numpy().view(np.uint16)
-                if host is not out:
-                    self._pending_copy = (host, out)
-                if not background and T <= self.window:
-                    self._fill(self._inline, rows, dst)
-                    if host is not out:
-                        self.wait()
-                    return
-                lanes = lanes or self._lane_set()
-                for k, t0 in enumerate(range(0, T, self.window)):
-                    t1 = min(T, t0 + self.window)
-                    self._pending.append(lanes[k % 2][0].submit(self._fill, lanes[k % 2], rows[t0:t1], dst[t0:t1],
-                                                                rows_ready))
-                if not background:
-                    self.wait()
-
-        def wait(self):
-            """Block until the lookup in flight has filled `out` (a device `out`: its copy from
-            the pinned staging is queued on the current stream). Raises what a read raised."""
-            if not self._pending and self._pending_copy is None:
-                return                            # nothing in flight (a decode step's inline lookup)
-            with self._lookup_lock:
-                pending, self._pending = self._pending, []
-                error = None
-                for f in pending:                 # every window finishes before the staging is reused
-                    try:
-                        f.result()
-                    except BaseException as e:  # noqa: BLE001  (the first error is raised below)
-                        error = error or e
-                copy, self._pending_copy = self._pending_copy, None
-                if error is not None:
-                    raise error
-                if copy is not None:
-                    host, out = copy
-                    out.copy_(host, non_blocking=True)
-                    self._copied = torch.cuda.Event()
-                    self._copied.record()
-
-        def _host(self, out):
-            """A pinned host tensor shaped as `out` (kept and reused once its last copy is done)."""
-            if self._copied is not None:
-                self._copied.synchronize()
-                self._copied = None
-            st = self._staging
-            if st is None or st.dtype != out.dtype or st.numel() < out.numel():
-                st = self._staging = torch.empty(out.numel(), dtype=out.dtype, pin_memory=True)
-            return st[:out.numel()].view(out.shape)
-
-    _embedding_class = StreamEngramEmbedding
+    if _embedding_class is None:
+        _check_version()
+        _embedding_class = type("StreamEngramEmbedding",
+                                (EngramRows, serving.StreamRows, _engram_module().ParallelEngramEmbedding),
+                                {"__module__": __name__, "__doc__": EngramRows.__doc__})
     return _embedding_class
+
+
+class EngramRows:
+    """The methods of StreamEngramEmbedding (embedding_class(): this, serving.StreamRows and vLLM's
+    ParallelEngramEmbedding): vLLM's Engram embedding of one layer with its rows from
+    engram_stream (no table). torch and vLLM are imported by the methods that use them: this
+    module imports without either."""
+
+    def __init__(self, model, layer, num_embeddings, dim, head_sizes, block_size=32, cpu_offload=False):
+        import torch
+        E = _engram_module()
+        primes = [int(p) for p in model.plan.head_primes[layer]]
+        if tuple(primes) != tuple(head_sizes) or model.plan.table_rows[layer] != num_embeddings:
+            raise ValueError(f"{ENV}: the checkpoint {model.source!r} layer {layer} has heads of {primes} rows, "
+                             f"vLLM's config {list(head_sizes)}: give the checkpoint vLLM serves")
+        if dim != model.cfg.head_dim or block_size != 32:
+            raise ValueError(f"{ENV}: head_dim {dim} / block {block_size}: the checkpoint's rows are "
+                             f"{model.cfg.head_dim} values with one e8m0 scale per 32")
+        # every rank reads its own rows from the host, as vLLM's DP-shared host table: vLLM's
+        # dp_shared_memory (which needs cpu_offload) gives dp_size 1, so no DP exchange
+        dp = E.get_engram_dp_size()
+        if dp > 1 and not cpu_offload:
+            raise ValueError(f"{ENV}: an Engram data-parallel group of {dp} ranks reads its rows from the "
+                             f"host: keep vLLM's engram_config cpu_offload=true (the default)")
+        # vLLM's constructor, whole (its head sharding over the TP ranks, its checks); the table it
+        # allocates on the default device is a meta tensor here (no memory), dropped below: no
+        # parameter for vLLM's loader to fill
+        with torch.device("meta"):
+            super().__init__(num_embeddings, dim, tuple(head_sizes), block_size, cpu_offload=cpu_offload,
+                             dp_shared_memory=dp > 1, use_thp=False)
+        del self.weight, self.weight_scale_inv
+        self.stream_from(model, layer)
+        # tokens of one window: a long prompt chunk's windows alternate between two lanes
+        self.window = max(1, WINDOW_ROWS // self.part_n_hash_cols)
+        self._inline = (None, self.source, [np.empty(0, np.uint8)])  # a lane without a thread
+        self._lanes = None                     # (executor, its RowSource, its record scratch) x 2
+        self._pending = []                     # futures of the lookup in flight
+        self._pending_copy = None              # (host rows, device out) copied at wait()
+        self._copied = None                    # a CUDA event: the staging's last copy is done
+        self._staging = None                   # pinned host rows of a device `out`
+        self._ids_pinned = None                # pinned host ids of a device background lookup
+        self._lookup_lock = threading.RLock()
+
+    def extra_repr(self):
+        return self.rows_repr(f"heads={self.head_start}..{self.head_start + self.part_n_hash_cols} "
+                              f"of {self.n_hash_cols}")
+
+    def _rows(self, indices, rows=None):
+        """int64 [T, part] table rows of this rank's heads (-1: zeros), into `rows` if given."""
+        a = indices[:, self.head_start:self.head_start + self.part_n_hash_cols]
+        a = (a.cpu() if a.device.type != "cpu" else a).numpy()
+        if rows is None:
+            rows = np.empty((a.shape[0], self.part_n_hash_cols), np.int64)
+        rows[:, a.shape[1]:] = -1
+        owned = (a >= self.vocab_start_idx) & (a < self.vocab_end_idx)
+        rows[:, :a.shape[1]] = np.where(owned, a, -1)
+        return rows
+
+    def _ids_to_host(self, indices):
+        """This rank's columns of device `indices` copied to a pinned buffer on the current
+        stream without waiting, and an event recorded after the copy: a lane waits for it,
+        so a background lookup does not block the host on the device's hash kernel."""
+        import torch
+        a = indices[:, self.head_start:self.head_start + self.part_n_hash_cols]
+        buf = self._ids_pinned
+        if buf is None or buf.numel() < a.numel():
+            buf = self._ids_pinned = torch.empty(max(a.numel(), 1), dtype=a.dtype, pin_memory=True)
+        host = buf[:a.numel()].view(a.shape)
+        host.copy_(a, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
+
+    def _rows_when_ready(self, ids, ready, rows):
+        ready.synchronize()
+        self._rows(ids, rows)
+
+    def _fill(self, lane, rows, host, rows_ready=None):
+        """One window: its records read into `host` (uint8) or through the lane's scratch
+        converted to bf16. Runs on a lane's thread or the caller's; the GIL is released
+        while the rows are read and converted. rows_ready: the future that fills `rows`."""
+        if rows_ready is not None:
+            rows_ready.result()
+        source, scratch = lane[1], lane[2]
+        if host.dtype == np.uint8:
+            source.read_into(rows, host)
+            return
+        need = rows.size * self.recbytes
+        if scratch[0].size < need:
+            scratch[0] = np.empty(need, np.uint8)
+        rec = scratch[0][:need].reshape(rows.shape[0], self.part_n_hash_cols, self.recbytes)
+        source.read_into(rows, rec)
+        records_to_bf16(rec, host)
+
+    def _lane_set(self):
+        if self._lanes is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._lanes = [(ThreadPoolExecutor(1, thread_name_prefix=f"engram-rows-L{self.layer}"),
+                            src, scratch)
+                           for src, scratch in ((self.source, self._inline[2]),
+                                                (self.model.row_source(self.layer), [np.empty(0, np.uint8)]))]
+        return self._lanes
+
+    def lookup(self, indices, out, background=False):
+        """vLLM's lookup: out[t, h] = the row of indices[t, head_start + h] of this rank's
+        heads, as uint8 records or bf16 (vLLM's rounding); zeros where no row.
+
+        background=True (Engram._start_prefetch, at forward entry for every layer) returns
+        once the rows are handed to this embedding's two lanes (threads, each its own row
+        source): every layer's reads are in flight before the first layer runs, and
+        Engram._finish_prefetch, where vLLM waits for the rows, calls wait(). A chunk of more
+        than `window` tokens is read in windows alternating between the lanes, so one
+        window's reads are in flight while the other's are copied and converted; a shorter
+        lookup without background runs on the caller's thread."""
+        import torch
+        T = indices.shape[0]
+        if not T * self.part_n_hash_cols:
+            return
+        if out.dtype not in (torch.uint8, torch.bfloat16):
+            raise TypeError(f"lookup: out must be bfloat16 rows or uint8 records, got {out.dtype}")
+        if graph.lookup_path() == "stream":   # a CUDA graph captures it, or FULL mode: vllm_graph.py
+            with self._lookup_lock:
+                if graph.capturing():
+                    if self._pending or self._pending_copy is not None:
+                        raise RuntimeError("lookup: a CUDA graph capture began with this layer's rows in flight")
+                else:
+                    self.wait()
+                return graph.stream_lookup(self, indices, out)
+        graph.check_embedding(self)
+        with self._lookup_lock:
+            self.wait()                       # the previous lookup's rows (and its staging)
+            lanes, rows_ready = None, None
+            if background and indices.device.type != "cpu":
+                lanes = self._lane_set()
+                rows = np.empty((T, self.part_n_hash_cols), np.int64)
+                rows_ready = lanes[0][0].submit(self._rows_when_ready, *self._ids_to_host(indices), rows)
+                self._pending.append(rows_ready)
+            else:
+                rows = self._rows(indices)
+            host = out if out.device.type == "cpu" else self._host(out)
+            dst = host.numpy() if host.dtype == torch.uint8 else host.view(torch.int16).numpy().view(np.uint16)
+            if host is not out:
+                self._pending_copy = (host, out)
+            if not background and T <= self.window:
+                self._fill(self._inline, rows, dst)
+                if host is not out:
+                    self.wait()
+                return
+            lanes = lanes or self._lane_set()
+            for k, t0 in enumerate(range(0, T, self.window)):
+                t1 = min(T, t0 + self.window)
+                self._pending.append(lanes[k % 2][0].submit(self._fill, lanes[k % 2], rows[t0:t1], dst[t0:t1],
+                                                            rows_ready))
+            if not background:
+                self.wait()
+
+    def wait(self):
+        """Block until the lookup in flight has filled `out` (a device `out`: its copy from
+        the pinned staging is queued on the current stream). Raises what a read raised."""
+        import torch
+        if not self._pending and self._pending_copy is None:
+            return                            # nothing in flight (a decode step's inline lookup)
+        with self._lookup_lock:
+            pending, self._pending = self._pending, []
+            error = None
+            for f in pending:                 # every window finishes before the staging is reused
+                try:
+                    f.result()
+                except BaseException as e:  # noqa: BLE001  (the first error is raised below)
+                    error = error or e
+            copy, self._pending_copy = self._pending_copy, None
+            if error is not None:
+                raise error
+            if copy is not None:
+                host, out = copy
+                out.copy_(host, non_blocking=True)
+                self._copied = torch.cuda.Event()
+                self._copied.record()
+
+    def _host(self, out):
+        """A pinned host tensor shaped as `out` (kept and reused once its last copy is done)."""
+        import torch
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        st = self._staging
+        if st is None or st.dtype != out.dtype or st.numel() < out.numel():
+            st = self._staging = torch.empty(out.numel(), dtype=out.dtype, pin_memory=True)
+        return st[:out.numel()].view(out.shape)
 
 
 # ---- the hooks -----------------------------------------------------------------------------------
