@@ -10,6 +10,7 @@ import os
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
 
 # Every .pyx of the package is one extension module: a variant's folder brings its engine by
 # holding the file, with no list here to keep in step.
@@ -52,7 +53,19 @@ def extension(name):
     )
 
 
+
+class BuildExt(build_ext):
+    """The extensions compiled one job a core unless -j says otherwise: pip's build gives no -j,
+    and one job leaves every other core idle for minutes."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
+
+
 setup(
+    cmdclass={"build_ext": BuildExt},
     packages=PACKAGES,
     ext_modules=cythonize(
         [extension(m) for m in MOD_NAMES],
