@@ -45,6 +45,18 @@ def _small(model, seed=0, S=3, T=40):
     return model.stream(L, S), Oracle(model, L, ids, hid)
 
 
+def _three_streams_after(model, seed, T, steps):
+    """The last layer, 3 streams' inputs over T tokens and their oracle, and an engine that has
+    stepped the first `steps` of them."""
+    L = _layer(model)
+    ids, hid = variant_inputs(model, seed, (3, T))
+    want = model.forward(L, ids, hid[...])
+    eng = model.stream(L, 3)
+    for t in range(steps):
+        eng.step(ids[:, t], hid[:, t])
+    return L, ids, hid, want, eng
+
+
 def _bad_hidden(model, S):
     """A hidden every call refuses: the wrong stream count (an input layer: any array at all)."""
     if model.variant.input_layer:
@@ -94,12 +106,7 @@ def test_reset_one_stream_while_feed_pending(model):
     token) or leave streams 1.. consistent: clearing `pending` for all streams after feed pushed the
     token into streams 1..'s hash windows would leave their next outputs matching neither the
     sequence with that token nor the one without it."""
-    L = _layer(model)
-    ids, hid = variant_inputs(model, 6, (3, 20))
-    want = model.forward(L, ids, hid[...])
-    eng = model.stream(L, 3)
-    for t in range(5):
-        eng.step(ids[:, t], hid[:, t])
+    L, ids, hid, want, eng = _three_streams_after(model, seed=6, T=20, steps=5)
     eng.feed(ids[:, 5])
     try:
         eng.reset(0)
@@ -123,12 +130,7 @@ def test_reset_one_stream_while_feed_pending(model):
 
 # ---- snapshot / restore ----------------------------------------------------------------------
 def test_snapshot_restore_replays_exactly(model):
-    L = _layer(model)
-    ids, hid = variant_inputs(model, 7, (3, 40))
-    want = model.forward(L, ids, hid[...])
-    eng = model.stream(L, 3)
-    for t in range(7):
-        eng.step(ids[:, t], hid[:, t])
+    L, ids, hid, want, eng = _three_streams_after(model, seed=7, T=40, steps=7)
     snap = eng.snapshot()
     assert isinstance(snap, EngineSnapshot) and snap.nbytes == eng.state_nbytes
     frozen = {k: getattr(snap, k).copy() for k in snap.names}
