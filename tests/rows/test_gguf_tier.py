@@ -229,3 +229,47 @@ def test_parse_tier_and_the_file_checks(folders, tmp_path):
     with pytest.raises(CheckpointError, match="architecture is 'qwen4exp'"):
         write_gguf(path, "qwen4exp", tensors)
         load_checkpoint(folder, tables=GGUFTier(path))
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("key,name,read", [("v41", "Q4_K", "direct"), ("qwen-split", "Q5_1", "mapped"),
+                                           ("longcat", "Q8_0", "mapped")])
+def test_a_gguf_published_to_mooncake_serves_its_quantized_rows(folders, tmp_path, mooncake, tier, key, name, read):
+    """MooncakeTier.publish of a model loaded with a GGUFTier writes the GGUF's records as they are
+    (quantized, "gguf:TYPE" in the fingerprint); a model loading with MooncakeTier(gguf=path) reads
+    and decodes them: every engine's rows and outputs bit-identical to the mapped GGUF's. A model
+    without the GGUF finds no rows of its own tables under its name."""
+    from engram_stream.errors import TierError
+    from engram_stream.rows import MooncakeTier
+    split = key.endswith("-split") or key == "longcat"
+    folder = folders[key.removesuffix("-split")]
+    path = tmp_path / "t.gguf"
+    write_table_gguf(path, load_checkpoint(folder), name, seed=6, split=split)
+    src = load_checkpoint(folder, tables=GGUFTier(path, read=read))
+    L0 = src.cfg.layer_ids[0]
+    rb = src.row_source(L0).rowbytes
+    written = tier.publish(src)
+    assert written == sum(int(p) for L in src.cfg.layer_ids for p in src.plan.head_primes[L]) * rb   # GGUF bytes
+    assert tier.published(L0, tier.name_of(src))["record_format"] == f"gguf:{name}"
+    mapped = load_checkpoint(folder, tables=GGUFTier(path))
+    reader = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, timeout=5, gguf=path)
+    try:
+        remote = load_checkpoint(folder, tables=reader, row_cache_mb=0.01)
+        for L in remote.cfg.layer_ids:
+            s = remote.row_source(L)
+            assert (s.record_format, s.rowbytes, s.scalebytes) == (f"gguf:{name}", rb, 0)
+            ids, hid = variant_inputs(remote, 7, (2, 24))
+            same_bits(remote.stream(L, 1).lookup_packed(ids[0], [0], [24]),
+                      mapped.stream(L, 1).lookup_packed(ids[0], [0], [24]))
+            a, b = remote.stream(L, 2), mapped.stream(L, 2)
+            np.testing.assert_array_equal(a.prefill(ids[1], hid[1], stream=1), b.prefill(ids[1], hid[1], stream=1))
+            rows = np.arange(0, remote.plan.table_rows[L], 97)
+            got, want = np.empty((rows.size, rb), np.uint8), np.empty((rows.size, rb), np.uint8)
+            s.read_into(rows, got)
+            mapped.row_source(L).read_into(rows, want)
+            np.testing.assert_array_equal(got, want)
+        assert remote.row_cache_stats()["fetches"] > 0
+    finally:
+        reader.close()
+    with pytest.raises(TierError):   # the folder's own tables were not published
+        load_checkpoint(folder, tables=tier)
