@@ -104,6 +104,18 @@ class GGUFTables(Tables):
             parts.append(part)
         return parts
 
+    def table_f32(self, layer, rows) -> np.ndarray:
+        """float32 [*rows.shape, row length]: the layer's rows (absolute ids, any shape) decoded by
+        the engines' C decoders (bit-exact against gguf.quants.dequantize): the table the numpy
+        oracle (EngramModel.forward) reads, so that the oracle is the quantized model. Reads the
+        rows through this tier's own reader, one call's rows at a time."""
+        from . import _gguf
+        t = self.tensors[layer][0]
+        ids = np.asarray(rows, np.int64)
+        rec = np.empty((ids.size, t.row_bytes), np.uint8)
+        self.source(layer).read_into(ids.reshape(-1), rec)
+        return _gguf.decode_rows(t.decoder_type(), rec, t.row_length).reshape(*ids.shape, t.row_length)
+
     def record_layout(self, layer):
         """(row bytes, scale bytes) of one of this layer's records: the GGUF row's bytes, no scale."""
         return self.tensors[layer][0].row_bytes, 0
