@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from ..errors import CheckpointError
-from ..io.files import MappedFile, open_regular
+from ..io.files import MappedFile, check_file, open_regular
 from ..io.memory import advise
 from ._direct import DirectReader, FilePart, IOPool, RecordFile
 from ._source import DirectRows, MappedRows, PartedRows
@@ -110,6 +110,9 @@ class GGUFTables(Tables):
         oracle (EngramModel.forward) reads, so that the oracle is the quantized model. Reads the
         rows through this tier's own reader, one call's rows at a time."""
         from . import _gguf
+        if self.read == "mapped":   # a file changed since it was opened is refused (direct reads check their own)
+            for a in self.tables[layer]:
+                check_file(a)
         t = self.tensors[layer][0]
         ids = np.asarray(rows, np.int64)
         rec = np.empty((ids.size, t.row_bytes), np.uint8)

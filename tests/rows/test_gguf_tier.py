@@ -265,3 +265,37 @@ def test_a_gguf_published_to_mooncake_serves_its_quantized_rows(folders, tmp_pat
         reader.close()
     with pytest.raises(TierError):   # the folder's own tables were not published
         load_checkpoint(folder, tables=tier)
+
+
+@pytest.mark.parametrize("key,what", [("v41", "mapped"), ("v41", "direct"), ("v41", "direct+cache"),
+                                      ("qwen-split", "mapped+cache"), ("longcat", "mapped")])
+def test_a_gguf_changed_after_opening_is_refused_not_served(folders, tmp_path, key, what):
+    """The GGUF's stamp (device, inode, size, mtime, ctime) is taken when it is opened, as for the
+    checkpoint's files: after the file changed, an engine's call (its FileStamps cover the mapped
+    GGUF its source points into), a direct read and the oracle raise FileChangedError naming the
+    file; nothing read from it is served."""
+    import os
+    from engram_stream.errors import FileChangedError
+    split = key.endswith("-split") or key == "longcat"
+    folder = folders[key.removesuffix("-split")]
+    path = tmp_path / "t.gguf"
+    write_table_gguf(path, load_checkpoint(folder), "Q8_0", split=split)
+    model = load_checkpoint(folder, **SOURCES[what](path))
+    L = model.cfg.layer_ids[0]
+    ids, hid = variant_inputs(model, 3, (2, 8))
+    eng = model.stream(L, 1)
+    eng.lookup_packed(ids[0], [0], [8])   # read before the change: served
+    with open(path, "ab") as f:   # the file rewritten in place (grown: its mapped pages stay readable)
+        f.write(b"\0" * 4096)
+    for run in (lambda: eng.lookup_packed(ids[1], [0], [8]), lambda: model.stream(L, 1).lookup_packed(ids[1], [0], [8]),
+                lambda: model.forward(L, ids, None if model.variant.input_layer else hid)):
+        with pytest.raises(FileChangedError, match=r"t\.gguf"):
+            run()
+    if "direct" in what:   # a direct source's own reads check the stamp too
+        fresh = np.arange(model.plan.table_rows[L] - 5, model.plan.table_rows[L])   # rows no cache holds
+        src = model.row_source(L)
+        with pytest.raises(FileChangedError, match=r"t\.gguf"):
+            src.read_into(fresh, np.empty((5, src.rowbytes), np.uint8))
+    os.truncate(path, os.path.getsize(path) - 4096)   # the size back, the ctime not: still refused
+    with pytest.raises(FileChangedError, match=r"t\.gguf"):
+        eng.lookup_packed(ids[1], [0], [8])
