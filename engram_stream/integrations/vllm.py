@@ -18,6 +18,9 @@ parsed by integrations.serving.parse_settings, as SGLang's are:
     tables        "mapped" (the checkpoint's shards mapped; the page cache holds what is read)
                   or "direct" (pread / O_DIRECT from the shards or the packed row file
                   engram_rows.bin: `engram-stream pack-rows DIR`)
+                  or {"gguf": {"path": "m.gguf", "read": ...}} (a llama.cpp GGUF's tables:
+                  Qwen4Exp's and LongCat's rows decoded to bf16 in the lookup; V4.1's from a
+                  GGUF of the raw 264-byte rows only, byte for byte: other types are refused)
     row_cache_mb  the RAM row cache (MiB) of the process, split over the Engram layers
     host_cache    a name ("vllm"): the row cache is the host's, one for every process (the
                   data-parallel ranks) with the same settings, row_cache_mb its one budget
