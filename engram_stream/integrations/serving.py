@@ -133,7 +133,11 @@ def open_model(s, default_checkpoint, where, variant=None):
         if key not in _models:
             from ..model import EngramModel
             from ..rows import parse_tier
-            tables = parse_tier({"mooncake": s["mooncake"]} if s["mooncake"] is not None else s["tables"])
+            spec = s["tables"]
+            if s["mooncake"] is not None:   # a GGUF's rows published to the store: read and decoded as the GGUF's
+                spec = {"mooncake": {**s["mooncake"], **({"gguf": spec["gguf"]["path"]} if isinstance(spec, dict)
+                                                          else {})}}
+            tables = parse_tier(spec)
             _models[key] = EngramModel.load(ckpt, tables=tables, row_cache_mb=s["row_cache_mb"] or None,
                                             host_cache=s["host_cache"])
         model = _models[key]

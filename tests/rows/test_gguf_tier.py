@@ -226,7 +226,8 @@ def test_parse_tier_and_the_file_checks(folders, tmp_path):
 @pytest.mark.mooncake
 @pytest.mark.parametrize("key,name,read", [("v41", "Q4_K", "direct"), ("qwen-split", "Q5_1", "mapped"),
                                            ("longcat", "Q8_0", "mapped")])
-def test_a_gguf_published_to_mooncake_serves_its_quantized_rows(folders, tmp_path, mooncake, tier, key, name, read):
+def test_a_gguf_published_to_mooncake_serves_its_quantized_rows(folders, tmp_path, mooncake, tier, key, name, read,
+                                                               monkeypatch):
     """MooncakeTier.publish of a model loaded with a GGUFTier writes the GGUF's records as they are
     (quantized, "gguf:TYPE" in the fingerprint); a model loading with MooncakeTier(gguf=path) reads
     and decodes them: every engine's rows and outputs bit-identical to the mapped GGUF's. A model
@@ -263,6 +264,18 @@ def test_a_gguf_published_to_mooncake_serves_its_quantized_rows(folders, tmp_pat
         assert remote.row_cache_stats()["fetches"] > 0
     finally:
         reader.close()
+    # the serving plugins' settings: the GGUF and the store together read the published GGUF rows
+    from engram_stream.integrations import serving
+    monkeypatch.setattr(serving, "_models", {})
+    settings = {"checkpoint": folder, "tables": {"gguf": {"path": str(path)}},
+                "mooncake": {"master": mooncake.master, "metadata": mooncake.metadata}}
+    if key == "v41":   # V4.1's serving embeddings take 264-byte records only
+        with pytest.raises(ValueError, match=f"is {name} .*264-byte e4m3"):
+            serving.parse_settings(settings, "ENV")
+    else:
+        served = serving.open_model(serving.parse_settings(settings, "ENV"), None, "ENV")
+        assert type(served.tables.inner).__name__ == "StoreTables"
+        assert served.row_source(L0).record_format == f"gguf:{name}"
     with pytest.raises(TierError):   # the folder's own tables were not published
         load_checkpoint(folder, tables=tier)
 
