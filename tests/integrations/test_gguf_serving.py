@@ -6,8 +6,6 @@ byte, through the eager lookup's conversion and the CUDA-graph host function ali
 type is refused when the settings are read, naming the type."""
 from __future__ import annotations
 
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -15,8 +13,7 @@ import pytest
 gguf = pytest.importorskip("gguf")  # the test extra
 torch = pytest.importorskip("torch")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rows"))
-from test_gguf_tier import longcat_model, qwen_model, write_table_gguf  # noqa: E402
+from helpers.gguf_files import longcat_model, qwen_model, write_table_gguf  # noqa: E402
 
 from engram_stream.integrations import serving  # noqa: E402
 from engram_stream.integrations._records import gguf_to_bf16, records_to_bf16  # noqa: E402

@@ -333,8 +333,7 @@ def test_a_gguf_table_is_served_as_the_bf16_checkpoint_of_its_rows(parallel, tmp
     checkpoint whose table is gguf.quants.dequantize's rows rounded to bf16 (the GGUF decoded in
     the lookup), mapped and direct."""
     pytest.importorskip("gguf")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "rows"))
-    from test_gguf_tier import write_table_gguf
+    from helpers.gguf_files import write_table_gguf
     ecfg = EngramConfig.from_hf_config({**QC.HF, "ple_embed_dim": 128, "ple_layer_ids": [1]})  # head_dim 32: a block
     m = EngramModel.init(ecfg, seed=3)
     layer = ecfg.layer_ids[0]

@@ -16,7 +16,6 @@ import glob
 import importlib.util
 import json
 import os
-import sys
 import types
 
 import numpy as np
@@ -237,8 +236,7 @@ def test_a_gguf_table_is_served_as_the_bf16_checkpoint_of_its_rows(N, vllm_env, 
     checkpoint whose table is gguf.quants.dequantize's rows rounded to bf16 (the GGUF decoded in
     the lookup: _records.gguf_to_bf16), for mapped and direct reads."""
     pytest.importorskip("gguf")
-    sys.path.insert(0, os.path.join(HERE, "..", "rows"))
-    from test_gguf_tier import write_table_gguf
+    from helpers.gguf_files import write_table_gguf
     ecfg = EngramConfig.from_hf_config({**Q.HF, "ple_embed_dim": 128, "ple_layer_ids": [1]})   # head_dim 32: a block
     m = EngramModel.init(ecfg, seed=3)
     L = ecfg.layer_ids[0]

@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")  # the test extra; the runtime never imports it
-from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.errors import CheckpointError  # noqa: E402
 from engram_stream.rows import GGUFTier, parse_tier  # noqa: E402
 from engram_stream.rows.gguf_tier import GGUFTables  # noqa: E402
@@ -20,8 +18,8 @@ from helpers.inputs import variant_inputs  # noqa: E402
 from helpers.models import checkpoint_path, make_v41_model  # noqa: E402
 from helpers.numeric import close  # noqa: E402
 from helpers.row_sources import load_checkpoint  # noqa: E402
-from test_gguf import (ARR, I64, U32, U64, e4m3_oracle, e4m3_rows, same_bits, table_bytes,  # noqa: E402
-                       write_gguf)
+from helpers.gguf_files import (U32, longcat_model, qwen_model, quantized_table, same_bits, v41_kv, write_gguf,  # noqa: E402
+                                write_table_gguf)
 
 pytestmark = pytest.mark.native  # the engines' gathers decode the GGUF rows in C
 
@@ -31,67 +29,6 @@ SOURCES = {  # the load arguments of every way a GGUF's rows reach an engine
     "direct": lambda p: dict(tables=GGUFTier(p, read="direct")),
     "direct+cache": lambda p: dict(tables={"gguf": {"path": str(p), "read": "direct"}}, row_cache_mb=0.01),
 }
-
-
-def qwen_model():
-    from engram_stream.qwen.config import EXAMPLE
-    cfg = {**EXAMPLE, "layer_ids": [2], "n_embed_per_ngram": 64}   # head_dim 32: one block of the 32-value types
-    return EngramModel.init(EngramConfig(**cfg), seed=3)
-
-
-def qwen_kv(m):
-    cfg, plan, L = m.cfg, m.plan, m.cfg.layer_ids[0]
-    return {"qwen4exp.ple.layers": ([L], ARR, U32), "qwen4exp.ple.ngram_size": (cfg.max_ngram_size, U32, None),
-            "qwen4exp.ple.heads_per_ngram": (cfg.n_head_per_ngram, U32, None),
-            "qwen4exp.embedding_length_per_layer_input": (cfg.head_dim, U32, None),
-            "qwen4exp.ple.layer_multipliers": ([int(x) % 2**64 for x in plan.multipliers[L]], ARR, U64),
-            "qwen4exp.ple.head_vocab_sizes": ([int(x) for x in plan.head_primes[L]], ARR, U64)}
-
-
-def longcat_model():
-    from engram_stream.longcat.config import EXAMPLE
-    return EngramModel.init(EngramConfig(**{**EXAMPLE, "n_embed_per_ngram": 64, "hidden_size": 128}), seed=4)  # head_dim 32
-
-
-def longcat_kv(m):
-    cfg = m.cfg
-    return {"longcat_flash_ngram.ngram.neighbor_num": (cfg.max_ngram_size, U32, None),
-            "longcat_flash_ngram.ngram.split_num": (cfg.n_head_per_ngram, U32, None)}
-
-
-def v41_kv(m):
-    cfg, plan = m.cfg, m.plan
-    return {"deepseek41.engram.layer_ids": (list(cfg.layer_ids), ARR, U32),
-            "deepseek41.engram.head_count": (cfg.n_head_per_ngram, U32, None),
-            "deepseek41.engram.key_length": (cfg.head_dim, U32, None),
-            "deepseek41.engram.multipliers": ([int(x) for L in cfg.layer_ids for x in plan.multipliers[L]], ARR, I64)}
-
-
-def quantized_table(name, rows, hd, rng):
-    """(the GGUF tensor's data and type name, float32 [rows, hd] as gguf-py dequantizes it)."""
-    if name == "E4M3":   # ds4's I8 tensor of the checkpoint's 264-byte rows, finite scales
-        raw = e4m3_rows(rows, rng)
-        raw[:, :256] &= 0xF7   # no e4m3 NaN code (0x7f, 0xff): the oracle's numbers stay finite
-        raw[:, 256:] = rng.integers(118, 130, (rows, 8))
-        return (raw.view(np.int8), "I8"), e4m3_oracle(raw)
-    raw = table_bytes(name, rows, hd, rng)
-    if name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"):   # random blocks: scales of a real table's size
-        deq = gguf.quants.dequantize(raw, T[name]).reshape(rows, hd)
-        big = np.abs(deq).max(axis=1) > 64
-        raw[big] = table_bytes(name, int(big.sum()), hd, rng) if big.any() else raw[big]
-        raw = _tame(name, raw, hd, rng)
-    return (raw, name), gguf.quants.dequantize(raw, T[name]).reshape(rows, hd)
-
-
-def _tame(name, raw, hd, rng):
-    """Random K-quant blocks with small fp16 super-scales (the values a quantizer writes)."""
-    from test_gguf import SCALE_AT
-    bv, bb = gguf.GGML_QUANT_SIZES[T[name]]
-    b = raw.reshape(raw.shape[0], hd // bv, bb).copy()
-    for at in SCALE_AT[name]:
-        h = (rng.uniform(1e-4, 2e-2, b.shape[:2]) * rng.choice([-1, 1], b.shape[:2])).astype(np.float16)
-        b[:, :, at:at + 2] = h.view(np.uint8).reshape(*b.shape[:2], 2)
-    return b.reshape(raw.shape[0], -1)
 
 
 @pytest.fixture(scope="module")
@@ -104,30 +41,6 @@ def folders(tmp_path_factory):
         out[key] = str(checkpoint_path(m, d, key))
         m.save(out[key])
     return out
-
-
-def write_table_gguf(path, model, name, seed=0, split=False):
-    """A GGUF of `model`'s layout with random tables of type `name` (split: qwen4exp's per-head
-    tensors; LongCat's are always one an embedder); {layer: dequantized table}."""
-    rng = np.random.default_rng(seed)
-    cfg, plan = model.cfg, model.plan
-    tensors, deq = {"output_norm.weight": (np.ones(7, np.float32), "F32")}, {}   # the table 32-aligned, not paged
-    arch = {"qwen": "qwen4exp", "deep": "deepseek41", "long": "longcat_flash_ngram"}[cfg.variant[:4]]
-    for L in cfg.layer_ids:
-        if arch == "deepseek41":
-            tensors[f"blk.{L}.engram_embd.weight"], deq[L] = quantized_table(name, plan.table_rows[L], cfg.head_dim, rng)
-        elif arch == "qwen4exp" and not split:
-            tensors["per_layer_token_embd.weight"], deq[L] = quantized_table(name, plan.table_rows[L], cfg.head_dim, rng)
-        else:   # one tensor a head (an embedder), its rows only: the table's padding rows are zeros
-            parts = [quantized_table(name, int(p), cfg.head_dim, rng) for p in plan.head_primes[L]]
-            pattern = "ple_ngram_embd.{}.weight" if arch == "qwen4exp" else "ngram_embd.{}.weight"
-            for h, (data, _) in enumerate(parts):
-                tensors[pattern.format(h)] = data
-            deq[L] = np.concatenate([d for _, d in parts])
-            deq[L] = np.concatenate([deq[L], np.zeros((plan.table_rows[L] - deq[L].shape[0], cfg.head_dim), np.float32)])
-    kv = {"qwen4exp": qwen_kv, "deepseek41": v41_kv, "longcat_flash_ngram": longcat_kv}[arch](model)
-    write_gguf(path, arch, tensors, kv)
-    return deq
 
 
 CASES = ([("qwen", n) for n in ("Q4_0", "Q8_0", "IQ4_NL", "BF16")] + [("qwen-split", "Q5_1")]
