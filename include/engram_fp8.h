@@ -469,17 +469,6 @@ static ES_TARGET_BF16 void es8_bf16_act(const float *x, int E, const float *f, u
     }
 }
 
-/* bf16 v (pairs in dwords) times s (float32 per dword), back to bf16: exact for the products
- * of e4m3 values and powers of two (their low 16 bits are zero); a denormal one keeps its
- * high bits, read as zero by vdpbf16ps. */
-ES8_INLINE ES_TARGET_BF16 __m512i es8_bf16_scale(__m512i v, __m512 s) {
-    const __m512i m = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512 ev = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), s);
-    const __m512 od = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(v, m)), s);
-    return _mm512_ternarylogic_epi32(_mm512_castps_si512(od), _mm512_srli_epi32(_mm512_castps_si512(ev), 16), m,
-                                     0xe4);  /* od where m, else ev >> 16 */
-}
-
 /* One token, R rows (a constant at each call site, up to ES8_GR_BF16): the GEMV of es8_gemv512
  * on bf16, the weights widened by the tables, qs the activation with both scales (es8_bf16_act). */
 ES8_INLINE ES_TARGET_BF16 void es8_gemv_bf16(const uint8_t *w, const int R, const uint16_t *qs, int E, float *y,
@@ -514,9 +503,10 @@ ES8_INLINE ES_TARGET_BF16 void es8_bf16_mag(__m512 mag[8]) {
     }
 }
 
-/* The tables of es8_widen64_bf16 for the e4m3 magnitudes times the block scale s: the bf16
- * bits of the float32 product, truncated, as es8_bf16_scale leaves them (the same factors;
- * the sign or-ed in after, as for the plain tables). mag: the 128 magnitudes as float32. */
+/* The tables of es8_widen64_bf16 for the e4m3 magnitudes times the block scale s: the high
+ * half of the float32 product (exact for e4m3 values times powers of two; a denormal one keeps
+ * its high bits, read as zero by vdpbf16ps), the sign or-ed in after as for the plain tables.
+ * mag: the 128 magnitudes as float32 (es8_bf16_mag). */
 ES8_INLINE ES_TARGET_BF16 void es8_bf16_tables_scaled(const __m512 mag[8], float s, __m512i t[4]) {
     const __m512 sv = _mm512_set1_ps(s);
     __m128i lo[8], hi[8];
@@ -534,11 +524,11 @@ ES8_INLINE ES_TARGET_BF16 void es8_bf16_tables_scaled(const __m512 mag[8], float
     }
 }
 
-/* es8_widen_rows on bf16: R rows widened, times their block scales (wsf), k block by k block:
- * the block at k0 at wb + 32*k0, its row r at + r*ES8_KBLOCK (bf16 in es8_bf16_pos order, a
- * last block's tail zero to a multiple of 64). The scales are folded into the tables (those of
- * a 64-value chunk's two blocks, built once for all R rows; the halves blended), not multiplied
- * per value: the bits of es8_bf16_scale, at half the vector instructions a chunk. */
+/* es8_widen_rows on bf16: R rows (ldw bytes apart) widened, times their block scales (wsf), k
+ * block by k block: the block at k0 at wb + 32*k0, its row r at + r*ES8_KBLOCK (bf16 in
+ * es8_bf16_pos order, a last block's tail zero to a multiple of 64). The scales are folded
+ * into the tables (those of a 64-value chunk's two blocks, built once for all R rows; the
+ * halves blended), not multiplied per value: 0.74x the time per value in L1 on Zen 4. */
 static ES_TARGET_BF16 void es8_widen_rows_bf16(const uint8_t *w, int64_t ldw, int R, int E, const float *wsf,
                                                uint16_t *wb) {
     __m512 mag[8];
@@ -641,19 +631,28 @@ static ES_TARGET_BF16 void es8_bf16_tokens(const float *qx, int64_t ldq, int64_t
 }
 
 /* ---- the bf16 columns tile: weight rows in the lanes --------------------------------------
- * The tokens-in-lanes tile above broadcasts a weight pair from memory into every vdpbf16ps of
- * one token vector (at 16 tokens: one broadcast an instruction). Here, as the bf16 GEMM of
- * engram_step.h (es_gemm_range_dp), the 32 rows of a group are the lanes of two vectors and a
- * token's pair is broadcast into both: 8 tokens x 2 vectors, 16 vdpbf16ps for 8 broadcasts and
- * two loads. The rows are widened once per group as for the lanes tile (the same tables and
- * es8_bf16_scale: the same bf16 factors) and turned into columns in registers (16 x 16 dwords
- * per 64 values of 16 rows); every lane sums its pairs in the same order as a token lane of the
- * lanes tile (the pairs of es8_bf16_pos, one after another, from zero), so both give the same
- * bits. es8_cols_min: tokens from which it runs (ES8_CT_MIN; fp8_linear(cols=) sets it to time
- * either tile). */
-#define ES8_CT_MIN 9 /* measured on Zen 4 (bf16 path, 2048 x 6144, one thread): see DESIGN.md section 4 */
+ * The tokens-in-lanes tile above broadcasts a weight pair into the vdpbf16ps of one or two
+ * vectors of 16 tokens: 9 to 15 tokens leave 7 to 1 lanes of 16 idle. Here, as the bf16 GEMM
+ * of engram_step.h (es_gemm_range_dp), the 32 rows of a group are the lanes of two vectors
+ * and a token's pair is broadcast into both: 8 tokens x 2 vectors, 16 vdpbf16ps for 8
+ * broadcasts and two loads, no lane idle at any token count. The rows are widened k block by
+ * k block (the factors of es8_widen_rows_bf16) and turned into columns in registers (16 x 16
+ * dwords of float8 bytes per 64 values of 16 rows); every lane sums its pairs in the order of
+ * a token lane of the lanes tile (the pairs of es8_bf16_pos, one after another, from zero),
+ * so both give the same bits and the choice between them is speed only (es8_cols_for). The
+ * transpose makes its widening dearer. Measured on Zen 4 (bf16 path, 2048 x 6144, one thread,
+ * the best of 8 CPU-time runs, a shared machine): faster where a vector of 16 tokens would be
+ * part-filled (9: 2.50 against 2.90 ms; 12: 2.50/2.94; 17: 3.43/5.02; 24: 4.20/5.32), not
+ * where all are full (16: 3.11/2.95; 32: 5.12/5.07). */
 #define ES8_CT_MR 8  /* tokens per columns tile: 8 x 2 vectors = 16 accumulators */
-static int es8_cols_min = ES8_CT_MIN;
+static int es8_cols_mode = -1; /* fp8_linear(cols=): 1 or 0 forces the columns tile on or off, -1 the rule */
+
+/* Whether S tokens run on the columns tile: S >= 2 where forced on, else from ES8_XT_MIN
+ * tokens where a vector of 16 would be part-filled. */
+static inline int es8_cols_for(int64_t S) {
+    if (S < 2 || !es8_cols_mode) return 0;
+    return es8_cols_mode > 0 || (S >= ES8_XT_MIN && S % 16 != 0);
+}
 
 /* Pairs of bf16 per token row of es8_bf16_act: E rounded up to 64, halved. */
 static inline int64_t es8_bf16_np(int E) { return (int64_t)(E + 63) / 64 * 32; }
@@ -687,12 +686,14 @@ ES8_INLINE ES_TARGET_BF16 void es8_transpose16(__m512i r[16]) {
     }
 }
 
-/* The group's R <= 32 rows widened into columns: the pair p (es8_bf16_pos pairs; np per row) of
- * rows 16c .. 16c + 15 at wc + (c*np + p)*16, a dword a row; rows past R zero. The same bf16
+/* A group's R <= 32 rows (ldw bytes apart; E values: a k block) widened into columns: the pair
+ * p (es8_bf16_pos pairs; np per row) of rows 16c .. 16c + 15 at wc + (c*np + p)*16, a dword a
+ * row; rows past R zero. The same bf16
  * factors as es8_widen_rows_bf16. Per 64 values of 16 rows: the float8 dwords transposed (16 x
  * 16, a dword = 4 values of a row), each column widened by the tables of its block scale (the
  * scale folded into the tables, not multiplied per value), then its two pairs split out. */
-static ES_TARGET_BF16 void es8_widen_cols_bf16(const uint8_t *w, int R, int E, const float *wsf, uint32_t *wc) {
+static ES_TARGET_BF16 void es8_widen_cols_bf16(const uint8_t *w, int64_t ldw, int R, int E, const float *wsf,
+                                               uint32_t *wc) {
     const int64_t np = es8_bf16_np(E);
     __m512 mag[8];
     es8_bf16_mag(mag);
@@ -712,7 +713,7 @@ static ES_TARGET_BF16 void es8_widen_cols_bf16(const uint8_t *w, int R, int E, c
             __m512i v[16];
 #pragma GCC unroll 16
             for (int i = 0; i < 16; i++)
-                v[i] = 16 * c + i < R ? es8_load64(w + (int64_t)(16 * c + i) * E + k, full) : _mm512_setzero_si512();
+                v[i] = 16 * c + i < R ? es8_load64(w + (int64_t)(16 * c + i) * ldw + k, full) : _mm512_setzero_si512();
             es8_transpose16(v);
             uint32_t *dst = wc + (c * np + k / 2) * 16;
 #pragma GCC unroll 16
@@ -727,7 +728,7 @@ static ES_TARGET_BF16 void es8_widen_cols_bf16(const uint8_t *w, int R, int E, c
     }
 }
 
-/* The tokens of a call (S >= es8_cols_min) as pairs for the columns tile: the S/8 full tiles
+/* The tokens of a call (es8_cols_for(S)) as pairs for the columns tile: the S/8 full tiles
  * [tile][np][8] dwords, then the rest [np][S % 8] (es8_bf16_pos pairs, s_x only). */
 static ES_TARGET_BF16 void es8_bf16_cols_tokens(const float *qx, int64_t ldq, int64_t S, int E, uint32_t *xq) {
     const int64_t np = es8_bf16_np(E);
@@ -741,13 +742,19 @@ static ES_TARGET_BF16 void es8_bf16_cols_tokens(const float *qx, int64_t ldq, in
 }
 
 /* mr tokens (pairs at xq, token r's pair p at xq[p*mr + r]) x the group's two column vectors
- * over all np pairs; y[r*ldy + c] for the R valid rows c. pf: npf bytes of the next group,
- * a line a pair requested (its widening then reads L2), or NULL. */
+ * over the np pairs of a k block (wc: es8_widen_cols_bf16's); the sums carried in part[r*32 +
+ * c] from block to block (first: from zero), after the last (y non-NULL) y[r*ldy + c] for the
+ * R valid rows c. pf: npf bytes of the next group, a line a pair requested (its widening then
+ * reads L2), or NULL. */
 ES8_INLINE ES_TARGET_BF16 void es8_ctile_bf16(const uint32_t *xq, const uint32_t *wc, int64_t np, const int mr,
-                                             float *y, int64_t ldy, int R, const uint8_t *pf, int64_t npf) {
+                                             float *part, int first, float *y, int64_t ldy, int R, const uint8_t *pf,
+                                             int64_t npf) {
     __m512 acc[ES8_CT_MR][2];
 #pragma GCC unroll 8
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++) {
+        acc[r][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * 32);
+        acc[r][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(part + r * 32 + 16);
+    }
     const int64_t npl = pf ? (npf + 63) / 64 : 0;
     for (int64_t p = 0; p < np; p++) {
         if (p < npl) _mm_prefetch((const char *)pf + p * 64, _MM_HINT_T1);
@@ -760,6 +767,14 @@ ES8_INLINE ES_TARGET_BF16 void es8_ctile_bf16(const uint32_t *xq, const uint32_t
             acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
         }
     }
+    if (!y) {
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            _mm512_storeu_ps(part + r * 32, acc[r][0]);
+            _mm512_storeu_ps(part + r * 32 + 16, acc[r][1]);
+        }
+        return;
+    }
     const __mmask16 m0 = R >= 16 ? 0xffff : (__mmask16)((1u << R) - 1);
     const __mmask16 m1 = R >= 32 ? 0xffff : R <= 16 ? 0 : (__mmask16)((1u << (R - 16)) - 1);
 #pragma GCC unroll 8
@@ -769,25 +784,36 @@ ES8_INLINE ES_TARGET_BF16 void es8_ctile_bf16(const uint32_t *xq, const uint32_t
     }
 }
 
-/* One group on the columns tile: its rows widened into columns in scratch, then the tokens
- * (xq: es8_bf16_cols_tokens) 8 at a time, the rest as one smaller tile. */
+/* One group on the columns tile, k block by k block (ES8_KBLOCK): the block's rows widened into
+ * columns in scratch (16 KiB: it stays in L1), then the tokens (xq: es8_bf16_cols_tokens) 8 at
+ * a time, the rest as one smaller tile, their sums carried in scratch after the block. */
 static ES_TARGET_BF16 void es8_cols_bf16(const uint8_t *w, int R, const uint32_t *xq, int64_t S, int E,
                                          const float *wsf, float *y, int64_t ldy, float *scratch, const uint8_t *next,
                                          int64_t nnext) {
     const int64_t np = es8_bf16_np(E);
     uint32_t *wc = (uint32_t *)scratch;
-    es8_widen_cols_bf16(w, R, E, wsf, wc);
-    int64_t b = 0;
-    for (; b + ES8_CT_MR <= S; b += ES8_CT_MR)
-        es8_ctile_bf16(xq + b * np, wc, np, ES8_CT_MR, y + b * ldy, ldy, R, b ? 0 : next, nnext);
-    const uint32_t *x = xq + b * np;
-    float *yb = y + b * ldy;
-    const uint8_t *pf = b ? 0 : next;
-    switch (S - b) {
-#define ES8_CT_REM(n) case n: es8_ctile_bf16(x, wc, np, n, yb, ldy, R, pf, nnext); break;
-        ES8_CT_REM(1) ES8_CT_REM(2) ES8_CT_REM(3) ES8_CT_REM(4) ES8_CT_REM(5) ES8_CT_REM(6) ES8_CT_REM(7)
+    float *part = scratch + (int64_t)ES8_BLOCK * (E + ES8_KBLOCK);  /* [S][32] */
+    const int nkb = (E + ES8_KBLOCK - 1) / ES8_KBLOCK;
+    const int64_t pfb = (nnext + nkb - 1) / nkb;  /* the next group's bytes requested over each block */
+    for (int kb = 0; kb < nkb; kb++) {
+        const int k0 = kb * ES8_KBLOCK, kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = kb == 0;
+        const int64_t pf0 = kb * pfb < nnext ? kb * pfb : nnext, pfn = nnext - pf0 < pfb ? nnext - pf0 : pfb;
+        const int64_t nb = es8_bf16_np(kw);
+        es8_widen_cols_bf16(w + k0, E, R, kw, wsf + k0 / ES8_BLOCK, wc);
+        float *yk = kb == nkb - 1 ? y : 0;
+        int64_t b = 0;
+        for (; b + ES8_CT_MR <= S; b += ES8_CT_MR)
+            es8_ctile_bf16(xq + b * np + k0 / 2 * ES8_CT_MR, wc, nb, ES8_CT_MR, part + b * 32, first,
+                           yk ? yk + b * ldy : 0, ldy, R, b || !pfn ? 0 : next + pf0, pfn);
+        const uint32_t *x = xq + b * np + k0 / 2 * (S - b);
+        float *yb = yk ? yk + b * ldy : 0, *pb = part + b * 32;
+        const uint8_t *pf = b || !pfn ? 0 : next + pf0;
+        switch (S - b) {
+#define ES8_CT_REM(n) case n: es8_ctile_bf16(x, wc, nb, n, pb, first, yb, ldy, R, pf, pfn); break;
+            ES8_CT_REM(1) ES8_CT_REM(2) ES8_CT_REM(3) ES8_CT_REM(4) ES8_CT_REM(5) ES8_CT_REM(6) ES8_CT_REM(7)
 #undef ES8_CT_REM
-        default: break;
+            default: break;
+        }
     }
 }
 
@@ -800,7 +826,7 @@ static ES_TARGET_BF16 void es8_group_bf16(const uint8_t *w, int R, const float *
                                      const uint8_t *next, int64_t nnext) {
     __m512i t[4];
     es8_bf16_tables(t);
-    if (S > 1 && S >= es8_cols_min) {
+    if (es8_cols_for(S)) {
         es8_cols_bf16(w, R, (const uint32_t *)xb, S, E, wsf, y, ldy, scratch, next, nnext);
         return;
     }
@@ -971,7 +997,7 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
     if (nthreads > ng) nthreads = (int)ng;
 #if ES_X86_PATHS
     if (isa == ES_ISA_BF16) {  /* many tokens in bf16 for the lanes; 2..8 read qx (es8_group_bf16) */
-        if (scratch && S > 1 && S >= es8_cols_min) es8_bf16_cols_tokens(qx, ldq, S, E, (uint32_t *)(xt = scratch));
+        if (scratch && es8_cols_for(S)) es8_bf16_cols_tokens(qx, ldq, S, E, (uint32_t *)(xt = scratch));
         else if (scratch && S >= ES8_XT_MIN) es8_bf16_tokens(qx, ldq, S, E, (uint16_t *)(xt = scratch));
     } else
 #endif
