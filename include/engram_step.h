@@ -245,20 +245,25 @@ static inline __attribute__((always_inline)) ES_TARGET_BF16 void es_dp_gemv(
     const __m512i idx = (__m512i)(vidx){0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
     __m512 acc[ES_DP_GP];
+    const char *wq[ES_DP_GP]; /* each panel's base and one byte offset: no address arithmetic to spill */
 #pragma GCC unroll 8
-    for (int q = 0; q < ES_DP_GP; q++) acc[q] = _mm512_loadu_ps(bias + q * ES_PANEL);
+    for (int q = 0; q < ES_DP_GP; q++) {
+        acc[q] = _mm512_loadu_ps(bias + q * ES_PANEL);
+        wq[q] = (const char *)(w + q * ps);
+    }
     const int kp = E / 2;
-    for (int j = 0; j < kp; j++) {
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xq[j]);
+    const int64_t end = (int64_t)kp * 64;
+    for (int64_t off = 0; off < end; off += 64) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)*xq++);
 #pragma GCC unroll 8
         for (int q = 0; q < ES_DP_GP; q++) {
-            const uint16_t *p = w + q * ps + ES_PANEL * (int64_t)(2 * j);
-            __builtin_prefetch(p + 2 * ES_PANEL * ES_DP_PFD, 0, 3);
-            acc[q] = _mm512_dpbf16_ps(acc[q], xb, (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(p)));
+            __builtin_prefetch(wq[q] + off + 64 * ES_DP_PFD, 0, 3);
+            acc[q] = _mm512_dpbf16_ps(acc[q], xb,
+                                      (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(wq[q] + off)));
         }
     }
     if (E & 1) { /* the last k alone, its pair's odd half zero (es_dp_tile) */
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xq[kp]);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)*xq);
 #pragma GCC unroll 8
         for (int q = 0; q < ES_DP_GP; q++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(w + q * ps + ES_PANEL * (int64_t)(2 * kp)));
