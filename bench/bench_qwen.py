@@ -32,6 +32,7 @@ import os
 import sys
 import time
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
@@ -64,9 +65,11 @@ def ensure_checkpoint(d, base):
     return d
 
 
-def section_step(models, reps, paths):
+def section_step(models, reps, paths, hidden_dtype):
     """Per weight dtype and path: the one-stream step (1, 2 threads) and 16 streams (1, 2) beside
-    one read of the projection weights of that dtype, all in the same interleaved rounds."""
+    one read of the projection weights of that dtype, and the unforced engines (no path forced, no
+    thread count set: the tuned choice, what a user gets), all in the same interleaved rounds.
+    Hidden states and outputs of `hidden_dtype` (bfloat16: what the serving frameworks hand over)."""
     rng = np.random.default_rng(0)
     runs, res = {}, {}
     for dt, model in models.items():
@@ -76,9 +79,14 @@ def section_step(models, reps, paths):
         k.read_bytes(np.asarray(w.table).reshape(-1).view(np.uint8))  # the table's pages: rows, not disk reads
         res[dt] = {"proj_bytes": int(wb.nbytes)}
         runs[f"{dt}.read"] = (lambda wb: lambda: k.read_bytes(wb))(wb)
-        h1 = rng.standard_normal((G, D)).astype(np.float32)
-        h16 = rng.standard_normal((16, G, D)).astype(np.float32)
+        h1 = rng.standard_normal((G, D)).astype(hidden_dtype)
+        h16 = rng.standard_normal((16, G, D)).astype(hidden_dtype)
         o1, o16 = np.empty_like(h1), np.empty_like(h16)
+        c1, c16 = model.stream(LAYER), model.stream(LAYER, n_streams=16)  # nothing forced or set
+        res[dt]["chosen_config"] = {"step": list(c1.kernel_choice()["step"]),
+                                    "batch": list(c16.kernel_choice()["batch"])}
+        runs[f"{dt}.chosen.step1"] = (lambda e, h, o: lambda: e.step(int(rng.integers(V)), h, out=o))(c1, h1, o1)
+        runs[f"{dt}.chosen.step16"] = (lambda e, h, o: lambda: e.step(rng.integers(0, V, 16), h, out=o))(c16, h16, o16)
         for isa in paths:
             for th in (1, 2):
                 e1, e16 = model.stream(LAYER), model.stream(LAYER, n_streams=16)
@@ -92,6 +100,11 @@ def section_step(models, reps, paths):
     for dt in models:
         rd = med[f"{dt}.read"]
         res[dt].update(read_ms=rd * 1e3, read_GBps=res[dt]["proj_bytes"] / rd / 1e9)
+        one, s16 = med[f"{dt}.chosen.step1"], med[f"{dt}.chosen.step16"]
+        res[dt]["chosen"] = {"step1_ms": one * 1e3, "step16_ms": s16 * 1e3, "step1_over_read": one / rd,
+                             "step1_over_read_paired": median([a / b for a, b in zip(
+                                 times[f"{dt}.chosen.step1"], times[f"{dt}.read"])]),
+                             "per_token16_over_step1": s16 / 16 / one}
         for isa in paths:
             one = {th: med[f"{dt}.{isa}.step1_t{th}"] for th in (1, 2)}
             s16 = {th: med[f"{dt}.{isa}.step16_t{th}"] for th in (1, 2)}
@@ -106,11 +119,12 @@ def section_step(models, reps, paths):
     return res
 
 
-def section_prefill(models, T, reps, paths):
+def section_prefill(models, T, reps, paths, hidden_dtype):
     """eng.prefill of T tokens on all cores per weight dtype and path, vs the register-only FMA
-    floor of all cores (the path's vfmadd peak, every core at once), timed in the same rounds."""
+    floor of all cores (the path's vfmadd peak, every core at once), timed in the same rounds;
+    hidden states and outputs of `hidden_dtype`."""
     cores = os.cpu_count() or 1
-    res = {"T": T, "threads": cores, "reps": reps}
+    res = {"T": T, "threads": cores, "reps": reps, "hidden": np.dtype(hidden_dtype).name}
     # the floor of the GEMM's own multiply-add: bf16 projections and table on the bf16 path run vdpbf16ps
     # (v41's _mac_chains: vdpbf16ps there, else the FMA chains), float32 ones vfmadd
     floor_of = {dt: (None if dt == "bfloat16" else demo_k._fma_chains) for dt in models}
@@ -120,7 +134,7 @@ def section_prefill(models, T, reps, paths):
     for dt, model in models.items():
         G, D, V = model.cfg.hc_mult, model.cfg.hidden_size, model.cfg.vocab_size
         rng = np.random.default_rng(1)
-        ids, hidden = rng.integers(0, V, T), rng.standard_normal((T, G, D)).astype(np.float32)
+        ids, hidden = rng.integers(0, V, T), rng.standard_normal((T, G, D)).astype(hidden_dtype)
         eng = model.stream(LAYER)
         eng.prefill_threads = cores
         engs[dt] = (eng, ids, hidden, np.empty_like(hidden))
@@ -195,6 +209,12 @@ def table(res, paths):
     st, pf, di = res.get("step"), res.get("prefill"), res.get("direct")
     for isa in paths:
         for dt in ("bfloat16", "float32"):
+            if st and dt in st and isa == paths[0]:
+                c, cfg = st[dt]["chosen"], st[dt]["chosen_config"]
+                lines.append(f"chosen ({cfg['step'][0]}/{cfg['step'][1]}; 16: {cfg['batch'][0]}/{cfg['batch'][1]}) "
+                             f"{dt}: step / read of proj_w: {c['step1_over_read']:.2f}x (paired "
+                             f"{c['step1_over_read_paired']:.2f}x); 16 streams per token / one stream: "
+                             f"{c['per_token16_over_step1']:.3f}")
             if st and dt in st:
                 r = st[dt][isa]
                 mib = st[dt]["proj_bytes"] / 2**20
@@ -225,13 +245,16 @@ def main():
                          f"{','.join(_isa.supported_isas())})")
     ap.add_argument("--qd", type=int, default=32)
     ap.add_argument("--cache-mb", type=int, default=8)
+    ap.add_argument("--hidden", choices=["float32", "bfloat16"], default="float32",
+                    help="dtype of the hidden states and outputs (bfloat16: what vLLM, SGLang and transformers hand over)")
     ap.add_argument("--json")
     add_busy_args(ap)
     a = ap.parse_args()
+    hidden_dtype = np.float32 if a.hidden == "float32" else ml_dtypes.bfloat16
     paths = parse_paths(ap, a.paths)
     d = ensure_checkpoint(a.dir, a.ngram_vocab_size_base)
     with busy_loops(a.busy, a.busy_cpu) as busy:
-        res = {"machine": machine(), "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        res = {"machine": machine(), "hidden": a.hidden, "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                "paths": paths, "loadavg_start": os.getloadavg(), **busy}
         print(json.dumps(res["machine"]), flush=True)
         sections = a.sections.split(",")
@@ -241,13 +264,13 @@ def main():
         bf16 = EngramModel.load(d, mmap=True)
         models = {"bfloat16": bf16.with_weight_dtype("bfloat16"), "float32": bf16.with_weight_dtype("float32")}
         if "step" in sections:
-            res["step"] = section_step(models, 5 if a.quick else 15, paths)
+            res["step"] = section_step(models, 5 if a.quick else 15, paths, hidden_dtype)
             print("step", json.dumps(res["step"]), flush=True)
         if "prefill" in sections:
-            res["prefill"] = section_prefill(models, 256 if a.quick else 512, 1 if a.quick else 3, paths)
+            res["prefill"] = section_prefill(models, 256 if a.quick else 512, 1 if a.quick else 3, paths, hidden_dtype)
             print("prefill", json.dumps(res["prefill"]), flush=True)
         res["loadavg_end"] = os.getloadavg()
-    finish(res, table(res, paths), a.json, f", path(s) {','.join(paths)}")
+    finish(res, table(res, paths), a.json, f", path(s) {','.join(paths)}, {a.hidden} hidden")
 
 
 if __name__ == "__main__":

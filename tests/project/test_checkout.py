@@ -51,7 +51,7 @@ def test_python_m_pytest_from_the_root_of_an_unbuilt_checkout(unbuilt):
 
 
 @pytest.mark.parametrize("script", ["bench/bench_v41.py", "bench/bench_qwen.py", "bench/bench_longcat.py",
-                                    "bench/bench_gguf.py",
+                                    "bench/bench_gguf.py", "bench/bench_goals.py",
                                     "bench/bench_step.py",
                                     "bench/bench_transformers.py", "bench/bench_serving.py", "bench/bench_cpu_time.py",
                                     "tools/make_v41_checkpoint.py"])
