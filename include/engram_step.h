@@ -236,7 +236,7 @@ static inline __attribute__((always_inline)) ES_TARGET_BF16 void es_dp_rows(
 /* One row through ES_DP_GP full panels at w: each lane the tile's sums in the tile's order (bias,
  * then a vdpbf16ps a pair of k), so a row's bits do not depend on which kernel ran it or on the
  * split. The widening GEMV spends two ALU ops and two FMAs a 64-byte line, this a vpermw and one
- * vdpbf16ps: the one-stream step at LongCat's dims (18 MiB of panels, from L3) took 15-20% less
+ * vdpbf16ps: the one-stream step at LongCat's dims (18 MiB of panels, from L3) took 11-20% less
  * time on Zen 4; ES_DP_GP concurrent streams, each fetched ES_DP_PFD lines ahead (bench/NOTES.md). */
 #define ES_DP_GP 8
 #define ES_DP_PFD 16
