@@ -1,11 +1,10 @@
 """tables=GGUFTier(path): a model's Engram tables from a GGUF (written by gguf.GGUFWriter in the
 converters' layouts), the rest from its folder. The exactness contract: with a GGUF table the
 model is the quantized model, so every engine gathers exactly gguf.quants.dequantize's rows
-(bit for bit), steps and prefills as the numpy oracle run on the dequantized table, and every
+(bit for bit), steps and prefills as the numpy oracle (model.forward of a model opened with the
+GGUF: it reads the dequantized table), and every
 row source (mapped, direct, a row cache in front of either) gives the same bits."""
 from __future__ import annotations
-
-import copy
 
 import numpy as np
 import pytest
@@ -131,16 +130,6 @@ def write_table_gguf(path, model, name, seed=0, split=False):
     return deq
 
 
-def dequantized_model(model, deq):
-    """The oracle: `model` with each layer's table read as the dequantized GGUF table (float32)."""
-    layers = {}
-    for L in model.cfg.layer_ids:
-        w = copy.copy(model.layer(L))
-        w.table_f32 = lambda rows, t=deq[L]: t[rows]
-        layers[L] = w
-    return EngramModel(model.cfg, model.plan, layers)
-
-
 CASES = ([("qwen", n) for n in ("Q4_0", "Q8_0", "IQ4_NL", "BF16")] + [("qwen-split", "Q5_1")]
          + [("v41", n) for n in ("Q8_0", "Q4_K", "Q2_K", "E4M3")] + [("longcat", n) for n in ("Q4_1", "Q8_0")])
 
@@ -152,7 +141,10 @@ def test_engines_are_the_oracle_on_the_dequantized_table(folders, tmp_path, key,
     ref = load_checkpoint(folder)
     path = tmp_path / "t.gguf"
     deq = write_table_gguf(path, ref, name, split=split)
-    oracle = dequantized_model(ref, deq)
+    oracle = load_checkpoint(folder, tables=GGUFTier(path))   # its forward reads the GGUF's table, decoded
+    for L in ref.cfg.layer_ids:   # the oracle's table: gguf.quants.dequantize's, bit for bit
+        rows = np.random.default_rng(L).integers(0, ref.plan.table_rows[L], (3, 50))
+        same_bits(oracle.tables.inner.table_f32(L, rows), deq[L][rows])
     outs = {}
     if split:
         with pytest.raises(CheckpointError, match=r"split into \d+ tensors .*read=\"direct\" reads one tensor"):
@@ -229,3 +221,94 @@ def test_parse_tier_and_the_file_checks(folders, tmp_path):
     with pytest.raises(CheckpointError, match="architecture is 'qwen4exp'"):
         write_gguf(path, "qwen4exp", tensors)
         load_checkpoint(folder, tables=GGUFTier(path))
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("key,name,read", [("v41", "Q4_K", "direct"), ("qwen-split", "Q5_1", "mapped"),
+                                           ("longcat", "Q8_0", "mapped")])
+def test_a_gguf_published_to_mooncake_serves_its_quantized_rows(folders, tmp_path, mooncake, tier, key, name, read,
+                                                               monkeypatch):
+    """MooncakeTier.publish of a model loaded with a GGUFTier writes the GGUF's records as they are
+    (quantized, "gguf:TYPE" in the fingerprint); a model loading with MooncakeTier(gguf=path) reads
+    and decodes them: every engine's rows and outputs bit-identical to the mapped GGUF's. A model
+    without the GGUF finds no rows of its own tables under its name."""
+    from engram_stream.errors import TierError
+    from engram_stream.rows import MooncakeTier
+    split = key.endswith("-split") or key == "longcat"
+    folder = folders[key.removesuffix("-split")]
+    path = tmp_path / "t.gguf"
+    write_table_gguf(path, load_checkpoint(folder), name, seed=6, split=split)
+    src = load_checkpoint(folder, tables=GGUFTier(path, read=read))
+    L0 = src.cfg.layer_ids[0]
+    rb = src.row_source(L0).rowbytes
+    written = tier.publish(src)
+    assert written == sum(int(p) for L in src.cfg.layer_ids for p in src.plan.head_primes[L]) * rb   # GGUF bytes
+    assert tier.published(L0, tier.name_of(src))["record_format"] == f"gguf:{name}"
+    mapped = load_checkpoint(folder, tables=GGUFTier(path))
+    reader = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, timeout=5, gguf=path)
+    try:
+        remote = load_checkpoint(folder, tables=reader, row_cache_mb=0.01)
+        for L in remote.cfg.layer_ids:
+            s = remote.row_source(L)
+            assert (s.record_format, s.rowbytes, s.scalebytes) == (f"gguf:{name}", rb, 0)
+            ids, hid = variant_inputs(remote, 7, (2, 24))
+            same_bits(remote.stream(L, 1).lookup_packed(ids[0], [0], [24]),
+                      mapped.stream(L, 1).lookup_packed(ids[0], [0], [24]))
+            a, b = remote.stream(L, 2), mapped.stream(L, 2)
+            np.testing.assert_array_equal(a.prefill(ids[1], hid[1], stream=1), b.prefill(ids[1], hid[1], stream=1))
+            rows = np.arange(0, remote.plan.table_rows[L], 97)
+            got, want = np.empty((rows.size, rb), np.uint8), np.empty((rows.size, rb), np.uint8)
+            s.read_into(rows, got)
+            mapped.row_source(L).read_into(rows, want)
+            np.testing.assert_array_equal(got, want)
+        assert remote.row_cache_stats()["fetches"] > 0
+    finally:
+        reader.close()
+    # the serving plugins' settings: the GGUF and the store together read the published GGUF rows
+    from engram_stream.integrations import serving
+    monkeypatch.setattr(serving, "_models", {})
+    settings = {"checkpoint": folder, "tables": {"gguf": {"path": str(path)}},
+                "mooncake": {"master": mooncake.master, "metadata": mooncake.metadata}}
+    if key == "v41":   # V4.1's serving embeddings take 264-byte records only
+        with pytest.raises(ValueError, match=f"is {name} .*264-byte e4m3"):
+            serving.parse_settings(settings, "ENV")
+    else:
+        served = serving.open_model(serving.parse_settings(settings, "ENV"), None, "ENV")
+        assert type(served.tables.inner).__name__ == "StoreTables"
+        assert served.row_source(L0).record_format == f"gguf:{name}"
+    with pytest.raises(TierError):   # the folder's own tables were not published
+        load_checkpoint(folder, tables=tier)
+
+
+@pytest.mark.parametrize("key,what", [("v41", "mapped"), ("v41", "direct"), ("v41", "direct+cache"),
+                                      ("qwen-split", "mapped+cache"), ("longcat", "mapped")])
+def test_a_gguf_changed_after_opening_is_refused_not_served(folders, tmp_path, key, what):
+    """The GGUF's stamp (device, inode, size, mtime, ctime) is taken when it is opened, as for the
+    checkpoint's files: after the file changed, an engine's call (its FileStamps cover the mapped
+    GGUF its source points into), a direct read and the oracle raise FileChangedError naming the
+    file; nothing read from it is served."""
+    import os
+    from engram_stream.errors import FileChangedError
+    split = key.endswith("-split") or key == "longcat"
+    folder = folders[key.removesuffix("-split")]
+    path = tmp_path / "t.gguf"
+    write_table_gguf(path, load_checkpoint(folder), "Q8_0", split=split)
+    model = load_checkpoint(folder, **SOURCES[what](path))
+    L = model.cfg.layer_ids[0]
+    ids, hid = variant_inputs(model, 3, (2, 8))
+    eng = model.stream(L, 1)
+    eng.lookup_packed(ids[0], [0], [8])   # read before the change: served
+    with open(path, "ab") as f:   # the file rewritten in place (grown: its mapped pages stay readable)
+        f.write(b"\0" * 4096)
+    for run in (lambda: eng.lookup_packed(ids[1], [0], [8]), lambda: model.stream(L, 1).lookup_packed(ids[1], [0], [8]),
+                lambda: model.forward(L, ids, None if model.variant.input_layer else hid)):
+        with pytest.raises(FileChangedError, match=r"t\.gguf"):
+            run()
+    if "direct" in what:   # a direct source's own reads check the stamp too
+        fresh = np.arange(model.plan.table_rows[L] - 5, model.plan.table_rows[L])   # rows no cache holds
+        src = model.row_source(L)
+        with pytest.raises(FileChangedError, match=r"t\.gguf"):
+            src.read_into(fresh, np.empty((5, src.rowbytes), np.uint8))
+    os.truncate(path, os.path.getsize(path) - 4096)   # the size back, the ctime not: still refused
+    with pytest.raises(FileChangedError, match=r"t\.gguf"):
+        eng.lookup_packed(ids[1], [0], [8])
