@@ -122,6 +122,9 @@ class Variant(abc.ABC):
     folder_checkpoint = False   # a checkpoint is a folder (else one file)
     load_note = ""   # what load does besides mapping the tables, for the CLI's loading line
     gguf_layout = None   # where a llama.cpp GGUF holds its tables (a rows.gguf.Layout; GGUFTier, inspect)
+    # The record formats the serving frameworks' embeddings of this variant consume as they are
+    # (integrations/serving.py); empty: bf16 rows, to which a GGUF's rows are decoded in the lookup.
+    framework_records: tuple = ()
     init_table_dtype = "float32"   # the table dtype save_init writes when given no table_dtype
 
     # The module of the layer weights' rules: validate_layer(cfg, plan, L, w), init_layers(cfg,

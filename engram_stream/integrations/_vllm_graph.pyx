@@ -27,14 +27,14 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from engram_stream.rows.records import E4M3_E8M0_RECORD
-from engram_stream.integrations.serving import GGUF_V41
+from engram_stream.rows.gguf import E4M3_ROW_RECORD
 from engram_stream.integrations._records cimport records_bf16
 from engram_stream.rows._source cimport (ES_READ_BAD_SUM, ES_READ_FILE_CHANGED, ES_READ_IO, CachedRows, RowSource,
                                          es_read_error)
 
 cnp.import_array()
 
-V41_RECORDS = (E4M3_E8M0_RECORD, GGUF_V41)   # the bytes vLLM's V4.1 kernel widens to bf16
+E4M3_RECORDS = (E4M3_E8M0_RECORD, E4M3_ROW_RECORD)   # 264-byte e4m3 rows, the bytes bf16 staging widens
 
 # error codes of the slot: an id past the table, then the source's read_nogil() failures
 cdef enum:
@@ -147,11 +147,11 @@ cdef class HostLookup:
                              f"{getattr(ids, 'dtype', type(ids))} {getattr(ids, 'shape', '')}")
         cdef int64_t T = ids.shape[0], k = ids.shape[1], rec = source.rowbytes + source.scalebytes
         cdef int64_t D = rec // 33 * 32, n = T * k     # a V4.1 record: D e4m3 bytes, then D / 32 e8m0 bytes
-        if isinstance(staging, np.ndarray) and staging.dtype == np.uint16 and source.record_format not in V41_RECORDS:
+        if isinstance(staging, np.ndarray) and staging.dtype == np.uint16 and source.record_format not in E4M3_RECORDS:
             # bf16 rows are made by widening V4.1 records: the source's records must be those (the
             # checkpoint's, or a GGUF's raw rows: the same bytes), whatever their size (a demo int8
             # row of 128 and its float32 scale are 132 bytes, as a V4.1 record)
-            raise ValueError(f"HostLookup: bf16 staging converts V4.1 records ({' or '.join(V41_RECORDS)}); this source's records "
+            raise ValueError(f"HostLookup: bf16 staging converts e4m3 records ({' or '.join(E4M3_RECORDS)}); this source's records "
                              f"are {source.record_format or 'of an unknown format'} ({source.rowbytes}+"
                              f"{source.scalebytes} bytes): stage uint8 records [T, k, {rec}] instead")
         if not (isinstance(staging, np.ndarray) and staging.flags.c_contiguous and staging.flags.writeable

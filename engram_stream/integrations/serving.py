@@ -20,6 +20,7 @@ import threading
 
 import numpy as np
 
+from .. import variants
 from ..errors import shown
 
 SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake", "host_cache")
@@ -30,7 +31,6 @@ MOONCAKE_KEYS = ("master", "metadata", "local_host")
 # start), so this is the floor that leaves every layer of the served checkpoints its rows (a 264-byte
 # V4.1 record's cache of one row is 832 bytes: 1 MiB gives 1,260 equal layers one each).
 HOST_CACHE_MIN_MB = 1
-GGUF_V41 = "gguf:E4M3_ROW"   # the record format of a GGUF's raw V4.1 rows: the checkpoint's records, byte for byte
 
 _lock = threading.Lock()
 _models = {}            # settings key -> the EngramModel serving this process's lookups
@@ -93,7 +93,7 @@ def check_gguf(spec, where):
     rows (each GGUF row decoded and rounded in the lookup: _records.gguf_to_bf16)."""
     from ..errors import CheckpointError
     from ..rows import parse_tier
-    from ..rows.gguf import SERVED_TEXT, layouts, open_gguf, table_layout
+    from ..rows.gguf import SERVED_TEXT, layouts, open_gguf, record_format_of, table_layout
     kw = spec["gguf"]
     try:
         tier = parse_tier(spec)
@@ -104,15 +104,16 @@ def check_gguf(spec, where):
         tables = table_layout(model)[1]
     except (CheckpointError, OSError) as e:
         raise ValueError(f'{where}: "tables" names the GGUF {tier.path!r}: {e}') from None
-    if layouts()[model.architecture][1] == "deepseek-v4.1":
-        bad = [t for _, t in tables if not t.is_e4m3_rows]
-        if bad:
-            raise ValueError(f'{where}: "tables" names the GGUF {tier.path!r}, whose V4.1 table {bad[0].name} is '
-                             f"{bad[0].type_name} ([{bad[0].rows}, {bad[0].ne[0]}]): the V4.1 embeddings of vLLM and "
-                             f"SGLang consume the checkpoint's 264-byte e4m3+e8m0 records, served from a GGUF only "
-                             f"as its I8 tensor of those raw rows (ds4's); give that GGUF or the checkpoint "
-                             f'("tables": "mapped" or "direct"). The engines of engram_stream itself read '
-                             f"{SERVED_TEXT}")
+    variant = variants.get(layouts()[model.architecture][1])
+    keep = variant.framework_records
+    bad = [t for _, t in tables if keep and record_format_of(t) not in keep]
+    if bad:
+        raise ValueError(f'{where}: "tables" names the GGUF {tier.path!r}, whose {variant.name} table {bad[0].name} '
+                         f"is {bad[0].type_name} ([{bad[0].rows}, {bad[0].ne[0]}]): the {variant.name} embeddings of "
+                         f"vLLM and SGLang consume the records {', '.join(keep)}, served from a GGUF only as they "
+                         f"are (for 264-byte e4m3 rows: an I8 tensor of the raw rows, ds4's); give such a GGUF or the "
+                         f'checkpoint ("tables": "mapped" or "direct"). The engines of engram_stream itself read '
+                         f"{SERVED_TEXT}")
     return {"gguf": dict(kw)}
 
 
@@ -185,9 +186,10 @@ class StreamRows:
         self.recbytes = self.source.rowbytes + self.source.scalebytes
         # GGUF rows (tables={"gguf": ...}): the decoders' type number, else -1 (the checkpoint's records)
         self.gguf_type = record_type(self.source.record_format)
-        if model.cfg.variant == "deepseek-v4.1" and self.gguf_type >= 0 and self.source.record_format != GGUF_V41:
-            raise ValueError(f"layer {layer}: {self.source.record_format} rows; a V4.1 embedding consumes the "
-                             f"checkpoint's 264-byte records ({GGUF_V41} from a GGUF)")
+        keep = model.variant.framework_records
+        if keep and self.gguf_type >= 0 and self.source.record_format not in keep:
+            raise ValueError(f"layer {layer}: {self.source.record_format} rows; a {model.cfg.variant} embedding "
+                             f"consumes the records {', '.join(keep)}")
 
     def row_cache_stats(self):
         return self.model.row_cache_stats()

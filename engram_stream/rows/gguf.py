@@ -351,6 +351,7 @@ def read_rows(path, tensor_name, row_ids) -> np.ndarray:
 # row cache); its format names the decoder, "gguf:" then the served type ("gguf:Q4_K",
 # "gguf:E4M3_ROW"), and an engine's gather decodes it with include/engram_gguf.h.
 RECORD_PREFIX = "gguf:"
+E4M3_ROW_RECORD = RECORD_PREFIX + "E4M3_ROW"   # the bytes of records.E4M3_E8M0_RECORD, as ds4 keeps them
 
 
 def record_format_of(t: GGUFTensor) -> str:

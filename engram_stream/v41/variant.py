@@ -7,6 +7,8 @@ import numpy as np
 
 from .. import variants
 from ..plan import HashPlan
+from ..rows.gguf import E4M3_ROW_RECORD
+from ..rows.records import E4M3_E8M0_RECORD
 from . import config, gguf, hf, reference, weights
 from ._engine import V41StreamEngine
 from .weights import V41LayerWeights
@@ -24,6 +26,8 @@ def hf_config_of(folder):
 
 class V41Variant(variants.Variant):
     gguf_layout = gguf.LAYOUT   # its tables in a llama.cpp GGUF (GGUFTier, `engram-stream inspect`)
+    # vLLM's and SGLang's V4.1 embeddings widen the checkpoint's 264-byte records themselves
+    framework_records = (E4M3_E8M0_RECORD, E4M3_ROW_RECORD)
     # the rules' modules first: `weights` below is the layer class, in this class's namespace
     weights_rules = weights
     config_rules = config

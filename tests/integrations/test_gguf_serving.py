@@ -17,7 +17,7 @@ from helpers.gguf_files import longcat_model, qwen_model, write_table_gguf  # no
 
 from engram_stream.integrations import serving  # noqa: E402
 from engram_stream.integrations._records import gguf_to_bf16, records_to_bf16  # noqa: E402
-from engram_stream.rows.gguf import record_type  # noqa: E402
+from engram_stream.rows.gguf import E4M3_ROW_RECORD, record_type  # noqa: E402
 from helpers.models import checkpoint_path, make_v41_model  # noqa: E402
 
 pytestmark = pytest.mark.native
@@ -107,7 +107,7 @@ def test_v41_is_served_from_raw_rows_byte_for_byte(folders, tmp_path, monkeypatc
         for L in model.cfg.layer_ids:
             emb = serving.StreamRows()
             emb.stream_from(model, L)
-            assert emb.recbytes == 264 and emb.source.record_format == serving.GGUF_V41
+            assert emb.recbytes == 264 and emb.source.record_format == E4M3_ROW_RECORD
             ids = rng.integers(-1, model.plan.table_rows[L], (6, 4)).astype(np.int64)
             rec = np.empty((6, 4, 264), np.uint8)
             emb.source.read_into(ids, rec)   # what the eager lookups read (uint8 out: these bytes)
@@ -131,15 +131,15 @@ def test_a_v41_gguf_of_another_type_is_refused_at_settings(folders, tmp_path, na
     from engram_stream import EngramModel
     path = tmp_path / "q.gguf"
     write_table_gguf(path, EngramModel.load(folders["v41"]), name)
-    with pytest.raises(ValueError, match=rf'^{ENV}: "tables" names the GGUF .*q\.gguf\', whose V4\.1 table '
-                                         rf'blk\.\d+\.engram_embd\.weight is {name} .*264-byte e4m3\+e8m0 records, '
-                                         rf"served from a GGUF only as its I8 tensor of those raw rows"):
+    with pytest.raises(ValueError, match=rf'^{ENV}: "tables" names the GGUF .*q\.gguf\', whose deepseek-v4\.1 table '
+                                         rf'blk\.\d+\.engram_embd\.weight is {name} .*consume the records '
+                                         rf"e4m3\+e8m0, gguf:E4M3_ROW, served from a GGUF only as they are"):
         serving.parse_settings({"tables": {"gguf": {"path": str(path)}}}, ENV)
     # a model opened by other means: its V4.1 embedding refuses the rows too
     monkeypatch.setattr(serving, "_models", {})
     from engram_stream.rows import GGUFTier
     model = EngramModel.load(folders["v41"], tables=GGUFTier(path))
-    with pytest.raises(ValueError, match=rf"gguf:{name} rows; a V4\.1 embedding consumes the checkpoint's 264-byte"):
+    with pytest.raises(ValueError, match=rf"gguf:{name} rows; a deepseek-v4\.1 embedding consumes the records e4m3\+e8m0, gguf:E4M3_ROW"):
         serving.StreamRows().stream_from(model, model.cfg.layer_ids[0])
 
 

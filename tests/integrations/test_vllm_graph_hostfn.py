@@ -248,7 +248,7 @@ def test_bf16_staging_of_records_that_are_not_v41_is_refused(tmp_path, load):
     src = model.row_source(model.cfg.layer_ids[0])
     assert (src.rowbytes, src.scalebytes) == (128, 4) and src.record_format == "int8+float32"
     ids = np.array([[0, 1, -1]], np.int32)
-    with pytest.raises(ValueError, match=r"bf16 staging converts V4\.1 records .* int8\+float32 \(128\+4 bytes\)"):
+    with pytest.raises(ValueError, match=r"bf16 staging converts e4m3 records .* int8\+float32 \(128\+4 bytes\)"):
         HostLookup(src, ids, np.zeros((1, 3, 128), np.uint16), 0, src.nrows)
     st = np.full((1, 3, 132), 7, np.uint8)
     HostLookup(src, ids, st, 0, src.nrows).run()
