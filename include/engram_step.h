@@ -132,7 +132,7 @@ static inline void es_floats_to_bf16_scaled(const float *x, float g, int64_t n, 
 
 /* es_gemm_packed's wbf16 for bf16 weights whose rows are bf16 values too (the engines: a bf16 table). */
 #define ES_GEMM_BF16_ROWS 2
-#if ES_X86_PATHS
+#if ES_X86_PATHS || ES_NEON_PATHS
 /* ---- the bf16 path's GEMM on vdpbf16ps (wbf16 == ES_GEMM_BF16_ROWS) ---------------------
  * When the weights are bf16 and the rows are too (a bf16 table: the gather widens them exactly,
  * so truncating them back is exact), the products of a dot product are exact in float32 and
@@ -164,6 +164,9 @@ static inline void es_pack_pairs(const float *X, int64_t ldx, int64_t B, int E, 
         }
     }
 }
+#endif
+#include "engram_bfdot.h" /* neon_bf16: the same pairs on BFDOT */
+#if ES_X86_PATHS
 
 /* One tile: mr rows (pairs at xq, row r's pair j at xq[j*mr + r]) x tp panels over all E. */
 static inline __attribute__((always_inline)) ES_TARGET_BF16 void es_dp_tile(
@@ -258,12 +261,18 @@ static inline int es_gemm_mr(void) {
  * off multiples of 4 KiB (the engine pads rows by 16 floats), else the rows of a tile
  * alias one L1 set (measured 1.3-1.6x slower). Xp: X's full tiles packed by
  * es_pack_rows, or NULL; with wbf16 == ES_GEMM_DP the rows' pairs of es_pack_pairs. */
-#define ES_GEMM_DP 3 /* es_gemm_mode's answer: the vdpbf16ps GEMM on pairs at Xp */
+#define ES_GEMM_DP 3 /* es_gemm_mode's answer: the vdpbf16ps (or BFDOT) GEMM on pairs at Xp */
 static inline void es_gemm_range(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                                  const float *biasp, int M, float *Y, int p0, int p1, const float *Xp) {
 #if ES_X86_PATHS
     if (wbf16 == ES_GEMM_DP) {
         es_gemm_range_dp((const uint32_t *)Xp, B, E, (const uint16_t *)Wp, biasp, M, Y, p0, p1);
+        return;
+    }
+#endif
+#if ES_NEON_PATHS
+    if (wbf16 == ES_GEMM_DP) {
+        es_gemm_range_bfdot((const uint32_t *)Xp, B, E, (const uint16_t *)Wp, biasp, M, Y, p0, p1);
         return;
     }
 #endif
@@ -281,11 +290,14 @@ static inline void es_pack_rows(const float *X, int64_t ldx, int64_t B, int E, f
 }
 
 /* The GEMM a call runs: wbf16 as the engine gives it (0 float32 weights, 1 bf16, ES_GEMM_BF16_ROWS
- * bf16 weights and bf16 rows), ES_GEMM_DP where the vdpbf16ps one runs: the bf16 path, two rows
+ * bf16 weights and bf16 rows), ES_GEMM_DP where the vdpbf16ps one runs (BFDOT's on neon_bf16): the bf16 path, two rows
  * or more (one row is the GEMV's, memory bound) and scratch to pack them in. */
 static inline int es_gemm_mode(int wbf16, int64_t B, const float *xpack) {
 #if ES_X86_PATHS
     if (wbf16 == ES_GEMM_BF16_ROWS && B >= 2 && xpack && es_isa_now() == ES_ISA_BF16) return ES_GEMM_DP;
+#endif
+#if ES_NEON_PATHS
+    if (wbf16 == ES_GEMM_BF16_ROWS && B >= 2 && xpack && es_isa_now() == ES_ISA_NEON_BF16) return ES_GEMM_DP;
 #endif
     (void)B, (void)xpack;
     return wbf16 != 0;
@@ -294,7 +306,7 @@ static inline int es_gemm_mode(int wbf16, int64_t B, const float *xpack) {
 /* Pack X into xpack (scratch of B*E floats) when it holds two tiles or more, or as pairs for
  * the vdpbf16ps GEMM (mode ES_GEMM_DP); else NULL. */
 static inline const float *es_maybe_pack(const float *X, int64_t ldx, int64_t B, int E, float *xpack, int mode) {
-#if ES_X86_PATHS
+#if ES_X86_PATHS || ES_NEON_PATHS
     if (mode == ES_GEMM_DP) {
         es_pack_pairs(X, ldx, B, E, (uint32_t *)xpack);
         return xpack;
