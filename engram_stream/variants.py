@@ -232,6 +232,13 @@ class Variant(abc.ABC):
         return {L: np.array([p for order in orders for p in order], dtype=np.int64)
                 for L, orders in prime_chain(cfg).items()}
 
+    def hash_lines(self, cfg, plan, layer) -> list:
+        """What `engram-stream inspect` prints of a layer's hash constants: by default its
+        multipliers, each order's prime table sizes and the heads' offsets."""
+        return ([f"multipliers {plan.multipliers[layer].tolist()}"]
+                + [f"  order {n}: primes {p}" for n, p in enumerate(plan.primes[layer], start=2)]
+                + [f"  offsets {plan.offsets[layer].tolist()}"])
+
     def plan_extras(self, cfg, plan) -> dict:
         """{attribute: {layer: array}} more per-layer hash data the variant's window reads (each
         array held read-only on the plan as that attribute), e.g. per-head multipliers. None by

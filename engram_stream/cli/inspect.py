@@ -45,10 +45,9 @@ def run(args):
     for L in cfg.layer_ids:
         w = model.layer(L)
         res = memory.resident_bytes(w.table)
-        print(f"layer {L}: multipliers {plan.multipliers[L].tolist()}")
-        for n, primes in enumerate(plan.primes[L], start=2):
-            print(f"  order {n}: primes {primes}")
-        print(f"  offsets {plan.offsets[L].tolist()}")
+        lines = model.variant.hash_lines(cfg, plan, L)
+        print(f"layer {L}: {lines[0]}")
+        print("\n".join(lines[1:]))
         print(f"  table [{plan.table_rows[L]}, {cfg.head_dim}] {w.table_dtype}: "
               f"{w.table.nbytes / 2**20:,.1f} MiB, resident {res / 2**20:,.1f} MiB")
     return 0

@@ -64,6 +64,14 @@ class LongcatVariant(HFFolderVariant, variants.Variant):
     def head_sizes(self, cfg):
         return {L: config.table_sizes(cfg) for L in cfg.layer_ids}
 
+    def hash_lines(self, cfg, plan, layer):
+        k, mods = cfg.n_head_per_ngram, plan.head_mods[layer]
+        return [f"embedder c = (g - 2) * {k} + j: rows mod_c = m + 2c + 1 (m = {cfg.ngram_vocab}), multipliers "
+                f"vocab_size^delta mod mod_c"] + [
+            f"  order {g}: sizes {sizes}, multipliers "
+            f"{[mods[c, :g].tolist() for c in range((g - 2) * k, (g - 1) * k)]}"
+            for g, sizes in enumerate(plan.primes[layer], start=2)] + [f"  offsets {plan.offsets[layer].tolist()}"]
+
     def plan_extras(self, cfg, plan):
         return {"head_mods": {L: config.head_mods(cfg) for L in cfg.layer_ids}}   # LongcatWindow reads them
 

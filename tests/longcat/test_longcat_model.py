@@ -351,3 +351,20 @@ def test_the_plans_fast_hash_is_the_windows_and_refuses_negative_ids():
         with pytest.raises(ValueError, match=r"token id -1 is negative: longcat-flash-lite takes ids in \[0, "
                                              r"vocab_size=\d+\) only"):
             hash_([[3, -1, 4]])
+
+
+def test_inspect_names_the_table_sizes_and_each_embedders_multipliers(tmp_path, capsys):
+    """inspect prints LongCat's hash constants as they are: sizes m + 2c + 1 (not primes) and
+    vocab_size^delta mod mod_c per embedder (not one multiplier set for the layer)."""
+    from engram_stream.cli import main
+    model = _model(3)
+    model.save(str(tmp_path / "lc"))
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "lc")]) == 0
+    out = capsys.readouterr().out
+    m, V = 3 * 50, 50   # ngram_vocab_size_ratio * vocab_size
+    assert "primes" not in out
+    assert f"order 2: sizes [{m + 1}, {m + 3}], multipliers [[1, {V}], [1, {V}]]" in out
+    assert (f"order 3: sizes [{m + 5}, {m + 7}], multipliers [[1, {V}, {V * V % (m + 5)}], "
+            f"[1, {V}, {V * V % (m + 7)}]]") in out
+    assert f"offsets [0, {m + 1}, {2 * m + 4}, {3 * m + 9}]" in out
