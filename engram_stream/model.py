@@ -7,6 +7,8 @@ registry (engram_stream.variants); this class holds what they share.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import os
 
 import numpy as np
@@ -121,7 +123,8 @@ class EngramModel:
         """The numpy batch path (the oracle): ids int[B, T], hidden float[B, T, G, D] ->
         float32[B, T, G, D], the Engram delta (the caller adds h). Other float dtypes are
         computed in float32 (the reference's precision). An input-layer variant
-        (variant.input_layer) takes no hidden (None) and returns float32[B, T, D]."""
+        (variant.input_layer) takes no hidden (None) and returns float32[B, T, D]. With tables
+        from a GGUF (rows.GGUFTier) the table read is the GGUF's, decoded (the quantized model)."""
         w = self.layer(layer)
         a = as_ids(ids, 2)
         if self.variant.input_layer:
@@ -137,6 +140,10 @@ class EngramModel:
         rows = self.plan.hash_numpy(a, layers=[layer])[layer]
         for arr in w.file_arrays():  # a mapped file truncated or rewritten since load is refused
             check_file(arr)
+        decoded = getattr(getattr(self.tables, "inner", None), "table_f32", None)
+        if decoded is not None:   # a tier's own rows (a GGUF's): the oracle is the model of those rows
+            w = copy.copy(w)
+            w.table_f32 = functools.partial(decoded, layer)
         return self.variant.forward(self.cfg, w, rows, self.plan.dead_mask(a), h, a)
 
     def stream(self, layer, n_streams: int = 1, rows=None):

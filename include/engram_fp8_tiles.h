@@ -62,23 +62,24 @@ ES_KI void ES_SF(es8_xtile)(const ES8_TW *w, const int R, const ES8_TX *xt, int6
     }
 }
 
-/* One group's R <= 32 widened rows (wf: the k block at k0 at wf + 32*k0/ES8_KPU, its row r at
- * + r*ES8_KU) times S >= ES8_XT_MIN tokens (xt: 16 a vector, E's units apart): over k blocks
- * of ES8_KBLOCK (a block of widened rows and a token tile stay in L1), pairs of token vectors
- * (an odd last one alone), row tiles of ES8_XT_ROWS x two vectors or 16 x one. part: this
- * thread's [32, S rounded up to 16] partial sums; y[t*ldy + r]; the nnext bytes at next are
- * prefetched while these rows compute. */
-static ES_TGT void ES_SF(es8_tiles)(const ES8_TW *wf, int R, const ES8_TX *xt, int64_t S, int E, float *part,
-                                    float *y, int64_t ldy, const uint8_t *next, int64_t nnext) {
+/* One group's R <= 32 widened rows, the k blocks from kb0 (a multiple of ES8_KBLOCK) to kb1
+ * (wf: the block at k0 at wf + 32*(k0 - kb0)/ES8_KPU, its row r at + r*ES8_KU) times S >=
+ * ES8_XT_MIN tokens (xt: 16 a vector, E's units apart): over k blocks of ES8_KBLOCK (a block
+ * of widened rows and a token tile stay in L1), pairs of token vectors (an odd last one
+ * alone), row tiles of ES8_XT_ROWS x two vectors or 16 x one. part: this thread's [32, S
+ * rounded up to 16] partial sums, carried from call to call over the blocks of one group;
+ * y[t*ldy + r] after the last; the nnext bytes at next are prefetched while these rows compute. */
+static ES_TGT void ES_SF(es8_tiles)(const ES8_TW *wf, int R, const ES8_TX *xt, int64_t S, int E, int kb0, int kb1,
+                                    float *part, float *y, int64_t ldy, const uint8_t *next, int64_t nnext) {
     const uint8_t *pf = next, *pf_end = next + nnext;
 #define ES8_PF (pf < pf_end ? (pf += 4096) - 4096 : 0)
 #define ES8_UNITS(k) ((int64_t)((k) + ES8_KPAD - 1) / ES8_KPAD * ES8_KPAD / ES8_KPU)
     const int64_t nv = (S + 15) / 16, ldp = nv * 16, ldv = ES8_UNITS(E) * 16;
     const int VV = nv > 1 ? 2 : 1, RB = VV == 2 ? ES8_XT_ROWS : 16;
 #define ES8_X(rows, v) case rows: ES_SF(es8_xtile)(wr, rows, x, ldv, v, n, pr, ldp, first, yr, ldy, nt, ES8_PF); break;
-    for (int k0 = 0; k0 < E; k0 += ES8_KBLOCK) {
+    for (int k0 = kb0; k0 < kb1; k0 += ES8_KBLOCK) {
         const int kw = E - k0 < ES8_KBLOCK ? E - k0 : ES8_KBLOCK, first = k0 == 0, n = (int)ES8_UNITS(kw);
-        const ES8_TW *wb = wf + (int64_t)ES8_BLOCK * k0 / ES8_KPU;
+        const ES8_TW *wb = wf + (int64_t)ES8_BLOCK * (k0 - kb0) / ES8_KPU;
         for (int64_t j0 = 0, V; j0 < nv; j0 += V) {
             V = nv - j0 < VV ? 1 : VV;  /* an odd last vector alone */
             const ES8_TX *x = xt + j0 * ldv + (int64_t)k0 / ES8_KPU * 16;

@@ -146,7 +146,6 @@ cdef class EngineBase:
                              f"has {plan.history!r}: serve this variant with the engine its registry entry names")
         self.win = win
         self.win.setup(model, layer, w.offsets, n_streams)
-        self.files = FileStamps(w.file_arrays(), f"layer {layer}")
 
         if rows is None:
             rows = model.row_source(layer)
@@ -157,6 +156,8 @@ cdef class EngineBase:
                              "engine its own, model.row_source(layer)")
         self.src = rows
         self.src.bound = True
+        # the weights' mapped files and those the source points into (a GGUF's), stamped at load
+        self.files = FileStamps(list(w.file_arrays()) + list(rows.mapped_arrays()), f"layer {layer}")
         if self.src.nrows != plan.table_rows[layer]:
             raise ValueError(f"layer {layer}: the row source has {self.src.nrows} rows, the plan "
                              f"{plan.table_rows[layer]}")

@@ -7,3 +7,7 @@ import numpy.typing as npt
 # either array may have any strides
 def records_to_bf16(records: npt.NDArray[np.uint8], out: npt.NDArray[np.uint16],
                     zero_scale: float = 0.0) -> None: ...
+
+# records uint8 [n, row bytes] of GGUF type qtype (rows.gguf.record_type) -> out uint16 (bf16 bits)
+# [n, row length]: gguf.quants.dequantize's values rounded to bf16 (nearest, ties to even)
+def gguf_to_bf16(qtype: int, records: npt.NDArray[np.uint8], out: npt.NDArray[np.uint16]) -> None: ...

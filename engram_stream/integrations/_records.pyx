@@ -7,10 +7,15 @@ e8m0 byte shifted into the exponent field (byte << 23), then round to bf16 (near
 even). That differs from the checkpoint's value 2^(byte - 127) at two scale bytes: 255 gives
 +inf (+-inf, NaN for a zero value; not NaN), and 0 gives vLLM a zero scale (+-0, not 2^-127),
 while SGLang's kernel maps 0 to 2^-127 (zero_scale). The e4m3 codes 0x7f / 0xff are NaN
-(float8_e4m3fn, as on the GPU; Triton's CPU interpreter reads them as +-480)."""
+(float8_e4m3fn, as on the GPU; Triton's CPU interpreter reads them as +-480).
+
+GGUF rows served where the framework's table is bf16 (Qwen4Exp's PLE tables, LongCat's n-gram
+table): gguf_to_bf16 decodes each row with include/engram_gguf.h (bit-exact against
+gguf.quants.dequantize) into one row of float32 scratch, then rounds it to bf16 as _bf16 does."""
 import numpy as np
 cimport numpy as cnp
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint32_t
+from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
 
 from engram_stream._hash cimport es_runtime_bind, es_runtime_of_process
@@ -21,6 +26,10 @@ es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one ru
 
 cdef extern from "engram_fp8.h" nogil:
     float es8_e4m3(uint8_t b)
+
+cdef extern from "engram_gguf.h" nogil:
+    int es_gg_block(int type, int64_t *values, int64_t *nbytes)
+    int es_gg_decode(int type, const uint8_t *src, int64_t n, float *dst)
 
 
 cdef inline uint16_t _bf16(float v) noexcept nogil:
@@ -106,3 +115,28 @@ def records_to_bf16(const uint8_t[:, :, :] records, uint16_t[:, :, :] out, float
                     for i in range(b * 32, b * 32 + 32):
                         v = _bf16(lut[(<const uint8_t *> (r + i * rs2))[0]] * f)
                         memcpy(o + i * os2, &v, 2)
+
+
+def gguf_to_bf16(int qtype, const uint8_t[:, ::1] records, uint16_t[:, ::1] out):
+    """out[j] (bf16 bits) = row records[j] of GGUF type `qtype` (the decoders' number,
+    rows.gguf.record_type) decoded to float32 as gguf.quants.dequantize does, rounded to bf16
+    (nearest, ties to even; exact for BF16 rows). A row's float32 values go through one row of
+    scratch: nothing table-sized, the GIL released."""
+    cdef int64_t n = records.shape[0], D = out.shape[1], bv = 0, bb = 0, j, i
+    if es_gg_block(qtype, &bv, &bb) != 0:
+        raise ValueError(f"gguf_to_bf16: GGUF type {qtype} is not one the decoders serve")
+    if out.shape[0] != n or D <= 0 or D % bv or records.shape[1] != D // bv * bb:
+        raise ValueError(f"gguf_to_bf16: records {tuple(records.shape)[:2]} do not match out {tuple(out.shape)[:2]} "
+                         f"(rows of {D} values of GGUF type {qtype} are {D // bv * bb if bv and D % bv == 0 else '?'} "
+                         f"bytes)")
+    if n == 0:
+        return
+    cdef float *row = <float *> malloc(D * sizeof(float))
+    if row == NULL:
+        raise MemoryError(f"gguf_to_bf16: a row of {D} float32 values")
+    with nogil:
+        for j in range(n):
+            es_gg_decode(qtype, &records[j, 0], D, row)
+            for i in range(D):
+                out[j, i] = _bf16(row[i])
+    free(row)

@@ -8,7 +8,8 @@ that host node: hf_run(ctx) is a plain C function (nogil, no Python, no CUDA cal
 function must be) over an hf_ctx that holds everything it touches, built by HostLookup:
 
     ids      [T, k] int32 or int64 (this rank's columns of vLLM's hash ids), pinned
-    staging  [T, k, 264] uint8 records or [T, k, head_dim] bf16 bits, pinned
+    staging  [T, k, 264] uint8 records or [T, k, head_dim] bf16 bits, pinned (the records of the
+             checkpoint or of a GGUF's raw V4.1 rows, "gguf:E4M3_ROW": the same bytes)
     source   the row source, read through its C reader (RowSource.read_nogil, rows/_source.pxd):
              any source whose nogil_reads is set (MappedRows, DirectRows, a CachedRows over either)
 
@@ -26,11 +27,14 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memset
 
 from engram_stream.rows.records import E4M3_E8M0_RECORD
+from engram_stream.integrations.serving import GGUF_V41
 from engram_stream.integrations._records cimport records_bf16
 from engram_stream.rows._source cimport (ES_READ_BAD_SUM, ES_READ_FILE_CHANGED, ES_READ_IO, CachedRows, RowSource,
                                          es_read_error)
 
 cnp.import_array()
+
+V41_RECORDS = (E4M3_E8M0_RECORD, GGUF_V41)   # the bytes vLLM's V4.1 kernel widens to bf16
 
 # error codes of the slot: an id past the table, then the source's read_nogil() failures
 cdef enum:
@@ -142,17 +146,17 @@ cdef class HostLookup:
             raise ValueError(f"HostLookup: ids must be a C-contiguous int32/int64 [T, k] array, got "
                              f"{getattr(ids, 'dtype', type(ids))} {getattr(ids, 'shape', '')}")
         cdef int64_t T = ids.shape[0], k = ids.shape[1], rec = source.rowbytes + source.scalebytes
-        cdef int64_t D = source.rowbytes, n = T * k
-        if isinstance(staging, np.ndarray) and staging.dtype == np.uint16 and source.record_format != E4M3_E8M0_RECORD:
-            # bf16 rows are made by widening V4.1 records: the source's records must be those, whatever
-            # their size (a demo int8 row of 128 and its float32 scale are 132 bytes, as a V4.1 record)
-            raise ValueError(f"HostLookup: bf16 staging converts V4.1 records ({E4M3_E8M0_RECORD}); this source's records "
+        cdef int64_t D = rec // 33 * 32, n = T * k     # a V4.1 record: D e4m3 bytes, then D / 32 e8m0 bytes
+        if isinstance(staging, np.ndarray) and staging.dtype == np.uint16 and source.record_format not in V41_RECORDS:
+            # bf16 rows are made by widening V4.1 records: the source's records must be those (the
+            # checkpoint's, or a GGUF's raw rows: the same bytes), whatever their size (a demo int8
+            # row of 128 and its float32 scale are 132 bytes, as a V4.1 record)
+            raise ValueError(f"HostLookup: bf16 staging converts V4.1 records ({' or '.join(V41_RECORDS)}); this source's records "
                              f"are {source.record_format or 'of an unknown format'} ({source.rowbytes}+"
                              f"{source.scalebytes} bytes): stage uint8 records [T, k, {rec}] instead")
         if not (isinstance(staging, np.ndarray) and staging.flags.c_contiguous and staging.flags.writeable
                 and ((staging.dtype == np.uint8 and staging.shape == (T, k, rec))
-                     or (staging.dtype == np.uint16 and staging.shape == (T, k, D)
-                         and source.scalebytes * 32 == D))):
+                     or (staging.dtype == np.uint16 and staging.shape == (T, k, D) and rec % 33 == 0))):
             raise ValueError(f"HostLookup: staging must be C-contiguous uint8 {(T, k, rec)} records or uint16 "
                              f"{(T, k, D)} bf16 rows (V4.1 records), got {getattr(staging, 'dtype', type(staging))} "
                              f"{getattr(staging, 'shape', '')}")

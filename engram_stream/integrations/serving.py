@@ -18,6 +18,8 @@ import os
 import sys
 import threading
 
+import numpy as np
+
 from ..errors import shown
 
 SETTINGS = ("checkpoint", "tables", "row_cache_mb", "mooncake", "host_cache")
@@ -28,6 +30,7 @@ MOONCAKE_KEYS = ("master", "metadata", "local_host")
 # start), so this is the floor that leaves every layer of the served checkpoints its rows (a 264-byte
 # V4.1 record's cache of one row is 832 bytes: 1 MiB gives 1,260 equal layers one each).
 HOST_CACHE_MIN_MB = 1
+GGUF_V41 = "gguf:E4M3_ROW"   # the record format of a GGUF's raw V4.1 rows: the checkpoint's records, byte for byte
 
 _lock = threading.Lock()
 _models = {}            # settings key -> the EngramModel serving this process's lookups
@@ -54,8 +57,12 @@ def parse_settings(value, where):
     s = {"checkpoint": value.get("checkpoint"), "tables": value.get("tables", "mapped"),
          "row_cache_mb": value.get("row_cache_mb", 0), "mooncake": value.get("mooncake"),
          "host_cache": value.get("host_cache")}
-    if not (isinstance(s["tables"], str) and s["tables"] in ("mapped", "direct")):
-        raise ValueError(f'{where}: "tables" must be "mapped" or "direct", got {shown(s["tables"])}')
+    t = s["tables"]
+    if isinstance(t, dict) and list(t) == ["gguf"]:
+        s["tables"] = check_gguf(t, where)
+    elif not (isinstance(t, str) and t in ("mapped", "direct")):
+        raise ValueError(f'{where}: "tables" must be "mapped", "direct" or {{"gguf": {{"path": "model.gguf", '
+                         f'"read": "mapped" or "direct"}}}}, got {shown(t)}')
     from ..rows.tiers import HOST_CACHE_NAME, check_row_cache_mb
     s["row_cache_mb"] = check_row_cache_mb(s["row_cache_mb"], f'{where}: "row_cache_mb"')
     mc = s["mooncake"]
@@ -78,6 +85,37 @@ def parse_settings(value, where):
     return s
 
 
+def check_gguf(spec, where):
+    """The "tables" setting {"gguf": {GGUFTier's arguments}} checked when the settings are read: its
+    arguments, the file's header (its layout, its tables' types). A V4.1 embedding consumes the
+    checkpoint's 264-byte e4m3+e8m0 records, which only a GGUF of those raw rows holds byte for byte:
+    any other type is refused here, naming it. Qwen4Exp's and LongCat's tables are served as bf16
+    rows (each GGUF row decoded and rounded in the lookup: _records.gguf_to_bf16)."""
+    from ..errors import CheckpointError
+    from ..rows import parse_tier
+    from ..rows.gguf import SERVED_TEXT, layouts, open_gguf, table_layout
+    kw = spec["gguf"]
+    try:
+        tier = parse_tier(spec)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f'{where}: "tables" {shown(spec)}: {e}') from None
+    try:
+        model = open_gguf(tier.path)
+        tables = table_layout(model)[1]
+    except (CheckpointError, OSError) as e:
+        raise ValueError(f'{where}: "tables" names the GGUF {tier.path!r}: {e}') from None
+    if layouts()[model.architecture][1] == "deepseek-v4.1":
+        bad = [t for _, t in tables if not t.is_e4m3_rows]
+        if bad:
+            raise ValueError(f'{where}: "tables" names the GGUF {tier.path!r}, whose V4.1 table {bad[0].name} is '
+                             f"{bad[0].type_name} ([{bad[0].rows}, {bad[0].ne[0]}]): the V4.1 embeddings of vLLM and "
+                             f"SGLang consume the checkpoint's 264-byte e4m3+e8m0 records, served from a GGUF only "
+                             f"as its I8 tensor of those raw rows (ds4's); give that GGUF or the checkpoint "
+                             f'("tables": "mapped" or "direct"). The engines of engram_stream itself read '
+                             f"{SERVED_TEXT}")
+    return {"gguf": dict(kw)}
+
+
 def open_model(s, default_checkpoint, where, variant=None):
     """The process's EngramModel of settings s (one per distinct settings: the layers share it
     and its row cache), opened through EngramModel.load, which knows every registered variant's
@@ -89,13 +127,17 @@ def open_model(s, default_checkpoint, where, variant=None):
         raise ValueError(f"{where}: the served model {default_checkpoint!r} is not a local folder: give "
                          f'"checkpoint" (the folder of the checkpoint the framework serves, e.g. the V4.1 '
                          f'folder holding layers.L.engram.* and tokenizer.json)')
-    key = (os.path.realpath(ckpt), s["tables"], s["row_cache_mb"], json.dumps(s["mooncake"], sort_keys=True),
+    key = (os.path.realpath(ckpt), json.dumps(s["tables"], sort_keys=True), s["row_cache_mb"], json.dumps(s["mooncake"], sort_keys=True),
            s["host_cache"])
     with _lock:
         if key not in _models:
             from ..model import EngramModel
             from ..rows import parse_tier
-            tables = parse_tier({"mooncake": s["mooncake"]} if s["mooncake"] is not None else s["tables"])
+            spec = s["tables"]
+            if s["mooncake"] is not None:   # a GGUF's rows published to the store: read and decoded as the GGUF's
+                spec = {"mooncake": {**s["mooncake"], **({"gguf": spec["gguf"]["path"]} if isinstance(spec, dict)
+                                                          else {})}}
+            tables = parse_tier(spec)
             _models[key] = EngramModel.load(ckpt, tables=tables, row_cache_mb=s["row_cache_mb"] or None,
                                             host_cache=s["host_cache"])
         model = _models[key]
@@ -137,9 +179,15 @@ class StreamRows:
     A mixin before the framework's class: plain methods, no torch."""
 
     def stream_from(self, model, layer):
+        from ..rows.gguf import record_type
         self.model, self.layer = model, layer
         self.source = model.row_source(layer)
         self.recbytes = self.source.rowbytes + self.source.scalebytes
+        # GGUF rows (tables={"gguf": ...}): the decoders' type number, else -1 (the checkpoint's records)
+        self.gguf_type = record_type(self.source.record_format)
+        if model.cfg.variant == "deepseek-v4.1" and self.gguf_type >= 0 and self.source.record_format != GGUF_V41:
+            raise ValueError(f"layer {layer}: {self.source.record_format} rows; a V4.1 embedding consumes the "
+                             f"checkpoint's 264-byte records ({GGUF_V41} from a GGUF)")
 
     def row_cache_stats(self):
         return self.model.row_cache_stats()
@@ -151,6 +199,24 @@ class StreamRows:
 
 class StreamVocabRows(StreamRows):
     """A vocabulary-parallel table (the Qwen PLE tables of vLLM and SGLang): this rank's shard."""
+
+    def check_gguf_table(self, fmt, where, framework):
+        """A GGUF table is served as bf16 rows: the framework's table must be one of values (its
+        embedding method the unquantized one), not the checkpoint's FP8 or NVFP4 (`fmt`)."""
+        if self.gguf_type >= 0 and fmt in ("fp8", "nvfp4"):
+            raise ValueError(f"{where}: the GGUF's {self.source.record_format} rows are served as bf16 values, "
+                             f"{framework}'s table of the checkpoint {self.model.source!r} layer {self.layer} is "
+                             f"{fmt}: give the bf16 checkpoint the GGUF was made from")
+
+    def gguf_rows(self, ids, torch):
+        """bf16 [n, embedding_dim] (torch) of the GGUF rows `ids` (int64, this table's rows): each
+        record decoded and rounded to bf16 in C (_records.gguf_to_bf16, without the GIL)."""
+        from ._records import gguf_to_bf16
+        rec = np.empty((ids.shape[0], self.recbytes), np.uint8)
+        self.source.read_into(ids, rec)
+        out = np.empty((ids.shape[0], self.embedding_dim), np.uint16)
+        gguf_to_bf16(self.gguf_type, rec, out)
+        return torch.from_numpy(out).view(torch.bfloat16)
 
     def extra_repr(self):
         s = self.shard_indices

@@ -226,6 +226,9 @@ def ple_class():
                                  f"{model.cfg.head_dim}], SGLang's [{self.org_vocab_size}, {embedding_dim}]: give "
                                  f"the checkpoint SGLang serves")
             self.stream_from(model, layer)
+            self.check_gguf_table(fmt, ENV, "SGLang")
+            if self.gguf_type >= 0:
+                fmt = "bfloat16"   # GGUF rows served as bf16 values (stream_rows)
             self.table_format = fmt
             # the dtype of SGLang's loaded table: FP8 shards switch its storage to FP8; values are
             # cast to its storage dtype (bf16, or FP8 when the config or quant config says so)
@@ -243,6 +246,9 @@ def ple_class():
             flat = ids.reshape(-1)
             host = (flat.cpu() if flat.device.type != "cpu" else flat).numpy().astype(np.int64)
             host += self.shard_indices.org_vocab_start_index
+            if self.gguf_type >= 0:   # a GGUF's rows, decoded to bf16 as the framework's bf16 table holds them
+                out = self.gguf_rows(host, torch).to(self.storage_dtype)
+                return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
             rec = np.empty((host.shape[0], self.recbytes), np.uint8)
             self.source.read_into(host, rec)
             t = torch.from_numpy(rec)

@@ -18,6 +18,9 @@ parsed by integrations.serving.parse_settings, as SGLang's are:
     tables        "mapped" (the checkpoint's shards mapped; the page cache holds what is read)
                   or "direct" (pread / O_DIRECT from the shards or the packed row file
                   engram_rows.bin: `engram-stream pack-rows DIR`)
+                  or {"gguf": {"path": "m.gguf", "read": ...}} (a llama.cpp GGUF's tables:
+                  Qwen4Exp's and LongCat's rows decoded to bf16 in the lookup; V4.1's from a
+                  GGUF of the raw 264-byte rows only, byte for byte: other types are refused)
     row_cache_mb  the RAM row cache (MiB) of the process, split over the Engram layers
     host_cache    a name ("vllm"): the row cache is the host's, one for every process (the
                   data-parallel ranks) with the same settings, row_cache_mb its one budget
@@ -425,6 +428,9 @@ class VocabRowsLookup:
         start = self.shard_indices.org_vocab_start_index
         flat = ids.reshape(-1)
         host = (flat.cpu() if flat.device.type != "cpu" else flat).numpy().astype(np.int64) + start
+        if self.gguf_type >= 0:   # a GGUF's rows, decoded to bf16 as the framework's bf16 table holds them
+            out = self.gguf_rows(host, torch).to(self.params_dtype)
+            return out.reshape(*ids.shape, self.embedding_dim).to(ids.device)
         rec = np.empty((host.shape[0], self.recbytes), np.uint8)
         self.source.read_into(host, rec)
         t = torch.from_numpy(rec)
@@ -463,7 +469,9 @@ def stream_class():
                 meta = self._parameters.pop(name)
                 object.__setattr__(self, name, meta.data)
             w = model.layer(layer)
-            fmt = w.table_format
+            self.stream_from(model, layer)
+            fmt = "bfloat16" if self.gguf_type >= 0 else w.table_format
+            self.check_gguf_table(w.table_format, ENV, "vLLM")
             want = ("nvfp4" if isinstance(method, C.Qwen4ExpPLENvFp4EmbeddingMethod) else
                     "fp8" if isinstance(method, C.Qwen4ExpPLEFp8EmbeddingMethod) else None)
             if (want or "values") != (fmt if fmt in ("fp8", "nvfp4") else "values"):
@@ -476,9 +484,8 @@ def stream_class():
                                  f"the checkpoint vLLM serves")
             if fmt == "nvfp4" and self.params_dtype != torch.bfloat16:
                 raise ValueError(f"{ENV}: NVFP4 PLE tables are served for bfloat16 models, got {self.params_dtype}")
-            self.stream_from(model, layer)
             self.table_format = fmt
-            self._values = None if fmt in ("fp8", "nvfp4") else np.dtype(w.table.dtype)
+            self._values = None if fmt in ("fp8", "nvfp4") or self.gguf_type >= 0 else np.dtype(w.table.dtype)
             self._lut = None if fmt != "nvfp4" else torch.from_numpy(np.asarray(w.table_lut, np.float32))
             serving.stream_method(self.embedding_method, _methods)
 
@@ -581,7 +588,7 @@ def table_class():
                                  f"{model.cfg.head_dim}], vLLM's [{self.org_vocab_size}, {embedding_dim}]: give "
                                  f"the checkpoint vLLM serves")
             self.stream_from(model, 0)
-            self.table_format = w.table_format
+            self.table_format = "bfloat16" if self.gguf_type >= 0 else w.table_format
             self._values, self._lut = np.dtype(w.table.dtype), None
             serving.stream_method(self.quant_method, _methods)
 

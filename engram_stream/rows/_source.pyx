@@ -118,6 +118,12 @@ cdef class RowSource:
             return TypeError(f"{type(self).__name__} has no C reader: its reads need the GIL{more}")
         return OSError(err, f"{type(self).__name__}: reading rows (first row {row}): {os.strerror(err)}{more}")
 
+    def mapped_arrays(self):
+        """The arrays this source points engines into (a view of a mapped file among them is
+        stamped by the engine: engine/_base.pyx's FileStamps); () for a source that reads files
+        itself (DirectRows checks its own stamps) or a store."""
+        return ()
+
     def __repr__(self):
         return (f"{type(self).__name__}(rows={self.nrows}, record={self.rowbytes}+{self.scalebytes} bytes, "
                 f"fallible={bool(self.fallible)})")
@@ -232,6 +238,9 @@ cdef class MappedRows(RowSource):
         self._keep = (data, scale)
         self.nogil_reads = True
 
+    def mapped_arrays(self):
+        return tuple(a for a in self._keep if a is not None)
+
     cdef int read_nogil(self, const int64_t *rows, int64_t n, char *out, es_read_error *e) noexcept nogil:
         cdef int64_t i, rb = self.rowbytes, sb = self.scalebytes, rec = self.rowbytes + self.scalebytes
         cdef char *d
@@ -318,6 +327,9 @@ cdef class PartedRows(RowSource):
         self.record_format = record_format if record_format is not None else parts[0].dtype.name
         self.paged = mapping_of(parts[0]) is not None
         self._keep = parts
+
+    def mapped_arrays(self):
+        return tuple(self._keep)
 
     def __dealloc__(self):
         free(self.bases)
@@ -606,6 +618,9 @@ cdef class CachedRows(RowSource):
         self.record_format = source.record_format
         self.fallible = source.fallible
         self.nogil_reads = source.nogil_reads
+
+    def mapped_arrays(self):
+        return self.source.mapped_arrays()
 
     def __dealloc__(self):
         self._unpin()

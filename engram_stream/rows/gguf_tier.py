@@ -28,7 +28,7 @@ import os
 import numpy as np
 
 from ..errors import CheckpointError
-from ..io.files import MappedFile, open_regular
+from ..io.files import MappedFile, check_file, open_regular
 from ..io.memory import advise
 from ._direct import DirectReader, FilePart, IOPool, RecordFile
 from ._source import DirectRows, MappedRows, PartedRows
@@ -81,21 +81,43 @@ class GGUFTables(Tables):
         self.formats = {L: record_format_of(ts[0]) for L, ts in layers.items()}
         self.maps, self.tables, self.files, self.io = {}, {}, {}, None
         if self.read == "mapped":
-            for L, ts in layers.items():
-                parts = []
-                for t in ts:
-                    if t.path not in self.maps:
-                        self.maps[t.path] = _map(t.path)
-                    part = np.frombuffer(self.maps[t.path], np.uint8, t.nbytes, t.offset).reshape(t.rows, t.row_bytes)
-                    if part.nbytes:
-                        advise(part, "random")  # a cold gather must not read ahead
-                    parts.append(part)
-                self.tables[L] = parts
+            for L in layers:
+                self.tables[L] = self.arrays(L)
         else:
             self.io = IOPool(self.qd)
             self.files = {L: RecordFile(ts[0].rows, [FilePart(ts[0].path, ts[0].offset, ts[0].row_bytes)],
                                         rowbytes=ts[0].row_bytes, direct=self.o_direct, layer=L)
                           for L, ts in layers.items()}
+
+    def arrays(self, layer):
+        """The layer's table tensors mapped, uint8 [rows, row bytes] each (a split table's parts in row
+        order): what engines read (read="mapped"), and what a Mooncake publish digests (any read)."""
+        if layer in self.tables:
+            return self.tables[layer]
+        parts = []
+        for t in self.tensors[layer]:
+            if t.path not in self.maps:
+                self.maps[t.path] = _map(t.path)
+            part = np.frombuffer(self.maps[t.path], np.uint8, t.nbytes, t.offset).reshape(t.rows, t.row_bytes)
+            if part.nbytes:
+                advise(part, "random")  # a cold gather must not read ahead
+            parts.append(part)
+        return parts
+
+    def table_f32(self, layer, rows) -> np.ndarray:
+        """float32 [*rows.shape, row length]: the layer's rows (absolute ids, any shape) decoded by
+        the engines' C decoders (bit-exact against gguf.quants.dequantize): the table the numpy
+        oracle (EngramModel.forward) reads, so that the oracle is the quantized model. Reads the
+        rows through this tier's own reader, one call's rows at a time."""
+        from . import _gguf
+        if self.read == "mapped":   # a file changed since it was opened is refused (direct reads check their own)
+            for a in self.tables[layer]:
+                check_file(a)
+        t = self.tensors[layer][0]
+        ids = np.asarray(rows, np.int64)
+        rec = np.empty((ids.size, t.row_bytes), np.uint8)
+        self.source(layer).read_into(ids.reshape(-1), rec)
+        return _gguf.decode_rows(t.decoder_type(), rec, t.row_length).reshape(*ids.shape, t.row_length)
 
     def record_layout(self, layer):
         """(row bytes, scale bytes) of one of this layer's records: the GGUF row's bytes, no scale."""

@@ -24,7 +24,9 @@ DIGEST_FORMAT = 1          # of the digest (SHA-256) and of its cache entries
 DIGEST_CHUNK = 16 << 20    # bytes read and hashed at a time
 
 
-def _layer_arrays(model, L):
+def _layer_arrays(model, L, tables=None):
+    if tables is not None:   # a tier's own records (a GGUF's tensors, mapped): their bytes
+        return tables.arrays(L)
     w = model.layer(L)
     return [a for a in (w.table, getattr(w, "table_scale", None)) if a is not None]
 
@@ -85,7 +87,7 @@ def _cache_digest(key, digest):
         pass
 
 
-def layer_digests(model, layers=None, progress=None) -> dict:
+def layer_digests(model, layers=None, progress=None, tables=None) -> dict:
     """{layer: 64 hex digits}: the SHA-256 of each layer's table and table scale (each one's
     dtype and shape, then every byte). What names a model's keys in a Mooncake Store and what the
     store keeps beside its rows (rows/mooncake/).
@@ -95,9 +97,11 @@ def layer_digests(model, layers=None, progress=None) -> dict:
     (<cache_dir()>/tables/, $XDG_CACHE_HOME respected), keyed by what identifies the bytes
     (_digest_key: the files' stamps and ctime, the arrays' offsets), and a file saved again is
     read again. The files are read by pread, their pages left out of the page cache
-    (io.memory.byte_chunks); a table in RAM is read every call. progress(done, total): bytes."""
+    (io.memory.byte_chunks); a table in RAM is read every call. progress(done, total): bytes.
+    tables: an opened tier whose records are its own (a GGUF's: its table tensors' bytes are
+    digested, cached as mapped files are), or None (the model's weights)."""
     layers = model.cfg.layer_ids if layers is None else layers
-    arrays = {L: _layer_arrays(model, L) for L in layers}
+    arrays = {L: _layer_arrays(model, L, tables) for L in layers}
     total, done, out = sum(a.nbytes for L in layers for a in arrays[L]), 0, {}
     for L in layers:
         key = _digest_key(L, arrays[L])

@@ -25,6 +25,7 @@ cdef extern from "engram_fp8.h" nogil:
                        float eps, int dead, void *out, int obf) noexcept
     uint64_t es8_read_bytes(const uint8_t *p, int64_t n) noexcept
     int64_t es8_mac_chains(int64_t n, float *sink) noexcept
+    int es8_cols_mode
     int es8_dpbf16(float *acc, const uint16_t *a, const uint16_t *b, int64_t n, int emulate) noexcept
 
 cdef extern from "engram_step.h" nogil:

@@ -262,14 +262,18 @@ def act_quant(const float[:, ::1] x):
 
 
 def fp8_linear(const float[:, ::1] x, const uint8_t[:, ::1] weight, const uint8_t[:, ::1] scale,
-               int threads=1, bint plain=False):
+               int threads=1, bint plain=False, cols=None):
     """x[S, K] through the float8 projection (weight e4m3 [M, K], scale e8m0 [ceil(M/32), K/32])
     as the engine runs it, on the running kernel path: float32[S, M]. plain: the plain scalar C
-    loop instead (es8_wkv_plain: what the vector paths are measured against)."""
+    loop instead (es8_wkv_plain: what the vector paths are measured against). cols (bf16 path):
+    True or False runs 2 tokens or more on the columns tile or not, for this call (None: the
+    engine's choice, es8_cols_for)."""
+    global es8_cols_mode
     cdef Py_ssize_t S = x.shape[0], K = x.shape[1], M = weight.shape[0], t
     if K % ES8_BLOCK or weight.shape[1] != K or scale.shape[0] != (M + ES8_BLOCK - 1) // ES8_BLOCK \
             or scale.shape[1] != K // ES8_BLOCK or S < 1 or M < 1:
         raise ValueError("fp8_linear: shapes do not match")
+    cdef int cmode = -1 if cols is None else (1 if cols else 0)
     _check_dims(M, K, "fp8_linear: weight rows", "fp8_linear: values per row of x")
     qx = np.empty((S, es8_ldq(<int> K)), dtype=np.float32)
     s = np.empty(K // ES8_BLOCK, dtype=np.float32)
@@ -284,8 +288,10 @@ def fp8_linear(const float[:, ::1] x, const uint8_t[:, ::1] weight, const uint8_
         if plain:
             es8_wkv_plain(&qv[0, 0], qv.shape[1], S, <int> K, &weight[0, 0], &scale[0, 0], <int> M, &yv[0, 0])
         else:
+            es8_cols_mode = cmode
             es8_wkv_mt(&qv[0, 0], qv.shape[1], S, <int> K, &weight[0, 0], &scale[0, 0], <int> M, &yv[0, 0],
                        threads, &scratch[0])
+            es8_cols_mode = -1
     return y
 
 def dpbf16(acc, a, b, bint emulate=False):

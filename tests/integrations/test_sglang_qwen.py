@@ -326,3 +326,38 @@ print("patched on import")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, cwd="/",
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 0 and "patched on import" in r.stdout, r.stderr[-3000:]
+
+
+def test_a_gguf_table_is_served_as_the_bf16_checkpoint_of_its_rows(parallel, tmp_path):
+    """tables={"gguf": ...}: the plugin's table gives what SGLang's own gives from a bf16
+    checkpoint whose table is gguf.quants.dequantize's rows rounded to bf16 (the GGUF decoded in
+    the lookup), mapped and direct."""
+    pytest.importorskip("gguf")
+    from helpers.gguf_files import write_table_gguf
+    ecfg = EngramConfig.from_hf_config({**QC.HF, "ple_embed_dim": 128, "ple_layer_ids": [1]})  # head_dim 32: a block
+    m = EngramModel.init(ecfg, seed=3)
+    layer = ecfg.layer_ids[0]
+    folder = str(m.save(tmp_path / "bf16", table_dtype="bfloat16"))
+    deq = write_table_gguf(tmp_path / "t.gguf", EngramModel.load(folder), "Q4_0", seed=4)[layer]
+    sd = m.state_dict(layer)
+    sd["ple_embedding.ngram_embedding.weight"] = deq   # the oracle: the bf16 checkpoint of the GGUF's rows
+    want_folder = str(EngramModel.from_reference(ecfg, {layer: sd}).save(tmp_path / "want", table_dtype="bfloat16"))
+    cfg = hf_config(folder)
+    stock = {layer: build(cfg, 0)}
+    load(cfg, stock, want_folder)
+    ids = row_ids(stock[layer], 23, np.random.default_rng(5))
+    want = (gathered(stock[layer], ids), *lookups(stock[layer], ids))
+    assert want[2].float().abs().sum() > 0
+    for read in ("mapped", "direct"):
+        serving._models.clear()
+        plugin.install({"checkpoint": folder, "row_cache_mb": 0.2,
+                        "tables": {"gguf": {"path": str(tmp_path / "t.gguf"), "read": read}}})
+        try:
+            mine = {layer: build(cfg, 0)}
+            assert mine[layer].ngram_embedding.source.record_format == "gguf:Q4_0"
+            load(cfg, mine, folder)
+            for _ in ("cold", "warm"):
+                for a, b in zip((gathered(mine[layer], ids), *lookups(mine[layer], ids)), want):
+                    same_bytes(a, b)
+        finally:
+            plugin.uninstall()

@@ -228,3 +228,39 @@ def test_an_etp_rank_serves_its_rows(N, vllm_env, folders, kind, monkeypatch):
     got = outputs(mine, inputs)
     same_bytes(got[0], want[0])
     same_bytes(got[1], want[1])
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0"])
+def test_a_gguf_table_is_served_as_the_bf16_checkpoint_of_its_rows(N, vllm_env, tmp_path, name, monkeypatch):
+    """tables={"gguf": ...}: the plugin's module gives what vLLM's own module gives from a bf16
+    checkpoint whose table is gguf.quants.dequantize's rows rounded to bf16 (the GGUF decoded in
+    the lookup: _records.gguf_to_bf16), for mapped and direct reads."""
+    pytest.importorskip("gguf")
+    from helpers.gguf_files import write_table_gguf
+    ecfg = EngramConfig.from_hf_config({**Q.HF, "ple_embed_dim": 128, "ple_layer_ids": [1]})   # head_dim 32: a block
+    m = EngramModel.init(ecfg, seed=3)
+    L = ecfg.layer_ids[0]
+    folder = str(m.save(tmp_path / "bf16", table_dtype="bfloat16"))
+    deq = write_table_gguf(tmp_path / "t.gguf", EngramModel.load(folder), name, seed=4)[L]
+    sd = m.state_dict(L)
+    sd["ple_embedding.ngram_embedding.weight"] = deq   # the oracle: the bf16 checkpoint of the GGUF's rows
+    want_folder = str(EngramModel.from_reference(ecfg, {L: sd}).save(tmp_path / "want", table_dtype="bfloat16"))
+    cfg = hf_config(folder, "bfloat16")
+    inputs = requests(cfg, np.random.default_rng(9), cfg.eos_token_id)
+    monkeypatch.setattr(plugin, "_serving", False)
+    stock = build(N, cfg, 0)
+    load(stock, want_folder, L)
+    want = outputs(stock, inputs)
+    assert want[1].float().abs().sum() > 0
+    vllm_env.model = folder
+    for read in ("mapped", "direct"):
+        monkeypatch.setenv(plugin.ENV, json.dumps({"tables": {"gguf": {"path": str(tmp_path / "t.gguf"), "read": read}},
+                                                   "row_cache_mb": 0.2}))
+        monkeypatch.setattr(serving, "_models", {})
+        mine = build(N, cfg, 0)
+        assert mine.ngram_embedding.source.record_format == f"gguf:{name}"
+        load(mine, folder, L)
+        for _ in range(2):   # cold, then warm (the row cache holds the GGUF's records)
+            got = outputs(mine, inputs)
+            same_bytes(got[0], want[0])
+            same_bytes(got[1], want[1])

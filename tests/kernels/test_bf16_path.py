@@ -126,14 +126,16 @@ def _flush(x):
 
 
 @needs_bf16
-@pytest.mark.parametrize("tokens, K", [(1, 64), (4, 64), (64, 64), (9, 288), (16, 288), (17, 288)])
-def test_bf16_projection_reads_every_code_exactly(on_bf16, tokens, K):
+@pytest.mark.parametrize("tokens, K, cols", [(1, 64, None), (4, 64, None), (64, 64, None), (9, 288, None),
+                                             (16, 288, None), (17, 288, None), (4, 64, True), (16, 288, True),
+                                             (17, 288, True), (16, 288, False), (17, 288, False)])
+def test_bf16_projection_reads_every_code_exactly(on_bf16, tokens, K, cols):
     """One-hot activations read single weights back: all 256 codes (zeros, subnormals, +-448,
     the NaN codes read NaN as the oracle), block scales 2^-127 .. 2^4. Each output is one
     product, bit for bit the emulation's vdpbf16ps of its two factors: where a factor or the
     product is below 2^-126 (the reference keeps a float32 subnormal) that is zero. K = 288:
     two k blocks of the tiles (ES8_KBLOCK 256) and a last chunk of 32 values; calls of `tokens`
-    tokens (the last one fewer)."""
+    tokens (the last one fewer); cols: the columns tile forced on or off, or the engine's choice."""
     M = 256
     w = np.tile(np.resize(CODES, (M, 64)), (1, -(-K // 64)))[:, :K].copy()  # a row: 64 codes over and over
     sc = np.array([[127, 0], [120, 131], [0, 0], [10, 127], [127, 1], [118, 0], [0, 127], [5, 6]], np.uint8)
@@ -143,11 +145,11 @@ def test_bf16_projection_reads_every_code_exactly(on_bf16, tokens, K):
     qx = (q * np.repeat(a_scale, 32, 1)).max(axis=1)                # each token's one value, as quantized
     values = ref.e4m3(w)                                            # NaN for the NaN codes
     s = np.repeat(np.repeat(ref.e8m0(sc), 32, 0), 32, 1)
-    got = np.concatenate([k.fp8_linear(x[i:i + tokens], w, sc) for i in range(0, K, tokens)])
-    if tokens < 9:  # the GEMVs of 1 and 2..8 tokens: both scales on the activation
+    got = np.concatenate([k.fp8_linear(x[i:i + tokens], w, sc, cols=cols) for i in range(0, K, tokens)])
+    if tokens == 1 or (tokens < 9 and not cols):  # the GEMVs of 1 and 2..8 tokens: both scales on the activation
         factor = _flush(qx[None, :] * s)                 # [M, K]: this k's activation times s_w
         pa, pb = (values.view(np.uint32) >> 16).astype(np.uint16), (factor.view(np.uint32) >> 16).astype(np.uint16)
-    else:          # 9 and more tokens: s_w on the widened weights
+    else:          # the tiles (9 and more tokens, or the columns tile): s_w on the widened weights
         factor = _flush(values * s)
         pa, pb = (factor.view(np.uint32) >> 16).astype(np.uint16), (qx[None, :].repeat(M, 0).view(np.uint32) >> 16).astype(np.uint16)
     zero = np.zeros(pa.size, np.uint16)
@@ -194,6 +196,32 @@ def test_bf16_edge_codes_against_the_oracle(on_bf16, S):
     assert np.abs(got - want)[ok].max() > 0  # the sums' order differs from the oracle's
     assert (got[:, :2] == 0).all()
     assert np.array_equal(got, k.fp8_linear(x, w, sc, threads=1), equal_nan=True)
+
+
+@needs_bf16
+@pytest.mark.parametrize("M, K", [(70, 6144 + 32), (33, 96), (256, 512)])
+def test_bf16_columns_tile_is_the_lanes_tile(on_bf16, M, K):
+    """The columns tile (weight rows in the lanes) sums every output's pairs in the order of the
+    tokens-in-lanes tile: the same bits from 9 tokens on (NaN where it is NaN), at any token
+    count (full and partial tiles of 8, of 16), partial row groups, a last half chunk of 64;
+    below 9 (where the GEMVs run otherwise) within the oracle's tolerance. Two threads give one
+    thread's bits."""
+    rng = np.random.default_rng(M + K)
+    w = rng.integers(0, 256, (M, K)).astype(np.uint8)
+    w[(w & 0x7F) == 0x7F] = 0x3C
+    w[M - 1, 7] = 0xFF                                              # a NaN code in the last row
+    sc = rng.integers(112, 130, (-(-M // 32), K // 32)).astype(np.uint8)
+    for S in (2, 5, 8, 9, 15, 16, 17, 24, 40):
+        x = (rng.standard_normal((S, K)) * np.repeat(2.0 ** rng.integers(-8, 6, (S, K // 32)), 32, 1)).astype(np.float32)
+        got = k.fp8_linear(x, w, sc, cols=True)
+        assert np.isnan(got[:, M - 1]).all() and not np.isnan(got[:, :M - 1]).any()
+        assert np.array_equal(got, k.fp8_linear(x, w, sc, cols=True, threads=2), equal_nan=True)
+        if S >= 9:
+            lanes = k.fp8_linear(x, w, sc, cols=False)
+            assert np.array_equal(got.view(np.uint32)[:, :M - 1], lanes.view(np.uint32)[:, :M - 1]), S
+        want = ref.fp8_linear(x, w, sc)[:, :M - 1]
+        size = ref.fp8_linear(np.abs(x), w & 0x7F, sc)[:, :M - 1]
+        assert (np.abs(got[:, :M - 1] - want) <= RTOL * size + ATOL).all(), S
 
 
 def test_default_isa_is_the_best_this_cpu_runs(monkeypatch):

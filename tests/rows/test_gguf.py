@@ -12,7 +12,6 @@ import subprocess
 import sys
 import sysconfig
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given
@@ -24,60 +23,11 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from engram_stream.errors import CheckpointError  # noqa: E402
 from engram_stream.rows import _gguf  # noqa: E402
 from engram_stream.rows import gguf as rg  # noqa: E402
+from helpers.gguf_files import (ARR, I64, QUANTIZABLE, RANDOM_BLOCKS, U32, U64, e4m3_oracle, e4m3_rows,  # noqa: E402
+                                quantized, random_blocks, same_bits, table_bytes, write_gguf)
 from helpers.numeric import hypothesis_settings  # noqa: E402
 
 pytestmark = pytest.mark.native  # every test here drives the C decoders or reads what they decode
-
-QUANTIZABLE = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # gguf.quants.quantize writes these
-RANDOM_BLOCKS = ["IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]            # it cannot: random blocks
-SCALE_AT = {  # byte offsets of each block's fp16 scales (kept finite in "well-formed" blocks)
-    "Q4_0": [0], "IQ4_NL": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-    "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-}
-
-
-def same_bits(got, want):
-    """Equal float32 bits, NaN for NaN (numpy's NaN arithmetic may pick another payload)."""
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert got.shape == want.shape
-    nan = np.isnan(want)
-    np.testing.assert_array_equal(np.isnan(got), nan)
-    bad = np.flatnonzero((got.view(np.uint32) != want.view(np.uint32)) & ~nan.ravel().reshape(got.shape))
-    assert bad.size == 0, f"{bad.size} values differ, first at {bad[0]}: {got.ravel()[bad[0]]} != {want.ravel()[bad[0]]}"
-
-
-def random_blocks(name, n_rows, row_length, rng):
-    """[n_rows, row bytes] of well-formed blocks: every byte random but the fp16 scales, which
-    are random finite halves (from tiny subnormals to 65504, both signs)."""
-    bv, bb = gguf.GGML_QUANT_SIZES[T[name]]
-    raw = rng.integers(0, 256, (n_rows, row_length // bv, bb), dtype=np.uint8)
-    for at in SCALE_AT[name]:
-        h = rng.integers(0, 0x7c00, raw.shape[:2], dtype=np.uint16) | (rng.integers(0, 2, raw.shape[:2], dtype=np.uint16) << 15)
-        raw[:, :, at:at + 2] = h.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return raw.reshape(n_rows, -1)
-
-
-def quantized(name, n_rows, row_length, rng):
-    x = (rng.standard_normal((n_rows, row_length)) * rng.choice([1e-3, 1.0, 300.0], (n_rows, 1))).astype(np.float32)
-    q = gguf.quants.quantize(x, T[name])
-    return np.ascontiguousarray(q).view(np.uint8).reshape(n_rows, -1)
-
-
-def e4m3_rows(n_rows, rng):
-    """Checkpoint rows: 256 e4m3 bytes (every code, NaN 0x7f/0xff included) and 8 e8m0 scales."""
-    return rng.integers(0, 256, (n_rows, 264), dtype=np.uint8)
-
-
-def e4m3_oracle(raw):
-    vals = raw[:, :256].view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    scales = raw[:, 256:].view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
-    with np.errstate(over="ignore"):  # 448 * 2^127 is inf in float32, in the C decoder too
-        return vals * np.repeat(scales, 32, axis=1)
-
-
-def table_bytes(name, n_rows, row_length, rng):
-    return quantized(name, n_rows, row_length, rng) if name in QUANTIZABLE else random_blocks(name, n_rows, row_length, rng)
-
 
 # ---- the decoders ------------------------------------------------------------------------------
 
@@ -175,27 +125,6 @@ def test_decoders_stay_exact_when_built_to_fuse(tmp_path):
 
 
 # ---- GGUF files in the converters' layouts ------------------------------------------------------
-
-def write_gguf(path, arch, tensors, kv=(), alignment=None, **writer_kw):
-    """tensors: name -> (raw bytes [rows, row bytes] or a float array, ggml type name)."""
-    w = gguf.GGUFWriter(str(path), arch, **writer_kw)
-    if alignment is not None:
-        w.add_custom_alignment(alignment)
-    for key, (value, vtype, sub) in dict(kv).items():
-        w.add_key_value(key, value, vtype, sub_type=sub)
-    for name, (data, tname) in tensors.items():
-        if tname in ("F32",):
-            w.add_tensor(name, data)
-        else:
-            w.add_tensor(name, data, raw_dtype=T[tname])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-U32, U64, ARR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.UINT64, gguf.GGUFValueType.ARRAY
-
 
 def qwen_kv(rows):
     return {
@@ -438,9 +367,6 @@ def test_inspect_refuses_other_architectures_and_bad_files(tmp_path, capsys):
 
 
 # ---- the checks at open against a model folder's config ------------------------------------------
-
-I64 = gguf.GGUFValueType.INT64
-
 
 def qwen_one_layer():
     from engram_stream import EngramConfig, EngramModel

@@ -1,19 +1,16 @@
 """tables=GGUFTier(path): a model's Engram tables from a GGUF (written by gguf.GGUFWriter in the
 converters' layouts), the rest from its folder. The exactness contract: with a GGUF table the
 model is the quantized model, so every engine gathers exactly gguf.quants.dequantize's rows
-(bit for bit), steps and prefills as the numpy oracle run on the dequantized table, and every
+(bit for bit), steps and prefills as the numpy oracle (model.forward of a model opened with the
+GGUF: it reads the dequantized table), and every
 row source (mapped, direct, a row cache in front of either) gives the same bits."""
 from __future__ import annotations
-
-import copy
 
 import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")  # the test extra; the runtime never imports it
-from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from engram_stream import EngramConfig, EngramModel  # noqa: E402
 from engram_stream.errors import CheckpointError  # noqa: E402
 from engram_stream.rows import GGUFTier, parse_tier  # noqa: E402
 from engram_stream.rows.gguf_tier import GGUFTables  # noqa: E402
@@ -21,8 +18,8 @@ from helpers.inputs import variant_inputs  # noqa: E402
 from helpers.models import checkpoint_path, make_v41_model  # noqa: E402
 from helpers.numeric import close  # noqa: E402
 from helpers.row_sources import load_checkpoint  # noqa: E402
-from test_gguf import (ARR, I64, U32, U64, e4m3_oracle, e4m3_rows, same_bits, table_bytes,  # noqa: E402
-                       write_gguf)
+from helpers.gguf_files import (U32, longcat_model, qwen_model, quantized_table, same_bits, v41_kv, write_gguf,  # noqa: E402
+                                write_table_gguf)
 
 pytestmark = pytest.mark.native  # the engines' gathers decode the GGUF rows in C
 
@@ -32,67 +29,6 @@ SOURCES = {  # the load arguments of every way a GGUF's rows reach an engine
     "direct": lambda p: dict(tables=GGUFTier(p, read="direct")),
     "direct+cache": lambda p: dict(tables={"gguf": {"path": str(p), "read": "direct"}}, row_cache_mb=0.01),
 }
-
-
-def qwen_model():
-    from engram_stream.qwen.config import EXAMPLE
-    cfg = {**EXAMPLE, "layer_ids": [2], "n_embed_per_ngram": 64}   # head_dim 32: one block of the 32-value types
-    return EngramModel.init(EngramConfig(**cfg), seed=3)
-
-
-def qwen_kv(m):
-    cfg, plan, L = m.cfg, m.plan, m.cfg.layer_ids[0]
-    return {"qwen4exp.ple.layers": ([L], ARR, U32), "qwen4exp.ple.ngram_size": (cfg.max_ngram_size, U32, None),
-            "qwen4exp.ple.heads_per_ngram": (cfg.n_head_per_ngram, U32, None),
-            "qwen4exp.embedding_length_per_layer_input": (cfg.head_dim, U32, None),
-            "qwen4exp.ple.layer_multipliers": ([int(x) % 2**64 for x in plan.multipliers[L]], ARR, U64),
-            "qwen4exp.ple.head_vocab_sizes": ([int(x) for x in plan.head_primes[L]], ARR, U64)}
-
-
-def longcat_model():
-    from engram_stream.longcat.config import EXAMPLE
-    return EngramModel.init(EngramConfig(**{**EXAMPLE, "n_embed_per_ngram": 64, "hidden_size": 128}), seed=4)  # head_dim 32
-
-
-def longcat_kv(m):
-    cfg = m.cfg
-    return {"longcat_flash_ngram.ngram.neighbor_num": (cfg.max_ngram_size, U32, None),
-            "longcat_flash_ngram.ngram.split_num": (cfg.n_head_per_ngram, U32, None)}
-
-
-def v41_kv(m):
-    cfg, plan = m.cfg, m.plan
-    return {"deepseek41.engram.layer_ids": (list(cfg.layer_ids), ARR, U32),
-            "deepseek41.engram.head_count": (cfg.n_head_per_ngram, U32, None),
-            "deepseek41.engram.key_length": (cfg.head_dim, U32, None),
-            "deepseek41.engram.multipliers": ([int(x) for L in cfg.layer_ids for x in plan.multipliers[L]], ARR, I64)}
-
-
-def quantized_table(name, rows, hd, rng):
-    """(the GGUF tensor's data and type name, float32 [rows, hd] as gguf-py dequantizes it)."""
-    if name == "E4M3":   # ds4's I8 tensor of the checkpoint's 264-byte rows, finite scales
-        raw = e4m3_rows(rows, rng)
-        raw[:, :256] &= 0xF7   # no e4m3 NaN code (0x7f, 0xff): the oracle's numbers stay finite
-        raw[:, 256:] = rng.integers(118, 130, (rows, 8))
-        return (raw.view(np.int8), "I8"), e4m3_oracle(raw)
-    raw = table_bytes(name, rows, hd, rng)
-    if name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"):   # random blocks: scales of a real table's size
-        deq = gguf.quants.dequantize(raw, T[name]).reshape(rows, hd)
-        big = np.abs(deq).max(axis=1) > 64
-        raw[big] = table_bytes(name, int(big.sum()), hd, rng) if big.any() else raw[big]
-        raw = _tame(name, raw, hd, rng)
-    return (raw, name), gguf.quants.dequantize(raw, T[name]).reshape(rows, hd)
-
-
-def _tame(name, raw, hd, rng):
-    """Random K-quant blocks with small fp16 super-scales (the values a quantizer writes)."""
-    from test_gguf import SCALE_AT
-    bv, bb = gguf.GGML_QUANT_SIZES[T[name]]
-    b = raw.reshape(raw.shape[0], hd // bv, bb).copy()
-    for at in SCALE_AT[name]:
-        h = (rng.uniform(1e-4, 2e-2, b.shape[:2]) * rng.choice([-1, 1], b.shape[:2])).astype(np.float16)
-        b[:, :, at:at + 2] = h.view(np.uint8).reshape(*b.shape[:2], 2)
-    return b.reshape(raw.shape[0], -1)
 
 
 @pytest.fixture(scope="module")
@@ -107,40 +43,6 @@ def folders(tmp_path_factory):
     return out
 
 
-def write_table_gguf(path, model, name, seed=0, split=False):
-    """A GGUF of `model`'s layout with random tables of type `name` (split: qwen4exp's per-head
-    tensors; LongCat's are always one an embedder); {layer: dequantized table}."""
-    rng = np.random.default_rng(seed)
-    cfg, plan = model.cfg, model.plan
-    tensors, deq = {"output_norm.weight": (np.ones(7, np.float32), "F32")}, {}   # the table 32-aligned, not paged
-    arch = {"qwen": "qwen4exp", "deep": "deepseek41", "long": "longcat_flash_ngram"}[cfg.variant[:4]]
-    for L in cfg.layer_ids:
-        if arch == "deepseek41":
-            tensors[f"blk.{L}.engram_embd.weight"], deq[L] = quantized_table(name, plan.table_rows[L], cfg.head_dim, rng)
-        elif arch == "qwen4exp" and not split:
-            tensors["per_layer_token_embd.weight"], deq[L] = quantized_table(name, plan.table_rows[L], cfg.head_dim, rng)
-        else:   # one tensor a head (an embedder), its rows only: the table's padding rows are zeros
-            parts = [quantized_table(name, int(p), cfg.head_dim, rng) for p in plan.head_primes[L]]
-            pattern = "ple_ngram_embd.{}.weight" if arch == "qwen4exp" else "ngram_embd.{}.weight"
-            for h, (data, _) in enumerate(parts):
-                tensors[pattern.format(h)] = data
-            deq[L] = np.concatenate([d for _, d in parts])
-            deq[L] = np.concatenate([deq[L], np.zeros((plan.table_rows[L] - deq[L].shape[0], cfg.head_dim), np.float32)])
-    kv = {"qwen4exp": qwen_kv, "deepseek41": v41_kv, "longcat_flash_ngram": longcat_kv}[arch](model)
-    write_gguf(path, arch, tensors, kv)
-    return deq
-
-
-def dequantized_model(model, deq):
-    """The oracle: `model` with each layer's table read as the dequantized GGUF table (float32)."""
-    layers = {}
-    for L in model.cfg.layer_ids:
-        w = copy.copy(model.layer(L))
-        w.table_f32 = lambda rows, t=deq[L]: t[rows]
-        layers[L] = w
-    return EngramModel(model.cfg, model.plan, layers)
-
-
 CASES = ([("qwen", n) for n in ("Q4_0", "Q8_0", "IQ4_NL", "BF16")] + [("qwen-split", "Q5_1")]
          + [("v41", n) for n in ("Q8_0", "Q4_K", "Q2_K", "E4M3")] + [("longcat", n) for n in ("Q4_1", "Q8_0")])
 
@@ -152,7 +54,10 @@ def test_engines_are_the_oracle_on_the_dequantized_table(folders, tmp_path, key,
     ref = load_checkpoint(folder)
     path = tmp_path / "t.gguf"
     deq = write_table_gguf(path, ref, name, split=split)
-    oracle = dequantized_model(ref, deq)
+    oracle = load_checkpoint(folder, tables=GGUFTier(path))   # its forward reads the GGUF's table, decoded
+    for L in ref.cfg.layer_ids:   # the oracle's table: gguf.quants.dequantize's, bit for bit
+        rows = np.random.default_rng(L).integers(0, ref.plan.table_rows[L], (3, 50))
+        same_bits(oracle.tables.inner.table_f32(L, rows), deq[L][rows])
     outs = {}
     if split:
         with pytest.raises(CheckpointError, match=r"split into \d+ tensors .*read=\"direct\" reads one tensor"):
@@ -229,3 +134,94 @@ def test_parse_tier_and_the_file_checks(folders, tmp_path):
     with pytest.raises(CheckpointError, match="architecture is 'qwen4exp'"):
         write_gguf(path, "qwen4exp", tensors)
         load_checkpoint(folder, tables=GGUFTier(path))
+
+
+@pytest.mark.mooncake
+@pytest.mark.parametrize("key,name,read", [("v41", "Q4_K", "direct"), ("qwen-split", "Q5_1", "mapped"),
+                                           ("longcat", "Q8_0", "mapped")])
+def test_a_gguf_published_to_mooncake_serves_its_quantized_rows(folders, tmp_path, mooncake, tier, key, name, read,
+                                                               monkeypatch):
+    """MooncakeTier.publish of a model loaded with a GGUFTier writes the GGUF's records as they are
+    (quantized, "gguf:TYPE" in the fingerprint); a model loading with MooncakeTier(gguf=path) reads
+    and decodes them: every engine's rows and outputs bit-identical to the mapped GGUF's. A model
+    without the GGUF finds no rows of its own tables under its name."""
+    from engram_stream.errors import TierError
+    from engram_stream.rows import MooncakeTier
+    split = key.endswith("-split") or key == "longcat"
+    folder = folders[key.removesuffix("-split")]
+    path = tmp_path / "t.gguf"
+    write_table_gguf(path, load_checkpoint(folder), name, seed=6, split=split)
+    src = load_checkpoint(folder, tables=GGUFTier(path, read=read))
+    L0 = src.cfg.layer_ids[0]
+    rb = src.row_source(L0).rowbytes
+    written = tier.publish(src)
+    assert written == sum(int(p) for L in src.cfg.layer_ids for p in src.plan.head_primes[L]) * rb   # GGUF bytes
+    assert tier.published(L0, tier.name_of(src))["record_format"] == f"gguf:{name}"
+    mapped = load_checkpoint(folder, tables=GGUFTier(path))
+    reader = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, timeout=5, gguf=path)
+    try:
+        remote = load_checkpoint(folder, tables=reader, row_cache_mb=0.01)
+        for L in remote.cfg.layer_ids:
+            s = remote.row_source(L)
+            assert (s.record_format, s.rowbytes, s.scalebytes) == (f"gguf:{name}", rb, 0)
+            ids, hid = variant_inputs(remote, 7, (2, 24))
+            same_bits(remote.stream(L, 1).lookup_packed(ids[0], [0], [24]),
+                      mapped.stream(L, 1).lookup_packed(ids[0], [0], [24]))
+            a, b = remote.stream(L, 2), mapped.stream(L, 2)
+            np.testing.assert_array_equal(a.prefill(ids[1], hid[1], stream=1), b.prefill(ids[1], hid[1], stream=1))
+            rows = np.arange(0, remote.plan.table_rows[L], 97)
+            got, want = np.empty((rows.size, rb), np.uint8), np.empty((rows.size, rb), np.uint8)
+            s.read_into(rows, got)
+            mapped.row_source(L).read_into(rows, want)
+            np.testing.assert_array_equal(got, want)
+        assert remote.row_cache_stats()["fetches"] > 0
+    finally:
+        reader.close()
+    # the serving plugins' settings: the GGUF and the store together read the published GGUF rows
+    from engram_stream.integrations import serving
+    monkeypatch.setattr(serving, "_models", {})
+    settings = {"checkpoint": folder, "tables": {"gguf": {"path": str(path)}},
+                "mooncake": {"master": mooncake.master, "metadata": mooncake.metadata}}
+    if key == "v41":   # V4.1's serving embeddings take 264-byte records only
+        with pytest.raises(ValueError, match=f"is {name} .*264-byte e4m3"):
+            serving.parse_settings(settings, "ENV")
+    else:
+        served = serving.open_model(serving.parse_settings(settings, "ENV"), None, "ENV")
+        assert type(served.tables.inner).__name__ == "StoreTables"
+        assert served.row_source(L0).record_format == f"gguf:{name}"
+    with pytest.raises(TierError):   # the folder's own tables were not published
+        load_checkpoint(folder, tables=tier)
+
+
+@pytest.mark.parametrize("key,what", [("v41", "mapped"), ("v41", "direct"), ("v41", "direct+cache"),
+                                      ("qwen-split", "mapped+cache"), ("longcat", "mapped")])
+def test_a_gguf_changed_after_opening_is_refused_not_served(folders, tmp_path, key, what):
+    """The GGUF's stamp (device, inode, size, mtime, ctime) is taken when it is opened, as for the
+    checkpoint's files: after the file changed, an engine's call (its FileStamps cover the mapped
+    GGUF its source points into), a direct read and the oracle raise FileChangedError naming the
+    file; nothing read from it is served."""
+    import os
+    from engram_stream.errors import FileChangedError
+    split = key.endswith("-split") or key == "longcat"
+    folder = folders[key.removesuffix("-split")]
+    path = tmp_path / "t.gguf"
+    write_table_gguf(path, load_checkpoint(folder), "Q8_0", split=split)
+    model = load_checkpoint(folder, **SOURCES[what](path))
+    L = model.cfg.layer_ids[0]
+    ids, hid = variant_inputs(model, 3, (2, 8))
+    eng = model.stream(L, 1)
+    eng.lookup_packed(ids[0], [0], [8])   # read before the change: served
+    with open(path, "ab") as f:   # the file rewritten in place (grown: its mapped pages stay readable)
+        f.write(b"\0" * 4096)
+    for run in (lambda: eng.lookup_packed(ids[1], [0], [8]), lambda: model.stream(L, 1).lookup_packed(ids[1], [0], [8]),
+                lambda: model.forward(L, ids, None if model.variant.input_layer else hid)):
+        with pytest.raises(FileChangedError, match=r"t\.gguf"):
+            run()
+    if "direct" in what:   # a direct source's own reads check the stamp too
+        fresh = np.arange(model.plan.table_rows[L] - 5, model.plan.table_rows[L])   # rows no cache holds
+        src = model.row_source(L)
+        with pytest.raises(FileChangedError, match=r"t\.gguf"):
+            src.read_into(fresh, np.empty((5, src.rowbytes), np.uint8))
+    os.truncate(path, os.path.getsize(path) - 4096)   # the size back, the ctime not: still refused
+    with pytest.raises(FileChangedError, match=r"t\.gguf"):
+        eng.lookup_packed(ids[1], [0], [8])

@@ -15,11 +15,11 @@ from .._cache import slot_bytes
 from .._direct import add_read
 from .._source import RecordSource
 from ..identity import layer_digests, model_name
-from ..records import record_format, record_layout
 from ..tier import Tables, Tier, register_tier
 from .calls import (OPEN_TIERS, BoundedCalls, answers, fault, host_port, keep_forever, register_close_at_exit,
                     wait_for_port)
-from .keys import FINGERPRINT_FORMAT, fingerprint, fingerprint_key, head_records, sampled_records, store_key
+from .keys import (FINGERPRINT_FORMAT, fingerprint, fingerprint_key, head_records, layout_of, sampled_records,
+                   store_key)
 
 MOONCAKE_PIN = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 LOG_LEVEL = "ERROR"   # the client's default MC_LOG_LEVEL here
@@ -34,10 +34,18 @@ class MooncakeTier(Tier):
     the store servers). timeout: seconds any one store call may take before TierError;
     connect_timeout: the same for reaching the servers and setting the client up.
     name: the name in every key (see the module doc): None, each model's model_name(); a
-    string of letters, digits, "_", "-", "."; "" EngramStore's own keys (one model a store)."""
+    string of letters, digits, "_", "-", "."; "" EngramStore's own keys (one model a store).
+    gguf: the path of the GGUF whose rows the store holds (published from a model loaded with
+    tables=GGUFTier(path)): a model loading with this tier checks and decodes those records
+    ("gguf:TYPE", quantized as the file holds them). None: a model's own records, or its GGUF's
+    when it was loaded with a GGUFTier (publish)."""
 
     def __init__(self, master, metadata, local_host="127.0.0.1", protocol="tcp", timeout=20.0,
-                 connect_timeout=10.0, name=None):
+                 connect_timeout=10.0, name=None, gguf=None):
+        if gguf is not None and not isinstance(gguf, (str, os.PathLike)):
+            raise TypeError(f"MooncakeTier(gguf=): the path of a .gguf file or None, got {type(gguf).__name__}")
+        self.gguf = None if gguf is None else os.fspath(gguf)
+        self._gguf_tables = weakref.WeakKeyDictionary()   # model -> its GGUFTables of `gguf`
         if name is not None and (not isinstance(name, str) or not all(c.isalnum() or c in "_-." for c in name)):
             raise ValueError(f"name must be None or a string of letters, digits, '_', '-', '.', got {name!r}")
         self.name = name
@@ -90,11 +98,26 @@ class MooncakeTier(Tier):
 
     def name_of(self, model, digests=None) -> str:
         """The name `model`'s keys carry in this tier (digests: as model_name's)."""
-        return model_name(model, digests) if self.name is None else self.name
+        if self.name is not None:
+            return self.name
+        return model_name(model, digests or self._digests(model, model.cfg.layer_ids))
 
     def _digests(self, model, layers, progress=None) -> dict:
         """layer_digests of `layers`, and of every layer when the name is the model's (it digests all)."""
-        return layer_digests(model, model.cfg.layer_ids if self.name is None else layers, progress)
+        return layer_digests(model, model.cfg.layer_ids if self.name is None else layers, progress,
+                             self.own_tables(model))
+
+    def own_tables(self, model):
+        """The opened tier whose records this tier publishes and checks for `model`: the GGUF of
+        `gguf` (opened for the model once), the model's own GGUF tables when it was loaded with a
+        GGUFTier, else None (the records of its weights)."""
+        from ..gguf_tier import GGUFTables, GGUFTier
+        if self.gguf is not None:
+            if model not in self._gguf_tables:
+                self._gguf_tables[model] = GGUFTier(self.gguf).open(model)
+            return self._gguf_tables[model]
+        inner = getattr(model.tables, "inner", model.tables)
+        return inner if isinstance(inner, GGUFTables) else None
 
     def _call(self, what, fn, *args, timeout=None, client=None, keep=()):
         """fn(*args) bounded by the timeout; TierError when it takes longer (the client and what
@@ -147,10 +170,10 @@ class MooncakeTier(Tier):
         store = self._open()
         layers = model.cfg.layer_ids if layers is None else layers
         digests = self._digests(model, layers, digest_progress)
-        written, name = 0, self.name_of(model, digests)
+        written, name, own = 0, self.name_of(model, digests), self.own_tables(model)
         for L in layers:
             for h in range(model.cfg.n_heads):
-                rec = head_records(model, L, h)
+                rec = head_records(model, L, h, own)
                 ptr, n, key = rec.ctypes.data, rec.nbytes, store_key(L, h, name)
                 self._check(self._call("register_buffer", store.register_buffer, ptr, n),
                             f"register_buffer ({n} bytes)")
@@ -170,7 +193,7 @@ class MooncakeTier(Tier):
                 written += n
                 if progress is not None:
                     progress(L, h, written)
-            fp = json.dumps(fingerprint(model, L, digest=digests[L]), sort_keys=True).encode()
+            fp = json.dumps(fingerprint(model, L, digest=digests[L], tables=own), sort_keys=True).encode()
             key = fingerprint_key(L, name)
             self._check(self._call(f"upsert of {key}", store.upsert, key, fp), f"upsert of {key}")
         self.check_published(model, layers, digests)
@@ -186,10 +209,10 @@ class MooncakeTier(Tier):
         store = self._open()
         layers = model.cfg.layer_ids if layers is None else layers
         digests = self._digests(model, layers)
-        name = self.name_of(model, digests)
+        name, own = self.name_of(model, digests), self.own_tables(model)
         for L in layers:
             for h in range(model.cfg.n_heads):
-                key, want = store_key(L, h, name), head_records(model, L, h)
+                key, want = store_key(L, h, name), head_records(model, L, h, own)
                 got = np.frombuffer(self._call(f"get of {key}", store.get, key), np.uint8)
                 fix = "not this model's rows, nothing adopted. tier.publish(model) to write them"
                 if got.size != want.size:
@@ -198,7 +221,7 @@ class MooncakeTier(Tier):
                 if bad.size:
                     raise TierError(f"Mooncake object {key}: head row {int(bad[0])} differs from this model's: {fix}")
         for L in layers:
-            fp = json.dumps(fingerprint(model, L, digest=digests[L]), sort_keys=True).encode()
+            fp = json.dumps(fingerprint(model, L, digest=digests[L], tables=own), sort_keys=True).encode()
             key = fingerprint_key(L, name)
             self._check(self._call(f"upsert of {key}", store.upsert, key, fp), f"upsert of {key}")
         return self.check_published(model, layers, digests)
@@ -227,10 +250,10 @@ class MooncakeTier(Tier):
         store = self._open()
         layers = model.cfg.layer_ids if layers is None else layers
         digests = digests or self._digests(model, layers)
-        name = self.name_of(model, digests)
-        samples = {L: sampled_records(model, L) for L in layers}
+        name, own = self.name_of(model, digests), self.own_tables(model)
+        samples = {L: sampled_records(model, L, own) for L in layers}
         for L in layers:
-            rowbytes, scalebytes = record_layout(model.layer(L))
+            rowbytes, scalebytes, _ = layout_of(model, L, own)
             for h in range(model.cfg.n_heads):
                 want = int(model.plan.head_primes[L][h]) * (rowbytes + scalebytes)
                 key = store_key(L, h, name)
@@ -238,7 +261,7 @@ class MooncakeTier(Tier):
                 if got != want:
                     raise TierError(f"Mooncake object {key}: {got} bytes, expected {want} (not published under "
                                     f"the name {name!r}, or published from another table dtype): tier.publish(model)")
-            theirs, mine = self.published(L, name), fingerprint(model, L, samples[L], digests[L])
+            theirs, mine = self.published(L, name), fingerprint(model, L, samples[L], digests[L], own)
             key = fingerprint_key(L, name)
             if theirs is None or theirs.get("format") != FINGERPRINT_FORMAT:
                 what = ("no fingerprint (rows written by EngramStore.populate or another writer?)" if theirs is None
@@ -246,7 +269,8 @@ class MooncakeTier(Tier):
                 raise TierError(f"Mooncake layer {L}: {key} holds {what}, so no digest of the tables its rows are "
                                 f"from: which model's rows they are is unknown. tier.publish(model) to publish them "
                                 f"with one, or tier.adopt(model) to compare every row and add it")
-            bad = [k for k in ("variant", "layer", "heads", "rowbytes", "scalebytes") if theirs.get(k) != mine[k]]
+            bad = [k for k in ("variant", "layer", "heads", "rowbytes", "scalebytes", "record_format")
+                   if theirs.get(k) != mine.get(k)]
             if bad:
                 raise TierError(f"Mooncake layer {L}: the store's fingerprint differs from this model's in "
                                 f"{', '.join(bad)}: it holds another model's rows. tier.publish(model) to "
@@ -256,12 +280,12 @@ class MooncakeTier(Tier):
                                 f"digest is {theirs.get('tables_digest')}, this model's tables digest to "
                                 f"{mine['tables_digest']}: the store holds another model's rows. tier.publish(model) "
                                 f"to replace them, or load with the name its tables were published under")
-            self._check_samples(model, L, samples[L], name)
+            self._check_samples(model, L, samples[L], name, own)
         return name
 
-    def _check_samples(self, model, L, samples, name):
+    def _check_samples(self, model, L, samples, name, own=None):
         """The store's bytes of the fingerprint's sampled rows against the model's own."""
-        reader = RemoteRows(self, model, L, name=name)
+        reader = RemoteRows(self, model, L, name=name, tables=own)
         offsets = model.layer(L).offsets
         absolute = np.concatenate([int(offsets[h]) + local for h, (local, _) in samples.items()])
         order = np.argsort(absolute, kind="stable")
@@ -280,12 +304,13 @@ class MooncakeTier(Tier):
         and reads their sampled rows, both by pread, leaving the page cache as it was
         (io.memory.byte_chunks, read_rows); nothing after it reads them: its engines' rows all
         come from the store."""
-        return StoreTables(self, model, self.check_published(model))
+        return StoreTables(self, model, self.check_published(model), self.own_tables(model))
 
-    def rows(self, model, layer, totals=None, read_totals=None, name=None) -> "RemoteRows":
-        """One engine's reader of `layer` (name: the model's name in this tier, when known)."""
+    def rows(self, model, layer, totals=None, read_totals=None, name=None, tables=None) -> "RemoteRows":
+        """One engine's reader of `layer` (name: the model's name in this tier, when known;
+        tables: the opened tier whose records the store holds, own_tables(model))."""
         self._open()
-        reader = RemoteRows(self, model, layer, totals, read_totals, name)
+        reader = RemoteRows(self, model, layer, totals, read_totals, name, tables)
         self._readers.add(reader)
         return reader
 
@@ -295,13 +320,17 @@ class StoreTables(Tables):
     each engine's RemoteRows reads its rows; every read of the model counts in stats()
     (fetches, fetch_seconds)."""
 
-    def __init__(self, tier, model, name):
+    def __init__(self, tier, model, name, own=None):
         super().__init__(tier)
-        self.model_ref, self.name = weakref.ref(model), name
+        self.model_ref, self.name, self.own = weakref.ref(model), name, own
         self.totals = {"fetches": 0, "fetch_seconds": 0.0}
 
     def source(self, layer, read_totals=None) -> "RemoteRows":
-        return self.tier.rows(self.model_ref(), layer, self.totals, read_totals, self.name)
+        return self.tier.rows(self.model_ref(), layer, self.totals, read_totals, self.name, self.own)
+
+    def record_layout(self, layer):
+        """(row bytes, scale bytes) of the records the store holds (a GGUF's own, or the weights')."""
+        return layout_of(self.model_ref(), layer, self.own)[:2]
 
     def stats(self) -> dict:
         return dict(self.totals)
@@ -312,10 +341,10 @@ class RemoteRows(RecordSource):
     a registered staging buffer and a bounded, checked, de-duplicated batched read into it.
     totals: a dict whose "fetches" and "fetch_seconds" count every read."""
 
-    def __init__(self, tier, model, layer, totals=None, read_totals=None, name=None):
+    def __init__(self, tier, model, layer, totals=None, read_totals=None, name=None, tables=None):
         w = model.layer(layer)
-        rowbytes, scalebytes = record_layout(w)
-        super().__init__(int(model.plan.table_rows[layer]), rowbytes, scalebytes, record_format(w))
+        rowbytes, scalebytes, fmt = layout_of(model, layer, tables)
+        super().__init__(int(model.plan.table_rows[layer]), rowbytes, scalebytes, fmt)
         self.tier, self.layer = tier, layer
         self.recbytes = rowbytes + scalebytes
         self.stride = slot_bytes(self.recbytes)
