@@ -148,9 +148,10 @@ static inline void es_floats_to_bf16_scaled(const float *x, float g, int64_t n, 
 /* Xq: the rows as bf16 pairs (x[k] low half, x[k+1] high; an odd E's last pair padded with 0):
  * the B/ES_DP_MR full tiles as [t][k/2][ES_DP_MR], then the rest as [k/2][B % ES_DP_MR]:
  * B*ceil(E/2) words, within es_gemm_packed's B*E floats of scratch. */
-static inline void es_pack_pairs(const float *X, int64_t ldx, int64_t B, int E, uint32_t *Xq) {
+static inline void es_pack_pairs_tiles(const float *X, int64_t ldx, int64_t B, int E, uint32_t *Xq, int64_t t0,
+                                       int64_t t1) { /* the tiles [t0, t1): rows [t0, t1) * ES_DP_MR */
     const int kp = (E + 1) / 2;
-    for (int64_t b0 = 0; b0 < B; b0 += ES_DP_MR) {
+    for (int64_t b0 = t0 * ES_DP_MR; b0 < B && b0 < t1 * ES_DP_MR; b0 += ES_DP_MR) {
         const int mr = B - b0 < ES_DP_MR ? (int)(B - b0) : ES_DP_MR;
         uint32_t *q = Xq + b0 * kp;
         for (int r = 0; r < mr; r++) {
@@ -163,6 +164,9 @@ static inline void es_pack_pairs(const float *X, int64_t ldx, int64_t B, int E, 
             }
         }
     }
+}
+static inline void es_pack_pairs(const float *X, int64_t ldx, int64_t B, int E, uint32_t *Xq) {
+    es_pack_pairs_tiles(X, ldx, B, E, Xq, 0, (B + ES_DP_MR - 1) / ES_DP_MR);
 }
 #endif
 #include "engram_bfdot.h" /* neon_bf16: the same pairs on BFDOT */
@@ -232,11 +236,61 @@ static inline __attribute__((always_inline)) ES_TARGET_BF16 void es_dp_rows(
     }
 }
 
-/* Y = X W^T + bias over the panels [p0, p1), X as es_pack_pairs left it in Xq. */
+/* One row through ES_DP_GP full panels at w: each lane the tile's sums in the tile's order (bias,
+ * then a vdpbf16ps a pair of k), so a row's bits do not depend on which kernel ran it or on the
+ * split. The widening GEMV spends two ALU ops and two FMAs a 64-byte line, this a vpermw and one
+ * vdpbf16ps: the one-stream step at LongCat's dims (18 MiB of panels, from L3) took 11-20% less
+ * time on Zen 4; ES_DP_GP concurrent streams, each fetched ES_DP_PFD lines ahead (bench/NOTES.md). */
+#define ES_DP_GP 8
+#define ES_DP_PFD 16
+static inline __attribute__((always_inline)) ES_TARGET_BF16 void es_dp_gemv(
+    const uint32_t *xq, int E, const uint16_t *w, int64_t ps, const float *bias, float *y) {
+    typedef short vidx __attribute__((vector_size(64)));
+    const __m512i idx = (__m512i)(vidx){0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                        8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    __m512 acc[ES_DP_GP];
+    const char *wq[ES_DP_GP]; /* each panel's base and one byte offset: no address arithmetic to spill */
+#pragma GCC unroll 8
+    for (int q = 0; q < ES_DP_GP; q++) {
+        acc[q] = _mm512_loadu_ps(bias + q * ES_PANEL);
+        wq[q] = (const char *)(w + q * ps);
+    }
+    const int kp = E / 2;
+    const int64_t end = (int64_t)kp * 64;
+    for (int64_t off = 0; off < end; off += 64) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)*xq++);
+#pragma GCC unroll 8
+        for (int q = 0; q < ES_DP_GP; q++) {
+            __builtin_prefetch(wq[q] + off + 64 * ES_DP_PFD, 0, 3);
+            acc[q] = _mm512_dpbf16_ps(acc[q], xb,
+                                      (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_loadu_si512(wq[q] + off)));
+        }
+    }
+    if (E & 1) { /* the last k alone, its pair's odd half zero (es_dp_tile) */
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)*xq);
+#pragma GCC unroll 8
+        for (int q = 0; q < ES_DP_GP; q++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + q * ps + ES_PANEL * (int64_t)(2 * kp)));
+            acc[q] = _mm512_dpbf16_ps(acc[q], xb, (__m512bh)_mm512_maskz_permutexvar_epi16(
+                                                      0x55555555u, idx, _mm512_castsi256_si512(v)));
+        }
+    }
+#pragma GCC unroll 8
+    for (int q = 0; q < ES_DP_GP; q++) _mm512_storeu_ps(y + q * ES_PANEL, acc[q]);
+}
+
+/* Y = X W^T + bias over the panels [p0, p1), X as es_pack_pairs left it in Xq. One row: the full
+ * panels ES_DP_GP at a time, the rest (and a partial last panel) through the tiles. */
 static ES_TARGET_BF16 void es_gemm_range_dp(const uint32_t *Xq, int64_t B, int E, const uint16_t *Wp,
                                             const float *biasp, int M, float *Y, int p0, int p1) {
     const int64_t ps = (int64_t)E * ES_PANEL;
-    for (int p = p0; p < p1;) {
+    int p = p0;
+    if (B == 1) {
+        const int full = M / ES_PANEL < p1 ? M / ES_PANEL : p1;
+        for (; p + ES_DP_GP <= full; p += ES_DP_GP)
+            es_dp_gemv(Xq, E, Wp + p * ps, ps, biasp + p * ES_PANEL, Y + p * ES_PANEL);
+    }
+    while (p < p1) {
         const int tp = p + ES_DP_TP <= p1 ? ES_DP_TP : 1;
         const uint16_t *w = Wp + p * ps;
         int ncols = M - p * ES_PANEL;
@@ -290,11 +344,12 @@ static inline void es_pack_rows(const float *X, int64_t ldx, int64_t B, int E, f
 }
 
 /* The GEMM a call runs: wbf16 as the engine gives it (0 float32 weights, 1 bf16, ES_GEMM_BF16_ROWS
- * bf16 weights and bf16 rows), ES_GEMM_DP where the vdpbf16ps one runs (BFDOT's on neon_bf16): the bf16 path, two rows
- * or more (one row is the GEMV's, memory bound) and scratch to pack them in. */
+ * bf16 weights and bf16 rows), ES_GEMM_DP where the vdpbf16ps one runs: the bf16 path and scratch
+ * to pack the rows in (one row too: es_dp_gemv reads the panels unwidened, and a row's bits are
+ * the same in a call of any size); BFDOT's on neon_bf16 for two rows or more (one row: the GEMV). */
 static inline int es_gemm_mode(int wbf16, int64_t B, const float *xpack) {
 #if ES_X86_PATHS
-    if (wbf16 == ES_GEMM_BF16_ROWS && B >= 2 && xpack && es_isa_now() == ES_ISA_BF16) return ES_GEMM_DP;
+    if (wbf16 == ES_GEMM_BF16_ROWS && B >= 1 && xpack && es_isa_now() == ES_ISA_BF16) return ES_GEMM_DP;
 #endif
 #if ES_NEON_PATHS
     if (wbf16 == ES_GEMM_BF16_ROWS && B >= 2 && xpack && es_isa_now() == ES_ISA_NEON_BF16) return ES_GEMM_DP;
@@ -354,9 +409,12 @@ static inline int64_t es_fma_chains(int64_t n, float *sink) {
     return done;
 }
 
-/* es_gemm_packed split over threads by panel ranges: bitwise equal to one thread for B >= 2
- * (a column's sums do not depend on which tile computes it; one row, B = 1, takes the GEMV
- * in runs of ES_GP panels, so its split would move panels between GEMV and tile). */
+/* es_gemm_packed split over threads by panel ranges: bitwise equal to one thread (a column's
+ * sums do not depend on which tile computes it; one row, B = 1, takes the GEMV in runs of ES_GP
+ * panels from the range's start: its pieces are whole runs of ES_GEMV_RUN panels, a multiple of
+ * every path's ES_GP, so the runs are one thread's). The vdpbf16ps GEMM's rows are packed
+ * in pieces of row tiles on the same threads. */
+#define ES_GEMV_RUN 8
 typedef struct {
     const float *X;
     const void *Wp;
@@ -371,16 +429,30 @@ static void es_gemm_job_run(void *arg, int64_t p0, int64_t p1) {
     es_gemm_range(j->X, j->ldx, j->B, j->E, j->Wp, j->wbf16, j->biasp, j->M, j->Y, (int)p0, (int)p1, j->Xp);
 }
 
+#if ES_X86_PATHS || ES_NEON_PATHS
+static void es_pack_pairs_job_run(void *arg, int64_t t0, int64_t t1) {
+    const es_gemm_job *j = (const es_gemm_job *)arg;
+    es_pack_pairs_tiles(j->X, j->ldx, j->B, j->E, (uint32_t *)j->Xp, t0, t1);
+}
+#endif
+
 static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                                      const float *biasp, int M, float *Y, float *xpack, int nthreads,
                                      es_team *team) {
-    if (nthreads <= 1 || B < 2) { es_gemm_packed(X, ldx, B, E, Wp, wbf16, biasp, M, Y, xpack); return; }
+    if (nthreads <= 1) { es_gemm_packed(X, ldx, B, E, Wp, wbf16, biasp, M, Y, xpack); return; }
     const int mode = es_gemm_mode(wbf16, B, xpack);
-    es_gemm_job j = {X, Wp, biasp, es_maybe_pack(X, ldx, B, E, xpack, mode), Y, ldx, B, E, M, mode};
-    /* pieces of whole ES_TP-panel tiles (a tile of fewer panels is slower) */
+    es_gemm_job j = {X, Wp, biasp, 0, Y, ldx, B, E, M, mode};
+#if ES_X86_PATHS || ES_NEON_PATHS
+    if (mode == ES_GEMM_DP && B > ES_DP_MR) { /* the tiles' pairs packed on the threads too */
+        j.Xp = xpack;
+        es_split(team, nthreads, (B + ES_DP_MR - 1) / ES_DP_MR, 1, es_pack_pairs_job_run, &j);
+    } else
+#endif
+        j.Xp = es_maybe_pack(X, ldx, B, E, xpack, mode);
+    /* pieces of whole ES_TP-panel tiles (a tile of fewer panels is slower); one row's, of whole GEMV runs */
     const int64_t np = (M + ES_PANEL - 1) / ES_PANEL;
     int64_t grain = (np + 8 * (int64_t)nthreads - 1) / (8 * (int64_t)nthreads);
-    grain = (grain + 3) & ~(int64_t)3;
+    grain = B == 1 ? (grain + ES_GEMV_RUN - 1) / ES_GEMV_RUN * ES_GEMV_RUN : (grain + 3) & ~(int64_t)3;
     es_split(team, nthreads, np, grain, es_gemm_job_run, &j);
 }
 

@@ -43,9 +43,70 @@ cdef extern from "engram_step.h" nogil:
     int ES_GEMM_BF16_ROWS
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_bf16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
+    ctypedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1) noexcept nogil
+    void es_split(es_team *team, int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) noexcept
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 BEFORE_START = -1   # what a window slot before the start holds (ids are >= 0)
+
+
+cdef struct ChunkWork:
+    # what a chunk's pieces read and write (es_split's ctx): the gather (token i's H row records
+    # at dp[i*H + j] into e + i*lde) and the tails (token i's projection at y + i*D, its
+    # embedding row, out at out + i*D: float32, or bf16 bits where obf)
+    const char **dp
+    float *e
+    int64_t lde
+    int kind, ggtype, hd, H, D
+    const float *y
+    const int64_t *ids
+    const uint8_t *emb
+    int64_t embld
+    bint ebf16, obf
+    float inv
+    void *out
+
+
+cdef void _gather_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
+    """Tokens [i0, i1): each row record to floats (the kernel of its table's kind)."""
+    cdef ChunkWork *w = <ChunkWork *> ctx
+    cdef int64_t zero = 0, i
+    cdef int j
+    cdef const char *p
+    cdef float *e
+    for i in range(i0, i1):
+        for j in range(w.H):
+            p = w.dp[i * w.H + j]
+            e = w.e + i * w.lde + j * w.hd
+            if w.kind == 6:
+                es_gg_decode(w.ggtype, <const uint8_t *> p, w.hd, e)
+            elif w.kind == 0:
+                es_gather_f32(<const float *> p, w.hd, &zero, 1, e)
+            else:
+                es_gather_bf16(<const uint16_t *> p, w.hd, &zero, 1, e)
+
+
+cdef void _tail_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
+    """Tokens [i0, i1): (y + embed[id]) / (1 + E), into out (bf16: computed in y, then rounded)."""
+    cdef ChunkWork *w = <ChunkWork *> ctx
+    cdef int64_t i, d
+    cdef float *y
+    cdef float *o
+    cdef const float *ef
+    cdef const uint16_t *eb
+    for i in range(i0, i1):
+        y = <float *> w.y + i * w.D
+        o = y if w.obf else <float *> w.out + i * w.D
+        if w.ebf16:
+            eb = <const uint16_t *> (w.emb + w.ids[i] * w.embld)
+            for d in range(w.D):
+                o[d] = (y[d] + _bf16(eb[d])) / w.inv
+        else:
+            ef = <const float *> (w.emb + w.ids[i] * w.embld)
+            for d in range(w.D):
+                o[d] = (y[d] + ef[d]) / w.inv
+        if w.obf:
+            es_floats_to_bf16(y, w.D, <uint16_t *> w.out + i * w.D)
 
 
 cdef inline void *_regrow(void *p, size_t nbytes) except NULL:
@@ -131,6 +192,7 @@ cdef class LongcatEngine(EngineBase):
         free(self.ebuf); free(self.ybuf); free(self.pbuf)
 
     cdef int _init_variant(self, w) except -1:
+        self.teamed = True  # _chunk splits its gather, GEMM and tails over the call's workers
         table = w.table
         if not isinstance(table, np.ndarray) or table.dtype not in (np.float32, _BF16):
             raise ValueError(f"layer {self.layer}: a float32 or bfloat16 table expected, got "
@@ -176,45 +238,31 @@ cdef class LongcatEngine(EngineBase):
         return (f"{type(self).__name__}(layer={self.layer}, n_streams={self.n_streams}, D={self.D}, "
                 f"embedders={self.H}x{self.hd}, isa={self.isa!r})")
 
+    cdef void _work(self, ChunkWork *w, int64_t t0, float *dst, int64_t ld, void *out) noexcept nogil:
+        w.dp, w.e, w.lde = self.dp, dst, ld
+        w.kind, w.ggtype, w.hd, w.H, w.D = self.table_kind, self.ggtype, self.hd, self.H, self.D
+        w.y, w.ids, w.emb, w.embld = self.ybuf, self.batch.ids + t0, &self.emb[0, 0], self.emb.shape[1]
+        w.ebf16, w.obf, w.inv, w.out = self.ebf16, self.obf, self.inv, out
+
     cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil:
-        cdef int64_t zero = 0, i
-        cdef int j
-        for i in range(nb):
-            for j in range(self.H):
-                if self.table_kind == 6:
-                    es_gg_decode(self.ggtype, <const uint8_t *> self.dp[i * self.H + j], self.hd,
-                                 dst + i * ld + j * self.hd)
-                elif self.table_kind == 0:
-                    es_gather_f32(<const float *> self.dp[i * self.H + j], self.hd, &zero, 1, dst + i * ld + j * self.hd)
-                else:
-                    es_gather_bf16(<const uint16_t *> self.dp[i * self.H + j], self.hd, &zero, 1,
-                                   dst + i * ld + j * self.hd)
+        cdef ChunkWork w
+        self._work(&w, 0, dst, ld, NULL)
+        es_split(NULL, threads if nb >= 32 else 1, nb, 0, _gather_part, &w)
 
     cdef void _chunk(self, int64_t t0, int64_t nb, const void *hid, void *out, int threads) noexcept nogil:
         """Tokens [t0, t0+nb): rows gathered, one GEMM, then (y + embed[id]) / (1 + E), into
-        ybuf and then out (float32, or rounded to bfloat16 where out is: self.obf)."""
-        cdef int64_t i, d, tok
-        cdef float *y
-        cdef float *o
-        cdef const float *ef
-        cdef const uint16_t *eb
-        self._gather_rows(nb, self.ebuf, self.ldx, 1)
+        ybuf and then out (float32, or rounded to bfloat16 where out is: self.obf). Every token
+        is independent of the others (no state but the windows): each part splits over the
+        call's workers, one stream's GEMV too (in whole GEMV runs: the same bits)."""
+        cdef ChunkWork w
+        self._work(&w, t0, self.ebuf, self.ldx, out)
+        if threads > 1:
+            self._team_open(threads)
+        cdef es_team *team = <es_team *> self.team
+        es_split(team, threads, nb, 0, _gather_part, &w)
         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0], self.D,
-                          self.ybuf, self.pbuf, threads if nb >= 32 else 1, <es_team *> self.team)
-        for i in range(nb):
-            tok = self.batch.ids[t0 + i]
-            y = self.ybuf + i * self.D
-            o = y if self.obf else <float *> out + i * self.D  # bfloat16 out: in place, then rounded
-            if self.ebf16:
-                eb = <const uint16_t *> &self.emb[tok, 0]
-                for d in range(self.D):
-                    o[d] = (y[d] + _bf16(eb[d])) / self.inv
-            else:
-                ef = <const float *> &self.emb[tok, 0]
-                for d in range(self.D):
-                    o[d] = (y[d] + ef[d]) / self.inv
-            if self.obf:
-                es_floats_to_bf16(y, self.D, <uint16_t *> out + i * self.D)
+                          self.ybuf, self.pbuf, threads, team)
+        es_split(team, threads, nb, 0, _tail_part, &w)
 
 
 cdef inline float _bf16(uint16_t b) noexcept nogil:

@@ -109,6 +109,37 @@ def test_bfloat16_table_and_projections():
     close(model.stream(0).prefill(ids[3]), want[3])
 
 
+@pytest.mark.usefixtures("each_isa")
+def test_threads_give_the_same_bits_on_the_released_dtypes():
+    """bf16 table and projections, hidden 308 (19 full panels and a part: the one-row GEMM's runs
+    of 8 panels, then tiles): one stream's steps, 16 streams' steps and a prefill split over 2 and 3
+    threads give one thread's bits (a column's sums never split), the oracle's values."""
+    import ml_dtypes
+    f32 = _model(8, hidden_size=308, n_embed_per_ngram=154)
+    cfg, w = f32.cfg, f32.layer(0)
+    model = EngramModel(cfg, f32.plan, {0: type(w)(cfg, w.offsets, w.table.astype(ml_dtypes.bfloat16), w.embed,
+                                                   w.proj_w)}).with_weight_dtype("bfloat16")
+    ids = np.array([SEQS[i % 2][i:] + SEQS[(i + 1) % 2][:i] for i in range(16)])
+    want = _oracle(model, ids)
+    for S in (1, 16):
+        engs = [model.stream(0, n_streams=S) for _ in range(3)]
+        for th, e in enumerate(engs, 1):
+            e.step_threads = th
+        for t in range(ids.shape[1]):
+            got = [e.step(int(ids[0, t]) if S == 1 else ids[:, t]) for e in engs]
+            close(got[0], want[0, t] if S == 1 else want[:, t])
+            for g in got[1:]:
+                assert np.array_equal(g, got[0])
+    pre = []
+    for th in (1, 2, 3):
+        e = model.stream(0)
+        e.prefill_threads = th
+        pre.append(e.prefill(np.concatenate([ids[5]] * 3)))  # 45 tokens: 5 row tiles and a part
+    close(pre[0][:15], want[5])
+    for g in pre[1:]:
+        assert np.array_equal(g, pre[0])
+
+
 def test_feed_compute_and_the_decoder():
     model = _model(5)
     want = _oracle(model, SEQS[0])[0]
