@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from .common import at_least, cpu, engine_choice, kernels, load_model
+from .common import add_gguf, at_least, cpu, engine_choice, kernels, load_model
 from .progress import Steps, progress_bar
 
 
@@ -21,6 +21,7 @@ def register(command):
     s.add_argument("--repeat", type=at_least(1), default=5, help="measurements of each, to show the spread")
     s.add_argument("--seed", type=at_least(0), default=0, help="seed of the weights and inputs")
     s.add_argument("--quiet", action="store_true", help="no progress lines on stderr, no progress bar on a terminal")
+    add_gguf(s)
 
 
 def run(args):

@@ -56,23 +56,38 @@ def cpu() -> str:
     return f"{name} ({platform.machine()}, {usable} CPU{'s' * (usable != 1)} usable)"
 
 
+def add_gguf(s):
+    """--gguf PATH: the tables of the checkpoint a command loads, from a llama.cpp GGUF."""
+    s.add_argument("--gguf", metavar="MODEL.gguf", default=None,
+                   help="the Engram tables from this llama.cpp GGUF (tables=GGUFTier(path): its quantized rows, "
+                        "decoded as they are gathered), the rest of the weights from the checkpoint")
+
+
 def load_model(args, steps):
-    """The model a demo or bench runs: --checkpoint (mapped), else the built-in one."""
+    """The model a demo or bench runs: --checkpoint (mapped; --gguf: its tables from that GGUF),
+    else the built-in one."""
     if args.checkpoint:
         variant = next((v for v in variants.variants() if v.is_checkpoint(args.checkpoint)), None)
         note = variant.load_note if variant is not None else ""  # what its load does besides mapping
-        steps(f"loading {args.checkpoint} (tables mapped" + (f"; {note})" if note else ")"))
-        return load_checkpoint(args.checkpoint)
+        where = f"tables from {args.gguf}" if args.gguf else "tables mapped"
+        steps(f"loading {args.checkpoint} ({where}" + (f"; {note})" if note else ")"))
+        return load_checkpoint(args.checkpoint, args.gguf)
+    if args.gguf:
+        raise CliError(f"--gguf {args.gguf}: give the checkpoint whose tables it holds with --checkpoint "
+                       "(the built-in model has no GGUF)")
     steps("building the built-in model (random weights)")
     return builtin_model(args)
 
 
-def load_checkpoint(path):
-    """The model of a checkpoint given on the command line, tables mapped: every command loads one
-    here (a JSON config given instead is refused, saying what it is)."""
+def load_checkpoint(path, gguf=None):
+    """The model of a checkpoint given on the command line, tables mapped (gguf: from that GGUF):
+    every command loads one here (a JSON config given instead is refused, saying what it is)."""
     from ..model import EngramModel
     not_a_config(path)
-    return EngramModel.load(path, mmap=True)
+    if gguf is None:
+        return EngramModel.load(path, mmap=True)
+    from ..rows import GGUFTier
+    return EngramModel.load(path, mmap=True, tables=GGUFTier(gguf))
 
 
 def _config_file(path):

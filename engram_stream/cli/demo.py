@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from .common import at_least, counted, cpu, kernels, load_model
+from .common import add_gguf, at_least, counted, cpu, kernels, load_model
 from .progress import Steps
 
 
@@ -20,6 +20,7 @@ def register(command):
     s.add_argument("--tokens", type=at_least(1), default=300, help="tokens to decode")
     s.add_argument("--seed", type=at_least(0), default=0, help="seed of the weights, ids and hidden states")
     s.add_argument("--quiet", action="store_true", help="no progress lines on stderr (the results only)")
+    add_gguf(s)
 
 
 def run(args):

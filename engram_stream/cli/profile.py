@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from .common import CliError, at_least, builtin_model, check_output, counted, load_checkpoint
+from .common import CliError, add_gguf, at_least, builtin_model, check_output, counted, load_checkpoint
 from .progress import size
 
 
@@ -20,6 +20,7 @@ def register(command):
                    help="evict the checkpoint from the page cache first: a cold start, rows read from disk")
     s.add_argument("-o", "--output", metavar="CAPTURE.bin", help="keep the memray capture in this file")
     s.add_argument("--force", action="store_true", help="overwrite --output if it exists")
+    add_gguf(s)
 
 
 def run(args):
@@ -34,7 +35,9 @@ def run(args):
     if args.cold and not args.checkpoint:
         raise CliError("--cold needs a checkpoint (the built-in model lives in RAM)")
     capture = check_output(args.output, args.force, inputs=[args.checkpoint]) if args.output else None
-    model = load_checkpoint(args.checkpoint) if args.checkpoint else builtin_model(args)
+    if args.gguf and not args.checkpoint:
+        raise CliError(f"--gguf {args.gguf}: give the checkpoint whose tables it holds")
+    model = load_checkpoint(args.checkpoint, args.gguf) if args.checkpoint else builtin_model(args)
     evicted = memory.evict(model) if args.cold else []  # every file it maps: a folder's shards, the row file
     cfg = model.cfg
     G, D = cfg.hc_mult, cfg.hidden_size

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from .common import counted, load_checkpoint
+from .common import add_gguf, counted, load_checkpoint
 from .progress import progress_bar
 
 
@@ -19,15 +19,18 @@ def register(command):
                    help="the name in every key (default: a digest of the model's config and every table byte, so "
                         "models and revisions share a store; load with MooncakeTier(name=...) the same; \"\": "
                         "EngramStore's own engram:l{L}:h{h})")
+    add_gguf(s)   # the GGUF's rows published as they are (quantized); readers take MooncakeTier(gguf=path)
 
 
 def run(args):
     """Every layer's table rows into a Mooncake Store (EngramStore layout under a name: engram:{name}:l{L}:h{h})."""
     from ..rows import parse_tier, record_layout
-    model = load_checkpoint(args.checkpoint)
+    model = load_checkpoint(args.checkpoint, args.gguf)
     tier = parse_tier({"mooncake": dict(master=args.master, metadata=args.metadata, local_host=args.local_host,
                                         connect_timeout=args.connect_timeout, name=args.name)})
-    total = sum(model.plan.table_rows[L] * sum(record_layout(model.layer(L))) for L in model.cfg.layer_ids)
+    inner = model.tables.inner   # a GGUF's records (its rows' own bytes), else the weights'
+    layout = inner.record_layout if hasattr(inner, "record_layout") else lambda L: record_layout(model.layer(L))
+    total = sum(model.plan.table_rows[L] * sum(layout(L)) for L in model.cfg.layer_ids)
     bar = progress_bar(args.quiet)   # one bar over both steps: the tables digested (read), then written
     t0 = time.perf_counter()
     try:

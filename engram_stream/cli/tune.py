@@ -1,7 +1,7 @@
 """engram-stream tune: every kernel path and thread count timed on a model's shapes, the fastest cached."""
 from __future__ import annotations
 
-from .common import at_least, cpu, kernels, load_model
+from .common import add_gguf, at_least, cpu, kernels, load_model
 from .progress import Steps
 
 
@@ -13,6 +13,7 @@ def register(command):
     s.add_argument("--layer", type=int, default=None, help="the Engram layer to time (default: the first)")
     s.add_argument("--seed", type=at_least(0), default=0, help="seed of the built-in model's weights")
     s.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_gguf(s)
 
 
 def run(args):

@@ -225,3 +225,43 @@ def test_a_gguf_changed_after_opening_is_refused_not_served(folders, tmp_path, k
     os.truncate(path, os.path.getsize(path) - 4096)   # the size back, the ctime not: still refused
     with pytest.raises(FileChangedError, match=r"t\.gguf"):
         eng.lookup_packed(ids[1], [0], [8])
+
+
+def test_the_cli_decodes_and_checks_a_model_with_a_gguf_table(folders, tmp_path, capsys):
+    """engram-stream demo --checkpoint FOLDER --gguf FILE decodes with the GGUF's rows and checks
+    them against the oracle on the GGUF's table; --gguf without a checkpoint is refused, naming it."""
+    from engram_stream.cli import main
+    path = tmp_path / "t.gguf"
+    write_table_gguf(path, load_checkpoint(folders["qwen"]), "Q4_0", seed=2)
+    capsys.readouterr()
+    assert main(["demo", "--checkpoint", folders["qwen"], "--gguf", str(path), "--tokens", "20", "--quiet"]) == 0
+    assert "check against the batch path (atol 2e-5 + rtol 2e-4): OK" in capsys.readouterr().out
+    assert main(["demo", "--gguf", str(path), "--tokens", "3", "--quiet"]) == 1
+    assert f"--gguf {path}: give the checkpoint whose tables it holds" in capsys.readouterr().err
+
+
+@pytest.mark.mooncake
+def test_the_cli_publishes_a_ggufs_rows(folders, tmp_path, mooncake):
+    """engram-stream publish FOLDER --gguf FILE: the GGUF's quantized records in the store, which a
+    model loading with MooncakeTier(gguf=FILE) reads bit-identically to the mapped GGUF."""
+    import os
+    import subprocess
+    import sys
+    from engram_stream.rows import MooncakeTier
+    folder, path = folders["longcat"], tmp_path / "t.gguf"
+    write_table_gguf(path, load_checkpoint(folder), "Q8_0", seed=5)
+    r = subprocess.run([sys.executable, "-m", "engram_stream.cli", "publish", folder, "--gguf", str(path),
+                        "--master", mooncake.master, "--metadata", mooncake.metadata, "--name", "cli-gguf"],
+                       capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0 and "published 1 layer" in r.stdout and "'cli-gguf'" in r.stdout, r.stderr
+    mapped = load_checkpoint(folder, tables=GGUFTier(path))
+    reader = MooncakeTier(master=mooncake.master, metadata=mooncake.metadata, timeout=5, gguf=path, name="cli-gguf")
+    try:
+        remote = load_checkpoint(folder, tables=reader, row_cache_mb=0.01)
+        L = remote.cfg.layer_ids[0]
+        assert remote.row_source(L).record_format == "gguf:Q8_0"
+        ids, _ = variant_inputs(remote, 3, (1, 24))
+        same_bits(remote.stream(L, 1).lookup_packed(ids[0], [0], [24]), mapped.stream(L, 1).lookup_packed(ids[0], [0], [24]))
+    finally:
+        reader.close()
