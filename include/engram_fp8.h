@@ -936,9 +936,9 @@ static inline void es8_wkv_range(int isa, const float *qx, int64_t ldq, const fl
                                  const uint8_t *W, const uint8_t *WS, int M, float *Y, int64_t g0, int64_t g1,
                                  float *scratch) {
     const int nb = E / ES8_BLOCK;
-    /* the fp16 widenings (avx2, avx512, neon) read value * 2^-8: 2^8 folded into the block scale
+    /* the fp16 widenings (avx2, avx512, neon and neon_bf16) read value * 2^-8: 2^8 folded into the block scale
      * (baseline, bf16: exact) */
-    const float f = isa == ES_ISA_AVX2 || isa == ES_ISA_AVX512 || isa == ES_ISA_NEON ? 256.0f : 1.0f;
+    const float f = isa == ES_ISA_AVX2 || isa == ES_ISA_AVX512 || isa >= ES_ISA_NEON ? 256.0f : 1.0f;
     float wsf[nb];
     for (int64_t g = g0; g < g1; g++) {
         const int64_t r0 = g * ES8_BLOCK;

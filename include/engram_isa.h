@@ -10,6 +10,8 @@
  *   ES_ISA_BF16      the above + AVX512_BF16 and VBMI: the V4.1 float8 projection, and the GEMM of
  *                    bf16 weights on bf16 rows (es_gemm_range_dp, engram_step.h), multiply with
  *                    vdpbf16ps (engram_fp8.h); every other kernel runs its avx512 copy
+ *   ES_ISA_NEON_BF16 neon + FEAT_BF16 (HWCAP2_BF16): the GEMM of bf16 weights on bf16 rows on BFDOT
+ *                    (es_gemm_range_bfdot, engram_bfdot.h); every other kernel runs its neon copy
  * A copy is made by setting ES_PATH to the level and including the template: engram_path.h
  * turns the level into what every template shares (the names' suffix through ES_SF, the target
  * attribute, the vector width, F16C, NEON), and each header's block for the path sets only its
@@ -33,6 +35,7 @@
 #define ES_ISA_AVX512 2
 #define ES_ISA_BF16 3
 #define ES_ISA_NEON 4
+#define ES_ISA_NEON_BF16 5
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(ES_NO_X86_PATHS)
 #define ES_X86_PATHS 1
@@ -55,6 +58,8 @@
 #else
 #define ES_TARGET_NEON __attribute__((target("+simd")))
 #endif
+/* BFDOT's functions alone (engram_bfdot.h): the build's baseline stays ARMv8.0-A */
+#define ES_TARGET_NEON_BF16 __attribute__((target("arch=armv8.2-a+bf16")))
 #else
 #define ES_NEON_PATHS 0
 #endif
@@ -99,7 +104,11 @@ static inline int es_isa_cpu_best(void) {
 #ifndef HWCAP_ASIMD
 #define HWCAP_ASIMD (1 << 1)
 #endif
-    if (getauxval(AT_HWCAP) & HWCAP_ASIMD) known = ES_ISA_NEON;
+#ifndef HWCAP2_BF16
+#define HWCAP2_BF16 (1 << 14)
+#endif
+    if (getauxval(AT_HWCAP) & HWCAP_ASIMD)
+        known = getauxval(AT_HWCAP2) & HWCAP2_BF16 ? ES_ISA_NEON_BF16 : ES_ISA_NEON;
 #endif
     if (known < 0) known = es_isa_best_of(feats);
     __atomic_store_n(&best, known, __ATOMIC_RELAXED);
@@ -107,11 +116,12 @@ static inline int es_isa_cpu_best(void) {
 }
 
 /* Whether this CPU and build run `level`: the baseline, and the levels of this architecture up
- * to the best (the neon level is above the x86 ones in number only). */
+ * to the best (the neon levels are above the x86 ones in number only). */
 static inline int es_isa_runs(int level) {
     const int best = es_isa_cpu_best();
     if (level == ES_ISA_BASELINE || level == best) return 1;
-    return best != ES_ISA_NEON && level > ES_ISA_BASELINE && level < best;
+    if (best >= ES_ISA_NEON) return level >= ES_ISA_NEON && level < best;
+    return level > ES_ISA_BASELINE && level < best;
 }
 
 /* ---- the kernel runtime: one per process, owned by engram_stream._hash ----------------
@@ -189,7 +199,8 @@ static inline __attribute__((always_inline)) float es_hsum_lanes(float *t, int w
 /* ---- dispatch: what each level runs, in one form ----------------------------------------
  * ES_ON_PATH(level, baseline, avx2, avx512, bf16, neon): run the statement (an expression) given
  * for `level`. Only this build's levels are compiled: the x86 ones in x86 builds, neon in
- * aarch64 ones, elsewhere the baseline alone (level not read); a level this build does not
+ * aarch64 ones (neon_bf16 runs neon's: its one kernel of its own, the BFDOT GEMM, is chosen by
+ * es_gemm_mode), elsewhere the baseline alone (level not read); a level this build does not
  * have runs the baseline. Every dispatch names every level, so a level added here is an error
  * at each dispatch until it says what that level runs.
  * ES_DISPATCH_COPIES(level, name, args, baseline, avx2, avx512, bf16, neon): call name_<copy>
@@ -210,7 +221,7 @@ static inline __attribute__((always_inline)) float es_hsum_lanes(float *t, int w
 #elif ES_NEON_PATHS
 #define ES_ON_PATH(level, baseline, avx2, avx512, bf16, neon) \
     do {                                                      \
-        if ((level) == ES_ISA_NEON) neon;                     \
+        if ((level) >= ES_ISA_NEON) neon;                     \
         else baseline;                                        \
     } while (0)
 #else

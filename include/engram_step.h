@@ -132,7 +132,7 @@ static inline void es_floats_to_bf16_scaled(const float *x, float g, int64_t n, 
 
 /* es_gemm_packed's wbf16 for bf16 weights whose rows are bf16 values too (the engines: a bf16 table). */
 #define ES_GEMM_BF16_ROWS 2
-#if ES_X86_PATHS
+#if ES_X86_PATHS || ES_NEON_PATHS
 /* ---- the bf16 path's GEMM on vdpbf16ps (wbf16 == ES_GEMM_BF16_ROWS) ---------------------
  * When the weights are bf16 and the rows are too (a bf16 table: the gather widens them exactly,
  * so truncating them back is exact), the products of a dot product are exact in float32 and
@@ -168,6 +168,9 @@ static inline void es_pack_pairs_tiles(const float *X, int64_t ldx, int64_t B, i
 static inline void es_pack_pairs(const float *X, int64_t ldx, int64_t B, int E, uint32_t *Xq) {
     es_pack_pairs_tiles(X, ldx, B, E, Xq, 0, (B + ES_DP_MR - 1) / ES_DP_MR);
 }
+#endif
+#include "engram_bfdot.h" /* neon_bf16: the same pairs on BFDOT */
+#if ES_X86_PATHS
 
 /* One tile: mr rows (pairs at xq, row r's pair j at xq[j*mr + r]) x tp panels over all E. */
 static inline __attribute__((always_inline)) ES_TARGET_BF16 void es_dp_tile(
@@ -312,12 +315,18 @@ static inline int es_gemm_mr(void) {
  * off multiples of 4 KiB (the engine pads rows by 16 floats), else the rows of a tile
  * alias one L1 set (measured 1.3-1.6x slower). Xp: X's full tiles packed by
  * es_pack_rows, or NULL; with wbf16 == ES_GEMM_DP the rows' pairs of es_pack_pairs. */
-#define ES_GEMM_DP 3 /* es_gemm_mode's answer: the vdpbf16ps GEMM on pairs at Xp */
+#define ES_GEMM_DP 3 /* es_gemm_mode's answer: the vdpbf16ps (or BFDOT) GEMM on pairs at Xp */
 static inline void es_gemm_range(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                                  const float *biasp, int M, float *Y, int p0, int p1, const float *Xp) {
 #if ES_X86_PATHS
     if (wbf16 == ES_GEMM_DP) {
         es_gemm_range_dp((const uint32_t *)Xp, B, E, (const uint16_t *)Wp, biasp, M, Y, p0, p1);
+        return;
+    }
+#endif
+#if ES_NEON_PATHS
+    if (wbf16 == ES_GEMM_DP) {
+        es_gemm_range_bfdot((const uint32_t *)Xp, B, E, (const uint16_t *)Wp, biasp, M, Y, p0, p1);
         return;
     }
 #endif
@@ -337,10 +346,13 @@ static inline void es_pack_rows(const float *X, int64_t ldx, int64_t B, int E, f
 /* The GEMM a call runs: wbf16 as the engine gives it (0 float32 weights, 1 bf16, ES_GEMM_BF16_ROWS
  * bf16 weights and bf16 rows), ES_GEMM_DP where the vdpbf16ps one runs: the bf16 path and scratch
  * to pack the rows in (one row too: es_dp_gemv reads the panels unwidened, and a row's bits are
- * the same in a call of any size). */
+ * the same in a call of any size); BFDOT's on neon_bf16 for two rows or more (one row: the GEMV). */
 static inline int es_gemm_mode(int wbf16, int64_t B, const float *xpack) {
 #if ES_X86_PATHS
     if (wbf16 == ES_GEMM_BF16_ROWS && B >= 1 && xpack && es_isa_now() == ES_ISA_BF16) return ES_GEMM_DP;
+#endif
+#if ES_NEON_PATHS
+    if (wbf16 == ES_GEMM_BF16_ROWS && B >= 2 && xpack && es_isa_now() == ES_ISA_NEON_BF16) return ES_GEMM_DP;
 #endif
     (void)B, (void)xpack;
     return wbf16 != 0;
@@ -349,7 +361,7 @@ static inline int es_gemm_mode(int wbf16, int64_t B, const float *xpack) {
 /* Pack X into xpack (scratch of B*E floats) when it holds two tiles or more, or as pairs for
  * the vdpbf16ps GEMM (mode ES_GEMM_DP); else NULL. */
 static inline const float *es_maybe_pack(const float *X, int64_t ldx, int64_t B, int E, float *xpack, int mode) {
-#if ES_X86_PATHS
+#if ES_X86_PATHS || ES_NEON_PATHS
     if (mode == ES_GEMM_DP) {
         es_pack_pairs(X, ldx, B, E, (uint32_t *)xpack);
         return xpack;
@@ -417,7 +429,7 @@ static void es_gemm_job_run(void *arg, int64_t p0, int64_t p1) {
     es_gemm_range(j->X, j->ldx, j->B, j->E, j->Wp, j->wbf16, j->biasp, j->M, j->Y, (int)p0, (int)p1, j->Xp);
 }
 
-#if ES_X86_PATHS
+#if ES_X86_PATHS || ES_NEON_PATHS
 static void es_pack_pairs_job_run(void *arg, int64_t t0, int64_t t1) {
     const es_gemm_job *j = (const es_gemm_job *)arg;
     es_pack_pairs_tiles(j->X, j->ldx, j->B, j->E, (uint32_t *)j->Xp, t0, t1);
@@ -430,7 +442,7 @@ static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int
     if (nthreads <= 1) { es_gemm_packed(X, ldx, B, E, Wp, wbf16, biasp, M, Y, xpack); return; }
     const int mode = es_gemm_mode(wbf16, B, xpack);
     es_gemm_job j = {X, Wp, biasp, 0, Y, ldx, B, E, M, mode};
-#if ES_X86_PATHS
+#if ES_X86_PATHS || ES_NEON_PATHS
     if (mode == ES_GEMM_DP && B > ES_DP_MR) { /* the tiles' pairs packed on the threads too */
         j.Xp = xpack;
         es_split(team, nthreads, (B + ES_DP_MR - 1) / ES_DP_MR, 1, es_pack_pairs_job_run, &j);

@@ -100,7 +100,7 @@ def pytest_report_header(config):
     """Which engram_stream is tested, which kernel paths the each_isa tests run here, and why the others cannot."""
     from engram_stream.engine.isa import ISA_NAMES, cpu_isas, supported_isas
     run = kernel_isas()
-    why = {n: ("ENGRAM_STREAM_ISA names another" if n in supported_isas() else
+    why = {n: ("ENGRAM_STREAM_ISA or ENGRAM_TEST_ISAS leaves it out" if n in supported_isas() else
                "this build lacks it" if n in cpu_isas() else "this CPU lacks it") for n in ISA_NAMES if n not in run}
     return _package_header() + [f"kernel paths tested (each_isa): {', '.join(run)}"
                                 + "".join(f"; {n} not run: {w}" for n, w in why.items())]

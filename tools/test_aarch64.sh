@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Test the aarch64 build on an x86-64 machine: cross-build the extensions with aarch64-linux-gnu-gcc,
-# run the kernel, contract and variant tests under qemu-aarch64-static on -cpu max and -cpu cortex-a72
-# (plain ARMv8.0), every kernel path (baseline, neon), and compare outputs with the x86 goldens.
+# run the kernel, contract and variant tests under qemu-aarch64-static on -cpu max (FEAT_BF16) and
+# -cpu cortex-a72 (plain ARMv8.0), the kernel paths baseline and neon, neon_bf16's own tests (BFDOT:
+# its kernel and one engine per bf16 variant) on max, and compare outputs with the x86 goldens.
 #
 #   tools/test_aarch64.sh                 the whole suite (CI runs this)
 #   tools/test_aarch64.sh -k gather ...   extra arguments go to every pytest run
@@ -122,7 +123,14 @@ run() { # run CPU ARGS...: the arm64 python on that CPU model
 # only: the rest runs the same code.
 KERNEL_TESTS=(tests/kernels/test_isa.py tests/kernels/test_hash_lanes.py tests/kernels/test_fp8_paths.py
               tests/demo/test_goldens.py tests/v41/test_goldens_v41.py tests/demo/test_bf16.py
-              tests/v41/test_engine_v41.py tests/longcat/test_longcat_goldens.py)
+              tests/v41/test_engine_v41.py tests/longcat/test_longcat_goldens.py tests/kernels/test_bfdot_path.py)
+# neon_bf16 (max only: cortex-a72 lacks FEAT_BF16, test_bfdot_path.py checks it is not offered there)
+# runs neon's kernels but for the GEMM of bf16 weights on bf16 rows: the each_isa runs keep to
+# baseline and neon (ENGRAM_TEST_ISAS), and neon_bf16 runs its BFDOT tests (test_bfdot_path.py,
+# above) and each bf16 variant's engine tests forced onto it (20-45 s under qemu)
+BFDOT_TESTS=(tests/qwen/test_qwen_model.py::test_bfloat16_tables_and_projections_equal_the_oracle
+             tests/longcat/test_longcat_model.py::test_bfloat16_table_and_projections
+             tests/longcat/test_longcat_model.py::test_threads_give_the_same_bits_on_the_released_dtypes)
 DEMO_KERNEL_TESTS=(tests/demo/test_engine.py::test_single_stream_matches_batch
                    tests/demo/test_engine.py::test_multi_stream_matches_batch
                    tests/demo/test_engine.py::test_quantized_tables_match_batch
@@ -133,7 +141,8 @@ DEMO_KERNEL_TESTS=(tests/demo/test_engine.py::test_single_stream_matches_batch
 REST_TESTS=(tests/demo/test_engine.py tests/engine tests/contract/test_engine_contract.py tests/contract/test_serving.py)
 # not here: threads racing, allocation counts and timing (nothing aarch64 changes; slow under qemu),
 # and a fresh process per x86 path name (7 s each under qemu: the refusal is the same as for sse9)
-SKIP="not concurrent_prefill and not alloc_native and not costs_little and not (environment and (avx2 or avx512))"
+# or for neon_bf16 (25 s each: BFDOT_TESTS start a process on it, test_bfdot_path.py checks its refusal)
+SKIP="not concurrent_prefill and not alloc_native and not costs_little and not (environment and (avx2 or avx512 or neon_bf16))"
 # The CPU models run side by side (each qemu process is one host thread; CI has two cores), each
 # into a log of its own, printed in order once all have ended.
 status=0
@@ -142,12 +151,18 @@ for cpu in $CPUS; do
     got=$(ENGRAM_STREAM_ISA= run "$cpu" -c 'import platform, engram_stream as e; from engram_stream.engine import isa
 print(platform.machine(), e.kernel_isa(), ",".join(isa.supported_isas()))')  # the default path (no ENGRAM_STREAM_ISA)
     say "-cpu $cpu: machine, kernel_isa() by default, paths: $got"
-    [ "$got" = "aarch64 neon baseline,neon" ] || { echo "-cpu $cpu: expected aarch64, neon by default" >&2; status=1; }
+    want="aarch64 neon baseline,neon"
+    [ "$cpu" = max ] && want="aarch64 neon_bf16 baseline,neon,neon_bf16"  # FEAT_BF16 (HWCAP2_BF16)
+    [ "$got" = "$want" ] || { echo "-cpu $cpu: expected '$want' (machine, default path, paths)" >&2; status=1; }
     tests=("${KERNEL_TESTS[@]}")
     if [ "$cpu" = max ]; then tests+=("${REST_TESTS[@]}"); else tests+=("${DEMO_KERNEL_TESTS[@]}"); fi
     say "-cpu $cpu: ${#tests[@]} test files and tests, in the background"
-    (HYPOTHESIS_STORAGE_DIRECTORY=/tmp/engram_aarch64_hyp_$cpu run "$cpu" -m pytest -p no:cacheprovider \
-        "${tests[@]}" -k "$SKIP" "$@" > "$CACHE/pytest-$cpu.log" 2>&1) &
+    (export HYPOTHESIS_STORAGE_DIRECTORY=/tmp/engram_aarch64_hyp_$cpu; st=0
+     ENGRAM_TEST_ISAS=baseline,neon run "$cpu" -m pytest -p no:cacheprovider \
+        "${tests[@]}" -k "$SKIP" "$@" > "$CACHE/pytest-$cpu.log" 2>&1 || st=1
+     if [ "$cpu" = max ]; then ENGRAM_STREAM_ISA=neon_bf16 run "$cpu" -m pytest -p no:cacheprovider \
+        "${BFDOT_TESTS[@]}" "$@" >> "$CACHE/pytest-$cpu.log" 2>&1 || st=1; fi
+     exit $st) &
     pids+=($!)
 done
 i=0

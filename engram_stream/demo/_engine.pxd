@@ -31,6 +31,7 @@ cdef extern from "engram_step.h" nogil:
     void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                         const float *biasp, int M, float *Y, float *xpack) noexcept
     int64_t es_fma_chains(int64_t n, float *sink) noexcept
+    int es_bfdot(float *acc, const uint16_t *a, const uint16_t *b, int64_t n) noexcept
     void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_f16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
     void es_gather_bf16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept

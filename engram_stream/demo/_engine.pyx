@@ -72,6 +72,21 @@ def _gemm(const float[:, ::1] X, wp, const float[::1] bias, int M, int wbf16):
     return y
 
 
+
+def _bfdot(acc, a, b):
+    """acc[i] + a[i, 0]*b[i, 0] + a[i, 1]*b[i, 1] as this CPU's BFDOT computes it (ARMv8.6 FEAT_BF16:
+    each addition rounded to odd, denormals flushed; engram_bfdot.h): acc float32 [n], a and b
+    bf16 bits [n, 2]. RuntimeError where the CPU lacks it. The tests' window on the instruction."""
+    cdef float[::1] r = np.array(acc, np.float32)
+    cdef const uint16_t[:, ::1] av = np.ascontiguousarray(a, np.uint16)
+    cdef const uint16_t[:, ::1] bv = np.ascontiguousarray(b, np.uint16)
+    if av.shape[0] != r.shape[0] or bv.shape[0] != r.shape[0] or av.shape[1] != 2 or bv.shape[1] != 2:
+        raise ValueError(f"_bfdot: a and b of shape ({r.shape[0]}, 2) expected")
+    if r.shape[0] and es_bfdot(&r[0], &av[0, 0], &bv[0, 0], r.shape[0]) != 0:
+        raise RuntimeError("_bfdot: this CPU lacks BFDOT (FEAT_BF16): run on the neon_bf16 path's CPUs")
+    return np.asarray(r)
+
+
 cdef struct GatherWork:
     # what a chunk's gathers read and write (es_split's ctx): token i's H rows are
     # records at dp[i*H + j] (its scale at sp[...] for int8 tables), converted into e + i*lde

@@ -755,8 +755,8 @@ cdef class EngineBase:
     # ---- threads, rows, files ------------------------------------------------------------------
     @property
     def isa(self):
-        """The kernel path of this engine's one-stream step: "bf16", "avx512", "avx2", "neon" or
-        "baseline" (kernel_choice() has each operation's, and why)."""
+        """The kernel path of this engine's one-stream step: a name of engine.isa.ISA_NAMES
+        (kernel_choice() has each operation's, and why)."""
         return self.kernel_choice()["step"][0]
 
     def kernel_choice(self):

@@ -1,4 +1,5 @@
-"""Which kernel path runs: "bf16", "avx512", "avx2", "neon" (aarch64) or "baseline" (include/engram_isa.h).
+"""Which kernel path runs: "bf16", "avx512", "avx2", "neon_bf16", "neon" (aarch64) or "baseline"
+(include/engram_isa.h).
 
 Every extension module carries each kernel compiled per instruction set; the path is one state
 of the process, owned by engram_stream._hash (the kernel runtime every other extension binds at
@@ -18,7 +19,7 @@ from .. import _hash
 from ..errors import IsaEnvironmentError
 from .cpu import CPUINFO, cpuinfo_blocks
 
-ISA_NAMES = ("baseline", "avx2", "avx512", "bf16", "neon")  # index = the C level (ES_ISA_*)
+ISA_NAMES = ("baseline", "avx2", "avx512", "bf16", "neon", "neon_bf16")  # index = the C level (ES_ISA_*)
 ENV = "ENGRAM_STREAM_ISA"
 _why = "the best this CPU runs"  # what chose the process's path (choice())
 
@@ -39,7 +40,7 @@ def process_level() -> int:
 
 
 def kernel_isa() -> str:
-    """The process's kernel path: "bf16", "avx512", "avx2", "neon" or "baseline" (forced, or what
+    """The process's kernel path: one of ISA_NAMES (forced, or what
     an operation without a measured choice runs; choice() says why, and an engine's
     kernel_choice() names each operation's)."""
     return ISA_NAMES[_hash._isa_get()]
@@ -81,14 +82,30 @@ _CPU_FLAGS = {"avx2": ("avx2", "fma", "f16c"), "avx512": ("avx2", "fma", "f16c",
                                                            "avx512vl", "avx512dq")}
 _CPU_FLAGS["bf16"] = _CPU_FLAGS["avx512"] + ("avx512vbmi", "avx512_bf16")
 
-def cpu_isas(cpuinfo: str = CPUINFO, machine: str | None = None) -> tuple:
+_AT_HWCAP2, _HWCAP2_BF16 = 26, 1 << 14  # linux/auxvec.h, arm64's asm/hwcap.h
+
+
+def aarch64_bf16(auxv: str = "/proc/self/auxv") -> bool:
+    """Whether the kernel's AT_HWCAP2 for this process has HWCAP2_BF16 (ARMv8.6 BFDOT), as
+    engram_isa.h's getauxval reads it (qemu-user answers for the CPU it emulates); False where
+    the vector cannot be read."""
+    try:
+        with open(auxv, "rb") as f:
+            raw = f.read()
+    except OSError:
+        return False
+    words = memoryview(raw)[: len(raw) // 16 * 16].cast("Q")
+    return any(words[i] == _AT_HWCAP2 and words[i + 1] & _HWCAP2_BF16 for i in range(0, len(words), 2))
+
+
+def cpu_isas(cpuinfo: str = CPUINFO, machine: str | None = None, auxv: str = "/proc/self/auxv") -> tuple:
     """The paths this CPU has, whatever this build carries (a build without the x86 paths, e.g.
     by a compiler without target attributes, runs baseline on any CPU), from the kernel's CPU
     flags; ("baseline",) where they cannot be read. Every aarch64 CPU has neon (ASIMD), and
-    under qemu-user /proc/cpuinfo describes the host, so aarch64 does not read it. machine:
-    platform.machine() when None."""
+    under qemu-user /proc/cpuinfo describes the host, so aarch64 reads the auxiliary vector
+    (`auxv`) for neon_bf16. machine: platform.machine() when None."""
     if (machine or platform.machine()).lower() in ("aarch64", "arm64"):
-        return ("baseline", "neon")
+        return ("baseline", "neon") + (("neon_bf16",) if aarch64_bf16(auxv) else ())
     blocks = cpuinfo_blocks(cpuinfo)
     flags = set(blocks[0].get("flags", "").split()) if blocks else set()
     return ("baseline",) + tuple(n for n in ("avx2", "avx512", "bf16") if set(_CPU_FLAGS[n]) <= flags)

@@ -3,9 +3,12 @@ import os
 
 
 def kernel_isas():
-    """Every kernel path this CPU runs (ENGRAM_STREAM_ISA, when set, names the only one)."""
+    """Every kernel path this CPU runs (ENGRAM_STREAM_ISA, when set, names the only one), or those
+    of them ENGRAM_TEST_ISAS lists (comma-separated: tools/test_aarch64.sh keeps its every-path
+    run to baseline and neon, and runs neon_bf16's own tests apart, for time under qemu)."""
     forced = os.environ.get("ENGRAM_STREAM_ISA", "").strip().lower()
     if forced:
         return [forced]
     from engram_stream.engine.isa import supported_isas
-    return list(supported_isas())
+    keep = [n.strip() for n in os.environ.get("ENGRAM_TEST_ISAS", "").lower().split(",") if n.strip()]
+    return [n for n in supported_isas() if not keep or n in keep]

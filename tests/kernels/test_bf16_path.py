@@ -318,8 +318,8 @@ def test_gemm_on_vdpbf16ps_reads_subnormal_rows_as_zero(on_bf16):
 
 @pytest.mark.parametrize("isa", [n for n in _isa.supported_isas()])
 def test_gemm_bf16_rows_elsewhere_is_the_widening_gemm(isa):
-    """ES_GEMM_BF16_ROWS changes the kernel only on the bf16 path (one row too): other paths run
-    the bits of the widening GEMM."""
+    """ES_GEMM_BF16_ROWS changes the kernel only on the bf16 path (one row too) and neon_bf16 (two rows
+    or more: test_bfdot_path.py): other paths run the bits of the widening GEMM."""
     from engram_stream.demo import _engine as demo
     before = _isa.kernel_isa()
     _isa.use_isa(isa)
@@ -327,7 +327,7 @@ def test_gemm_bf16_rows_elsewhere_is_the_widening_gemm(isa):
         for B, E, M in [(1, 33, 40), (16, 64, 120)]:
             x, w, bias = _gemm_operands(np.random.default_rng(B), B, E, M)
             same = demo._gemm(x, _panels(w), bias, M, 2), demo._gemm(x, _panels(w), bias, M, 1)
-            if isa != "bf16":
+            if isa not in ("bf16", "neon_bf16") or (isa == "neon_bf16" and B == 1):
                 assert np.array_equal(*same)
             np.testing.assert_allclose(same[0], x @ w.astype(np.float32).T + bias[:M], rtol=RTOL, atol=ATOL)
     finally:

@@ -68,7 +68,7 @@ def test_projection_reads_every_code_and_tiny_scales_exactly(each_isa, one_token
     sc = np.array([[127, 0], [120, 131], [0, 0], [10, 127], [127, 1], [118, 0], [0, 127], [5, 6]], np.uint8)
     x = np.eye(K, dtype=np.float32) * np.float32(2.0 ** -13)
     values = ref.e4m3(w)
-    f16 = each_isa in ("avx2", "avx512", "neon")  # widened through fp16 bits: the NaN codes read +-480
+    f16 = each_isa in ("avx2", "avx512", "neon", "neon_bf16")  # widened through fp16 bits: the NaN codes read +-480
     if f16:
         values = np.where(NAN_CODES[w], np.where(w & 0x80, -480.0, 480.0), values).astype(np.float32)
     scaled = values * np.repeat(np.repeat(ref.e8m0(sc), 32, 0), 32, 1)
@@ -192,5 +192,6 @@ def test_cpu_isas_read_the_cpu_flags(tmp_path):
     assert _isa.cpu_isas(str(tmp_path / "missing"), "x86_64") == ("baseline",)
     # aarch64: every CPU has ASIMD; the file is not read (under qemu-user it describes the host)
     f.write_text("flags\t: sse2 avx2 fma f16c\n")
-    assert _isa.cpu_isas(str(f), "aarch64") == _isa.cpu_isas(str(tmp_path / "missing"), "aarch64") == ("baseline", "neon")
+    none = str(tmp_path / "missing")  # no auxiliary vector: neon_bf16 (test_bfdot_path.py) not read
+    assert _isa.cpu_isas(str(f), "aarch64", none) == _isa.cpu_isas(none, "aarch64", none) == ("baseline", "neon")
     assert set(_isa.supported_isas()) <= set(_isa.cpu_isas()) or not os.path.exists("/proc/cpuinfo")

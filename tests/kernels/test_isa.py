@@ -48,7 +48,7 @@ def test_one_runtime_drives_every_extension():
     """Every extension's kernels read the one runtime of _hash: forcing a path there moves the
     engines' kernels (their fma loops count the lanes of the path that ran), with no per-module copy."""
     from engram_stream.demo import _engine
-    lanes = {"baseline": 12 * 4, "avx2": 12 * 8, "avx512": 12 * 16, "bf16": 12 * 16, "neon": 16 * 4}
+    lanes = {"baseline": 12 * 4, "avx2": 12 * 8, "avx512": 12 * 16, "bf16": 12 * 16, "neon": 16 * 4, "neon_bf16": 16 * 4}
     before = _isa.kernel_isa()
     try:
         for name in _isa.supported_isas():
@@ -80,7 +80,7 @@ def test_unforced_runtime_takes_the_best_path_and_honours_a_call_level():
     (an engine's measured choice) runs; forced, the call level is ignored."""
     from engram_stream import _hash
     from engram_stream.demo import _engine
-    lanes = {"baseline": 12 * 4, "avx2": 12 * 8, "avx512": 12 * 16, "bf16": 12 * 16, "neon": 16 * 4}
+    lanes = {"baseline": 12 * 4, "avx2": 12 * 8, "avx512": 12 * 16, "bf16": 12 * 16, "neon": 16 * 4, "neon_bf16": 16 * 4}
     before = _isa.kernel_isa()
     try:
         _isa.use_isa(None)
@@ -114,7 +114,7 @@ def test_fma_chains_run_on_every_path():
     from engram_stream.demo import _engine
     from engram_stream.v41 import _engine as v41
     # chains x lanes a round; bf16: the demo runs its avx512 kernels
-    per_round = {"baseline": 12 * 4, "avx2": 12 * 8, "avx512": 12 * 16, "bf16": 12 * 16, "neon": 16 * 4}
+    per_round = {"baseline": 12 * 4, "avx2": 12 * 8, "avx512": 12 * 16, "bf16": 12 * 16, "neon": 16 * 4, "neon_bf16": 16 * 4}
     mac_per_round = dict(per_round, bf16=12 * 32)  # the V4.1 projection's own: vdpbf16ps, 32 products a zmm
     before = _isa.kernel_isa()
     try:
