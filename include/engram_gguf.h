@@ -4,6 +4,8 @@
  *   es_gg_block        values and bytes of one block of a type (0, or -1: a type not served)
  *   es_gg_decode       n values of one type (n a multiple of its block) from src into dst
  *   es_gg_gather       the rows `ids` of a [nrows, row_bytes] table decoded into dst[k * n]
+ *   es_records_job_run an engine's chunk of row records of any kind (a table's dtype or a GGUF
+ *                      type) to float32, one pointer a record: the demo/Qwen and LongCat gathers
  *
  * Types served: ggml's numbers for F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K,
  * Q3_K, Q4_K, Q5_K, Q6_K, and ES_GG_E4M3_ROW: a DeepSeek-V4.1 checkpoint row of 256 e4m3 bytes
@@ -280,6 +282,49 @@ static inline int es_gg_gather(int type, const uint8_t *base, int64_t nrows, int
         if (ids[k] < 0 || ids[k] >= nrows) return -1;
     for (int64_t k = 0; k < nids; k++) es_gg_decode(type, base + ids[k] * row_bytes, n, dst + k * n);
     return 0;
+}
+
+/* ---- an engine's rows, every kind of record ---------------------------------------- */
+
+/* Rows given as their records, one pointer a record (an engine's row source: mapped rows,
+ * a row cache's slots, direct reads' buffers): token i's H records at dp[i*H + j] (int8 and
+ * NVFP4 rows: their scales at sp[...]) into e + i*lde. kind: engram_step.h's es_gather_job's, and 4 FP8 with
+ * one global scale (lut[byte]), 5 NVFP4 (lut[scale byte * 16 + nibble], the low nibble the
+ * even element), 6 GGUF rows of type ggtype (engram_gguf.h). The engines' es_split ctx. */
+typedef struct {
+    const char *const *dp;
+    const char *const *sp;
+    float *e;
+    int64_t lde;
+    const float *lut; /* kinds 4, 5: the value of each code */
+    int kind, hd, H;
+    int ggtype; /* kind 6 */
+} es_records_job;
+
+static inline void es_records_job_run(void *arg, int64_t i0, int64_t i1) {
+    const es_records_job *w = (const es_records_job *)arg;
+    const int64_t zero = 0;
+    for (int64_t i = i0; i < i1; i++)
+        for (int j = 0; j < w->H; j++) {
+            const char *p = w->dp[i * w->H + j];
+            float *e = w->e + i * w->lde + (int64_t)j * w->hd;
+            const uint8_t *b = (const uint8_t *)p;
+            switch (w->kind) {
+            case 0: es_gather_f32((const float *)p, w->hd, &zero, 1, e); break;
+            case 1: es_gather_f16((const uint16_t *)p, w->hd, &zero, 1, e); break;
+            case 3: es_gather_bf16((const uint16_t *)p, w->hd, &zero, 1, e); break;
+            case 4:
+                for (int d = 0; d < w->hd; d++) e[d] = w->lut[b[d]];
+                break;
+            case 5: {
+                const uint8_t *s = (const uint8_t *)w->sp[i * w->H + j];
+                for (int d = 0; d < w->hd; d++) e[d] = w->lut[(int)s[d >> 4] * 16 + ((b[d >> 1] >> ((d & 1) * 4)) & 0xF)];
+                break;
+            }
+            case 6: es_gg_decode(w->ggtype, b, w->hd, e); break;
+            default: es_gather_i8((const int8_t *)p, (const float *)w->sp[i * w->H + j], w->hd, &zero, 1, e);
+            }
+        }
 }
 
 #endif /* ENGRAM_GGUF_H */

@@ -23,9 +23,6 @@ from engram_stream._hash cimport es_isa_now, es_runtime_bind, es_runtime_of_proc
 from engram_stream.engine.args import view
 from engram_stream.rows.gguf import gather_type
 
-cdef extern from "engram_gguf.h" nogil:
-    int es_gg_decode(int type, const uint8_t *src, int64_t n, float *dst)
-
 cnp.import_array()
 
 es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one runtime's path (_hash.pxd)
@@ -87,58 +84,18 @@ def _bfdot(acc, a, b):
     return np.asarray(r)
 
 
-cdef struct GatherWork:
-    # what a chunk's gathers read and write (es_split's ctx): token i's H rows are
-    # records at dp[i*H + j] (its scale at sp[...] for int8 tables), converted into e + i*lde
-    const char **dp
-    const char **sp
-    float *e
-    int64_t lde
-    const float *lut  # kinds 4, 5: value of each code
-    int kind, hd, H
-    int ggtype        # kind 6: the GGUF row type (include/engram_gguf.h)
-
-
-cdef inline void _gather_lut8(const uint8_t *p, const float *lut, int hd, float *e) noexcept nogil:
-    """An FP8 row with one global scale: every byte's value is fixed, lut[byte] (qwen3.8-flash-next)."""
-    cdef int d
-    for d in range(hd):
-        e[d] = lut[p[d]]
-
-
-cdef inline void _gather_nvfp4(const uint8_t *p, const uint8_t *s, const float *lut, int hd, float *e) noexcept nogil:
-    """An NVFP4 row: value d is lut[block scale byte * 16 + nibble d]; the low nibble is the even element."""
-    cdef int d
-    for d in range(hd):
-        e[d] = lut[<int> s[d >> 4] * 16 + ((p[d >> 1] >> ((d & 1) * 4)) & 0xF)]
-
-
-cdef void _gather_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
-    """Tokens [i0, i1): each row record to floats by the kernel that converts table rows, so
-    every row source gives the same bits."""
-    cdef GatherWork *w = <GatherWork *> ctx
-    cdef int64_t zero = 0, i
-    cdef int j
-    cdef const char *p
-    cdef float *e
-    for i in range(i0, i1):
-        for j in range(w.H):
-            p = w.dp[i * w.H + j]
-            e = w.e + i * w.lde + j * w.hd
-            if w.kind == 0:
-                es_gather_f32(<const float *> p, w.hd, &zero, 1, e)
-            elif w.kind == 1:
-                es_gather_f16(<const uint16_t *> p, w.hd, &zero, 1, e)
-            elif w.kind == 3:
-                es_gather_bf16(<const uint16_t *> p, w.hd, &zero, 1, e)
-            elif w.kind == 4:
-                _gather_lut8(<const uint8_t *> p, w.lut, w.hd, e)
-            elif w.kind == 6:
-                es_gg_decode(w.ggtype, <const uint8_t *> p, w.hd, e)
-            elif w.kind == 5:
-                _gather_nvfp4(<const uint8_t *> p, <const uint8_t *> w.sp[i * w.H + j], w.lut, w.hd, e)
-            else:
-                es_gather_i8(<const int8_t *> p, <const float *> w.sp[i * w.H + j], w.hd, &zero, 1, e)
+cdef extern from "engram_gguf.h" nogil:
+    # what a chunk's gathers read and write (es_split's ctx): token i's H rows are records at
+    # dp[i*H + j] (their scales at sp[...]), converted by the kernel of the table's kind into
+    # e + i*lde, so every row source gives the same bits
+    ctypedef struct es_records_job:
+        const char **dp
+        const char **sp
+        float *e
+        int64_t lde
+        const float *lut
+        int kind, hd, H, ggtype
+    void es_records_job_run(void *arg, int64_t i0, int64_t i1)
 
 
 cdef class StreamEngine(EngineBase):
@@ -252,7 +209,7 @@ cdef class StreamEngine(EngineBase):
         element before writing it); otherwise the tails run chained (every x first) and the
         last min(len, conv_len) x of each piece go to their slots (pos + j) mod conv_len after.
         pos then advances by the piece's length."""
-        cdef GatherWork g
+        cdef es_records_job g
         cdef int64_t L = self.conv_len, j, c, c0, d, s, p, plen
         cdef int k1 = self.K - 1, kk
         cdef bint chained = False
@@ -260,7 +217,7 @@ cdef class StreamEngine(EngineBase):
         g.kind, g.hd, g.H, g.lut, g.ggtype = self.table_kind, self.hd, self.H, &self.lut[0], self.ggtype
         if nb >= 8:  # the tails split at least: the call's workers start here unless they run already
             self._team_open(threads)
-        es_split(<es_team *> self.team, threads if (nb >= 32 or self.team != NULL) else 1, nb, 0, _gather_part, &g)
+        es_split(<es_team *> self.team, threads if (nb >= 32 or self.team != NULL) else 1, nb, 0, es_records_job_run, &g)
         c = 0  # the taps, piece by piece (they read the ring as it is before this chunk)
         while c < nb:
             s, c0 = self.batch.stream[t0 + c], c
@@ -300,10 +257,10 @@ cdef class StreamEngine(EngineBase):
                 self.pos[s] = (p + plen) % L
 
     cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil:
-        cdef GatherWork g
+        cdef es_records_job g
         g.dp, g.sp, g.e, g.lde = self.dp, self.sp, dst, ld
         g.kind, g.hd, g.H, g.lut, g.ggtype = self.table_kind, self.hd, self.H, &self.lut[0], self.ggtype
-        es_split(NULL, threads if nb >= 32 else 1, nb, 0, _gather_part, &g)
+        es_split(NULL, threads if nb >= 32 else 1, nb, 0, es_records_job_run, &g)
 
     cdef void _save_x(self, int64_t t0, int64_t c0, int64_t plen) noexcept nogil:
         """Draft: of the chunk's piece [c0, c0+plen), the tokens whose ring slot a later token of

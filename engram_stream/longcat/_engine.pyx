@@ -28,7 +28,14 @@ from engram_stream.engine.args import view
 from engram_stream.rows.gguf import gather_type
 
 cdef extern from "engram_gguf.h" nogil:
-    int es_gg_decode(int type, const uint8_t *src, int64_t n, float *dst)
+    ctypedef struct es_records_job:   # a chunk's gather (es_split's ctx): every kind of row record
+        const char **dp
+        const char **sp
+        float *e
+        int64_t lde
+        const float *lut
+        int kind, hd, H, ggtype
+    void es_records_job_run(void *arg, int64_t i0, int64_t i1)
 
 cnp.import_array()
 es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one runtime's path (_hash.pxd)
@@ -41,8 +48,6 @@ cdef extern from "engram_step.h" nogil:
                            const float *biasp, int M, float *Y, float *xpack, int nthreads,
                            es_team *team) noexcept
     int ES_GEMM_BF16_ROWS
-    void es_gather_f32(const float *table, int hd, const int64_t *rows, int H, float *e) noexcept
-    void es_gather_bf16(const uint16_t *table, int hd, const int64_t *rows, int H, float *e) noexcept
     ctypedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1) noexcept nogil
     void es_split(es_team *team, int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) noexcept
 
@@ -52,12 +57,10 @@ BEFORE_START = -1   # what a window slot before the start holds (ids are >= 0)
 
 cdef struct ChunkWork:
     # what a chunk's pieces read and write (es_split's ctx): the gather (token i's H row records
-    # at dp[i*H + j] into e + i*lde) and the tails (token i's projection at y + i*D, its
-    # embedding row, out at out + i*D: float32, or bf16 bits where obf)
-    const char **dp
-    float *e
-    int64_t lde
-    int kind, ggtype, hd, H, D
+    # at dp[i*H + j] into e + i*lde: es_records_job_run) and the tails (token i's projection at
+    # y + i*D, its embedding row, out at out + i*D: float32, or bf16 bits where obf)
+    es_records_job g
+    int D
     const float *y
     const int64_t *ids
     const uint8_t *emb
@@ -65,25 +68,6 @@ cdef struct ChunkWork:
     bint ebf16, obf
     float inv
     void *out
-
-
-cdef void _gather_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
-    """Tokens [i0, i1): each row record to floats (the kernel of its table's kind)."""
-    cdef ChunkWork *w = <ChunkWork *> ctx
-    cdef int64_t zero = 0, i
-    cdef int j
-    cdef const char *p
-    cdef float *e
-    for i in range(i0, i1):
-        for j in range(w.H):
-            p = w.dp[i * w.H + j]
-            e = w.e + i * w.lde + j * w.hd
-            if w.kind == 6:
-                es_gg_decode(w.ggtype, <const uint8_t *> p, w.hd, e)
-            elif w.kind == 0:
-                es_gather_f32(<const float *> p, w.hd, &zero, 1, e)
-            else:
-                es_gather_bf16(<const uint16_t *> p, w.hd, &zero, 1, e)
 
 
 cdef void _tail_part(void *ctx, int64_t i0, int64_t i1) noexcept nogil:
@@ -239,15 +223,15 @@ cdef class LongcatEngine(EngineBase):
                 f"embedders={self.H}x{self.hd}, isa={self.isa!r})")
 
     cdef void _work(self, ChunkWork *w, int64_t t0, float *dst, int64_t ld, void *out) noexcept nogil:
-        w.dp, w.e, w.lde = self.dp, dst, ld
-        w.kind, w.ggtype, w.hd, w.H, w.D = self.table_kind, self.ggtype, self.hd, self.H, self.D
+        w.g.dp, w.g.sp, w.g.e, w.g.lde, w.g.lut = self.dp, NULL, dst, ld, NULL
+        w.g.kind, w.g.ggtype, w.g.hd, w.g.H, w.D = self.table_kind, self.ggtype, self.hd, self.H, self.D
         w.y, w.ids, w.emb, w.embld = self.ybuf, self.batch.ids + t0, &self.emb[0, 0], self.emb.shape[1]
         w.ebf16, w.obf, w.inv, w.out = self.ebf16, self.obf, self.inv, out
 
     cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil:
         cdef ChunkWork w
         self._work(&w, 0, dst, ld, NULL)
-        es_split(NULL, threads if nb >= 32 else 1, nb, 0, _gather_part, &w)
+        es_split(NULL, threads if nb >= 32 else 1, nb, 0, es_records_job_run, &w.g)
 
     cdef void _chunk(self, int64_t t0, int64_t nb, const void *hid, void *out, int threads) noexcept nogil:
         """Tokens [t0, t0+nb): rows gathered, one GEMM, then (y + embed[id]) / (1 + E), into
@@ -259,7 +243,7 @@ cdef class LongcatEngine(EngineBase):
         if threads > 1:
             self._team_open(threads)
         cdef es_team *team = <es_team *> self.team
-        es_split(team, threads, nb, 0, _gather_part, &w)
+        es_split(team, threads, nb, 0, es_records_job_run, &w.g)
         es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0], self.D,
                           self.ybuf, self.pbuf, threads, team)
         es_split(team, threads, nb, 0, _tail_part, &w)
