@@ -19,3 +19,20 @@ def hypothesis_settings(default_examples):
     from hypothesis import HealthCheck, settings
     return settings(max_examples=int(os.environ.get("ENGRAM_HYPOTHESIS_EXAMPLES", default_examples)),
                     deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def bf16_bits(x):
+    """bf16 bits of float32 x (exact: for values with at most 8 significant bits)."""
+    u = np.float32(x).view(np.uint32)
+    assert u & 0xFFFF == 0, x
+    return int(u >> 16)
+
+
+def f32(u):
+    """The float32 of bits u."""
+    return np.uint32(u).view(np.float32)
+
+
+def f32_bits(x):
+    """The bits of float32 x."""
+    return int(np.float32(x).view(np.uint32))

@@ -15,26 +15,11 @@ import pytest
 from engram_stream.engine import isa as _isa
 from engram_stream.v41 import _engine as k
 from engram_stream.v41 import reference as ref
-from helpers.numeric import ATOL, RTOL
+from helpers.numeric import ATOL, RTOL, bf16_bits as h, f32, f32_bits as bits
 
 HAVE_BF16 = "bf16" in _isa.supported_isas()
 needs_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="this CPU (or build) lacks AVX512_BF16: the bf16 path did not run")
 CODES = np.arange(256, dtype=np.uint8)
-
-
-def h(x):
-    """bf16 bits of float32 x (exact: the tests use values with at most 8 significant bits)."""
-    u = np.float32(x).view(np.uint32)
-    assert u & 0xFFFF == 0, x
-    return int(u >> 16)
-
-
-def f32(u):
-    return np.uint32(u).view(np.float32)
-
-
-def bits(x):
-    return int(np.float32(x).view(np.uint32))
 
 
 # (acc, a0, a1, b0, b1) -> the float32 bits the documented semantics give, worked out by hand:

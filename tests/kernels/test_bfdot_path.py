@@ -17,7 +17,7 @@ import pytest
 
 from engram_stream.demo import _engine as demo
 from engram_stream.engine import isa as _isa
-from helpers.numeric import ATOL, RTOL
+from helpers.numeric import ATOL, RTOL, bf16_bits as h, f32
 
 HAVE = "neon_bf16" in _isa.supported_isas()
 needs_bfdot = pytest.mark.skipif(not HAVE, reason="this CPU (or build) lacks FEAT_BF16: neon_bf16 did not run")
@@ -76,17 +76,6 @@ def bfdot_emulated(acc, a, b):
     with np.errstate(all="ignore"):  # inf - inf, NaN: as the instruction, no warning
         t = _round_odd(_product(a[:, 0], b[:, 0]), _product(a[:, 1], b[:, 1])).astype(np.float64)
         return _round_odd(_flush(np.asarray(acc, np.float32).astype(np.float64)), t)
-
-
-def h(x):
-    """bf16 bits of float32 x (exact: the tests use values with at most 8 significant bits)."""
-    u = np.float32(x).view(np.uint32)
-    assert u & 0xFFFF == 0, x
-    return int(u >> 16)
-
-
-def f32(u):
-    return np.uint32(u).view(np.float32)
 
 
 # (acc, a0, a1, b0, b1) -> the float32 bits the documented semantics give, worked out by hand
