@@ -20,6 +20,7 @@ from libc.string cimport memcpy, memset
 
 from engram_stream._consts cimport ES_MAX_KERNEL_SIZE, ES_PREFILL_CHUNK
 from engram_stream._hash cimport es_isa_now, es_runtime_bind, es_runtime_of_process
+from engram_stream.engine._base cimport es_records_job, es_records_job_run
 from engram_stream.engine.args import view
 from engram_stream.rows.gguf import gather_type
 
@@ -82,20 +83,6 @@ def _bfdot(acc, a, b):
     if r.shape[0] and es_bfdot(&r[0], &av[0, 0], &bv[0, 0], r.shape[0]) != 0:
         raise RuntimeError("_bfdot: this CPU lacks BFDOT (FEAT_BF16): run on the neon_bf16 path's CPUs")
     return np.asarray(r)
-
-
-cdef extern from "engram_gguf.h" nogil:
-    # what a chunk's gathers read and write (es_split's ctx): token i's H rows are records at
-    # dp[i*H + j] (their scales at sp[...]), converted by the kernel of the table's kind into
-    # e + i*lde, so every row source gives the same bits
-    ctypedef struct es_records_job:
-        const char **dp
-        const char **sp
-        float *e
-        int64_t lde
-        const float *lut
-        int kind, hd, H, ggtype
-    void es_records_job_run(void *arg, int64_t i0, int64_t i1)
 
 
 cdef class StreamEngine(EngineBase):

@@ -11,6 +11,19 @@ from engram_stream.engine._window cimport HashWindow
 from engram_stream.rows._source cimport RowSource
 from engram_stream.rows._stamps cimport FileStamps
 
+cdef extern from "engram_gguf.h" nogil:
+    # a chunk's gather (es_split's ctx) for every engine whose rows are records of any kind:
+    # token i's H records at dp[i*H + j] (their scales at sp[...]), converted by the kernel of
+    # the table's kind into e + i*lde, so every row source gives the same bits
+    ctypedef struct es_records_job:
+        const char **dp
+        const char **sp
+        float *e
+        int64_t lde
+        const float *lut
+        int kind, hd, H, ggtype
+    void es_records_job_run(void *arg, int64_t i0, int64_t i1)
+
 
 cdef class EngineBase:
     cdef readonly object model

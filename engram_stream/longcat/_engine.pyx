@@ -22,20 +22,10 @@ from libc.string cimport memcpy
 
 from engram_stream._consts cimport ES_MAX_NGRAM, ES_PREFILL_CHUNK
 from engram_stream._hash cimport es_runtime_bind, es_runtime_of_process
-from engram_stream.engine._base cimport EngineBase
+from engram_stream.engine._base cimport EngineBase, es_records_job, es_records_job_run
 from engram_stream.engine._window cimport HashWindow
 from engram_stream.engine.args import view
 from engram_stream.rows.gguf import gather_type
-
-cdef extern from "engram_gguf.h" nogil:
-    ctypedef struct es_records_job:   # a chunk's gather (es_split's ctx): every kind of row record
-        const char **dp
-        const char **sp
-        float *e
-        int64_t lde
-        const float *lut
-        int kind, hd, H, ggtype
-    void es_records_job_run(void *arg, int64_t i0, int64_t i1)
 
 cnp.import_array()
 es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one runtime's path (_hash.pxd)

@@ -1,4 +1,5 @@
-"""The kernel paths the each_isa fixture runs a module's tests on."""
+"""The kernel paths the each_isa fixture runs a module's tests on; one path forced for a block."""
+import contextlib
 import os
 
 
@@ -12,3 +13,15 @@ def kernel_isas():
     from engram_stream.engine.isa import supported_isas
     keep = [n.strip() for n in os.environ.get("ENGRAM_TEST_ISAS", "").lower().split(",") if n.strip()]
     return [n for n in supported_isas() if not keep or n in keep]
+
+
+@contextlib.contextmanager
+def on_path(name):
+    """Every kernel on path `name` inside the block, the process's path back after it."""
+    from engram_stream.engine import isa
+    before = isa.kernel_isa()
+    isa.use_isa(name)
+    try:
+        yield
+    finally:
+        isa.use_isa(before)

@@ -36,3 +36,12 @@ def f32(u):
 def f32_bits(x):
     """The bits of float32 x."""
     return int(np.float32(x).view(np.uint32))
+
+
+def weight_panels(w):
+    """W [M, E] as model weights' packed() panels [ceil(M/16), E, 16] (zero past M)."""
+    M, E = w.shape
+    P = (M + 15) // 16
+    wt = np.zeros((P * 16, E), w.dtype)
+    wt[:M] = w
+    return np.ascontiguousarray(wt.reshape(P, 16, E).transpose(0, 2, 1))

@@ -15,7 +15,8 @@ import pytest
 from engram_stream.engine import isa as _isa
 from engram_stream.v41 import _engine as k
 from engram_stream.v41 import reference as ref
-from helpers.numeric import ATOL, RTOL, bf16_bits as h, f32, f32_bits as bits
+from helpers.isa import on_path
+from helpers.numeric import ATOL, RTOL, bf16_bits as h, f32, f32_bits as bits, weight_panels as _panels
 
 HAVE_BF16 = "bf16" in _isa.supported_isas()
 needs_bf16 = pytest.mark.skipif(not HAVE_BF16, reason="this CPU (or build) lacks AVX512_BF16: the bf16 path did not run")
@@ -99,10 +100,8 @@ def test_emulation_is_fused_and_rounds_each_step():
 
 @pytest.fixture
 def on_bf16():
-    before = _isa.kernel_isa()
-    _isa.use_isa("bf16")
-    yield
-    _isa.use_isa(before)
+    with on_path("bf16"):
+        yield
 
 
 def _flush(x):
@@ -230,15 +229,6 @@ def test_bf16_flags(tmp_path):
 
 # ---- the projection GEMM on vdpbf16ps (engram_step.h es_gemm_range_dp) ----------------------
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _panels(w):
-    """W [M, E] as model weights' packed() panels [ceil(M/16), E, 16] (zero past M)."""
-    M, E = w.shape
-    P = (M + 15) // 16
-    wt = np.zeros((P * 16, E), w.dtype)
-    wt[:M] = w
-    return np.ascontiguousarray(wt.reshape(P, 16, E).transpose(0, 2, 1))
 
 
 def _gemm_operands(rng, B, E, M):

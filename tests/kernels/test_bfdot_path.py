@@ -17,7 +17,8 @@ import pytest
 
 from engram_stream.demo import _engine as demo
 from engram_stream.engine import isa as _isa
-from helpers.numeric import ATOL, RTOL, bf16_bits as h, f32
+from helpers.isa import on_path
+from helpers.numeric import ATOL, RTOL, bf16_bits as h, f32, weight_panels as _panels
 
 HAVE = "neon_bf16" in _isa.supported_isas()
 needs_bfdot = pytest.mark.skipif(not HAVE, reason="this CPU (or build) lacks FEAT_BF16: neon_bf16 did not run")
@@ -175,15 +176,6 @@ def test_path_offered_only_with_feat_bf16(tmp_path):
 
 
 # ---- the projection GEMM on BFDOT (engram_bfdot.h es_gemm_range_bfdot) ----------------------
-def _panels(w):
-    """W [M, E] as model weights' packed() panels [ceil(M/16), E, 16] (zero past M)."""
-    M, E = w.shape
-    P = (M + 15) // 16
-    wt = np.zeros((P * 16, E), w.dtype)
-    wt[:M] = w
-    return np.ascontiguousarray(wt.reshape(P, 16, E).transpose(0, 2, 1))
-
-
 def _bfdot_order(x, w, bias):
     """Y as BFDOT sums each lane: bias, then per pair of k one BFDOT (an odd E's last pair padded
     with zeros), in k order."""
@@ -204,10 +196,8 @@ def _bfdot_order(x, w, bias):
 
 @pytest.fixture
 def on_neon_bf16():
-    before = _isa.kernel_isa()
-    _isa.use_isa("neon_bf16")
-    yield
-    _isa.use_isa(before)
+    with on_path("neon_bf16"):
+        yield
 
 
 # rows: 2, 8 (one full tile), 9, 16 (the 16-stream step), 37; E odd and even; M past whole
