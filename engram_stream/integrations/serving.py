@@ -186,7 +186,7 @@ class StreamRows:
         self.recbytes = self.source.rowbytes + self.source.scalebytes
         # GGUF rows (tables={"gguf": ...}): the decoders' type number, else -1 (the checkpoint's records)
         self.gguf_type = record_type(self.source.record_format)
-        keep = model.variant.framework_records
+        keep = variants.get(model.cfg.variant).framework_records
         if keep and self.gguf_type >= 0 and self.source.record_format not in keep:
             raise ValueError(f"layer {layer}: {self.source.record_format} rows; a {model.cfg.variant} embedding "
                              f"consumes the records {', '.join(keep)}")
