@@ -406,6 +406,10 @@ static inline int es8_bf16_pos(int k) {
     return (k & ~63) + (j < 8 ? 8 * lane + j : 32 + 8 * lane + j - 8);
 }
 
+/* fp8_linear(cols=): 1 or 0 forces the bf16 columns tile (below) on or off, -1 the rule; every
+ * build declares it (the v41 extension sets it), only the x86 bf16 path reads it. */
+static int es8_cols_mode __attribute__((unused)) = -1;
+
 #if ES_X86_PATHS
 #define ES8_GR_BF16 8 /* rows the one-token GEMV streams at once (measured: 0.84x the time of 4 on Zen 5) */
 
@@ -645,7 +649,6 @@ static ES_TARGET_BF16 void es8_bf16_tokens(const float *qx, int64_t ldq, int64_t
  * part-filled (9: 2.50 against 2.90 ms; 12: 2.50/2.94; 17: 3.43/5.02; 24: 4.20/5.32), not
  * where all are full (16: 3.11/2.95; 32: 5.12/5.07). */
 #define ES8_CT_MR 8  /* tokens per columns tile: 8 x 2 vectors = 16 accumulators */
-static int es8_cols_mode = -1; /* fp8_linear(cols=): 1 or 0 forces the columns tile on or off, -1 the rule */
 
 /* Whether S tokens run on the columns tile: S >= 2 where forced on, else from ES8_XT_MIN
  * tokens where a vector of 16 would be part-filled. */
