@@ -3,7 +3,8 @@
  * from ES_PATH through engram_path.h: ES_SF, ES_TGT, ES_KI, ES_VW (4: 16 bytes, SSE2 / NEON;
  * 8: AVX2), and how e4m3 is widened:
  *   ES_F16C   1: through fp16 bits and F16C (the value times 2^-8; the caller folds 2^8 into the
- *             block scale, ES8_WIDEN_FOLD); 0: through float32 bits, portable C
+ *             block scale, ES8_WIDEN_FOLD), the one-token GEMV through float32 bits by integer
+ *             ops (es8_widen16i); 0: through float32 bits, portable C
  *   ES_NEON   1 (aarch64 ASIMD): through fp16 bits as F16C, by SSHLL #7 and FCVTL, in order
  * Before each inclusion engram_fp8.h sets ES_PATH and this template's own parameters:
  *   ES8_GR    weight rows the one-token GEMV streams at once
@@ -95,6 +96,25 @@ ES_KI void ES_SF(es8_widen16g)(const uint8_t *p, ES_SF(es8_vf) *v) {
     }
 #endif
 }
+
+#if ES_F16C
+/* 16 e4m3 bytes at p -> v[0], v[1] in es8_widen16g's order (even bytes, odd bytes), the
+ * values times 2^-120, by integer operations alone: the bytes as 8 words sign-extended to
+ * dwords (vpmovsxwd); the odd byte (bits 15..8, its sign filling 31..15) shifted left by 12,
+ * the even one left by 24 then arithmetically right by 4, each masked with 0x87f00000: the
+ * float32 s 0000eeee mmm0..., whose value is the e4m3 value x 2^-120 for every code (e = 0
+ * lands on float32 subnormals, exact; a CPU flushing denormal inputs (DAZ) would read those
+ * as 0, as the portable widening). Six single-uop integer ops a 16 bytes, no conversion unit:
+ * on Zen 4 the one-token GEMV through vcvtph2ps (es8_widen16g) was bound by the conversions,
+ * not by memory. NaN codes read +-480 x 2^-120, as es8_widen16g's +-480 x 2^-8. */
+ES_KI void ES_SF(es8_widen16i)(const uint8_t *p, ES_SF(es8_vf) *v) {
+    const __m256i x = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m256i m = _mm256_set1_epi32((int)0x87f00000u);
+    v[0] = (ES_SF(es8_vf))_mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(_mm256_slli_epi32(x, 24), 4), m));
+    v[1] = (ES_SF(es8_vf))_mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(x, 12), m));
+}
+#define ES8_WIDEN_FOLD_I 0x1p112f /* es8_widen16i's 2^-120 over es8_widen16g's 2^-8 */
+#endif
 
 /* 16 e4m3 bytes at p -> v[0 .. ES8_NV) in order: the values times 2^-8 (F16C) or exactly
  * (portable); nan: the NaN codes read NaN (always, portable). */
@@ -194,11 +214,17 @@ static ES_TGT void ES_SF(es8_gemv_layout)(const float *qx, int E, float *q) {
 #endif
 }
 
+#if ES_F16C /* wi: es8_widen16i (qs x ES8_WIDEN_FOLD_I more), else es8_widen16g */
+#define ES8_WIDEN_GEMV(p, v, wi) ((wi) ? ES_SF(es8_widen16i)(p, v) : ES_SF(es8_widen16g)(p, v))
+#else
+#define ES8_WIDEN_GEMV(p, v, wi) ((void)(wi), ES_SF(es8_widen16g)(p, v))
+#endif
+
 /* One token, R rows (a constant at each call site) over all k: R weight streams in flight
  * (memory-bound), each row prefetched ES8_PREFETCH bytes ahead, widened in registers. qs:
  * the activation in es8_gemv_layout's order, the block scales folded in (x ES8_WIDEN_FOLD).
  * y[r] = the sums. */
-ES_KI void ES_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int E, float *y) {
+ES_KI void ES_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int E, float *y, const int wi) {
     typedef ES_SF(es8_vf) vf;
     vf acc[ES8_GR][ES8_NV];
 #pragma GCC unroll 8
@@ -211,7 +237,7 @@ ES_KI void ES_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int E
         _Pragma("GCC unroll 4") for (int i = 0; i < ES8_NV; i++) q[i] = *(const vf *)(qs + (k) + i * ES_VW); \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                     \
             vf v[ES8_NV];                                                                          \
-            ES_SF(es8_widen16g)(w + (int64_t)r * E + (k), v);                                    \
+            ES8_WIDEN_GEMV(w + (int64_t)r * E + (k), v, wi);                                     \
             _Pragma("GCC unroll 4") for (int i = 0; i < ES8_NV; i++) acc[r][i] += v[i] * q[i];    \
         }                                                                                          \
     } while (0)
@@ -224,6 +250,7 @@ ES_KI void ES_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int E
     }
     for (; k < E; k += 16) ES8_GEMV16(k);
 #undef ES8_GEMV16
+#undef ES8_WIDEN_GEMV
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
 #pragma GCC unroll 4
@@ -365,10 +392,33 @@ static ES_TGT void ES_SF(es8_group)(const uint8_t *w, int R, const float *qx, co
     typedef ES_SF(es8_vf) vf;
     if (S == 1) {
         float qs[E] __attribute__((aligned(64)));
+        int wi = 0;
+#if ES_F16C
+        /* es8_widen16i where qs x 2^112 stays finite (|qx x wsf| < 2^16): the
+         * products are the same reals as through es8_widen16g, so the sums are the same bits */
+        typedef uint32_t vu __attribute__((vector_size(ES_VW * 4)));
+        typedef int32_t vs __attribute__((vector_size(ES_VW * 4)));
+        vs big = {0}; /* lanes with |t| >= 2^16 (or NaN): the bits of |t| compared as integers */
+        for (int k = 0; k < E; k += ES_VW) {
+            const vf t = *(const vf *)(qx + k) * wsf[k >> 5];
+            big |= (vs)((vu)t & 0x7fffffffu) >= 0x47800000;
+            *(vf *)(qs + k) = t * ES8_WIDEN_FOLD_I;
+        }
+        wi = 1;
+        for (int i = 0; i < ES_VW; i++) wi &= !big[i];
+        for (int k = 0; k < E && !wi; k += ES_VW) *(vf *)(qs + k) = *(const vf *)(qx + k) * wsf[k >> 5];
+#else
         for (int k = 0; k < E; k += ES_VW) *(vf *)(qs + k) = *(const vf *)(qx + k) * wsf[k >> 5];
-        int r = 0;
-        for (; r + ES8_GR <= R; r += ES8_GR) ES_SF(es8_gemv)(w + (int64_t)r * E, ES8_GR, qs, E, y + r);
-        for (; r < R; r++) ES_SF(es8_gemv)(w + (int64_t)r * E, 1, qs, E, y + r);
+#endif
+        int r = 0; /* wi a constant in each copy of the GEMV (a test in its loop cost registers) */
+#define ES8_GEMV_ROWS(wi)                                                                                  \
+        do {                                                                                               \
+            for (; r + ES8_GR <= R; r += ES8_GR) ES_SF(es8_gemv)(w + (int64_t)r * E, ES8_GR, qs, E, y + r, wi); \
+            for (; r < R; r++) ES_SF(es8_gemv)(w + (int64_t)r * E, 1, qs, E, y + r, wi);                  \
+        } while (0)
+        if (wi) ES8_GEMV_ROWS(1);
+        else ES8_GEMV_ROWS(0);
+#undef ES8_GEMV_ROWS
         return;
     }
     if (S <= ES8_MG) { /* xt: the tokens in es8_gemv_layout's order */
@@ -465,6 +515,7 @@ static ES_TGT void ES_SF(es8_gate_tail)(const float *kv, const void *hid, int hb
 
 #undef ES8_NV
 #undef ES8_WIDEN_FOLD
+#undef ES8_WIDEN_FOLD_I
 /* this copy's parameters: the next inclusion defines its own */
 #undef ES8_GR
 #undef ES8_MG

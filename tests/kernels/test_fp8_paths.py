@@ -92,6 +92,24 @@ def test_projection_reads_every_code_and_tiny_scales_exactly(each_isa, one_token
     assert (np.abs(got[finite & (got != 0)]) == 2.0 ** -149).any()  # the least subnormal came through
 
 
+@pytest.mark.parametrize("big", [2.0 ** 6, 2.0 ** 12])
+def test_one_token_large_activations_exact(each_isa, big):
+    """avx2's one-token GEMV widens e4m3 as value x 2^-120 and carries 2^120 in the activation
+    times the block scale, a group where that stays finite (|x s_w| < 2^8); a group where it
+    would not runs the fp16 widening. One-hot activations x = big at one k, block scales 2^-8 ..
+    2^10 on both sides of that edge (2^12 x 2^-4 is on it), every code but NaN: each output
+    is its one product, exact, and none is inf."""
+    M, K = 256, 64
+    w = np.resize(CODES[~NAN_CODES], (M, K)).copy()
+    sc = np.array([[119, 122], [123, 124], [131, 137], [127, 125], [126, 120], [128, 133], [121, 123], [130, 119]],
+                  np.uint8)
+    x = np.eye(K, dtype=np.float32) * np.float32(big)
+    scaled = ref.e4m3(w) * np.repeat(np.repeat(ref.e8m0(sc), 32, 0), 32, 1)
+    got = np.stack([k.fp8_linear(x[i:i + 1], w, sc)[0] for i in range(K)])
+    bits_equal(got, (scaled * np.float32(big)).T + np.float32(0))
+    assert np.isfinite(got).all() and (np.abs(got) >= 2.0 ** 16).any()
+
+
 @each_path
 @pytest.mark.parametrize("S", [1, 2, 8, 9, 16, 17, 33])
 def test_flash_width_against_the_oracle(S):
