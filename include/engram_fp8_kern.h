@@ -244,7 +244,14 @@ ES_KI void ES_SF(es8_gemv)(const uint8_t *w, const int R, const float *qs, int E
     int k = 0;
     for (; k + 64 <= E; k += 64) { /* a prefetch a row per line */
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) __builtin_prefetch(w + (int64_t)r * E + k + ES8_PREFETCH, 0, 3);
+        for (int r = 0; r < R; r++) {
+            __builtin_prefetch(w + (int64_t)r * E + k + ES8_PREFETCH, 0, 3);
+#if ES_F16C /* and the same line of the next R rows, towards L2 (an address: past the last row it is a
+             * hint that loads nothing): measured on Zen 4, one thread from DRAM, 13.6 -> 21 GB/s,
+             * the plain read's rate; the hardware prefetcher alone kept 4 rows' streams short */
+            __builtin_prefetch((const void *)((uintptr_t)w + (uintptr_t)((int64_t)(r + R) * E + k)), 0, 1);
+#endif
+        }
 #pragma GCC unroll 4
         for (int u = 0; u < 64; u += 16) ES8_GEMV16(k + u);
     }
