@@ -45,7 +45,7 @@
 #include "engram_consts.h" /* ES_GATE_CLAMP */
 
 #include "engram_isa.h"
-#include "engram_step.h" /* es_parallel, ES_MAX_THREADS */
+#include "engram_step.h" /* es_split, ES_MAX_THREADS */
 
 #if ES_X86_PATHS
 #include <immintrin.h>
@@ -1001,10 +1001,11 @@ static void es8_wkv_part(void *ctx, int64_t slot, int64_t slot_end) {
 
 /* es8_wkv_range over all groups on the running path (es_isa_now(), read once per call), split by
  * groups over nthreads threads (each reads its own groups of wkv; scratch:
- * es8_scratch_floats(S, E, nthreads) floats, or NULL for one token). Bitwise equal to one
- * thread. */
+ * es8_scratch_floats(S, E, nthreads) floats, or NULL for one token): on the call's team (the
+ * engine's kept workers, engram_team.h), or NULL: threads started for this split. Bitwise
+ * equal to one thread. */
 static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
-                              int M, float *Y, int nthreads, float *scratch) {
+                              int M, float *Y, int nthreads, float *scratch, es_team *team) {
     const int isa = es_isa_now();
     float *xt = 0;
     const int64_t ng = (M + ES8_BLOCK - 1) / ES8_BLOCK;
@@ -1035,7 +1036,7 @@ static inline void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, co
         ES_ON_PATH(isa, qx = (es8_gemv_layout_baseline(qx, E, q1), q1), qx = (es8_gemv_layout_avx2(qx, E, q1), q1),
                    (void)0, (void)0, qx = (es8_gemv_layout_neon(qx, E, q1), q1));
     es8_wkv_args a = {isa, E, M, qx, ldq, S, W, WS, Y, xt, scratch ? scratch + es8_xt_floats(S, E) : 0, ng, 0};
-    es_parallel(nthreads, nthreads, es8_wkv_part, &a);  /* one range per thread: its scratch slot */
+    es_split(team, nthreads, nthreads, 1, es8_wkv_part, &a);  /* one piece a scratch slot */
 }
 
 /* The register-only peak of the projection's own multiply-add on the running path: vdpbf16ps
