@@ -179,6 +179,9 @@ static inline uint16_t es_record_bf16(const char *const *rec, int hd, int k) {
     memcpy(&v, rec[k / hd] + 2 * (int64_t)(k % hd), sizeof v);
     return v;
 }
+#ifndef ES_PAIRS_PFD
+#define ES_PAIRS_PFD 2 /* rows ahead whose records es_pack_pairs_records_tiles prefetches */
+#endif
 static inline void es_pack_pairs_records_tiles(const char *const *dp, int H, int hd, int64_t B, uint32_t *Xq,
                                                int64_t t0, int64_t t1) {
     const int E = H * hd, kp = (E + 1) / 2, hw = hd / 2;
@@ -187,6 +190,9 @@ static inline void es_pack_pairs_records_tiles(const char *const *dp, int H, int
         uint32_t *q = Xq + b0 * kp;
         for (int r = 0; r < mr; r++) {
             const char *const *rec = dp + (b0 + r) * H;
+            if (b0 + r + ES_PAIRS_PFD < B) /* random rows: their lines requested ahead, many in flight */
+                for (int h = 0; h < H; h++)
+                    for (int64_t o = 0; o < 2 * (int64_t)hd; o += 64) __builtin_prefetch(rec[ES_PAIRS_PFD * H + h] + o, 0, 1);
             if (!(hd & 1)) {
                 for (int h = 0; h < H; h++) {
                     const char *p = rec[h];
