@@ -35,9 +35,9 @@ less than LOADED_SHARE of their wall time as CPU time of the calling thread (whi
 of every call: the engine's workers join it) says "loaded". A table with a partial or loaded
 entry is used by the process that measured it, cached, and measured again by the next process
 (final() is False); a final table is re-checked at each process's first stream() of its shapes
-(each operation's choice and runner-up, a warm-up and one timed run each, within the same
-budget), and measured again where a quiet re-check finds the choice RECHECK_SLOWER times its
-runner-up (a busy re-check cannot tell, and keeps it). A measurement past NOTE_AFTER prints one line on stderr, so a first call
+(each operation's choice, its runner-up and the best on another thread count, a warm-up and
+one timed run each, within the same budget), and measured again where a quiet re-check finds the choice RECHECK_SLOWER times
+either (a busy re-check cannot tell, and keeps it). A measurement past NOTE_AFTER prints one line on stderr, so a first call
 does not block without a word.
 
 What wins over the measurement: a caller's step_threads / prefill_threads (the count), and a
@@ -97,7 +97,7 @@ LONG_SLOWER = 1.5  # between paths; and a warm-up this long and this many times 
 TIME_BUDGET = 1.0  # seconds of measuring on a first stream(), its scratch engines included; then the best so far
                    # is kept, marked partial
 LOADED_SHARE = 0.8  # a measurement whose calling thread ran less than this share of its wall time is loaded
-RECHECK_SLOWER = 1.5  # a cached choice this many times slower than its runner-up in a quiet re-check is measured again
+RECHECK_SLOWER = 1.5  # a cached choice this many times slower than another in a quiet re-check is measured again
 NOTE_AFTER = 0.5   # a measurement past this many seconds says so on stderr, once
 
 # /proc/cpuinfo fields that name the CPU (x86, aarch64); per-core fields (MHz, ids) are left out
@@ -335,12 +335,15 @@ def final(table) -> bool:
 
 
 def recheck_runs(runs: dict, table: dict, timer=time.perf_counter, cpu=None, end=None, paths=None) -> dict:
-    """A cheap check of a cached table: per operation, its choice and its runner-up (the fastest
-    other candidate of its times) one warm-up and one timed run each (up to REPEATS, the best
-    counting, while they took under MIN_SECONDS), at most until `end` (a
-    timer() value): {op: (choice seconds, runner-up seconds)}, and "loaded": whether those runs
-    got less than LOADED_SHARE of their wall time as CPU time (cpu: as tune_runs). An operation
-    with no runner-up (among `paths`, None: those this CPU runs), or past `end`, is left out."""
+    """A cheap check of a cached table: per operation, its choice, its runner-up (the fastest
+    other candidate of its times) and, where the runner-up runs the choice's thread count, the
+    fastest candidate on another count (a measurement whose other count was slowed by load
+    named a runner-up of the same count: the count itself is re-checked), one warm-up and one
+    timed run each (up to REPEATS, the best counting, while they took under MIN_SECONDS), at
+    most until `end` (a timer() value): {op: (choice seconds, the fastest other's seconds)}, and
+    "loaded": whether those runs got less than LOADED_SHARE of their wall time as CPU time (cpu:
+    as tune_runs). An operation with no runner-up (among `paths`, None: those this CPU runs), or
+    past `end`, is left out."""
     paths = _isa.supported_isas() if paths is None else paths
     if cpu is None and timer is time.perf_counter:
         cpu = time.thread_time
@@ -351,8 +354,12 @@ def recheck_runs(runs: dict, table: dict, timer=time.perf_counter, cpu=None, end
         others = sorted((s, k) for k, s in e["times"].items() if k != mine and k.rpartition("/")[0] in paths)
         if not others or op not in runs:
             continue
+        keys = [mine, others[0][1]]
+        count = next((k for _, k in others if int(k.rpartition("/")[2]) != e["threads"]), None)
+        if count is not None and count not in keys:
+            keys.append(count)
         got = []
-        for key in (mine, others[0][1]):
+        for key in keys:
             path, _, threads = key.rpartition("/")
             c = (path, int(threads))
             if end is not None and timer() >= end:
@@ -368,15 +375,15 @@ def recheck_runs(runs: dict, table: dict, timer=time.perf_counter, cpu=None, end
                     usage["wall"] += took
                     usage["cpu"] += cpu() - c0
             got.append(best)
-        if len(got) == 2:
-            out[op] = tuple(got)
+        if len(got) >= 2:
+            out[op] = (got[0], min(got[1:]))
     out["loaded"] = cpu is not None and usage["wall"] > 0 and usage["cpu"] < LOADED_SHARE * usage["wall"]
     return out
 
 
 def stale(check: dict) -> list:
     """The operations of a quiet recheck_runs result whose choice took more than RECHECK_SLOWER times
-    its runner-up ([] where the re-check was loaded: it cannot tell)."""
+    the fastest other it timed ([] where the re-check was loaded: it cannot tell)."""
     if check.get("loaded"):
         return []
     return [op for op in OPS if op in check and check[op][0] > RECHECK_SLOWER * check[op][1]]
@@ -644,8 +651,8 @@ def table_for(model, layer=None, retune=False):
     """The measured table of the model's shapes: this process's, else the cache's, else measured
     by this call within TIME_BUDGET (and cached). A cached table that is not final (partial or
     loaded) is measured again; a final one is re-checked first (recheck_runs: its choice and
-    runner-up timed once per operation) and measured again where a quiet re-check finds its choice
-    RECHECK_SLOWER times its runner-up; the re-check and the measuring share the one TIME_BUDGET.
+    the others it names timed once per operation) and measured again where a quiet re-check finds
+    its choice RECHECK_SLOWER times one of them; the re-check and the measuring share the one TIME_BUDGET.
     retune: every candidate measured whatever is known (engram-stream tune, which says so itself).
     None where the measurement cannot run (MeasureError, said on stderr; retune raises it)."""
     key = shape_key(model)
@@ -676,7 +683,7 @@ def table_for(model, layer=None, retune=False):
             if not slow:
                 _memo[key] = cached
                 return cached
-            _say(f"the cached kernel choice of {key} for {', '.join(slow)} took over {RECHECK_SLOWER}x its runner-up "
+            _say(f"the cached kernel choice of {key} for {', '.join(slow)} took over {RECHECK_SLOWER}x another candidate "
                  f"in a quiet re-check: measured again")
         if retune:
             table = tune_model(model, layer, budget=None)

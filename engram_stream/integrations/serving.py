@@ -186,6 +186,7 @@ class StreamRows:
         self.recbytes = self.source.rowbytes + self.source.scalebytes
         # GGUF rows (tables={"gguf": ...}): the decoders' type number, else -1 (the checkpoint's records)
         self.gguf_type = record_type(self.source.record_format)
+        self._gguf_scratch = threading.local()
         keep = variants.get(model.cfg.variant).framework_records
         if keep and self.gguf_type >= 0 and self.source.record_format not in keep:
             raise ValueError(f"layer {layer}: {self.source.record_format} rows; a {model.cfg.variant} embedding "
@@ -214,7 +215,11 @@ class StreamVocabRows(StreamRows):
         """bf16 [n, embedding_dim] (torch) of the GGUF rows `ids` (int64, this table's rows): each
         record decoded and rounded to bf16 in C (_records.gguf_to_bf16, without the GIL)."""
         from ._records import gguf_to_bf16
-        rec = np.empty((ids.shape[0], self.recbytes), np.uint8)
+        scratch = self._gguf_scratch.__dict__   # the records: a buffer a thread, kept, grown to the largest call
+        rec = scratch.get("rec")
+        if rec is None or rec.shape[0] < ids.shape[0]:
+            rec = scratch["rec"] = np.empty((ids.shape[0], self.recbytes), np.uint8)
+        rec = rec[:ids.shape[0]]
         self.source.read_into(ids, rec)
         out = np.empty((ids.shape[0], self.embedding_dim), np.uint16)
         gguf_to_bf16(self.gguf_type, rec, out)

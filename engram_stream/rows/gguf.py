@@ -141,6 +141,9 @@ class GGUFFile:
         return t
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Cursor:
     """Sequential reads of a file's header with every length checked against the file's size."""
 
@@ -202,7 +205,27 @@ class _Cursor:
         if itype not in (_STRING, _ARRAY):
             self.fail(f"{what} is an array of value type {itype}, not a GGUF value type (0..12)")
         n = self.count(f"the length of {what}", 8 if itype == _STRING else 12)
+        if itype == _STRING:
+            return self.strings(n, what)
         return [self.value(itype, f"{what}[{i}]", depth + 1) for i in range(n)]
+
+    def strings(self, n, what):
+        """n strings: those whole in the buffer sliced from it, the others through string() (its
+        checks and messages). A tokenizer's 150k-string arrays: no description formatted a string."""
+        out, unpack = [], _U64.unpack_from
+        for i in range(n):
+            buf, off = self.buf, self.pos - self.at
+            if off + 8 <= len(buf):
+                end = off + 8 + unpack(buf, off)[0]
+                if end <= len(buf):
+                    try:
+                        out.append(str(buf[off + 8:end], "utf-8"))
+                    except UnicodeDecodeError:
+                        self.fail(f"{what}[{i}] at byte {self.pos + 8} is not UTF-8")
+                    self.pos += end - off
+                    continue
+            out.append(self.string(f"{what}[{i}]"))
+        return out
 
 
 def _parse(path) -> GGUFFile:

@@ -70,10 +70,13 @@ def test_vocab_rows_are_the_bf16_rounding_of_dequantize(folders, tmp_path, name,
                 t = Table(model, L)
                 assert t.gguf_type == record_type(f"gguf:{name}") >= 0
                 ids = rng.integers(0, model.plan.table_rows[L], 300)
-                for _ in range(2):   # cold, then warm (a row cache)
-                    got = t.gguf_rows(ids, torch)
-                    assert got.dtype == torch.bfloat16 and got.shape == (300, model.cfg.head_dim)
-                    np.testing.assert_array_equal(got.view(torch.int16).numpy().view(np.uint16), bf16_of(deq[L][ids]))
+                rec = None
+                for sub in (ids, ids[:7], ids):   # cold, fewer rows, warm (a row cache)
+                    got = t.gguf_rows(sub, torch)
+                    assert got.dtype == torch.bfloat16 and got.shape == (len(sub), model.cfg.head_dim)
+                    np.testing.assert_array_equal(got.view(torch.int16).numpy().view(np.uint16), bf16_of(deq[L][sub]))
+                    rec = t._gguf_scratch.rec if rec is None else rec
+                    assert t._gguf_scratch.rec is rec   # the records' buffer: the first call's, kept
 
 
 def test_gguf_to_bf16_rounds_ties_to_even_and_checks_shapes():

@@ -249,6 +249,26 @@ def refused(tmp_path, data, match):
     assert str(p) in str(e.value)
 
 
+
+def test_a_string_array_across_header_chunks_reads_and_a_bad_item_is_named(tmp_path):
+    """A tokenizer's string array longer than one header read (1 MiB): every item as written,
+    the chunk boundaries included; an item that is not UTF-8 is named by its index."""
+    tokens = [f"tok{i:06d}-" + "\u00e9" * (i % 7) for i in range(100000)]
+    path = tmp_path / "t.gguf"
+    rng = np.random.default_rng(2)
+    write_gguf(path, "qwen4exp", {"per_layer_token_embd.weight": (table_bytes("Q5_1", 6, 160, rng), "Q5_1")},
+               {**qwen_kv(6), "tokenizer.ggml.tokens": (tokens, ARR, gguf.GGUFValueType.STRING)})
+    assert path.stat().st_size > 2 << 20
+    assert rg.open_gguf(path).kv["tokenizer.ggml.tokens"] == tokens
+    data = bytearray(path.read_bytes())
+    at = data.index(b"tok041234-")
+    data[at] = 0xff
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"tokenizer\.ggml\.tokens\[41234\] at byte {at} is not UTF-8"):
+        rg.open_gguf(bad)
+
+
 def test_every_truncation_is_refused(tmp_path, small_gguf):
     p = tmp_path / "whole.gguf"
     p.write_bytes(small_gguf)
