@@ -6,6 +6,10 @@ from libc.stdint cimport int64_t, uint8_t, uint16_t, uint64_t
 from engram_stream.engine._base cimport EngineBase
 from engram_stream.engine._window cimport HashWindow
 
+cdef extern from "engram_step.h" nogil:
+    ctypedef struct es_team:
+        pass
+
 cdef extern from "engram_fp8.h" nogil:
     int ES8_BLOCK
     int ES8_MAX_THREADS
@@ -18,7 +22,7 @@ cdef extern from "engram_fp8.h" nogil:
     int64_t es8_scratch_floats(int64_t S, int E, int nthreads) noexcept
     int64_t es8_ldq(int E) noexcept
     void es8_wkv_mt(const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
-                    int M, float *Y, int nthreads, float *scratch) noexcept
+                    int M, float *Y, int nthreads, float *scratch, es_team *team) noexcept
     void es8_wkv_plain(const float *qx, int64_t ldq, int64_t S, int E, const uint8_t *W, const uint8_t *WS,
                        int M, float *Y) noexcept
     void es8_gate_tail(const float *kv, const void *hid, int hbf, const float *qw, const float *kw, int G, int D,
@@ -30,7 +34,7 @@ cdef extern from "engram_fp8.h" nogil:
 
 cdef extern from "engram_step.h" nogil:
     ctypedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1) noexcept nogil
-    void es_parallel(int nthreads, int64_t n, es_range_fn fn, void *ctx) noexcept
+    void es_split(es_team *team, int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) noexcept
     void es_prefetch_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n) noexcept
     int64_t es_advise_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n,
                            int advice) noexcept

@@ -31,7 +31,7 @@ es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one ru
 PREFILL_CHUNK = ES8_PREFILL_CHUNK  # prompt tokens per projection in prefill(): wkv is widened once per chunk
 
 cdef struct TokenWork:
-    # what the per-token work of a chunk reads and writes (es_parallel's ctx)
+    # what the per-token work of a chunk reads and writes (es_split's ctx)
     const char **dp        # [n, H] each row's e4m3 bytes
     const char **sp        # [n, H] and its e8m0 scales
     float *q               # [n, ldq]
@@ -147,6 +147,7 @@ cdef class V41StreamEngine(EngineBase):
         self.qw = view(w.q_weight, np.float32, (self.G, self.D), f"layer {self.layer} q_weight")
         self.kw = view(w.k_weight, np.float32, (self.G, self.D), f"layer {self.layer} k_weight")
         _isa.warn_if_slower_than_cpu("the DeepSeek-V4.1 engine")
+        self.teamed = True  # _chunk runs its gather, projection and tails on the call's workers
         self._grow_chunk(self.n_streams, 1)
         return 0
 
@@ -171,7 +172,7 @@ cdef class V41StreamEngine(EngineBase):
 
     cdef void _tokens(self, es_range_fn fn, int64_t t0, const void *hid, void *out, int64_t n,
                       int threads) noexcept nogil:
-        """fn (_prep_part or _tail_part) over the chunk's tokens [0, n), split over threads."""
+        """fn (_prep_part or _tail_part) over the chunk's tokens [0, n), split over the call's workers."""
         cdef TokenWork w
         w.dp, w.sp = self.dp, self.sp
         w.q, w.s, w.y = &self.qbuf[0, 0], &self.sbuf[0, 0], &self.ybuf[0, 0]
@@ -181,7 +182,7 @@ cdef class V41StreamEngine(EngineBase):
         w.hd, w.H, w.E, w.G, w.D, w.M, w.eps = self.hd, self.H, self.E, self.G, self.D, self.M, self.eps
         w.ggtype = self.ggtype
         w.ldq = self.qbuf.shape[1]
-        es_parallel(threads, n, fn, &w)
+        es_split(<es_team *> self.team, threads, n, 0, fn, &w)
 
     cdef void _gather_rows(self, int64_t nb, float *dst, int64_t ld, int threads) noexcept nogil:
         cdef int64_t i, zero = 0
@@ -197,11 +198,15 @@ cdef class V41StreamEngine(EngineBase):
 
     cdef void _chunk(self, int64_t t0, int64_t nb, const void *hid, void *out, int threads) noexcept nogil:
         """Tokens [t0, t0+nb): rows gathered and quantized, the float8 projection (wkv read once
-        for the chunk), the gate tails. No state of its own moves here."""
+        for the chunk), the gate tails, each split over the call's kept workers (engram_team.h:
+        none started per split, each start a thread's creation and its stack's mapping). No state
+        of its own moves here."""
         cdef float *scratch = &self.wscr[0] if self.wscr_n else NULL
+        if threads > 1:
+            self._team_open(threads)
         self._tokens(_prep_part, t0, NULL, NULL, nb, threads)
         es8_wkv_mt(&self.qbuf[0, 0], self.qbuf.shape[1], nb, self.E, &self.ww[0, 0], &self.ws[0, 0],
-                   self.M, &self.ybuf[0, 0], threads, scratch if nb > 1 else NULL)
+                   self.M, &self.ybuf[0, 0], threads, scratch if nb > 1 else NULL, <es_team *> self.team)
         self._tokens(_tail_part, t0, hid, out, nb, threads)
 
 
@@ -290,7 +295,7 @@ def fp8_linear(const float[:, ::1] x, const uint8_t[:, ::1] weight, const uint8_
         else:
             es8_cols_mode = cmode
             es8_wkv_mt(&qv[0, 0], qv.shape[1], S, <int> K, &weight[0, 0], &scale[0, 0], <int> M, &yv[0, 0],
-                       threads, &scratch[0])
+                       threads, &scratch[0], NULL)
             es8_cols_mode = -1
     return y
 
