@@ -168,6 +168,46 @@ static inline void es_pack_pairs_tiles(const float *X, int64_t ldx, int64_t B, i
 static inline void es_pack_pairs(const float *X, int64_t ldx, int64_t B, int E, uint32_t *Xq) {
     es_pack_pairs_tiles(X, ldx, B, E, Xq, 0, (B + ES_DP_MR - 1) / ES_DP_MR);
 }
+/* The same pairs straight from bf16 row records (a bf16 table: row b's H records at dp[b*H + h],
+ * hd bf16 each, row b = the records side by side): a record's 32-bit word i is the pair of its
+ * values 2i and 2i + 1 (little-endian: the first in the low half), so with hd even a pair is a
+ * word copied, with no float32 rows written and read back between (the gather and es_pack_pairs
+ * took ~7% of the LongCat prefill's time on one core); hd odd: value by value. Bits: those of
+ * es_pack_pairs on the widened rows (the widening is exact and the pack truncates it back). */
+static inline uint16_t es_record_bf16(const char *const *rec, int hd, int k) {
+    uint16_t v;
+    memcpy(&v, rec[k / hd] + 2 * (int64_t)(k % hd), sizeof v);
+    return v;
+}
+#ifndef ES_PAIRS_PFD
+#define ES_PAIRS_PFD 2 /* rows ahead whose records es_pack_pairs_records_tiles prefetches */
+#endif
+static inline void es_pack_pairs_records_tiles(const char *const *dp, int H, int hd, int64_t B, uint32_t *Xq,
+                                               int64_t t0, int64_t t1) {
+    const int E = H * hd, kp = (E + 1) / 2, hw = hd / 2;
+    for (int64_t b0 = t0 * ES_DP_MR; b0 < B && b0 < t1 * ES_DP_MR; b0 += ES_DP_MR) {
+        const int mr = B - b0 < ES_DP_MR ? (int)(B - b0) : ES_DP_MR;
+        uint32_t *q = Xq + b0 * kp;
+        for (int r = 0; r < mr; r++) {
+            const char *const *rec = dp + (b0 + r) * H;
+            if (b0 + r + ES_PAIRS_PFD < B) /* random rows: their lines requested ahead, many in flight */
+                for (int h = 0; h < H; h++)
+                    for (int64_t o = 0; o < 2 * (int64_t)hd; o += 64) __builtin_prefetch(rec[ES_PAIRS_PFD * H + h] + o, 0, 1);
+            if (!(hd & 1)) {
+                for (int h = 0; h < H; h++) {
+                    const char *p = rec[h];
+                    uint32_t *qh = q + (int64_t)h * hw * mr + r;
+                    for (int i = 0; i < hw; i++) memcpy(qh + (int64_t)i * mr, p + 4 * (int64_t)i, sizeof(uint32_t));
+                }
+            } else {
+                for (int j = 0; j < kp; j++) {
+                    const uint32_t hi = 2 * j + 1 < E ? es_record_bf16(rec, hd, 2 * j + 1) : 0;
+                    q[(int64_t)j * mr + r] = es_record_bf16(rec, hd, 2 * j) | hi << 16;
+                }
+            }
+        }
+    }
+}
 #endif
 #include "engram_bfdot.h" /* neon_bf16: the same pairs on BFDOT */
 #if ES_X86_PATHS
@@ -436,6 +476,27 @@ static void es_pack_pairs_job_run(void *arg, int64_t t0, int64_t t1) {
 }
 #endif
 
+/* The GEMM of j (its rows packed as its mode reads them) over the threads in pieces of panels:
+ * of whole ES_TP-panel tiles (a tile of fewer panels is slower); one row's, of whole GEMV runs;
+ * the pairs GEMM's, of whole ES_DP_TP-panel tiles, ~32 a thread: a split ends when its last
+ * piece does, and with ~8 pieces a thread (0.7 ms each at LongCat's 128-row chunk on Zen 4) the
+ * other thread idled half a piece a chunk on average. */
+static inline void es_gemm_split(es_gemm_job *j, int nthreads, es_team *team) {
+    const int64_t np = (j->M + ES_PANEL - 1) / ES_PANEL;
+    int64_t grain;
+    if (j->B == 1) {
+        grain = (np + 8 * (int64_t)nthreads - 1) / (8 * (int64_t)nthreads);
+        grain = (grain + ES_GEMV_RUN - 1) / ES_GEMV_RUN * ES_GEMV_RUN;
+    } else if (j->wbf16 == ES_GEMM_DP) {
+        grain = (np + 32 * (int64_t)nthreads - 1) / (32 * (int64_t)nthreads);
+        grain = (grain + 1) & ~(int64_t)1;
+    } else {
+        grain = (np + 8 * (int64_t)nthreads - 1) / (8 * (int64_t)nthreads);
+        grain = (grain + 3) & ~(int64_t)3;
+    }
+    es_split(team, nthreads, np, grain, es_gemm_job_run, j);
+}
+
 static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                                      const float *biasp, int M, float *Y, float *xpack, int nthreads,
                                      es_team *team) {
@@ -449,11 +510,46 @@ static inline void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int
     } else
 #endif
         j.Xp = es_maybe_pack(X, ldx, B, E, xpack, mode);
-    /* pieces of whole ES_TP-panel tiles (a tile of fewer panels is slower); one row's, of whole GEMV runs */
-    const int64_t np = (M + ES_PANEL - 1) / ES_PANEL;
-    int64_t grain = (np + 8 * (int64_t)nthreads - 1) / (8 * (int64_t)nthreads);
-    grain = B == 1 ? (grain + ES_GEMV_RUN - 1) / ES_GEMV_RUN * ES_GEMV_RUN : (grain + 3) & ~(int64_t)3;
-    es_split(team, nthreads, np, grain, es_gemm_job_run, &j);
+    es_gemm_split(&j, nthreads, team);
+}
+
+#if ES_X86_PATHS || ES_NEON_PATHS
+typedef struct {
+    const char *const *dp;
+    uint32_t *Xq;
+    int64_t B;
+    int H, hd;
+} es_pairs_records_job;
+
+static void es_pairs_records_job_run(void *arg, int64_t t0, int64_t t1) {
+    const es_pairs_records_job *j = (const es_pairs_records_job *)arg;
+    es_pack_pairs_records_tiles(j->dp, j->H, j->hd, j->B, j->Xq, t0, t1);
+}
+#endif
+
+/* es_gemm_packed_mt on the rows of bf16 row records (dp as es_pack_pairs_records_tiles reads
+ * them, E = H*hd) where it runs the pairs GEMM (mode ES_GEMM_DP: wbf16 ES_GEMM_BF16_ROWS on the
+ * bf16 or neon_bf16 path): the pairs packed from the records on the threads, then the GEMM; the
+ * same bits as gathering the rows to float32 and calling es_gemm_packed_mt. Returns 0, having
+ * done nothing, where another mode runs: the caller gathers the rows and calls that. */
+static inline int es_gemm_records_mt(const char *const *dp, int H, int hd, int64_t B, const void *Wp, int wbf16,
+                                     const float *biasp, int M, float *Y, float *xpack, int nthreads,
+                                     es_team *team) {
+#if ES_X86_PATHS || ES_NEON_PATHS
+    if (es_gemm_mode(wbf16, B, xpack) != ES_GEMM_DP) return 0;
+    const int E = H * hd;
+    es_pairs_records_job pj = {dp, (uint32_t *)xpack, B, H, hd};
+    const int64_t nt = (B + ES_DP_MR - 1) / ES_DP_MR;
+    es_split(team, nthreads > 1 && B > ES_DP_MR ? nthreads : 1, nt, 1, es_pairs_records_job_run, &pj);
+    es_gemm_job j = {0, Wp, biasp, xpack, Y, 0, B, E, M, ES_GEMM_DP};
+    if (nthreads <= 1) es_gemm_job_run(&j, 0, (M + ES_PANEL - 1) / ES_PANEL);
+    else es_gemm_split(&j, nthreads, team);
+    return 1;
+#else
+    (void)dp, (void)H, (void)hd, (void)B, (void)Wp, (void)wbf16, (void)biasp, (void)M, (void)Y, (void)xpack;
+    (void)nthreads, (void)team;
+    return 0;
+#endif
 }
 
 /* ---- the per-token tail ----------------------------------------------------------

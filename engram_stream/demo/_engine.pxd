@@ -23,6 +23,9 @@ cdef extern from "engram_step.h" nogil:
     void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                            const float *biasp, int M, float *Y, float *xpack, int nthreads,
                            es_team *team) noexcept
+    int es_gemm_records_mt(const char **dp, int H, int hd, int64_t B, const void *Wp, int wbf16,
+                           const float *biasp, int M, float *Y, float *xpack, int nthreads,
+                           es_team *team) noexcept
     void es_tails_mt(const es_tail_params *P, int64_t n, const float *Y, int64_t ldy, const void *hid, int hbf,
                      void *out, int obf, float *X, float *gates, const float **taps, float **xdst,
                      int chained, int nthreads, es_team *team) noexcept

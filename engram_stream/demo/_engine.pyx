@@ -71,6 +71,40 @@ def _gemm(const float[:, ::1] X, wp, const float[::1] bias, int M, int wbf16):
 
 
 
+def _gemm_records(const uint16_t[:, ::1] table, const int64_t[:, ::1] rows, wp, const float[::1] bias, int M,
+                  int threads):
+    """Y through es_gemm_records_mt: row b = the table rows rows[b, :] side by side (bf16 bits
+    [R, hd], so E = H*hd), bf16 panels wp, on `threads` threads, the pairs packed straight from
+    the table rows; None where the running path's GEMM is not the pairs one (the engine then
+    gathers to float32). The tests hold it to _gemm on the widened rows."""
+    cdef int64_t B = rows.shape[0], i, j
+    cdef int H = rows.shape[1], hd = table.shape[1]
+    cdef int E = H * hd
+    cdef int64_t P = (M + 15) // 16
+    wb = view(np.ascontiguousarray(wp).view(np.uint8), np.uint8, (P, E, 2 * 16), "wp")
+    cdef const uint8_t[:, :, ::1] w = wb
+    if bias.shape[0] != P * 16 or B < 1 or E < 1:
+        raise ValueError(f"_gemm_records: bias of {P * 16} floats and at least one row of records expected")
+    for i in range(B):
+        for j in range(H):
+            if not 0 <= rows[i, j] < table.shape[0]:
+                raise ValueError(f"_gemm_records: rows[{i}, {j}] = {rows[i, j]} is not a row of the {table.shape[0]}")
+    dpa = np.empty(B * H, np.uintp)
+    cdef size_t[::1] dpv = dpa
+    for i in range(B):
+        for j in range(H):
+            dpv[i * H + j] = <size_t> &table[rows[i, j], 0]
+    y = np.empty((B, M), np.float32)
+    xpack = np.empty(B * E, np.float32)
+    cdef float[:, ::1] yv = y
+    cdef float[::1] pv = xpack
+    cdef int done
+    with nogil:
+        done = es_gemm_records_mt(<const char **> &dpv[0], H, hd, B, &w[0, 0, 0], ES_GEMM_BF16_ROWS, &bias[0], M,
+                                  &yv[0, 0], &pv[0], threads, NULL)
+    return y if done else None
+
+
 def _bfdot(acc, a, b):
     """acc[i] + a[i, 0]*b[i, 0] + a[i, 1]*b[i, 1] as this CPU's BFDOT computes it (ARMv8.6 FEAT_BF16:
     each addition rounded to odd, denormals flushed; engram_bfdot.h): acc float32 [n], a and b
@@ -200,11 +234,12 @@ cdef class StreamEngine(EngineBase):
         cdef int64_t L = self.conv_len, j, c, c0, d, s, p, plen
         cdef int k1 = self.K - 1, kk
         cdef bint chained = False
+        cdef int gthreads, mthreads
         g.dp, g.sp, g.e, g.lde = self.dp, self.sp, self.ebuf, self.ldx
         g.kind, g.hd, g.H, g.lut, g.ggtype = self.table_kind, self.hd, self.H, &self.lut[0], self.ggtype
         if nb >= 8:  # the tails split at least: the call's workers start here unless they run already
             self._team_open(threads)
-        es_split(<es_team *> self.team, threads if (nb >= 32 or self.team != NULL) else 1, nb, 0, es_records_job_run, &g)
+        gthreads = threads if (nb >= 32 or self.team != NULL) else 1
         c = 0  # the taps, piece by piece (they read the ring as it is before this chunk)
         while c < nb:
             s, c0 = self.batch.stream[t0 + c], c
@@ -222,8 +257,14 @@ cdef class StreamEngine(EngineBase):
                     self.xdst[c0 + j] = &self.conv_state[s, p, 0]
         if not chained and nb >= 2:  # decode steps of several streams: the GEMM and the tails split
             self._team_open(threads)
-        es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0], self.M,
-                          self.ybuf, self.pbuf, threads if (not chained or nb >= 32) else 1, <es_team *> self.team)
+        mthreads = threads if (not chained or nb >= 32) else 1
+        # a bf16 table's records go to the pairs GEMM as they are (es_gemm_records_mt; else gathered to float32)
+        if self.table_kind != 3 or not es_gemm_records_mt(self.dp, self.H, self.hd, nb, &self.wp[0, 0, 0], self.wbf16,
+                                                          &self.bp[0], self.M, self.ybuf, self.pbuf, mthreads,
+                                                          <es_team *> self.team):
+            es_split(<es_team *> self.team, gthreads, nb, 0, es_records_job_run, &g)
+            es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0], self.M,
+                              self.ybuf, self.pbuf, mthreads, <es_team *> self.team)
         es_tails_mt(&self.tp, nb, self.ybuf, self.M, hid, self.hbf, out, self.obf, self.xbuf, self.gbuf, self.taps,
                     NULL if (chained or not L) else self.xdst, chained,
                     threads if (nb >= 8 or (not chained and nb >= 2)) else 1, <es_team *> self.team)

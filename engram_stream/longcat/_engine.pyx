@@ -37,6 +37,9 @@ cdef extern from "engram_step.h" nogil:
     void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                            const float *biasp, int M, float *Y, float *xpack, int nthreads,
                            es_team *team) noexcept
+    int es_gemm_records_mt(const char **dp, int H, int hd, int64_t B, const void *Wp, int wbf16,
+                           const float *biasp, int M, float *Y, float *xpack, int nthreads,
+                           es_team *team) noexcept
     int ES_GEMM_BF16_ROWS
     ctypedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1) noexcept nogil
     void es_split(es_team *team, int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) noexcept
@@ -233,9 +236,12 @@ cdef class LongcatEngine(EngineBase):
         if threads > 1:
             self._team_open(threads)
         cdef es_team *team = <es_team *> self.team
-        es_split(team, threads, nb, 0, es_records_job_run, &w.g)
-        es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0], self.D,
-                          self.ybuf, self.pbuf, threads, team)
+        # a bf16 table's records go to the pairs GEMM as they are (es_gemm_records_mt; else gathered to float32)
+        if self.table_kind != 3 or not es_gemm_records_mt(self.dp, self.H, self.hd, nb, &self.wp[0, 0, 0], self.wbf16,
+                                                          &self.bp[0], self.D, self.ybuf, self.pbuf, threads, team):
+            es_split(team, threads, nb, 0, es_records_job_run, &w.g)
+            es_gemm_packed_mt(self.ebuf, self.ldx, nb, self.E, &self.wp[0, 0, 0], self.wbf16, &self.bp[0], self.D,
+                              self.ybuf, self.pbuf, threads, team)
         es_split(team, threads, nb, 0, _tail_part, &w)
 
 

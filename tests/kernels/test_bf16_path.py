@@ -291,6 +291,43 @@ def test_gemm_on_vdpbf16ps_reads_subnormal_rows_as_zero(on_bf16):
     assert np.array_equal(demo._gemm(x, wp, bias, 48, 2), demo._gemm(flushed, wp, bias, 48, 2))
 
 
+# (B, H, hd, M): one row (the GEMV), a part tile, tiles and a part, a prefill chunk; hd odd (pairs
+# across two records) and even (a record's words copied), E = H*hd odd too
+RECORD_SHAPES = [(1, 4, 16, 300), (5, 3, 5, 40), (37, 2, 12, 77), (128, 6, 16, 130), (9, 3, 7, 48)]
+
+
+@needs_bf16
+@pytest.mark.parametrize("B,H,hd,M", RECORD_SHAPES)
+def test_gemm_from_bf16_records_is_the_gemm_of_the_widened_rows(on_bf16, B, H, hd, M):
+    """The engines' bf16 tables: es_gemm_records_mt packs the pairs straight from the table rows;
+    its bits are the pairs GEMM's on the rows gathered to float32, on any thread count."""
+    from engram_stream.demo import _engine as demo
+    rng = np.random.default_rng(B * 100 + hd)
+    table = rng.standard_normal((40, hd)).astype(BF16)
+    rows = rng.integers(0, 40, (B, H))
+    table[rows[0, 0], 0] = 2.0 ** -130  # a subnormal: read as 0 either way (DAZ)
+    x = table.astype(np.float32)[rows].reshape(B, H * hd)
+    _, w, bias = _gemm_operands(rng, 1, H * hd, M)
+    want = demo._gemm(x, _panels(w), bias, M, 2)
+    assert np.array_equal(want.view(np.uint32), _dp_order(_flush(x), w, bias).view(np.uint32))
+    for th in (1, 2, 3):
+        got = demo._gemm_records(table.view(np.uint16), rows, _panels(w), bias, M, th)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), th
+
+
+@pytest.mark.parametrize("isa", [n for n in _isa.supported_isas() if n != "bf16"])
+def test_gemm_from_bf16_records_elsewhere_leaves_it_to_the_gather(isa):
+    """Off the bf16 path (and neon_bf16's one row) es_gemm_records_mt does nothing and says so: the
+    engine gathers the rows to float32 for the GEMM that path runs."""
+    from engram_stream.demo import _engine as demo
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((10, 8)).astype(BF16)
+    _, w, bias = _gemm_operands(rng, 1, 16, 20)
+    with on_path(isa):
+        got = demo._gemm_records(table.view(np.uint16), np.zeros((1, 2), np.int64), _panels(w), bias, 20, 2)
+    assert got is None
+
+
 @pytest.mark.parametrize("isa", [n for n in _isa.supported_isas()])
 def test_gemm_bf16_rows_elsewhere_is_the_widening_gemm(isa):
     """ES_GEMM_BF16_ROWS changes the kernel only on the bf16 path (one row too) and neon_bf16 (two rows
