@@ -267,7 +267,7 @@ def main():
             res["step"] = section_step(models, 5 if a.quick else 15, paths, hidden_dtype)
             print("step", json.dumps(res["step"]), flush=True)
         if "prefill" in sections:
-            res["prefill"] = section_prefill(models, 256 if a.quick else 512, 1 if a.quick else 3, paths, hidden_dtype)
+            res["prefill"] = section_prefill(models, 256 if a.quick else 512, 1 if a.quick else 9, paths, hidden_dtype)
             print("prefill", json.dumps(res["prefill"]), flush=True)
         res["loadavg_end"] = os.getloadavg()
     finish(res, table(res, paths), a.json, f", path(s) {','.join(paths)}, {a.hidden} hidden")
