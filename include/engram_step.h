@@ -542,8 +542,7 @@ static inline int es_gemm_records_mt(const char *const *dp, int H, int hd, int64
     const int64_t nt = (B + ES_DP_MR - 1) / ES_DP_MR;
     es_split(team, nthreads > 1 && B > ES_DP_MR ? nthreads : 1, nt, 1, es_pairs_records_job_run, &pj);
     es_gemm_job j = {0, Wp, biasp, xpack, Y, 0, B, E, M, ES_GEMM_DP};
-    if (nthreads <= 1) es_gemm_job_run(&j, 0, (M + ES_PANEL - 1) / ES_PANEL);
-    else es_gemm_split(&j, nthreads, team);
+    es_gemm_split(&j, nthreads, team);
     return 1;
 #else
     (void)dp, (void)H, (void)hd, (void)B, (void)Wp, (void)wbf16, (void)biasp, (void)M, (void)Y, (void)xpack;
