@@ -4,7 +4,7 @@
 cimport numpy as cnp
 from libc.stdint cimport int64_t, int8_t, uint8_t, uint16_t
 
-from engram_stream.engine._base cimport EngineBase
+from engram_stream.engine._base cimport EngineBase, es_team
 
 cdef extern from "engram_step.h" nogil:
     ctypedef struct es_tail_params:
@@ -16,21 +16,10 @@ cdef extern from "engram_step.h" nogil:
         const float *n2
         const float *n3
         const float *cw
-    ctypedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1) noexcept nogil
-    ctypedef struct es_team:
-        pass
-    void es_split(es_team *team, int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) noexcept
-    void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
-                           const float *biasp, int M, float *Y, float *xpack, int nthreads,
-                           es_team *team) noexcept
-    int es_gemm_records_mt(const char **dp, int H, int hd, int64_t B, const void *Wp, int wbf16,
-                           const float *biasp, int M, float *Y, float *xpack, int nthreads,
-                           es_team *team) noexcept
     void es_tails_mt(const es_tail_params *P, int64_t n, const float *Y, int64_t ldy, const void *hid, int hbf,
                      void *out, int obf, float *X, float *gates, const float **taps, float **xdst,
                      int chained, int nthreads, es_team *team) noexcept
     int ES_MAX_THREADS
-    int ES_GEMM_BF16_ROWS
     void es_gemm_packed(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
                         const float *biasp, int M, float *Y, float *xpack) noexcept
     int64_t es_fma_chains(int64_t n, float *sink) noexcept

@@ -20,7 +20,8 @@ from libc.string cimport memcpy, memset
 
 from engram_stream._consts cimport ES_MAX_KERNEL_SIZE, ES_PREFILL_CHUNK
 from engram_stream._hash cimport es_isa_now, es_runtime_bind, es_runtime_of_process
-from engram_stream.engine._base cimport es_records_job, es_records_job_run
+from engram_stream.engine._base cimport (ES_GEMM_BF16_ROWS, es_gemm_packed_mt, es_gemm_records_mt, es_records_job,
+                                         es_records_job_run, es_split, es_team)
 from engram_stream.engine.args import view
 from engram_stream.rows.gguf import gather_type
 

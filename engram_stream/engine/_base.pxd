@@ -24,6 +24,21 @@ cdef extern from "engram_gguf.h" nogil:
         int kind, hd, H, ggtype
     void es_records_job_run(void *arg, int64_t i0, int64_t i1)
 
+cdef extern from "engram_step.h" nogil:
+    # the call's kept workers (engram_team.h), and the split and the projection GEMMs every
+    # variant's engine runs on them
+    ctypedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1) noexcept nogil
+    ctypedef struct es_team:
+        pass
+    void es_split(es_team *team, int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) noexcept
+    void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
+                           const float *biasp, int M, float *Y, float *xpack, int nthreads,
+                           es_team *team) noexcept
+    int es_gemm_records_mt(const char **dp, int H, int hd, int64_t B, const void *Wp, int wbf16,
+                           const float *biasp, int M, float *Y, float *xpack, int nthreads,
+                           es_team *team) noexcept
+    int ES_GEMM_BF16_ROWS
+
 
 cdef class EngineBase:
     cdef readonly object model

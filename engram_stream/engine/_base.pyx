@@ -56,8 +56,6 @@ es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one ru
 
 cdef extern from "engram_step.h" nogil:
     int ES_MAX_THREADS
-    ctypedef struct es_team:
-        pass
     int64_t ES_TEAM_SPIN_NS
     es_team *es_team_keep(int nthreads, int64_t spin_ns) noexcept
     void es_floats_to_bf16(const float *x, int64_t n, uint16_t *o) noexcept

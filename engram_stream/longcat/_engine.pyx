@@ -22,7 +22,8 @@ from libc.string cimport memcpy
 
 from engram_stream._consts cimport ES_MAX_NGRAM, ES_PREFILL_CHUNK
 from engram_stream._hash cimport es_runtime_bind, es_runtime_of_process
-from engram_stream.engine._base cimport EngineBase, es_records_job, es_records_job_run
+from engram_stream.engine._base cimport (ES_GEMM_BF16_ROWS, EngineBase, es_gemm_packed_mt, es_gemm_records_mt,
+                                         es_records_job, es_records_job_run, es_split, es_team)
 from engram_stream.engine._window cimport HashWindow
 from engram_stream.engine.args import view
 from engram_stream.rows.gguf import gather_type
@@ -32,17 +33,6 @@ es_runtime_bind(es_runtime_of_process())  # this module's kernels run the one ru
 
 cdef extern from "engram_step.h" nogil:
     void es_floats_to_bf16(const float *x, int64_t n, uint16_t *o) noexcept
-    ctypedef struct es_team:
-        pass
-    void es_gemm_packed_mt(const float *X, int64_t ldx, int64_t B, int E, const void *Wp, int wbf16,
-                           const float *biasp, int M, float *Y, float *xpack, int nthreads,
-                           es_team *team) noexcept
-    int es_gemm_records_mt(const char **dp, int H, int hd, int64_t B, const void *Wp, int wbf16,
-                           const float *biasp, int M, float *Y, float *xpack, int nthreads,
-                           es_team *team) noexcept
-    int ES_GEMM_BF16_ROWS
-    ctypedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1) noexcept nogil
-    void es_split(es_team *team, int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) noexcept
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 BEFORE_START = -1   # what a window slot before the start holds (ids are >= 0)

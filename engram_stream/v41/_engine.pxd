@@ -3,12 +3,8 @@
 # demo's) and include/engram_hash.h (the hash).
 from libc.stdint cimport int64_t, uint8_t, uint16_t, uint64_t
 
-from engram_stream.engine._base cimport EngineBase
+from engram_stream.engine._base cimport EngineBase, es_range_fn, es_split, es_team
 from engram_stream.engine._window cimport HashWindow
-
-cdef extern from "engram_step.h" nogil:
-    ctypedef struct es_team:
-        pass
 
 cdef extern from "engram_fp8.h" nogil:
     int ES8_BLOCK
@@ -33,8 +29,6 @@ cdef extern from "engram_fp8.h" nogil:
     int es8_dpbf16(float *acc, const uint16_t *a, const uint16_t *b, int64_t n, int emulate) noexcept
 
 cdef extern from "engram_step.h" nogil:
-    ctypedef void (*es_range_fn)(void *ctx, int64_t i0, int64_t i1) noexcept nogil
-    void es_split(es_team *team, int nthreads, int64_t n, int64_t grain, es_range_fn fn, void *ctx) noexcept
     void es_prefetch_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n) noexcept
     int64_t es_advise_rows(const char *table, int64_t rowbytes, const int64_t *rows, int64_t n,
                            int advice) noexcept
